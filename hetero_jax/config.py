@@ -1,0 +1,201 @@
+"""Model configuration built from a Hugging Face ``config.json``.
+
+``ModelConfig`` is a frozen, hashable dataclass so it can be passed to jitted
+functions as a static argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+from hetero_jax.errors import ConfigError
+
+# HF ``architectures`` entry -> our architecture family.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (``rope_type == "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # one of "llama", "qwen2", "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias)
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hf_architecture: str = "LlamaForCausalLM"
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (the GQA ratio)."""
+        return self.num_heads // self.num_kv_heads
+
+    # ------------------------------------------------------------------ HF I/O
+    @classmethod
+    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ConfigError(
+                "config.json has no 'architectures' entry; expected one of "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        hf_arch = archs[0]
+        if hf_arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {hf_arch!r}; supported architectures: "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        family = SUPPORTED_ARCHITECTURES[hf_arch]
+        try:
+            hidden = int(cfg["hidden_size"])
+            num_heads = int(cfg["num_attention_heads"])
+            num_kv = int(cfg.get("num_key_value_heads") or num_heads)
+            head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+            n_layers = int(cfg["num_hidden_layers"])
+            vocab = int(cfg["vocab_size"])
+            inter = int(cfg["intermediate_size"])
+        except KeyError as e:
+            raise ConfigError(f"config.json is missing required key {e.args[0]!r}") from None
+        if num_heads % num_kv:
+            raise ConfigError(
+                f"num_attention_heads={num_heads} is not a multiple of "
+                f"num_key_value_heads={num_kv}"
+            )
+
+        # Published checkpoints: rope_theta at top level + rope_scaling dict.
+        # Recent transformers: rope_parameters holding both.
+        rope_params = cfg.get("rope_parameters") or {}
+        if isinstance(rope_params, Mapping) and "rope_type" not in rope_params and len(rope_params) == 1:
+            # per-layer-type form {"full_attention": {...}}; take the only entry
+            rope_params = next(iter(rope_params.values()))
+        rope_theta = float(
+            cfg.get("rope_theta")
+            or (rope_params or {}).get("rope_theta")
+            or 10000.0
+        )
+        scaling_dict = cfg.get("rope_scaling") or None
+        if scaling_dict is None and rope_params:
+            scaling_dict = rope_params
+        rope_scaling = None
+        if scaling_dict:
+            rtype = scaling_dict.get("rope_type", scaling_dict.get("type", "default"))
+            if rtype == "llama3":
+                rope_scaling = RopeScaling(
+                    factor=float(scaling_dict["factor"]),
+                    low_freq_factor=float(scaling_dict["low_freq_factor"]),
+                    high_freq_factor=float(scaling_dict["high_freq_factor"]),
+                    original_max_position_embeddings=int(
+                        scaling_dict["original_max_position_embeddings"]
+                    ),
+                )
+            elif rtype not in ("default", None):
+                raise ConfigError(
+                    f"unsupported rope scaling type {rtype!r}; supported: 'default', 'llama3'"
+                )
+
+        eos = cfg.get("eos_token_id")
+        if eos is None:
+            eos_ids: tuple[int, ...] = ()
+        elif isinstance(eos, (list, tuple)):
+            eos_ids = tuple(int(e) for e in eos)
+        else:
+            eos_ids = (int(eos),)
+
+        if family == "llama":
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+            mlp_bias = bool(cfg.get("mlp_bias", False))
+        elif family == "qwen2":
+            qkv_bias, o_bias, mlp_bias = True, False, False
+        else:  # qwen3
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+            mlp_bias = False
+
+        return cls(
+            architecture=family,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=n_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            qk_norm=family == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hf_architecture=hf_arch,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(data)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """An HF-style config.json dict that round-trips through ``from_hf_dict``."""
+        d: dict[str, Any] = {
+            "architectures": [self.hf_architecture],
+            "model_type": {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        if self.architecture == "llama":
+            d["attention_bias"] = self.qkv_bias
+            d["mlp_bias"] = self.mlp_bias
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        return d
