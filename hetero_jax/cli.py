@@ -1,0 +1,108 @@
+"""``hetero-jax`` command line: ``hetero-jax generate ...``, ``hetero-jax models``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate a continuation (chat answer by default) for one prompt",
+        description="Generate text with a converted model or a known model name. Prints the answer, "
+        "then one line of stats.",
+    )
+    p.add_argument("--model", default="smollm2-135m", help="known model name or converted checkpoint dir (default: smollm2-135m)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the checkpoint's chat template")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: checkpoint's)")
+    p.add_argument("--no-stream", action="store_true", help="print the answer at the end instead of streaming it")
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    try:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise SystemExit(f"error: prompt file not found: {args.prompt_file}") from None
+
+
+def _cmd_generate(args) -> int:
+    import hetero_jax
+
+    prompt = _read_prompt(args)
+    model = hetero_jax.load(args.model, dtype=args.dtype)
+    stream = not args.no_stream
+    res = hetero_jax.generate(
+        model,
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        chat=not args.no_chat,
+        on_token=(lambda s: print(s, end="", flush=True)) if stream else None,
+    )
+    if stream:
+        print()
+    else:
+        print(res.text)
+    print(f"[stats] {res.stats.summary()}", )
+    return 0
+
+
+def _cmd_models(args) -> int:
+    from hetero_jax.hub import KNOWN_MODELS, cache_dir
+
+    for name, km in KNOWN_MODELS.items():
+        print(f"{name:16s} {km.description}")
+    print(f"(converted copies live in {cache_dir()}; set HETERO_JAX_CACHE to move them)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetero-jax",
+        description="Long-context LLM inference in JAX with heterogeneous KV-cache compression.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_generate(sub)
+    sub.add_parser("models", help="list the known model names")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hetero_jax.errors import HeteroJaxError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "generate":
+            return _cmd_generate(args)
+        if args.command == "models":
+            return _cmd_models(args)
+    except (HeteroJaxError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
