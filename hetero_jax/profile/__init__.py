@@ -1,0 +1,66 @@
+"""Offline head profiling for HeteroCache (issue 4).
+
+Model-independent half: set metrics (``metrics``), star clustering, roles and
+budgets (``clustering``), the ``HeadProfile`` file format and import of the
+authors' published profiles (``format``), and the summary figure (``plot``,
+imported lazily because it pulls in matplotlib). Calibration on a model feeds
+these functions top-k index sets / masks.
+"""
+
+from hetero_jax.profile.clustering import (
+    COMPRESSED_ROLES,
+    FULL_ROLES,
+    ROLE_NAMES,
+    BudgetTooSmallError,
+    Cluster,
+    Role,
+    RoleAssignment,
+    allocation_weights,
+    assign_roles,
+    base_budget,
+    budget_grid,
+    head_budgets,
+    min_rho,
+    star_clustering,
+)
+from hetero_jax.profile.format import (
+    FORMAT_NAME,
+    SCHEMA_VERSION,
+    HeadProfile,
+    ProfileError,
+    ProfileSettings,
+    build_profile,
+    load_profile,
+)
+from hetero_jax.profile.metrics import (
+    indices_to_mask,
+    max_similarity,
+    overlap,
+    overlap_masks,
+    similarity_edges,
+    similarity_matrix,
+    similarity_score,
+    stability,
+    stability_masks,
+    topk_mask,
+    topk_set,
+)
+
+
+def plot_profile(profile, path):
+    """See :func:`hetero_jax.profile.plot.plot_profile` (matplotlib imported on call)."""
+    from hetero_jax.profile.plot import plot_profile as _plot
+
+    return _plot(profile, path)
+
+
+__all__ = [
+    "COMPRESSED_ROLES", "FULL_ROLES", "ROLE_NAMES", "BudgetTooSmallError", "Cluster", "Role",
+    "RoleAssignment", "allocation_weights", "assign_roles", "base_budget", "budget_grid",
+    "head_budgets", "min_rho", "star_clustering",
+    "FORMAT_NAME", "SCHEMA_VERSION", "HeadProfile", "ProfileError", "ProfileSettings",
+    "build_profile", "load_profile",
+    "indices_to_mask", "max_similarity", "overlap", "overlap_masks", "similarity_edges",
+    "similarity_matrix", "similarity_score", "stability", "stability_masks", "topk_mask", "topk_set",
+    "plot_profile",
+]

@@ -1,0 +1,226 @@
+"""Head taxonomy and budgets (HeteroCache, paper Sec. 4.1-4.2, App. C.2).
+
+Roles (codes equal the authors' published ``type_map``, so grids compare
+directly): anchor 1, volatile 2, pivot 3, satellite 4. Full heads (keep all
+prompt KV on the device) = volatile + pivot; compressed heads = anchor +
+satellite.
+
+Notation: ``L`` layers, ``H`` KV heads per layer.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from hetero_jax.errors import HeteroJaxError
+
+__all__ = [
+    "Role",
+    "ROLE_NAMES",
+    "FULL_ROLES",
+    "COMPRESSED_ROLES",
+    "Cluster",
+    "RoleAssignment",
+    "BudgetTooSmallError",
+    "star_clustering",
+    "assign_roles",
+    "allocation_weights",
+    "base_budget",
+    "min_rho",
+    "head_budgets",
+    "budget_grid",
+]
+
+
+class Role(enum.IntEnum):
+    ANCHOR = 1  # unique, stable: statically compressed
+    VOLATILE = 2  # unique, shifting: full KV on device
+    PIVOT = 3  # cluster centre: full KV, monitors drift for its satellites
+    SATELLITE = 4  # cluster member: compressed, refreshed from host on drift
+
+
+ROLE_NAMES = {r: r.name.lower() for r in Role}
+FULL_ROLES = (Role.VOLATILE, Role.PIVOT)
+COMPRESSED_ROLES = (Role.ANCHOR, Role.SATELLITE)
+
+# Eq. 8 weight regulariser: w = 1 / (S + eps), as in the release (the paper
+# writes 1/S, which is infinite for a head whose stability is 0).
+WEIGHT_EPS = 1e-6
+
+
+class Cluster(NamedTuple):
+    pivot: int
+    satellites: tuple[int, ...]
+
+
+class RoleAssignment(NamedTuple):
+    roles: np.ndarray  # int8 [L, H], Role codes
+    clusters: tuple[tuple[Cluster, ...], ...]  # per layer, in selection order
+
+
+class BudgetTooSmallError(HeteroJaxError, ValueError):
+    """rho leaves no device budget for the compressed heads (Eq. 7 gives L_base <= 0)."""
+
+    def __init__(self, message: str, min_rho: float):
+        super().__init__(message)
+        self.min_rho = min_rho
+
+
+# ----------------------------------------------------------- star clustering
+def star_clustering(adj: np.ndarray) -> list[Cluster]:
+    """Greedy star clustering of one layer's similarity graph (App. C.2).
+
+    ``adj`` bool [H, H], symmetric, no self loops. Repeatedly: among
+    unassigned heads take the one with the most unassigned neighbours (ties:
+    lowest index); stop when that degree is 0; it becomes a pivot and its
+    unassigned neighbours its satellites (ascending). Returns the clusters in
+    selection order. Heads in no cluster are left for :func:`assign_roles`.
+    """
+    adj = np.asarray(adj)
+    if adj.ndim != 2 or adj.shape[0] != adj.shape[1]:
+        raise ValueError(f"adjacency must be square [H, H], got shape {adj.shape}")
+    adj = adj.astype(bool)
+    if np.any(np.diag(adj)):
+        raise ValueError("adjacency has self loops; build it with similarity_edges()")
+    if not np.array_equal(adj, adj.T):
+        raise ValueError("adjacency is not symmetric")
+    free = np.ones(adj.shape[0], dtype=bool)
+    clusters: list[Cluster] = []
+    while free.any():
+        # Effective degree: neighbours that are still unassigned. Assigned
+        # heads get -1 so they are never picked; argmax returns the first
+        # (lowest-index) maximum, which is the tie rule.
+        deg = np.where(free, (adj & free[None, :]).sum(axis=1), -1)
+        p = int(np.argmax(deg))
+        if deg[p] <= 0:
+            break
+        sats = np.flatnonzero(adj[p] & free)
+        free[p] = False
+        free[sats] = False
+        clusters.append(Cluster(p, tuple(int(s) for s in sats)))
+    return clusters
+
+
+def assign_roles(stability: np.ndarray, adjs, tau_stable: float) -> RoleAssignment:
+    """Roles for every head of the model (Sec. 4.1 as pinned by METHODS.md).
+
+    ``stability`` float [L, H] (Eq. 2); ``adjs`` bool [L, H, H] (or a sequence
+    of L [H, H] graphs) from :func:`similarity_edges`. Clustered heads become
+    pivot/satellite; each unclustered head is anchor if S >= tau_stable, else
+    volatile (a NaN stability fails the test and gives volatile: keeping full
+    KV is the safe side).
+    """
+    stab = np.asarray(stability, dtype=np.float64)
+    if stab.ndim != 2:
+        raise ValueError(f"stability must be [L, H], got shape {stab.shape}")
+    n_layers, n_heads = stab.shape
+    if len(adjs) != n_layers:
+        raise ValueError(f"got {len(adjs)} adjacency matrices for {n_layers} layers")
+    roles = np.where(stab >= tau_stable, Role.ANCHOR, Role.VOLATILE).astype(np.int8)
+    all_clusters = []
+    for layer, adj in enumerate(adjs):
+        if np.shape(adj) != (n_heads, n_heads):
+            raise ValueError(f"layer {layer}: adjacency shape {np.shape(adj)} != ({n_heads}, {n_heads})")
+        clusters = tuple(star_clustering(adj))
+        for c in clusters:
+            roles[layer, c.pivot] = Role.PIVOT
+            roles[layer, list(c.satellites)] = Role.SATELLITE
+        all_clusters.append(clusters)
+    return RoleAssignment(roles, tuple(all_clusters))
+
+
+def allocation_weights(stability: np.ndarray, roles: np.ndarray) -> np.ndarray:
+    """Inverse-stability weights (Sec. 4.2): float64 [L, H].
+
+    w_i = 1 / (S_i + 1e-6) over the compressed heads (anchor + satellite) of
+    the whole model, scaled so they average exactly 1 over those heads (then
+    Eq. 8 reduces to l_i = L_base * w_i). Full heads (volatile, pivot) get
+    NaN: they have no budget share, and NaN makes any accidental use loud.
+    """
+    stab = np.asarray(stability, dtype=np.float64)
+    roles = np.asarray(roles)
+    if stab.shape != roles.shape:
+        raise ValueError(f"stability {stab.shape} and roles {roles.shape} differ in shape")
+    comp = np.isin(roles, COMPRESSED_ROLES)
+    w = np.full(stab.shape, np.nan)
+    if comp.any():
+        s = stab[comp]
+        if not np.all(np.isfinite(s)) or np.any(s < 0):
+            raise ValueError("compressed heads need finite, non-negative stability scores")
+        raw = 1.0 / (s + WEIGHT_EPS)
+        w[comp] = raw / raw.mean()
+    return w
+
+
+# ------------------------------------------------------------------- budgets
+def min_rho(n_total: int, n_full: int, n_comp: int, prompt_len: int) -> float:
+    """The rho at which Eq. 7 gives L_base = 1 token: (N_full + N_comp / L) / N."""
+    return (n_full + n_comp / prompt_len) / n_total
+
+
+def base_budget(rho: float, n_total: int, n_full: int, n_comp: int, prompt_len: int) -> float:
+    """Eq. 7: L_base = (rho * N - N_full) * L / N_comp (real-valued, not floored).
+
+    N, N_full, N_comp count KV heads over ALL layers; L is the prompt length.
+    Raises BudgetTooSmallError (a ValueError) when L_base <= 0, naming the
+    smallest working rho (where L_base reaches 1 token), rounded up to 4
+    decimals so that the printed value does work.
+    """
+    if n_total <= 0 or n_full < 0 or n_comp < 0 or n_full + n_comp != n_total:
+        raise ValueError(f"need N_full + N_comp == N > 0, got N={n_total}, "
+                         f"N_full={n_full}, N_comp={n_comp}")
+    if prompt_len < 1:
+        raise ValueError(f"prompt length must be >= 1, got {prompt_len}")
+    if n_comp == 0:
+        raise ValueError("the profile has no compressed heads: every head keeps its full KV "
+                         "(rho is effectively 1); Eq. 7 is undefined")
+    l_base = (rho * n_total - n_full) * prompt_len / n_comp
+    if l_base <= 0:
+        need = min_rho(n_total, n_full, n_comp, prompt_len)
+        shown = math.ceil(need * 1e4) / 1e4
+        raise BudgetTooSmallError(
+            f"rho={rho:g} is too small for this profile: {n_full} of {n_total} KV heads "
+            f"keep their full KV, which alone needs rho >= {n_full / n_total:.4f}, leaving "
+            f"L_base = {l_base:.4g} tokens for the {n_comp} compressed heads at prompt "
+            f"length {prompt_len}; the smallest rho that works is {shown:.4f} "
+            f"(L_base = 1 token)",
+            min_rho=need,
+        )
+    return l_base
+
+
+def head_budgets(l_base: float, weights: np.ndarray, prompt_len: int) -> np.ndarray:
+    """Eq. 8 per compressed head: l_i = min(L, floor(L_base * w_i)), at least 1.
+
+    ``weights`` float [...] (mean-1 weights of compressed heads; all finite
+    and > 0) -> int64 [...]. The clamp to >= 1 token is ours: a head with an
+    empty cache would give NaN attention (METHODS.md pitfalls). The floor is
+    plain IEEE (e.g. 100 * 0.29 = 28.999... -> 28), as in the equation.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise ValueError("head_budgets takes the weights of compressed heads only "
+                         "(finite and > 0); full heads keep all L tokens")
+    if prompt_len < 1:
+        raise ValueError(f"prompt length must be >= 1, got {prompt_len}")
+    l = np.floor(l_base * w)
+    return np.clip(l, 1, prompt_len).astype(np.int64)
+
+
+def budget_grid(rho: float, roles: np.ndarray, weights: np.ndarray, prompt_len: int) -> np.ndarray:
+    """Tokens each KV head keeps on the device after prefill: int64 [L, H].
+
+    Full heads (volatile, pivot) keep all ``prompt_len``; compressed heads
+    get Eq. 8 with L_base from Eq. 7 over the whole model.
+    """
+    roles = np.asarray(roles)
+    comp = np.isin(roles, COMPRESSED_ROLES)
+    n_comp = int(comp.sum())
+    l_base = base_budget(rho, roles.size, roles.size - n_comp, n_comp, prompt_len)
+    out = np.full(roles.shape, prompt_len, dtype=np.int64)
+    out[comp] = head_budgets(l_base, np.asarray(weights, dtype=np.float64)[comp], prompt_len)
+    return out
