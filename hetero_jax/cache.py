@@ -1,10 +1,18 @@
 """The KV-cache pytree.
 
-One ``LayerKV`` per decoder layer, stored at ``num_kv_heads`` (never at the
-query-head count), keys after RoPE so a kept key never needs re-rotation.
-Every KV head carries its own length and the original position of every slot:
-the slot index is never taken for the position, because compression policies
-(later) give each head its own subset of tokens.
+Per decoder layer the cache holds the prompt's KV in one or more *head
+groups* plus an append-only *tail*:
+
+- A ``HeadGroup`` is a contiguous slice of the layer's KV heads that share one
+  static capacity ``S``. Each head has its own valid length and the original
+  token position of every slot, so a compression policy can keep a different
+  subset (and number) of prompt tokens per head; the slot index is never taken
+  for the position. Full KV is one group holding the whole prompt.
+- The tail holds every token added after prefill (generated tokens, later
+  question turns) for every head; no policy evicts from it.
+
+Keys are stored after RoPE (a kept key never needs re-rotation) and at
+``num_kv_heads``, never at the query-head count.
 """
 
 from __future__ import annotations
@@ -18,11 +26,15 @@ from hetero_jax.config import ModelConfig
 
 
 @struct.dataclass
-class LayerKV:
-    k: jax.Array  # [B, Hkv, S, D] keys after RoPE
-    v: jax.Array  # [B, Hkv, S, D]
-    positions: jax.Array  # [B, Hkv, S] int32, original token position of each slot; -1 = empty
-    lengths: jax.Array  # [B, Hkv] int32, valid slots [0, length) of each head
+class HeadGroup:
+    k: jax.Array  # [B, Hg, S, D] keys after RoPE
+    v: jax.Array  # [B, Hg, S, D]
+    positions: jax.Array  # [B, Hg, S] int32 original position of each slot; -1 = empty
+    lengths: jax.Array  # [B, Hg] int32 valid slots [0, length) of each head
+
+    @property
+    def num_heads(self) -> int:
+        return self.k.shape[1]
 
     @property
     def capacity(self) -> int:
@@ -30,46 +42,74 @@ class LayerKV:
 
 
 @struct.dataclass
+class LayerCache:
+    groups: tuple[HeadGroup, ...]  # cover the layer's KV heads 0..Hkv-1 in order
+    tail_k: jax.Array  # [B, Hkv, R, D] tokens added after prefill, keys after RoPE
+    tail_v: jax.Array  # [B, Hkv, R, D]
+
+    @property
+    def num_heads(self) -> int:
+        return sum(g.num_heads for g in self.groups)
+
+
+@struct.dataclass
 class KVCache:
-    layers: tuple[LayerKV, ...]
-    seq_lens: jax.Array  # [B] int32, tokens processed so far = position of the next token
+    layers: tuple[LayerCache, ...]
+    seq_lens: jax.Array  # [B] int32 tokens processed = position of the next token
+    prompt_lens: jax.Array  # [B] int32 tokens of the prefilled prompt
+    tail_lens: jax.Array  # [B] int32 valid tail slots (same for every head and layer)
+    tail_positions: jax.Array  # [B, R] int32 original positions of tail slots; -1 = empty
 
     @property
     def batch_size(self) -> int:
         return self.seq_lens.shape[0]
 
     @property
-    def capacity(self) -> int:
-        return self.layers[0].capacity
+    def tail_capacity(self) -> int:
+        return self.tail_positions.shape[1]
 
 
-def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache with room for ``capacity`` tokens per head."""
-    shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-
-    def layer() -> LayerKV:
-        return LayerKV(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
-            positions=jnp.full(shape[:3], -1, jnp.int32),
-            lengths=jnp.zeros(shape[:2], jnp.int32),
-        )
-
-    return KVCache(
-        layers=tuple(layer() for _ in range(cfg.num_layers)),
-        seq_lens=jnp.zeros((batch,), jnp.int32),
+def full_group(k: jax.Array, v: jax.Array, prompt_lens: jax.Array) -> HeadGroup:
+    """A group that keeps every prompt token: k, v [B, Hg, S, D]; prompt_lens [B]."""
+    B, Hg, S, _ = k.shape
+    slots = jnp.arange(S, dtype=jnp.int32)
+    valid = slots[None, None, :] < prompt_lens[:, None, None]
+    return HeadGroup(
+        k=k,
+        v=v,
+        positions=jnp.where(valid, slots[None, None, :], -1).astype(jnp.int32),
+        lengths=jnp.broadcast_to(prompt_lens[:, None], (B, Hg)).astype(jnp.int32),
     )
 
 
+def array_bytes(tree) -> int:
+    return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+
+
+def prompt_kv_bytes(cache: KVCache) -> int:
+    """Device bytes of the prompt part (all head groups' K and V arrays, as allocated)."""
+    return int(sum(g.k.nbytes + g.v.nbytes for l in cache.layers for g in l.groups))
+
+
+def tail_kv_bytes(cache: KVCache) -> int:
+    """Device bytes of the tail K and V arrays, as allocated."""
+    return int(sum(l.tail_k.nbytes + l.tail_v.nbytes for l in cache.layers))
+
+
 def kv_bytes(cache: KVCache) -> int:
-    """Bytes of K and V storage actually allocated by the cache's arrays."""
-    return int(sum(l.k.nbytes + l.v.nbytes for l in cache.layers))
+    """All device K/V bytes of the cache, measured from the arrays themselves."""
+    return prompt_kv_bytes(cache) + tail_kv_bytes(cache)
+
+
+def kept_prompt_tokens(cache: KVCache) -> np.ndarray:
+    """[B] prompt tokens kept on the device, summed over every head of every layer."""
+    return sum(np.asarray(g.lengths).sum(axis=1) for l in cache.layers for g in l.groups)
 
 
 def used_kv_bytes(cache: KVCache) -> int:
-    """Bytes of K and V that hold valid tokens (sum of per-head lengths)."""
-    total = 0
-    for l in cache.layers:
-        per_token = l.k.shape[-1] * l.k.dtype.itemsize * 2
-        total += int(np.asarray(l.lengths).sum()) * per_token
-    return total
+    """K/V bytes that hold valid tokens (prompt kept + tail), whole batch."""
+    l0 = cache.layers[0]
+    per_token = 2 * l0.tail_k.shape[-1] * l0.tail_k.dtype.itemsize
+    n_heads = sum(l.num_heads for l in cache.layers)
+    tail = int(np.asarray(cache.tail_lens).sum()) * n_heads
+    return (int(kept_prompt_tokens(cache).sum()) + tail) * per_token

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax import model as M
-from hetero_jax.cache import KVCache, init_cache, kv_bytes, used_kv_bytes
+from hetero_jax.cache import kv_bytes, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import PromptError
 
@@ -20,8 +20,9 @@ from hetero_jax.errors import PromptError
 # prompt length recompiles only when it crosses into a new bucket.
 MAX_CHUNK = 512
 MIN_CHUNK = 16
-# Cache capacity is rounded up to this many tokens (decode recompiles per capacity).
-CAPACITY_QUANTUM = 256
+# The tail (tokens added after prefill) is allocated in multiples of this many
+# tokens, so decode recompiles only when a request crosses into a new bucket.
+TAIL_QUANTUM = 128
 
 
 @dataclasses.dataclass
@@ -33,7 +34,8 @@ class GenerationStats:
     kv_bytes_device: int  # bytes of K/V arrays allocated on the device (whole batch)
     kv_bytes_used: int  # bytes of K/V holding valid tokens at the end (whole batch)
     kv_bytes_host: int  # bytes of K/V kept in host memory (0 without offload)
-    cache_capacity: int
+    kv_bytes_prompt: int  # of which the prompt's head groups
+    kv_bytes_tail: int  # of which the tail (tokens added after prefill)
     stop_reason: str  # "eos", "stop", "max_new_tokens" or "context"
     compile_seconds: float = 0.0  # XLA compilation in this call (excluded from the timings above)
 
@@ -72,17 +74,6 @@ def chunk_bucket(prompt_len: int) -> int:
 
 def _round_up(x: int, q: int) -> int:
     return -(-x // q) * q
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _prefill_chunk_jit(params, cache, tokens, start, cfg):
-    return M.prefill_chunk(params, cache, tokens, start, cfg)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _finish_prefill_jit(params, cache, last_h, prompt_lens, cfg):
-    """last_h: [B, H] each prompt's last hidden state -> (logits [B, V], cache with lengths set)."""
-    return M.lm_logits(params, last_h, cfg), M.finish_prefill(cache, prompt_lens)
 
 
 _COMPILED: dict = {}
@@ -132,34 +123,21 @@ def _decode_jit(params, cache, tokens, key, cfg, temperature, top_p):
     return sample(logits, key, temperature, top_p), logits, cache
 
 
-def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], capacity: int, dtype):
-    """Chunked prefill of a right-padded batch.
+def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int, build_layer=None):
+    """Chunked prefill of a right-padded batch of token-id lists.
 
     Returns (logits of each prompt's last token [B, V] float32, cache).
     """
     lens = np.array([len(p) for p in prompts], np.int32)
-    B, T = len(prompts), int(lens.max())
+    T = int(lens.max())
     C = chunk_bucket(T)
-    T_pad = _round_up(T, C)
-    assert capacity >= T_pad and capacity % C == 0
-    tokens = np.zeros((B, T_pad), np.int32)
+    tokens = np.zeros((len(prompts), _round_up(T, C)), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    cache = init_cache(cfg, B, capacity, dtype)
-    last_h = [None] * B
-    for start in range(0, T_pad, C):
-        args = (params, cache, jnp.asarray(tokens[:, start : start + C]), np.int32(start))
-        h, cache = compiled(_prefill_chunk_jit, *args, cfg=cfg)(*args)
-        for i in range(B):
-            if start <= lens[i] - 1 < start + C:
-                last_h[i] = (h, lens[i] - 1 - start)
-    # gather each sequence's last hidden state from the chunk that held it
-    rows = []
-    for i in range(B):
-        h, r = last_h[i]
-        rows.append(h[i, r])
-    args = (params, cache, jnp.stack(rows), jnp.asarray(lens))
-    return compiled(_finish_prefill_jit, *args, cfg=cfg)(*args)
+    return M.prefill(
+        params, cfg, tokens, lens, chunk=C, tail_capacity=tail_capacity,
+        build_layer=build_layer, compile_fn=compiled,
+    )
 
 
 def _as_token_batches(model, prompt, chat: bool) -> tuple[list[list[int]], bool]:
@@ -242,14 +220,12 @@ def generate(
     T = max(lens)
     # tokens beyond the context are not generated; say so in stop_reason
     budget = min(max_new_tokens, cfg.max_position_embeddings - T)
-    C = chunk_bucket(T)
-    capacity = _round_up(max(_round_up(T, C), T + budget), max(C, CAPACITY_QUANTUM))
-    dtype = model.params["embed"].dtype
+    tail_capacity = _round_up(max(budget, 1), TAIL_QUANTUM)
     eos = set(model.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
 
     compile_start = compile_before = _COMPILE_TIME[0]
     t0 = time.perf_counter()
-    logits, cache = prefill(model.params, cfg, batch, capacity, dtype)
+    logits, cache = prefill(model.params, cfg, batch, tail_capacity=tail_capacity)
     key = jax.random.PRNGKey(seed)
     key, sub = jax.random.split(key)
     next_tok = np.asarray(sample(logits, sub, temperature, top_p))
@@ -306,7 +282,8 @@ def generate(
             kv_bytes_device=kv_bytes(cache),
             kv_bytes_used=used_kv_bytes(cache),
             kv_bytes_host=0,
-            cache_capacity=cache.capacity,
+            kv_bytes_prompt=prompt_kv_bytes(cache),
+            kv_bytes_tail=tail_kv_bytes(cache),
             stop_reason=reasons[i],
             compile_seconds=_COMPILE_TIME[0] - compile_start,
         )

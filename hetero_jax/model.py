@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.cache import KVCache, LayerKV
+import pallas_kernels
+
+from hetero_jax.cache import KVCache, LayerCache, full_group
 from hetero_jax.config import ModelConfig
 
 # Finite: -inf minus -inf is NaN, and a fully masked row must stay finite.
@@ -105,156 +107,195 @@ def lm_logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     return (h @ w).astype(jnp.float32)
 
 
-# ------------------------------------------------------------------ attention
-def _write_chunk(layer_kv: LayerKV, k, v, positions, start) -> LayerKV:
-    """Write a prefill chunk at slots [start, start + C) of every head.
+# ------------------------------------------------------------------ prefill
+def chunk_attention(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Causal attention of a prefill chunk against the layer's prompt KV, flash-style.
 
-    k, v: [B, C, Nkv, D]; positions: [B, C]; start: scalar int32.
-    Lengths are set by the caller once the whole prompt is in.
-    """
-    kt = jnp.swapaxes(k, 1, 2).astype(layer_kv.k.dtype)  # [B, Nkv, C, D]
-    vt = jnp.swapaxes(v, 1, 2).astype(layer_kv.v.dtype)
-    nkv = kt.shape[1]
-    pos = jnp.broadcast_to(positions[:, None, :], (positions.shape[0], nkv, positions.shape[1]))
-    zero = jnp.zeros((), jnp.int32)
-    return layer_kv.replace(
-        k=jax.lax.dynamic_update_slice(layer_kv.k, kt, (zero, zero, start, zero)),
-        v=jax.lax.dynamic_update_slice(layer_kv.v, vt, (zero, zero, start, zero)),
-        positions=jax.lax.dynamic_update_slice(layer_kv.positions, pos.astype(jnp.int32), (zero, zero, start)),
-    )
-
-
-def chunk_attention(q: jax.Array, layer_kv: LayerKV, start: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Causal attention of a prefill chunk against the cache, flash-style.
-
-    q: [B, C, Nq, D] queries at slots [start, start + C); the cache already
-    holds the chunk. Key blocks of size C are visited with an online softmax
-    up to the chunk's own block, so at most a [B, Nq, C, C] score block exists
-    at a time (never T x T). Returns [B, C, Nq, D].
+    q: [B, C, Nq, D] queries at slots [start, start + C) (start a multiple of C);
+    k_buf, v_buf: [B, Nkv, Tp, D] already holding the chunk. Key blocks of
+    size C are visited with an online softmax up to the chunk's own block, so
+    at most a [B, Nq, C, C] score block exists at a time (never T x T).
+    Returns [B, C, Nq, D].
     """
     B, C, Nq, D = q.shape
-    G = cfg.group_size
-    Nkv = cfg.num_kv_heads
+    G, Nkv = cfg.group_size, cfg.num_kv_heads
     qg = q.reshape(B, C, Nkv, G, D).transpose(0, 2, 3, 1, 4).astype(jnp.float32)  # [B,Nkv,G,C,D]
     qg = qg * (1.0 / math.sqrt(D))
-    q_slot = start + jnp.arange(C, dtype=jnp.int32)  # [C]
-    n_blocks = start // C + 1
+    q_slot = start + jnp.arange(C, dtype=jnp.int32)
 
     def body(j, carry):
         m, l, acc = carry
-        ks = jax.lax.dynamic_slice_in_dim(layer_kv.k, j * C, C, axis=2).astype(jnp.float32)
-        vs = jax.lax.dynamic_slice_in_dim(layer_kv.v, j * C, C, axis=2).astype(jnp.float32)
+        ks = jax.lax.dynamic_slice_in_dim(k_buf, j * C, C, axis=2).astype(jnp.float32)
+        vs = jax.lax.dynamic_slice_in_dim(v_buf, j * C, C, axis=2).astype(jnp.float32)
         s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, ks)  # [B,Nkv,G,C,C]
         k_slot = j * C + jnp.arange(C, dtype=jnp.int32)
-        causal = k_slot[None, :] <= q_slot[:, None]  # [C, C]
-        s = jnp.where(causal, s, MASK_VALUE)
+        s = jnp.where(k_slot[None, :] <= q_slot[:, None], s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
-        l_new = l * corr + p.sum(-1)
-        acc_new = acc * corr[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p, vs)
-        return m_new, l_new, acc_new
+        return m_new, l * corr + p.sum(-1), acc * corr[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p, vs)
 
     init = (
         jnp.full((B, Nkv, G, C), MASK_VALUE, jnp.float32),
         jnp.zeros((B, Nkv, G, C), jnp.float32),
         jnp.zeros((B, Nkv, G, C, D), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    # the first block always holds key 0 <= every query slot, so no row is ever fully masked
+    _, l, acc = jax.lax.fori_loop(0, start // C + 1, body, init)
     out = acc / l[..., None]
     return out.transpose(0, 3, 1, 2, 4).reshape(B, C, Nq, D).astype(q.dtype)
 
 
-def decode_attention_reference(q: jax.Array, layer_kv: LayerKV) -> jax.Array:
-    """One query token per sequence over each head's valid slots.
+def layer_prefill_chunk(
+    layer: dict, x_in: jax.Array, x_out: jax.Array, k_buf: jax.Array, v_buf: jax.Array,
+    start: jax.Array, chunk: int, cfg: ModelConfig,
+):
+    """Run one decoder layer on prompt slots [start, start + chunk).
 
-    q: [B, Nkv, G, D]; the cache's lengths [B, Nkv] bound each head. Returns [B, Nkv, G, D].
+    x_in, x_out: [B, Tp, H] the layer's input and output hidden states (the
+    chunk's rows of x_out are written); k_buf, v_buf: [B, Nkv, Tp, D] the
+    layer's prompt KV (the chunk is written). Returns (x_out, k_buf, v_buf).
     """
-    D = q.shape[-1]
-    s = jnp.einsum("bhgd,bhsd->bhgs", q.astype(jnp.float32), layer_kv.k.astype(jnp.float32))
-    s = s * (1.0 / math.sqrt(D))
-    valid = jnp.arange(layer_kv.capacity)[None, None, :] < layer_kv.lengths[:, :, None]  # [B,Nkv,S]
-    s = jnp.where(valid[:, :, None, :], s, MASK_VALUE)
-    p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bhgs,bhsd->bhgd", p, layer_kv.v.astype(jnp.float32)).astype(q.dtype)
-
-
-def _append_token(layer_kv: LayerKV, k, v, pos) -> LayerKV:
-    """Append one token at slot ``lengths[b, h]`` of every head.
-
-    k, v: [B, Nkv, D]; pos: [B] int32 original position.
-    """
-    B, Nkv = layer_kv.lengths.shape
-    b = jnp.arange(B)[:, None]
-    h = jnp.arange(Nkv)[None, :]
-    slot = layer_kv.lengths  # [B, Nkv]
-    return layer_kv.replace(
-        k=layer_kv.k.at[b, h, slot].set(k.astype(layer_kv.k.dtype)),
-        v=layer_kv.v.at[b, h, slot].set(v.astype(layer_kv.v.dtype)),
-        positions=layer_kv.positions.at[b, h, slot].set(jnp.broadcast_to(pos[:, None], (B, Nkv))),
-        lengths=layer_kv.lengths + 1,
-    )
-
-
-# ------------------------------------------------------------------- forward
-def prefill_chunk(
-    params: dict, cache: KVCache, tokens: jax.Array, start: jax.Array, cfg: ModelConfig
-) -> tuple[jax.Array, KVCache]:
-    """Run one prefill chunk for a right-padded batch.
-
-    tokens: [B, C] int32 at slots/positions [start, start + C) (start a
-    multiple of C). Returns the final-normed hidden states [B, C, H] and the
-    cache with the chunk written. Per-head lengths and ``seq_lens`` are set by
-    :func:`finish_prefill` once every chunk is in, so padding never counts.
-    """
-    B, C = tokens.shape
+    B = x_in.shape[0]
     start = jnp.asarray(start, jnp.int32)
-    positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
-    x = params["embed"][tokens]
-    new_layers = []
-    for layer, layer_kv in zip(params["layers"], cache.layers):
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = project_qkv(layer, h, positions, cfg)
-        layer_kv = _write_chunk(layer_kv, k, v, positions, start)
-        attn = chunk_attention(q, layer_kv, start, cfg)
-        x = x + output_projection(layer, attn.reshape(B, C, -1))
-        x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
-        new_layers.append(layer_kv)
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return h, cache.replace(layers=tuple(new_layers))
+    zero = jnp.zeros((), jnp.int32)
+    x = jax.lax.dynamic_slice_in_dim(x_in, start, chunk, axis=1)  # [B, C, H]
+    positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = project_qkv(layer, h, positions, cfg)
+    k_buf = jax.lax.dynamic_update_slice(k_buf, jnp.swapaxes(k, 1, 2).astype(k_buf.dtype), (zero, zero, start, zero))
+    v_buf = jax.lax.dynamic_update_slice(v_buf, jnp.swapaxes(v, 1, 2).astype(v_buf.dtype), (zero, zero, start, zero))
+    attn = chunk_attention(q, k_buf, v_buf, start, cfg)
+    x = x + output_projection(layer, attn.reshape(B, chunk, -1))
+    x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+    return jax.lax.dynamic_update_slice(x_out, x.astype(x_out.dtype), (zero, start, zero)), k_buf, v_buf
 
 
-def finish_prefill(cache: KVCache, prompt_lens) -> KVCache:
-    """Set every head's length and the sequence lengths to the true prompt lengths [B]."""
-    prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
+@functools.partial(jax.jit, static_argnames=("chunk", "cfg"), donate_argnames=("x_out", "k_buf", "v_buf"))
+def _layer_prefill_chunk_jit(layer, x_in, x_out, k_buf, v_buf, start, chunk, cfg):
+    return layer_prefill_chunk(layer, x_in, x_out, k_buf, v_buf, start, chunk, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _embed_jit(params, tokens, cfg):
+    return params["embed"][tokens]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _final_logits_jit(params, x, prompt_lens, cfg):
+    """x: [B, Tp, H] last layer's output -> logits of each prompt's last token [B, V]."""
+    last = jnp.take_along_axis(x, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    return lm_logits(params, rms_norm(last, params["final_norm"], cfg.rms_norm_eps), cfg)
+
+
+_full_group_jit = jax.jit(full_group, donate_argnums=(0, 1))
+
+
+def _zeros(shape, dtype) -> jax.Array:
+    # Created eagerly, one buffer each: jitted code may return one buffer for two
+    # equal constants, and the decode step donates every cache leaf separately.
+    return jnp.zeros(shape, dtype)
+
+
+def prefill(
+    params: dict, cfg: ModelConfig, tokens: np.ndarray, prompt_lens: np.ndarray, *,
+    chunk: int, tail_capacity: int, dtype=None, build_layer=None, compile_fn=None,
+) -> tuple[jax.Array, KVCache]:
+    """Layer-major chunked prefill of a right-padded batch.
+
+    tokens: [B, Tp] int32 (Tp a multiple of ``chunk``); prompt_lens: [B].
+    Each layer runs over all chunks before the next layer starts, so only one
+    layer's full prompt KV exists at a time and ``build_layer`` (a policy's
+    selection; default full KV) turns it into that layer's cache right away.
+    One compiled chunk function serves every layer (they share shapes).
+    Returns (logits of each prompt's last token [B, V] float32, cache).
+    """
+    compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+    B, Tp = tokens.shape
+    assert Tp % chunk == 0
+    dtype = dtype or params["embed"].dtype
+    lens = jnp.asarray(prompt_lens, jnp.int32)
+    tok = jnp.asarray(tokens, jnp.int32)
+    x = compile_fn(_embed_jit, params, tok, cfg=cfg)(params, tok)
+    kv_shape = (B, cfg.num_kv_heads, Tp, cfg.head_dim)
     layers = []
-    for l in cache.layers:
-        valid = jnp.arange(l.capacity)[None, None, :] < prompt_lens[:, None, None]
-        layers.append(
-            l.replace(
-                lengths=jnp.broadcast_to(prompt_lens[:, None], l.lengths.shape).astype(jnp.int32),
-                positions=jnp.where(valid, l.positions, -1),
-            )
+    for li, layer in enumerate(params["layers"]):
+        x_out = jnp.zeros_like(x)
+        k_buf, v_buf = jnp.zeros(kv_shape, dtype), jnp.zeros(kv_shape, dtype)
+        for start in range(0, Tp, chunk):
+            args = (layer, x, x_out, k_buf, v_buf, np.int32(start))
+            x_out, k_buf, v_buf = compile_fn(_layer_prefill_chunk_jit, *args, chunk=chunk, cfg=cfg)(*args)
+        if build_layer is None:  # full KV
+            groups = (compile_fn(_full_group_jit, k_buf, v_buf, lens)(k_buf, v_buf, lens),)
+        else:
+            groups = build_layer(li, layer, x, k_buf, v_buf, lens)
+        tail_shape = (B, cfg.num_kv_heads, tail_capacity, cfg.head_dim)
+        layers.append(LayerCache(groups=groups, tail_k=_zeros(tail_shape, dtype), tail_v=_zeros(tail_shape, dtype)))
+        x = x_out
+    logits = compile_fn(_final_logits_jit, params, x, lens, cfg=cfg)(params, x, lens)
+    cache = KVCache(
+        layers=tuple(layers),
+        seq_lens=jnp.array(lens),
+        prompt_lens=lens,
+        tail_lens=_zeros((B,), jnp.int32),
+        tail_positions=jnp.full((B, tail_capacity), -1, jnp.int32),
+    )
+    return logits, cache
+
+
+# ------------------------------------------------------------------- decode
+def layer_decode_attention(q: jax.Array, layer_cache: LayerCache, tail_lens: jax.Array) -> jax.Array:
+    """One query token per sequence over the prompt groups and the tail.
+
+    q: [B, Nkv, G, D]; tail_lens: [B] valid tail slots (the new token included).
+    Each group's ragged attention and the tail's are merged by log-sum-exp.
+    Returns [B, Nkv, G, D].
+    """
+    outs = []
+    h0 = 0
+    for g in layer_cache.groups:
+        hg = g.num_heads
+        qg = q[:, h0 : h0 + hg]
+        out_p, lse_p = pallas_kernels.decode_attention(qg, g.k, g.v, g.lengths)
+        t_len = jnp.broadcast_to(tail_lens[:, None], (q.shape[0], hg))
+        out_t, lse_t = pallas_kernels.decode_attention(
+            qg, layer_cache.tail_k[:, h0 : h0 + hg], layer_cache.tail_v[:, h0 : h0 + hg], t_len
         )
-    return cache.replace(layers=tuple(layers), seq_lens=prompt_lens)
+        outs.append(pallas_kernels.merge_attention(out_p, lse_p, out_t, lse_t)[0])
+        h0 += hg
+    return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 
 def decode_step(
     params: dict, cache: KVCache, tokens: jax.Array, cfg: ModelConfig
 ) -> tuple[jax.Array, KVCache]:
-    """One new token per sequence. tokens: [B] int32. Returns logits [B, V] (float32) and the cache."""
+    """One new token per sequence. tokens: [B] int32. Returns logits [B, V] (float32) and the cache.
+
+    The token's K/V is appended to every head's tail at slot ``tail_lens``.
+    """
     B = tokens.shape[0]
     pos = cache.seq_lens  # [B]
+    b = jnp.arange(B)
+    slot = cache.tail_lens  # [B]
     x = params["embed"][tokens][:, None, :]  # [B, 1, H]
     new_layers = []
-    for layer, layer_kv in zip(params["layers"], cache.layers):
+    for layer, lc in zip(params["layers"], cache.layers):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q, k, v = project_qkv(layer, h, pos[:, None], cfg)
-        layer_kv = _append_token(layer_kv, k[:, 0], v[:, 0], pos)
+        lc = lc.replace(
+            tail_k=lc.tail_k.at[b, :, slot].set(k[:, 0].astype(lc.tail_k.dtype)),
+            tail_v=lc.tail_v.at[b, :, slot].set(v[:, 0].astype(lc.tail_v.dtype)),
+        )
         qg = q[:, 0].reshape(B, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
-        attn = decode_attention_reference(qg, layer_kv)
+        attn = layer_decode_attention(qg, lc, slot + 1)
         x = x + output_projection(layer, attn.reshape(B, 1, -1))
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
-        new_layers.append(layer_kv)
+        new_layers.append(lc)
     h = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
-    return lm_logits(params, h, cfg), cache.replace(layers=tuple(new_layers), seq_lens=pos + 1)
+    cache = cache.replace(
+        layers=tuple(new_layers),
+        seq_lens=pos + 1,
+        tail_lens=slot + 1,
+        tail_positions=cache.tail_positions.at[b, slot].set(pos),
+    )
+    return lm_logits(params, h, cfg), cache

@@ -9,7 +9,7 @@ import pytest
 
 from hetero_jax import model as M
 from hetero_jax import spec
-from hetero_jax.cache import init_cache, kv_bytes
+from hetero_jax.cache import kv_bytes, prompt_kv_bytes, tail_kv_bytes
 from hetero_jax.config import ModelConfig, RopeScaling
 from hetero_jax.generate import prefill
 
@@ -88,18 +88,25 @@ def test_chunked_prefill_and_decode_match_numpy(name, chunk_len):
     ids = rng.integers(0, cfg.vocab_size, size=chunk_len + 5)
     ref = np_forward(params, cfg, ids)
     # prefill the first chunk_len tokens in several chunks, then decode the rest one at a time
-    logits, cache = prefill(params, cfg, [ids[:chunk_len].tolist()], capacity=256, dtype=jnp.float32)
+    logits, cache = prefill(params, cfg, [ids[:chunk_len].tolist()], tail_capacity=8)
     np.testing.assert_allclose(np.asarray(logits[0]), ref[chunk_len - 1], atol=2e-4, rtol=0)
     for t in range(chunk_len, len(ids)):
         logits, cache = M.decode_step(params, cache, jnp.asarray([ids[t]], jnp.int32), cfg)
         np.testing.assert_allclose(np.asarray(logits[0]), ref[t], atol=2e-4, rtol=0)
     # per-head bookkeeping: every head holds exactly the tokens seen, at their positions
+    # per-head bookkeeping: the prompt group holds the prompt at its positions, the tail the rest
+    assert np.asarray(cache.seq_lens).tolist() == [len(ids)]
+    assert np.asarray(cache.tail_lens).tolist() == [len(ids) - chunk_len]
+    tail_pos = np.asarray(cache.tail_positions[0])
+    assert np.all(tail_pos[: len(ids) - chunk_len] == np.arange(chunk_len, len(ids)))
+    assert np.all(tail_pos[len(ids) - chunk_len :] == -1)
     for layer in cache.layers:
-        assert layer.lengths.shape == (1, cfg.num_kv_heads)
-        assert np.all(np.asarray(layer.lengths) == len(ids))
-        pos = np.asarray(layer.positions[0])
-        assert np.all(pos[:, : len(ids)] == np.arange(len(ids)))
-        assert np.all(pos[:, len(ids):] == -1)
+        (group,) = layer.groups
+        assert group.lengths.shape == (1, cfg.num_kv_heads)
+        assert np.all(np.asarray(group.lengths) == chunk_len)
+        pos = np.asarray(group.positions[0])
+        assert np.all(pos[:, :chunk_len] == np.arange(chunk_len))
+        assert np.all(pos[:, chunk_len:] == -1)
 
 
 def test_llama3_rope_inv_freq_matches_hf():
@@ -122,9 +129,16 @@ def test_llama3_rope_inv_freq_matches_hf():
 
 def test_cache_is_stored_at_kv_heads_and_counts_bytes():
     cfg = CONFIGS["llama-gqa3"]
-    cache = init_cache(cfg, batch=2, capacity=64)
-    assert cache.layers[0].k.shape == (2, cfg.num_kv_heads, 64, cfg.head_dim)
-    assert kv_bytes(cache) == cfg.num_layers * 2 * 2 * cfg.num_kv_heads * 64 * cfg.head_dim * 4
+    params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=0))
+    _, cache = prefill(params, cfg, [[1, 2, 3], [4, 5, 6, 7, 8]], tail_capacity=32)
+    (group,) = cache.layers[0].groups
+    Tp = 16  # the smallest prefill chunk bucket
+    assert group.k.shape == (2, cfg.num_kv_heads, Tp, cfg.head_dim)
+    assert np.asarray(group.lengths).tolist() == [[3, 3], [5, 5]]
+    per_token = 2 * cfg.head_dim * 4  # K and V, float32
+    assert prompt_kv_bytes(cache) == cfg.num_layers * 2 * cfg.num_kv_heads * Tp * per_token
+    assert tail_kv_bytes(cache) == cfg.num_layers * 2 * cfg.num_kv_heads * 32 * per_token
+    assert kv_bytes(cache) == prompt_kv_bytes(cache) + tail_kv_bytes(cache)
 
 
 def test_bfloat16_close_to_float32():
@@ -132,9 +146,9 @@ def test_bfloat16_close_to_float32():
     p32 = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=2, scale=0.15))
     p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=40).tolist()
-    l32, _ = prefill(p32, cfg, [ids], capacity=256, dtype=jnp.float32)
-    l16, c16 = prefill(p16, cfg, [ids], capacity=256, dtype=jnp.bfloat16)
-    assert c16.layers[0].k.dtype == jnp.bfloat16
+    l32, _ = prefill(p32, cfg, [ids], tail_capacity=8)
+    l16, c16 = prefill(p16, cfg, [ids], tail_capacity=8)
+    assert c16.layers[0].groups[0].k.dtype == jnp.bfloat16
     assert l16.dtype == jnp.float32  # logits always float32
     err = np.abs(np.asarray(l16) - np.asarray(l32)).max()
     assert err < 0.05 * np.abs(np.asarray(l32)).max()
