@@ -1,0 +1,92 @@
+"""Pallas kernels of hetero-jax, each with a pure-JAX reference beside it.
+
+Kernels (always lowered through Triton: `plgpu.CompilerParams` on every
+`pallas_call`, so they run on A100 and H100):
+
+- :func:`sparse_decode_attention` — split-K decode attention over ragged
+  per-(batch, KV head) caches; returns (out, lse) so cache tiers merge exactly
+  with :func:`merge_attention`.
+- :func:`pooled_scores` — softmax -> 5-tap average pooling -> GQA max/mean,
+  the shared scoring primitive; :func:`overlap_bitmap` and
+  :func:`drift_check` build on it.
+
+Backend switch
+--------------
+`HETERO_JAX_KERNELS` = auto | pallas | reference | interpret (default auto):
+
+- auto:      Pallas kernels when jax sees a GPU, the jnp references otherwise;
+- pallas:    the Pallas/Triton kernels (needs a CUDA GPU to run);
+- reference: the plain-jnp references (any backend);
+- interpret: the Pallas kernels in the Pallas interpreter (CPU debugging).
+
+`use_kernels("pallas")` overrides the env var for the process (and works as a
+context manager that restores the previous setting); `use_kernels()` returns
+the concrete backend now in force; `use_kernels("env")` drops the override.
+The choice is read at trace time: already-traced jitted callers keep theirs.
+Dispatching entry points: :func:`decode_attention`, :func:`drift_check`
+(`backend=` argument overrides both).
+"""
+
+from __future__ import annotations
+
+from pallas_kernels._util import (BACKENDS, ENV_VAR, MASK_VALUE,
+                                  resolve_backend, use_kernels)
+from pallas_kernels.pooled_scores import (INVALID_SCORE, POOL_KERNEL_SIZE,
+                                          drift_check, overlap_bitmap,
+                                          pooled_scores,
+                                          pooled_scores_reference)
+from pallas_kernels.sparse_decode_attention import (
+    default_num_splits, merge_attention, sparse_decode_attention,
+    sparse_decode_attention_reference)
+
+__all__ = [
+    "BACKENDS", "ENV_VAR", "MASK_VALUE", "INVALID_SCORE", "POOL_KERNEL_SIZE",
+    "use_kernels", "resolve_backend",
+    "decode_attention", "sparse_decode_attention",
+    "sparse_decode_attention_reference", "merge_attention",
+    "default_num_splits",
+    "pooled_scores", "pooled_scores_reference", "overlap_bitmap",
+    "drift_check", "scores",
+]
+
+
+def decode_attention(
+    q,             # [B, Hkv, G, D]
+    k,             # [B, Hkv, S, D]
+    v,             # [B, Hkv, S, D]
+    lengths,       # [B, Hkv] int32
+    *,
+    sm_scale: float | None = None,
+    backend: str | None = None,
+    **kernel_kwargs,
+):
+  """Ragged per-head decode attention, dispatched by the backend switch.
+
+  Returns (out [B, Hkv, G, D] in q.dtype, lse [B, Hkv, G] float32), the same
+  for every backend. `kernel_kwargs` (block_k, num_splits, num_warps,
+  num_stages) only reach the Pallas kernel.
+  """
+  mode = resolve_backend(backend)
+  if mode == "reference":
+    return sparse_decode_attention_reference(q, k, v, lengths,
+                                             sm_scale=sm_scale)
+  return sparse_decode_attention(q, k, v, lengths, sm_scale=sm_scale,
+                                 interpret=(mode == "interpret"),
+                                 **kernel_kwargs)
+
+
+def scores(
+    q_rows,         # [B, Hkv, W, G, D]
+    keys,           # [B, Hkv, T, D]
+    lengths=None,   # [B, Hkv] int32
+    *,
+    gqa: str = "max",
+    backend: str | None = None,
+    **kernel_kwargs,
+):
+  """:func:`pooled_scores` dispatched by the backend switch; [B, Hkv, W, T]."""
+  mode = resolve_backend(backend)
+  if mode == "reference":
+    return pooled_scores_reference(q_rows, keys, lengths, gqa=gqa)
+  return pooled_scores(q_rows, keys, lengths, gqa=gqa,
+                       interpret=(mode == "interpret"), **kernel_kwargs)

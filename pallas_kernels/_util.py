@@ -1,0 +1,117 @@
+"""Small helpers shared by the Pallas kernels (no kernel code here)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Finite stand-in for -inf. Every mask in the kernels and references uses this
+# value (never -inf), so `exp(MASK_VALUE - m)` underflows to exactly 0 and no
+# `-inf - -inf = NaN` can appear. Real logits are never anywhere near it.
+MASK_VALUE: float = -1.0e30
+
+# Minimum number of rows of an operand of a Triton `dot` (tensor-core tile).
+MIN_DOT_ROWS: int = 16
+
+
+def next_pow2(n: int) -> int:
+  """Smallest power of two >= n (n >= 1)."""
+  n = int(n)
+  if n < 1:
+    raise ValueError(f"expected n >= 1, got {n}")
+  return 1 << (n - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+  return n >= 1 and (n & (n - 1)) == 0
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def dot_precision(dtype) -> lax.Precision | None:
+  """Precision of an in-kernel `pl.dot` for inputs of `dtype`.
+
+  float32 inputs ask for full IEEE float32 (Triton `input_precision="ieee"`):
+  TF32 would cost ~3 decimal digits, enough to reorder near-tied top-k scores.
+  bf16 / f16 inputs use the default (tensor cores, float32 accumulation).
+  """
+  if jnp.dtype(dtype) == jnp.float32:
+    return lax.Precision.HIGHEST
+  return None
+
+
+def gpu_available() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+# ---------------------------------------------------------------------------
+# Backend switch (documented in pallas_kernels/__init__.py).
+
+import contextlib
+import os
+
+ENV_VAR = "HETERO_JAX_KERNELS"
+BACKENDS = ("auto", "pallas", "reference", "interpret")
+_override: list[str | None] = [None]
+
+
+def _check_backend(mode: str) -> str:
+  mode = str(mode).strip().lower()
+  if mode not in BACKENDS:
+    raise ValueError(f"kernel backend must be one of {BACKENDS}, got {mode!r}")
+  return mode
+
+
+def requested_backend() -> str:
+  """The requested mode: override from `use_kernels`, else env var, else auto."""
+  if _override[0] is not None:
+    return _override[0]
+  return _check_backend(os.environ.get(ENV_VAR, "auto") or "auto")
+
+
+def resolve_backend(backend: str | None = None) -> str:
+  """Concrete backend: 'pallas', 'reference' or 'interpret'.
+
+  `backend` (if given) wins over `use_kernels(...)`, which wins over the
+  HETERO_JAX_KERNELS env var. 'auto' is 'pallas' when a GPU is visible to
+  jax, 'reference' otherwise.
+  """
+  mode = _check_backend(backend) if backend is not None else requested_backend()
+  if mode == "auto":
+    mode = "pallas" if gpu_available() else "reference"
+  return mode
+
+
+class _Restore(contextlib.AbstractContextManager):
+
+  def __init__(self, previous):
+    self._previous = previous
+
+  def __exit__(self, *exc):
+    _override[0] = self._previous
+    return False
+
+
+def use_kernels(mode: str | None = None):
+  """Get or set the kernel backend for this process.
+
+  use_kernels()            -> the concrete backend now in force (str)
+  use_kernels("pallas")    -> sets it process-wide; the return value is also
+                              a context manager that restores the previous
+                              setting on exit: `with use_kernels("reference"):`
+  use_kernels("env")       -> drop the override, follow HETERO_JAX_KERNELS.
+
+  The choice is read when a function is traced: a jitted caller that was
+  already traced keeps the backend it was traced with.
+  """
+  if mode is None:
+    return resolve_backend()
+  previous = _override[0]
+  _override[0] = None if mode == "env" else _check_backend(mode)
+  return _Restore(previous)

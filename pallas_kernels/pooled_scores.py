@@ -1,0 +1,313 @@
+"""Pooled attention scores for token selection and drift checks (Pallas, Triton).
+
+Shared scoring primitive of docs/METHODS.md. For query row (b, h, w, g) and
+prompt token t < L = lengths[b, h]:
+
+    p[g, t]      = softmax_t( <q[b,h,w,g], k[b,h,t]> / sqrt(D) )       float32
+    pool[g, t]   = (p[g,t-2] + p[g,t-1] + p[g,t] + p[g,t+1] + p[g,t+2]) / 5
+                   (zero padding: p = 0 outside [0, L); count_include_pad)
+    out[b,h,w,t] = max_g pool[g, t]        (gqa="max": runtime / drift)
+                 | mean_g pool[g, t]       (gqa="mean": calibration)
+
+and out[b, h, w, t] = INVALID_SCORE (= -1e30, finite) for t >= L, so that a
+caller's `jax.lax.top_k` never prefers an invalid token and sums over rows
+stay finite. Top-k is left to the caller (no sort in kernels).
+
+Kernel: grid = (B * Hkv, W); program (r, w) holds the G query rows of one
+buffered step (padded to >= 16 rows for the Triton dot) and makes two passes
+over the keys of its head, both bounded by L:
+  1. aligned blocks of `block_t` keys: online row max m and row sum l;
+  2. windows of `block_t` keys starting at i * (block_t - 4): normalised
+     probabilities p (zeroed outside [0, L)), pooled inside the window by a
+     [block_t, block_t] band matrix (1/5 on |t' - t| <= 2) on the matrix unit,
+     then reduced over the G rows (max or mean). Window i writes its interior
+     columns [2, block_t - 2) (window 0 also columns 0, 1: the zero padding is
+     real there), so each token is written exactly once with its full 5-tap
+     halo. Windows overlap by 4 tokens: 4 / block_t extra key reads.
+So pooling and GQA aggregation are both in the kernel (max_g does not commute
+with pooling). Only the INVALID_SCORE fill of t >= L is an XLA `where`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._util import (MASK_VALUE, MIN_DOT_ROWS, cdiv, dot_precision,
+                                  is_pow2, next_pow2, resolve_backend)
+
+__all__ = [
+    "INVALID_SCORE",
+    "POOL_KERNEL_SIZE",
+    "pooled_scores",
+    "pooled_scores_reference",
+    "overlap_bitmap",
+    "drift_check",
+]
+
+# Score of tokens at or beyond a head's length (finite, below any real score).
+INVALID_SCORE: float = -1.0e30
+POOL_KERNEL_SIZE: int = 5
+_HALO = POOL_KERNEL_SIZE // 2
+
+
+def _pooled_kernel(
+    q_ref,    # [block_g, D]  G query rows of one (b, h, w); rows >= G zero pad
+    k_ref,    # [T, D]        prompt keys of (b, h)
+    len_ref,  # []            int32 valid prompt tokens L of (b, h)
+    o_ref,    # [T]           float32 pooled, GQA-aggregated scores
+    *,
+    sm_scale: float,
+    block_t: int,
+    num_groups: int,
+    gqa: str,
+):
+  block_g, _ = q_ref.shape
+  length = len_ref[()]
+  q = q_ref[...]
+  precision = dot_precision(q.dtype)
+  lane = jnp.arange(block_t, dtype=jnp.int32)
+
+  def scores(off):
+    valid = (off + lane) < length                               # [block_t]
+    k = plgpu.load(k_ref.at[pl.ds(off, block_t), :],
+                   mask=valid[:, None], other=0.0)              # [block_t, D]
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale
+    return jnp.where(valid[None, :], s, MASK_VALUE), valid      # [bg, bt]
+
+  # Pass 1: softmax statistics over aligned blocks.
+  def stats_body(i, carry):
+    m, l = carry
+    s, _ = scores(i * block_t)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    l_new = l * jnp.exp(m - m_new) + jnp.exp(s - m_new[:, None]).sum(axis=-1)
+    return m_new, l_new
+
+  m0 = jnp.full((block_g,), MASK_VALUE, jnp.float32)
+  l0 = jnp.zeros((block_g,), jnp.float32)
+  m, l = lax.fori_loop(0, (length + block_t - 1) // block_t, stats_body,
+                       (m0, l0))
+  inv_l = 1.0 / jnp.where(l > 0, l, 1.0)
+
+  # Pass 2: normalise, pool (band matmul), aggregate over G, store.
+  stride = block_t - 2 * _HALO
+  diff = lane[:, None] - lane[None, :]
+  band = jnp.where((diff <= _HALO) & (diff >= -_HALO),
+                   1.0 / POOL_KERNEL_SIZE, 0.0).astype(jnp.float32)
+  row_ok = (jnp.arange(block_g, dtype=jnp.int32) < num_groups)[:, None]
+
+  def pool_body(i, carry):
+    off = i * stride
+    s, valid = scores(off)
+    p = jnp.where(valid[None, :], jnp.exp(s - m[:, None]) * inv_l[:, None],
+                  0.0)                                          # [bg, bt]
+    pooled = plgpu.dot(p, band, precision=lax.Precision.HIGHEST)   # [bg, bt]
+    if gqa == "max":
+      agg = jnp.where(row_ok, pooled, 0.0).max(axis=0)          # pooled >= 0
+    else:
+      agg = jnp.where(row_ok, pooled, 0.0).sum(axis=0) * (1.0 / num_groups)
+    col_ok = (((lane >= _HALO) | (i == 0)) & (lane < block_t - _HALO)
+              & valid)
+    plgpu.store(o_ref.at[pl.ds(off, block_t)], agg, mask=col_ok)
+    return carry
+
+  n_win = jnp.where(length > 0,
+                    jnp.maximum(1, (length - _HALO + stride - 1) // stride), 0)
+  lax.fori_loop(0, n_win, pool_body, 0)
+
+
+def _prepare_lengths(lengths, B, H, T):
+  if lengths is None:
+    return jnp.full((B, H), T, jnp.int32)
+  if lengths.shape != (B, H):
+    raise ValueError(f"lengths must be [B, Hkv] = {(B, H)}, got {lengths.shape}")
+  return jnp.clip(lengths.astype(jnp.int32), 0, T)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("kernel_size", "gqa", "block_t", "num_warps",
+                     "num_stages", "interpret"))
+def pooled_scores(
+    q_rows,         # [B, Hkv, W, G, D]  W query steps, G query heads each
+    keys,           # [B, Hkv, T, D]     prompt keys of each KV head
+    lengths=None,   # [B, Hkv] int32     valid prompt tokens (default T)
+    *,
+    kernel_size: int = POOL_KERNEL_SIZE,
+    gqa: str = "max",
+    block_t: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+):
+  """Pooled, GQA-aggregated softmax scores (see module docstring).
+
+  Args:
+    q_rows: [B, Hkv, W, G, D] queries (unscaled), bf16/f16/f32.
+    keys: [B, Hkv, T, D] keys (RoPE applied), same dtype as q_rows.
+    lengths: optional [B, Hkv] int32, tokens >= L are ignored (never read).
+    kernel_size: must be 5 (the pooling of METHODS.md).
+    gqa: "max" (runtime selection / drift) or "mean" (calibration).
+    block_t: keys per block, power of two >= 16.
+    num_warps, num_stages: Triton compiler parameters.
+    interpret: run the kernel in the Pallas interpreter.
+
+  Returns:
+    [B, Hkv, W, T] float32; INVALID_SCORE at t >= L.
+  """
+  if kernel_size != POOL_KERNEL_SIZE:
+    raise NotImplementedError("only kernel_size=5 (padding 2) is implemented")
+  if gqa not in ("max", "mean"):
+    raise ValueError(f"gqa must be 'max' or 'mean', got {gqa!r}")
+  B, H, W, G, D = q_rows.shape
+  T = keys.shape[2]
+  if keys.shape != (B, H, T, D):
+    raise ValueError(f"shape mismatch: q_rows {q_rows.shape} keys {keys.shape}")
+  if not is_pow2(D) or D < 16:
+    raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
+  if not is_pow2(block_t) or block_t < 16:
+    raise ValueError(f"block_t must be a power of two >= 16, got {block_t}")
+  lengths = _prepare_lengths(lengths, B, H, T)
+  block_g = max(MIN_DOT_ROWS, next_pow2(G))
+  BH = B * H
+  q_p = jnp.pad(q_rows, ((0, 0),) * 3 + ((0, block_g - G), (0, 0)))
+  q_p = q_p.reshape(BH, W, block_g, D)
+  k_r = keys.reshape(BH, T, D)
+
+  kernel = functools.partial(_pooled_kernel, sm_scale=1.0 / math.sqrt(D),
+                             block_t=block_t, num_groups=G, gqa=gqa)
+  out = pl.pallas_call(
+      kernel,
+      grid=(BH, W),
+      in_specs=[
+          pl.BlockSpec((None, None, block_g, D), lambda r, w: (r, w, 0, 0)),
+          pl.BlockSpec((None, T, D), lambda r, w: (r, 0, 0)),
+          pl.BlockSpec((None,), lambda r, w: (r,)),
+      ],
+      out_specs=pl.BlockSpec((None, None, T), lambda r, w: (r, w, 0)),
+      out_shape=jax.ShapeDtypeStruct((BH, W, T), jnp.float32),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                           num_stages=num_stages),
+      interpret=interpret,
+      name="pooled_scores",
+  )(q_p, k_r, lengths.reshape(BH))
+  out = out.reshape(B, H, W, T)
+  valid = jnp.arange(T)[None, None, None, :] < lengths[:, :, None, None]
+  return jnp.where(valid, out, INVALID_SCORE)
+
+
+@functools.partial(jax.jit, static_argnames=("kernel_size", "gqa"))
+def pooled_scores_reference(
+    q_rows,         # [B, Hkv, W, G, D]
+    keys,           # [B, Hkv, T, D]
+    lengths=None,   # [B, Hkv] int32
+    *,
+    kernel_size: int = POOL_KERNEL_SIZE,
+    gqa: str = "max",
+):
+  """Plain-jnp reference of :func:`pooled_scores`; [B, Hkv, W, T] float32."""
+  if gqa not in ("max", "mean"):
+    raise ValueError(f"gqa must be 'max' or 'mean', got {gqa!r}")
+  if kernel_size % 2 != 1:
+    raise ValueError("kernel_size must be odd")
+  B, H, W, G, D = q_rows.shape
+  T = keys.shape[2]
+  lengths = _prepare_lengths(lengths, B, H, T)
+  valid = jnp.arange(T)[None, None, :] < lengths[..., None]        # [B, H, T]
+  kf = jnp.where(valid[..., None], keys.astype(jnp.float32), 0.0)
+  s = jnp.einsum("bhwgd,bhtd->bhwgt", q_rows.astype(jnp.float32), kf,
+                 precision=lax.Precision.HIGHEST) / math.sqrt(D)
+  vmask = valid[:, :, None, None, :]
+  s = jnp.where(vmask, s, MASK_VALUE)
+  m = s.max(axis=-1, keepdims=True)
+  e = jnp.where(vmask, jnp.exp(s - m), 0.0)
+  p = e / jnp.maximum(e.sum(axis=-1, keepdims=True), 1e-30)
+  half = kernel_size // 2
+  pp = jnp.pad(p, ((0, 0),) * 4 + ((half, half),))
+  pooled = sum(pp[..., i:i + T] for i in range(kernel_size)) / kernel_size
+  agg = pooled.max(axis=3) if gqa == "max" else pooled.mean(axis=3)
+  return jnp.where(valid[:, :, None, :], agg, INVALID_SCORE)
+
+
+def overlap_bitmap(
+    topk_idx_a,  # [..., Ka] int  index set A (entries outside [0, T) ignored)
+    topk_idx_b,  # [..., Kb] int  index set B, same leading dims
+    T: int,      # static number of positions
+):
+  """Overlap coefficient |A ∩ B| / min(|A|, |B|) per leading index, no sort.
+
+  A is scattered into a [N, T] boolean bitmap, B's entries are looked up in
+  it. Indices outside [0, T) (e.g. -1 padding) are not members. Entries of
+  one set are assumed distinct (true for `lax.top_k` indices). Returns
+  [...] float32; 0 where a set is empty.
+  """
+  lead = topk_idx_a.shape[:-1]
+  if topk_idx_b.shape[:-1] != lead:
+    topk_idx_b = jnp.broadcast_to(topk_idx_b, lead + topk_idx_b.shape[-1:])
+  a = topk_idx_a.reshape(-1, topk_idx_a.shape[-1]).astype(jnp.int32)
+  b = topk_idx_b.reshape(-1, topk_idx_b.shape[-1]).astype(jnp.int32)
+  n = a.shape[0]
+  a_ok = (a >= 0) & (a < T)
+  b_ok = (b >= 0) & (b < T)
+  rows = jnp.arange(n, dtype=jnp.int32)[:, None]
+  bitmap = jnp.zeros((n, T), jnp.bool_).at[rows, jnp.where(a_ok, a, T)].set(
+      True, mode="drop")
+  hit = bitmap[rows, jnp.clip(b, 0, T - 1)] & b_ok
+  inter = hit.sum(axis=-1).astype(jnp.float32)
+  size = jnp.minimum(a_ok.sum(axis=-1), b_ok.sum(axis=-1)).astype(jnp.float32)
+  ov = jnp.where(size > 0, inter / jnp.maximum(size, 1.0), 0.0)
+  return ov.reshape(lead)
+
+
+def drift_check(
+    q_buffer,      # [B, Hp, W, G, D]  buffered query rows of the pivot heads
+    prompt_keys,   # [B, Hp, T, D]     each pivot's full prompt keys
+    k_base_idx,    # [B, Hp, L_base] int  current base index set K_base
+    L_base: int,   # static top-k size
+    tau_drift,     # scalar float      drift threshold
+    lengths=None,  # [B, Hp] int32     valid prompt tokens (default T)
+    *,
+    backend: str | None = None,
+):
+  """HeteroCache drift check for pivot heads (pure function).
+
+      scores_t = pooled_scores(q_t, K_prompt, gqa="max")      t = 1..W
+      K_t      = top-L_base(scores_t)
+      o_t      = |K_t ∩ K_base| / L_base                      (overlap_bitmap)
+      drift    = median_t(o_t) < tau_drift
+
+  `backend` is "pallas" | "interpret" | "reference" | "auto" (None: the
+  process setting, see `pallas_kernels.use_kernels`); it is static.
+  Top-k slots that fall on invalid tokens (L < L_base) are returned as -1
+  and count as non-members.
+
+  Returns:
+    drift:   [B, Hp] bool
+    idx:     [B, Hp, L_base] int32 top-L_base of the latest step (w = W-1),
+             in score order (callers sort by position if they need to)
+    scores:  [B, Hp, T] float32 pooled scores of the latest step
+  """
+  return _drift_check(q_buffer, prompt_keys, k_base_idx, tau_drift, lengths,
+                      L_base=int(L_base), mode=resolve_backend(backend))
+
+
+@functools.partial(jax.jit, static_argnames=("L_base", "mode"))
+def _drift_check(q_buffer, prompt_keys, k_base_idx, tau_drift, lengths, *,
+                 L_base, mode):
+  T = prompt_keys.shape[2]
+  if mode == "reference":
+    scores = pooled_scores_reference(q_buffer, prompt_keys, lengths, gqa="max")
+  else:
+    scores = pooled_scores(q_buffer, prompt_keys, lengths, gqa="max",
+                           interpret=(mode == "interpret"))
+  vals, idx = lax.top_k(scores, L_base)                    # [B, Hp, W, L]
+  idx = jnp.where(vals > INVALID_SCORE * 0.5, idx, -1).astype(jnp.int32)
+  ov = overlap_bitmap(idx, k_base_idx[:, :, None, :], T)   # [B, Hp, W]
+  drift = jnp.median(ov, axis=-1) < tau_drift
+  return drift, idx[:, :, -1, :], scores[:, :, -1, :]

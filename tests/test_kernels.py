@@ -1,0 +1,391 @@
+"""Tests of pallas_kernels: interpret-mode numerics vs the references, the
+references vs independent numpy, and a CUDA (Triton) lowering check that
+needs no GPU.
+
+Shapes are kept small: the Pallas interpreter compiles each shape (~1-2 s).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import (INVALID_SCORE, MASK_VALUE, drift_check,
+                            merge_attention, overlap_bitmap, pooled_scores,
+                            pooled_scores_reference, sparse_decode_attention,
+                            sparse_decode_attention_reference)
+
+TRITON_CALL = "__gpu$xla.gpu.triton"   # custom-call target, jax/jaxlib 0.10.2
+
+# Per-dtype tolerances for kernel vs reference (reference: float32 math on the
+# same low-precision inputs; the kernel feeds p to the p@v dot in bf16).
+TOL = {
+    jnp.float32: dict(out=2e-5, lse=2e-5),
+    jnp.bfloat16: dict(out=3e-2, lse=1e-3),
+}
+
+
+def _keys(seed, n):
+  """n independent numpy generators (numpy inputs: no per-shape compiles)."""
+  return [np.random.default_rng([seed, i]) for i in range(n)]
+
+
+def _rand(rng, shape, dtype, scale=1.0):
+  """Fresh N(0, scale^2) array (never zeros) as a jax array of `dtype`."""
+  x = (scale * rng.standard_normal(shape)).astype(np.float32)
+  return jnp.asarray(x).astype(dtype)
+
+
+def _ragged_lengths(rng, B, H, S):
+  """[B, H] lengths that include 1 and S, the rest random in [1, S]."""
+  lens = rng.integers(1, S + 1, size=(B, H))
+  flat = lens.reshape(-1)
+  flat[0] = 1
+  flat[-1] = S
+  if flat.size > 2:
+    flat[1] = min(S, 17)     # just past a 16-key block boundary
+  return jnp.asarray(lens, jnp.int32)
+
+
+# ---------------------------------------------------------------------------
+# sparse_decode_attention
+
+# Each value of G {1,3,4,7,8}, D {64,128}, B {1,2} and both dtypes appears at
+# least once (not the full product). SHARED is reused by the other decode
+# tests with identical shapes and static arguments, so the interpreter
+# compiles it once (jit cache).
+SHARED = dict(B=2, H=2, G=3, D=64, S=64, block_k=16, num_splits=2)
+DECODE_CASES = [
+    # B, Hkv, G, D,   S,   dtype,        block_k, num_splits
+    (2, 2, 3, 64, 64, jnp.float32, 16, 2),      # == SHARED
+    (2, 2, 3, 64, 64, jnp.bfloat16, 16, 2),     # == SHARED, bf16
+    (1, 3, 4, 128, 128, jnp.float32, 32, 4),
+    (1, 2, 7, 128, 100, jnp.bfloat16, 16, 3),   # S not a multiple of splits
+    (2, 1, 8, 64, 128, jnp.bfloat16, 64, None),
+    (1, 1, 1, 64, 32, jnp.float32, 16, 2),
+]
+
+
+@pytest.mark.parametrize("B,H,G,D,S,dtype,block_k,num_splits", DECODE_CASES)
+def test_decode_interpret_matches_reference(B, H, G, D, S, dtype, block_k,
+                                            num_splits):
+  keys = _keys(B * 1000 + G * 10 + D + S, 3)
+  q = _rand(keys[0], (B, H, G, D), dtype, 2.0)
+  k = _rand(keys[1], (B, H, S, D), dtype)
+  v = _rand(keys[2], (B, H, S, D), dtype)
+  lengths = _ragged_lengths(np.random.default_rng(S + G), B, H, S)
+  out, lse = sparse_decode_attention(q, k, v, lengths, block_k=block_k,
+                                     num_splits=num_splits, interpret=True)
+  ref_out, ref_lse = sparse_decode_attention_reference(q, k, v, lengths)
+  assert out.shape == (B, H, G, D) and out.dtype == dtype
+  assert lse.shape == (B, H, G) and lse.dtype == jnp.float32
+  tol = TOL[dtype]
+  np.testing.assert_allclose(np.asarray(out, np.float32),
+                             np.asarray(ref_out, np.float32),
+                             atol=tol["out"], rtol=tol["out"])
+  np.testing.assert_allclose(lse, ref_lse, atol=tol["lse"], rtol=tol["lse"])
+
+
+def _np_attention(q, k, v, mask, scale):
+  """float64 numpy attention: q [..., G, D], k/v [..., S, D], mask [..., S]."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  s = np.einsum("...gd,...sd->...gs", q, k) * scale
+  s = np.where(mask[..., None, :], s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  e = np.exp(s - m)
+  l = e.sum(-1, keepdims=True)
+  v = np.where(mask[..., None], v, 0.0)
+  return np.einsum("...gs,...sd->...gd", e / l, v), (m + np.log(l))[..., 0]
+
+
+def test_decode_reference_matches_numpy_and_ignores_garbage_padding():
+  B, H, G, D, S = (SHARED[x] for x in "BHGDS")
+  ks = _keys(7, 3)
+  q = _rand(ks[0], (B, H, G, D), jnp.float32, 2.0)
+  k = _rand(ks[1], (B, H, S, D), jnp.float32)
+  v = _rand(ks[2], (B, H, S, D), jnp.float32)
+  lengths = jnp.array([[1, 64], [20, 33]], jnp.int32)
+  mask = np.arange(S)[None, None, :] < np.asarray(lengths)[..., None]
+  want_out, want_lse = _np_attention(q, k, v, mask, 1 / math.sqrt(D))
+  # Slots >= length hold NaN: neither the reference nor the kernel may read
+  # them into the result.
+  kn = jnp.where(jnp.asarray(mask)[..., None], k, jnp.nan)
+  vn = jnp.where(jnp.asarray(mask)[..., None], v, jnp.nan)
+  for out, lse in (sparse_decode_attention_reference(q, kn, vn, lengths),
+                   sparse_decode_attention(q, kn, vn, lengths, block_k=16,
+                                           num_splits=2, interpret=True)):
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_empty_head_is_finite_and_merges_as_nothing():
+  B, H, G, D, S = (SHARED[x] for x in "BHGDS")
+  ks = _keys(3, 3)
+  q = _rand(ks[0], (B, H, G, D), jnp.float32)
+  k = _rand(ks[1], (B, H, S, D), jnp.float32)
+  v = _rand(ks[2], (B, H, S, D), jnp.float32)
+  lengths = jnp.array([[0, 5], [64, 0]], jnp.int32)
+  for out, lse in (sparse_decode_attention(q, k, v, lengths, block_k=16,
+                                           num_splits=2, interpret=True),
+                   sparse_decode_attention_reference(q, k, v, lengths)):
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(lse).all()
+    np.testing.assert_array_equal(out[0, 0], 0.0)
+    np.testing.assert_array_equal(lse[0, 0], np.float32(MASK_VALUE))
+    # Merging an empty part with a non-empty one returns the non-empty one.
+    np.testing.assert_array_equal(out[1, 1], 0.0)
+    np.testing.assert_array_equal(lse[1, 1], np.float32(MASK_VALUE))
+    m_out, m_lse = merge_attention(out[:1, :1], lse[:1, :1], out[:1, 1:],
+                                   lse[:1, 1:])
+    np.testing.assert_allclose(m_out, out[:1, 1:], atol=1e-6)
+    np.testing.assert_allclose(m_lse, lse[:1, 1:], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_merge_cache_and_tail_equals_attention_over_concat(dtype):
+  """attention([cache[:L] ; tail[:n]]) == merge(attn(cache), attn(tail))."""
+  B, H, G, D, S = (SHARED[x] for x in "BHGDS")
+  Tt = 16
+  ks = _keys(11, 5)
+  q = _rand(ks[0], (B, H, G, D), dtype, 2.0)
+  kc = _rand(ks[1], (B, H, S, D), dtype)
+  vc = _rand(ks[2], (B, H, S, D), dtype)
+  kt = _rand(ks[3], (B, H, Tt, D), dtype)
+  vt = _rand(ks[4], (B, H, Tt, D), dtype)
+  len_c = jnp.array([[1, 64], [30, 47]], jnp.int32)
+  len_t = jnp.array([[3, 16], [1, 9]], jnp.int32)   # append-only tail
+  out_c, lse_c = sparse_decode_attention(q, kc, vc, len_c, block_k=16,
+                                         num_splits=2, interpret=True)
+  out_t, lse_t = sparse_decode_attention_reference(q, kt, vt, len_t)
+  out, lse = merge_attention(out_c, lse_c, out_t, lse_t)
+  assert out.dtype == dtype and lse.dtype == jnp.float32
+
+  k_all = jnp.concatenate([kc, kt], axis=2)
+  v_all = jnp.concatenate([vc, vt], axis=2)
+  pos = np.arange(S + Tt)[None, None, :]
+  mask = np.where(pos < S, pos < np.asarray(len_c)[..., None],
+                  (pos - S) < np.asarray(len_t)[..., None])
+  want_out, want_lse = _np_attention(np.asarray(q, np.float32),
+                                     np.asarray(k_all, np.float32),
+                                     np.asarray(v_all, np.float32), mask,
+                                     1 / math.sqrt(D))
+  tol = TOL[dtype]
+  np.testing.assert_allclose(np.asarray(out, np.float32), want_out,
+                             atol=tol["out"], rtol=tol["out"])
+  np.testing.assert_allclose(lse, want_lse, atol=tol["lse"], rtol=tol["lse"])
+  if dtype == jnp.float32:
+    # Exactness of the merge itself (reference parts, float32).
+    ro_c, rl_c = sparse_decode_attention_reference(q, kc, vc, len_c)
+    mo, ml = merge_attention(ro_c, rl_c, out_t, lse_t)
+    np.testing.assert_allclose(mo, want_out, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(ml, want_lse, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# pooled_scores
+
+POOLED_CASES = [
+    # B, Hkv, W, G, D,  T,  dtype,        block_t, gqa
+    (2, 2, 2, 3, 64, 200, jnp.float32, 32, "max"),
+    (1, 1, 3, 4, 128, 100, jnp.float32, 16, "mean"),
+    (1, 2, 2, 8, 64, 130, jnp.bfloat16, 64, "max"),
+]
+
+
+@pytest.mark.parametrize("B,H,W,G,D,T,dtype,block_t,gqa", POOLED_CASES)
+def test_pooled_interpret_matches_reference(B, H, W, G, D, T, dtype, block_t,
+                                            gqa):
+  ks = _keys(T + G + W, 2)
+  q = _rand(ks[0], (B, H, W, G, D), dtype, 3.0)
+  k = _rand(ks[1], (B, H, T, D), dtype)
+  lengths = _ragged_lengths(np.random.default_rng(T), B, H, T)
+  got = pooled_scores(q, k, lengths, gqa=gqa, block_t=block_t, interpret=True)
+  want = pooled_scores_reference(q, k, lengths, gqa=gqa)
+  assert got.shape == (B, H, W, T) and got.dtype == jnp.float32
+  valid = np.broadcast_to(
+      np.arange(T)[None, None, None, :] < np.asarray(lengths)[:, :, None, None],
+      (B, H, W, T))
+  np.testing.assert_array_equal(np.asarray(got)[~valid], np.float32(INVALID_SCORE))
+  # Scores are probabilities (<= 1): absolute tolerance.
+  atol = 1e-6 if dtype == jnp.float32 else 1e-5
+  np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid],
+                             atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("gqa", ["max", "mean"])
+def test_pooled_reference_matches_numpy(gqa):
+  B, H, W, G, T, D, L = 1, 1, 2, 3, 11, 16, 9
+  rng = np.random.default_rng(0)
+  q = rng.normal(size=(B, H, W, G, D)).astype(np.float32) * 2
+  k = rng.normal(size=(B, H, T, D)).astype(np.float32)
+  got = np.asarray(pooled_scores_reference(jnp.asarray(q), jnp.asarray(k),
+                                           jnp.array([[L]], jnp.int32),
+                                           gqa=gqa))
+  want = np.full((W, T), INVALID_SCORE, np.float64)
+  for w in range(W):
+    rows = []
+    for g in range(G):
+      s = k[0, 0, :L].astype(np.float64) @ q[0, 0, w, g] / math.sqrt(D)
+      p = np.exp(s - s.max())
+      p /= p.sum()
+      rows.append(np.convolve(p, np.ones(5) / 5, mode="same"))  # zero pad 2
+    want[w, :L] = np.max(rows, 0) if gqa == "max" else np.mean(rows, 0)
+  np.testing.assert_allclose(got[0, 0], want, rtol=1e-5, atol=1e-7)
+
+
+def test_overlap_bitmap_matches_python_sets():
+  rng = np.random.default_rng(5)
+  T, lead, ka, kb = 50, (2, 3), 7, 5
+  a = np.stack([rng.choice(T, ka, replace=False) for _ in range(6)])
+  b = np.stack([rng.choice(T, kb, replace=False) for _ in range(6)])
+  b[0, :] = a[0, :kb]            # full overlap
+  b[1, -2:] = -1                 # padding entries are not members
+  a[2, 0] = T + 3                # out of range is not a member
+  got = np.asarray(overlap_bitmap(jnp.asarray(a.reshape(*lead, ka)),
+                                  jnp.asarray(b.reshape(*lead, kb)), T))
+  assert got.shape == lead
+  for i in range(6):
+    sa = {int(x) for x in a[i] if 0 <= x < T}
+    sb = {int(x) for x in b[i] if 0 <= x < T}
+    want = len(sa & sb) / min(len(sa), len(sb))
+    assert got.reshape(-1)[i] == pytest.approx(want)
+  assert got.reshape(-1)[0] == 1.0
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_drift_check_constructed(backend):
+  """Head 0: no change; head 1: every step moved; head 2: 2 of 5 steps moved
+  (median still stable); head 3: 3 of 5 moved (median drifted)."""
+  T, D, G, W, L_base = 64, 64, 2, 5, 8
+  rng = np.random.default_rng(1)
+  keys = rng.normal(size=(1, 4, T, D)).astype(np.float32)
+  x_a, x_b = 12, 48                                  # far apart
+
+  def q_for(h, x):
+    return np.stack([3.0 * keys[0, h, x], 2.5 * keys[0, h, x]])   # [G, D]
+
+  moved = [[], list(range(W)), [1, 3], [0, 2, 4]]
+  q_buf = np.zeros((1, 4, W, G, D), np.float32)
+  q_base = np.zeros((1, 4, 1, G, D), np.float32)
+  for h in range(4):
+    q_base[0, h, 0] = q_for(h, x_a)
+    for w in range(W):
+      q_buf[0, h, w] = q_for(h, x_b if w in moved[h] else x_a)
+  base_scores = pooled_scores_reference(jnp.asarray(q_base), jnp.asarray(keys))
+  k_base = jax.lax.top_k(base_scores[:, :, 0], L_base)[1]          # [1, 4, 8]
+
+  drift, idx, scores = drift_check(jnp.asarray(q_buf), jnp.asarray(keys),
+                                   k_base, L_base, 0.5, backend=backend)
+  np.testing.assert_array_equal(drift, [[False, True, False, True]])
+  assert idx.shape == (1, 4, L_base) and scores.shape == (1, 4, T)
+  # Latest step of head 1 looks at x_b, of head 0 at x_a.
+  assert x_b in set(np.asarray(idx[0, 1]).tolist())
+  assert x_a in set(np.asarray(idx[0, 0]).tolist())
+  want_last = pooled_scores_reference(jnp.asarray(q_buf[:, :, -1:]),
+                                      jnp.asarray(keys))[:, :, 0]
+  np.testing.assert_allclose(scores, want_last, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# backend switch
+
+
+def test_backend_switch(monkeypatch):
+  monkeypatch.delenv(pk.ENV_VAR, raising=False)
+  assert pk.use_kernels() in ("pallas", "reference")
+  if not pk._util.gpu_available():
+    assert pk.use_kernels() == "reference"          # auto on CPU
+  monkeypatch.setenv(pk.ENV_VAR, "interpret")
+  assert pk.use_kernels() == "interpret"
+  with pk.use_kernels("reference"):
+    assert pk.use_kernels() == "reference"
+  assert pk.use_kernels() == "interpret"
+  monkeypatch.setenv(pk.ENV_VAR, "bogus")
+  with pytest.raises(ValueError):
+    pk.use_kernels()
+  monkeypatch.setenv(pk.ENV_VAR, "reference")
+
+  B, H, G, D, S = (SHARED[x] for x in "BHGDS")
+  ks = _keys(2, 3)
+  q = _rand(ks[0], (B, H, G, D), jnp.float32)
+  k = _rand(ks[1], (B, H, S, D), jnp.float32)
+  v = _rand(ks[2], (B, H, S, D), jnp.float32)
+  lengths = jnp.array([[5, 64], [1, 40]], jnp.int32)
+  ref = pk.decode_attention(q, k, v, lengths)
+  got = pk.decode_attention(q, k, v, lengths, backend="interpret", block_k=16,
+                            num_splits=2)
+  for a, b in zip(ref, got):
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------------------
+# CUDA lowering without a GPU
+
+
+@pytest.fixture
+def verified_triton_modules(monkeypatch):
+  """Run the MLIR verifier on every Triton module the lowering builds."""
+  from jax._src.pallas.triton import pallas_call_registration as reg
+  orig = reg.lowering.lower_jaxpr_to_triton_module
+  results = []
+
+  def wrapped(*args, **kwargs):
+    res = orig(*args, **kwargs)
+    results.append(res.module.operation.verify())
+    return res
+
+  monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", wrapped)
+  return results
+
+
+def _lower_cuda(f, *args):
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# name, B, Hkv, G, D, S
+MODEL_SHAPES = [
+    ("smollm2-135m", 1, 3, 3, 64, 8192),
+    ("llama-3.1-8b", 1, 8, 4, 128, 131072),
+]
+
+
+@pytest.mark.parametrize("name,B,H,G,D,S", MODEL_SHAPES)
+def test_decode_lowers_to_triton_for_cuda(verified_triton_modules, name, B, H,
+                                          G, D, S):
+  sds = jax.ShapeDtypeStruct
+  for dtype in (jnp.bfloat16, jnp.float32):
+    args = (sds((B, H, G, D), dtype), sds((B, H, S, D), dtype),
+            sds((B, H, S, D), dtype), sds((B, H), jnp.int32))
+    txt = _lower_cuda(lambda *a: sparse_decode_attention(*a), *args)
+    assert TRITON_CALL in txt, name
+    # The dispatcher with backend="pallas" lowers to the same kernel.
+    txt = _lower_cuda(lambda *a: pk.decode_attention(*a, backend="pallas"),
+                      *args)
+    assert TRITON_CALL in txt, name
+  assert verified_triton_modules and all(verified_triton_modules)
+
+
+@pytest.mark.parametrize("name,B,H,G,D,S", MODEL_SHAPES)
+def test_pooled_and_drift_lower_to_triton_for_cuda(verified_triton_modules,
+                                                   name, B, H, G, D, S):
+  sds = jax.ShapeDtypeStruct
+  T = min(S, 32768)
+  W = 5
+  q = sds((B, H, W, G, D), jnp.bfloat16)
+  keys = sds((B, H, T, D), jnp.bfloat16)
+  lens = sds((B, H), jnp.int32)
+  for gqa in ("max", "mean"):
+    txt = _lower_cuda(lambda a, b, c: pooled_scores(a, b, c, gqa=gqa), q,
+                      keys, lens)
+    assert TRITON_CALL in txt, name
+  kbase = sds((B, H, 64), jnp.int32)
+  txt = _lower_cuda(
+      lambda a, b, c: drift_check(a, b, c, 64, 0.5, backend="pallas"), q,
+      keys, kbase)
+  assert TRITON_CALL in txt, name
+  assert verified_triton_modules and all(verified_triton_modules)
