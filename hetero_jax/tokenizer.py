@@ -1,0 +1,191 @@
+"""Tokenizer: a thin wrapper over ``tokenizers.Tokenizer`` plus HF-style chat templates.
+
+A checkpoint directory holds ``tokenizer.json`` (HF tokenizers format),
+``tokenizer_config.json`` (chat template, special token names, ``add_bos_token``)
+and optionally ``chat_template.jinja`` (newer transformers write the template
+there) and ``config.json`` (extra EOS ids, e.g. Llama-3's ``<|eot_id|>``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from typing import Any, Mapping, Sequence
+
+from hetero_jax.errors import CheckpointError, PromptError
+
+
+def _token_content(tok: Any) -> str | None:
+    """A special token as stored in tokenizer_config.json: a string or an AddedToken dict."""
+    if tok is None:
+        return None
+    if isinstance(tok, Mapping):
+        return tok.get("content")
+    return str(tok)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); re-create or re-download it") from None
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Same signature and defaults as transformers' chat-template ``tojson`` filter
+    # (jinja's built-in one HTML-escapes and sorts keys, which changes the prompt).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str):
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class Tokenizer:
+    """Text <-> token ids, special token ids and the chat template of one model."""
+
+    def __init__(self, backend, *, tokenizer_config: Mapping[str, Any] | None = None,
+                 chat_template: str | None = None, extra_eos_token_ids: Sequence[int] = (),
+                 bos_token_id: int | None = None):
+        """``backend``: a ``tokenizers.Tokenizer``; ``extra_eos_token_ids``: EOS ids from config.json."""
+        self._tok = backend
+        self.tokenizer_config = dict(tokenizer_config or {})
+        tc = self.tokenizer_config
+        self.bos_token = _token_content(tc.get("bos_token"))
+        self.eos_token = _token_content(tc.get("eos_token"))
+        self.pad_token = _token_content(tc.get("pad_token"))
+        self.unk_token = _token_content(tc.get("unk_token"))
+
+        template = chat_template if chat_template is not None else tc.get("chat_template")
+        if isinstance(template, list):  # HF's named-template form: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        self.chat_template: str | None = template or None
+
+        bos = self.token_to_id(self.bos_token) if self.bos_token else None
+        self.bos_token_id: int | None = bos if bos is not None else bos_token_id
+        eos: list[int] = []
+        if self.eos_token is not None and self.token_to_id(self.eos_token) is not None:
+            eos.append(self.token_to_id(self.eos_token))
+        for e in extra_eos_token_ids:
+            if int(e) not in eos:
+                eos.append(int(e))
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        pad = self.token_to_id(self.pad_token) if self.pad_token else None
+        # No pad token declared: fall back to the first EOS id (what HF generate does).
+        self.pad_token_id: int | None = pad if pad is not None else (eos[0] if eos else None)
+        self._template_fn = None
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``, ``config.json``)."""
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        path = os.fspath(path)
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise CheckpointError(
+                f"no tokenizer.json in {path}; a checkpoint needs the HF tokenizers file "
+                "(re-convert the model with hetero-jax-convert)"
+            )
+        try:
+            backend = _HFTokenizer.from_file(tj)
+        except Exception as e:  # tokenizers raises a bare Exception on parse errors
+            raise CheckpointError(f"cannot read {tj} ({e}); it is corrupt or not an HF tokenizers file") from None
+        tc_path = os.path.join(path, "tokenizer_config.json")
+        tc = _read_json(tc_path) if os.path.isfile(tc_path) else {}
+        template = None
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if not tc.get("chat_template") and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        extra_eos: list[int] = []
+        bos_id = None
+        # EOS ids beyond tokenizer_config's eos_token (e.g. Llama-3-Instruct's <|eot_id|>) live in
+        # config.json and generation_config.json.
+        for name in ("config.json", "generation_config.json"):
+            cfg_path = os.path.join(path, name)
+            if os.path.isfile(cfg_path):
+                cfg = _read_json(cfg_path)
+                e = cfg.get("eos_token_id")
+                extra_eos += [] if e is None else list(e) if isinstance(e, (list, tuple)) else [e]
+                if bos_id is None:
+                    bos_id = cfg.get("bos_token_id")
+        return cls(backend, tokenizer_config=tc, chat_template=template,
+                   extra_eos_token_ids=extra_eos, bos_token_id=bos_id)
+
+    # ------------------------------------------------------------------- basics
+    @property
+    def backend(self):
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(int(i))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (e.g. adds BOS)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------ chat template
+    def _compiled_template(self):
+        if self._template_fn is None:
+            from jinja2.ext import loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            # The environment transformers uses for chat templates, so prompts match byte for byte.
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            self._template_fn = env.from_string(self.chat_template)
+        return self._template_fn
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render ``messages`` ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
+        if not self.chat_template:
+            raise PromptError(
+                "this checkpoint has no chat template; pass chat=False (CLI: --no-chat) to use the raw prompt"
+            )
+        ctx = dict(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            pad_token=self.pad_token or "",
+            unk_token=self.unk_token or "",
+        )
+        ctx.update(kwargs)
+        return self._compiled_template().render(**ctx)
+
+    def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
+        """Prompt ids: chat -> one user turn through the chat template; else raw text + specials (BOS)."""
+        if chat:
+            rendered = self.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            # The template writes every special token itself.
+            return self.encode(rendered, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
+                f"eos_token_ids={self.eos_token_ids}, chat_template={'yes' if self.chat_template else 'no'})")

@@ -1,0 +1,49 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> str:
+    """Converted SmolLM2-135M checkpoint dir (converted once per session, or reused from $HETERO_JAX_CACHE).
+
+    Leaves HETERO_JAX_CACHE pointing at that cache for the whole session so that
+    ``hetero_jax.hub.load("smollm2-135m")`` in any test reuses the same conversion.
+    """
+    from hetero_jax import hub
+
+    prev = os.environ.get("HETERO_JAX_CACHE")
+    if not prev:
+        os.environ["HETERO_JAX_CACHE"] = str(tmp_path_factory.mktemp("hetero_jax_cache"))
+    try:
+        yield hub.ensure_converted("smollm2-135m", progress=False)
+    finally:
+        if prev is None:
+            os.environ.pop("HETERO_JAX_CACHE", None)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: ``tiny_checkpoint(arch)`` -> (HF dir, our converted dir) for a tiny random model.
+
+    The HF dir is written by transformers (safetensors) and converted with our CLI, once per arch.
+    """
+    from hf_fixtures import make_tiny_hf
+    from convert.cli import main as convert_main
+
+    made: dict = {}
+
+    def get(arch: str):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(f"tiny_{arch}")
+            hf_dir = make_tiny_hf(arch, root / "hf")
+            out = root / "converted"
+            assert convert_main([str(hf_dir), str(out)]) == 0
+            made[arch] = (str(hf_dir), str(out))
+        return made[arch]
+
+    return get
