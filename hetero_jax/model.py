@@ -188,6 +188,11 @@ def _final_logits_jit(params, x, prompt_lens, cfg):
     return lm_logits(params, rms_norm(last, params["final_norm"], cfg.rms_norm_eps), cfg)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _all_logits_jit(params, x, cfg):
+    return lm_logits(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cfg)
+
+
 _full_group_jit = jax.jit(full_group, donate_argnums=(0, 1))
 
 
@@ -200,6 +205,7 @@ def _zeros(shape, dtype) -> jax.Array:
 def prefill(
     params: dict, cfg: ModelConfig, tokens: np.ndarray, prompt_lens: np.ndarray, *,
     chunk: int, tail_capacity: int, dtype=None, build_layer=None, compile_fn=None,
+    all_logits: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Layer-major chunked prefill of a right-padded batch.
 
@@ -208,7 +214,8 @@ def prefill(
     layer's full prompt KV exists at a time and ``build_layer`` (a policy's
     selection; default full KV) turns it into that layer's cache right away.
     One compiled chunk function serves every layer (they share shapes).
-    Returns (logits of each prompt's last token [B, V] float32, cache).
+    Returns (logits of each prompt's last token [B, V] float32, or of every
+    slot [B, Tp, V] with ``all_logits``; cache).
     """
     compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
     B, Tp = tokens.shape
@@ -232,7 +239,10 @@ def prefill(
         tail_shape = (B, cfg.num_kv_heads, tail_capacity, cfg.head_dim)
         layers.append(LayerCache(groups=groups, tail_k=_zeros(tail_shape, dtype), tail_v=_zeros(tail_shape, dtype)))
         x = x_out
-    logits = compile_fn(_final_logits_jit, params, x, lens, cfg=cfg)(params, x, lens)
+    if all_logits:
+        logits = compile_fn(_all_logits_jit, params, x, cfg=cfg)(params, x)
+    else:
+        logits = compile_fn(_final_logits_jit, params, x, lens, cfg=cfg)(params, x, lens)
     cache = KVCache(
         layers=tuple(layers),
         seq_lens=jnp.array(lens),
@@ -267,18 +277,20 @@ def layer_decode_attention(q: jax.Array, layer_cache: LayerCache, tail_lens: jax
 
 
 def decode_step(
-    params: dict, cache: KVCache, tokens: jax.Array, cfg: ModelConfig
-) -> tuple[jax.Array, KVCache]:
+    params: dict, cache: KVCache, tokens: jax.Array, cfg: ModelConfig, return_queries: bool = False
+):
     """One new token per sequence. tokens: [B] int32. Returns logits [B, V] (float32) and the cache.
 
     The token's K/V is appended to every head's tail at slot ``tail_lens``.
+    With ``return_queries`` also returns each layer's query (after RoPE) as a
+    tuple of [B, Nkv, G, D] arrays, for drift checks and head profiling.
     """
     B = tokens.shape[0]
     pos = cache.seq_lens  # [B]
     b = jnp.arange(B)
     slot = cache.tail_lens  # [B]
     x = params["embed"][tokens][:, None, :]  # [B, 1, H]
-    new_layers = []
+    new_layers, queries = [], []
     for layer, lc in zip(params["layers"], cache.layers):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q, k, v = project_qkv(layer, h, pos[:, None], cfg)
@@ -287,6 +299,7 @@ def decode_step(
             tail_v=lc.tail_v.at[b, :, slot].set(v[:, 0].astype(lc.tail_v.dtype)),
         )
         qg = q[:, 0].reshape(B, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
+        queries.append(qg)
         attn = layer_decode_attention(qg, lc, slot + 1)
         x = x + output_projection(layer, attn.reshape(B, 1, -1))
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
@@ -298,4 +311,27 @@ def decode_step(
         tail_lens=slot + 1,
         tail_positions=cache.tail_positions.at[b, slot].set(pos),
     )
+    if return_queries:
+        return lm_logits(params, h, cfg), cache, tuple(queries)
     return lm_logits(params, h, cfg), cache
+
+
+def prompt_queries(layer: dict, x_in: jax.Array, rows: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Queries (after RoPE) of selected prompt rows, recomputed from the layer's input.
+
+    x_in: [B, Tp, H] the layer's input hidden states; rows: [B, W] int32 slot
+    (= position) of each wanted prompt token. Returns [B, Nkv, W, G, D], the
+    layout of ``pallas_kernels.pooled_scores``. Used by prefill selection
+    (observation windows, last-token attention) without keeping every query.
+    """
+    B, W = rows.shape
+    x = jnp.take_along_axis(x_in, rows[:, :, None], axis=1)  # [B, W, H]
+    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    q, _, _ = project_qkv(layer, h, rows, cfg)  # [B, W, Nq, D]
+    q = q.reshape(B, W, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
+    return q.transpose(0, 2, 1, 3, 4)
+
+
+# Jitted entry points for callers that step the model themselves (tests, calibration,
+# benchmarks). generate() uses its own AOT-compiled, cache-donating variant.
+decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "return_queries"))

@@ -47,3 +47,28 @@ def tiny_checkpoint(tmp_path_factory):
         return made[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own GGUF loader on the embedded SmolLM2 file: (model float32 eval, tokenizer).
+
+    Loaded once per session (dequantising in transformers takes most of a minute).
+    """
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from convert.gguf_import import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    d, f = os.path.dirname(path), os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """Our loaded SmolLM2-135M bundle (float32), loaded once per session."""
+    import hetero_jax
+
+    return hetero_jax.load(smollm2_dir)

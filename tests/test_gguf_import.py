@@ -17,14 +17,9 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def hf_state_dict():
+def hf_state_dict(hf_smollm2):
     """transformers' GGUF-dequantised SmolLM2 state dict, float32 numpy, HF names."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
+    model, _ = hf_smollm2
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     return sd, model.config
 

@@ -91,7 +91,7 @@ def test_chunked_prefill_and_decode_match_numpy(name, chunk_len):
     logits, cache = prefill(params, cfg, [ids[:chunk_len].tolist()], tail_capacity=8)
     np.testing.assert_allclose(np.asarray(logits[0]), ref[chunk_len - 1], atol=2e-4, rtol=0)
     for t in range(chunk_len, len(ids)):
-        logits, cache = M.decode_step(params, cache, jnp.asarray([ids[t]], jnp.int32), cfg)
+        logits, cache = M.decode_step_jit(params, cache, jnp.asarray([ids[t]], jnp.int32), cfg)
         np.testing.assert_allclose(np.asarray(logits[0]), ref[t], atol=2e-4, rtol=0)
     # per-head bookkeeping: every head holds exactly the tokens seen, at their positions
     # per-head bookkeeping: the prompt group holds the prompt at its positions, the tail the rest

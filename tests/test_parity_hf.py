@@ -36,7 +36,7 @@ def test_prefill_and_greedy_decode_logits_match_transformers(arch, tiny_checkpoi
     worst = 0.0
     for _ in range(DECODE_STEPS):
         seq.append(nxt)
-        lg, cache = M.decode_step(bundle.params, cache, jnp.asarray([nxt], jnp.int32), cfg)
+        lg, cache = M.decode_step_jit(bundle.params, cache, jnp.asarray([nxt], jnp.int32), cfg)
         with torch.no_grad():
             r = hf(torch.tensor([seq])).logits[0, -1].numpy()
         worst = max(worst, float(np.abs(np.asarray(lg[0]) - r).max()))

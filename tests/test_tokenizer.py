@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-from convert.gguf_import import smollm2_gguf_path
 from hetero_jax.errors import PromptError
 from hetero_jax.tokenizer import Tokenizer
 
@@ -37,12 +35,8 @@ def ours(smollm2_dir) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def ref():
-    pytest.importorskip("torch")
-    from transformers import AutoTokenizer
-
-    path = smollm2_gguf_path()
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+def ref(hf_smollm2):
+    return hf_smollm2[1]
 
 
 @pytest.mark.real_model

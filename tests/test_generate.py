@@ -1,0 +1,147 @@
+"""generate(): batching, stopping, sampling and bad input, on a tiny converted checkpoint."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import hetero_jax
+from hetero_jax import model as M
+from hetero_jax.errors import PromptError
+from hetero_jax.generate import prefill, sample
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return hetero_jax.load(tiny_checkpoint("llama")[1])
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tiny_checkpoint):
+    return hetero_jax.load(tiny_checkpoint("qwen2")[1])
+
+
+def _prompts(rng, n, vocab, lo=3, hi=60):
+    return [rng.integers(3, vocab, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_qwen2"])
+def test_batch_equals_one_by_one_logits(which, request):
+    bundle = request.getfixturevalue(which)
+    cfg = bundle.config
+    rng = np.random.default_rng(0)
+    prompts = _prompts(rng, 3, cfg.vocab_size)
+    lb, cb = prefill(bundle.params, cfg, prompts, tail_capacity=8)
+    toks = np.asarray(jnp.argmax(lb, -1))
+    steps_b = [np.asarray(lb)]
+    for _ in range(5):
+        lg, cb = M.decode_step_jit(bundle.params, cb, jnp.asarray(toks, jnp.int32), cfg)
+        steps_b.append(np.asarray(lg))
+        toks = np.asarray(jnp.argmax(lg, -1))
+    for i, p in enumerate(prompts):
+        l1, c1 = prefill(bundle.params, cfg, [p], tail_capacity=8)
+        tok = np.asarray(jnp.argmax(l1, -1))
+        np.testing.assert_allclose(np.asarray(l1[0]), steps_b[0][i], atol=1e-5, rtol=0)
+        for s in range(5):
+            lg, c1 = M.decode_step_jit(bundle.params, c1, jnp.asarray(tok, jnp.int32), cfg)
+            np.testing.assert_allclose(np.asarray(lg[0]), steps_b[s + 1][i], atol=1e-5, rtol=0)
+            tok = np.asarray(jnp.argmax(lg, -1))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 3))
+def test_generate_batch_equals_one_by_one_tokens(tiny, seed, n):
+    rng = np.random.default_rng(seed)
+    prompts = _prompts(rng, n, tiny.config.vocab_size, hi=40)
+    batch = hetero_jax.generate(tiny, prompts, max_new_tokens=6, chat=False)
+    assert isinstance(batch, list) and len(batch) == n
+    for p, b in zip(prompts, batch):
+        assert b.token_ids == hetero_jax.generate(tiny, p, max_new_tokens=6, chat=False).token_ids
+
+
+def test_prompt_forms_and_result(tiny):
+    text = "the quick brown fox"
+    r = hetero_jax.generate(tiny, text, max_new_tokens=5, chat=False)
+    ids = tiny.tokenizer.encode_prompt(text, chat=False)
+    r_ids = hetero_jax.generate(tiny, ids, max_new_tokens=5, chat=False)
+    assert r.token_ids == r_ids.token_ids
+    assert r.text == tiny.tokenizer.decode(r.token_ids)
+    st_ = r.stats
+    assert st_.prompt_tokens == len(ids) and st_.generated_tokens == len(r.token_ids)
+    assert st_.prefill_seconds > 0 and len(st_.decode_seconds) == max(len(r.token_ids) - 1, 0)
+    assert st_.kv_bytes_device == st_.kv_bytes_prompt + st_.kv_bytes_tail > 0
+    assert st_.kv_bytes_host == 0
+    # chat prompt goes through the checkpoint's template
+    rc = hetero_jax.generate(tiny, text, max_new_tokens=3, chat=True)
+    assert rc.stats.prompt_tokens == len(tiny.tokenizer.encode_prompt(text, chat=True)) > len(ids)
+
+
+def test_max_new_tokens_and_streaming(tiny):
+    pieces = []
+    r = hetero_jax.generate(tiny, [5, 6, 7, 8], max_new_tokens=7, chat=False, on_token=pieces.append)
+    assert "".join(pieces) == r.text
+    assert len(r.token_ids) <= 7
+    if r.stats.stop_reason == "max_new_tokens":
+        assert len(r.token_ids) == 7
+    r0 = hetero_jax.generate(tiny, [5, 6, 7, 8], max_new_tokens=0, chat=False)
+    assert r0.token_ids == [] and r0.text == ""
+
+
+def test_stop_string_truncates(tiny):
+    r = hetero_jax.generate(tiny, [5, 6, 7, 8, 9], max_new_tokens=12, chat=False)
+    if len(r.text) < 3:
+        pytest.skip("the random model produced too little text to cut")
+    stop = r.text[1:3]
+    rs = hetero_jax.generate(tiny, [5, 6, 7, 8, 9], max_new_tokens=12, chat=False, stop=[stop])
+    assert rs.stats.stop_reason == "stop"
+    assert rs.text == r.text[: r.text.find(stop)]
+
+
+def test_sampling_is_seeded_and_top_p_tiny_is_greedy(tiny):
+    p = [5, 6, 7, 8, 9, 10]
+    a = hetero_jax.generate(tiny, p, max_new_tokens=8, chat=False, temperature=1.5, seed=1)
+    b = hetero_jax.generate(tiny, p, max_new_tokens=8, chat=False, temperature=1.5, seed=1)
+    assert a.token_ids == b.token_ids
+    greedy = hetero_jax.generate(tiny, p, max_new_tokens=8, chat=False)
+    nucleus = hetero_jax.generate(tiny, p, max_new_tokens=8, chat=False, temperature=1.0, top_p=1e-6, seed=3)
+    assert nucleus.token_ids == greedy.token_ids
+
+
+def test_sample_top_p_keeps_the_nucleus():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
+    seen = {int(sample(logits, jax.random.PRNGKey(s), 1.0, 0.7)[0]) for s in range(200)}
+    assert seen == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Fail if any model compute starts: bad prompts must be rejected before."""
+    def boom(*a, **k):
+        raise AssertionError("compute started for a prompt that should have been rejected")
+    monkeypatch.setattr(M, "prefill", boom)
+
+
+def test_prompt_longer_than_context_rejected_before_compute(tiny, no_compute):
+    n = tiny.config.max_position_embeddings
+    with pytest.raises(PromptError, match=rf"{n + 5} tokens but the model's context is {n}"):
+        hetero_jax.generate(tiny, [5] * (n + 5), chat=False)
+    with pytest.raises(PromptError, match="context"):
+        hetero_jax.generate(tiny, [[5, 6], [5] * n], chat=False)
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n", [], [[]], [[1, 2], []]])
+def test_empty_prompt_rejected(tiny, no_compute, prompt):
+    with pytest.raises(PromptError, match="empty prompt"):
+        hetero_jax.generate(tiny, prompt, chat=False)
+
+
+def test_bad_arguments(tiny, no_compute):
+    with pytest.raises(PromptError, match="outside the vocabulary"):
+        hetero_jax.generate(tiny, [1, 2, tiny.config.vocab_size], chat=False)
+    with pytest.raises(PromptError, match="top_p"):
+        hetero_jax.generate(tiny, [1, 2], top_p=0.0, chat=False)
+    with pytest.raises(PromptError, match="on_token"):
+        hetero_jax.generate(tiny, [[1, 2], [3, 4]], on_token=print, chat=False)
+    with pytest.raises(PromptError, match="unsupported prompt type"):
+        hetero_jax.generate(tiny, 3.5, chat=False)
