@@ -39,8 +39,22 @@ def _read_prompt(args) -> str:
         raise SystemExit(f"error: prompt file not found: {args.prompt_file}") from None
 
 
+def enable_compilation_cache() -> None:
+    """Persist XLA executables under the hetero-jax cache dir, so repeated CLI runs skip most compiles."""
+    import os
+
+    import jax
+
+    from hetero_jax.hub import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def _cmd_generate(args) -> int:
     import hetero_jax
+
+    enable_compilation_cache()
 
     prompt = _read_prompt(args)
     model = hetero_jax.load(args.model, dtype=args.dtype)
