@@ -123,7 +123,8 @@ def _decode_jit(params, cache, tokens, key, cfg, temperature, top_p):
     return sample(logits, key, temperature, top_p), logits, cache
 
 
-def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int, build_layer=None):
+def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
+            build_layer=None, all_logits: bool = False):
     """Chunked prefill of a right-padded batch of token-id lists.
 
     Returns (logits of each prompt's last token [B, V] float32, cache).
@@ -136,7 +137,7 @@ def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
         tokens[i, : len(p)] = p
     return M.prefill(
         params, cfg, tokens, lens, chunk=C, tail_capacity=tail_capacity,
-        build_layer=build_layer, compile_fn=compiled,
+        build_layer=build_layer, compile_fn=compiled, all_logits=all_logits,
     )
 
 
@@ -257,6 +258,7 @@ def generate(
                 done[i], reasons[i] = True, "stop"
                 return
 
+    step_fn = None
     for step in range(budget):
         for i in range(B):
             accept(i, int(next_tok[i]))
@@ -265,9 +267,10 @@ def generate(
         t1 = time.perf_counter()
         key, sub = jax.random.split(key)
         args = (model.params, cache, jnp.asarray(next_tok, jnp.int32), sub)
-        step_fn = compiled(_decode_jit, *args, cfg=cfg, temperature=float(temperature), top_p=float(top_p))
-        t1 += _COMPILE_TIME[0] - compile_before  # compile time is reported apart
-        compile_before = _COMPILE_TIME[0]
+        if step_fn is None:  # shapes are fixed for the whole loop: look the executable up once
+            step_fn = compiled(_decode_jit, *args, cfg=cfg, temperature=float(temperature), top_p=float(top_p))
+            t1 += _COMPILE_TIME[0] - compile_before  # compile time is reported apart
+            compile_before = _COMPILE_TIME[0]
         tok_dev, _, cache = step_fn(*args)
         next_tok = np.asarray(tok_dev)  # the read-back is part of the step's cost
         decode_s.append(time.perf_counter() - t1)

@@ -266,10 +266,12 @@ def layer_decode_attention(q: jax.Array, layer_cache: LayerCache, tail_lens: jax
     for g in layer_cache.groups:
         hg = g.num_heads
         qg = q[:, h0 : h0 + hg]
-        out_p, lse_p = pallas_kernels.decode_attention(qg, g.k, g.v, g.lengths)
+        # cache slots beyond a head's length hold zeros or copies of real tokens: finite
+        out_p, lse_p = pallas_kernels.decode_attention(qg, g.k, g.v, g.lengths, finite_padding=True)
         t_len = jnp.broadcast_to(tail_lens[:, None], (q.shape[0], hg))
         out_t, lse_t = pallas_kernels.decode_attention(
-            qg, layer_cache.tail_k[:, h0 : h0 + hg], layer_cache.tail_v[:, h0 : h0 + hg], t_len
+            qg, layer_cache.tail_k[:, h0 : h0 + hg], layer_cache.tail_v[:, h0 : h0 + hg], t_len,
+            finite_padding=True,
         )
         outs.append(pallas_kernels.merge_attention(out_p, lse_p, out_t, lse_t)[0])
         h0 += hg

@@ -58,9 +58,14 @@ def decode_attention(
     *,
     sm_scale: float | None = None,
     backend: str | None = None,
+    finite_padding: bool = False,
     **kernel_kwargs,
 ):
   """Ragged per-head decode attention, dispatched by the backend switch.
+
+  ``finite_padding``: the caller promises slots beyond ``lengths`` hold finite
+  values, letting the reference skip masking K and V (the kernel never reads
+  them at all).
 
   Returns (out [B, Hkv, G, D] in q.dtype, lse [B, Hkv, G] float32), the same
   for every backend. `kernel_kwargs` (block_k, num_splits, num_warps,
@@ -69,7 +74,8 @@ def decode_attention(
   mode = resolve_backend(backend)
   if mode == "reference":
     return sparse_decode_attention_reference(q, k, v, lengths,
-                                             sm_scale=sm_scale)
+                                             sm_scale=sm_scale,
+                                             finite_padding=finite_padding)
   return sparse_decode_attention(q, k, v, lengths, sm_scale=sm_scale,
                                  interpret=(mode == "interpret"),
                                  **kernel_kwargs)

@@ -1,0 +1,407 @@
+"""Shared plumbing for the benchmark scripts in this directory.
+
+- :func:`machine_info`: CPU model, cores, RAM, load average, Python/JAX
+  versions, backend and devices, kernel backend in force.
+- :func:`git_info`: short commit plus a dirty flag (read-only git calls).
+- :func:`write_json`: atomic JSON write with the full config, command, machine
+  and git info embedded (:func:`report_header` builds that header).
+- :func:`markdown_table`: a GitHub markdown table from headers and rows.
+- :func:`peak_rss_bytes`, :func:`current_rss_bytes`: this process's memory.
+- :func:`run_child`, :func:`emit_child_result`: run one configuration in a
+  fresh interpreter (so peak RSS is per configuration) and collect its JSON.
+- :func:`update_results_section`: rewrite one benchmark's section of
+  ``benchmarks/RESULTS.md`` between ``<!-- BEGIN name -->`` and
+  ``<!-- END name -->``, leaving every other section untouched.
+
+Only the standard library is imported at module level, so a parent process
+that merely orchestrates children never loads JAX; :func:`machine_info`
+imports JAX lazily (call it from a child if the parent must stay light, or
+accept the parent's import).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+RESULTS_MD = BENCH_DIR / "RESULTS.md"
+OUT_DIR = BENCH_DIR / "out"
+
+# A child prints exactly one line starting with this prefix, followed by JSON.
+CHILD_RESULT_PREFIX = "@@BENCH_RESULT@@ "
+
+
+# ------------------------------------------------------------------ machine
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "processor\t: ")) and ":" in line:
+                    value = line.split(":", 1)[1].strip()
+                    if value and not value.isdigit():
+                        return value
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _mem_total_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _cgroup_cpu_limit() -> float | None:
+    """CPUs allowed by a cgroup v2 quota (containers), or None when unlimited/unknown."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            return int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def machine_info(with_jax: bool = True) -> dict[str, Any]:
+    """A JSON-able description of the machine and software stack."""
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cgroup_cpu_limit": _cgroup_cpu_limit(),
+        "ram_bytes": _mem_total_bytes(),
+        "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "env": {k: os.environ[k] for k in ("XLA_FLAGS", "JAX_PLATFORMS", "HETERO_JAX_KERNELS",
+                                          "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in os.environ},
+    }
+    if with_jax:
+        import jax
+        import jaxlib
+
+        devices = jax.devices()
+        info["jax"] = {
+            "version": jax.__version__,
+            "jaxlib": getattr(jaxlib, "__version__", None),
+            "backend": jax.default_backend(),
+            "devices": [str(d) for d in devices],
+            "device_kinds": sorted({getattr(d, "device_kind", "?") for d in devices}),
+        }
+        try:
+            import pallas_kernels
+
+            info["kernels"] = pallas_kernels.use_kernels()
+        except Exception:  # noqa: BLE001 - informational only
+            info["kernels"] = None
+    return info
+
+
+def machine_summary(info: dict[str, Any]) -> str:
+    """One line for a results header."""
+    ram = info.get("ram_bytes")
+    cores = info.get("cpu_affinity") or info.get("cpu_count")
+    parts = [f"{info.get('cpu_model', '?')}", f"{cores} cores"]
+    if info.get("cgroup_cpu_limit"):
+        parts.append(f"cgroup limit {info['cgroup_cpu_limit']:g} CPUs")
+    if ram:
+        parts.append(f"{ram / 2**30:.0f} GiB RAM")
+    j = info.get("jax")
+    if j:
+        parts.append(f"jax {j['version']} ({j['backend']}: {', '.join(j['device_kinds'])})")
+    if info.get("kernels"):
+        parts.append(f"kernels: {info['kernels']}")
+    la = info.get("loadavg_1_5_15")
+    if la:
+        parts.append(f"load avg at start {la[0]:.2f}")
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------- git
+def git_info(repo: Path = REPO_ROOT) -> dict[str, Any]:
+    """Short commit and a dirty flag. Read-only: never takes the index lock."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "--no-optional-locks", *args], cwd=repo, capture_output=True,
+                                 text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    commit = commit.strip() if commit else None
+    status = git("status", "--porcelain")  # not stripped: " M path" starts with a space
+    changed = [line[3:] for line in status.splitlines() if line.strip()] if status else []
+    return {
+        "commit": commit,
+        "dirty": bool(changed) if status is not None else None,
+        "changed_files": changed[:50],
+    }
+
+
+def git_ignored(path: str | os.PathLike, repo: Path = REPO_ROOT) -> bool:
+    """True when git would ignore ``path`` (so a file there is never committed)."""
+    try:
+        out = subprocess.run(["git", "--no-optional-locks", "check-ignore", "-q", os.path.abspath(path)],
+                             cwd=repo, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0
+
+
+def git_summary(g: dict[str, Any]) -> str:
+    if not g.get("commit"):
+        return "unknown (not a git checkout)"
+    if g.get("dirty"):
+        return f"{g['commit']} (dirty: {len(g['changed_files'])} changed/untracked paths)"
+    return f"{g['commit']} (clean)"
+
+
+# ------------------------------------------------------------------ command
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that ran this script, with paths relative to the repo root where possible."""
+    argv = list(sys.argv if argv is None else argv)
+
+    def rel(p: str) -> str:
+        try:
+            return os.path.relpath(os.path.abspath(p), REPO_ROOT) if os.path.exists(p) else p
+        except ValueError:
+            return p
+
+    exe = sys.executable
+    exe = rel(exe) if os.path.abspath(exe).startswith(str(REPO_ROOT) + os.sep) else "python"
+    return shlex.join([exe, rel(argv[0]), *argv[1:]])
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def report_header(name: str, config: dict[str, Any], machine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The common top of every benchmark's JSON: name, time, command, full config, machine, git."""
+    return {
+        "benchmark": name,
+        "timestamp": now_iso(),
+        "command": command_line(),
+        "cwd": os.getcwd(),
+        "config": config,
+        "machine": machine if machine is not None else machine_info(),
+        "git": git_info(),
+    }
+
+
+# --------------------------------------------------------------------- JSON
+def _json_default(o: Any):
+    if isinstance(o, Path):
+        return str(o)
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except ImportError:
+        pass
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _nan_to_none(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_nan_to_none(v) for v in x]
+    return x
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` (NaN/inf become null, so the file is strict JSON) atomically."""
+    path = Path(path)
+    _atomic_write_text(path, json.dumps(_nan_to_none(payload), indent=2, default=_json_default) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------- markdown
+def fmt_num(x: Any, digits: int = 1) -> str:
+    """Numbers for tables: thousands separators, fixed decimals, '—' for missing/NaN."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        return f"{x:,.{digits}f}"
+    return str(x)
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub markdown table. ``align``: one of 'l', 'r', 'c' per column (default: left)."""
+    headers = [str(h) for h in headers]
+    rows = [[str(c).replace("|", "\\|").replace("\n", " ") for c in r] for r in rows]
+    align = align or "l" * len(headers)
+    if len(align) != len(headers) or any(len(r) != len(headers) for r in rows):
+        raise ValueError("markdown_table: every row and the align string need one entry per header")
+    sep = {"l": ":---", "r": "---:", "c": ":---:"}
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(sep[a] for a in align) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- RSS
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (ru_maxrss; KiB on Linux, bytes on macOS)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r) if sys.platform == "darwin" else int(r) * 1024
+
+
+def current_rss_bytes() -> int | None:
+    """Resident set size now (VmRSS), or None where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# ----------------------------------------------------------------- children
+def emit_child_result(result: dict[str, Any]) -> None:
+    """Print a child's result as one prefixed JSON line on stdout (its last act)."""
+    sys.stdout.write(CHILD_RESULT_PREFIX + json.dumps(_nan_to_none(result), default=_json_default) + "\n")
+    sys.stdout.flush()
+
+
+def run_child(argv: Sequence[str], *, timeout: float | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``python argv...`` in a fresh interpreter and return its emitted result.
+
+    The child reports its own peak RSS (``peak_rss_bytes()`` just before it
+    emits): the parent's RUSAGE_CHILDREN is a running maximum over every child,
+    not per child. Adds ``child_wall_seconds``. On failure returns ``{"error": ..., "stderr_tail": ...}`` instead of raising.
+    """
+    import time
+
+    cmd = [sys.executable, *map(str, argv)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, cwd=os.getcwd())
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": stderr[-4000:], "cmd": shlex.join(cmd)}
+    wall = time.perf_counter() - t0
+    result = None
+    for line in stdout.splitlines():
+        if line.startswith(CHILD_RESULT_PREFIX):
+            result = json.loads(line[len(CHILD_RESULT_PREFIX):])
+    if proc.returncode != 0 or result is None:
+        return {
+            "error": f"child exited with status {proc.returncode}" + ("" if result is None else " after its result"),
+            "stderr_tail": stderr[-4000:],
+            "stdout_tail": stdout[-2000:],
+            "cmd": shlex.join(cmd),
+        }
+    result["child_wall_seconds"] = wall
+    return result
+
+
+# ------------------------------------------------------------ RESULTS.md
+_RESULTS_PREAMBLE = (
+    "# Benchmark results\n\n"
+    "Each section below is rewritten by its benchmark script (`--write-results`) between its\n"
+    "BEGIN/END markers; edit outside the markers only.\n"
+)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive advisory lock beside ``path`` so two benchmarks never interleave their rewrites."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def replace_section(text: str, name: str, body: str) -> str:
+    """``text`` with the section ``name`` set to ``body`` (appended when absent)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        raise ValueError(f"section name {name!r}: use letters, digits, '_', '-', '.'")
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    block = f"{begin}\n{body.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    n = len(pattern.findall(text))
+    if n > 1:
+        raise ValueError(f"RESULTS.md holds {n} '{name}' sections; fix it by hand")
+    if n == 1:
+        return pattern.sub(lambda _m: block, text)
+    if text.count(begin) or text.count(end):
+        raise ValueError(f"RESULTS.md has an unmatched marker for section '{name}'; fix it by hand")
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def update_results_section(name: str, body: str, path: str | os.PathLike = RESULTS_MD) -> Path:
+    """Rewrite section ``name`` of ``path`` (created when missing), other sections untouched."""
+    path = Path(path)
+    with _locked(path):
+        text = path.read_text() if path.exists() else _RESULTS_PREAMBLE
+        _atomic_write_text(path, replace_section(text, name, body))
+    return path
+
+
+def results_header(title: str, machine: dict[str, Any], git: dict[str, Any], command: str,
+                   timestamp: str | None = None) -> str:
+    """The markdown lines every section starts with: title, machine, commit, exact command."""
+    return "\n".join([
+        f"## {title}",
+        "",
+        f"- Machine: {machine_summary(machine)}",
+        f"- Commit: {git_summary(git)}",
+        f"- Date: {timestamp or now_iso()}",
+        f"- Command: `{command}`",
+    ])
