@@ -3,8 +3,8 @@
 Model-independent half: set metrics (``metrics``), star clustering, roles and
 budgets (``clustering``), the ``HeadProfile`` file format and import of the
 authors' published profiles (``format``), and the summary figure (``plot``,
-imported lazily because it pulls in matplotlib). Calibration on a model feeds
-these functions top-k index sets / masks.
+imported lazily because it pulls in matplotlib). Calibration on a model
+(``calibrate``, ``hetero-jax profile``) feeds these functions top-k masks.
 """
 
 from hetero_jax.profile.clustering import (
@@ -29,9 +29,16 @@ from hetero_jax.profile.format import (
     HeadProfile,
     ProfileError,
     ProfileSettings,
+    SHIPPED_PROFILES,
     build_profile,
+    default_profile,
     load_profile,
+    shipped_profile_path,
+    weights_fingerprint,
 )
+# Imported eagerly: the function ``calibrate`` must shadow the submodule of the same name
+# (importing the submodule later would otherwise rebind the package attribute to the module).
+from hetero_jax.profile.calibrate import calibrate, calibrate_tokens  # noqa: E402
 from hetero_jax.profile.metrics import (
     indices_to_mask,
     max_similarity,
@@ -59,7 +66,8 @@ __all__ = [
     "RoleAssignment", "allocation_weights", "assign_roles", "base_budget", "budget_grid",
     "head_budgets", "min_rho", "star_clustering",
     "FORMAT_NAME", "SCHEMA_VERSION", "HeadProfile", "ProfileError", "ProfileSettings",
-    "build_profile", "load_profile",
+    "build_profile", "load_profile", "weights_fingerprint", "SHIPPED_PROFILES", "shipped_profile_path",
+    "default_profile", "calibrate", "calibrate_tokens",
     "indices_to_mask", "max_similarity", "overlap", "overlap_masks", "similarity_edges",
     "similarity_matrix", "similarity_score", "stability", "stability_masks", "topk_mask", "topk_set",
     "plot_profile",

@@ -46,6 +46,10 @@ __all__ = [
     "HeadProfile",
     "build_profile",
     "load_profile",
+    "weights_fingerprint",
+    "SHIPPED_PROFILES",
+    "shipped_profile_path",
+    "default_profile",
 ]
 
 FORMAT_NAME = "hetero-jax-head-profile"
@@ -529,3 +533,77 @@ def _read_json(path) -> Any:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProfileError(f"{path} is not valid JSON: {e}") from None
+
+
+# ====================================================================== identity / shipped profiles
+_FINGERPRINT_SAMPLES = 64  # values hashed per parameter array (start and middle of it)
+
+
+def weights_fingerprint(params: Any) -> str:
+    """A cheap identity of a params pytree: ``"sha256:<16 hex>"``.
+
+    Hashes each leaf's tree path and shape plus ``2 x 64`` values (the first
+    ones and those from the middle of the flattened array), rounded to
+    bfloat16 first so that the same checkpoint loaded in float32 or bfloat16
+    gives the same fingerprint. Reads a few KB, not the weights: it tells
+    checkpoints apart, it is not a checksum of every value.
+    """
+    import hashlib
+
+    import jax
+    import ml_dtypes
+
+    h = hashlib.sha256()
+    n = _FINGERPRINT_SAMPLES
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        shape = tuple(int(s) for s in np.shape(leaf))
+        size = int(np.prod(shape)) if shape else 1
+        flat = leaf.reshape(-1) if hasattr(leaf, "reshape") else np.reshape(leaf, -1)
+        mid = max(0, size // 2 - n // 2)
+        parts = [np.asarray(flat[:n]), np.asarray(flat[mid:mid + n])]
+        vals = np.concatenate([p.astype(np.float32) for p in parts]).astype(ml_dtypes.bfloat16)
+        h.update(f"{jax.tree_util.keystr(path)}{shape};".encode())
+        h.update(vals.view(np.uint16).tobytes())
+    return "sha256:" + h.hexdigest()[:16]
+
+
+# Profiles shipped as package data (hetero_jax/data/), by known model name.
+SHIPPED_PROFILES = {"smollm2-135m": "smollm2-135m.profile.json"}
+
+
+def shipped_profile_path(model_name: str) -> str | None:
+    """Path of the profile shipped for known model ``model_name``, or None."""
+    fname = SHIPPED_PROFILES.get(model_name)
+    if fname is None:
+        return None
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", fname)
+    return path if os.path.isfile(path) else None
+
+
+def default_profile(model_or_config: Any, fingerprint: str | None = None) -> HeadProfile | None:
+    """The shipped HeadProfile that fits this model, or None.
+
+    ``model_or_config``: a ``hetero_jax.hub.Model`` (its params are
+    fingerprinted) or a ModelConfig-like object. A shipped profile fits when
+    architecture, layers, KV heads and head_dim agree and, when a fingerprint
+    is known (a Model, or ``fingerprint=``), the fingerprints agree.
+    With a bare config and no fingerprint only the shape is compared.
+    """
+    cfg = getattr(model_or_config, "config", model_or_config)
+    params = getattr(model_or_config, "params", None)
+    fp = fingerprint
+    for name in SHIPPED_PROFILES:
+        path = shipped_profile_path(name)
+        if path is None:
+            continue
+        prof = load_profile(path)
+        try:
+            prof.check_compatible(cfg)
+        except ProfileError:
+            continue
+        if fp is None and params is not None:
+            fp = weights_fingerprint(params)
+        if fp is not None and prof.weights_fingerprint is not None and fp != prof.weights_fingerprint:
+            continue
+        return prof
+    return None

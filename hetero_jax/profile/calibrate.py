@@ -1,0 +1,411 @@
+"""Offline calibration of a HeteroCache head profile on a model (issue 4).
+
+For each calibration sample (a token sequence, no chat template):
+
+1. Layer-major prefill with full KV. While a layer's prompt KV exists, the
+   last prompt token's query is recomputed from the layer input and scored
+   against the prompt keys (``pallas_kernels.scores``: softmax, 5-tap average
+   pooling, GQA aggregated by MEAN as METHODS.md asks for calibration). Its
+   top-k per KV head is K_prefill, kept as a bool mask [L, H, Tp].
+2. ``decode_steps`` greedy decode steps. One jitted function per step runs
+   the model step and, for every layer, scores that step's query against the
+   layer's prompt keys, takes the top-k mask K_t and records
+   O(K_t, K_prefill) per head, plus the pairwise overlaps of the heads of
+   each layer (the similarity matrix). The cache is donated; only [L, H]
+   overlaps and [L, H, H] similarities leave the device, never attention
+   matrices.
+3. Per sample: stability = median over steps of the overlap (Eq. 2);
+   similarity graph input = the pairwise overlaps at the last recorded step
+   (METHODS.md).
+
+Across samples the statistics are averaged (arithmetic mean of each head's
+stability and of each layer's similarity matrix), then thresholded once by
+``build_profile``. The paper only says its profile is "based on the
+statistical average" over the calibration set; we average the scores rather
+than voting on per-sample roles because a mean of scores is stable under
+small perturbations of a single sample and keeps the tau sweep meaningful.
+
+Everything is deterministic: greedy decoding, fixed top-k tie rule of
+``jax.lax.top_k`` (lower index first), fixed reduction order. ``seed`` only
+chooses the windows in :func:`calibration_windows` and is recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from hetero_jax import model as M
+from hetero_jax.cache import full_group
+from hetero_jax.config import ModelConfig
+from hetero_jax.generate import chunk_bucket, compiled
+from hetero_jax.profile.format import (
+    HeadProfile,
+    ProfileError,
+    ProfileSettings,
+    build_profile,
+    weights_fingerprint,
+)
+from hetero_jax.profile.metrics import max_similarity
+
+__all__ = [
+    "TOP_K_FRACTION",
+    "CalibrationStats",
+    "default_top_k",
+    "calibrate",
+    "calibrate_tokens",
+    "calibration_windows",
+    "pydoc_text",
+]
+
+# Paper: top-1024 of 10K-token texts, i.e. about a tenth of the context.
+TOP_K_FRACTION = 0.1
+
+
+def default_top_k(n_tokens: int) -> int:
+    """top_k used when none is given: 10% of the (shortest) calibration length, at least 1."""
+    return max(1, int(round(TOP_K_FRACTION * int(n_tokens))))
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationStats:
+    """Raw per-sample statistics behind a profile (for analysis and tests).
+
+    ``overlaps`` [N, S, L, H]: O(K_t, K_prefill) per sample, step, layer, head.
+    ``similarity_steps`` [N, S, L, H, H]: pairwise overlaps within each layer
+    at every step. ``stability`` [N, L, H]: per-sample median over steps.
+    ``similarity_matrix`` [N, L, H, H]: per-sample overlaps at the last step.
+    ``generated`` [N, S]: the greedy tokens fed at each step.
+    """
+
+    overlaps: np.ndarray
+    similarity_steps: np.ndarray
+    stability: np.ndarray
+    similarity_matrix: np.ndarray
+    generated: np.ndarray
+    prompt_lens: np.ndarray
+    top_k: int
+
+
+# --------------------------------------------------------------------- jitted pieces
+def _topk_mask(scores: jax.Array, k: int) -> jax.Array:
+    """scores [..., T] -> bool [..., T] with k True per row (lax.top_k: ties to the lower index)."""
+    _, idx = jax.lax.top_k(scores, k)
+    one = jnp.zeros(scores.shape, jnp.int32)
+    lead = scores.shape[:-1]
+    flat = one.reshape(-1, scores.shape[-1])
+    rows = jnp.arange(flat.shape[0])[:, None]
+    flat = flat.at[rows, idx.reshape(-1, k)].set(1)
+    return flat.reshape(lead + (scores.shape[-1],)).astype(bool)
+
+
+def _overlap(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Overlap coefficient of bool masks along the last axis (float32)."""
+    inter = jnp.sum(a & b, axis=-1)
+    denom = jnp.minimum(jnp.sum(a, axis=-1), jnp.sum(b, axis=-1))
+    return inter.astype(jnp.float32) / jnp.maximum(denom, 1).astype(jnp.float32)
+
+
+def _pairwise_overlap(m: jax.Array) -> jax.Array:
+    """m bool [B, H, T] -> [B, H, H] overlap of every pair of heads."""
+    mi = m.astype(jnp.float32)
+    inter = jnp.einsum("bht,bgt->bhg", mi, mi, precision=jax.lax.Precision.HIGHEST)
+    size = mi.sum(-1)
+    return inter / jnp.maximum(jnp.minimum(size[:, :, None], size[:, None, :]), 1.0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "top_k"))
+def _prefill_topk_jit(layer, x_in, k_buf, lens, cfg, top_k):
+    """K_prefill of one layer: bool [B, H, Tp] top-k of the last prompt token's pooled scores."""
+    B, H = k_buf.shape[:2]
+    q = M.prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)  # [B, H, 1, G, D]
+    lengths = jnp.broadcast_to(lens[:, None], (B, H)).astype(jnp.int32)
+    s = pallas_kernels.scores(q, k_buf, lengths, gqa="mean")[:, :, 0]  # [B, H, Tp]
+    return _topk_mask(s, top_k)
+
+
+_full_group_jit = jax.jit(full_group, donate_argnums=(0, 1))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "top_k"), donate_argnames=("cache",))
+def _calib_step_jit(params, cache, tokens, prefill_masks, cfg, top_k):
+    """One greedy decode step + every layer's scoring: a single dispatch.
+
+    prefill_masks: bool [L, B, H, Tp]. Returns (next tokens [B], cache,
+    overlaps [L, B, H], similarity [L, B, H, H]).
+    """
+    logits, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
+    overlaps, sims = [], []
+    for li, q in enumerate(queries):
+        g = cache.layers[li].groups[0]
+        s = pallas_kernels.scores(q[:, :, None], g.k, g.lengths, gqa="mean")[:, :, 0]  # [B, H, Tp]
+        mask = _topk_mask(s, top_k)
+        overlaps.append(_overlap(mask, prefill_masks[li]))
+        sims.append(_pairwise_overlap(mask))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, jnp.stack(overlaps), jnp.stack(sims)
+
+
+# --------------------------------------------------------------------- one batch of samples
+def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_steps: int, bar):
+    """Prefill + decode a right-padded batch of samples; per-row results are independent.
+
+    Returns overlaps [B, S, L, H], similarities [B, S, L, H, H] (float64) and
+    the greedy tokens fed at each step [B, S].
+    """
+    B = len(batch)
+    lens = np.array([s.size for s in batch], np.int32)
+    T = int(lens.max())
+    C = chunk_bucket(T)
+    Tp = -(-T // C) * C
+    tokens = np.zeros((B, Tp), np.int32)
+    for i, s in enumerate(batch):
+        tokens[i, : s.size] = s
+    masks: list = [None] * cfg.num_layers
+
+    def build_layer(li, layer, x_in, k_buf, v_buf, lens_dev):
+        masks[li] = compiled(_prefill_topk_jit, layer, x_in, k_buf, lens_dev, cfg=cfg, top_k=top_k)(
+            layer, x_in, k_buf, lens_dev)
+        return (compiled(_full_group_jit, k_buf, v_buf, lens_dev)(k_buf, v_buf, lens_dev),)
+
+    logits, cache = M.prefill(params, cfg, tokens, lens, chunk=C, tail_capacity=decode_steps + 1,
+                              build_layer=build_layer, compile_fn=compiled)
+    prefill_masks = jnp.stack(masks)  # [L, B, H, Tp]
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    ovs, sims, gen = [], [], []
+    for _ in range(decode_steps):
+        args = (params, cache, tok, prefill_masks)
+        fn = compiled(_calib_step_jit, *args, cfg=cfg, top_k=top_k)
+        gen.append(np.asarray(tok))
+        tok, cache, ov, sim = fn(*args)
+        ovs.append(np.asarray(ov, np.float64))  # [L, B, H]; reading it back paces the bar
+        sims.append(np.asarray(sim, np.float64))  # [L, B, H, H]
+        if bar is not None:
+            bar.update(B)
+    del cache
+    ovs = np.stack(ovs).transpose(2, 0, 1, 3)  # [B, S, L, H]
+    sims = np.stack(sims).transpose(2, 0, 1, 3, 4)  # [B, S, L, H, H]
+    return ovs, sims, np.stack(gen, axis=1).astype(np.int64)
+
+
+# --------------------------------------------------------------------- public API
+def calibrate_tokens(
+    cfg: ModelConfig,
+    params,
+    token_samples: Sequence[Sequence[int]],
+    *,
+    top_k: int | None = None,
+    decode_steps: int = 100,
+    tau_stable: float = 0.5,
+    tau_sim: float = 0.5,
+    seed: int = 0,
+    tokens: int | None = None,
+    progress: bool = True,
+    model_name: str | None = None,
+    data_description: str | None = None,
+    fingerprint: str | None = None,
+    batch_size: int = 4,
+    return_stats: bool = False,
+):
+    """Calibrate a HeadProfile from token-id samples (no tokenizer needed).
+
+    ``token_samples``: one token-id sequence per sample; with ``tokens`` each
+    is cut to its first ``tokens`` ids (and must have that many). Returns the
+    profile, or ``(profile, CalibrationStats)`` with ``return_stats``.
+    ``batch_size`` samples run together (right-padded; decode is bound by
+    reading the weights, so a batch costs about one sample per step); the
+    batching is fixed by the sample order, so results stay deterministic.
+    """
+    samples = [np.asarray(s, dtype=np.int64).reshape(-1) for s in token_samples]
+    if not samples:
+        raise ProfileError("no calibration data: pass at least one non-empty sample")
+    if tokens is not None:
+        if int(tokens) < 2:
+            raise ProfileError(f"tokens must be >= 2, got {tokens}")
+        short = [i for i, s in enumerate(samples) if s.size < tokens]
+        if short:
+            raise ProfileError(f"calibration sample(s) {short} have fewer than tokens={tokens} tokens "
+                               f"(shortest: {min(samples[i].size for i in short)}); use longer texts or "
+                               "a smaller --tokens")
+        samples = [s[:tokens] for s in samples]
+    if int(decode_steps) != decode_steps or decode_steps < 1:
+        raise ProfileError(f"decode_steps must be a positive integer, got {decode_steps!r}")
+    shortest = min(s.size for s in samples)
+    if shortest == 0:
+        raise ProfileError("empty calibration sample: every sample needs tokens")
+    if top_k is None:
+        top_k = default_top_k(shortest)
+    if int(top_k) != top_k or top_k < 1:
+        raise ProfileError(f"top_k must be a positive integer, got {top_k!r}")
+    top_k = int(top_k)
+    if shortest <= top_k:
+        raise ProfileError(f"calibration sample of {shortest} tokens is too short for top_k={top_k}: "
+                           "each sample needs more tokens than top_k (else every set is the whole "
+                           "prompt and every overlap is 1)")
+    longest = max(s.size for s in samples)
+    if longest + decode_steps > cfg.max_position_embeddings:
+        raise ProfileError(f"a {longest}-token sample plus {decode_steps} decode steps exceeds the "
+                           f"model's context of {cfg.max_position_embeddings} tokens")
+    bad = [i for i, s in enumerate(samples) if s.min() < 0 or s.max() >= cfg.vocab_size]
+    if bad:
+        raise ProfileError(f"sample(s) {bad} hold token ids outside the vocabulary [0, {cfg.vocab_size})")
+    if not (0.0 <= tau_stable <= 1.0 and 0.0 <= tau_sim <= 1.0):
+        raise ProfileError(f"tau_stable and tau_sim must lie in [0, 1], got {tau_stable}, {tau_sim}")
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(samples) * decode_steps, desc="calibrate", unit="step")
+    if int(batch_size) != batch_size or batch_size < 1:
+        raise ProfileError(f"batch_size must be a positive integer, got {batch_size!r}")
+    try:
+        per = []
+        for b0 in range(0, len(samples), batch_size):
+            batch = samples[b0:b0 + batch_size]
+            if bar is not None:
+                bar.set_postfix_str(f"samples {b0 + 1}-{b0 + len(batch)}/{len(samples)}: prefill")
+            ov, sim, gen = _calibrate_batch(cfg, params, batch, top_k, int(decode_steps), bar)
+            per.extend(zip(ov, sim, gen))
+            if bar is not None:
+                bar.set_postfix_str(f"samples {b0 + 1}-{b0 + len(batch)}/{len(samples)}: decoded")
+    finally:
+        if bar is not None:
+            bar.close()
+
+    overlaps = np.stack([p[0] for p in per])  # [N, S, L, H]
+    sim_steps = np.stack([p[1] for p in per])  # [N, S, L, H, H]
+    stab_per = np.median(overlaps, axis=1)  # [N, L, H]
+    simm_per = sim_steps[:, -1]  # [N, L, H, H]
+    stability = stab_per.mean(axis=0)
+    simm = simm_per.mean(axis=0)
+    lens = sorted({int(s.size) for s in samples})
+    settings = ProfileSettings(
+        top_k=top_k, decode_steps=int(decode_steps), tau_stable=float(tau_stable), tau_sim=float(tau_sim),
+        seed=int(seed), calibration_data=data_description, samples=len(samples),
+        tokens_per_sample=int(tokens) if tokens is not None else (lens[0] if len(lens) == 1 else None),
+    )
+    profile = build_profile(
+        stability, simm, tau_stable=float(tau_stable), tau_sim=float(tau_sim),
+        similarity=max_similarity(simm),
+        architecture=cfg.architecture, head_dim=cfg.head_dim, model_name=model_name,
+        weights_fingerprint=fingerprint if fingerprint is not None else weights_fingerprint(params),
+        settings=settings,
+    )
+    if return_stats:
+        stats = CalibrationStats(overlaps=overlaps, similarity_steps=sim_steps, stability=stab_per,
+                                 similarity_matrix=simm_per, generated=np.stack([p[2] for p in per]),
+                                 prompt_lens=np.array([s.size for s in samples]), top_k=top_k)
+        return profile, stats
+    return profile
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    # Plain text, no chat template; the tokenizer's own specials (e.g. BOS) when it adds any.
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+def calibrate(
+    model,
+    texts: Sequence[str] | str,
+    *,
+    top_k: int | None = None,
+    decode_steps: int = 100,
+    tau_stable: float = 0.5,
+    tau_sim: float = 0.5,
+    seed: int = 0,
+    tokens: int | None = None,
+    progress: bool = True,
+    data_description: str | None = None,
+    batch_size: int = 4,
+    return_stats: bool = False,
+):
+    """Calibrate a HeadProfile for ``model`` (a ``hetero_jax.hub.Model``) on ``texts``.
+
+    Each text is one sample, tokenized as plain text (no chat template) so
+    the model continues it; ``tokens`` keeps the first ``tokens`` tokens of
+    each (use :func:`calibration_windows` to cut a long text into windows).
+    ``top_k`` defaults to 10% of the shortest sample (the paper's 1024 of
+    10K). Greedy decoding for ``decode_steps`` steps; thresholds as in
+    METHODS.md. Deterministic for the same data, settings and seed.
+    """
+    if isinstance(texts, str):
+        texts = [texts]
+    texts = list(texts)
+    if not texts:
+        raise ProfileError("no calibration data: pass at least one text")
+    empty = [i for i, t in enumerate(texts) if not str(t).strip()]
+    if empty:
+        raise ProfileError(f"calibration text(s) {empty} are empty")
+    samples = [_encode_plain(model.tokenizer, t) for t in texts]
+    desc = data_description or f"{len(texts)} text(s) passed to calibrate()"
+    return calibrate_tokens(
+        model.config, model.params, samples, top_k=top_k, decode_steps=decode_steps, tau_stable=tau_stable,
+        tau_sim=tau_sim, seed=seed, tokens=tokens, progress=progress, model_name=getattr(model, "name", None),
+        data_description=desc, batch_size=batch_size, return_stats=return_stats,
+    )
+
+
+def calibration_windows(tokenizer, text: str, tokens: int, samples: int, seed: int = 0) -> list[list[int]]:
+    """Cut ``text`` into ``samples`` windows of ``tokens`` token ids, chosen by ``seed``.
+
+    The text is tokenized once (plain, no specials) and split into
+    consecutive non-overlapping windows; ``samples`` of them are drawn
+    without replacement with ``numpy.random.default_rng(seed)`` and returned
+    in text order. The tokenizer's leading special tokens (e.g. BOS), if it
+    adds any, start every window and count toward ``tokens``.
+    """
+    if samples < 1:
+        raise ProfileError(f"samples must be >= 1, got {samples}")
+    prefix = list(tokenizer.encode("", add_special_tokens=True))
+    body = int(tokens) - len(prefix)
+    if body < 1:
+        raise ProfileError(f"tokens={tokens} leaves no room for text after {len(prefix)} special token(s)")
+    if not text.strip():
+        raise ProfileError("no calibration data: the text is empty")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    n_win = len(ids) // body
+    if n_win < samples:
+        raise ProfileError(f"the calibration text has {len(ids)} tokens: room for {n_win} window(s) of "
+                           f"{body} tokens, but {samples} sample(s) were asked for; give more text or "
+                           "fewer/shorter samples")
+    rng = np.random.default_rng(seed)
+    chosen = np.sort(rng.choice(n_win, size=samples, replace=False))
+    return [prefix + ids[int(w) * body:(int(w) + 1) * body] for w in chosen]
+
+
+def pydoc_text() -> str:
+    """Python's own ``pydoc_data.topics.topics`` texts joined in sorted key order (real English prose)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def read_texts(paths: Iterable[str]) -> tuple[str, str]:
+    """``--data`` values -> (joined text, description). ``pydoc`` = :func:`pydoc_text`."""
+    parts, names = [], []
+    for p in paths:
+        if p == "pydoc":
+            parts.append(pydoc_text())
+            import sys
+
+            # The topic texts change between Python releases: record which one.
+            names.append(f"pydoc_data.topics of Python {sys.version_info[0]}.{sys.version_info[1]} "
+                         "(topic help, sorted keys)")
+            continue
+        try:
+            with open(p, encoding="utf-8") as f:
+                parts.append(f.read())
+        except FileNotFoundError:
+            raise ProfileError(f"calibration data file not found: {p}") from None
+        except UnicodeDecodeError as e:
+            raise ProfileError(f"calibration data file {p} is not UTF-8 text: {e}") from None
+        names.append(p)
+    if not parts:
+        raise ProfileError("no calibration data: pass --data FILE (or --data pydoc)")
+    return "\n\n".join(parts), " + ".join(names)

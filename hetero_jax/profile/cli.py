@@ -1,0 +1,96 @@
+"""``hetero-jax profile``: calibrate a HeteroCache head profile for a model.
+
+``add_profile_parser(subparsers)`` adds the sub-command to the main CLI;
+``run_profile(args)`` runs it and returns the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_TOKENS = 1024
+DEFAULT_SAMPLES = 4
+DEFAULT_DECODE_STEPS = 50
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "profile",
+        help="calibrate a HeteroCache head profile (roles, stability, similarity) for a model",
+        description="Calibrate the offline HeteroCache head profile: prefill each calibration window, "
+        "decode greedily, score every KV head's top-k attended tokens, then cluster heads into "
+        "anchor / volatile / pivot / satellite roles. Writes the profile JSON (and optionally a figure).",
+    )
+    p.add_argument("--model", default="smollm2-135m",
+                   help="known model name or converted checkpoint dir (default: smollm2-135m)")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                   help="UTF-8 text file(s), joined; 'pydoc' = Python's pydoc_data.topics texts")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                   help=f"tokens per calibration window (default {DEFAULT_TOKENS})")
+    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                   help=f"calibration windows, drawn from the data by --seed (default {DEFAULT_SAMPLES})")
+    p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
+                   help=f"greedy decode steps per window (default {DEFAULT_DECODE_STEPS}; the paper uses 100)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="size of each top-k token set (default: 10%% of --tokens)")
+    p.add_argument("--tau-stable", type=float, default=0.5, help="stability threshold (default 0.5)")
+    p.add_argument("--tau-sim", type=float, default=0.5, help="similarity threshold (default 0.5)")
+    p.add_argument("--seed", type=int, default=0, help="chooses the windows (default 0)")
+    p.add_argument("--batch-size", type=int, default=4, help="windows run together (default 4)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype (default: checkpoint's)")
+    p.add_argument("--out", required=True, help="where to write the profile JSON")
+    p.add_argument("--plot", default=None, help="also write the summary figure (PNG) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_profile)
+    return p
+
+
+def run_profile(args) -> int:
+    import hetero_jax
+    from hetero_jax.errors import HeteroJaxError
+    from hetero_jax.profile.calibrate import calibrate_tokens, calibration_windows, read_texts
+
+    try:
+        text, source = read_texts(args.data)
+        model = hetero_jax.load(args.model, dtype=args.dtype, progress=not args.no_progress)
+        windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
+        desc = (f"{source}: {args.samples} window(s) of {args.tokens} tokens chosen with seed {args.seed} "
+                f"among consecutive non-overlapping windows; batch_size {args.batch_size}")
+        profile = calibrate_tokens(
+            model.config, model.params, windows, top_k=args.top_k, decode_steps=args.decode_steps,
+            tau_stable=args.tau_stable, tau_sim=args.tau_sim, seed=args.seed, tokens=args.tokens,
+            progress=not args.no_progress, model_name=model.name, data_description=desc,
+            batch_size=args.batch_size,
+        )
+        profile.to_json(args.out)
+    except HeteroJaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    counts = profile.role_counts()
+    total = sum(counts.values())
+    print(f"profile of {model.name}: {profile.num_layers} layers x {profile.num_kv_heads} KV heads = {total} heads "
+          f"(top_k {profile.settings.top_k}, {args.decode_steps} decode steps, {args.samples} x {args.tokens} tokens)")
+    print("roles: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+          + f" | full {profile.n_full}, compressed {profile.n_compressed}")
+    print(f"wrote {args.out}")
+    if args.plot:
+        from hetero_jax.profile import plot_profile
+
+        plot_profile(profile, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """Stand-alone entry (``python -m hetero_jax.profile.cli profile ...``) until the main CLI wires it."""
+    parser = argparse.ArgumentParser(prog="hetero-jax")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_profile_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

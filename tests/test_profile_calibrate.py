@@ -1,0 +1,196 @@
+"""Calibration of HeteroCache head profiles on a model (issue 4, calibration half)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hetero_jax import model as M
+from hetero_jax.cache import full_group
+from hetero_jax.config import ModelConfig
+from hetero_jax.profile import ProfileError, load_profile
+from hetero_jax.profile.calibrate import (
+    calibrate_tokens,
+    calibration_windows,
+    default_top_k,
+    pydoc_text,
+)
+from hetero_jax.profile.format import (
+    default_profile,
+    shipped_profile_path,
+    weights_fingerprint,
+)
+from hetero_jax.profile.metrics import overlap_masks, similarity_matrix, topk_mask
+from hetero_jax.spec import init_params
+
+# 2 layers, 3 KV heads x group 3 (odd GQA), small vocab.
+TINY = ModelConfig(architecture="llama", vocab_size=96, hidden_size=72, intermediate_size=96, num_layers=2,
+                   num_heads=9, num_kv_heads=3, head_dim=16, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    params = init_params(TINY, seed=3)
+    # Sharpen q/k so attention is far from uniform (top-k is not decided by rounding noise).
+    for layer in params["layers"]:
+        layer["q_proj"] = layer["q_proj"] * 12
+        layer["k_proj"] = layer["k_proj"] * 12
+    return params
+
+
+@pytest.fixture(scope="module")
+def tiny_samples():
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, TINY.vocab_size, 61), rng.integers(0, TINY.vocab_size, 48)]
+
+
+# ------------------------------------------------------------ numpy reference
+def _np_pooled_mean(q, k, length):
+    """q [G, D], k [T, D] (first ``length`` valid) -> pooled, GQA-mean scores [length] (float64)."""
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k, np.float64)[:length]
+    s = q @ k.T / math.sqrt(q.shape[-1])  # [G, T]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    padded = np.pad(p, ((0, 0), (2, 2)))  # zero padding, divide by 5 (count_include_pad)
+    pooled = sum(padded[:, i:i + length] for i in range(5)) / 5.0
+    return pooled.mean(0)
+
+
+def _reference_overlaps(params, toks, top_k, steps):
+    """Straightforward per-sample recomputation: [S, L, H] overlaps and last-step [L, H, H] similarity."""
+    T = len(toks)
+    tokens = np.asarray(toks, np.int32)[None]
+    lens = np.array([T], np.int32)
+    prefill = {}
+
+    def build_layer(li, layer, x_in, k_buf, v_buf, lens_dev):
+        q = np.asarray(M.prompt_queries(layer, x_in, (lens_dev - 1)[:, None], TINY))[0, :, 0]  # [H, G, D]
+        k = np.asarray(k_buf)[0]
+        prefill[li] = np.stack([topk_mask(_np_pooled_mean(q[h], k[h], T), top_k) for h in range(TINY.num_kv_heads)])
+        return (full_group(k_buf, v_buf, lens_dev),)
+
+    logits, cache = M.prefill(params, TINY, tokens, lens, chunk=T, tail_capacity=steps + 1, build_layer=build_layer)
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    ovs, sim = [], None
+    for _ in range(steps):
+        logits, cache, queries = M.decode_step(params, cache, tok, TINY, return_queries=True)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        row, sims = [], []
+        for li, q in enumerate(queries):
+            k = np.asarray(cache.layers[li].groups[0].k)[0]
+            q = np.asarray(q)[0]
+            masks = np.stack([topk_mask(_np_pooled_mean(q[h], k[h], T), top_k) for h in range(TINY.num_kv_heads)])
+            row.append(overlap_masks(masks, prefill[li]))
+            sims.append(similarity_matrix(masks))
+        ovs.append(row)
+        sim = np.stack(sims)
+    return np.array(ovs), sim
+
+
+def test_matches_numpy_reference(tiny_params, tiny_samples):
+    top_k, steps = 9, 4
+    prof, stats = calibrate_tokens(TINY, tiny_params, tiny_samples, top_k=top_k, decode_steps=steps,
+                                   progress=False, batch_size=2, return_stats=True)
+    assert stats.overlaps.shape == (2, steps, TINY.num_layers, TINY.num_kv_heads)
+    ref_stab, ref_sim = [], []
+    for i, toks in enumerate(tiny_samples):
+        ov, sim = _reference_overlaps(tiny_params, toks, top_k, steps)
+        np.testing.assert_allclose(stats.overlaps[i], ov, atol=1e-6)
+        np.testing.assert_allclose(stats.similarity_matrix[i], sim, atol=1e-6)
+        ref_stab.append(np.median(ov, axis=0))
+        ref_sim.append(sim)
+    np.testing.assert_allclose(prof.stability, np.mean(ref_stab, axis=0), atol=1e-6)
+    np.testing.assert_allclose(prof.similarity_matrix, np.mean(ref_sim, axis=0), atol=1e-6)
+    s = prof.settings
+    assert (s.top_k, s.decode_steps, s.samples, s.tau_stable, s.tau_sim) == (top_k, steps, 2, 0.5, 0.5)
+    assert prof.weights_fingerprint == weights_fingerprint(tiny_params)
+    assert (prof.architecture, prof.head_dim) == ("llama", 16)
+
+
+def test_deterministic(tiny_params, tiny_samples, tmp_path):
+    kw = dict(decode_steps=3, progress=False, seed=5)
+    a = calibrate_tokens(TINY, tiny_params, tiny_samples, **kw)
+    b = calibrate_tokens(TINY, tiny_params, tiny_samples, **kw)
+    assert a == b
+    assert a.settings.top_k == default_top_k(48) == 5
+    a.to_json(tmp_path / "a.json")
+    b.to_json(tmp_path / "b.json")
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+
+
+def test_clear_errors(tiny_params, tiny_samples):
+    with pytest.raises(ProfileError, match="no calibration data"):
+        calibrate_tokens(TINY, tiny_params, [], progress=False)
+    with pytest.raises(ProfileError, match="too short for top_k"):
+        calibrate_tokens(TINY, tiny_params, tiny_samples, top_k=48, decode_steps=1, progress=False)
+    with pytest.raises(ProfileError, match="fewer than tokens=100"):
+        calibrate_tokens(TINY, tiny_params, tiny_samples, tokens=100, decode_steps=1, progress=False)
+    with pytest.raises(ProfileError, match="exceeds the model's context"):
+        calibrate_tokens(TINY, tiny_params, tiny_samples, decode_steps=250, progress=False)
+
+
+class _CharTokenizer:
+    """Tokenizer stand-in: one id per character, BOS = 1."""
+
+    def encode(self, text, add_special_tokens=False):
+        return ([1] if add_special_tokens else []) + [2 + (ord(c) % 90) for c in text]
+
+
+def test_windows_deterministic_and_errors():
+    text = "".join(chr(65 + (i * 7) % 53) for i in range(500))  # 500 ids -> 50 windows of 10 after BOS
+    w1 = calibration_windows(_CharTokenizer(), text, 11, 3, seed=4)
+    assert w1 == calibration_windows(_CharTokenizer(), text, 11, 3, seed=4)
+    assert all(len(w) == 11 and w[0] == 1 for w in w1)
+    assert w1 != calibration_windows(_CharTokenizer(), text, 11, 3, seed=5)
+    with pytest.raises(ProfileError, match="room for"):
+        calibration_windows(_CharTokenizer(), "abc", 11, 1)
+    with pytest.raises(ProfileError, match="empty"):
+        calibration_windows(_CharTokenizer(), "   ", 11, 1)
+    assert len(pydoc_text()) > 100_000
+
+
+# ------------------------------------------------------------ shipped profile
+def test_shipped_profile_refuses_other_shapes():
+    path = shipped_profile_path("smollm2-135m")
+    assert path is not None, "the SmolLM2 profile must ship as package data"
+    prof = load_profile(path)
+    assert prof.roles.shape == (30, 3) and prof.head_dim == 64 and prof.architecture == "llama"
+    prof.check_compatible({"architecture": "llama", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64})
+    with pytest.raises(ProfileError, match="30 layers x 3 KV heads"):
+        prof.check_compatible(TINY)
+    with pytest.raises(ProfileError):
+        prof.check_compatible(dataclasses.replace(TINY, num_layers=30, num_kv_heads=3, head_dim=128))
+    with pytest.raises(ProfileError, match="calibrated on weights"):
+        prof.check_compatible({"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}, "sha256:0000")
+    assert default_profile(TINY) is None
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_shipped_profile_reproduces(smollm2_dir):
+    import hetero_jax
+
+    path = shipped_profile_path("smollm2-135m")
+    shipped = load_profile(path)
+    s = shipped.settings
+    import sys
+
+    data = s.calibration_data
+    py = f"Python {sys.version_info[0]}.{sys.version_info[1]} "
+    if py not in data:  # pydoc_data.topics differs between Python releases
+        pytest.skip(f"shipped profile was calibrated on another Python's pydoc topics: {data}")
+    model = hetero_jax.load(smollm2_dir, progress=False)
+    assert default_profile(model) == shipped
+    batch = int(data.rsplit("batch_size ", 1)[1])
+    windows = calibration_windows(model.tokenizer, pydoc_text(), s.tokens_per_sample, s.samples, seed=s.seed)
+    prof = calibrate_tokens(model.config, model.params, windows, top_k=s.top_k, decode_steps=s.decode_steps,
+                            tau_stable=s.tau_stable, tau_sim=s.tau_sim, seed=s.seed, tokens=s.tokens_per_sample,
+                            progress=False, batch_size=batch)
+    np.testing.assert_array_equal(prof.roles, shipped.roles)
+    assert prof.clusters == shipped.clusters
+    np.testing.assert_allclose(prof.stability, shipped.stability, atol=1e-9)
