@@ -14,7 +14,7 @@ def _add_generate(sub) -> None:
         "then one line of stats.",
     )
     p.add_argument("--model", default="smollm2-135m", help="known model name or converted checkpoint dir (default: smollm2-135m)")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -25,6 +25,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-chat", action="store_true", help="do not apply the checkpoint's chat template")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: checkpoint's)")
     p.add_argument("--no-stream", action="store_true", help="print the answer at the end instead of streaming it")
+    p.add_argument("--policy", default="full", help="KV-cache policy name; 'list' prints them (default: full)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="rho: fraction of the prompt's KV kept on the device, in (0, 1] (default: the policy's)")
 
 
 def _read_prompt(args) -> str:
@@ -53,15 +56,27 @@ def enable_compilation_cache() -> None:
 
 def _cmd_generate(args) -> int:
     import hetero_jax
+    from hetero_jax.policies import describe_policies, make_policy
 
+    if args.policy == "list":
+        print(describe_policies())
+        return 0
+    try:
+        policy = make_policy(args.policy, args.budget)
+    except KeyError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    if args.prompt is None and args.prompt_file is None:
+        print("error: give --prompt TEXT or --prompt-file FILE", file=sys.stderr)
+        return 2
     enable_compilation_cache()
-
     prompt = _read_prompt(args)
     model = hetero_jax.load(args.model, dtype=args.dtype)
     stream = not args.no_stream
     res = hetero_jax.generate(
         model,
         prompt,
+        policy,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -95,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     sub.add_parser("models", help="list the known model names")
+    from hetero_jax.profile.cli import add_profile_parser
+
+    add_profile_parser(sub)
     return parser
 
 
@@ -111,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "models":
             return _cmd_models(args)
+        if args.command == "profile":
+            enable_compilation_cache()
+            return args.func(args)
     except (HeteroJaxError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -38,6 +38,8 @@ class GenerationStats:
     kv_bytes_tail: int  # of which the tail (tokens added after prefill)
     stop_reason: str  # "eos", "stop", "max_new_tokens" or "context"
     compile_seconds: float = 0.0  # XLA compilation in this call (excluded from the timings above)
+    policy: str = "FullKV(budget=1.0)"
+    achieved_rho: float = 1.0  # prompt KV kept on the device / full prompt KV (tokens x KV heads x layers)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -53,7 +55,7 @@ class GenerationStats:
             f"({self.prefill_tokens_per_second:.0f} tok/s) | generated {self.generated_tokens} tok, "
             f"decode {self.decode_ms_per_token:.1f} ms/tok | KV device {self.kv_bytes_device / 2**20:.1f} MiB "
             f"(used {self.kv_bytes_used / 2**20:.1f} MiB), host {self.kv_bytes_host / 2**20:.1f} MiB | "
-            f"compile {self.compile_seconds:.1f} s | stop: {self.stop_reason}"
+            f"rho {self.achieved_rho:.3f} | compile {self.compile_seconds:.1f} s | stop: {self.stop_reason}"
         )
 
 
@@ -190,10 +192,12 @@ def generate(
     ``on_token(text_delta)`` streams a single prompt's new text.
     Returns a :class:`GenerationResult` (a list of them for a batch).
     """
-    if policy is not None:
-        raise NotImplementedError(
-            f"KV-cache policy {policy!r} is not available yet: this release runs full KV only "
-            "(policy=None); compression policies are tracked in the policies issue"
+    from hetero_jax.policies import FullKV, Policy, PolicyPrefill, achieved_rho
+
+    policy = FullKV() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise PromptError(
+            f"policy must be a hetero_jax.policies.Policy (e.g. SnapKV(budget=0.3)) or None, got {policy!r}"
         )
     if max_new_tokens < 0:
         raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -218,6 +222,7 @@ def generate(
     stops = [stop] if isinstance(stop, str) else list(stop or [])
 
     lens = [len(b) for b in batch]
+    plan = PolicyPrefill(policy, cfg, lens, compile_fn=compiled)  # checks budgets before any compute
     T = max(lens)
     # tokens beyond the context are not generated; say so in stop_reason
     budget = min(max_new_tokens, cfg.max_position_embeddings - T)
@@ -226,7 +231,10 @@ def generate(
 
     compile_start = compile_before = _COMPILE_TIME[0]
     t0 = time.perf_counter()
-    logits, cache = prefill(model.params, cfg, batch, tail_capacity=tail_capacity)
+    build = None if isinstance(policy, FullKV) else plan.build_layer
+    logits, cache = prefill(model.params, cfg, batch, tail_capacity=tail_capacity, build_layer=build)
+    cache = plan.finish(cache)
+    rho = achieved_rho(cache, cfg)
     key = jax.random.PRNGKey(seed)
     key, sub = jax.random.split(key)
     next_tok = np.asarray(sample(logits, sub, temperature, top_p))
@@ -288,6 +296,8 @@ def generate(
             kv_bytes_prompt=prompt_kv_bytes(cache),
             kv_bytes_tail=tail_kv_bytes(cache),
             stop_reason=reasons[i],
+            policy=repr(policy),
+            achieved_rho=float(rho[i]),
             compile_seconds=_COMPILE_TIME[0] - compile_start,
         )
         results.append(GenerationResult(text=texts[i], token_ids=out_ids[i], stats=stats))

@@ -1,0 +1,41 @@
+"""KV-cache policies on one budget definition, and the registry that names them.
+
+``rho`` (``budget``) = fraction of the prompt's full KV (tokens x KV heads x
+layers) kept on the device after prefill; sinks and windows count inside it,
+tokens added after prefill come on top.
+"""
+
+from __future__ import annotations
+
+from hetero_jax.policies.base import BudgetError, Policy, smallest_rho, tokens_for
+from hetero_jax.policies.baselines import CAKE, H2O, FullKV, PyramidKV, SnapKV, StreamingLLM
+from hetero_jax.policies.runtime import PolicyPrefill, achieved_rho
+
+REGISTRY: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, PyramidKV, H2O, CAKE)
+}
+
+
+def make_policy(name: str, budget: float | None = None, **kwargs) -> Policy:
+    """A policy from its registry name (case-insensitive), e.g. ``make_policy("snapkv", 0.3)``."""
+    key = name.lower().replace("-", "").replace("_", "")
+    if key not in REGISTRY:
+        raise KeyError(f"unknown policy {name!r}; known policies: {', '.join(REGISTRY)}")
+    cls = REGISTRY[key]
+    if budget is None or cls is FullKV:
+        if cls is FullKV and budget not in (None, 1.0):
+            raise BudgetError(f"the full policy keeps the whole prompt; drop --budget (got {budget})")
+        return cls(**kwargs)
+    return cls(budget=budget, **kwargs)
+
+
+def describe_policies() -> str:
+    """One line per registered policy."""
+    return "\n".join(f"{name:14s} {cls.summary}" for name, cls in REGISTRY.items())
+
+
+__all__ = [
+    "BudgetError", "Policy", "smallest_rho", "tokens_for",
+    "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE",
+    "PolicyPrefill", "achieved_rho", "REGISTRY", "make_policy", "describe_policies",
+]

@@ -1,0 +1,125 @@
+"""Shared building blocks of every KV-cache policy, written once.
+
+Scores are float32; masks use finite values (never -inf); a head never keeps
+zero tokens (budget rules guarantee at least one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from hetero_jax.cache import HeadGroup
+from hetero_jax.config import ModelConfig
+from hetero_jax.model import MASK_VALUE, prompt_queries
+
+# Score of a token a policy must keep (sinks, observation window): above any real score.
+FORCE = 1e30
+# Score of a slot beyond a sequence's prompt: below any real score.
+INVALID = -1e30
+POOL_KERNEL = 5
+
+
+def avg_pool(x: jax.Array, kernel: int = POOL_KERNEL) -> jax.Array:
+    """1-D average pooling along the last axis: stride 1, zero padding kernel//2, divide by kernel."""
+    half = kernel // 2
+    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(half, half)])
+    n = x.shape[-1]
+    return sum(xp[..., i : i + n] for i in range(kernel)) / kernel
+
+
+def gqa_reduce(x: jax.Array, how: str, axis: int) -> jax.Array:
+    """Aggregate the G query heads of each KV head: ``how`` in {"max", "mean"}."""
+    if how == "max":
+        return x.max(axis=axis)
+    if how == "mean":
+        return x.mean(axis=axis)
+    raise ValueError(f"GQA aggregation must be 'max' or 'mean', got {how!r}")
+
+
+def window_rows(prompt_lens: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
+    """Slots of each sequence's last ``window`` prompt tokens.
+
+    prompt_lens: [B]. Returns rows [B, W] int32 (clipped at 0) and valid [B, W]
+    (False where the prompt is shorter than the window).
+    """
+    rows = prompt_lens[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None, :]
+    return jnp.maximum(rows, 0), rows >= 0
+
+
+def attention_probs(
+    q_rows: jax.Array, keys: jax.Array, q_pos: jax.Array, prompt_lens: jax.Array
+) -> jax.Array:
+    """Causal float32 softmax of prompt queries over the prompt keys.
+
+    q_rows: [B, Hkv, W, G, D]; keys: [B, Hkv, Tp, D]; q_pos: [B, W] position of
+    each query row; prompt_lens: [B]. Key t is visible to row w iff
+    t <= q_pos[w] and t < prompt_len. Returns [B, Hkv, W, G, Tp].
+    """
+    D = q_rows.shape[-1]
+    s = jnp.einsum("bhwgd,bhtd->bhwgt", q_rows, keys, preferred_element_type=jnp.float32)
+    s = s * (1.0 / math.sqrt(D))
+    t = jnp.arange(keys.shape[2], dtype=jnp.int32)
+    visible = (t[None, None, :] <= q_pos[:, :, None]) & (t[None, None, :] < prompt_lens[:, None, None])
+    s = jnp.where(visible[:, None, :, None, :], s, MASK_VALUE)
+    return jax.nn.softmax(s, axis=-1)
+
+
+def observation_window_probs(
+    layer: dict, x_in: jax.Array, keys: jax.Array, prompt_lens: jax.Array, window: int, cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of each sequence's last ``window`` prompt queries over its prompt keys.
+
+    Returns probs [B, Hkv, W, G, Tp] (rows beyond a short prompt are zero) and
+    the valid-row mask [B, W].
+    """
+    rows, valid = window_rows(prompt_lens, window)
+    q = prompt_queries(layer, x_in, rows, cfg)
+    p = attention_probs(q, keys, rows, prompt_lens)
+    return jnp.where(valid[:, None, :, None, None], p, 0.0), valid
+
+
+def keep_mask(prompt_lens: jax.Array, tp: int) -> jax.Array:
+    """[B, Tp] True on real prompt slots."""
+    return jnp.arange(tp, dtype=jnp.int32)[None, :] < prompt_lens[:, None]
+
+
+def finalize_scores(scores: jax.Array, prompt_lens: jax.Array, forced: jax.Array | None = None) -> jax.Array:
+    """scores [B, Hkv, Tp] -> FORCE on forced slots ([B, Tp] or [B, Hkv, Tp]), INVALID beyond the prompt."""
+    scores = scores.astype(jnp.float32)
+    if forced is not None:
+        if forced.ndim == 2:
+            forced = forced[:, None, :]
+        scores = jnp.where(forced, FORCE, scores)
+    return jnp.where(keep_mask(prompt_lens, scores.shape[-1])[:, None, :], scores, INVALID)
+
+
+def select_topk(scores: jax.Array, counts: jax.Array, cap: int) -> jax.Array:
+    """Indices of each head's top-``counts`` tokens, stored in position order.
+
+    scores: [B, H, T] float32; counts: [B, H] int32 (<= cap); cap: static.
+    Ties go to the lower position (``lax.top_k`` is stable). Returns
+    [B, H, cap] int32; entries at or beyond ``counts`` repeat the last kept
+    index (finite padding; they are masked by the group's lengths).
+    """
+    _, idx = jax.lax.top_k(scores, cap)  # best first
+    rank = jnp.arange(cap, dtype=jnp.int32)
+    big = jnp.iinfo(jnp.int32).max
+    kept = jnp.where(rank[None, None, :] < counts[..., None], idx, big)
+    kept = jnp.sort(kept, axis=-1)  # position order, padding last
+    last = jnp.take_along_axis(kept, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
+    return jnp.where(kept == big, last, kept).astype(jnp.int32)
+
+
+def gather_group(k: jax.Array, v: jax.Array, positions: jax.Array, idx: jax.Array, counts: jax.Array) -> HeadGroup:
+    """Gather kept slots into a new group.
+
+    k, v: [B, H, T, D]; positions: [B, H, T] int32; idx: [B, H, cap];
+    counts: [B, H]. The new arrays are exactly cap slots long: memory is real.
+    """
+    take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=2)  # noqa: E731
+    pos = jnp.take_along_axis(positions, idx, axis=2)
+    valid = jnp.arange(idx.shape[-1])[None, None, :] < counts[..., None]
+    return HeadGroup(k=take(k), v=take(v), positions=jnp.where(valid, pos, -1), lengths=counts.astype(jnp.int32))
