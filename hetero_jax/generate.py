@@ -15,6 +15,7 @@ from hetero_jax import model as M
 from hetero_jax.cache import kv_bytes, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import PromptError
+from hetero_jax.layout import params_for
 
 # Prefill chunk sizes: a prompt is padded to a multiple of its bucket, so a new
 # prompt length recompiles only when it crosses into a new bucket.
@@ -231,8 +232,9 @@ def generate(
 
     compile_start = compile_before = _COMPILE_TIME[0]
     t0 = time.perf_counter()
+    params = params_for(model, policy.layout(cfg))  # heads permuted once per (model, layout)
     build = None if isinstance(policy, FullKV) else plan.build_layer
-    logits, cache = prefill(model.params, cfg, batch, tail_capacity=tail_capacity, build_layer=build)
+    logits, cache = prefill(params, cfg, batch, tail_capacity=tail_capacity, build_layer=build)
     cache = plan.finish(cache)
     rho = achieved_rho(cache, cfg)
     key = jax.random.PRNGKey(seed)
@@ -274,7 +276,7 @@ def generate(
             break
         t1 = time.perf_counter()
         key, sub = jax.random.split(key)
-        args = (model.params, cache, jnp.asarray(next_tok, jnp.int32), sub)
+        args = (params, cache, jnp.asarray(next_tok, jnp.int32), sub)
         if step_fn is None:  # shapes are fixed for the whole loop: look the executable up once
             step_fn = compiled(_decode_jit, *args, cfg=cfg, temperature=float(temperature), top_p=float(top_p))
             t1 += _COMPILE_TIME[0] - compile_before  # compile time is reported apart

@@ -90,47 +90,39 @@ class Policy:
         """Traced: (scores [B, Hkv, Tp] float32, aux [B] float32 or None)."""
         raise NotImplementedError
 
-    @property
-    def keeps_everything(self) -> bool:
-        return self.budget >= 1.0
+    def layout(self, cfg: ModelConfig):
+        """The head layout this policy needs (a ``HeadLayout``), or None for one group per layer."""
+        return None
 
 
-def distribute(targets: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
-    """Integer per-layer budgets near ``targets`` (floats) with exact ``total``, each in [lo, hi].
+def distribute(weights: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
+    """Integer budgets proportional to ``weights`` with an exact ``total``, each within [lo, hi].
 
-    Water-fills values above ``hi`` or below ``lo`` into the other layers, then
-    rounds by largest remainder (ties to the lower layer).
+    Water-filling: find c with sum(clip(c * w_j, lo, hi)) = total (bisection;
+    the sum is monotone in c), then round by largest remainder (ties to the
+    lower index) without leaving [lo, hi].
     """
-    t = np.asarray(targets, np.float64).copy()
-    n = len(t)
-    assert lo * n <= total <= hi * n, (lo, hi, total, n)
-    t *= total / t.sum() if t.sum() > 0 else 0
-    fixed = np.zeros(n, bool)
-    for _ in range(2 * n + 1):
-        over, under = (t > hi) & ~fixed, (t < lo) & ~fixed
-        if not over.any() and not under.any():
-            break
-        t[over], t[under] = hi, lo
-        fixed |= over | under
-        free = ~fixed
-        rest = total - t[fixed].sum()
-        if free.any():
-            cur = t[free].sum()
-            t[free] = t[free] * (rest / cur) if cur > 0 else rest / free.sum()
-    base = np.floor(t + 1e-9).astype(np.int64)
-    base = np.clip(base, lo, hi)
+    w = np.maximum(np.asarray(weights, np.float64), 0.0)
+    n = len(w)
+    if not lo * n <= total <= hi * n:
+        raise ValueError(f"cannot split {total} into {n} parts within [{lo}, {hi}]")
+    if w.sum() == 0:
+        w = np.ones(n)
+    c_lo, c_hi = 0.0, hi / max(w[w > 0].min(), 1e-300)
+    for _ in range(200):
+        c = 0.5 * (c_lo + c_hi)
+        if np.clip(c * w, lo, hi).sum() < total:
+            c_lo = c
+        else:
+            c_hi = c
+    t = np.clip(c_hi * w, lo, hi)
+    base = np.clip(np.floor(t + 1e-9), lo, hi).astype(np.int64)
+    order = np.lexsort((np.arange(n), -(t - base)))  # largest remainder first, then lower index
     short = total - int(base.sum())
-    frac = t - base
-    order = np.lexsort((np.arange(n), -frac))  # largest remainder first, then lower layer
-    i = 0
-    while short != 0 and i < 4 * n:
-        j = order[i % n]
-        if short > 0 and base[j] < hi:
-            base[j] += 1
-            short -= 1
-        elif short < 0 and base[j] > lo:
-            base[j] -= 1
-            short += 1
-        i += 1
-    assert base.sum() == total, (base, total)
+    while short != 0:
+        step = 1 if short > 0 else -1
+        for j in order if step > 0 else order[::-1]:
+            if short != 0 and lo <= base[j] + step <= hi:
+                base[j] += step
+                short -= step
     return base

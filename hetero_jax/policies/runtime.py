@@ -11,7 +11,7 @@ import numpy as np
 from hetero_jax.cache import HeadGroup, KVCache, kept_prompt_tokens
 from hetero_jax.config import ModelConfig
 from hetero_jax.policies.base import Policy
-from hetero_jax.policies.primitives import gather_group, select_topk
+from hetero_jax.policies.primitives import INVALID, gather_group, select_topk
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "cfg"))
@@ -28,7 +28,10 @@ CAP_QUANTUM = 64
 @functools.partial(jax.jit, static_argnames=("cap",))
 def _select_bucket(scores, k, v, positions, counts, cap: int):
     idx = select_topk(scores, counts, cap)
-    return gather_group(k, v, positions, idx, counts), jnp.take_along_axis(scores, idx, axis=2)
+    kept = jnp.take_along_axis(scores, idx, axis=2)
+    # padding slots repeat a kept token; they must never win a later re-selection (CAKE's cascade)
+    padding = jnp.arange(cap)[None, None, :] >= counts[..., None]
+    return gather_group(k, v, positions, idx, counts), jnp.where(padding, INVALID, kept)
 
 
 def select_group(scores, k, v, positions, counts, cap: int, compile_fn=None) -> tuple[HeadGroup, jax.Array]:

@@ -1,0 +1,300 @@
+"""KV-cache policies: budgets, selection against independent numpy scores, rho = 1, batching, layouts."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import hetero_jax
+from hetero_jax import model as M
+from hetero_jax import spec
+from hetero_jax.cache import prompt_kv_bytes
+from hetero_jax.config import ModelConfig
+from hetero_jax.generate import compiled, prefill
+from hetero_jax.hub import Model
+from hetero_jax.layout import HeadLayout, permute_params
+from hetero_jax.policies import (
+    CAKE, H2O, REGISTRY, BudgetError, FullKV, PolicyPrefill, PyramidKV, SnapKV, StreamingLLM,
+    achieved_rho, describe_policies, make_policy, smallest_rho, tokens_for,
+)
+
+COMPRESSING = [StreamingLLM, SnapKV, PyramidKV, H2O, CAKE]
+
+
+def tiny_cfg(num_heads=6, num_kv_heads=2, layers=3, head_dim=8, **kw) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", vocab_size=101, hidden_size=48, intermediate_size=64, num_layers=layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+        max_position_embeddings=1024, **kw,
+    )
+
+
+CFG = tiny_cfg()
+PARAMS = jax.tree.map(jnp.asarray, spec.init_params(CFG, seed=4, scale=0.3))
+
+
+def prompts_of(lengths, seed=0, vocab=101):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def run(policy, prompts, params=PARAMS, cfg=CFG, steps=3, capture=None):
+    """Prefill with ``policy`` then ``steps`` greedy decode steps -> (list of logits arrays, cache, plan)."""
+    lens = [len(p) for p in prompts]
+    plan = PolicyPrefill(policy, cfg, lens, compile_fn=compiled)
+    build = plan.build_layer
+    if capture is not None:
+        def build(li, layer, x_in, k_buf, v_buf, lens_, _b=plan.build_layer):
+            capture.append((np.asarray(x_in), np.asarray(k_buf)))
+            return _b(li, layer, x_in, k_buf, v_buf, lens_)
+    if isinstance(policy, FullKV) and capture is None:
+        build = None
+    logits, cache = prefill(params, cfg, prompts, tail_capacity=steps + 1, build_layer=build)
+    cache = plan.finish(cache)
+    out = [np.asarray(logits)]
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    for _ in range(steps):
+        lg, cache = M.decode_step_jit(params, cache, tok, cfg)
+        out.append(np.asarray(lg))
+        tok = jnp.argmax(lg, -1).astype(jnp.int32)
+    return out, cache, plan
+
+
+# --------------------------------------------------------------- numpy scores
+def np_rms(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps))
+
+
+def np_queries(layer, x_rows, positions, cfg):
+    """Queries after RoPE for rows of a layer's input: x_rows [n, H] -> [Hkv, n, G, D] (float64)."""
+    lp = {k: np.asarray(v, np.float64) for k, v in layer.items()}
+    h = np_rms(np.asarray(x_rows, np.float64), lp["attn_norm"], cfg.rms_norm_eps)
+    q = (h @ lp["q_proj"]).reshape(len(x_rows), cfg.num_heads, cfg.head_dim)
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2) / cfg.head_dim))
+    ang = np.asarray(positions)[:, None] * inv[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    half = cfg.head_dim // 2
+    q = q * cos[:, None] + np.concatenate([-q[..., half:], q[..., :half]], -1) * sin[:, None]
+    return q.reshape(len(x_rows), cfg.num_kv_heads, cfg.group_size, cfg.head_dim).transpose(1, 0, 2, 3)
+
+
+def np_probs(q, keys, q_pos, L):
+    """q [Hkv, n, G, D], keys [Hkv, T, D] -> causal softmax [Hkv, n, G, L] over the first L keys."""
+    s = np.einsum("hngd,htd->hngt", q, keys[:, :L]) / math.sqrt(q.shape[-1])
+    t = np.arange(L)
+    s = np.where(t[None, None, None, :] <= np.asarray(q_pos)[None, :, None, None], s, -np.inf)
+    s = s - s.max(-1, keepdims=True)
+    e = np.exp(s)
+    return e / e.sum(-1, keepdims=True)
+
+
+def np_pool(x, k=5):
+    out = np.zeros_like(x)
+    for i in range(x.shape[-1]):
+        lo, hi = max(0, i - k // 2), min(x.shape[-1], i + k // 2 + 1)
+        out[..., i] = x[..., lo:hi].sum(-1) / k
+    return out
+
+
+def np_policy_scores(policy, layer, x_in, k_buf, L, cfg):
+    """(scores [Hkv, L] float64, forced mask [L]) for one sequence, computed from scratch."""
+    keys = np.asarray(k_buf, np.float64)
+    t = np.arange(L)
+    if isinstance(policy, StreamingLLM):
+        return np.broadcast_to(t.astype(float), (cfg.num_kv_heads, L)), t < policy.sinks
+    W = min(policy.window, L)
+    forced = t >= L - W
+    if isinstance(policy, H2O):
+        q = np_queries(layer, x_in[:L], t, cfg)
+        votes = np_probs(q, keys, t, L).sum(1)  # [Hkv, G, L]
+        return votes.max(1), forced
+    rows = np.arange(L - W, L)
+    p = np_probs(np_queries(layer, x_in[rows], rows, cfg), keys, rows, L)  # [Hkv, W, G, L]
+    p = np.where(forced[None, None, None, :], 0.0, p)
+    if isinstance(policy, CAKE):
+        mean, var = p.mean(1), p.var(1)
+        return np_pool(mean + policy.gamma * var).max(1), forced
+    return np_pool(p.sum(1)).max(1), forced  # SnapKV, PyramidKV
+
+
+def assert_top_set(kept, scores, forced, count):
+    """kept (sorted positions) is the forced set plus the top-scored rest; near-ties tolerated."""
+    kept = np.asarray(kept)
+    assert len(kept) == count and np.all(np.diff(kept) > 0)
+    n_forced = int(forced.sum())
+    assert np.all(np.isin(np.flatnonzero(forced), kept)) or n_forced > count
+    rest = np.where(forced, -np.inf, scores)
+    order = np.argsort(-rest, kind="stable")
+    want = set(np.flatnonzero(forced)) | set(order[: count - n_forced].tolist())
+    got = set(kept.tolist())
+    if got != want:  # only float near-ties may differ
+        thr = np.sort(rest)[::-1][count - n_forced - 1]
+        for tok in got ^ want:
+            assert abs(rest[tok] - thr) <= 1e-6 * max(1.0, abs(thr)), (tok, rest[tok], thr)
+
+
+# -------------------------------------------------------------------- tests
+@pytest.mark.parametrize("cls", COMPRESSING)
+def test_rho_one_reproduces_full_kv_exactly(cls):
+    prompts = prompts_of([70, 45])
+    full, _, _ = run(FullKV(), prompts)
+    got, cache, _ = run(cls(budget=1.0), prompts)
+    for a, b in zip(full, got):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(achieved_rho(cache, CFG), [1.0, 1.0])
+
+
+@pytest.mark.parametrize("cls", COMPRESSING)
+def test_kept_tokens_are_the_top_scored_under_the_policys_own_score(cls):
+    policy = cls(budget=0.4)
+    L = 90
+    prompts = prompts_of([L], seed=3)
+    captured = []
+    _, cache, plan = run(policy, prompts, steps=0, capture=captured)
+    total = 0
+    for li, (lc, (x_in, k_buf)) in enumerate(zip(cache.layers, captured)):
+        (g,) = lc.groups
+        lengths = np.asarray(g.lengths[0])
+        count = int(plan.counts[li][0])
+        assert np.all(lengths == count) and count >= 1  # per-head budget exact, never zero
+        scores, forced = np_policy_scores(policy, PARAMS["layers"][li], x_in[0], k_buf[0], L, CFG)
+        pos = np.asarray(g.positions[0])
+        for h in range(CFG.num_kv_heads):
+            assert_top_set(pos[h, :count], scores[h], forced, count)
+            # the kept keys are the prompt keys at those positions
+            np.testing.assert_array_equal(np.asarray(g.k[0, h, :count]), k_buf[0, h, pos[h, :count]])
+        total += count * CFG.num_kv_heads
+    n = tokens_for(0.4, L)
+    if cls is CAKE:
+        assert total <= n * CFG.num_kv_heads * CFG.num_layers
+    else:  # per-layer budgets sum exactly to the uniform total
+        assert total == n * CFG.num_kv_heads * CFG.num_layers
+    assert achieved_rho(cache, CFG)[0] == pytest.approx(total / (L * CFG.num_kv_heads * CFG.num_layers))
+
+
+def test_pyramid_budgets_fall_with_depth_and_keep_the_total():
+    cfg = tiny_cfg(layers=8)
+    counts = PyramidKV(budget=0.3).layer_counts(cfg, 1000)
+    n = tokens_for(0.3, 1000)
+    assert counts.sum() == n * 8
+    assert np.all(np.diff(counts) <= 0) and counts[0] > counts[-1] >= 32
+    # hand-computed targets: window 32, sel 268, min 13.4, max 522.6
+    targets = 32 + 522.6 - (522.6 - 13.4) * np.arange(8) / 7
+    assert np.all(np.abs(counts - targets) <= 1)
+
+
+def test_cake_cascade_hand_computed():
+    cake = CAKE(budget=0.5, window=2)
+    # 3 layers, n = 10 per layer on average, prompt 40: step shares by preference
+    own, final = cake.cascade([1.0, 3.0, 1.0], n=10, prompt_len=40, num_layers=3)
+    # step 0: layer0 gets 10; step 1: 20 split 1:3 -> 5, 15; step 2: 30 split 1:3:1 -> 6, 18, 6
+    assert own.tolist() == [10, 15, 6]
+    assert final.tolist() == [5, 15, 6]
+    # rho = 1: everything everywhere
+    own, final = cake.cascade([1.0, 5.0, 0.1], n=40, prompt_len=40, num_layers=3)
+    assert own.tolist() == final.tolist() == [40, 40, 40]
+
+
+@pytest.mark.parametrize("cls", COMPRESSING)
+def test_batched_equals_one_by_one(cls):
+    policy = cls(budget=0.5)
+    prompts = prompts_of([120, 80, 101], seed=5)
+    batch, bcache, _ = run(policy, prompts)
+    for i, p in enumerate(prompts):
+        alone, acache, _ = run(policy, [p])
+        for a, b in zip(alone, batch):
+            np.testing.assert_allclose(a[0], b[i], atol=5e-5, rtol=0)  # logits of size ~5
+        assert achieved_rho(acache, CFG)[0] == pytest.approx(achieved_rho(bcache, CFG)[i])
+
+
+@pytest.mark.parametrize("cls", COMPRESSING)
+def test_device_bytes_are_real(cls):
+    L, rho = 200, 0.3
+    _, cache, _ = run(cls(budget=rho), prompts_of([L]), steps=0)
+    full_bytes = L * CFG.num_kv_heads * CFG.num_layers * 2 * CFG.head_dim * 4
+    assert prompt_kv_bytes(cache) <= rho * full_bytes * 1.05
+
+
+def test_budget_errors_name_the_smallest_budget_that_works():
+    L = 100
+    with pytest.raises(BudgetError, match=r"needs at least 32 .*smallest budget that works for this prompt is rho=0.315"):
+        SnapKV(budget=0.2).check_budget(L)
+    assert SnapKV(budget=0.315).check_budget(L) == 32  # the named rho works
+    assert smallest_rho(32, L) == 0.315
+    with pytest.raises(BudgetError, match="at least 5 .*4 sinks"):
+        StreamingLLM(budget=0.01).check_budget(L)
+    with pytest.raises(BudgetError, match="smallest budget that works"):
+        run(H2O(budget=0.05), prompts_of([100]), steps=0)  # before any compute
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(BudgetError, match=r"out of range.*\(0, 1\]"):
+            SnapKV(budget=bad)
+    with pytest.raises(BudgetError):
+        FullKV(budget=0.5)
+
+
+def test_generate_with_policies_and_registry(tiny_checkpoint):
+    bundle = hetero_jax.load(tiny_checkpoint("llama")[1])
+    prompt = prompts_of([120], seed=9, vocab=bundle.config.vocab_size)[0]
+    full = hetero_jax.generate(bundle, prompt, max_new_tokens=4, chat=False)
+    for name in REGISTRY:
+        pol = make_policy(name, None if name == "full" else 0.5)
+        r = hetero_jax.generate(bundle, prompt, pol, max_new_tokens=4, chat=False)
+        assert r.stats.policy == repr(pol)
+        expect = 1.0 if name == "full" else 0.5
+        assert r.stats.achieved_rho == pytest.approx(expect, abs=0.02 if name != "cake" else 0.5)
+        assert r.stats.kv_bytes_prompt < full.stats.kv_bytes_prompt or name == "full"
+    assert set(describe_policies().split()) >= set(REGISTRY)
+    with pytest.raises(KeyError, match="known policies"):
+        make_policy("nope", 0.3)
+    with pytest.raises(hetero_jax.PromptError, match="policy must be"):
+        hetero_jax.generate(bundle, prompt, "snapkv", chat=False)
+
+
+def test_head_permutation_leaves_outputs_unchanged():
+    cfg = tiny_cfg(num_heads=9, num_kv_heads=3, qkv_bias=True)
+    params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=8, scale=0.3))
+    layout = HeadLayout.from_groups([[[2, 0], [1]], [[1], [0, 2]], [[0, 1, 2]]])
+    permuted = permute_params(params, cfg, layout)
+    prompts = prompts_of([33, 21], seed=2)
+    a, ca, _ = run(FullKV(), prompts, params=params, cfg=cfg)
+    b, cb, _ = run(FullKV(), prompts, params=permuted, cfg=cfg)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+        assert np.array_equal(x.argmax(-1), y.argmax(-1))
+    # the cache holds the same heads, in layout order
+    for li, perm in enumerate(layout.perms):
+        ka, kb = np.asarray(ca.layers[li].groups[0].k), np.asarray(cb.layers[li].groups[0].k)
+        np.testing.assert_allclose(kb, ka[:, list(perm)], atol=1e-5)
+    with pytest.raises(ValueError, match="not a permutation"):
+        HeadLayout.from_groups([[[0, 0, 1]]] * 3).check(cfg)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kv=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 5]), L=st.integers(40, 160),
+    frac=st.floats(0.0, 1.0), which=st.sampled_from(["snapkv", "streamingllm", "pyramidkv"]),
+)
+def test_budget_properties(kv, group, L, frac, which):
+    cfg = tiny_cfg(num_heads=kv * group, num_kv_heads=kv, layers=2)
+    params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=kv + group, scale=0.3))
+    cls = REGISTRY[which]
+    lo = smallest_rho(min(cls(budget=1.0).min_tokens(L), L), L)
+    rho = round(lo + (1.0 - lo) * frac, 4)
+    policy = cls(budget=rho)
+    _, cache, plan = run(policy, prompts_of([L], seed=L), params=params, cfg=cfg, steps=1)
+    n = tokens_for(rho, L)
+    total = 0
+    for li, lc in enumerate(cache.layers):
+        (g,) = lc.groups
+        lengths = np.asarray(g.lengths[0])
+        assert np.all(lengths == plan.counts[li][0]) and lengths.min() >= 1
+        pos = np.asarray(g.positions[0])
+        for h in range(kv):
+            kept = pos[h, : lengths[h]]
+            assert np.all(np.diff(kept) > 0) and kept.min() >= 0 and kept.max() < L
+            assert L - 1 in kept  # the last prompt token (inside every window) is always kept
+        total += int(lengths.sum())
+    assert total == n * kv * cfg.num_layers
