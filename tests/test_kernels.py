@@ -408,13 +408,14 @@ def test_model_greedy_output_same_with_kernels_forced_in_interpret_mode(monkeypa
 
   def greedy(backend):
     with pallas_kernels.use_kernels(backend):
-      step = jax.jit(M.decode_step, static_argnames=("cfg",))  # traced under this backend
+      # a fresh function object: jit caches traces per function, and the backend is read at trace time
+      step = jax.jit(lambda p, c, t: M.decode_step(p, c, t, cfg))
       logits, cache = prefill(params, cfg, [prompt], tail_capacity=8)
       toks, all_logits = [], []
       tok = jnp.argmax(logits, -1).astype(jnp.int32)
       for _ in range(6):
         toks.append(int(tok[0]))
-        logits, cache = step(params, cache, tok, cfg=cfg)
+        logits, cache = step(params, cache, tok)
         all_logits.append(np.asarray(logits[0]))
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
     return toks, np.stack(all_logits)
