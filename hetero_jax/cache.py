@@ -46,6 +46,8 @@ class LayerCache:
     groups: tuple[HeadGroup, ...]  # cover the layer's KV heads 0..Hkv-1 in order
     tail_k: jax.Array  # [B, Hkv, R, D] tokens added after prefill, keys after RoPE
     tail_v: jax.Array  # [B, Hkv, R, D]
+    # policy state that changes while decoding (HeteroCache: each pivot's K_base [B, Np, L_base])
+    aux: dict = struct.field(default_factory=dict)
 
     @property
     def num_heads(self) -> int:
@@ -113,3 +115,14 @@ def used_kv_bytes(cache: KVCache) -> int:
     n_heads = sum(l.num_heads for l in cache.layers)
     tail = int(np.asarray(cache.tail_lens).sum()) * n_heads
     return (int(kept_prompt_tokens(cache).sum()) + tail) * per_token
+
+
+def grow_tail(cache: KVCache, capacity: int) -> KVCache:
+    """A copy of the cache whose tail holds ``capacity`` tokens (multi-turn sessions outgrow it)."""
+    extra = capacity - cache.tail_capacity
+    if extra <= 0:
+        return cache
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, extra), (0, 0)))  # noqa: E731
+    layers = tuple(l.replace(tail_k=pad(l.tail_k), tail_v=pad(l.tail_v)) for l in cache.layers)
+    pos = jnp.pad(cache.tail_positions, ((0, 0), (0, extra)), constant_values=-1)
+    return cache.replace(layers=layers, tail_positions=pos)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax import model as M
-from hetero_jax.cache import kv_bytes, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
+from hetero_jax.cache import grow_tail, kv_bytes, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import PromptError
 from hetero_jax.layout import params_for
@@ -39,12 +39,17 @@ class GenerationStats:
     kv_bytes_tail: int  # of which the tail (tokens added after prefill)
     stop_reason: str  # "eos", "stop", "max_new_tokens" or "context"
     compile_seconds: float = 0.0  # XLA compilation in this call (excluded from the timings above)
+    extend_seconds: float = 0.0  # session turns: appending the question before decoding
+    recall: dict = dataclasses.field(default_factory=dict)  # HeteroCache: checks, triggers, recalls, bytes
     policy: str = "FullKV(budget=1.0)"
     achieved_rho: float = 1.0  # prompt KV kept on the device / full prompt KV (tokens x KV heads x layers)
 
     @property
     def prefill_tokens_per_second(self) -> float:
         return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+
+    def decode_ms_percentile(self, q: float) -> float:
+        return 1e3 * float(np.percentile(self.decode_seconds, q)) if self.decode_seconds else float("nan")
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -172,6 +177,184 @@ def _encode(tok, text: str, chat: bool) -> list[int]:
     return tok.encode_prompt(text, chat=chat)
 
 
+def _validate_ids(batch: list[list[int]], cfg: ModelConfig, is_batch: bool, what: str = "prompt") -> None:
+    for i, ids in enumerate(batch):
+        if len(ids) == 0:
+            raise PromptError(f"empty {what} (batch item {i}): it encodes to zero tokens")
+        if len(ids) >= cfg.max_position_embeddings:
+            raise PromptError(
+                f"{what}{'' if not is_batch else f' {i}'} has {len(ids)} tokens but the model's context "
+                f"is {cfg.max_position_embeddings} tokens (room is needed for at least one new token); "
+                f"shorten the {what}"
+            )
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def _check_sampling(max_new_tokens: int, top_p: float) -> None:
+    if max_new_tokens < 0:
+        raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not (0.0 < top_p <= 1.0):
+        raise PromptError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def _resolve_policy(model, policy):
+    from hetero_jax.policies import FullKV, Policy
+
+    policy = FullKV() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise PromptError(
+            f"policy must be a hetero_jax.policies.Policy (e.g. SnapKV(budget=0.3)) or None, got {policy!r}"
+        )
+    return policy.bind(model)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "temperature", "top_p"), donate_argnames=("cache",)
+)
+def _decode_queries_jit(params, cache, tokens, key, cfg, temperature, top_p):
+    logits, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
+    return sample(logits, key, temperature, top_p), logits, cache, queries
+
+
+class Engine:
+    """A prefilled batch and its decode machinery: the shared core of ``generate`` and ``Session``.
+
+    Validates the prompts and the policy's budget before any compute, permutes
+    the heads for the policy's layout (once per model and layout), prefills
+    layer by layer with the policy's selection, and then steps the decoder,
+    running the policy's decode hooks (HeteroCache's drift checks and recalls).
+    """
+
+    def __init__(self, model, batch: list[list[int]], policy, *, tail_capacity: int, seed: int = 0,
+                 is_batch: bool = False):
+        from hetero_jax.policies import FullKV, achieved_rho
+
+        self.model, self.cfg = model, model.config
+        _validate_ids(batch, self.cfg, is_batch)
+        self.policy = _resolve_policy(model, policy)
+        self.lens = [len(b) for b in batch]
+        self.plan = self.policy.make_prefill(self.cfg, self.lens, compile_fn=compiled)  # checks budgets
+        self.compile_start = _COMPILE_TIME[0]
+        before = _COMPILE_TIME[0]
+        t0 = time.perf_counter()
+        self.params = params_for(model, self.policy.layout(self.cfg))  # permuted once per (model, layout)
+        build = None if isinstance(self.policy, FullKV) else self.plan.build_layer
+        self.logits, cache = prefill(self.params, self.cfg, batch, tail_capacity=tail_capacity, build_layer=build)
+        self.cache = self.plan.finish(cache)
+        self.achieved_rho = achieved_rho(self.cache, self.cfg)
+        jax.block_until_ready(self.logits)
+        self.prefill_seconds = time.perf_counter() - t0 - (_COMPILE_TIME[0] - before)
+        self.controller = self.plan.decode_controller(compile_fn=compiled)
+        self.key = jax.random.PRNGKey(seed)
+        self.steps = 0
+        self._fns: dict = {}
+
+    @property
+    def positions_left(self) -> int:
+        return self.cfg.max_position_embeddings - int(np.max(np.asarray(self.cache.seq_lens)))
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` more tail tokens (grows the tail in TAIL_QUANTUM steps; recompiles decode)."""
+        need = int(np.max(np.asarray(self.cache.tail_lens))) + n
+        if need > self.cache.tail_capacity:
+            self.cache = grow_tail(self.cache, _round_up(need, TAIL_QUANTUM))
+
+    def first_tokens(self, temperature: float, top_p: float) -> np.ndarray:
+        """Sample the tokens that follow the prefilled prompt."""
+        self.key, sub = jax.random.split(self.key)
+        return np.asarray(sample(self.logits, sub, temperature, top_p))
+
+    def step(self, tokens, temperature: float, top_p: float) -> tuple[np.ndarray, float]:
+        """Append ``tokens`` [B] and sample the next ones. Returns (next tokens [B], seconds)."""
+        t1 = time.perf_counter()
+        before = _COMPILE_TIME[0]
+        ctl = self.controller
+        if ctl is not None:
+            self.cache = ctl.before_step(self.steps, self.cache)
+        self.key, sub = jax.random.split(self.key)
+        args = (self.params, self.cache, jnp.asarray(tokens, jnp.int32), sub)
+        fn_key = (self.cache.tail_capacity, float(temperature), float(top_p))
+        fn = self._fns.get(fn_key)
+        if fn is None:  # shapes are fixed until the tail grows: look the executable up once
+            jitted = _decode_jit if ctl is None else _decode_queries_jit
+            fn = self._fns[fn_key] = compiled(jitted, *args, cfg=self.cfg, temperature=float(temperature),
+                                              top_p=float(top_p))
+        out = fn(*args)
+        self.cache = out[2]
+        if ctl is not None:
+            ctl.after_step(self.steps, out[3], self.cache)
+        self.steps += 1
+        nxt = np.asarray(out[0])  # the read-back is part of the step's cost
+        return nxt, time.perf_counter() - t1 - (_COMPILE_TIME[0] - before)
+
+    def stats_fields(self) -> dict:
+        extra = self.controller.stats() if self.controller is not None else {}
+        return dict(
+            kv_bytes_device=kv_bytes(self.cache),
+            kv_bytes_used=used_kv_bytes(self.cache),
+            kv_bytes_host=self.plan.host_bytes(),
+            kv_bytes_prompt=prompt_kv_bytes(self.cache),
+            kv_bytes_tail=tail_kv_bytes(self.cache),
+            policy=repr(self.policy),
+            compile_seconds=_COMPILE_TIME[0] - self.compile_start,
+            recall=extra,
+        )
+
+
+def _decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperature, top_p, stops, on_token):
+    """Accept sampled tokens and step until EOS / stop string / budget. Returns per-sequence outputs."""
+    tok = engine.model.tokenizer
+    eos = set(tok.eos_token_ids) | set(engine.cfg.eos_token_ids)
+    B = len(next_tok)
+    out_ids: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    reasons = ["max_new_tokens"] * B
+    texts = [""] * B
+    decode_s: list[float] = []
+
+    def accept(i: int, t: int) -> None:
+        if done[i]:
+            return
+        if t in eos:
+            done[i], reasons[i] = True, "eos"
+            return
+        out_ids[i].append(t)
+        text = tok.decode(out_ids[i])
+        if on_token is not None:
+            on_token(text[len(texts[i]) :])
+        texts[i] = text
+        for s in stops:
+            cut = text.find(s)
+            if cut >= 0:
+                texts[i] = text[:cut]
+                done[i], reasons[i] = True, "stop"
+                return
+
+    for step in range(budget):
+        for i in range(B):
+            accept(i, int(next_tok[i]))
+        if all(done) or step == budget - 1:
+            break
+        next_tok, seconds = engine.step(next_tok, temperature, top_p)
+        decode_s.append(seconds)
+    return out_ids, texts, reasons, decode_s
+
+
+def _results(engine, out_ids, texts, reasons, decode_s, prompt_lens, extend_s=0.0):
+    fields = engine.stats_fields()
+    results = []
+    for i in range(len(out_ids)):
+        stats = GenerationStats(
+            prompt_tokens=prompt_lens[i], generated_tokens=len(out_ids[i]),
+            prefill_seconds=engine.prefill_seconds, decode_seconds=decode_s, stop_reason=reasons[i],
+            achieved_rho=float(engine.achieved_rho[i]), extend_seconds=extend_s, **fields,
+        )
+        results.append(GenerationResult(text=texts[i], token_ids=out_ids[i], stats=stats))
+    return results
+
+
 def generate(
     model,
     prompt,
@@ -193,114 +376,117 @@ def generate(
     ``on_token(text_delta)`` streams a single prompt's new text.
     Returns a :class:`GenerationResult` (a list of them for a batch).
     """
-    from hetero_jax.policies import FullKV, Policy, PolicyPrefill, achieved_rho
-
-    policy = FullKV() if policy is None else policy
-    if not isinstance(policy, Policy):
-        raise PromptError(
-            f"policy must be a hetero_jax.policies.Policy (e.g. SnapKV(budget=0.3)) or None, got {policy!r}"
-        )
-    if max_new_tokens < 0:
-        raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not (0.0 < top_p <= 1.0):
-        raise PromptError(f"top_p must be in (0, 1], got {top_p}")
-    cfg: ModelConfig = model.config
+    _check_sampling(max_new_tokens, top_p)
     batch, is_batch = _as_token_batches(model, prompt, chat)
     if on_token is not None and is_batch:
         raise PromptError("on_token streams a single prompt; pass one prompt or on_token=None")
-    for i, ids in enumerate(batch):
-        if len(ids) == 0:
-            raise PromptError(f"empty prompt (batch item {i}): it encodes to zero tokens")
-        if len(ids) >= cfg.max_position_embeddings:
-            raise PromptError(
-                f"prompt{'' if not is_batch else f' {i}'} has {len(ids)} tokens but the model's context "
-                f"is {cfg.max_position_embeddings} tokens (room is needed for at least one new token); "
-                "shorten the prompt"
-            )
-        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise PromptError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    _validate_ids(batch, model.config, is_batch)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-
-    lens = [len(b) for b in batch]
-    plan = PolicyPrefill(policy, cfg, lens, compile_fn=compiled)  # checks budgets before any compute
-    T = max(lens)
-    # tokens beyond the context are not generated; say so in stop_reason
-    budget = min(max_new_tokens, cfg.max_position_embeddings - T)
-    tail_capacity = _round_up(max(budget, 1), TAIL_QUANTUM)
-    eos = set(model.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
-
-    compile_start = compile_before = _COMPILE_TIME[0]
-    t0 = time.perf_counter()
-    params = params_for(model, policy.layout(cfg))  # heads permuted once per (model, layout)
-    build = None if isinstance(policy, FullKV) else plan.build_layer
-    logits, cache = prefill(params, cfg, batch, tail_capacity=tail_capacity, build_layer=build)
-    cache = plan.finish(cache)
-    rho = achieved_rho(cache, cfg)
-    key = jax.random.PRNGKey(seed)
-    key, sub = jax.random.split(key)
-    next_tok = np.asarray(sample(logits, sub, temperature, top_p))
-    prefill_s = time.perf_counter() - t0 - (_COMPILE_TIME[0] - compile_before)
-    compile_before = _COMPILE_TIME[0]
-
-    B = len(batch)
-    out_ids: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    reasons = ["max_new_tokens" if budget == max_new_tokens else "context"] * B
-    texts = [""] * B
-    decode_s: list[float] = []
-
-    def accept(i: int, t: int) -> None:
-        if done[i]:
-            return
-        if t in eos:
-            done[i], reasons[i] = True, "eos"
-            return
-        out_ids[i].append(t)
-        text = model.tokenizer.decode(out_ids[i])
-        if on_token is not None:
-            on_token(text[len(texts[i]) :])
-        texts[i] = text
-        for s in stops:
-            cut = text.find(s)
-            if cut >= 0:
-                texts[i] = text[:cut]
-                done[i], reasons[i] = True, "stop"
-                return
-
-    step_fn = None
-    for step in range(budget):
-        for i in range(B):
-            accept(i, int(next_tok[i]))
-        if all(done) or step == budget - 1:
-            break
-        t1 = time.perf_counter()
-        key, sub = jax.random.split(key)
-        args = (params, cache, jnp.asarray(next_tok, jnp.int32), sub)
-        if step_fn is None:  # shapes are fixed for the whole loop: look the executable up once
-            step_fn = compiled(_decode_jit, *args, cfg=cfg, temperature=float(temperature), top_p=float(top_p))
-            t1 += _COMPILE_TIME[0] - compile_before  # compile time is reported apart
-            compile_before = _COMPILE_TIME[0]
-        tok_dev, _, cache = step_fn(*args)
-        next_tok = np.asarray(tok_dev)  # the read-back is part of the step's cost
-        decode_s.append(time.perf_counter() - t1)
-
-    results = []
-    for i in range(B):
-        stats = GenerationStats(
-            prompt_tokens=lens[i],
-            generated_tokens=len(out_ids[i]),
-            prefill_seconds=prefill_s,
-            decode_seconds=decode_s,
-            kv_bytes_device=kv_bytes(cache),
-            kv_bytes_used=used_kv_bytes(cache),
-            kv_bytes_host=0,
-            kv_bytes_prompt=prompt_kv_bytes(cache),
-            kv_bytes_tail=tail_kv_bytes(cache),
-            stop_reason=reasons[i],
-            policy=repr(policy),
-            achieved_rho=float(rho[i]),
-            compile_seconds=_COMPILE_TIME[0] - compile_start,
-        )
-        results.append(GenerationResult(text=texts[i], token_ids=out_ids[i], stats=stats))
+    T = max(len(b) for b in batch)
+    budget = min(max_new_tokens, model.config.max_position_embeddings - T)  # never past the context
+    engine = Engine(model, batch, policy, tail_capacity=_round_up(max(budget, 1), TAIL_QUANTUM), seed=seed,
+                    is_batch=is_batch)
+    first = engine.first_tokens(temperature, top_p)
+    out_ids, texts, reasons, decode_s = _decode_loop(engine, first, budget, temperature=temperature, top_p=top_p,
+                                                     stops=stops, on_token=on_token)
+    if budget < max_new_tokens:
+        reasons = ["context" if r == "max_new_tokens" else r for r in reasons]
+    results = _results(engine, out_ids, texts, reasons, decode_s, [len(b) for b in batch])
     return results if is_batch else results[0]
+
+
+class Session:
+    """A long context prefilled once, then several questions answered in turn.
+
+    Each turn is appended to the cache as an extension (on the tail of every
+    head, like generated tokens, one decode step per token so the policy's
+    decode hooks see it: HeteroCache can detect drift across turns), then
+    answered. The policy's prefill selection sees only the context.
+    ``generate`` is one turn of this with the question inside the prompt.
+    """
+
+    def __init__(self, model, context: str | Sequence[int], policy=None, *, chat: bool = True, seed: int = 0,
+                 reserve_tokens: int = 512):
+        self.model, self.chat = model, chat
+        tok = model.tokenizer
+        self.messages: list[dict] = []
+        if isinstance(context, str):
+            if not context.strip():
+                raise PromptError("empty context: the session's context text has no content")
+            if chat:
+                marker = "\x00HETERO_JAX_TURN\x00"
+                rendered = tok.apply_chat_template([{"role": "user", "content": context + marker}])
+                self._prefix_text = rendered[: rendered.index(marker)]
+                ids = tok.encode(self._prefix_text, add_special_tokens=False)
+            else:
+                self._prefix_text = context
+                ids = tok.encode_prompt(context, chat=False)
+            self._context_text = context
+        else:
+            ids = [int(t) for t in context]
+            self._prefix_text = None
+            self._context_text = None
+        self.engine = Engine(model, [ids], policy, tail_capacity=reserve_tokens, seed=seed)
+        self.context_tokens = len(ids)
+        self._rendered = self._prefix_text
+        self._unfed: list[int] = []
+        self.turns: list[GenerationResult] = []
+
+    def _turn_ids(self, question: str | Sequence[int]) -> list[int]:
+        """Tokens that close the previous turn (if any) and open this one."""
+        tok = self.model.tokenizer
+        unfed, self._unfed = self._unfed, []
+        if not isinstance(question, str):
+            return unfed + [int(t) for t in question]
+        if not question.strip():
+            raise PromptError("empty question")
+        if self._context_text is None or not self.chat:
+            sep = "\n\n" if (self.turns or self._context_text) else ""
+            return unfed + tok.encode(sep + question, add_special_tokens=False)
+        if not self.turns:
+            msgs = [{"role": "user", "content": self._context_text + "\n\n" + question}]
+        else:
+            msgs = self.messages + [{"role": "user", "content": question}]
+        rendered = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        if not rendered.startswith(self._rendered):
+            raise PromptError("the chat template does not render turns incrementally; use chat=False")
+        new_text = rendered[len(self._rendered):]
+        self.messages = msgs
+        self._rendered = rendered
+        return unfed + tok.encode(new_text, add_special_tokens=False)
+
+    def ask(self, question, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+            stop=None, on_token=None) -> GenerationResult:
+        """Append ``question`` (text or token ids) and generate the answer."""
+        _check_sampling(max_new_tokens, top_p)
+        eng = self.engine
+        ids = self._turn_ids(question)
+        room = eng.positions_left - len(ids)
+        if room < 1:
+            raise PromptError(
+                f"the question ({len(ids)} tokens) does not fit: {eng.positions_left} positions are left in the "
+                f"model's {eng.cfg.max_position_embeddings}-token context; start a new session"
+            )
+        budget = min(max_new_tokens, room)
+        eng.reserve(len(ids) + budget + 1)
+        t0 = time.perf_counter()
+        nxt = None
+        for t in ids:  # teacher-forced extension: one decode step per token
+            nxt, _ = eng.step(np.asarray([t], np.int32), temperature, top_p)
+        extend_s = time.perf_counter() - t0
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        out_ids, texts, reasons, decode_s = _decode_loop(eng, nxt, budget, temperature=temperature, top_p=top_p,
+                                                         stops=stops, on_token=on_token)
+        if budget < max_new_tokens:
+            reasons = ["context" if r == "max_new_tokens" else r for r in reasons]
+        # the answer is in the cache except its last token when it did not end at EOS:
+        # that one opens the next turn
+        if out_ids[0] and reasons[0] != "eos":
+            self._unfed = [out_ids[0][-1]]
+        if self.chat and self._context_text is not None:
+            answer = self.model.tokenizer.decode(out_ids[0])
+            self.messages = self.messages + [{"role": "assistant", "content": answer}]
+            self._rendered = self._rendered + answer
+        res = _results(eng, out_ids, texts, reasons, decode_s, [self.context_tokens], extend_s)[0]
+        self.turns.append(res)
+        return res

@@ -194,3 +194,16 @@ def test_budget_grid():
     w = np.array([[0.5, np.nan], [1.5, np.nan]])
     # N=4, N_full=2, N_comp=2, L=100, rho=0.75: (3 - 2) * 100 / 2 = 50
     assert budget_grid(0.75, roles, w, 100).tolist() == [[25, 100], [75, 100]]
+
+
+def test_budget_grid_hands_capped_excess_to_other_heads():
+    roles = np.array([[A, A, S, V]])
+    w = np.array([[3.0, 0.5, 0.5, np.nan]])
+    # N=4, N_full=1, N_comp=3, L=100, rho=0.5: L_base = (2 - 1) * 100 / 3 = 33.33, total 100 tokens;
+    # Eq. 8 alone: 100 (capped from 100.0), 16, 16 -> 132 > 100 is not capped; use rho=0.8 instead:
+    # L_base = (3.2 - 1) * 100 / 3 = 73.33, Eq. 8: min(100, 220) = 100, 36, 36 (sum 172 of 220 granted);
+    # water-filling gives the capped head's excess to the others: 100, 60, 60.
+    assert budget_grid(0.8, roles, w, 100).tolist() == [[100, 60, 60, 100]]
+    assert budget_grid(1.0, roles, w, 100).tolist() == [[100, 100, 100, 100]]
+    # no capped head: plain Eq. 8
+    assert budget_grid(0.5, roles, np.array([[1.2, 0.9, 0.9, np.nan]]), 100).tolist() == [[40, 30, 30, 100]]

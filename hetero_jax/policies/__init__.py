@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from hetero_jax.policies.base import BudgetError, Policy, smallest_rho, tokens_for
 from hetero_jax.policies.baselines import CAKE, H2O, FullKV, PyramidKV, SnapKV, StreamingLLM
+from hetero_jax.policies.heterocache import HeteroCache
 from hetero_jax.policies.runtime import PolicyPrefill, achieved_rho
 
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, PyramidKV, H2O, CAKE)
+    cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, PyramidKV, H2O, CAKE, HeteroCache)
 }
 
 
@@ -36,6 +37,6 @@ def describe_policies() -> str:
 
 __all__ = [
     "BudgetError", "Policy", "smallest_rho", "tokens_for",
-    "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE",
+    "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache",
     "PolicyPrefill", "achieved_rho", "REGISTRY", "make_policy", "describe_policies",
 ]

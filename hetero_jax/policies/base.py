@@ -90,6 +90,16 @@ class Policy:
         """Traced: (scores [B, Hkv, Tp] float32, aux [B] float32 or None)."""
         raise NotImplementedError
 
+    def bind(self, model) -> "Policy":
+        """This policy resolved against a loaded model (HeteroCache picks its profile); default: itself."""
+        return self
+
+    def make_prefill(self, cfg: ModelConfig, prompt_lens, compile_fn=None):
+        """The prefill plan (``build_layer``/``finish``/``decode_controller``); checks budgets first."""
+        from hetero_jax.policies.runtime import PolicyPrefill
+
+        return PolicyPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
+
     def layout(self, cfg: ModelConfig):
         """The head layout this policy needs (a ``HeadLayout``), or None for one group per layer."""
         return None

@@ -94,6 +94,12 @@ class PolicyPrefill:
             self.kept_scores.append(kept)
         return (group,)
 
+    def decode_controller(self, compile_fn=None):
+        return None  # static policies have no decode-time hooks
+
+    def host_bytes(self) -> int:
+        return 0
+
     def finish(self, cache: KVCache) -> KVCache:
         if self.planned:
             return cache

@@ -222,5 +222,22 @@ def budget_grid(rho: float, roles: np.ndarray, weights: np.ndarray, prompt_len: 
     n_comp = int(comp.sum())
     l_base = base_budget(rho, roles.size, roles.size - n_comp, n_comp, prompt_len)
     out = np.full(roles.shape, prompt_len, dtype=np.int64)
-    out[comp] = head_budgets(l_base, np.asarray(weights, dtype=np.float64)[comp], prompt_len)
+    w = np.asarray(weights, dtype=np.float64)[comp]
+    out[comp] = head_budgets(l_base, w, prompt_len)
+    if np.any(l_base * w > prompt_len):
+        # Eq. 8 caps these heads at L and is silent on the excess; we hand it to the other
+        # compressed heads (water-filling), so the model-wide total of Eq. 7 is kept and
+        # rho = 1 keeps every token. Without a capped head this is plain Eq. 8.
+        target = l_base * n_comp
+        if target >= n_comp * prompt_len:
+            out[comp] = prompt_len
+        else:
+            lo_c, hi_c = 0.0, prompt_len / w.min()
+            for _ in range(200):
+                c = 0.5 * (lo_c + hi_c)
+                if np.minimum(prompt_len, c * w).sum() < target:
+                    lo_c = c
+                else:
+                    hi_c = c
+            out[comp] = np.clip(np.floor(np.minimum(prompt_len, lo_c * w) + 1e-9), 1, prompt_len)
     return out

@@ -1,0 +1,364 @@
+"""HeteroCache: role-aware budgets, a pinned-host reservoir, and drift-triggered recall.
+
+Prefill (per request, prompt length L):
+- L_base by Eq. 7 over the whole model, l_i by Eq. 8 (``HeadProfile.budgets``);
+- full heads (volatile, pivot) keep the whole prompt on the device;
+- compressed heads (anchor, satellite) keep their top-l_i tokens by pooled
+  last-token attention (GQA max), stored in position order;
+- the satellites' full prompt KV goes to a host reservoir in pinned host memory;
+- each pivot records K_base = the top-L_base of its pooled last-token attention.
+
+Decode: every ``window`` steps the buffered pivot queries are scored against
+the pivot's prompt keys (``pallas_kernels.drift_check``); when the median
+overlap with K_base drops below ``tau_drift``, each satellite of that pivot
+gets its own top-l_s positions of the pivot's latest pooled scores, gathered
+from the reservoir and written into its device slots, and K_base moves on.
+
+Asynchrony and lag: the check is dispatched right after step t's decode and
+its small outputs (flags, indices) are copied to the host asynchronously;
+they are read before step t + 1 is dispatched, and recalled rows are written
+then, so a recall takes effect exactly one step after the check. The
+reservoir gather runs on the host (numpy view of the pinned array) and the
+rows go to the device with an asynchronous ``device_put``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from hetero_jax.cache import HeadGroup, KVCache, full_group
+from hetero_jax.config import ModelConfig
+from hetero_jax.layout import HeadLayout
+from hetero_jax.model import prompt_queries
+from hetero_jax.policies.base import BudgetError, Policy
+from hetero_jax.policies.runtime import select_group
+from hetero_jax.profile.clustering import Role
+from hetero_jax.profile.format import HeadProfile, ProfileError
+
+
+def _profile_key(profile: HeadProfile | None) -> str:
+    if profile is None:
+        return ""
+    h = hashlib.sha256(np.ascontiguousarray(profile.roles).tobytes())
+    h.update(np.nan_to_num(np.asarray(profile.weights, np.float64), nan=-1.0).tobytes())
+    h.update(repr(profile.clusters).encode())
+    return h.hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroCache(Policy):
+    """HeteroCache (``profile=None``: the shipped profile of the loaded model)."""
+
+    profile: HeadProfile | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    budget: float = 0.3
+    window: int = 5
+    tau_drift: float | None = None
+    pool_kernel: int = 5
+    profile_key: str = dataclasses.field(default="", init=False)
+
+    name: ClassVar[str] = "heterocache"
+    summary: ClassVar[str] = ("role-aware head budgets from an offline profile, satellites' full KV in pinned host "
+                              "memory, drift-triggered recall")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.window < 1:
+            raise BudgetError(f"HeteroCache: window must be >= 1 decode step, got {self.window}")
+        if self.pool_kernel != 5:
+            raise BudgetError("HeteroCache: the pooled-score kernel supports pool_kernel=5 only")
+        object.__setattr__(self, "profile_key", _profile_key(self.profile))
+
+    # -------------------------------------------------------------- binding
+    def bind(self, model) -> "HeteroCache":
+        """This policy with its profile resolved and checked against ``model``."""
+        from hetero_jax.profile.format import default_profile, weights_fingerprint
+
+        prof = self.profile
+        if prof is None:
+            prof = default_profile(model)
+            if prof is None:
+                raise ProfileError(
+                    f"HeteroCache(profile=None) needs the shipped profile of the loaded model, but hetero-jax "
+                    f"ships none for {getattr(model, 'name', 'this model')}; calibrate one with "
+                    "`hetero-jax profile --model M --data FILE --out profile.json` and pass "
+                    "HeteroCache(profile=load_profile('profile.json'))"
+                )
+        prof.check_compatible(model.config, weights_fingerprint=weights_fingerprint(model.params)
+                              if prof.weights_fingerprint else None)
+        return dataclasses.replace(self, profile=prof) if prof is not self.profile else self
+
+    @property
+    def drift_threshold(self) -> float:
+        if self.tau_drift is not None:
+            return float(self.tau_drift)
+        tau = self.profile.settings.tau_stable if self.profile is not None else None
+        return 0.5 if tau is None else float(tau)
+
+    def _need_profile(self) -> HeadProfile:
+        if self.profile is None:
+            raise ProfileError("HeteroCache has no profile yet: call policy.bind(model) (generate does this)")
+        return self.profile
+
+    # ---------------------------------------------------------------- layout
+    def roles_in_layout(self, layer: int) -> dict[str, list[int]]:
+        """Original KV-head indices per role of one layer, in layout order within each role."""
+        r = self._need_profile().roles[layer]
+        pick = lambda role: [int(h) for h in np.flatnonzero(r == role)]  # noqa: E731
+        return {"pivot": pick(Role.PIVOT), "volatile": pick(Role.VOLATILE),
+                "satellite": pick(Role.SATELLITE), "anchor": pick(Role.ANCHOR)}
+
+    def layout(self, cfg: ModelConfig) -> HeadLayout:
+        """Per layer: [pivots + volatiles] (full) then [satellites + anchors] (compressed)."""
+        groups = []
+        for l in range(cfg.num_layers):
+            r = self.roles_in_layout(l)
+            groups.append([g for g in (r["pivot"] + r["volatile"], r["satellite"] + r["anchor"]) if g])
+        return HeadLayout.from_groups(groups)
+
+    # --------------------------------------------------------------- budgets
+    def budget_grid(self, prompt_len: int) -> tuple[np.ndarray, int]:
+        """(tokens per KV head [L, H] in original order, L_base as an int) for one prompt."""
+        from hetero_jax.profile.clustering import base_budget
+
+        prof = self._need_profile()
+        if prof.n_compressed == 0:  # every head keeps its full KV: nothing to budget
+            return np.full(prof.roles.shape, prompt_len, np.int64), prompt_len
+        try:
+            grid = prof.budgets(self.budget, prompt_len)
+            n_comp = prof.n_compressed
+            l_base = base_budget(self.budget, prof.roles.size, prof.roles.size - n_comp, n_comp, prompt_len)
+        except ValueError as e:
+            raise BudgetError(f"HeteroCache: {e}") from None
+        return grid, int(max(1, min(prompt_len, np.floor(l_base))))
+
+    def check_budget(self, prompt_len: int) -> int:
+        self.budget_grid(prompt_len)
+        return prompt_len
+
+    def layer_counts(self, cfg, prompt_len):
+        return None
+
+    def make_prefill(self, cfg, prompt_lens, compile_fn=None):
+        return HeteroPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
+
+    def token_scores(self, layer, x_in, keys, prompt_lens, cfg):
+        raise NotImplementedError("HeteroCache selects per role in HeteroPrefill")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _last_token_scores(layer, x_in, keys, prompt_lens, cfg):
+    """Pooled last-prompt-token attention, GQA max: [B, Hkv, Tp] (INVALID beyond the prompt)."""
+    q = prompt_queries(layer, x_in, (prompt_lens - 1)[:, None], cfg)  # [B, Hkv, 1, G, D]
+    lengths = jnp.broadcast_to(prompt_lens[:, None], keys.shape[:2])
+    return pallas_kernels.scores(q, keys, lengths, gqa="max")[:, :, 0]
+
+
+@dataclasses.dataclass
+class LayerRoles:
+    n_full: int  # heads [0, n_full) of the layer (layout order) keep everything
+    pivots: list[int]  # layout positions of pivots (inside the full group)
+    satellites: list[int]  # positions inside the compressed group
+    # cluster of each pivot: positions of its satellites inside the compressed group
+    members: dict[int, list[int]]
+
+
+class HeteroPrefill:
+    """``build_layer`` hook for HeteroCache plus the state its decode needs (see module docstring)."""
+
+    def __init__(self, policy: HeteroCache, cfg: ModelConfig, prompt_lens, compile_fn=None):
+        self.policy, self.cfg = policy, cfg
+        self.lens = np.asarray(prompt_lens, np.int64)
+        self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+        grids = [policy.budget_grid(int(L)) for L in self.lens]  # validates every prompt first
+        self.grid = np.stack([g for g, _ in grids])  # [B, L, H] original head order
+        self.l_base = np.array([lb for _, lb in grids])  # [B]
+        self.layout = policy.layout(cfg)
+        self.roles: list[LayerRoles] = []
+        for l in range(cfg.num_layers):
+            r = policy.roles_in_layout(l)
+            full = r["pivot"] + r["volatile"]
+            comp = r["satellite"] + r["anchor"]
+            sat_pos = {h: comp.index(h) for h in r["satellite"]}
+            members = {}
+            for pivot, sats in policy.profile.clusters[l]:
+                members[full.index(int(pivot))] = [sat_pos[int(s)] for s in sats]
+            self.roles.append(LayerRoles(len(full), list(range(len(r["pivot"]))),
+                                         [sat_pos[h] for h in r["satellite"]], members))
+        self.reservoir_k: list = []  # per layer: pinned-host [B, Ns, T, D] or None
+        self.reservoir_v: list = []
+        self.host_view: list = []  # per layer: (k, v) numpy views of the reservoir
+        self.counts: list[np.ndarray] = []  # per layer [B, Hc] tokens kept by compressed heads
+        self.k_base: list = []
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+        cfg, roles = self.cfg, self.roles[li]
+        nf = roles.n_full
+        t_max = int(self.lens.max())
+        perm = np.asarray(self.layout.perms[li])
+        groups = []
+        scores = None
+        if nf:
+            groups.append(full_group(k_buf[:, :nf, :t_max], v_buf[:, :nf, :t_max], lens))
+        if nf < cfg.num_kv_heads or roles.pivots:
+            args = (layer, x_in, k_buf, lens)
+            scores = self.compile_fn(_last_token_scores, *args, cfg=cfg)(*args)
+        if roles.pivots:
+            kb = int(self.l_base.max())
+            _, idx = jax.lax.top_k(scores[:, : len(roles.pivots)], kb)
+            self.k_base.append(idx.astype(jnp.int32))
+        else:
+            self.k_base.append(None)
+        if nf < cfg.num_kv_heads:
+            counts = self.grid[:, li, perm[nf:]]  # [B, Hc]
+            T = k_buf.shape[2]
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (k_buf.shape[0], cfg.num_kv_heads - nf, T))
+            group, _ = select_group(scores[:, nf:], k_buf[:, nf:], v_buf[:, nf:], positions,
+                                    jnp.asarray(counts, jnp.int32), int(counts.max()), self.compile_fn)
+            groups.append(group)
+            self.counts.append(counts)
+        else:
+            self.counts.append(np.zeros((len(self.lens), 0), np.int64))
+        ns = len(roles.satellites)
+        if ns:
+            # satellites are the first ns heads of the compressed group
+            host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+            rk = jax.device_put(k_buf[:, nf : nf + ns, :t_max], host)
+            rv = jax.device_put(v_buf[:, nf : nf + ns, :t_max], host)
+            self.reservoir_k.append(rk)
+            self.reservoir_v.append(rv)
+            self.host_view.append((np.asarray(rk), np.asarray(rv)))  # zero-copy on CPU; one copy on GPU
+        else:
+            self.reservoir_k.append(None)
+            self.reservoir_v.append(None)
+            self.host_view.append(None)
+        return tuple(groups)
+
+    def finish(self, cache: KVCache) -> KVCache:
+        layers = tuple(
+            lc.replace(aux={"k_base": kb}) if kb is not None else lc for lc, kb in zip(cache.layers, self.k_base)
+        )
+        return cache.replace(layers=layers)
+
+    def decode_controller(self, compile_fn=None):
+        return HeteroDecode(self, compile_fn=compile_fn or self.compile_fn)
+
+    def host_bytes(self) -> int:
+        return int(sum(k.nbytes + v.nbytes for k, v in zip(self.reservoir_k, self.reservoir_v) if k is not None))
+
+
+@functools.partial(jax.jit, static_argnames=("l_base", "tau", "n_top"))
+def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: int):
+    """One layer's drift check: q_buf [B, Np, W, G, D]; keys [B, Np, T, D]; k_base [B, Np, l_base].
+
+    Returns (drift [B, Np] bool, new K_base [B, Np, l_base], top-n_top positions of the latest
+    pooled scores, best first [B, Np, n_top]).
+    """
+    drift, latest_idx, latest_scores = pallas_kernels.drift_check(q_buf, keys, k_base, l_base, tau, lengths)
+    _, top = jax.lax.top_k(latest_scores, n_top)
+    return drift, latest_idx.astype(jnp.int32), top.astype(jnp.int32)
+
+
+class HeteroDecode:
+    """Per-request decode-time state of HeteroCache: query buffer, pending checks, recall stats."""
+
+    def __init__(self, plan: HeteroPrefill, compile_fn=None):
+        self.plan = plan
+        self.policy = plan.policy
+        self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+        self.buffer: list = []  # per step: tuple over layers of pivot queries [B, Np, G, D] (device)
+        self.pending = None  # (step, per layer outputs) of a dispatched check
+        self.checks = 0  # pivot checks run (pivots x checks)
+        self.triggers = 0  # pivot checks that drifted
+        self.recalls = 0  # satellite heads refreshed
+        self.bytes_recalled = 0
+        self.recall_steps: list[int] = []
+
+    @property
+    def wants_queries(self) -> bool:
+        return True
+
+    def after_step(self, step: int, queries, cache: KVCache) -> None:
+        """Buffer the pivots' queries of decode step ``step``; dispatch a check every ``window`` steps."""
+        self.buffer.append(tuple(q[:, : len(r.pivots)] if r.pivots else None
+                                 for q, r in zip(queries, self.plan.roles)))
+        if len(self.buffer) < self.policy.window:
+            return
+        outs = []
+        l_base = int(self.plan.l_base.max())
+        for li, r in enumerate(self.plan.roles):
+            if not r.pivots:
+                outs.append(None)
+                continue
+            q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
+            g = cache.layers[li].groups[0]
+            np_ = len(r.pivots)
+            counts = self.plan.counts[li]
+            n_top = max(1, int(counts.max())) if counts.size else 1
+            args = (q_buf, g.k[:, :np_], cache.layers[li].aux["k_base"], g.lengths[:, :np_])
+            fn = self.compile_fn(_drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
+                                 n_top=min(n_top, g.capacity))
+            out = fn(*args)
+            for a in out:
+                a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
+            outs.append(out)
+        self.buffer = []
+        self.pending = (step, outs)
+
+    def before_step(self, step: int, cache: KVCache) -> KVCache:
+        """Apply the previous check's recalls (one step after it ran)."""
+        if self.pending is None:
+            return cache
+        _, outs = self.pending
+        self.pending = None
+        layers = list(cache.layers)
+        for li, out in enumerate(outs):
+            if out is None:
+                continue
+            drift, new_base, top = (np.asarray(a) for a in out)
+            r = self.plan.roles[li]
+            self.checks += drift.size
+            self.triggers += int(drift.sum())
+            if not drift.any():
+                continue
+            lc = layers[li]
+            comp = lc.groups[-1]
+            kv_view_k, kv_view_v = self.plan.host_view[li]
+            counts = self.plan.counts[li]  # [B, Hc]
+            k_new, v_new, pos_new = np.asarray(comp.k).copy(), np.asarray(comp.v).copy(), np.asarray(comp.positions).copy()
+            base = np.asarray(lc.aux["k_base"]).copy()
+            for b, p in zip(*np.nonzero(drift)):
+                for s in r.members.get(int(p), []):
+                    l_s = int(counts[b, s])
+                    pos = np.sort(top[b, p, :l_s])
+                    res = r.satellites.index(s)  # reservoir index of this satellite
+                    k_new[b, s, :l_s] = kv_view_k[b, res, pos]
+                    v_new[b, s, :l_s] = kv_view_v[b, res, pos]
+                    pos_new[b, s, :l_s] = pos
+                    self.recalls += 1
+                    self.bytes_recalled += 2 * l_s * k_new.shape[-1] * k_new.dtype.itemsize
+                base[b, p] = new_base[b, p]
+            groups = list(lc.groups)
+            groups[-1] = comp.replace(k=jax.device_put(k_new), v=jax.device_put(v_new),
+                                      positions=jax.device_put(pos_new))
+            aux = dict(lc.aux)
+            aux["k_base"] = jax.device_put(base)
+            layers[li] = lc.replace(groups=tuple(groups), aux=aux)
+            self.recall_steps.append(step)
+        return cache.replace(layers=tuple(layers))
+
+    def stats(self) -> dict:
+        return {
+            "drift_checks": self.checks,
+            "drift_triggers": self.triggers,
+            "trigger_rate": self.triggers / self.checks if self.checks else 0.0,
+            "recalls": self.recalls,
+            "bytes_recalled": self.bytes_recalled,
+        }
