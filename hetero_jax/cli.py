@@ -28,6 +28,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--policy", default="full", help="KV-cache policy name; 'list' prints them (default: full)")
     p.add_argument("--budget", type=float, default=None,
                    help="rho: fraction of the prompt's KV kept on the device, in (0, 1] (default: the policy's)")
+    p.add_argument("--profile", default=None,
+                   help="heterocache: head profile JSON (default: the shipped profile of the model)")
+    p.add_argument("--window", type=int, default=None, help="heterocache: decode steps between drift checks (5)")
+    p.add_argument("--tau-drift", type=float, default=None,
+                   help="heterocache: drift when the median overlap falls below this (default: profile's tau_stable)")
+    p.add_argument("--turns", default=None,
+                   help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
 
 
 def _read_prompt(args) -> str:
@@ -61,8 +68,21 @@ def _cmd_generate(args) -> int:
     if args.policy == "list":
         print(describe_policies())
         return 0
+    extra = {}
+    if args.policy.lower() == "heterocache":
+        if args.profile:
+            from hetero_jax.profile.format import load_profile
+
+            extra["profile"] = load_profile(args.profile)
+        if args.window is not None:
+            extra["window"] = args.window
+        if args.tau_drift is not None:
+            extra["tau_drift"] = args.tau_drift
+    elif args.profile or args.window is not None or args.tau_drift is not None:
+        print("error: --profile, --window and --tau-drift apply to --policy heterocache", file=sys.stderr)
+        return 2
     try:
-        policy = make_policy(args.policy, args.budget)
+        policy = make_policy(args.policy, args.budget, **extra)
     except KeyError as e:
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 2
@@ -73,6 +93,8 @@ def _cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     model = hetero_jax.load(args.model, dtype=args.dtype)
     stream = not args.no_stream
+    if args.turns:
+        return _run_turns(args, model, prompt, policy, stream)
     res = hetero_jax.generate(
         model,
         prompt,
@@ -90,6 +112,28 @@ def _cmd_generate(args) -> int:
     else:
         print(res.text)
     print(f"[stats] {res.stats.summary()}", )
+    return 0
+
+
+def _run_turns(args, model, context: str, policy, stream: bool) -> int:
+    from hetero_jax.generate import Session
+
+    try:
+        with open(args.turns, encoding="utf-8") as f:
+            questions = [q.strip() for q in f if q.strip()]
+    except FileNotFoundError:
+        print(f"error: turns file not found: {args.turns}", file=sys.stderr)
+        return 2
+    if not questions:
+        print(f"error: {args.turns} holds no questions (one per line)", file=sys.stderr)
+        return 2
+    sess = Session(model, context, policy, chat=not args.no_chat, seed=args.seed)
+    for i, q in enumerate(questions, 1):
+        print(f"[turn {i}] {q}")
+        res = sess.ask(q, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       stop=args.stop, on_token=(lambda s: print(s, end="", flush=True)) if stream else None)
+        print() if stream else print(res.text)
+        print(f"[stats] {res.stats.summary()}")
     return 0
 
 

@@ -48,6 +48,13 @@ class GenerationStats:
     def prefill_tokens_per_second(self) -> float:
         return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
 
+    def _recall_text(self) -> str:
+        r = self.recall
+        if not r:
+            return ""
+        return (f" | drift checks {r['drift_checks']}, triggered {r['trigger_rate']:.0%}, "
+                f"recalls {r['recalls']} ({r['bytes_recalled'] / 2**10:.0f} KiB)")
+
     def decode_ms_percentile(self, q: float) -> float:
         return 1e3 * float(np.percentile(self.decode_seconds, q)) if self.decode_seconds else float("nan")
 
@@ -61,7 +68,8 @@ class GenerationStats:
             f"({self.prefill_tokens_per_second:.0f} tok/s) | generated {self.generated_tokens} tok, "
             f"decode {self.decode_ms_per_token:.1f} ms/tok | KV device {self.kv_bytes_device / 2**20:.1f} MiB "
             f"(used {self.kv_bytes_used / 2**20:.1f} MiB), host {self.kv_bytes_host / 2**20:.1f} MiB | "
-            f"rho {self.achieved_rho:.3f} | compile {self.compile_seconds:.1f} s | stop: {self.stop_reason}"
+            f"rho {self.achieved_rho:.3f}{self._recall_text()} | compile {self.compile_seconds:.1f} s | "
+            f"stop: {self.stop_reason}"
         )
 
 
