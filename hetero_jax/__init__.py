@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from hetero_jax.config import ModelConfig, SUPPORTED_ARCHITECTURES  # noqa: E402
 from hetero_jax.errors import CheckpointError, ConfigError, HeteroJaxError, PromptError  # noqa: E402
-from hetero_jax.generate import GenerationResult, GenerationStats, generate  # noqa: E402
+from hetero_jax.generate import GenerationResult, GenerationStats, Session, generate  # noqa: E402
 from hetero_jax.hub import load  # noqa: E402
 
 __all__ = [
@@ -17,5 +17,6 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "generate",
+    "Session",
     "load",
 ]
