@@ -95,6 +95,10 @@ def test_prefill_layout_budgets_reservoir_and_bytes():
     full_bytes = L * CFG.num_kv_heads * CFG.num_layers * 2 * CFG.head_dim * 4
     from hetero_jax.cache import prompt_kv_bytes
     assert prompt_kv_bytes(eng.cache) <= rho * full_bytes * 1.05
+    # compressed heads are their own groups, exactly their budget long
+    for li, lc in enumerate(eng.cache.layers):
+        for g in lc.groups:
+            assert g.capacity == int(np.asarray(g.lengths).max())
 
 
 def test_budget_too_small_and_missing_profile():
@@ -153,32 +157,36 @@ def test_drift_thresholds_and_recall_contents(tau):
         q_last = seen_q[-2][li][0, p_pos]  # the latest buffered step: [G, D]
         scores = _np_pooled_max(q_last[None], keys)[0]
         order = np.argsort(-scores, kind="stable")
-        comp = eng.cache.layers[li].groups[-1]
+        groups = eng.cache.layers[li].groups
         res_k = np.asarray(eng.plan.reservoir_k[li])[0]
         res_v = np.asarray(eng.plan.reservoir_v[li])[0]
         for s in sats:
-            s_pos = perm.index(s) - eng.plan.roles[li].n_full  # inside the compressed group
+            s_pos = perm.index(s) - eng.plan.roles[li].n_full  # among the compressed heads
+            comp = groups[1 + s_pos]  # each compressed head is its own group, after the full group
             l_s = int(grid[li, s])
+            assert comp.capacity == l_s  # exactly its budget: no padding
             want = np.sort(order[:l_s])
-            got = np.asarray(comp.positions[0, s_pos, :l_s])
+            got = np.asarray(comp.positions[0, 0, :l_s])
             if not np.array_equal(got, want):  # only float near-ties may differ
                 thr = np.sort(scores)[::-1][l_s - 1]
                 assert all(abs(scores[t] - thr) < 1e-6 for t in set(got) ^ set(want))
             res_idx = eng.plan.roles[li].satellites.index(s_pos)
-            np.testing.assert_array_equal(np.asarray(comp.k[0, s_pos, :l_s]), res_k[res_idx, got])
-            np.testing.assert_array_equal(np.asarray(comp.v[0, s_pos, :l_s]), res_v[res_idx, got])
-            assert int(comp.lengths[0, s_pos]) == l_s
+            np.testing.assert_array_equal(np.asarray(comp.k[0, 0, :l_s]), res_k[res_idx, got])
+            np.testing.assert_array_equal(np.asarray(comp.v[0, 0, :l_s]), res_v[res_idx, got])
+            assert int(comp.lengths[0, 0]) == l_s
 
 
 def test_anchors_never_change_and_session_turns():
     policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5)
     sess = Session(MODEL, prompt(120, 4), policy, chat=False, reserve_tokens=8)
-    anchors_before = np.asarray(sess.engine.cache.layers[1].groups[-1].k)
+    anchors = lambda: [np.asarray(g.k) for g in sess.engine.cache.layers[1].groups[1:]]  # noqa: E731
+    anchors_before = anchors()
     for turn in range(3):
         res = sess.ask(prompt(7, 10 + turn), max_new_tokens=5)
         assert len(res.token_ids) >= 1
     assert res.stats.recall["recalls"] > 0  # drift detected across turns (tau > 1)
-    np.testing.assert_array_equal(np.asarray(sess.engine.cache.layers[1].groups[-1].k), anchors_before)
+    for a, b in zip(anchors(), anchors_before):
+        np.testing.assert_array_equal(a, b)
     assert sess.engine.cache.tail_capacity >= int(np.asarray(sess.engine.cache.tail_lens)[0])
 
 

@@ -132,11 +132,11 @@ def test_cache_is_stored_at_kv_heads_and_counts_bytes():
     params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=0))
     _, cache = prefill(params, cfg, [[1, 2, 3], [4, 5, 6, 7, 8]], tail_capacity=32)
     (group,) = cache.layers[0].groups
-    Tp = 16  # the smallest prefill chunk bucket
-    assert group.k.shape == (2, cfg.num_kv_heads, Tp, cfg.head_dim)
+    T = 5  # the longest prompt: chunk padding (to 16) is not kept
+    assert group.k.shape == (2, cfg.num_kv_heads, T, cfg.head_dim)
     assert np.asarray(group.lengths).tolist() == [[3, 3], [5, 5]]
     per_token = 2 * cfg.head_dim * 4  # K and V, float32
-    assert prompt_kv_bytes(cache) == cfg.num_layers * 2 * cfg.num_kv_heads * Tp * per_token
+    assert prompt_kv_bytes(cache) == cfg.num_layers * 2 * cfg.num_kv_heads * T * per_token
     assert tail_kv_bytes(cache) == cfg.num_layers * 2 * cfg.num_kv_heads * 32 * per_token
     assert kv_bytes(cache) == prompt_kv_bytes(cache) + tail_kv_bytes(cache)
 

@@ -240,6 +240,8 @@ def test_generate_with_policies_and_registry(tiny_checkpoint):
     prompt = prompts_of([120], seed=9, vocab=bundle.config.vocab_size)[0]
     full = hetero_jax.generate(bundle, prompt, max_new_tokens=4, chat=False)
     for name in REGISTRY:
+        if name == "heterocache":  # needs a head profile for this model: tests/test_heterocache.py
+            continue
         pol = make_policy(name, None if name == "full" else 0.5)
         r = hetero_jax.generate(bundle, prompt, pol, max_new_tokens=4, chat=False)
         assert r.stats.policy == repr(pol)

@@ -222,7 +222,13 @@ class HeteroPrefill:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (k_buf.shape[0], cfg.num_kv_heads - nf, T))
             group, _ = select_group(scores[:, nf:], k_buf[:, nf:], v_buf[:, nf:], positions,
                                     jnp.asarray(counts, jnp.int32), int(counts.max()), self.compile_fn)
-            groups.append(group)
+            # one group per compressed head, each exactly as long as its own budget: heads of a
+            # layer get different l_i, and padding them to the longest would hold memory for nothing
+            for j in range(counts.shape[1]):
+                c = int(counts[:, j].max())
+                groups.append(HeadGroup(k=group.k[:, j : j + 1, :c], v=group.v[:, j : j + 1, :c],
+                                        positions=group.positions[:, j : j + 1, :c],
+                                        lengths=group.lengths[:, j : j + 1]))
             self.counts.append(counts)
         else:
             self.counts.append(np.zeros((len(self.lens), 0), np.int64))
@@ -329,25 +335,31 @@ class HeteroDecode:
             if not drift.any():
                 continue
             lc = layers[li]
-            comp = lc.groups[-1]
+            groups = list(lc.groups)
+            first_comp = 1 if r.n_full else 0  # compressed head j lives in groups[first_comp + j]
             kv_view_k, kv_view_v = self.plan.host_view[li]
             counts = self.plan.counts[li]  # [B, Hc]
-            k_new, v_new, pos_new = np.asarray(comp.k).copy(), np.asarray(comp.v).copy(), np.asarray(comp.positions).copy()
             base = np.asarray(lc.aux["k_base"]).copy()
+            edits: dict[int, tuple] = {}
             for b, p in zip(*np.nonzero(drift)):
                 for s in r.members.get(int(p), []):
+                    gi = first_comp + s
+                    if gi not in edits:
+                        g = groups[gi]
+                        edits[gi] = (np.asarray(g.k).copy(), np.asarray(g.v).copy(), np.asarray(g.positions).copy())
+                    k_new, v_new, pos_new = edits[gi]
                     l_s = int(counts[b, s])
                     pos = np.sort(top[b, p, :l_s])
                     res = r.satellites.index(s)  # reservoir index of this satellite
-                    k_new[b, s, :l_s] = kv_view_k[b, res, pos]
-                    v_new[b, s, :l_s] = kv_view_v[b, res, pos]
-                    pos_new[b, s, :l_s] = pos
+                    k_new[b, 0, :l_s] = kv_view_k[b, res, pos]
+                    v_new[b, 0, :l_s] = kv_view_v[b, res, pos]
+                    pos_new[b, 0, :l_s] = pos
                     self.recalls += 1
                     self.bytes_recalled += 2 * l_s * k_new.shape[-1] * k_new.dtype.itemsize
                 base[b, p] = new_base[b, p]
-            groups = list(lc.groups)
-            groups[-1] = comp.replace(k=jax.device_put(k_new), v=jax.device_put(v_new),
-                                      positions=jax.device_put(pos_new))
+            for gi, (k_new, v_new, pos_new) in edits.items():  # asynchronous host -> device copies
+                groups[gi] = groups[gi].replace(k=jax.device_put(k_new), v=jax.device_put(v_new),
+                                                positions=jax.device_put(pos_new))
             aux = dict(lc.aux)
             aux["k_base"] = jax.device_put(base)
             layers[li] = lc.replace(groups=tuple(groups), aux=aux)
