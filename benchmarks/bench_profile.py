@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m", help="known model with a shipped profile")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "out"), help="JSON output directory")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--write-results", action="store_true", help="rewrite the profile section of benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
 
     import jax
@@ -113,18 +114,32 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=1)
 
     c = prof.role_counts()
-    print(f"\n### Profile calibration: {args.model} ({s.samples} x {s.tokens_per_sample} tokens, "
-          f"{s.decode_steps} decode steps, top_k {s.top_k}; {jax.default_backend()}, {os.cpu_count()} CPUs)\n")
-    print("| load s | calibrate s | of which compile s | peak RSS MiB | reproduces shipped roles |")
-    print("|---:|---:|---:|---:|:---:|")
-    print(f"| {load_s:.1f} | {calib_s:.1f} | {compile_s:.1f} | {rss:.0f} | {'yes' if reproduces else 'NO'} |")
-    print("\n| profile | layers x KV heads | anchor | volatile | pivot | satellite | full | compressed |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    lines = [f"## Profile calibration: {args.model}", ""]
+    if args.write_results:
+        from common import command_line, git_info, git_summary, machine_info, machine_summary
+
+        lines += [f"- Machine: {machine_summary(machine_info())}", f"- Commit: {git_summary(git_info())}",
+                  f"- Date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+                  f"- Command: `{command_line(argv)}`", ""]
+    lines += [f"Re-runs the shipped profile's calibration at its recorded settings ({s.samples} x "
+              f"{s.tokens_per_sample} tokens of pydoc topics, {s.decode_steps} decode steps, top_k {s.top_k}, "
+              f"tau_stable {s.tau_stable}, tau_sim {s.tau_sim}; {jax.default_backend()}, {os.cpu_count()} CPUs). "
+              "Calibrate time includes compile; peak RSS is the process's (model load included).", "",
+              "| load s | calibrate s | of which compile s | peak RSS MiB | reproduces shipped roles |",
+              "|---:|---:|---:|---:|:---:|",
+              f"| {load_s:.1f} | {calib_s:.1f} | {compile_s:.1f} | {rss:.0f} | {'yes' if reproduces else 'NO'} |",
+              "", "| profile | layers x KV heads | anchor | volatile | pivot | satellite | full | compressed |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
     rows = [(f"{args.model} (ours, re-run)", list(prof.roles.shape), c, prof.n_full, prof.n_compressed)]
     rows += [(name, r["shape"], r["roles"], r["full"], r["compressed"]) for name, r in refs.items()]
     for name, shape, rc, nf, nc in rows:
-        print(f"| {name} | {shape[0]} x {shape[1]} | {rc['anchor']} | {rc['volatile']} | {rc['pivot']} | "
-              f"{rc['satellite']} | {nf} | {nc} |")
+        lines.append(f"| {name} | {shape[0]} x {shape[1]} | {rc['anchor']} | {rc['volatile']} | {rc['pivot']} | "
+                     f"{rc['satellite']} | {nf} | {nc} |")
+    print("\n".join(lines))
+    if args.write_results:
+        from common import update_results_section
+
+        update_results_section("profile", "\n".join(lines))
     print(f"\nwrote {out}")
     return 0 if reproduces else 1
 
