@@ -95,3 +95,15 @@ def make_tiny_hf(arch: str, path: str | os.PathLike, *, max_shard_size: str | No
     model.save_pretrained(path, safe_serialization=True, **kw)
     make_tokenizer_files(path)
     return path
+
+
+def hf_greedy_ids(model, prompt_ids, max_new_tokens: int, eos_ids) -> list:
+    """transformers' greedy continuation of ``prompt_ids``, cut before the first EOS (as generate() reports it)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=list(eos_ids), pad_token_id=0)
+    ids = out[0, len(prompt_ids):].tolist()
+    eos = set(eos_ids)
+    return ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]

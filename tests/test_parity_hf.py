@@ -10,7 +10,7 @@ import hetero_jax
 from hetero_jax import model as M
 from hetero_jax.generate import prefill
 
-from hf_fixtures import make_tiny_model
+from hf_fixtures import hf_greedy_ids, make_tiny_model
 
 ATOL = 1e-4
 DECODE_STEPS = 16
@@ -52,10 +52,4 @@ def test_generate_greedy_matches_transformers_generate(arch, tiny_checkpoint):
     hf = make_tiny_model(arch)
     prompt = np.random.default_rng(11).integers(3, bundle.config.vocab_size, size=30).tolist()
     res = hetero_jax.generate(bundle, prompt, max_new_tokens=DECODE_STEPS, chat=False)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
-                          eos_token_id=list(bundle.tokenizer.eos_token_ids), pad_token_id=0)
-    ref_ids = out[0, len(prompt):].tolist()
-    eos = set(bundle.tokenizer.eos_token_ids)
-    ref_ids = ref_ids[: next((i for i, t in enumerate(ref_ids) if t in eos), len(ref_ids))]
-    assert res.token_ids == ref_ids
+    assert res.token_ids == hf_greedy_ids(hf, prompt, DECODE_STEPS, bundle.tokenizer.eos_token_ids)

@@ -9,6 +9,8 @@ import hetero_jax
 from hetero_jax import model as M
 from hetero_jax.generate import prefill
 
+from hf_fixtures import hf_greedy_ids
+
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 CHAT = "Explain in a few sentences why the sky is blue."
@@ -19,12 +21,7 @@ def test_greedy_chat_continuation_matches_transformers(smollm2, hf_smollm2):
     n_new = 40
     res = hetero_jax.generate(smollm2, CHAT, max_new_tokens=n_new)
     ids = smollm2.tokenizer.encode_prompt(CHAT, chat=True)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n_new, do_sample=False,
-                          eos_token_id=list(smollm2.tokenizer.eos_token_ids), pad_token_id=0)
-    ref = out[0, len(ids):].tolist()
-    eos = set(smollm2.tokenizer.eos_token_ids)
-    ref = ref[: next((i for i, t in enumerate(ref) if t in eos), len(ref))]
+    ref = hf_greedy_ids(hf, ids, n_new, smollm2.tokenizer.eos_token_ids)
     assert len(res.token_ids) >= 32, res.text
     assert res.token_ids == ref
     assert "blue" in res.text.lower() or "scatter" in res.text.lower()
