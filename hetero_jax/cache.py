@@ -84,10 +84,6 @@ def full_group(k: jax.Array, v: jax.Array, prompt_lens: jax.Array) -> HeadGroup:
     )
 
 
-def array_bytes(tree) -> int:
-    return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
-
-
 def prompt_kv_bytes(cache: KVCache) -> int:
     """Device bytes of the prompt part (all head groups' K and V arrays, as allocated)."""
     return int(sum(g.k.nbytes + g.v.nbytes for l in cache.layers for g in l.groups))

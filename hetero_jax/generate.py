@@ -388,7 +388,6 @@ def generate(
     batch, is_batch = _as_token_batches(model, prompt, chat)
     if on_token is not None and is_batch:
         raise PromptError("on_token streams a single prompt; pass one prompt or on_token=None")
-    _validate_ids(batch, model.config, is_batch)
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     T = max(len(b) for b in batch)
     budget = min(max_new_tokens, model.config.max_position_embeddings - T)  # never past the context

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
-import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.config import ModelConfig
@@ -98,8 +97,3 @@ def params_for(model, layout: HeadLayout | None) -> dict:
         per_model[layout] = permute_params(model.params, model.config, layout)
     return per_model[layout]
 
-
-def unpermute_heads(x, perm, axis: int):
-    """Undo a layout on one axis of per-head data (e.g. per-head stats back to original order)."""
-    inv = np.argsort(np.asarray(perm))
-    return jnp.take(x, inv, axis=axis) if not isinstance(x, np.ndarray) else np.take(x, inv, axis=axis)
