@@ -33,6 +33,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--window", type=int, default=None, help="heterocache: decode steps between drift checks (5)")
     p.add_argument("--tau-drift", type=float, default=None,
                    help="heterocache: drift when the median overlap falls below this (default: profile's tau_stable)")
+    p.add_argument("--recall", default=None, choices=["pivot", "own"],
+                   help="heterocache: satellites' recall targets: the pivot's top tokens (paper, default) or "
+                        "each satellite's own latest query scored against its host reservoir keys")
     p.add_argument("--turns", default=None,
                    help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
 
@@ -78,8 +81,10 @@ def _cmd_generate(args) -> int:
             extra["window"] = args.window
         if args.tau_drift is not None:
             extra["tau_drift"] = args.tau_drift
-    elif args.profile or args.window is not None or args.tau_drift is not None:
-        print("error: --profile, --window and --tau-drift apply to --policy heterocache", file=sys.stderr)
+        if args.recall is not None:
+            extra["recall"] = args.recall
+    elif args.profile or args.window is not None or args.tau_drift is not None or args.recall is not None:
+        print("error: --profile, --window, --tau-drift and --recall apply to --policy heterocache", file=sys.stderr)
         return 2
     try:
         policy = make_policy(args.policy, args.budget, **extra)

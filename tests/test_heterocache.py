@@ -201,3 +201,49 @@ def test_session_single_turn_equals_generate(policy):
     if isinstance(policy, FullKV):
         g = hetero_jax.generate(MODEL, ids + q, max_new_tokens=5, chat=False)
         assert a.token_ids == g.token_ids
+
+
+def test_own_recall_gives_each_satellite_its_own_top_rows():
+    """recall="own": after a forced drift each satellite holds the reservoir rows at the top-l_s of
+    its own latest query scored against its own prompt keys (numpy, float64)."""
+    L, W, rho = 160, 3, 0.5
+    policy = HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=1.5, recall="own")
+    eng = Engine(MODEL, [prompt(L, 3)], policy, tail_capacity=16)
+    ctl = eng.controller
+    tok = eng.first_tokens(0.0, 1.0)
+    seen_q = []
+    orig_after = ctl.after_step
+
+    def spy(step, queries, cache):
+        seen_q.append([np.asarray(q) for q in queries])
+        orig_after(step, queries, cache)
+
+    ctl.after_step = spy
+    for _ in range(W + 1):
+        tok, _ = eng.step(tok, 0.0, 1.0)
+    assert ctl.stats()["recalls"] == 3 and ctl.stats()["bytes_scored_on_host"] > 0
+    grid = PROFILE.budgets(rho, L)
+    layout = policy.layout(CFG)
+    for li, sats in ((0, (0, 2)), (2, (0,))):
+        perm = list(layout.perms[li])
+        groups = eng.cache.layers[li].groups
+        res_k = np.asarray(eng.plan.reservoir_k[li])[0]
+        for s in sats:
+            h_pos = perm.index(s)  # satellite's position in the layer's layout
+            s_pos = h_pos - eng.plan.roles[li].n_full
+            res_idx = eng.plan.roles[li].satellites.index(s_pos)
+            q_last = seen_q[-2][li][0, h_pos].astype(np.float64)  # [G, D] at the check step
+            scores = _np_pooled_max(q_last[None], res_k[res_idx, :L].astype(np.float64))[0]
+            l_s = int(grid[li, s])
+            want = np.sort(np.argsort(-scores, kind="stable")[:l_s])
+            comp = groups[1 + s_pos]
+            got = np.asarray(comp.positions[0, 0, :l_s])
+            if not np.array_equal(got, want):  # only float near-ties may differ
+                thr = np.sort(scores)[::-1][l_s - 1]
+                assert all(abs(scores[t] - thr) < 1e-6 for t in set(got) ^ set(want))
+            np.testing.assert_array_equal(np.asarray(comp.k[0, 0, :l_s]), res_k[res_idx, got])
+
+
+def test_unknown_recall_mode_is_refused():
+    with pytest.raises(ValueError, match="recall must be one of pivot, own"):
+        HeteroCache(profile=PROFILE, recall="satellite")

@@ -274,3 +274,24 @@ def test_plot_writes_png(tmp_path, which):
     plot_profile(prof, out)
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_reclustered_rebuilds_roles_from_the_stored_statistics():
+    # hand-built: one layer, 3 heads; heads 0-1 overlap 0.6, head 2 alone
+    stab = np.array([[0.7, 0.3, 0.2]])
+    simm = np.array([[[1.0, 0.6, 0.1], [0.6, 1.0, 0.2], [0.1, 0.2, 1.0]]])
+    prof = build_profile(stab, simm, tau_stable=0.5, tau_sim=0.7)
+    assert [Role(r).name for r in prof.roles[0]] == ["ANCHOR", "VOLATILE", "VOLATILE"]
+    assert prof.reclustered() == prof
+    loose = prof.reclustered(tau_sim=0.5)
+    assert [Role(r).name for r in loose.roles[0]] == ["PIVOT", "SATELLITE", "VOLATILE"]
+    assert loose.clusters[0] == (Cluster(0, (1,)),) and loose.settings.tau_sim == 0.5
+    strict = prof.reclustered(tau_stable=0.8)
+    assert [Role(r).name for r in strict.roles[0]] == ["VOLATILE"] * 3
+
+
+@needs_ref
+def test_reclustered_needs_a_similarity_matrix():
+    official = load_profile(REF / LLAMA_FILE)
+    with pytest.raises(ProfileError, match="cannot be re-clustered"):
+        official.reclustered(tau_sim=0.4)

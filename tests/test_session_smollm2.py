@@ -43,3 +43,19 @@ def test_heterocache_half_budget_answers_each_fact_single_turn(smollm2):
         res = hetero_jax.generate(smollm2, ctx + "\n\n" + q, HeteroCache(budget=0.5), max_new_tokens=16)
         assert a in res.text.lower()
         assert res.stats.achieved_rho <= 0.5 and res.stats.kv_bytes_host > 0
+
+
+def test_heterocache_half_budget_session_answers_each_fact_in_turn(smollm2):
+    """Multi-turn at rho 0.5: the shipped calibration re-clustered at the paper's tau_sim 0.5 (27 pivots,
+    45 satellites, 15 anchors), each satellite recalling its own top tokens from the host reservoir at
+    every check (tau_drift > 1). With the paper's pivot-chosen recall or drift gating at the default
+    threshold it answers none of the three (see README, "Multi-turn sessions")."""
+    profile = HeteroCache().bind(smollm2).profile.reclustered(tau_sim=0.5)
+    policy = HeteroCache(profile=profile, budget=0.5, recall="own", tau_drift=1.01)
+    sess = Session(smollm2, three_fact_context(smollm2.tokenizer), policy)
+    for q, a in zip(QUESTIONS, ANSWERS):
+        res = sess.ask(q, max_new_tokens=16)
+        assert a in res.text.lower(), (q, res.text)
+    st = res.stats
+    assert st.achieved_rho <= 0.5 and st.kv_bytes_host > 0
+    assert st.recall["recalls"] > 0 and st.recall["trigger_rate"] == 1.0

@@ -44,6 +44,12 @@ from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import HeadProfile, ProfileError
 
 
+# How a drifting pivot's satellites choose the rows they get back from the host reservoir:
+# "pivot" (the paper): top-l_s of the pivot's latest pooled scores;
+# "own": top-l_s of the satellite's own latest query scored against its own reservoir keys.
+RECALL_MODES = ("pivot", "own")
+
+
 def _profile_key(profile: HeadProfile | None) -> str:
     if profile is None:
         return ""
@@ -62,6 +68,7 @@ class HeteroCache(Policy):
     window: int = 5
     tau_drift: float | None = None
     pool_kernel: int = 5
+    recall: str = "pivot"
     profile_key: str = dataclasses.field(default="", init=False)
 
     name: ClassVar[str] = "heterocache"
@@ -72,6 +79,8 @@ class HeteroCache(Policy):
         super().__post_init__()
         if self.window < 1:
             raise BudgetError(f"HeteroCache: window must be >= 1 decode step, got {self.window}")
+        if self.recall not in RECALL_MODES:
+            raise BudgetError(f"HeteroCache: recall must be one of {', '.join(RECALL_MODES)}, got {self.recall!r}")
         if self.pool_kernel != 5:
             raise BudgetError("HeteroCache: the pooled-score kernel supports pool_kernel=5 only")
         object.__setattr__(self, "profile_key", _profile_key(self.profile))
@@ -272,6 +281,29 @@ def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: i
     return drift, latest_idx.astype(jnp.int32), top.astype(jnp.int32)
 
 
+def host_pooled_scores(q_rows: np.ndarray, keys: np.ndarray, length: int, pool_kernel: int = 5) -> np.ndarray:
+    """Pooled attention of one KV head on the host: q_rows [G, D], keys [T, D] -> [length] float32.
+
+    softmax(q K^T / sqrt(D)) in float32 over the first ``length`` keys, average
+    pooling (kernel 5, zero padding, divide by 5), GQA max: the scoring of
+    ``pallas_kernels.pooled_scores``, computed where the reservoir lives.
+    """
+    k = np.asarray(keys[:length], np.float32)
+    logits = np.asarray(q_rows, np.float32) @ k.T / np.float32(np.sqrt(k.shape[-1]))  # [G, length]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    half = pool_kernel // 2
+    padded = np.pad(probs, ((0, 0), (half, half)))
+    pooled = sum(padded[:, i : i + length] for i in range(pool_kernel)) / np.float32(pool_kernel)
+    return pooled.max(0)
+
+
+def top_positions(scores: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k highest scores (ties: lower position first), any order: [k]."""
+    order = np.argsort(-scores, kind="stable")
+    return order[:k]
+
+
 class HeteroDecode:
     """Per-request decode-time state of HeteroCache: query buffer, pending checks, recall stats."""
 
@@ -285,6 +317,7 @@ class HeteroDecode:
         self.triggers = 0  # pivot checks that drifted
         self.recalls = 0  # satellite heads refreshed
         self.bytes_recalled = 0
+        self.bytes_scored = 0  # reservoir key bytes read on the host to score satellites (recall="own")
         self.recall_steps: list[int] = []
 
     @property
@@ -315,14 +348,22 @@ class HeteroDecode:
             for a in out:
                 a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
             outs.append(out)
+        sat_queries = None
+        if self.policy.recall == "own":  # the satellites' own latest query rows, for recall targets
+            sat_queries = []
+            for q, r in zip(queries, self.plan.roles):
+                qs = q[:, r.n_full : r.n_full + len(r.satellites)] if r.satellites else None
+                if qs is not None:
+                    qs.copy_to_host_async()
+                sat_queries.append(qs)
         self.buffer = []
-        self.pending = (step, outs)
+        self.pending = (step, outs, sat_queries)
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
         """Apply the previous check's recalls (one step after it ran)."""
         if self.pending is None:
             return cache
-        _, outs = self.pending
+        _, outs, sat_queries = self.pending
         self.pending = None
         layers = list(cache.layers)
         for li, out in enumerate(outs):
@@ -349,8 +390,14 @@ class HeteroDecode:
                         edits[gi] = (np.asarray(g.k).copy(), np.asarray(g.v).copy(), np.asarray(g.positions).copy())
                     k_new, v_new, pos_new = edits[gi]
                     l_s = int(counts[b, s])
-                    pos = np.sort(top[b, p, :l_s])
                     res = r.satellites.index(s)  # reservoir index of this satellite
+                    if sat_queries is None:
+                        pos = np.sort(top[b, p, :l_s])
+                    else:
+                        own = host_pooled_scores(np.asarray(sat_queries[li][b, res]), kv_view_k[b, res],
+                                                 int(self.plan.lens[b]))
+                        pos = np.sort(top_positions(own, l_s))
+                        self.bytes_scored += int(self.plan.lens[b]) * kv_view_k.shape[-1] * kv_view_k.dtype.itemsize
                     k_new[b, 0, :l_s] = kv_view_k[b, res, pos]
                     v_new[b, 0, :l_s] = kv_view_v[b, res, pos]
                     pos_new[b, 0, :l_s] = pos
@@ -373,4 +420,5 @@ class HeteroDecode:
             "trigger_rate": self.triggers / self.checks if self.checks else 0.0,
             "recalls": self.recalls,
             "bytes_recalled": self.bytes_recalled,
+            "bytes_scored_on_host": self.bytes_scored,
         }

@@ -180,6 +180,21 @@ class HeadProfile:
         """Device tokens per KV head after prefill, int64 [L, H] (Eq. 7-8)."""
         return budget_grid(rho, self.roles, self.weights, prompt_len)
 
+    def reclustered(self, *, tau_stable: float | None = None, tau_sim: float | None = None) -> "HeadProfile":
+        """The same calibration statistics with other thresholds: roles, clusters and weights rebuilt.
+
+        Needs the stored similarity matrix (our profiles have it; the authors' files do not).
+        """
+        if self.similarity_matrix is None:
+            raise ProfileError("this profile stores no similarity matrix (the authors' format), so its heads "
+                               "cannot be re-clustered; calibrate one with `hetero-jax profile`")
+        tau_stable = self.settings.tau_stable if tau_stable is None else tau_stable
+        tau_sim = self.settings.tau_sim if tau_sim is None else tau_sim
+        return build_profile(self.stability, self.similarity_matrix, tau_stable=tau_stable, tau_sim=tau_sim,
+                             similarity=self.similarity, architecture=self.architecture, head_dim=self.head_dim,
+                             model_name=self.model_name, weights_fingerprint=self.weights_fingerprint,
+                             settings=self.settings)
+
     def describe_shape(self) -> str:
         return _shape_text(self.architecture, self.num_layers, self.num_kv_heads, self.head_dim)
 
