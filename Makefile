@@ -27,8 +27,12 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hetero-jax generate --model smollm2-135m --prompt "What is the capital of France? Answer in one sentence." --max-new-tokens 48
 
+# CPU-sized evaluation suite (about 20 min on 2 cores): rewrites its sections of benchmarks/RESULTS.md.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_foundation.py
+	$(BIN)/python benchmarks/bench_latency.py --preset cpu --write-results
+	$(BIN)/python benchmarks/bench_needle.py --preset cpu --write-results
+	$(BIN)/python benchmarks/bench_multiturn.py --preset cpu --write-results
+	$(BIN)/python benchmarks/bench_fidelity.py --preset cpu --write-results
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,696 @@
+#!/usr/bin/env python
+"""Latency per policy and context length: TTFT, decode ms/token percentiles, KV bytes, roofline ratio.
+
+For each context length and each policy (default: full KV, StreamingLLM,
+SnapKV and HeteroCache, each compressed one at rho 0.3 and 0.5), batch 1,
+greedy, measured through ``generate``'s decode ``Engine``:
+
+- **TTFT**: ``Engine.prefill_seconds`` (the prefill ``GenerationStats``
+  reports: layer-major prefill with the policy's selection in every layer,
+  HeteroCache's copy of the satellites' KV into the pinned-host reservoir,
+  ``finish``; compile time excluded) plus sampling and reading back the first
+  token. Every policy gets its own prefill; the prefills of one length run
+  round-robin (order rotated per round). The first ``--ttft-warmup`` rounds
+  are untimed (eager ops compile there; the jitted functions' compile time is
+  excluded anyway); TTFT is the median of the next ``--ttft-repeats`` rounds.
+  HeteroCache's permuted weights are made once before any timing (``generate``
+  does that on its first call per model and layout).
+- **Decode**: the caches of the last round decode side by side, one step per
+  policy in turn (order rotated every step, as in ``bench_policies.py``) with
+  ``Engine.step`` (HeteroCache's drift checks and recalls included): the first
+  ``--warmup-steps`` steps per policy are untimed, the next ``--decode-steps``
+  are timed (wall time incl. reading the token back; compile time excluded).
+  Mean / P50 / P95 / P99 ms per token; the ratio to full KV divides by full
+  KV's value from the same interleaved steps.
+- **Roofline ratio**: (weight bytes + KV bytes one decode step reads with the
+  policy) / (weight bytes + KV bytes with full KV). Weight bytes = every
+  parameter once, except the embedding table, of which the token's gather
+  reads one row; the lm_head is read in full (SmolLM2 ties it to the
+  embedding table). KV bytes = the device KV arrays the step attends: the
+  prompt's head groups as allocated (the kept prompt) plus the tail buffer.
+  Printed beside each measured ratio with measured / roofline and whether that
+  is within 10 %.
+- **KV bytes** (device, host) and **recall trigger rate** (HeteroCache: drift
+  checks that triggered / drift checks, over the timed steps) as
+  ``Engine.stats_fields()`` reports them.
+
+Weights: the real SmolLM2-135M (float32) for ``--real-lengths`` (default
+1K, 2K, 4K and 7900 tokens: "8K" inside the 8192-token context; prompts are
+the first N tokens of the pydoc corpus of ``benchmarks/haystack.py``, raw
+text). ``--synthetic-lengths`` (default 16K, 32K) are beyond that context:
+they use **synthetic** random weights with SmolLM2's exact shapes
+(``hetero_jax.spec.init_params``, ``max_position_embeddings`` raised) and
+random token ids, labelled "synthetic" in the JSON, table and plot; there
+HeteroCache uses the shipped SmolLM2 profile's roles with its weights
+fingerprint removed (roles calibrated on the real weights, applied to random
+ones: the cost structure is right, what is kept is not meaningful).
+
+Cost: prefill dominates long contexts (one per policy and round: 7 policies x
+3 rounds (1 untimed) per length by default). On a 2-core CPU SmolLM2's full-KV prefill
+takes about 90 s at 7900 tokens and grows faster than linearly, so the
+default grid's synthetic 16K and 32K points take hours there (extrapolated,
+not measured: 20 min or more per 32K prefill); an accelerator, fewer lengths
+or ``--ttft-warmup 0`` cut that. ``--preset cpu`` (real 1K and 2K,
+synthetic 2K, rho 0.3 only, 32 timed steps) is the small configuration that
+``make bench`` runs: 5 to 7 min on 2 shared cores (warm / cold XLA cache).
+
+Outputs: ``--out`` JSON (full config, machine, commit, every sample), a PNG
+beside it, a markdown table on stdout, and with ``--write-results`` the
+``latency`` section of ``benchmarks/RESULTS.md`` (with the HeteroCache rho 0.3
+targets at the longest context: MET / NOT MET).
+
+    .venv/bin/python benchmarks/bench_latency.py --write-results          # full grid (long)
+    .venv/bin/python benchmarks/bench_latency.py --preset cpu             # make bench
+    .venv/bin/python benchmarks/bench_latency.py --real-lengths 512 --synthetic-lengths \\
+        --policies full heterocache --budgets 0.3 --decode-steps 8        # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (benchmarks/common.py)
+import haystack  # noqa: E402  (benchmarks/haystack.py)
+
+SECTION = "latency"
+MODEL = "smollm2-135m"
+DEFAULT_REAL_LENGTHS = (1024, 2048, 4096, 7900)
+DEFAULT_SYNTHETIC_LENGTHS = (16384, 32768)
+DEFAULT_POLICIES = ("full", "streamingllm", "snapkv", "heterocache")
+DEFAULT_BUDGETS = (0.3, 0.5)
+ROOFLINE_TOLERANCE = 0.10  # measured / roofline decode ratio within 10 %
+TTFT_TARGET = 1.05  # HeteroCache rho 0.3 TTFT at most 5 % above full KV's
+TAIL_TARGET = 1.5  # HeteroCache rho 0.3 decode P99 / P50
+TARGET_POLICY, TARGET_RHO = "heterocache", 0.3
+MiB = 2**20
+
+# --preset NAME sets these defaults (explicit flags still win).
+PRESETS = {
+    # synthetic at 2048 too: beside the real 2048 row it shows that random weights time like real ones
+    "cpu": dict(real_lengths=[1024, 2048], synthetic_lengths=[2048], budgets=[0.3], decode_steps=32,
+                warmup_steps=6, ttft_warmup=1, ttft_repeats=1),
+}
+
+
+# ----------------------------------------------------------------- metrics
+def weight_bytes_per_token(param_bytes: int, embed_bytes: int, vocab_size: int, tied_embeddings: bool) -> int:
+    """Weight bytes one decode token reads.
+
+    Every parameter once, except the embedding table [V, H], of which the
+    token's gather reads one row; the lm_head is read in full (with tied
+    embeddings that is the embedding table again; an untied lm_head is
+    already inside ``param_bytes``).
+    """
+    row = embed_bytes // vocab_size
+    lm_head = embed_bytes if tied_embeddings else 0
+    return param_bytes - embed_bytes + row + lm_head
+
+
+def model_weight_bytes(params, cfg) -> int:
+    """:func:`weight_bytes_per_token` of a params pytree (spec.py layout)."""
+    import jax
+
+    total = int(sum(x.nbytes for x in jax.tree.leaves(params)))
+    return weight_bytes_per_token(total, int(params["embed"].nbytes), cfg.vocab_size, cfg.tie_word_embeddings)
+
+
+def roofline_ratio(weight_bytes: float, kv_bytes_policy: float, kv_bytes_full: float) -> float:
+    """Bandwidth-bound decode time of a policy over full KV's: (W + KV_policy) / (W + KV_full)."""
+    return (weight_bytes + kv_bytes_policy) / (weight_bytes + kv_bytes_full)
+
+
+def within_tolerance(measured_ratio: float, roofline: float, tol: float = ROOFLINE_TOLERANCE) -> bool:
+    """True when measured / roofline is within ``tol`` of 1 (False for NaN)."""
+    r = measured_ratio / roofline
+    return bool(math.isfinite(r) and abs(r - 1.0) <= tol)
+
+
+def timing_summary(seconds) -> dict:
+    """Per-step wall times (s) -> mean / P50 / P95 / P99 in ms (numpy's linear percentiles), P99/P50, n."""
+    import numpy as np
+
+    ms = 1e3 * np.asarray(seconds, np.float64)
+    if ms.size == 0:
+        nan = float("nan")
+        return {"mean_ms": nan, "p50_ms": nan, "p95_ms": nan, "p99_ms": nan, "p99_over_p50": nan, "n": 0}
+    p50, p95, p99 = (float(v) for v in np.percentile(ms, [50, 95, 99]))
+    return {"mean_ms": float(ms.mean()), "p50_ms": p50, "p95_ms": p95, "p99_ms": p99,
+            "p99_over_p50": p99 / p50 if p50 > 0 else float("nan"), "n": int(ms.size)}
+
+
+# ------------------------------------------------------------------ combos
+def make_combos(policies, budgets) -> list[tuple[str, float]]:
+    """(registry name, rho): full KV first (the reference), then every other policy x budget."""
+    combos = [("full", 1.0)]
+    for name in policies:
+        if name != "full":
+            combos += [(name, float(b)) for b in budgets]
+    return combos
+
+
+def combo_label(name: str, rho: float) -> str:
+    return "full" if name == "full" else f"{name}@{rho:g}"
+
+
+# ------------------------------------------------------------------- models
+def synthetic_model(real_model, max_positions: int, seed: int):
+    """SmolLM2's exact shapes with random float32 weights and ``max_position_embeddings`` raised."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hetero_jax import spec
+    from hetero_jax.hub import Model
+
+    cfg = dataclasses.replace(real_model.config,
+                              max_position_embeddings=max(max_positions, real_model.config.max_position_embeddings))
+    params = spec.init_params(cfg, seed=seed, dtype=np.float32)
+    params = {k: ([{n: jnp.asarray(a) for n, a in layer.items()} for layer in v] if k == "layers" else jnp.asarray(v))
+              for k, v in params.items()}
+    return Model(config=cfg, params=params, tokenizer=real_model.tokenizer, path="<synthetic>",
+                 name=f"{real_model.name}-synthetic")
+
+
+def synthetic_profile():
+    """The shipped SmolLM2 profile with its weights fingerprint removed (roles only; fits any SmolLM2-shaped model)."""
+    from hetero_jax.profile.format import load_profile, shipped_profile_path
+
+    prof = load_profile(shipped_profile_path(MODEL))
+    return dataclasses.replace(prof, weights_fingerprint=None)
+
+
+def make_policies(combos, synthetic: bool):
+    from hetero_jax.policies import HeteroCache, make_policy
+
+    prof = synthetic_profile() if synthetic and any(n == "heterocache" for n, _ in combos) else None
+    out = []
+    for name, rho in combos:
+        if name == "heterocache" and synthetic:
+            out.append(HeteroCache(profile=prof, budget=rho))
+        else:
+            out.append(make_policy(name, None if name == "full" else rho))
+    return out
+
+
+# ------------------------------------------------------------- one length
+def kv_stats(engine) -> dict:
+    """KV fields of ``GenerationStats`` (``Engine.stats_fields``), achieved rho, recall stats."""
+    f = engine.stats_fields()
+    return {
+        "kv_bytes_device": int(f["kv_bytes_device"]), "kv_bytes_prompt": int(f["kv_bytes_prompt"]),
+        "kv_bytes_tail": int(f["kv_bytes_tail"]), "kv_bytes_host": int(f["kv_bytes_host"]),
+        "kv_bytes_used": int(f["kv_bytes_used"]), "achieved_rho": float(engine.achieved_rho[0]),
+        "recall": dict(f.get("recall") or {}),
+    }
+
+
+def measure_length(model, ids: list[int], combos, policies, args, bar=None, note=None) -> tuple[list[dict], dict]:
+    """TTFT rounds, then interleaved decode, for every policy on one prompt. One dict per combo."""
+    import gc
+
+    G = importlib.import_module("hetero_jax.generate")  # the module (the package exports the function)
+    from hetero_jax import layout as LY
+
+    cfg = model.config
+    n = len(combos)
+    steps_total = args.warmup_steps + args.decode_steps
+    tail_capacity = G._round_up(steps_total + 1, G.TAIL_QUANTUM)
+    bound = [G._resolve_policy(model, p) for p in policies]
+    for p in bound:  # budget errors before any compute; HeteroCache's permuted weights made before timing
+        p.make_prefill(cfg, [len(ids)])
+        LY.params_for(model, p.layout(cfg))
+
+    def status(text):
+        if bar is not None:
+            bar.set_postfix_str(f"{note}: {text}" if note else text)
+
+    # --- TTFT: one prefill per policy per round, round-robin
+    engines = [None] * n
+    ttft = [[] for _ in range(n)]
+    ttft_warm = [[] for _ in range(n)]
+    prefill_s = [[] for _ in range(n)]
+    compile_s = [0.0] * n
+    rounds = args.ttft_warmup + args.ttft_repeats
+    for rnd in range(rounds):
+        for j in range(n):
+            i = (rnd + j) % n
+            status(f"prefill round {rnd + 1}/{rounds}, {combo_label(*combos[i])}")
+            engines[i] = None  # free the previous round's cache first
+            gc.collect()
+            c0 = G._COMPILE_TIME[0]
+            e = G.Engine(model, [ids], bound[i], tail_capacity=tail_capacity)
+            t0 = time.perf_counter()
+            e.first_tokens(0.0, 1.0)
+            first_s = time.perf_counter() - t0
+            compile_s[i] += G._COMPILE_TIME[0] - c0
+            (ttft if rnd >= args.ttft_warmup else ttft_warm)[i].append(e.prefill_seconds + first_s)
+            prefill_s[i].append(e.prefill_seconds)
+            engines[i] = e
+    after_prefill = [kv_stats(e) for e in engines]
+
+    # --- decode: round-robin, order rotated every step
+    toks = [int(e.first_tokens(0.0, 1.0)[0]) for e in engines]
+    times: list[list[float]] = [[] for _ in range(n)]
+    recall_at_timing = [None] * n
+    c1 = G._COMPILE_TIME[0]
+    for step in range(steps_total):
+        if step == args.warmup_steps:
+            recall_at_timing = [kv_stats(e)["recall"] for e in engines]
+        for j in range(n):
+            i = (step + j) % n
+            nxt, seconds = engines[i].step([toks[i]], 0.0, 1.0)  # compile time excluded by Engine.step
+            if step >= args.warmup_steps:
+                times[i].append(seconds)
+            toks[i] = int(nxt[0])
+        status(f"decode step {step + 1}/{steps_total} x {n} policies")
+    decode_compile = G._COMPILE_TIME[0] - c1
+    final = [kv_stats(e) for e in engines]
+    del engines
+    gc.collect()
+
+    results = []
+    for i, (name, rho) in enumerate(combos):
+        r0, r1 = recall_at_timing[i] or {}, final[i]["recall"]
+        checks = r1.get("drift_checks", 0) - r0.get("drift_checks", 0)
+        trig = r1.get("drift_triggers", 0) - r0.get("drift_triggers", 0)
+        results.append({
+            "policy": name, "rho": rho, "label": combo_label(name, rho), "policy_repr": repr(bound[i]),
+            **final[i],
+            "kv_after_prefill": after_prefill[i],
+            "ttft_seconds": ttft[i], "ttft_warmup_seconds": ttft_warm[i], "prefill_seconds": prefill_s[i],
+            "ttft_median_seconds": statistics.median(ttft[i]),
+            "compile_seconds_prefill": compile_s[i],
+            "decode_seconds": times[i],
+            "decode": timing_summary(times[i]),
+            "timed_drift_checks": checks, "timed_drift_triggers": trig,
+            "timed_trigger_rate": trig / checks if checks else None,
+            "timed_recalls": r1.get("recalls", 0) - r0.get("recalls", 0),
+        })
+    meta = {"tail_capacity": tail_capacity, "decode_compile_seconds": decode_compile,
+            "prompt_tokens": len(ids)}
+    return results, meta
+
+
+def add_ratios(rows: list[dict], weight_bytes: int) -> None:
+    """Ratios to full KV (same length) and the roofline ratio, in place. rows: one length's results."""
+    full = next((r for r in rows if r["policy"] == "full"), None)
+    for r in rows:
+        if full is None:
+            r.update(decode_ratio_p50=float("nan"), decode_ratio_mean=float("nan"), ttft_ratio=float("nan"),
+                     roofline_ratio=float("nan"), measured_over_roofline=float("nan"), within_10pct=False)
+            continue
+        ratio_p50 = r["decode"]["p50_ms"] / full["decode"]["p50_ms"]
+        roof = roofline_ratio(weight_bytes, r["kv_bytes_device"], full["kv_bytes_device"])
+        r.update(
+            decode_ratio_p50=ratio_p50,
+            decode_ratio_mean=r["decode"]["mean_ms"] / full["decode"]["mean_ms"],
+            ttft_ratio=r["ttft_median_seconds"] / full["ttft_median_seconds"],
+            roofline_ratio=roof,
+            measured_over_roofline=ratio_p50 / roof,
+            within_10pct=within_tolerance(ratio_p50, roof),
+        )
+
+
+# ------------------------------------------------------------------- targets
+def target_check(runs: list[dict]) -> dict:
+    """HeteroCache rho 0.3 at the longest context measured: the three targets, each met or not."""
+    cands = [r for r in runs if r["policy"] == TARGET_POLICY and abs(r["rho"] - TARGET_RHO) < 1e-9]
+    if not cands:
+        return {"measured": False}
+    r = max(cands, key=lambda r: r["length"])
+    ratio_ok = bool(r["within_10pct"])
+    ttft_ok = bool(math.isfinite(r["ttft_ratio"]) and r["ttft_ratio"] <= TTFT_TARGET)
+    tail = r["decode"]["p99_over_p50"]
+    tail_ok = bool(math.isfinite(tail) and tail <= TAIL_TARGET)
+    return {
+        "measured": True, "length": r["length"], "weights": r["weights"], "label": r["label"],
+        "decode_ratio_p50": r["decode_ratio_p50"], "roofline_ratio": r["roofline_ratio"],
+        "measured_over_roofline": r["measured_over_roofline"], "decode_within_10pct_of_roofline": ratio_ok,
+        "ttft_ratio": r["ttft_ratio"], "ttft_at_most_5pct_above_full": ttft_ok,
+        "p99_over_p50": tail, "p99_over_p50_at_most_1_5": tail_ok,
+        "all_met": ratio_ok and ttft_ok and tail_ok,
+    }
+
+
+def met(ok: bool) -> str:
+    return "MET" if ok else "NOT MET"
+
+
+# --------------------------------------------------------------------- run
+def run(args) -> dict:
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    import hetero_jax
+
+    if not args.no_compile_cache:
+        from hetero_jax.cli import enable_compilation_cache
+
+        enable_compilation_cache()
+    combos = make_combos(args.policies, args.budgets)
+    t_start = time.perf_counter()
+    real = hetero_jax.load(args.model, dtype="float32", progress=False)
+    load_s = time.perf_counter() - t_start
+    ctx = real.config.max_position_embeddings
+    steps_total = args.warmup_steps + args.decode_steps + 1
+    for L in args.real_lengths:
+        if L + steps_total > ctx:
+            raise SystemExit(f"real length {L} + {steps_total} decode tokens exceeds SmolLM2's {ctx}-token context; "
+                             f"use at most {ctx - steps_total} (or --synthetic-lengths)")
+    corpus = real.tokenizer.encode_prompt(haystack.pydoc_corpus(), chat=False) if args.real_lengths else []
+    if args.real_lengths and max(args.real_lengths) > len(corpus):
+        raise SystemExit(f"the pydoc corpus has {len(corpus)} tokens; --real-lengths must not exceed it")
+
+    machine = common.machine_info()
+    config = {
+        "model": args.model, "dtype": "float32", "batch": 1, "temperature": 0.0,
+        "real_lengths": args.real_lengths, "synthetic_lengths": args.synthetic_lengths,
+        "policies": list(dict.fromkeys(n for n, _ in combos)), "budgets": args.budgets,
+        "combos": [combo_label(n, r) for n, r in combos],
+        "decode_steps": args.decode_steps, "warmup_steps": args.warmup_steps,
+        "ttft_warmup": args.ttft_warmup, "ttft_repeats": args.ttft_repeats,
+        "seed": args.seed, "preset": args.preset, "compile_cache": not args.no_compile_cache,
+        "real_prompts": "first N tokens of benchmarks/haystack.py pydoc_corpus(), "
+                        "tokenizer.encode_prompt(text, chat=False) (raw text)",
+        "synthetic": "random float32 weights with SmolLM2's shapes (hetero_jax.spec.init_params(cfg, seed), "
+                     "scale 0.02), max_position_embeddings raised; random token ids (numpy default_rng(seed)); "
+                     "HeteroCache: shipped SmolLM2 profile's roles with its weights fingerprint removed",
+        "ttft": "Engine.prefill_seconds (prefill + policy selection + HeteroCache reservoir copy + finish, "
+                "compile excluded) + first-token sampling and read-back; one prefill per policy per round, "
+                "round-robin; median of the timed rounds",
+        "decode_timing": "round-robin over all policies' caches, order rotated per step; warm-up steps untimed; "
+                         "wall time per Engine.step incl. token read-back, compile excluded",
+        "roofline": "(weight bytes + policy's device KV bytes) / (weight bytes + full KV's device KV bytes); "
+                    "weight bytes = all params, embedding counted one row, lm_head (tied) in full; "
+                    "device KV bytes = prompt head groups as allocated + tail buffer",
+        "roofline_tolerance": ROOFLINE_TOLERANCE,
+        "out": str(args.out), "plot": str(args.plot),
+    }
+    payload = common.report_header(SECTION, config, machine)
+    payload["load_seconds"] = load_s
+    payload["lengths"] = []
+    payload["runs"] = runs = []
+
+    points = [(L, "real") for L in args.real_lengths] + [(L, "synthetic") for L in args.synthetic_lengths]
+    bar = tqdm(total=len(points), desc="latency", unit="length", dynamic_ncols=True, disable=args.no_progress)
+    synth = None
+    for L, weights in points:
+        if weights == "real":
+            model, ids = real, corpus[:L]
+        else:
+            if synth is None:
+                synth = synthetic_model(real, max(args.synthetic_lengths) + steps_total, args.seed)
+                real = None  # free the real weights (the tokenizer lives on in synth)
+            model = synth
+            ids = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, L).tolist()
+        bar.set_description(f"{L} tok ({weights})")
+        policies = make_policies(combos, synthetic=weights == "synthetic")
+        wb = model_weight_bytes(model.params, model.config)
+        t0 = time.perf_counter()
+        res, meta = measure_length(model, ids, combos, policies, args, bar=bar, note=f"{L} {weights}")
+        for r in res:
+            r.update(length=L, weights=weights)
+        add_ratios(res, wb)
+        runs.extend(res)
+        payload["lengths"].append({"length": L, "weights": weights, "weight_bytes_per_token": wb,
+                                   "max_position_embeddings": model.config.max_position_embeddings,
+                                   "seconds": time.perf_counter() - t0, **meta})
+        tqdm.write(length_report(res, L, weights))
+        bar.update(1)
+    bar.close()
+    payload["targets"] = target_check(runs)
+    payload["total_seconds"] = time.perf_counter() - t_start
+    payload["peak_rss_bytes"] = common.peak_rss_bytes()
+    return payload
+
+
+# ------------------------------------------------------------------ report
+def ctx_label(length: int, weights: str) -> str:
+    return f"{length:,}" + (" (synthetic)" if weights == "synthetic" else "")
+
+
+def length_report(rows: list[dict], length: int, weights: str) -> str:
+    """A few lines per length for the console: decode ratio beside its roofline."""
+    lines = [f"[{ctx_label(length, weights)}]"]
+    for r in rows:
+        d = r["decode"]
+        lines.append(
+            f"  {r['label']:<16} TTFT {r['ttft_median_seconds']:7.2f} s ({r['ttft_ratio']:.2f}x) | decode P50 "
+            f"{d['p50_ms']:6.1f} ms P99/P50 {d['p99_over_p50']:.2f} | ratio {r['decode_ratio_p50']:.2f} vs roofline "
+            f"{r['roofline_ratio']:.2f} -> {r['measured_over_roofline']:.2f} "
+            f"({'within' if r['within_10pct'] else 'outside'} 10 %)")
+    return "\n".join(lines)
+
+
+def _trigger_text(r: dict) -> str:
+    if not r.get("timed_drift_checks"):
+        return "—"
+    return f"{r['timed_trigger_rate']:.0%} of {r['timed_drift_checks']} ({r['timed_recalls']} recalls)"
+
+
+def results_table(runs: list[dict]) -> str:
+    headers = ["context tok", "weights", "policy", "rho", "achieved rho", "TTFT s", "TTFT vs full",
+               "decode ms mean", "P50", "P95", "P99", "P99/P50", "KV device MiB", "KV host MiB",
+               "decode vs full (P50)", "roofline ratio", "measured / roofline", "within 10 %", "recall triggers"]
+    rows = []
+    for r in runs:
+        d = r["decode"]
+        rows.append([
+            common.fmt_num(r["length"]), r["weights"], r["policy"], "—" if r["policy"] == "full" else f"{r['rho']:g}",
+            common.fmt_num(r["achieved_rho"], 3), common.fmt_num(r["ttft_median_seconds"], 2),
+            common.fmt_num(r["ttft_ratio"], 3), common.fmt_num(d["mean_ms"], 1), common.fmt_num(d["p50_ms"], 1),
+            common.fmt_num(d["p95_ms"], 1), common.fmt_num(d["p99_ms"], 1), common.fmt_num(d["p99_over_p50"], 2),
+            common.fmt_num(r["kv_bytes_device"] / MiB, 1), common.fmt_num(r["kv_bytes_host"] / MiB, 1),
+            common.fmt_num(r["decode_ratio_p50"], 2), common.fmt_num(r["roofline_ratio"], 2),
+            common.fmt_num(r["measured_over_roofline"], 2), "yes" if r["within_10pct"] else "no",
+            _trigger_text(r),
+        ])
+    return common.markdown_table(headers, rows, align="rllrrrrrrrrrrrrrrcl")
+
+
+def targets_text(t: dict) -> str:
+    if not t.get("measured"):
+        return f"Targets (HeteroCache rho {TARGET_RHO:g} at the longest context): **not measured** in this run."
+    return "\n".join([
+        f"Targets for HeteroCache rho {TARGET_RHO:g} at the longest context measured "
+        f"({ctx_label(t['length'], t['weights'])} tokens):",
+        "",
+        f"- decode ratio to full KV within 10 % of the roofline ratio: measured {t['decode_ratio_p50']:.3f} vs "
+        f"roofline {t['roofline_ratio']:.3f} (x{t['measured_over_roofline']:.3f}) — "
+        f"**{met(t['decode_within_10pct_of_roofline'])}**",
+        f"- TTFT at most 5 % above full KV: {t['ttft_ratio']:.3f}x full KV's — "
+        f"**{met(t['ttft_at_most_5pct_above_full'])}**",
+        f"- decode P99/P50 at most {TAIL_TARGET:g}: {t['p99_over_p50']:.2f} — "
+        f"**{met(t['p99_over_p50_at_most_1_5'])}**",
+    ])
+
+
+def results_section(payload: dict, plot_rel: str | None) -> str:
+    cfg = payload["config"]
+    synth = [x for x in payload["lengths"] if x["weights"] == "synthetic"]
+    real_ctx = next((x["max_position_embeddings"] for x in payload["lengths"] if x["weights"] == "real"), None)
+    synth_text = ""
+    if synth:
+        beyond = real_ctx is not None and all(x["length"] > real_ctx for x in synth)
+        synth_text = (
+            "**Synthetic** rows" + (" (beyond SmolLM2's context)" if beyond else
+                                     " (at lengths the real weights cover too, to compare their timings)")
+            + f": random weights with SmolLM2's exact shapes (`spec.init_params`, seed {cfg['seed']}; "
+            f"`max_position_embeddings` {synth[0]['max_position_embeddings']}) and random token ids; HeteroCache "
+            "there uses the shipped SmolLM2 profile's roles with its weights fingerprint removed, so its timings "
+            "are meaningful and what it keeps is not. ")
+    lines = [
+        common.results_header(f"Latency: {cfg['model']} TTFT and decode per policy and context",
+                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        "",
+        f"Batch 1, greedy, float32. Real weights: prompts are the first N tokens of the pydoc corpus "
+        f"(`benchmarks/haystack.py`, raw text). "
+        + synth_text
+        + f"TTFT = prefill as `GenerationStats` reports it (policy selection in every layer and HeteroCache's "
+        f"pinned-host reservoir copy included, compile excluded) + sampling and reading back the first token; "
+        f"each policy has its own prefill, round-robin, {cfg['ttft_warmup']} untimed round(s) then the median of "
+        f"{cfg['ttft_repeats']}. Decode: all policies' caches of one length step side by side, order rotated every "
+        f"step, {cfg['warmup_steps']} untimed then {cfg['decode_steps']} timed steps each (`Engine.step`, "
+        f"HeteroCache's drift checks and recalls included; wall time incl. token read-back). 'decode vs full' = "
+        f"P50 over full KV's P50 from the same steps. Roofline ratio = (weight bytes + the policy's device KV "
+        f"bytes) / (weight bytes + full KV's), weight bytes = all parameters with the embedding counted as one "
+        f"row and the tied lm_head in full "
+        f"({payload['lengths'][0]['weight_bytes_per_token'] / MiB:,.1f} MiB per token), device KV = prompt "
+        f"groups as allocated + the tail buffer ({payload['lengths'][0]['tail_capacity']} slots). 'within 10 %': "
+        f"measured / roofline in [0.9, 1.1]. Recall triggers: HeteroCache drift checks that triggered during the "
+        f"timed steps.",
+        "",
+        results_table(payload["runs"]),
+        "",
+        targets_text(payload["targets"]),
+    ]
+    if cfg.get("preset"):
+        lines += ["", f"(`--preset {cfg['preset']}` is a small configuration: at these contexts the weights dominate "
+                      "the bytes a decode step reads and one TTFT round per policy is noisy; the targets are meant "
+                      "for the longest context of the full grid.)"]
+    lines += [
+        "",
+        f"Total wall time {payload['total_seconds'] / 60:.1f} min; peak RSS "
+        f"{payload['peak_rss_bytes'] / MiB:,.0f} MiB.",
+    ]
+    if plot_rel:
+        lines += ["", f"![latency]({plot_rel})"]
+    else:
+        lines += ["", f"Plot: `{os.path.relpath(cfg['plot'], common.REPO_ROOT)}` (not committed; rerun to regenerate)."]
+    return "\n".join(lines)
+
+
+def make_plot(payload: dict, path: Path) -> Path | None:
+    runs = payload["runs"]
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    panels = [
+        (axes[0], lambda r: r["decode"]["p50_ms"], "decode ms/token (P50)", "Decode time per token"),
+        (axes[1], None, "decode time / full KV's (P50)", "Measured ratio (solid) vs roofline (dotted)"),
+        (axes[2], lambda r: r["ttft_median_seconds"], "time to first token (s)", "TTFT"),
+    ]
+    for ax, get, ylab, title in panels:
+        for ci, lab in enumerate(labels):
+            rs = sorted((r for r in runs if r["label"] == lab), key=lambda r: r["length"])
+            color = f"C{ci}"
+            for weights, mfc, ls in (("real", color, "-"), ("synthetic", "white", "--")):
+                part = [r for r in rs if r["weights"] == weights]
+                if not part:
+                    continue
+                xs = [r["length"] for r in part]
+                name = lab + (" (synthetic)" if weights == "synthetic" else "")
+                if get is None:
+                    if lab == "full":
+                        continue
+                    ax.plot(xs, [r["decode_ratio_p50"] for r in part], marker="o", color=color, mfc=mfc, ls=ls,
+                            label=name)
+                    ax.plot(xs, [r["roofline_ratio"] for r in part], marker="x", color=color, ls=":", lw=1)
+                else:
+                    ax.plot(xs, [get(r) for r in part], marker="o", color=color, mfc=mfc, ls=ls, label=name)
+        synth = [r["length"] for r in runs if r["weights"] == "synthetic"]
+        real = [r["length"] for r in runs if r["weights"] == "real"]
+        if synth and (not real or min(synth) > max(real)):  # shade only a range that is synthetic alone
+            ax.axvspan(min(synth) / 1.15, max(synth) * 1.15, color="0.9", zorder=0)
+            ax.text(min(synth) / 1.1, ax.get_ylim()[1], "synthetic weights", va="top", fontsize=8, color="0.35")
+        if get is None:
+            ax.axhline(1.0, color="k", lw=0.8, alpha=0.5)
+            ax.plot([], [], marker="x", color="0.3", ls=":", lw=1, label="roofline ratio (policy's colour)")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["length"] for r in runs})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t / 1024:g}K" if t % 1024 == 0 else f"{t:,}" for t in ticks], fontsize=8)
+        ax.minorticks_off()
+        ax.set_xlabel("context (prompt tokens)")
+        ax.set_ylabel(ylab)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    sub = f"{payload['config']['model']} float32, {common.git_summary(payload['git'])}, " \
+          f"{payload['machine'].get('cpu_model', '?')}"
+    fig.suptitle(f"Latency per policy (hollow markers, dashed: synthetic random weights) — {sub}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    from hetero_jax.policies import REGISTRY
+
+    names = list(REGISTRY)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(PRESETS))
+    preset = pre.parse_known_args(argv)[0].preset
+    p = argparse.ArgumentParser(
+        description="TTFT, decode ms/token (mean/P50/P95/P99), KV bytes and recall rate per KV-cache policy and "
+                    "context length on SmolLM2-135M (synthetic random weights beyond its 8K context), with each "
+                    "decode ratio to full KV beside its roofline ratio.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="a named configuration; explicit flags override it. "
+                        + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()))
+    p.add_argument("--real-lengths", type=int, nargs="*", default=list(DEFAULT_REAL_LENGTHS),
+                   help="prompt lengths on the real weights (context 8192: '8K' is 7900)")
+    p.add_argument("--synthetic-lengths", type=int, nargs="*", default=list(DEFAULT_SYNTHETIC_LENGTHS),
+                   help="prompt lengths on synthetic random weights with SmolLM2's shapes")
+    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=names,
+                   help="registered policies (full KV always runs, as the reference)")
+    p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS),
+                   help="budgets rho in (0, 1] for every compressed policy")
+    p.add_argument("--decode-steps", type=int, default=128, help="timed decode steps per policy and length")
+    p.add_argument("--warmup-steps", type=int, default=8,
+                   help="untimed decode steps per policy first (>= HeteroCache's window, so its first drift "
+                        "check is warm too)")
+    p.add_argument("--ttft-warmup", type=int, default=1, help="untimed prefill rounds per length")
+    p.add_argument("--ttft-repeats", type=int, default=2, help="timed prefill rounds per length (TTFT: median)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic weights and token ids")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use the persistent XLA compilation cache (compile time is excluded from every "
+                        "timing either way)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=common.OUT_DIR / "latency.json", help="JSON output")
+    p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
+    p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file")
+    p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
+    if preset:
+        p.set_defaults(**PRESETS[preset])
+    args = p.parse_args(argv)
+    args.plot = args.plot or args.out.with_suffix(".png")
+    if any(not 0.0 < b <= 1.0 for b in args.budgets):
+        p.error("--budgets must be in (0, 1]")
+    if args.decode_steps < 1 or args.warmup_steps < 0:
+        p.error("--decode-steps must be >= 1 and --warmup-steps >= 0")
+    if args.ttft_repeats < 1 or args.ttft_warmup < 0:
+        p.error("--ttft-repeats must be >= 1 and --ttft-warmup >= 0")
+    if not args.real_lengths and not args.synthetic_lengths:
+        p.error("give at least one of --real-lengths / --synthetic-lengths")
+    if any(n < 1 for n in args.real_lengths + args.synthetic_lengths):
+        p.error("lengths must be positive")
+    args.budgets = list(dict.fromkeys(args.budgets))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    payload = run(args)
+    out = common.write_json(args.out, payload)
+    png = make_plot(payload, args.plot)
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
+    print(results_table(payload["runs"]))
+    print()
+    print(targets_text(payload["targets"]))
+    print(f"total {payload['total_seconds'] / 60:.1f} min")
+    if args.write_results:
+        plot_rel = None
+        if png:
+            plot_rel = os.path.relpath(png.resolve(), args.results_file.resolve().parent)
+            if common.git_ignored(png):
+                print(f"note: {png} is git-ignored; RESULTS.md names it but will not embed it")
+                plot_rel = None
+        path = common.update_results_section(SECTION, results_section(payload, plot_rel), args.results_file)
+        print(f"updated the '{SECTION}' section of {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,614 @@
+#!/usr/bin/env python
+"""Multi-turn recall: unrelated facts far apart in one long context, asked one per turn of a ``Session``.
+
+SmolLM2-135M, batch 1, greedy. For every context length and seed, ``--n-facts``
+(default 3) unrelated facts (a ticket number, a person's favourite thing, the day
+of an event, the city of an event; values and subjects from the seed, kinds
+rotated by the seed so each kind visits each depth) are placed at depths
+0.15 / 0.5 / 0.85 of a real-text haystack (``pydoc_data.topics`` via
+``benchmarks/haystack.py``; the seed also picks where the haystack starts). The
+context (no question) is prefilled once into a ``hetero_jax.Session`` per
+policy; then one question per fact is asked, one per turn, in depth order, with
+``--max-new-tokens`` (20) new tokens per answer. A turn is correct iff the
+answer (a single word or number) appears in it (``bench_needle.answer_correct``:
+case-insensitive, whole words; numbers as one number).
+
+One forward pass per context serves every policy (``bench_needle.build_engines``:
+each policy's selection hook sees every layer's KV, HeteroCache's in its own
+head order), and each policy's ``Session`` is built around its engine: the
+``Engine(...)`` call in ``Session.__init__`` is answered with the prebuilt
+engine, so the session's own turn logic (chat template, tail, HeteroCache's drift
+checks and recalls during the questions and answers) runs unchanged.
+``--prefill separate`` builds every ``Session`` normally (one prefill each).
+
+Reported per length and policy: accuracy per turn, facts recalled in total,
+whether the policy is at most one fact below full KV in every context, whether
+HeteroCache recalls more facts than SnapKV at the same budget, and HeteroCache's
+recall statistics from the session's ``GenerationStats`` (drift checks, trigger
+rate, satellite recalls, bytes recalled, host KV bytes).
+
+    .venv/bin/python benchmarks/bench_multiturn.py --preset cpu      # make bench (~7 min on 2 cores)
+    .venv/bin/python benchmarks/bench_multiturn.py --write-results   # 4000 and 7000 tokens, 3 seeds
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_needle  # noqa: E402  (benchmarks/bench_needle.py: answer matching, shared prefill)
+import common  # noqa: E402  (benchmarks/common.py)
+import haystack  # noqa: E402  (benchmarks/haystack.py)
+from bench_needle import answer_correct, combo_label, make_combos  # noqa: E402
+
+SECTION = "multiturn"
+MODEL = "smollm2-135m"
+MiB = 2**20
+
+PRESETS = {
+    "full": {
+        "lengths": [4000, 7000],
+        "seeds": [0, 1, 2],
+        "policies": ["full", "streamingllm", "snapkv", "heterocache"],
+        "budgets": [0.3, 0.5],
+    },
+    "cpu": {  # make bench: about 7 minutes on a 2-core CPU
+        "lengths": [3000],
+        "seeds": [0],
+        "policies": ["full", "streamingllm", "snapkv", "heterocache"],
+        "budgets": [0.3, 0.5],
+    },
+}
+
+
+# -------------------------------------------------------------------- facts
+@dataclasses.dataclass(frozen=True)
+class Fact:
+    """One fact: the sentence placed in the context, the question asked later, the one-word answer."""
+
+    kind: str
+    sentence: str
+    question: str
+    answer: str
+
+
+_TICKETS = ["ferry", "museum", "night train", "cable car", "opera", "harbour tour"]
+_NAMES = ["Tobias", "Ingrid", "Ravi", "Elena", "Kofi", "Hana", "Lucas", "Amara"]
+_FAVOURITES = {
+    "colour": ["purple", "turquoise", "crimson", "amber"],
+    "animal": ["otter", "giraffe", "badger", "walrus"],
+    "instrument": ["cello", "trumpet", "harp", "banjo"],
+}
+_DAY_EVENTS = ["piano recital", "team dinner", "boat trip", "book club"]
+_DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Saturday", "Sunday"]
+_CITY_EVENTS = ["chess final", "science fair", "jazz festival", "robot contest"]
+_CITIES = ["Lisbon", "Oslo", "Nairobi", "Montevideo", "Reykjavik", "Kyoto", "Antwerp", "Cusco"]
+FACT_KINDS = ("number", "favourite", "day", "city")
+
+
+def _ticket_number(rng: random.Random) -> str:
+    """A 4-digit number that does not occur in the haystack corpus."""
+    corpus = haystack.pydoc_corpus()
+    while True:
+        n = str(rng.randint(1000, 9999))
+        if not re.search(rf"(?<!\d){n}(?!\d)", corpus):
+            return n
+
+
+def _make_fact(kind: str, rng: random.Random, used: set) -> Fact:
+    def pick(pool):
+        left = [x for x in pool if x not in used] or list(pool)
+        x = rng.choice(left)
+        used.add(x)
+        return x
+
+    if kind == "number":  # not "code": next to Python's documentation the model starts writing code
+        thing = pick(_TICKETS)
+        n = _ticket_number(rng)
+        return Fact(kind, f"The ticket number for the {thing} is {n}.", f"What is the ticket number for the {thing}?",
+                    n)
+    if kind == "favourite":
+        name, cat = pick(_NAMES), pick(sorted(_FAVOURITES))
+        v = pick(_FAVOURITES[cat])
+        return Fact(kind, f"{name}'s favourite {cat} is the {v}." if cat != "colour"
+                    else f"{name}'s favourite colour is {v}.", f"What is {name}'s favourite {cat}?", v)
+    if kind == "day":
+        event, day = pick(_DAY_EVENTS), pick(_DAYS)
+        return Fact(kind, f"The {event} is on {day}.", f"On which day is the {event}?", day)
+    if kind == "city":
+        event, city = pick(_CITY_EVENTS), pick(_CITIES)
+        return Fact(kind, f"The {event} will be held in {city}.", f"In which city will the {event} be held?", city)
+    raise ValueError(f"unknown fact kind {kind!r}; known: {', '.join(FACT_KINDS)}")
+
+
+def make_facts(seed: int, n: int = 3) -> list[Fact]:
+    """``n`` unrelated facts for ``seed``: kinds rotated by the seed, subjects and values drawn from it."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    rng = random.Random(f"multiturn-facts-{seed}")
+    kinds = [FACT_KINDS[(seed + i) % len(FACT_KINDS)] for i in range(n)]
+    used: set = set()
+    return [_make_fact(k, rng, used) for k in kinds]
+
+
+def fact_depths(n: int) -> list[float]:
+    """Depths of ``n`` facts: evenly from 0.15 to 0.85 (0.15 / 0.5 / 0.85 for three; 0.5 for one)."""
+    if n == 1:
+        return [0.5]
+    return [round(0.15 + 0.7 * i / (n - 1), 4) for i in range(n)]
+
+
+@dataclasses.dataclass
+class Context:
+    """A fitted multi-fact context and where its facts landed, in the session's tokens."""
+
+    text: str  # the context (user message without a question)
+    ids: list[int]  # what Session(model, text) prefills
+    tail_capacity: int  # the tail Session reserves
+    facts: list[Fact]
+    depths: list[float]  # requested
+    fact_token_starts: list[int]  # index of each fact's first token in ``ids``
+    actual_depths: list[float]
+
+
+def build_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[float], seed: int) -> Context:
+    """The context with ``facts`` at ``depths`` whose session prefill is about ``n_tokens`` tokens.
+
+    ``haystack.build_needle_prompt`` counts the chat template's generation
+    suffix, which a ``Session`` context does not prefill, so the target is
+    raised by the suffix's length.
+    """
+    if len(facts) != len(depths):
+        raise ValueError(f"{len(facts)} facts but {len(depths)} depths")
+    suffix = haystack._suffix_len(tokenizer, True)
+    p = haystack.build_needle_prompt(tokenizer, n_tokens + suffix, list(zip(depths, [f.sentence for f in facts])),
+                                     None, "", seed=seed)
+    ids, tail = session_context_ids(tokenizer, p.text)
+    # needle_token_starts index the chat prompt; its prefix is the session's ids
+    return Context(text=p.text, ids=ids, tail_capacity=tail, facts=list(facts), depths=list(depths),
+                   fact_token_starts=list(p.needle_token_starts),
+                   actual_depths=[t / len(ids) for t in p.needle_token_starts])
+
+
+# ------------------------------------------------- sessions around engines
+def _session_cls():
+    from hetero_jax.generate import Session
+
+    return Session
+
+
+@contextlib.contextmanager
+def session_engine(factory):
+    """While active, the ``Engine(...)`` call in ``Session.__init__`` is answered by ``factory``."""
+    mod = sys.modules[_session_cls().__module__]
+    original = mod.Engine
+    mod.Engine = factory
+    try:
+        yield
+    finally:
+        mod.Engine = original
+
+
+class _Probe(Exception):
+    pass
+
+
+def session_context_ids(tokenizer, context: str) -> tuple[list[int], int]:
+    """(token ids, tail capacity) that ``Session(model, context)`` would prefill; no model or compute needed."""
+    got: dict = {}
+
+    def probe(model, batch, policy, *, tail_capacity, **_):
+        got.update(ids=[int(t) for t in batch[0]], tail_capacity=tail_capacity)
+        raise _Probe
+
+    with session_engine(probe):
+        try:
+            _session_cls()(_TokenizerOnly(tokenizer), context)
+        except _Probe:
+            return got["ids"], got["tail_capacity"]
+    raise RuntimeError("Session(...) built no Engine; the shared prefill cannot be used (try --prefill separate)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenizerOnly:
+    tokenizer: object
+
+
+def session_around(model, context: str, engine, ids: list[int]):
+    """``Session(model, context, policy)`` whose prefilled engine is ``engine`` (built for ``ids``)."""
+
+    def reuse(model_, batch, policy, **_):
+        if [int(t) for t in batch[0]] != ids:
+            raise RuntimeError("the session's context tokens differ from the prefilled ones")
+        return engine
+
+    with session_engine(reuse):
+        return _session_cls()(model, context, engine.policy)
+
+
+# ------------------------------------------------------------ aggregation
+def summarize(records: list[dict], combos, lengths, n_facts: int) -> list[dict]:
+    """One row per (length, combo): per-turn accuracy, facts recalled, recall stats, comparison with full KV."""
+    rows = []
+    for L in lengths:
+        for name, rho in combos:
+            label = combo_label(name, rho)
+            rs = [r for r in records if r["length"] == L and r["label"] == label]
+            if not rs:
+                continue
+            sessions = sorted({r["seed"] for r in rs})
+            per_turn = [[r["correct"] for r in rs if r["turn"] == t] for t in range(n_facts)]
+            last = {s: max((r for r in rs if r["seed"] == s), key=lambda r: r["turn"]) for s in sessions}
+            recall = [last[s]["recall"] for s in sessions]
+            checks = sum(x.get("drift_checks", 0) for x in recall)
+            triggers = sum(x.get("drift_triggers", 0) for x in recall)
+            rows.append({
+                "length": L, "label": label, "policy": name, "rho": rho, "sessions": len(sessions),
+                "turn_correct": [sum(c) for c in per_turn], "turn_total": [len(c) for c in per_turn],
+                "turn_accuracy": [sum(c) / len(c) if c else None for c in per_turn],
+                "recalled": sum(r["correct"] for r in rs), "facts": len(rs),
+                "achieved_rho": sum(r["achieved_rho"] for r in rs) / len(rs),
+                "drift_checks": checks, "drift_triggers": triggers,
+                "trigger_rate": triggers / checks if checks else None,
+                "recalls": sum(x.get("recalls", 0) for x in recall),
+                "bytes_recalled": sum(x.get("bytes_recalled", 0) for x in recall),
+                "kv_bytes_host": max(last[s]["kv_bytes_host"] for s in sessions),
+                "kv_bytes_device": max(last[s]["kv_bytes_device"] for s in sessions),
+            })
+    return rows
+
+
+def recalled_per_session(records: list[dict], label: str) -> dict[tuple[int, int], int]:
+    """{(length, seed): facts recalled} of one combo."""
+    out: dict[tuple[int, int], int] = {}
+    for r in records:
+        if r["label"] == label:
+            out[(r["length"], r["seed"])] = out.get((r["length"], r["seed"]), 0) + int(r["correct"])
+    return out
+
+
+def within_one_of_full(records: list[dict], label: str) -> dict:
+    """Whether ``label`` recalls at most one fact fewer than full KV in every context (length, seed)."""
+    ref, mine = recalled_per_session(records, "full"), recalled_per_session(records, label)
+    keys = sorted(set(ref) & set(mine))
+    worst = [k for k in keys if mine[k] < ref[k] - 1]
+    return {"met": bool(keys) and not worst, "contexts": len(keys),
+            "failing": [{"length": L, "seed": s, "full": ref[(L, s)], "recalled": mine[(L, s)]} for L, s in worst],
+            "max_shortfall": max((ref[k] - mine[k] for k in keys), default=0)}
+
+
+def hetero_vs_snapkv(records: list[dict], budgets) -> list[dict]:
+    """Per budget: facts recalled by HeteroCache and by SnapKV over every context; met iff HeteroCache's is higher."""
+    out = []
+    for b in budgets:
+        h, s = (sum(recalled_per_session(records, combo_label(n, b)).values()) for n in ("heterocache", "snapkv"))
+        ran = any(r["label"] == combo_label("heterocache", b) for r in records) and \
+            any(r["label"] == combo_label("snapkv", b) for r in records)
+        if ran:
+            out.append({"rho": b, "heterocache": h, "snapkv": s, "met": h > s})
+    return out
+
+
+# ------------------------------------------------------------------- run
+def run(args) -> dict:
+    import importlib
+
+    import jax
+    from tqdm import tqdm
+
+    import hetero_jax
+    from hetero_jax.policies import make_policy
+
+    G = importlib.import_module("hetero_jax.generate")
+    if not args.no_compile_cache:
+        from hetero_jax.cli import enable_compilation_cache
+
+        enable_compilation_cache()
+    combos = make_combos(args.policies, args.budgets)
+    labels = [combo_label(n, r) for n, r in combos]
+    policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
+    depths = args.fact_depths or fact_depths(args.n_facts)
+
+    t_start = time.perf_counter()
+    model = hetero_jax.load(args.model, dtype=args.dtype, progress=False)
+    load_s = time.perf_counter() - t_start
+    config = {
+        "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
+        "lengths": args.lengths, "seeds": args.seeds, "budgets": args.budgets, "policies": args.policies,
+        "combos": labels, "policy_reprs": [repr(p) for p in policies], "n_facts": args.n_facts,
+        "fact_depths": depths, "max_new_tokens": args.max_new_tokens, "prefill": args.prefill,
+        "compile_cache": not args.no_compile_cache, "temperature": 0.0, "batch": 1, "chat_template": True,
+        "haystack": "pydoc_data.topics.topics, sorted keys joined by blank lines (benchmarks/haystack.py)",
+        "matching": "bench_needle.answer_correct: case-insensitive whole words; numbers as one number",
+        "out": str(args.out), "plot": str(args.plot),
+    }
+    payload = common.report_header(SECTION, config, common.machine_info())
+    payload.update(load_seconds=load_s, contexts=[], records=[])
+    records = payload["records"]
+
+    grid = [(L, s) for L in args.lengths for s in args.seeds]
+    bar = tqdm(total=len(grid) * len(combos), desc="multiturn", unit="session", dynamic_ncols=True)
+    for L, seed in grid:
+        facts = make_facts(seed, args.n_facts)
+        ctx = build_context(model.tokenizer, L, facts, depths, seed)
+        turns_room = model.config.max_position_embeddings - len(ctx.ids)
+        t_c = time.perf_counter()
+        c0 = G._COMPILE_TIME[0]
+        bar.set_description(f"{L} tok, seed {seed}")
+        if args.prefill == "shared":
+            engines, info = bench_needle.build_engines(model, ctx.ids, policies, ctx.tail_capacity, bar=bar)
+        else:
+            engines, info = [None] * len(policies), [{"prefill": "separate"}] * len(policies)
+        prefill_s = time.perf_counter() - t_c
+        for i, ((name, rho), label) in enumerate(zip(combos, labels)):
+            bar.set_postfix_str(f"{label}")
+            t_s = time.perf_counter()
+            if engines[i] is None:
+                sess = G.Session(model, ctx.text, policies[i])
+            else:
+                sess = session_around(model, ctx.text, engines[i], ctx.ids)
+            engines[i] = None
+            if sess.context_tokens != len(ctx.ids):
+                raise RuntimeError(f"session context {sess.context_tokens} tokens, expected {len(ctx.ids)}")
+            for t, fact in enumerate(facts):
+                res = sess.ask(fact.question, max_new_tokens=args.max_new_tokens)
+                st = res.stats
+                records.append({
+                    "length": L, "seed": seed, "label": label, "policy": name, "rho": rho, "turn": t,
+                    "kind": fact.kind, "depth": depths[t], "actual_depth": ctx.actual_depths[t],
+                    "question": fact.question, "answer": fact.answer, "text": res.text,
+                    "generated_ids": res.token_ids, "stop_reason": st.stop_reason,
+                    "correct": answer_correct(res.text, fact.answer),
+                    "context_tokens": sess.context_tokens, "achieved_rho": st.achieved_rho,
+                    "kv_bytes_device": st.kv_bytes_device, "kv_bytes_prompt": st.kv_bytes_prompt,
+                    "kv_bytes_tail": st.kv_bytes_tail, "kv_bytes_host": st.kv_bytes_host,
+                    "recall": dict(st.recall), "extend_seconds": st.extend_seconds,
+                    "decode_seconds_total": sum(st.decode_seconds), "prefill_seconds": st.prefill_seconds,
+                    **info[i],
+                })
+            del sess
+            row = [r for r in records if r["length"] == L and r["seed"] == seed and r["label"] == label]
+            tqdm.write(f"[{L} tok seed {seed}] {label}: " + " | ".join(
+                f"{'Y' if r['correct'] else 'n'} {r['text']!r}" for r in row)
+                + f"  ({time.perf_counter() - t_s:.0f} s)")
+            bar.update(1)
+        payload["contexts"].append({
+            "length": L, "seed": seed, "context_tokens": len(ctx.ids), "room_after_context": turns_room,
+            "facts": [dataclasses.asdict(f) for f in facts], "depths": depths,
+            "fact_token_starts": ctx.fact_token_starts, "actual_depths": ctx.actual_depths,
+            "prefill_wall_seconds": prefill_s, "seconds": time.perf_counter() - t_c,
+            "compile_seconds": G._COMPILE_TIME[0] - c0,
+        })
+    bar.close()
+    payload["summary"] = summarize(records, combos, args.lengths, args.n_facts)
+    payload["within_one_of_full"] = {lab: within_one_of_full(records, lab) for lab in labels if lab != "full"}
+    payload["heterocache_vs_snapkv"] = hetero_vs_snapkv(records, args.budgets)
+    payload["total_seconds"] = time.perf_counter() - t_start
+    payload["peak_rss_bytes"] = common.peak_rss_bytes()
+    return payload
+
+
+# ------------------------------------------------------------------ report
+def results_table(payload: dict) -> str:
+    cfg = payload["config"]
+    depths = cfg["fact_depths"]
+    headers = ["context tok", "policy", "rho", "achieved rho",
+               *[f"turn {t + 1} (d={d:g})" for t, d in enumerate(depths)], "facts recalled", "≤ 1 below full",
+               "drift checks", "trigger rate", "recalls", "KiB recalled", "host KV MiB"]
+    rows = []
+    for s in payload["summary"]:
+        w = payload["within_one_of_full"].get(s["label"])
+        hetero = bool(s["drift_checks"]) or s["kv_bytes_host"]
+        rows.append([
+            common.fmt_num(s["length"]), s["policy"], "—" if s["policy"] == "full" else f"{s['rho']:g}",
+            common.fmt_num(s["achieved_rho"], 3),
+            *[f"{c}/{n}" for c, n in zip(s["turn_correct"], s["turn_total"])],
+            f"{s['recalled']}/{s['facts']}", "(reference)" if w is None else ("yes" if w["met"] else "no"),
+            common.fmt_num(s["drift_checks"]) if hetero else "—",
+            f"{100 * s['trigger_rate']:.0f} %" if s["trigger_rate"] is not None else "—",
+            common.fmt_num(s["recalls"]) if hetero else "—",
+            common.fmt_num(s["bytes_recalled"] / 1024, 0) if hetero else "—",
+            common.fmt_num(s["kv_bytes_host"] / MiB, 1) if hetero else "—",
+        ])
+    return common.markdown_table(headers, rows, align="rllr" + "r" * len(depths) + "rcrrrrr")
+
+
+def criteria_lines(payload: dict) -> list[str]:
+    """The two questions, answered MET / NOT MET from the records."""
+    w = payload["within_one_of_full"]
+    n_ctx = len(payload["contexts"])
+    n_facts = sum(len(c["facts"]) for c in payload["contexts"])
+    close = [lab for lab, v in w.items() if v["met"]]
+    far = [f"{lab} (up to {v['max_shortfall']} below)" for lab, v in w.items() if not v["met"]]
+    lines = [f"- Over {n_ctx} context(s), {n_facts} facts per policy.",
+             f"- At most one fact below full KV in every context: {', '.join(close) or 'none'}"
+             + (f"; not: {', '.join(far)}." if far else ".")]
+    for c in payload["heterocache_vs_snapkv"]:
+        lines.append(f"- HeteroCache above SnapKV at rho {c['rho']:g}: **{'MET' if c['met'] else 'NOT MET'}** "
+                     f"({c['heterocache']} vs {c['snapkv']} facts recalled).")
+    return lines
+
+
+def answers_table(payload: dict, label: str = "full") -> str:
+    rows = [[common.fmt_num(r["length"]), str(r["seed"]), str(r["turn"] + 1), f"{r['actual_depth']:.2f}", r["question"],
+             r["answer"], repr(r["text"]), "yes" if r["correct"] else "no"]
+            for r in payload["records"] if r["label"] == label]
+    return common.markdown_table(["context tok", "seed", "turn", "fact at", "question", "answer", f"{label} answer",
+                                  "correct"], rows, align="rrrrlllc")
+
+
+def results_section(payload: dict, plot_rel: str | None) -> str:
+    cfg = payload["config"]
+    ctxs = payload["contexts"]
+    tok = ", ".join(sorted({f"{c['context_tokens']:,}" for c in ctxs}))
+    lines = [
+        common.results_header(f"Multi-turn recall: {cfg['model']}, {cfg['n_facts']} facts, one question per turn",
+                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        "",
+        f"{cfg['n_facts']} unrelated facts (a ticket number, a person's favourite thing, the day or the city of an "
+        "event; "
+        f"values from seed{'s' if len(cfg['seeds']) > 1 else ''} {', '.join(map(str, cfg['seeds']))}) at depths "
+        f"{' / '.join(f'{d:g}' for d in cfg['fact_depths'])} of a real-text haystack (`pydoc_data.topics`); the "
+        f"context ({tok} tokens) is prefilled once into a `Session` per policy ("
+        f"{'one forward pass shared by every policy' if cfg['prefill'] == 'shared' else 'one prefill each'}), then one "
+        f"question per fact is asked per turn in depth order, up to {cfg['max_new_tokens']} new tokens each, greedy, "
+        f"{cfg['dtype']}. Correct iff the one-word answer appears in the reply (case-insensitive whole word; numbers "
+        "as one number). 'turn k': contexts whose k-th question was answered; '≤ 1 below full': the policy "
+        "recalled at most one fact fewer than full KV in every context. HeteroCache columns are the session's "
+        "`GenerationStats` after the last turn (drift checks per pivot, triggered fraction, satellite recalls, "
+        "bytes recalled to the device; summed over contexts) and the satellites' KV in pinned host memory "
+        "(the largest context's).",
+        "",
+        results_table(payload),
+        "",
+        *criteria_lines(payload),
+        "",
+        "Full-KV answers (the reference):",
+        "",
+        answers_table(payload),
+        "",
+        f"Total wall time {payload['total_seconds'] / 60:.1f} min; "
+        f"peak RSS {payload['peak_rss_bytes'] / MiB:,.0f} MiB.",
+    ]
+    if plot_rel:
+        lines += ["", f"![multi-turn recall]({plot_rel})"]
+    else:
+        lines += ["", f"Plot: `{os.path.relpath(cfg['plot'], common.REPO_ROOT)}` (not committed; rerun to regenerate)."]
+    return "\n".join(lines)
+
+
+def make_plot(payload: dict, path: Path) -> Path | None:
+    """Grouped bars: accuracy per turn (x) for every policy (bars), one panel per context length."""
+    summary = payload["summary"]
+    if not summary:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cfg = payload["config"]
+    lengths, labels, depths = cfg["lengths"], cfg["combos"], cfg["fact_depths"]
+    fig, axes = plt.subplots(1, len(lengths), figsize=(1.2 + 0.45 * len(labels) * len(depths) * len(lengths) + 1.5,
+                                                       4.2), squeeze=False)
+    width = 0.8 / len(labels)
+    x = np.arange(len(depths))
+    names = list(dict.fromkeys(lab.split("@")[0] for lab in labels))
+    budgets = sorted({float(lab.split("@")[1]) for lab in labels if "@" in lab})
+    for ax, L in zip(axes[0], lengths):
+        for k, label in enumerate(labels):
+            s = next((s for s in summary if s["length"] == L and s["label"] == label), None)
+            if s is None:
+                continue
+            acc = [a if a is not None else np.nan for a in s["turn_accuracy"]]
+            # one colour per policy, hatching per budget; zero-height bars still show as a baseline tick
+            hatch = "" if s["policy"] == "full" or budgets.index(s["rho"]) == len(budgets) - 1 else "//"
+            xs = x - 0.4 + (k + 0.5) * width
+            ax.bar(xs, acc, width, label=f"{label} ({s['recalled']}/{s['facts']})", hatch=hatch, edgecolor="white",
+                   color="k" if s["policy"] == "full" else f"C{names.index(s['policy'])}")
+            ax.plot(xs, np.zeros_like(xs), "|", ms=6, color="k" if s["policy"] == "full" else
+                    f"C{names.index(s['policy'])}")
+        ax.set_xticks(x)
+        ax.set_xticklabels([f"turn {t + 1}\nfact at {d:g}" for t, d in enumerate(depths)], fontsize=8)
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("accuracy (fraction of contexts)")
+        ax.set_title(f"{L:,}-token context", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(f"Multi-turn recall — {cfg['model']}, {common.git_summary(payload['git'])}", fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    from hetero_jax.policies import REGISTRY
+
+    names = list(REGISTRY)
+    ph = lambda key: bench_needle.preset_help(PRESETS, key)  # noqa: E731
+    S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
+    p = argparse.ArgumentParser(
+        description="Multi-turn recall on SmolLM2-135M: facts far apart in one long real-text context, prefilled "
+                    "once into a Session, asked one per turn; accuracy per turn per policy and budget.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=S,
+                   help="'cpu': the make-bench configuration (about 7 min on 2 cores); 'full' (used when no preset "
+                        "is given): the complete one. Explicit arguments override the preset")
+    p.add_argument("--lengths", type=int, nargs="+", default=S,
+                   help="context lengths in tokens (the context is 8192)" + ph("lengths"))
+    p.add_argument("--seeds", type=int, nargs="+", default=S, help="one context (fact set) per seed" + ph("seeds"))
+    p.add_argument("--policies", nargs="+", default=S, choices=names,
+                   help="registered policies; full KV always runs, as the reference" + ph("policies"))
+    p.add_argument("--budgets", type=float, nargs="+", default=S, help="budgets rho in (0, 1]" + ph("budgets"))
+    p.add_argument("--n-facts", type=int, default=3, help="facts per context (= turns)")
+    p.add_argument("--fact-depths", type=float, nargs="+", default=None,
+                   help="depth of each fact (default: evenly from 0.15 to 0.85)")
+    p.add_argument("--max-new-tokens", type=int, default=20,
+                   help="answer tokens per turn (the model restates the question before the answer)")
+    p.add_argument("--prefill", default="shared", choices=["shared", "separate"],
+                   help="shared: one forward pass per context for every policy's Session; separate: a plain "
+                        "Session per policy")
+    p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent XLA compilation cache")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="model dtype (default: the loader's)")
+    p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON output (default: benchmarks/out/multiturn[-PRESET].json)")
+    p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
+    p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file")
+    p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
+    args = p.parse_args(argv)
+    args.preset = getattr(args, "preset", None)
+    bench_needle.apply_preset(args, PRESETS)
+    suffix = "" if args.preset in (None, "full") else f"-{args.preset}"
+    args.out = args.out or common.OUT_DIR / f"{SECTION}{suffix}.json"
+    args.plot = args.plot or args.out.with_suffix(".png")
+    if "full" not in args.policies:
+        args.policies = ["full", *args.policies]
+    if any(not 0.0 < b <= 1.0 for b in args.budgets):
+        p.error("--budgets must be in (0, 1]")
+    if args.n_facts < 1 or args.max_new_tokens < 1 or any(n < 1 for n in args.lengths):
+        p.error("--n-facts, --max-new-tokens and --lengths must be positive")
+    if args.fact_depths is not None:
+        if len(args.fact_depths) != args.n_facts:
+            p.error(f"--fact-depths needs one depth per fact ({args.n_facts})")
+        if any(not 0.0 <= d <= 1.0 for d in args.fact_depths) or sorted(args.fact_depths) != args.fact_depths:
+            p.error("--fact-depths must be increasing, in [0, 1] (facts are asked in depth order)")
+    args.budgets = list(dict.fromkeys(args.budgets))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    payload = run(args)
+    out = common.write_json(args.out, payload)
+    png = make_plot(payload, args.plot)
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
+    print(results_table(payload))
+    print("\n".join(criteria_lines(payload)))
+    print(f"total {payload['total_seconds'] / 60:.1f} min")
+    if args.write_results:
+        plot_rel = None
+        if png:
+            plot_rel = os.path.relpath(png.resolve(), args.results_file.resolve().parent)
+            if common.git_ignored(png):
+                print(f"note: {png} is git-ignored; RESULTS.md names it but will not embed it")
+                plot_rel = None
+        path = common.update_results_section(SECTION, results_section(payload, plot_rel), args.results_file)
+        print(f"updated the '{SECTION}' section of {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,702 @@
+#!/usr/bin/env python
+"""Needle in a haystack: a (context length x needle depth) grid per KV-cache policy and budget.
+
+SmolLM2-135M (``hetero_jax.load("smollm2-135m")``), batch 1, greedy. For every
+prompt length, needle depth and seed, one prompt is built with
+``benchmarks/haystack.py``: real text (``pydoc_data.topics``), one needle
+sentence at that depth of the haystack, then the question, in the chat
+template, exactly N tokens. The default needle is "The special magic number is
+K." / "What is the special magic number mentioned in the text?" with a 5-digit
+K from the seed (``--needle`` picks another kind; see ``NEEDLE_KINDS``). The
+seed also picks where in the corpus the haystack starts.
+
+How one prompt is run: **one forward pass for every policy.** Prefill's forward
+pass does not depend on the policy (each layer's full prompt KV exists before a
+policy chooses what to keep) nor on the head layout (HeteroCache's permuted
+heads compute the same function), so the layer-major prefill runs once and every
+policy's ``build_layer`` hook sees that layer's KV: layout policies get the KV
+heads and the layer's parameters in their own order (the hidden states are
+shared; HeteroCache therefore differs from its own prefill only by float
+rounding). Each policy then gets the cache and decode ``Engine`` that
+``generate(model, ids, policy)`` builds, and decodes its answer greedily (up to
+``--max-new-tokens`` or EOS). ``--prefill per-layout`` runs one forward pass per
+head layout instead (``bench_policies.make_engines``), ``--prefill separate``
+one ``Engine`` per policy (exactly ``generate``); ``--check-generate`` re-runs
+``generate`` per policy on the first prompt and compares the tokens.
+
+Correctness: :func:`answer_correct` (numbers: the digits as one number; words:
+the answer as whole word(s), case- and punctuation-insensitive, a plural
+``s``/``es`` allowed). A cell's score is the fraction of its seeds answered.
+
+Outputs: ``--out`` JSON (full config, machine, commit, every cell: prompt
+tokens, needle position, generated text, correct), a PNG heatmap per policy
+like the HeteroCache paper's Figure 3 (x = context length, y = depth, colour =
+score), a markdown table on stdout, and with ``--write-results`` the
+``needle`` section of ``benchmarks/RESULTS.md``.
+
+    .venv/bin/python benchmarks/bench_needle.py --preset cpu           # make bench (~9 min on 2 cores)
+    .venv/bin/python benchmarks/bench_needle.py --write-results        # the full grid
+    .venv/bin/python benchmarks/bench_needle.py --lengths 512 --depths 0.5 --policies full snapkv  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import random
+import re
+import sys
+import time
+import unicodedata
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (benchmarks/common.py)
+import haystack  # noqa: E402  (benchmarks/haystack.py)
+
+SECTION = "needle"
+MODEL = "smollm2-135m"
+MiB = 2**20
+
+# --preset values; explicit arguments override them.
+PRESETS = {
+    "full": {
+        "lengths": [1000, 2000, 4000, 6000, 7900],  # the context is 8192 tokens: "8K" is 7900
+        "depths": [0.0, 0.25, 0.5, 0.75, 1.0],
+        "policies": ["full", "streamingllm", "snapkv", "pyramidkv", "h2o", "cake", "heterocache"],
+        "budgets": [0.3],
+        "seeds": [0],
+    },
+    "cpu": {  # make bench: about 9 minutes on a 2-core CPU
+        "lengths": [1000, 2000, 4000],
+        "depths": [0.1, 0.5, 0.9],
+        "policies": ["full", "streamingllm", "snapkv", "heterocache"],
+        "budgets": [0.3],
+        "seeds": [0],
+    },
+}
+
+
+# ------------------------------------------------------------------ needles
+@dataclasses.dataclass(frozen=True)
+class Needle:
+    """One fact to find: the sentence put in the haystack, the question after it, the expected answer."""
+
+    kind: str
+    sentence: str
+    question: str
+    answer: str
+
+
+_CITIES = ["Lisbon", "Oslo", "Nairobi", "Montevideo", "Reykjavik", "Kyoto", "Antwerp", "Cusco"]
+
+
+def _magic_number(seed: int) -> Needle:
+    key = haystack.make_passkey(seed)
+    return Needle("magic-number", f"The special magic number is {key}.",
+                  "What is the special magic number mentioned in the text?", key)
+
+
+def _passkey(seed: int) -> Needle:
+    key = haystack.make_passkey(seed)
+    return Needle("passkey", haystack.PASSKEY_NEEDLE.format(key=key), haystack.PASSKEY_QUESTION, key)
+
+
+def _city(seed: int) -> Needle:
+    city = random.Random(f"city-{seed}").choice(_CITIES)
+    return Needle("city", f"The annual sailing festival takes place in {city}.",
+                  "In which city does the annual sailing festival take place?", city)
+
+
+NEEDLE_KINDS = {"magic-number": _magic_number, "passkey": _passkey, "city": _city}
+
+
+def make_needle(kind: str, seed: int) -> Needle:
+    """The needle of ``kind`` for ``seed`` (deterministic)."""
+    return NEEDLE_KINDS[kind](seed)
+
+
+# ---------------------------------------------------------- answer matching
+def normalize_text(text: str) -> str:
+    """Lower case, accents and punctuation folded to spaces, whitespace collapsed."""
+    text = unicodedata.normalize("NFKD", text)
+    text = "".join(c for c in text if not unicodedata.combining(c)).lower()
+    return " ".join(re.sub(r"[^a-z0-9]+", " ", text).split())
+
+
+def answer_correct(generated: str, answer: str) -> bool:
+    """Whether ``generated`` states ``answer``.
+
+    A number must appear as one number (digit groups written 48,213 or 48 213
+    count; 482130 does not). Words must appear as whole words, ignoring case,
+    accents and punctuation, with an optional plural ``s``/``es``.
+    """
+    ans = normalize_text(answer)
+    if not ans:
+        raise ValueError("empty answer")
+    if ans.isdigit():
+        joined = re.sub(r"(?<=\d)[,\u202f\u00a0 ](?=\d{3}(?!\d))", "", generated)
+        return re.search(rf"(?<!\d){ans}(?!\d)", joined) is not None
+    return re.search(rf"(?<![a-z0-9]){re.escape(ans)}(?:e?s)?(?![a-z0-9])", normalize_text(generated)) is not None
+
+
+# --------------------------------------------------------- grid bookkeeping
+def combo_label(name: str, rho: float) -> str:
+    return "full" if name == "full" else f"{name}@{rho:g}"
+
+
+def make_combos(policies: list[str], budgets: list[float]) -> list[tuple[str, float]]:
+    """(registry name, rho): full KV first (the reference), then every other policy x budget."""
+    combos = [("full", 1.0)]
+    for name in policies:
+        if name != "full":
+            combos += [(name, float(b)) for b in budgets]
+    return combos
+
+
+def cell_scores(records: list[dict], label: str) -> dict[tuple[int, float], float]:
+    """{(length, depth): fraction of the cell's seeds answered correctly} for one combo."""
+    cells: dict[tuple[int, float], list[bool]] = {}
+    for r in records:
+        if r["label"] == label:
+            cells.setdefault((r["length"], r["depth"]), []).append(bool(r["correct"]))
+    return {k: sum(v) / len(v) for k, v in cells.items()}
+
+
+def score_grid(records: list[dict], label: str, lengths, depths) -> list[list[float | None]]:
+    """[depth][length] cell scores of one combo (None where the grid has no record)."""
+    cells = cell_scores(records, label)
+    return [[cells.get((L, d)) for L in lengths] for d in depths]
+
+
+def compare_with_full(records: list[dict], label: str) -> dict:
+    """How a combo's cells compare with full KV's: equal cells, cells above/below, and which differ."""
+    ref, mine = cell_scores(records, "full"), cell_scores(records, label)
+    common_cells = sorted(set(ref) & set(mine))
+    differ = [{"length": L, "depth": d, "full": ref[(L, d)], "score": mine[(L, d)]}
+              for L, d in common_cells if mine[(L, d)] != ref[(L, d)]]
+    return {
+        "cells": len(common_cells),
+        "equal": len(common_cells) - len(differ),
+        "above": sum(1 for c in differ if c["score"] > c["full"]),
+        "below": sum(1 for c in differ if c["score"] < c["full"]),
+        "differ": differ,
+    }
+
+
+def summarize(records: list[dict], combos, lengths) -> list[dict]:
+    """One row per combo: accuracy overall and per length, achieved rho, comparison with full KV."""
+    rows = []
+    for name, rho in combos:
+        label = combo_label(name, rho)
+        rs = [r for r in records if r["label"] == label]
+        if not rs:
+            continue
+        per_len = {}
+        for L in lengths:
+            c = [r["correct"] for r in rs if r["length"] == L]
+            per_len[str(L)] = (sum(c), len(c))
+        rows.append({
+            "label": label, "policy": name, "rho": rho,
+            "correct": sum(r["correct"] for r in rs), "total": len(rs),
+            "accuracy": sum(r["correct"] for r in rs) / len(rs),
+            "per_length": per_len,
+            "achieved_rho": sum(r["achieved_rho"] for r in rs) / len(rs),
+            "kv_bytes_prompt_mean": sum(r["kv_bytes_prompt"] for r in rs) / len(rs),
+            "vs_full": compare_with_full(records, label),
+        })
+    return rows
+
+
+# ------------------------------------------------------ one forward pass
+def _bench_policies():
+    return importlib.import_module("bench_policies")
+
+
+class OneForwardPrefill:
+    """One layer-major prefill feeding every policy's ``build_layer`` hook, whatever its head layout.
+
+    ``hetero_jax.model.prefill`` (run with the identity-layout params) calls
+    ``build_layer(li, layer, x_in, k_buf, v_buf, lens)`` once per layer; a
+    policy with a head layout gets ``layer`` from its permuted params and the
+    KV heads of ``k_buf``/``v_buf`` in its layout order (a permuted model
+    computes the same function, so ``x_in`` is shared). Full KV keeps the whole
+    prompt, as ``prefill`` does without a hook. :meth:`caches` assembles one
+    cache per policy (``bench_policies.SharedPrefill.caches``).
+    """
+
+    def __init__(self, plans, is_full, perms, layer_params, compile_fn, on_layer=None):
+        self._shared = _bench_policies().SharedPrefill(plans, is_full, compile_fn, on_layer)
+        self.perms = perms  # per policy: per layer, an int array of KV heads in layout order, or None
+        self.layer_params = layer_params  # per policy: its params["layers"]
+
+    def __getattr__(self, name):  # plans, groups, hook_seconds, caches, compile_fn_sharing_scores
+        return getattr(self._shared, name)
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens):
+        import jax
+        import jax.numpy as jnp
+
+        from hetero_jax import model as M
+
+        s = self._shared
+        jax.block_until_ready((x_in, k_buf, v_buf))  # the layer's forward pass is not the hooks' time
+        s._scores.clear()
+        t_max = int(jax.device_get(lens).max())
+        permuted: dict = {}
+        # full KV last: its group function donates the slices of k_buf / v_buf it keeps
+        for i in sorted(range(len(s.plans)), key=lambda j: s.is_full[j]):
+            t0 = time.perf_counter()
+            if s.is_full[i]:
+                k_keep, v_keep = k_buf[:, :, :t_max], v_buf[:, :, :t_max]
+                g = (s.compile_fn(M._full_group_jit, k_keep, v_keep, lens)(k_keep, v_keep, lens),)
+            elif self.perms[i] is None:
+                g = s.plans[i].build_layer(li, layer, x_in, k_buf, v_buf, lens)
+            else:
+                perm = self.perms[i][li]
+                key = perm.tobytes()
+                if key not in permuted:
+                    idx = jnp.asarray(perm)
+                    permuted[key] = (jnp.take(k_buf, idx, axis=1), jnp.take(v_buf, idx, axis=1))
+                k_p, v_p = permuted[key]
+                g = s.plans[i].build_layer(li, self.layer_params[i][li], x_in, k_p, v_p, lens)
+            jax.block_until_ready(g)
+            s.hook_seconds[i] += time.perf_counter() - t0
+            s.groups[i].append(g)
+        if s.on_layer is not None:
+            s.on_layer(li)
+        return s.groups[0][-1]
+
+
+def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefill: str = "shared", bar=None,
+                  share_scores: bool = True):
+    """One decode ``Engine`` per policy for prompt ``ids``, as ``generate`` would build it.
+
+    ``prefill``: ``"shared"`` (one forward pass for every policy and layout),
+    ``"per-layout"`` (one per head layout: ``bench_policies.make_engines``) or
+    ``"separate"`` (``Engine`` per policy). Returns (engines, info per policy).
+    """
+    G = importlib.import_module("hetero_jax.generate")
+    if prefill == "separate":
+        engines, info = [], []
+        for p in policies:
+            t0 = time.perf_counter()
+            engines.append(G.Engine(model, [list(ids)], p, tail_capacity=tail_capacity))
+            info.append({"prefill": "separate", "prefill_group_wall_seconds": time.perf_counter() - t0})
+        return engines, info
+    if prefill == "per-layout":
+        engines, info = _bench_policies().make_engines(model, list(ids), policies, tail_capacity, bar, share_scores)
+        for i in info:
+            i["prefill"] = "per-layout"
+        return engines, info
+    if prefill != "shared":
+        raise ValueError(f"prefill: 'shared', 'per-layout' or 'separate', got {prefill!r}")
+
+    import jax
+    import numpy as np
+
+    from hetero_jax import layout as LY
+    from hetero_jax.policies import FullKV, achieved_rho
+
+    cfg = model.config
+    bound = [G._resolve_policy(model, p) for p in policies]
+    layouts = [_bench_policies()._layout_key(p.layout(cfg)) for p in bound]
+    params = [LY.params_for(model, lay) for lay in layouts]
+    perms = [None if lay is None else [np.asarray(p, np.int32) for p in lay.perms] for lay in layouts]
+
+    def on_layer(li):
+        if bar is not None:
+            bar.set_postfix_str(f"prefill ({len(bound)} policies, one forward pass): layer {li + 1}/{cfg.num_layers}")
+
+    c0 = G._COMPILE_TIME[0]
+    t0 = time.perf_counter()
+    shared = OneForwardPrefill([None] * len(bound), [isinstance(p, FullKV) for p in bound], perms,
+                               [p["layers"] for p in params], G.compiled, on_layer)
+    fn = shared.compile_fn_sharing_scores() if share_scores else G.compiled
+    plans = [p.make_prefill(cfg, [len(ids)], compile_fn=fn) for p in bound]  # checks budgets first
+    shared._shared.plans = plans
+    logits, base = G.prefill(model.params, cfg, [list(ids)], tail_capacity=tail_capacity,
+                             build_layer=shared.build_layer)
+    caches = shared.caches(base)
+    jax.block_until_ready(logits)
+    wall = time.perf_counter() - t0
+    hooks = sum(shared.hook_seconds)
+    engines, info = [], []
+    for i, p in enumerate(bound):
+        e = G.Engine.__new__(G.Engine)  # what Engine.__init__ sets, around the shared prefill
+        e.model, e.cfg, e.policy, e.lens, e.plan = model, cfg, p, [len(ids)], plans[i]
+        e.compile_start = G._COMPILE_TIME[0]
+        e.params, e.logits, e.cache = params[i], logits, caches[i]
+        e.achieved_rho = achieved_rho(e.cache, cfg)
+        e.prefill_seconds = wall - hooks + shared.hook_seconds[i]
+        e.controller = plans[i].decode_controller(compile_fn=G.compiled)
+        e.key = jax.random.PRNGKey(0)
+        e.steps = 0
+        e._fns = {}
+        engines.append(e)
+        info.append({"prefill": "shared", "layout": "identity" if layouts[i] is None else "permuted",
+                     "prefill_forward_seconds": wall - hooks, "policy_prefill_seconds": shared.hook_seconds[i],
+                     "prefill_group_wall_seconds": wall, "prefill_group_compile_seconds": G._COMPILE_TIME[0] - c0})
+    return engines, info
+
+
+def greedy_answer(engine, max_new: int, eos) -> tuple[list[int], str]:
+    """Greedy tokens after the prefilled prompt, as ``generate(max_new_tokens=max_new)`` decodes them."""
+    tok = int(engine.first_tokens(0.0, 1.0)[0])
+    out: list[int] = []
+    while True:
+        if tok in eos:
+            return out, "eos"
+        out.append(tok)
+        if len(out) >= max_new:
+            return out, "max_new_tokens"
+        nxt, _ = engine.step([tok], 0.0, 1.0)
+        tok = int(nxt[0])
+
+
+def kv_fields(engine) -> dict:
+    """KV bytes as ``GenerationStats`` reports them, the achieved rho and HeteroCache's recall stats."""
+    f = engine.stats_fields()
+    return {"kv_bytes_device": int(f["kv_bytes_device"]), "kv_bytes_prompt": int(f["kv_bytes_prompt"]),
+            "kv_bytes_host": int(f["kv_bytes_host"]), "achieved_rho": float(engine.achieved_rho[0]),
+            "recall": f.get("recall") or {}}
+
+
+# ------------------------------------------------------------------- run
+def run(args) -> dict:
+    import jax
+    from tqdm import tqdm
+
+    import hetero_jax
+    from hetero_jax.policies import make_policy
+
+    G = importlib.import_module("hetero_jax.generate")
+    if not args.no_compile_cache:
+        from hetero_jax.cli import enable_compilation_cache
+
+        enable_compilation_cache()
+    combos = make_combos(args.policies, args.budgets)
+    labels = [combo_label(n, r) for n, r in combos]
+    policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
+
+    t_start = time.perf_counter()
+    model = hetero_jax.load(args.model, dtype=args.dtype, progress=False)
+    load_s = time.perf_counter() - t_start
+    cfg = model.config
+    for L in args.lengths:
+        if L + args.max_new_tokens > cfg.max_position_embeddings:
+            raise SystemExit(f"prompt {L} + {args.max_new_tokens} new tokens exceeds the model's context of "
+                             f"{cfg.max_position_embeddings} tokens")
+    eos = set(model.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
+    tail_capacity = G._round_up(args.max_new_tokens, G.TAIL_QUANTUM)
+
+    config = {
+        "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
+        "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds, "budgets": args.budgets,
+        "policies": args.policies, "combos": labels, "policy_reprs": [repr(p) for p in policies],
+        "needle_kind": args.needle, "needle_example": dataclasses.asdict(make_needle(args.needle, args.seeds[0])),
+        "max_new_tokens": args.max_new_tokens, "prefill": args.prefill, "share_scores": not args.no_share_scores,
+        "compile_cache": not args.no_compile_cache, "check_generate": args.check_generate,
+        "instruction": args.instruction, "temperature": 0.0, "batch": 1, "chat_template": True,
+        "haystack": "pydoc_data.topics.topics, sorted keys joined by blank lines (benchmarks/haystack.py)",
+        "matching": "answer_correct: numbers as one number; words as whole words, case/punctuation-insensitive",
+        "out": str(args.out), "plot": str(args.plot),
+    }
+    payload = common.report_header(SECTION, config, common.machine_info())
+    payload.update(load_seconds=load_s, prompts=[], records=[], checks=[])
+    records = payload["records"]
+
+    grid = [(L, d, s) for L in args.lengths for d in args.depths for s in args.seeds]
+    bar = tqdm(total=len(grid), desc="needle", unit="prompt", dynamic_ncols=True)
+    for L, d, seed in grid:
+        bar.set_description(f"{L} tok, depth {d:g}, seed {seed}")
+        needle = make_needle(args.needle, seed)
+        p = haystack.build_needle_prompt(model.tokenizer, L, [(d, needle.sentence)], needle.question, needle.answer,
+                                         seed=seed, instruction=args.instruction)
+        t_p = time.perf_counter()
+        c0 = G._COMPILE_TIME[0]
+        engines, info = build_engines(model, p.ids, policies, tail_capacity, prefill=args.prefill, bar=bar,
+                                      share_scores=not args.no_share_scores)
+        prefill_s = time.perf_counter() - t_p
+        row = []
+        for i, ((name, rho), label) in enumerate(zip(combos, labels)):
+            bar.set_postfix_str(f"decode {label}")
+            t_d = time.perf_counter()
+            out_ids, stop = greedy_answer(engines[i], args.max_new_tokens, eos)
+            text = model.tokenizer.decode(out_ids)
+            rec = {
+                "length": L, "depth": d, "seed": seed, "label": label, "policy": name, "rho": rho,
+                "prompt_tokens": p.n_tokens, "needle_token_start": p.needle_token_starts[0],
+                "actual_depth": p.actual_depths[0], "answer": needle.answer, "generated_ids": out_ids,
+                "text": text, "stop_reason": stop, "correct": answer_correct(text, needle.answer),
+                "decode_wall_seconds": time.perf_counter() - t_d, **kv_fields(engines[i]), **info[i],
+            }
+            engines[i] = None  # free this policy's cache before the next decodes
+            records.append(rec)
+            row.append(rec)
+        payload["prompts"].append({
+            "length": L, "depth": d, "seed": seed, "prompt_tokens": p.n_tokens, "exact": p.exact,
+            "needle": dataclasses.asdict(needle), "needle_token_start": p.needle_token_starts[0],
+            "actual_depth": p.actual_depths[0], "skipped_chars": p.skipped_chars,
+            "prefill_wall_seconds": prefill_s, "seconds": time.perf_counter() - t_p,
+            "compile_seconds": G._COMPILE_TIME[0] - c0,
+        })
+        tqdm.write(f"[{L} tok d={d:g} seed {seed} answer {needle.answer}] prefill {prefill_s:.0f} s | full: "
+                   f"{row[0]['text']!r} | " + " ".join(f"{r['label']}={'Y' if r['correct'] else 'n'}" for r in row))
+        if args.check_generate and not payload["checks"]:
+            payload["checks"].append(check_against_generate(model, p.ids, combos, policies, row, args.max_new_tokens))
+            c = payload["checks"][0]
+            tqdm.write("check vs generate(): " + ("OK" if not c["problems"] else "; ".join(c["problems"])))
+        bar.update(1)
+    bar.close()
+    payload["summary"] = summarize(records, combos, args.lengths)
+    payload["total_seconds"] = time.perf_counter() - t_start
+    payload["peak_rss_bytes"] = common.peak_rss_bytes()
+    return payload
+
+
+def check_against_generate(model, ids, combos, policies, row, max_new) -> dict:
+    """Re-run ``generate`` per policy on one prompt; the mismatches in tokens, prompt KV bytes and rho."""
+    import hetero_jax
+
+    problems = []
+    for (name, rho), pol, r in zip(combos, policies, row):
+        g = hetero_jax.generate(model, ids, pol, max_new_tokens=max_new, temperature=0.0)
+        if g.token_ids != r["generated_ids"]:
+            problems.append(f"{r['label']}: tokens {r['text']!r} (shared prefill) vs {g.text!r} (generate)")
+        if g.stats.kv_bytes_prompt != r["kv_bytes_prompt"] or abs(g.stats.achieved_rho - r["achieved_rho"]) > 1e-9:
+            problems.append(f"{r['label']}: prompt KV {r['kv_bytes_prompt']} B / rho {r['achieved_rho']:.4f} vs "
+                            f"{g.stats.kv_bytes_prompt} B / {g.stats.achieved_rho:.4f}")
+    return {"length": row[0]["length"], "depth": row[0]["depth"], "seed": row[0]["seed"], "problems": problems}
+
+
+# ------------------------------------------------------------------ report
+def _frac(n: int, total: int) -> str:
+    return f"{n}/{total}" if total else "—"
+
+
+def results_table(payload: dict) -> str:
+    cfg = payload["config"]
+    headers = ["policy", "rho", "achieved rho", *[f"{L:,} tok" for L in cfg["lengths"]], "accuracy",
+               "cells = full", "vs full"]
+    rows = []
+    for s in payload["summary"]:
+        vs = s["vs_full"]
+        if s["policy"] == "full":
+            verdict = "(reference)"
+        elif vs["equal"] == vs["cells"]:
+            verdict = "equal in every cell"
+        else:
+            verdict = f"{vs['below']} cell(s) below, {vs['above']} above"
+        rows.append([s["policy"], "—" if s["policy"] == "full" else f"{s['rho']:g}",
+                     common.fmt_num(s["achieved_rho"], 3),
+                     *[_frac(*s["per_length"][str(L)]) for L in cfg["lengths"]],
+                     f"{_frac(s['correct'], s['total'])} ({100 * s['accuracy']:.0f} %)",
+                     _frac(vs["equal"], vs["cells"]), verdict])
+    return common.markdown_table(headers, rows, align="llr" + "r" * len(cfg["lengths"]) + "rrl")
+
+
+def full_answers_table(payload: dict) -> str:
+    """Full KV's answer in every cell (the reference)."""
+    rows = [[common.fmt_num(r["length"]), f"{r['depth']:g}", str(r["seed"]), f"{r['actual_depth']:.2f}", r["answer"],
+             repr(r["text"]), "yes" if r["correct"] else "no"] for r in payload["records"] if r["policy"] == "full"]
+    return common.markdown_table(["prompt tok", "depth", "seed", "needle at", "answer", "full-KV answer", "correct"],
+                                 rows, align="rrrrrlc")
+
+
+PREFILL_TEXT = {
+    "shared": "One forward pass per prompt feeds every policy's selection (HeteroCache's permuted heads included)",
+    "per-layout": "One forward pass per prompt and head layout feeds the policies' selections",
+    "separate": "Every policy prefills the prompt itself (as `generate` does)",
+}
+
+
+def results_section(payload: dict, plot_rel: str | None) -> str:
+    cfg = payload["config"]
+    ex = cfg["needle_example"]
+    diffs = [f"{s['label']}: " + ", ".join(f"{c['length']}/{c['depth']:g} ({c['full']:.2g}→{c['score']:.2g})"
+                                          for c in s["vs_full"]["differ"])
+             for s in payload["summary"] if s["policy"] != "full" and s["vs_full"]["differ"]]
+    lines = [
+        common.results_header(f"Needle in a haystack: {cfg['model']}, accuracy per policy (length x depth)",
+                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        "",
+        f"One needle per prompt (kind `{cfg['needle_kind']}`, e.g. \"{ex['sentence']}\") at each depth of a real-text "
+        "haystack (`pydoc_data.topics`, `benchmarks/haystack.py`), then the question "
+        f"(\"{ex['question']}\") in the chat template; every prompt is exactly its stated token count; "
+        + (f"seeds {', '.join(map(str, cfg['seeds']))} pick" if len(cfg["seeds"]) > 1
+           else f"seed {cfg['seeds'][0]} picks")
+        + " the needle's value and where the haystack starts. Batch 1, greedy, "
+        f"{cfg['dtype']}, up to {cfg['max_new_tokens']} new tokens. {PREFILL_TEXT[cfg['prefill']]}, giving each "
+        "policy the cache `generate` would build. Correct iff the answer appears in the generated text (numbers "
+        "as one number; words as whole words, case-insensitive). Columns per length: prompts answered; "
+        "'cells = full': (length, depth) cells whose score equals full KV's.",
+        "",
+        results_table(payload),
+        "",
+    ]
+    lines += (["Cells that differ from full KV (length/depth: full→policy):", ""] + [f"- {d}" for d in diffs] + [""]
+              if diffs else ["Every policy scores the same as full KV in every cell.", ""])
+    lines += ["Full-KV answers (the reference):", "", full_answers_table(payload), ""]
+    if payload.get("checks"):
+        c = payload["checks"][0]
+        lines += [f"Check against `generate()` ({c['length']} tokens, depth {c['depth']:g}): "
+                  + ("same tokens, prompt KV bytes and achieved rho for every policy." if not c["problems"]
+                     else "MISMATCH: " + "; ".join(c["problems"])), ""]
+    lines.append(f"Total wall time {payload['total_seconds'] / 60:.1f} min; peak RSS "
+                 f"{payload['peak_rss_bytes'] / MiB:,.0f} MiB.")
+    if plot_rel:
+        lines += ["", f"![needle grid]({plot_rel})"]
+    else:
+        lines += ["", f"Plot: `{os.path.relpath(cfg['plot'], common.REPO_ROOT)}` (not committed; rerun to regenerate)."]
+    return "\n".join(lines)
+
+
+def make_plot(payload: dict, path: Path) -> Path | None:
+    """One heatmap per combo (x = context length, y = needle depth, colour = score), like Fig. 3 of the paper."""
+    if not payload["records"]:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cfg = payload["config"]
+    labels, lengths, depths = cfg["combos"], cfg["lengths"], cfg["depths"]
+    ncols = min(4, len(labels))
+    nrows = -(-len(labels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols + 1.2, 0.32 * len(depths) * nrows + 1.6 * nrows + 0.6),
+                             squeeze=False)
+    im = None
+    for k, label in enumerate(labels):
+        ax = axes[k // ncols][k % ncols]
+        grid = np.array([[np.nan if v is None else v for v in row]
+                         for row in score_grid(payload["records"], label, lengths, depths)], float)
+        im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(lengths)))
+        ax.set_xticklabels([f"{L / 1000:g}K" for L in lengths], fontsize=8)
+        ax.set_yticks(range(len(depths)))
+        ax.set_yticklabels([f"{100 * d:g}%" for d in depths], fontsize=8)
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                if np.isfinite(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.2g}", ha="center", va="center", fontsize=7)
+        s = next(s for s in payload["summary"] if s["label"] == label)
+        ax.set_title(f"{label}: {100 * s['accuracy']:.0f} %", fontsize=9)
+        if k % ncols == 0:
+            ax.set_ylabel("needle depth")
+        if k // ncols == nrows - 1:
+            ax.set_xlabel("context length (tokens)")
+    for k in range(len(labels), nrows * ncols):
+        axes[k // ncols][k % ncols].axis("off")
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="score (fraction of seeds correct)")
+    fig.suptitle(f"Needle in a haystack ({cfg['needle_kind']}) — {cfg['model']}, "
+                 f"{common.git_summary(payload['git'])}", fontsize=9, y=1.02)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------- main
+def apply_preset(args, presets: dict, defaults_from: str = "full") -> None:
+    """Fill every preset argument not given on the command line from ``--preset`` (or the full preset)."""
+    preset = presets[getattr(args, "preset", None) or defaults_from]
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+
+
+def preset_help(presets: dict, key: str) -> str:
+    """' (full: ...; cpu: ...)' for one preset argument's help."""
+    def show(v):
+        return " ".join(map(str, v)) if isinstance(v, list) else str(v)
+
+    return " (" + "; ".join(f"{name}: {show(p[key])}" for name, p in presets.items()) + ")"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from hetero_jax.policies import REGISTRY
+
+    names = list(REGISTRY)
+    p = argparse.ArgumentParser(
+        description="Needle-in-a-haystack grid (context length x depth) per KV-cache policy and budget on "
+                    "SmolLM2-135M, real-text haystack, one needle per prompt.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
+    p.add_argument("--preset", choices=sorted(PRESETS), default=S,
+                   help="'cpu': the make-bench grid (about 9 min on 2 cores); 'full' (used when no preset is "
+                        "given): the complete grid. Explicit arguments override the preset")
+    p.add_argument("--lengths", type=int, nargs="+", default=S,
+                   help="prompt lengths in tokens (the context is 8192)" + preset_help(PRESETS, "lengths"))
+    p.add_argument("--depths", type=float, nargs="+", default=S,
+                   help="needle depths (fraction of the haystack)" + preset_help(PRESETS, "depths"))
+    p.add_argument("--policies", nargs="+", default=S, choices=names,
+                   help="registered policies; full KV always runs, as the reference" + preset_help(PRESETS, "policies"))
+    p.add_argument("--budgets", type=float, nargs="+", default=S,
+                   help="budgets rho in (0, 1]" + preset_help(PRESETS, "budgets"))
+    p.add_argument("--seeds", type=int, nargs="+", default=S,
+                   help="one prompt per seed and cell; a cell's score is the fraction answered"
+                        + preset_help(PRESETS, "seeds"))
+    p.add_argument("--needle", default="magic-number", choices=sorted(NEEDLE_KINDS), help="needle kind")
+    p.add_argument("--max-new-tokens", type=int, default=24,
+                   help="answer tokens checked (the model often restates the question first: 16 cut 5-digit answers)")
+    p.add_argument("--instruction", default=None, help="optional text before the haystack")
+    p.add_argument("--prefill", default="shared", choices=["shared", "per-layout", "separate"],
+                   help="shared: one forward pass per prompt for every policy; per-layout: one per head layout; "
+                        "separate: one Engine per policy (what generate() does)")
+    p.add_argument("--check-generate", action="store_true",
+                   help="re-run generate() per policy on the first prompt and compare (one prefill each)")
+    p.add_argument("--no-share-scores", action="store_true",
+                   help="compute each baseline's token scores once per budget instead of once per policy")
+    p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent XLA compilation cache")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="model dtype (default: the loader's)")
+    p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None, help="JSON output (default: benchmarks/out/needle[-PRESET].json)")
+    p.add_argument("--plot", type=Path, default=None, help="PNG heatmaps (default: --out with .png)")
+    p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file")
+    p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
+    args = p.parse_args(argv)
+    args.preset = getattr(args, "preset", None)
+    apply_preset(args, PRESETS)
+    suffix = "" if args.preset in (None, "full") else f"-{args.preset}"
+    args.out = args.out or common.OUT_DIR / f"{SECTION}{suffix}.json"
+    args.plot = args.plot or args.out.with_suffix(".png")
+    if "full" not in args.policies:
+        args.policies = ["full", *args.policies]
+    if any(not 0.0 < b <= 1.0 for b in args.budgets):
+        p.error("--budgets must be in (0, 1]")
+    if any(not 0.0 <= d <= 1.0 for d in args.depths):
+        p.error("--depths must be in [0, 1]")
+    if any(n < 1 for n in args.lengths) or args.max_new_tokens < 1:
+        p.error("--lengths and --max-new-tokens must be positive")
+    args.budgets = list(dict.fromkeys(args.budgets))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    payload = run(args)
+    out = common.write_json(args.out, payload)
+    png = make_plot(payload, args.plot)
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
+    print(results_table(payload))
+    print(f"total {payload['total_seconds'] / 60:.1f} min")
+    if args.write_results:
+        plot_rel = None
+        if png:
+            plot_rel = os.path.relpath(png.resolve(), args.results_file.resolve().parent)
+            if common.git_ignored(png):
+                print(f"note: {png} is git-ignored; RESULTS.md names it but will not embed it")
+                plot_rel = None
+        path = common.update_results_section(SECTION, results_section(payload, plot_rel), args.results_file)
+        print(f"updated the '{SECTION}' section of {path}")
+    return 1 if any(c["problems"] for c in payload["checks"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Pure helpers of benchmarks/bench_needle.py and benchmarks/bench_multiturn.py (no model weights)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import bench_multiturn as bm  # noqa: E402
+import bench_needle as bn  # noqa: E402
+import haystack  # noqa: E402
+
+
+# ---------------------------------------------------------- answer matching
+@pytest.mark.parametrize("text, answer, want", [
+    ("The special magic number mentioned in the text is 48213.", "48213", True),
+    ('is:\n\n* "48213"', "48213", True),
+    ("The number is 48,213.", "48213", True),
+    ("The number is 48 213", "48213", True),
+    ("The number is 482130.", "48213", False),
+    ("The number is 148213", "48213", False),
+    ("The number is 4821", "48213", False),
+    ("The robot contest will be held in LISBON, Portugal.", "Lisbon", True),
+    ("held in Reykjavík.", "Reykjavik", True),
+    ("Elena's favourite animal is the giraffes", "giraffe", True),
+    ("It is on Sundays.", "Sunday", True),
+    ("The jazz festival is in Lisbonne", "Lisbon", False),
+    ("She likes the colour of amberjack fish", "amber", False),
+    ("The dinner is on the 23rd of January.", "Sunday", False),
+    ("Held in new   york!", "New York", True),
+    ("", "Oslo", False),
+])
+def test_answer_correct(text, answer, want):
+    assert bn.answer_correct(text, answer) is want
+
+
+def test_answer_correct_refuses_an_empty_answer():
+    with pytest.raises(ValueError):
+        bn.answer_correct("anything", " .")
+
+
+def test_normalize_text():
+    assert bn.normalize_text("  Reykjavík,\n  LISBON!  ") == "reykjavik lisbon"
+
+
+# --------------------------------------------------------- needle bookkeeping
+def _rec(label, L, d, seed, correct):
+    return {"label": label, "policy": label.split("@")[0], "length": L, "depth": d, "seed": seed,
+            "correct": correct, "achieved_rho": 1.0 if label == "full" else 0.3,
+            "kv_bytes_prompt": 100 if label == "full" else 30}
+
+
+def _grid_records():
+    # full: (1000, 0.5) 2/2, (1000, 0.9) 1/2, (2000, 0.5) 0/2, (2000, 0.9) 2/2
+    full = {(1000, 0.5): (1, 1), (1000, 0.9): (1, 0), (2000, 0.5): (0, 0), (2000, 0.9): (1, 1)}
+    # snapkv: (1000, 0.5) 2/2, (1000, 0.9) 0/2, (2000, 0.5) 1/2, (2000, 0.9) 2/2
+    snap = {(1000, 0.5): (1, 1), (1000, 0.9): (0, 0), (2000, 0.5): (1, 0), (2000, 0.9): (1, 1)}
+    recs = []
+    for label, table in (("full", full), ("snapkv@0.3", snap)):
+        for (L, d), per_seed in table.items():
+            recs += [_rec(label, L, d, s, bool(c)) for s, c in enumerate(per_seed)]
+    return recs
+
+
+def test_cell_scores_and_grid_hand_computed():
+    recs = _grid_records()
+    assert bn.cell_scores(recs, "full") == {(1000, 0.5): 1.0, (1000, 0.9): 0.5, (2000, 0.5): 0.0, (2000, 0.9): 1.0}
+    # rows = depths, columns = lengths; missing cells are None
+    assert bn.score_grid(recs, "snapkv@0.3", [1000, 2000, 4000], [0.5, 0.9]) == [[1.0, 0.5, None], [0.0, 1.0, None]]
+
+
+def test_compare_with_full_hand_computed():
+    c = bn.compare_with_full(_grid_records(), "snapkv@0.3")
+    assert (c["cells"], c["equal"], c["above"], c["below"]) == (4, 2, 1, 1)
+    assert {(x["length"], x["depth"]) for x in c["differ"]} == {(1000, 0.9), (2000, 0.5)}
+    same = bn.compare_with_full(_grid_records(), "full")
+    assert same["equal"] == same["cells"] == 4 and not same["differ"]
+
+
+def test_summarize_needle_hand_computed():
+    rows = bn.summarize(_grid_records(), [("full", 1.0), ("snapkv", 0.3)], [1000, 2000])
+    full, snap = rows
+    assert (full["correct"], full["total"], full["accuracy"]) == (5, 8, 5 / 8)
+    assert snap["per_length"] == {"1000": (2, 4), "2000": (3, 4)}
+    assert snap["achieved_rho"] == pytest.approx(0.3) and snap["vs_full"]["equal"] == 2
+
+
+def test_make_combos_puts_full_first_once():
+    assert bn.make_combos(["snapkv", "full", "heterocache"], [0.3, 0.5]) == [
+        ("full", 1.0), ("snapkv", 0.3), ("snapkv", 0.5), ("heterocache", 0.3), ("heterocache", 0.5)]
+    assert [bn.combo_label(n, r) for n, r in bn.make_combos(["full"], [0.3])] == ["full"]
+
+
+def test_needles_are_deterministic_and_answer_free_questions():
+    for kind in bn.NEEDLE_KINDS:
+        a, b = bn.make_needle(kind, 3), bn.make_needle(kind, 3)
+        assert a == b and a.answer in a.sentence and not bn.answer_correct(a.question, a.answer)
+
+
+def test_presets_fill_only_missing_arguments():
+    args = bn.parse_args(["--preset", "cpu", "--budgets", "0.5"])
+    cpu = bn.PRESETS["cpu"]
+    assert args.lengths == cpu["lengths"] and args.depths == cpu["depths"] and args.budgets == [0.5]
+    assert args.out.name == "needle-cpu.json" and args.policies[0] == "full"
+    default = bm.parse_args([])
+    assert default.lengths == bm.PRESETS["full"]["lengths"] and default.out.name == "multiturn.json"
+    assert max(bn.PRESETS["full"]["lengths"]) <= 8192 - 32
+
+
+# ------------------------------------------------------- multi-turn helpers
+def test_facts_are_deterministic_unrelated_and_single_word():
+    corpus = haystack.pydoc_corpus().lower()
+    for seed in range(6):
+        facts = bm.make_facts(seed)
+        assert facts == bm.make_facts(seed)
+        assert len({f.kind for f in facts}) == 3
+        assert len({f.answer.lower() for f in facts}) == 3
+        for f in facts:
+            assert re.fullmatch(r"[A-Za-z]+|\d+", f.answer)
+            assert f.answer in f.sentence and not bm.answer_correct(f.question, f.answer)
+            # the answer never occurs in the haystack corpus, so only the fact can supply it
+            assert not re.search(rf"(?<![a-z0-9]){f.answer.lower()}(?![a-z0-9])", corpus)
+    # kinds rotate with the seed, so every kind visits every depth over four seeds
+    assert {bm.make_facts(s)[0].kind for s in range(4)} == set(bm.FACT_KINDS)
+    assert bm.make_facts(0) != bm.make_facts(1)
+
+
+def test_fact_depths():
+    assert bm.fact_depths(3) == [0.15, 0.5, 0.85]
+    assert bm.fact_depths(1) == [0.5]
+    d = bm.fact_depths(5)
+    assert d[0] == 0.15 and d[-1] == 0.85 and d == sorted(d)
+
+
+def _turn(label, L, seed, turn, correct, recall=None, host=0):
+    return {"label": label, "policy": label.split("@")[0], "rho": 1.0 if label == "full" else float(label[-3:]),
+            "length": L, "seed": seed, "turn": turn, "correct": correct, "achieved_rho": 0.3,
+            "recall": recall or {}, "kv_bytes_host": host, "kv_bytes_device": 10}
+
+
+def _session_records():
+    recs = []
+    table = {  # (length, seed) -> turns correct
+        "full": {(4000, 0): (1, 1, 1), (4000, 1): (1, 0, 1)},
+        "snapkv@0.3": {(4000, 0): (1, 0, 0), (4000, 1): (1, 0, 1)},
+        "heterocache@0.3": {(4000, 0): (1, 1, 0), (4000, 1): (1, 0, 1)},
+    }
+    for label, sessions in table.items():
+        for (L, seed), turns in sessions.items():
+            for t, c in enumerate(turns):
+                recall = {"drift_checks": 10 * (t + 1), "drift_triggers": t, "recalls": 2 * t,
+                          "bytes_recalled": 1000 * t} if label.startswith("hetero") else None
+                recs.append(_turn(label, L, seed, t, bool(c), recall, 500 if label.startswith("hetero") else 0))
+    return recs
+
+
+def test_multiturn_summary_hand_computed():
+    recs = _session_records()
+    combos = [("full", 1.0), ("snapkv", 0.3), ("heterocache", 0.3)]
+    rows = {r["label"]: r for r in bm.summarize(recs, combos, [4000], 3)}
+    assert rows["full"]["turn_correct"] == [2, 1, 2] and rows["full"]["recalled"] == 5 and rows["full"]["facts"] == 6
+    assert rows["snapkv@0.3"]["turn_accuracy"] == [1.0, 0.0, 0.5]
+    h = rows["heterocache@0.3"]
+    # recall stats are cumulative per session: the last turn's, summed over the two sessions
+    assert (h["drift_checks"], h["drift_triggers"], h["recalls"], h["bytes_recalled"]) == (60, 4, 8, 4000)
+    assert h["trigger_rate"] == pytest.approx(4 / 60) and h["kv_bytes_host"] == 500
+    assert rows["full"]["trigger_rate"] is None
+
+
+def test_within_one_of_full_and_hetero_vs_snapkv():
+    recs = _session_records()
+    snap = bm.within_one_of_full(recs, "snapkv@0.3")  # 3 -> 1 in seed 0: two below
+    assert not snap["met"] and snap["max_shortfall"] == 2
+    assert snap["failing"] == [{"length": 4000, "seed": 0, "full": 3, "recalled": 1}]
+    assert bm.within_one_of_full(recs, "heterocache@0.3")["met"]
+    assert bm.hetero_vs_snapkv(recs, [0.3, 0.5]) == [{"rho": 0.3, "heterocache": 4, "snapkv": 3, "met": True}]
+    tie = [r for r in recs if r["label"] != "heterocache@0.3"] + [
+        dict(r, label="heterocache@0.3") for r in recs if r["label"] == "snapkv@0.3"]
+    assert bm.hetero_vs_snapkv(tie, [0.3])[0]["met"] is False
+
+
+# ------------------------------------------------ prompts with the real tokenizer
+@pytest.fixture(scope="module")
+def tokenizer(request):
+    """SmolLM2's tokenizer alone (no weights): from the converted cache, or the suite's conversion."""
+    from hetero_jax import hub
+    from hetero_jax.checkpoint import is_checkpoint
+    from hetero_jax.tokenizer import Tokenizer
+
+    path = os.path.join(hub.cache_dir(), "smollm2-135m")
+    if not is_checkpoint(path):
+        path = request.getfixturevalue("smollm2_dir")
+    return Tokenizer.from_dir(path)
+
+
+@pytest.mark.parametrize("n_tokens, depth", [(1000, 0.0), (2000, 0.5), (4000, 0.9)])
+def test_needle_prompt_has_the_token_count_and_the_needle_at_its_depth(tokenizer, n_tokens, depth):
+    needle = bn.make_needle("magic-number", 1)
+    p = haystack.build_needle_prompt(tokenizer, n_tokens, [(depth, needle.sentence)], needle.question,
+                                     needle.answer, seed=1)
+    assert p.n_tokens == n_tokens
+    assert needle.sentence in p.text and p.text.rstrip().endswith(needle.question)
+    assert abs(p.actual_depths[0] - depth) < 0.05
+
+
+@pytest.mark.parametrize("n_tokens, seed", [(1500, 0), (4000, 2)])
+def test_multiturn_context_places_every_fact_near_its_depth(tokenizer, n_tokens, seed):
+    facts = bm.make_facts(seed)
+    ctx = bm.build_context(tokenizer, n_tokens, facts, bm.fact_depths(3), seed)
+    assert abs(len(ctx.ids) - n_tokens) <= 2  # the session prefills about n_tokens
+    for f, want, got, start in zip(facts, ctx.depths, ctx.actual_depths, ctx.fact_token_starts):
+        assert f.sentence in ctx.text and f.question not in ctx.text
+        assert abs(got - want) < 0.05
+        # the fact's tokens are where the context says they are
+        assert tokenizer.decode(ctx.ids[start : start + 12]).strip().startswith(f.sentence[:12])
+    starts = [ctx.text.index(f.sentence) for f in facts]
+    assert starts == sorted(starts)
+
+
+def test_session_context_ids_are_the_chat_prefix(tokenizer):
+    ids, tail = bm.session_context_ids(tokenizer, "Some context.")
+    full = tokenizer.encode_prompt("Some context.", chat=True)
+    assert ids == full[: len(ids)] and len(full) > len(ids) and tail > 0
