@@ -32,7 +32,6 @@ tokens, so the "8K" point is 8000 prompt tokens by default
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -204,10 +203,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         lines += ["", "The model's context is 8192 tokens, so the \"8K\" point is 8000 prompt tokens "
                       f"(room for the {cfg['decode_steps'] + 1} new tokens)."]
     lines += ["", results_table(payload["results"])]
-    if plot_rel:
-        lines += ["", f"![foundation]({plot_rel})"]
-    else:
-        lines += ["", f"Plot: `{os.path.relpath(cfg['plot'], common.REPO_ROOT)}` (not committed; rerun to regenerate)."]
+    lines += ["", common.plot_markdown("foundation", plot_rel, cfg["plot"])]
     return "\n".join(lines)
 
 
@@ -350,14 +346,8 @@ def main(argv=None) -> int:
     print(f"wrote {out}" + (f" and {png}" if png else ""))
     print(results_table(results))
     if args.write_results:
-        plot_rel = None
-        if png:
-            plot_rel = os.path.relpath(png.resolve(), args.results_file.resolve().parent)
-            if common.git_ignored(png):
-                print(f"note: {png} is git-ignored; RESULTS.md names it but will not embed it")
-                plot_rel = None
-        path = common.update_results_section(SECTION, results_section(payload, plot_rel), args.results_file)
-        print(f"updated the '{SECTION}' section of {path}")
+        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
+                                     args.results_file)
     return 1 if any("error" in r for r in results) else 0
 
 

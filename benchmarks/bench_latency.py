@@ -71,7 +71,6 @@ import argparse
 import dataclasses
 import importlib
 import math
-import os
 import statistics
 import sys
 import time
@@ -347,7 +346,6 @@ def met(ok: bool) -> str:
 
 # --------------------------------------------------------------------- run
 def run(args) -> dict:
-    import jax
     import numpy as np
     from tqdm import tqdm
 
@@ -543,10 +541,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         f"Total wall time {payload['total_seconds'] / 60:.1f} min; peak RSS "
         f"{payload['peak_rss_bytes'] / MiB:,.0f} MiB.",
     ]
-    if plot_rel:
-        lines += ["", f"![latency]({plot_rel})"]
-    else:
-        lines += ["", f"Plot: `{os.path.relpath(cfg['plot'], common.REPO_ROOT)}` (not committed; rerun to regenerate)."]
+    lines += ["", common.plot_markdown("latency", plot_rel, cfg["plot"])]
     return "\n".join(lines)
 
 
@@ -681,14 +676,8 @@ def main(argv=None) -> int:
     print(targets_text(payload["targets"]))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
     if args.write_results:
-        plot_rel = None
-        if png:
-            plot_rel = os.path.relpath(png.resolve(), args.results_file.resolve().parent)
-            if common.git_ignored(png):
-                print(f"note: {png} is git-ignored; RESULTS.md names it but will not embed it")
-                plot_rel = None
-        path = common.update_results_section(SECTION, results_section(payload, plot_rel), args.results_file)
-        print(f"updated the '{SECTION}' section of {path}")
+        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
+                                     args.results_file)
     return 0
 
 

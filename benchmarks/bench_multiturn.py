@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import random
 import re
 import sys
@@ -479,10 +478,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         f"Total wall time {payload['total_seconds'] / 60:.1f} min; "
         f"peak RSS {payload['peak_rss_bytes'] / MiB:,.0f} MiB.",
     ]
-    if plot_rel:
-        lines += ["", f"![multi-turn recall]({plot_rel})"]
-    else:
-        lines += ["", f"Plot: `{os.path.relpath(cfg['plot'], common.REPO_ROOT)}` (not committed; rerun to regenerate)."]
+    lines += ["", common.plot_markdown("multi-turn recall", plot_rel, cfg["plot"])]
     return "\n".join(lines)
 
 
@@ -599,14 +595,8 @@ def main(argv=None) -> int:
     print("\n".join(criteria_lines(payload)))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
     if args.write_results:
-        plot_rel = None
-        if png:
-            plot_rel = os.path.relpath(png.resolve(), args.results_file.resolve().parent)
-            if common.git_ignored(png):
-                print(f"note: {png} is git-ignored; RESULTS.md names it but will not embed it")
-                plot_rel = None
-        path = common.update_results_section(SECTION, results_section(payload, plot_rel), args.results_file)
-        print(f"updated the '{SECTION}' section of {path}")
+        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
+                                     args.results_file)
     return 0
 
 

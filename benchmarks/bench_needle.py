@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import os
 import random
 import re
 import sys
@@ -548,10 +547,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                      else "MISMATCH: " + "; ".join(c["problems"])), ""]
     lines.append(f"Total wall time {payload['total_seconds'] / 60:.1f} min; peak RSS "
                  f"{payload['peak_rss_bytes'] / MiB:,.0f} MiB.")
-    if plot_rel:
-        lines += ["", f"![needle grid]({plot_rel})"]
-    else:
-        lines += ["", f"Plot: `{os.path.relpath(cfg['plot'], common.REPO_ROOT)}` (not committed; rerun to regenerate)."]
+    lines += ["", common.plot_markdown("needle grid", plot_rel, cfg["plot"])]
     return "\n".join(lines)
 
 
@@ -687,14 +683,8 @@ def main(argv=None) -> int:
     print(results_table(payload))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
     if args.write_results:
-        plot_rel = None
-        if png:
-            plot_rel = os.path.relpath(png.resolve(), args.results_file.resolve().parent)
-            if common.git_ignored(png):
-                print(f"note: {png} is git-ignored; RESULTS.md names it but will not embed it")
-                plot_rel = None
-        path = common.update_results_section(SECTION, results_section(payload, plot_rel), args.results_file)
-        print(f"updated the '{SECTION}' section of {path}")
+        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
+                                     args.results_file)
     return 1 if any(c["problems"] for c in payload["checks"]) else 0
 
 

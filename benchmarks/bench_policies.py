@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -574,10 +573,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         lines += ["", f"Check against `generate()` ({c['length']} tokens, depth {c['depth']:g}): "
                       + ("tokens, prompt KV bytes and achieved rho agree for every policy." if not c["problems"]
                          else "MISMATCH: " + "; ".join(c["problems"]))]
-    if plot_rel:
-        lines += ["", f"![policies]({plot_rel})"]
-    else:
-        lines += ["", f"Plot: `{os.path.relpath(cfg['plot'], common.REPO_ROOT)}` (not committed; rerun to regenerate)."]
+    lines += ["", common.plot_markdown("policies", plot_rel, cfg["plot"])]
     return "\n".join(lines)
 
 
@@ -721,14 +717,8 @@ def main(argv=None) -> int:
     print(answers_table(payload))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
     if args.write_results:
-        plot_rel = None
-        if png:
-            plot_rel = os.path.relpath(png.resolve(), args.results_file.resolve().parent)
-            if common.git_ignored(png):
-                print(f"note: {png} is git-ignored; RESULTS.md names it but will not embed it")
-                plot_rel = None
-        path = common.update_results_section(SECTION, results_section(payload, plot_rel), args.results_file)
-        print(f"updated the '{SECTION}' section of {path}")
+        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
+                                     args.results_file)
     return 1 if any(c["problems"] for c in payload["checks"]) else 0
 
 

@@ -394,6 +394,31 @@ def update_results_section(name: str, body: str, path: str | os.PathLike = RESUL
     return path
 
 
+def plot_markdown(alt: str, plot_rel: str | None, plot_path: str | os.PathLike) -> str:
+    """The results line for a plot: embedded when committed (``plot_rel``), else named with how to get it."""
+    if plot_rel:
+        return f"![{alt}]({plot_rel})"
+    return f"Plot: `{os.path.relpath(plot_path, REPO_ROOT)}` (not committed; rerun to regenerate)."
+
+
+def write_results_section(section: str, render, png: Path | None, results_file: str | os.PathLike = RESULTS_MD) -> Path:
+    """Rewrite ``section`` of ``results_file`` with ``render(plot_rel)``.
+
+    ``plot_rel`` is the PNG's path relative to the results file, or None when there is
+    no plot or it is git-ignored (RESULTS.md then names it without embedding it).
+    """
+    results_file = Path(results_file)
+    plot_rel = None
+    if png:
+        plot_rel = os.path.relpath(Path(png).resolve(), results_file.resolve().parent)
+        if git_ignored(png):
+            print(f"note: {png} is git-ignored; RESULTS.md names it but will not embed it")
+            plot_rel = None
+    path = update_results_section(section, render(plot_rel), results_file)
+    print(f"updated the '{section}' section of {path}")
+    return path
+
+
 def results_header(title: str, machine: dict[str, Any], git: dict[str, Any], command: str,
                    timestamp: str | None = None) -> str:
     """The markdown lines every section starts with: title, machine, commit, exact command."""
