@@ -645,7 +645,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=common.OUT_DIR / "latency.json", help="JSON output")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
-    p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file")
+    p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file "
+                        f"('{SECTION}-full' unless --preset cpu)")
     p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
     if preset:
         p.set_defaults(**PRESETS[preset])
@@ -676,7 +677,8 @@ def main(argv=None) -> int:
     print(targets_text(payload["targets"]))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
     if args.write_results:
-        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
+        section = common.results_section_name(SECTION, args.preset)
+        common.write_results_section(section, lambda plot_rel: results_section(payload, plot_rel), png,
                                      args.results_file)
     return 0
 

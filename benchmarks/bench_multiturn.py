@@ -53,11 +53,29 @@ SECTION = "multiturn"
 MODEL = "smollm2-135m"
 MiB = 2**20
 
+# Benchmark-only policy names: configurations of a registered policy that the registry's defaults do not give.
+VARIANTS = {
+    "heterocache-own": "HeteroCache with the shipped profile re-clustered at tau_sim 0.5, recall='own' and "
+                       "tau_drift 1.01 (a recall at every check): the configuration of "
+                       "tests/test_session_smollm2.py",
+}
+
+
+def build_policy(model, name: str, rho: float):
+    """The policy a combo (name, rho) runs: a registered policy, or one of :data:`VARIANTS`."""
+    from hetero_jax.policies import HeteroCache, make_policy
+
+    if name == "heterocache-own":
+        profile = HeteroCache().bind(model).profile.reclustered(tau_sim=0.5)
+        return HeteroCache(profile=profile, budget=rho, recall="own", tau_drift=1.01)
+    return make_policy(name, None if name == "full" else rho)
+
+
 PRESETS = {
     "full": {
         "lengths": [4000, 7000],
         "seeds": [0, 1, 2],
-        "policies": ["full", "streamingllm", "snapkv", "heterocache"],
+        "policies": ["full", "streamingllm", "snapkv", "heterocache", "heterocache-own"],
         "budgets": [0.3, 0.5],
     },
     "cpu": {  # make bench: about 7 minutes on a 2-core CPU
@@ -285,12 +303,13 @@ def within_one_of_full(records: list[dict], label: str) -> dict:
             "max_shortfall": max((ref[k] - mine[k] for k in keys), default=0)}
 
 
-def hetero_vs_snapkv(records: list[dict], budgets) -> list[dict]:
-    """Per budget: facts recalled by HeteroCache and by SnapKV over every context; met iff HeteroCache's is higher."""
+def hetero_vs_snapkv(records: list[dict], budgets, name: str = "heterocache") -> list[dict]:
+    """Per budget: facts recalled by ``name`` (a HeteroCache configuration) and by SnapKV over every context;
+    met iff ``name``'s is higher. The key "heterocache" holds ``name``'s count."""
     out = []
     for b in budgets:
-        h, s = (sum(recalled_per_session(records, combo_label(n, b)).values()) for n in ("heterocache", "snapkv"))
-        ran = any(r["label"] == combo_label("heterocache", b) for r in records) and \
+        h, s = (sum(recalled_per_session(records, combo_label(n, b)).values()) for n in (name, "snapkv"))
+        ran = any(r["label"] == combo_label(name, b) for r in records) and \
             any(r["label"] == combo_label("snapkv", b) for r in records)
         if ran:
             out.append({"rho": b, "heterocache": h, "snapkv": s, "met": h > s})
@@ -305,8 +324,6 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     import hetero_jax
-    from hetero_jax.policies import make_policy
-
     G = importlib.import_module("hetero_jax.generate")
     if not args.no_compile_cache:
         from hetero_jax.cli import enable_compilation_cache
@@ -314,16 +331,17 @@ def run(args) -> dict:
         enable_compilation_cache()
     combos = make_combos(args.policies, args.budgets)
     labels = [combo_label(n, r) for n, r in combos]
-    policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
     depths = args.fact_depths or fact_depths(args.n_facts)
 
     t_start = time.perf_counter()
     model = hetero_jax.load(args.model, dtype=args.dtype, progress=False)
     load_s = time.perf_counter() - t_start
+    policies = [build_policy(model, n, r) for n, r in combos]
     config = {
         "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
         "lengths": args.lengths, "seeds": args.seeds, "budgets": args.budgets, "policies": args.policies,
-        "combos": labels, "policy_reprs": [repr(p) for p in policies], "n_facts": args.n_facts,
+        "combos": labels, "policy_reprs": [repr(p) for p in policies],
+        "variants": {n: VARIANTS[n] for n in args.policies if n in VARIANTS}, "n_facts": args.n_facts,
         "fact_depths": depths, "max_new_tokens": args.max_new_tokens, "prefill": args.prefill,
         "compile_cache": not args.no_compile_cache, "temperature": 0.0, "batch": 1, "chat_template": True,
         "haystack": "pydoc_data.topics.topics, sorted keys joined by blank lines (benchmarks/haystack.py)",
@@ -391,6 +409,8 @@ def run(args) -> dict:
     payload["summary"] = summarize(records, combos, args.lengths, args.n_facts)
     payload["within_one_of_full"] = {lab: within_one_of_full(records, lab) for lab in labels if lab != "full"}
     payload["heterocache_vs_snapkv"] = hetero_vs_snapkv(records, args.budgets)
+    payload["variants_vs_snapkv"] = {n: hetero_vs_snapkv(records, args.budgets, n) for n in VARIANTS
+                                     if n in args.policies}
     payload["total_seconds"] = time.perf_counter() - t_start
     payload["peak_rss_bytes"] = common.peak_rss_bytes()
     return payload
@@ -434,6 +454,10 @@ def criteria_lines(payload: dict) -> list[str]:
     for c in payload["heterocache_vs_snapkv"]:
         lines.append(f"- HeteroCache above SnapKV at rho {c['rho']:g}: **{'MET' if c['met'] else 'NOT MET'}** "
                      f"({c['heterocache']} vs {c['snapkv']} facts recalled).")
+    for name, cs in payload.get("variants_vs_snapkv", {}).items():
+        for c in cs:
+            lines.append(f"- {name} (not the default configuration) above SnapKV at rho {c['rho']:g}: "
+                         f"{'yes' if c['met'] else 'no'} ({c['heterocache']} vs {c['snapkv']} facts recalled).")
     return lines
 
 
@@ -465,7 +489,8 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "recalled at most one fact fewer than full KV in every context. HeteroCache columns are the session's "
         "`GenerationStats` after the last turn (drift checks per pivot, triggered fraction, satellite recalls, "
         "bytes recalled to the device; summed over contexts) and the satellites' KV in pinned host memory "
-        "(the largest context's).",
+        "(the largest context's)."
+        + "".join(f" Policy `{n}`: {d}." for n, d in cfg.get("variants", {}).items()),
         "",
         results_table(payload),
         "",
@@ -532,7 +557,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 def parse_args(argv=None) -> argparse.Namespace:
     from hetero_jax.policies import REGISTRY
 
-    names = list(REGISTRY)
+    names = [*REGISTRY, *VARIANTS]
     ph = lambda key: bench_needle.preset_help(PRESETS, key)  # noqa: E731
     S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
     p = argparse.ArgumentParser(
@@ -546,7 +571,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="context lengths in tokens (the context is 8192)" + ph("lengths"))
     p.add_argument("--seeds", type=int, nargs="+", default=S, help="one context (fact set) per seed" + ph("seeds"))
     p.add_argument("--policies", nargs="+", default=S, choices=names,
-                   help="registered policies; full KV always runs, as the reference" + ph("policies"))
+                   help="registered policies, or " + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items())
+                        + "; full KV always runs, as the reference" + ph("policies"))
     p.add_argument("--budgets", type=float, nargs="+", default=S, help="budgets rho in (0, 1]" + ph("budgets"))
     p.add_argument("--n-facts", type=int, default=3, help="facts per context (= turns)")
     p.add_argument("--fact-depths", type=float, nargs="+", default=None,
@@ -562,7 +588,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON output (default: benchmarks/out/multiturn[-PRESET].json)")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
-    p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file")
+    p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file "
+                        f"('{SECTION}-full' unless --preset cpu)")
     p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
     args = p.parse_args(argv)
     args.preset = getattr(args, "preset", None)
@@ -595,7 +622,8 @@ def main(argv=None) -> int:
     print("\n".join(criteria_lines(payload)))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
     if args.write_results:
-        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
+        section = common.results_section_name(SECTION, args.preset)
+        common.write_results_section(section, lambda plot_rel: results_section(payload, plot_rel), png,
                                      args.results_file)
     return 0
 

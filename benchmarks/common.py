@@ -401,6 +401,12 @@ def plot_markdown(alt: str, plot_rel: str | None, plot_path: str | os.PathLike) 
     return f"Plot: `{os.path.relpath(plot_path, REPO_ROOT)}` (not committed; rerun to regenerate)."
 
 
+def results_section_name(section: str, preset: str | None) -> str:
+    """RESULTS.md section of a run: ``make bench`` (preset "cpu") owns ``section``; every other run of the
+    script (the full grids, with or without overrides) writes ``section-full``, so neither overwrites the other."""
+    return section if preset == "cpu" else f"{section}-full"
+
+
 def write_results_section(section: str, render, png: Path | None, results_file: str | os.PathLike = RESULTS_MD) -> Path:
     """Rewrite ``section`` of ``results_file`` with ``render(plot_rel)``.
 
