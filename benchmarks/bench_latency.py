@@ -512,7 +512,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                               payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
         "",
         f"Batch 1, greedy, float32. Real weights: prompts are the first N tokens of the pydoc corpus "
-        f"(`benchmarks/haystack.py`, raw text). "
+        "(`benchmarks/haystack.py`, raw text). "
         + synth_text
         + f"TTFT = prefill as `GenerationStats` reports it (policy selection in every layer and HeteroCache's "
         f"pinned-host reservoir copy included, compile excluded) + sampling and reading back the first token; "
