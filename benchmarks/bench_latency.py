@@ -511,7 +511,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         common.results_header(f"Latency: {cfg['model']} TTFT and decode per policy and context",
                               payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
         "",
-        f"Batch 1, greedy, float32. Real weights: prompts are the first N tokens of the pydoc corpus "
+        "Batch 1, greedy, float32. Real weights: prompts are the first N tokens of the pydoc corpus "
         "(`benchmarks/haystack.py`, raw text). "
         + synth_text
         + f"TTFT = prefill as `GenerationStats` reports it (policy selection in every layer and HeteroCache's "
