@@ -203,7 +203,7 @@ class HeteroPrefill:
                                          [sat_pos[h] for h in r["satellite"]], members))
         self.reservoir_k: list = []  # per layer: pinned-host [B, Ns, T, D] or None
         self.reservoir_v: list = []
-        self.host_view: list = []  # per layer: (k, v) numpy views of the reservoir
+        self._host_view: dict[int, tuple] = {}  # layer -> (k, v) numpy views of the reservoir, made on first use
         self.counts: list[np.ndarray] = []  # per layer [B, Hc] tokens kept by compressed heads
         self.k_base: list = []
 
@@ -249,12 +249,20 @@ class HeteroPrefill:
             rv = jax.device_put(v_buf[:, nf : nf + ns, :t_max], host)
             self.reservoir_k.append(rk)
             self.reservoir_v.append(rv)
-            self.host_view.append((np.asarray(rk), np.asarray(rv)))  # zero-copy on CPU; one copy on GPU
         else:
             self.reservoir_k.append(None)
             self.reservoir_v.append(None)
-            self.host_view.append(None)
         return tuple(groups)
+
+    def host_view(self, li: int) -> tuple[np.ndarray, np.ndarray]:
+        """Numpy views (k, v) [B, Ns, T, D] of layer ``li``'s reservoir, made on the first recall.
+
+        Not made in ``build_layer``: ``np.asarray`` waits for the layer's KV, and waiting there
+        would stop the host from dispatching the next layers while this one computes (TTFT).
+        """
+        if li not in self._host_view:
+            self._host_view[li] = (np.asarray(self.reservoir_k[li]), np.asarray(self.reservoir_v[li]))
+        return self._host_view[li]
 
     def finish(self, cache: KVCache) -> KVCache:
         layers = tuple(
@@ -264,6 +272,10 @@ class HeteroPrefill:
 
     def decode_controller(self, compile_fn=None):
         return HeteroDecode(self, compile_fn=compile_fn or self.compile_fn)
+
+    def host_arrays(self) -> tuple:
+        """The pinned-host reservoirs (k and v of every layer with satellites)."""
+        return tuple(a for a in (*self.reservoir_k, *self.reservoir_v) if a is not None)
 
     def host_bytes(self) -> int:
         return int(sum(k.nbytes + v.nbytes for k, v in zip(self.reservoir_k, self.reservoir_v) if k is not None))
@@ -378,7 +390,7 @@ class HeteroDecode:
             lc = layers[li]
             groups = list(lc.groups)
             first_comp = 1 if r.n_full else 0  # compressed head j lives in groups[first_comp + j]
-            kv_view_k, kv_view_v = self.plan.host_view[li]
+            kv_view_k, kv_view_v = self.plan.host_view(li)
             counts = self.plan.counts[li]  # [B, Hc]
             base = np.asarray(lc.aux["k_base"]).copy()
             edits: dict[int, tuple] = {}

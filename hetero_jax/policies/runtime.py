@@ -100,6 +100,10 @@ class PolicyPrefill:
     def host_bytes(self) -> int:
         return 0
 
+    def host_arrays(self) -> tuple:
+        """Arrays the prefill placed in host memory (none for static policies)."""
+        return ()
+
     def finish(self, cache: KVCache) -> KVCache:
         if self.planned:
             return cache
