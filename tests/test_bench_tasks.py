@@ -182,6 +182,21 @@ def test_within_one_of_full_and_hetero_vs_snapkv():
     tie = [r for r in recs if r["label"] != "heterocache@0.3"] + [
         dict(r, label="heterocache@0.3") for r in recs if r["label"] == "snapkv@0.3"]
     assert bm.hetero_vs_snapkv(tie, [0.3])[0]["met"] is False
+    own = [dict(r, label="heterocache-own@0.3") for r in recs if r["label"] == "full"]  # 3 + 2 facts
+    assert bm.hetero_vs_snapkv(recs + own, [0.3], "heterocache-own") == [
+        {"rho": 0.3, "heterocache": 5, "snapkv": 3, "met": True}]
+
+
+def test_multiturn_variant_names_and_results_sections():
+    args = bm.parse_args(["--policies", "snapkv", "heterocache-own", "--budgets", "0.5", "--lengths", "900"])
+    assert args.policies == ["full", "snapkv", "heterocache-own"] and args.preset is None
+    assert bm.make_combos(args.policies, args.budgets)[-1] == ("heterocache-own", 0.5)
+    import common
+
+    # make bench (--preset cpu) and the full grids write different RESULTS.md sections
+    assert common.results_section_name("needle", "cpu") == "needle"
+    assert common.results_section_name("needle", None) == "needle-full"
+    assert common.results_section_name("latency", "full") == "latency-full"
 
 
 # ------------------------------------------------ prompts with the real tokenizer
