@@ -316,6 +316,17 @@ def hetero_vs_snapkv(records: list[dict], budgets, name: str = "heterocache") ->
     return out
 
 
+def budget_problem(model, policy, n_tokens: int) -> str | None:
+    """Why ``policy`` cannot run an ``n_tokens`` context (its budget error), or None."""
+    from hetero_jax.policies import BudgetError
+
+    try:
+        policy.bind(model).check_budget(n_tokens)
+    except BudgetError as e:
+        return str(e)
+    return None
+
+
 # ------------------------------------------------------------------- run
 def run(args) -> dict:
     import importlib
@@ -337,6 +348,16 @@ def run(args) -> dict:
     model = hetero_jax.load(args.model, dtype=args.dtype, progress=False)
     load_s = time.perf_counter() - t_start
     policies = [build_policy(model, n, r) for n, r in combos]
+    # a combo whose budget its profile cannot meet at some length is left out and named in the report
+    skipped = {}
+    for i, (name, rho) in enumerate(combos):
+        err = budget_problem(model, policies[i], max(args.lengths))
+        if err:
+            skipped[labels[i]] = err
+    keep = [i for i, lab in enumerate(labels) if lab not in skipped]
+    combos, labels, policies = [combos[i] for i in keep], [labels[i] for i in keep], [policies[i] for i in keep]
+    for lab, err in skipped.items():
+        print(f"skipping {lab}: {err}", file=sys.stderr)
     config = {
         "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
         "lengths": args.lengths, "seeds": args.seeds, "budgets": args.budgets, "policies": args.policies,
@@ -346,7 +367,7 @@ def run(args) -> dict:
         "compile_cache": not args.no_compile_cache, "temperature": 0.0, "batch": 1, "chat_template": True,
         "haystack": "pydoc_data.topics.topics, sorted keys joined by blank lines (benchmarks/haystack.py)",
         "matching": "bench_needle.answer_correct: case-insensitive whole words; numbers as one number",
-        "out": str(args.out), "plot": str(args.plot),
+        "out": str(args.out), "plot": str(args.plot), "skipped": skipped,
     }
     payload = common.report_header(SECTION, config, common.machine_info())
     payload.update(load_seconds=load_s, contexts=[], records=[])
@@ -490,7 +511,8 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "`GenerationStats` after the last turn (drift checks per pivot, triggered fraction, satellite recalls, "
         "bytes recalled to the device; summed over contexts) and the satellites' KV in pinned host memory "
         "(the largest context's)."
-        + "".join(f" Policy `{n}`: {d}." for n, d in cfg.get("variants", {}).items()),
+        + "".join(f" Policy `{n}`: {d}." for n, d in cfg.get("variants", {}).items())
+        + "".join(f" Not run: {lab} ({err})." for lab, err in cfg.get("skipped", {}).items()),
         "",
         results_table(payload),
         "",
