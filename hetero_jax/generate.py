@@ -39,8 +39,9 @@ class GenerationStats:
     kv_bytes_tail: int  # of which the tail (tokens added after prefill)
     stop_reason: str  # "eos", "stop", "max_new_tokens" or "context"
     compile_seconds: float = 0.0  # XLA compilation in this call (excluded from the timings above)
-    extend_seconds: float = 0.0  # session turns: appending the question before decoding
-    recall: dict = dataclasses.field(default_factory=dict)  # HeteroCache: checks, triggers, recalls, bytes
+    extend_seconds: float = 0.0  # session turns: appending the question before decoding (compile excluded)
+    # HeteroCache: checks, triggers, recalls, bytes; in a Session, totals since the context's prefill
+    recall: dict = dataclasses.field(default_factory=dict)
     policy: str = "FullKV(budget=1.0)"
     achieved_rho: float = 1.0  # prompt KV kept on the device / full prompt KV (tokens x KV heads x layers)
 
@@ -478,11 +479,10 @@ class Session:
             )
         budget = min(max_new_tokens, room)
         eng.reserve(len(ids) + budget + 1)
-        t0 = time.perf_counter()
-        nxt = None
+        nxt, extend_s = None, 0.0
         for t in ids:  # teacher-forced extension: one decode step per token
-            nxt, _ = eng.step(np.asarray([t], np.int32), temperature, top_p)
-        extend_s = time.perf_counter() - t0
+            nxt, dt = eng.step(np.asarray([t], np.int32), temperature, top_p)
+            extend_s += dt  # compile excluded, as in decode_seconds
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         out_ids, texts, reasons, decode_s = _decode_loop(eng, nxt, budget, temperature=temperature, top_p=top_p,
                                                          stops=stops, on_token=on_token)
