@@ -264,7 +264,9 @@ def test_head_permutation_leaves_outputs_unchanged():
     a, ca, _ = run(FullKV(), prompts, params=params, cfg=cfg)
     b, cb, _ = run(FullKV(), prompts, params=permuted, cfg=cfg)
     for x, y in zip(a, b):
-        np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+        # permuted heads reorder o_proj's float32 sum over heads: logits of size ~5 move by ~1e-5;
+        # a wrong permutation moves them by O(1)
+        np.testing.assert_allclose(x, y, atol=1e-4, rtol=0)
         assert np.array_equal(x.argmax(-1), y.argmax(-1))
     # the cache holds the same heads, in layout order
     for li, perm in enumerate(layout.perms):
