@@ -300,6 +300,12 @@ class Engine:
         nxt = np.asarray(out[0])  # the read-back is part of the step's cost
         return nxt, time.perf_counter() - t1 - (_COMPILE_TIME[0] - before)
 
+    def end_of_chunk(self) -> None:
+        """Tell the policy's decode controller that an extension chunk has been appended."""
+        hook = getattr(self.controller, "end_of_chunk", None)
+        if hook is not None and self.steps:
+            hook(self.steps - 1, self.cache)
+
     def stats_fields(self) -> dict:
         extra = self.controller.stats() if self.controller is not None else {}
         return dict(
@@ -483,6 +489,9 @@ class Session:
         for t in ids:  # teacher-forced extension: one decode step per token
             nxt, dt = eng.step(np.asarray([t], np.int32), temperature, top_p)
             extend_s += dt  # compile excluded, as in decode_seconds
+        t0 = time.perf_counter()
+        eng.end_of_chunk()
+        extend_s += time.perf_counter() - t0
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         out_ids, texts, reasons, decode_s = _decode_loop(eng, nxt, budget, temperature=temperature, top_p=top_p,
                                                          stops=stops, on_token=on_token)

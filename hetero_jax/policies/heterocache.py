@@ -13,6 +13,9 @@ the pivot's prompt keys (``pallas_kernels.drift_check``); when the median
 overlap with K_base drops below ``tau_drift``, each satellite of that pivot
 gets its own top-l_s positions of the pivot's latest pooled scores, gathered
 from the reservoir and written into its device slots, and K_base moves on.
+A check also runs when an extension chunk (a session's question) has been
+appended, on the last ``window`` steps, so a drift the question causes is
+recalled before the answer is decoded rather than up to ``window`` steps in.
 
 Asynchrony and lag: the check is dispatched right after step t's decode and
 its small outputs (flags, indices) are copied to the host asynchronously;
@@ -24,6 +27,7 @@ rows go to the device with an asynchronous ``device_put``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -323,7 +327,9 @@ class HeteroDecode:
         self.plan = plan
         self.policy = plan.policy
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
-        self.buffer: list = []  # per step: tuple over layers of pivot queries [B, Np, G, D] (device)
+        # the last `window` steps: tuples over layers of pivot queries [B, Np, G, D] (device)
+        self.buffer: collections.deque = collections.deque(maxlen=plan.policy.window)
+        self.since_check = 0  # steps buffered since the last check
         self.pending = None  # (step, per layer outputs) of a dispatched check
         self.checks = 0  # pivot checks run (pivots x checks)
         self.triggers = 0  # pivot checks that drifted
@@ -331,6 +337,7 @@ class HeteroDecode:
         self.bytes_recalled = 0
         self.bytes_scored = 0  # reservoir key bytes read on the host to score satellites (recall="own")
         self.recall_steps: list[int] = []
+        self.last_queries = None  # every head's query rows of the latest step (for recall="own")
 
     @property
     def wants_queries(self) -> bool:
@@ -340,15 +347,27 @@ class HeteroDecode:
         """Buffer the pivots' queries of decode step ``step``; dispatch a check every ``window`` steps."""
         self.buffer.append(tuple(q[:, : len(r.pivots)] if r.pivots else None
                                  for q, r in zip(queries, self.plan.roles)))
-        if len(self.buffer) < self.policy.window:
-            return
+        self.last_queries = queries
+        self.since_check += 1
+        if self.since_check >= self.policy.window:
+            self._dispatch_check(step, cache)
+
+    def end_of_chunk(self, step: int, cache: KVCache) -> None:
+        """An extension chunk (a session's question) was appended: check now, on the last ``window``
+        steps' queries, so a drift the question causes is recalled before the answer's second token
+        instead of up to ``window`` steps into it."""
+        if self.since_check and self.pending is None:
+            self._dispatch_check(step, cache)
+
+    def _dispatch_check(self, step: int, cache: KVCache) -> None:
+        queries = self.last_queries
         outs = []
         l_base = int(self.plan.l_base.max())
         for li, r in enumerate(self.plan.roles):
             if not r.pivots:
                 outs.append(None)
                 continue
-            q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
+            q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D] (W <= window)
             g = cache.layers[li].groups[0]
             np_ = len(r.pivots)
             counts = self.plan.counts[li]
@@ -368,7 +387,7 @@ class HeteroDecode:
                 if qs is not None:
                     qs.copy_to_host_async()
                 sat_queries.append(qs)
-        self.buffer = []
+        self.since_check = 0
         self.pending = (step, outs, sat_queries)
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
