@@ -190,6 +190,25 @@ def test_anchors_never_change_and_session_turns():
     assert sess.engine.cache.tail_capacity >= int(np.asarray(sess.engine.cache.tail_lens)[0])
 
 
+def test_check_at_the_end_of_each_question():
+    """window 50 > any question + answer here: the only checks are the ones at the end of each question,
+    one per pivot (2 pivots), each recalling (tau > 1) before the answer's second token."""
+    policy = HeteroCache(profile=PROFILE, budget=0.5, window=50, tau_drift=1.5)
+    sess = Session(MODEL, prompt(120, 4), policy, chat=False, reserve_tokens=8)
+    steps = 0
+    for turn in range(2):
+        q = prompt(6, 20 + turn)
+        res = sess.ask(q, max_new_tokens=3)
+        st = res.stats.recall
+        assert (st["drift_checks"], st["drift_triggers"]) == (2 * (turn + 1), 2 * (turn + 1))
+        # the check follows the question's last step (steps - 1); its recall is applied before the next
+        # step, the one that appends the answer's first token
+        steps += len(q) + (1 if turn else 0)  # the previous answer's last token opens this turn
+        assert sess.engine.controller.recall_steps[-1] == steps
+        steps += len(res.token_ids) - 1
+    assert st["recalls"] == 2 * 3  # 3 satellites per check
+
+
 @pytest.mark.parametrize("policy", [FullKV(), HeteroCache(profile=PROFILE, budget=0.6)])
 def test_session_single_turn_equals_generate(policy):
     ids = prompt(100, 5)
