@@ -677,9 +677,8 @@ def main(argv=None) -> int:
     print(targets_text(payload["targets"]))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
     if args.write_results:
-        section = common.results_section_name(SECTION, args.preset)
-        common.write_results_section(section, lambda plot_rel: results_section(payload, plot_rel), png,
-                                     args.results_file)
+        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
+                                     args.results_file, preset=args.preset)
     return 0
 
 

@@ -350,10 +350,10 @@ def run(args) -> dict:
     policies = [build_policy(model, n, r) for n, r in combos]
     # a combo whose budget its profile cannot meet at some length is left out and named in the report
     skipped = {}
-    for i, (name, rho) in enumerate(combos):
-        err = budget_problem(model, policies[i], max(args.lengths))
+    for lab, pol in zip(labels, policies):
+        err = budget_problem(model, pol, max(args.lengths))
         if err:
-            skipped[labels[i]] = err
+            skipped[lab] = err
     keep = [i for i, lab in enumerate(labels) if lab not in skipped]
     combos, labels, policies = [combos[i] for i in keep], [labels[i] for i in keep], [policies[i] for i in keep]
     for lab, err in skipped.items():
@@ -644,9 +644,8 @@ def main(argv=None) -> int:
     print("\n".join(criteria_lines(payload)))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
     if args.write_results:
-        section = common.results_section_name(SECTION, args.preset)
-        common.write_results_section(section, lambda plot_rel: results_section(payload, plot_rel), png,
-                                     args.results_file)
+        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
+                                     args.results_file, preset=args.preset)
     return 0
 
 

@@ -684,9 +684,8 @@ def main(argv=None) -> int:
     print(results_table(payload))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
     if args.write_results:
-        section = common.results_section_name(SECTION, args.preset)
-        common.write_results_section(section, lambda plot_rel: results_section(payload, plot_rel), png,
-                                     args.results_file)
+        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
+                                     args.results_file, preset=args.preset)
     return 1 if any(c["problems"] for c in payload["checks"]) else 0
 
 

@@ -407,12 +407,16 @@ def results_section_name(section: str, preset: str | None) -> str:
     return section if preset == "cpu" else f"{section}-full"
 
 
-def write_results_section(section: str, render, png: Path | None, results_file: str | os.PathLike = RESULTS_MD) -> Path:
-    """Rewrite ``section`` of ``results_file`` with ``render(plot_rel)``.
+def write_results_section(section: str, render, png: Path | None, results_file: str | os.PathLike = RESULTS_MD,
+                          preset: str | None = "cpu") -> Path:
+    """Rewrite ``section`` (``results_section_name(section, preset)``) of ``results_file`` with ``render(plot_rel)``.
+
+    ``preset``: the run's preset; scripts with no presets leave the default and write ``section`` itself.
 
     ``plot_rel`` is the PNG's path relative to the results file, or None when there is
     no plot or it is git-ignored (RESULTS.md then names it without embedding it).
     """
+    section = results_section_name(section, preset)
     results_file = Path(results_file)
     plot_rel = None
     if png:
