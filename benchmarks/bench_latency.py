@@ -98,6 +98,11 @@ PRESETS = {
     # synthetic at 2048 too: beside the real 2048 row it shows that random weights time like real ones
     "cpu": dict(real_lengths=[1024, 2048], synthetic_lengths=[2048], budgets=[0.3], decode_steps=32,
                 warmup_steps=6, ttft_warmup=1, ttft_repeats=1),
+    # the synthetic long contexts alone (section latency-long), sized for a 2-core CPU: one 32K prefill takes
+    # tens of minutes there, so one timed round and no untimed one (the jitted functions' compile is excluded
+    # anyway; the eager ops' compile is seconds against minutes of prefill)
+    "long": dict(real_lengths=[], synthetic_lengths=[16384, 32768], policies=["full", "heterocache"], budgets=[0.3],
+                 decode_steps=64, warmup_steps=8, ttft_warmup=0, ttft_repeats=1),
 }
 
 
@@ -646,7 +651,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=common.OUT_DIR / "latency.json", help="JSON output")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
     p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file "
-                        f"('{SECTION}-full' unless --preset cpu)")
+                        f"('{SECTION}-full' with no preset, '{SECTION}-NAME' with --preset NAME other than cpu)")
     p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
     if preset:
         p.set_defaults(**PRESETS[preset])

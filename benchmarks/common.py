@@ -402,9 +402,12 @@ def plot_markdown(alt: str, plot_rel: str | None, plot_path: str | os.PathLike) 
 
 
 def results_section_name(section: str, preset: str | None) -> str:
-    """RESULTS.md section of a run: ``make bench`` (preset "cpu") owns ``section``; every other run of the
-    script (the full grids, with or without overrides) writes ``section-full``, so neither overwrites the other."""
-    return section if preset == "cpu" else f"{section}-full"
+    """RESULTS.md section of a run: ``make bench`` (preset "cpu") owns ``section``; a run with no preset or
+    preset "full" (the full grids, with or without overrides) writes ``section-full``; any other preset NAME
+    writes ``section-NAME``. So no run overwrites another's table."""
+    if preset == "cpu":
+        return section
+    return f"{section}-{preset or 'full'}"
 
 
 def write_results_section(section: str, render, png: Path | None, results_file: str | os.PathLike = RESULTS_MD,

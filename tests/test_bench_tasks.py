@@ -197,6 +197,7 @@ def test_multiturn_variant_names_and_results_sections():
     assert common.results_section_name("needle", "cpu") == "needle"
     assert common.results_section_name("needle", None) == "needle-full"
     assert common.results_section_name("latency", "full") == "latency-full"
+    assert common.results_section_name("latency", "long") == "latency-long"
 
 
 # ------------------------------------------------ prompts with the real tokenizer
