@@ -44,6 +44,13 @@ random token ids, labelled "synthetic" in the JSON, table and plot; there
 HeteroCache uses the shipped SmolLM2 profile's roles with its weights
 fingerprint removed (roles calibrated on the real weights, applied to random
 ones: the cost structure is right, what is kept is not meaningful).
+``--synthetic-shape llama-3.1-8b`` gives the synthetic points Llama-3.1-8B's
+shapes instead (32 layers, 32 query / 8 KV heads of 128, untied 128K vocab;
+bfloat16 by default: 16 GB of weights, drawn on the device), with HeteroCache's
+roles from the HeteroCache authors' published Llama-3.1-8B-Instruct profile
+(``--synthetic-profile``, default ``../shared/reference``). That is for a GPU:
+``--preset llama8b-gpu`` runs 16K to 128K with full KV, SnapKV and HeteroCache
+at rho 0.3 (the ``latency-llama8b-gpu`` section).
 
 Cost: prefill dominates long contexts (one per policy and round: 7 policies x
 3 rounds (1 untimed) per length by default). On a 2-core CPU SmolLM2's full-KV prefill
@@ -69,8 +76,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import math
+import os
 import statistics
 import sys
 import time
@@ -103,6 +112,10 @@ PRESETS = {
     # anyway; the eager ops' compile is seconds against minutes of prefill)
     "long": dict(real_lengths=[], synthetic_lengths=[16384, 32768], policies=["full", "heterocache"], budgets=[0.3],
                  decode_steps=64, warmup_steps=8, ttft_warmup=0, ttft_repeats=1),
+    # Llama-3.1-8B shapes to 128K, for one GPU (bfloat16: 16 GB of weights, 16 GB of full KV at 128K)
+    "llama8b-gpu": dict(real_lengths=[], synthetic_lengths=[16384, 32768, 65536, 131072], synthetic_shape="llama-3.1-8b",
+                        policies=["full", "snapkv", "heterocache"], budgets=[0.3], decode_steps=64, warmup_steps=8,
+                        ttft_warmup=1, ttft_repeats=1),
 }
 
 
@@ -167,39 +180,103 @@ def combo_label(name: str, rho: float) -> str:
 
 
 # ------------------------------------------------------------------- models
-def synthetic_model(real_model, max_positions: int, seed: int):
-    """SmolLM2's exact shapes with random float32 weights and ``max_position_embeddings`` raised."""
+# Shapes the synthetic points can take: the loaded SmolLM2's own, or Llama-3.1-8B's (its published
+# config.json fields that fix the cost of a step; meant for a GPU: 16 GB of weights in bfloat16).
+SYNTHETIC_SHAPES = {
+    MODEL: None,
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    },
+}
+# Roles for HeteroCache on a synthetic shape: SmolLM2's shipped profile, or the HeteroCache authors'
+# published Llama-3.1-8B-Instruct profile (read from --synthetic-profile or the reference folder).
+OFFICIAL_PROFILES = {"llama-3.1-8b": "official_profile_llama-3.1-8b-instruct.json"}
+SYNTHETIC_DEFAULT_DTYPE = {MODEL: "float32", "llama-3.1-8b": "bfloat16"}
+
+
+def synthetic_config(real_cfg, shape: str, max_positions: int):
+    """ModelConfig of a synthetic shape with ``max_position_embeddings`` raised to ``max_positions``."""
+    from hetero_jax.config import ModelConfig
+
+    cfg = real_cfg if SYNTHETIC_SHAPES[shape] is None else ModelConfig.from_hf_dict(SYNTHETIC_SHAPES[shape])
+    return dataclasses.replace(cfg, max_position_embeddings=max(max_positions, cfg.max_position_embeddings))
+
+
+def synthetic_model(real_model, max_positions: int, seed: int, shape: str = MODEL, dtype: str = "float32"):
+    """Random weights with a shape's exact config (``synthetic_config``), made on the default device.
+
+    Each tensor is drawn with ``jax.random`` where it lives (an 8B model never passes through host
+    memory): N(0, 0.02^2), norms 1 + N(0, 0.1^2), as ``spec.init_params`` draws them.
+    """
+    import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from hetero_jax import spec
     from hetero_jax.hub import Model
 
-    cfg = dataclasses.replace(real_model.config,
-                              max_position_embeddings=max(max_positions, real_model.config.max_position_embeddings))
-    params = spec.init_params(cfg, seed=seed, dtype=np.float32)
-    params = {k: ([{n: jnp.asarray(a) for n, a in layer.items()} for layer in v] if k == "layers" else jnp.asarray(v))
-              for k, v in params.items()}
+    cfg = synthetic_config(real_model.config, shape, max_positions)
+    dt = jnp.dtype(dtype)
+    keys = iter(jax.random.split(jax.random.key(seed), 1 + 16 * (cfg.num_layers + 1)))
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def draw(key, shape_, norm):
+        x = jax.random.normal(key, shape_, jnp.float32)
+        return ((1.0 + 0.1 * x) if norm else 0.02 * x).astype(dt)
+
+    make = lambda name, shp: draw(next(keys), tuple(shp), name.endswith("norm"))  # noqa: E731
+    shapes = spec.param_shapes(cfg)
+    params = {k: make(k, v) for k, v in shapes.items() if k != "layers"}
+    params["layers"] = [{k: make(k, v) for k, v in layer.items()} for layer in shapes["layers"]]
+    name = real_model.name if shape == MODEL else shape
     return Model(config=cfg, params=params, tokenizer=real_model.tokenizer, path="<synthetic>",
-                 name=f"{real_model.name}-synthetic")
+                 name=f"{name}-synthetic")
 
 
-def synthetic_profile():
-    """The shipped SmolLM2 profile with its weights fingerprint removed (roles only; fits any SmolLM2-shaped model)."""
+def reference_dir() -> Path | None:
+    """Folder with the HeteroCache authors' published profiles: $HETERO_JAX_REFERENCE_DIR or ../shared/reference."""
+    root = Path(__file__).resolve().parents[1]
+    for c in (os.environ.get("HETERO_JAX_REFERENCE_DIR"), root.parent / "shared" / "reference"):
+        if c and Path(c).is_dir():
+            return Path(c)
+    return None
+
+
+def synthetic_profile(shape: str = MODEL, path: Path | None = None):
+    """Roles for HeteroCache on synthetic weights of ``shape``, with no weights fingerprint (they fit any weights).
+
+    SmolLM2: the shipped profile. Llama-3.1-8B: the authors' published profile, from ``path`` or
+    ``reference_dir()``.
+    """
     from hetero_jax.profile.format import load_profile, shipped_profile_path
 
-    prof = load_profile(shipped_profile_path(MODEL))
+    if path is None:
+        if shape == MODEL:
+            path = Path(shipped_profile_path(MODEL))
+        else:
+            ref = reference_dir()
+            path = ref / OFFICIAL_PROFILES[shape] if ref else None
+            if path is None or not path.is_file():
+                raise SystemExit(
+                    f"HeteroCache on synthetic {shape} weights needs a head profile for that shape: "
+                    f"{OFFICIAL_PROFILES[shape]} was not found (looked in $HETERO_JAX_REFERENCE_DIR and "
+                    "../shared/reference); pass --synthetic-profile PATH or leave heterocache out of --policies")
+    prof = load_profile(path)
     return dataclasses.replace(prof, weights_fingerprint=None)
 
 
-def make_policies(combos, synthetic: bool):
+def make_policies(combos, synthetic_prof=None):
+    """One policy per combo; HeteroCache uses ``synthetic_prof`` when given (synthetic weights)."""
     from hetero_jax.policies import HeteroCache, make_policy
 
-    prof = synthetic_profile() if synthetic and any(n == "heterocache" for n, _ in combos) else None
     out = []
     for name, rho in combos:
-        if name == "heterocache" and synthetic:
-            out.append(HeteroCache(profile=prof, budget=rho))
+        if name == "heterocache" and synthetic_prof is not None:
+            out.append(HeteroCache(profile=synthetic_prof, budget=rho))
         else:
             out.append(make_policy(name, None if name == "full" else rho))
     return out
@@ -366,6 +443,10 @@ def run(args) -> dict:
     load_s = time.perf_counter() - t_start
     ctx = real.config.max_position_embeddings
     steps_total = args.warmup_steps + args.decode_steps + 1
+    synth_prof = None
+    if args.synthetic_lengths and any(n == "heterocache" for n, _ in combos):  # a missing profile fails first
+        synth_prof = synthetic_profile(args.synthetic_shape, args.synthetic_profile)
+        synth_prof.check_compatible(synthetic_config(real.config, args.synthetic_shape, 0))
     for L in args.real_lengths:
         if L + steps_total > ctx:
             raise SystemExit(f"real length {L} + {steps_total} decode tokens exceeds SmolLM2's {ctx}-token context; "
@@ -377,6 +458,8 @@ def run(args) -> dict:
     machine = common.machine_info()
     config = {
         "model": args.model, "dtype": "float32", "batch": 1, "temperature": 0.0,
+        "synthetic_shape": args.synthetic_shape, "synthetic_dtype": args.synthetic_dtype,
+        "synthetic_profile": synth_prof.model_name if synth_prof is not None else None,
         "real_lengths": args.real_lengths, "synthetic_lengths": args.synthetic_lengths,
         "policies": list(dict.fromkeys(n for n, _ in combos)), "budgets": args.budgets,
         "combos": [combo_label(n, r) for n, r in combos],
@@ -385,9 +468,11 @@ def run(args) -> dict:
         "seed": args.seed, "preset": args.preset, "compile_cache": not args.no_compile_cache,
         "real_prompts": "first N tokens of benchmarks/haystack.py pydoc_corpus(), "
                         "tokenizer.encode_prompt(text, chat=False) (raw text)",
-        "synthetic": "random float32 weights with SmolLM2's shapes (hetero_jax.spec.init_params(cfg, seed), "
-                     "scale 0.02), max_position_embeddings raised; random token ids (numpy default_rng(seed)); "
-                     "HeteroCache: shipped SmolLM2 profile's roles with its weights fingerprint removed",
+        "synthetic": f"random {args.synthetic_dtype} weights with {args.synthetic_shape}'s shapes (jax.random "
+                     "per tensor from key(seed): N(0, 0.02^2), norms 1 + N(0, 0.1^2)), max_position_embeddings "
+                     "raised; random token ids (numpy default_rng(seed)); HeteroCache: "
+                     + ("the shipped SmolLM2 profile's" if args.synthetic_shape == MODEL else
+                        "the HeteroCache authors' published profile's") + " roles, weights fingerprint removed",
         "ttft": "Engine.prefill_seconds (prefill + policy selection + HeteroCache reservoir copy + finish, "
                 "compile excluded) + first-token sampling and read-back; one prefill per policy per round, "
                 "round-robin; median of the timed rounds",
@@ -412,12 +497,13 @@ def run(args) -> dict:
             model, ids = real, corpus[:L]
         else:
             if synth is None:
-                synth = synthetic_model(real, max(args.synthetic_lengths) + steps_total, args.seed)
+                synth = synthetic_model(real, max(args.synthetic_lengths) + steps_total, args.seed,
+                                        args.synthetic_shape, args.synthetic_dtype)
                 real = None  # free the real weights (the tokenizer lives on in synth)
             model = synth
             ids = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, L).tolist()
         bar.set_description(f"{L} tok ({weights})")
-        policies = make_policies(combos, synthetic=weights == "synthetic")
+        policies = make_policies(combos, synth_prof if weights == "synthetic" else None)
         wb = model_weight_bytes(model.params, model.config)
         t0 = time.perf_counter()
         res, meta = measure_length(model, ids, combos, policies, args, bar=bar, note=f"{L} {weights}")
@@ -438,6 +524,20 @@ def run(args) -> dict:
 
 
 # ------------------------------------------------------------------ report
+def model_label(cfg: dict) -> str:
+    """The model a run timed: the real one, or '<shape> (synthetic)' when every point is another shape's."""
+    shape = cfg.get("synthetic_shape", MODEL)
+    if shape != MODEL and cfg.get("synthetic_lengths") and not cfg.get("real_lengths"):
+        return f"{shape} (synthetic)"
+    return cfg["model"]
+
+
+def dtype_label(cfg: dict) -> str:
+    dts = ([cfg["dtype"]] if cfg.get("real_lengths") else []) + \
+          ([cfg.get("synthetic_dtype", "float32")] if cfg.get("synthetic_lengths") else [])
+    return " / ".join(dict.fromkeys(dts)) or cfg["dtype"]
+
+
 def ctx_label(length: int, weights: str) -> str:
     return f"{length:,}" + (" (synthetic)" if weights == "synthetic" else "")
 
@@ -502,21 +602,24 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
     cfg = payload["config"]
     synth = [x for x in payload["lengths"] if x["weights"] == "synthetic"]
     real_ctx = next((x["max_position_embeddings"] for x in payload["lengths"] if x["weights"] == "real"), None)
+    shape = cfg.get("synthetic_shape", MODEL)
     synth_text = ""
     if synth:
-        beyond = real_ctx is not None and all(x["length"] > real_ctx for x in synth)
+        beyond = real_ctx is None or all(x["length"] > real_ctx for x in synth)
+        roles = ("the shipped SmolLM2 profile's roles" if shape == MODEL else
+                 f"the roles of the HeteroCache authors' published profile ({cfg.get('synthetic_profile')})")
         synth_text = (
-            "**Synthetic** rows" + (" (beyond SmolLM2's context)" if beyond else
+            "**Synthetic** rows" + (" (beyond the real model's context)" if beyond else
                                      " (at lengths the real weights cover too, to compare their timings)")
-            + f": random weights with SmolLM2's exact shapes (`spec.init_params`, seed {cfg['seed']}; "
-            f"`max_position_embeddings` {synth[0]['max_position_embeddings']}) and random token ids; HeteroCache "
-            "there uses the shipped SmolLM2 profile's roles with its weights fingerprint removed, so its timings "
-            "are meaningful and what it keeps is not. ")
+            + f": random {cfg.get('synthetic_dtype', 'float32')} weights with {shape}'s exact shapes (seed "
+            f"{cfg['seed']}; `max_position_embeddings` {synth[0]['max_position_embeddings']}) and random token "
+            f"ids; HeteroCache there uses {roles} with the weights fingerprint removed, so its timings are "
+            "meaningful and what it keeps is not. ")
     lines = [
-        common.results_header(f"Latency: {cfg['model']} TTFT and decode per policy and context",
+        common.results_header(f"Latency: {model_label(cfg)} TTFT and decode per policy and context",
                               payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
         "",
-        "Batch 1, greedy, float32. Real weights: prompts are the first N tokens of the pydoc corpus "
+        f"Batch 1, greedy, {dtype_label(cfg)}. Real weights: prompts are the first N tokens of the pydoc corpus "
         "(`benchmarks/haystack.py`, raw text). "
         + synth_text
         + f"TTFT = prefill as `GenerationStats` reports it (policy selection in every layer and HeteroCache's "
@@ -602,7 +705,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
         ax.set_title(title)
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    sub = f"{payload['config']['model']} float32, {common.git_summary(payload['git'])}, " \
+    sub = f"{model_label(payload['config'])} {dtype_label(payload['config'])}, {common.git_summary(payload['git'])}, " \
           f"{payload['machine'].get('cpu_model', '?')}"
     fig.suptitle(f"Latency per policy (hollow markers, dashed: synthetic random weights) — {sub}", fontsize=9)
     fig.tight_layout()
@@ -631,7 +734,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--real-lengths", type=int, nargs="*", default=list(DEFAULT_REAL_LENGTHS),
                    help="prompt lengths on the real weights (context 8192: '8K' is 7900)")
     p.add_argument("--synthetic-lengths", type=int, nargs="*", default=list(DEFAULT_SYNTHETIC_LENGTHS),
-                   help="prompt lengths on synthetic random weights with SmolLM2's shapes")
+                   help="prompt lengths on synthetic random weights with --synthetic-shape's shapes")
+    p.add_argument("--synthetic-shape", choices=sorted(SYNTHETIC_SHAPES), default=MODEL,
+                   help="shapes of the synthetic weights (llama-3.1-8b: 16 GB in bfloat16, for a GPU)")
+    p.add_argument("--synthetic-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="dtype of the synthetic weights and KV (default: float32 for smollm2-135m, "
+                        "bfloat16 for llama-3.1-8b)")
+    p.add_argument("--synthetic-profile", type=Path, default=None,
+                   help="head profile giving HeteroCache's roles on synthetic weights (default: the shipped one "
+                        "for smollm2-135m; the authors' published one from ../shared/reference or "
+                        "$HETERO_JAX_REFERENCE_DIR for llama-3.1-8b)")
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=names,
                    help="registered policies (full KV always runs, as the reference)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS),
@@ -657,6 +769,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)
     args.plot = args.plot or args.out.with_suffix(".png")
+    args.synthetic_dtype = args.synthetic_dtype or SYNTHETIC_DEFAULT_DTYPE[args.synthetic_shape]
     if any(not 0.0 < b <= 1.0 for b in args.budgets):
         p.error("--budgets must be in (0, 1]")
     if args.decode_steps < 1 or args.warmup_steps < 0:

@@ -148,3 +148,65 @@ def test_presets_set_defaults_and_flags_override_them():
     assert a.real_lengths == list(bench_latency.DEFAULT_REAL_LENGTHS) and a.preset is None
     f = bench_fidelity.parse_args(["--preset", "cpu", "--budgets", "0.2"])
     assert f.prompt_tokens == bench_fidelity.PRESETS["cpu"]["prompt_tokens"] and f.budgets == [0.2]
+
+
+# ------------------------------------------------------ synthetic shapes
+def test_llama8b_synthetic_shape_by_hand():
+    from hetero_jax import spec
+
+    cfg = bench_latency.synthetic_config(None, "llama-3.1-8b", 131072 + 73)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (32, 32, 8, 128)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (4096, 14336, 128256)
+    assert not cfg.tie_word_embeddings and cfg.max_position_embeddings == 131072 + 73
+    # Llama-3.1-8B's 8,030,261,248 parameters, counted by hand: per layer q, o 4096^2; k, v 4096 x 1024;
+    # gate, up, down 4096 x 14336; two norms. Plus the embedding, the untied lm_head and the final norm.
+    per_layer = 2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    want = 32 * per_layer + 2 * 128256 * 4096 + 4096
+    assert want == 8_030_261_248
+    n = sum(int(np.prod(s)) for k, s in spec.param_shapes(cfg).items() if k != "layers")
+    n += sum(int(np.prod(s)) for layer in spec.param_shapes(cfg)["layers"] for s in layer.values())
+    assert n == want
+    a = bench_latency.parse_args(["--preset", "llama8b-gpu"])
+    assert a.synthetic_shape == "llama-3.1-8b" and a.synthetic_dtype == "bfloat16" and a.real_lengths == []
+    assert bench_latency.parse_args(["--synthetic-lengths", "64"]).synthetic_dtype == "float32"
+
+
+def test_llama8b_synthetic_profile_is_the_authors_and_fits_the_shape():
+    if bench_latency.reference_dir() is None:
+        pytest.fail("the authors' profiles were not found: expected ../shared/reference beside the repo "
+                    "or $HETERO_JAX_REFERENCE_DIR")
+    prof = bench_latency.synthetic_profile("llama-3.1-8b")
+    assert prof.weights_fingerprint is None and prof.roles.shape == (32, 8)
+    prof.check_compatible(bench_latency.synthetic_config(None, "llama-3.1-8b", 0))
+    assert prof.budgets(0.3, 131072).shape == (32, 8)  # rho 0.3 is feasible for that profile
+
+
+def test_synthetic_profile_missing_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETERO_JAX_REFERENCE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="--synthetic-profile"):
+        bench_latency.synthetic_profile("llama-3.1-8b")
+
+
+def test_synthetic_model_draws_each_tensor_with_its_shape_and_dtype():
+    import jax.numpy as jnp
+
+    from hetero_jax import spec
+    from hetero_jax.config import ModelConfig
+
+    cfg = ModelConfig(architecture="llama", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    real = SimpleNamespace(config=cfg, name="tiny", tokenizer=None)
+    m = bench_latency.synthetic_model(real, 256, seed=3, dtype="bfloat16")
+    assert m.config.max_position_embeddings == 256 and m.name == "tiny-synthetic"
+    spec.check_params(m.config, m.params)
+    w = np.asarray(m.params["layers"][1]["gate_proj"], np.float32)  # 48 x 80 draws
+    assert m.params["embed"].dtype == jnp.bfloat16
+    assert abs(w.std() - 0.02) < 0.003 and abs(w.mean()) < 0.003
+    norm = np.asarray(m.params["final_norm"], np.float32)
+    assert abs(norm.mean() - 1.0) < 0.05 and 0.05 < norm.std() < 0.15
+    # a different seed draws different weights; the same seed the same ones
+    again = bench_latency.synthetic_model(real, 256, seed=3, dtype="bfloat16")
+    other = bench_latency.synthetic_model(real, 256, seed=4, dtype="bfloat16")
+    assert np.array_equal(np.asarray(again.params["embed"], np.float32), np.asarray(m.params["embed"], np.float32))
+    assert not np.array_equal(np.asarray(other.params["embed"], np.float32),
+                              np.asarray(m.params["embed"], np.float32))
