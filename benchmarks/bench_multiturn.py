@@ -29,6 +29,7 @@ rate, satellite recalls, bytes recalled, host KV bytes).
 
     .venv/bin/python benchmarks/bench_multiturn.py --preset cpu      # make bench (~7 min on 2 cores)
     .venv/bin/python benchmarks/bench_multiturn.py --write-results   # 4000 and 7000 tokens, 3 seeds
+    .venv/bin/python benchmarks/bench_multiturn.py --preset seeds --write-results   # 3 seeds at 4000 tokens
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ def build_policy(model, name: str, rho: float):
 PRESETS = {
     "full": {
         "lengths": [4000, 7000],
+        "seeds": [0, 1, 2],
+        "policies": ["full", "streamingllm", "snapkv", "heterocache", "heterocache-own"],
+        "budgets": [0.3, 0.5],
+    },
+    # more contexts at one length (section multiturn-seeds): three fact sets and haystack starts at 4K
+    "seeds": {
+        "lengths": [4000],
         "seeds": [0, 1, 2],
         "policies": ["full", "streamingllm", "snapkv", "heterocache", "heterocache-own"],
         "budgets": [0.3, 0.5],
@@ -588,7 +596,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=S,
                    help="'cpu': the make-bench configuration (about 7 min on 2 cores); 'full' (used when no preset "
-                        "is given): the complete one. Explicit arguments override the preset")
+                        "is given): the complete one; 'seeds': 3 seeds at 4K. Explicit arguments override the preset")
     p.add_argument("--lengths", type=int, nargs="+", default=S,
                    help="context lengths in tokens (the context is 8192)" + ph("lengths"))
     p.add_argument("--seeds", type=int, nargs="+", default=S, help="one context (fact set) per seed" + ph("seeds"))
@@ -611,7 +619,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JSON output (default: benchmarks/out/multiturn[-PRESET].json)")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
     p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file "
-                        f"('{SECTION}-full' unless --preset cpu)")
+                        f"('{SECTION}-full' with no preset or 'full', '{SECTION}-NAME' with --preset NAME other "
+                        "than cpu)")
     p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
     args = p.parse_args(argv)
     args.preset = getattr(args, "preset", None)
