@@ -197,7 +197,7 @@ def run_sample(model, doc: list[int], prompt_tokens: int, combos_ok, bar=None) -
     t0 = time.perf_counter()
     engines, _ = bench_policies.make_engines(model, prompt, [p for _, _, p in combos_ok], tail_capacity, bar)
     prefill_s = time.perf_counter() - t0
-    after_prefill = [bench_policies.kv_stats(e) for e in engines]
+    after_prefill = [common.engine_kv_stats(e) for e in engines]
     n = len(engines)
     kl = np.zeros((n, n_steps), np.float32)
     agree = np.zeros((n, n_steps), bool)
@@ -209,7 +209,7 @@ def run_sample(model, doc: list[int], prompt_tokens: int, combos_ok, bar=None) -
             kl[i, t], agree[i, t], nll[i, t] = m["kl"], m["agree"], m["nll"]
         if bar is not None:
             bar.set_postfix_str(f"teacher-forced step {t + 1}/{n_steps} x {n} caches")
-    final = [bench_policies.kv_stats(e) for e in engines]
+    final = [common.engine_kv_stats(e) for e in engines]
     del engines
     out = []
     for i, (name, rho, pol) in enumerate(combos_ok):

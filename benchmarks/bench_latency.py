@@ -283,15 +283,6 @@ def make_policies(combos, synthetic_prof=None):
 
 
 # ------------------------------------------------------------- one length
-def kv_stats(engine) -> dict:
-    """KV fields of ``GenerationStats`` (``Engine.stats_fields``), achieved rho, recall stats."""
-    f = engine.stats_fields()
-    return {
-        "kv_bytes_device": int(f["kv_bytes_device"]), "kv_bytes_prompt": int(f["kv_bytes_prompt"]),
-        "kv_bytes_tail": int(f["kv_bytes_tail"]), "kv_bytes_host": int(f["kv_bytes_host"]),
-        "kv_bytes_used": int(f["kv_bytes_used"]), "achieved_rho": float(engine.achieved_rho[0]),
-        "recall": dict(f.get("recall") or {}),
-    }
 
 
 def measure_length(model, ids: list[int], combos, policies, args, bar=None, note=None) -> tuple[list[dict], dict]:
@@ -336,7 +327,7 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
             (ttft if rnd >= args.ttft_warmup else ttft_warm)[i].append(e.prefill_seconds + first_s)
             prefill_s[i].append(e.prefill_seconds)
             engines[i] = e
-    after_prefill = [kv_stats(e) for e in engines]
+    after_prefill = [common.engine_kv_stats(e) for e in engines]
 
     # --- decode: round-robin, order rotated every step
     toks = [int(e.first_tokens(0.0, 1.0)[0]) for e in engines]
@@ -345,7 +336,7 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
     c1 = G._COMPILE_TIME[0]
     for step in range(steps_total):
         if step == args.warmup_steps:
-            recall_at_timing = [kv_stats(e)["recall"] for e in engines]
+            recall_at_timing = [common.engine_kv_stats(e)["recall"] for e in engines]
         for j in range(n):
             i = (step + j) % n
             nxt, seconds = engines[i].step([toks[i]], 0.0, 1.0)  # compile time excluded by Engine.step
@@ -354,7 +345,7 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
             toks[i] = int(nxt[0])
         status(f"decode step {step + 1}/{steps_total} x {n} policies")
     decode_compile = G._COMPILE_TIME[0] - c1
-    final = [kv_stats(e) for e in engines]
+    final = [common.engine_kv_stats(e) for e in engines]
     del engines
     gc.collect()
 

@@ -356,12 +356,6 @@ def greedy_answer(engine, max_new: int, eos) -> tuple[list[int], str]:
         tok = int(nxt[0])
 
 
-def kv_fields(engine) -> dict:
-    """KV bytes as ``GenerationStats`` reports them, the achieved rho and HeteroCache's recall stats."""
-    f = engine.stats_fields()
-    return {"kv_bytes_device": int(f["kv_bytes_device"]), "kv_bytes_prompt": int(f["kv_bytes_prompt"]),
-            "kv_bytes_host": int(f["kv_bytes_host"]), "achieved_rho": float(engine.achieved_rho[0]),
-            "recall": f.get("recall") or {}}
 
 
 # ------------------------------------------------------------------- run
@@ -431,7 +425,7 @@ def run(args) -> dict:
                 "prompt_tokens": p.n_tokens, "needle_token_start": p.needle_token_starts[0],
                 "actual_depth": p.actual_depths[0], "answer": needle.answer, "generated_ids": out_ids,
                 "text": text, "stop_reason": stop, "correct": answer_correct(text, needle.answer),
-                "decode_wall_seconds": time.perf_counter() - t_d, **kv_fields(engines[i]), **info[i],
+                "decode_wall_seconds": time.perf_counter() - t_d, **common.engine_kv_stats(engines[i]), **info[i],
             }
             engines[i] = None  # free this policy's cache before the next decodes
             records.append(rec)

@@ -254,15 +254,6 @@ def make_engines(model, ids: list[int], policies, tail_capacity: int, bar=None, 
     return engines, info
 
 
-def kv_stats(engine) -> dict:
-    """The KV fields of ``GenerationStats`` (``Engine.stats_fields``) and the achieved rho."""
-    f = engine.stats_fields()
-    return {
-        "kv_bytes_device": int(f["kv_bytes_device"]), "kv_bytes_prompt": int(f["kv_bytes_prompt"]),
-        "kv_bytes_tail": int(f["kv_bytes_tail"]), "kv_bytes_host": int(f["kv_bytes_host"]),
-        "kv_bytes_used": int(f["kv_bytes_used"]), "achieved_rho": float(engine.achieved_rho[0]),
-        "recall": f.get("recall") or {},
-    }
 
 
 # ------------------------------------------------------------- one prompt
@@ -287,7 +278,7 @@ def run_prompt(model, ids: list[int], combos, policies, *, max_new: int, warmup:
     engines, info = make_engines(model, ids, policies, tail_capacity, bar, share_scores)
     prefill_wall = time.perf_counter() - t0
     prefill_compile = G._COMPILE_TIME[0] - c0
-    after_prefill = [kv_stats(e) for e in engines]
+    after_prefill = [common.engine_kv_stats(e) for e in engines]
 
     n = len(combos)
     out_ids: list[list[int]] = [[] for _ in range(n)]
@@ -304,7 +295,7 @@ def run_prompt(model, ids: list[int], combos, policies, *, max_new: int, warmup:
             out_ids[i].append(t)
             done[i] = len(out_ids[i]) >= max_new
         if done[i]:  # the answer is complete: KV as generate(max_new_tokens) would report it
-            answer_stats[i] = kv_stats(engines[i])
+            answer_stats[i] = common.engine_kv_stats(engines[i])
 
     toks = [int(e.first_tokens(0.0, 1.0)[0]) for e in engines]
     for i in range(n):
@@ -326,8 +317,8 @@ def run_prompt(model, ids: list[int], combos, policies, *, max_new: int, warmup:
         if bar is not None:
             bar.set_postfix_str(f"decode step {step + 1}/{total - 1} x {n} policies")
     decode_compile = G._COMPILE_TIME[0] - c1
-    final = [kv_stats(e) for e in engines]
-    del engines
+    final = [common.engine_kv_stats(e) for e in engines]
+    engines.clear()  # free the caches now (the list, not the name: accept() above closes over it)
     if bar is not None:
         bar.update(1)
 
@@ -374,7 +365,6 @@ def check_against_generate(model, ids, combos, policies, results, max_new, tail_
 # ------------------------------------------------------------------- main run
 def run(args) -> dict:
     import jax
-    import numpy as np
     from tqdm import tqdm
 
     import hetero_jax

@@ -22,8 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from hetero_jax.config import ModelConfig
-
 
 @struct.dataclass
 class HeadGroup:

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._util import (MASK_VALUE, MIN_DOT_ROWS, cdiv, dot_precision,
+from pallas_kernels._util import (MASK_VALUE, MIN_DOT_ROWS, dot_precision,
                                   is_pow2, next_pow2, resolve_backend)
 
 __all__ = [

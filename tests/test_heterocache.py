@@ -57,7 +57,7 @@ def prompt(n, seed=0):
 def greedy(policy, ids, steps=6):
     eng = Engine(MODEL, [ids], policy, tail_capacity=steps + 2)
     tok = eng.first_tokens(0.0, 1.0)
-    toks, logits = [int(tok[0])], []
+    toks = [int(tok[0])]
     for _ in range(steps):
         tok, _ = eng.step(tok, 0.0, 1.0)
         toks.append(int(tok[0]))

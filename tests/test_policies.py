@@ -14,7 +14,6 @@ from hetero_jax import spec
 from hetero_jax.cache import prompt_kv_bytes
 from hetero_jax.config import ModelConfig
 from hetero_jax.generate import compiled, prefill
-from hetero_jax.hub import Model
 from hetero_jax.layout import HeadLayout, permute_params
 from hetero_jax.policies import (
     CAKE, H2O, REGISTRY, BudgetError, FullKV, PolicyPrefill, PyramidKV, SnapKV, StreamingLLM,
@@ -45,13 +44,14 @@ def run(policy, prompts, params=PARAMS, cfg=CFG, steps=3, capture=None):
     """Prefill with ``policy`` then ``steps`` greedy decode steps -> (list of logits arrays, cache, plan)."""
     lens = [len(p) for p in prompts]
     plan = PolicyPrefill(policy, cfg, lens, compile_fn=compiled)
-    build = plan.build_layer
     if capture is not None:
         def build(li, layer, x_in, k_buf, v_buf, lens_, _b=plan.build_layer):
             capture.append((np.asarray(x_in), np.asarray(k_buf)))
             return _b(li, layer, x_in, k_buf, v_buf, lens_)
-    if isinstance(policy, FullKV) and capture is None:
+    elif isinstance(policy, FullKV):
         build = None
+    else:
+        build = plan.build_layer
     logits, cache = prefill(params, cfg, prompts, tail_capacity=steps + 1, build_layer=build)
     cache = plan.finish(cache)
     out = [np.asarray(logits)]

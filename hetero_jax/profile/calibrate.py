@@ -46,7 +46,6 @@ from hetero_jax.cache import full_group
 from hetero_jax.config import ModelConfig
 from hetero_jax.generate import chunk_bucket, compiled
 from hetero_jax.profile.format import (
-    HeadProfile,
     ProfileError,
     ProfileSettings,
     build_profile,
