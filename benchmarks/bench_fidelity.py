@@ -121,34 +121,13 @@ def summarize_steps(kl, agree, nll, nll_ref) -> dict:
 
 # ------------------------------------------------------------------ engine
 def step_logits(engine, token: int):
-    """One teacher-forced decode step: ``Engine.step``'s body, returning the logits [V] float32.
+    """One teacher-forced decode step of a one-sequence engine: append ``token``, return the logits [V] float32.
 
-    Appends ``token`` to the cache; the policy's decode hooks run as in
-    ``Engine.step`` (HeteroCache: apply pending recalls before, buffer the
-    pivots' queries and dispatch drift checks after). The logits are the
-    next-token distribution ``Engine.step`` would sample from.
+    ``Engine.step_with_logits``: the policy's decode hooks run as in ``Engine.step``
+    (HeteroCache: pending recalls applied before, pivots' queries buffered and drift
+    checks dispatched after); the logits are what ``Engine.step`` would sample from.
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    G = importlib.import_module("hetero_jax.generate")
-    ctl = engine.controller
-    if ctl is not None:
-        engine.cache = ctl.before_step(engine.steps, engine.cache)
-    engine.key, sub = jax.random.split(engine.key)
-    args = (engine.params, engine.cache, jnp.asarray([token], jnp.int32), sub)
-    fn_key = (engine.cache.tail_capacity, 0.0, 1.0)  # the key Engine.step uses: one executable per shape
-    fn = engine._fns.get(fn_key)
-    if fn is None:
-        jitted = G._decode_jit if ctl is None else G._decode_queries_jit
-        fn = engine._fns[fn_key] = G.compiled(jitted, *args, cfg=engine.cfg, temperature=0.0, top_p=1.0)
-    out = fn(*args)
-    engine.cache = out[2]
-    if ctl is not None:
-        ctl.after_step(engine.steps, out[3], engine.cache)
-    engine.steps += 1
-    return np.asarray(out[1], np.float32)[0]
+    return engine.step_with_logits([token], 0.0, 1.0)[1][0]
 
 
 # ------------------------------------------------------------------ combos
@@ -294,7 +273,7 @@ def run(args) -> dict:
         "combos": [combo_label(n, r) for n, r in combos], "preset": args.preset,
         "compile_cache": not args.no_compile_cache,
         "prefill": "one shared layer-major prefill per head layout (bench_policies.make_engines)",
-        "teacher_forcing": "decode step per true token (Engine.step's body with the policy's before_step / "
+        "teacher_forcing": "decode step per true token (Engine.step_with_logits: the policy's before_step / "
                            "after_step hooks); compared: the logits after feeding doc[P + t], predicting "
                            "doc[P + t + 1], t = 0 .. N-1 (prefill's own prediction of doc[P] is identical for every "
                            "policy and not counted)",

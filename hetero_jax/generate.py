@@ -281,6 +281,17 @@ class Engine:
         """Append ``tokens`` [B] and sample the next ones. Returns (next tokens [B], seconds)."""
         t1 = time.perf_counter()
         before = _COMPILE_TIME[0]
+        out = self._advance(tokens, temperature, top_p)
+        nxt = np.asarray(out[0])  # the read-back is part of the step's cost
+        return nxt, time.perf_counter() - t1 - (_COMPILE_TIME[0] - before)
+
+    def step_with_logits(self, tokens, temperature: float = 0.0, top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """``step`` that also returns the logits it sampled from: (next tokens [B], logits [B, V] float32)."""
+        out = self._advance(tokens, temperature, top_p)
+        return np.asarray(out[0]), np.asarray(out[1], np.float32)
+
+    def _advance(self, tokens, temperature: float, top_p: float):
+        """One decode step with the policy's hooks; the jitted outputs (tokens, logits, cache[, queries])."""
         ctl = self.controller
         if ctl is not None:
             self.cache = ctl.before_step(self.steps, self.cache)
@@ -297,8 +308,7 @@ class Engine:
         if ctl is not None:
             ctl.after_step(self.steps, out[3], self.cache)
         self.steps += 1
-        nxt = np.asarray(out[0])  # the read-back is part of the step's cost
-        return nxt, time.perf_counter() - t1 - (_COMPILE_TIME[0] - before)
+        return out
 
     def end_of_chunk(self) -> None:
         """Tell the policy's decode controller that an extension chunk has been appended."""

@@ -49,6 +49,28 @@ def test_batch_equals_one_by_one_logits(which, request):
             tok = np.asarray(jnp.argmax(lg, -1))
 
 
+def test_engine_step_with_logits_matches_decode_step_and_step(tiny):
+    from hetero_jax.generate import Engine
+    from hetero_jax.policies import FullKV
+
+    cfg = tiny.config
+    p = _prompts(np.random.default_rng(5), 1, cfg.vocab_size)[0]
+    lref, cref = prefill(tiny.params, cfg, [p], tail_capacity=16)
+    eng = Engine(tiny, [p], FullKV(), tail_capacity=16)
+    other = Engine(tiny, [p], FullKV(), tail_capacity=16)
+    tok = np.asarray(jnp.argmax(lref, -1))
+    assert int(eng.first_tokens(0.0, 1.0)[0]) == int(other.first_tokens(0.0, 1.0)[0]) == int(tok[0])
+    for _ in range(4):
+        want, cref = M.decode_step_jit(tiny.params, cref, jnp.asarray(tok, jnp.int32), cfg)
+        nxt, logits = eng.step_with_logits(tok)
+        assert logits.shape == (1, cfg.vocab_size) and logits.dtype == np.float32
+        np.testing.assert_allclose(logits, np.asarray(want), atol=1e-5, rtol=0)
+        assert int(nxt[0]) == int(np.argmax(want[0]))  # greedy by default
+        assert int(other.step(tok, 0.0, 1.0)[0][0]) == int(nxt[0])  # same step, same token
+        tok = nxt
+    assert eng.steps == other.steps == 4
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), n=st.integers(2, 3))
 def test_generate_batch_equals_one_by_one_tokens(tiny, seed, n):
