@@ -594,6 +594,10 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
     synth = [x for x in payload["lengths"] if x["weights"] == "synthetic"]
     real_ctx = next((x["max_position_embeddings"] for x in payload["lengths"] if x["weights"] == "real"), None)
     shape = cfg.get("synthetic_shape", MODEL)
+    per_kind: dict[str, int] = {}
+    for x in payload["lengths"]:
+        per_kind.setdefault(x["weights"], x["weight_bytes_per_token"])
+    weight_text = ", ".join(f"{v / MiB:,.1f} MiB per token with the {k} weights" for k, v in per_kind.items())
     synth_text = ""
     if synth:
         beyond = real_ctx is None or all(x["length"] > real_ctx for x in synth)
@@ -621,8 +625,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         f"HeteroCache's drift checks and recalls included; wall time incl. token read-back). 'decode vs full' = "
         f"P50 over full KV's P50 from the same steps. Roofline ratio = (weight bytes + the policy's device KV "
         f"bytes) / (weight bytes + full KV's), weight bytes = all parameters with the embedding counted as one "
-        f"row and the tied lm_head in full "
-        f"({payload['lengths'][0]['weight_bytes_per_token'] / MiB:,.1f} MiB per token), device KV = prompt "
+        f"row and the lm_head in full ({weight_text}), device KV = prompt "
         f"groups as allocated + the tail buffer ({payload['lengths'][0]['tail_capacity']} slots). 'within 10 %': "
         f"measured / roofline in [0.9, 1.1]. Recall triggers: HeteroCache drift checks that triggered during the "
         f"timed steps.",
@@ -631,10 +634,12 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "",
         targets_text(payload["targets"]),
     ]
-    if cfg.get("preset"):
-        lines += ["", f"(`--preset {cfg['preset']}` is a small configuration: at these contexts the weights dominate "
+    if cfg.get("preset") == "cpu":
+        lines += ["", "(`--preset cpu` is a small configuration: at these contexts the weights dominate "
                       "the bytes a decode step reads and one TTFT round per policy is noisy; the targets are meant "
                       "for the longest context of the full grid.)"]
+    elif cfg.get("ttft_repeats") == 1:
+        lines += ["", "(One timed TTFT round per policy: a single sample, with the noise of this machine in it.)"]
     lines += [
         "",
         f"Total wall time {payload['total_seconds'] / 60:.1f} min; peak RSS "
