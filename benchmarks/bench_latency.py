@@ -54,10 +54,10 @@ at rho 0.3 (the ``latency-llama8b-gpu`` section).
 
 Cost: prefill dominates long contexts (one per policy and round: 7 policies x
 3 rounds (1 untimed) per length by default). On a 2-core CPU SmolLM2's full-KV prefill
-takes about 90 s at 7900 tokens and grows faster than linearly, so the
-default grid's synthetic 16K and 32K points take hours there (extrapolated,
-not measured: 20 min or more per 32K prefill); an accelerator, fewer lengths
-or ``--ttft-warmup 0`` cut that. ``--preset cpu`` (real 1K and 2K,
+takes about 90 s at 7900 tokens, 5.3 min at 16K and 22 min at 32K (measured,
+synthetic weights), so the default grid's 16K and 32K points take hours there;
+``--preset long`` (those two lengths, full KV and HeteroCache at rho 0.3, one
+round) took 55 min. ``--preset cpu`` (real 1K and 2K,
 synthetic 2K, rho 0.3 only, 32 timed steps) is the small configuration that
 ``make bench`` runs: 5 to 7 min on 2 shared cores (warm / cold XLA cache).
 
