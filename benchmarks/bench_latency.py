@@ -50,7 +50,8 @@ bfloat16 by default: 16 GB of weights, drawn on the device), with HeteroCache's
 roles from the HeteroCache authors' published Llama-3.1-8B-Instruct profile
 (``--synthetic-profile``, default ``../shared/reference``). That is for a GPU:
 ``--preset llama8b-gpu`` runs 16K to 128K with full KV, SnapKV and HeteroCache
-at rho 0.3 (the ``latency-llama8b-gpu`` section).
+at rho 0.3 (the ``latency-llama8b-gpu`` section). Not on a CPU: XLA's CPU backend
+converts the bfloat16 weights to float32 for the decode step's matmuls, 30 GB.
 
 Cost: prefill dominates long contexts (one per policy and round: 7 policies x
 3 rounds (1 untimed) per length by default). On a 2-core CPU SmolLM2's full-KV prefill
