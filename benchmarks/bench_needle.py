@@ -69,6 +69,14 @@ PRESETS = {
         "budgets": [0.3],
         "seeds": [0],
     },
+    # the full grid's depths and policies at 1K-4K only (section needle-short), sized for 2 cores
+    "short": {
+        "lengths": [1000, 2000, 4000],
+        "depths": [0.0, 0.25, 0.5, 0.75, 1.0],
+        "policies": ["full", "streamingllm", "snapkv", "pyramidkv", "h2o", "cake", "heterocache"],
+        "budgets": [0.3],
+        "seeds": [0],
+    },
     "cpu": {  # make bench: about 9 minutes on a 2-core CPU
         "lengths": [1000, 2000, 4000],
         "depths": [0.1, 0.5, 0.9],
@@ -620,7 +628,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
     p.add_argument("--preset", choices=sorted(PRESETS), default=S,
                    help="'cpu': the make-bench grid (about 9 min on 2 cores); 'full' (used when no preset is "
-                        "given): the complete grid. Explicit arguments override the preset")
+                        "given): the complete grid; 'short': its 1K-4K part. Explicit arguments override the preset")
     p.add_argument("--lengths", type=int, nargs="+", default=S,
                    help="prompt lengths in tokens (the context is 8192)" + preset_help(PRESETS, "lengths"))
     p.add_argument("--depths", type=float, nargs="+", default=S,
@@ -649,7 +657,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSON output (default: benchmarks/out/needle[-PRESET].json)")
     p.add_argument("--plot", type=Path, default=None, help="PNG heatmaps (default: --out with .png)")
     p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file "
-                        f"('{SECTION}-full' unless --preset cpu)")
+                        f"('{SECTION}-full' with no preset or 'full', '{SECTION}-NAME' with --preset NAME other "
+                        "than cpu)")
     p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
     args = p.parse_args(argv)
     args.preset = getattr(args, "preset", None)
