@@ -618,10 +618,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON output (default: benchmarks/out/multiturn[-PRESET].json)")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
-    p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file "
-                        f"('{SECTION}-full' with no preset or 'full', '{SECTION}-NAME' with --preset NAME other "
-                        "than cpu)")
-    p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
+    common.add_results_arguments(p, SECTION)
     args = p.parse_args(argv)
     args.preset = getattr(args, "preset", None)
     bench_needle.apply_preset(args, PRESETS)

@@ -422,6 +422,15 @@ def results_section_name(section: str, preset: str | None) -> str:
     return f"{section}-{preset or 'full'}"
 
 
+def add_results_arguments(parser, section: str) -> None:
+    """``--write-results`` and ``--results-file`` of a benchmark script whose RESULTS.md section is ``section``
+    (named per preset by :func:`results_section_name`)."""
+    parser.add_argument("--write-results", action="store_true",
+                        help=f"rewrite the '{section}' section of --results-file with --preset cpu, "
+                             f"'{section}-full' with no preset or 'full', '{section}-NAME' with any other --preset NAME")
+    parser.add_argument("--results-file", type=Path, default=RESULTS_MD, help="markdown results file")
+
+
 def write_results_section(section: str, render, png: Path | None, results_file: str | os.PathLike = RESULTS_MD,
                           preset: str | None = "cpu") -> Path:
     """Rewrite ``section`` (``results_section_name(section, preset)``) of ``results_file`` with ``render(plot_rel)``.
