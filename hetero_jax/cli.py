@@ -36,6 +36,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--recall", default=None, choices=["pivot", "own"],
                    help="heterocache: satellites' recall targets: the pivot's top tokens (paper, default) or "
                         "each satellite's own latest query scored against its host reservoir keys")
+    p.add_argument("--no-stagger-checks", action="store_true",
+                   help="heterocache: check every layer's pivots on the same step (the paper's release) instead "
+                        "of spreading the layers over the window")
     p.add_argument("--turns", default=None,
                    help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
 
@@ -83,8 +86,12 @@ def _cmd_generate(args) -> int:
             extra["tau_drift"] = args.tau_drift
         if args.recall is not None:
             extra["recall"] = args.recall
-    elif args.profile or args.window is not None or args.tau_drift is not None or args.recall is not None:
-        print("error: --profile, --window, --tau-drift and --recall apply to --policy heterocache", file=sys.stderr)
+        if args.no_stagger_checks:
+            extra["stagger_checks"] = False
+    elif (args.profile or args.window is not None or args.tau_drift is not None or args.recall is not None
+          or args.no_stagger_checks):
+        print("error: --profile, --window, --tau-drift, --recall and --no-stagger-checks apply to --policy "
+              "heterocache", file=sys.stderr)
         return 2
     try:
         policy = make_policy(args.policy, args.budget, **extra)

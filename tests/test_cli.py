@@ -44,3 +44,9 @@ def test_console_script_entry_point_runs():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "smollm2-135m" in out.stdout
+
+
+def test_heterocache_flags_are_refused_for_other_policies(capsys):
+    for flag in (["--no-stagger-checks"], ["--window", "3"], ["--recall", "own"]):
+        assert main(["generate", "--policy", "snapkv", "--prompt", "hi", *flag]) == 2
+        assert "apply to --policy heterocache" in capsys.readouterr().err

@@ -136,10 +136,12 @@ def test_drift_thresholds_and_recall_contents(tau):
         orig_after(step, queries, cache)
 
     ctl.after_step = spy
-    for _ in range(W):
+    # staggered checks: layer 0's pivot is checked after step W - 1 (phase 0), layer 2's after step W
+    # (phase 1); each recall lands before the step that follows its check
+    assert ctl.phase[[0, 2]].tolist() == [0, 1]
+    check_step = {0: W - 1, 2: W}
+    for _ in range(W + 2):
         tok, _ = eng.step(tok, 0.0, 1.0)
-    # the check has run on W buffered steps; its recall lands before the next step
-    tok, _ = eng.step(tok, 0.0, 1.0)
     after_recall = ctl.stats()
     n_pivots = 2
     assert after_recall["drift_checks"] == n_pivots
@@ -154,7 +156,7 @@ def test_drift_thresholds_and_recall_contents(tau):
         perm = list(layout.perms[li])
         p_pos = perm.index(pivot)  # pivot's position in the layout (inside the full group)
         keys = np.asarray(eng.cache.layers[li].groups[0].k[0, p_pos, :L])  # full heads never change
-        q_last = seen_q[-2][li][0, p_pos]  # the latest buffered step: [G, D]
+        q_last = seen_q[check_step[li]][li][0, p_pos]  # the latest step buffered by its check: [G, D]
         scores = _np_pooled_max(q_last[None], keys)[0]
         order = np.argsort(-scores, kind="stable")
         groups = eng.cache.layers[li].groups
@@ -238,7 +240,8 @@ def test_own_recall_gives_each_satellite_its_own_top_rows():
         orig_after(step, queries, cache)
 
     ctl.after_step = spy
-    for _ in range(W + 1):
+    check_step = {0: W - 1, 2: W}  # staggered: see test_drift_thresholds_and_recall_contents
+    for _ in range(W + 2):
         tok, _ = eng.step(tok, 0.0, 1.0)
     assert ctl.stats()["recalls"] == 3 and ctl.stats()["bytes_scored_on_host"] > 0
     grid = PROFILE.budgets(rho, L)
@@ -251,7 +254,7 @@ def test_own_recall_gives_each_satellite_its_own_top_rows():
             h_pos = perm.index(s)  # satellite's position in the layer's layout
             s_pos = h_pos - eng.plan.roles[li].n_full
             res_idx = eng.plan.roles[li].satellites.index(s_pos)
-            q_last = seen_q[-2][li][0, h_pos].astype(np.float64)  # [G, D] at the check step
+            q_last = seen_q[check_step[li]][li][0, h_pos].astype(np.float64)  # [G, D] at the check step
             scores = _np_pooled_max(q_last[None], res_k[res_idx, :L].astype(np.float64))[0]
             l_s = int(grid[li, s])
             want = np.sort(np.argsort(-scores, kind="stable")[:l_s])
@@ -266,3 +269,53 @@ def test_own_recall_gives_each_satellite_its_own_top_rows():
 def test_unknown_recall_mode_is_refused():
     with pytest.raises(ValueError, match="recall must be one of pivot, own"):
         HeteroCache(profile=PROFILE, recall="satellite")
+
+
+def test_check_phases_balance_pivots_over_the_window():
+    from hetero_jax.policies.heterocache import check_phases
+
+    # pivots per layer 2, 0, 1, 1, 3, 1 over W = 3: layer 0 -> phase 0 (load 2,0,0), layer 2 -> 1 (2,1,0),
+    # layer 3 -> 2 (2,1,1), layer 4 -> 1 (2,4,1), layer 5 -> 2 (2,4,2); layer 1 has no pivot
+    assert check_phases([2, 0, 1, 1, 3, 1], 3, True).tolist() == [0, 0, 1, 2, 1, 2]
+    assert check_phases([2, 0, 1, 1, 3, 1], 3, False).tolist() == [0] * 6
+    assert check_phases([1, 1], 1, True).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("stagger", [True, False])
+def test_staggered_checks_keep_every_pivot_on_a_window_period(stagger):
+    """Each pivot layer is checked every W steps on W buffered queries; staggering spreads the layers over
+    the steps (never two layers on one step here), without it they all go on the same steps. After a
+    session's question the schedule restarts at each layer's phase."""
+    W = 3
+    prof = make_profile([[S, P, A], [P, A, S], [A, S, P]], (((1, (0,)),), ((0, (2,)),), ((2, (1,)),)))
+    policy = HeteroCache(profile=prof, budget=0.6, window=W, tau_drift=0.0, stagger_checks=stagger)
+    sess = Session(MODEL, prompt(120, 7), policy, chat=False, reserve_tokens=32)
+    ctl = sess.engine.controller
+    log = []  # (step, layers, buffered steps)
+    orig = ctl._dispatch_check
+
+    def spy(step, cache, layers):
+        log.append((step, tuple(layers), len(ctl.buffer)))
+        orig(step, cache, layers)
+
+    ctl._dispatch_check = spy
+    q = prompt(8, 8)
+    res = sess.ask(q, max_new_tokens=12)
+    assert len(res.token_ids) >= W + 3  # the answer spans the first check of every layer
+    want_phase = [0, 1, 2] if stagger else [0, 0, 0]
+    assert ctl.phase.tolist() == want_phase
+    q_end = len(q) - 1  # the step that appends the question's last token
+    # the question's end: every layer checked at that step (by the schedule or by end_of_chunk)
+    assert sorted(sum((ls for st, ls, _ in log if st == q_end), ())) == [0, 1, 2]
+    regular = [(st, ls, n) for st, ls, n in log if st != q_end]
+    for li in range(3):
+        steps = [st for st, ls, _ in regular if li in ls]
+        before = [st for st in steps if st < q_end]
+        after = [st for st in steps if st > q_end]
+        assert before == [W - 1 + want_phase[li] + k * W for k in range(len(before))] and before
+        assert after == [q_end + W + want_phase[li] + k * W for k in range(len(after))] and after
+    if stagger:
+        assert all(len(ls) == 1 for _, ls, _ in regular)
+    else:
+        assert all(len(ls) == 3 for _, ls, _ in regular)
+    assert all(n == W for _, _, n in regular)  # every scheduled check sees W buffered queries

@@ -17,6 +17,12 @@ A check also runs when an extension chunk (a session's question) has been
 appended, on the last ``window`` steps, so a drift the question causes is
 recalled before the answer is decoded rather than up to ``window`` steps in.
 
+Scheduling (``stagger_checks``, default on; not in the paper, whose release checks every layer
+on the same step): layers with pivots are spread over the ``window`` phases, so each decode step
+checks about 1/window of the pivots instead of all of them every ``window`` steps. Each pivot is
+still checked every ``window`` steps on its last ``window`` queries; the spread only removes the
+latency spike of checking the whole model at once.
+
 Asynchrony and lag: the check is dispatched right after step t's decode and
 its small outputs (flags, indices) are copied to the host asynchronously;
 they are read before step t + 1 is dispatched, and recalled rows are written
@@ -73,6 +79,7 @@ class HeteroCache(Policy):
     tau_drift: float | None = None
     pool_kernel: int = 5
     recall: str = "pivot"
+    stagger_checks: bool = True
     profile_key: str = dataclasses.field(default="", init=False)
 
     name: ClassVar[str] = "heterocache"
@@ -297,6 +304,26 @@ def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: i
     return drift, latest_idx.astype(jnp.int32), top.astype(jnp.int32)
 
 
+def check_phases(pivots_per_layer: list[int], window: int, stagger: bool) -> np.ndarray:
+    """Phase in [0, window) of each layer's drift checks: [num_layers] int.
+
+    Layer l is checked at the steps n (counted from prefill or a session's last question) with
+    n = phase[l] + k * window, k >= 1, so each pivot is still checked every ``window`` steps on its
+    last ``window`` queries. ``stagger``: layers with pivots go, in order, to the phase with the
+    fewest pivots so far (ties: the lowest phase), so each step checks about 1/window of the pivots
+    instead of all of them every ``window`` steps (a latency spike); otherwise every phase is 0.
+    """
+    phase = np.zeros(len(pivots_per_layer), np.int64)
+    if not stagger:
+        return phase
+    load = np.zeros(window, np.int64)
+    for li, n in enumerate(pivots_per_layer):
+        if n:
+            phase[li] = int(np.argmin(load))
+            load[phase[li]] += n
+    return phase
+
+
 def host_pooled_scores(q_rows: np.ndarray, keys: np.ndarray, length: int, pool_kernel: int = 5) -> np.ndarray:
     """Pooled attention of one KV head on the host: q_rows [G, D], keys [T, D] -> [length] float32.
 
@@ -329,7 +356,12 @@ class HeteroDecode:
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
         # the last `window` steps: tuples over layers of pivot queries [B, Np, G, D] (device)
         self.buffer: collections.deque = collections.deque(maxlen=plan.policy.window)
-        self.since_check = 0  # steps buffered since the last check
+        self.pivot_layers = [li for li, r in enumerate(plan.roles) if r.pivots]
+        self.phase = check_phases([len(r.pivots) for r in plan.roles], plan.policy.window,
+                                  plan.policy.stagger_checks)
+        # per layer: steps buffered since its last check; a layer is due at `window`. Starting at
+        # -phase delays a layer's first check by its phase, which keeps the layers staggered.
+        self.since = -self.phase
         self.pending = None  # (step, per layer outputs) of a dispatched check
         self.checks = 0  # pivot checks run (pivots x checks)
         self.triggers = 0  # pivot checks that drifted
@@ -344,29 +376,44 @@ class HeteroDecode:
         return True
 
     def after_step(self, step: int, queries, cache: KVCache) -> None:
-        """Buffer the pivots' queries of decode step ``step``; dispatch a check every ``window`` steps."""
+        """Buffer the pivots' queries of decode step ``step``; dispatch the checks of the layers now due."""
         self.buffer.append(tuple(q[:, : len(r.pivots)] if r.pivots else None
                                  for q, r in zip(queries, self.plan.roles)))
         self.last_queries = queries
-        self.since_check += 1
-        if self.since_check >= self.policy.window:
-            self._dispatch_check(step, cache)
+        self.since += 1
+        due = [li for li in self.pivot_layers if self.since[li] >= self.policy.window]
+        if due:
+            self._dispatch_check(step, cache, due)
 
     def end_of_chunk(self, step: int, cache: KVCache) -> None:
-        """An extension chunk (a session's question) was appended: check now, on the last ``window``
-        steps' queries, so a drift the question causes is recalled before the answer's second token
-        instead of up to ``window`` steps into it."""
-        if self.since_check and self.pending is None:
-            self._dispatch_check(step, cache)
+        """An extension chunk (a session's question) was appended: check every pivot layer now, on the
+        last ``window`` steps' queries, so a drift the question causes is recalled before the answer's
+        second token instead of up to ``window`` steps into it. The schedule then restarts as after
+        prefill (each layer at its phase)."""
+        checked = self._pending_layers(step)
+        due = [li for li in self.pivot_layers if li not in checked]
+        if due:
+            self._dispatch_check(step, cache, due)
+        self.since = -self.phase
 
-    def _dispatch_check(self, step: int, cache: KVCache) -> None:
+    def _pending_layers(self, step: int) -> set[int]:
+        """Layers whose check was dispatched at ``step`` and not applied yet."""
+        if self.pending is None or self.pending[0] != step:
+            return set()
+        return {li for li, out in enumerate(self.pending[1]) if out is not None}
+
+    def _dispatch_check(self, step: int, cache: KVCache, layers: list[int]) -> None:
+        """Dispatch the drift check of ``layers`` on the buffered steps (merged into a check already
+        dispatched at this step); outputs are copied to the host asynchronously, read next step."""
+        n_layers = len(self.plan.roles)
+        if self.pending is not None and self.pending[0] == step:
+            _, outs, sat_queries = self.pending
+        else:
+            outs, sat_queries = [None] * n_layers, [None] * n_layers
         queries = self.last_queries
-        outs = []
         l_base = int(self.plan.l_base.max())
-        for li, r in enumerate(self.plan.roles):
-            if not r.pivots:
-                outs.append(None)
-                continue
+        for li in layers:
+            r = self.plan.roles[li]
             q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D] (W <= window)
             g = cache.layers[li].groups[0]
             np_ = len(r.pivots)
@@ -378,17 +425,13 @@ class HeteroDecode:
             out = fn(*args)
             for a in out:
                 a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
-            outs.append(out)
-        sat_queries = None
-        if self.policy.recall == "own":  # the satellites' own latest query rows, for recall targets
-            sat_queries = []
-            for q, r in zip(queries, self.plan.roles):
-                qs = q[:, r.n_full : r.n_full + len(r.satellites)] if r.satellites else None
-                if qs is not None:
-                    qs.copy_to_host_async()
-                sat_queries.append(qs)
-        self.since_check = 0
-        self.pending = (step, outs, sat_queries)
+            outs[li] = out
+            if self.policy.recall == "own" and r.satellites:  # the satellites' own latest query rows
+                qs = queries[li][:, r.n_full : r.n_full + len(r.satellites)]
+                qs.copy_to_host_async()
+                sat_queries[li] = qs
+            self.since[li] = 0
+        self.pending = (step, outs, sat_queries if self.policy.recall == "own" else None)
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
         """Apply the previous check's recalls (one step after it ran)."""
