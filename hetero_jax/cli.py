@@ -36,6 +36,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--recall", default=None, choices=["pivot", "own"],
                    help="heterocache: satellites' recall targets: the pivot's top tokens (paper, default) or "
                         "each satellite's own latest query scored against its host reservoir keys")
+    p.add_argument("--select-window", type=int, default=None,
+                   help="heterocache: compressed heads keep their top tokens by the attention of this many last "
+                        "prompt queries (8; 1 = the paper's last token)")
     p.add_argument("--no-stagger-checks", action="store_true",
                    help="heterocache: check every layer's pivots on the same step (the paper's release) instead "
                         "of spreading the layers over the window")
@@ -88,10 +91,12 @@ def _cmd_generate(args) -> int:
             extra["recall"] = args.recall
         if args.no_stagger_checks:
             extra["stagger_checks"] = False
+        if args.select_window is not None:
+            extra["select_window"] = args.select_window
     elif (args.profile or args.window is not None or args.tau_drift is not None or args.recall is not None
-          or args.no_stagger_checks):
-        print("error: --profile, --window, --tau-drift, --recall and --no-stagger-checks apply to --policy "
-              "heterocache", file=sys.stderr)
+          or args.no_stagger_checks or args.select_window is not None):
+        print("error: --profile, --window, --tau-drift, --recall, --select-window and --no-stagger-checks apply "
+              "to --policy heterocache", file=sys.stderr)
         return 2
     try:
         policy = make_policy(args.policy, args.budget, **extra)

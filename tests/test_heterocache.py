@@ -284,8 +284,9 @@ def test_check_phases_balance_pivots_over_the_window():
 @pytest.mark.parametrize("stagger", [True, False])
 def test_staggered_checks_keep_every_pivot_on_a_window_period(stagger):
     """Each pivot layer is checked every W steps on W buffered queries; staggering spreads the layers over
-    the steps (never two layers on one step here), without it they all go on the same steps. After a
-    session's question the schedule restarts at each layer's phase."""
+    the steps (never two layers on one step here), without it they all go on the same steps. A session's
+    question is followed by a check of every layer at its end and W steps later, both on one step; then
+    each layer goes back to its phase."""
     W = 3
     prof = make_profile([[S, P, A], [P, A, S], [A, S, P]], (((1, (0,)),), ((0, (2,)),), ((2, (1,)),)))
     policy = HeteroCache(profile=prof, budget=0.6, window=W, tau_drift=0.0, stagger_checks=stagger)
@@ -300,22 +301,74 @@ def test_staggered_checks_keep_every_pivot_on_a_window_period(stagger):
 
     ctl._dispatch_check = spy
     q = prompt(8, 8)
-    res = sess.ask(q, max_new_tokens=12)
-    assert len(res.token_ids) >= W + 3  # the answer spans the first check of every layer
+    res = sess.ask(q, max_new_tokens=16)
+    assert len(res.token_ids) >= 2 * W + 3  # the answer spans the re-check and one check of every layer
     want_phase = [0, 1, 2] if stagger else [0, 0, 0]
     assert ctl.phase.tolist() == want_phase
     q_end = len(q) - 1  # the step that appends the question's last token
     # the question's end: every layer checked at that step (by the schedule or by end_of_chunk)
     assert sorted(sum((ls for st, ls, _ in log if st == q_end), ())) == [0, 1, 2]
+    resync = q_end + W
+    assert [ls for st, ls, _ in log if st == resync] == [(0, 1, 2)]
     regular = [(st, ls, n) for st, ls, n in log if st != q_end]
     for li in range(3):
         steps = [st for st, ls, _ in regular if li in ls]
         before = [st for st in steps if st < q_end]
-        after = [st for st in steps if st > q_end]
+        after = [st for st in steps if st > resync]
         assert before == [W - 1 + want_phase[li] + k * W for k in range(len(before))] and before
-        assert after == [q_end + W + want_phase[li] + k * W for k in range(len(after))] and after
+        assert after == [resync + W + want_phase[li] + k * W for k in range(len(after))] and after
     if stagger:
-        assert all(len(ls) == 1 for _, ls, _ in regular)
+        assert all(len(ls) == 1 for st, ls, _ in regular if st != resync)
     else:
         assert all(len(ls) == 3 for _, ls, _ in regular)
     assert all(n == W for _, _, n in regular)  # every scheduled check sees W buffered queries
+
+
+@pytest.mark.parametrize("select_window", [1, 8, 16])
+def test_compressed_heads_keep_their_top_tokens_and_pivots_their_last_token_k_base(select_window):
+    """Every compressed head keeps its own top-l_i tokens by the pooled attention (GQA max) of the last
+    ``select_window`` prompt queries, summed, causal (1 = the paper's last token); each pivot's K_base is
+    the top-L_base of the last token's. Recomputed in float64 numpy from each layer's inputs."""
+    from test_policies import assert_top_set, np_pool, np_probs, np_queries
+
+    L, rho = 150, 0.5
+    policy = HeteroCache(profile=PROFILE, budget=rho, select_window=select_window)
+    captured = []
+    orig = hetero_jax.policies.heterocache.HeteroPrefill.build_layer
+
+    def spy(self, li, layer, x_in, k_buf, v_buf, lens):
+        captured.append((layer, np.asarray(x_in[0]), np.asarray(k_buf[0])))
+        return orig(self, li, layer, x_in, k_buf, v_buf, lens)
+
+    hetero_jax.policies.heterocache.HeteroPrefill.build_layer = spy
+    try:
+        eng = Engine(MODEL, [prompt(L, 9)], policy, tail_capacity=4)
+    finally:
+        hetero_jax.policies.heterocache.HeteroPrefill.build_layer = orig
+    grid = PROFILE.budgets(rho, L)
+    l_base = eng.plan.l_base[0]
+    for li, (layer, x_in, k_buf) in enumerate(captured):
+        lc, r = eng.cache.layers[li], eng.plan.roles[li]
+        perm = list(policy.layout(CFG).perms[li])
+        keys = k_buf.astype(np.float64)  # [Hkv, T, D], layout order
+        t = np.arange(L)
+        last = np_pool(np_probs(np_queries(layer, x_in[[L - 1]], [L - 1], CFG), keys, [L - 1], L)).max(2)[:, 0]
+        rows = t[L - select_window:]
+        window = np_pool(np_probs(np_queries(layer, x_in[rows], rows, CFG), keys, rows, L).sum(1)).max(1)
+        for j in range(CFG.num_kv_heads - r.n_full):  # compressed head j: its own group
+            h = r.n_full + j
+            l_i = int(grid[li, perm[h]])
+            g = lc.groups[(1 if r.n_full else 0) + j]
+            assert int(g.lengths[0, 0]) == l_i
+            kept = np.asarray(g.positions[0, 0, :l_i])
+            assert_top_set(kept, window[h] if select_window > 1 else last[h], np.zeros(L, bool), l_i)
+            np.testing.assert_array_equal(np.asarray(g.k[0, 0, :l_i]), k_buf[h, kept])
+        for p in r.pivots:
+            k_base = np.sort(np.asarray(lc.aux["k_base"][0, p]))
+            assert_top_set(k_base, last[p], np.zeros(L, bool), l_base)
+
+
+def test_select_window_must_be_a_positive_int():
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="select_window must be an int >= 1"):
+            HeteroCache(profile=PROFILE, select_window=bad)

@@ -3,8 +3,11 @@
 Prefill (per request, prompt length L):
 - L_base by Eq. 7 over the whole model, l_i by Eq. 8 (``HeadProfile.budgets``);
 - full heads (volatile, pivot) keep the whole prompt on the device;
-- compressed heads (anchor, satellite) keep their top-l_i tokens by pooled
-  last-token attention (GQA max), stored in position order;
+- compressed heads (anchor, satellite) keep their top-l_i tokens by the pooled
+  attention (GQA max) of the last ``select_window`` prompt queries, summed
+  (causal), stored in position order. The paper scores by the last token alone
+  (``select_window=1``); our default 8 reaches past the chat template's
+  closing tokens into the question (see docs/architecture.md);
 - the satellites' full prompt KV goes to a host reservoir in pinned host memory;
 - each pivot records K_base = the top-L_base of its pooled last-token attention.
 
@@ -21,7 +24,9 @@ Scheduling (``stagger_checks``, default on; not in the paper, whose release chec
 on the same step): layers with pivots are spread over the ``window`` phases, so each decode step
 checks about 1/window of the pivots instead of all of them every ``window`` steps. Each pivot is
 still checked every ``window`` steps on its last ``window`` queries; the spread only removes the
-latency spike of checking the whole model at once.
+latency spike of checking the whole model at once. After a session's question every layer is
+checked at its end and ``window`` steps later on the same step (see ``end_of_chunk``), then the
+layers return to their phases.
 
 Asynchrony and lag: the check is dispatched right after step t's decode and
 its small outputs (flags, indices) are copied to the host asynchronously;
@@ -49,6 +54,7 @@ from hetero_jax.config import ModelConfig
 from hetero_jax.layout import HeadLayout
 from hetero_jax.model import prompt_queries
 from hetero_jax.policies.base import BudgetError, Policy
+from hetero_jax.policies.primitives import avg_pool, finalize_scores, gqa_reduce, observation_window_probs
 from hetero_jax.policies.runtime import select_group
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import HeadProfile, ProfileError
@@ -80,6 +86,7 @@ class HeteroCache(Policy):
     pool_kernel: int = 5
     recall: str = "pivot"
     stagger_checks: bool = True
+    select_window: int = 8
     profile_key: str = dataclasses.field(default="", init=False)
 
     name: ClassVar[str] = "heterocache"
@@ -90,6 +97,9 @@ class HeteroCache(Policy):
         super().__post_init__()
         if self.window < 1:
             raise BudgetError(f"HeteroCache: window must be >= 1 decode step, got {self.window}")
+        if not isinstance(self.select_window, int) or self.select_window < 1:
+            raise BudgetError(f"HeteroCache: select_window must be an int >= 1 prompt query (1 = the paper's "
+                              f"last token), got {self.select_window!r}")
         if self.recall not in RECALL_MODES:
             raise BudgetError(f"HeteroCache: recall must be one of {', '.join(RECALL_MODES)}, got {self.recall!r}")
         if self.pool_kernel != 5:
@@ -181,6 +191,13 @@ def _last_token_scores(layer, x_in, keys, prompt_lens, cfg):
     return pallas_kernels.scores(q, keys, lengths, gqa="max")[:, :, 0]
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "window"))
+def _window_scores(layer, x_in, keys, prompt_lens, cfg, window: int):
+    """Pooled attention of the last ``window`` prompt queries, summed (causal), GQA max: [B, Hkv, Tp]."""
+    probs, _ = observation_window_probs(layer, x_in, keys, prompt_lens, window, cfg)  # [B, Hkv, W, G, Tp]
+    return finalize_scores(gqa_reduce(avg_pool(probs.sum(axis=2)), "max", axis=2), prompt_lens)
+
+
 @dataclasses.dataclass
 class LayerRoles:
     n_full: int  # heads [0, n_full) of the layer (layout order) keep everything
@@ -225,10 +242,12 @@ class HeteroPrefill:
         perm = np.asarray(self.layout.perms[li])
         groups = []
         scores = None
+        n_comp = cfg.num_kv_heads - nf
+        window = self.policy.select_window
         if nf:
             groups.append(full_group(k_buf[:, :nf, :t_max], v_buf[:, :nf, :t_max], lens))
-        if nf < cfg.num_kv_heads or roles.pivots:
-            args = (layer, x_in, k_buf, lens)
+        args = (layer, x_in, k_buf, lens)
+        if roles.pivots or (n_comp and window == 1):  # K_base is always the last token's (the paper's)
             scores = self.compile_fn(_last_token_scores, *args, cfg=cfg)(*args)
         if roles.pivots:
             kb = int(self.l_base.max())
@@ -236,10 +255,12 @@ class HeteroPrefill:
             self.k_base.append(idx.astype(jnp.int32))
         else:
             self.k_base.append(None)
-        if nf < cfg.num_kv_heads:
+        if n_comp:
             counts = self.grid[:, li, perm[nf:]]  # [B, Hc]
             T = k_buf.shape[2]
-            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (k_buf.shape[0], cfg.num_kv_heads - nf, T))
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (k_buf.shape[0], n_comp, T))
+            if window > 1:
+                scores = self.compile_fn(_window_scores, *args, cfg=cfg, window=window)(*args)
             group, _ = select_group(scores[:, nf:], k_buf[:, nf:], v_buf[:, nf:], positions,
                                     jnp.asarray(counts, jnp.int32), int(counts.max()), self.compile_fn)
             # one group per compressed head, each exactly as long as its own budget: heads of a
@@ -362,6 +383,8 @@ class HeteroDecode:
         # per layer: steps buffered since its last check; a layer is due at `window`. Starting at
         # -phase delays a layer's first check by its phase, which keeps the layers staggered.
         self.since = -self.phase
+        # a session's question re-synchronises the layers for one check W steps into the answer
+        self.resync = np.zeros(len(plan.roles), bool)
         self.pending = None  # (step, per layer outputs) of a dispatched check
         self.checks = 0  # pivot checks run (pivots x checks)
         self.triggers = 0  # pivot checks that drifted
@@ -388,13 +411,19 @@ class HeteroDecode:
     def end_of_chunk(self, step: int, cache: KVCache) -> None:
         """An extension chunk (a session's question) was appended: check every pivot layer now, on the
         last ``window`` steps' queries, so a drift the question causes is recalled before the answer's
-        second token instead of up to ``window`` steps into it. The schedule then restarts as after
-        prefill (each layer at its phase)."""
+        second token instead of up to ``window`` steps into it.
+
+        Then every layer is checked again ``window`` steps into the answer, all on the same step, and
+        only after that goes back to its phase. The question's last steps are chat-template tokens,
+        whose queries say little about the question; the answer's first tokens restate it, and a
+        recall from them must land before the answer needs the fact. Staggering that re-check by up to
+        ``window - 1`` more steps lost facts on SmolLM2 (tests/test_session_smollm2.py)."""
         checked = self._pending_layers(step)
         due = [li for li in self.pivot_layers if li not in checked]
         if due:
             self._dispatch_check(step, cache, due)
-        self.since = -self.phase
+        self.since[:] = 0
+        self.resync[:] = True
 
     def _pending_layers(self, step: int) -> set[int]:
         """Layers whose check was dispatched at ``step`` and not applied yet."""
@@ -430,7 +459,9 @@ class HeteroDecode:
                 qs = queries[li][:, r.n_full : r.n_full + len(r.satellites)]
                 qs.copy_to_host_async()
                 sat_queries[li] = qs
-            self.since[li] = 0
+            # back to its phase after the re-synchronised check that follows a question
+            self.since[li] = -self.phase[li] if self.resync[li] else 0
+            self.resync[li] = False
         self.pending = (step, outs, sat_queries if self.policy.recall == "own" else None)
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
