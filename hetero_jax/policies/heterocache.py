@@ -328,9 +328,9 @@ def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: i
 def check_phases(pivots_per_layer: list[int], window: int, stagger: bool) -> np.ndarray:
     """Phase in [0, window) of each layer's drift checks: [num_layers] int.
 
-    Layer l is checked at the steps n (counted from prefill or a session's last question) with
-    n = phase[l] + k * window, k >= 1, so each pivot is still checked every ``window`` steps on its
-    last ``window`` queries. ``stagger``: layers with pivots go, in order, to the phase with the
+    Layer l is checked at the decode steps n = phase[l] + k * window, k >= 1, counted from prefill
+    (after a session's question see ``HeteroDecode.end_of_chunk``), so each pivot is still checked
+    every ``window`` steps on its last ``window`` queries. ``stagger``: layers with pivots go, in order, to the phase with the
     fewest pivots so far (ties: the lowest phase), so each step checks about 1/window of the pivots
     instead of all of them every ``window`` steps (a latency spike); otherwise every phase is 0.
     """
@@ -385,7 +385,7 @@ class HeteroDecode:
         self.since = -self.phase
         # a session's question re-synchronises the layers for one check W steps into the answer
         self.resync = np.zeros(len(plan.roles), bool)
-        self.pending = None  # (step, per layer outputs) of a dispatched check
+        self.pending = None  # (step, per layer check outputs, per layer satellite queries) of a dispatched check
         self.checks = 0  # pivot checks run (pivots x checks)
         self.triggers = 0  # pivot checks that drifted
         self.recalls = 0  # satellite heads refreshed
@@ -462,7 +462,7 @@ class HeteroDecode:
             # back to its phase after the re-synchronised check that follows a question
             self.since[li] = -self.phase[li] if self.resync[li] else 0
             self.resync[li] = False
-        self.pending = (step, outs, sat_queries if self.policy.recall == "own" else None)
+        self.pending = (step, outs, sat_queries)
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
         """Apply the previous check's recalls (one step after it ran)."""
@@ -496,7 +496,7 @@ class HeteroDecode:
                     k_new, v_new, pos_new = edits[gi]
                     l_s = int(counts[b, s])
                     res = r.satellites.index(s)  # reservoir index of this satellite
-                    if sat_queries is None:
+                    if self.policy.recall == "pivot":
                         pos = np.sort(top[b, p, :l_s])
                     else:
                         own = host_pooled_scores(np.asarray(sat_queries[li][b, res]), kv_view_k[b, res],
