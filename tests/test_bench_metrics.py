@@ -150,6 +150,19 @@ def test_presets_set_defaults_and_flags_override_them():
     assert f.prompt_tokens == bench_fidelity.PRESETS["cpu"]["prompt_tokens"] and f.budgets == [0.2]
 
 
+def test_unstaggered_variant_is_heterocache_on_the_releases_schedule():
+    from hetero_jax.policies import HeteroCache, SnapKV
+
+    prof = bench_latency.synthetic_profile()
+    combos = bench_latency.make_combos(["heterocache", "heterocache-unstaggered", "snapkv"], [0.3])
+    full, hc, flat, snap = bench_latency.make_policies(combos, prof)
+    assert isinstance(hc, HeteroCache) and hc.stagger_checks and hc.profile is prof and hc.budget == 0.3
+    assert isinstance(flat, HeteroCache) and not flat.stagger_checks and flat.profile is prof
+    assert isinstance(snap, SnapKV)
+    a = bench_latency.parse_args(["--preset", "stagger"])
+    assert a.policies == ["full", "heterocache", "heterocache-unstaggered"] and a.synthetic_lengths == [32768]
+
+
 # ------------------------------------------------------ synthetic shapes
 def test_llama8b_synthetic_shape_by_hand():
     from hetero_jax import spec
