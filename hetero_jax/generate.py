@@ -95,18 +95,56 @@ def _round_up(x: int, q: int) -> int:
 
 _COMPILED: dict = {}
 
+# Share of the kernel's per-process limit on memory mappings (vm.max_map_count, usually 65530) above
+# which compiled executables are let go before the next compile. XLA's CPU runtime maps three regions
+# (code, read-only data, data) for every kernel of an executable and keeps them while any cache holds
+# the executable; jax's caches hold up to 2048 executables, ours holds all. At 60 to 300 kernels per
+# prefill or decode executable, a process that meets many prompt lengths (a server, a benchmark grid)
+# would otherwise die in LLVM ("Unable to allocate section memory") after a few dozen of them.
+MAP_BUDGET_FRACTION = 0.5
+
+
+def mapping_count() -> int | None:
+    """Memory mappings this process holds now (Linux), else None."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def mapping_budget() -> int | None:
+    """Mappings above which :func:`compiled` releases executables (None where the limit is unknown)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(int(f.read()) * MAP_BUDGET_FRACTION)
+    except (OSError, ValueError):
+        return None
+
+
+def release_executables() -> None:
+    """Drop every cached executable (ours and jax's); those still referenced (live engines) stay valid."""
+    _COMPILED.clear()
+    jax.clear_caches()
+
 
 def compiled(jitted, *args, **static):
     """AOT-compile ``jitted`` for these argument shapes once and reuse it.
 
     Keeps compile time out of the timed prefill and decode steps; it is
-    reported separately as ``compile_seconds``.
+    reported separately as ``compile_seconds``. Before a compile, if the
+    process holds more memory mappings than :func:`mapping_budget`, cached
+    executables are released (:func:`release_executables`) and recompiled
+    when next needed.
     """
     leaves, treedef = jax.tree.flatten(args)
     key = (jitted, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves), tuple(sorted(static.items())))
     fn = _COMPILED.get(key)
     if fn is None:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the mapping check is part of the compile's cost, kept out of timings too
+        budget, held = mapping_budget(), mapping_count()
+        if budget is not None and held is not None and held > budget:
+            release_executables()
         fn = jitted.lower(*args, **static).compile()
         _COMPILE_TIME[0] += time.perf_counter() - t0
         _COMPILED[key] = fn

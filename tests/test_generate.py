@@ -167,3 +167,30 @@ def test_bad_arguments(tiny, no_compute):
         hetero_jax.generate(tiny, [[1, 2], [3, 4]], on_token=print, chat=False)
     with pytest.raises(PromptError, match="unsupported prompt type"):
         hetero_jax.generate(tiny, 3.5, chat=False)
+
+
+def test_compiled_releases_executables_before_the_mapping_limit(monkeypatch):
+    """Each CPU executable maps code and data regions until every cache lets it go; ``compiled`` drops the
+    caches before a compile once the process holds more than its mapping budget, so a process that meets
+    many shapes stays bounded (without it this loop adds a few mappings per shape, without limit)."""
+    import importlib
+
+    G = importlib.import_module("hetero_jax.generate")
+    if G.mapping_count() is None:
+        pytest.skip("no /proc/self/maps on this system")
+    f = jax.jit(lambda x: jnp.sin(x) * 2.0 + jnp.cumsum(x))
+    G.compiled(f, jnp.zeros(3))  # the first executable's one-off mappings
+    base = G.mapping_count()
+    budget = base + 150
+    monkeypatch.setattr(G, "mapping_budget", lambda: budget)
+    kept = G.compiled(f, jnp.zeros(2))  # held by the caller like an Engine holds its decode step
+    peak = 0
+    for n in range(4, 84):
+        x = jnp.arange(n, dtype=jnp.float32)
+        np.testing.assert_allclose(np.asarray(G.compiled(f, x)(x)), np.sin(np.arange(n)) * 2 + np.cumsum(np.arange(n)),
+                                   rtol=1e-5, atol=1e-4)
+        peak = max(peak, G.mapping_count())
+    assert peak < budget + 100  # one compile's worth above the budget at most
+    assert len(G._COMPILED) < 80  # released at least once
+    y = jnp.ones(2)
+    np.testing.assert_allclose(np.asarray(kept(y)), np.sin(1.0) * 2 + np.array([1.0, 2.0]), rtol=1e-6)
