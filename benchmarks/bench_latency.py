@@ -15,13 +15,17 @@ greedy, measured through ``generate``'s decode ``Engine``:
   excluded anyway); TTFT is the median of the next ``--ttft-repeats`` rounds.
   HeteroCache's permuted weights are made once before any timing (``generate``
   does that on its first call per model and layout).
-- **Decode**: the caches of the last round decode side by side, one step per
-  policy in turn (order rotated every step, as in ``bench_policies.py``) with
-  ``Engine.step`` (HeteroCache's drift checks and recalls included): the first
-  ``--warmup-steps`` steps per policy are untimed, the next ``--decode-steps``
-  are timed (wall time incl. reading the token back; compile time excluded).
-  Mean / P50 / P95 / P99 ms per token; the ratio to full KV divides by full
-  KV's value from the same interleaved steps.
+- **Decode**: the caches of the last round decode in turn, ``--decode-block``
+  consecutive steps per policy (order rotated every round) with
+  ``Engine.step`` (HeteroCache's drift checks and recalls included). Each block
+  ends with ``Engine.drain()``, whose wait counts in the block's last step, so
+  a policy's times hold all its own asynchronous work and none of another's.
+  Stepping the policies one step each in turn (as this script did before)
+  timed one policy's background drift check as the next policy's step on a
+  shared CPU. The first ``--warmup-steps`` steps per policy are untimed, the
+  next ``--decode-steps`` are timed (wall time incl. reading the token back;
+  compile time excluded). Mean / P50 / P95 / P99 ms per token; the ratio to
+  full KV divides by full KV's value from the same interleaved blocks.
 - **Roofline ratio**: (weight bytes + KV bytes one decode step reads with the
   policy) / (weight bytes + KV bytes with full KV). Weight bytes = every
   parameter once, except the embedding table, of which the token's gather
@@ -344,21 +348,32 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
             engines[i] = e
     after_prefill = [common.engine_kv_stats(e) for e in engines]
 
-    # --- decode: round-robin, order rotated every step
+    # --- decode: blocks of consecutive steps per policy, order rotated every round. A block ends by
+    # waiting for the policy's asynchronous work (HeteroCache's drift checks), counted in the block's last
+    # step: a policy's times hold its own background work, as a user running it alone sees it, and none of
+    # another policy's (which a step-by-step round-robin on shared cores would time as the next step's)
     toks = [int(e.first_tokens(0.0, 1.0)[0]) for e in engines]
     times: list[list[float]] = [[] for _ in range(n)]
     recall_at_timing = [None] * n
+    done = [0] * n
     c1 = G._COMPILE_TIME[0]
-    for step in range(steps_total):
-        if step == args.warmup_steps:
-            recall_at_timing = [common.engine_kv_stats(e)["recall"] for e in engines]
+    rnd = 0
+    while min(done) < steps_total:
         for j in range(n):
-            i = (step + j) % n
-            nxt, seconds = engines[i].step([toks[i]], 0.0, 1.0)  # compile time excluded by Engine.step
-            if step >= args.warmup_steps:
-                times[i].append(seconds)
-            toks[i] = int(nxt[0])
-        status(f"decode step {step + 1}/{steps_total} x {n} policies")
+            i = (rnd + j) % n
+            for _ in range(min(args.decode_block, steps_total - done[i])):
+                if done[i] == args.warmup_steps:
+                    recall_at_timing[i] = common.engine_kv_stats(engines[i])["recall"]
+                nxt, seconds = engines[i].step([toks[i]], 0.0, 1.0)  # compile time excluded by Engine.step
+                if done[i] >= args.warmup_steps:
+                    times[i].append(seconds)
+                toks[i] = int(nxt[0])
+                done[i] += 1
+            waited = engines[i].drain()
+            if done[i] > args.warmup_steps:
+                times[i][-1] += waited
+        rnd += 1
+        status(f"decode step {min(done)}/{steps_total} x {n} policies")
     decode_compile = G._COMPILE_TIME[0] - c1
     final = [common.engine_kv_stats(e) for e in engines]
     del engines
@@ -482,8 +497,10 @@ def run(args) -> dict:
         "ttft": "Engine.prefill_seconds (prefill + policy selection + HeteroCache reservoir copy + finish, "
                 "compile excluded) + first-token sampling and read-back; one prefill per policy per round, "
                 "round-robin; median of the timed rounds",
-        "decode_timing": "round-robin over all policies' caches, order rotated per step; warm-up steps untimed; "
+        "decode_timing": "blocks of decode_block consecutive steps per policy, order rotated per round, each "
+                         "block ending with Engine.drain() counted in its last step; warm-up steps untimed; "
                          "wall time per Engine.step incl. token read-back, compile excluded",
+        "decode_block": args.decode_block,
         "roofline": "(weight bytes + policy's device KV bytes) / (weight bytes + full KV's device KV bytes); "
                     "weight bytes = all params, embedding counted one row, lm_head (tied) in full; "
                     "device KV bytes = prompt head groups as allocated + tail buffer",
@@ -635,10 +652,11 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         + f"TTFT = prefill as `GenerationStats` reports it (policy selection in every layer and HeteroCache's "
         f"pinned-host reservoir copy included, compile excluded) + sampling and reading back the first token; "
         f"each policy has its own prefill, round-robin, {cfg['ttft_warmup']} untimed round(s) then the median of "
-        f"{cfg['ttft_repeats']}. Decode: all policies' caches of one length step side by side, order rotated every "
-        f"step, {cfg['warmup_steps']} untimed then {cfg['decode_steps']} timed steps each (`Engine.step`, "
-        f"HeteroCache's drift checks and recalls included; wall time incl. token read-back). 'decode vs full' = "
-        f"P50 over full KV's P50 from the same steps. Roofline ratio = (weight bytes + the policy's device KV "
+        f"{cfg['ttft_repeats']}. Decode: the policies' caches of one length take turns in blocks of "
+        f"{cfg.get('decode_block', 1)} consecutive steps, order rotated every round, each block ending by waiting for "
+        f"the policy's own asynchronous work (counted in its last step), {cfg['warmup_steps']} untimed then "
+        f"{cfg['decode_steps']} timed steps each (`Engine.step`, HeteroCache's drift checks and recalls included; "
+        f"wall time incl. token read-back). 'decode vs full' = P50 over full KV's P50 from the same rounds. Roofline ratio = (weight bytes + the policy's device KV "
         f"bytes) / (weight bytes + full KV's), weight bytes = all parameters with the embedding counted as one "
         f"row and the lm_head in full ({weight_text}), device KV = prompt "
         f"groups as allocated + the tail buffer ({payload['lengths'][0]['tail_capacity']} slots). 'within 10 %': "
@@ -762,6 +780,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS),
                    help="budgets rho in (0, 1] for every compressed policy")
     p.add_argument("--decode-steps", type=int, default=128, help="timed decode steps per policy and length")
+    p.add_argument("--decode-block", type=int, default=10,
+                   help="consecutive decode steps per policy before the next policy's turn (a multiple of "
+                        "HeteroCache's window, so every block holds the same drift checks)")
     p.add_argument("--warmup-steps", type=int, default=8,
                    help="untimed decode steps per policy first (>= HeteroCache's window, so its first drift "
                         "check is warm too)")

@@ -348,6 +348,15 @@ class Engine:
         self.steps += 1
         return out
 
+    def drain(self) -> float:
+        """Wait until the policy's asynchronous decode work (HeteroCache's dispatched drift checks and
+        recall copies) has finished; returns the seconds waited. Decoding never needs this; a benchmark
+        that times several engines in turn does, so one engine's background work is not timed as
+        another's step."""
+        t0 = time.perf_counter()
+        jax.block_until_ready((self.cache, getattr(self.controller, "pending", None)))
+        return time.perf_counter() - t0
+
     def end_of_chunk(self) -> None:
         """Tell the policy's decode controller that an extension chunk has been appended."""
         hook = getattr(self.controller, "end_of_chunk", None)

@@ -372,3 +372,17 @@ def test_select_window_must_be_a_positive_int():
     for bad in (0, -3, 2.5):
         with pytest.raises(ValueError, match="select_window must be an int >= 1"):
             HeteroCache(profile=PROFILE, select_window=bad)
+
+
+def test_drain_waits_for_the_dispatched_drift_check():
+    policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5, stagger_checks=False)
+    eng = Engine(MODEL, [prompt(100, 11)], policy, tail_capacity=8)
+    tok = eng.first_tokens(0.0, 1.0)
+    for _ in range(2):
+        tok, _ = eng.step(tok, 0.0, 1.0)
+    _, outs, _ = eng.controller.pending  # dispatched after the second step, not yet applied
+    assert eng.drain() >= 0.0
+    assert all(a.is_ready() for out in outs if out is not None for a in out)
+    assert eng.controller.pending is not None  # drain waits; the recall still lands before the next step
+    full = Engine(MODEL, [prompt(100, 11)], FullKV(), tail_capacity=8)
+    assert full.drain() >= 0.0  # no controller: nothing to wait for
