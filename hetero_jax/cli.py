@@ -39,9 +39,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--select-window", type=int, default=None,
                    help="heterocache: compressed heads keep their top tokens by the attention of this many last "
                         "prompt queries (8; 1 = the paper's last token)")
-    p.add_argument("--no-stagger-checks", action="store_true",
-                   help="heterocache: check every layer's pivots on the same step (the paper's release) instead "
-                        "of spreading the layers over the window")
+    p.add_argument("--stagger-checks", action="store_true",
+                   help="heterocache: spread the layers' drift checks over the window (fewer slow steps) instead "
+                        "of checking every layer's pivots on the same step (the paper's schedule, default)")
     p.add_argument("--turns", default=None,
                    help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
 
@@ -89,13 +89,13 @@ def _cmd_generate(args) -> int:
             extra["tau_drift"] = args.tau_drift
         if args.recall is not None:
             extra["recall"] = args.recall
-        if args.no_stagger_checks:
-            extra["stagger_checks"] = False
+        if args.stagger_checks:
+            extra["stagger_checks"] = True
         if args.select_window is not None:
             extra["select_window"] = args.select_window
     elif (args.profile or args.window is not None or args.tau_drift is not None or args.recall is not None
-          or args.no_stagger_checks or args.select_window is not None):
-        print("error: --profile, --window, --tau-drift, --recall, --select-window and --no-stagger-checks apply "
+          or args.stagger_checks or args.select_window is not None):
+        print("error: --profile, --window, --tau-drift, --recall, --select-window and --stagger-checks apply "
               "to --policy heterocache", file=sys.stderr)
         return 2
     try:

@@ -124,7 +124,7 @@ def _np_pooled_max(q, keys):
 @pytest.mark.parametrize("tau", [0.0, 1.5])
 def test_drift_thresholds_and_recall_contents(tau):
     L, W, rho = 160, 3, 0.5
-    policy = HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=tau)
+    policy = HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=tau, stagger_checks=True)
     eng = Engine(MODEL, [prompt(L, 2)], policy, tail_capacity=16)
     ctl = eng.controller
     tok = eng.first_tokens(0.0, 1.0)
@@ -228,7 +228,7 @@ def test_own_recall_gives_each_satellite_its_own_top_rows():
     """recall="own": after a forced drift each satellite holds the reservoir rows at the top-l_s of
     its own latest query scored against its own prompt keys (numpy, float64)."""
     L, W, rho = 160, 3, 0.5
-    policy = HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=1.5, recall="own")
+    policy = HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=1.5, recall="own", stagger_checks=True)
     eng = Engine(MODEL, [prompt(L, 3)], policy, tail_capacity=16)
     ctl = eng.controller
     tok = eng.first_tokens(0.0, 1.0)

@@ -20,8 +20,8 @@ A check also runs when an extension chunk (a session's question) has been
 appended, on the last ``window`` steps, so a drift the question causes is
 recalled before the answer is decoded rather than up to ``window`` steps in.
 
-Scheduling (``stagger_checks``, default on; not in the paper, whose release checks every layer
-on the same step): layers with pivots are spread over the ``window`` phases, so each decode step
+Scheduling (``stagger_checks``, default off, the paper's schedule: every layer's pivots are
+checked on the same step; on, our option): layers with pivots are spread over the ``window`` phases, so each decode step
 checks about 1/window of the pivots instead of all of them every ``window`` steps. Each pivot is
 still checked every ``window`` steps on its last ``window`` queries; the spread only removes the
 latency spike of checking the whole model at once. After a session's question every layer is
@@ -85,7 +85,7 @@ class HeteroCache(Policy):
     tau_drift: float | None = None
     pool_kernel: int = 5
     recall: str = "pivot"
-    stagger_checks: bool = True
+    stagger_checks: bool = False
     select_window: int = 8
     profile_key: str = dataclasses.field(default="", init=False)
 
