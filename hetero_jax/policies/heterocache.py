@@ -20,13 +20,13 @@ A check also runs when an extension chunk (a session's question) has been
 appended, on the last ``window`` steps, so a drift the question causes is
 recalled before the answer is decoded rather than up to ``window`` steps in.
 
-Scheduling (``stagger_checks``, default off, the paper's schedule: every layer's pivots are
-checked on the same step; on, our option): layers with pivots are spread over the ``window`` phases, so each decode step
-checks about 1/window of the pivots instead of all of them every ``window`` steps. Each pivot is
-still checked every ``window`` steps on its last ``window`` queries; the spread only removes the
-latency spike of checking the whole model at once. After a session's question every layer is
-checked at its end and ``window`` steps later on the same step (see ``end_of_chunk``), then the
-layers return to their phases.
+Scheduling: by default every layer's pivots are checked on the same step (the paper's release).
+``stagger_checks=True`` (our option) spreads the layers with pivots over the ``window`` phases, so
+each decode step checks about 1/window of the pivots instead of all of them every ``window`` steps;
+each pivot is still checked every ``window`` steps on its last ``window`` queries. It is off by
+default because it cost facts in sessions (docs/architecture.md). When staggered, a session's
+question is followed by a check of every layer at its end and ``window`` steps later on the same
+step (see ``end_of_chunk``), then the layers return to their phases.
 
 Asynchrony and lag: the check is dispatched right after step t's decode and
 its small outputs (flags, indices) are copied to the host asynchronously;
