@@ -386,3 +386,29 @@ def test_drain_waits_for_the_dispatched_drift_check():
     assert eng.controller.pending is not None  # drain waits; the recall still lands before the next step
     full = Engine(MODEL, [prompt(100, 11)], FullKV(), tail_capacity=8)
     assert full.drain() >= 0.0  # no controller: nothing to wait for
+
+
+@pytest.mark.parametrize("tau,n_top", [(1.5, 7), (0.0, 7), (1.5, 0)])
+def test_drift_layer_ranks_the_latest_query_only_when_a_pivot_drifted(tau, n_top):
+    """_drift_layer's recall rows: the top-n_top positions of the latest query's pooled scores (numpy
+    reference, best first) when some pivot drifted (tau 1.5 > any overlap), zeros when none did
+    (tau 0) or when the recall does not use them (n_top 0)."""
+    from hetero_jax.policies.heterocache import _drift_layer, host_pooled_scores
+
+    rng = np.random.default_rng(5)
+    B, Np, W, G, D, T, l_base = 2, 2, 3, 2, 8, 40, 6
+    q_buf = rng.standard_normal((B, Np, W, G, D)).astype(np.float32)
+    keys = rng.standard_normal((B, Np, T, D)).astype(np.float32)
+    k_base = np.stack([rng.permutation(T)[:l_base] for _ in range(B * Np)]).reshape(B, Np, l_base).astype(np.int32)
+    lengths = np.array([[T, T], [T - 9, T - 9]], np.int32)
+    drift, _, top = _drift_layer(q_buf, keys, k_base, lengths, l_base=l_base, tau=tau, n_top=n_top)
+    top = np.asarray(top)
+    assert top.shape == (B, Np, n_top)
+    assert bool(np.asarray(drift).all()) == (tau > 1) and bool(np.asarray(drift).any()) == (tau > 1)
+    for b in range(B):
+        for p in range(Np):
+            if tau > 1 and n_top:
+                scores = host_pooled_scores(q_buf[b, p, -1], keys[b, p], int(lengths[b, p]))
+                np.testing.assert_array_equal(top[b, p], np.argsort(-scores, kind="stable")[:n_top])
+            else:
+                assert not top[b, p].any()

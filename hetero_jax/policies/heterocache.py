@@ -318,11 +318,19 @@ def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: i
     """One layer's drift check: q_buf [B, Np, W, G, D]; keys [B, Np, T, D]; k_base [B, Np, l_base].
 
     Returns (drift [B, Np] bool, new K_base [B, Np, l_base], top-n_top positions of the latest
-    pooled scores, best first [B, Np, n_top]).
+    pooled scores, best first [B, Np, n_top]; zeros when no pivot drifted, or when ``n_top`` is 0,
+    i.e. the recall does not use them).
     """
     drift, latest_idx, latest_scores = pallas_kernels.drift_check(q_buf, keys, k_base, l_base, tau, lengths)
-    _, top = jax.lax.top_k(latest_scores, n_top)
-    return drift, latest_idx.astype(jnp.int32), top.astype(jnp.int32)
+    top_shape = latest_scores.shape[:-1] + (n_top,)
+    if n_top == 0:
+        top = jnp.zeros(top_shape, jnp.int32)
+    else:
+        # a top-k over the whole prompt costs about as much as the check itself at long contexts, and
+        # its rows are read only for a drifted pivot: skip it (lax.cond runs one branch) otherwise
+        top = jax.lax.cond(drift.any(), lambda s: jax.lax.top_k(s, n_top)[1].astype(jnp.int32),
+                           lambda s: jnp.zeros(top_shape, jnp.int32), latest_scores)
+    return drift, latest_idx.astype(jnp.int32), top
 
 
 def check_phases(pivots_per_layer: list[int], window: int, stagger: bool) -> np.ndarray:
@@ -449,6 +457,8 @@ class HeteroDecode:
             counts = self.plan.counts[li]
             n_top = max(1, int(counts.max())) if counts.size else 1
             args = (q_buf, g.k[:, :np_], cache.layers[li].aux["k_base"], g.lengths[:, :np_])
+            if self.policy.recall != "pivot":  # the satellites rank their own rows on the host
+                n_top = 0
             fn = self.compile_fn(_drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
                                  n_top=min(n_top, g.capacity))
             out = fn(*args)
