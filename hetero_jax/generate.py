@@ -35,6 +35,7 @@ class GenerationStats:
     kv_bytes_device: int  # bytes of K/V arrays allocated on the device (whole batch)
     kv_bytes_used: int  # bytes of K/V holding valid tokens at the end (whole batch)
     kv_bytes_host: int  # bytes of K/V kept in host memory (0 without offload)
+    kv_bytes_host_by_role: dict  # HeteroCache: host bytes per head role ({} without offload)
     kv_bytes_prompt: int  # of which the prompt's head groups
     kv_bytes_tail: int  # of which the tail (tokens added after prefill)
     stop_reason: str  # "eos", "stop", "max_new_tokens" or "context"
@@ -257,6 +258,11 @@ def _resolve_policy(model, policy):
     return policy.bind(model)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _extend_jit(params, cache, tokens, n_new, cfg):
+    return M.extend(params, cache, tokens, n_new, cfg)
+
+
 @functools.partial(
     jax.jit, static_argnames=("cfg", "temperature", "top_p"), donate_argnames=("cache",)
 )
@@ -348,6 +354,37 @@ class Engine:
         self.steps += 1
         return out
 
+    def extend(self, ids: Sequence[int], *, max_chunk: int = MAX_CHUNK) -> np.ndarray:
+        """Append ``ids`` (a session's turn) through chunked passes over the cache as it is; returns the
+        logits of the last token [B, V] float32.
+
+        Chunks are ``chunk_bucket`` sized (at most ``max_chunk``; the last one padded), so a turn of
+        thousands of tokens costs a few prefill-like passes instead of one decode step per token, and
+        equals those steps (tests/test_extend.py). No decode hook runs per token; the policy's decode
+        controller gets the turn's queries once, at the end (``after_extend``: HeteroCache re-selects).
+        """
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise PromptError("nothing to extend: the turn has no tokens")
+        self.reserve(len(ids))
+        C = min(chunk_bucket(len(ids)), max_chunk)
+        ctl = self.controller
+        keep_q = ctl is not None and ctl.wants_queries
+        per_chunk, logits = [], None
+        for start in range(0, len(ids), C):
+            part = ids[start : start + C]
+            tokens = np.zeros((len(self.lens), C), np.int32)
+            tokens[:] = part + [0] * (C - len(part))
+            n_new = np.full(len(self.lens), len(part), np.int32)
+            args = (self.params, self.cache, jnp.asarray(tokens), jnp.asarray(n_new))
+            logits, self.cache, queries = compiled(_extend_jit, *args, cfg=self.cfg)(*args)
+            if keep_q:
+                per_chunk.append(tuple(q[:, :, : len(part)] for q in queries))
+        if keep_q:
+            turn_queries = tuple(jnp.concatenate(qs, axis=2) for qs in zip(*per_chunk))  # [B, Nkv, n, G, D]
+            self.cache = ctl.after_extend(turn_queries, self.cache)
+        return np.asarray(logits, np.float32)
+
     def drain(self) -> float:
         """Wait until the policy's asynchronous decode work (HeteroCache's dispatched drift checks and
         recall copies) has finished; returns the seconds waited. Decoding never needs this; a benchmark
@@ -357,18 +394,13 @@ class Engine:
         jax.block_until_ready((self.cache, getattr(self.controller, "pending", None)))
         return time.perf_counter() - t0
 
-    def end_of_chunk(self) -> None:
-        """Tell the policy's decode controller that an extension chunk has been appended."""
-        hook = getattr(self.controller, "end_of_chunk", None)
-        if hook is not None and self.steps:
-            hook(self.steps - 1, self.cache)
-
     def stats_fields(self) -> dict:
         extra = self.controller.stats() if self.controller is not None else {}
         return dict(
             kv_bytes_device=kv_bytes(self.cache),
             kv_bytes_used=used_kv_bytes(self.cache),
             kv_bytes_host=self.plan.host_bytes(),
+            kv_bytes_host_by_role=self.plan.host_bytes_by_role(),
             kv_bytes_prompt=prompt_kv_bytes(self.cache),
             kv_bytes_tail=tail_kv_bytes(self.cache),
             policy=repr(self.policy),
@@ -472,9 +504,9 @@ class Session:
     """A long context prefilled once, then several questions answered in turn.
 
     Each turn is appended to the cache as an extension (on the tail of every
-    head, like generated tokens, one decode step per token so the policy's
-    decode hooks see it: HeteroCache can detect drift across turns), then
-    answered. The policy's prefill selection sees only the context.
+    head, like generated tokens) in chunked passes (``Engine.extend``), then
+    answered. The policy's prefill selection sees only the context; HeteroCache
+    re-selects its compressed heads from each turn's queries before the answer.
     ``generate`` is one turn of this with the question inside the prompt.
     """
 
@@ -542,13 +574,15 @@ class Session:
             )
         budget = min(max_new_tokens, room)
         eng.reserve(len(ids) + budget + 1)
-        nxt, extend_s = None, 0.0
-        for t in ids:  # teacher-forced extension: one decode step per token
-            nxt, dt = eng.step(np.asarray([t], np.int32), temperature, top_p)
-            extend_s += dt  # compile excluded, as in decode_seconds
+        # All but the turn's last token go in chunked passes (the policy re-selects from their queries,
+        # HeteroCache's after_extend); the last one is a decode step, so the answer's first token is
+        # sampled with the new selection in place.
+        before = _COMPILE_TIME[0]
         t0 = time.perf_counter()
-        eng.end_of_chunk()
-        extend_s += time.perf_counter() - t0
+        if len(ids) > 1:
+            eng.extend(ids[:-1])
+        nxt, _ = eng.step(np.asarray(ids[-1:], np.int32), temperature, top_p)
+        extend_s = time.perf_counter() - t0 - (_COMPILE_TIME[0] - before)  # compile excluded, as in decode
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         out_ids, texts, reasons, decode_s = _decode_loop(eng, nxt, budget, temperature=temperature, top_p=top_p,
                                                          stops=stops, on_token=on_token)

@@ -324,6 +324,83 @@ def decode_step(
     return lm_logits(params, h, cfg), cache
 
 
+def layer_extend_attention(q: jax.Array, layer_cache: LayerCache, tail_start: jax.Array) -> jax.Array:
+    """A chunk of new tokens over the prompt groups and the tail: ``decode_step``'s attention, C tokens at once.
+
+    q: [B, Nkv, G, C, D] queries of the tokens at tail slots ``tail_start + c``, whose K/V are already in
+    the tail; tail_start: [B]. Every kept prompt slot precedes the chunk, so each group is attended without
+    a causal mask (ragged lengths, via ``pallas_kernels.decode_attention`` with the C queries as extra rows);
+    the tail is causal: query c sees slots [0, tail_start + c]. The parts merge by log-sum-exp, exactly as
+    one decode step per token would. Returns [B, Nkv, G, C, D].
+    """
+    B, Nkv, G, C, D = q.shape
+    R = layer_cache.tail_k.shape[2]
+    s = jnp.einsum("bhgcd,bhrd->bhgcr", q, layer_cache.tail_k, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST) * (1.0 / math.sqrt(D))
+    visible = jnp.arange(R)[None, None, :] <= (tail_start[:, None, None] + jnp.arange(C)[None, :, None])  # [B,C,R]
+    s = jnp.where(visible[:, None, None], s, MASK_VALUE)
+    m = s.max(-1)
+    p = jnp.exp(s - m[..., None])  # query c always sees its own slot: no empty row
+    l = p.sum(-1)
+    out_t = jnp.einsum("bhgcr,bhrd->bhgcd", p, layer_cache.tail_v, preferred_element_type=jnp.float32,
+                       precision=jax.lax.Precision.HIGHEST) / l[..., None]
+    lse_t = m + jnp.log(l)
+    outs, h0 = [], 0
+    for g in layer_cache.groups:
+        hg = g.num_heads
+        qg = q[:, h0 : h0 + hg].reshape(B, hg, G * C, D)
+        out_p, lse_p = pallas_kernels.decode_attention(qg, g.k, g.v, g.lengths, finite_padding=True)
+        out, _ = pallas_kernels.merge_attention(
+            out_p, lse_p, out_t[:, h0 : h0 + hg].reshape(B, hg, G * C, D).astype(out_p.dtype),
+            lse_t[:, h0 : h0 + hg].reshape(B, hg, G * C))
+        outs.append(out.reshape(B, hg, G, C, D))
+        h0 += hg
+    return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+
+
+def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cfg: ModelConfig):
+    """Append a chunk of tokens to every head's tail in one pass (a session's turn, chunked).
+
+    tokens: [B, C] int32, of which the first ``n_new`` [B] are real (the rest is padding: its K/V lands
+    in tail slots past the new length, never read, and writes past the tail's capacity are dropped).
+    Equal, up to float summation order, to ``n_new`` calls of :func:`decode_step`; no policy hook runs.
+    Returns (logits of each sequence's last real token [B, V] float32, the cache, and each layer's
+    queries (after RoPE) as a tuple of [B, Nkv, C, G, D] arrays, the layout of ``pallas_kernels.scores``).
+    """
+    B, C = tokens.shape
+    pos0, slot0 = cache.seq_lens, cache.tail_lens  # [B]
+    offs = jnp.arange(C, dtype=jnp.int32)
+    positions = pos0[:, None] + offs[None, :]  # [B, C]
+    slots = slot0[:, None] + offs[None, :]
+    real = offs[None, :] < n_new[:, None]
+    b = jnp.arange(B)[:, None]
+    x = params["embed"][tokens]  # [B, C, H]
+    new_layers, queries = [], []
+    for layer, lc in zip(params["layers"], cache.layers):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = project_qkv(layer, h, positions, cfg)  # q [B, C, Nq, D]; k, v [B, C, Nkv, D]
+        lc = lc.replace(
+            tail_k=lc.tail_k.at[b, :, slots].set(k.astype(lc.tail_k.dtype), mode="drop"),
+            tail_v=lc.tail_v.at[b, :, slots].set(v.astype(lc.tail_v.dtype), mode="drop"),
+        )
+        qg = q.reshape(B, C, cfg.num_kv_heads, cfg.group_size, cfg.head_dim).transpose(0, 2, 3, 1, 4)
+        queries.append(qg.transpose(0, 1, 3, 2, 4))  # [B, Nkv, C, G, D]
+        attn = layer_extend_attention(qg, lc, slot0)  # [B, Nkv, G, C, D]
+        x = x + output_projection(layer, attn.transpose(0, 3, 1, 2, 4).reshape(B, C, -1))
+        x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+        new_layers.append(lc)
+    last = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    h = rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
+    cache = cache.replace(
+        layers=tuple(new_layers),
+        seq_lens=pos0 + n_new,
+        tail_lens=slot0 + n_new,
+        tail_positions=cache.tail_positions.at[b, jnp.where(real, slots, cache.tail_capacity)].set(
+            positions, mode="drop"),
+    )
+    return lm_logits(params, h, cfg), cache, tuple(queries)
+
+
 def prompt_queries(layer: dict, x_in: jax.Array, rows: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Queries (after RoPE) of selected prompt rows, recomputed from the layer's input.
 
@@ -343,3 +420,4 @@ def prompt_queries(layer: dict, x_in: jax.Array, rows: jax.Array, cfg: ModelConf
 # Jitted entry points for callers that step the model themselves (tests, calibration,
 # benchmarks). generate() uses its own AOT-compiled, cache-donating variant.
 decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "return_queries"))
+extend_jit = jax.jit(extend, static_argnames=("cfg",))

@@ -100,6 +100,9 @@ class PolicyPrefill:
     def host_bytes(self) -> int:
         return 0
 
+    def host_bytes_by_role(self) -> dict[str, int]:
+        return {}
+
     def host_arrays(self) -> tuple:
         """Arrays the prefill placed in host memory (none for static policies)."""
         return ()
