@@ -33,15 +33,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--window", type=int, default=None, help="heterocache: decode steps between drift checks (5)")
     p.add_argument("--tau-drift", type=float, default=None,
                    help="heterocache: drift when the median overlap falls below this (default: profile's tau_stable)")
-    p.add_argument("--recall", default=None, choices=["pivot", "own"],
-                   help="heterocache: satellites' recall targets: the pivot's top tokens (paper, default) or "
-                        "each satellite's own latest query scored against its host reservoir keys")
     p.add_argument("--select-window", type=int, default=None,
                    help="heterocache: compressed heads keep their top tokens by the attention of this many last "
                         "prompt queries (8; 1 = the paper's last token)")
-    p.add_argument("--stagger-checks", action="store_true",
-                   help="heterocache: spread the layers' drift checks over the window (fewer slow steps) instead "
-                        "of checking every layer's pivots on the same step (the paper's schedule, default)")
     p.add_argument("--turns", default=None,
                    help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
 
@@ -87,16 +81,11 @@ def _cmd_generate(args) -> int:
             extra["window"] = args.window
         if args.tau_drift is not None:
             extra["tau_drift"] = args.tau_drift
-        if args.recall is not None:
-            extra["recall"] = args.recall
-        if args.stagger_checks:
-            extra["stagger_checks"] = True
         if args.select_window is not None:
             extra["select_window"] = args.select_window
-    elif (args.profile or args.window is not None or args.tau_drift is not None or args.recall is not None
-          or args.stagger_checks or args.select_window is not None):
-        print("error: --profile, --window, --tau-drift, --recall, --select-window and --stagger-checks apply "
-              "to --policy heterocache", file=sys.stderr)
+    elif args.profile or args.window is not None or args.tau_drift is not None or args.select_window is not None:
+        print("error: --profile, --window, --tau-drift and --select-window apply to --policy heterocache",
+              file=sys.stderr)
         return 2
     try:
         policy = make_policy(args.policy, args.budget, **extra)

@@ -47,6 +47,6 @@ def test_console_script_entry_point_runs():
 
 
 def test_heterocache_flags_are_refused_for_other_policies(capsys):
-    for flag in (["--stagger-checks"], ["--window", "3"], ["--recall", "own"], ["--select-window", "1"]):
+    for flag in (["--window", "3"], ["--tau-drift", "0.3"], ["--select-window", "1"]):
         assert main(["generate", "--policy", "snapkv", "--prompt", "hi", *flag]) == 2
         assert "apply to --policy heterocache" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""HeteroCache runtime: role budgets, pinned-host reservoir, drift checks and recall, sessions."""
+"""HeteroCache runtime: role budgets, host copies, re-selection per turn, drift checks and recall, sessions."""
 
 import jax
 import jax.numpy as jnp
@@ -87,11 +87,18 @@ def test_prefill_layout_budgets_reservoir_and_bytes():
         lengths = np.concatenate([np.asarray(g.lengths[0]) for g in lc.groups])
         assert lengths.tolist() == grid[li, list(perm)].tolist()  # each head's own budget, in layout order
         assert lengths.min() >= 1
-    # satellites' full prompt KV in pinned host memory
-    res = [r for r in eng.plan.reservoir_k if r is not None]
-    assert len(res) == 2 and all(r.sharding.memory_kind == "pinned_host" for r in res)
-    assert res[0].shape == (1, 2, L, CFG.head_dim) and res[1].shape == (1, 1, L, CFG.head_dim)
-    assert eng.plan.host_bytes() == sum(2 * r.nbytes for r in res)
+    # every compressed head's full prompt KV in pinned host memory, equal to the prompt's own KV
+    res = [r for r in eng.plan.host_k if r is not None]
+    assert len(res) == 3 and all(r.sharding.memory_kind == "pinned_host" for r in eng.plan.host_arrays())
+    assert all(r.shape == (1, 2, L, CFG.head_dim) for r in res)  # two compressed heads in each layer
+    head_bytes = 2 * L * CFG.head_dim * 4
+    assert eng.plan.host_bytes_by_role() == {"satellite": 3 * head_bytes, "anchor": 3 * head_bytes}
+    assert eng.plan.host_bytes() == 6 * head_bytes
+    full = Engine(MODEL, [prompt(L, 1)], FullKV(), tail_capacity=8)
+    for li in range(CFG.num_layers):
+        perm, nf = layout.perms[li], eng.plan.roles[li].n_full
+        want = np.asarray(full.cache.layers[li].groups[0].k[0])[list(perm[nf:])]
+        np.testing.assert_allclose(np.asarray(eng.plan.host_k[li][0]), want, atol=1e-5, rtol=1e-5)
     full_bytes = L * CFG.num_kv_heads * CFG.num_layers * 2 * CFG.head_dim * 4
     from hetero_jax.cache import prompt_kv_bytes
     assert prompt_kv_bytes(eng.cache) <= rho * full_bytes * 1.05
@@ -124,7 +131,7 @@ def _np_pooled_max(q, keys):
 @pytest.mark.parametrize("tau", [0.0, 1.5])
 def test_drift_thresholds_and_recall_contents(tau):
     L, W, rho = 160, 3, 0.5
-    policy = HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=tau, stagger_checks=True)
+    policy = HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=tau)
     eng = Engine(MODEL, [prompt(L, 2)], policy, tail_capacity=16)
     ctl = eng.controller
     tok = eng.first_tokens(0.0, 1.0)
@@ -136,10 +143,8 @@ def test_drift_thresholds_and_recall_contents(tau):
         orig_after(step, queries, cache)
 
     ctl.after_step = spy
-    # staggered checks: layer 0's pivot is checked after step W - 1 (phase 0), layer 2's after step W
-    # (phase 1); each recall lands before the step that follows its check
-    assert ctl.phase[[0, 2]].tolist() == [0, 1]
-    check_step = {0: W - 1, 2: W}
+    # every pivot layer is checked after step W - 1; its recall lands before the step that follows
+    check_step = {0: W - 1, 2: W - 1}
     for _ in range(W + 2):
         tok, _ = eng.step(tok, 0.0, 1.0)
     after_recall = ctl.stats()
@@ -160,8 +165,8 @@ def test_drift_thresholds_and_recall_contents(tau):
         scores = _np_pooled_max(q_last[None], keys)[0]
         order = np.argsort(-scores, kind="stable")
         groups = eng.cache.layers[li].groups
-        res_k = np.asarray(eng.plan.reservoir_k[li])[0]
-        res_v = np.asarray(eng.plan.reservoir_v[li])[0]
+        res_k = np.asarray(eng.plan.host_k[li])[0]
+        res_v = np.asarray(eng.plan.host_v[li])[0]
         for s in sats:
             s_pos = perm.index(s) - eng.plan.roles[li].n_full  # among the compressed heads
             comp = groups[1 + s_pos]  # each compressed head is its own group, after the full group
@@ -172,43 +177,9 @@ def test_drift_thresholds_and_recall_contents(tau):
             if not np.array_equal(got, want):  # only float near-ties may differ
                 thr = np.sort(scores)[::-1][l_s - 1]
                 assert all(abs(scores[t] - thr) < 1e-6 for t in set(got) ^ set(want))
-            res_idx = eng.plan.roles[li].satellites.index(s_pos)
-            np.testing.assert_array_equal(np.asarray(comp.k[0, 0, :l_s]), res_k[res_idx, got])
-            np.testing.assert_array_equal(np.asarray(comp.v[0, 0, :l_s]), res_v[res_idx, got])
+            np.testing.assert_array_equal(np.asarray(comp.k[0, 0, :l_s]), res_k[s_pos, got])
+            np.testing.assert_array_equal(np.asarray(comp.v[0, 0, :l_s]), res_v[s_pos, got])
             assert int(comp.lengths[0, 0]) == l_s
-
-
-def test_anchors_never_change_and_session_turns():
-    policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5)
-    sess = Session(MODEL, prompt(120, 4), policy, chat=False, reserve_tokens=8)
-    anchors = lambda: [np.asarray(g.k) for g in sess.engine.cache.layers[1].groups[1:]]  # noqa: E731
-    anchors_before = anchors()
-    for turn in range(3):
-        res = sess.ask(prompt(7, 10 + turn), max_new_tokens=5)
-        assert len(res.token_ids) >= 1
-    assert res.stats.recall["recalls"] > 0  # drift detected across turns (tau > 1)
-    for a, b in zip(anchors(), anchors_before):
-        np.testing.assert_array_equal(a, b)
-    assert sess.engine.cache.tail_capacity >= int(np.asarray(sess.engine.cache.tail_lens)[0])
-
-
-def test_check_at_the_end_of_each_question():
-    """window 50 > any question + answer here: the only checks are the ones at the end of each question,
-    one per pivot (2 pivots), each recalling (tau > 1) before the answer's second token."""
-    policy = HeteroCache(profile=PROFILE, budget=0.5, window=50, tau_drift=1.5)
-    sess = Session(MODEL, prompt(120, 4), policy, chat=False, reserve_tokens=8)
-    steps = 0
-    for turn in range(2):
-        q = prompt(6, 20 + turn)
-        res = sess.ask(q, max_new_tokens=3)
-        st = res.stats.recall
-        assert (st["drift_checks"], st["drift_triggers"]) == (2 * (turn + 1), 2 * (turn + 1))
-        # the check follows the question's last step (steps - 1); its recall is applied before the next
-        # step, the one that appends the answer's first token
-        steps += len(q) + (1 if turn else 0)  # the previous answer's last token opens this turn
-        assert sess.engine.controller.recall_steps[-1] == steps
-        steps += len(res.token_ids) - 1
-    assert st["recalls"] == 2 * 3  # 3 satellites per check
 
 
 @pytest.mark.parametrize("policy", [FullKV(), HeteroCache(profile=PROFILE, budget=0.6)])
@@ -222,106 +193,6 @@ def test_session_single_turn_equals_generate(policy):
     if isinstance(policy, FullKV):
         g = hetero_jax.generate(MODEL, ids + q, max_new_tokens=5, chat=False)
         assert a.token_ids == g.token_ids
-
-
-def test_own_recall_gives_each_satellite_its_own_top_rows():
-    """recall="own": after a forced drift each satellite holds the reservoir rows at the top-l_s of
-    its own latest query scored against its own prompt keys (numpy, float64)."""
-    L, W, rho = 160, 3, 0.5
-    policy = HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=1.5, recall="own", stagger_checks=True)
-    eng = Engine(MODEL, [prompt(L, 3)], policy, tail_capacity=16)
-    ctl = eng.controller
-    tok = eng.first_tokens(0.0, 1.0)
-    seen_q = []
-    orig_after = ctl.after_step
-
-    def spy(step, queries, cache):
-        seen_q.append([np.asarray(q) for q in queries])
-        orig_after(step, queries, cache)
-
-    ctl.after_step = spy
-    check_step = {0: W - 1, 2: W}  # staggered: see test_drift_thresholds_and_recall_contents
-    for _ in range(W + 2):
-        tok, _ = eng.step(tok, 0.0, 1.0)
-    assert ctl.stats()["recalls"] == 3 and ctl.stats()["bytes_scored_on_host"] > 0
-    grid = PROFILE.budgets(rho, L)
-    layout = policy.layout(CFG)
-    for li, sats in ((0, (0, 2)), (2, (0,))):
-        perm = list(layout.perms[li])
-        groups = eng.cache.layers[li].groups
-        res_k = np.asarray(eng.plan.reservoir_k[li])[0]
-        for s in sats:
-            h_pos = perm.index(s)  # satellite's position in the layer's layout
-            s_pos = h_pos - eng.plan.roles[li].n_full
-            res_idx = eng.plan.roles[li].satellites.index(s_pos)
-            q_last = seen_q[check_step[li]][li][0, h_pos].astype(np.float64)  # [G, D] at the check step
-            scores = _np_pooled_max(q_last[None], res_k[res_idx, :L].astype(np.float64))[0]
-            l_s = int(grid[li, s])
-            want = np.sort(np.argsort(-scores, kind="stable")[:l_s])
-            comp = groups[1 + s_pos]
-            got = np.asarray(comp.positions[0, 0, :l_s])
-            if not np.array_equal(got, want):  # only float near-ties may differ
-                thr = np.sort(scores)[::-1][l_s - 1]
-                assert all(abs(scores[t] - thr) < 1e-6 for t in set(got) ^ set(want))
-            np.testing.assert_array_equal(np.asarray(comp.k[0, 0, :l_s]), res_k[res_idx, got])
-
-
-def test_unknown_recall_mode_is_refused():
-    with pytest.raises(ValueError, match="recall must be one of pivot, own"):
-        HeteroCache(profile=PROFILE, recall="satellite")
-
-
-def test_check_phases_balance_pivots_over_the_window():
-    from hetero_jax.policies.heterocache import check_phases
-
-    # pivots per layer 2, 0, 1, 1, 3, 1 over W = 3: layer 0 -> phase 0 (load 2,0,0), layer 2 -> 1 (2,1,0),
-    # layer 3 -> 2 (2,1,1), layer 4 -> 1 (2,4,1), layer 5 -> 2 (2,4,2); layer 1 has no pivot
-    assert check_phases([2, 0, 1, 1, 3, 1], 3, True).tolist() == [0, 0, 1, 2, 1, 2]
-    assert check_phases([2, 0, 1, 1, 3, 1], 3, False).tolist() == [0] * 6
-    assert check_phases([1, 1], 1, True).tolist() == [0, 0]
-
-
-@pytest.mark.parametrize("stagger", [True, False])
-def test_staggered_checks_keep_every_pivot_on_a_window_period(stagger):
-    """Each pivot layer is checked every W steps on W buffered queries; staggering spreads the layers over
-    the steps (never two layers on one step here), without it they all go on the same steps. A session's
-    question is followed by a check of every layer at its end and W steps later, both on one step; then
-    each layer goes back to its phase."""
-    W = 3
-    prof = make_profile([[S, P, A], [P, A, S], [A, S, P]], (((1, (0,)),), ((0, (2,)),), ((2, (1,)),)))
-    policy = HeteroCache(profile=prof, budget=0.6, window=W, tau_drift=0.0, stagger_checks=stagger)
-    sess = Session(MODEL, prompt(120, 7), policy, chat=False, reserve_tokens=32)
-    ctl = sess.engine.controller
-    log = []  # (step, layers, buffered steps)
-    orig = ctl._dispatch_check
-
-    def spy(step, cache, layers):
-        log.append((step, tuple(layers), len(ctl.buffer)))
-        orig(step, cache, layers)
-
-    ctl._dispatch_check = spy
-    q = prompt(8, 8)
-    res = sess.ask(q, max_new_tokens=16)
-    assert len(res.token_ids) >= 2 * W + 3  # the answer spans the re-check and one check of every layer
-    want_phase = [0, 1, 2] if stagger else [0, 0, 0]
-    assert ctl.phase.tolist() == want_phase
-    q_end = len(q) - 1  # the step that appends the question's last token
-    # the question's end: every layer checked at that step (by the schedule or by end_of_chunk)
-    assert sorted(sum((ls for st, ls, _ in log if st == q_end), ())) == [0, 1, 2]
-    resync = q_end + W
-    assert [ls for st, ls, _ in log if st == resync] == [(0, 1, 2)]
-    regular = [(st, ls, n) for st, ls, n in log if st != q_end]
-    for li in range(3):
-        steps = [st for st, ls, _ in regular if li in ls]
-        before = [st for st in steps if st < q_end]
-        after = [st for st in steps if st > resync]
-        assert before == [W - 1 + want_phase[li] + k * W for k in range(len(before))] and before
-        assert after == [resync + W + want_phase[li] + k * W for k in range(len(after))] and after
-    if stagger:
-        assert all(len(ls) == 1 for st, ls, _ in regular if st != resync)
-    else:
-        assert all(len(ls) == 3 for _, ls, _ in regular)
-    assert all(n == W for _, _, n in regular)  # every scheduled check sees W buffered queries
 
 
 @pytest.mark.parametrize("select_window", [1, 8, 16])
@@ -375,12 +246,12 @@ def test_select_window_must_be_a_positive_int():
 
 
 def test_drain_waits_for_the_dispatched_drift_check():
-    policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5, stagger_checks=False)
+    policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5)
     eng = Engine(MODEL, [prompt(100, 11)], policy, tail_capacity=8)
     tok = eng.first_tokens(0.0, 1.0)
     for _ in range(2):
         tok, _ = eng.step(tok, 0.0, 1.0)
-    _, outs, _ = eng.controller.pending  # dispatched after the second step, not yet applied
+    _, outs = eng.controller.pending  # dispatched after the second step, not yet applied
     assert eng.drain() >= 0.0
     assert all(a.is_ready() for out in outs if out is not None for a in out)
     assert eng.controller.pending is not None  # drain waits; the recall still lands before the next step
@@ -393,7 +264,7 @@ def test_drift_layer_ranks_the_latest_query_only_when_a_pivot_drifted(tau, n_top
     """_drift_layer's recall rows: the top-n_top positions of the latest query's pooled scores (numpy
     reference, best first) when some pivot drifted (tau 1.5 > any overlap), zeros when none did
     (tau 0) or when the recall does not use them (n_top 0)."""
-    from hetero_jax.policies.heterocache import _drift_layer, host_pooled_scores
+    from hetero_jax.policies.heterocache import _drift_layer
 
     rng = np.random.default_rng(5)
     B, Np, W, G, D, T, l_base = 2, 2, 3, 2, 8, 40, 6
@@ -408,7 +279,115 @@ def test_drift_layer_ranks_the_latest_query_only_when_a_pivot_drifted(tau, n_top
     for b in range(B):
         for p in range(Np):
             if tau > 1 and n_top:
-                scores = host_pooled_scores(q_buf[b, p, -1], keys[b, p], int(lengths[b, p]))
+                scores = _np_pooled_max(q_buf[b, p, -1][None], keys[b, p, : lengths[b, p]])[0]
                 np.testing.assert_array_equal(top[b, p], np.argsort(-scores, kind="stable")[:n_top])
             else:
                 assert not top[b, p].any()
+
+
+def _spy_turns(sess):
+    """Record (event, step, numpy turn queries) as the session's controller sees a turn."""
+    ctl, log = sess.engine.controller, []
+    orig_ext, orig_step = ctl.after_extend, ctl.after_step
+
+    def after_extend(queries, cache):
+        log.append(("extend", sess.engine.steps, [np.asarray(q) for q in queries]))
+        return orig_ext(queries, cache)
+
+    def after_step(step, queries, cache):
+        log.append(("step", step, None))
+        orig_step(step, queries, cache)
+
+    ctl.after_extend, ctl.after_step = after_extend, after_step
+    return log
+
+
+def test_each_turn_reselects_every_compressed_head_from_the_turn_queries():
+    """After each question every compressed head (anchors too) holds its top-l_i positions of the pooled
+    attention of the question's queries (summed over all of them, GQA max), recomputed in float64 numpy
+    against its prompt keys; rows are the host copy's at those positions, in position order; each pivot's
+    K_base is the top-L_base of the question's last query. Budgets and device bytes do not change."""
+    from test_policies import assert_top_set, np_pool
+
+    from hetero_jax.cache import prompt_kv_bytes
+
+    L, rho = 150, 0.5
+    policy = HeteroCache(profile=PROFILE, budget=rho, window=4, tau_drift=0.0)
+    sess = Session(MODEL, prompt(L, 4), policy, chat=False, reserve_tokens=8)
+    eng = sess.engine
+    log = _spy_turns(sess)
+    grid = PROFILE.budgets(rho, L)
+    l_base = int(eng.plan.l_base[0])
+    full_bytes = L * CFG.num_kv_heads * CFG.num_layers * 2 * CFG.head_dim * 4
+    bytes_before = prompt_kv_bytes(eng.cache)
+    for turn, n_q in enumerate((9, 23)):
+        q = prompt(n_q, 30 + turn)
+        sess.ask(q, max_new_tokens=4)
+        ext = [e for e in log if e[0] == "extend"]
+        assert len(ext) == turn + 1
+        _, _, turn_q = ext[-1]
+        n_turn = turn_q[0].shape[2]
+        assert n_turn == n_q - 1 + (1 if turn else 0)  # all but the last token; the previous answer's last opens it
+        for li, lc in enumerate(eng.cache.layers):
+            r = eng.plan.roles[li]
+            perm = list(policy.layout(CFG).perms[li])
+            host_k, host_v = (np.asarray(a[0], np.float64) for a in (eng.plan.host_k[li], eng.plan.host_v[li]))
+            for j in range(CFG.num_kv_heads - r.n_full):
+                rows = turn_q[li][0, r.n_full + j].astype(np.float64)  # [n, G, D]
+                s = np.einsum("ngd,td->ngt", rows, host_k[j]) / np.sqrt(CFG.head_dim)
+                p = np.exp(s - s.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                scores = np_pool(p.sum(0)).max(0)  # [L]
+                l_i = int(grid[li, perm[r.n_full + j]])
+                g = lc.groups[(1 if r.n_full else 0) + j]
+                assert g.capacity == l_i and int(g.lengths[0, 0]) == l_i
+                kept = np.asarray(g.positions[0, 0])
+                assert_top_set(kept, scores, np.zeros(L, bool), l_i)
+                np.testing.assert_allclose(np.asarray(g.k[0, 0]), host_k[j, kept], rtol=0, atol=0)
+                np.testing.assert_allclose(np.asarray(g.v[0, 0]), host_v[j, kept], rtol=0, atol=0)
+            for pv in r.pivots:
+                keys = np.asarray(lc.groups[0].k[0, pv], np.float64)
+                last = _np_pooled_max(turn_q[li][0, pv, -1:].astype(np.float64), keys)[0]
+                assert_top_set(np.sort(np.asarray(lc.aux["k_base"][0, pv])), last, np.zeros(L, bool), l_base)
+        assert prompt_kv_bytes(eng.cache) == bytes_before <= rho * full_bytes * 1.05
+    st = sess.turns[-1].stats
+    assert st.recall["reselections"] == 2 and st.recall["bytes_reselected"] > 0
+    assert st.kv_bytes_host_by_role["anchor"] > 0 and st.kv_bytes_host_by_role["satellite"] > 0
+
+
+def test_reselection_lands_before_the_answer_and_drops_a_stale_check():
+    """The turn's re-selection runs before the decode step of its last token (whose logits give the
+    answer's first token); a drift check pending from the previous answer is dropped, not applied over
+    the new rows; the next check comes W steps into the answer, on the answer's queries."""
+    W = 3
+    policy = HeteroCache(profile=PROFILE, budget=0.5, window=W, tau_drift=1.5)
+    sess = Session(MODEL, prompt(120, 7), policy, chat=False, reserve_tokens=32)
+    log = _spy_turns(sess)
+    ctl = sess.engine.controller
+    dispatched = []
+    orig = ctl._dispatch_check
+    ctl._dispatch_check = lambda step, cache: (dispatched.append(step), orig(step, cache))
+    first = sess.ask(prompt(8, 8), max_new_tokens=W + 1, stop=None)
+    assert [e[0] for e in log[:2]] == ["extend", "step"]  # re-selected, then the question's last token
+    assert ctl.pending is not None or dispatched  # the answer ran W steps: a check was dispatched
+    pending_before = ctl.pending
+    recalls = ctl.recalls
+    sess.ask(prompt(5, 9), max_new_tokens=2)
+    if pending_before is not None:  # dropped by the re-selection: no recall from it
+        assert ctl.recalls == recalls
+    steps = [e[1] for e in log if e[0] == "step"]
+    assert dispatched[0] == steps[0] + W - 1  # W decode steps after the re-selection: the first check
+    assert len(first.token_ids) >= 1
+
+
+def test_session_turn_with_a_long_pasted_document_is_chunked():
+    """A turn of hundreds of tokens goes through a few chunked passes (no decode step per token) and
+    answers like full KV would when the policy keeps everything (rho 1)."""
+    ctx, doc = prompt(60, 12), prompt(300, 13)
+    a = Session(MODEL, ctx, FullKV(), chat=False, reserve_tokens=8)
+    b = Session(MODEL, ctx, HeteroCache(profile=PROFILE, budget=1.0), chat=False, reserve_tokens=8)
+    ra, rb = a.ask(doc, max_new_tokens=6), b.ask(doc, max_new_tokens=6)
+    assert ra.token_ids == rb.token_ids
+    assert a.engine.steps == len(ra.token_ids)  # the question's last token + the answer's steps, nothing else
+    g = hetero_jax.generate(MODEL, ctx + doc, max_new_tokens=6, chat=False)
+    assert ra.token_ids == g.token_ids

@@ -1,4 +1,4 @@
-"""HeteroCache: role-aware budgets, a pinned-host reservoir, and drift-triggered recall.
+"""HeteroCache: role-aware budgets, host copies of the compressed heads, re-selection per turn, drift recall.
 
 Prefill (per request, prompt length L):
 - L_base by Eq. 7 over the whole model, l_i by Eq. 8 (``HeadProfile.budgets``);
@@ -7,33 +7,30 @@ Prefill (per request, prompt length L):
   attention (GQA max) of the last ``select_window`` prompt queries, summed
   (causal), stored in position order. The paper scores by the last token alone
   (``select_window=1``); our default 8 reaches past the chat template's
-  closing tokens into the question (see docs/architecture.md);
-- the satellites' full prompt KV goes to a host reservoir in pinned host memory;
+  closing tokens into the question (docs/architecture.md);
+- every compressed head's full prompt KV goes to pinned host memory (the paper
+  keeps only the satellites'; the anchors' copy is what lets a later turn re-select);
 - each pivot records K_base = the top-L_base of its pooled last-token attention.
+
+A session's turn (``after_extend``, our departure): once a question has been appended
+(chunked, ``model.extend``), every compressed head re-takes its top-l_i from its host
+keys, scored by the pooled attention of the turn's queries exactly as prefill scores
+its window (budgets unchanged), and each pivot's K_base restarts from the turn's last
+query; this lands before the answer's first token is sampled. For a single request
+(``generate``) nothing changes.
 
 Decode: every ``window`` steps the buffered pivot queries are scored against
 the pivot's prompt keys (``pallas_kernels.drift_check``); when the median
 overlap with K_base drops below ``tau_drift``, each satellite of that pivot
 gets its own top-l_s positions of the pivot's latest pooled scores, gathered
-from the reservoir and written into its device slots, and K_base moves on.
-A check also runs when an extension chunk (a session's question) has been
-appended, on the last ``window`` steps, so a drift the question causes is
-recalled before the answer is decoded rather than up to ``window`` steps in.
-
-Scheduling: by default every layer's pivots are checked on the same step (the paper's release).
-``stagger_checks=True`` (our option) spreads the layers with pivots over the ``window`` phases, so
-each decode step checks about 1/window of the pivots instead of all of them every ``window`` steps;
-each pivot is still checked every ``window`` steps on its last ``window`` queries. It is off by
-default because it cost facts in sessions (docs/architecture.md). When staggered, a session's
-question is followed by a check of every layer at its end and ``window`` steps later on the same
-step (see ``end_of_chunk``), then the layers return to their phases.
+from the host copy and written into its device slots, and K_base moves on.
 
 Asynchrony and lag: the check is dispatched right after step t's decode and
 its small outputs (flags, indices) are copied to the host asynchronously;
 they are read before step t + 1 is dispatched, and recalled rows are written
 then, so a recall takes effect exactly one step after the check. The
-reservoir gather runs on the host (numpy view of the pinned array) and the
-rows go to the device with an asynchronous ``device_put``.
+gather runs on the host (numpy view of the pinned array) and the rows go to
+the device with an asynchronous ``device_put``.
 """
 
 from __future__ import annotations
@@ -54,16 +51,11 @@ from hetero_jax.config import ModelConfig
 from hetero_jax.layout import HeadLayout
 from hetero_jax.model import prompt_queries
 from hetero_jax.policies.base import BudgetError, Policy
-from hetero_jax.policies.primitives import avg_pool, finalize_scores, gqa_reduce, observation_window_probs
-from hetero_jax.policies.runtime import select_group
+from hetero_jax.policies.primitives import (attention_probs, avg_pool, finalize_scores, gqa_reduce,
+                                           observation_window_probs, select_topk)
+from hetero_jax.policies.runtime import CAP_QUANTUM, select_group
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import HeadProfile, ProfileError
-
-
-# How a drifting pivot's satellites choose the rows they get back from the host reservoir:
-# "pivot" (the paper): top-l_s of the pivot's latest pooled scores;
-# "own": top-l_s of the satellite's own latest query scored against its own reservoir keys.
-RECALL_MODES = ("pivot", "own")
 
 
 def _profile_key(profile: HeadProfile | None) -> str:
@@ -84,14 +76,12 @@ class HeteroCache(Policy):
     window: int = 5
     tau_drift: float | None = None
     pool_kernel: int = 5
-    recall: str = "pivot"
-    stagger_checks: bool = False
     select_window: int = 8
     profile_key: str = dataclasses.field(default="", init=False)
 
     name: ClassVar[str] = "heterocache"
-    summary: ClassVar[str] = ("role-aware head budgets from an offline profile, satellites' full KV in pinned host "
-                              "memory, drift-triggered recall")
+    summary: ClassVar[str] = ("role-aware head budgets from an offline profile, compressed heads' full KV in pinned "
+                              "host memory, re-selection at each session turn, drift-triggered recall")
 
     def __post_init__(self):
         super().__post_init__()
@@ -100,8 +90,6 @@ class HeteroCache(Policy):
         if not isinstance(self.select_window, int) or self.select_window < 1:
             raise BudgetError(f"HeteroCache: select_window must be an int >= 1 prompt query (1 = the paper's "
                               f"last token), got {self.select_window!r}")
-        if self.recall not in RECALL_MODES:
-            raise BudgetError(f"HeteroCache: recall must be one of {', '.join(RECALL_MODES)}, got {self.recall!r}")
         if self.pool_kernel != 5:
             raise BudgetError("HeteroCache: the pooled-score kernel supports pool_kernel=5 only")
         object.__setattr__(self, "profile_key", _profile_key(self.profile))
@@ -198,13 +186,57 @@ def _window_scores(layer, x_in, keys, prompt_lens, cfg, window: int):
     return finalize_scores(gqa_reduce(avg_pool(probs.sum(axis=2)), "max", axis=2), prompt_lens)
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
+def _turn_scores(q_rows, row_valid, keys, prompt_lens, block: int = 16):
+    """Pooled attention of a turn's queries over the prompt, summed, GQA max: [B, H, Tp] (INVALID beyond it).
+
+    q_rows: [B, H, N, G, D] (N a multiple of ``block``); row_valid: [N] bool (padding rows count 0);
+    keys: [B, H, Tp, D]; prompt_lens: [B]. The scoring of prefill's observation window
+    (``_window_scores``: softmax per query, summed over the queries, 5-tap pooling, GQA max); every prompt
+    key precedes the turn, so no causal mask. Blocks of ``block`` queries keep [B, H, block, G, Tp] at most.
+    """
+    B, H, N, G, D = q_rows.shape
+    last = jnp.broadcast_to((prompt_lens - 1)[:, None], (B, block))  # every prompt key visible
+
+    def body(acc, xs):
+        q, ok = xs  # [B, H, block, G, D], [block]
+        p = attention_probs(q, keys, last, prompt_lens)  # [B, H, block, G, Tp]
+        return acc + jnp.where(ok[None, None, :, None, None], p, 0.0).sum(axis=2), None
+
+    qb = q_rows.reshape(B, H, N // block, block, G, D).transpose(2, 0, 1, 3, 4, 5)
+    acc, _ = jax.lax.scan(body, jnp.zeros((B, H, G, keys.shape[2]), jnp.float32),
+                          (qb, row_valid.reshape(N // block, block)))
+    return finalize_scores(gqa_reduce(avg_pool(acc), "max", axis=2), prompt_lens)
+
+
+@functools.partial(jax.jit, static_argnames=("l_base",))
+def _turn_k_base(q_last, keys, lengths, l_base: int):
+    """A pivot's K_base from one query: top-L_base of its pooled scores (GQA max). q_last [B, Np, 1, G, D]."""
+    scores = pallas_kernels.scores(q_last, keys, lengths, gqa="max")[:, :, 0]
+    return jax.lax.top_k(scores, l_base)[1].astype(jnp.int32)
+
+
+_select_rows = jax.jit(select_topk, static_argnames=("cap",))
+
+
 @dataclasses.dataclass
 class LayerRoles:
     n_full: int  # heads [0, n_full) of the layer (layout order) keep everything
     pivots: list[int]  # layout positions of pivots (inside the full group)
-    satellites: list[int]  # positions inside the compressed group
+    satellites: list[int]  # positions inside the compressed group (the first ones)
     # cluster of each pivot: positions of its satellites inside the compressed group
     members: dict[int, list[int]]
+
+
+def _split_heads(group: HeadGroup, counts: np.ndarray) -> list[HeadGroup]:
+    """One group per head, each exactly as long as its own budget (counts [B, H]): heads of a layer get
+    different l_i, and padding them to the longest would hold memory for nothing."""
+    out = []
+    for j in range(counts.shape[1]):
+        c = int(counts[:, j].max())
+        out.append(HeadGroup(k=group.k[:, j : j + 1, :c], v=group.v[:, j : j + 1, :c],
+                             positions=group.positions[:, j : j + 1, :c], lengths=group.lengths[:, j : j + 1]))
+    return out
 
 
 class HeteroPrefill:
@@ -229,9 +261,10 @@ class HeteroPrefill:
                 members[full.index(int(pivot))] = [sat_pos[int(s)] for s in sats]
             self.roles.append(LayerRoles(len(full), list(range(len(r["pivot"]))),
                                          [sat_pos[h] for h in r["satellite"]], members))
-        self.reservoir_k: list = []  # per layer: pinned-host [B, Ns, T, D] or None
-        self.reservoir_v: list = []
-        self._host_view: dict[int, tuple] = {}  # layer -> (k, v) numpy views of the reservoir, made on first use
+        # per layer: pinned-host [B, Hc, T, D] prompt KV of every compressed head (layout order), or None
+        self.host_k: list = []
+        self.host_v: list = []
+        self._host_view: dict[int, tuple] = {}  # layer -> (k, v) numpy views of the host copy, made on first use
         self.counts: list[np.ndarray] = []  # per layer [B, Hc] tokens kept by compressed heads
         self.k_base: list = []
 
@@ -263,37 +296,25 @@ class HeteroPrefill:
                 scores = self.compile_fn(_window_scores, *args, cfg=cfg, window=window)(*args)
             group, _ = select_group(scores[:, nf:], k_buf[:, nf:], v_buf[:, nf:], positions,
                                     jnp.asarray(counts, jnp.int32), int(counts.max()), self.compile_fn)
-            # one group per compressed head, each exactly as long as its own budget: heads of a
-            # layer get different l_i, and padding them to the longest would hold memory for nothing
-            for j in range(counts.shape[1]):
-                c = int(counts[:, j].max())
-                groups.append(HeadGroup(k=group.k[:, j : j + 1, :c], v=group.v[:, j : j + 1, :c],
-                                        positions=group.positions[:, j : j + 1, :c],
-                                        lengths=group.lengths[:, j : j + 1]))
+            groups.extend(_split_heads(group, counts))
             self.counts.append(counts)
+            host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+            self.host_k.append(jax.device_put(k_buf[:, nf:, :t_max], host))
+            self.host_v.append(jax.device_put(v_buf[:, nf:, :t_max], host))
         else:
             self.counts.append(np.zeros((len(self.lens), 0), np.int64))
-        ns = len(roles.satellites)
-        if ns:
-            # satellites are the first ns heads of the compressed group
-            host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-            rk = jax.device_put(k_buf[:, nf : nf + ns, :t_max], host)
-            rv = jax.device_put(v_buf[:, nf : nf + ns, :t_max], host)
-            self.reservoir_k.append(rk)
-            self.reservoir_v.append(rv)
-        else:
-            self.reservoir_k.append(None)
-            self.reservoir_v.append(None)
+            self.host_k.append(None)
+            self.host_v.append(None)
         return tuple(groups)
 
     def host_view(self, li: int) -> tuple[np.ndarray, np.ndarray]:
-        """Numpy views (k, v) [B, Ns, T, D] of layer ``li``'s reservoir, made on the first recall.
+        """Numpy views (k, v) [B, Hc, T, D] of layer ``li``'s host copy, made on first use.
 
         Not made in ``build_layer``: ``np.asarray`` waits for the layer's KV, and waiting there
         would stop the host from dispatching the next layers while this one computes (TTFT).
         """
         if li not in self._host_view:
-            self._host_view[li] = (np.asarray(self.reservoir_k[li]), np.asarray(self.reservoir_v[li]))
+            self._host_view[li] = (np.asarray(self.host_k[li]), np.asarray(self.host_v[li]))
         return self._host_view[li]
 
     def finish(self, cache: KVCache) -> KVCache:
@@ -306,11 +327,22 @@ class HeteroPrefill:
         return HeteroDecode(self, compile_fn=compile_fn or self.compile_fn)
 
     def host_arrays(self) -> tuple:
-        """The pinned-host reservoirs (k and v of every layer with satellites)."""
-        return tuple(a for a in (*self.reservoir_k, *self.reservoir_v) if a is not None)
+        """The pinned-host copies (k and v of every layer with compressed heads)."""
+        return tuple(a for a in (*self.host_k, *self.host_v) if a is not None)
+
+    def host_bytes_by_role(self) -> dict[str, int]:
+        """Pinned-host KV bytes per role: the satellites' (the paper's reservoir) and the anchors'."""
+        out = {"satellite": 0, "anchor": 0}
+        for k, v, r in zip(self.host_k, self.host_v, self.roles):
+            if k is None:
+                continue
+            per_head = (k.nbytes + v.nbytes) // k.shape[1]
+            out["satellite"] += per_head * len(r.satellites)
+            out["anchor"] += per_head * (k.shape[1] - len(r.satellites))
+        return out
 
     def host_bytes(self) -> int:
-        return int(sum(k.nbytes + v.nbytes for k, v in zip(self.reservoir_k, self.reservoir_v) if k is not None))
+        return int(sum(self.host_bytes_by_role().values()))
 
 
 @functools.partial(jax.jit, static_argnames=("l_base", "tau", "n_top"))
@@ -333,51 +365,8 @@ def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: i
     return drift, latest_idx.astype(jnp.int32), top
 
 
-def check_phases(pivots_per_layer: list[int], window: int, stagger: bool) -> np.ndarray:
-    """Phase in [0, window) of each layer's drift checks: [num_layers] int.
-
-    Layer l is checked at the decode steps n = phase[l] + k * window, k >= 1, counted from prefill
-    (after a session's question see ``HeteroDecode.end_of_chunk``), so each pivot is still checked
-    every ``window`` steps on its last ``window`` queries. ``stagger``: layers with pivots go, in order, to the phase with the
-    fewest pivots so far (ties: the lowest phase), so each step checks about 1/window of the pivots
-    instead of all of them every ``window`` steps (a latency spike); otherwise every phase is 0.
-    """
-    phase = np.zeros(len(pivots_per_layer), np.int64)
-    if not stagger:
-        return phase
-    load = np.zeros(window, np.int64)
-    for li, n in enumerate(pivots_per_layer):
-        if n:
-            phase[li] = int(np.argmin(load))
-            load[phase[li]] += n
-    return phase
-
-
-def host_pooled_scores(q_rows: np.ndarray, keys: np.ndarray, length: int, pool_kernel: int = 5) -> np.ndarray:
-    """Pooled attention of one KV head on the host: q_rows [G, D], keys [T, D] -> [length] float32.
-
-    softmax(q K^T / sqrt(D)) in float32 over the first ``length`` keys, average
-    pooling (kernel 5, zero padding, divide by 5), GQA max: the scoring of
-    ``pallas_kernels.pooled_scores``, computed where the reservoir lives.
-    """
-    k = np.asarray(keys[:length], np.float32)
-    logits = np.asarray(q_rows, np.float32) @ k.T / np.float32(np.sqrt(k.shape[-1]))  # [G, length]
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    half = pool_kernel // 2
-    padded = np.pad(probs, ((0, 0), (half, half)))
-    pooled = sum(padded[:, i : i + length] for i in range(pool_kernel)) / np.float32(pool_kernel)
-    return pooled.max(0)
-
-
-def top_positions(scores: np.ndarray, k: int) -> np.ndarray:
-    """Positions of the k highest scores (ties: lower position first), any order: [k]."""
-    order = np.argsort(-scores, kind="stable")
-    return order[:k]
-
-
 class HeteroDecode:
-    """Per-request decode-time state of HeteroCache: query buffer, pending checks, recall stats."""
+    """Per-request decode-time state of HeteroCache: query buffer, pending checks, re-selection and recall stats."""
 
     def __init__(self, plan: HeteroPrefill, compile_fn=None):
         self.plan = plan
@@ -386,99 +375,106 @@ class HeteroDecode:
         # the last `window` steps: tuples over layers of pivot queries [B, Np, G, D] (device)
         self.buffer: collections.deque = collections.deque(maxlen=plan.policy.window)
         self.pivot_layers = [li for li, r in enumerate(plan.roles) if r.pivots]
-        self.phase = check_phases([len(r.pivots) for r in plan.roles], plan.policy.window,
-                                  plan.policy.stagger_checks)
-        # per layer: steps buffered since its last check; a layer is due at `window`. Starting at
-        # -phase delays a layer's first check by its phase, which keeps the layers staggered.
-        self.since = -self.phase
-        # a session's question re-synchronises the layers for one check W steps into the answer
-        self.resync = np.zeros(len(plan.roles), bool)
-        self.pending = None  # (step, per layer check outputs, per layer satellite queries) of a dispatched check
+        self.pending = None  # (step, per layer check outputs) of a dispatched check
         self.checks = 0  # pivot checks run (pivots x checks)
         self.triggers = 0  # pivot checks that drifted
-        self.recalls = 0  # satellite heads refreshed
+        self.recalls = 0  # satellite heads refreshed by a drift
         self.bytes_recalled = 0
-        self.bytes_scored = 0  # reservoir key bytes read on the host to score satellites (recall="own")
+        self.reselections = 0  # turns after which the compressed heads re-selected
+        self.bytes_reselected = 0  # K/V bytes written to the device by those re-selections
         self.recall_steps: list[int] = []
-        self.last_queries = None  # every head's query rows of the latest step (for recall="own")
 
     @property
     def wants_queries(self) -> bool:
         return True
 
     def after_step(self, step: int, queries, cache: KVCache) -> None:
-        """Buffer the pivots' queries of decode step ``step``; dispatch the checks of the layers now due."""
+        """Buffer the pivots' queries of decode step ``step``; every ``window`` steps dispatch the check."""
         self.buffer.append(tuple(q[:, : len(r.pivots)] if r.pivots else None
                                  for q, r in zip(queries, self.plan.roles)))
-        self.last_queries = queries
-        self.since += 1
-        due = [li for li in self.pivot_layers if self.since[li] >= self.policy.window]
-        if due:
-            self._dispatch_check(step, cache, due)
+        if len(self.buffer) == self.policy.window and self.pivot_layers:
+            self._dispatch_check(step, cache)
+            self.buffer.clear()
 
-    def end_of_chunk(self, step: int, cache: KVCache) -> None:
-        """An extension chunk (a session's question) was appended: check every pivot layer now, on the
-        last ``window`` steps' queries, so a drift the question causes is recalled before the answer's
-        second token instead of up to ``window`` steps into it.
+    def after_extend(self, turn_queries, cache: KVCache) -> KVCache:
+        """Re-select after a turn: every compressed head re-takes its top-l_i (budgets unchanged) from its
+        host keys, scored by the pooled attention of the turn's queries (``_turn_scores``), rows in
+        position order; each pivot's K_base restarts from the turn's last query.
 
-        Then every layer is checked again ``window`` steps into the answer, all on the same step, and
-        only after that goes back to its phase. The question's last steps are chat-template tokens,
-        whose queries say little about the question; the answer's first tokens restate it, and a
-        recall from them must land before the answer needs the fact. Staggering that re-check by up to
-        ``window - 1`` more steps lost facts on SmolLM2 (tests/test_session_smollm2.py)."""
-        checked = self._pending_layers(step)
-        due = [li for li in self.pivot_layers if li not in checked]
-        if due:
-            self._dispatch_check(step, cache, due)
-        self.since[:] = 0
-        self.resync[:] = True
-
-    def _pending_layers(self, step: int) -> set[int]:
-        """Layers whose check was dispatched at ``step`` and not applied yet."""
-        if self.pending is None or self.pending[0] != step:
-            return set()
-        return {li for li, out in enumerate(self.pending[1]) if out is not None}
-
-    def _dispatch_check(self, step: int, cache: KVCache, layers: list[int]) -> None:
-        """Dispatch the drift check of ``layers`` on the buffered steps (merged into a check already
-        dispatched at this step); outputs are copied to the host asynchronously, read next step."""
-        n_layers = len(self.plan.roles)
-        if self.pending is not None and self.pending[0] == step:
-            _, outs, sat_queries = self.pending
-        else:
-            outs, sat_queries = [None] * n_layers, [None] * n_layers
-        queries = self.last_queries
+        turn_queries: per layer [B, Nkv, N, G, D] (layout order), the N appended tokens' queries.
+        A check still pending from the previous answer is dropped (it would recall over the new rows),
+        and the drift buffer restarts with the next decode step.
+        """
+        self.pending = None
+        self.buffer.clear()
+        n = turn_queries[0].shape[2]
+        block = 16
+        n_pad = -(-n // block) * block
+        row_valid = jnp.arange(n_pad) < n
         l_base = int(self.plan.l_base.max())
-        for li in layers:
+        lens = jnp.asarray(self.plan.lens, jnp.int32)
+        layers = list(cache.layers)
+        for li, r in enumerate(self.plan.roles):
+            lc, q = layers[li], turn_queries[li]
+            groups, aux = list(lc.groups), dict(lc.aux)
+            if r.pivots:
+                g = groups[0]
+                np_ = len(r.pivots)
+                args = (q[:, :np_, -1:], g.k[:, :np_], g.lengths[:, :np_])
+                aux["k_base"] = self.compile_fn(_turn_k_base, *args, l_base=l_base)(*args)
+            counts = self.plan.counts[li]  # [B, Hc]
+            if counts.shape[1]:
+                host_k, host_v = self.plan.host_view(li)  # [B, Hc, T, D]
+                qc = q[:, r.n_full :]
+                qc = jnp.pad(qc, ((0, 0), (0, 0), (0, n_pad - n), (0, 0), (0, 0)))
+                keys = jnp.asarray(host_k)  # one layer's compressed keys on the device, for this scoring only
+                args = (qc, row_valid, keys, lens)
+                scores = self.compile_fn(_turn_scores, *args, block=block)(*args)
+                # compiled per 64-slot bucket, not per layer's largest budget (as ``select_group``)
+                cap = min(-(-int(counts.max()) // CAP_QUANTUM) * CAP_QUANTUM, scores.shape[-1])
+                args = (scores, jnp.asarray(counts, jnp.int32))
+                idx = np.asarray(self.compile_fn(_select_rows, *args, cap=cap)(*args))  # [B, Hc, cap]
+                first = 1 if r.n_full else 0  # compressed head j lives in groups[first + j]
+                b = np.arange(idx.shape[0])[:, None]
+                for j in range(counts.shape[1]):
+                    c = int(counts[:, j].max())
+                    rows = idx[:, j, :c]  # [B, c] position order; past a sequence's count: a repeat
+                    valid = np.arange(c)[None, :] < counts[:, j : j + 1]
+                    k_new, v_new = host_k[b, j, rows][:, None], host_v[b, j, rows][:, None]
+                    pos = np.where(valid, rows, -1).astype(np.int32)[:, None]
+                    groups[first + j] = groups[first + j].replace(
+                        k=jax.device_put(k_new), v=jax.device_put(v_new), positions=jax.device_put(pos))
+                    self.bytes_reselected += k_new.nbytes + v_new.nbytes
+            layers[li] = lc.replace(groups=tuple(groups), aux=aux)
+        self.reselections += 1
+        return cache.replace(layers=tuple(layers))
+
+    def _dispatch_check(self, step: int, cache: KVCache) -> None:
+        """Dispatch every pivot layer's drift check on the buffered steps; outputs are copied to the host
+        asynchronously and read before the next step."""
+        outs = [None] * len(self.plan.roles)
+        l_base = int(self.plan.l_base.max())
+        for li in self.pivot_layers:
             r = self.plan.roles[li]
-            q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D] (W <= window)
+            q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
             g = cache.layers[li].groups[0]
             np_ = len(r.pivots)
             counts = self.plan.counts[li]
             n_top = max(1, int(counts.max())) if counts.size else 1
             args = (q_buf, g.k[:, :np_], cache.layers[li].aux["k_base"], g.lengths[:, :np_])
-            if self.policy.recall != "pivot":  # the satellites rank their own rows on the host
-                n_top = 0
             fn = self.compile_fn(_drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
                                  n_top=min(n_top, g.capacity))
             out = fn(*args)
             for a in out:
                 a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
             outs[li] = out
-            if self.policy.recall == "own" and r.satellites:  # the satellites' own latest query rows
-                qs = queries[li][:, r.n_full : r.n_full + len(r.satellites)]
-                qs.copy_to_host_async()
-                sat_queries[li] = qs
-            # back to its phase after the re-synchronised check that follows a question
-            self.since[li] = -self.phase[li] if self.resync[li] else 0
-            self.resync[li] = False
-        self.pending = (step, outs, sat_queries)
+        self.pending = (step, outs)
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
         """Apply the previous check's recalls (one step after it ran)."""
         if self.pending is None:
             return cache
-        _, outs, sat_queries = self.pending
+        _, outs = self.pending
         self.pending = None
         layers = list(cache.layers)
         for li, out in enumerate(outs):
@@ -493,7 +489,7 @@ class HeteroDecode:
             lc = layers[li]
             groups = list(lc.groups)
             first_comp = 1 if r.n_full else 0  # compressed head j lives in groups[first_comp + j]
-            kv_view_k, kv_view_v = self.plan.host_view(li)
+            host_k, host_v = self.plan.host_view(li)
             counts = self.plan.counts[li]  # [B, Hc]
             base = np.asarray(lc.aux["k_base"]).copy()
             edits: dict[int, tuple] = {}
@@ -505,16 +501,9 @@ class HeteroDecode:
                         edits[gi] = (np.asarray(g.k).copy(), np.asarray(g.v).copy(), np.asarray(g.positions).copy())
                     k_new, v_new, pos_new = edits[gi]
                     l_s = int(counts[b, s])
-                    res = r.satellites.index(s)  # reservoir index of this satellite
-                    if self.policy.recall == "pivot":
-                        pos = np.sort(top[b, p, :l_s])
-                    else:
-                        own = host_pooled_scores(np.asarray(sat_queries[li][b, res]), kv_view_k[b, res],
-                                                 int(self.plan.lens[b]))
-                        pos = np.sort(top_positions(own, l_s))
-                        self.bytes_scored += int(self.plan.lens[b]) * kv_view_k.shape[-1] * kv_view_k.dtype.itemsize
-                    k_new[b, 0, :l_s] = kv_view_k[b, res, pos]
-                    v_new[b, 0, :l_s] = kv_view_v[b, res, pos]
+                    pos = np.sort(top[b, p, :l_s])
+                    k_new[b, 0, :l_s] = host_k[b, s, pos]
+                    v_new[b, 0, :l_s] = host_v[b, s, pos]
                     pos_new[b, 0, :l_s] = pos
                     self.recalls += 1
                     self.bytes_recalled += 2 * l_s * k_new.shape[-1] * k_new.dtype.itemsize
@@ -535,5 +524,6 @@ class HeteroDecode:
             "trigger_rate": self.triggers / self.checks if self.checks else 0.0,
             "recalls": self.recalls,
             "bytes_recalled": self.bytes_recalled,
-            "bytes_scored_on_host": self.bytes_scored,
+            "reselections": self.reselections,
+            "bytes_reselected": self.bytes_reselected,
         }
