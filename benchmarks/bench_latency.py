@@ -117,11 +117,6 @@ PRESETS = {
     # anyway; the eager ops' compile is seconds against minutes of prefill)
     "long": dict(real_lengths=[], synthetic_lengths=[16384, 32768], policies=["full", "heterocache"], budgets=[0.3],
                  decode_steps=64, warmup_steps=8, ttft_warmup=0, ttft_repeats=1),
-    # staggered drift checks against the paper's schedule (the default), side by side at 32K synthetic
-    # (section latency-stagger)
-    "stagger": dict(real_lengths=[], synthetic_lengths=[32768],
-                    policies=["full", "heterocache", "heterocache-staggered"], budgets=[0.3], decode_steps=96,
-                    warmup_steps=8, ttft_warmup=0, ttft_repeats=1),
     # Llama-3.1-8B shapes to 128K, for one GPU (bfloat16: 16 GB of weights, 16 GB of full KV at 128K)
     "llama8b-gpu": dict(real_lengths=[], synthetic_lengths=[16384, 32768, 65536, 131072], synthetic_shape="llama-3.1-8b",
                         policies=["full", "snapkv", "heterocache"], budgets=[0.3], decode_steps=64, warmup_steps=8,
@@ -279,12 +274,6 @@ def synthetic_profile(shape: str = MODEL, path: Path | None = None):
     return dataclasses.replace(prof, weights_fingerprint=None)
 
 
-# Benchmark-only policy names: configurations of a registered policy that its defaults do not give.
-VARIANTS = {
-    "heterocache-staggered": "HeteroCache with stagger_checks=True: the layers' drift checks spread over the "
-                             "`window` steps instead of every layer's pivots on the same step (the default, the "
-                             "paper's schedule)",
-}
 
 
 def make_policies(combos, synthetic_prof=None):
@@ -294,7 +283,7 @@ def make_policies(combos, synthetic_prof=None):
     out = []
     for name, rho in combos:
         if name.startswith("heterocache"):
-            extra = {"stagger_checks": True} if name == "heterocache-staggered" else {}
+            extra = {}
             if synthetic_prof is not None:
                 extra["profile"] = synthetic_prof
             out.append(HeteroCache(budget=rho, **extra))
@@ -664,7 +653,6 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         f"groups as allocated + the tail buffer ({payload['lengths'][0]['tail_capacity']} slots). 'within 10 %': "
         f"measured / roofline in [0.9, 1.1]. Recall triggers: HeteroCache drift checks that triggered during the "
         f"timed steps."
-        + "".join(f" Policy `{k}`: {v}." for k, v in VARIANTS.items() if k in cfg["policies"]),
         "",
         results_table(payload["runs"]),
         "",
@@ -751,7 +739,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 def parse_args(argv=None) -> argparse.Namespace:
     from hetero_jax.policies import REGISTRY
 
-    names = list(REGISTRY) + list(VARIANTS)
+    names = list(REGISTRY)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", choices=sorted(PRESETS))
     preset = pre.parse_known_args(argv)[0].preset
@@ -777,8 +765,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "for smollm2-135m; the authors' published one from ../shared/reference or "
                         "$HETERO_JAX_REFERENCE_DIR for llama-3.1-8b)")
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=names,
-                   help="registered policies and benchmark variants (full KV always runs, as the reference); "
-                        + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
+                   help="registered policies (full KV always runs, as the reference)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS),
                    help="budgets rho in (0, 1] for every compressed policy")
     p.add_argument("--decode-steps", type=int, default=128, help="timed decode steps per policy and length")

@@ -150,19 +150,6 @@ def test_presets_set_defaults_and_flags_override_them():
     assert f.prompt_tokens == bench_fidelity.PRESETS["cpu"]["prompt_tokens"] and f.budgets == [0.2]
 
 
-def test_staggered_variant_is_heterocache_with_its_checks_spread():
-    from hetero_jax.policies import HeteroCache, SnapKV
-
-    prof = bench_latency.synthetic_profile()
-    combos = bench_latency.make_combos(["heterocache", "heterocache-staggered", "snapkv"], [0.3])
-    full, hc, spread, snap = bench_latency.make_policies(combos, prof)
-    assert isinstance(hc, HeteroCache) and not hc.stagger_checks and hc.profile is prof and hc.budget == 0.3
-    assert isinstance(spread, HeteroCache) and spread.stagger_checks and spread.profile is prof
-    assert isinstance(snap, SnapKV)
-    a = bench_latency.parse_args(["--preset", "stagger"])
-    assert a.policies == ["full", "heterocache", "heterocache-staggered"] and a.synthetic_lengths == [32768]
-
-
 # ------------------------------------------------------ synthetic shapes
 def test_llama8b_synthetic_shape_by_hand():
     from hetero_jax import spec
