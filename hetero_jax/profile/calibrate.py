@@ -6,17 +6,25 @@ For each calibration sample (a token sequence, no chat template):
    last prompt token's query is recomputed from the layer input and scored
    against the prompt keys (``pallas_kernels.scores``: softmax, 5-tap average
    pooling, GQA aggregated by MEAN as METHODS.md asks for calibration). Its
-   top-k per KV head is K_prefill, kept as a bool mask [L, H, Tp].
+   top-k per KV head is K_prefill, kept as a bool mask [L, H, Tp]. The
+   pairwise overlaps of a layer's K_prefill sets are its similarity matrix
+   [H, H] (the graph of the star clustering).
 2. ``decode_steps`` greedy decode steps. One jitted function per step runs
    the model step and, for every layer, scores that step's query against the
    layer's prompt keys, takes the top-k mask K_t and records
-   O(K_t, K_prefill) per head, plus the pairwise overlaps of the heads of
-   each layer (the similarity matrix). The cache is donated; only [L, H]
-   overlaps and [L, H, H] similarities leave the device, never attention
-   matrices.
-3. Per sample: stability = median over steps of the overlap (Eq. 2);
-   similarity graph input = the pairwise overlaps at the last recorded step
-   (METHODS.md).
+   O(K_t, K_prefill) per head. The cache is donated; only [L, H] overlaps
+   leave the device, never attention matrices.
+3. Per sample: stability = median over steps of the overlap (Eq. 2).
+
+Both follow the authors' release rather than METHODS.md's first reading:
+top-k = 20% of the calibration length (the paper's App. D "one-fifth of the
+length"; the paper's figures used 1024 of 10K) and the similarity graph at
+the prefill step (the release builds it from the K_prefill sets; METHODS.md
+had the last decode step). Stability and similarity stay raw overlaps (Eq. 1):
+their chance level k/L is the same for every head of a calibration, so
+normalising them against it would be a monotone map that changes no role,
+only the scale of the thresholds (see ``HeteroCache.drift_threshold``, which
+converts tau_stable to the chance-normalised scale of the drift check).
 
 Across samples the statistics are averaged (arithmetic mean of each head's
 stability and of each layer's similarity matrix), then thresholded once by
@@ -63,12 +71,12 @@ __all__ = [
     "pydoc_text",
 ]
 
-# Paper: top-1024 of 10K-token texts, i.e. about a tenth of the context.
-TOP_K_FRACTION = 0.1
+# The authors' release (and the paper's App. D at 128K): top-k = one fifth of the length.
+TOP_K_FRACTION = 0.2
 
 
 def default_top_k(n_tokens: int) -> int:
-    """top_k used when none is given: 10% of the (shortest) calibration length, at least 1."""
+    """top_k used when none is given: 20% of the (shortest) calibration length, at least 1."""
     return max(1, int(round(TOP_K_FRACTION * int(n_tokens))))
 
 
@@ -77,14 +85,13 @@ class CalibrationStats:
     """Raw per-sample statistics behind a profile (for analysis and tests).
 
     ``overlaps`` [N, S, L, H]: O(K_t, K_prefill) per sample, step, layer, head.
-    ``similarity_steps`` [N, S, L, H, H]: pairwise overlaps within each layer
-    at every step. ``stability`` [N, L, H]: per-sample median over steps.
-    ``similarity_matrix`` [N, L, H, H]: per-sample overlaps at the last step.
+    ``stability`` [N, L, H]: per-sample median over steps.
+    ``similarity_matrix`` [N, L, H, H]: per-sample pairwise overlaps of the
+    K_prefill sets within each layer.
     ``generated`` [N, S]: the greedy tokens fed at each step.
     """
 
     overlaps: np.ndarray
-    similarity_steps: np.ndarray
     stability: np.ndarray
     similarity_matrix: np.ndarray
     generated: np.ndarray
@@ -121,12 +128,14 @@ def _pairwise_overlap(m: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "top_k"))
 def _prefill_topk_jit(layer, x_in, k_buf, lens, cfg, top_k):
-    """K_prefill of one layer: bool [B, H, Tp] top-k of the last prompt token's pooled scores."""
+    """K_prefill of one layer: bool [B, H, Tp] top-k of the last prompt token's pooled scores,
+    and their pairwise overlaps [B, H, H] (the similarity matrix)."""
     B, H = k_buf.shape[:2]
     q = M.prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)  # [B, H, 1, G, D]
     lengths = jnp.broadcast_to(lens[:, None], (B, H)).astype(jnp.int32)
     s = pallas_kernels.scores(q, k_buf, lengths, gqa="mean")[:, :, 0]  # [B, H, Tp]
-    return _topk_mask(s, top_k)
+    mask = _topk_mask(s, top_k)
+    return mask, _pairwise_overlap(mask)
 
 
 _full_group_jit = jax.jit(full_group, donate_argnums=(0, 1))
@@ -137,25 +146,23 @@ def _calib_step_jit(params, cache, tokens, prefill_masks, cfg, top_k):
     """One greedy decode step + every layer's scoring: a single dispatch.
 
     prefill_masks: bool [L, B, H, Tp]. Returns (next tokens [B], cache,
-    overlaps [L, B, H], similarity [L, B, H, H]).
+    overlaps [L, B, H]).
     """
     logits, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
-    overlaps, sims = [], []
+    overlaps = []
     for li, q in enumerate(queries):
         g = cache.layers[li].groups[0]
         s = pallas_kernels.scores(q[:, :, None], g.k, g.lengths, gqa="mean")[:, :, 0]  # [B, H, Tp]
-        mask = _topk_mask(s, top_k)
-        overlaps.append(_overlap(mask, prefill_masks[li]))
-        sims.append(_pairwise_overlap(mask))
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, jnp.stack(overlaps), jnp.stack(sims)
+        overlaps.append(_overlap(_topk_mask(s, top_k), prefill_masks[li]))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, jnp.stack(overlaps)
 
 
 # --------------------------------------------------------------------- one batch of samples
 def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_steps: int, bar):
     """Prefill + decode a right-padded batch of samples; per-row results are independent.
 
-    Returns overlaps [B, S, L, H], similarities [B, S, L, H, H] (float64) and
-    the greedy tokens fed at each step [B, S].
+    Returns overlaps [B, S, L, H], the K_prefill similarities [B, L, H, H]
+    (float64) and the greedy tokens fed at each step [B, S].
     """
     B = len(batch)
     lens = np.array([s.size for s in batch], np.int32)
@@ -166,29 +173,29 @@ def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_st
     for i, s in enumerate(batch):
         tokens[i, : s.size] = s
     masks: list = [None] * cfg.num_layers
+    sims: list = [None] * cfg.num_layers
 
     def build_layer(li, layer, x_in, k_buf, v_buf, lens_dev):
-        masks[li] = compiled(_prefill_topk_jit, layer, x_in, k_buf, lens_dev, cfg=cfg, top_k=top_k)(
+        masks[li], sims[li] = compiled(_prefill_topk_jit, layer, x_in, k_buf, lens_dev, cfg=cfg, top_k=top_k)(
             layer, x_in, k_buf, lens_dev)
         return (compiled(_full_group_jit, k_buf, v_buf, lens_dev)(k_buf, v_buf, lens_dev),)
 
     logits, cache = M.prefill(params, cfg, tokens, lens, chunk=C, tail_capacity=decode_steps + 1,
                               build_layer=build_layer, compile_fn=compiled)
     prefill_masks = jnp.stack(masks)  # [L, B, H, Tp]
+    sims = np.asarray(jnp.stack(sims), np.float64).transpose(1, 0, 2, 3)  # [B, L, H, H]
     tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    ovs, sims, gen = [], [], []
+    ovs, gen = [], []
     for _ in range(decode_steps):
         args = (params, cache, tok, prefill_masks)
         fn = compiled(_calib_step_jit, *args, cfg=cfg, top_k=top_k)
         gen.append(np.asarray(tok))
-        tok, cache, ov, sim = fn(*args)
+        tok, cache, ov = fn(*args)
         ovs.append(np.asarray(ov, np.float64))  # [L, B, H]; reading it back paces the bar
-        sims.append(np.asarray(sim, np.float64))  # [L, B, H, H]
         if bar is not None:
             bar.update(B)
     del cache
     ovs = np.stack(ovs).transpose(2, 0, 1, 3)  # [B, S, L, H]
-    sims = np.stack(sims).transpose(2, 0, 1, 3, 4)  # [B, S, L, H, H]
     return ovs, sims, np.stack(gen, axis=1).astype(np.int64)
 
 
@@ -278,9 +285,8 @@ def calibrate_tokens(
             bar.close()
 
     overlaps = np.stack([p[0] for p in per])  # [N, S, L, H]
-    sim_steps = np.stack([p[1] for p in per])  # [N, S, L, H, H]
+    simm_per = np.stack([p[1] for p in per])  # [N, L, H, H]
     stab_per = np.median(overlaps, axis=1)  # [N, L, H]
-    simm_per = sim_steps[:, -1]  # [N, L, H, H]
     stability = stab_per.mean(axis=0)
     simm = simm_per.mean(axis=0)
     lens = sorted({int(s.size) for s in samples})
@@ -297,7 +303,7 @@ def calibrate_tokens(
         settings=settings,
     )
     if return_stats:
-        stats = CalibrationStats(overlaps=overlaps, similarity_steps=sim_steps, stability=stab_per,
+        stats = CalibrationStats(overlaps=overlaps, stability=stab_per,
                                  similarity_matrix=simm_per, generated=np.stack([p[2] for p in per]),
                                  prompt_lens=np.array([s.size for s in samples]), top_k=top_k)
         return profile, stats
@@ -329,8 +335,8 @@ def calibrate(
     Each text is one sample, tokenized as plain text (no chat template) so
     the model continues it; ``tokens`` keeps the first ``tokens`` tokens of
     each (use :func:`calibration_windows` to cut a long text into windows).
-    ``top_k`` defaults to 10% of the shortest sample (the paper's 1024 of
-    10K). Greedy decoding for ``decode_steps`` steps; thresholds as in
+    ``top_k`` defaults to 20% of the shortest sample (the authors'
+    release). Greedy decoding for ``decode_steps`` steps; thresholds as in
     METHODS.md. Deterministic for the same data, settings and seed.
     """
     if isinstance(texts, str):

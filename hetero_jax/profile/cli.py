@@ -33,7 +33,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
                    help=f"greedy decode steps per window (default {DEFAULT_DECODE_STEPS}; the paper uses 100)")
     p.add_argument("--top-k", type=int, default=None,
-                   help="size of each top-k token set (default: 10%% of --tokens)")
+                   help="size of each top-k token set (default: 20%% of --tokens)")
     p.add_argument("--tau-stable", type=float, default=0.5, help="stability threshold (default 0.5)")
     p.add_argument("--tau-sim", type=float, default=0.5, help="similarity threshold (default 0.5)")
     p.add_argument("--seed", type=int, default=0, help="chooses the windows (default 0)")

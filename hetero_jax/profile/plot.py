@@ -79,10 +79,12 @@ def plot_profile(profile, path: str | os.PathLike) -> str:
     ax_roles.set_title("(a) role per KV head\n(P = pivot; number = its pivot)", fontsize=10)
 
     s = profile.settings
+    # Two random top-k sets of L tokens overlap k/L on average: the floor both scores sit on.
+    chance = s.top_k / s.tokens_per_sample if s.top_k and s.tokens_per_sample else None
     _sorted_curve(ax_stab, profile.stability, s.tau_stable, r"$\tau_{stable}$",
-                  "(b) stability $S_{stable}$ (Eq. 2), sorted", "stability")
+                  "(b) stability $S_{stable}$ (Eq. 2), sorted", "stability", chance)
     _sorted_curve(ax_sim, profile.similarity, s.tau_sim, r"$\tau_{sim}$",
-                  "(c) similarity: max overlap with another head of the layer, sorted", "similarity")
+                  "(c) similarity: max overlap with another head of the layer, sorted", "similarity", chance)
     ax_sim.set_xlabel(f"head rank (of {n_layers * n_heads} KV heads)")
 
     fig.savefig(path, dpi=120)
@@ -90,7 +92,7 @@ def plot_profile(profile, path: str | os.PathLike) -> str:
     return os.fspath(path)
 
 
-def _sorted_curve(ax, values, tau, tau_label, title, ylabel):
+def _sorted_curve(ax, values, tau, tau_label, title, ylabel, chance=None):
     ax.set_title(title, fontsize=10)
     ax.set_ylabel(ylabel)
     vals = np.asarray(values, dtype=np.float64).ravel()
@@ -110,6 +112,8 @@ def _sorted_curve(ax, values, tau, tau_label, title, ylabel):
             markersize=3, label=f"< threshold ({(~above).sum()})")
     if tau is not None:
         ax.axhline(tau, color="#D55E00", linestyle="--", linewidth=1, label=f"{tau_label} = {tau:g}")
+    if chance is not None:
+        ax.axhline(chance, color="gray", linestyle=":", linewidth=1, label=f"chance k/L = {chance:.2f}")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlim(-0.5, vals.size - 0.5)
     ax.grid(alpha=0.3)
