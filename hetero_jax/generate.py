@@ -55,7 +55,17 @@ class GenerationStats:
         if not r:
             return ""
         return (f" | drift checks {r['drift_checks']}, triggered {r['trigger_rate']:.0%}, "
-                f"recalls {r['recalls']} ({r['bytes_recalled'] / 2**10:.0f} KiB)")
+                f"recalls {r['recalls']} ({r['bytes_recalled'] / 2**10:.0f} KiB){self._recall_text_reselect()}")
+
+    def _host_roles_text(self) -> str:
+        roles = {k: v for k, v in self.kv_bytes_host_by_role.items() if v}
+        if not roles:
+            return ""
+        return " (" + ", ".join(f"{k}s {v / 2**20:.1f}" for k, v in roles.items()) + ")"
+
+    def _recall_text_reselect(self) -> str:
+        n = self.recall.get("reselections", 0)
+        return f", re-selected {n}x ({self.recall['bytes_reselected'] / 2**20:.1f} MiB)" if n else ""
 
     def decode_ms_percentile(self, q: float) -> float:
         return 1e3 * float(np.percentile(self.decode_seconds, q)) if self.decode_seconds else float("nan")
@@ -69,7 +79,7 @@ class GenerationStats:
             f"prompt {self.prompt_tokens} tok, prefill {self.prefill_seconds:.2f} s "
             f"({self.prefill_tokens_per_second:.0f} tok/s) | generated {self.generated_tokens} tok, "
             f"decode {self.decode_ms_per_token:.1f} ms/tok | KV device {self.kv_bytes_device / 2**20:.1f} MiB "
-            f"(used {self.kv_bytes_used / 2**20:.1f} MiB), host {self.kv_bytes_host / 2**20:.1f} MiB | "
+            f"(used {self.kv_bytes_used / 2**20:.1f} MiB), host {self.kv_bytes_host / 2**20:.1f} MiB{self._host_roles_text()} | "
             f"rho {self.achieved_rho:.3f}{self._recall_text()} | compile {self.compile_seconds:.1f} s | "
             f"stop: {self.stop_reason}"
         )
