@@ -210,3 +210,22 @@ def test_synthetic_model_draws_each_tensor_with_its_shape_and_dtype():
     assert np.array_equal(np.asarray(again.params["embed"], np.float32), np.asarray(m.params["embed"], np.float32))
     assert not np.array_equal(np.asarray(other.params["embed"], np.float32),
                               np.asarray(m.params["embed"], np.float32))
+
+
+# ------------------------------------------------------------ bench_extend
+def test_bench_extend_presets_and_table_by_hand():
+    import bench_extend
+
+    a = bench_extend.parse_args(["--preset", "cpu", "--turn-tokens", "8"])
+    assert a.lengths == [2048] and a.turn_tokens == [8] and a.preset == "cpu"
+    assert bench_extend.parse_args([]).lengths == bench_extend.PRESETS["full"]["lengths"]
+    with pytest.raises(SystemExit):
+        bench_extend.parse_args(["--budget", "0"])
+    rows = [{"context_tokens": 2048, "name": "full", "turn_tokens": 256, "prefill_s_per_token": 0.002,
+             "chunked_s_per_token": 0.004, "per_token_s_per_token": 0.03},
+            {"context_tokens": 2048, "name": "heterocache", "turn_tokens": 1024, "prefill_s_per_token": 0.002,
+             "chunked_s_per_token": 0.003, "per_token_s_per_token": None}]
+    table = bench_extend.results_table(rows).splitlines()
+    # ms per token, chunked / prefill = 2.00 and per-token / chunked = 7.5; no per-token run -> dashes
+    assert table[2].split("|")[1:-1] == [" 2,048 ", " full ", " 256 ", " 2.00 ", " 4.00 ", " 30.00 ", " 2.00 ", " 7.5 "]
+    assert table[3].split("|")[1:-1] == [" 2,048 ", " heterocache ", " 1,024 ", " 2.00 ", " 3.00 ", " — ", " 1.50 ", " — "]
