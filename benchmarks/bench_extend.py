@@ -50,9 +50,13 @@ def _sync(engine) -> None:
 
 
 def _twin(engine):
-    """An independent copy of a prefilled engine: its arrays are immutable, and a fresh decode controller
-    from the same prefill plan starts from the state the engine had after prefill."""
+    """An independent copy of a prefilled engine: its own cache buffers, and a fresh decode controller from the
+    same prefill plan (the state the engine had after prefill)."""
+    import jax
+    import jax.numpy as jnp
+
     twin = copy.copy(engine)
+    twin.cache = jax.tree.map(jnp.copy, engine.cache)  # extend and step donate the cache they are given
     twin.controller = engine.plan.decode_controller(compile_fn=engine_compile_fn())
     return twin
 
