@@ -154,7 +154,11 @@ def _stdlib_docstrings(module_name: str) -> list[str]:
 @functools.lru_cache(maxsize=1)
 def stdlib_docs_corpus() -> str:
     """Prose paragraphs of the docstrings of :data:`STDLIB_DOC_MODULES` (module, then its public API)."""
-    paragraphs = [p for m in STDLIB_DOC_MODULES for d in _stdlib_docstrings(m) for p in _paragraphs(d)]
+    import warnings
+
+    with warnings.catch_warnings():  # deprecated names (typing.io, typing.re) warn when their __doc__ is read
+        warnings.simplefilter("ignore", DeprecationWarning)
+        paragraphs = [p for m in STDLIB_DOC_MODULES for d in _stdlib_docstrings(m) for p in _paragraphs(d)]
     return _prose_corpus(paragraphs, unindented=True)
 
 
