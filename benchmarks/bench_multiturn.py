@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import random
 import re
 import sys
@@ -405,6 +406,7 @@ def run(args) -> dict:
         ctx = build_context(model.tokenizer, L, facts, depths, seed, hay)
         turns_room = model.config.max_position_embeddings - len(ctx.ids)
         t_c = time.perf_counter()
+        cpu_t_c = time.process_time()
         c0 = G._COMPILE_TIME[0]
         bar.set_description(f"{hay}, {L} tok, seed {seed}")
         if args.prefill == "shared":
@@ -450,6 +452,7 @@ def run(args) -> dict:
             "facts": [dataclasses.asdict(f) for f in facts], "depths": depths,
             "fact_token_starts": ctx.fact_token_starts, "actual_depths": ctx.actual_depths,
             "prefill_wall_seconds": prefill_s, "seconds": time.perf_counter() - t_c,
+            "process_seconds": time.process_time() - cpu_t_c,
             "compile_seconds": G._COMPILE_TIME[0] - c0,
         })
     bar.close()
@@ -457,6 +460,8 @@ def run(args) -> dict:
     payload["within_one_of_full"] = {lab: within_one_of_full(records, lab) for lab in labels if lab != "full"}
     payload["heterocache_vs_snapkv"] = hetero_vs_snapkv(records, args.budgets)
     payload["total_seconds"] = time.perf_counter() - t_start
+    payload["total_process_seconds"] = time.process_time()  # CPU seconds of every thread, since start
+    payload["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     payload["peak_rss_bytes"] = common.peak_rss_bytes()
     return payload
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import random
 import re
 import sys
@@ -455,6 +456,7 @@ def run(args) -> dict:
         p = haystack.build_needle_prompt(model.tokenizer, L, [(d, needle.sentence)], needle.question, needle.answer,
                                          seed=seed, instruction=args.instruction, haystack=hay)
         t_p = time.perf_counter()
+        cpu_t_p = time.process_time()
         c0 = G._COMPILE_TIME[0]
         engines, info = build_engines(model, p.ids, policies, tail_capacity, prefill=args.prefill, bar=bar,
                                       share_scores=not args.no_share_scores)
@@ -480,6 +482,7 @@ def run(args) -> dict:
             "needle": dataclasses.asdict(needle), "needle_token_start": p.needle_token_starts[0],
             "actual_depth": p.actual_depths[0], "skipped_chars": p.skipped_chars,
             "prefill_wall_seconds": prefill_s, "seconds": time.perf_counter() - t_p,
+            "process_seconds": time.process_time() - cpu_t_p,
             "compile_seconds": G._COMPILE_TIME[0] - c0,
         })
         tqdm.write(f"[{hay} {L} tok d={d:g} seed {seed} answer {needle.answer}] prefill {prefill_s:.0f} s | full: "
@@ -492,6 +495,8 @@ def run(args) -> dict:
     bar.close()
     payload["summary"] = summarize(records, combos, args.lengths)
     payload["total_seconds"] = time.perf_counter() - t_start
+    payload["total_process_seconds"] = time.process_time()  # CPU seconds of every thread, since start
+    payload["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     payload["peak_rss_bytes"] = common.peak_rss_bytes()
     return payload
 
