@@ -94,6 +94,30 @@ PRESETS = {
 }
 
 
+# Run-time model for the --preset help, in CPU seconds, from a small measured run (2-core Xeon, 2026-11-25:
+# licenses and stdlib-docs at 2000 and 7000 tokens, seed 0, full + snapkv + heterocache at rho 0.5 and 0.3;
+# process_seconds and compile_seconds of each context in the JSON): one context with those five combos after
+# compilation, by length; the first context of a length compiles (~130 s), later ones still compile a little
+# for new question shapes (~20 s). Each further combo: ~8 s a session (a baseline), ~25 s (HeteroCache).
+# Wall time on an idle 2-core machine ~ CPU seconds / bench_needle.IDLE_CORES. The Session rework in progress
+# (chunked turn prefill, HeteroCache re-selecting at each question) will change these; re-measure after it.
+_CONTEXT_CPU_S = {2000: 56.0, 4000: 75.0, 7000: 105.0}
+_FIRST_COMPILE_CPU_S, _MORE_COMPILE_CPU_S = 130.0, 20.0
+
+
+def estimate_minutes(preset: dict) -> float:
+    """Estimated wall minutes of a multi-turn preset on an idle 2-core CPU (cold compilation cache)."""
+    combos = make_combos(preset["policies"], preset["budgets"])
+    n_het = sum(name == "heterocache" for name, _ in combos)
+    n_base = len(combos) - n_het
+    n = len(preset["seeds"]) * len(preset["haystacks"])
+    cpu = bench_needle._LOAD_S
+    for L in preset["lengths"]:
+        per_ctx = bench_needle.interp_cost(_CONTEXT_CPU_S, L) + 8.0 * (n_base - 3) + 25.0 * (n_het - 2)
+        cpu += n * max(per_ctx, 10.0) + _FIRST_COMPILE_CPU_S + _MORE_COMPILE_CPU_S * (n - 1)
+    return cpu / bench_needle.IDLE_CORES / 60
+
+
 # -------------------------------------------------------------------- facts
 @dataclasses.dataclass(frozen=True)
 class Fact:
@@ -643,8 +667,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "once into a Session, asked one per turn; accuracy per turn per policy and budget.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=S,
-                   help="'cpu': the make-bench configuration (about 7 min on 2 cores); 'full' (used when no preset "
-                        "is given): the complete one; 'seeds': 3 seeds at 4K. Explicit arguments override the preset")
+                   help="'cpu': the make-bench configuration on pydoc; 'issue15': issue 15's evaluation (3 haystacks "
+                        "x 3 seeds x 2K/4K/7K, full/snapkv/heterocache at rho 0.5 and 0.3); 'full' (used when no "
+                        "preset is given): the complete one on every haystack; 'seeds': 3 seeds at 4K on every "
+                        "haystack. Explicit arguments override the preset. Estimated time on 2 CPU cores: "
+                        + bench_needle.preset_minutes_help(PRESETS, estimate_minutes))
     p.add_argument("--lengths", type=int, nargs="+", default=S,
                    help="context lengths in tokens (the context is 8192)" + ph("lengths"))
     p.add_argument("--seeds", type=int, nargs="+", default=S, help="one context (fact set) per seed" + ph("seeds"))

@@ -106,6 +106,47 @@ PRESETS = {
 }
 
 
+# Run-time model for the --preset help, in CPU seconds, from small measured runs (2-core Xeon, 2026-11-25,
+# --haystacks pydoc/licenses/stdlib-docs at 1K-7K, full + snapkv + heterocache at rho 0.3; process_seconds of
+# each prompt in the JSON): one prompt with those three combos after compilation, by length; the first prompt
+# of each length also compiles (~40 s). Combos beyond three: ~1.5 s each for a cheap policy, ~4.2 s per 1K
+# prompt tokens for one that scores every token (h2o, cake, pyramidkv: calibrated on the recorded needle-full
+# run, 25 prompts x 7 policies in 32.7 min). Wall time on an idle 2-core machine ~ CPU seconds / 1.3 (the
+# measured runs used about one core each); a machine shared with other jobs takes longer.
+_PROMPT_CPU_S = {1000: 6.2, 2000: 10.0, 4000: 19.4, 7000: 42.0}
+_COMPILE_CPU_S = 40.0
+_SCORING_POLICIES = ("h2o", "cake", "pyramidkv")
+_LOAD_S = 10.0
+IDLE_CORES = 1.3
+
+
+def interp_cost(table: dict[int, float], n: int) -> float:
+    """Piecewise-linear interpolation in ``table`` (length -> seconds), extrapolated from the last two points."""
+    xs = sorted(table)
+    i = max(1, min(len(xs) - 1, next((k for k, x in enumerate(xs) if x >= n), len(xs) - 1)))
+    x0, x1 = xs[i - 1], xs[i]
+    return max(0.0, table[x0] + (table[x1] - table[x0]) * (n - x0) / (x1 - x0))
+
+
+def estimate_minutes(preset: dict) -> float:
+    """Estimated wall minutes of a needle preset on an idle 2-core CPU (cold compilation cache)."""
+    combos = make_combos(preset["policies"], preset["budgets"])
+    extra = combos[3:] if len(combos) > 3 else []
+    n = len(preset["depths"]) * len(preset["seeds"]) * len(preset["haystacks"])
+    cpu = _LOAD_S + _COMPILE_CPU_S * len(preset["lengths"])
+    for L in preset["lengths"]:
+        per_prompt = interp_cost(_PROMPT_CPU_S, L)
+        per_prompt += sum(4.2e-3 * L if name in _SCORING_POLICIES else 1.5 for name, _ in extra)
+        per_prompt *= min(len(combos), 3) / 3 if len(combos) < 3 else 1.0
+        cpu += n * per_prompt
+    return cpu / IDLE_CORES / 60
+
+
+def preset_minutes_help(presets: dict, estimate) -> str:
+    """'cpu ~4 min, issue15 ~11 min, ...' for the --preset help."""
+    return ", ".join(f"{k} ~{estimate(v):.0f} min" for k, v in presets.items()) + " on an idle machine (longer on a shared one)."
+
+
 # ------------------------------------------------------------------ needles
 @dataclasses.dataclass(frozen=True)
 class Needle:
@@ -702,8 +743,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
     p.add_argument("--preset", choices=sorted(PRESETS), default=S,
-                   help="'cpu': the make-bench grid (about 9 min on 2 cores); 'full' (used when no preset is "
-                        "given): the complete grid; 'short': its 1K-4K part. Explicit arguments override the preset")
+                   help="'cpu': the make-bench grid on pydoc; 'issue15': issue 15's grid (3 haystacks x 1K-7K x 3 "
+                        "depths, full/snapkv/heterocache at rho 0.3); 'full' (used when no preset is given): the "
+                        "complete grid on every haystack; 'short': its 1K-4K part. Explicit arguments override the "
+                        "preset. Estimated time on 2 CPU cores: " + preset_minutes_help(PRESETS, estimate_minutes))
     p.add_argument("--lengths", type=int, nargs="+", default=S,
                    help="prompt lengths in tokens (the context is 8192)" + preset_help(PRESETS, "lengths"))
     p.add_argument("--depths", type=float, nargs="+", default=S,

@@ -266,6 +266,12 @@ def test_haystack_names_and_presets():
     assert needle["budgets"] == [0.3] and set(needle["policies"]) == {"full", "snapkv", "heterocache"}
     assert len(multi["seeds"]) >= 3 and {2000, 4000} <= set(multi["lengths"]) and max(multi["lengths"]) <= 7000
     assert sorted(multi["budgets"]) == [0.3, 0.5] and set(multi["policies"]) == {"full", "snapkv", "heterocache"}
+    # every preset's run time is estimated in --preset help, issue 15's within an afternoon on 2 cores
+    for mod in (bn, bm):
+        minutes = {k: mod.estimate_minutes(v) for k, v in mod.PRESETS.items()}
+        assert all(0 < m < 240 for m in minutes.values()) and minutes["cpu"] < minutes["issue15"] < 60
+        assert f"issue15 ~{minutes['issue15']:.0f} min" in bn.preset_minutes_help(mod.PRESETS, mod.estimate_minutes)
+    assert bn.interp_cost({1000: 1.0, 2000: 3.0}, 1500) == 2.0 and bn.interp_cost({1000: 1.0, 2000: 3.0}, 3000) == 5.0
 
 
 @pytest.mark.parametrize("name", HAYSTACKS)
@@ -365,3 +371,29 @@ def test_multiturn_records_and_tables_carry_the_haystack():
     totals = bm.totals_table(payload)
     assert "| snapkv@0.3 | 3/6 | 0/6 | 3/12 (25 %) |" in totals and "| heterocache@0.3 | 4/6 | 6/6 | 10/12" in totals
     assert "pydoc 4 vs 3, stdlib-docs 6 vs 0" in "\n".join(bm.criteria_lines(payload))
+
+
+# --------------------------------------------------- tiny end-to-end runs
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_needle_and_multiturn_run_end_to_end_on_two_haystacks(smollm2_dir, tmp_path):
+    """Both scripts on the real model, two haystacks, tiny prompts: every record, context and table names them."""
+    import json
+
+    hays = ["stdlib-docs", "licenses"]
+    out = tmp_path / "needle.json"
+    assert bn.main(["--lengths", "300", "--depths", "0.5", "--policies", "full", "snapkv", "--haystacks", *hays,
+                    "--max-new-tokens", "2", "--model", smollm2_dir, "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["config"]["haystacks"] == hays and set(d["config"]["haystack_sources"]) == set(hays)
+    assert [p["haystack"] for p in d["prompts"]] == hays and {r["haystack"] for r in d["records"]} == set(hays)
+    assert all(s["per_haystack"] == {h: [s["per_haystack"][h][0], 1] for h in hays} for s in d["summary"])
+    assert "| stdlib-docs | licenses |" in bn.results_table(d) and "Haystack `licenses`" in bn.results_section(d, None)
+
+    out = tmp_path / "multiturn.json"
+    assert bm.main(["--lengths", "400", "--seeds", "0", "--policies", "full", "--haystacks", *hays, "--n-facts", "1",
+                    "--max-new-tokens", "2", "--model", smollm2_dir, "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [c["haystack"] for c in d["contexts"]] == hays and [r["haystack"] for r in d["records"]] == hays
+    assert d["summary"][0]["facts"] == 2 and set(d["summary"][0]["per_haystack"]) == set(hays)
+    assert "| stdlib-docs | licenses |" in bm.totals_table(d)
