@@ -29,10 +29,12 @@ recall statistics from the session's ``GenerationStats`` (drift checks, trigger
 rate, satellite recalls, bytes recalled, host KV bytes); with several haystacks
 the tables also give facts recalled per haystack and in total ("7/9").
 
-    .venv/bin/python benchmarks/bench_multiturn.py --preset cpu      # make bench (~7 min on 2 cores)
+    .venv/bin/python benchmarks/bench_multiturn.py --preset cpu      # make bench (~3 min on 2 cores)
     .venv/bin/python benchmarks/bench_multiturn.py --write-results   # 4000 and 7000 tokens, 3 seeds
     .venv/bin/python benchmarks/bench_multiturn.py --preset seeds --write-results   # 3 seeds at 4000 tokens
-    .venv/bin/python benchmarks/bench_multiturn.py --preset issue15 --write-results # 3 haystacks x 3 seeds
+    .venv/bin/python benchmarks/bench_multiturn.py --preset issue15 --write-results # 3 haystacks x 3 seeds (~39 min)
+
+``--help`` prints every preset's estimated run time on 2 CPU cores (:func:`estimate_minutes`).
 """
 
 from __future__ import annotations

@@ -39,8 +39,10 @@ like the HeteroCache paper's Figure 3 (x = context length, y = depth, colour =
 score), a markdown table on stdout, and with ``--write-results`` the
 ``needle`` section of ``benchmarks/RESULTS.md``.
 
-    .venv/bin/python benchmarks/bench_needle.py --preset cpu           # make bench (~9 min on 2 cores)
-    .venv/bin/python benchmarks/bench_needle.py --preset issue15 --write-results   # 3 haystacks, rho 0.3
+    .venv/bin/python benchmarks/bench_needle.py --preset cpu           # make bench (~3 min on 2 cores)
+    .venv/bin/python benchmarks/bench_needle.py --preset issue15 --write-results   # 3 haystacks, rho 0.3 (~11 min)
+
+``--help`` prints every preset's estimated run time on 2 CPU cores (:func:`estimate_minutes`).
     .venv/bin/python benchmarks/bench_needle.py --write-results        # the full grid
     .venv/bin/python benchmarks/bench_needle.py --lengths 512 --depths 0.5 --policies full snapkv  # smoke test
 """
@@ -137,7 +139,6 @@ def estimate_minutes(preset: dict) -> float:
     for L in preset["lengths"]:
         per_prompt = interp_cost(_PROMPT_CPU_S, L)
         per_prompt += sum(4.2e-3 * L if name in _SCORING_POLICIES else 1.5 for name, _ in extra)
-        per_prompt *= min(len(combos), 3) / 3 if len(combos) < 3 else 1.0
         cpu += n * per_prompt
     return cpu / IDLE_CORES / 60
 

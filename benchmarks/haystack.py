@@ -105,14 +105,15 @@ def _paragraphs(text: str) -> list[str]:
 
 
 def is_prose(paragraph: str) -> bool:
-    """Whether a paragraph reads as English prose: at least 8 words, mostly letters, ends a sentence or clause,
-    no doctest, URL, e-mail address or copyright line, and no answer word or long number."""
+    """Whether a paragraph reads as English prose: at least 8 words, mostly letters, ends a sentence (not a
+    colon introducing code or a list that is left out), no doctest, URL, e-mail address or copyright line, and
+    no answer word or long number."""
     text = " ".join(paragraph.split())
     if len(text.split()) < 8 or ">>>" in text or "://" in text or "www." in text or "@" in text:
         return False
     if sum(c.isalpha() or c == " " for c in text) < 0.85 * len(text):
         return False
-    if not re.search(r"[.:;!?][\"')]?$", text) or re.match(r"(\(c\)|©)?\s*copyright\b", text, re.I):
+    if not re.search(r"[.!?][\"')]?$", text) or re.match(r"(\(c\)|©)?\s*copyright\b", text, re.I):
         return False
     return not (_ANSWER_RE.search(text.lower()) or _LONG_NUMBER_RE.search(text))
 
