@@ -5,8 +5,9 @@ SmolLM2-135M, batch 1, greedy. For every context length and seed, ``--n-facts``
 (default 3) unrelated facts (a ticket number, a person's favourite thing, the day
 of an event, the city of an event; values and subjects from the seed, kinds
 rotated by the seed so each kind visits each depth) are placed at depths
-0.15 / 0.5 / 0.85 of a real-text haystack (``pydoc_data.topics`` via
-``benchmarks/haystack.py``; the seed also picks where the haystack starts). The
+0.15 / 0.5 / 0.85 of a real-text haystack (each of ``--haystacks``:
+``pydoc``, ``stdlib-docs``, ``licenses`` of ``benchmarks/haystack.py``; the
+seed also picks where the haystack starts). The
 context (no question) is prefilled once into a ``hetero_jax.Session`` per
 policy; then one question per fact is asked, one per turn, in depth order, with
 ``--max-new-tokens`` (20) new tokens per answer. A turn is correct iff the
@@ -25,11 +26,15 @@ Reported per length and policy: accuracy per turn, facts recalled in total,
 whether the policy is at most one fact below full KV in every context, whether
 HeteroCache recalls more facts than SnapKV at the same budget, and HeteroCache's
 recall statistics from the session's ``GenerationStats`` (drift checks, trigger
-rate, satellite recalls, bytes recalled, host KV bytes).
+rate, satellite recalls, bytes recalled, host KV bytes); with several haystacks
+the tables also give facts recalled per haystack and in total ("7/9").
 
-    .venv/bin/python benchmarks/bench_multiturn.py --preset cpu      # make bench (~7 min on 2 cores)
+    .venv/bin/python benchmarks/bench_multiturn.py --preset cpu      # make bench (~3 min on 2 cores)
     .venv/bin/python benchmarks/bench_multiturn.py --write-results   # 4000 and 7000 tokens, 3 seeds
     .venv/bin/python benchmarks/bench_multiturn.py --preset seeds --write-results   # 3 seeds at 4000 tokens
+    .venv/bin/python benchmarks/bench_multiturn.py --preset issue15 --write-results # 3 haystacks x 3 seeds (~39 min)
+
+``--help`` prints every preset's estimated run time on 2 CPU cores (:func:`estimate_minutes`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import random
 import re
 import sys
@@ -48,51 +54,70 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_needle  # noqa: E402  (benchmarks/bench_needle.py: answer matching, shared prefill)
 import common  # noqa: E402  (benchmarks/common.py)
 import haystack  # noqa: E402  (benchmarks/haystack.py)
-from bench_needle import answer_correct, combo_label, make_combos  # noqa: E402
+from bench_needle import (  # noqa: E402
+    _frac, answer_correct, combo_label, config_haystacks, haystacks_of, make_combos, record_haystack,
+)
 
 SECTION = "multiturn"
 MODEL = "smollm2-135m"
 MiB = 2**20
 
-# Benchmark-only policy names: configurations of a registered policy that the registry's defaults do not give.
-VARIANTS = {
-    "heterocache-own": "HeteroCache with the shipped profile re-clustered at tau_sim 0.5, recall='own' and "
-                       "tau_drift 1.01 (a recall at every check): the configuration of "
-                       "tests/test_session_smollm2.py",
-}
-
-
-def build_policy(model, name: str, rho: float):
-    """The policy a combo (name, rho) runs: a registered policy, or one of :data:`VARIANTS`."""
-    from hetero_jax.policies import HeteroCache, make_policy
-
-    if name == "heterocache-own":
-        profile = HeteroCache().bind(model).profile.reclustered(tau_sim=0.5)
-        return HeteroCache(profile=profile, budget=rho, recall="own", tau_drift=1.01)
-    return make_policy(name, None if name == "full" else rho)
-
-
 PRESETS = {
     "full": {
         "lengths": [4000, 7000],
         "seeds": [0, 1, 2],
-        "policies": ["full", "streamingllm", "snapkv", "heterocache", "heterocache-own"],
+        "policies": ["full", "streamingllm", "snapkv", "heterocache"],
         "budgets": [0.3, 0.5],
+        "haystacks": list(haystack.HAYSTACKS),
     },
     # more contexts at one length (section multiturn-seeds): three fact sets and haystack starts at 4K
     "seeds": {
         "lengths": [4000],
         "seeds": [0, 1, 2],
-        "policies": ["full", "streamingllm", "snapkv", "heterocache", "heterocache-own"],
+        "policies": ["full", "streamingllm", "snapkv", "heterocache"],
         "budgets": [0.3, 0.5],
+        "haystacks": list(haystack.HAYSTACKS),
     },
     "cpu": {  # make bench: about 7 minutes on a 2-core CPU
         "lengths": [3000],
         "seeds": [0],
         "policies": ["full", "streamingllm", "snapkv", "heterocache"],
         "budgets": [0.3, 0.5],
+        "haystacks": ["pydoc"],  # the one haystack make bench has always used
+    },
+    # issue 15: HeteroCache vs SnapKV vs full KV on every haystack, 3 fact sets each, 2K-7K
+    "issue15": {
+        "lengths": [2000, 4000, 7000],
+        "seeds": [0, 1, 2],
+        "policies": ["full", "snapkv", "heterocache"],
+        "budgets": [0.5, 0.3],
+        "haystacks": list(haystack.HAYSTACKS),
     },
 }
+
+
+# Run-time model for the --preset help, in CPU seconds, from a small measured run (2-core Xeon, 2026-11-25:
+# licenses and stdlib-docs at 2000 and 7000 tokens, seed 0, full + snapkv + heterocache at rho 0.5 and 0.3;
+# process_seconds and compile_seconds of each context in the JSON): one context with those five combos after
+# compilation, by length; the first context of a length compiles (~130 s), later ones still compile a little
+# for new question shapes (~20 s). Each further combo: ~8 s a session (a baseline), ~25 s (HeteroCache).
+# Wall time on an idle 2-core machine ~ CPU seconds / bench_needle.IDLE_CORES. The Session rework in progress
+# (chunked turn prefill, HeteroCache re-selecting at each question) will change these; re-measure after it.
+_CONTEXT_CPU_S = {2000: 56.0, 4000: 75.0, 7000: 105.0}
+_FIRST_COMPILE_CPU_S, _MORE_COMPILE_CPU_S = 130.0, 20.0
+
+
+def estimate_minutes(preset: dict) -> float:
+    """Estimated wall minutes of a multi-turn preset on an idle 2-core CPU (cold compilation cache)."""
+    combos = make_combos(preset["policies"], preset["budgets"])
+    n_het = sum(name == "heterocache" for name, _ in combos)
+    n_base = len(combos) - n_het
+    n = len(preset["seeds"]) * len(preset["haystacks"])
+    cpu = bench_needle._LOAD_S
+    for L in preset["lengths"]:
+        per_ctx = bench_needle.interp_cost(_CONTEXT_CPU_S, L) + 8.0 * (n_base - 3) + 25.0 * (n_het - 2)
+        cpu += n * max(per_ctx, 10.0) + _FIRST_COMPILE_CPU_S + _MORE_COMPILE_CPU_S * (n - 1)
+    return cpu / bench_needle.IDLE_CORES / 60
 
 
 # -------------------------------------------------------------------- facts
@@ -120,16 +145,16 @@ _CITIES = ["Lisbon", "Oslo", "Nairobi", "Montevideo", "Reykjavik", "Kyoto", "Ant
 FACT_KINDS = ("number", "favourite", "day", "city")
 
 
-def _ticket_number(rng: random.Random) -> str:
-    """A 4-digit number that does not occur in the haystack corpus."""
-    corpus = haystack.pydoc_corpus()
+def _ticket_number(rng: random.Random, haystack_name: str = haystack.DEFAULT_HAYSTACK) -> str:
+    """A 4-digit number that does not occur in the haystack's corpus."""
+    corpus = haystack.haystack_corpus(haystack_name)
     while True:
         n = str(rng.randint(1000, 9999))
         if not re.search(rf"(?<!\d){n}(?!\d)", corpus):
             return n
 
 
-def _make_fact(kind: str, rng: random.Random, used: set) -> Fact:
+def _make_fact(kind: str, rng: random.Random, used: set, haystack_name: str = haystack.DEFAULT_HAYSTACK) -> Fact:
     def pick(pool):
         left = [x for x in pool if x not in used] or list(pool)
         x = rng.choice(left)
@@ -138,7 +163,7 @@ def _make_fact(kind: str, rng: random.Random, used: set) -> Fact:
 
     if kind == "number":  # not "code": next to Python's documentation the model starts writing code
         thing = pick(_TICKETS)
-        n = _ticket_number(rng)
+        n = _ticket_number(rng, haystack_name)
         return Fact(kind, f"The ticket number for the {thing} is {n}.", f"What is the ticket number for the {thing}?",
                     n)
     if kind == "favourite":
@@ -155,14 +180,17 @@ def _make_fact(kind: str, rng: random.Random, used: set) -> Fact:
     raise ValueError(f"unknown fact kind {kind!r}; known: {', '.join(FACT_KINDS)}")
 
 
-def make_facts(seed: int, n: int = 3) -> list[Fact]:
-    """``n`` unrelated facts for ``seed``: kinds rotated by the seed, subjects and values drawn from it."""
+def make_facts(seed: int, n: int = 3, haystack_name: str = haystack.DEFAULT_HAYSTACK) -> list[Fact]:
+    """``n`` unrelated facts for ``seed``: kinds rotated by the seed, subjects and values drawn from it.
+
+    The ticket number is one that ``haystack_name``'s corpus does not contain (so, rarely, the facts of a seed
+    differ between haystacks); no other answer word occurs in any haystack (``haystack.ANSWER_WORDS``)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     rng = random.Random(f"multiturn-facts-{seed}")
     kinds = [FACT_KINDS[(seed + i) % len(FACT_KINDS)] for i in range(n)]
     used: set = set()
-    return [_make_fact(k, rng, used) for k in kinds]
+    return [_make_fact(k, rng, used, haystack_name) for k in kinds]
 
 
 def fact_depths(n: int) -> list[float]:
@@ -185,7 +213,8 @@ class Context:
     actual_depths: list[float]
 
 
-def build_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[float], seed: int) -> Context:
+def build_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[float], seed: int,
+                  haystack_name: str = haystack.DEFAULT_HAYSTACK) -> Context:
     """The context with ``facts`` at ``depths`` whose session prefill is about ``n_tokens`` tokens.
 
     ``haystack.build_needle_prompt`` counts the chat template's generation
@@ -196,7 +225,7 @@ def build_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[floa
         raise ValueError(f"{len(facts)} facts but {len(depths)} depths")
     suffix = haystack._suffix_len(tokenizer, True)
     p = haystack.build_needle_prompt(tokenizer, n_tokens + suffix, list(zip(depths, [f.sentence for f in facts])),
-                                     None, "", seed=seed)
+                                     None, "", seed=seed, haystack=haystack_name)
     ids, tail = session_context_ids(tokenizer, p.text)
     # needle_token_starts index the chat prompt; its prefix is the session's ids
     return Context(text=p.text, ids=ids, tail_capacity=tail, facts=list(facts), depths=list(depths),
@@ -261,8 +290,13 @@ def session_around(model, context: str, engine, ids: list[int]):
 
 
 # ------------------------------------------------------------ aggregation
+def _session_key(r: dict) -> tuple[str, int]:
+    return record_haystack(r), r["seed"]
+
+
 def summarize(records: list[dict], combos, lengths, n_facts: int) -> list[dict]:
-    """One row per (length, combo): per-turn accuracy, facts recalled, recall stats, comparison with full KV."""
+    """One row per (length, combo), every haystack pooled: per-turn accuracy, facts recalled (in total and per
+    haystack), recall stats."""
     rows = []
     for L in lengths:
         for name, rho in combos:
@@ -270,9 +304,13 @@ def summarize(records: list[dict], combos, lengths, n_facts: int) -> list[dict]:
             rs = [r for r in records if r["length"] == L and r["label"] == label]
             if not rs:
                 continue
-            sessions = sorted({r["seed"] for r in rs})
+            sessions = sorted({_session_key(r) for r in rs})
             per_turn = [[r["correct"] for r in rs if r["turn"] == t] for t in range(n_facts)]
-            last = {s: max((r for r in rs if r["seed"] == s), key=lambda r: r["turn"]) for s in sessions}
+            last = {s: max((r for r in rs if _session_key(r) == s), key=lambda r: r["turn"]) for s in sessions}
+            per_hay = {}
+            for h in haystacks_of(rs):
+                c = [r["correct"] for r in rs if record_haystack(r) == h]
+                per_hay[h] = (sum(c), len(c))
             recall = [last[s]["recall"] for s in sessions]
             checks = sum(x.get("drift_checks", 0) for x in recall)
             triggers = sum(x.get("drift_triggers", 0) for x in recall)
@@ -280,7 +318,7 @@ def summarize(records: list[dict], combos, lengths, n_facts: int) -> list[dict]:
                 "length": L, "label": label, "policy": name, "rho": rho, "sessions": len(sessions),
                 "turn_correct": [sum(c) for c in per_turn], "turn_total": [len(c) for c in per_turn],
                 "turn_accuracy": [sum(c) / len(c) if c else None for c in per_turn],
-                "recalled": sum(r["correct"] for r in rs), "facts": len(rs),
+                "recalled": sum(r["correct"] for r in rs), "facts": len(rs), "per_haystack": per_hay,
                 "achieved_rho": sum(r["achieved_rho"] for r in rs) / len(rs),
                 "drift_checks": checks, "drift_triggers": triggers,
                 "trigger_rate": triggers / checks if checks else None,
@@ -292,35 +330,39 @@ def summarize(records: list[dict], combos, lengths, n_facts: int) -> list[dict]:
     return rows
 
 
-def recalled_per_session(records: list[dict], label: str) -> dict[tuple[int, int], int]:
-    """{(length, seed): facts recalled} of one combo."""
-    out: dict[tuple[int, int], int] = {}
+def recalled_per_session(records: list[dict], label: str) -> dict[tuple[str, int, int], int]:
+    """{(haystack, length, seed): facts recalled} of one combo."""
+    out: dict[tuple[str, int, int], int] = {}
     for r in records:
         if r["label"] == label:
-            out[(r["length"], r["seed"])] = out.get((r["length"], r["seed"]), 0) + int(r["correct"])
+            k = (record_haystack(r), r["length"], r["seed"])
+            out[k] = out.get(k, 0) + int(r["correct"])
     return out
 
 
 def within_one_of_full(records: list[dict], label: str) -> dict:
-    """Whether ``label`` recalls at most one fact fewer than full KV in every context (length, seed)."""
+    """Whether ``label`` recalls at most one fact fewer than full KV in every context (haystack, length, seed)."""
     ref, mine = recalled_per_session(records, "full"), recalled_per_session(records, label)
     keys = sorted(set(ref) & set(mine))
     worst = [k for k in keys if mine[k] < ref[k] - 1]
     return {"met": bool(keys) and not worst, "contexts": len(keys),
-            "failing": [{"length": L, "seed": s, "full": ref[(L, s)], "recalled": mine[(L, s)]} for L, s in worst],
+            "failing": [{"haystack": h, "length": L, "seed": s, "full": ref[(h, L, s)], "recalled": mine[(h, L, s)]}
+                        for h, L, s in worst],
             "max_shortfall": max((ref[k] - mine[k] for k in keys), default=0)}
 
 
-def hetero_vs_snapkv(records: list[dict], budgets, name: str = "heterocache") -> list[dict]:
-    """Per budget: facts recalled by ``name`` (a HeteroCache configuration) and by SnapKV over every context;
-    met iff ``name``'s is higher. The key "heterocache" holds ``name``'s count."""
+def hetero_vs_snapkv(records: list[dict], budgets) -> list[dict]:
+    """Per budget: facts recalled by HeteroCache and by SnapKV over every context, in total and per haystack;
+    met iff HeteroCache's total is higher."""
     out = []
     for b in budgets:
-        h, s = (sum(recalled_per_session(records, combo_label(n, b)).values()) for n in (name, "snapkv"))
-        ran = any(r["label"] == combo_label(name, b) for r in records) and \
-            any(r["label"] == combo_label("snapkv", b) for r in records)
-        if ran:
-            out.append({"rho": b, "heterocache": h, "snapkv": s, "met": h > s})
+        labels = [combo_label(n, b) for n in ("heterocache", "snapkv")]
+        if not all(any(r["label"] == lab for r in records) for lab in labels):
+            continue
+        counts = [recalled_per_session(records, lab) for lab in labels]
+        h, s = (sum(c.values()) for c in counts)
+        per_hay = {hay: [sum(v for k, v in c.items() if k[0] == hay) for c in counts] for hay in haystacks_of(records)}
+        out.append({"rho": b, "heterocache": h, "snapkv": s, "met": h > s, "per_haystack": per_hay})
     return out
 
 
@@ -343,6 +385,8 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     import hetero_jax
+    from hetero_jax.policies import make_policy
+
     G = importlib.import_module("hetero_jax.generate")
     if not args.no_compile_cache:
         from hetero_jax.cli import enable_compilation_cache
@@ -355,7 +399,7 @@ def run(args) -> dict:
     t_start = time.perf_counter()
     model = hetero_jax.load(args.model, dtype=args.dtype, progress=False)
     load_s = time.perf_counter() - t_start
-    policies = [build_policy(model, n, r) for n, r in combos]
+    policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
     # a combo whose budget its profile cannot meet at some length is left out and named in the report
     skipped = {}
     for lab, pol in zip(labels, policies):
@@ -369,11 +413,11 @@ def run(args) -> dict:
     config = {
         "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
         "lengths": args.lengths, "seeds": args.seeds, "budgets": args.budgets, "policies": args.policies,
-        "combos": labels, "policy_reprs": [repr(p) for p in policies],
-        "variants": {n: VARIANTS[n] for n in args.policies if n in VARIANTS}, "n_facts": args.n_facts,
+        "combos": labels, "policy_reprs": [repr(p) for p in policies], "n_facts": args.n_facts,
         "fact_depths": depths, "max_new_tokens": args.max_new_tokens, "prefill": args.prefill,
         "compile_cache": not args.no_compile_cache, "temperature": 0.0, "batch": 1, "chat_template": True,
-        "haystack": "pydoc_data.topics.topics, sorted keys joined by blank lines (benchmarks/haystack.py)",
+        "haystacks": args.haystacks,
+        "haystack_sources": {h: haystack.haystack_info(h, model.tokenizer) for h in args.haystacks},
         "matching": "bench_needle.answer_correct: case-insensitive whole words; numbers as one number",
         "out": str(args.out), "plot": str(args.plot), "skipped": skipped,
     }
@@ -381,15 +425,16 @@ def run(args) -> dict:
     payload.update(load_seconds=load_s, contexts=[], records=[])
     records = payload["records"]
 
-    grid = [(L, s) for L in args.lengths for s in args.seeds]
+    grid = [(h, L, s) for h in args.haystacks for L in args.lengths for s in args.seeds]
     bar = tqdm(total=len(grid) * len(combos), desc="multiturn", unit="session", dynamic_ncols=True)
-    for L, seed in grid:
-        facts = make_facts(seed, args.n_facts)
-        ctx = build_context(model.tokenizer, L, facts, depths, seed)
+    for hay, L, seed in grid:
+        facts = make_facts(seed, args.n_facts, hay)
+        ctx = build_context(model.tokenizer, L, facts, depths, seed, hay)
         turns_room = model.config.max_position_embeddings - len(ctx.ids)
         t_c = time.perf_counter()
+        cpu_t_c = time.process_time()
         c0 = G._COMPILE_TIME[0]
-        bar.set_description(f"{L} tok, seed {seed}")
+        bar.set_description(f"{hay}, {L} tok, seed {seed}")
         if args.prefill == "shared":
             engines, info = bench_needle.build_engines(model, ctx.ids, policies, ctx.tail_capacity, bar=bar)
         else:
@@ -409,7 +454,7 @@ def run(args) -> dict:
                 res = sess.ask(fact.question, max_new_tokens=args.max_new_tokens)
                 st = res.stats
                 records.append({
-                    "length": L, "seed": seed, "label": label, "policy": name, "rho": rho, "turn": t,
+                    "haystack": hay, "length": L, "seed": seed, "label": label, "policy": name, "rho": rho, "turn": t,
                     "kind": fact.kind, "depth": depths[t], "actual_depth": ctx.actual_depths[t],
                     "question": fact.question, "answer": fact.answer, "text": res.text,
                     "generated_ids": res.token_ids, "stop_reason": st.stop_reason,
@@ -422,25 +467,27 @@ def run(args) -> dict:
                     **info[i],
                 })
             del sess
-            row = [r for r in records if r["length"] == L and r["seed"] == seed and r["label"] == label]
-            tqdm.write(f"[{L} tok seed {seed}] {label}: " + " | ".join(
+            row = [r for r in records if r["haystack"] == hay and r["length"] == L and r["seed"] == seed
+                   and r["label"] == label]
+            tqdm.write(f"[{hay} {L} tok seed {seed}] {label}: " + " | ".join(
                 f"{'Y' if r['correct'] else 'n'} {r['text']!r}" for r in row)
                 + f"  ({time.perf_counter() - t_s:.0f} s)")
             bar.update(1)
         payload["contexts"].append({
-            "length": L, "seed": seed, "context_tokens": len(ctx.ids), "room_after_context": turns_room,
+            "haystack": hay, "length": L, "seed": seed, "context_tokens": len(ctx.ids), "room_after_context": turns_room,
             "facts": [dataclasses.asdict(f) for f in facts], "depths": depths,
             "fact_token_starts": ctx.fact_token_starts, "actual_depths": ctx.actual_depths,
             "prefill_wall_seconds": prefill_s, "seconds": time.perf_counter() - t_c,
+            "process_seconds": time.process_time() - cpu_t_c,
             "compile_seconds": G._COMPILE_TIME[0] - c0,
         })
     bar.close()
     payload["summary"] = summarize(records, combos, args.lengths, args.n_facts)
     payload["within_one_of_full"] = {lab: within_one_of_full(records, lab) for lab in labels if lab != "full"}
     payload["heterocache_vs_snapkv"] = hetero_vs_snapkv(records, args.budgets)
-    payload["variants_vs_snapkv"] = {n: hetero_vs_snapkv(records, args.budgets, n) for n in VARIANTS
-                                     if n in args.policies}
     payload["total_seconds"] = time.perf_counter() - t_start
+    payload["total_process_seconds"] = time.process_time()  # CPU seconds of every thread, since start
+    payload["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     payload["peak_rss_bytes"] = common.peak_rss_bytes()
     return payload
 
@@ -449,8 +496,11 @@ def run(args) -> dict:
 def results_table(payload: dict) -> str:
     cfg = payload["config"]
     depths = cfg["fact_depths"]
+    hays = config_haystacks(cfg)
+    per_hay = hays if len(hays) > 1 else []
     headers = ["context tok", "policy", "rho", "achieved rho",
-               *[f"turn {t + 1} (d={d:g})" for t, d in enumerate(depths)], "facts recalled", "≤ 1 below full",
+               *[f"turn {t + 1} (d={d:g})" for t, d in enumerate(depths)], *per_hay, "facts recalled",
+               "≤ 1 below full",
                "drift checks", "trigger rate", "recalls", "KiB recalled", "host KV MiB"]
     rows = []
     for s in payload["summary"]:
@@ -460,6 +510,7 @@ def results_table(payload: dict) -> str:
             common.fmt_num(s["length"]), s["policy"], "—" if s["policy"] == "full" else f"{s['rho']:g}",
             common.fmt_num(s["achieved_rho"], 3),
             *[f"{c}/{n}" for c, n in zip(s["turn_correct"], s["turn_total"])],
+            *[_frac(*s.get("per_haystack", {}).get(h, (0, 0))) for h in per_hay],
             f"{s['recalled']}/{s['facts']}", "(reference)" if w is None else ("yes" if w["met"] else "no"),
             common.fmt_num(s["drift_checks"]) if hetero else "—",
             f"{100 * s['trigger_rate']:.0f} %" if s["trigger_rate"] is not None else "—",
@@ -467,7 +518,21 @@ def results_table(payload: dict) -> str:
             common.fmt_num(s["bytes_recalled"] / 1024, 0) if hetero else "—",
             common.fmt_num(s["kv_bytes_host"] / MiB, 1) if hetero else "—",
         ])
-    return common.markdown_table(headers, rows, align="rllr" + "r" * len(depths) + "rcrrrrr")
+    return common.markdown_table(headers, rows, align="rllr" + "r" * (len(depths) + len(per_hay)) + "rcrrrrr")
+
+
+def totals_table(payload: dict) -> str:
+    """Facts recalled per policy over every context length: per haystack and in total ("7/9")."""
+    hays = config_haystacks(payload["config"])
+    rows = []
+    for label in payload["config"]["combos"]:
+        rs = [s for s in payload["summary"] if s["label"] == label]
+        if not rs:
+            continue
+        per = [[sum(s.get("per_haystack", {}).get(h, (0, 0))[i] for s in rs) for i in (0, 1)] for h in hays]
+        rec, tot = sum(s["recalled"] for s in rs), sum(s["facts"] for s in rs)
+        rows.append([label, *[_frac(*p) for p in per], f"{_frac(rec, tot)} ({100 * rec / tot:.0f} %)"])
+    return common.markdown_table(["policy", *hays, "total"], rows, align="l" + "r" * (len(hays) + 1))
 
 
 def criteria_lines(payload: dict) -> list[str]:
@@ -477,31 +542,37 @@ def criteria_lines(payload: dict) -> list[str]:
     n_facts = sum(len(c["facts"]) for c in payload["contexts"])
     close = [lab for lab, v in w.items() if v["met"]]
     far = [f"{lab} (up to {v['max_shortfall']} below)" for lab, v in w.items() if not v["met"]]
-    lines = [f"- Over {n_ctx} context(s), {n_facts} facts per policy.",
+    lines = [f"- Over {n_ctx} context(s) ({', '.join(config_haystacks(payload['config']))}), {n_facts} facts per "
+             "policy.",
              f"- At most one fact below full KV in every context: {', '.join(close) or 'none'}"
              + (f"; not: {', '.join(far)}." if far else ".")]
     for c in payload["heterocache_vs_snapkv"]:
+        per = c.get("per_haystack") or {}
         lines.append(f"- HeteroCache above SnapKV at rho {c['rho']:g}: **{'MET' if c['met'] else 'NOT MET'}** "
-                     f"({c['heterocache']} vs {c['snapkv']} facts recalled).")
-    for name, cs in payload.get("variants_vs_snapkv", {}).items():
-        for c in cs:
-            lines.append(f"- {name} (not the default configuration) above SnapKV at rho {c['rho']:g}: "
-                         f"{'yes' if c['met'] else 'no'} ({c['heterocache']} vs {c['snapkv']} facts recalled).")
+                     f"({c['heterocache']} vs {c['snapkv']} facts recalled"
+                     + (": " + ", ".join(f"{h} {a} vs {b}" for h, (a, b) in per.items()) if len(per) > 1 else "")
+                     + ").")
     return lines
 
 
 def answers_table(payload: dict, label: str = "full") -> str:
-    rows = [[common.fmt_num(r["length"]), str(r["seed"]), str(r["turn"] + 1), f"{r['actual_depth']:.2f}", r["question"],
-             r["answer"], repr(r["text"]), "yes" if r["correct"] else "no"]
+    many = len(config_haystacks(payload["config"])) > 1
+    rows = [[*([record_haystack(r)] if many else []), common.fmt_num(r["length"]), str(r["seed"]), str(r["turn"] + 1),
+             f"{r['actual_depth']:.2f}", r["question"], r["answer"], repr(r["text"]), "yes" if r["correct"] else "no"]
             for r in payload["records"] if r["label"] == label]
-    return common.markdown_table(["context tok", "seed", "turn", "fact at", "question", "answer", f"{label} answer",
-                                  "correct"], rows, align="rrrrlllc")
+    return common.markdown_table([*(["haystack"] if many else []), "context tok", "seed", "turn", "fact at", "question",
+                                  "answer", f"{label} answer", "correct"], rows,
+                                 align=("l" if many else "") + "rrrrlllc")
 
 
 def results_section(payload: dict, plot_rel: str | None) -> str:
     cfg = payload["config"]
     ctxs = payload["contexts"]
-    tok = ", ".join(sorted({f"{c['context_tokens']:,}" for c in ctxs}))
+    tok = ", ".join(f"{n:,}" for n in sorted({c["context_tokens"] for c in ctxs}))
+    hays = config_haystacks(cfg)
+    hay_text = (f"each of {len(hays)} real-text haystacks ({', '.join(f'`{h}`' for h in hays)}; below)"
+                if len(hays) > 1 else f"a real-text haystack (`{hays[0]}`"
+                + (": `pydoc_data.topics`" if hays[0] == "pydoc" else "") + ")")
     lines = [
         common.results_header(f"Multi-turn recall: {cfg['model']}, {cfg['n_facts']} facts, one question per turn",
                               payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
@@ -509,7 +580,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         f"{cfg['n_facts']} unrelated facts (a ticket number, a person's favourite thing, the day or the city of an "
         "event; "
         f"values from seed{'s' if len(cfg['seeds']) > 1 else ''} {', '.join(map(str, cfg['seeds']))}) at depths "
-        f"{' / '.join(f'{d:g}' for d in cfg['fact_depths'])} of a real-text haystack (`pydoc_data.topics`); the "
+        f"{' / '.join(f'{d:g}' for d in cfg['fact_depths'])} of {hay_text}; the "
         f"context ({tok} tokens) is prefilled once into a `Session` per policy ("
         f"{'one forward pass shared by every policy' if cfg['prefill'] == 'shared' else 'one prefill each'}), then one "
         f"question per fact is asked per turn in depth order, up to {cfg['max_new_tokens']} new tokens each, greedy, "
@@ -519,11 +590,14 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "`GenerationStats` after the last turn (drift checks per pivot, triggered fraction, satellite recalls, "
         "bytes recalled to the device; summed over contexts) and the satellites' KV in pinned host memory "
         "(the largest context's)."
-        + "".join(f" Policy `{n}`: {d}." for n, d in cfg.get("variants", {}).items())
         + "".join(f" Not run: {lab} ({err})." for lab, err in cfg.get("skipped", {}).items()),
         "",
+        *bench_needle.haystack_lines(cfg),
+        *([""] if cfg.get("haystack_sources") else []),
         results_table(payload),
         "",
+        *(["Facts recalled per haystack, every context length:", "", totals_table(payload), ""]
+          if len(hays) > 1 else []),
         *criteria_lines(payload),
         "",
         "Full-KV answers (the reference):",
@@ -587,7 +661,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 def parse_args(argv=None) -> argparse.Namespace:
     from hetero_jax.policies import REGISTRY
 
-    names = [*REGISTRY, *VARIANTS]
+    names = list(REGISTRY)
     ph = lambda key: bench_needle.preset_help(PRESETS, key)  # noqa: E731
     S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
     p = argparse.ArgumentParser(
@@ -595,15 +669,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "once into a Session, asked one per turn; accuracy per turn per policy and budget.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=S,
-                   help="'cpu': the make-bench configuration (about 7 min on 2 cores); 'full' (used when no preset "
-                        "is given): the complete one; 'seeds': 3 seeds at 4K. Explicit arguments override the preset")
+                   help="'cpu': the make-bench configuration on pydoc; 'issue15': issue 15's evaluation (3 haystacks "
+                        "x 3 seeds x 2K/4K/7K, full/snapkv/heterocache at rho 0.5 and 0.3); 'full' (used when no "
+                        "preset is given): the complete one on every haystack; 'seeds': 3 seeds at 4K on every "
+                        "haystack. Explicit arguments override the preset. Estimated time on 2 CPU cores: "
+                        + bench_needle.preset_minutes_help(PRESETS, estimate_minutes))
     p.add_argument("--lengths", type=int, nargs="+", default=S,
                    help="context lengths in tokens (the context is 8192)" + ph("lengths"))
     p.add_argument("--seeds", type=int, nargs="+", default=S, help="one context (fact set) per seed" + ph("seeds"))
     p.add_argument("--policies", nargs="+", default=S, choices=names,
-                   help="registered policies, or " + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items())
-                        + "; full KV always runs, as the reference" + ph("policies"))
+                   help="registered policies; full KV always runs, as the reference" + ph("policies"))
     p.add_argument("--budgets", type=float, nargs="+", default=S, help="budgets rho in (0, 1]" + ph("budgets"))
+    p.add_argument("--haystacks", nargs="+", default=S, choices=list(haystack.HAYSTACKS), metavar="NAME",
+                   help="haystacks (benchmarks/haystack.py HAYSTACKS: " + ", ".join(haystack.HAYSTACKS)
+                        + "); every (length, seed) context is built on each" + ph("haystacks"))
     p.add_argument("--n-facts", type=int, default=3, help="facts per context (= turns)")
     p.add_argument("--fact-depths", type=float, nargs="+", default=None,
                    help="depth of each fact (default: evenly from 0.15 to 0.85)")
@@ -637,6 +716,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if any(not 0.0 <= d <= 1.0 for d in args.fact_depths) or sorted(args.fact_depths) != args.fact_depths:
             p.error("--fact-depths must be increasing, in [0, 1] (facts are asked in depth order)")
     args.budgets = list(dict.fromkeys(args.budgets))
+    args.haystacks = list(dict.fromkeys(args.haystacks))
     return args
 
 
@@ -647,6 +727,8 @@ def main(argv=None) -> int:
     png = make_plot(payload, args.plot)
     print(f"wrote {out}" + (f" and {png}" if png else ""))
     print(results_table(payload))
+    if len(args.haystacks) > 1:
+        print(totals_table(payload))
     print("\n".join(criteria_lines(payload)))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
     if args.write_results:

@@ -3,9 +3,11 @@
 
 SmolLM2-135M (``hetero_jax.load("smollm2-135m")``), batch 1, greedy. For every
 prompt length, needle depth and seed, one prompt is built with
-``benchmarks/haystack.py``: real text (``pydoc_data.topics``), one needle
-sentence at that depth of the haystack, then the question, in the chat
-template, exactly N tokens. The default needle is "The special magic number is
+``benchmarks/haystack.py``: real text from each haystack of ``--haystacks``
+(``pydoc``: ``pydoc_data.topics``; ``stdlib-docs``: standard-library docstrings;
+``licenses``: license texts of installed packages; see ``haystack.HAYSTACKS``),
+one needle sentence at that depth of the haystack, then the question, in the
+chat template, exactly N tokens. The default needle is "The special magic number is
 K." / "What is the special magic number mentioned in the text?" with a 5-digit
 K from the seed (``--needle`` picks another kind; see ``NEEDLE_KINDS``). The
 seed also picks where in the corpus the haystack starts.
@@ -26,7 +28,10 @@ one ``Engine`` per policy (exactly ``generate``); ``--check-generate`` re-runs
 
 Correctness: :func:`answer_correct` (numbers: the digits as one number; words:
 the answer as whole word(s), case- and punctuation-insensitive, a plural
-``s``/``es`` allowed). A cell's score is the fraction of its seeds answered.
+``s``/``es`` allowed). A cell's score is the fraction of its seeds answered;
+with several haystacks a (length, depth) cell pools them, the comparison with
+full KV is per (haystack, length, depth), and the tables give counts per
+haystack and in total.
 
 Outputs: ``--out`` JSON (full config, machine, commit, every cell: prompt
 tokens, needle position, generated text, correct), a PNG heatmap per policy
@@ -34,7 +39,10 @@ like the HeteroCache paper's Figure 3 (x = context length, y = depth, colour =
 score), a markdown table on stdout, and with ``--write-results`` the
 ``needle`` section of ``benchmarks/RESULTS.md``.
 
-    .venv/bin/python benchmarks/bench_needle.py --preset cpu           # make bench (~9 min on 2 cores)
+    .venv/bin/python benchmarks/bench_needle.py --preset cpu           # make bench (~3 min on 2 cores)
+    .venv/bin/python benchmarks/bench_needle.py --preset issue15 --write-results   # 3 haystacks, rho 0.3 (~11 min)
+
+``--help`` prints every preset's estimated run time on 2 CPU cores (:func:`estimate_minutes`).
     .venv/bin/python benchmarks/bench_needle.py --write-results        # the full grid
     .venv/bin/python benchmarks/bench_needle.py --lengths 512 --depths 0.5 --policies full snapkv  # smoke test
 """
@@ -44,6 +52,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import random
 import re
 import sys
@@ -68,6 +77,7 @@ PRESETS = {
         "policies": ["full", "streamingllm", "snapkv", "pyramidkv", "h2o", "cake", "heterocache"],
         "budgets": [0.3],
         "seeds": [0],
+        "haystacks": list(haystack.HAYSTACKS),
     },
     # the full grid's depths and policies at 1K-4K only (section needle-short), sized for 2 cores
     "short": {
@@ -76,6 +86,7 @@ PRESETS = {
         "policies": ["full", "streamingllm", "snapkv", "pyramidkv", "h2o", "cake", "heterocache"],
         "budgets": [0.3],
         "seeds": [0],
+        "haystacks": list(haystack.HAYSTACKS),
     },
     "cpu": {  # make bench: about 9 minutes on a 2-core CPU
         "lengths": [1000, 2000, 4000],
@@ -83,8 +94,58 @@ PRESETS = {
         "policies": ["full", "streamingllm", "snapkv", "heterocache"],
         "budgets": [0.3],
         "seeds": [0],
+        "haystacks": ["pydoc"],  # the one haystack make bench has always used
+    },
+    # issue 15: is HeteroCache's needle score a property of the pydoc haystack? Every haystack, 1K-7K, rho 0.3
+    "issue15": {
+        "lengths": [1000, 2000, 4000, 7000],
+        "depths": [0.1, 0.5, 0.9],
+        "policies": ["full", "snapkv", "heterocache"],
+        "budgets": [0.3],
+        "seeds": [0],
+        "haystacks": list(haystack.HAYSTACKS),
     },
 }
+
+
+# Run-time model for the --preset help, in CPU seconds, from small measured runs (2-core Xeon, 2026-11-25,
+# --haystacks pydoc/licenses/stdlib-docs at 1K-7K, full + snapkv + heterocache at rho 0.3; process_seconds of
+# each prompt in the JSON): one prompt with those three combos after compilation, by length; the first prompt
+# of each length also compiles (~40 s). Combos beyond three: ~1.5 s each for a cheap policy, ~4.2 s per 1K
+# prompt tokens for one that scores every token (h2o, cake, pyramidkv: calibrated on the recorded needle-full
+# run, 25 prompts x 7 policies in 32.7 min). Wall time on an idle 2-core machine ~ CPU seconds / 1.3 (the
+# measured runs used about one core each); a machine shared with other jobs takes longer.
+_PROMPT_CPU_S = {1000: 6.2, 2000: 10.0, 4000: 19.4, 7000: 42.0}
+_COMPILE_CPU_S = 40.0
+_SCORING_POLICIES = ("h2o", "cake", "pyramidkv")
+_LOAD_S = 10.0
+IDLE_CORES = 1.3
+
+
+def interp_cost(table: dict[int, float], n: int) -> float:
+    """Piecewise-linear interpolation in ``table`` (length -> seconds), extrapolated from the last two points."""
+    xs = sorted(table)
+    i = max(1, min(len(xs) - 1, next((k for k, x in enumerate(xs) if x >= n), len(xs) - 1)))
+    x0, x1 = xs[i - 1], xs[i]
+    return max(0.0, table[x0] + (table[x1] - table[x0]) * (n - x0) / (x1 - x0))
+
+
+def estimate_minutes(preset: dict) -> float:
+    """Estimated wall minutes of a needle preset on an idle 2-core CPU (cold compilation cache)."""
+    combos = make_combos(preset["policies"], preset["budgets"])
+    extra = combos[3:] if len(combos) > 3 else []
+    n = len(preset["depths"]) * len(preset["seeds"]) * len(preset["haystacks"])
+    cpu = _LOAD_S + _COMPILE_CPU_S * len(preset["lengths"])
+    for L in preset["lengths"]:
+        per_prompt = interp_cost(_PROMPT_CPU_S, L)
+        per_prompt += sum(4.2e-3 * L if name in _SCORING_POLICIES else 1.5 for name, _ in extra)
+        cpu += n * per_prompt
+    return cpu / IDLE_CORES / 60
+
+
+def preset_minutes_help(presets: dict, estimate) -> str:
+    """'cpu ~4 min, issue15 ~11 min, ...' for the --preset help."""
+    return ", ".join(f"{k} ~{estimate(v):.0f} min" for k, v in presets.items()) + " on an idle machine (longer on a shared one)."
 
 
 # ------------------------------------------------------------------ needles
@@ -164,11 +225,22 @@ def make_combos(policies: list[str], budgets: list[float]) -> list[tuple[str, fl
     return combos
 
 
-def cell_scores(records: list[dict], label: str) -> dict[tuple[int, float], float]:
-    """{(length, depth): fraction of the cell's seeds answered correctly} for one combo."""
+def record_haystack(r: dict) -> str:
+    """The haystack of a record (records written before haystacks were recorded used pydoc)."""
+    return r.get("haystack", haystack.DEFAULT_HAYSTACK)
+
+
+def haystacks_of(records: list[dict]) -> list[str]:
+    """The haystacks the records ran on, in first-seen order."""
+    return list(dict.fromkeys(record_haystack(r) for r in records))
+
+
+def cell_scores(records: list[dict], label: str, haystack_name: str | None = None) -> dict[tuple[int, float], float]:
+    """{(length, depth): fraction of the cell's prompts answered correctly} for one combo: the cell's seeds on
+    ``haystack_name``, or on every haystack pooled when None."""
     cells: dict[tuple[int, float], list[bool]] = {}
     for r in records:
-        if r["label"] == label:
+        if r["label"] == label and haystack_name in (None, record_haystack(r)):
             cells.setdefault((r["length"], r["depth"]), []).append(bool(r["correct"]))
     return {k: sum(v) / len(v) for k, v in cells.items()}
 
@@ -180,14 +252,18 @@ def score_grid(records: list[dict], label: str, lengths, depths) -> list[list[fl
 
 
 def compare_with_full(records: list[dict], label: str) -> dict:
-    """How a combo's cells compare with full KV's: equal cells, cells above/below, and which differ."""
-    ref, mine = cell_scores(records, "full"), cell_scores(records, label)
-    common_cells = sorted(set(ref) & set(mine))
-    differ = [{"length": L, "depth": d, "full": ref[(L, d)], "score": mine[(L, d)]}
-              for L, d in common_cells if mine[(L, d)] != ref[(L, d)]]
+    """How a combo's (haystack, length, depth) cells compare with full KV's: equal cells, cells above/below, and
+    which differ."""
+    n_cells, differ = 0, []
+    for h in haystacks_of(records):
+        ref, mine = cell_scores(records, "full", h), cell_scores(records, label, h)
+        common_cells = sorted(set(ref) & set(mine))
+        n_cells += len(common_cells)
+        differ += [{"haystack": h, "length": L, "depth": d, "full": ref[(L, d)], "score": mine[(L, d)]}
+                   for L, d in common_cells if mine[(L, d)] != ref[(L, d)]]
     return {
-        "cells": len(common_cells),
-        "equal": len(common_cells) - len(differ),
+        "cells": n_cells,
+        "equal": n_cells - len(differ),
         "above": sum(1 for c in differ if c["score"] > c["full"]),
         "below": sum(1 for c in differ if c["score"] < c["full"]),
         "differ": differ,
@@ -202,15 +278,18 @@ def summarize(records: list[dict], combos, lengths) -> list[dict]:
         rs = [r for r in records if r["label"] == label]
         if not rs:
             continue
-        per_len = {}
+        per_len, per_hay = {}, {}
         for L in lengths:
             c = [r["correct"] for r in rs if r["length"] == L]
             per_len[str(L)] = (sum(c), len(c))
+        for h in haystacks_of(rs):
+            c = [r["correct"] for r in rs if record_haystack(r) == h]
+            per_hay[h] = (sum(c), len(c))
         rows.append({
             "label": label, "policy": name, "rho": rho,
             "correct": sum(r["correct"] for r in rs), "total": len(rs),
             "accuracy": sum(r["correct"] for r in rs) / len(rs),
-            "per_length": per_len,
+            "per_length": per_len, "per_haystack": per_hay,
             "achieved_rho": sum(r["achieved_rho"] for r in rs) / len(rs),
             "kv_bytes_prompt_mean": sum(r["kv_bytes_prompt"] for r in rs) / len(rs),
             "vs_full": compare_with_full(records, label),
@@ -402,7 +481,8 @@ def run(args) -> dict:
         "max_new_tokens": args.max_new_tokens, "prefill": args.prefill, "share_scores": not args.no_share_scores,
         "compile_cache": not args.no_compile_cache, "check_generate": args.check_generate,
         "instruction": args.instruction, "temperature": 0.0, "batch": 1, "chat_template": True,
-        "haystack": "pydoc_data.topics.topics, sorted keys joined by blank lines (benchmarks/haystack.py)",
+        "haystacks": args.haystacks,
+        "haystack_sources": {h: haystack.haystack_info(h, model.tokenizer) for h in args.haystacks},
         "matching": "answer_correct: numbers as one number; words as whole words, case/punctuation-insensitive",
         "out": str(args.out), "plot": str(args.plot),
     }
@@ -410,14 +490,15 @@ def run(args) -> dict:
     payload.update(load_seconds=load_s, prompts=[], records=[], checks=[])
     records = payload["records"]
 
-    grid = [(L, d, s) for L in args.lengths for d in args.depths for s in args.seeds]
+    grid = [(h, L, d, s) for h in args.haystacks for L in args.lengths for d in args.depths for s in args.seeds]
     bar = tqdm(total=len(grid), desc="needle", unit="prompt", dynamic_ncols=True)
-    for L, d, seed in grid:
-        bar.set_description(f"{L} tok, depth {d:g}, seed {seed}")
+    for hay, L, d, seed in grid:
+        bar.set_description(f"{hay}, {L} tok, depth {d:g}, seed {seed}")
         needle = make_needle(args.needle, seed)
         p = haystack.build_needle_prompt(model.tokenizer, L, [(d, needle.sentence)], needle.question, needle.answer,
-                                         seed=seed, instruction=args.instruction)
+                                         seed=seed, instruction=args.instruction, haystack=hay)
         t_p = time.perf_counter()
+        cpu_t_p = time.process_time()
         c0 = G._COMPILE_TIME[0]
         engines, info = build_engines(model, p.ids, policies, tail_capacity, prefill=args.prefill, bar=bar,
                                       share_scores=not args.no_share_scores)
@@ -429,7 +510,7 @@ def run(args) -> dict:
             out_ids, stop = greedy_answer(engines[i], args.max_new_tokens, eos)
             text = model.tokenizer.decode(out_ids)
             rec = {
-                "length": L, "depth": d, "seed": seed, "label": label, "policy": name, "rho": rho,
+                "haystack": hay, "length": L, "depth": d, "seed": seed, "label": label, "policy": name, "rho": rho,
                 "prompt_tokens": p.n_tokens, "needle_token_start": p.needle_token_starts[0],
                 "actual_depth": p.actual_depths[0], "answer": needle.answer, "generated_ids": out_ids,
                 "text": text, "stop_reason": stop, "correct": answer_correct(text, needle.answer),
@@ -439,13 +520,14 @@ def run(args) -> dict:
             records.append(rec)
             row.append(rec)
         payload["prompts"].append({
-            "length": L, "depth": d, "seed": seed, "prompt_tokens": p.n_tokens, "exact": p.exact,
+            "haystack": hay, "length": L, "depth": d, "seed": seed, "prompt_tokens": p.n_tokens, "exact": p.exact,
             "needle": dataclasses.asdict(needle), "needle_token_start": p.needle_token_starts[0],
             "actual_depth": p.actual_depths[0], "skipped_chars": p.skipped_chars,
             "prefill_wall_seconds": prefill_s, "seconds": time.perf_counter() - t_p,
+            "process_seconds": time.process_time() - cpu_t_p,
             "compile_seconds": G._COMPILE_TIME[0] - c0,
         })
-        tqdm.write(f"[{L} tok d={d:g} seed {seed} answer {needle.answer}] prefill {prefill_s:.0f} s | full: "
+        tqdm.write(f"[{hay} {L} tok d={d:g} seed {seed} answer {needle.answer}] prefill {prefill_s:.0f} s | full: "
                    f"{row[0]['text']!r} | " + " ".join(f"{r['label']}={'Y' if r['correct'] else 'n'}" for r in row))
         if args.check_generate and not payload["checks"]:
             payload["checks"].append(check_against_generate(model, p.ids, combos, policies, row, args.max_new_tokens))
@@ -455,6 +537,8 @@ def run(args) -> dict:
     bar.close()
     payload["summary"] = summarize(records, combos, args.lengths)
     payload["total_seconds"] = time.perf_counter() - t_start
+    payload["total_process_seconds"] = time.process_time()  # CPU seconds of every thread, since start
+    payload["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     payload["peak_rss_bytes"] = common.peak_rss_bytes()
     return payload
 
@@ -471,7 +555,8 @@ def check_against_generate(model, ids, combos, policies, row, max_new) -> dict:
         if g.stats.kv_bytes_prompt != r["kv_bytes_prompt"] or abs(g.stats.achieved_rho - r["achieved_rho"]) > 1e-9:
             problems.append(f"{r['label']}: prompt KV {r['kv_bytes_prompt']} B / rho {r['achieved_rho']:.4f} vs "
                             f"{g.stats.kv_bytes_prompt} B / {g.stats.achieved_rho:.4f}")
-    return {"length": row[0]["length"], "depth": row[0]["depth"], "seed": row[0]["seed"], "problems": problems}
+    return {"haystack": row[0]["haystack"], "length": row[0]["length"], "depth": row[0]["depth"],
+            "seed": row[0]["seed"], "problems": problems}
 
 
 # ------------------------------------------------------------------ report
@@ -479,9 +564,27 @@ def _frac(n: int, total: int) -> str:
     return f"{n}/{total}" if total else "—"
 
 
+def config_haystacks(cfg: dict) -> list[str]:
+    """The haystacks of a run's config (["pydoc"] for runs from before haystacks were configurable)."""
+    return list(cfg.get("haystacks") or [haystack.DEFAULT_HAYSTACK])
+
+
+def haystack_lines(cfg: dict) -> list[str]:
+    """One markdown bullet per haystack: its source, size and the versions it depends on."""
+    lines = []
+    for h, info in (cfg.get("haystack_sources") or {}).items():
+        deps = ", ".join(f"{d} {v['version']}" for d, v in info.get("distributions", {}).items())
+        size = f"{info['tokens']:,} tokens" if "tokens" in info else f"{info['chars']:,} characters"
+        lines.append(f"- Haystack `{h}`: {info['source']}; {size}, Python {info['python']}"
+                     + (f", {deps}" if deps else "") + f"; sha256 {info['sha256'][:12]}.")
+    return lines
+
+
 def results_table(payload: dict) -> str:
     cfg = payload["config"]
-    headers = ["policy", "rho", "achieved rho", *[f"{L:,} tok" for L in cfg["lengths"]], "accuracy",
+    hays = config_haystacks(cfg)
+    per_hay = hays if len(hays) > 1 else []
+    headers = ["policy", "rho", "achieved rho", *[f"{L:,} tok" for L in cfg["lengths"]], *per_hay, "accuracy",
                "cells = full", "vs full"]
     rows = []
     for s in payload["summary"]:
@@ -495,17 +598,20 @@ def results_table(payload: dict) -> str:
         rows.append([s["policy"], "—" if s["policy"] == "full" else f"{s['rho']:g}",
                      common.fmt_num(s["achieved_rho"], 3),
                      *[_frac(*s["per_length"][str(L)]) for L in cfg["lengths"]],
+                     *[_frac(*s.get("per_haystack", {}).get(h, (0, 0))) for h in per_hay],
                      f"{_frac(s['correct'], s['total'])} ({100 * s['accuracy']:.0f} %)",
                      _frac(vs["equal"], vs["cells"]), verdict])
-    return common.markdown_table(headers, rows, align="llr" + "r" * len(cfg["lengths"]) + "rrl")
+    return common.markdown_table(headers, rows, align="llr" + "r" * (len(cfg["lengths"]) + len(per_hay)) + "rrl")
 
 
 def full_answers_table(payload: dict) -> str:
     """Full KV's answer in every cell (the reference)."""
-    rows = [[common.fmt_num(r["length"]), f"{r['depth']:g}", str(r["seed"]), f"{r['actual_depth']:.2f}", r["answer"],
-             repr(r["text"]), "yes" if r["correct"] else "no"] for r in payload["records"] if r["policy"] == "full"]
-    return common.markdown_table(["prompt tok", "depth", "seed", "needle at", "answer", "full-KV answer", "correct"],
-                                 rows, align="rrrrrlc")
+    many = len(config_haystacks(payload["config"])) > 1
+    rows = [[*([record_haystack(r)] if many else []), common.fmt_num(r["length"]), f"{r['depth']:g}", str(r["seed"]),
+             f"{r['actual_depth']:.2f}", r["answer"], repr(r["text"]), "yes" if r["correct"] else "no"]
+            for r in payload["records"] if r["policy"] == "full"]
+    return common.markdown_table([*(["haystack"] if many else []), "prompt tok", "depth", "seed", "needle at", "answer",
+                                  "full-KV answer", "correct"], rows, align=("l" if many else "") + "rrrrrlc")
 
 
 PREFILL_TEXT = {
@@ -518,33 +624,43 @@ PREFILL_TEXT = {
 def results_section(payload: dict, plot_rel: str | None) -> str:
     cfg = payload["config"]
     ex = cfg["needle_example"]
-    diffs = [f"{s['label']}: " + ", ".join(f"{c['length']}/{c['depth']:g} ({c['full']:.2g}→{c['score']:.2g})"
-                                          for c in s["vs_full"]["differ"])
+    hays = config_haystacks(cfg)
+    many = len(hays) > 1
+    diffs = [f"{s['label']}: " + ", ".join(f"{c['haystack'] + '/' if many else ''}{c['length']}/{c['depth']:g} "
+                                          f"({c['full']:.2g}→{c['score']:.2g})" for c in s["vs_full"]["differ"])
              for s in payload["summary"] if s["policy"] != "full" and s["vs_full"]["differ"]]
+    hay_text = (f"one of {len(hays)} real-text haystacks ({', '.join(f'`{h}`' for h in hays)}; below)" if many else
+                f"a real-text haystack (`{hays[0]}`"
+                + (": `pydoc_data.topics`" if hays[0] == "pydoc" else "") + ", `benchmarks/haystack.py`)")
     lines = [
         common.results_header(f"Needle in a haystack: {cfg['model']}, accuracy per policy (length x depth)",
                               payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
         "",
-        f"One needle per prompt (kind `{cfg['needle_kind']}`, e.g. \"{ex['sentence']}\") at each depth of a real-text "
-        "haystack (`pydoc_data.topics`, `benchmarks/haystack.py`), then the question "
+        f"One needle per prompt (kind `{cfg['needle_kind']}`, e.g. \"{ex['sentence']}\") at each depth of {hay_text}, "
+        "then the question "
         f"(\"{ex['question']}\") in the chat template; every prompt is exactly its stated token count; "
         + (f"seeds {', '.join(map(str, cfg['seeds']))} pick" if len(cfg["seeds"]) > 1
            else f"seed {cfg['seeds'][0]} picks")
         + " the needle's value and where the haystack starts. Batch 1, greedy, "
         f"{cfg['dtype']}, up to {cfg['max_new_tokens']} new tokens. {PREFILL_TEXT[cfg['prefill']]}, giving each "
         "policy the cache `generate` would build. Correct iff the answer appears in the generated text (numbers "
-        "as one number; words as whole words, case-insensitive). Columns per length: prompts answered; "
-        "'cells = full': (length, depth) cells whose score equals full KV's.",
+        "as one number; words as whole words, case-insensitive). Columns per length"
+        + (" and per haystack" if many else "") + ": prompts answered; "
+        + ("'cells = full': (haystack, length, depth) cells" if many else "'cells = full': (length, depth) cells")
+        + " whose score equals full KV's.",
         "",
+        *haystack_lines(cfg),
+        *([""] if cfg.get("haystack_sources") else []),
         results_table(payload),
         "",
     ]
-    lines += (["Cells that differ from full KV (length/depth: full→policy):", ""] + [f"- {d}" for d in diffs] + [""]
+    lines += ([f"Cells that differ from full KV ({'haystack/' if many else ''}length/depth: full→policy):", ""] + [f"- {d}" for d in diffs] + [""]
               if diffs else ["Every policy scores the same as full KV in every cell.", ""])
     lines += ["Full-KV answers (the reference):", "", full_answers_table(payload), ""]
     if payload.get("checks"):
         c = payload["checks"][0]
-        lines += [f"Check against `generate()` ({c['length']} tokens, depth {c['depth']:g}): "
+        lines += [f"Check against `generate()` ({c.get('haystack', 'pydoc')}, {c['length']} tokens, depth "
+                  f"{c['depth']:g}): "
                   + ("same tokens, prompt KV bytes and achieved rho for every policy." if not c["problems"]
                      else "MISMATCH: " + "; ".join(c["problems"])), ""]
     lines.append(f"Total wall time {payload['total_seconds'] / 60:.1f} min; peak RSS "
@@ -591,7 +707,8 @@ def make_plot(payload: dict, path: Path) -> Path | None:
             ax.set_xlabel("context length (tokens)")
     for k in range(len(labels), nrows * ncols):
         axes[k // ncols][k % ncols].axis("off")
-    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="score (fraction of seeds correct)")
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="score (fraction of prompts correct: seeds x "
+                 "haystacks)")
     fig.suptitle(f"Needle in a haystack ({cfg['needle_kind']}) — {cfg['model']}, "
                  f"{common.git_summary(payload['git'])}", fontsize=9, y=1.02)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -627,8 +744,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
     p.add_argument("--preset", choices=sorted(PRESETS), default=S,
-                   help="'cpu': the make-bench grid (about 9 min on 2 cores); 'full' (used when no preset is "
-                        "given): the complete grid; 'short': its 1K-4K part. Explicit arguments override the preset")
+                   help="'cpu': the make-bench grid on pydoc; 'issue15': issue 15's grid (3 haystacks x 1K-7K x 3 "
+                        "depths, full/snapkv/heterocache at rho 0.3); 'full' (used when no preset is given): the "
+                        "complete grid on every haystack; 'short': its 1K-4K part. Explicit arguments override the "
+                        "preset. Estimated time on 2 CPU cores: " + preset_minutes_help(PRESETS, estimate_minutes))
     p.add_argument("--lengths", type=int, nargs="+", default=S,
                    help="prompt lengths in tokens (the context is 8192)" + preset_help(PRESETS, "lengths"))
     p.add_argument("--depths", type=float, nargs="+", default=S,
@@ -640,6 +759,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=S,
                    help="one prompt per seed and cell; a cell's score is the fraction answered"
                         + preset_help(PRESETS, "seeds"))
+    p.add_argument("--haystacks", nargs="+", default=S, choices=list(haystack.HAYSTACKS), metavar="NAME",
+                   help="haystacks (benchmarks/haystack.py HAYSTACKS: " + ", ".join(haystack.HAYSTACKS)
+                        + "); every cell runs on each" + preset_help(PRESETS, "haystacks"))
     p.add_argument("--needle", default="magic-number", choices=sorted(NEEDLE_KINDS), help="needle kind")
     p.add_argument("--max-new-tokens", type=int, default=24,
                    help="answer tokens checked (the model often restates the question first: 16 cut 5-digit answers)")
@@ -672,6 +794,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(n < 1 for n in args.lengths) or args.max_new_tokens < 1:
         p.error("--lengths and --max-new-tokens must be positive")
     args.budgets = list(dict.fromkeys(args.budgets))
+    args.haystacks = list(dict.fromkeys(args.haystacks))
     return args
 
 

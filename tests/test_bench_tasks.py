@@ -176,21 +176,25 @@ def test_within_one_of_full_and_hetero_vs_snapkv():
     recs = _session_records()
     snap = bm.within_one_of_full(recs, "snapkv@0.3")  # 3 -> 1 in seed 0: two below
     assert not snap["met"] and snap["max_shortfall"] == 2
-    assert snap["failing"] == [{"length": 4000, "seed": 0, "full": 3, "recalled": 1}]
+    # records without a haystack are pydoc's (runs from before haystacks were recorded)
+    assert snap["failing"] == [{"haystack": "pydoc", "length": 4000, "seed": 0, "full": 3, "recalled": 1}]
     assert bm.within_one_of_full(recs, "heterocache@0.3")["met"]
-    assert bm.hetero_vs_snapkv(recs, [0.3, 0.5]) == [{"rho": 0.3, "heterocache": 4, "snapkv": 3, "met": True}]
+    assert bm.hetero_vs_snapkv(recs, [0.3, 0.5]) == [
+        {"rho": 0.3, "heterocache": 4, "snapkv": 3, "met": True, "per_haystack": {"pydoc": [4, 3]}}]
     tie = [r for r in recs if r["label"] != "heterocache@0.3"] + [
         dict(r, label="heterocache@0.3") for r in recs if r["label"] == "snapkv@0.3"]
     assert bm.hetero_vs_snapkv(tie, [0.3])[0]["met"] is False
-    own = [dict(r, label="heterocache-own@0.3") for r in recs if r["label"] == "full"]  # 3 + 2 facts
-    assert bm.hetero_vs_snapkv(recs + own, [0.3], "heterocache-own") == [
-        {"rho": 0.3, "heterocache": 5, "snapkv": 3, "met": True}]
 
 
-def test_multiturn_variant_names_and_results_sections():
-    args = bm.parse_args(["--policies", "snapkv", "heterocache-own", "--budgets", "0.5", "--lengths", "900"])
-    assert args.policies == ["full", "snapkv", "heterocache-own"] and args.preset is None
-    assert bm.make_combos(args.policies, args.budgets)[-1] == ("heterocache-own", 0.5)
+def test_multiturn_policies_and_results_sections():
+    args = bm.parse_args(["--policies", "snapkv", "heterocache", "--budgets", "0.5", "--lengths", "900"])
+    assert args.policies == ["full", "snapkv", "heterocache"] and args.preset is None
+    assert bm.make_combos(args.policies, args.budgets)[-1] == ("heterocache", 0.5)
+    # the benchmark-only recall='own' variant is gone: only registered policies
+    assert not hasattr(bm, "VARIANTS") and not hasattr(bm, "build_policy")
+    with pytest.raises(SystemExit):
+        bm.parse_args(["--policies", "heterocache-own"])
+    assert all("heterocache-own" not in p["policies"] for p in bm.PRESETS.values())
     import common
 
     # make bench (--preset cpu) and the full grids write different RESULTS.md sections
@@ -242,3 +246,154 @@ def test_session_context_ids_are_the_chat_prefix(tokenizer):
     ids, tail = bm.session_context_ids(tokenizer, "Some context.")
     full = tokenizer.encode_prompt("Some context.", chat=True)
     assert ids == full[: len(ids)] and len(full) > len(ids) and tail > 0
+
+
+# ---------------------------------------------------------------- haystacks
+HAYSTACKS = list(haystack.HAYSTACKS)
+
+
+def test_haystack_names_and_presets():
+    assert HAYSTACKS[0] == "pydoc" and {"stdlib-docs", "licenses"} <= set(HAYSTACKS)
+    # make bench (--preset cpu) keeps its one haystack; no preset (the full grids) runs every haystack
+    for mod in (bn, bm):
+        assert mod.parse_args(["--preset", "cpu"]).haystacks == ["pydoc"]
+        assert mod.parse_args([]).haystacks == HAYSTACKS
+        assert mod.parse_args(["--preset", "issue15"]).haystacks == HAYSTACKS
+        assert mod.parse_args(["--preset", "cpu", "--haystacks", "licenses", "licenses"]).haystacks == ["licenses"]
+        with pytest.raises(SystemExit):
+            mod.parse_args(["--haystacks", "no-such-haystack"])
+    needle, multi = bn.PRESETS["issue15"], bm.PRESETS["issue15"]
+    assert needle["budgets"] == [0.3] and set(needle["policies"]) == {"full", "snapkv", "heterocache"}
+    assert len(multi["seeds"]) >= 3 and {2000, 4000} <= set(multi["lengths"]) and max(multi["lengths"]) <= 7000
+    assert sorted(multi["budgets"]) == [0.3, 0.5] and set(multi["policies"]) == {"full", "snapkv", "heterocache"}
+    # every preset's run time is estimated in --preset help, issue 15's within an afternoon on 2 cores
+    for mod in (bn, bm):
+        minutes = {k: mod.estimate_minutes(v) for k, v in mod.PRESETS.items()}
+        assert all(0 < m < 240 for m in minutes.values()) and minutes["cpu"] < minutes["issue15"] < 60
+        assert f"issue15 ~{minutes['issue15']:.0f} min" in bn.preset_minutes_help(mod.PRESETS, mod.estimate_minutes)
+    assert bn.interp_cost({1000: 1.0, 2000: 3.0}, 1500) == 2.0 and bn.interp_cost({1000: 1.0, 2000: 3.0}, 3000) == 5.0
+
+
+@pytest.mark.parametrize("name", HAYSTACKS)
+def test_haystack_is_deterministic_prose_without_answers(name):
+    text = haystack.haystack_corpus(name)
+    getattr(haystack, {"pydoc": "pydoc_corpus", "stdlib-docs": "stdlib_docs_corpus",
+                       "licenses": "licenses_corpus"}[name]).cache_clear()
+    assert haystack.haystack_corpus(name) == text  # rebuilt from scratch: the same text
+    info = haystack.haystack_info(name)
+    assert info["chars"] == len(text) and len(info["sha256"]) == 64 and info["python"]
+    if name == "licenses":
+        assert set(info["distributions"]) == set(haystack.LICENSE_DISTRIBUTIONS)
+        assert all(d["files"] >= 1 and d["version"] for d in info["distributions"].values())
+    low = text.lower()
+    # no answer a benchmark can expect: needle cities, multi-turn values, passkeys of the seeds presets use
+    words = {*bn._CITIES, *bm._NAMES, *bm._DAYS, *bm._CITIES, *(v for vs in bm._FAVOURITES.values() for v in vs)}
+    assert words <= set(haystack.ANSWER_WORDS)
+    for w in (haystack.ANSWER_WORDS if name != "pydoc" else words):
+        assert not re.search(rf"(?<![a-z0-9]){w.lower()}(?:e?s)?(?![a-z0-9])", low), w
+    for seed in range(10):
+        assert not re.search(rf"(?<!\d){haystack.make_passkey(seed)}(?!\d)", text)
+        for f in bm.make_facts(seed, 3, name):
+            assert not re.search(rf"(?<![a-z0-9]){f.answer.lower()}(?![a-z0-9])", low)
+    if name != "pydoc":  # prose: every paragraph passes the filter, none is code or a doctest
+        paras = text.split("\n\n")
+        assert len(paras) > 100 and all(haystack.is_prose(p) for p in paras[:: max(1, len(paras) // 200)])
+        assert ">>>" not in text and "def " not in text.replace("undef ", "")
+
+
+def test_is_prose():
+    assert haystack.is_prose("Return a new object replacing specified fields with new values, as the docs say.")
+    assert not haystack.is_prose(">>> x = [1, 2, 3]; print(x) and then some words here.")
+    assert not haystack.is_prose("Copyright (c) 2015 the respective contributors and all of them, too.")
+    assert not haystack.is_prose("The festival is held in Lisbon every year, so the text would give it away.")
+    assert not haystack.is_prose("The special magic number is 48213 and it would give the needle away.")
+    assert not haystack.is_prose("Too short.")
+
+
+@pytest.mark.parametrize("name", HAYSTACKS)
+def test_haystack_is_long_enough_for_8k_and_seeds_differ(tokenizer, name):
+    assert haystack.haystack_info(name, tokenizer)["tokens"] >= 20000  # > 8K tokens without repeating
+    needle = bn.make_needle("magic-number", 1)
+    p = haystack.build_needle_prompt(tokenizer, 8000, [(0.5, needle.sentence)], needle.question, needle.answer,
+                                     seed=1, haystack=name)
+    assert p.n_tokens == 8000 and p.haystack == name and needle.sentence in p.text
+    again = haystack.build_needle_prompt(tokenizer, 8000, [(0.5, needle.sentence)], needle.question, needle.answer,
+                                         seed=1, haystack=name)
+    assert again.ids == p.ids
+    other = haystack.build_needle_prompt(tokenizer, 1000, [(0.5, needle.sentence)], needle.question,
+                                         needle.answer, seed=2, haystack=name)
+    assert other.text[:200] != p.text[:200]  # the seed moves the haystack's start
+    # the 8,000 tokens fit in the corpus once: the haystack does not wrap around
+    assert p.haystack_chars + p.skipped_chars < len(haystack.haystack_corpus(name))
+
+
+def test_needle_records_and_tables_carry_the_haystack():
+    recs = [dict(r, haystack="pydoc") for r in _grid_records()]
+    recs += [dict(r, haystack="licenses", correct=True) for r in _grid_records()]
+    combos = [("full", 1.0), ("snapkv", 0.3)]
+    full, snap = bn.summarize(recs, combos, [1000, 2000])
+    assert full["per_haystack"] == {"pydoc": (5, 8), "licenses": (8, 8)} and (full["correct"], full["total"]) == (13, 16)
+    assert snap["per_haystack"] == {"pydoc": (5, 8), "licenses": (8, 8)}
+    # comparison per (haystack, length, depth): pydoc's 2 differing cells, licenses' none
+    assert (snap["vs_full"]["cells"], snap["vs_full"]["equal"]) == (8, 6)
+    assert {c["haystack"] for c in snap["vs_full"]["differ"]} == {"pydoc"}
+    payload = {"config": {"lengths": [1000, 2000], "haystacks": ["pydoc", "licenses"]},
+               "summary": [full, snap], "records": [dict(r, actual_depth=r["depth"], answer="1", text="1")
+                                                    for r in recs]}
+    table = bn.results_table(payload)
+    assert "| pydoc | licenses |" in table and "| 5/8 | 8/8 | 13/16 (81 %) |" in table
+    assert "| 6/8 |" in table  # cells = full
+    assert "| licenses |" in bn.full_answers_table(payload)
+    one = {"config": {"lengths": [1000, 2000]}, "summary": bn.summarize(_grid_records(), combos, [1000, 2000])}
+    assert "pydoc" not in bn.results_table(one)  # one haystack (or an old run): no per-haystack columns
+
+
+def test_multiturn_records_and_tables_carry_the_haystack():
+    recs = [dict(r, haystack="pydoc") for r in _session_records()]
+    recs += [dict(r, haystack="stdlib-docs", correct=r["label"] != "snapkv@0.3") for r in _session_records()]
+    combos = [("full", 1.0), ("snapkv", 0.3), ("heterocache", 0.3)]
+    rows = {r["label"]: r for r in bm.summarize(recs, combos, [4000], 3)}
+    # two haystacks x two seeds: four sessions, 12 facts per policy
+    assert rows["full"]["sessions"] == 4 and rows["full"]["facts"] == 12
+    assert rows["snapkv@0.3"]["per_haystack"] == {"pydoc": (3, 6), "stdlib-docs": (0, 6)}
+    h = rows["heterocache@0.3"]
+    assert h["per_haystack"] == {"pydoc": (4, 6), "stdlib-docs": (6, 6)} and h["recalled"] == 10
+    assert (h["drift_checks"], h["recalls"]) == (120, 16)  # the last turn's stats of each of the 4 sessions
+    w = bm.within_one_of_full(recs, "snapkv@0.3")
+    assert w["contexts"] == 4 and {f["haystack"] for f in w["failing"]} == {"pydoc", "stdlib-docs"}
+    assert bm.hetero_vs_snapkv(recs, [0.3]) == [{"rho": 0.3, "heterocache": 10, "snapkv": 3, "met": True,
+                                                 "per_haystack": {"pydoc": [4, 3], "stdlib-docs": [6, 0]}}]
+    payload = {"config": {"fact_depths": [0.15, 0.5, 0.85], "haystacks": ["pydoc", "stdlib-docs"],
+                          "combos": ["full", "snapkv@0.3", "heterocache@0.3"]},
+               "summary": list(rows.values()), "within_one_of_full": {"snapkv@0.3": w}, "records": recs,
+               "contexts": [{"facts": [1, 2, 3]}] * 4, "heterocache_vs_snapkv": bm.hetero_vs_snapkv(recs, [0.3])}
+    assert "| pydoc | stdlib-docs |" in bm.results_table(payload)
+    totals = bm.totals_table(payload)
+    assert "| snapkv@0.3 | 3/6 | 0/6 | 3/12 (25 %) |" in totals and "| heterocache@0.3 | 4/6 | 6/6 | 10/12" in totals
+    assert "pydoc 4 vs 3, stdlib-docs 6 vs 0" in "\n".join(bm.criteria_lines(payload))
+
+
+# --------------------------------------------------- tiny end-to-end runs
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_needle_and_multiturn_run_end_to_end_on_two_haystacks(smollm2_dir, tmp_path):
+    """Both scripts on the real model, two haystacks, tiny prompts: every record, context and table names them."""
+    import json
+
+    hays = ["stdlib-docs", "licenses"]
+    out = tmp_path / "needle.json"
+    assert bn.main(["--lengths", "300", "--depths", "0.5", "--policies", "full", "snapkv", "--haystacks", *hays,
+                    "--max-new-tokens", "2", "--model", smollm2_dir, "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["config"]["haystacks"] == hays and set(d["config"]["haystack_sources"]) == set(hays)
+    assert [p["haystack"] for p in d["prompts"]] == hays and {r["haystack"] for r in d["records"]} == set(hays)
+    assert all(s["per_haystack"] == {h: [s["per_haystack"][h][0], 1] for h in hays} for s in d["summary"])
+    assert "| stdlib-docs | licenses |" in bn.results_table(d) and "Haystack `licenses`" in bn.results_section(d, None)
+
+    out = tmp_path / "multiturn.json"
+    assert bm.main(["--lengths", "400", "--seeds", "0", "--policies", "full", "--haystacks", *hays, "--n-facts", "1",
+                    "--max-new-tokens", "2", "--model", smollm2_dir, "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [c["haystack"] for c in d["contexts"]] == hays and [r["haystack"] for r in d["records"]] == hays
+    assert d["summary"][0]["facts"] == 2 and set(d["summary"][0]["per_haystack"]) == set(hays)
+    assert "| stdlib-docs | licenses |" in bm.totals_table(d)
