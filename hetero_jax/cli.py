@@ -32,7 +32,8 @@ def _add_generate(sub) -> None:
                    help="heterocache: head profile JSON (default: the shipped profile of the model)")
     p.add_argument("--window", type=int, default=None, help="heterocache: decode steps between drift checks (5)")
     p.add_argument("--tau-drift", type=float, default=None,
-                   help="heterocache: drift when the median overlap falls below this (default: profile's tau_stable)")
+                   help="heterocache: drift when the median chance-normalised overlap (o - c) / (1 - c) falls "
+                        "below this (default: the profile's tau_stable on that scale, 0.25 for SmolLM2)")
     p.add_argument("--recall", default=None, choices=["pivot", "own"],
                    help="heterocache: satellites' recall targets: the pivot's top tokens (paper, default) or "
                         "each satellite's own latest query scored against its host reservoir keys")
