@@ -224,8 +224,11 @@ def pooled_scores_reference(
   T = keys.shape[2]
   lengths = _prepare_lengths(lengths, B, H, T)
   valid = jnp.arange(T)[None, None, :] < lengths[..., None]        # [B, H, T]
-  kf = jnp.where(valid[..., None], keys.astype(jnp.float32), 0.0)
-  s = jnp.einsum("bhwgd,bhtd->bhwgt", q_rows.astype(jnp.float32), kf,
+  # Keys are not masked: key t only reaches score t, which the `where` below
+  # replaces for t >= L (garbage or NaN included). Masking them was fused into
+  # the dot and cost 4x on XLA:CPU (23 vs 6 ms for W=5, G=3 at T=32K).
+  s = jnp.einsum("bhwgd,bhtd->bhwgt", q_rows.astype(jnp.float32),
+                 keys.astype(jnp.float32),
                  precision=lax.Precision.HIGHEST) / math.sqrt(D)
   vmask = valid[:, :, None, None, :]
   s = jnp.where(vmask, s, MASK_VALUE)

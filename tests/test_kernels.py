@@ -242,6 +242,21 @@ def test_pooled_reference_matches_numpy(gqa):
   np.testing.assert_allclose(got[0, 0], want, rtol=1e-5, atol=1e-7)
 
 
+def test_pooled_reference_ignores_keys_beyond_length():
+  """Keys at t >= L never reach a valid score (the reference does not mask
+  them before the dot): NaN there changes nothing."""
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.normal(size=(1, 2, 2, 3, 16)).astype(np.float32))
+  k = rng.normal(size=(1, 2, 40, 16)).astype(np.float32)
+  lens = jnp.array([[40, 23]], jnp.int32)
+  kn = k.copy()
+  kn[0, 1, 23:] = np.nan
+  a = pooled_scores_reference(q, jnp.asarray(k), lens)
+  b = pooled_scores_reference(q, jnp.asarray(kn), lens)
+  np.testing.assert_array_equal(a, b)
+  assert np.isfinite(np.asarray(b)).all()
+
+
 def test_overlap_bitmap_matches_python_sets():
   rng = np.random.default_rng(5)
   T, lead, ka, kb = 50, (2, 3), 7, 5
