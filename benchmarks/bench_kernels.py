@@ -426,7 +426,8 @@ def drift_timing(*, iters: int = 7, lengths=DRIFT_TIMING_T, rhos=DRIFT_TIMING_RH
     "new" is ``drift_check`` (the L_base-th largest by bisection on the float bits, no sort); both on
     the backend jax picks (on CPU both score with the jnp reference). Also timed alone: the pooled
     scores, and the ranking each needs after a drift (one lax.top_k of the latest step, skipped by
-    ``lax.cond`` otherwise). Old and new alternate within each repeat; median of ``iters`` repeats,
+    ``lax.cond`` otherwise); the two selections alone on precomputed scores. All alternate within each
+    repeat; median of ``iters`` repeats,
     each the wall time of the ``layers`` dispatches until all are ready (compile excluded).
     """
     import jax
@@ -452,23 +453,47 @@ def drift_timing(*, iters: int = 7, lengths=DRIFT_TIMING_T, rhos=DRIFT_TIMING_RH
             l_base = int(np.floor(base_budget(rho, n, prof.n_full, prof.n_compressed, T)))
             kb = [jax.lax.top_k(pk.pooled_scores_reference(q[:, :, :1], k, lens)[:, :, 0], l_base)[1]
                   for q, k in zip(qs, keys)]
-            fns = {
-                "old": jax.jit(lambda q, k, b: pk.drift_check_reference(q, k, b, l_base, 0.25, lens)),
-                "new": jax.jit(lambda q, k, b: pk.drift_check(q, k, b, l_base, 0.25, lens, backend=mode)),
-                "scores": jax.jit(lambda q, k, b: pk.scores(q, k, lens, backend=mode)),
-                "rank_latest": jax.jit(lambda q, k, b: jax.lax.top_k(
-                    pk.scores(q[:, :, -1:], k, lens, backend=mode)[:, :, 0], l_base)[1]),
+            sc = [pk.scores(q, k, lens, backend=mode) for q, k in zip(qs, keys)]   # [1, 1, W, T] per layer
+
+            def select_old(s, b):   # what the check did after scoring: lax.top_k of every step, bitmap overlap
+                vals, idx = jax.lax.top_k(s, l_base)
+                return pk.overlap_bitmap(jnp.where(vals > pk.INVALID_SCORE * 0.5, idx, -1), b[:, :, None, :], T)
+
+            def select_new(s, b):   # bisection select + exact membership of K_base, no sort
+                return pk.topk_membership(s, l_base, jnp.broadcast_to(b[:, :, None, :], (1, 1, W, l_base))).sum(-1)
+
+            def before(q, k, b):   # the check before this commit: keys masked before the dot, then select_old
+                valid = jnp.arange(T)[None, None, :] < lens[..., None]
+                kf = jnp.where(valid[..., None], k, 0.0)
+                x = jnp.einsum("bhwgd,bhtd->bhwgt", q, kf, precision=jax.lax.Precision.HIGHEST) / math.sqrt(D)
+                x = jnp.where(valid[:, :, None, None, :], x, pk.MASK_VALUE)
+                e = jnp.exp(x - x.max(-1, keepdims=True))
+                p_ = jnp.pad(e / e.sum(-1, keepdims=True), ((0, 0),) * 4 + ((2, 2),))
+                pooled = (sum(p_[..., i:i + T] for i in range(5)) / 5).max(axis=3)
+                return select_old(jnp.where(valid[:, :, None, :], pooled, pk.INVALID_SCORE), b)
+
+            fns = {   # name -> (jitted fn, per-layer args)
+                "before": (jax.jit(before), list(zip(qs, keys, kb))),
+                "old": (jax.jit(lambda q, k, b: pk.drift_check_reference(q, k, b, l_base, 0.25, lens)),
+                        list(zip(qs, keys, kb))),
+                "new": (jax.jit(lambda q, k, b: pk.drift_check(q, k, b, l_base, 0.25, lens, backend=mode)),
+                        list(zip(qs, keys, kb))),
+                "scores": (jax.jit(lambda q, k: pk.scores(q, k, lens, backend=mode)), list(zip(qs, keys))),
+                "select_old": (jax.jit(select_old), list(zip(sc, kb))),
+                "select_new": (jax.jit(select_new), list(zip(sc, kb))),
+                "rank_latest": (jax.jit(lambda s: jax.lax.top_k(s[:, :, -1], l_base)[1]), [(x,) for x in sc]),
             }
-            for f in fns.values():   # compile, and check old and new agree
-                jax.block_until_ready([f(q, k, b) for q, k, b in zip(qs, keys, kb)])
-            agree = all(bool(jnp.array_equal(fns["old"](q, k, b)[0], fns["new"](q, k, b)[0]))
-                        and float(jnp.max(jnp.abs(fns["old"](q, k, b)[1] - fns["new"](q, k, b)[1]))) < 1e-6
+            for f, args in fns.values():   # compile
+                jax.block_until_ready([f(*a) for a in args])
+            f_old, f_new = fns["old"][0], fns["new"][0]
+            agree = all(bool(jnp.array_equal(f_old(q, k, b)[0], f_new(q, k, b)[0]))
+                        and float(jnp.max(jnp.abs(f_old(q, k, b)[1] - f_new(q, k, b)[1]))) < 1e-6
                         for q, k, b in zip(qs, keys, kb))
             times: dict[str, list[float]] = {name: [] for name in fns}
             for _ in range(iters):
-                for name, f in fns.items():
+                for name, (f, args) in fns.items():
                     t0 = time.perf_counter()
-                    jax.block_until_ready([f(q, k, b) for q, k, b in zip(qs, keys, kb)])
+                    jax.block_until_ready([f(*a) for a in args])
                     times[name].append(time.perf_counter() - t0)
             med = {name: statistics.median(v) for name, v in times.items()}
             rows.append(dict(T=T, rho=rho, l_base=l_base, layers=layers, W=W, mode=mode, agree=agree,
@@ -477,14 +502,17 @@ def drift_timing(*, iters: int = 7, lengths=DRIFT_TIMING_T, rhos=DRIFT_TIMING_RH
 
 
 def render_drift_timing(t: dict[str, Any]) -> str:
-    lines = ["| prompt T | rho | L_base | old check ms | new check ms | new / old | of which scores ms | "
-             "top-L_base of the latest step ms (after a drift only) | same flags and overlaps |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    lines = ["| prompt T | rho | L_base | before ms | old selection ms | new check ms | new / before | "
+             "new / old selection | scores alone ms | selection alone, old: lax.top_k ms | selection alone, new: "
+             "bisection ms | after a drift only: top-L_base of the latest step ms | same flags and overlaps |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
     for r in t["rows"]:
         s = r["seconds"]
-        lines.append(f"| {_len(r['T'])} | {r['rho']} | {r['l_base']:,} | {s['old'] * 1e3:,.1f} | "
-                     f"{s['new'] * 1e3:,.1f} | {s['new'] / s['old']:.2f} | {s['scores'] * 1e3:,.1f} | "
-                     f"{s['rank_latest'] * 1e3:,.1f} | {'yes' if r['agree'] else 'NO'} |")
+        ms = lambda x: f"{x * 1e3:,.1f}"  # noqa: E731
+        lines.append(f"| {_len(r['T'])} | {r['rho']} | {r['l_base']:,} | {ms(s['before'])} | {ms(s['old'])} | "
+                     f"{ms(s['new'])} | {s['new'] / s['before']:.2f} | {s['new'] / s['old']:.2f} | "
+                     f"{ms(s['scores'])} | {ms(s['select_old'])} | "
+                     f"{ms(s['select_new'])} | {ms(s['rank_latest'])} | {'yes' if r['agree'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -694,12 +722,15 @@ def drift_timing_main(args, argv) -> int:
         f"One check step: {DRIFT_TIMING_LAYERS} layers x 1 pivot (B 1, W {SCORE_W} buffered steps, G 3, D 64, "
         f"float32, {t['rows'][0]['mode']} scores on {jax.default_backend()}), L_base of the shipped profile "
         f"({t['profile']}) at rho (Eq. 7). Wall ms of the {DRIFT_TIMING_LAYERS} dispatches until all are ready, "
-        f"median of {t['iters']} repeats, old and new alternating (compile excluded). old = "
-        "`drift_check_reference` (lax.top_k of every buffered step + bitmap overlap, what the check did "
-        "before); new = `drift_check` (L_base-th largest by a 32-pass bisection on the float32 bits, exact "
-        "lax.top_k membership of K_base, no sort). The last timing column is the one top-k the new check still "
-        "needs, only on a check where a pivot drifted (new K_base and recall rows; skipped by lax.cond "
-        "otherwise).", "",
+        f"median of {t['iters']} repeats, all variants alternating (compile excluded). before = the check of "
+        "the parent commit (keys masked before the score dot, which kept XLA:CPU off its matmul, then lax.top_k of "
+        "every buffered step + bitmap overlap); old selection = `drift_check_reference` (today's scores, then "
+        "that lax.top_k selection); new = `drift_check` (L_base-th largest by a 32-pass bisection on the "
+        "float32 bits, exact lax.top_k membership of K_base, no sort). 'scores alone' (today's "
+        "`pooled_scores_reference` on CPU) is common to old selection and new; the selections are also timed "
+        "alone on precomputed scores. "
+        "The last timing column is the one top-k the new check still needs, on precomputed scores, only on a "
+        "check where a pivot drifted (new K_base and recall rows; skipped by lax.cond otherwise).", "",
         render_drift_timing(t)])
     out = Path(args.out).with_name("kernels-drift-check.json")
     common.write_json(out, {**common.report_header("kernels-drift-check", vars(args), machine), **t})
