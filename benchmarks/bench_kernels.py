@@ -462,7 +462,7 @@ def drift_timing(*, iters: int = 7, lengths=DRIFT_TIMING_T, rhos=DRIFT_TIMING_RH
             def select_new(s, b):   # bisection select + exact membership of K_base, no sort
                 return pk.topk_membership(s, l_base, jnp.broadcast_to(b[:, :, None, :], (1, 1, W, l_base))).sum(-1)
 
-            def before(q, k, b):   # the check before this commit: keys masked before the dot, then select_old
+            def before(q, k, b):   # the check as of 69e668b: keys masked before the dot, then select_old
                 valid = jnp.arange(T)[None, None, :] < lens[..., None]
                 kf = jnp.where(valid[..., None], k, 0.0)
                 x = jnp.einsum("bhwgd,bhtd->bhwgt", q, kf, precision=jax.lax.Precision.HIGHEST) / math.sqrt(D)
@@ -722,8 +722,8 @@ def drift_timing_main(args, argv) -> int:
         f"One check step: {DRIFT_TIMING_LAYERS} layers x 1 pivot (B 1, W {SCORE_W} buffered steps, G 3, D 64, "
         f"float32, {t['rows'][0]['mode']} scores on {jax.default_backend()}), L_base of the shipped profile "
         f"({t['profile']}) at rho (Eq. 7). Wall ms of the {DRIFT_TIMING_LAYERS} dispatches until all are ready, "
-        f"median of {t['iters']} repeats, all variants alternating (compile excluded). before = the check of "
-        "the parent commit (keys masked before the score dot, which kept XLA:CPU off its matmul, then lax.top_k of "
+        f"median of {t['iters']} repeats, all variants alternating (compile excluded). before = the check as "
+        "of commit 69e668b (keys masked before the score dot, which kept XLA:CPU off its matmul, then lax.top_k of "
         "every buffered step + bitmap overlap); old selection = `drift_check_reference` (today's scores, then "
         "that lax.top_k selection); new = `drift_check` (L_base-th largest by a 32-pass bisection on the "
         "float32 bits, exact lax.top_k membership of K_base, no sort). 'scores alone' (today's "
