@@ -32,7 +32,8 @@ def _add_generate(sub) -> None:
                    help="heterocache: head profile JSON (default: the shipped profile of the model)")
     p.add_argument("--window", type=int, default=None, help="heterocache: decode steps between drift checks (5)")
     p.add_argument("--tau-drift", type=float, default=None,
-                   help="heterocache: drift when the median overlap falls below this (default: profile's tau_stable)")
+                   help="heterocache: drift when the median chance-normalised overlap (o - c) / (1 - c) falls "
+                        "below this (default: the profile's tau_stable on that scale, 0.25 for SmolLM2)")
     p.add_argument("--select-window", type=int, default=None,
                    help="heterocache: compressed heads keep their top tokens by the attention of this many last "
                         "prompt queries (8; 1 = the paper's last token)")

@@ -8,7 +8,8 @@ Kernels (always lowered through Triton: `plgpu.CompilerParams` on every
   with :func:`merge_attention`.
 - :func:`pooled_scores` — softmax -> 5-tap average pooling -> GQA max/mean,
   the shared scoring primitive; :func:`overlap_bitmap` and
-  :func:`drift_check` build on it.
+  :func:`drift_check` build on it (top-k membership without a sort:
+  :func:`topk_threshold`, :func:`topk_membership`).
 
 Backend switch
 --------------
@@ -32,9 +33,11 @@ from __future__ import annotations
 from pallas_kernels._util import (BACKENDS, ENV_VAR, MASK_VALUE,
                                   resolve_backend, use_kernels)
 from pallas_kernels.pooled_scores import (INVALID_SCORE, POOL_KERNEL_SIZE,
-                                          drift_check, overlap_bitmap,
+                                          drift_check, drift_check_reference,
+                                          normalised_overlap, overlap_bitmap,
                                           pooled_scores,
-                                          pooled_scores_reference)
+                                          pooled_scores_reference,
+                                          topk_membership, topk_threshold)
 from pallas_kernels.sparse_decode_attention import (
     default_num_splits, merge_attention, sparse_decode_attention,
     sparse_decode_attention_reference)
@@ -46,7 +49,8 @@ __all__ = [
     "sparse_decode_attention_reference", "merge_attention",
     "default_num_splits",
     "pooled_scores", "pooled_scores_reference", "overlap_bitmap",
-    "drift_check", "scores",
+    "topk_threshold", "topk_membership", "normalised_overlap",
+    "drift_check", "drift_check_reference", "scores",
 ]
 
 

@@ -128,7 +128,7 @@ def _np_pooled_max(q, keys):
     return pooled.max(1)
 
 
-@pytest.mark.parametrize("tau", [0.0, 1.5])
+@pytest.mark.parametrize("tau", [-1.0, 1.5])  # below / above any normalised overlap (>= -c / (1 - c), <= 1)
 def test_drift_thresholds_and_recall_contents(tau):
     L, W, rho = 160, 3, 0.5
     policy = HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=tau)
@@ -150,7 +150,7 @@ def test_drift_thresholds_and_recall_contents(tau):
     after_recall = ctl.stats()
     n_pivots = 2
     assert after_recall["drift_checks"] == n_pivots
-    if tau == 0.0:
+    if tau < 0:
         assert after_recall["drift_triggers"] == 0 and after_recall["recalls"] == 0
         return
     assert after_recall["drift_triggers"] == n_pivots  # tau > 1: every check drifts
@@ -259,11 +259,12 @@ def test_drain_waits_for_the_dispatched_drift_check():
     assert full.drain() >= 0.0  # no controller: nothing to wait for
 
 
-@pytest.mark.parametrize("tau,n_top", [(1.5, 7), (0.0, 7), (1.5, 0)])
+@pytest.mark.parametrize("tau,n_top", [(1.5, 7), (-1.0, 7), (1.5, 0)])
 def test_drift_layer_ranks_the_latest_query_only_when_a_pivot_drifted(tau, n_top):
-    """_drift_layer's recall rows: the top-n_top positions of the latest query's pooled scores (numpy
-    reference, best first) when some pivot drifted (tau 1.5 > any overlap), zeros when none did
-    (tau 0) or when the recall does not use them (n_top 0)."""
+    """_drift_layer's recall rows and new K_base: the top-n_top / top-l_base positions of the latest
+    query's pooled scores (numpy reference, best first) when some pivot drifted (tau 1.5 > any
+    normalised overlap); zeros and the old K_base when none did (tau -1 below any), zero-width rows
+    when the recall does not use them (n_top 0)."""
     from hetero_jax.policies.heterocache import _drift_layer
 
     rng = np.random.default_rng(5)
@@ -272,15 +273,20 @@ def test_drift_layer_ranks_the_latest_query_only_when_a_pivot_drifted(tau, n_top
     keys = rng.standard_normal((B, Np, T, D)).astype(np.float32)
     k_base = np.stack([rng.permutation(T)[:l_base] for _ in range(B * Np)]).reshape(B, Np, l_base).astype(np.int32)
     lengths = np.array([[T, T], [T - 9, T - 9]], np.int32)
-    drift, _, top = _drift_layer(q_buf, keys, k_base, lengths, l_base=l_base, tau=tau, n_top=n_top)
-    top = np.asarray(top)
-    assert top.shape == (B, Np, n_top)
+    drift, new_base, top = _drift_layer(q_buf, keys, k_base, lengths, l_base=l_base, tau=tau, n_top=n_top)
+    top, new_base = np.asarray(top), np.asarray(new_base)
+    assert top.shape == (B, Np, n_top) and new_base.shape == (B, Np, l_base)
     assert bool(np.asarray(drift).all()) == (tau > 1) and bool(np.asarray(drift).any()) == (tau > 1)
     for b in range(B):
         for p in range(Np):
+            scores = _np_pooled_max(q_buf[b, p, -1][None], keys[b, p, : lengths[b, p]])[0]
+            order = np.argsort(-scores, kind="stable")
+            if tau > 1:
+                np.testing.assert_array_equal(new_base[b, p], order[:l_base])
+            else:
+                np.testing.assert_array_equal(new_base[b, p], k_base[b, p])
             if tau > 1 and n_top:
-                scores = _np_pooled_max(q_buf[b, p, -1][None], keys[b, p, : lengths[b, p]])[0]
-                np.testing.assert_array_equal(top[b, p], np.argsort(-scores, kind="stable")[:n_top])
+                np.testing.assert_array_equal(top[b, p], order[:n_top])
             else:
                 assert not top[b, p].any()
 

@@ -13,12 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pallas_kernels as pk
 from pallas_kernels import (INVALID_SCORE, MASK_VALUE, drift_check,
-                            merge_attention, overlap_bitmap, pooled_scores,
+                            drift_check_reference, merge_attention,
+                            normalised_overlap, overlap_bitmap, pooled_scores,
                             pooled_scores_reference, sparse_decode_attention,
-                            sparse_decode_attention_reference)
+                            sparse_decode_attention_reference,
+                            topk_membership, topk_threshold)
 
 TRITON_CALL = "__gpu$xla.gpu.triton"   # custom-call target, jax/jaxlib 0.10.2
 
@@ -238,6 +242,21 @@ def test_pooled_reference_matches_numpy(gqa):
   np.testing.assert_allclose(got[0, 0], want, rtol=1e-5, atol=1e-7)
 
 
+def test_pooled_reference_ignores_keys_beyond_length():
+  """Keys at t >= L never reach a valid score (the reference does not mask
+  them before the dot): NaN there changes nothing."""
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.normal(size=(1, 2, 2, 3, 16)).astype(np.float32))
+  k = rng.normal(size=(1, 2, 40, 16)).astype(np.float32)
+  lens = jnp.array([[40, 23]], jnp.int32)
+  kn = k.copy()
+  kn[0, 1, 23:] = np.nan
+  a = pooled_scores_reference(q, jnp.asarray(k), lens)
+  b = pooled_scores_reference(q, jnp.asarray(kn), lens)
+  np.testing.assert_array_equal(a, b)
+  assert np.isfinite(np.asarray(b)).all()
+
+
 def test_overlap_bitmap_matches_python_sets():
   rng = np.random.default_rng(5)
   T, lead, ka, kb = 50, (2, 3), 7, 5
@@ -255,6 +274,82 @@ def test_overlap_bitmap_matches_python_sets():
     want = len(sa & sb) / min(len(sa), len(sb))
     assert got.reshape(-1)[i] == pytest.approx(want)
   assert got.reshape(-1)[0] == 1.0
+
+
+# ---------------------------------------------------------------------------
+# top-k membership without a sort (drift check)
+
+
+def _numpy_topk(scores, k):
+  """Indices of the k largest of a row [T], ties to the lower index; +0.0
+  ranks above -0.0 (lax.top_k's total order)."""
+  x = np.asarray(scores, np.float64)
+  order = np.lexsort((np.arange(x.size), np.signbit(x), -x))
+  return order[:k]
+
+
+def _check_membership(scores, k, idx):
+  scores = np.asarray(scores, np.float32)
+  got = np.asarray(topk_membership(jnp.asarray(scores), k, jnp.asarray(idx)))
+  kth, n_gt = (np.asarray(a) for a in topk_threshold(jnp.asarray(scores), k))
+  lax_idx = np.asarray(jax.lax.top_k(jnp.asarray(scores), k)[1])
+  for r in np.ndindex(scores.shape[:-1]):
+    top = set(_numpy_topk(scores[r], k).tolist())
+    assert set(lax_idx[r].tolist()) == top     # lax.top_k: lower index first
+    want = [int(j) in top for j in idx[r]]
+    np.testing.assert_array_equal(got[r], want, err_msg=f"row {r}")
+    x = scores[r]
+    assert kth[r] == x[_numpy_topk(x, k)[-1]]
+    above = (x > kth[r]) | ((x == kth[r]) & ~np.signbit(x) & np.signbit(kth[r]))
+    assert n_gt[r] == int(above.sum())                # +0.0 is above -0.0
+
+
+# Few distinct values, so that most rows have ties at the k-th largest.
+_VALUES = [INVALID_SCORE, -3.5, -0.0, 0.0, 1e-30, 0.125, 0.125, 0.5, 0.75,
+           1.0, 3e4]
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_topk_membership_matches_lax_top_k(data):
+  # few shapes (each k and T compiles once); rows tied or not
+  rows, n_idx = 2, 12
+  T = data.draw(st.sampled_from([1, 6, 40]))
+  k = data.draw(st.integers(1, T))
+  tied = data.draw(st.booleans())
+  elem = (st.sampled_from(_VALUES) if tied else
+          st.floats(-1e6, 1e6, allow_nan=False, width=32))
+  scores = np.array(data.draw(st.lists(elem, min_size=rows * T,
+                                       max_size=rows * T)),
+                    np.float32).reshape(rows, T)
+  idx = np.array(data.draw(st.lists(st.integers(-2, T + 2),
+                                    min_size=rows * n_idx,
+                                    max_size=rows * n_idx)),
+                 np.int32).reshape(rows, n_idx)
+  _check_membership(scores, k, idx)
+
+
+@pytest.mark.parametrize("scores,k", [
+    ([2.0, 2.0, 2.0, 2.0, 2.0, 2.0], 3),            # all tied: the first 3
+    ([1.0, 5.0, 3.0, 3.0, 3.0, 0.0, 3.0], 3),       # 2 of the four 3.0s
+    ([3.0, 5.0, 3.0, 3.0, 9.0, 3.0], 2),            # no tie at the boundary
+    ([0.0, -0.0, 0.0, -0.0, 1.0], 3),               # -0 ranks below +0
+    ([-0.0, 0.0, -0.0, 0.0, 1.0], 2),
+    ([INVALID_SCORE] * 3 + [0.5, INVALID_SCORE], 3),  # k beyond the valid
+    ([-1.0, -2.0, -1.0, -3.0], 2),                  # negatives
+])
+def test_topk_membership_ties(scores, k):
+  scores = np.array([scores], np.float32)
+  T = scores.shape[-1]
+  _check_membership(scores, k, np.arange(-1, T + 1, dtype=np.int32)[None])
+
+
+def test_normalised_overlap():
+  # o = 6/8 with chance 8/32: (0.75 - 0.25) / 0.75; L <= L_base: 1
+  got = np.asarray(normalised_overlap(jnp.array([6, 2, 0, 3]), 8,
+                                      jnp.array([32, 32, 8, 5])))
+  np.testing.assert_allclose(got, [2 / 3, 0.0, 1.0, 1.0], rtol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
@@ -279,16 +374,56 @@ def test_drift_check_constructed(backend):
   base_scores = pooled_scores_reference(jnp.asarray(q_base), jnp.asarray(keys))
   k_base = jax.lax.top_k(base_scores[:, :, 0], L_base)[1]          # [1, 4, 8]
 
-  drift, idx, scores = drift_check(jnp.asarray(q_buf), jnp.asarray(keys),
-                                   k_base, L_base, 0.5, backend=backend)
+  drift, ov, scores = drift_check(jnp.asarray(q_buf), jnp.asarray(keys),
+                                  k_base, L_base, 0.5, backend=backend)
   np.testing.assert_array_equal(drift, [[False, True, False, True]])
-  assert idx.shape == (1, 4, L_base) and scores.shape == (1, 4, T)
-  # Latest step of head 1 looks at x_b, of head 0 at x_a.
-  assert x_b in set(np.asarray(idx[0, 1]).tolist())
-  assert x_a in set(np.asarray(idx[0, 0]).tolist())
+  assert ov.shape == (1, 4) and scores.shape == (1, 4, T)
+  # unmoved medians are the same set (1); moved ones share nothing with K_base
+  # (below chance c = 8/64: -c / (1 - c))
+  np.testing.assert_allclose(ov[0, [0, 2]], 1.0)
+  np.testing.assert_allclose(ov[0, [1, 3]], -1 / 7, rtol=1e-6)
   want_last = pooled_scores_reference(jnp.asarray(q_buf[:, :, -1:]),
                                       jnp.asarray(keys))[:, :, 0]
   np.testing.assert_allclose(scores, want_last, atol=1e-6)
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), L_base=st.integers(1, 48),
+       shift=st.floats(0.0, 3.0))
+def test_drift_check_matches_topk_definition(seed, L_base, shift):
+  """drift_check (no top-k) vs the definition: lax.top_k of every step and
+  overlap_bitmap, on ragged lengths (some shorter than L_base)."""
+  rng = np.random.default_rng(seed)
+  B, H, W, G, D, T = 2, 3, 5, 2, 16, 48
+  keys = rng.normal(size=(B, H, T, D)).astype(np.float32)
+  q = (shift * rng.normal(size=(B, H, W, G, D))).astype(np.float32)
+  lens = rng.integers(1, T + 1, size=(B, H)).astype(np.int32)
+  base_q = rng.normal(size=(B, H, 1, G, D)).astype(np.float32)
+  s0 = pooled_scores_reference(jnp.asarray(base_q), jnp.asarray(keys),
+                               jnp.asarray(lens))[:, :, 0]
+  vals, k_base = jax.lax.top_k(s0, L_base)
+  k_base = jnp.where(vals > INVALID_SCORE * 0.5, k_base, -1)
+  tau = 0.3
+  got = drift_check(jnp.asarray(q), jnp.asarray(keys), k_base, L_base, tau,
+                    jnp.asarray(lens), backend="reference")
+  want = drift_check_reference(jnp.asarray(q), jnp.asarray(keys), k_base,
+                               L_base, tau, jnp.asarray(lens))
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(got[2], want[2])
+  # and against numpy sets, step by step
+  s = np.asarray(pooled_scores_reference(jnp.asarray(q), jnp.asarray(keys),
+                                         jnp.asarray(lens)))
+  for b, h in np.ndindex(B, H):
+    L = int(lens[b, h])
+    base = {int(x) for x in np.asarray(k_base[b, h]) if 0 <= x < L}
+    o = []
+    for w in range(W):
+      top = {int(x) for x in _numpy_topk(s[b, h, w], L_base) if x < L}
+      c = L_base / L
+      o.append(1.0 if c >= 1 else (len(top & base) / L_base - c) / (1 - c))
+    assert got[1][b, h] == pytest.approx(np.median(o), abs=1e-6)
 
 
 # ---------------------------------------------------------------------------

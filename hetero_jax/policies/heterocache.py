@@ -115,10 +115,18 @@ class HeteroCache(Policy):
 
     @property
     def drift_threshold(self) -> float:
+        """tau_drift, on the check's chance-normalised scale (o - c) / (1 - c) (``pallas_kernels.drift_check``).
+
+        Default: the profile's tau_stable (the paper sets them equal), carried to that scale at the
+        calibration's chance level c = top_k / tokens_per_sample (0.4 at c = 0.2 -> 0.25 for SmolLM2);
+        c = 0 when the profile does not record it, 0.5 when it records no tau_stable either.
+        """
         if self.tau_drift is not None:
             return float(self.tau_drift)
-        tau = self.profile.settings.tau_stable if self.profile is not None else None
-        return 0.5 if tau is None else float(tau)
+        s = self.profile.settings if self.profile is not None else None
+        tau = 0.5 if s is None or s.tau_stable is None else float(s.tau_stable)
+        c = s.top_k / s.tokens_per_sample if s is not None and s.top_k and s.tokens_per_sample else 0.0
+        return (tau - c) / (1.0 - c)
 
     def _need_profile(self) -> HeadProfile:
         if self.profile is None:
@@ -349,20 +357,26 @@ class HeteroPrefill:
 def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: int):
     """One layer's drift check: q_buf [B, Np, W, G, D]; keys [B, Np, T, D]; k_base [B, Np, l_base].
 
-    Returns (drift [B, Np] bool, new K_base [B, Np, l_base], top-n_top positions of the latest
-    pooled scores, best first [B, Np, n_top]; zeros when no pivot drifted, or when ``n_top`` is 0,
-    i.e. the recall does not use them).
+    Returns (drift [B, Np] bool, new K_base [B, Np, l_base] (top-l_base of the latest pooled scores; the
+    old K_base when no pivot drifted), top-n_top positions of the latest pooled scores, best first
+    [B, Np, n_top]; zeros when no pivot drifted, or when ``n_top`` is 0, i.e. the recall does not use them).
     """
-    drift, latest_idx, latest_scores = pallas_kernels.drift_check(q_buf, keys, k_base, l_base, tau, lengths)
-    top_shape = latest_scores.shape[:-1] + (n_top,)
-    if n_top == 0:
-        top = jnp.zeros(top_shape, jnp.int32)
-    else:
-        # a top-k over the whole prompt costs about as much as the check itself at long contexts, and
-        # its rows are read only for a drifted pivot: skip it (lax.cond runs one branch) otherwise
-        top = jax.lax.cond(drift.any(), lambda s: jax.lax.top_k(s, n_top)[1].astype(jnp.int32),
-                           lambda s: jnp.zeros(top_shape, jnp.int32), latest_scores)
-    return drift, latest_idx.astype(jnp.int32), top
+    drift, _, latest_scores = pallas_kernels.drift_check(q_buf, keys, k_base, l_base, tau, lengths)
+    k = min(max(l_base, n_top), latest_scores.shape[-1])
+
+    def ranked(s):  # one top-k serves both: new K_base and the recall rows are its first l_base / n_top
+        vals, idx = jax.lax.top_k(s, k)
+        idx = idx.astype(jnp.int32)
+        base = jnp.where(vals[..., :l_base] > pallas_kernels.INVALID_SCORE * 0.5, idx[..., :l_base], -1)
+        return base, jnp.pad(idx[..., :n_top], [(0, 0)] * (idx.ndim - 1) + [(0, max(0, n_top - k))])
+
+    def unchanged(s):
+        return k_base.astype(jnp.int32), jnp.zeros(s.shape[:-1] + (n_top,), jnp.int32)
+
+    # the check itself never ranks the prompt; this top-k (a fifth of the check's cost at 32K on CPU) is
+    # read only for a drifted pivot: skip it (lax.cond runs one branch) otherwise
+    new_base, top = jax.lax.cond(drift.any(), ranked, unchanged, latest_scores)
+    return drift, new_base, top
 
 
 class HeteroDecode:
