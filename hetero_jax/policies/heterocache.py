@@ -53,7 +53,7 @@ from hetero_jax.cache import HeadGroup, KVCache, full_group
 from hetero_jax.config import ModelConfig
 from hetero_jax.layout import HeadLayout
 from hetero_jax.model import prompt_queries
-from hetero_jax.policies.base import BudgetError, Policy
+from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_int
 from hetero_jax.policies.primitives import avg_pool, finalize_scores, gqa_reduce, observation_window_probs
 from hetero_jax.policies.runtime import select_group
 from hetero_jax.profile.clustering import Role
@@ -73,6 +73,22 @@ def _profile_key(profile: HeadProfile | None) -> str:
     h.update(np.nan_to_num(np.asarray(profile.weights, np.float64), nan=-1.0).tobytes())
     h.update(repr(profile.clusters).encode())
     return h.hexdigest()[:16]
+
+
+def _check_hetero_args(p: "HeteroCache") -> None:
+    """Types and ranges of HeteroCache's numeric arguments (before the older checks in __post_init__)."""
+    if p.profile is not None and not isinstance(p.profile, HeadProfile):
+        raise PolicyError(f"HeteroCache: profile must be a HeadProfile (load_profile('profile.json')) or None "
+                          f"for the model's shipped profile, got {type(p.profile).__name__}")
+    check_int("HeteroCache", "window", p.window, 1, " (decode steps between drift checks)")
+    if isinstance(p.select_window, bool):  # an int to isinstance, but True is no number of queries
+        raise PolicyError(f"HeteroCache: select_window must be an int >= 1 prompt query (1 = the paper's last "
+                          f"token), got {p.select_window!r}")
+    tau = p.tau_drift
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float, np.integer, np.floating))
+                            or not np.isfinite(tau)):
+        raise PolicyError(f"HeteroCache: tau_drift must be a finite number (a drift is a median top-k overlap "
+                          f"below it, so [0, 1] is meaningful) or None for the profile's tau_stable, got {tau!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +111,7 @@ class HeteroCache(Policy):
 
     def __post_init__(self):
         super().__post_init__()
+        _check_hetero_args(self)
         if self.window < 1:
             raise BudgetError(f"HeteroCache: window must be >= 1 decode step, got {self.window}")
         if not isinstance(self.select_window, int) or self.select_window < 1:
@@ -160,6 +177,11 @@ class HeteroCache(Policy):
 
         prof = self._need_profile()
         if prof.n_compressed == 0:  # every head keeps its full KV: nothing to budget
+            if self.budget < 1.0:  # it would keep rho = 1, far above the request
+                raise BudgetError(
+                    f"HeteroCache: budget rho={self.budget:g} cannot be kept: the profile has no compressed "
+                    "heads (every head is a pivot or volatile and keeps its full KV); the smallest rho that "
+                    "works is 1 (use budget=1.0, or a profile with anchor/satellite heads)")
             return np.full(prof.roles.shape, prompt_len, np.int64), prompt_len
         try:
             grid = prof.budgets(self.budget, prompt_len)
