@@ -42,6 +42,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import warnings
 from typing import ClassVar
 
 import jax
@@ -421,6 +422,7 @@ class HeteroDecode:
         self.recalls = 0  # satellite heads refreshed
         self.bytes_recalled = 0
         self.bytes_scored = 0  # reservoir key bytes read on the host to score satellites (recall="own")
+        self.recall_failures = 0  # recalls dropped because their transfer failed (see before_step)
         self.recall_steps: list[int] = []
         self.last_queries = None  # every head's query rows of the latest step (for recall="own")
 
@@ -497,9 +499,29 @@ class HeteroDecode:
         self.pending = (step, outs, sat_queries)
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
-        """Apply the previous check's recalls (one step after it ran)."""
+        """Apply the previous check's recalls (one step after it ran), all or nothing.
+
+        A recall whose host -> device transfer fails (a RuntimeError from ``jax.device_put``, e.g. out of
+        device memory) leaves the cache and the recall stats as they were, with a RuntimeWarning:
+        the recall is an accuracy aid, and decoding (a session's turn) goes on without it. K_base is
+        kept too, so the next check sees the drift again and retries the recall.
+        """
         if self.pending is None:
             return cache
+        saved = (self.checks, self.triggers, self.recalls, self.bytes_recalled, self.bytes_scored,
+                 len(self.recall_steps))
+        try:
+            return self._apply_recalls(step, cache)
+        except (RuntimeError, MemoryError) as e:
+            (self.checks, self.triggers, self.recalls, self.bytes_recalled, self.bytes_scored, n) = saved
+            del self.recall_steps[n:]
+            self.recall_failures += 1
+            warnings.warn(f"HeteroCache: the recall at decode step {step} failed ({type(e).__name__}: {e}); the "
+                          "device cache is unchanged and the drift will be checked again", RuntimeWarning,
+                          stacklevel=2)
+            return cache
+
+    def _apply_recalls(self, step: int, cache: KVCache) -> KVCache:
         _, outs, sat_queries = self.pending
         self.pending = None
         layers = list(cache.layers)
@@ -558,4 +580,5 @@ class HeteroDecode:
             "recalls": self.recalls,
             "bytes_recalled": self.bytes_recalled,
             "bytes_scored_on_host": self.bytes_scored,
+            "recall_failures": self.recall_failures,
         }
