@@ -70,7 +70,8 @@ def check_profile_args(args) -> None:
             continue
         parent = os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path):
-            raise ProfileError(f"--{flag} {path} is a directory; give a file path such as {os.path.join(path, 'profile.json' if flag == 'out' else 'profile.png')}")
+            example = os.path.join(path, "profile.json" if flag == "out" else "profile.png")
+            raise ProfileError(f"--{flag} {path} is a directory; give a file path such as {example}")
         if not os.path.isdir(parent):
             raise ProfileError(f"--{flag} {path}: the directory {parent} does not exist; create it first "
                                "(nothing was calibrated)")
