@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from convert.hf import ConversionResult, ParamBuilder, _result
-from hetero_jax.checkpoint import check_output_dir, np_dtype, save_checkpoint
+from hetero_jax.checkpoint import check_output_apart, check_output_dir, np_dtype, save_checkpoint
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import CheckpointError, ConfigError
 
@@ -263,6 +263,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     t0 = time.perf_counter()
     gguf_path = os.path.abspath(os.fspath(gguf_path))
     np_dtype(dtype)
+    check_output_apart(gguf_path, out_dir)
     out_dir = check_output_dir(out_dir, force)
     if not os.path.isfile(gguf_path):
         raise CheckpointError(f"GGUF file {gguf_path} does not exist")

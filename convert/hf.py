@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero_jax.checkpoint import check_output_dir, np_dtype, save_checkpoint
+from hetero_jax.checkpoint import check_output_apart, check_output_dir, np_dtype, save_checkpoint
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import CheckpointError, ConfigError
 from hetero_jax.spec import hf_tensor_map, param_shapes
@@ -120,10 +120,12 @@ def _list_safetensors(hf_dir: str) -> list[tuple[str, set[str] | None]]:
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
-            with open(index) as f:
+            with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is corrupt ({e}); re-download it") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not a mapping of tensor names to file names")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is corrupt ({type(e).__name__}: {e}); re-download it") from None
         by_file: dict[str, set[str]] = {}
         for name, fname in weight_map.items():
             by_file.setdefault(fname, set()).add(name)
@@ -156,15 +158,17 @@ def _corrupt(path: str, e: BaseException) -> CheckpointError:
 def read_hf_config(hf_dir: str) -> tuple[ModelConfig, dict]:
     """``(ModelConfig, raw config.json dict)`` with clear errors for a missing dir or file."""
     if not os.path.isdir(hf_dir):
-        raise CheckpointError(f"HF model directory {hf_dir} does not exist")
+        what = "is a file, not a directory (for a GGUF file use --gguf FILE)" if os.path.exists(hf_dir) \
+            else "does not exist"
+        raise CheckpointError(f"HF model directory {hf_dir} {what}")
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"no config.json in {hf_dir}; is this a Hugging Face model directory?")
-    with open(cfg_path) as f:
-        try:
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
             raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_path} is not valid JSON ({e}); re-download it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{cfg_path} is not valid JSON ({e}); re-download it") from None
     return ModelConfig.from_hf_dict(raw), raw
 
 
@@ -177,12 +181,14 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
     t0 = time.perf_counter()
     hf_dir = os.path.abspath(os.fspath(hf_dir))
     np_dtype(dtype)  # validate early
+    check_output_apart(hf_dir, out_dir)
     out_dir = check_output_dir(out_dir, force)
     cfg, raw_cfg = read_hf_config(hf_dir)
     if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
         raise CheckpointError(
             f"no tokenizer.json in {hf_dir}; hetero-jax needs the HF tokenizers file (download it with the weights)")
     files = _list_safetensors(hf_dir)
+    tok_files = _tokenizer_files(hf_dir)  # read (and checked) before the weights, not after
 
     builder = ParamBuilder(cfg, dtype)
     bar = tqdm(total=len(builder.expected), unit="tensor", desc="converting", disable=not progress)
@@ -218,7 +224,7 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
         bar.close()
 
     source: dict[str, Any] = {"type": "hf", "path": hf_dir, "files": [os.path.basename(p) for p, _ in files]}
-    out = save_checkpoint(out_dir, cfg, params, tokenizer_dir_or_files=_tokenizer_files(hf_dir),
+    out = save_checkpoint(out_dir, cfg, params, tokenizer_dir_or_files=tok_files,
                           meta={"source": source}, force=force, hf_config=raw_cfg)
     return _result(out, params, t0)
 
@@ -233,7 +239,13 @@ def _tokenizer_files(hf_dir: str) -> dict[str, Any]:
         if os.path.isfile(p):
             with open(p, "rb") as f:
                 files[n] = f.read()
-    tc = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+    try:
+        tc = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+        if not isinstance(tc, dict):
+            raise TypeError(f"it holds a JSON {type(tc).__name__}, not an object")
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+        raise CheckpointError(f"{os.path.join(hf_dir, 'tokenizer_config.json')} is not a valid JSON object "
+                              f"({e}); re-download it") from None
     if not tc.get("chat_template") and "chat_template.jinja" in files:
         tc["chat_template"] = files["chat_template.jinja"].decode("utf-8")
     files["tokenizer_config.json"] = tc

@@ -73,6 +73,27 @@ def check_output_dir(out_dir: str | os.PathLike, force: bool) -> str:
     return out_dir
 
 
+def _inside(path: str, root: str) -> bool:
+    return path != root and os.path.commonpath([path, root]) == root
+
+
+def check_output_apart(source: str | os.PathLike, out_dir: str | os.PathLike) -> None:
+    """Refuse an OUT_DIR that is, contains or is inside the conversion's input (before anything is read
+    or written): replacing OUT_DIR (--force) would delete the input, and writing inside it would mix a
+    checkpoint into the model files. Symlinks are resolved, so an alias of the input is caught too."""
+    src, out = os.path.realpath(os.fspath(source)), os.path.realpath(os.fspath(out_dir))
+    shown = os.path.abspath(os.fspath(out_dir))
+    if out == src:
+        raise CheckpointError(f"output directory {shown} is the input {src}; converting in place would delete the "
+                              "input weights. Choose an OUT_DIR outside the input")
+    if _inside(out, src):
+        raise CheckpointError(f"output directory {shown} is inside the input directory {src}; the checkpoint "
+                              "would be mixed into the model files. Choose an OUT_DIR outside the input")
+    if _inside(src, out):
+        raise CheckpointError(f"output directory {shown} contains the input {src}; replacing it would delete the "
+                              "input. Choose an OUT_DIR outside the input")
+
+
 def _write_tokenizer(tmp: str, source: Any) -> None:
     """``source``: a directory, a sequence of file paths, or a mapping name -> str | bytes | dict."""
     if isinstance(source, Mapping):
@@ -223,8 +244,15 @@ def read_meta(path: str | os.PathLike) -> dict:
         raise CheckpointError(
             f"{path} is not a hetero-jax checkpoint (no {META_FILE}); convert the model first with "
             "hetero-jax-convert HF_DIR OUT_DIR (or --gguf FILE OUT_DIR)")
-    with open(mp) as f:
-        meta = json.load(f)
+    try:
+        with open(mp, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{mp} is not valid JSON ({e}); the checkpoint is corrupt, re-convert it with "
+                              "hetero-jax-convert --force") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{mp} holds a JSON {type(meta).__name__}, not an object; the checkpoint is corrupt, "
+                              "re-convert it with hetero-jax-convert --force")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path} has checkpoint format_version {meta.get('format_version')!r}, this hetero-jax reads "

@@ -46,11 +46,41 @@ def _read_prompt(args) -> str:
         return args.prompt
     if args.prompt_file == "-":
         return sys.stdin.read()
+    return read_text_file(args.prompt_file, "--prompt-file", "prompt file")
+
+
+def read_text_file(path: str, flag: str, what: str) -> str:
+    """A UTF-8 text file's content; PromptError (exit 2) naming the flag and the path otherwise."""
+    from hetero_jax.errors import PromptError
+
     try:
-        with open(args.prompt_file, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             return f.read()
     except FileNotFoundError:
-        raise SystemExit(f"error: prompt file not found: {args.prompt_file}") from None
+        raise PromptError(f"{what} not found: {path} ({flag} takes a UTF-8 text file)") from None
+    except IsADirectoryError:
+        raise PromptError(f"{what} {path} is a directory; {flag} takes a UTF-8 text file") from None
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start}); {flag} takes a "
+                          "UTF-8 text file") from None
+    except OSError as e:
+        raise PromptError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
+def _check_generate_args(args) -> list[str] | None:
+    """The decoding flags, checked before the model is loaded; returns the questions of --turns (or None)."""
+    from hetero_jax.generate import _check_request, _check_sampling
+
+    _check_request(args.max_new_tokens, args.temperature, args.top_p, seed=args.seed, stop=args.stop)
+    _check_sampling(args.max_new_tokens, args.top_p)
+    if not args.turns:
+        return None
+    questions = [q.strip() for q in read_text_file(args.turns, "--turns", "turns file").splitlines() if q.strip()]
+    if not questions:
+        from hetero_jax.errors import PromptError
+
+        raise PromptError(f"turns file {args.turns} holds no questions (one per line)")
+    return questions
 
 
 def enable_compilation_cache() -> None:
@@ -88,20 +118,22 @@ def _cmd_generate(args) -> int:
         print("error: --profile, --window, --tau-drift and --select-window apply to --policy heterocache",
               file=sys.stderr)
         return 2
-    try:
-        policy = make_policy(args.policy, args.budget, **extra)
-    except KeyError as e:
-        print(f"error: {e.args[0]}", file=sys.stderr)
-        return 2
+    policy = make_policy(args.policy, args.budget, **extra)  # a bad name or value: HeteroJaxError, exit 2
     if args.prompt is None and args.prompt_file is None:
         print("error: give --prompt TEXT or --prompt-file FILE", file=sys.stderr)
         return 2
-    enable_compilation_cache()
+    questions = _check_generate_args(args)
     prompt = _read_prompt(args)
+    if not prompt.strip():
+        from hetero_jax.errors import PromptError
+
+        raise PromptError("empty prompt: the prompt text has no content; give --prompt TEXT or a --prompt-file "
+                          "that holds text")
+    enable_compilation_cache()
     model = hetero_jax.load(args.model, dtype=args.dtype)
     stream = not args.no_stream
     if args.turns:
-        return _run_turns(args, model, prompt, policy, stream)
+        return _run_turns(args, model, prompt, policy, stream, questions)
     res = hetero_jax.generate(
         model,
         prompt,
@@ -122,18 +154,9 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _run_turns(args, model, context: str, policy, stream: bool) -> int:
+def _run_turns(args, model, context: str, policy, stream: bool, questions: list[str]) -> int:
     from hetero_jax.generate import Session
 
-    try:
-        with open(args.turns, encoding="utf-8") as f:
-            questions = [q.strip() for q in f if q.strip()]
-    except FileNotFoundError:
-        print(f"error: turns file not found: {args.turns}", file=sys.stderr)
-        return 2
-    if not questions:
-        print(f"error: {args.turns} holds no questions (one per line)", file=sys.stderr)
-        return 2
     sess = Session(model, context, policy, chat=not args.no_chat, seed=args.seed)
     for i, q in enumerate(questions, 1):
         print(f"[turn {i}] {q}")

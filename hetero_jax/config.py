@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -19,6 +20,88 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+
+
+_FIX = "; fix config.json (it should match the checkpoint's published config.json)"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _need(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"config.json: {key} = {value!r} is not allowed; it must be {allowed}{_FIX}")
+
+
+def check_hf_config_values(cfg: Any) -> None:
+    """Types and ranges of the config.json entries ``from_hf_dict`` reads: ConfigError naming the key,
+    its value and what is allowed, instead of a TypeError/ZeroDivisionError/KeyError further in."""
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"config.json must hold a JSON object (a mapping of settings), got {type(cfg).__name__}"
+                          f"{_FIX}")
+    archs = cfg.get("architectures")
+    _need(archs is None or (isinstance(archs, list) and all(isinstance(a, str) for a in archs)),
+          "architectures", archs, "a list of class names such as [\"LlamaForCausalLM\"]")
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
+        if key in cfg:  # a missing required key is reported by from_hf_dict
+            _need(_is_int(cfg[key]) and cfg[key] >= 1, key, cfg[key], "a positive integer")
+    for key in ("num_key_value_heads", "head_dim"):
+        if cfg.get(key) is not None:
+            _need(_is_int(cfg[key]) and cfg[key] >= 1, key, cfg[key], "a positive integer (or absent)")
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    if cfg.get("head_dim") is None and _is_int(heads) and _is_int(hidden) and hidden % heads:
+        raise ConfigError(f"config.json: hidden_size = {hidden} is not a multiple of num_attention_heads = {heads} "
+                          f"and there is no head_dim; give head_dim{_FIX}")
+    if "max_position_embeddings" in cfg:
+        v = cfg["max_position_embeddings"]
+        _need(_is_int(v) and v >= 2, "max_position_embeddings", v, "an integer >= 2")
+    if "rms_norm_eps" in cfg:
+        _need(_is_num(cfg["rms_norm_eps"]) and cfg["rms_norm_eps"] > 0, "rms_norm_eps", cfg["rms_norm_eps"],
+              "a finite number > 0")
+    if cfg.get("rope_theta") is not None:
+        _need(_is_num(cfg["rope_theta"]) and cfg["rope_theta"] > 0, "rope_theta", cfg["rope_theta"],
+              "a finite number > 0 (or absent)")
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+        if cfg.get(key) is not None:
+            _need(isinstance(cfg[key], bool), key, cfg[key], "true or false")
+    if cfg.get("bos_token_id") is not None:
+        _need(_is_int(cfg["bos_token_id"]) and cfg["bos_token_id"] >= 0, "bos_token_id", cfg["bos_token_id"],
+              "a token id (an integer >= 0) or null")
+    eos = cfg.get("eos_token_id")
+    if eos is not None:
+        _need((_is_int(eos) and eos >= 0) or (isinstance(eos, list) and all(_is_int(e) and e >= 0 for e in eos)),
+              "eos_token_id", eos, "a token id, a list of token ids or null")
+    for key in ("rope_scaling", "rope_parameters"):
+        if cfg.get(key) is not None:
+            _need(isinstance(cfg[key], Mapping), key, cfg[key], "an object (mapping) or null")
+            _check_rope_dict(key, cfg[key])
+
+
+def _check_rope_dict(key: str, d: Mapping) -> None:
+    if "rope_type" not in d and "type" not in d and len(d) == 1 and isinstance(next(iter(d.values())), Mapping):
+        (sub_key, d), = d.items()  # per-layer-type form {"full_attention": {...}}
+        key = f"{key}.{sub_key}"
+    if d.get("rope_theta") is not None:
+        _need(_is_num(d["rope_theta"]) and d["rope_theta"] > 0, f"{key}.rope_theta", d["rope_theta"],
+              "a finite number > 0")
+    if d.get("rope_type", d.get("type")) != "llama3":
+        return
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+               if k not in d]
+    if missing:
+        raise ConfigError(f"config.json: {key} has rope_type 'llama3' but no {missing[0]!r}; llama3 scaling needs "
+                          f"factor, low_freq_factor, high_freq_factor and original_max_position_embeddings{_FIX}")
+    for k in ("factor", "low_freq_factor", "high_freq_factor"):
+        _need(_is_num(d[k]) and d[k] > 0, f"{key}.{k}", d[k], "a finite number > 0")
+    _need(_is_int(d["original_max_position_embeddings"]) and d["original_max_position_embeddings"] >= 1,
+          f"{key}.original_max_position_embeddings", d["original_max_position_embeddings"], "a positive integer")
+    _need(d["high_freq_factor"] > d["low_freq_factor"], f"{key}.high_freq_factor", d["high_freq_factor"],
+          f"greater than low_freq_factor = {d['low_freq_factor']!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +145,7 @@ class ModelConfig:
     # ------------------------------------------------------------------ HF I/O
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        check_hf_config_values(cfg)
         archs = cfg.get("architectures") or []
         if not archs:
             raise ConfigError(
@@ -167,11 +251,11 @@ class ModelConfig:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ConfigError(f"config file not found: {path}")
-        with open(path) as f:
-            try:
+        try:
+            with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
         return cls.from_hf_dict(data)
 
     def to_hf_dict(self) -> dict[str, Any]:

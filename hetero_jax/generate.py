@@ -220,9 +220,11 @@ def _as_token_batches(model, prompt, chat: bool) -> tuple[list[list[int]], bool]
         if all(isinstance(p, str) for p in prompt):
             return [_encode(tok, p, chat) for p in prompt], True
         if all(isinstance(p, (int, np.integer)) for p in prompt):
-            return [[int(t) for t in prompt]], False
+            return [_token_list(prompt, "the prompt")], False
         if all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt):
-            return [[int(t) for t in p] for p in prompt], True
+            return [_token_list(p, f"prompt {i}") for i, p in enumerate(prompt)], True
+        if not any(isinstance(p, (str, list, tuple, np.ndarray)) for p in prompt):
+            _token_list(prompt, "the prompt")  # numbers, not all integers: name the first that is not
     raise PromptError(
         f"unsupported prompt type {type(prompt).__name__}: pass a string, a list of strings, "
         "a list of token ids or a list of token-id lists"
@@ -255,6 +257,63 @@ def _check_sampling(max_new_tokens: int, top_p: float) -> None:
         raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not (0.0 < top_p <= 1.0):
         raise PromptError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_request(max_new_tokens, temperature, top_p, *, seed=0, stop=None, on_token=None) -> list[str]:
+    """Types and ranges of the decoding arguments, before any compute; returns the stop strings as a list.
+
+    Runs before ``_check_sampling`` so that its comparisons only ever see numbers.
+    """
+    if not _is_int(max_new_tokens):
+        raise PromptError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not _is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
+        raise PromptError(f"temperature must be a finite number >= 0 (0 = greedy, > 0 samples), got {temperature!r}")
+    if not _is_real(top_p) or not np.isfinite(top_p):
+        raise PromptError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not _is_int(seed) or not -(2**63) <= seed < 2**63:
+        raise PromptError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
+    if on_token is not None and not callable(on_token):
+        raise PromptError(f"on_token must be a function taking the new text, or None; got {on_token!r}")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) for x in stops):
+        raise PromptError(f"stop must be a string, a list of strings or None, got {stop!r}")
+    if any(x == "" for x in stops):
+        raise PromptError("stop strings must be non-empty: an empty stop string matches at once and ends "
+                          "generation after one token; drop it or pass stop=None")
+    return list(stops)
+
+
+def _check_model(model) -> None:
+    """A loaded model bundle (``hetero_jax.load``), not a name or a path."""
+    if not all(hasattr(model, a) for a in ("config", "params", "tokenizer")) or not isinstance(
+            getattr(model, "config", None), ModelConfig):
+        got = repr(model) if model is None or isinstance(model, str) else f"a {type(model).__name__}"
+        raise PromptError(f"model must be a loaded model from hetero_jax.load(NAME_OR_DIR), got {got}"
+                          + ("; load it first: model = hetero_jax.load(name)" if isinstance(model, str) else ""))
+
+
+def _token_list(seq, what: str) -> list[int]:
+    """``seq`` as a list of Python ints; PromptError naming the first element that is not an integer."""
+    if isinstance(seq, np.ndarray):
+        if seq.ndim != 1:
+            raise PromptError(f"{what} must be a flat list of token ids, got an array of shape {seq.shape}")
+        seq = seq.tolist()
+    if not isinstance(seq, (list, tuple)):
+        raise PromptError(f"{what} must be a list of token ids, got {type(seq).__name__}")
+    for j, t in enumerate(seq):
+        if not _is_int(t):
+            raise PromptError(f"token ids must be integers: {what} has {t!r} ({type(t).__name__}) at position {j}")
+    return [int(t) for t in seq]
 
 
 def _resolve_policy(model, policy):
@@ -294,6 +353,7 @@ class Engine:
                  is_batch: bool = False):
         from hetero_jax.policies import FullKV, achieved_rho
 
+        _check_model(model)
         self.model, self.cfg = model, model.config
         _validate_ids(batch, self.cfg, is_batch)
         self.policy = _resolve_policy(model, policy)
@@ -492,11 +552,12 @@ def generate(
     ``on_token(text_delta)`` streams a single prompt's new text.
     Returns a :class:`GenerationResult` (a list of them for a batch).
     """
+    stops = _check_request(max_new_tokens, temperature, top_p, seed=seed, stop=stop, on_token=on_token)
     _check_sampling(max_new_tokens, top_p)
+    _check_model(model)
     batch, is_batch = _as_token_batches(model, prompt, chat)
     if on_token is not None and is_batch:
         raise PromptError("on_token streams a single prompt; pass one prompt or on_token=None")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
     T = max(len(b) for b in batch)
     budget = min(max_new_tokens, model.config.max_position_embeddings - T)  # never past the context
     engine = Engine(model, batch, policy, tail_capacity=_round_up(max(budget, 1), TAIL_QUANTUM), seed=seed,
@@ -508,6 +569,34 @@ def generate(
         reasons = ["context" if r == "max_new_tokens" else r for r in reasons]
     results = _results(engine, out_ids, texts, reasons, decode_s, [len(b) for b in batch])
     return results if is_batch else results[0]
+
+
+def _check_session_args(model, context, chat, seed, reserve_tokens) -> None:
+    """Session's arguments, before any compute. The model needs only its tokenizer here (Engine checks the
+    rest): benchmarks/bench_multiturn.py probes a Session's context ids with a tokenizer-only stand-in."""
+    if not hasattr(model, "tokenizer"):
+        _check_model(model)
+    if context is None or not isinstance(context, (str, list, tuple, np.ndarray)):
+        raise PromptError(f"context must be a string or a list of token ids, got {type(context).__name__}; "
+                          "a Session answers questions about a context given up front")
+    if not isinstance(chat, (bool, np.bool_)):
+        raise PromptError(f"chat must be True or False, got {chat!r}")
+    _check_request(0, 0.0, 1.0, seed=seed)
+    if not _is_int(reserve_tokens) or reserve_tokens < 1:
+        raise PromptError(f"reserve_tokens must be an integer >= 1, got {reserve_tokens!r}")
+
+
+def _question_ids(question, cfg: ModelConfig) -> list[int]:
+    """A question given as token ids: integers inside the vocabulary, at least one."""
+    if not isinstance(question, (list, tuple, np.ndarray)):
+        raise PromptError(f"question must be a string or a list of token ids, got {type(question).__name__}")
+    ids = _token_list(question, "the question")
+    if not ids:
+        raise PromptError("empty question: pass a non-empty string or list of token ids")
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise PromptError(f"token id {bad[0]} of the question is outside the vocabulary [0, {cfg.vocab_size})")
+    return ids
 
 
 class Session:
@@ -522,6 +611,7 @@ class Session:
 
     def __init__(self, model, context: str | Sequence[int], policy=None, *, chat: bool = True, seed: int = 0,
                  reserve_tokens: int = 512):
+        _check_session_args(model, context, chat, seed, reserve_tokens)
         self.model, self.chat = model, chat
         tok = model.tokenizer
         self.messages: list[dict] = []
@@ -538,7 +628,7 @@ class Session:
                 ids = tok.encode_prompt(context, chat=False)
             self._context_text = context
         else:
-            ids = [int(t) for t in context]
+            ids = _token_list(context, "the context")
             self._prefix_text = None
             self._context_text = None
         self.engine = Engine(model, [ids], policy, tail_capacity=reserve_tokens, seed=seed)
@@ -547,17 +637,18 @@ class Session:
         self._unfed: list[int] = []
         self.turns: list[GenerationResult] = []
 
-    def _turn_ids(self, question: str | Sequence[int]) -> list[int]:
-        """Tokens that close the previous turn (if any) and open this one."""
+    def _turn_ids(self, question: str | Sequence[int]) -> tuple[list[int], list[dict], str | None]:
+        """Tokens that close the previous turn (if any) and open this one, with the chat history and
+        rendered text after it; ``ask`` commits them only once the turn is accepted."""
         tok = self.model.tokenizer
-        unfed, self._unfed = self._unfed, []
+        unfed = self._unfed
         if not isinstance(question, str):
-            return unfed + [int(t) for t in question]
+            return unfed + _question_ids(question, self.engine.cfg), self.messages, self._rendered
         if not question.strip():
-            raise PromptError("empty question")
+            raise PromptError("empty question: the question text has no content")
         if self._context_text is None or not self.chat:
             sep = "\n\n" if (self.turns or self._context_text) else ""
-            return unfed + tok.encode(sep + question, add_special_tokens=False)
+            return unfed + tok.encode(sep + question, add_special_tokens=False), self.messages, self._rendered
         if not self.turns:
             msgs = [{"role": "user", "content": self._context_text + "\n\n" + question}]
         else:
@@ -566,22 +657,24 @@ class Session:
         if not rendered.startswith(self._rendered):
             raise PromptError("the chat template does not render turns incrementally; use chat=False")
         new_text = rendered[len(self._rendered):]
-        self.messages = msgs
-        self._rendered = rendered
-        return unfed + tok.encode(new_text, add_special_tokens=False)
+        return unfed + tok.encode(new_text, add_special_tokens=False), msgs, rendered
 
     def ask(self, question, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
             stop=None, on_token=None) -> GenerationResult:
         """Append ``question`` (text or token ids) and generate the answer."""
+        stops = _check_request(max_new_tokens, temperature, top_p, stop=stop, on_token=on_token)
         _check_sampling(max_new_tokens, top_p)
         eng = self.engine
-        ids = self._turn_ids(question)
+        ids, messages, rendered = self._turn_ids(question)
         room = eng.positions_left - len(ids)
         if room < 1:
             raise PromptError(
                 f"the question ({len(ids)} tokens) does not fit: {eng.positions_left} positions are left in the "
-                f"model's {eng.cfg.max_position_embeddings}-token context; start a new session"
+                f"model's {eng.cfg.max_position_embeddings}-token context; ask a shorter question or start a new "
+                "session (this one is unchanged)"
             )
+        # every check passed: the turn is accepted (a refused one leaves the session as it was)
+        self._unfed, self.messages, self._rendered = [], messages, rendered
         budget = min(max_new_tokens, room)
         eng.reserve(len(ids) + budget + 1)
         # All but the turn's last token go in chunked passes (the policy re-selects from their queries,
@@ -593,7 +686,6 @@ class Session:
             eng.extend(ids[:-1])
         nxt, _ = eng.step(np.asarray(ids[-1:], np.int32), temperature, top_p)
         extend_s = time.perf_counter() - t0 - (_COMPILE_TIME[0] - before)  # compile excluded, as in decode
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
         out_ids, texts, reasons, decode_s = _decode_loop(eng, nxt, budget, temperature=temperature, top_p=top_p,
                                                          stops=stops, on_token=on_token)
         if budget < max_new_tokens:

@@ -95,8 +95,22 @@ def ensure_converted(name: str, *, progress: bool = True) -> str:
     return target
 
 
+def _check_load_args(name_or_path, dtype) -> None:
+    """``load``'s arguments, before any conversion or read."""
+    from hetero_jax.checkpoint import DTYPES
+
+    if not isinstance(name_or_path, (str, os.PathLike)) or (isinstance(name_or_path, str) and not name_or_path):
+        raise CheckpointError(
+            f"load takes a known model name ({', '.join(sorted(KNOWN_MODELS))}) or a converted checkpoint "
+            f"directory, got {name_or_path!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)} (or None for the "
+                              "checkpoint's own)")
+
+
 def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, progress: bool = True) -> Model:
     """Load a known model by name (see ``KNOWN_MODELS``) or a converted checkpoint directory."""
+    _check_load_args(name_or_path, dtype)
     key = os.fspath(name_or_path)
     if key in KNOWN_MODELS and not os.path.isdir(key):
         path, name = ensure_converted(key, progress=progress), key

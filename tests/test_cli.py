@@ -1,5 +1,6 @@
 """The hetero-jax console script."""
 
+import os
 import subprocess
 import sys
 
@@ -35,8 +36,9 @@ def test_generate_prompt_file_and_errors(tiny_checkpoint, tmp_path, capsys):
     assert "error: empty prompt" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
     assert "unknown model" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["generate", "--model", ours, "--prompt-file", str(tmp_path / "missing.txt")])
+    # a missing file is the project's error (exit 2, message names the file), not a bare SystemExit
+    assert main(["generate", "--model", ours, "--prompt-file", str(tmp_path / "missing.txt")]) == 2
+    assert f"prompt file not found: {tmp_path / 'missing.txt'}" in capsys.readouterr().err
 
 
 def test_console_script_entry_point_runs():
@@ -50,3 +52,107 @@ def test_heterocache_flags_are_refused_for_other_policies(capsys):
     for flag in (["--window", "3"], ["--tau-drift", "0.3"], ["--select-window", "1"]):
         assert main(["generate", "--policy", "snapkv", "--prompt", "hi", *flag]) == 2
         assert "apply to --policy heterocache" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ bad input (issue 20)
+@pytest.fixture
+def no_load(monkeypatch):
+    """Fail if a model is loaded: bad flags and files must be refused before."""
+    import hetero_jax
+
+    def boom(*a, **k):
+        raise AssertionError("model loaded for input that should have been refused")
+    monkeypatch.setattr(hetero_jax, "load", boom)
+
+
+def _refused(capsys, argv, *needles):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: "), err
+    for n in needles:
+        assert n in err, f"{n!r} not in {err!r}"
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--temperature", "nan"], ["temperature must be a finite number >= 0", "got nan"]),
+    (["--temperature", "-1"], ["temperature must be a finite number >= 0", "got -1.0"]),
+    (["--top-p", "nan"], ["top_p must be a number in (0, 1], got nan"]),
+    (["--top-p", "0"], ["top_p must be in (0, 1], got 0.0"]),
+    (["--max-new-tokens", "-3"], ["max_new_tokens must be >= 0, got -3"]),
+    (["--seed", str(2**70)], ["seed must be an integer in [-2**63, 2**63)", str(2**70)]),
+    (["--stop", ""], ["stop strings must be non-empty"]),
+    (["--policy", "nope"], ["unknown policy 'nope'; known policies: full"]),
+    (["--policy", "snapkv", "--budget", "nan"], ["budget rho=nan is out of range", "(0, 1]"]),
+    (["--policy", "heterocache", "--window", "0"], ["HeteroCache: window must be an integer >= 1", "got 0"]),
+    (["--policy", "heterocache", "--tau-drift", "nan"], ["HeteroCache: tau_drift must be a finite number"]),
+])
+def test_bad_generate_flags_are_refused_before_loading(capsys, no_load, flags, needles):
+    _refused(capsys, ["generate", "--prompt", "hi", *flags], *needles)
+
+
+def test_non_integer_max_new_tokens_is_a_usage_error(capsys, no_load):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "hi", "--max-new-tokens", "2.5"])
+    assert e.value.code == 2 and "invalid int value: '2.5'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, kind", [(f, k) for f in ("--prompt-file", "--turns")
+                                         for k in ("directory", "latin1", "missing")] + [("--turns", "empty"),
+                                                                                        ("--prompt-file", "empty")])
+def test_unreadable_prompt_and_turns_files(tmp_path, capsys, no_load, flag, kind):
+    path = tmp_path / "x.txt"
+    if kind == "directory":
+        path.mkdir()
+        needle = "is a directory; " + flag + " takes a UTF-8 text file"
+    elif kind == "latin1":
+        path.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+        needle = "is not UTF-8 text (invalid continuation byte at byte 3); " + flag
+    elif kind == "missing":
+        needle = "not found: " + str(path)
+    else:
+        path.write_text("\n  \n")
+        needle = "holds no questions (one per line)" if flag == "--turns" else "empty prompt"
+    before = sorted(os.listdir(tmp_path))
+    argv = ["generate", flag, str(path)] if flag == "--prompt-file" else ["generate", "--prompt", "hi", flag, str(path)]
+    _refused(capsys, argv, needle, *([str(path)] if kind != "empty" or flag == "--turns" else []))
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("out, needles", [
+    ("missing/dir/profile.json", ["the directory", "does not exist; create it first (nothing was calibrated)"]),
+    (".", ["is a directory; give a file path such as"]),
+])
+def test_profile_out_is_checked_before_calibrating(tmp_path, capsys, monkeypatch, out, needles):
+    import importlib
+
+    calibrate = importlib.import_module("hetero_jax.profile.calibrate")
+    monkeypatch.setattr(calibrate, "calibrate_tokens", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("calibrated")))
+    import hetero_jax
+
+    monkeypatch.setattr(hetero_jax, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    before = sorted(os.listdir(tmp_path))
+    _refused(capsys, ["profile", "--data", "pydoc", "--out", str(tmp_path / out)], *needles)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--samples", "0"], "--samples must be >= 1, got 0"),
+    (["--tau-stable", "nan"], "--tau-stable must be in [0, 1], got nan"),
+    (["--top-k", "0"], "--top-k must be >= 1, got 0"),
+])
+def test_profile_numbers_are_checked_before_loading(tmp_path, capsys, monkeypatch, flags, needle):
+    import hetero_jax
+
+    monkeypatch.setattr(hetero_jax, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    _refused(capsys, ["profile", "--data", "pydoc", "--out", str(tmp_path / "p.json"), *flags], needle)
+    assert os.listdir(tmp_path) == []
+
+
+def test_profile_data_that_is_a_directory(tmp_path, capsys, monkeypatch):
+    import hetero_jax
+
+    monkeypatch.setattr(hetero_jax, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    _refused(capsys, ["profile", "--data", str(tmp_path), "--out", str(tmp_path / "p.json")],
+             f"cannot read calibration data file {tmp_path}")
+    assert os.listdir(tmp_path) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import sys
@@ -157,3 +158,184 @@ def test_failure_inside_save_leaves_nothing(hf, out_parent, monkeypatch):
     with pytest.raises(RuntimeError, match="simulated"):
         convert_hf(hf, out_parent / "new" / "deeper" / "ck", progress=False)
     assert os.listdir(out_parent) == []
+
+
+# --------------------------------------------------------------- output vs input (issue 20)
+def _snapshot(root):
+    """{relative path: bytes (None for a directory)} of everything under root: the input must come out
+    byte-identical and nothing may be added."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        out.update({os.path.relpath(os.path.join(d, x), root): None for x in dirs})
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("where", ["same", "inside", "contains", "symlink"])
+def test_output_that_is_contains_or_is_inside_the_input_is_refused(hf, tmp_path, capsys, where, force):
+    """`hetero-jax-convert D D --force` used to exit 0 after deleting D's weights."""
+    before = _snapshot(tmp_path)
+    out, needle = {
+        "same": (hf, "is the input"),
+        "inside": (hf / "converted", "is inside the input directory"),
+        "contains": (tmp_path, "contains the input"),
+        "symlink": (tmp_path / "alias", "is the input"),
+    }[where]
+    if where == "symlink":
+        os.symlink(hf, out)
+        before = _snapshot(tmp_path)
+    args = [str(hf), str(out), "--no-progress"] + (["--force"] if force else [])
+    assert convert_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and str(out) in err and "outside the input" in err, err
+    assert _snapshot(tmp_path) == before  # the input is intact and nothing was written anywhere
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_gguf_output_that_contains_the_gguf_file_is_refused(tmp_path, capsys, force):
+    src_dir = tmp_path / "models"
+    src_dir.mkdir()
+    gguf = src_dir / "model.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)
+    before = _snapshot(tmp_path)
+    args = ["--gguf", str(gguf), str(src_dir), "--no-progress"] + (["--force"] if force else [])
+    assert convert_main(args) == 2
+    err = capsys.readouterr().err
+    assert "contains the input" in err and str(gguf) in err, err
+    assert _snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------ config.json values (issue 20)
+def _set(cfg, key, value):
+    if "." in key:
+        outer, inner = key.split(".")
+        cfg[outer] = dict(cfg[outer])
+        if value is _DROP:
+            cfg[outer].pop(inner)
+        else:
+            cfg[outer][inner] = value
+    else:
+        cfg[key] = value
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("key, value, needles", [
+    ("hidden_size", "64", ["hidden_size = '64'", "a positive integer"]),
+    ("hidden_size", 64.5, ["hidden_size = 64.5", "a positive integer"]),
+    ("num_attention_heads", 0, ["num_attention_heads = 0", "a positive integer"]),
+    ("num_key_value_heads", 0, ["num_key_value_heads = 0", "a positive integer"]),
+    ("num_hidden_layers", -1, ["num_hidden_layers = -1", "a positive integer"]),
+    ("vocab_size", None, ["vocab_size = None", "a positive integer"]),
+    ("head_dim", [16], ["head_dim = [16]", "a positive integer (or absent)"]),
+    ("rms_norm_eps", -1e-5, ["rms_norm_eps = -1e-05", "a finite number > 0"]),
+    ("rope_theta", "big", ["rope_theta = 'big'", "a finite number > 0"]),
+    ("max_position_embeddings", 1, ["max_position_embeddings = 1", "an integer >= 2"]),
+    ("tie_word_embeddings", "no", ["tie_word_embeddings = 'no'", "true or false"]),
+    ("eos_token_id", "</s>", ["eos_token_id = '</s>'", "a token id"]),
+    ("architectures", "LlamaForCausalLM", ["architectures = 'LlamaForCausalLM'", "a list of class names"]),
+    ("rope_scaling", [8.0], ["rope_scaling = [8.0]", "an object"]),
+    ("rope_parameters", "llama3", ["rope_parameters = 'llama3'", "an object"]),
+    ("rope_parameters.factor", _DROP, ["rope_parameters has rope_type 'llama3' but no 'factor'",
+                                       "original_max_position_embeddings"]),
+    ("rope_parameters.low_freq_factor", "1", ["rope_parameters.low_freq_factor = '1'", "a finite number > 0"]),
+    ("rope_parameters.high_freq_factor", 1.0, ["rope_parameters.high_freq_factor = 1.0",
+                                               "greater than low_freq_factor"]),
+    ("rope_parameters.original_max_position_embeddings", 0, ["original_max_position_embeddings = 0",
+                                                             "a positive integer"]),
+])
+def test_nonsensical_config_values_are_config_errors(hf, out_parent, capsys, key, value, needles):
+    cfg = json.load(open(hf / "config.json"))
+    _set(cfg, key, value)
+    json.dump(cfg, open(hf / "config.json", "w"))
+    before = _snapshot(hf)
+    _fail([hf, out_parent / "ck"], out_parent, capsys, *needles, "fix config.json")
+    assert _snapshot(hf) == before
+
+
+def test_config_errors_are_config_error_from_the_api(hf):
+    from hetero_jax.config import ModelConfig
+    from hetero_jax.errors import ConfigError
+
+    cfg = json.load(open(hf / "config.json"))
+    for bad in ([cfg], {**cfg, "num_attention_heads": 0}, {**cfg, "hidden_size": 60, "head_dim": None}):
+        with pytest.raises(ConfigError, match="config.json"):
+            ModelConfig.from_hf_dict(bad)
+
+
+@pytest.mark.parametrize("name, content, needles", [
+    ("config.json", b"\xff\xfe not utf-8", ["config.json", "not valid JSON"]),
+    ("config.json", b"[1, 2]", ["must hold a JSON object", "got list"]),
+    ("tokenizer_config.json", b"{not json", ["tokenizer_config.json", "not a valid JSON object"]),
+    ("tokenizer_config.json", b"[]", ["tokenizer_config.json", "not an object"]),
+])
+def test_unreadable_json_files_are_refused_before_any_weight_is_read(hf, out_parent, capsys, monkeypatch, name,
+                                                                    content, needles):
+    import safetensors
+
+    (hf / name).write_bytes(content)
+    opened = []
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: opened.append(a) or (_ for _ in ()).throw(
+        AssertionError("weights read")))
+    _fail([hf, out_parent / "ck"], out_parent, capsys, *needles)
+    assert opened == []
+
+
+def test_index_with_a_malformed_weight_map_is_a_checkpoint_error(hf, out_parent, capsys):
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    _fail([hf, out_parent / "ck"], out_parent, capsys, "model.safetensors.index.json", "is corrupt", "re-download")
+
+
+def test_a_file_given_as_the_hf_directory_says_so(hf, out_parent, capsys):
+    _fail([hf / "config.json", out_parent / "ck"], out_parent, capsys, "is a file, not a directory", "--gguf")
+
+
+# ------------------------------------------------ damaged converted checkpoints (issue 20)
+@pytest.fixture(scope="module")
+def converted(base_hf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv") / "ck"
+    assert convert_main([str(base_hf), str(out), "--no-progress"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("name, content, needles", [
+    ("hetero_jax.json", b"not json at all", ["hetero_jax.json", "is not valid JSON", "re-convert"]),
+    ("hetero_jax.json", b"\xff\xfe\x00", ["hetero_jax.json", "is not valid JSON"]),
+    ("hetero_jax.json", b"[1]", ["hetero_jax.json", "not an object"]),
+    ("config.json", b"\xff\xfe\x00", ["config.json", "not valid JSON"]),
+    ("config.json", json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 0,
+                                "num_hidden_layers": 2, "vocab_size": 320, "intermediate_size": 128}).encode(),
+     ["num_attention_heads = 0"]),
+])
+def test_load_of_a_damaged_checkpoint_is_a_project_error(converted, tmp_path, name, content, needles):
+    import hetero_jax
+    from hetero_jax.errors import HeteroJaxError
+
+    ck = shutil.copytree(converted, tmp_path / "ck")
+    (ck / name).write_bytes(content)
+    before = _snapshot(ck)
+    with pytest.raises(HeteroJaxError) as ei:
+        hetero_jax.load(ck)
+    for n in needles:
+        assert n in str(ei.value), str(ei.value)
+    assert _snapshot(ck) == before  # load never repairs or rewrites
+
+
+@pytest.mark.parametrize("arg, kw, needle", [
+    (None, {}, "load takes a known model name"),
+    (123, {}, "got 123"),
+    ("", {}, "got ''"),
+    ("smollm2-135m", {"dtype": "float16"}, "unsupported dtype 'float16'; choose one of float32, bfloat16"),
+])
+def test_load_arguments(arg, kw, needle, monkeypatch):
+    import hetero_jax
+    from hetero_jax import hub
+    from hetero_jax.errors import CheckpointError
+
+    monkeypatch.setattr(hub, "ensure_converted", lambda *a, **k: (_ for _ in ()).throw(AssertionError("converted")))
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        hetero_jax.load(arg, **kw)

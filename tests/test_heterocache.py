@@ -71,8 +71,12 @@ def test_rho_one_and_all_volatile_give_full_kv():
     assert got == full
     assert eng.achieved_rho[0] == 1.0
     volatile = make_profile([[V, V, V]] * 3, ((), (), ()))
-    got, eng = greedy(HeteroCache(profile=volatile, budget=0.5), ids)
+    got, eng = greedy(HeteroCache(profile=volatile, budget=1.0), ids)
     assert got == full and eng.plan.host_bytes() == 0
+    # with nothing to compress a budget below 1 would run at rho = 1: refused, naming the rho that works
+    with pytest.raises(BudgetError, match=r"rho=0.5 cannot be kept: the profile has no compressed heads.*"
+                                          r"smallest rho that works is 1"):
+        greedy(HeteroCache(profile=volatile, budget=0.5), ids)
 
 
 def test_prefill_layout_budgets_reservoir_and_bytes():

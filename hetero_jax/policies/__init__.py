@@ -7,7 +7,9 @@ tokens added after prefill come on top.
 
 from __future__ import annotations
 
-from hetero_jax.policies.base import BudgetError, Policy, smallest_rho, tokens_for
+import dataclasses
+
+from hetero_jax.policies.base import BudgetError, Policy, PolicyError, UnknownPolicyError, smallest_rho, tokens_for
 from hetero_jax.policies.baselines import CAKE, H2O, FullKV, PyramidKV, SnapKV, StreamingLLM
 from hetero_jax.policies.heterocache import HeteroCache
 from hetero_jax.policies.runtime import PolicyPrefill, achieved_rho
@@ -19,10 +21,17 @@ REGISTRY: dict[str, type[Policy]] = {
 
 def make_policy(name: str, budget: float | None = None, **kwargs) -> Policy:
     """A policy from its registry name (case-insensitive), e.g. ``make_policy("snapkv", 0.3)``."""
+    if not isinstance(name, str):
+        raise UnknownPolicyError(f"policy name must be a string, got {name!r}; known policies: {', '.join(REGISTRY)}")
     key = name.lower().replace("-", "").replace("_", "")
     if key not in REGISTRY:
-        raise KeyError(f"unknown policy {name!r}; known policies: {', '.join(REGISTRY)}")
+        raise UnknownPolicyError(f"unknown policy {name!r}; known policies: {', '.join(REGISTRY)}")
     cls = REGISTRY[key]
+    unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls) if f.init and f.name != "budget"})
+    if unknown:
+        allowed = ", ".join(f.name for f in dataclasses.fields(cls) if f.init and f.name != "budget")
+        raise PolicyError(f"{cls.__name__} has no option {unknown[0]!r}; its options are: {allowed or 'none'} "
+                          "(give the budget as make_policy's second argument)")
     if budget is None or cls is FullKV:
         if cls is FullKV and budget not in (None, 1.0):
             raise BudgetError(f"the full policy keeps the whole prompt; drop --budget (got {budget})")
@@ -36,7 +45,7 @@ def describe_policies() -> str:
 
 
 __all__ = [
-    "BudgetError", "Policy", "smallest_rho", "tokens_for",
+    "BudgetError", "Policy", "PolicyError", "UnknownPolicyError", "smallest_rho", "tokens_for",
     "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache",
     "PolicyPrefill", "achieved_rho", "REGISTRY", "make_policy", "describe_policies",
 ]

@@ -33,6 +33,43 @@ class BudgetError(HeteroJaxError, ValueError):
     """A budget outside (0, 1] or too small for a policy."""
 
 
+class PolicyError(BudgetError):
+    """A policy name or hyper-parameter the policy does not allow (window 0, unknown GQA mode, ...).
+
+    A subclass of BudgetError because HeteroCache refused a bad ``window`` with BudgetError before
+    this class existed: handlers written for that keep working.
+    """
+
+
+class UnknownPolicyError(PolicyError, KeyError):
+    """A policy name that is not in the registry (also a KeyError, which ``make_policy`` raised before)."""
+
+    __str__ = Exception.__str__  # KeyError would quote the message
+
+
+def check_int(owner: str, name: str, value, lo: int, why: str = "") -> None:
+    """PolicyError unless ``value`` is a Python/numpy int (not a bool) >= ``lo``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise PolicyError(f"{owner}: {name} must be an integer >= {lo}{why}, got {value!r}")
+
+
+def check_real(owner: str, name: str, value, lo: float, *, lo_open: bool = True, hi: float = math.inf,
+               hi_open: bool = True) -> None:
+    """PolicyError unless ``value`` is a finite real number inside the interval (open/closed as told)."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    if ok:
+        v = float(value)
+        ok = (math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi))
+    if not ok:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise PolicyError(f"{owner}: {name} must be a finite number in {interval}, got {value!r}")
+
+
+def check_choice(owner: str, name: str, value, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise PolicyError(f"{owner}: {name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
 def tokens_for(rho: float, prompt_len: int) -> int:
     """Tokens per head kept at budget rho: round(rho * L), at most L."""
     return min(prompt_len, int(math.floor(rho * prompt_len + 0.5)))
@@ -40,7 +77,9 @@ def tokens_for(rho: float, prompt_len: int) -> int:
 
 def smallest_rho(min_tokens: int, prompt_len: int) -> float:
     """Smallest rho (4 decimals, rounded up) whose ``tokens_for`` reaches ``min_tokens``."""
-    rho = math.ceil((min_tokens - 0.5) / prompt_len * 1e4) / 1e4
+    # the -1e-6 keeps an exact 4-decimal answer from rounding up a step on float noise; the loop corrects any
+    # undershoot, so the result runs and the value 0.0001 below it does not
+    rho = math.ceil((min_tokens - 0.5) / prompt_len * 1e4 - 1e-6) / 1e4
     while tokens_for(rho, prompt_len) < min_tokens:
         rho = round(rho + 1e-4, 4)
     return min(rho, 1.0)
@@ -55,7 +94,8 @@ class Policy:
 
     def __post_init__(self):
         b = self.budget
-        if not isinstance(b, (int, float)) or not (0.0 < float(b) <= 1.0) or math.isnan(b):
+        if (isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b)
+                or not (0.0 < float(b) <= 1.0)):
             raise BudgetError(
                 f"{type(self).__name__}: budget rho={b!r} is out of range; rho is the fraction of the "
                 "prompt's KV kept on the device and must be in (0, 1]"

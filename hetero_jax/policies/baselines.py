@@ -15,7 +15,7 @@ import numpy as np
 
 from hetero_jax.config import ModelConfig
 from hetero_jax.model import prompt_queries
-from hetero_jax.policies.base import BudgetError, Policy, distribute
+from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_choice, check_int, check_real, distribute
 from hetero_jax.policies.primitives import (
     attention_probs,
     avg_pool,
@@ -50,6 +50,10 @@ class StreamingLLM(Policy):
     name: ClassVar[str] = "streamingllm"
     summary: ClassVar[str] = "4 attention-sink tokens + the most recent tokens (Xiao et al.)"
 
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("StreamingLLM", "sinks", self.sinks, 0)
+
     def min_tokens(self, prompt_len):
         return self.sinks + 1
 
@@ -61,6 +65,17 @@ class StreamingLLM(Policy):
         recency = jnp.broadcast_to(t.astype(jnp.float32), keys.shape[:3])  # later = better
         forced = jnp.broadcast_to(t[None, :] < self.sinks, (keys.shape[0], keys.shape[2]))
         return finalize_scores(recency, prompt_lens, forced), None
+
+
+def _check_window_args(p) -> None:
+    """SnapKV family (SnapKV, PyramidKV, CAKE): observation window, pooling kernel, GQA mode."""
+    owner = type(p).__name__
+    check_int(owner, "window", p.window, 1, " (prompt queries in the observation window)")
+    check_int(owner, "pool_kernel", p.pool_kernel, 1)
+    if p.pool_kernel % 2 == 0:
+        raise PolicyError(
+            f"{owner}: pool_kernel must be odd (a centred pooling window), got {p.pool_kernel}")
+    check_choice(owner, "gqa", p.gqa, ("max", "mean"))
 
 
 def _window_forced(prompt_lens, tp: int, window: int):
@@ -77,6 +92,10 @@ class SnapKV(Policy):
     gqa: str = "max"
     name: ClassVar[str] = "snapkv"
     summary: ClassVar[str] = "top tokens by pooled attention of the last 32 prompt queries + that window (Li et al.)"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_window_args(self)
 
     def min_tokens(self, prompt_len):
         return self.window
@@ -105,6 +124,10 @@ class PyramidKV(SnapKV):
     name: ClassVar[str] = "pyramidkv"
     summary: ClassVar[str] = "SnapKV scores, per-layer budgets falling linearly with depth, same total (Cai et al.)"
 
+    def __post_init__(self):
+        super().__post_init__()
+        check_real("PyramidKV", "beta", self.beta, 1.0, lo_open=False)  # beta = top / bottom layer share; 1 = flat
+
     def layer_counts(self, cfg: ModelConfig, prompt_len: int) -> np.ndarray:
         n = self.check_budget(prompt_len)
         L = cfg.num_layers
@@ -126,6 +149,12 @@ class H2O(Policy):
     query_chunk: int = 256
     name: ClassVar[str] = "h2o"
     summary: ClassVar[str] = "top tokens by attention accumulated over all prompt queries + 32 recent (Zhang et al.)"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("H2O", "window", self.window, 1, " (recent tokens always kept)")
+        check_choice("H2O", "gqa", self.gqa, ("max", "mean"))
+        check_int("H2O", "query_chunk", self.query_chunk, 1)
 
     def min_tokens(self, prompt_len):
         return self.window
@@ -170,6 +199,12 @@ class CAKE(SnapKV):
     tau2: float = 1.0
     name: ClassVar[str] = "cake"
     summary: ClassVar[str] = "per-layer budgets by attention entropy x variance, tokens by mean + 200 var (Qin et al.)"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_real("CAKE", "gamma", self.gamma, 0.0, lo_open=False)
+        check_real("CAKE", "tau1", self.tau1, 0.0)
+        check_real("CAKE", "tau2", self.tau2, 0.0)
 
     def layer_counts(self, cfg, prompt_len):
         return None  # planned during prefill from the layers' preferences

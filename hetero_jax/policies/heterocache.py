@@ -39,6 +39,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import warnings
 from typing import ClassVar
 
 import jax
@@ -50,7 +51,7 @@ from hetero_jax.cache import HeadGroup, KVCache, full_group
 from hetero_jax.config import ModelConfig
 from hetero_jax.layout import HeadLayout
 from hetero_jax.model import prompt_queries
-from hetero_jax.policies.base import BudgetError, Policy
+from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_int
 from hetero_jax.policies.primitives import (attention_probs, avg_pool, finalize_scores, gqa_reduce,
                                            observation_window_probs, select_topk)
 from hetero_jax.policies.runtime import CAP_QUANTUM, select_group
@@ -65,6 +66,22 @@ def _profile_key(profile: HeadProfile | None) -> str:
     h.update(np.nan_to_num(np.asarray(profile.weights, np.float64), nan=-1.0).tobytes())
     h.update(repr(profile.clusters).encode())
     return h.hexdigest()[:16]
+
+
+def _check_hetero_args(p: "HeteroCache") -> None:
+    """Types and ranges of HeteroCache's numeric arguments (before the older checks in __post_init__)."""
+    if p.profile is not None and not isinstance(p.profile, HeadProfile):
+        raise PolicyError(f"HeteroCache: profile must be a HeadProfile (load_profile('profile.json')) or None "
+                          f"for the model's shipped profile, got {type(p.profile).__name__}")
+    check_int("HeteroCache", "window", p.window, 1, " (decode steps between drift checks)")
+    if isinstance(p.select_window, bool):  # an int to isinstance, but True is no number of queries
+        raise PolicyError(f"HeteroCache: select_window must be an int >= 1 prompt query (1 = the paper's last "
+                          f"token), got {p.select_window!r}")
+    tau = p.tau_drift
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float, np.integer, np.floating))
+                            or not np.isfinite(tau)):
+        raise PolicyError(f"HeteroCache: tau_drift must be a finite number (a drift is a median top-k overlap "
+                          f"below it, so [0, 1] is meaningful) or None for the profile's tau_stable, got {tau!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +102,7 @@ class HeteroCache(Policy):
 
     def __post_init__(self):
         super().__post_init__()
+        _check_hetero_args(self)
         if self.window < 1:
             raise BudgetError(f"HeteroCache: window must be >= 1 decode step, got {self.window}")
         if not isinstance(self.select_window, int) or self.select_window < 1:
@@ -156,6 +174,11 @@ class HeteroCache(Policy):
 
         prof = self._need_profile()
         if prof.n_compressed == 0:  # every head keeps its full KV: nothing to budget
+            if self.budget < 1.0:  # it would keep rho = 1, far above the request
+                raise BudgetError(
+                    f"HeteroCache: budget rho={self.budget:g} cannot be kept: the profile has no compressed "
+                    "heads (every head is a pivot or volatile and keeps its full KV); the smallest rho that "
+                    "works is 1 (use budget=1.0, or a profile with anchor/satellite heads)")
             return np.full(prof.roles.shape, prompt_len, np.int64), prompt_len
         try:
             grid = prof.budgets(self.budget, prompt_len)
@@ -396,6 +419,8 @@ class HeteroDecode:
         self.bytes_recalled = 0
         self.reselections = 0  # turns after which the compressed heads re-selected
         self.bytes_reselected = 0  # K/V bytes written to the device by those re-selections
+        self.recall_failures = 0  # recalls dropped because their transfer failed (see before_step)
+        self.reselect_failures = 0  # re-selections dropped the same way (see after_extend)
         self.recall_steps: list[int] = []
 
     @property
@@ -417,10 +442,22 @@ class HeteroDecode:
 
         turn_queries: per layer [B, Nkv, N, G, D] (layout order), the N appended tokens' queries.
         A check still pending from the previous answer is dropped (it would recall over the new rows),
-        and the drift buffer restarts with the next decode step.
+        and the drift buffer restarts with the next decode step. All or nothing, like a recall: if a
+        transfer fails the input cache is returned, with a RuntimeWarning.
         """
         self.pending = None
         self.buffer.clear()
+        saved = self.bytes_reselected
+        try:
+            return self._reselect(turn_queries, cache)
+        except (RuntimeError, MemoryError) as e:
+            self.bytes_reselected = saved
+            self.reselect_failures += 1
+            warnings.warn(f"HeteroCache: the re-selection after a turn failed ({type(e).__name__}: {e}); the "
+                          "device cache keeps its previous rows", RuntimeWarning, stacklevel=2)
+            return cache
+
+    def _reselect(self, turn_queries, cache: KVCache) -> KVCache:
         n = turn_queries[0].shape[2]
         block = 16
         n_pad = -(-n // block) * block
@@ -485,9 +522,28 @@ class HeteroDecode:
         self.pending = (step, outs)
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
-        """Apply the previous check's recalls (one step after it ran)."""
+        """Apply the previous check's recalls (one step after it ran), all or nothing.
+
+        A recall whose host -> device transfer fails (a RuntimeError from ``jax.device_put``, e.g. out of
+        device memory) leaves the cache and the recall stats as they were, with a RuntimeWarning:
+        the recall is an accuracy aid, and decoding (a session's turn) goes on without it. K_base is
+        kept too, so the next check sees the drift again and retries the recall.
+        """
         if self.pending is None:
             return cache
+        saved = (self.checks, self.triggers, self.recalls, self.bytes_recalled, len(self.recall_steps))
+        try:
+            return self._apply_recalls(step, cache)
+        except (RuntimeError, MemoryError) as e:
+            (self.checks, self.triggers, self.recalls, self.bytes_recalled, n) = saved
+            del self.recall_steps[n:]
+            self.recall_failures += 1
+            warnings.warn(f"HeteroCache: the recall at decode step {step} failed ({type(e).__name__}: {e}); the "
+                          "device cache is unchanged and the drift will be checked again", RuntimeWarning,
+                          stacklevel=2)
+            return cache
+
+    def _apply_recalls(self, step: int, cache: KVCache) -> KVCache:
         _, outs = self.pending
         self.pending = None
         layers = list(cache.layers)
@@ -540,4 +596,6 @@ class HeteroDecode:
             "bytes_recalled": self.bytes_recalled,
             "reselections": self.reselections,
             "bytes_reselected": self.bytes_reselected,
+            "recall_failures": self.recall_failures,
+            "reselect_failures": self.reselect_failures,
         }

@@ -410,6 +410,9 @@ def read_texts(paths: Iterable[str]) -> tuple[str, str]:
             raise ProfileError(f"calibration data file not found: {p}") from None
         except UnicodeDecodeError as e:
             raise ProfileError(f"calibration data file {p} is not UTF-8 text: {e}") from None
+        except OSError as e:  # a directory, no permission, ...
+            raise ProfileError(f"cannot read calibration data file {p}: {e.strerror or e}; pass a UTF-8 text "
+                               "file (or --data pydoc)") from None
         names.append(p)
     if not parts:
         raise ProfileError("no calibration data: pass --data FILE (or --data pydoc)")

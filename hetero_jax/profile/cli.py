@@ -47,12 +47,45 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def check_profile_args(args) -> None:
+    """ProfileError for a bad number or an output path that cannot be written, before any work."""
+    import math
+    import os
+
+    from hetero_jax.profile.format import ProfileError
+
+    for flag in ("tokens", "samples", "decode_steps", "batch_size"):
+        v = getattr(args, flag)
+        if v < 1:
+            raise ProfileError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ProfileError(f"--top-k must be >= 1, got {args.top_k}")
+    for flag in ("tau_stable", "tau_sim"):
+        v = getattr(args, flag)
+        if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            raise ProfileError(f"--{flag.replace('_', '-')} must be in [0, 1], got {v}")
+    for flag in ("out", "plot"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            example = os.path.join(path, "profile.json" if flag == "out" else "profile.png")
+            raise ProfileError(f"--{flag} {path} is a directory; give a file path such as {example}")
+        if not os.path.isdir(parent):
+            raise ProfileError(f"--{flag} {path}: the directory {parent} does not exist; create it first "
+                               "(nothing was calibrated)")
+        if not os.access(parent, os.W_OK):
+            raise ProfileError(f"--{flag} {path}: the directory {parent} is not writable")
+
+
 def run_profile(args) -> int:
     import hetero_jax
     from hetero_jax.errors import HeteroJaxError
     from hetero_jax.profile.calibrate import calibrate_tokens, calibration_windows, read_texts
 
     try:
+        check_profile_args(args)  # before reading data, loading the model or calibrating
         text, source = read_texts(args.data)
         model = hetero_jax.load(args.model, dtype=args.dtype, progress=not args.no_progress)
         windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)

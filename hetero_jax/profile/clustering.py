@@ -63,7 +63,7 @@ class RoleAssignment(NamedTuple):
 
 
 class BudgetTooSmallError(HeteroJaxError, ValueError):
-    """rho leaves no device budget for the compressed heads (Eq. 7 gives L_base <= 0)."""
+    """rho leaves the compressed heads less than one token each on average (Eq. 7 gives L_base < 1)."""
 
     def __init__(self, message: str, min_rho: float):
         super().__init__(message)
@@ -162,13 +162,27 @@ def min_rho(n_total: int, n_full: int, n_comp: int, prompt_len: int) -> float:
     return (n_full + n_comp / prompt_len) / n_total
 
 
+# L_base within this of 1 token counts as 1: rho * N in floating point may land a hair below N_full + N_comp / L.
+_L_BASE_EPS = 1e-9
+
+
+def smallest_working_rho(n_total: int, n_full: int, n_comp: int, prompt_len: int) -> float:
+    """The smallest rho with 4 decimals that ``base_budget`` accepts; rho - 0.0001 is refused."""
+    need = min_rho(n_total, n_full, n_comp, prompt_len)
+    rho = math.ceil(need * 1e4 - 1e-6) / 1e4  # 0.2008 stays 0.2008 despite 0.2008 * 1e4 = 2008.0000000000002
+    while (rho * n_total - n_full) * prompt_len / n_comp < 1.0 - _L_BASE_EPS:
+        rho = round(rho + 1e-4, 4)
+    return min(rho, 1.0)
+
+
 def base_budget(rho: float, n_total: int, n_full: int, n_comp: int, prompt_len: int) -> float:
     """Eq. 7: L_base = (rho * N - N_full) * L / N_comp (real-valued, not floored).
 
     N, N_full, N_comp count KV heads over ALL layers; L is the prompt length.
-    Raises BudgetTooSmallError (a ValueError) when L_base <= 0, naming the
-    smallest working rho (where L_base reaches 1 token), rounded up to 4
-    decimals so that the printed value does work.
+    Raises BudgetTooSmallError (a ValueError) when L_base < 1 token (below
+    that, Eq. 8's floor would leave compressed heads empty and the clamp to 1
+    token would keep more than rho), naming the smallest working rho with 4
+    decimals: that value runs and the one 0.0001 below it is refused.
     """
     if n_total <= 0 or n_full < 0 or n_comp < 0 or n_full + n_comp != n_total:
         raise ValueError(f"need N_full + N_comp == N > 0, got N={n_total}, "
@@ -179,9 +193,9 @@ def base_budget(rho: float, n_total: int, n_full: int, n_comp: int, prompt_len: 
         raise ValueError("the profile has no compressed heads: every head keeps its full KV "
                          "(rho is effectively 1); Eq. 7 is undefined")
     l_base = (rho * n_total - n_full) * prompt_len / n_comp
-    if l_base <= 0:
+    if l_base < 1.0 - _L_BASE_EPS:
         need = min_rho(n_total, n_full, n_comp, prompt_len)
-        shown = math.ceil(need * 1e4) / 1e4
+        shown = smallest_working_rho(n_total, n_full, n_comp, prompt_len)
         raise BudgetTooSmallError(
             f"rho={rho:g} is too small for this profile: {n_full} of {n_total} KV heads "
             f"keep their full KV, which alone needs rho >= {n_full / n_total:.4f}, leaving "
