@@ -12,48 +12,27 @@ import re
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import hetero_jax
 from hetero_jax import model as M
-from hetero_jax import spec
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError, PromptError
 from hetero_jax.generate import Session
-from hetero_jax.hub import Model
 from hetero_jax.policies import (
     CAKE, H2O, REGISTRY, BudgetError, HeteroCache, PolicyError, PyramidKV, SnapKV, StreamingLLM,
     UnknownPolicyError, make_policy, smallest_rho, tokens_for,
 )
 from hetero_jax.profile.clustering import Role, budget_grid, smallest_working_rho
 from hetero_jax.profile.format import HeadProfile
+from tiny_model import tiny_model
 
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE
 
-CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, intermediate_size=64, num_layers=3,
-                  num_heads=9, num_kv_heads=3, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=256,
-                  eos_token_ids=(0,))
-PARAMS = jax.tree.map(jnp.asarray, spec.init_params(CFG, seed=6, scale=0.3))
-
-
-class _Tok:
-    """Enough of a tokenizer for token-id prompts."""
-    eos_token_ids = (0,)
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-    def encode(self, text, add_special_tokens=False):
-        return [3 + (ord(c) % 90) for c in text]
-
-    def encode_prompt(self, text, chat=True):
-        return self.encode(text)
-
-
-MODEL = Model(config=CFG, params=PARAMS, tokenizer=_Tok(), path="", name="tiny")
+MODEL = tiny_model(256)
+CFG, PARAMS = MODEL.config, MODEL.params
 
 
 def make_profile(roles, clusters, seed=0):

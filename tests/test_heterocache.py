@@ -1,36 +1,19 @@
 """HeteroCache runtime: role budgets, host copies, re-selection per turn, drift checks and recall, sessions."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import hetero_jax
-from hetero_jax import spec
-from hetero_jax.config import ModelConfig
 from hetero_jax.generate import Engine, Session
-from hetero_jax.hub import Model
 from hetero_jax.policies import BudgetError, FullKV, HeteroCache
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import HeadProfile, ProfileError
+from tiny_model import tiny_model
 
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE
 
-CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, intermediate_size=64, num_layers=3,
-                  num_heads=9, num_kv_heads=3, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=1024,
-                  eos_token_ids=(0,))
-PARAMS = jax.tree.map(jnp.asarray, spec.init_params(CFG, seed=6, scale=0.3))
-
-
-class _Tok:
-    """Enough of a tokenizer for token-id prompts."""
-    eos_token_ids = (0,)
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-
-MODEL = Model(config=CFG, params=PARAMS, tokenizer=_Tok(), path="", name="tiny")
+MODEL = tiny_model()
+CFG, PARAMS = MODEL.config, MODEL.params
 
 
 def make_profile(roles, clusters, weights=None):

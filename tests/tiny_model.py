@@ -1,0 +1,29 @@
+"""One tiny random Llama (3 layers, 9 query heads over 3 KV heads) with a stand-in tokenizer, for runtime tests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hetero_jax import spec
+from hetero_jax.config import ModelConfig
+from hetero_jax.hub import Model
+
+
+class TinyTokenizer:
+    """Enough of a tokenizer for token-id prompts (and plain-text turns)."""
+    eos_token_ids = (0,)
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+    def encode(self, text, add_special_tokens=False):
+        return [3 + (ord(c) % 90) for c in text]
+
+
+def tiny_model(max_position_embeddings: int = 1024, seed: int = 6) -> Model:
+    cfg = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, intermediate_size=64, num_layers=3,
+                      num_heads=9, num_kv_heads=3, head_dim=16, rms_norm_eps=1e-5,
+                      max_position_embeddings=max_position_embeddings, eos_token_ids=(0,))
+    params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=seed, scale=0.3))
+    return Model(config=cfg, params=params, tokenizer=TinyTokenizer(), path="", name="tiny")
