@@ -21,7 +21,9 @@ query; this lands before the answer's first token is sampled. For a single reque
 
 Decode: every ``window`` steps the buffered pivot queries are scored against
 the pivot's prompt keys (``pallas_kernels.drift_check``); when the median
-overlap with K_base drops below ``tau_drift``, each satellite of that pivot
+overlap with K_base, read against its chance level (o - c) / (1 - c) with
+c = L_base / L (our departure: the raw overlap mostly measures rho), drops
+below ``tau_drift``, each satellite of that pivot
 gets its own top-l_s positions of the pivot's latest pooled scores, gathered
 from the host copy and written into its device slots, and K_base moves on.
 
