@@ -56,7 +56,7 @@ from hetero_jax.model import prompt_queries
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_int
 from hetero_jax.policies.primitives import (attention_probs, avg_pool, finalize_scores, gqa_reduce,
                                            observation_window_probs, select_topk)
-from hetero_jax.policies.runtime import CAP_QUANTUM, select_group
+from hetero_jax.policies.runtime import cap_bucket, select_group
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import HeadProfile, ProfileError
 
@@ -105,8 +105,6 @@ class HeteroCache(Policy):
     def __post_init__(self):
         super().__post_init__()
         _check_hetero_args(self)
-        if self.window < 1:
-            raise BudgetError(f"HeteroCache: window must be >= 1 decode step, got {self.window}")
         if not isinstance(self.select_window, int) or self.select_window < 1:
             raise BudgetError(f"HeteroCache: select_window must be an int >= 1 prompt query (1 = the paper's "
                               f"last token), got {self.select_window!r}")
@@ -484,7 +482,7 @@ class HeteroDecode:
                 args = (qc, row_valid, keys, lens)
                 scores = self.compile_fn(_turn_scores, *args, block=block)(*args)
                 # compiled per 64-slot bucket, not per layer's largest budget (as ``select_group``)
-                cap = min(-(-int(counts.max()) // CAP_QUANTUM) * CAP_QUANTUM, scores.shape[-1])
+                cap = cap_bucket(int(counts.max()), scores.shape[-1])
                 args = (scores, jnp.asarray(counts, jnp.int32))
                 idx = np.asarray(self.compile_fn(_select_rows, *args, cap=cap)(*args))  # [B, Hc, cap]
                 first = 1 if r.n_full else 0  # compressed head j lives in groups[first + j]

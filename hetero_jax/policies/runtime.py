@@ -25,6 +25,12 @@ def layer_scores(layer, x_in, keys, prompt_lens, policy: Policy, cfg: ModelConfi
 CAP_QUANTUM = 64
 
 
+def cap_bucket(cap: int, n_slots: int) -> int:
+    """The compiled selection size for a group of ``cap`` slots out of ``n_slots``: the next multiple of
+    CAP_QUANTUM, at most ``n_slots``."""
+    return min(-(-cap // CAP_QUANTUM) * CAP_QUANTUM, n_slots)
+
+
 @functools.partial(jax.jit, static_argnames=("cap",))
 def _select_bucket(scores, k, v, positions, counts, cap: int):
     idx = select_topk(scores, counts, cap)
@@ -41,7 +47,7 @@ def select_group(scores, k, v, positions, counts, cap: int, compile_fn=None) -> 
     Returns the group and the kept slots' scores [B, H, cap].
     """
     compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
-    bucket = min(-(-cap // CAP_QUANTUM) * CAP_QUANTUM, scores.shape[-1])
+    bucket = cap_bucket(cap, scores.shape[-1])
     args = (scores, k, v, positions, counts)
     group, kept = compile_fn(_select_bucket, *args, cap=bucket)(*args)
     if bucket == cap:
