@@ -69,10 +69,9 @@ def read_text_file(path: str, flag: str, what: str) -> str:
 
 def _check_generate_args(args) -> list[str] | None:
     """The decoding flags, checked before the model is loaded; returns the questions of --turns (or None)."""
-    from hetero_jax.generate import _check_request, _check_sampling
+    from hetero_jax.generate import _check_request
 
     _check_request(args.max_new_tokens, args.temperature, args.top_p, seed=args.seed, stop=args.stop)
-    _check_sampling(args.max_new_tokens, args.top_p)
     if not args.turns:
         return None
     questions = [q.strip() for q in read_text_file(args.turns, "--turns", "turns file").splitlines() if q.strip()]

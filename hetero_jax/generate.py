@@ -252,13 +252,6 @@ def _validate_ids(batch: list[list[int]], cfg: ModelConfig, is_batch: bool, what
             raise PromptError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
-def _check_sampling(max_new_tokens: int, top_p: float) -> None:
-    if max_new_tokens < 0:
-        raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not (0.0 < top_p <= 1.0):
-        raise PromptError(f"top_p must be in (0, 1], got {top_p}")
-
-
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
@@ -270,7 +263,7 @@ def _is_real(x) -> bool:
 def _check_request(max_new_tokens, temperature, top_p, *, seed=0, stop=None, on_token=None) -> list[str]:
     """Types and ranges of the decoding arguments, before any compute; returns the stop strings as a list.
 
-    Runs before ``_check_sampling`` so that its comparisons only ever see numbers.
+    The types are checked first, so the range comparisons at the end only ever see numbers.
     """
     if not _is_int(max_new_tokens):
         raise PromptError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -282,14 +275,16 @@ def _check_request(max_new_tokens, temperature, top_p, *, seed=0, stop=None, on_
         raise PromptError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
     if on_token is not None and not callable(on_token):
         raise PromptError(f"on_token must be a function taking the new text, or None; got {on_token!r}")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) for x in stops):
         raise PromptError(f"stop must be a string, a list of strings or None, got {stop!r}")
     if any(x == "" for x in stops):
         raise PromptError("stop strings must be non-empty: an empty stop string matches at once and ends "
                           "generation after one token; drop it or pass stop=None")
+    if max_new_tokens < 0:
+        raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not (0.0 < top_p <= 1.0):
+        raise PromptError(f"top_p must be in (0, 1], got {top_p}")
     return list(stops)
 
 
@@ -553,7 +548,6 @@ def generate(
     Returns a :class:`GenerationResult` (a list of them for a batch).
     """
     stops = _check_request(max_new_tokens, temperature, top_p, seed=seed, stop=stop, on_token=on_token)
-    _check_sampling(max_new_tokens, top_p)
     _check_model(model)
     batch, is_batch = _as_token_batches(model, prompt, chat)
     if on_token is not None and is_batch:
@@ -663,7 +657,6 @@ class Session:
             stop=None, on_token=None) -> GenerationResult:
         """Append ``question`` (text or token ids) and generate the answer."""
         stops = _check_request(max_new_tokens, temperature, top_p, stop=stop, on_token=on_token)
-        _check_sampling(max_new_tokens, top_p)
         eng = self.engine
         ids, messages, rendered = self._turn_ids(question)
         room = eng.positions_left - len(ids)
