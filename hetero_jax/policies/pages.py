@@ -1,0 +1,145 @@
+"""Page primitives for decode-time page retrieval (Quest, FreeKV).
+
+A page is ``page_size`` consecutive prompt tokens of one KV head, summarised by
+its per-channel min and max key. Keys are post-RoPE ``[B, H, T, D]`` (H = KV
+heads), queries ``[B, H, G, D]`` (G = query heads per KV head). Scores are
+float32 and pages beyond a sequence's count score INVALID (finite, never -inf).
+Everything here is pure and jittable with ``page_size``, ``n_select`` and
+``how`` static; ``start`` is static when it is a python int.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hetero_jax.policies.primitives import INVALID
+
+# Guards the norm product of query_cosine: a zero query gives cosine 0, not NaN.
+COSINE_EPS = 1e-12
+
+
+def _per_seq(start, batch: int) -> jax.Array:
+    """``start`` (int or [B]) as a [B] int32 array."""
+    return jnp.broadcast_to(jnp.asarray(start, dtype=jnp.int32), (batch,))
+
+
+def page_summaries(
+    k: jax.Array, lengths: jax.Array, page_size: int, start: int | jax.Array = 0
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-channel min/max key of every full page (the Quest/FreeKV page summary).
+
+    k: [B, H, T, D]; lengths: [B] valid tokens per sequence (slots at or beyond
+    a length are padding and never enter a summary). Page j covers tokens
+    ``[start + j*ps, start + (j+1)*ps)``; ``start`` is a python int or a [B] array
+    (FreeKV: the pages begin after the sinks). Only full pages count:
+    ``n_pages = max(0, (lengths - start) // ps)``.
+
+    The static page axis is ``P = (T - start) // ps`` for an int start and
+    ``T // ps`` for an array start (its values are unknown at trace time).
+    Returns kmin, kmax [B, H, P, D] in k's dtype (zeros on pages >= n_pages)
+    and n_pages [B] int32.
+    """
+    B, H, T, D = k.shape
+    ps = page_size
+    starts = _per_seq(start, B)
+    if isinstance(start, int):
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        P = max(0, (T - start) // ps)
+        pages = k[:, :, start : start + P * ps].reshape(B, H, P, ps, D)
+    else:
+        P = T // ps
+        tok = starts[:, None] + jnp.arange(P * ps, dtype=jnp.int32)[None, :]  # [B, P*ps]
+        tok = jnp.clip(tok, 0, T - 1)  # out-of-range slots belong to masked pages only
+        pages = jnp.take_along_axis(k, tok[:, None, :, None], axis=2).reshape(B, H, P, ps, D)
+    n_pages = jnp.clip((jnp.minimum(lengths.astype(jnp.int32), T) - starts) // ps, 0, P).astype(jnp.int32)
+    # Only full pages count, so a page is wholly inside [start, length) or wholly dropped: a select
+    # after the reduction is the token mask, and garbage (even NaN/inf) in dropped pages cannot leak.
+    valid = (jnp.arange(P, dtype=jnp.int32)[None, :] < n_pages[:, None])[:, None, :, None]
+    zero = jnp.zeros((), k.dtype)
+    return jnp.where(valid, pages.min(axis=3), zero), jnp.where(valid, pages.max(axis=3), zero), n_pages
+
+
+def _page_valid(n_pages: jax.Array, n: int) -> jax.Array:
+    """[B, n] True on pages below each sequence's count."""
+    return jnp.arange(n, dtype=jnp.int32)[None, :] < n_pages[:, None]
+
+
+def quest_page_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, n_pages: jax.Array) -> jax.Array:
+    """Quest's upper bound of q·k over each page, per query head.
+
+    ``u = sum_d max(q_d*kmin_d, q_d*kmax_d)`` in float32, no 1/sqrt(D).
+    q: [B, H, G, D]; kmin, kmax: [B, H, P, D]; n_pages: [B].
+    Returns [B, H, G, P], INVALID on pages >= n_pages.
+    """
+    qf = q.astype(jnp.float32)[:, :, :, None, :]
+    lo = kmin.astype(jnp.float32)[:, :, None, :, :]
+    hi = kmax.astype(jnp.float32)[:, :, None, :, :]
+    u = jnp.maximum(qf * lo, qf * hi).sum(axis=-1)
+    return jnp.where(_page_valid(n_pages, u.shape[-1])[:, None, None, :], u, INVALID)
+
+
+def group_page_scores(
+    q: jax.Array, kmin: jax.Array, kmax: jax.Array, n_pages: jax.Array, how: str
+) -> jax.Array:
+    """One page score per KV head from its G query heads' Quest bounds.
+
+    how="max": the group max of the bound (group-consistent Quest, "maxS").
+    how="mean_softmax": FreeKV's MeanS rule, a softmax of each query head's
+    bounds over the valid pages, then the mean over the group.
+    Shapes as in quest_page_scores; returns [B, H, P] float32, INVALID on pages
+    >= n_pages (all INVALID, no NaN, for a sequence without pages).
+    """
+    u = quest_page_scores(q, kmin, kmax, n_pages)
+    if how == "max":
+        s = u.max(axis=2)
+    elif how == "mean_softmax":
+        s = jax.nn.softmax(u, axis=-1).mean(axis=2)  # INVALID pages get weight 0
+    else:
+        raise ValueError(f"group page rule must be 'max' or 'mean_softmax', got {how!r}")
+    return jnp.where(_page_valid(n_pages, s.shape[-1])[:, None, :], s, INVALID)
+
+
+def top_pages(scores: jax.Array, n_select: int) -> tuple[jax.Array, jax.Array]:
+    """The ``n_select`` best pages of each head, in ascending page order.
+
+    scores: [B, H, P] float32 (INVALID on unusable pages); n_select <= P,
+    static. Ties go to the lower page (``lax.top_k`` is stable). Returns pages
+    [B, H, n_select] int32 and valid [B, H, n_select] bool; slots that could
+    only pick an INVALID page come last, are marked False and repeat the last
+    valid page (page 0 when a head has none), so every id is in range.
+    """
+    if not 0 < n_select <= scores.shape[-1]:
+        raise ValueError(f"n_select must be in [1, {scores.shape[-1]}] (the page axis), got {n_select}")
+    vals, idx = jax.lax.top_k(scores, n_select)  # best first
+    big = jnp.iinfo(jnp.int32).max
+    kept = jnp.sort(jnp.where(vals > INVALID, idx, big), axis=-1)  # ascending, invalid last
+    n_valid = (kept != big).sum(axis=-1, keepdims=True)
+    last = jnp.take_along_axis(kept, jnp.maximum(n_valid - 1, 0), axis=-1)
+    last = jnp.where(n_valid > 0, last, 0)
+    return jnp.where(kept == big, last, kept).astype(jnp.int32), kept != big
+
+
+def page_token_index(pages: jax.Array, page_size: int, start: int | jax.Array = 0) -> jax.Array:
+    """Token positions of the given pages, page-major.
+
+    pages: [B, H, n] int32; start: int or [B]. Returns [B, H, n*page_size]
+    int32 with entry ``start + page*page_size + i``.
+    """
+    B, H, n = pages.shape
+    base = _per_seq(start, B)[:, None, None, None] + pages.astype(jnp.int32)[..., None] * page_size
+    return (base + jnp.arange(page_size, dtype=jnp.int32)).reshape(B, H, n * page_size)
+
+
+def query_cosine(q: jax.Array, q_prev: jax.Array) -> jax.Array:
+    """FreeKV's correction statistic: cos(q, q_prev) per query head, mean over the group.
+
+    q, q_prev: [B, H, G, D]. Returns [B, H] float32; a zero query counts as
+    cosine 0.
+    """
+    a = q.astype(jnp.float32)
+    b = q_prev.astype(jnp.float32)
+    dot = (a * b).sum(axis=-1)
+    norms = jnp.sqrt((a * a).sum(axis=-1)) * jnp.sqrt((b * b).sum(axis=-1))
+    return (dot / jnp.maximum(norms, COSINE_EPS)).mean(axis=-1)
