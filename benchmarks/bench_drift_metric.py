@@ -98,7 +98,7 @@ def run(args) -> dict:
     import bench_multiturn as mt
 
     import hetero_jax
-    from hetero_jax.generate import Engine, Session
+    from hetero_jax.generate import Session
     from hetero_jax.policies import HeteroCache
 
     model = hetero_jax.load(mt.MODEL, progress=False)
@@ -112,20 +112,11 @@ def run(args) -> dict:
                 rec.label = "continue"
                 hetero_jax.generate(model, ctx.text, policy, chat=False, max_new_tokens=args.continue_tokens)
                 sess = Session(model, ctx.text, policy)
-                original_eoc = Engine.end_of_chunk
-
-                def eoc(self, *a, **k):
-                    out = original_eoc(self, *a, **k)  # the end-of-question check is still the question's
-                    rec.label = "answer"
-                    return out
-
-                Engine.end_of_chunk = eoc
-                try:
-                    for f in facts:
-                        rec.label = "question"
-                        sess.ask(f.question, max_new_tokens=args.answer_tokens)
-                finally:
-                    Engine.end_of_chunk = original_eoc
+                # a turn's question is appended in chunks (no check runs there); every check of a turn
+                # is on its answer's steps
+                rec.label = "answer"
+                for f in facts:
+                    sess.ask(f.question, max_new_tokens=args.answer_tokens)
             for r in rec.rows:
                 r.update(n_tokens=n_tokens, rho=rho)
             rows += rec.rows

@@ -46,25 +46,20 @@ PRESETS = {
 def _sync(engine) -> None:
     import jax
 
-    jax.block_until_ready((engine.cache, engine.plan.host_arrays()))
+    jax.block_until_ready((engine.cache, engine.state.host_arrays()))
 
 
 def _twin(engine):
-    """An independent copy of a prefilled engine: its own cache buffers, and a fresh decode controller from the
-    same prefill plan (the state the engine had after prefill)."""
+    """An independent copy of a prefilled engine: its own cache buffers, and a fresh decode state from the
+    same prefill (the state the engine had after prefill)."""
     import jax
     import jax.numpy as jnp
 
     twin = copy.copy(engine)
     twin.cache = jax.tree.map(jnp.copy, engine.cache)  # extend and step donate the cache they are given
-    twin.controller = engine.plan.decode_controller(compile_fn=engine_compile_fn())
+    twin.state = engine.state.fresh()
     return twin
 
-
-def engine_compile_fn():
-    from hetero_jax.generate import compiled
-
-    return compiled
 
 
 def time_chunked(engine, turn: list[int], repeats: int) -> float:

@@ -153,7 +153,7 @@ def check_budgets(model, combos, prompt_len: int):
     for name, rho in combos:
         pol = make_policy(name, None if name == "full" else rho)
         try:
-            G._resolve_policy(model, pol).make_prefill(model.config, [prompt_len])  # checks budgets, no compute
+            G.bind_policy(model, pol).make_prefill(model.config, [prompt_len])  # checks budgets, no compute
         except BudgetError as e:
             refused.append({"policy": name, "rho": rho, "label": combo_label(name, rho), "reason": str(e)})
             continue

@@ -306,7 +306,7 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
     n = len(combos)
     steps_total = args.warmup_steps + args.decode_steps
     tail_capacity = G._round_up(steps_total + 1, G.TAIL_QUANTUM)
-    bound = [G._resolve_policy(model, p) for p in policies]
+    bound = [G.bind_policy(model, p) for p in policies]
     for p in bound:  # budget errors before any compute; HeteroCache's permuted weights made before timing
         p.make_prefill(cfg, [len(ids)])
         LY.params_for(model, p.layout(cfg))

@@ -462,7 +462,7 @@ def run(args) -> dict:
                     "context_tokens": sess.context_tokens, "achieved_rho": st.achieved_rho,
                     "kv_bytes_device": st.kv_bytes_device, "kv_bytes_prompt": st.kv_bytes_prompt,
                     "kv_bytes_tail": st.kv_bytes_tail, "kv_bytes_host": st.kv_bytes_host,
-                    "recall": dict(st.recall), "extend_seconds": st.extend_seconds,
+                    "recall": dict(st.policy_stats), "extend_seconds": st.extend_seconds,
                     "decode_seconds_total": sum(st.decode_seconds), "prefill_seconds": st.prefill_seconds,
                     **info[i],
                 })

@@ -385,10 +385,10 @@ def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefil
     import numpy as np
 
     from hetero_jax import layout as LY
-    from hetero_jax.policies import FullKV, achieved_rho
+    from hetero_jax.policies import FullKV
 
     cfg = model.config
-    bound = [G._resolve_policy(model, p) for p in policies]
+    bound = [G.bind_policy(model, p) for p in policies]
     layouts = [_bench_policies()._layout_key(p.layout(cfg)) for p in bound]
     params = [LY.params_for(model, lay) for lay in layouts]
     perms = [None if lay is None else [np.asarray(p, np.int32) for p in lay.perms] for lay in layouts]
@@ -412,17 +412,9 @@ def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefil
     hooks = sum(shared.hook_seconds)
     engines, info = [], []
     for i, p in enumerate(bound):
-        e = G.Engine.__new__(G.Engine)  # what Engine.__init__ sets, around the shared prefill
-        e.model, e.cfg, e.policy, e.lens, e.plan = model, cfg, p, [len(ids)], plans[i]
-        e.compile_start = G._COMPILE_TIME[0]
-        e.params, e.logits, e.cache = params[i], logits, caches[i]
-        e.achieved_rho = achieved_rho(e.cache, cfg)
-        e.prefill_seconds = wall - hooks + shared.hook_seconds[i]
-        e.controller = plans[i].decode_controller(compile_fn=G.compiled)
-        e.key = jax.random.PRNGKey(0)
-        e.steps = 0
-        e._fns = {}
-        engines.append(e)
+        cache, state = caches[i]
+        engines.append(G.Engine.from_prefilled(model, p, [len(ids)], params[i], logits, cache, state,
+                                               prefill_seconds=wall - hooks + shared.hook_seconds[i]))
         info.append({"prefill": "shared", "layout": "identity" if layouts[i] is None else "permuted",
                      "prefill_forward_seconds": wall - hooks, "policy_prefill_seconds": shared.hook_seconds[i],
                      "prefill_group_wall_seconds": wall, "prefill_group_compile_seconds": G._COMPILE_TIME[0] - c0})

@@ -186,10 +186,10 @@ class SharedPrefill:
                     tail_lens=M._zeros(base_cache.tail_lens.shape, base_cache.tail_lens.dtype),
                     tail_positions=jnp.full(base_cache.tail_positions.shape, -1, jnp.int32))
             t0 = time.perf_counter()
-            cache = plan.finish(cache)
-            jax.block_until_ready(cache)
+            cache, state = plan.finish(cache)
+            jax.block_until_ready((cache, state.host_arrays()))
             self.hook_seconds[i] += time.perf_counter() - t0
-            out.append(cache)
+            out.append((cache, state))
         self.groups = [[] for _ in self.plans]
         return out
 
@@ -202,17 +202,17 @@ def make_engines(model, ids: list[int], policies, tail_capacity: int, bar=None, 
     """Prefill ``ids`` once per head layout for all ``policies``; one decode ``Engine`` per policy.
 
     Each engine is what ``generate`` builds (``Engine.__init__``: bound policy,
-    plan, layout params, cache after ``finish``, decode controller), except
+    plan, layout params, cache and decode state from ``finish``), except
     that the prefill forward pass is shared. Returns (engines, info per policy).
     """
     import jax
 
     from hetero_jax import layout as LY
-    from hetero_jax.policies import FullKV, achieved_rho
+    from hetero_jax.policies import FullKV
 
     G = importlib.import_module("hetero_jax.generate")  # the module (the package exports the function)
     cfg = model.config
-    bound = [G._resolve_policy(model, p) for p in policies]
+    bound = [G.bind_policy(model, p) for p in policies]
     groups: dict = {}
     for i, p in enumerate(bound):
         groups.setdefault(_layout_key(p.layout(cfg)), []).append(i)
@@ -237,17 +237,10 @@ def make_engines(model, ids: list[int], policies, tail_capacity: int, bar=None, 
         hooks = sum(shared.hook_seconds)
         forward = wall - hooks
         for j, i in enumerate(idx):
-            e = G.Engine.__new__(G.Engine)
-            e.model, e.cfg, e.policy, e.lens, e.plan = model, cfg, bound[i], [len(ids)], plans[j]
-            e.compile_start = G._COMPILE_TIME[0]
-            e.params, e.logits, e.cache = params, logits, caches[j]
-            e.achieved_rho = achieved_rho(e.cache, cfg)
-            e.prefill_seconds = forward + shared.hook_seconds[j]  # compile included in the hook part
-            e.controller = plans[j].decode_controller(compile_fn=G.compiled)
-            e.key = jax.random.PRNGKey(0)
-            e.steps = 0
-            e._fns = {}
-            engines[i] = e
+            cache, state = caches[j]
+            engines[i] = G.Engine.from_prefilled(  # compile included in the hook part of prefill_seconds
+                model, bound[i], [len(ids)], params, logits, cache, state,
+                prefill_seconds=forward + shared.hook_seconds[j])
             info[i] = {"layout": "identity" if key is None else "permuted", "shared_with": len(idx),
                        "prefill_forward_seconds": forward, "policy_prefill_seconds": shared.hook_seconds[j],
                        "prefill_group_wall_seconds": wall, "prefill_group_compile_seconds": compile_s}

@@ -403,13 +403,13 @@ def plot_markdown(alt: str, plot_rel: str | None, plot_path: str | os.PathLike) 
 
 def engine_kv_stats(engine) -> dict[str, Any]:
     """An ``Engine``'s KV bytes as ``GenerationStats`` reports them (``Engine.stats_fields``), its achieved rho
-    (first sequence) and HeteroCache's recall counters (empty for other policies)."""
+    (first sequence) and the policy's decode counters under "recall" (HeteroCache's; empty for static policies)."""
     f = engine.stats_fields()
     return {
         "kv_bytes_device": int(f["kv_bytes_device"]), "kv_bytes_prompt": int(f["kv_bytes_prompt"]),
         "kv_bytes_tail": int(f["kv_bytes_tail"]), "kv_bytes_host": int(f["kv_bytes_host"]),
         "kv_bytes_used": int(f["kv_bytes_used"]), "achieved_rho": float(engine.achieved_rho[0]),
-        "recall": dict(f.get("recall") or {}),
+        "recall": dict(f["policy_stats"]),
     }
 
 

@@ -36,13 +36,16 @@ class GenerationStats:
     kv_bytes_used: int  # bytes of K/V holding valid tokens at the end (whole batch)
     kv_bytes_host: int  # bytes of K/V kept in host memory (0 without offload)
     kv_bytes_host_by_role: dict  # HeteroCache: host bytes per head role ({} without offload)
+    kv_bytes_index: int  # device bytes of policy state beside the K/V groups (page summaries, K_base, ...)
     kv_bytes_prompt: int  # of which the prompt's head groups
     kv_bytes_tail: int  # of which the tail (tokens added after prefill)
     stop_reason: str  # "eos", "stop", "max_new_tokens" or "context"
     compile_seconds: float = 0.0  # XLA compilation in this call (excluded from the timings above)
     extend_seconds: float = 0.0  # session turns: appending the question before decoding (compile excluded)
-    # HeteroCache: checks, triggers, recalls, bytes; in a Session, totals since the context's prefill
-    recall: dict = dataclasses.field(default_factory=dict)
+    # the policy's decode counters (HeteroCache: checks, triggers, recalls, bytes); in a Session, totals
+    # since the context's prefill
+    policy_stats: dict = dataclasses.field(default_factory=dict)
+    policy_summary: str = ""  # those counters as text
     policy: str = "FullKV(budget=1.0)"
     achieved_rho: float = 1.0  # prompt KV kept on the device / full prompt KV (tokens x KV heads x layers)
 
@@ -50,22 +53,11 @@ class GenerationStats:
     def prefill_tokens_per_second(self) -> float:
         return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
 
-    def _recall_text(self) -> str:
-        r = self.recall
-        if not r:
-            return ""
-        return (f" | drift checks {r['drift_checks']}, triggered {r['trigger_rate']:.0%}, "
-                f"recalls {r['recalls']} ({r['bytes_recalled'] / 2**10:.0f} KiB){self._recall_text_reselect()}")
-
     def _host_roles_text(self) -> str:
         roles = {k: v for k, v in self.kv_bytes_host_by_role.items() if v}
         if not roles:
             return ""
         return " (" + ", ".join(f"{k}s {v / 2**20:.1f}" for k, v in roles.items()) + ")"
-
-    def _recall_text_reselect(self) -> str:
-        n = self.recall.get("reselections", 0)
-        return f", re-selected {n}x ({self.recall['bytes_reselected'] / 2**20:.1f} MiB)" if n else ""
 
     def decode_ms_percentile(self, q: float) -> float:
         return 1e3 * float(np.percentile(self.decode_seconds, q)) if self.decode_seconds else float("nan")
@@ -80,7 +72,7 @@ class GenerationStats:
             f"({self.prefill_tokens_per_second:.0f} tok/s) | generated {self.generated_tokens} tok, "
             f"decode {self.decode_ms_per_token:.1f} ms/tok | KV device {self.kv_bytes_device / 2**20:.1f} MiB "
             f"(used {self.kv_bytes_used / 2**20:.1f} MiB), host {self.kv_bytes_host / 2**20:.1f} MiB{self._host_roles_text()} | "
-            f"rho {self.achieved_rho:.3f}{self._recall_text()} | compile {self.compile_seconds:.1f} s | "
+            f"rho {self.achieved_rho:.3f}{' | ' + self.policy_summary if self.policy_summary else ''} | compile {self.compile_seconds:.1f} s | "
             f"stop: {self.stop_reason}"
         )
 
@@ -182,11 +174,12 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) 
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "temperature", "top_p"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("cfg", "policy", "temperature", "top_p"), donate_argnames=("cache",)
 )
-def _decode_jit(params, cache, tokens, key, cfg, temperature, top_p):
-    logits, cache = M.decode_step(params, cache, tokens, cfg)
-    return sample(logits, key, temperature, top_p), logits, cache
+def _decode_jit(params, cache, tokens, key, cfg, policy, temperature, top_p):
+    """One decode step with the policy's ``attend`` in every layer: (tokens, logits, cache, extras)."""
+    logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy)
+    return sample(logits, key, temperature, top_p), logits, cache, extras
 
 
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
@@ -311,7 +304,8 @@ def _token_list(seq, what: str) -> list[int]:
     return [int(t) for t in seq]
 
 
-def _resolve_policy(model, policy):
+def bind_policy(model, policy):
+    """``policy`` (None = full KV) checked and bound to ``model`` (HeteroCache picks its profile)."""
     from hetero_jax.policies import FullKV, Policy
 
     policy = FullKV() if policy is None else policy
@@ -327,46 +321,53 @@ def _extend_jit(params, cache, tokens, n_new, cfg):
     return M.extend(params, cache, tokens, n_new, cfg)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "temperature", "top_p"), donate_argnames=("cache",)
-)
-def _decode_queries_jit(params, cache, tokens, key, cfg, temperature, top_p):
-    logits, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
-    return sample(logits, key, temperature, top_p), logits, cache, queries
-
-
 class Engine:
     """A prefilled batch and its decode machinery: the shared core of ``generate`` and ``Session``.
 
     Validates the prompts and the policy's budget before any compute, permutes
     the heads for the policy's layout (once per model and layout), prefills
     layer by layer with the policy's selection, and then steps the decoder,
-    running the policy's decode hooks (HeteroCache's drift checks and recalls).
+    running the policy's ``attend`` inside each step and its decode state's hooks
+    (``policies.base.DecodeState``) around it, the same way for every policy.
     """
 
     def __init__(self, model, batch: list[list[int]], policy, *, tail_capacity: int, seed: int = 0,
                  is_batch: bool = False):
-        from hetero_jax.policies import FullKV, achieved_rho
-
         _check_model(model)
-        self.model, self.cfg = model, model.config
-        _validate_ids(batch, self.cfg, is_batch)
-        self.policy = _resolve_policy(model, policy)
-        self.lens = [len(b) for b in batch]
-        self.plan = self.policy.make_prefill(self.cfg, self.lens, compile_fn=compiled)  # checks budgets
-        self.compile_start = _COMPILE_TIME[0]
-        before = _COMPILE_TIME[0]
+        _validate_ids(batch, model.config, is_batch)
+        policy = bind_policy(model, policy)
+        lens = [len(b) for b in batch]
+        plan = policy.make_prefill(model.config, lens, compile_fn=compiled)  # checks budgets
+        compile_start = before = _COMPILE_TIME[0]
         t0 = time.perf_counter()
-        self.params = params_for(model, self.policy.layout(self.cfg))  # permuted once per (model, layout)
-        build = None if isinstance(self.policy, FullKV) else self.plan.build_layer
-        self.logits, cache = prefill(self.params, self.cfg, batch, tail_capacity=tail_capacity, build_layer=build)
-        self.cache = self.plan.finish(cache)
-        self.achieved_rho = achieved_rho(self.cache, self.cfg)
+        params = params_for(model, policy.layout(model.config))  # permuted once per (model, layout)
+        logits, cache = prefill(params, model.config, batch, tail_capacity=tail_capacity,
+                                build_layer=plan.build_layer)
+        cache, state = plan.finish(cache)  # the decode sees only the state the prefill hands on
         # the compressed caches and host reservoirs are off the logits' critical path: wait for them too,
         # so prefill_seconds (TTFT) is the time until decode can start, not until the logits exist
-        jax.block_until_ready((self.logits, self.cache, self.plan.host_arrays()))
-        self.prefill_seconds = time.perf_counter() - t0 - (_COMPILE_TIME[0] - before)
-        self.controller = self.plan.decode_controller(compile_fn=compiled)
+        jax.block_until_ready((logits, cache, state.host_arrays()))
+        seconds = time.perf_counter() - t0 - (_COMPILE_TIME[0] - before)
+        self._start(model, policy, lens, params, logits, cache, state, seconds, seed, compile_start)
+
+    @classmethod
+    def from_prefilled(cls, model, policy, lens: list[int], params, logits, cache, state, *,
+                       prefill_seconds: float, seed: int = 0) -> "Engine":
+        """An engine around a prefill done elsewhere: ``policy`` bound (``bind_policy``), ``params`` in its
+        layout, and ``(cache, state)`` from its plan's ``finish``. Benchmarks share one forward pass
+        between several policies this way; ``generate`` never needs it."""
+        e = cls.__new__(cls)
+        e._start(model, policy, list(lens), params, logits, cache, state, prefill_seconds, seed, _COMPILE_TIME[0])
+        return e
+
+    def _start(self, model, policy, lens, params, logits, cache, state, prefill_seconds, seed, compile_start):
+        from hetero_jax.policies import achieved_rho
+
+        self.model, self.cfg, self.policy, self.lens = model, model.config, policy, lens
+        self.params, self.logits, self.cache, self.state = params, logits, cache, state
+        self.achieved_rho = achieved_rho(cache, self.cfg)
+        self.prefill_seconds = prefill_seconds
+        self.compile_start = compile_start
         self.key = jax.random.PRNGKey(seed)
         self.steps = 0
         self._fns: dict = {}
@@ -400,22 +401,18 @@ class Engine:
         return np.asarray(out[0]), np.asarray(out[1], np.float32)
 
     def _advance(self, tokens, temperature: float, top_p: float):
-        """One decode step with the policy's hooks; the jitted outputs (tokens, logits, cache[, queries])."""
-        ctl = self.controller
-        if ctl is not None:
-            self.cache = ctl.before_step(self.steps, self.cache)
+        """One decode step with the policy's hooks; the jitted outputs (tokens, logits, cache, extras)."""
+        self.cache = self.state.before_step(self.steps, self.cache)
         self.key, sub = jax.random.split(self.key)
         args = (self.params, self.cache, jnp.asarray(tokens, jnp.int32), sub)
         fn_key = (self.cache.tail_capacity, float(temperature), float(top_p))
         fn = self._fns.get(fn_key)
         if fn is None:  # shapes are fixed until the tail grows: look the executable up once
-            jitted = _decode_jit if ctl is None else _decode_queries_jit
-            fn = self._fns[fn_key] = compiled(jitted, *args, cfg=self.cfg, temperature=float(temperature),
-                                              top_p=float(top_p))
+            fn = self._fns[fn_key] = compiled(_decode_jit, *args, cfg=self.cfg, policy=self.policy,
+                                              temperature=float(temperature), top_p=float(top_p))
         out = fn(*args)
         self.cache = out[2]
-        if ctl is not None:
-            ctl.after_step(self.steps, out[3], self.cache)
+        self.state.after_step(self.steps, out[3], self.cache)
         self.steps += 1
         return out
 
@@ -426,15 +423,14 @@ class Engine:
         Chunks are ``chunk_bucket`` sized (at most ``max_chunk``; the last one padded), so a turn of
         thousands of tokens costs a few prefill-like passes instead of one decode step per token, and
         equals those steps (tests/test_extend.py). No decode hook runs per token; the policy's decode
-        controller gets the turn's queries once, at the end (``after_extend``: HeteroCache re-selects).
+        state gets the turn's queries once, at the end (``after_extend``: HeteroCache re-selects).
         """
         ids = [int(t) for t in ids]
         if not ids:
             raise PromptError("nothing to extend: the turn has no tokens")
         self.reserve(len(ids))
         C = min(chunk_bucket(len(ids)), max_chunk)
-        ctl = self.controller
-        keep_q = ctl is not None and ctl.wants_queries
+        keep_q = self.state.wants_turn_queries
         per_chunk, logits = [], None
         for start in range(0, len(ids), C):
             part = ids[start : start + C]
@@ -447,7 +443,7 @@ class Engine:
                 per_chunk.append(tuple(q[:, :, : len(part)] for q in queries))
         if keep_q:
             turn_queries = tuple(jnp.concatenate(qs, axis=2) for qs in zip(*per_chunk))  # [B, Nkv, n, G, D]
-            self.cache = ctl.after_extend(turn_queries, self.cache)
+            self.cache = self.state.after_extend(turn_queries, self.cache)
         return np.asarray(logits, np.float32)
 
     def drain(self) -> float:
@@ -456,21 +452,22 @@ class Engine:
         that times several engines in turn does, so one engine's background work is not timed as
         another's step."""
         t0 = time.perf_counter()
-        jax.block_until_ready((self.cache, getattr(self.controller, "pending", None)))
+        jax.block_until_ready((self.cache, self.state.in_flight()))
         return time.perf_counter() - t0
 
     def stats_fields(self) -> dict:
-        extra = self.controller.stats() if self.controller is not None else {}
         return dict(
             kv_bytes_device=kv_bytes(self.cache),
             kv_bytes_used=used_kv_bytes(self.cache),
-            kv_bytes_host=self.plan.host_bytes(),
-            kv_bytes_host_by_role=self.plan.host_bytes_by_role(),
+            kv_bytes_host=self.state.host_bytes(),
+            kv_bytes_host_by_role=self.state.host_bytes_by_role(),
+            kv_bytes_index=self.state.index_bytes(self.cache),
             kv_bytes_prompt=prompt_kv_bytes(self.cache),
             kv_bytes_tail=tail_kv_bytes(self.cache),
             policy=repr(self.policy),
             compile_seconds=_COMPILE_TIME[0] - self.compile_start,
-            recall=extra,
+            policy_stats=self.state.stats(),
+            policy_summary=self.state.summary(),
         )
 
 

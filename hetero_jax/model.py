@@ -196,6 +196,15 @@ def _all_logits_jit(params, x, cfg):
 _full_group_jit = jax.jit(full_group, donate_argnums=(0, 1))
 
 
+def full_layer_groups(k_buf, v_buf, lens, compile_fn=None) -> tuple:
+    """A layer's cache groups under full KV: every head keeps its whole prompt, trimmed to the longest
+    prompt (chunk padding is not kept). k_buf, v_buf: [B, Hkv, Tp, D]; lens: [B]."""
+    compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+    t_max = int(np.max(np.asarray(lens)))
+    k_keep, v_keep = k_buf[:, :, :t_max], v_buf[:, :, :t_max]
+    return (compile_fn(_full_group_jit, k_keep, v_keep, lens)(k_keep, v_keep, lens),)
+
+
 def _zeros(shape, dtype) -> jax.Array:
     # Created eagerly, one buffer each: jitted code may return one buffer for two
     # equal constants, and the decode step donates every cache leaf separately.
@@ -225,7 +234,6 @@ def prefill(
     tok = jnp.asarray(tokens, jnp.int32)
     x = compile_fn(_embed_jit, params, tok, cfg=cfg)(params, tok)
     kv_shape = (B, cfg.num_kv_heads, Tp, cfg.head_dim)
-    t_max = int(np.max(prompt_lens))
     layers = []
     for li, layer in enumerate(params["layers"]):
         x_out = jnp.zeros_like(x)
@@ -233,10 +241,8 @@ def prefill(
         for start in range(0, Tp, chunk):
             args = (layer, x, x_out, k_buf, v_buf, np.int32(start))
             x_out, k_buf, v_buf = compile_fn(_layer_prefill_chunk_jit, *args, chunk=chunk, cfg=cfg)(*args)
-        if build_layer is None:  # full KV, trimmed to the longest prompt (chunk padding is not kept)
-            k_keep, v_keep = k_buf[:, :, :t_max], v_buf[:, :, :t_max]
-            del k_buf, v_buf
-            groups = (compile_fn(_full_group_jit, k_keep, v_keep, lens)(k_keep, v_keep, lens),)
+        if build_layer is None:
+            groups = full_layer_groups(k_buf, v_buf, lens, compile_fn)
         else:
             groups = build_layer(li, layer, x, k_buf, v_buf, lens)
         # one sync per layer: compile work in the next layer's hooks then never overlaps
@@ -285,21 +291,28 @@ def layer_decode_attention(q: jax.Array, layer_cache: LayerCache, tail_lens: jax
 
 
 def decode_step(
-    params: dict, cache: KVCache, tokens: jax.Array, cfg: ModelConfig, return_queries: bool = False
+    params: dict, cache: KVCache, tokens: jax.Array, cfg: ModelConfig, return_queries: bool = False,
+    policy=None,
 ):
     """One new token per sequence. tokens: [B] int32. Returns logits [B, V] (float32) and the cache.
 
     The token's K/V is appended to every head's tail at slot ``tail_lens``.
     With ``return_queries`` also returns each layer's query (after RoPE) as a
-    tuple of [B, Nkv, G, D] arrays, for drift checks and head profiling.
+    tuple of [B, Nkv, G, D] arrays, for head profiling.
+
+    ``policy`` (static; None = attention over every kept slot): an object whose
+    ``attend(li, q, layer_cache, tail_lens, seq_lens) -> (out, layer_cache, extra)``
+    replaces :func:`layer_decode_attention` in every layer (a decode-time policy
+    selects or fetches there and may update its layer's cache). Then the
+    per-layer ``extra`` outputs come back too, as a tuple over layers, last.
     """
     B = tokens.shape[0]
     pos = cache.seq_lens  # [B]
     b = jnp.arange(B)
     slot = cache.tail_lens  # [B]
     x = params["embed"][tokens][:, None, :]  # [B, 1, H]
-    new_layers, queries = [], []
-    for layer, lc in zip(params["layers"], cache.layers):
+    new_layers, queries, extras = [], [], []
+    for li, (layer, lc) in enumerate(zip(params["layers"], cache.layers)):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q, k, v = project_qkv(layer, h, pos[:, None], cfg)
         lc = lc.replace(
@@ -308,7 +321,11 @@ def decode_step(
         )
         qg = q[:, 0].reshape(B, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
         queries.append(qg)
-        attn = layer_decode_attention(qg, lc, slot + 1)
+        if policy is None:
+            attn = layer_decode_attention(qg, lc, slot + 1)
+        else:
+            attn, lc, extra = policy.attend(li, qg, lc, slot + 1, pos)
+            extras.append(extra)
         x = x + output_projection(layer, attn.reshape(B, 1, -1))
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_layers.append(lc)
@@ -319,9 +336,12 @@ def decode_step(
         tail_lens=slot + 1,
         tail_positions=cache.tail_positions.at[b, slot].set(pos),
     )
+    out = (lm_logits(params, h, cfg), cache)
     if return_queries:
-        return lm_logits(params, h, cfg), cache, tuple(queries)
-    return lm_logits(params, h, cfg), cache
+        out += (tuple(queries),)
+    if policy is not None:
+        out += (tuple(extras),)
+    return out
 
 
 def layer_extend_attention(q: jax.Array, layer_cache: LayerCache, tail_start: jax.Array) -> jax.Array:
@@ -419,5 +439,5 @@ def prompt_queries(layer: dict, x_in: jax.Array, rows: jax.Array, cfg: ModelConf
 
 # Jitted entry points for callers that step the model themselves (tests, calibration,
 # benchmarks). generate() uses its own AOT-compiled, cache-donating variant.
-decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "return_queries"))
+decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "return_queries", "policy"))
 extend_jit = jax.jit(extend, static_argnames=("cfg",))

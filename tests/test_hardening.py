@@ -315,7 +315,7 @@ def test_a_failed_recall_transfer_leaves_the_cache_and_the_session_usable(monkey
     calm = HeteroCache(profile=PROFILE, budget=0.6, window=2, tau_drift=-1.0)  # overlap >= 0: never drifts
     sess = Session(MODEL, context, drifting, chat=False, reserve_tokens=8)
     twin = Session(MODEL, context, calm, chat=False, reserve_tokens=8)
-    ctl = sess.engine.controller
+    ctl = sess.engine.state
 
     real_put, puts, failing, inside = jax.device_put, [0], [True], [False]
 
@@ -360,7 +360,7 @@ def test_a_failed_reselection_transfer_keeps_the_previous_rows_and_the_session_u
     the next turn re-selects."""
     context, q1, q2 = ids(150, 4), ids(6, 5), ids(5, 6)
     sess = Session(MODEL, context, HeteroCache(profile=PROFILE, budget=0.6, window=50), chat=False, reserve_tokens=8)
-    ctl = sess.engine.controller
+    ctl = sess.engine.state
     real_put, puts, failing = jax.device_put, [0], [True]
 
     def flaky(x, *a, **k):

@@ -55,7 +55,7 @@ def test_rho_one_and_all_volatile_give_full_kv():
     assert eng.achieved_rho[0] == 1.0
     volatile = make_profile([[V, V, V]] * 3, ((), (), ()))
     got, eng = greedy(HeteroCache(profile=volatile, budget=1.0), ids)
-    assert got == full and eng.plan.host_bytes() == 0
+    assert got == full and eng.state.host_bytes() == 0
     # with nothing to compress a budget below 1 would run at rho = 1: refused, naming the rho that works
     with pytest.raises(BudgetError, match=r"rho=0.5 cannot be kept: the profile has no compressed heads.*"
                                           r"smallest rho that works is 1"):
@@ -75,17 +75,17 @@ def test_prefill_layout_budgets_reservoir_and_bytes():
         assert lengths.tolist() == grid[li, list(perm)].tolist()  # each head's own budget, in layout order
         assert lengths.min() >= 1
     # every compressed head's full prompt KV in pinned host memory, equal to the prompt's own KV
-    res = [r for r in eng.plan.host_k if r is not None]
-    assert len(res) == 3 and all(r.sharding.memory_kind == "pinned_host" for r in eng.plan.host_arrays())
+    res = [r for r in eng.state.prefilled.store.k if r is not None]
+    assert len(res) == 3 and all(r.sharding.memory_kind == "pinned_host" for r in eng.state.host_arrays())
     assert all(r.shape == (1, 2, L, CFG.head_dim) for r in res)  # two compressed heads in each layer
     head_bytes = 2 * L * CFG.head_dim * 4
-    assert eng.plan.host_bytes_by_role() == {"satellite": 3 * head_bytes, "anchor": 3 * head_bytes}
-    assert eng.plan.host_bytes() == 6 * head_bytes
+    assert eng.state.host_bytes_by_role() == {"satellite": 3 * head_bytes, "anchor": 3 * head_bytes}
+    assert eng.state.host_bytes() == 6 * head_bytes
     full = Engine(MODEL, [prompt(L, 1)], FullKV(), tail_capacity=8)
     for li in range(CFG.num_layers):
-        perm, nf = layout.perms[li], eng.plan.roles[li].n_full
+        perm, nf = layout.perms[li], eng.state.prefilled.roles[li].n_full
         want = np.asarray(full.cache.layers[li].groups[0].k[0])[list(perm[nf:])]
-        np.testing.assert_allclose(np.asarray(eng.plan.host_k[li][0]), want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(eng.state.prefilled.store.k[li][0]), want, atol=1e-5, rtol=1e-5)
     full_bytes = L * CFG.num_kv_heads * CFG.num_layers * 2 * CFG.head_dim * 4
     from hetero_jax.cache import prompt_kv_bytes
     assert prompt_kv_bytes(eng.cache) <= rho * full_bytes * 1.05
@@ -120,13 +120,13 @@ def test_drift_thresholds_and_recall_contents(tau):
     L, W, rho = 160, 3, 0.5
     policy = HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=tau)
     eng = Engine(MODEL, [prompt(L, 2)], policy, tail_capacity=16)
-    ctl = eng.controller
+    ctl = eng.state
     tok = eng.first_tokens(0.0, 1.0)
     seen_q = []
     orig_after = ctl.after_step
 
     def spy(step, queries, cache):  # keep the pivot queries for the independent check
-        seen_q.append([np.asarray(q) for q in queries])
+        seen_q.append([None if q is None else np.asarray(q) for q in queries])
         orig_after(step, queries, cache)
 
     ctl.after_step = spy
@@ -152,10 +152,10 @@ def test_drift_thresholds_and_recall_contents(tau):
         scores = _np_pooled_max(q_last[None], keys)[0]
         order = np.argsort(-scores, kind="stable")
         groups = eng.cache.layers[li].groups
-        res_k = np.asarray(eng.plan.host_k[li])[0]
-        res_v = np.asarray(eng.plan.host_v[li])[0]
+        res_k = np.asarray(eng.state.prefilled.store.k[li])[0]
+        res_v = np.asarray(eng.state.prefilled.store.v[li])[0]
         for s in sats:
-            s_pos = perm.index(s) - eng.plan.roles[li].n_full  # among the compressed heads
+            s_pos = perm.index(s) - eng.state.prefilled.roles[li].n_full  # among the compressed heads
             comp = groups[1 + s_pos]  # each compressed head is its own group, after the full group
             l_s = int(grid[li, s])
             assert comp.capacity == l_s  # exactly its budget: no padding
@@ -204,9 +204,9 @@ def test_compressed_heads_keep_their_top_tokens_and_pivots_their_last_token_k_ba
     finally:
         hetero_jax.policies.heterocache.HeteroPrefill.build_layer = orig
     grid = PROFILE.budgets(rho, L)
-    l_base = eng.plan.l_base[0]
+    l_base = eng.state.prefilled.l_base[0]
     for li, (layer, x_in, k_buf) in enumerate(captured):
-        lc, r = eng.cache.layers[li], eng.plan.roles[li]
+        lc, r = eng.cache.layers[li], eng.state.prefilled.roles[li]
         perm = list(policy.layout(CFG).perms[li])
         keys = k_buf.astype(np.float64)  # [Hkv, T, D], layout order
         t = np.arange(L)
@@ -238,10 +238,10 @@ def test_drain_waits_for_the_dispatched_drift_check():
     tok = eng.first_tokens(0.0, 1.0)
     for _ in range(2):
         tok, _ = eng.step(tok, 0.0, 1.0)
-    _, outs = eng.controller.pending  # dispatched after the second step, not yet applied
+    _, outs = eng.state.pending  # dispatched after the second step, not yet applied
     assert eng.drain() >= 0.0
     assert all(a.is_ready() for out in outs if out is not None for a in out)
-    assert eng.controller.pending is not None  # drain waits; the recall still lands before the next step
+    assert eng.state.pending is not None  # drain waits; the recall still lands before the next step
     full = Engine(MODEL, [prompt(100, 11)], FullKV(), tail_capacity=8)
     assert full.drain() >= 0.0  # no controller: nothing to wait for
 
@@ -280,7 +280,7 @@ def test_drift_layer_ranks_the_latest_query_only_when_a_pivot_drifted(tau, n_top
 
 def _spy_turns(sess):
     """Record (event, step, numpy turn queries) as the session's controller sees a turn."""
-    ctl, log = sess.engine.controller, []
+    ctl, log = sess.engine.state, []
     orig_ext, orig_step = ctl.after_extend, ctl.after_step
 
     def after_extend(queries, cache):
@@ -310,7 +310,7 @@ def test_each_turn_reselects_every_compressed_head_from_the_turn_queries():
     eng = sess.engine
     log = _spy_turns(sess)
     grid = PROFILE.budgets(rho, L)
-    l_base = int(eng.plan.l_base[0])
+    l_base = int(eng.state.prefilled.l_base[0])
     full_bytes = L * CFG.num_kv_heads * CFG.num_layers * 2 * CFG.head_dim * 4
     bytes_before = prompt_kv_bytes(eng.cache)
     for turn, n_q in enumerate((9, 23)):
@@ -322,9 +322,9 @@ def test_each_turn_reselects_every_compressed_head_from_the_turn_queries():
         n_turn = turn_q[0].shape[2]
         assert n_turn == n_q - 1 + (1 if turn else 0)  # all but the last token; the previous answer's last opens it
         for li, lc in enumerate(eng.cache.layers):
-            r = eng.plan.roles[li]
+            r = eng.state.prefilled.roles[li]
             perm = list(policy.layout(CFG).perms[li])
-            host_k, host_v = (np.asarray(a[0], np.float64) for a in (eng.plan.host_k[li], eng.plan.host_v[li]))
+            host_k, host_v = (np.asarray(a[0], np.float64) for a in (eng.state.prefilled.store.k[li], eng.state.prefilled.store.v[li]))
             for j in range(CFG.num_kv_heads - r.n_full):
                 rows = turn_q[li][0, r.n_full + j].astype(np.float64)  # [n, G, D]
                 s = np.einsum("ngd,td->ngt", rows, host_k[j]) / np.sqrt(CFG.head_dim)
@@ -344,7 +344,7 @@ def test_each_turn_reselects_every_compressed_head_from_the_turn_queries():
                 assert_top_set(np.sort(np.asarray(lc.aux["k_base"][0, pv])), last, np.zeros(L, bool), l_base)
         assert prompt_kv_bytes(eng.cache) == bytes_before <= rho * full_bytes * 1.05
     st = sess.turns[-1].stats
-    assert st.recall["reselections"] == 2 and st.recall["bytes_reselected"] > 0
+    assert st.policy_stats["reselections"] == 2 and st.policy_stats["bytes_reselected"] > 0
     assert st.kv_bytes_host_by_role["anchor"] > 0 and st.kv_bytes_host_by_role["satellite"] > 0
 
 
@@ -356,7 +356,7 @@ def test_reselection_lands_before_the_answer_and_drops_a_stale_check():
     policy = HeteroCache(profile=PROFILE, budget=0.5, window=W, tau_drift=1.5)
     sess = Session(MODEL, prompt(120, 7), policy, chat=False, reserve_tokens=32)
     log = _spy_turns(sess)
-    ctl = sess.engine.controller
+    ctl = sess.engine.state
     dispatched = []
     orig = ctl._dispatch_check
     ctl._dispatch_check = lambda step, cache: (dispatched.append(step), orig(step, cache))

@@ -53,7 +53,7 @@ def run(policy, prompts, params=PARAMS, cfg=CFG, steps=3, capture=None):
     else:
         build = plan.build_layer
     logits, cache = prefill(params, cfg, prompts, tail_capacity=steps + 1, build_layer=build)
-    cache = plan.finish(cache)
+    cache, _ = plan.finish(cache)
     out = [np.asarray(logits)]
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     for _ in range(steps):

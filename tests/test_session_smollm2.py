@@ -58,5 +58,5 @@ def test_heterocache_half_budget_session_answers_each_fact_in_turn(smollm2):
         assert a in res.text.lower(), (q, res.text)
         assert prompt_kv_bytes(sess.engine.cache) <= 0.5 * full_bytes * 1.05
     st = res.stats
-    assert st.achieved_rho <= 0.5 and st.recall["reselections"] == 3
+    assert st.achieved_rho <= 0.5 and st.policy_stats["reselections"] == 3
     assert st.kv_bytes_host_by_role["anchor"] > 0 and st.kv_bytes_host_by_role["satellite"] > 0

@@ -8,6 +8,13 @@ holding hyper-parameters only; everything that changes while decoding lives
 in the cache pytree.
 
 A policy provides
+- ``make_prefill(cfg, prompt_lens)``: the prefill plan, whose ``build_layer``
+  turns each layer's full prompt KV into that layer's head groups and whose
+  ``finish(cache)`` returns ``(cache, DecodeState)``: the per-request state the
+  engine hands to the decode hooks (data flows one way: prefill -> state -> decode);
+- ``attend(li, q, layer_cache, tail_lens, seq_lens)`` (traced inside the jitted
+  decode step, the policy being a static argument): one layer's attention,
+  returning ``(out, layer_cache, extra)``; the default attends every kept slot;
 - ``token_scores(layer, x_in, keys, prompt_lens, cfg)`` (traced): per-head
   float32 scores [B, Hkv, Tp] (FORCE on tokens it must keep, INVALID beyond
   the prompt) and a per-sequence auxiliary value (CAKE's layer preference);
@@ -15,6 +22,10 @@ A policy provides
   layer for one sequence, or ``None`` for policies that plan while prefilling
   (CAKE overrides ``plan``).
 Selection (top-k, position order, gather into a group) is shared.
+
+A ``DecodeState`` declares the host-side hooks the engine runs around every
+jitted step (``before_step``, ``after_step`` with the layers' ``extra``
+outputs, ``after_extend`` after a session's turn) and the policy's stats.
 """
 
 from __future__ import annotations
@@ -23,8 +34,10 @@ import dataclasses
 import math
 from typing import ClassVar
 
+import jax
 import numpy as np
 
+from hetero_jax import model as M
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError
 
@@ -135,10 +148,21 @@ class Policy:
         return self
 
     def make_prefill(self, cfg: ModelConfig, prompt_lens, compile_fn=None):
-        """The prefill plan (``build_layer``/``finish``/``decode_controller``); checks budgets first."""
-        from hetero_jax.policies.runtime import PolicyPrefill
+        """The prefill plan (``build_layer``, ``finish(cache) -> (cache, DecodeState)``); checks budgets first."""
+        from hetero_jax.policies.runtime import PolicyPrefill  # runtime builds on this module
 
         return PolicyPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
+
+    # ----------------------------------------------------------------- decode
+    def attend(self, li: int, q, layer_cache, tail_lens, seq_lens):
+        """Traced, once per layer inside the decode step: one query per sequence over the layer's cache.
+
+        q: [B, Hkv, G, D] (after RoPE); tail_lens: [B] valid tail slots (the new token's included);
+        seq_lens: [B] the new token's position. Returns (out [B, Hkv, G, D], layer cache, extra): a
+        decode-time policy may select or fetch here and update its layer's cache (same shapes); ``extra``
+        (a pytree or None) reaches ``DecodeState.after_step``. Default: every kept slot and the tail.
+        """
+        return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, None
 
     def layout(self, cfg: ModelConfig):
         """The head layout this policy needs (a ``HeadLayout``), or None for one group per layer."""
@@ -176,3 +200,56 @@ def distribute(weights: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
                 base[j] += step
                 short -= step
     return base
+
+
+class DecodeState:
+    """Host-side, per-request decode state that a prefill plan's ``finish`` returns.
+
+    The engine runs these hooks around every jitted decode step, for every policy (the defaults do
+    nothing): no policy-specific branch exists in the engine. Counters that change while decoding live
+    here, never on the (frozen) policy.
+    """
+
+    wants_turn_queries = False  # after_extend needs the turn's queries
+
+    def fresh(self) -> "DecodeState":
+        """A new state as this one was right after prefill (counters zero; the same host copies)."""
+        return type(self)()
+
+    def before_step(self, step: int, cache):
+        """Before step ``step`` is dispatched (host): apply last step's decisions; returns the cache."""
+        return cache
+
+    def after_step(self, step: int, extras: tuple, cache) -> None:
+        """After step ``step`` was dispatched (host): ``extras`` are the layers' ``attend`` extras (device)."""
+
+    def after_extend(self, turn_queries: tuple, cache):
+        """After a session's turn was appended: turn_queries per layer [B, Nkv, N, G, D]; returns the cache."""
+        return cache
+
+    def in_flight(self):
+        """Device work the hooks dispatched and nobody waits on (``Engine.drain`` waits for it)."""
+        return ()
+
+    def host_arrays(self) -> tuple:
+        """Arrays the prefill placed in host memory."""
+        return ()
+
+    def host_bytes(self) -> int:
+        return int(sum(a.nbytes for a in self.host_arrays()))
+
+    def host_bytes_by_role(self) -> dict[str, int]:
+        return {}
+
+    def index_bytes(self, cache) -> int:
+        """Device bytes of policy state beside the K/V groups (page summaries, K_base, ...): every
+        array in the layers' ``aux``."""
+        return int(sum(a.nbytes for lc in cache.layers for a in jax.tree.leaves(lc.aux)))
+
+    def stats(self) -> dict:
+        """The policy's decode counters (JSON-able)."""
+        return {}
+
+    def summary(self) -> str:
+        """The counters as a short text for ``GenerationStats.summary`` ('' when there are none)."""
+        return ""

@@ -16,6 +16,7 @@ import numpy as np
 from hetero_jax.config import ModelConfig
 from hetero_jax.model import prompt_queries
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_choice, check_int, check_real, distribute
+from hetero_jax.policies.runtime import FullPrefill
 from hetero_jax.policies.primitives import (
     attention_probs,
     avg_pool,
@@ -37,9 +38,8 @@ class FullKV(Policy):
         if self.budget != 1.0:
             raise BudgetError(f"FullKV keeps the whole prompt: its budget is 1, got rho={self.budget:g}")
 
-    def token_scores(self, layer, x_in, keys, prompt_lens, cfg):
-        t = jnp.arange(keys.shape[2], dtype=jnp.float32)
-        return finalize_scores(jnp.broadcast_to(-t, keys.shape[:3]), prompt_lens), None
+    def make_prefill(self, cfg, prompt_lens, compile_fn=None):
+        return FullPrefill(compile_fn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,11 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from hetero_jax import model as M
 from hetero_jax.cache import HeadGroup, KVCache, full_group
 from hetero_jax.config import ModelConfig
+from hetero_jax.host_store import HostKVStore, put_rows, scatter_rows
 from hetero_jax.layout import HeadLayout
 from hetero_jax.model import prompt_queries
-from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_int
+from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PolicyError, check_int
 from hetero_jax.policies.primitives import (attention_probs, avg_pool, finalize_scores, gqa_reduce,
                                            observation_window_probs, select_topk)
 from hetero_jax.policies.runtime import cap_bucket, select_group
@@ -201,6 +203,13 @@ class HeteroCache(Policy):
     def token_scores(self, layer, x_in, keys, prompt_lens, cfg):
         raise NotImplementedError("HeteroCache selects per role in HeteroPrefill")
 
+    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
+        """Every kept slot (as the base policy); the extra is the layer's pivot queries [B, Np, G, D] (None
+        without pivots), which ``HeteroDecode.after_step`` buffers for the drift check."""
+        n_pivots = len(self.roles_in_layout(li)["pivot"])
+        out = M.layer_decode_attention(q, layer_cache, tail_lens)
+        return out, layer_cache, (q[:, :n_pivots] if n_pivots else None)
+
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _last_token_scores(layer, x_in, keys, prompt_lens, cfg):
@@ -292,10 +301,8 @@ class HeteroPrefill:
                 members[full.index(int(pivot))] = [sat_pos[int(s)] for s in sats]
             self.roles.append(LayerRoles(len(full), list(range(len(r["pivot"]))),
                                          [sat_pos[h] for h in r["satellite"]], members))
-        # per layer: pinned-host [B, Hc, T, D] prompt KV of every compressed head (layout order), or None
-        self.host_k: list = []
-        self.host_v: list = []
-        self._host_view: dict[int, tuple] = {}  # layer -> (k, v) numpy views of the host copy, made on first use
+        # per layer: pinned-host [B, Hc, T, D] prompt KV of every compressed head (layout order)
+        self.store = HostKVStore(cfg.num_layers)
         self.counts: list[np.ndarray] = []  # per layer [B, Hc] tokens kept by compressed heads
         self.k_base: list = []
 
@@ -329,51 +336,42 @@ class HeteroPrefill:
                                     jnp.asarray(counts, jnp.int32), int(counts.max()), self.compile_fn)
             groups.extend(_split_heads(group, counts))
             self.counts.append(counts)
-            host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-            self.host_k.append(jax.device_put(k_buf[:, nf:, :t_max], host))
-            self.host_v.append(jax.device_put(v_buf[:, nf:, :t_max], host))
+            self.store.put(li, k_buf[:, nf:, :t_max], v_buf[:, nf:, :t_max])
         else:
             self.counts.append(np.zeros((len(self.lens), 0), np.int64))
-            self.host_k.append(None)
-            self.host_v.append(None)
         return tuple(groups)
 
-    def host_view(self, li: int) -> tuple[np.ndarray, np.ndarray]:
-        """Numpy views (k, v) [B, Hc, T, D] of layer ``li``'s host copy, made on first use.
-
-        Not made in ``build_layer``: ``np.asarray`` waits for the layer's KV, and waiting there
-        would stop the host from dispatching the next layers while this one computes (TTFT).
-        """
-        if li not in self._host_view:
-            self._host_view[li] = (np.asarray(self.host_k[li]), np.asarray(self.host_v[li]))
-        return self._host_view[li]
-
-    def finish(self, cache: KVCache) -> KVCache:
+    def finish(self, cache: KVCache) -> tuple[KVCache, "HeteroDecode"]:
+        """The cache with each pivot's K_base in its layer's ``aux``, and the decode state (one way: the
+        decode never sees this plan)."""
         layers = tuple(
             lc.replace(aux={"k_base": kb}) if kb is not None else lc for lc, kb in zip(cache.layers, self.k_base)
         )
-        return cache.replace(layers=layers)
+        prefilled = HeteroPrefilled(policy=self.policy, roles=self.roles, counts=self.counts, l_base=self.l_base,
+                                    lens=self.lens, store=self.store)
+        return cache.replace(layers=tuple(layers)), HeteroDecode(prefilled, compile_fn=self.compile_fn)
 
-    def decode_controller(self, compile_fn=None):
-        return HeteroDecode(self, compile_fn=compile_fn or self.compile_fn)
 
-    def host_arrays(self) -> tuple:
-        """The pinned-host copies (k and v of every layer with compressed heads)."""
-        return tuple(a for a in (*self.host_k, *self.host_v) if a is not None)
+@dataclasses.dataclass(frozen=True)
+class HeteroPrefilled:
+    """What HeteroCache's prefill hands its decode: roles, budgets and the host copy of the compressed heads."""
+
+    policy: HeteroCache
+    roles: list[LayerRoles]
+    counts: list[np.ndarray]  # per layer [B, Hc] tokens kept by each compressed head (layout order)
+    l_base: np.ndarray  # [B] L_base of each sequence
+    lens: np.ndarray  # [B] prompt lengths
+    store: HostKVStore  # per layer: the compressed heads' full prompt K/V [B, Hc, T, D]
 
     def host_bytes_by_role(self) -> dict[str, int]:
         """Pinned-host KV bytes per role: the satellites' (the paper's reservoir) and the anchors'."""
         out = {"satellite": 0, "anchor": 0}
-        for k, v, r in zip(self.host_k, self.host_v, self.roles):
-            if k is None:
-                continue
-            per_head = (k.nbytes + v.nbytes) // k.shape[1]
-            out["satellite"] += per_head * len(r.satellites)
-            out["anchor"] += per_head * (k.shape[1] - len(r.satellites))
+        for li, r in enumerate(self.roles):
+            per_head = self.store.head_bytes(li)
+            if per_head:
+                out["satellite"] += per_head * len(r.satellites)
+                out["anchor"] += per_head * (self.counts[li].shape[1] - len(r.satellites))
         return out
-
-    def host_bytes(self) -> int:
-        return int(sum(self.host_bytes_by_role().values()))
 
 
 @functools.partial(jax.jit, static_argnames=("l_base", "tau", "n_top"))
@@ -402,16 +400,18 @@ def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: i
     return drift, new_base, top
 
 
-class HeteroDecode:
+class HeteroDecode(DecodeState):
     """Per-request decode-time state of HeteroCache: query buffer, pending checks, re-selection and recall stats."""
 
-    def __init__(self, plan: HeteroPrefill, compile_fn=None):
-        self.plan = plan
-        self.policy = plan.policy
+    wants_turn_queries = True
+
+    def __init__(self, prefilled: HeteroPrefilled, compile_fn=None):
+        self.prefilled = prefilled
+        self.policy = prefilled.policy
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
         # the last `window` steps: tuples over layers of pivot queries [B, Np, G, D] (device)
-        self.buffer: collections.deque = collections.deque(maxlen=plan.policy.window)
-        self.pivot_layers = [li for li, r in enumerate(plan.roles) if r.pivots]
+        self.buffer: collections.deque = collections.deque(maxlen=prefilled.policy.window)
+        self.pivot_layers = [li for li, r in enumerate(prefilled.roles) if r.pivots]
         self.pending = None  # (step, per layer check outputs) of a dispatched check
         self.checks = 0  # pivot checks run (pivots x checks)
         self.triggers = 0  # pivot checks that drifted
@@ -423,14 +423,13 @@ class HeteroDecode:
         self.reselect_failures = 0  # re-selections dropped the same way (see after_extend)
         self.recall_steps: list[int] = []
 
-    @property
-    def wants_queries(self) -> bool:
-        return True
+    def fresh(self) -> "HeteroDecode":
+        return HeteroDecode(self.prefilled, compile_fn=self.compile_fn)
 
-    def after_step(self, step: int, queries, cache: KVCache) -> None:
-        """Buffer the pivots' queries of decode step ``step``; every ``window`` steps dispatch the check."""
-        self.buffer.append(tuple(q[:, : len(r.pivots)] if r.pivots else None
-                                 for q, r in zip(queries, self.plan.roles)))
+    def after_step(self, step: int, extras, cache: KVCache) -> None:
+        """Buffer the pivots' queries of decode step ``step`` (``HeteroCache.attend``'s extras); every
+        ``window`` steps dispatch the check."""
+        self.buffer.append(tuple(extras))
         if len(self.buffer) == self.policy.window and self.pivot_layers:
             self._dispatch_check(step, cache)
             self.buffer.clear()
@@ -462,10 +461,10 @@ class HeteroDecode:
         block = 16
         n_pad = -(-n // block) * block
         row_valid = jnp.arange(n_pad) < n
-        l_base = int(self.plan.l_base.max())
-        lens = jnp.asarray(self.plan.lens, jnp.int32)
+        l_base = int(self.prefilled.l_base.max())
+        lens = jnp.asarray(self.prefilled.lens, jnp.int32)
         layers = list(cache.layers)
-        for li, r in enumerate(self.plan.roles):
+        for li, r in enumerate(self.prefilled.roles):
             lc, q = layers[li], turn_queries[li]
             groups, aux = list(lc.groups), dict(lc.aux)
             if r.pivots:
@@ -473,9 +472,9 @@ class HeteroDecode:
                 np_ = len(r.pivots)
                 args = (q[:, :np_, -1:], g.k[:, :np_], g.lengths[:, :np_])
                 aux["k_base"] = self.compile_fn(_turn_k_base, *args, l_base=l_base)(*args)
-            counts = self.plan.counts[li]  # [B, Hc]
+            counts = self.prefilled.counts[li]  # [B, Hc]
             if counts.shape[1]:
-                host_k, host_v = self.plan.host_view(li)  # [B, Hc, T, D]
+                host_k, host_v = self.prefilled.store.view(li)  # [B, Hc, T, D]
                 qc = q[:, r.n_full :]
                 qc = jnp.pad(qc, ((0, 0), (0, 0), (0, n_pad - n), (0, 0), (0, 0)))
                 keys = jnp.asarray(host_k)  # one layer's compressed keys on the device, for this scoring only
@@ -503,14 +502,14 @@ class HeteroDecode:
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
         """Dispatch every pivot layer's drift check on the buffered steps; outputs are copied to the host
         asynchronously and read before the next step."""
-        outs = [None] * len(self.plan.roles)
-        l_base = int(self.plan.l_base.max())
+        outs = [None] * len(self.prefilled.roles)
+        l_base = int(self.prefilled.l_base.max())
         for li in self.pivot_layers:
-            r = self.plan.roles[li]
+            r = self.prefilled.roles[li]
             q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
             g = cache.layers[li].groups[0]
             np_ = len(r.pivots)
-            counts = self.plan.counts[li]
+            counts = self.prefilled.counts[li]
             n_top = max(1, int(counts.max())) if counts.size else 1
             args = (q_buf, g.k[:, :np_], cache.layers[li].aux["k_base"], g.lengths[:, :np_])
             fn = self.compile_fn(_drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
@@ -544,48 +543,69 @@ class HeteroDecode:
             return cache
 
     def _apply_recalls(self, step: int, cache: KVCache) -> KVCache:
+        """Each drifted pivot's satellites take the top-l_s rows of its latest scores from the host copy.
+
+        Only those rows cross to the device (``host_store.put_rows``, every transfer started before any
+        write) and are written in place (``scatter_rows``): the groups are never read back.
+        """
         _, outs = self.pending
         self.pending = None
         layers = list(cache.layers)
+        writes = []  # (layer, group index, device operands) once every transfer has started
         for li, out in enumerate(outs):
             if out is None:
                 continue
             drift, new_base, top = (np.asarray(a) for a in out)
-            r = self.plan.roles[li]
+            r = self.prefilled.roles[li]
             self.checks += drift.size
             self.triggers += int(drift.sum())
             if not drift.any():
                 continue
-            lc = layers[li]
-            groups = list(lc.groups)
             first_comp = 1 if r.n_full else 0  # compressed head j lives in groups[first_comp + j]
-            host_k, host_v = self.plan.host_view(li)
-            counts = self.plan.counts[li]  # [B, Hc]
-            base = np.asarray(lc.aux["k_base"]).copy()
-            edits: dict[int, tuple] = {}
+            counts = self.prefilled.counts[li]  # [B, Hc]
+            per_group: dict[int, list] = {}
             for b, p in zip(*np.nonzero(drift)):
-                for s in r.members.get(int(p), []):
-                    gi = first_comp + s
-                    if gi not in edits:
-                        g = groups[gi]
-                        edits[gi] = (np.asarray(g.k).copy(), np.asarray(g.v).copy(), np.asarray(g.positions).copy())
-                    k_new, v_new, pos_new = edits[gi]
-                    l_s = int(counts[b, s])
+                for sat in r.members.get(int(p), []):
+                    l_s = int(counts[b, sat])
                     pos = np.sort(top[b, p, :l_s])
-                    k_new[b, 0, :l_s] = host_k[b, s, pos]
-                    v_new[b, 0, :l_s] = host_v[b, s, pos]
-                    pos_new[b, 0, :l_s] = pos
-                    self.recalls += 1
-                    self.bytes_recalled += 2 * l_s * k_new.shape[-1] * k_new.dtype.itemsize
-                base[b, p] = new_base[b, p]
-            for gi, (k_new, v_new, pos_new) in edits.items():  # asynchronous host -> device copies
-                groups[gi] = groups[gi].replace(k=jax.device_put(k_new), v=jax.device_put(v_new),
-                                                positions=jax.device_put(pos_new))
-            aux = dict(lc.aux)
-            aux["k_base"] = jax.device_put(base)
-            layers[li] = lc.replace(groups=tuple(groups), aux=aux)
+                    per_group.setdefault(first_comp + sat, []).append((b, sat, pos))
+            for gi, items in per_group.items():
+                b_idx = np.concatenate([np.full(len(pos), b) for b, _, pos in items])
+                sats = np.concatenate([np.full(len(pos), sat) for _, sat, pos in items])
+                rows = np.concatenate([pos for _, _, pos in items])
+                slots = np.concatenate([np.arange(len(pos)) for _, _, pos in items])
+                k_rows, v_rows = self.prefilled.store.rows(li, b_idx, sats, rows)
+                ops = put_rows(b_idx, np.zeros_like(b_idx), slots, k_rows, v_rows, rows,
+                               layers[li].groups[gi].capacity)
+                writes.append((li, gi, ops))
+                self.recalls += len(items)
+                self.bytes_recalled += k_rows.nbytes + v_rows.nbytes
+            base = np.where(drift[..., None], new_base, np.asarray(layers[li].aux["k_base"]))
+            aux = dict(layers[li].aux)
+            aux["k_base"] = jax.device_put(base.astype(np.int32))
+            layers[li] = layers[li].replace(aux=aux)
             self.recall_steps.append(step)
+        for li, gi, ops in writes:  # every transfer went out: write in place
+            groups = list(layers[li].groups)
+            groups[gi] = scatter_rows(groups[gi], ops, self.compile_fn)
+            layers[li] = layers[li].replace(groups=tuple(groups))
         return cache.replace(layers=tuple(layers))
+
+    def in_flight(self):
+        return self.pending
+
+    def host_arrays(self) -> tuple:
+        return self.prefilled.store.arrays()
+
+    def host_bytes_by_role(self) -> dict[str, int]:
+        return self.prefilled.host_bytes_by_role()
+
+    def summary(self) -> str:
+        text = (f"drift checks {self.checks}, triggered {self.triggers / self.checks if self.checks else 0:.0%}, "
+                f"recalls {self.recalls} ({self.bytes_recalled / 2**10:.0f} KiB)")
+        if self.reselections:
+            text += f", re-selected {self.reselections}x ({self.bytes_reselected / 2**20:.1f} MiB)"
+        return text
 
     def stats(self) -> dict:
         return {

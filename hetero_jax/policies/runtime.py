@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetero_jax import model as M
 from hetero_jax.cache import HeadGroup, KVCache, kept_prompt_tokens
 from hetero_jax.config import ModelConfig
-from hetero_jax.policies.base import Policy
+from hetero_jax.policies.base import DecodeState, Policy
 from hetero_jax.policies.primitives import INVALID, gather_group, select_topk
 
 
@@ -100,20 +101,11 @@ class PolicyPrefill:
             self.kept_scores.append(kept)
         return (group,)
 
-    def decode_controller(self, compile_fn=None):
-        return None  # static policies have no decode-time hooks
+    def finish(self, cache: KVCache) -> tuple[KVCache, DecodeState]:
+        """(the cache, its decode state): a static policy's decode has no hooks."""
+        return self._cut(cache), DecodeState()
 
-    def host_bytes(self) -> int:
-        return 0
-
-    def host_bytes_by_role(self) -> dict[str, int]:
-        return {}
-
-    def host_arrays(self) -> tuple:
-        """Arrays the prefill placed in host memory (none for static policies)."""
-        return ()
-
-    def finish(self, cache: KVCache) -> KVCache:
+    def _cut(self, cache: KVCache) -> KVCache:
         if self.planned:
             return cache
         prefs = np.stack(self.prefs, axis=1)  # [B, num_layers]
@@ -131,6 +123,19 @@ class PolicyPrefill:
             layers.append(lc.replace(groups=(group,)))
         self.kept_scores = []
         return cache.replace(layers=tuple(layers))
+
+
+class FullPrefill:
+    """Full KV's prefill plan: every layer keeps its whole prompt (no scoring, no selection)."""
+
+    def __init__(self, compile_fn=None):
+        self.compile_fn = compile_fn
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+        return M.full_layer_groups(k_buf, v_buf, lens, self.compile_fn)
+
+    def finish(self, cache: KVCache) -> tuple[KVCache, DecodeState]:
+        return cache, DecodeState()
 
 
 def achieved_rho(cache: KVCache, cfg: ModelConfig) -> np.ndarray:

@@ -1,0 +1,151 @@
+"""Pinned-host KV store, and the device row scatter that decode-time policies write through.
+
+A policy that offloads (HeteroCache's compressed heads, Quest offloaded, FreeKV)
+puts a layer's full prompt K/V in pinned host memory at prefill
+(``HostKVStore.put``: asynchronous, never waited on while prefill dispatches),
+reads rows from numpy views of it on the host thread, moves only those rows to
+the device (``jax.device_put``, asynchronous) and writes them into a head group
+with :func:`scatter_rows`, a jitted, donating update: the group is never read
+back or re-uploaded whole.
+
+A policy that must fetch inside the jitted decode step (Quest offloaded, FreeKV's
+correction: the rows depend on this step's query) calls :func:`host_gather`, a
+``jax.pure_callback`` that finds the store by its ``handle`` (an int32 carried in
+the cache, so one compiled step serves every request) and gathers with numpy only.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax.cache import HeadGroup
+
+
+def pinned_host(device=None) -> jax.sharding.Sharding:
+    """Pinned host memory of ``device`` (default: the first device)."""
+    return jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind="pinned_host")
+
+
+_STORES: "weakref.WeakValueDictionary[int, HostKVStore]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+class HostKVStore:
+    """Per layer: K and V [B, H, T, D] in pinned host memory (layers without offloaded heads hold None).
+
+    Numpy views are made on first use (``view``) or all at once (``materialize``, before a decode step
+    whose callbacks read them), not at ``put``: ``np.asarray`` waits for the copy, and waiting at
+    prefill would stop the host from dispatching the next layers (TTFT).
+    """
+
+    def __init__(self, num_layers: int):
+        self.k: list[jax.Array | None] = [None] * num_layers
+        self.v: list[jax.Array | None] = [None] * num_layers
+        self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.handle = next(_HANDLES)  # what a traced step carries to find this store (host_gather)
+        _STORES[self.handle] = self
+
+    def handle_array(self) -> jax.Array:
+        """The handle as an int32 scalar on the device (a cache leaf, never a compile-time constant)."""
+        return jnp.asarray(self.handle, jnp.int32)
+
+    def materialize(self) -> None:
+        """Make every layer's numpy views now (host side, outside any traced step)."""
+        for li in range(len(self.k)):
+            if self.has(li):
+                self.view(li)
+
+    def put(self, li: int, k: jax.Array, v: jax.Array) -> None:
+        """Copy layer ``li``'s k, v [B, H, T, D] to pinned host memory (asynchronous)."""
+        self.k[li], self.v[li] = jax.device_put(k, pinned_host()), jax.device_put(v, pinned_host())
+        self._views.pop(li, None)
+
+    def has(self, li: int) -> bool:
+        return self.k[li] is not None
+
+    def view(self, li: int) -> tuple[np.ndarray, np.ndarray]:
+        """Numpy (k, v) [B, H, T, D] of layer ``li`` (read-only views of the pinned arrays)."""
+        if li not in self._views:
+            self._views[li] = (np.asarray(self.k[li]), np.asarray(self.v[li]))
+        return self._views[li]
+
+    def rows(self, li: int, b: np.ndarray, h: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """K and V rows of layer ``li`` at (b, h, positions) (broadcast together): [..., D] each, new arrays."""
+        k, v = self.view(li)
+        return k[b, h, positions], v[b, h, positions]
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """Every pinned array (to wait on, or to check its memory kind)."""
+        return tuple(a for a in (*self.k, *self.v) if a is not None)
+
+    def head_bytes(self, li: int) -> int:
+        """Host K+V bytes of one head of layer ``li`` (the whole batch)."""
+        k = self.k[li]
+        return 0 if k is None else 2 * k.nbytes // k.shape[1]
+
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.arrays()))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter(group: HeadGroup, b_idx, h_idx, slots, k_rows, v_rows, pos_rows) -> HeadGroup:
+    # padding rows carry slot == capacity: out of range, dropped
+    return group.replace(
+        k=group.k.at[b_idx, h_idx, slots].set(k_rows.astype(group.k.dtype), mode="drop"),
+        v=group.v.at[b_idx, h_idx, slots].set(v_rows.astype(group.v.dtype), mode="drop"),
+        positions=group.positions.at[b_idx, h_idx, slots].set(pos_rows, mode="drop"),
+    )
+
+
+def row_bucket(n: int) -> int:
+    """Rows per scatter call, rounded up to a power of two (>= 8): one executable per bucket, not per count."""
+    return max(8, 1 << max(0, n - 1).bit_length())
+
+
+def put_rows(b_idx, h_idx, slots, k_rows, v_rows, pos_rows, capacity: int) -> tuple:
+    """Pad n rows to ``row_bucket(n)`` (padding dropped by the scatter) and start their host -> device copies.
+
+    b_idx, h_idx, slots, pos_rows: [n] ints; k_rows, v_rows: [n, D]. Returns the device operands of
+    :func:`scatter_rows`. Raises whatever ``jax.device_put`` raises, before anything is written.
+    """
+    n = len(slots)
+    pad = row_bucket(n) - n
+    ints = lambda a, fill: np.pad(np.asarray(a, np.int32), (0, pad), constant_values=fill)  # noqa: E731
+    rows = lambda a: np.pad(a, ((0, pad), (0, 0)))  # noqa: E731
+    return tuple(jax.device_put(a) for a in (ints(b_idx, 0), ints(h_idx, 0), ints(slots, capacity), rows(k_rows),
+                                             rows(v_rows), ints(pos_rows, -1)))
+
+
+def scatter_rows(group: HeadGroup, operands: tuple, compile_fn=None) -> HeadGroup:
+    """``group`` with the rows of ``put_rows`` written in place (the input group is donated).
+
+    Only the new rows cross to the device; bytes moved = rows x 2 x D x itemsize.
+    """
+    if compile_fn is None:
+        return _scatter(group, *operands)
+    return compile_fn(_scatter, group, *operands)(group, *operands)
+
+
+def host_gather(handle: jax.Array, li: int, idx: jax.Array, row: jax.ShapeDtypeStruct) -> tuple[jax.Array, jax.Array]:
+    """Traced: K and V of layer ``li`` of the store ``handle`` at token positions ``idx`` [B, H, S].
+
+    Returns two [B, H, S, D] arrays (``row`` gives D and the dtype). Runs as a host callback with numpy
+    only (the store's views must exist: ``HostKVStore.materialize`` before the step); on a GPU the
+    rows, not the store, cross to the device.
+    """
+    B, H, S = idx.shape
+    out = jax.ShapeDtypeStruct((B, H, S, row.shape[-1]), row.dtype)
+
+    def gather(h, positions):
+        k, v = _STORES[int(h)]._views[li]
+        b = np.arange(B)[:, None, None]
+        hh = np.arange(H)[None, :, None]
+        return k[b, hh, positions].astype(out.dtype), v[b, hh, positions].astype(out.dtype)
+
+    return jax.pure_callback(gather, (out, out), handle, idx)
