@@ -12,10 +12,11 @@ import dataclasses
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, UnknownPolicyError, smallest_rho, tokens_for
 from hetero_jax.policies.baselines import CAKE, H2O, FullKV, PyramidKV, SnapKV, StreamingLLM
 from hetero_jax.policies.heterocache import HeteroCache
+from hetero_jax.policies.quest import Quest
 from hetero_jax.policies.runtime import PolicyPrefill, achieved_rho
 
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, PyramidKV, H2O, CAKE, HeteroCache)
+    cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, PyramidKV, H2O, CAKE, HeteroCache, Quest)
 }
 
 
@@ -46,6 +47,6 @@ def describe_policies() -> str:
 
 __all__ = [
     "BudgetError", "Policy", "PolicyError", "UnknownPolicyError", "smallest_rho", "tokens_for",
-    "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache",
+    "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache", "Quest",
     "PolicyPrefill", "achieved_rho", "REGISTRY", "make_policy", "describe_policies",
 ]

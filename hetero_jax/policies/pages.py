@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hetero_jax.policies.primitives import INVALID
 
@@ -101,20 +102,25 @@ def group_page_scores(
     return jnp.where(_page_valid(n_pages, s.shape[-1])[:, None, :], s, INVALID)
 
 
-def top_pages(scores: jax.Array, n_select: int) -> tuple[jax.Array, jax.Array]:
+def top_pages(scores: jax.Array, n_select: int, counts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The ``n_select`` best pages of each head, in ascending page order.
 
     scores: [B, H, P] float32 (INVALID on unusable pages); n_select <= P,
-    static. Ties go to the lower page (``lax.top_k`` is stable). Returns pages
-    [B, H, n_select] int32 and valid [B, H, n_select] bool; slots that could
-    only pick an INVALID page come last, are marked False and repeat the last
-    valid page (page 0 when a head has none), so every id is in range.
+    static; counts: optional [B] pages each sequence may keep (<= n_select; the
+    best ``counts[b]`` are kept). Ties go to the lower page (``lax.top_k`` is
+    stable). Returns pages [B, H, n_select] int32 and valid [B, H, n_select]
+    bool; slots that could only pick an INVALID page (or are past the count)
+    come last, are marked False and repeat the last valid page (page 0 when a
+    head has none), so every id is in range.
     """
     if not 0 < n_select <= scores.shape[-1]:
         raise ValueError(f"n_select must be in [1, {scores.shape[-1]}] (the page axis), got {n_select}")
     vals, idx = jax.lax.top_k(scores, n_select)  # best first
+    ok = vals > INVALID
+    if counts is not None:
+        ok &= jnp.arange(n_select)[None, None, :] < counts[:, None, None]
     big = jnp.iinfo(jnp.int32).max
-    kept = jnp.sort(jnp.where(vals > INVALID, idx, big), axis=-1)  # ascending, invalid last
+    kept = jnp.sort(jnp.where(ok, idx, big), axis=-1)  # ascending, invalid last
     n_valid = (kept != big).sum(axis=-1, keepdims=True)
     last = jnp.take_along_axis(kept, jnp.maximum(n_valid - 1, 0), axis=-1)
     last = jnp.where(n_valid > 0, last, 0)
@@ -143,3 +149,30 @@ def query_cosine(q: jax.Array, q_prev: jax.Array) -> jax.Array:
     dot = (a * b).sum(axis=-1)
     norms = jnp.sqrt((a * a).sum(axis=-1)) * jnp.sqrt((b * b).sum(axis=-1))
     return (dot / jnp.maximum(norms, COSINE_EPS)).mean(axis=-1)
+
+
+def pages_for_budget(rho: float, prompt_len: int, num_layers: int, full_layers: int, page_size: int, *,
+                     fixed_tokens: int, summary_pages: int) -> int:
+    """Pages per head of a sparse layer that fit budget rho (may be < 1: the budget is too small).
+
+    The device holds rho * L * num_layers token rows per KV-head index over the model (K and V).
+    ``full_layers`` layers keep all L; each sparse layer spends ``fixed_tokens`` (sinks, window,
+    partial page) and ``summary_pages`` page summaries (kmin + kmax = one token's K + V each) first,
+    then whole pages: k = floor((B_c - fixed - summaries) / page_size) with
+    B_c = (rho * num_layers - full_layers) * L / (num_layers - full_layers) (the B1 rule of Eq. 7).
+    """
+    n_sparse = num_layers - full_layers
+    b_c = (rho * num_layers - full_layers) * prompt_len / n_sparse
+    return int(np.floor((b_c - fixed_tokens - summary_pages) / page_size + 1e-9))
+
+
+def smallest_page_rho(prompt_len: int, num_layers: int, full_layers: int, page_size: int, *,
+                      fixed_tokens: int, summary_pages: int) -> float:
+    """The smallest rho (4 decimals) for which ``pages_for_budget`` gives at least one page."""
+    n_sparse = num_layers - full_layers
+    need = (full_layers * prompt_len + n_sparse * (page_size + fixed_tokens + summary_pages)) / (num_layers * prompt_len)
+    rho = np.ceil(need * 1e4 - 1e-6) / 1e4
+    kw = dict(fixed_tokens=fixed_tokens, summary_pages=summary_pages)
+    while pages_for_budget(rho, prompt_len, num_layers, full_layers, page_size, **kw) < 1:
+        rho = round(rho + 1e-4, 4)
+    return float(rho)

@@ -1,0 +1,234 @@
+"""Quest (Tang et al., 2024): query-aware page selection at every decode step.
+
+Each KV head's prompt is cut into pages of ``page_size`` tokens, summarised on
+the device by their per-channel min and max keys (``pages.page_summaries``).
+At every decode step, in every layer from ``full_layers`` on, each KV head
+attends only its pages with the highest upper bound
+u(q, p) = sum_d max(q_d kmin_d, q_d kmax_d) (``pages.group_page_scores``, the
+group max over its query heads), plus the partial last page and the tail
+(tokens added after prefill, attended by every policy). The first
+``full_layers`` layers attend everything, as in the paper.
+
+Two modes, one budget definition:
+
+- in-device (``offload=False``, the paper): the whole prompt stays on the device
+  and ``budget`` is the fraction attended per step: round(rho L) tokens per
+  head of a sparse layer. No memory saving (achieved rho 1).
+- offloaded (``offload=True``): the sparse layers' prompt K/V lives in the host
+  store; the device keeps the summaries and a page buffer that the step refills
+  with the pages it selects (fetched inside the step with ``host_gather``).
+  Device bytes, summaries counted (one page's kmin + kmax = one token's K + V),
+  are at most rho of the prompt's full KV: ``pages.pages_for_budget``.
+
+Our departure: selection is per KV head (group max of the G query heads'
+bounds, FreeKV's "maxS" Quest baseline) rather than per query head, so one
+gather serves the whole group (per-head selection moves G times the rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax import model as M
+from hetero_jax.cache import HeadGroup, KVCache
+from hetero_jax.config import ModelConfig
+from hetero_jax.host_store import HostKVStore, host_gather
+from hetero_jax.policies.base import BudgetError, DecodeState, Policy, check_int, tokens_for
+from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
+                                       smallest_page_rho, top_pages)
+
+
+@dataclasses.dataclass(frozen=True)
+class Quest(Policy):
+    """Quest; ``offload=True`` keeps the sparse layers' prompt in host memory (see module docstring)."""
+
+    budget: float = 0.3
+    page_size: int = 16
+    full_layers: int = 2
+    offload: bool = False
+
+    name: ClassVar[str] = "quest"
+    summary: ClassVar[str] = ("query-aware pages at every decode step (min/max key bounds, 16-token pages); "
+                              "offload=True: prompt KV on the host, selected pages fetched each step")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("Quest", "page_size", self.page_size, 1)
+        check_int("Quest", "full_layers", self.full_layers, 0)
+        if not isinstance(self.offload, (bool, np.bool_)):
+            raise BudgetError(f"Quest: offload must be True or False, got {self.offload!r}")
+
+    def sparse_layers(self, cfg: ModelConfig) -> list[int]:
+        return list(range(min(self.full_layers, cfg.num_layers), cfg.num_layers))
+
+    def plan_pages(self, cfg: ModelConfig, prompt_len: int) -> tuple[int, int, int]:
+        """(full pages P, partial-page tokens r, pages selected per step k) of one prompt; BudgetError when
+        the budget cannot hold one page (offloaded: naming the smallest rho)."""
+        L, ps = prompt_len, self.page_size
+        P, r = L // ps, L % ps
+        if not self.offload:
+            return P, r, min(P, max(1, (tokens_for(self.budget, L) - r) // ps))
+        n_full = cfg.num_layers - len(self.sparse_layers(cfg))
+        kw = dict(fixed_tokens=r, summary_pages=P)
+        k = pages_for_budget(self.budget, L, cfg.num_layers, n_full, ps, **kw)
+        if k < 1:
+            rho = smallest_page_rho(L, cfg.num_layers, n_full, ps, **kw)
+            raise BudgetError(
+                f"Quest(offload=True): budget rho={self.budget:g} cannot hold one {ps}-token page per head of a "
+                f"{L}-token prompt ({n_full} full layers, the page summaries and the partial page come first); "
+                f"the smallest budget that works for this prompt is rho={rho:g}")
+        return P, r, min(P, k)
+
+    def check_budget(self, prompt_len: int) -> int:
+        return prompt_len  # checked per model in make_prefill (the full layers count)
+
+    def layer_counts(self, cfg, prompt_len):
+        return None
+
+    def make_prefill(self, cfg, prompt_lens, compile_fn=None):
+        return QuestPrefill(self, cfg, prompt_lens, compile_fn)
+
+    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
+        """Layers below ``full_layers``: every slot. Others: the selected pages + partial page + tail.
+        Extra: the selected pages [B, H, k] and their validity (None in full layers)."""
+        aux = layer_cache.aux
+        if "kmin" not in aux:
+            return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, None
+        ps = self.page_size
+        n_sel = aux["pages"].shape[-1]
+        scores = group_page_scores(q, aux["kmin"], aux["kmax"], aux["n_pages"], "max")  # [B, H, P]
+        pages, valid = top_pages(scores, n_sel, aux["k_sel"])
+        idx, lengths = _attended_slots(pages, valid, aux["n_pages"], aux["prompt_lens"], ps)  # [B, H, S]
+        g = layer_cache.groups[0]
+        if self.offload:
+            k_rows, v_rows = host_gather(aux["store"], li, idx, jax.ShapeDtypeStruct((g.k.shape[-1],), g.k.dtype))
+        else:
+            k_rows = jnp.take_along_axis(g.k, idx[..., None], axis=2)
+            v_rows = jnp.take_along_axis(g.v, idx[..., None], axis=2)
+        S = idx.shape[-1]
+        pos = jnp.where(jnp.arange(S)[None, None, :] < lengths[..., None], idx, -1)
+        attended = HeadGroup(k=k_rows, v=v_rows, positions=pos, lengths=lengths)
+        out = M.layer_decode_attention(q, layer_cache.replace(groups=(attended,)), tail_lens)
+        new_aux = dict(aux, pages=pages)
+        # offloaded: the fetched pages are the device buffer (real memory of the budget); in-device: the
+        # full group stays and the gathered rows are temporaries
+        new_groups = (attended,) if self.offload else layer_cache.groups
+        return out, layer_cache.replace(groups=new_groups, aux=new_aux), (pages, valid)
+
+
+def _attended_slots(pages, valid, n_pages, prompt_lens, ps: int):
+    """Token positions a head attends, valid ones first: the selected pages (page order) then the
+    partial last page; (idx [B, H, (k + 1) * ps] int32, lengths [B, H] int32). Invalid slots point at
+    token 0 (finite, masked by the lengths)."""
+    B, H, _ = pages.shape
+    page_idx = page_token_index(pages, ps)  # [B, H, k * ps]
+    page_ok = jnp.repeat(valid, ps, axis=-1)
+    part_idx = n_pages[:, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, :]  # [B, ps]
+    part_ok = part_idx < prompt_lens[:, None]
+    idx = jnp.concatenate([page_idx, jnp.broadcast_to(part_idx[:, None], (B, H, ps))], axis=-1)
+    ok = jnp.concatenate([page_ok, jnp.broadcast_to(part_ok[:, None], (B, H, ps))], axis=-1)
+    order = jnp.argsort(~ok, axis=-1, stable=True)  # valid slots first, each part in its order
+    idx = jnp.where(jnp.take_along_axis(ok, order, axis=-1), jnp.take_along_axis(idx, order, axis=-1), 0)
+    return idx.astype(jnp.int32), ok.sum(axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size",))
+def _summaries(k_buf, lens, page_size: int):
+    return page_summaries(k_buf, lens, page_size)
+
+
+class QuestPrefill:
+    """Full prompt KV per layer (in-device) or in the host store (offloaded), plus page summaries."""
+
+    def __init__(self, policy: Quest, cfg: ModelConfig, prompt_lens, compile_fn=None):
+        self.policy, self.cfg = policy, cfg
+        self.lens = np.asarray(prompt_lens, np.int64)
+        self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+        plans = np.array([policy.plan_pages(cfg, int(L)) for L in self.lens])  # validates every prompt first
+        self.n_pages, self.partial, self.k_sel = plans[:, 0], plans[:, 1], plans[:, 2]
+        self.sparse = set(policy.sparse_layers(cfg))
+        self.store = HostKVStore(cfg.num_layers) if policy.offload else None
+        self.aux: dict[int, dict] = {}
+        self.itemsize = 0  # of the KV dtype, for the bytes-moved stats (set by the first sparse layer)
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+        if li not in self.sparse:
+            return M.full_layer_groups(k_buf, v_buf, lens, self.compile_fn)
+        ps = self.policy.page_size
+        t_max = int(self.lens.max())
+        args = (k_buf[:, :, :t_max], lens)  # no summaries of the chunk padding
+        kmin, kmax, n_pages = self.compile_fn(_summaries, *args, page_size=ps)(*args)
+        B, H = k_buf.shape[:2]
+        self.itemsize = k_buf.dtype.itemsize
+        n_sel = max(1, int(self.k_sel.max()))
+        self.aux[li] = {"kmin": kmin, "kmax": kmax, "n_pages": n_pages, "prompt_lens": jnp.array(lens),
+                        "k_sel": jnp.asarray(self.k_sel, jnp.int32),
+                        "pages": jnp.zeros((B, H, n_sel), jnp.int32)}
+        if not self.policy.offload:
+            return M.full_layer_groups(k_buf, v_buf, lens, self.compile_fn)
+        self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
+        self.aux[li]["store"] = self.store.handle_array()
+        cap = (n_sel + 1) * ps
+        held = np.minimum(self.k_sel, self.n_pages) * ps + self.partial  # what each step attends (and holds)
+        D = k_buf.shape[-1]
+        return (HeadGroup(k=jnp.zeros((B, H, cap, D), k_buf.dtype), v=jnp.zeros((B, H, cap, D), v_buf.dtype),
+                          positions=jnp.full((B, H, cap), -1, jnp.int32),
+                          lengths=jnp.asarray(np.broadcast_to(held[:, None], (B, H)), jnp.int32)),)
+
+    def finish(self, cache: KVCache) -> tuple[KVCache, "QuestDecode"]:
+        layers = tuple(lc.replace(aux=self.aux[li]) if li in self.aux else lc for li, lc in enumerate(cache.layers))
+        state = QuestDecode(self.policy, self.cfg, self.lens, self.partial, self.k_sel, self.n_pages, self.store,
+                            self.itemsize)
+        return cache.replace(layers=layers), state
+
+
+class QuestDecode(DecodeState):
+    """Quest's decode counters; the selection itself runs inside the step (``Quest.attend``)."""
+
+    def __init__(self, policy: Quest, cfg: ModelConfig, lens, partial, k_sel, n_pages, store: HostKVStore | None,
+                 itemsize: int):
+        self.policy, self.cfg, self.store, self.itemsize = policy, cfg, store, itemsize
+        self.lens, self.partial, self.k_sel, self.n_pages = lens, partial, k_sel, n_pages
+        self.steps = 0
+
+    def fresh(self) -> "QuestDecode":
+        return QuestDecode(self.policy, self.cfg, self.lens, self.partial, self.k_sel, self.n_pages, self.store,
+                           self.itemsize)
+
+    def before_step(self, step, cache):
+        if self.store is not None:
+            self.store.materialize()  # the in-step callbacks read numpy views only
+        return cache
+
+    def after_step(self, step, extras, cache) -> None:
+        self.steps += 1
+
+    def host_arrays(self) -> tuple:
+        return () if self.store is None else self.store.arrays()
+
+    def stats(self) -> dict:
+        cfg, p = self.cfg, self.policy
+        n_sparse = len(p.sparse_layers(cfg))
+        pages = np.minimum(self.k_sel, self.n_pages)  # [B] pages per head of a sparse layer
+        attended = pages * p.page_size + self.partial  # [B] prompt tokens per head of a sparse layer
+        frac = ((cfg.num_layers - n_sparse) * self.lens + n_sparse * attended) / (cfg.num_layers * self.lens)
+        per_step_rows = int(attended.sum()) * n_sparse * cfg.num_kv_heads if p.offload else 0
+        return {
+            "steps": self.steps,
+            "pages_per_step": int(pages.sum()) * n_sparse * cfg.num_kv_heads,
+            "attended_fraction": float(frac.mean()),
+            "bytes_fetched_per_step": per_step_rows * 2 * cfg.head_dim * self.itemsize,
+        }
+
+    def summary(self) -> str:
+        s = self.stats()
+        text = f"attended {s['attended_fraction']:.0%} of the prompt, {s['pages_per_step']} pages/step"
+        if self.policy.offload:
+            text += f", fetched {s['bytes_fetched_per_step'] / 2**20:.2f} MiB/step"
+        return text

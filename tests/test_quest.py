@@ -1,0 +1,166 @@
+"""Quest: pages chosen at each decode step against a numpy recomputation, logits against a reference cache
+holding exactly the chosen tokens, offloaded == in-device, rho 1 == full KV, bytes, batches."""
+
+import jax
+import numpy as np
+import pytest
+
+from hetero_jax import model as M
+from hetero_jax.cache import HeadGroup
+from hetero_jax.generate import Engine, prefill
+from hetero_jax.policies import BudgetError, FullKV, Quest, make_policy
+from tiny_model import tiny_model
+
+MODEL = tiny_model()
+CFG, PARAMS = MODEL.config, MODEL.params
+PS = 8
+
+
+def prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(3, CFG.vocab_size, size=n).tolist()
+
+
+def oracle_pages(q, keys, L, k):
+    """numpy float64: per KV head the k pages with the largest group-max Quest bound, ascending.
+    q [H, G, D]; keys [H, T, D] (the first L valid)."""
+    P = L // PS
+    pages = keys[:, : P * PS].reshape(keys.shape[0], P, PS, -1).astype(np.float64)
+    lo, hi = pages.min(axis=2), pages.max(axis=2)  # [H, P, D]
+    qf = q.astype(np.float64)[:, :, None, :]
+    u = np.maximum(qf * lo[:, None], qf * hi[:, None]).sum(-1).max(axis=1)  # [H, P]
+    return [np.sort(np.argsort(-u[h], kind="stable")[: min(k, P)]) for h in range(u.shape[0])], u
+
+
+def attended_tokens(pages, L):
+    P = L // PS
+    return np.concatenate([np.arange(p * PS, (p + 1) * PS) for p in pages] + [np.arange(P * PS, L)])
+
+
+def spy_extras(eng):
+    seen, orig = [], eng.state.after_step
+
+    def after_step(step, extras, cache):
+        seen.append([None if e is None else tuple(np.asarray(a) for a in e) for e in extras])
+        orig(step, extras, cache)
+
+    eng.state.after_step = after_step
+    return seen
+
+
+def test_pages_and_logits_equal_an_independent_reference():
+    """Layer 2 is sparse (full_layers=2), so its queries equal a full-KV run's for the same tokens. Each step:
+    the pages equal the numpy top-k of the bound, and the logits equal a plain decode step over a cache whose
+    layer 2 holds exactly the oracle's tokens (selected pages + partial page)."""
+    L, rho = 150, 0.3
+    ids = prompt(L)
+    eng = Engine(MODEL, [ids], Quest(budget=rho, page_size=PS, full_layers=2), tail_capacity=8)
+    seen = spy_extras(eng)
+    k = (round(rho * L) - L % PS) // PS
+    _, full = prefill(PARAMS, CFG, [ids], tail_capacity=8)
+    keys = np.asarray(full.layers[2].groups[0].k[0])  # [H, L, D]
+    tok = eng.first_tokens(0.0, 1.0)
+    compared = 0
+    for step in range(4):
+        _, nxt_full, qs = M.decode_step_jit(PARAMS, full, jax.numpy.asarray(tok), CFG, return_queries=True)
+        q = np.asarray(qs[2][0])  # [H, G, D]
+        want_pages, u = oracle_pages(q, keys, L, k)
+        # reference: the same cache, layer 2 reduced to the oracle's tokens, through the default attention
+        g = full.layers[2].groups[0]
+        idx = np.stack([attended_tokens(p, L) for p in want_pages])[None]  # [1, H, S]
+        take = lambda a: jax.numpy.take_along_axis(a, jax.numpy.asarray(idx)[..., None], axis=2)  # noqa: E731
+        sel = HeadGroup(k=take(g.k), v=take(g.v), positions=jax.numpy.asarray(idx, jax.numpy.int32),
+                        lengths=jax.numpy.full((1, CFG.num_kv_heads), idx.shape[-1], jax.numpy.int32))
+        layers = list(full.layers)
+        layers[2] = layers[2].replace(groups=(sel,))
+        want_logits, _ = M.decode_step_jit(PARAMS, full.replace(layers=tuple(layers)), jax.numpy.asarray(tok), CFG)
+        tok, logits = eng.step_with_logits(tok)
+        assert seen[-1][0] is None and seen[-1][1] is None  # full layers select nothing
+        pages, valid = seen[-1][2]
+        assert valid.all() and pages.shape == (1, CFG.num_kv_heads, k)
+        for h in range(CFG.num_kv_heads):
+            got = pages[0, h]
+            if not np.array_equal(got, want_pages[h]):  # only float near-ties may differ
+                thr = np.sort(u[h])[::-1][k - 1]
+                assert all(abs(u[h][p] - thr) < 1e-4 for p in set(got) ^ set(want_pages[h]))
+                continue
+        if all(np.array_equal(pages[0, h], want_pages[h]) for h in range(CFG.num_kv_heads)):
+            np.testing.assert_allclose(logits, np.asarray(want_logits), atol=1e-4, rtol=1e-4)
+            compared += 1
+        full = nxt_full
+    assert compared >= 3
+
+
+def greedy(policy, prompts, steps=5):
+    eng = Engine(MODEL, prompts, policy, tail_capacity=steps + 2, is_batch=len(prompts) > 1)
+    tok = eng.first_tokens(0.0, 1.0)
+    toks, logits = [tok], []
+    for _ in range(steps):
+        tok, lg = eng.step_with_logits(tok)
+        toks.append(tok)
+        logits.append(lg)
+    return np.stack(toks, 1), np.stack(logits, 1), eng
+
+
+def test_a_budget_covering_the_prompt_is_full_kv():
+    ids = prompt(150, 1)
+    want_toks, want_logits, _ = greedy(FullKV(), [ids])
+    toks, logits, eng = greedy(Quest(budget=1.0, page_size=PS, full_layers=1), [ids])
+    np.testing.assert_array_equal(toks, want_toks)
+    np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=1e-4)
+    assert eng.stats_fields()["policy_stats"]["attended_fraction"] == 1.0
+
+
+def test_offloaded_fetches_exactly_what_in_device_attends():
+    """Same pages per step (same k): the rows fetched from the host store give the in-device logits."""
+    ids = prompt(150, 2)
+    off = Quest(budget=0.5, page_size=PS, full_layers=1, offload=True)
+    k = off.plan_pages(CFG, 150)[2]
+    rho_in = (k * PS + 150 % PS) / 150  # the in-device budget that selects k pages
+    dev = Quest(budget=rho_in, page_size=PS, full_layers=1)
+    assert dev.plan_pages(CFG, 150)[2] == k
+    t_off, l_off, e_off = greedy(off, [ids])
+    t_dev, l_dev, e_dev = greedy(dev, [ids])
+    np.testing.assert_array_equal(t_off, t_dev)
+    np.testing.assert_allclose(l_off, l_dev, atol=1e-5, rtol=1e-5)
+    s = e_off.stats_fields()
+    # memory: sparse layers hold (k + 1) pages on the device, the prompt on the pinned host
+    assert all(a.sharding.memory_kind == "pinned_host" for a in e_off.state.host_arrays())
+    assert [lc.groups[0].capacity for lc in e_off.cache.layers] == [150, (k + 1) * PS, (k + 1) * PS]
+    full_prompt = 2 * 150 * CFG.num_kv_heads * CFG.num_layers * CFG.head_dim * 4
+    summaries = sum(lc.aux["kmin"].nbytes + lc.aux["kmax"].nbytes for lc in e_off.cache.layers if lc.aux)
+    kept = 2 * 4 * CFG.head_dim * int(sum(np.asarray(g.lengths).sum() for lc in e_off.cache.layers for g in lc.groups))
+    assert kept + summaries <= 0.5 * full_prompt
+    assert s["kv_bytes_host"] == 2 * 2 * 150 * CFG.num_kv_heads * CFG.head_dim * 4  # two sparse layers
+    st = s["policy_stats"]
+    assert st["pages_per_step"] == 2 * CFG.num_kv_heads * k
+    assert st["bytes_fetched_per_step"] == 2 * CFG.num_kv_heads * (k * PS + 150 % PS) * 2 * CFG.head_dim * 4
+    assert e_dev.stats_fields()["policy_stats"]["bytes_fetched_per_step"] == 0
+    assert e_dev.achieved_rho[0] == 1.0  # in-device Quest saves no memory
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_batch_equals_one_by_one(offload):
+    a, b = prompt(150, 3), prompt(97, 4)
+    pol = Quest(budget=0.6, page_size=PS, full_layers=1, offload=offload)
+    toks, logits, _ = greedy(pol, [a, b])
+    for i, ids in enumerate((a, b)):
+        t1, l1, _ = greedy(pol, [ids])
+        np.testing.assert_array_equal(toks[i], t1[0])
+        np.testing.assert_allclose(logits[i], l1[0], atol=1e-4, rtol=1e-4)
+
+
+def test_offloaded_budget_too_small_names_the_smallest_rho_that_runs():
+    ids = prompt(150, 5)
+    with pytest.raises(BudgetError, match=r"smallest budget that works for this prompt is rho=([0-9.]+)") as e:
+        Engine(MODEL, [ids], Quest(budget=0.35, page_size=PS, full_layers=1, offload=True), tail_capacity=4)
+    rho = float(e.value.args[0].rsplit("rho=", 1)[1].split()[0].rstrip(";."))
+    assert Quest(budget=rho, page_size=PS, full_layers=1, offload=True).plan_pages(CFG, 150)[2] == 1
+    with pytest.raises(BudgetError):
+        Quest(budget=round(rho - 1e-4, 4), page_size=PS, full_layers=1, offload=True).plan_pages(CFG, 150)
+
+
+def test_registry_and_options():
+    p = make_policy("quest", 0.2, offload=True, page_size=32)
+    assert p == Quest(budget=0.2, offload=True, page_size=32)
+    with pytest.raises(BudgetError):
+        Quest(page_size=0)
