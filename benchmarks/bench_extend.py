@@ -159,7 +159,6 @@ def results_section(payload: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from hetero_jax.policies import REGISTRY
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", choices=sorted(PRESETS))
@@ -171,7 +170,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Explicit flags override it")
     p.add_argument("--lengths", type=int, nargs="+", help="context lengths (tokens)")
     p.add_argument("--turn-tokens", type=int, nargs="+", help="turn lengths (tokens)")
-    p.add_argument("--policies", nargs="+", choices=list(REGISTRY), help="registered policies")
+    p.add_argument("--policies", nargs="+", type=common.policy_spec,
+                   help="registered policies, optionally with options (quest:offload=true)")
     p.add_argument("--budget", type=float, default=0.3, help="rho of the compressed policies")
     p.add_argument("--repeats", type=int, help="timed runs per measurement (median)")
     p.add_argument("--max-step-tokens", type=int, help="longest turn also timed one decode step per token")

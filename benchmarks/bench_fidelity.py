@@ -403,8 +403,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--start", type=int, default=0, help="token offset of the first sample in the document")
     p.add_argument("--stride", type=int, default=None, help="tokens between sample starts (default: P + N + 1)")
     p.add_argument("--text", type=Path, default=None, help="a text file to use instead of the pydoc corpus")
-    p.add_argument("--policies", nargs="+", default=[n for n in names if n != "full"], choices=names,
-                   help="registered policies (full KV always runs, as the reference)")
+    p.add_argument("--policies", nargs="+", default=[n for n in names if n != "full"], type=common.policy_spec,
+                   help="registered policies, optionally with options (quest:offload=true; full KV always runs, as the reference)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS), help="budgets rho in (0, 1]")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="model dtype (default: the loader's)")
     p.add_argument("--no-compile-cache", action="store_true",

@@ -737,9 +737,6 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 
 # --------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
-    from hetero_jax.policies import REGISTRY
-
-    names = list(REGISTRY)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", choices=sorted(PRESETS))
     preset = pre.parse_known_args(argv)[0].preset
@@ -764,8 +761,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="head profile giving HeteroCache's roles on synthetic weights (default: the shipped one "
                         "for smollm2-135m; the authors' published one from ../shared/reference or "
                         "$HETERO_JAX_REFERENCE_DIR for llama-3.1-8b)")
-    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=names,
-                   help="registered policies (full KV always runs, as the reference)")
+    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), type=common.policy_spec,
+                   help="registered policies, optionally with options (quest:offload=true; full KV always runs, as the reference)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS),
                    help="budgets rho in (0, 1] for every compressed policy")
     p.add_argument("--decode-steps", type=int, default=128, help="timed decode steps per policy and length")

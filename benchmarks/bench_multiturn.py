@@ -659,9 +659,6 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 
 # --------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
-    from hetero_jax.policies import REGISTRY
-
-    names = list(REGISTRY)
     ph = lambda key: bench_needle.preset_help(PRESETS, key)  # noqa: E731
     S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
     p = argparse.ArgumentParser(
@@ -677,8 +674,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", type=int, nargs="+", default=S,
                    help="context lengths in tokens (the context is 8192)" + ph("lengths"))
     p.add_argument("--seeds", type=int, nargs="+", default=S, help="one context (fact set) per seed" + ph("seeds"))
-    p.add_argument("--policies", nargs="+", default=S, choices=names,
-                   help="registered policies; full KV always runs, as the reference" + ph("policies"))
+    p.add_argument("--policies", nargs="+", default=S, type=common.policy_spec,
+                   help="registered policies, optionally with options (quest:offload=true); full KV always runs, as the "
+                        "reference" + ph("policies"))
     p.add_argument("--budgets", type=float, nargs="+", default=S, help="budgets rho in (0, 1]" + ph("budgets"))
     p.add_argument("--haystacks", nargs="+", default=S, choices=list(haystack.HAYSTACKS), metavar="NAME",
                    help="haystacks (benchmarks/haystack.py HAYSTACKS: " + ", ".join(haystack.HAYSTACKS)

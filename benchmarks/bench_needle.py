@@ -314,8 +314,8 @@ class OneForwardPrefill:
     cache per policy (``bench_policies.SharedPrefill.caches``).
     """
 
-    def __init__(self, plans, is_full, perms, layer_params, compile_fn, on_layer=None):
-        self._shared = _bench_policies().SharedPrefill(plans, is_full, compile_fn, on_layer)
+    def __init__(self, plans, perms, layer_params, compile_fn, on_layer=None):
+        self._shared = _bench_policies().SharedPrefill(plans, compile_fn, on_layer)
         self.perms = perms  # per policy: per layer, an int array of KV heads in layout order, or None
         self.layer_params = layer_params  # per policy: its params["layers"]
 
@@ -326,21 +326,14 @@ class OneForwardPrefill:
         import jax
         import jax.numpy as jnp
 
-        from hetero_jax import model as M
-
         s = self._shared
         jax.block_until_ready((x_in, k_buf, v_buf))  # the layer's forward pass is not the hooks' time
         s._scores.clear()
-        t_max = int(jax.device_get(lens).max())
         permuted: dict = {}
-        # full KV last: its group function donates the slices of k_buf / v_buf it keeps
-        for i in sorted(range(len(s.plans)), key=lambda j: s.is_full[j]):
+        for i, (kb, vb) in s.kv_for_plans(k_buf, v_buf):
             t0 = time.perf_counter()
-            if s.is_full[i]:
-                k_keep, v_keep = k_buf[:, :, :t_max], v_buf[:, :, :t_max]
-                g = (s.compile_fn(M._full_group_jit, k_keep, v_keep, lens)(k_keep, v_keep, lens),)
-            elif self.perms[i] is None:
-                g = s.plans[i].build_layer(li, layer, x_in, k_buf, v_buf, lens)
+            if self.perms[i] is None:
+                g = s.plans[i].build_layer(li, layer, x_in, kb, vb, lens)
             else:
                 perm = self.perms[i][li]
                 key = perm.tobytes()
@@ -385,7 +378,6 @@ def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefil
     import numpy as np
 
     from hetero_jax import layout as LY
-    from hetero_jax.policies import FullKV
 
     cfg = model.config
     bound = [G.bind_policy(model, p) for p in policies]
@@ -399,7 +391,7 @@ def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefil
 
     c0 = G._COMPILE_TIME[0]
     t0 = time.perf_counter()
-    shared = OneForwardPrefill([None] * len(bound), [isinstance(p, FullKV) for p in bound], perms,
+    shared = OneForwardPrefill([None] * len(bound), perms,
                                [p["layers"] for p in params], G.compiled, on_layer)
     fn = shared.compile_fn_sharing_scores() if share_scores else G.compiled
     plans = [p.make_prefill(cfg, [len(ids)], compile_fn=fn) for p in bound]  # checks budgets first
@@ -727,9 +719,6 @@ def preset_help(presets: dict, key: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from hetero_jax.policies import REGISTRY
-
-    names = list(REGISTRY)
     p = argparse.ArgumentParser(
         description="Needle-in-a-haystack grid (context length x depth) per KV-cache policy and budget on "
                     "SmolLM2-135M, real-text haystack, one needle per prompt.",
@@ -744,8 +733,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt lengths in tokens (the context is 8192)" + preset_help(PRESETS, "lengths"))
     p.add_argument("--depths", type=float, nargs="+", default=S,
                    help="needle depths (fraction of the haystack)" + preset_help(PRESETS, "depths"))
-    p.add_argument("--policies", nargs="+", default=S, choices=names,
-                   help="registered policies; full KV always runs, as the reference" + preset_help(PRESETS, "policies"))
+    p.add_argument("--policies", nargs="+", default=S, type=common.policy_spec,
+                   help="registered policies, optionally with options (quest:offload=true); full KV always runs, as the "
+                        "reference" + preset_help(PRESETS, "policies"))
     p.add_argument("--budgets", type=float, nargs="+", default=S,
                    help="budgets rho in (0, 1]" + preset_help(PRESETS, "budgets"))
     p.add_argument("--seeds", type=int, nargs="+", default=S,

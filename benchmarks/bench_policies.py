@@ -108,13 +108,13 @@ class SharedPrefill:
     and applies each plan's ``finish``.
     """
 
-    def __init__(self, plans, is_full, compile_fn, on_layer=None):
+    def __init__(self, plans, compile_fn, on_layer=None):
         import jax
 
         from hetero_jax import model as M
 
         self._jax, self._M = jax, M
-        self.plans, self.is_full, self.compile_fn = list(plans), list(is_full), compile_fn
+        self.plans, self.compile_fn = list(plans), compile_fn
         self.on_layer = on_layer
         self._scores: dict = {}
         self.groups: list[list] = [[] for _ in self.plans]
@@ -148,19 +148,23 @@ class SharedPrefill:
 
         return compile_fn
 
+    def kv_for_plans(self, k_buf, v_buf):
+        """(plan index, its k/v) in build order: plans that consume the buffers (``consumes_kv``: full
+        groups kept without a copy) go last, each but the very last on its own copy."""
+        jnp = self._jax.numpy
+        order = sorted(range(len(self.plans)), key=lambda j: self.plans[j].consumes_kv)
+        last = order[-1] if order and self.plans[order[-1]].consumes_kv else None
+        for i in order:
+            own = self.plans[i].consumes_kv and i != last
+            yield i, ((jnp.copy(k_buf), jnp.copy(v_buf)) if own else (k_buf, v_buf))
+
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens):
-        jax, M = self._jax, self._M
+        jax = self._jax
         jax.block_until_ready((x_in, k_buf, v_buf))  # the layer's forward pass is not the hooks' time
         self._scores.clear()
-        t_max = int(jax.device_get(lens).max())
-        # full KV last: its group function donates the slices of k_buf / v_buf it keeps
-        for i in sorted(range(len(self.plans)), key=lambda j: self.is_full[j]):
+        for i, (kb, vb) in self.kv_for_plans(k_buf, v_buf):
             t0 = time.perf_counter()
-            if self.is_full[i]:  # what prefill does without a hook
-                k_keep, v_keep = k_buf[:, :, :t_max], v_buf[:, :, :t_max]
-                g = (self.compile_fn(M._full_group_jit, k_keep, v_keep, lens)(k_keep, v_keep, lens),)
-            else:
-                g = self.plans[i].build_layer(li, layer, x_in, k_buf, v_buf, lens)
+            g = self.plans[i].build_layer(li, layer, x_in, kb, vb, lens)
             jax.block_until_ready(g)
             self.hook_seconds[i] += time.perf_counter() - t0
             self.groups[i].append(g)
@@ -208,7 +212,6 @@ def make_engines(model, ids: list[int], policies, tail_capacity: int, bar=None, 
     import jax
 
     from hetero_jax import layout as LY
-    from hetero_jax.policies import FullKV
 
     G = importlib.import_module("hetero_jax.generate")  # the module (the package exports the function)
     cfg = model.config
@@ -225,7 +228,7 @@ def make_engines(model, ids: list[int], policies, tail_capacity: int, bar=None, 
             if bar is not None:
                 bar.set_postfix_str(f"{what}: layer {li + 1}/{cfg.num_layers}")
 
-        shared = SharedPrefill([None] * len(idx), [isinstance(bound[i], FullKV) for i in idx], G.compiled, on_layer)
+        shared = SharedPrefill([None] * len(idx), G.compiled, on_layer)
         fn = shared.compile_fn_sharing_scores() if share_scores else G.compiled
         plans = [bound[i].make_prefill(cfg, [len(ids)], compile_fn=fn) for i in idx]  # checks budgets
         shared.plans = plans
@@ -638,8 +641,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS),
                    help="prompt lengths in tokens (the context is 8192: '8K' is 7900)")
-    p.add_argument("--policies", nargs="+", default=names, choices=names,
-                   help="registered policies (full KV always runs once, as the reference)")
+    p.add_argument("--policies", nargs="+", default=names, type=common.policy_spec,
+                   help="registered policies, optionally with options (quest:offload=true; full KV always runs once, as the reference)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS), help="budgets rho in (0, 1]")
     p.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS),
                    help="needle depths (fraction of the haystack)")

@@ -413,6 +413,20 @@ def engine_kv_stats(engine) -> dict[str, Any]:
     }
 
 
+def policy_spec(text: str) -> str:
+    """argparse type of ``--policies``: a registered name, optionally with options (``quest:offload=true``)."""
+    import argparse
+
+    from hetero_jax.errors import HeteroJaxError
+    from hetero_jax.policies import make_policy
+
+    try:
+        make_policy(text)
+    except HeteroJaxError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def results_section_name(section: str, preset: str | None) -> str:
     """RESULTS.md section of a run: ``make bench`` (preset "cpu") owns ``section``; a run with no preset or
     preset "full" (the full grids, with or without overrides) writes ``section-full``; any other preset NAME

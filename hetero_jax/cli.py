@@ -37,6 +37,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--select-window", type=int, default=None,
                    help="heterocache: compressed heads keep their top tokens by the attention of this many last "
                         "prompt queries (8; 1 = the paper's last token)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a policy option, repeatable, e.g. --policy quest --option offload=true --option page_size=16 "
+                        "(true/false, integers, numbers or text; also written --policy quest:offload=true)")
     p.add_argument("--turns", default=None,
                    help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
 
@@ -96,13 +99,13 @@ def enable_compilation_cache() -> None:
 
 def _cmd_generate(args) -> int:
     import hetero_jax
-    from hetero_jax.policies import describe_policies, make_policy
+    from hetero_jax.policies import describe_policies, make_policy, parse_options
 
     if args.policy == "list":
         print(describe_policies())
         return 0
-    extra = {}
-    if args.policy.lower() == "heterocache":
+    extra = parse_options(args.option)
+    if args.policy.split(":")[0].lower() == "heterocache":
         if args.profile:
             from hetero_jax.profile.format import load_profile
 

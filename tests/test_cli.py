@@ -26,6 +26,16 @@ def test_generate_prints_answer_then_stats(tiny_checkpoint, capsys):
     assert lines[-1].startswith("[stats] prompt ") and "ms/tok" in lines[-1] and "KV device" in lines[-1]
 
 
+def test_generate_with_policy_options(tiny_checkpoint, capsys):
+    """--option passes a policy's own options: offloaded Quest reports its fetched bytes."""
+    _, ours = tiny_checkpoint("llama")
+    assert main(["generate", "--model", ours, "--prompt", "the quick brown fox jumps over the lazy dog " * 8,
+                 "--max-new-tokens", "3", "--no-chat", "--no-stream", "--policy", "quest", "--budget", "0.9",
+                 "--option", "offload=true", "--option", "page-size=4", "--option", "full_layers=1"]) == 0
+    stats = capsys.readouterr().out.rstrip("\n").split("\n")[-1]
+    assert "pages/step" in stats and "MiB/step" in stats
+
+
 def test_generate_prompt_file_and_errors(tiny_checkpoint, tmp_path, capsys):
     _, ours = tiny_checkpoint("llama")
     f = tmp_path / "p.txt"
@@ -85,6 +95,9 @@ def _refused(capsys, argv, *needles):
     (["--policy", "snapkv", "--budget", "nan"], ["budget rho=nan is out of range", "(0, 1]"]),
     (["--policy", "heterocache", "--window", "0"], ["HeteroCache: window must be an integer >= 1", "got 0"]),
     (["--policy", "heterocache", "--tau-drift", "nan"], ["HeteroCache: tau_drift must be a finite number"]),
+    (["--policy", "quest", "--option", "offload"], ["a policy option is KEY=VALUE", "'offload'"]),
+    (["--policy", "quest", "--option", "pages=3"], ["Quest has no option 'pages'", "page_size"]),
+    (["--policy", "quest", "--option", "page_size=0"], ["Quest: page_size must be an integer >= 1"]),
 ])
 def test_bad_generate_flags_are_refused_before_loading(capsys, no_load, flags, needles):
     _refused(capsys, ["generate", "--prompt", "hi", *flags], *needles)

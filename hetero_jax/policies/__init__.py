@@ -20,10 +20,39 @@ REGISTRY: dict[str, type[Policy]] = {
 }
 
 
+def parse_options(items) -> dict:
+    """``KEY=VALUE`` strings as keyword arguments: true/false, int, float, else the text."""
+    out = {}
+    for item in items:
+        key, sep, raw = str(item).partition("=")
+        if not sep or not key.strip():
+            raise PolicyError(f"a policy option is KEY=VALUE (e.g. offload=true), got {item!r}")
+        low = raw.strip().lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = raw
+        out[key.strip().replace("-", "_")] = value
+    return out
+
+
 def make_policy(name: str, budget: float | None = None, **kwargs) -> Policy:
-    """A policy from its registry name (case-insensitive), e.g. ``make_policy("snapkv", 0.3)``."""
+    """A policy from its registry name (case-insensitive), e.g. ``make_policy("snapkv", 0.3)``.
+
+    The name may carry options after a colon, comma-separated: ``make_policy("quest:offload=true", 0.1)``
+    (the form benchmark grids and ``--policy`` use); keyword arguments win over them.
+    """
     if not isinstance(name, str):
         raise UnknownPolicyError(f"policy name must be a string, got {name!r}; known policies: {', '.join(REGISTRY)}")
+    if ":" in name:
+        name, _, spec = name.partition(":")
+        kwargs = {**parse_options([x for x in spec.split(",") if x.strip()]), **kwargs}
     key = name.lower().replace("-", "").replace("_", "")
     if key not in REGISTRY:
         raise UnknownPolicyError(f"unknown policy {name!r}; known policies: {', '.join(REGISTRY)}")
@@ -48,5 +77,5 @@ def describe_policies() -> str:
 __all__ = [
     "BudgetError", "Policy", "PolicyError", "UnknownPolicyError", "smallest_rho", "tokens_for",
     "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache", "Quest",
-    "PolicyPrefill", "achieved_rho", "REGISTRY", "make_policy", "describe_policies",
+    "PolicyPrefill", "achieved_rho", "REGISTRY", "make_policy", "parse_options", "describe_policies",
 ]

@@ -202,6 +202,25 @@ def distribute(weights: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
     return base
 
 
+class PrefillPlan:
+    """A policy's prefill for one batch: ``build_layer`` per layer, then ``finish``.
+
+    ``build_layer(li, layer, x_in, k_buf, v_buf, lens)`` gets the layer's params, input hidden states
+    [B, Tp, H] and full prompt K/V [B, Hkv, Tp, D] and returns the layer's head groups;
+    ``finish(cache)`` returns ``(cache, DecodeState)``. ``consumes_kv``: ``build_layer`` may donate
+    k_buf / v_buf (a full group keeps them without a copy), so a caller that shares them between
+    plans (the benchmarks' one-forward prefill) hands such a plan its own copy.
+    """
+
+    consumes_kv = False
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple:
+        raise NotImplementedError
+
+    def finish(self, cache):
+        raise NotImplementedError
+
+
 class DecodeState:
     """Host-side, per-request decode state that a prefill plan's ``finish`` returns.
 

@@ -55,7 +55,7 @@ from hetero_jax.config import ModelConfig
 from hetero_jax.host_store import HostKVStore, put_rows, scatter_rows
 from hetero_jax.layout import HeadLayout
 from hetero_jax.model import prompt_queries
-from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PolicyError, check_int
+from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PolicyError, PrefillPlan, check_int
 from hetero_jax.policies.primitives import (attention_probs, avg_pool, finalize_scores, gqa_reduce,
                                            observation_window_probs, select_topk)
 from hetero_jax.policies.runtime import cap_bucket, select_group
@@ -279,7 +279,7 @@ def _split_heads(group: HeadGroup, counts: np.ndarray) -> list[HeadGroup]:
     return out
 
 
-class HeteroPrefill:
+class HeteroPrefill(PrefillPlan):
     """``build_layer`` hook for HeteroCache plus the state its decode needs (see module docstring)."""
 
     def __init__(self, policy: HeteroCache, cfg: ModelConfig, prompt_lens, compile_fn=None):

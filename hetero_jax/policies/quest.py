@@ -39,7 +39,7 @@ from hetero_jax import model as M
 from hetero_jax.cache import HeadGroup, KVCache
 from hetero_jax.config import ModelConfig
 from hetero_jax.host_store import HostKVStore, host_gather
-from hetero_jax.policies.base import BudgetError, DecodeState, Policy, check_int, tokens_for
+from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PrefillPlan, check_int, tokens_for
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
                                        smallest_page_rho, top_pages)
 
@@ -143,8 +143,10 @@ def _summaries(k_buf, lens, page_size: int):
     return page_summaries(k_buf, lens, page_size)
 
 
-class QuestPrefill:
+class QuestPrefill(PrefillPlan):
     """Full prompt KV per layer (in-device) or in the host store (offloaded), plus page summaries."""
+
+    consumes_kv = True  # full groups keep k_buf / v_buf without a copy
 
     def __init__(self, policy: Quest, cfg: ModelConfig, prompt_lens, compile_fn=None):
         self.policy, self.cfg = policy, cfg

@@ -11,7 +11,7 @@ import numpy as np
 from hetero_jax import model as M
 from hetero_jax.cache import HeadGroup, KVCache, kept_prompt_tokens
 from hetero_jax.config import ModelConfig
-from hetero_jax.policies.base import DecodeState, Policy
+from hetero_jax.policies.base import DecodeState, Policy, PrefillPlan
 from hetero_jax.policies.primitives import INVALID, gather_group, select_topk
 
 
@@ -57,7 +57,7 @@ def select_group(scores, k, v, positions, counts, cap: int, compile_fn=None) -> 
     return group.replace(k=cut(group.k), v=cut(group.v), positions=cut(group.positions)), cut(kept)
 
 
-class PolicyPrefill:
+class PolicyPrefill(PrefillPlan):
     """The ``build_layer`` hook of :func:`hetero_jax.model.prefill` for one policy and batch.
 
     Budgets are checked on the host before any compute (``__init__``). For
@@ -125,8 +125,10 @@ class PolicyPrefill:
         return cache.replace(layers=tuple(layers))
 
 
-class FullPrefill:
+class FullPrefill(PrefillPlan):
     """Full KV's prefill plan: every layer keeps its whole prompt (no scoring, no selection)."""
+
+    consumes_kv = True
 
     def __init__(self, compile_fn=None):
         self.compile_fn = compile_fn
