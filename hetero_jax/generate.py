@@ -316,9 +316,9 @@ def bind_policy(model, policy):
     return policy.bind(model)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _extend_jit(params, cache, tokens, n_new, cfg):
-    return M.extend(params, cache, tokens, n_new, cfg)
+@functools.partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("cache",))
+def _extend_jit(params, cache, tokens, n_new, cfg, policy):
+    return M.extend(params, cache, tokens, n_new, cfg, policy=policy)
 
 
 class Engine:
@@ -438,7 +438,7 @@ class Engine:
             tokens[:] = part + [0] * (C - len(part))
             n_new = np.full(len(self.lens), len(part), np.int32)
             args = (self.params, self.cache, jnp.asarray(tokens), jnp.asarray(n_new))
-            logits, self.cache, queries = compiled(_extend_jit, *args, cfg=self.cfg)(*args)
+            logits, self.cache, queries = compiled(_extend_jit, *args, cfg=self.cfg, policy=self.policy)(*args)
             if keep_q:
                 per_chunk.append(tuple(q[:, :, : len(part)] for q in queries))
         if keep_q:

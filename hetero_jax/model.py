@@ -378,12 +378,15 @@ def layer_extend_attention(q: jax.Array, layer_cache: LayerCache, tail_start: ja
     return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
 
 
-def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cfg: ModelConfig):
+def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cfg: ModelConfig, policy=None):
     """Append a chunk of tokens to every head's tail in one pass (a session's turn, chunked).
 
     tokens: [B, C] int32, of which the first ``n_new`` [B] are real (the rest is padding: its K/V lands
     in tail slots past the new length, never read, and writes past the tail's capacity are dropped).
-    Equal, up to float summation order, to ``n_new`` calls of :func:`decode_step`; no policy hook runs.
+    Equal, up to float summation order, to ``n_new`` calls of :func:`decode_step` (under the default
+    attention); ``policy`` (static, None = that default) may replace :func:`layer_extend_attention`
+    through its ``attend_chunk(li, q, layer_cache, tail_start)`` (Quest offloaded attends the prompt
+    it keeps on the host).
     Returns (logits of each sequence's last real token [B, V] float32, the cache, and each layer's
     queries (after RoPE) as a tuple of [B, Nkv, C, G, D] arrays, the layout of ``pallas_kernels.scores``).
     """
@@ -396,7 +399,7 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cf
     b = jnp.arange(B)[:, None]
     x = params["embed"][tokens]  # [B, C, H]
     new_layers, queries = [], []
-    for layer, lc in zip(params["layers"], cache.layers):
+    for li, (layer, lc) in enumerate(zip(params["layers"], cache.layers)):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q, k, v = project_qkv(layer, h, positions, cfg)  # q [B, C, Nq, D]; k, v [B, C, Nkv, D]
         lc = lc.replace(
@@ -405,7 +408,10 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cf
         )
         qg = q.reshape(B, C, cfg.num_kv_heads, cfg.group_size, cfg.head_dim).transpose(0, 2, 3, 1, 4)
         queries.append(qg.transpose(0, 1, 3, 2, 4))  # [B, Nkv, C, G, D]
-        attn = layer_extend_attention(qg, lc, slot0)  # [B, Nkv, G, C, D]
+        if policy is None:
+            attn = layer_extend_attention(qg, lc, slot0)  # [B, Nkv, G, C, D]
+        else:
+            attn = policy.attend_chunk(li, qg, lc, slot0)
         x = x + output_projection(layer, attn.transpose(0, 3, 1, 2, 4).reshape(B, C, -1))
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_layers.append(lc)
@@ -440,4 +446,4 @@ def prompt_queries(layer: dict, x_in: jax.Array, rows: jax.Array, cfg: ModelConf
 # Jitted entry points for callers that step the model themselves (tests, calibration,
 # benchmarks). generate() uses its own AOT-compiled, cache-donating variant.
 decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "return_queries", "policy"))
-extend_jit = jax.jit(extend, static_argnames=("cfg",))
+extend_jit = jax.jit(extend, static_argnames=("cfg", "policy"))

@@ -166,3 +166,23 @@ def test_registry_and_options():
     assert make_policy("quest:page_size=8", 0.2, page_size=32) == Quest(budget=0.2, page_size=32)
     with pytest.raises(BudgetError):
         Quest(page_size=0)
+
+
+def test_session_turns_offloaded_equal_in_device():
+    """A turn is appended in chunks attending the whole prompt (dense, as Quest's prefill): offloaded reads it
+    from the host store, in-device from the device; at the same k both answer two turns identically."""
+    from hetero_jax.generate import Session
+
+    ctx, q1, q2 = prompt(150, 6), prompt(20, 7), prompt(9, 8)
+    off = Quest(budget=0.5, page_size=PS, full_layers=1, offload=True)
+    k = off.plan_pages(CFG, 150)[2]
+    dev = Quest(budget=(k * PS + 150 % PS) / 150, page_size=PS, full_layers=1)
+    answers = []
+    for pol in (off, dev):
+        sess = Session(MODEL, ctx, pol, chat=False, reserve_tokens=8)
+        answers.append([sess.ask(q, max_new_tokens=4).token_ids for q in (q1, q2)])
+    assert answers[0] == answers[1]
+    full = Session(MODEL, ctx, FullKV(), chat=False, reserve_tokens=8)
+    dense = Session(MODEL, ctx, Quest(budget=1.0, page_size=PS, full_layers=1), chat=False, reserve_tokens=8)
+    assert [full.ask(q, max_new_tokens=4).token_ids for q in (q1, q2)] == \
+        [dense.ask(q, max_new_tokens=4).token_ids for q in (q1, q2)]

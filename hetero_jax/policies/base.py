@@ -164,6 +164,11 @@ class Policy:
         """
         return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, None
 
+    def attend_chunk(self, li: int, q, layer_cache, tail_start):
+        """Traced, once per layer of a chunked turn (``model.extend``): C new queries [B, Hkv, G, C, D] over
+        the layer's cache and the tail (causal from ``tail_start`` [B]). Default: every kept slot."""
+        return M.layer_extend_attention(q, layer_cache, tail_start)
+
     def layout(self, cfg: ModelConfig):
         """The head layout this policy needs (a ``HeadLayout``), or None for one group per layer."""
         return None

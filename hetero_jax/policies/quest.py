@@ -122,6 +122,23 @@ class Quest(Policy):
         return out, layer_cache.replace(groups=new_groups, aux=new_aux), (pages, valid)
 
 
+    def attend_chunk(self, li, q, layer_cache, tail_start):
+        """A session's turn attends the whole prompt, as Quest's prefill does (dense); offloaded, a sparse
+        layer reads its prompt from the host store for the turn."""
+        aux = layer_cache.aux
+        if not self.offload or "kmin" not in aux:
+            return M.layer_extend_attention(q, layer_cache, tail_start)
+        B, H = aux["pages"].shape[:2]
+        T = aux["kmin"].shape[2] * self.page_size + self.page_size  # >= the longest prompt
+        idx = jnp.minimum(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, H, T)),
+                          aux["prompt_lens"][:, None, None] - 1)
+        g = layer_cache.groups[0]
+        k, v = host_gather(aux["store"], li, idx, jax.ShapeDtypeStruct((g.k.shape[-1],), g.k.dtype))
+        lengths = jnp.broadcast_to(aux["prompt_lens"][:, None], (B, H)).astype(jnp.int32)
+        whole = HeadGroup(k=k, v=v, positions=idx, lengths=lengths)
+        return M.layer_extend_attention(q, layer_cache.replace(groups=(whole,)), tail_start)
+
+
 def _attended_slots(pages, valid, n_pages, prompt_lens, ps: int):
     """Token positions a head attends, valid ones first: the selected pages (page order) then the
     partial last page; (idx [B, H, (k + 1) * ps] int32, lengths [B, H] int32). Invalid slots point at
@@ -185,6 +202,8 @@ class QuestPrefill(PrefillPlan):
 
     def finish(self, cache: KVCache) -> tuple[KVCache, "QuestDecode"]:
         layers = tuple(lc.replace(aux=self.aux[li]) if li in self.aux else lc for li, lc in enumerate(cache.layers))
+        if self.store is not None:
+            self.store.materialize()  # the in-step callbacks read numpy views only (waits for the copies)
         state = QuestDecode(self.policy, self.cfg, self.lens, self.partial, self.k_sel, self.n_pages, self.store,
                             self.itemsize)
         return cache.replace(layers=layers), state
@@ -202,11 +221,6 @@ class QuestDecode(DecodeState):
     def fresh(self) -> "QuestDecode":
         return QuestDecode(self.policy, self.cfg, self.lens, self.partial, self.k_sel, self.n_pages, self.store,
                            self.itemsize)
-
-    def before_step(self, step, cache):
-        if self.store is not None:
-            self.store.materialize()  # the in-step callbacks read numpy views only
-        return cache
 
     def after_step(self, step, extras, cache) -> None:
         self.steps += 1
