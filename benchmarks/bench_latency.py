@@ -402,7 +402,7 @@ def add_ratios(rows: list[dict], weight_bytes: int) -> None:
                      roofline_ratio=float("nan"), measured_over_roofline=float("nan"), within_10pct=False)
             continue
         ratio_p50 = r["decode"]["p50_ms"] / full["decode"]["p50_ms"]
-        roof = roofline_ratio(weight_bytes, r["kv_bytes_device"], full["kv_bytes_device"])
+        roof = roofline_ratio(weight_bytes, r["kv_bytes_read_per_step"], full["kv_bytes_read_per_step"])
         r.update(
             decode_ratio_p50=ratio_p50,
             decode_ratio_mean=r["decode"]["mean_ms"] / full["decode"]["mean_ms"],
@@ -492,7 +492,8 @@ def run(args) -> dict:
                          "block ending with Engine.drain() counted in its last step; warm-up steps untimed; "
                          "wall time per Engine.step incl. token read-back, compile excluded",
         "decode_block": args.decode_block,
-        "roofline": "(weight bytes + policy's device KV bytes) / (weight bytes + full KV's device KV bytes); "
+        "roofline": "(weight bytes + policy's KV bytes read per step) / (weight bytes + full KV's); bytes read = "
+                    "device K/V + index arrays, for Quest the attended rows only, host fetches counted twice; "
                     "weight bytes = all params, embedding counted one row, lm_head (tied) in full; "
                     "device KV bytes = prompt head groups as allocated + tail buffer",
         "roofline_tolerance": ROOFLINE_TOLERANCE,

@@ -366,17 +366,6 @@ def hetero_vs_snapkv(records: list[dict], budgets) -> list[dict]:
     return out
 
 
-def budget_problem(model, policy, n_tokens: int) -> str | None:
-    """Why ``policy`` cannot run an ``n_tokens`` context (its budget error), or None."""
-    from hetero_jax.policies import BudgetError
-
-    try:
-        policy.bind(model).check_budget(n_tokens)
-    except BudgetError as e:
-        return str(e)
-    return None
-
-
 # ------------------------------------------------------------------- run
 def run(args) -> dict:
     import importlib
@@ -403,7 +392,7 @@ def run(args) -> dict:
     # a combo whose budget its profile cannot meet at some length is left out and named in the report
     skipped = {}
     for lab, pol in zip(labels, policies):
-        err = budget_problem(model, pol, max(args.lengths))
+        err = common.budget_problem(model, pol, args.lengths)
         if err:
             skipped[lab] = err
     keep = [i for i, lab in enumerate(labels) if lab not in skipped]

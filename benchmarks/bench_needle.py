@@ -450,6 +450,15 @@ def run(args) -> dict:
     model = hetero_jax.load(args.model, dtype=args.dtype, progress=False)
     load_s = time.perf_counter() - t_start
     cfg = model.config
+    # a combo whose budget cannot be met at some length is left out and named in the report
+    skipped = {}
+    for lab, pol in zip(labels, policies):
+        err = common.budget_problem(model, pol, args.lengths)
+        if err:
+            skipped[lab] = err
+            print(f"skipping {lab}: {err}", file=sys.stderr)
+    keep = [i for i, lab in enumerate(labels) if lab not in skipped]
+    combos, labels, policies = [combos[i] for i in keep], [labels[i] for i in keep], [policies[i] for i in keep]
     for L in args.lengths:
         if L + args.max_new_tokens > cfg.max_position_embeddings:
             raise SystemExit(f"prompt {L} + {args.max_new_tokens} new tokens exceeds the model's context of "
@@ -465,7 +474,7 @@ def run(args) -> dict:
         "max_new_tokens": args.max_new_tokens, "prefill": args.prefill, "share_scores": not args.no_share_scores,
         "compile_cache": not args.no_compile_cache, "check_generate": args.check_generate,
         "instruction": args.instruction, "temperature": 0.0, "batch": 1, "chat_template": True,
-        "haystacks": args.haystacks,
+        "haystacks": args.haystacks, "skipped": skipped,
         "haystack_sources": {h: haystack.haystack_info(h, model.tokenizer) for h in args.haystacks},
         "matching": "answer_correct: numbers as one number; words as whole words, case/punctuation-insensitive",
         "out": str(args.out), "plot": str(args.plot),
@@ -631,7 +640,8 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "as one number; words as whole words, case-insensitive). Columns per length"
         + (" and per haystack" if many else "") + ": prompts answered; "
         + ("'cells = full': (haystack, length, depth) cells" if many else "'cells = full': (length, depth) cells")
-        + " whose score equals full KV's.",
+        + " whose score equals full KV's."
+        + "".join(f" Not run: {lab} ({err})." for lab, err in cfg.get("skipped", {}).items()),
         "",
         *haystack_lines(cfg),
         *([""] if cfg.get("haystack_sources") else []),

@@ -409,6 +409,7 @@ def engine_kv_stats(engine) -> dict[str, Any]:
         "kv_bytes_device": int(f["kv_bytes_device"]), "kv_bytes_prompt": int(f["kv_bytes_prompt"]),
         "kv_bytes_tail": int(f["kv_bytes_tail"]), "kv_bytes_host": int(f["kv_bytes_host"]),
         "kv_bytes_used": int(f["kv_bytes_used"]), "achieved_rho": float(engine.achieved_rho[0]),
+        "kv_bytes_index": int(f["kv_bytes_index"]), "kv_bytes_read_per_step": int(f["kv_bytes_read_per_step"]),
         "recall": dict(f["policy_stats"]),
     }
 
@@ -425,6 +426,20 @@ def policy_spec(text: str) -> str:
     except HeteroJaxError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def budget_problem(model, policy, lengths) -> str | None:
+    """Why ``policy`` cannot run a prompt of one of ``lengths`` tokens on ``model`` (its budget error), or None.
+
+    Builds the prefill plan only (``make_prefill`` checks every budget rule before any compute)."""
+    from hetero_jax.policies import BudgetError
+
+    for n in lengths:
+        try:
+            policy.bind(model).make_prefill(model.config, [int(n)])
+        except BudgetError as e:
+            return f"{n} tokens: {e}"
+    return None
 
 
 def results_section_name(section: str, preset: str | None) -> str:

@@ -37,6 +37,7 @@ class GenerationStats:
     kv_bytes_host: int  # bytes of K/V kept in host memory (0 without offload)
     kv_bytes_host_by_role: dict  # HeteroCache: host bytes per head role ({} without offload)
     kv_bytes_index: int  # device bytes of policy state beside the K/V groups (page summaries, K_base, ...)
+    kv_bytes_read_per_step: int  # K/V + index bytes one decode step reads (device reads + host fetches)
     kv_bytes_prompt: int  # of which the prompt's head groups
     kv_bytes_tail: int  # of which the tail (tokens added after prefill)
     stop_reason: str  # "eos", "stop", "max_new_tokens" or "context"
@@ -462,6 +463,7 @@ class Engine:
             kv_bytes_host=self.state.host_bytes(),
             kv_bytes_host_by_role=self.state.host_bytes_by_role(),
             kv_bytes_index=self.state.index_bytes(self.cache),
+            kv_bytes_read_per_step=self.state.kv_bytes_read(self.cache),
             kv_bytes_prompt=prompt_kv_bytes(self.cache),
             kv_bytes_tail=tail_kv_bytes(self.cache),
             policy=repr(self.policy),

@@ -134,8 +134,17 @@ def test_offloaded_fetches_exactly_what_in_device_attends():
     st = s["policy_stats"]
     assert st["pages_per_step"] == 2 * CFG.num_kv_heads * k
     assert st["bytes_fetched_per_step"] == 2 * CFG.num_kv_heads * (k * PS + 150 % PS) * 2 * CFG.head_dim * 4
-    assert e_dev.stats_fields()["policy_stats"]["bytes_fetched_per_step"] == 0
+    d = e_dev.stats_fields()
+    assert d["policy_stats"]["bytes_fetched_per_step"] == 0
     assert e_dev.achieved_rho[0] == 1.0  # in-device Quest saves no memory
+    # bytes a step reads (the roofline's): layer 0 whole, layers 1-2 their attended rows (offloaded: fetched
+    # from the host, then read), summaries and the other aux arrays, tails
+    row = 2 * CFG.head_dim * 4
+    tails = sum(lc.tail_k.nbytes + lc.tail_v.nbytes for lc in e_dev.cache.layers)
+    attended = 2 * CFG.num_kv_heads * (k * PS + 150 % PS) * row
+    layer0 = 150 * CFG.num_kv_heads * row
+    assert d["kv_bytes_read_per_step"] == layer0 + attended + d["kv_bytes_index"] + tails
+    assert s["kv_bytes_read_per_step"] == layer0 + 2 * attended + s["kv_bytes_index"] + tails
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -270,6 +270,12 @@ class DecodeState:
         array in the layers' ``aux``."""
         return int(sum(a.nbytes for lc in cache.layers for a in jax.tree.leaves(lc.aux)))
 
+    def kv_bytes_read(self, cache) -> int:
+        """K/V and index bytes one decode step reads (device reads plus host fetches), the memory traffic a
+        roofline compares: by default every device K/V array and the ``aux`` arrays."""
+        return int(sum(g.k.nbytes + g.v.nbytes for lc in cache.layers for g in lc.groups)
+                   + sum(lc.tail_k.nbytes + lc.tail_v.nbytes for lc in cache.layers)) + self.index_bytes(cache)
+
     def stats(self) -> dict:
         """The policy's decode counters (JSON-able)."""
         return {}

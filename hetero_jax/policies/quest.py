@@ -228,11 +228,31 @@ class QuestDecode(DecodeState):
     def host_arrays(self) -> tuple:
         return () if self.store is None else self.store.arrays()
 
+    def kv_bytes_read(self, cache) -> int:
+        """Full layers' K/V, each sparse layer's attended rows (read on the device; offloaded, fetched from
+        the host first, counted again), summaries and tails."""
+        attended = self._attended()  # [B]
+        per_row = 2 * self.cfg.head_dim * self.itemsize
+        sparse = set(self.policy.sparse_layers(self.cfg))
+        total = self.index_bytes(cache)
+        for li, lc in enumerate(cache.layers):
+            total += lc.tail_k.nbytes + lc.tail_v.nbytes
+            if li in sparse:
+                rows = int(attended.sum()) * self.cfg.num_kv_heads
+                total += rows * per_row * (2 if self.policy.offload else 1)
+            else:
+                total += sum(g.k.nbytes + g.v.nbytes for g in lc.groups)
+        return int(total)
+
+    def _attended(self) -> np.ndarray:
+        """[B] prompt tokens a head of a sparse layer attends per step (selected pages + partial page)."""
+        return np.minimum(self.k_sel, self.n_pages) * self.policy.page_size + self.partial
+
     def stats(self) -> dict:
         cfg, p = self.cfg, self.policy
         n_sparse = len(p.sparse_layers(cfg))
         pages = np.minimum(self.k_sel, self.n_pages)  # [B] pages per head of a sparse layer
-        attended = pages * p.page_size + self.partial  # [B] prompt tokens per head of a sparse layer
+        attended = self._attended()
         frac = ((cfg.num_layers - n_sparse) * self.lens + n_sparse * attended) / (cfg.num_layers * self.lens)
         per_step_rows = int(attended.sum()) * n_sparse * cfg.num_kv_heads if p.offload else 0
         return {
