@@ -117,6 +117,11 @@ PRESETS = {
     # anyway; the eager ops' compile is seconds against minutes of prefill)
     "long": dict(real_lengths=[], synthetic_lengths=[16384, 32768], policies=["full", "heterocache"], budgets=[0.3],
                  decode_steps=64, warmup_steps=8, ttft_warmup=0, ttft_repeats=1),
+    # issue 17: decode-time retrieval (Quest in-device and offloaded, FreeKV) beside full KV, SnapKV and
+    # HeteroCache on the real model; the roofline counts the bytes a step reads, host fetches included
+    "issue17": dict(real_lengths=[2048, 4096], synthetic_lengths=[],
+                    policies=["full", "snapkv", "heterocache", "quest", "quest:offload=true", "freekv"],
+                    budgets=[0.3], decode_steps=32, warmup_steps=6, ttft_warmup=1, ttft_repeats=1),
     # Llama-3.1-8B shapes to 128K, for one GPU (bfloat16: 16 GB of weights, 16 GB of full KV at 128K)
     "llama8b-gpu": dict(real_lengths=[], synthetic_lengths=[16384, 32768, 65536, 131072], synthetic_shape="llama-3.1-8b",
                         policies=["full", "snapkv", "heterocache"], budgets=[0.3], decode_steps=64, warmup_steps=8,

@@ -93,6 +93,15 @@ PRESETS = {
         "budgets": [0.5, 0.3],
         "haystacks": list(haystack.HAYSTACKS),
     },
+    # issue 17: decode-time retrieval (Quest in-device / offloaded, FreeKV) against full KV, SnapKV and
+    # HeteroCache at rho 0.1 and 0.3, issue 15's haystacks and fact sets, 2K contexts
+    "issue17": {
+        "lengths": [2000],
+        "seeds": [0, 1, 2],
+        "policies": ["full", "snapkv", "heterocache", "quest", "quest:offload=true", "freekv"],
+        "budgets": [0.1, 0.3],
+        "haystacks": list(haystack.HAYSTACKS),
+    },
 }
 
 

@@ -105,6 +105,16 @@ PRESETS = {
         "seeds": [0],
         "haystacks": list(haystack.HAYSTACKS),
     },
+    # issue 17: decode-time retrieval (Quest in-device / offloaded, FreeKV) against full KV, SnapKV and
+    # HeteroCache at rho 0.1 and 0.3 on issue 15's haystacks (1K-4K: 7K costs as much again on 2 cores)
+    "issue17": {
+        "lengths": [1000, 2000, 4000],
+        "depths": [0.1, 0.5, 0.9],
+        "policies": ["full", "snapkv", "heterocache", "quest", "quest:offload=true", "freekv"],
+        "budgets": [0.1, 0.3],
+        "seeds": [0],
+        "haystacks": list(haystack.HAYSTACKS),
+    },
 }
 
 
