@@ -140,19 +140,18 @@ class Quest(Policy):
 
 
 def _attended_slots(pages, valid, n_pages, prompt_lens, ps: int):
-    """Token positions a head attends, valid ones first: the selected pages (page order) then the
-    partial last page; (idx [B, H, (k + 1) * ps] int32, lengths [B, H] int32). Invalid slots point at
-    token 0 (finite, masked by the lengths)."""
-    B, H, _ = pages.shape
-    page_idx = page_token_index(pages, ps)  # [B, H, k * ps]
-    page_ok = jnp.repeat(valid, ps, axis=-1)
-    part_idx = n_pages[:, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, :]  # [B, ps]
-    part_ok = part_idx < prompt_lens[:, None]
-    idx = jnp.concatenate([page_idx, jnp.broadcast_to(part_idx[:, None], (B, H, ps))], axis=-1)
-    ok = jnp.concatenate([page_ok, jnp.broadcast_to(part_ok[:, None], (B, H, ps))], axis=-1)
-    order = jnp.argsort(~ok, axis=-1, stable=True)  # valid slots first, each part in its order
-    idx = jnp.where(jnp.take_along_axis(ok, order, axis=-1), jnp.take_along_axis(idx, order, axis=-1), 0)
-    return idx.astype(jnp.int32), ok.sum(axis=-1).astype(jnp.int32)
+    """Token positions a head attends as a valid prefix: the selected pages (page order) then the partial
+    last page; (idx [B, H, (k + 1) * ps] int32, lengths [B, H] int32). ``top_pages`` puts invalid pages
+    last, so the partial page goes right after the valid ones; slots past the length point at token 0
+    (finite, masked by the lengths)."""
+    B, H, k = pages.shape
+    page_idx = jnp.pad(page_token_index(pages, ps), ((0, 0), (0, 0), (0, ps)))  # [B, H, (k + 1) * ps]
+    n_page_tok = valid.sum(axis=-1, dtype=jnp.int32)[..., None] * ps  # [B, H, 1]
+    partial = (prompt_lens - n_pages * ps)[:, None, None]  # [B, 1, 1] tokens of the partial page
+    slot = jnp.arange((k + 1) * ps, dtype=jnp.int32)
+    part_idx = (n_pages * ps)[:, None, None] + slot - n_page_tok
+    idx = jnp.where(slot < n_page_tok, page_idx, jnp.where(slot < n_page_tok + partial, part_idx, 0))
+    return idx.astype(jnp.int32), (n_page_tok + partial)[..., 0].astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size",))
