@@ -1,0 +1,427 @@
+"""FreeKV (Liu et al., 2025): speculative page retrieval with fine-grained correction.
+
+Every compressed layer (all but the first ``skip_layers``, App. A) keeps its
+whole prompt K/V in the pinned-host store and, on the device, one head group
+per layer holding, for each KV head, ``sinks`` first tokens, k selected pages
+of ``page_size`` tokens and the prompt's last tokens (the window), plus the
+page summaries (per-channel min/max key, §3.2), the page id held by each page
+slot (``resident``) and the previous step's query (``q_prev``): the §4.1 data
+placement. Pages cover ``[S, S + P*p)``, P being the full pages left before the
+window, so the window holds W to W + p - 1 tokens.
+
+Selection Sel(q) (§3.2, App. B.2 "MeanS"): per query head, the softmax over the
+pages of the Quest bound sum_d max(q_d kmin_d, q_d kmax_d); the group mean of
+those; the top k per KV head. One selection per KV head keeps the group
+consistent (§2.1).
+
+Decode, step i (compressed layers):
+- speculative retrieval (§3.2): the page slots hold Sel(q_{i-1}); the host
+  recalled it between steps i-1 and i, moving only the pages that were not
+  resident (``FreeKVDecode.before_step``);
+- fine-grained correction (§3.3): a KV head whose group-mean cosine
+  cos(q_i, q_{i-1}) is below ``tau`` (App. B.3) fetches Sel(q_i) inside the
+  step, before its attention (``FreeKV.attend``); nothing is fetched when no
+  head is corrected. ``tau > 1`` corrects every head (no speculation), ``tau < -1``
+  none.
+After prefill the page slots hold Sel(q_last) of the prompt's last query, so
+step 0 is speculative too (q_prev = q_last), where the authors' system code
+blocks on a fresh selection at the first step.
+
+Budget: the project's B1 rule with the skipped layers as full heads,
+B_c = (rho * NL - n_skip) * L / (NL - n_skip) tokens per compressed head; the
+sinks, the window and the summaries come first (``pages.pages_for_budget``), at
+least one page must fit. Sinks and window default to B_c / 16 rounded to a
+multiple of 4, at least 4: the paper's S = W = 128 at B = 2048. q_prev (G/2
+token rows per head) and the page ids are counted as device bytes but not
+budgeted.
+
+Departures: tokens added after prefill (the tail) are attended in full, where
+FreeKV pages its generated tokens too; the in-step fetch returns every head's
+selected pages (a static callback shape), the corrected heads' rows are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax import model as M
+from hetero_jax.cache import HeadGroup, KVCache
+from hetero_jax.config import ModelConfig
+from hetero_jax.host_store import HostKVStore, host_gather, put_rows, scatter_rows
+from hetero_jax.policies.base import (BudgetError, DecodeState, Policy, PolicyError, check_int, check_real)
+from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
+                                       query_cosine, smallest_page_rho, top_pages)
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeKV(Policy):
+    """FreeKV; ``sinks``/``window`` None = B_c / 16 (see module docstring)."""
+
+    budget: float = 0.3
+    page_size: int = 32
+    sinks: int | None = None
+    window: int | None = None
+    skip_layers: int = 1
+    tau: float = 0.8
+
+    name: ClassVar[str] = "freekv"
+    summary: ClassVar[str] = ("speculative page retrieval: prompt KV on the host, the pages chosen with the "
+                              "previous query recalled between steps, corrected in-step where the query moved")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("FreeKV", "page_size", self.page_size, 1)
+        if self.sinks is not None:
+            check_int("FreeKV", "sinks", self.sinks, 0, " or None (B_c / 16)")
+        if self.window is not None:
+            check_int("FreeKV", "window", self.window, 0, " or None (B_c / 16)")
+        check_int("FreeKV", "skip_layers", self.skip_layers, 0)
+        # any finite value: a cosine lies in [-1, 1], so tau > 1 always corrects and tau < -1 never does
+        check_real("FreeKV", "tau", self.tau, -math.inf)
+
+    # --------------------------------------------------------------- budgets
+    def compressed_layers(self, cfg: ModelConfig) -> list[int]:
+        return list(range(min(self.skip_layers, cfg.num_layers), cfg.num_layers))
+
+    def _b_c(self, cfg: ModelConfig, prompt_len: int, rho: float) -> float:
+        """Per-head budget of a compressed layer (B1 rule, the skipped layers as full heads)."""
+        n_skip = cfg.num_layers - len(self.compressed_layers(cfg))
+        return (rho * cfg.num_layers - n_skip) * prompt_len / (cfg.num_layers - n_skip)
+
+    def sinks_window(self, cfg: ModelConfig, prompt_len: int, rho: float | None = None) -> tuple[int, int]:
+        """(S, W) for one prompt: the options, or B_c / 16 rounded to a multiple of 4 (>= 4) where None."""
+        auto = max(4, 4 * int(math.floor(self._b_c(cfg, prompt_len, self.budget if rho is None else rho) / 64
+                                         + 0.5)))
+        return (auto if self.sinks is None else self.sinks), (auto if self.window is None else self.window)
+
+    def _layout(self, cfg: ModelConfig, prompt_len: int, rho: float) -> tuple[int, int, int]:
+        """(S, window tokens w, selectable pages P) at budget rho; w = L - S - P*p lies in [W, W + p)."""
+        S, W = self.sinks_window(cfg, prompt_len, rho)
+        P = max(0, (prompt_len - S - W) // self.page_size)
+        return S, prompt_len - S - P * self.page_size, P
+
+    def plan_pages(self, cfg: ModelConfig, prompt_len: int) -> tuple[int, int, int, int]:
+        """(sinks S, window tokens w, selectable pages P, pages kept per head k) of one prompt; BudgetError
+        when the budget cannot hold one page next to the sinks, the window and the summaries."""
+        L, ps = prompt_len, self.page_size
+        n_comp = len(self.compressed_layers(cfg))
+        if n_comp == 0:
+            raise PolicyError(f"FreeKV: skip_layers={self.skip_layers} leaves no layer of the model's "
+                              f"{cfg.num_layers} to compress; it must be below num_layers")
+        n_skip = cfg.num_layers - n_comp
+        S, w, P = self._layout(cfg, L, self.budget)
+        if P < 1:
+            raise BudgetError(f"FreeKV: a {L}-token prompt is too short for {S} sinks + a {w}-token window + one "
+                              f"{ps}-token page; use smaller sinks/window/page_size or full KV")
+        k = pages_for_budget(self.budget, L, cfg.num_layers, n_skip, ps, fixed_tokens=S + w, summary_pages=P)
+        if k < 1:
+            rho = self._smallest_rho(cfg, L)
+            hint = (f"the smallest budget that works for this prompt is rho={rho:g}" if rho <= 1.0 else
+                    "no budget up to rho=1 does; use a smaller page_size, sinks or window")
+            raise BudgetError(
+                f"FreeKV: budget rho={self.budget:g} cannot hold one {ps}-token page per head of a {L}-token "
+                f"prompt ({n_skip} uncompressed layers, then {S} sinks, a {w}-token window and {P} page "
+                f"summaries per compressed head come first); {hint}")
+        return S, w, P, min(P, k)
+
+    def _smallest_rho(self, cfg: ModelConfig, prompt_len: int) -> float:
+        """The smallest rho >= budget with one page; default sinks/window grow with rho, so iterate until the
+        (S, W) the answer is computed with are the answer's own."""
+        n_skip = cfg.num_layers - len(self.compressed_layers(cfg))
+        rho = self.budget
+        for _ in range(64):
+            S, w, P = self._layout(cfg, prompt_len, rho)
+            r = smallest_page_rho(prompt_len, cfg.num_layers, n_skip, self.page_size, fixed_tokens=S + w,
+                                  summary_pages=P)
+            if self._layout(cfg, prompt_len, r) == (S, w, P) or r > 1.0:
+                return r
+            rho = max(r, round(rho + 1e-4, 4))
+        return rho
+
+    def check_budget(self, prompt_len: int) -> int:
+        return prompt_len  # checked per model in make_prefill (the skipped layers count)
+
+    def layer_counts(self, cfg, prompt_len):
+        return None
+
+    def make_prefill(self, cfg, prompt_lens, compile_fn=None):
+        return FreeKVPrefill(self, cfg, prompt_lens, compile_fn)
+
+    # ----------------------------------------------------------------- decode
+    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
+        """Skipped layers: every slot. Compressed layers: correct the heads whose query moved (§3.3), then
+        attend sinks + page slots + window + tail. Extra: (Sel(q) [B, H, k], its validity, corrected [B, H]),
+        which the host recalls for the next step (§3.2); None in skipped layers."""
+        aux = layer_cache.aux
+        if "kmin" not in aux:
+            return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, None
+        ps = self.page_size
+        corr = query_cosine(q, aux["q_prev"]) < self.tau  # [B, H]
+        scores = group_page_scores(q, aux["kmin"], aux["kmax"], aux["n_pages"], "mean_softmax")
+        sel, valid = top_pages(scores, aux["resident"].shape[-1], aux["k_sel"])  # [B, H, k]
+        g = layer_cache.groups[0]
+
+        def correct(_):
+            # The callback's shape is static, so it returns every head's selected pages (B*H*k*p rows) even
+            # when only some heads are corrected; only the corrected heads' rows are kept. A GPU version would
+            # copy just the corrected heads' pages that are not resident yet (FreeKVDecode counts those as
+            # pages_corrected).
+            idx = page_token_index(sel, ps, start=aux["sinks"])  # [B, H, k*p]
+            k_rows, v_rows = host_gather(aux["store"], li, idx, jax.ShapeDtypeStruct((g.k.shape[-1],), g.k.dtype))
+            rel = jnp.arange(g.capacity, dtype=jnp.int32)[None, :] - aux["sinks"][:, None]  # [B, cap]
+            in_pages = (rel >= 0) & (rel < aux["k_sel"][:, None] * ps)  # this sequence's page slots
+            write = corr[:, :, None] & in_pages[:, None, :]  # [B, H, cap]
+            src = jnp.broadcast_to(jnp.clip(rel, 0, idx.shape[-1] - 1)[:, None, :], write.shape)
+            take = lambda a: jnp.take_along_axis(a, src[..., None], axis=2)  # noqa: E731
+            return (jnp.where(write[..., None], take(k_rows), g.k), jnp.where(write[..., None], take(v_rows), g.v),
+                    jnp.where(write, jnp.take_along_axis(idx, src, axis=2), g.positions))
+
+        k, v, pos = jax.lax.cond(corr.any(), correct, lambda _: (g.k, g.v, g.positions), None)
+        aux = dict(aux, resident=jnp.where(corr[..., None], sel, aux["resident"]),
+                   q_prev=q.astype(aux["q_prev"].dtype))
+        layer_cache = layer_cache.replace(groups=(g.replace(k=k, v=v, positions=pos),), aux=aux)
+        return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, (sel, valid, corr)
+
+
+def _slot_index(pages, sinks, k_sel, win_start, prompt_lens, ps: int, cap: int):
+    """Token position of every group slot, per sequence [sinks | k_sel page slots | window]; slots past a
+    sequence's length point at token 0 (finite, masked by the lengths). pages [B, H, k]; the rest [B].
+    Returns (idx [B, H, cap], positions (-1 past the length), lengths [B] int32)."""
+    B, H, n = pages.shape
+    s = jnp.arange(cap, dtype=jnp.int32)[None, None, :]
+    S, kp = sinks[:, None, None], (k_sel * ps)[:, None, None]
+    rel = s - S
+    j = jnp.clip(rel // ps, 0, n - 1)
+    page_tok = S + jnp.take_along_axis(pages, jnp.broadcast_to(j, (B, H, cap)), axis=-1) * ps + rel % ps
+    win_tok = win_start[:, None, None] + rel - kp
+    tok = jnp.where(s < S, s, jnp.where(rel < kp, page_tok, win_tok))
+    lengths = (sinks + k_sel * ps + prompt_lens - win_start).astype(jnp.int32)
+    ok = s < lengths[:, None, None]
+    return jnp.where(ok, tok, 0).astype(jnp.int32), jnp.where(ok, tok, -1).astype(jnp.int32), lengths
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "n_pages", "n_select", "cap"))
+def _prefill_layer(layer, x_in, k_buf, v_buf, lens, sinks, win_start, k_sel, cfg, page_size: int, n_pages: int,
+                   n_select: int, cap: int):
+    """One compressed layer: summaries of the pages [S, win_start), Sel(q_last) of the last prompt query, and
+    the group [sinks | selected pages | window]. Returns (group, kmin, kmax, n_pages, pages, q_last)."""
+    kmin, kmax, counts = page_summaries(k_buf, win_start, page_size, start=sinks)
+    kmin, kmax = kmin[:, :, :n_pages], kmax[:, :, :n_pages]  # the longest sequence's pages
+    q_last = M.prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)[:, :, 0]  # [B, H, G, D]
+    scores = group_page_scores(q_last, kmin, kmax, counts, "mean_softmax")
+    pages, _ = top_pages(scores, n_select, k_sel)
+    idx, pos, lengths = _slot_index(pages, sinks, k_sel, win_start, lens, page_size, cap)
+    take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=2)  # noqa: E731
+    group = HeadGroup(k=take(k_buf), v=take(v_buf), positions=pos,
+                      lengths=jnp.broadcast_to(lengths[:, None], pos.shape[:2]))
+    return group, kmin, kmax, counts, pages, q_last
+
+
+class FreeKVPrefill:
+    """Skipped layers keep their prompt; compressed layers put it in the host store and keep
+    sinks + Sel(q_last) + window, the summaries and q_last on the device."""
+
+    def __init__(self, policy: FreeKV, cfg: ModelConfig, prompt_lens, compile_fn=None):
+        self.policy, self.cfg = policy, cfg
+        self.lens = np.asarray(prompt_lens, np.int64)
+        self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+        plans = np.array([policy.plan_pages(cfg, int(L)) for L in self.lens])  # validates every prompt first
+        self.sinks, self.win, self.n_pages, self.k_sel = (plans[:, i] for i in range(4))
+        self.compressed = set(policy.compressed_layers(cfg))
+        self.store = HostKVStore(cfg.num_layers)
+        self.aux: dict[int, dict] = {}
+        self.resident: dict[int, np.ndarray] = {}
+        self.itemsize = 0
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+        if li not in self.compressed:
+            return M.full_layer_groups(k_buf, v_buf, lens, self.compile_fn)
+        ps = self.policy.page_size
+        t_max = int(self.lens.max())
+        self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
+        self.itemsize = k_buf.dtype.itemsize
+        # fresh arrays per layer: the decode step donates every cache leaf separately
+        arr = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
+        args = (layer, x_in, k_buf, v_buf, lens, arr(self.sinks), arr(self.lens - self.win), arr(self.k_sel))
+        cap = int((self.sinks + self.k_sel * ps + self.win).max())
+        group, kmin, kmax, n_pages, pages, q_last = self.compile_fn(
+            _prefill_layer, *args, cfg=self.cfg, page_size=ps, n_pages=int(self.n_pages.max()),
+            n_select=int(self.k_sel.max()), cap=cap)(*args)
+        self.aux[li] = {"kmin": kmin, "kmax": kmax, "n_pages": n_pages, "sinks": arr(self.sinks),
+                        "k_sel": arr(self.k_sel), "resident": pages, "q_prev": q_last,
+                        "store": self.store.handle_array()}
+        self.resident[li] = pages
+        return (group,)
+
+    def finish(self, cache: KVCache) -> tuple[KVCache, "FreeKVDecode"]:
+        layers = tuple(lc.replace(aux=self.aux[li]) if li in self.aux else lc for li, lc in enumerate(cache.layers))
+        # copies (np.array), never views of device buffers the decode step will donate
+        resident = {li: np.array(p, np.int32, copy=True) for li, p in self.resident.items()}
+        state = FreeKVDecode(self.policy, self.cfg, self.lens, self.sinks, self.n_pages, self.k_sel, self.store,
+                             resident, self.itemsize, self.compile_fn)
+        return cache.replace(layers=layers), state
+
+
+class FreeKVDecode(DecodeState):
+    """FreeKV between steps: reads step i's selections and corrections (copied to the host asynchronously)
+    before step i + 1 and recalls the pages that changed (§3.2); keeps a host mirror of each layer's
+    ``resident`` (the page id in every page slot) and the counters."""
+
+    def __init__(self, policy: FreeKV, cfg: ModelConfig, lens, sinks, n_pages, k_sel, store: HostKVStore,
+                 resident: dict[int, np.ndarray], itemsize: int, compile_fn=None):
+        self.policy, self.cfg, self.store, self.itemsize = policy, cfg, store, itemsize
+        self.lens, self.sinks, self.n_pages, self.k_sel = lens, sinks, n_pages, k_sel
+        self.initial = resident  # as prefill left it (fresh() starts from it; never mutated)
+        self.resident = dict(resident)  # host mirror; replaced, never written in place
+        self.compile_fn = compile_fn
+        self.pending = None  # (step, device extras) of the last dispatched step
+        self.ready = None  # step, {layer: Sel(q) numpy}: read and counted, recall not yet applied
+        self.steps = 0
+        self.head_steps = 0  # (layer, sequence, KV head) checks of the cosine rule
+        self.corrections = 0
+        self.corrections_by_layer = {li: 0 for li in resident}
+        self.pages_corrected = 0  # corrected heads' pages that were not resident (what a GPU would move)
+        self.bytes_fetched_in_step = 0  # what the in-step callback moved (every head's pages, see attend)
+        self.pages_recalled = 0  # speculative recalls (pages that changed between steps)
+        self.bytes_recalled = 0
+        self.recall_failures = 0
+
+    def fresh(self) -> "FreeKVDecode":
+        return FreeKVDecode(self.policy, self.cfg, self.lens, self.sinks, self.n_pages, self.k_sel, self.store,
+                            self.initial, self.itemsize, self.compile_fn)
+
+    def after_step(self, step, extras, cache) -> None:
+        self.steps += 1
+        out = {li: e for li, e in enumerate(extras) if e is not None}
+        for e in out.values():
+            for a in e:
+                a.copy_to_host_async()  # read before the next step, never waited on now
+        self.pending = (step, out)
+
+    def _collect(self) -> None:
+        """Read the pending step's extras: count its corrections and apply them to the host mirror (the
+        step already wrote them on the device)."""
+        if self.pending is None:
+            return
+        step, out = self.pending
+        self.pending = None
+        ps, D = self.policy.page_size, self.cfg.head_dim
+        sels = {}
+        for li, (sel, valid, corr) in out.items():
+            sel, corr = np.array(sel, np.int32), np.array(corr, bool)
+            self.head_steps += corr.size
+            n = int(corr.sum())
+            self.corrections += n
+            self.corrections_by_layer[li] += n
+            if n:
+                mirror = self.resident[li]
+                new = _not_resident(sel, mirror, self.k_sel) & corr[..., None]
+                self.pages_corrected += int(new.sum())
+                self.bytes_fetched_in_step += sel.size * ps * 2 * D * self.itemsize
+                self.resident[li] = np.where(corr[..., None], sel, mirror)
+            sels[li] = sel
+        self.ready = (step, sels)
+
+    def before_step(self, step, cache):
+        self.store.materialize()  # the in-step callbacks read numpy views only
+        self._collect()
+        if self.ready is None:
+            return cache
+        try:
+            return self._recall(cache)
+        except (RuntimeError, MemoryError) as e:
+            self.recall_failures += 1
+            warnings.warn(f"FreeKV: the speculative recall before decode step {step} failed ({type(e).__name__}: "
+                          f"{e}); the device keeps its pages and the cosine rule corrects where needed",
+                          RuntimeWarning, stacklevel=2)
+            return cache
+        finally:
+            self.ready = None
+
+    def _recall(self, cache: KVCache) -> KVCache:
+        """Per head, the pages of Sel(q_i) that are not resident replace, slot by slot, the resident pages
+        no longer selected. Only those rows cross to the device (every transfer started before any write)
+        and are scattered in place; the group is never read back."""
+        _, sels = self.ready
+        ps = self.policy.page_size
+        layers = list(cache.layers)
+        writes, mirrors, moved = [], {}, 0
+        for li, sel in sels.items():
+            mirror = self.resident[li]
+            missing = _not_resident(sel, mirror, self.k_sel)  # [B, H, k] selected, not resident
+            free = _not_resident(mirror, sel, self.k_sel)  # [B, H, k] resident, no longer selected
+            mb, mh, mj = np.nonzero(missing)
+            fb, fh, fj = np.nonzero(free)
+            # each head has as many of one as of the other, and nonzero lists both row-major: zip pairs them
+            assert np.array_equal(mb, fb) and np.array_equal(mh, fh)
+            if not len(mb):
+                continue
+            pages = sel[mb, mh, mj]
+            new = mirror.copy()
+            new[fb, fh, fj] = pages
+            mirrors[li] = new
+            offs = np.arange(ps)[None, :]
+            tok = (self.sinks[mb, None] + pages[:, None] * ps + offs).reshape(-1)
+            slots = (self.sinks[mb, None] + fj[:, None] * ps + offs).reshape(-1)
+            b_idx, h_idx = np.repeat(mb, ps), np.repeat(mh, ps)
+            k_rows, v_rows = self.store.rows(li, b_idx, h_idx, tok)
+            ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, tok, layers[li].groups[0].capacity)
+            writes.append((li, ops, len(pages), k_rows.nbytes + v_rows.nbytes))
+            moved += len(pages)
+        for li, ops, _, _ in writes:  # every transfer went out: write in place
+            lc = layers[li]
+            aux = dict(lc.aux, resident=jax.device_put(mirrors[li].copy()))  # a fresh array, never mutated
+            layers[li] = lc.replace(groups=(scatter_rows(lc.groups[0], ops, self.compile_fn),), aux=aux)
+        self.resident.update(mirrors)
+        self.pages_recalled += moved
+        self.bytes_recalled += sum(b for *_, b in writes)
+        return cache.replace(layers=tuple(layers))
+
+    def in_flight(self):
+        return None if self.pending is None else self.pending[1]
+
+    def host_arrays(self) -> tuple:
+        return self.store.arrays()
+
+    def stats(self) -> dict:
+        self._collect()  # count the last step too (its recall, if any, waits for the next step)
+        cfg = self.cfg
+        n_comp = len(self.policy.compressed_layers(cfg))
+        attended = self.sinks + self.k_sel * self.policy.page_size + (self.lens - self.sinks - self.n_pages
+                                                                        * self.policy.page_size)
+        frac = ((cfg.num_layers - n_comp) * self.lens + n_comp * attended) / (cfg.num_layers * self.lens)
+        return {
+            "steps": self.steps,
+            "correction_rate": self.corrections / self.head_steps if self.head_steps else 0.0,
+            "corrections": self.corrections,
+            "corrections_by_layer": {str(li): n for li, n in self.corrections_by_layer.items()},
+            "pages_corrected": self.pages_corrected,
+            "bytes_fetched_in_step": self.bytes_fetched_in_step,
+            "pages_recalled": self.pages_recalled,
+            "bytes_recalled": self.bytes_recalled,
+            "recalled_pages_per_step": self.pages_recalled / self.steps if self.steps else 0.0,
+            "pages_per_step": int(self.k_sel.sum()) * n_comp * cfg.num_kv_heads,  # attended, whole batch
+            "attended_fraction": float(frac.mean()),
+            "recall_failures": self.recall_failures,
+        }
+
+    def summary(self) -> str:
+        s = self.stats()
+        return (f"corrected {s['correction_rate']:.0%} of head-steps, recalled {s['pages_recalled']} pages "
+                f"({s['bytes_recalled'] / 2**20:.2f} MiB), fetched in-step "
+                f"{s['bytes_fetched_in_step'] / 2**20:.2f} MiB")
+
+
+def _not_resident(pages: np.ndarray, held: np.ndarray, k_sel: np.ndarray) -> np.ndarray:
+    """[B, H, k] True where ``pages`` (within each sequence's first k_sel slots) is not among ``held``'s."""
+    ok = np.arange(pages.shape[-1])[None, None, :] < np.asarray(k_sel)[:, None, None]  # [B, 1, k]
+    same = (pages[..., :, None] == held[..., None, :]) & ok[..., None, :]
+    return np.broadcast_to(ok, pages.shape) & ~same.any(axis=-1)

@@ -1,0 +1,352 @@
+"""FreeKV: pages and corrections against a float64 numpy recomputation, logits against a reference cache holding
+exactly the pages the paper's rule attends, memory and bytes moved, batches, budget errors."""
+
+import functools
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hetero_jax import model as M
+from hetero_jax.cache import HeadGroup, prompt_kv_bytes
+from hetero_jax.generate import Engine, prefill
+from hetero_jax.policies import BudgetError, FreeKV, PolicyError, make_policy
+from tiny_model import tiny_model
+
+MODEL = tiny_model()
+CFG, PARAMS = MODEL.config, MODEL.params
+H, D = CFG.num_kv_heads, CFG.head_dim
+PS, SINKS, WINDOW = 8, 4, 8
+L, STEPS = 200, 6
+SPARSE = 2  # skip_layers=2: the last layer is the only compressed one, so its queries equal a full-KV run's
+
+
+def prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(3, CFG.vocab_size, size=n).tolist()
+
+
+def layout(L):
+    """(sinks, window tokens w, pages P) of the explicit S=4, W=8 layout: w = L - S - P*p in [W, W + p)."""
+    P = (L - SINKS - WINDOW) // PS
+    return SINKS, L - SINKS - P * PS, P
+
+
+def np_select(q, keys, L, k):
+    """numpy float64 MeanS: per query head a softmax of the Quest bound over the selectable pages
+    [S, S + P*p), mean over the group, stable top-k per KV head (ascending). q [H, G, D]; keys [H, T, D].
+    Returns (pages per head, scores [H, P])."""
+    S, _, P = layout(L)
+    pages = keys[:, S : S + P * PS].astype(np.float64).reshape(H, P, PS, D)
+    lo, hi = pages.min(axis=2), pages.max(axis=2)  # [H, P, D]
+    qf = q.astype(np.float64)[:, :, None, :]  # [H, G, 1, D]
+    u = np.maximum(qf * lo[:, None], qf * hi[:, None]).sum(-1)  # [H, G, P]
+    e = np.exp(u - u.max(-1, keepdims=True))
+    score = (e / e.sum(-1, keepdims=True)).mean(axis=1)  # [H, P]
+    return [np.sort(np.argsort(-score[h], kind="stable")[:k]) for h in range(H)], score
+
+
+def np_cos(q, q_prev):
+    """[H] group-mean cosine of consecutive queries (float64)."""
+    a, b = q.astype(np.float64), q_prev.astype(np.float64)
+    return ((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).mean(-1)
+
+
+def same_pages(got, want, score, k):
+    """Equal page sets, or different only on float near-ties at the k-th score."""
+    if set(got) == set(want):
+        return True
+    thr = np.sort(score)[::-1][k - 1]
+    assert all(abs(score[p] - thr) < 1e-6 for p in set(got) ^ set(want)), (sorted(got), sorted(want))
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def full_run(seed=0):
+    """The full-KV greedy run on a 200-token prompt: the tokens fed at each step, the caches they are fed to,
+    layer 2's query of every step and of the last prompt token (q_last), layer 2's prompt keys."""
+    ids = prompt(L, seed)
+    logits, cache = prefill(PARAMS, CFG, [ids], tail_capacity=STEPS + 2)
+    keys = np.asarray(cache.layers[SPARSE].groups[0].k[0])  # [H, L, D]
+    _, short = prefill(PARAMS, CFG, [ids[:-1]], tail_capacity=2)  # the last prompt token as a decode step
+    _, _, qs = M.decode_step_jit(PARAMS, short, jnp.asarray(ids[-1:], jnp.int32), CFG, return_queries=True)
+    q_last = np.asarray(qs[SPARSE][0])
+    tok = np.asarray(logits).argmax(-1).astype(np.int32)
+    toks, caches, queries = [], [], []
+    for _ in range(STEPS):
+        toks.append(tok)
+        caches.append(cache)
+        logits, cache, qs = M.decode_step_jit(PARAMS, cache, jnp.asarray(tok), CFG, return_queries=True)
+        queries.append(np.asarray(qs[SPARSE][0]))
+        tok = np.asarray(logits).argmax(-1).astype(np.int32)
+    return ids, toks, caches, queries, q_last, keys
+
+
+def spy(eng):
+    """Record per step: the resident pages before and after the host recall (before_step), the extras and
+    the resident pages the step left (after its correction). Copies, taken before the next step donates."""
+    rec = {"before": [], "recalled": [], "extras": [], "after": []}
+    comp = [li for li, lc in enumerate(eng.cache.layers) if "resident" in lc.aux]
+    res = lambda cache: {li: np.array(cache.layers[li].aux["resident"]) for li in comp}  # noqa: E731
+    before, after = eng.state.before_step, eng.state.after_step
+
+    def before_step(step, cache):
+        rec["before"].append(res(cache))
+        cache = before(step, cache)
+        rec["recalled"].append(res(cache))
+        return cache
+
+    def after_step(step, extras, cache):
+        rec["extras"].append({li: tuple(np.array(a) for a in extras[li]) for li in comp})
+        rec["after"].append(res(cache))
+        after(step, extras, cache)
+
+    eng.state.before_step, eng.state.after_step = before_step, after_step
+    return rec
+
+
+@functools.lru_cache(maxsize=None)
+def sparse_run(tau):
+    """FreeKV (layer 2 compressed) teacher-forced on the full run's tokens: (engine, record, logits per step)."""
+    ids, toks, *_ = full_run()
+    pol = FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE, tau=tau)
+    eng = Engine(MODEL, [ids], pol, tail_capacity=STEPS + 2)
+    prefilled = np.array(eng.cache.layers[SPARSE].aux["resident"][0])
+    rec = spy(eng)
+    logits = [eng.step_with_logits(t)[1] for t in toks]
+    return eng, rec, logits, prefilled
+
+
+def k_pages():
+    return FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE).plan_pages(CFG, L)[3]
+
+
+def mid_tau():
+    """A threshold 5e-4 above the median cosine of the run (the next cosine at least 1e-3 further), so a rule
+    that is off by more than 5e-4, or compares the other way, flips at least one head-step."""
+    _, _, _, queries, q_last, _ = full_run()
+    c = np.sort(np.concatenate([np_cos(q, p) for q, p in zip(queries, [q_last] + queries[:-1])]))
+    i = next(j for j in range(len(c) // 2, len(c) - 1) if c[j + 1] - c[j] > 1e-3)
+    return round(float(c[i]) + 5e-4, 6)
+
+
+def test_pages_equal_a_numpy_meanS_selection_at_prefill_and_every_step():
+    """After prefill the page slots hold Sel(q_last); each step's Sel(q_t) (the extra) equals the float64
+    numpy MeanS top-k of the same query over the same keys, whatever tau."""
+    _, _, _, queries, q_last, keys = full_run()
+    k = k_pages()
+    assert 1 < k < layout(L)[2]  # a real choice among the pages
+    for tau in (2.0, mid_tau()):
+        _, rec, _, prefilled = sparse_run(tau)
+        want, score = np_select(q_last, keys, L, k)
+        for h in range(H):
+            same_pages(prefilled[h, :k], want[h], score[h], k)
+        exact = 0
+        for t, q in enumerate(queries):
+            sel, valid, _ = rec["extras"][t][SPARSE]
+            assert sel.shape == (1, H, k) and valid.all()
+            want, score = np_select(q, keys, L, k)
+            exact += all(same_pages(sel[0, h], want[h], score[h], k) for h in range(H))
+        assert exact >= STEPS - 1
+
+
+@pytest.mark.parametrize("which", ["mid", "always", "never"])
+def test_correction_fires_exactly_where_the_group_mean_cosine_is_below_tau(which):
+    """corr (the extra) equals numpy cos(q_t, q_{t-1}) < tau, with q_{-1} the last prompt token's query;
+    tau > 1 corrects every head, tau < -1 none."""
+    tau = {"mid": mid_tau(), "always": 2.0, "never": -2.0}[which]
+    eng, rec, _, _ = sparse_run(tau)
+    _, _, _, queries, q_last, _ = full_run()
+    prev, fired = q_last, []
+    for t, q in enumerate(queries):
+        cos = np_cos(q, prev)
+        corr = rec["extras"][t][SPARSE][2][0]
+        assert np.abs(cos - tau).min() > 1e-4  # no float near-tie (mid_tau keeps 5e-4 away)
+        np.testing.assert_array_equal(corr, cos < tau)
+        fired.append(corr)
+        prev = q
+    fired = np.stack(fired)
+    if which == "mid":
+        assert 0 < fired.sum() < fired.size
+    else:
+        assert fired.all() if which == "always" else not fired.any()
+    st = eng.stats_fields()["policy_stats"]
+    assert st["corrections"] == fired.sum() and st["correction_rate"] == pytest.approx(fired.mean())
+
+
+def reference_logits(cache, tok, pages):
+    """A plain decode step over ``cache`` whose layer 2 holds exactly sinks + the given pages + the window."""
+    S, w, P = layout(L)
+    rows = [np.concatenate([np.arange(S)] + [S + p * PS + np.arange(PS) for p in pages[h]]
+                           + [np.arange(L - w, L)]) for h in range(H)]
+    idx = jnp.asarray(np.stack(rows)[None], jnp.int32)  # [1, H, n]
+    g = cache.layers[SPARSE].groups[0]
+    take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=2)  # noqa: E731
+    sel = HeadGroup(k=take(g.k), v=take(g.v), positions=idx, lengths=jnp.full((1, H), idx.shape[-1], jnp.int32))
+    layers = list(cache.layers)
+    layers[SPARSE] = layers[SPARSE].replace(groups=(sel,))
+    return np.asarray(M.decode_step_jit(PARAMS, cache.replace(layers=tuple(layers)), jnp.asarray(tok), CFG)[0])
+
+
+@pytest.mark.parametrize("which", ["always", "never", "mid"])
+def test_each_step_attends_the_pages_of_the_paper_rule(which):
+    """Step t attends Sel(q_t) where the head is corrected, else Sel(q_{t-1}) (speculative, recalled by the host
+    before the step). tau > 1: always Sel(q_t); tau < -1: the recalled pages are Sel(q_{t-1}). The logits equal
+    a plain decode step over a cache holding exactly sinks + those pages + window."""
+    tau = {"mid": mid_tau(), "always": 2.0, "never": -2.0}[which]
+    eng, rec, logits, _ = sparse_run(tau)
+    _, toks, caches, queries, q_last, keys = full_run()
+    k = k_pages()
+    prev, compared = np_select(q_last, keys, L, k), 0
+    for t, q in enumerate(queries):
+        now = np_select(q, keys, L, k)
+        corr = rec["extras"][t][SPARSE][2][0]
+        if which == "never":  # the host recall (before the step) already holds the previous query's pages
+            assert not corr.any()
+            for h in range(H):
+                same_pages(rec["recalled"][t][SPARSE][0, h, :k], prev[0][h], prev[1][h], k)
+        want = [(now if corr[h] else prev)[0][h] for h in range(H)]
+        scores = [(now if corr[h] else prev)[1][h] for h in range(H)]
+        held = rec["after"][t][SPARSE][0]  # the page slots the step attended
+        if all(same_pages(held[h, :k], want[h], scores[h], k) for h in range(H)):
+            np.testing.assert_allclose(logits[t], reference_logits(caches[t], toks[t], want), atol=1e-4,
+                                       rtol=1e-4)
+            compared += 1
+        prev = now
+    assert compared >= STEPS - 1
+    check_group(eng, SPARSE, k)  # what the corrections and recalls wrote
+
+
+def check_group(eng, li, k):
+    """Layer li's group holds sinks + the pages its ``resident`` names (slot order) + window, and every row is
+    the host store's row at its position."""
+    S, w, _ = layout(L)
+    g = eng.cache.layers[li].groups[0]
+    hk, hv = eng.state.store.view(li)
+    pos, length = np.asarray(g.positions[0]), int(np.asarray(g.lengths)[0, 0])
+    res = np.asarray(eng.cache.layers[li].aux["resident"][0])
+    for h in range(H):
+        p = pos[h, :length]
+        want = np.concatenate([np.arange(S)] + [S + r * PS + np.arange(PS) for r in res[h, :k]]
+                              + [np.arange(L - w, L)])
+        np.testing.assert_array_equal(p, want)
+        np.testing.assert_array_equal(np.asarray(g.k[0, h, :length]), hk[0, h, p])
+        np.testing.assert_array_equal(np.asarray(g.v[0, h, :length]), hv[0, h, p])
+
+
+def test_memory_and_bytes_moved():
+    """Device: the groups (sinks + k pages + window per compressed head) plus summaries, page ids and q_prev stay
+    within rho of the full prompt KV (5% slack for q_prev and the ids); host: the compressed layers' whole prompt,
+    pinned; the group rows are the host rows of their positions; bytes_recalled counts the rows that moved."""
+    ids, rho = prompt(L, 1), 0.6
+    pol = FreeKV(budget=rho, page_size=PS, sinks=SINKS, window=WINDOW, tau=-2.0)  # every change is a recall
+    S, w, P, k = pol.plan_pages(CFG, L)
+    eng = Engine(MODEL, [ids], pol, tail_capacity=STEPS + 2)
+    rec = spy(eng)
+    tok = eng.first_tokens(0.0, 1.0)
+    for _ in range(STEPS):
+        tok, _ = eng.step_with_logits(tok)
+    s = eng.stats_fields()
+    full_bytes = 2 * L * H * CFG.num_layers * D * 4
+    assert [lc.groups[0].capacity for lc in eng.cache.layers] == [L, S + k * PS + w, S + k * PS + w]
+    assert prompt_kv_bytes(eng.cache) + s["kv_bytes_index"] <= rho * full_bytes * 1.05
+    assert s["kv_bytes_index"] >= 2 * 2 * H * P * D * 4  # the summaries are counted
+    # host: layers 1 and 2, the whole prompt, pinned
+    _, full = prefill(PARAMS, CFG, [ids], tail_capacity=2)
+    store = eng.state.store
+    assert all(a.sharding.memory_kind == "pinned_host" for a in eng.state.host_arrays())
+    assert s["kv_bytes_host"] == 2 * 2 * L * H * D * 4
+    for li in (1, 2):
+        hk, hv = store.view(li)
+        np.testing.assert_allclose(hk, np.asarray(full.layers[li].groups[0].k), atol=1e-6)
+        np.testing.assert_allclose(hv, np.asarray(full.layers[li].groups[0].v), atol=1e-6)
+        check_group(eng, li, k)
+    # the recall's bytes: pages that entered the slots (per head) x p rows x K and V
+    moved = sum(len(set(a[li][0, h, :k]) - set(z[li][0, h, :k]))
+                for z, a in zip(rec["before"], rec["recalled"]) for li in (1, 2) for h in range(H))
+    st = s["policy_stats"]
+    assert moved > 0 and st["pages_recalled"] == moved
+    assert st["bytes_recalled"] == moved * PS * 2 * D * 4
+    assert st["bytes_fetched_in_step"] == 0 and st["corrections"] == 0
+    # always correcting: the callback moves every head's k pages each step; pages_corrected are the new ones
+    eng2, rec2, _, _ = sparse_run(2.0)
+    st2 = eng2.stats_fields()["policy_stats"]
+    k2 = k_pages()
+    assert st2["bytes_fetched_in_step"] == STEPS * H * k2 * PS * 2 * D * 4 and st2["pages_recalled"] == 0
+    new = sum(len(set(e[SPARSE][0][0, h]) - set(r[SPARSE][0, h, :k2]))
+              for e, r in zip(rec2["extras"], rec2["recalled"]) for h in range(H))
+    assert st2["pages_corrected"] == new > 0
+    # a twin state starts from the prefill's pages with zero counters
+    twin = eng.state.fresh()
+    assert twin.stats()["steps"] == twin.stats()["pages_recalled"] == 0
+    assert all(np.array_equal(twin.resident[li], rec["before"][0][li]) for li in (1, 2))
+
+
+def greedy(policy, prompts, steps=5):
+    eng = Engine(MODEL, prompts, policy, tail_capacity=steps + 2, is_batch=len(prompts) > 1)
+    tok = eng.first_tokens(0.0, 1.0)
+    toks, logits = [tok], []
+    for _ in range(steps):
+        tok, lg = eng.step_with_logits(tok)
+        toks.append(tok)
+        logits.append(lg)
+    return np.stack(toks, 1), np.stack(logits, 1), eng
+
+
+@pytest.mark.parametrize("lens, kw", [
+    ((200, 150), dict(sinks=SINKS, window=WINDOW, tau=-2.0)),  # speculative recalls only
+    ((400, 150), dict(tau=0.25)),  # default sinks/window differ per sequence; corrections and recalls
+])
+def test_batch_equals_one_by_one(lens, kw):
+    a, b = prompt(lens[0], 3), prompt(lens[1], 4)
+    pol = FreeKV(budget=0.6, page_size=PS, **kw)
+    plans = [pol.plan_pages(CFG, n) for n in lens]
+    assert plans[0][3] != plans[1][3]  # different k per sequence
+    if "sinks" not in kw:
+        assert plans[0][0] != plans[1][0]  # different sinks per sequence
+    toks, logits, eng = greedy(pol, [a, b])
+    st = eng.stats_fields()["policy_stats"]
+    assert st["pages_recalled"] > 0 and (st["corrections"] == 0 if "sinks" in kw else 0 < st["correction_rate"] < 1)
+    for i, ids in enumerate((a, b)):
+        t1, l1, _ = greedy(pol, [ids])
+        np.testing.assert_array_equal(toks[i], t1[0])
+        np.testing.assert_allclose(logits[i], l1[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(sinks=SINKS, window=WINDOW), dict()])
+def test_too_small_a_budget_names_the_smallest_rho_that_runs(kw):
+    ids = prompt(L, 5)
+    with pytest.raises(BudgetError, match=r"smallest budget that works for this prompt is rho=([0-9.]+)") as e:
+        Engine(MODEL, [ids], FreeKV(budget=0.4, page_size=PS, **kw), tail_capacity=4)
+    rho = float(re.search(r"is rho=([0-9.]+[0-9])", str(e.value)).group(1))
+    pol = FreeKV(budget=rho, page_size=PS, **kw)
+    assert pol.plan_pages(CFG, L)[3] == 1
+    with pytest.raises(BudgetError):
+        FreeKV(budget=round(rho - 1e-4, 4), page_size=PS, **kw).plan_pages(CFG, L)
+    if kw:
+        greedy(pol, [ids], steps=2)  # it runs
+
+
+def test_smallest_rho_with_default_sinks_and_window_that_grow_with_it():
+    """Defaults scale with B_c (B_c / 16): the named rho is computed with its own sinks and window."""
+    # 32-token pages; at 4104 tokens S = W = 4 here (128 pages), 12 at the smallest rho (127 pages)
+    pol = FreeKV(budget=0.05)
+    with pytest.raises(BudgetError, match="smallest budget") as e:
+        pol.plan_pages(CFG, 4104)
+    rho = float(re.search(r"is rho=([0-9.]+[0-9])", str(e.value)).group(1))
+    assert pol.sinks_window(CFG, 4104) == (4, 4) and FreeKV(budget=rho).sinks_window(CFG, 4104)[0] > 4
+    assert FreeKV(budget=rho).plan_pages(CFG, 4104)[3] == 1
+    with pytest.raises(BudgetError):
+        FreeKV(budget=round(rho - 1e-4, 4)).plan_pages(CFG, 4104)
+
+
+def test_registry_and_options():
+    assert make_policy("freekv", 0.3, tau=0.9) == FreeKV(budget=0.3, tau=0.9)
+    for bad, name in [(dict(tau=float("nan")), "tau"), (dict(page_size=0), "page_size"), (dict(sinks=-1), "sinks"),
+                      (dict(window=1.5), "window"), (dict(skip_layers=True), "skip_layers")]:
+        with pytest.raises(PolicyError, match=name):
+            FreeKV(**bad)
+    with pytest.raises(PolicyError, match="skip_layers"):
+        FreeKV(skip_layers=3).plan_pages(CFG, L)
+    with pytest.raises(BudgetError, match="too short"):
+        FreeKV(budget=1.0, page_size=PS, sinks=SINKS, window=WINDOW).plan_pages(CFG, 19)
