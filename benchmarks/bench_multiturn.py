@@ -460,6 +460,7 @@ def run(args) -> dict:
                     "context_tokens": sess.context_tokens, "achieved_rho": st.achieved_rho,
                     "kv_bytes_device": st.kv_bytes_device, "kv_bytes_prompt": st.kv_bytes_prompt,
                     "kv_bytes_tail": st.kv_bytes_tail, "kv_bytes_host": st.kv_bytes_host,
+                    "kv_bytes_index": st.kv_bytes_index, "kv_bytes_read_per_step": st.kv_bytes_read_per_step,
                     "recall": dict(st.policy_stats), "extend_seconds": st.extend_seconds,
                     "decode_seconds_total": sum(st.decode_seconds), "prefill_seconds": st.prefill_seconds,
                     **info[i],
@@ -533,6 +534,39 @@ def totals_table(payload: dict) -> str:
     return common.markdown_table(["policy", *hays, "total"], rows, align="l" + "r" * (len(hays) + 1))
 
 
+def retrieval_table(payload: dict) -> str | None:
+    """Decode-time retrieval policies (Quest, FreeKV): per combo and context length, the means over contexts of
+    the last turn's session totals; None when no such policy ran."""
+    rows = []
+    for label in payload["config"]["combos"]:
+        for L in payload["config"]["lengths"]:
+            rs = [r for r in payload["records"] if r["label"] == label and r["length"] == L]
+            last = {}
+            for r in rs:  # the last turn of each context holds the session's totals
+                k = (record_haystack(r), r["seed"])
+                if k not in last or r["turn"] > last[k]["turn"]:
+                    last[k] = r
+            st = [r["recall"] for r in last.values()]
+            if not st or "attended_fraction" not in st[0]:
+                continue
+            mean = lambda key: sum(x.get(key, 0) for x in st) / len(st)  # noqa: E731
+            rmean = lambda key: sum(r.get(key, 0) for r in last.values()) / len(last)  # noqa: E731
+            rows.append([
+                label, common.fmt_num(L), f"{mean('attended_fraction'):.2f}",
+                f"{mean('correction_rate'):.0%}" if "correction_rate" in st[0] else "—",
+                common.fmt_num(mean("recalled_pages_per_step"), 1) if "recalled_pages_per_step" in st[0] else "—",
+                common.fmt_num(rmean("kv_bytes_prompt") / MiB, 1), common.fmt_num(rmean("kv_bytes_index") / MiB, 2),
+                common.fmt_num(rmean("kv_bytes_host") / MiB, 1),
+                common.fmt_num(rmean("kv_bytes_read_per_step") / MiB, 1),
+            ])
+    if not rows:
+        return None
+    return common.markdown_table(
+        ["policy", "context tok", "attended fraction", "correction rate", "pages recalled / step",
+         "prompt KV on device MiB", "index MiB (summaries, ids, q_prev)", "host KV MiB", "KV read / step MiB"],
+        rows, align="lr" + "r" * 7)
+
+
 def criteria_lines(payload: dict) -> list[str]:
     """The two questions, answered MET / NOT MET from the records."""
     w = payload["within_one_of_full"]
@@ -598,6 +632,9 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
           if len(hays) > 1 else []),
         *criteria_lines(payload),
         "",
+        *(["Decode-time retrieval (means over contexts of each session's totals after its last turn; 'KV read / "
+           "step' counts host fetches twice, as the latency roofline does):", "", retrieval_table(payload), ""]
+          if retrieval_table(payload) else []),
         "Full-KV answers (the reference):",
         "",
         answers_table(payload),

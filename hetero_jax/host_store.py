@@ -149,3 +149,17 @@ def host_gather(handle: jax.Array, li: int, idx: jax.Array, row: jax.ShapeDtypeS
         return k[b, hh, positions].astype(out.dtype), v[b, hh, positions].astype(out.dtype)
 
     return jax.pure_callback(gather, (out, out), handle, idx)
+
+
+def host_prompt_group(handle: jax.Array, li: int, prompt_lens: jax.Array, n_slots: int,
+                      row: jax.ShapeDtypeStruct, num_heads: int) -> HeadGroup:
+    """Traced: layer ``li``'s whole prompt from the store as a head group [B, H, n_slots] (n_slots >= the
+    longest prompt; slots past a sequence's length repeat its last token and are masked by the lengths).
+    A session turn over an offloading policy attends it densely, as prefill did."""
+    B = prompt_lens.shape[0]
+    slots = jnp.arange(n_slots, dtype=jnp.int32)
+    idx = jnp.broadcast_to(jnp.minimum(slots[None, :], prompt_lens[:, None] - 1)[:, None, :], (B, num_heads, n_slots))
+    k, v = host_gather(handle, li, idx, row)
+    lengths = jnp.broadcast_to(prompt_lens[:, None], (B, num_heads)).astype(jnp.int32)
+    positions = jnp.where(slots[None, None, :] < lengths[..., None], idx, -1)
+    return HeadGroup(k=k, v=v, positions=positions, lengths=lengths)

@@ -350,3 +350,39 @@ def test_registry_and_options():
         FreeKV(skip_layers=3).plan_pages(CFG, L)
     with pytest.raises(BudgetError, match="too short"):
         FreeKV(budget=1.0, page_size=PS, sinks=SINKS, window=WINDOW).plan_pages(CFG, 19)
+
+
+def test_a_session_turn_reselects_from_its_last_query_and_attends_the_prompt_densely():
+    """After a turn is appended (its chunks attend the whole prompt from the host, as prefill), the page slots
+    hold Sel(q) of the turn's last query (numpy MeanS), the group's page slots hold those pages' tokens, and
+    q_prev is that query."""
+    from hetero_jax.generate import Session
+
+    ctx, question = prompt(L, 11), prompt(12, 12)
+    pol = FreeKV(budget=0.85, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE, tau=-2.0)
+    sess = Session(MODEL, ctx, pol, chat=False, reserve_tokens=8)
+    state, seen = sess.engine.state, []
+    orig = state.after_extend
+
+    def spy(turn_queries, cache):
+        out = orig(turn_queries, cache)
+        seen.append((np.asarray(turn_queries[SPARSE][0, :, -1]), np.asarray(out.layers[SPARSE].aux["resident"][0]),
+                     np.asarray(out.layers[SPARSE].aux["q_prev"][0]),
+                     np.asarray(out.layers[SPARSE].groups[0].positions[0])))  # the next step donates the cache
+        return out
+
+    state.after_extend = spy
+    sess.ask(question, max_new_tokens=3)
+    (q_last, resident, q_prev, pos), = seen
+    k = resident.shape[-1]
+    keys = np.asarray(prefill(PARAMS, CFG, [ctx], tail_capacity=2)[1].layers[SPARSE].groups[0].k[0])
+    want, score = np_select(q_last, keys, L, k)
+    for h in range(H):
+        same_pages(resident[h], want[h], score[h], k)
+    np.testing.assert_array_equal(q_prev, q_last)
+    S, _, _ = layout(L)
+    # the group's page slots hold exactly the resident pages' tokens
+    for h in range(H):
+        got_pages = sorted({(int(t) - S) // PS for t in pos[h, S : S + k * PS]})
+        assert got_pages == sorted(resident[h].tolist())
+    assert state.stats()["turn_reselections"] == 1

@@ -55,8 +55,9 @@ import numpy as np
 from hetero_jax import model as M
 from hetero_jax.cache import HeadGroup, KVCache
 from hetero_jax.config import ModelConfig
-from hetero_jax.host_store import HostKVStore, host_gather, put_rows, scatter_rows
-from hetero_jax.policies.base import (BudgetError, DecodeState, Policy, PolicyError, check_int, check_real)
+from hetero_jax.host_store import HostKVStore, host_gather, host_prompt_group, put_rows, scatter_rows
+from hetero_jax.policies.base import (BudgetError, DecodeState, Policy, PolicyError, PrefillPlan, check_int,
+                                      check_real)
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
                                        query_cosine, smallest_page_rho, top_pages)
 
@@ -191,6 +192,25 @@ class FreeKV(Policy):
         return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, (sel, valid, corr)
 
 
+    def attend_chunk(self, li, q, layer_cache, tail_start):
+        """A session's turn attends the whole prompt, as prefill did (dense): a compressed layer reads it from
+        the host store; ``FreeKVDecode.after_extend`` then re-selects from the turn's last query."""
+        aux = layer_cache.aux
+        if "kmin" not in aux:
+            return M.layer_extend_attention(q, layer_cache, tail_start)
+        g = layer_cache.groups[0]
+        n_slots = aux["kmin"].shape[2] * self.page_size + g.capacity  # >= S + P*p + w of every sequence
+        whole = host_prompt_group(aux["store"], li, aux["prompt_lens"], n_slots,
+                                  jax.ShapeDtypeStruct((g.k.shape[-1],), g.k.dtype), g.num_heads)
+        return M.layer_extend_attention(q, layer_cache.replace(groups=(whole,)), tail_start)
+
+
+@functools.partial(jax.jit, static_argnames=("n_select",))
+def _select(q, kmin, kmax, n_pages, k_sel, n_select: int):
+    """Sel(q): the MeanS top pages [B, H, n_select] of one query per KV head (q [B, H, G, D])."""
+    return top_pages(group_page_scores(q, kmin, kmax, n_pages, "mean_softmax"), n_select, k_sel)[0]
+
+
 def _slot_index(pages, sinks, k_sel, win_start, prompt_lens, ps: int, cap: int):
     """Token position of every group slot, per sequence [sinks | k_sel page slots | window]; slots past a
     sequence's length point at token 0 (finite, masked by the lengths). pages [B, H, k]; the rest [B].
@@ -225,9 +245,11 @@ def _prefill_layer(layer, x_in, k_buf, v_buf, lens, sinks, win_start, k_sel, cfg
     return group, kmin, kmax, counts, pages, q_last
 
 
-class FreeKVPrefill:
+class FreeKVPrefill(PrefillPlan):
     """Skipped layers keep their prompt; compressed layers put it in the host store and keep
     sinks + Sel(q_last) + window, the summaries and q_last on the device."""
+
+    consumes_kv = True  # skipped layers keep k_buf / v_buf as their full group without a copy
 
     def __init__(self, policy: FreeKV, cfg: ModelConfig, prompt_lens, compile_fn=None):
         self.policy, self.cfg = policy, cfg
@@ -257,7 +279,7 @@ class FreeKVPrefill:
             n_select=int(self.k_sel.max()), cap=cap)(*args)
         self.aux[li] = {"kmin": kmin, "kmax": kmax, "n_pages": n_pages, "sinks": arr(self.sinks),
                         "k_sel": arr(self.k_sel), "resident": pages, "q_prev": q_last,
-                        "store": self.store.handle_array()}
+                        "prompt_lens": arr(self.lens), "store": self.store.handle_array()}
         self.resident[li] = pages
         return (group,)
 
@@ -265,6 +287,7 @@ class FreeKVPrefill:
         layers = tuple(lc.replace(aux=self.aux[li]) if li in self.aux else lc for li, lc in enumerate(cache.layers))
         # copies (np.array), never views of device buffers the decode step will donate
         resident = {li: np.array(p, np.int32, copy=True) for li, p in self.resident.items()}
+        self.store.materialize()  # the in-step callbacks read numpy views only (waits for the copies)
         state = FreeKVDecode(self.policy, self.cfg, self.lens, self.sinks, self.n_pages, self.k_sel, self.store,
                              resident, self.itemsize, self.compile_fn)
         return cache.replace(layers=layers), state
@@ -293,6 +316,7 @@ class FreeKVDecode(DecodeState):
         self.pages_recalled = 0  # speculative recalls (pages that changed between steps)
         self.bytes_recalled = 0
         self.recall_failures = 0
+        self.turn_reselections = 0  # session turns after which the pages were re-selected
 
     def fresh(self) -> "FreeKVDecode":
         return FreeKVDecode(self.policy, self.cfg, self.lens, self.sinks, self.n_pages, self.k_sel, self.store,
@@ -330,8 +354,36 @@ class FreeKVDecode(DecodeState):
             sels[li] = sel
         self.ready = (step, sels)
 
+    wants_turn_queries = True
+
+    def after_extend(self, turn_queries, cache):
+        """A session's turn re-selects as prefill did: each compressed layer's page slots take Sel(q) of the
+        turn's last query (recalled now, before the answer's first step) and q_prev restarts from it. The
+        last answer step's selection is superseded. All or nothing: a failed transfer keeps the cache."""
+        self._collect()  # the last answer step's corrections are on the device: bring the mirror up to date
+        layers = list(cache.layers)
+        sels = {}
+        for li in self.resident:
+            aux = layers[li].aux
+            q = turn_queries[li][:, :, -1]  # [B, H, G, D]
+            args = (q, aux["kmin"], aux["kmax"], aux["n_pages"], aux["k_sel"])
+            sel = self.compile_fn(_select, *args, n_select=aux["resident"].shape[-1])(*args)
+            sels[li] = np.array(sel, np.int32)
+            layers[li] = layers[li].replace(aux=dict(aux, q_prev=q.astype(aux["q_prev"].dtype)))
+        self.ready = (None, sels)
+        try:
+            out = self._recall(cache.replace(layers=tuple(layers)))
+        except (RuntimeError, MemoryError) as e:
+            self.recall_failures += 1
+            warnings.warn(f"FreeKV: the re-selection after a turn failed ({type(e).__name__}: {e}); the device "
+                          "keeps its pages", RuntimeWarning, stacklevel=2)
+            return cache
+        finally:
+            self.ready = None
+        self.turn_reselections += 1
+        return out
+
     def before_step(self, step, cache):
-        self.store.materialize()  # the in-step callbacks read numpy views only
         self._collect()
         if self.ready is None:
             return cache
@@ -411,6 +463,7 @@ class FreeKVDecode(DecodeState):
             "pages_per_step": int(self.k_sel.sum()) * n_comp * cfg.num_kv_heads,  # attended, whole batch
             "attended_fraction": float(frac.mean()),
             "recall_failures": self.recall_failures,
+            "turn_reselections": self.turn_reselections,
         }
 
     def summary(self) -> str:

@@ -38,7 +38,7 @@ import numpy as np
 from hetero_jax import model as M
 from hetero_jax.cache import HeadGroup, KVCache
 from hetero_jax.config import ModelConfig
-from hetero_jax.host_store import HostKVStore, host_gather
+from hetero_jax.host_store import HostKVStore, host_gather, host_prompt_group
 from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PrefillPlan, check_int, tokens_for
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
                                        smallest_page_rho, top_pages)
@@ -128,14 +128,10 @@ class Quest(Policy):
         aux = layer_cache.aux
         if not self.offload or "kmin" not in aux:
             return M.layer_extend_attention(q, layer_cache, tail_start)
-        B, H = aux["pages"].shape[:2]
-        T = aux["kmin"].shape[2] * self.page_size + self.page_size  # >= the longest prompt
-        idx = jnp.minimum(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, H, T)),
-                          aux["prompt_lens"][:, None, None] - 1)
         g = layer_cache.groups[0]
-        k, v = host_gather(aux["store"], li, idx, jax.ShapeDtypeStruct((g.k.shape[-1],), g.k.dtype))
-        lengths = jnp.broadcast_to(aux["prompt_lens"][:, None], (B, H)).astype(jnp.int32)
-        whole = HeadGroup(k=k, v=v, positions=idx, lengths=lengths)
+        n_slots = aux["kmin"].shape[2] * self.page_size + self.page_size  # >= the longest prompt
+        whole = host_prompt_group(aux["store"], li, aux["prompt_lens"], n_slots,
+                                  jax.ShapeDtypeStruct((g.k.shape[-1],), g.k.dtype), g.num_heads)
         return M.layer_extend_attention(q, layer_cache.replace(groups=(whole,)), tail_start)
 
 
