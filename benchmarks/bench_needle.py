@@ -460,14 +460,15 @@ def run(args) -> dict:
     model = hetero_jax.load(args.model, dtype=args.dtype, progress=False)
     load_s = time.perf_counter() - t_start
     cfg = model.config
-    # a combo whose budget cannot be met at some length is left out and named in the report
+    # a (combo, length) whose budget cannot be met is left out and named in the report: its cells show "—"
     skipped = {}
     for lab, pol in zip(labels, policies):
-        err = common.budget_problem(model, pol, args.lengths)
-        if err:
-            skipped[lab] = err
-            print(f"skipping {lab}: {err}", file=sys.stderr)
-    keep = [i for i, lab in enumerate(labels) if lab not in skipped]
+        for L in args.lengths:
+            err = common.budget_problem(model, pol, [L])
+            if err:
+                skipped.setdefault(lab, {})[str(L)] = err
+                print(f"skipping {lab} at {L} tokens: {err}", file=sys.stderr)
+    keep = [i for i, lab in enumerate(labels) if len(skipped.get(lab, {})) < len(args.lengths)]
     combos, labels, policies = [combos[i] for i in keep], [labels[i] for i in keep], [policies[i] for i in keep]
     for L in args.lengths:
         if L + args.max_new_tokens > cfg.max_position_embeddings:
@@ -503,11 +504,13 @@ def run(args) -> dict:
         t_p = time.perf_counter()
         cpu_t_p = time.process_time()
         c0 = G._COMPILE_TIME[0]
-        engines, info = build_engines(model, p.ids, policies, tail_capacity, prefill=args.prefill, bar=bar,
-                                      share_scores=not args.no_share_scores)
+        active = [i for i, lab in enumerate(labels) if str(L) not in skipped.get(lab, {})]
+        engines, info = build_engines(model, p.ids, [policies[i] for i in active], tail_capacity,
+                                      prefill=args.prefill, bar=bar, share_scores=not args.no_share_scores)
         prefill_s = time.perf_counter() - t_p
         row = []
-        for i, ((name, rho), label) in enumerate(zip(combos, labels)):
+        for i, j in enumerate(active):
+            (name, rho), label = combos[j], labels[j]
             bar.set_postfix_str(f"decode {label}")
             t_d = time.perf_counter()
             out_ids, stop = greedy_answer(engines[i], args.max_new_tokens, eos)
@@ -533,7 +536,8 @@ def run(args) -> dict:
         tqdm.write(f"[{hay} {L} tok d={d:g} seed {seed} answer {needle.answer}] prefill {prefill_s:.0f} s | full: "
                    f"{row[0]['text']!r} | " + " ".join(f"{r['label']}={'Y' if r['correct'] else 'n'}" for r in row))
         if args.check_generate and not payload["checks"]:
-            payload["checks"].append(check_against_generate(model, p.ids, combos, policies, row, args.max_new_tokens))
+            payload["checks"].append(check_against_generate(model, p.ids, [combos[j] for j in active],
+                                                            [policies[j] for j in active], row, args.max_new_tokens))
             c = payload["checks"][0]
             tqdm.write("check vs generate(): " + ("OK" if not c["problems"] else "; ".join(c["problems"])))
         bar.update(1)
@@ -651,7 +655,8 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         + (" and per haystack" if many else "") + ": prompts answered; "
         + ("'cells = full': (haystack, length, depth) cells" if many else "'cells = full': (length, depth) cells")
         + " whose score equals full KV's."
-        + "".join(f" Not run: {lab} ({err})." for lab, err in cfg.get("skipped", {}).items()),
+        + "".join(f" Not run: {lab} at {', '.join(errs)} tokens ({next(iter(errs.values()))})."
+                  for lab, errs in cfg.get("skipped", {}).items()),
         "",
         *haystack_lines(cfg),
         *([""] if cfg.get("haystack_sources") else []),
