@@ -1,0 +1,253 @@
+"""ContextKeeper: an offline ranking of KV heads; the top heads keep the whole prompt, the rest sinks + recent.
+
+Paper §3.2-3.3 (heads that read the middle of the context keep their full KV, "locality" heads keep
+``sink`` first and ``recent`` last prompt tokens and every generated token) and §4.2 (the fraction
+of full heads is a knob). The ranking is computed offline (``hetero_jax.profile.contextkeeper``).
+
+Budget mode (ours, the spec's B1 rule solved for the number of full heads): for a prompt of L tokens,
+N = layers x KV heads and c = min(L, sink + recent), the largest N_full with
+``N_full * L + (N - N_full) * c <= rho * N * L``; the full heads are the first N_full of the global
+ranking. If even N_full = 0 does not fit (c > rho * L) a BudgetError names the smallest rho.
+Defaults are the paper's s = 128, r = 256 (Table 1), not scaled for short prompts: a prompt of at most
+384 tokens keeps everything, so only rho = 1 is accepted there.
+
+Layout: one fixed permutation per (model, ranking): each layer's KV heads in ranking order, so for
+every prompt length the full heads of a layer are a prefix and no weights are re-permuted. A layer's
+cache has up to three groups: heads full for every sequence of the batch (one full group), heads full
+for some sequences only (a batch of prompts of different lengths; capacity = the longest prompt,
+each sequence keeping its own set), and heads compressed for every sequence (capacity sink + recent).
+Each sequence thus keeps exactly what it would alone; device bytes of a mixed batch can exceed a short
+sequence's share, the token-based ``achieved_rho`` per sequence does not.
+
+A static policy: no decode hooks. Generated tokens go to the tail, which every head attends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax.cache import HeadGroup, full_group
+from hetero_jax.config import ModelConfig
+from hetero_jax.layout import HeadLayout
+from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PolicyError, PrefillPlan, check_int
+from hetero_jax.policies.primitives import gather_group
+from hetero_jax.profile.contextkeeper import (DEFAULT_RECENT, DEFAULT_SINK, CARanking, default_ranking,
+                                              load_ranking)
+from hetero_jax.profile.format import ProfileError
+
+_gather = jax.jit(gather_group)
+
+
+def kept_positions(prompt_len: int, sink: int, recent: int) -> np.ndarray:
+    """Prompt positions a compressed head keeps: [0, sink) and [L - recent, L), or all of a short prompt."""
+    if prompt_len <= sink + recent:
+        return np.arange(prompt_len)
+    return np.concatenate([np.arange(sink), np.arange(prompt_len - recent, prompt_len)])
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextKeeper(Policy):
+    """ContextKeeper (``ranking=None``: the shipped ranking of the loaded model; a str is a file path)."""
+
+    ranking: CARanking | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    budget: float = 0.5
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
+    ranking_key: str = dataclasses.field(default="", init=False)
+
+    name: ClassVar[str] = "contextkeeper"
+    summary: ClassVar[str] = ("offline-ranked heads keep the whole prompt as far as rho allows, the others "
+                              "sinks + recent tokens (static)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("ContextKeeper", "sink", self.sink, 0)
+        check_int("ContextKeeper", "recent", self.recent, 1)
+        r = self.ranking
+        if isinstance(r, str):
+            r = load_ranking(r)
+            object.__setattr__(self, "ranking", r)
+        if r is not None and not isinstance(r, CARanking):
+            raise PolicyError(f"ContextKeeper: ranking must be a CARanking, a path to a ranking JSON or None, "
+                              f"got {type(r).__name__}")
+        object.__setattr__(self, "ranking_key", r.key() if r is not None else "")
+
+    def bind(self, model) -> "ContextKeeper":
+        r = self.ranking
+        if r is None:
+            r = default_ranking(model)
+            if r is None:
+                raise ProfileError(
+                    f"ContextKeeper(ranking=None) needs the shipped head ranking of the loaded model, but "
+                    f"hetero-jax ships none for {getattr(model, 'name', 'this model')}; calibrate one with "
+                    "benchmarks/calibrate_contextkeeper.py and pass ContextKeeper(ranking='file.json')")
+        r.check_compatible(model.config)
+        return dataclasses.replace(self, ranking=r) if r is not self.ranking else self
+
+    def _need_ranking(self) -> CARanking:
+        if self.ranking is None:
+            raise ProfileError("ContextKeeper has no ranking yet: call policy.bind(model) (generate does this)")
+        return self.ranking
+
+    # ---------------------------------------------------------------- budgets
+    def _fits(self, rho: float, n_full: int, n: int, prompt_len: int) -> bool:
+        c = min(prompt_len, self.sink + self.recent)
+        return n_full * prompt_len + (n - n_full) * c <= rho * n * prompt_len * (1 + 1e-12)
+
+    def min_rho(self, prompt_len: int, n: int = 1) -> float:
+        """Smallest rho (4 decimals, rounded up) at which no head keeps everything: min(L, s + r) / L."""
+        c = min(prompt_len, self.sink + self.recent)
+        rho = math.ceil(c / prompt_len * 1e4 - 1e-6) / 1e4
+        while not self._fits(rho, 0, n, prompt_len):
+            rho = round(rho + 1e-4, 4)
+        return min(rho, 1.0)
+
+    def n_full(self, cfg: ModelConfig, prompt_len: int) -> int:
+        """Heads (model-wide, in ranking order) that keep the whole prompt at this budget; BudgetError if
+        even none fits."""
+        n = cfg.num_layers * cfg.num_kv_heads
+        c = min(prompt_len, self.sink + self.recent)
+        if c == prompt_len:  # a compressed head would keep the whole prompt too
+            if not self._fits(self.budget, n, n, prompt_len):
+                raise BudgetError(self._budget_message(prompt_len, 1.0))
+            return n
+        if not self._fits(self.budget, 0, n, prompt_len):
+            raise BudgetError(self._budget_message(prompt_len, self.min_rho(prompt_len, n)))
+        nf = int(math.floor((self.budget * n * prompt_len - n * c) / (prompt_len - c) + 1e-9))
+        nf = max(0, min(n, nf))
+        while nf < n and self._fits(self.budget, nf + 1, n, prompt_len):
+            nf += 1
+        while nf > 0 and not self._fits(self.budget, nf, n, prompt_len):
+            nf -= 1
+        return nf
+
+    def _budget_message(self, prompt_len: int, rho_min: float) -> str:
+        return (f"ContextKeeper: budget rho={self.budget:g} cannot be kept for a {prompt_len}-token prompt: "
+                f"every head keeps at least sink + recent = {self.sink}+{self.recent} tokens (or the whole "
+                f"prompt when shorter); the smallest rho that works for this prompt is rho={rho_min:g}")
+
+    def check_budget(self, prompt_len: int) -> int:
+        c = min(prompt_len, self.sink + self.recent)
+        if c == prompt_len and self.budget < 1.0:
+            raise BudgetError(self._budget_message(prompt_len, 1.0))
+        if self.budget * prompt_len * (1 + 1e-12) < c:
+            raise BudgetError(self._budget_message(prompt_len, self.min_rho(prompt_len)))
+        return prompt_len
+
+    def layer_counts(self, cfg, prompt_len):
+        return None
+
+    def full_per_layer(self, cfg: ModelConfig, prompt_len: int) -> np.ndarray:
+        """[layers] heads of each layer that keep the whole prompt (a prefix of the layer in layout order)."""
+        nf = self.n_full(cfg, prompt_len)
+        top = self._need_ranking().order()[:nf]
+        return np.bincount(top[:, 0], minlength=cfg.num_layers).astype(np.int64)
+
+    # ----------------------------------------------------------------- layout
+    def layout(self, cfg: ModelConfig) -> HeadLayout:
+        """Each layer's KV heads in ranking order (one group size: the split is per request, not here)."""
+        rank = self._need_ranking().rank()
+        perms = tuple(tuple(int(h) for h in np.argsort(rank[l], kind="stable")) for l in range(cfg.num_layers))
+        return HeadLayout(perms, tuple((cfg.num_kv_heads,) for _ in range(cfg.num_layers)))
+
+    def make_prefill(self, cfg, prompt_lens, compile_fn=None):
+        return ContextKeeperPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
+
+    def token_scores(self, layer, x_in, keys, prompt_lens, cfg):
+        raise NotImplementedError("ContextKeeper keeps whole heads or sinks + recent tokens; it scores no token")
+
+
+@functools.partial(jax.jit, static_argnames=())
+def _full(k, v, lens):
+    return full_group(k, v, lens)
+
+
+class ContextKeeperPrefill(PrefillPlan):
+    """Splits each layer (heads in ranking order) into full / per-sequence / compressed groups."""
+
+    def __init__(self, policy: ContextKeeper, cfg: ModelConfig, prompt_lens, compile_fn=None):
+        self.policy, self.cfg = policy, cfg
+        self.lens = np.asarray(prompt_lens, np.int64)
+        policy._need_ranking().check_compatible(cfg)
+        self.n_full = np.array([policy.n_full(cfg, int(L)) for L in self.lens])  # validates every prompt first
+        self.per_layer = np.stack([policy.full_per_layer(cfg, int(L)) for L in self.lens])  # [B, layers]
+        self.kept = [kept_positions(int(L), policy.sink, policy.recent) for L in self.lens]
+
+    def _indices(self, heads: range, li: int, cap: int):
+        """idx [B, Hg, cap] and counts [B, Hg] of heads ``heads`` (layout positions) of layer ``li``."""
+        B = len(self.lens)
+        idx = np.zeros((B, len(heads), cap), np.int32)
+        counts = np.zeros((B, len(heads)), np.int32)
+        for b in range(B):
+            for j, h in enumerate(heads):
+                pos = np.arange(self.lens[b]) if h < self.per_layer[b, li] else self.kept[b]
+                idx[b, j, : len(pos)] = pos
+                idx[b, j, len(pos):] = pos[-1]
+                counts[b, j] = len(pos)
+        return jnp.asarray(idx), jnp.asarray(counts)
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+        H = self.cfg.num_kv_heads
+        lo, hi = int(self.per_layer[:, li].min()), int(self.per_layer[:, li].max())
+        t_max = int(self.lens.max())
+        groups = []
+        if lo:
+            groups.append(_full(k_buf[:, :lo, :t_max], v_buf[:, :lo, :t_max], lens))
+        T = k_buf.shape[2]
+        for a, b, cap in ((lo, hi, t_max), (hi, H, max(len(k) for k in self.kept))):
+            if b > a:
+                idx, counts = self._indices(range(a, b), li, cap)
+                positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (k_buf.shape[0], b - a, T))
+                groups.append(_gather(k_buf[:, a:b], v_buf[:, a:b], positions, idx, counts))
+        return tuple(groups)
+
+    def finish(self, cache):
+        return cache, ContextKeeperDecode(self, cache)
+
+
+class ContextKeeperDecode(DecodeState):
+    """No decode-time work; carries the prefill's split and its byte-based rho for the stats."""
+
+    def __init__(self, plan: ContextKeeperPrefill, cache=None, info: dict | None = None):
+        if info is None:
+            cfg = plan.cfg
+            n = cfg.num_layers * cfg.num_kv_heads
+            kept = [int(nf) * int(L) + (n - int(nf)) * len(k) for nf, L, k in zip(plan.n_full, plan.lens, plan.kept)]
+            rank = plan.policy.ranking.order()
+            info = {
+                "n_full": [int(x) for x in plan.n_full],
+                "n_full_per_layer": plan.per_layer.tolist(),
+                "full_heads": [[[int(l), int(h)] for l, h in rank[: int(nf)]] for nf in plan.n_full],
+                "planned_rho": [k / (n * int(L)) for k, L in zip(kept, plan.lens)],
+                "bytes_rho": bytes_rho(cache, cfg) if cache is not None else None,
+            }
+        self.info = info
+
+    def fresh(self) -> "ContextKeeperDecode":
+        return ContextKeeperDecode(None, info=self.info)
+
+    def stats(self) -> dict:
+        return dict(self.info)
+
+    def summary(self) -> str:
+        nf = self.info["n_full"]
+        return f"full heads {','.join(map(str, nf))}, bytes rho {self.info['bytes_rho']:.3f}"
+
+
+def bytes_rho(cache, cfg: ModelConfig) -> float:
+    """Device bytes of the prompt K/V groups over a full KV cache of the same batch (every head holding the
+    longest prompt): for one sequence, exactly the kept fraction in bytes."""
+    from hetero_jax.cache import prompt_kv_bytes
+
+    g = cache.layers[0].groups[0]
+    per_slot = 2 * cfg.head_dim * g.k.dtype.itemsize
+    t_max = int(np.max(np.asarray(cache.prompt_lens)))
+    full = cache.batch_size * t_max * cfg.num_kv_heads * cfg.num_layers * per_slot
+    return prompt_kv_bytes(cache) / full

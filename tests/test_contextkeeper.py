@@ -1,0 +1,265 @@
+"""ContextKeeper: the offline ranking against a float64 numpy recomputation, what each head keeps against
+a numpy plan and a full-KV prefill, rho 1 == full KV, bytes, batch == one-by-one, budget errors, ranking
+files for another model, registry and sessions."""
+
+import json
+import math
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hetero_jax import model as M
+from hetero_jax.cache import prompt_kv_bytes
+from hetero_jax.generate import Engine, Session, prefill
+from hetero_jax.policies import BudgetError, ContextKeeper, FullKV, make_policy
+from hetero_jax.profile.contextkeeper import CARanking, calibrate_ranking, load_ranking
+from hetero_jax.profile.format import ProfileError
+from tiny_model import tiny_model
+
+MODEL = tiny_model()
+CFG, PARAMS = MODEL.config, MODEL.params
+S_, R_ = 4, 8  # sinks and recent tokens at the tiny model's scale
+N = CFG.num_layers * CFG.num_kv_heads
+
+# hand-set ranking: votes first, then score, then lower (layer, head)
+# -> order (1,2) (0,1) (2,0) (0,0) (1,0) (2,2) (1,1) (0,2) (2,1)
+VOTES = np.array([[2, 3, 0], [2, 0, 3], [3, 0, 1]])
+SCORES = np.array([[0.5, 0.1, 0.2], [0.4, 0.3, 0.9], [0.1, 0.2, 0.8]])
+RANKING = CARanking(scores=SCORES, votes=VOTES, model="tiny", head_dim=CFG.head_dim)
+ORDER = [(1, 2), (0, 1), (2, 0), (0, 0), (1, 0), (2, 2), (1, 1), (0, 2), (2, 1)]
+
+
+def prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(3, CFG.vocab_size, size=n).tolist()
+
+
+def ck(rho, **kw):
+    return ContextKeeper(ranking=RANKING, budget=rho, sink=S_, recent=R_, **kw)
+
+
+# ----------------------------------------------------------------- numpy oracles
+def np_rms(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps))
+
+
+def np_queries(layer, x_rows, positions):
+    """Queries after RoPE of rows of a layer's input: x_rows [n, H] -> [Hkv, n, G, D] (float64)."""
+    lp = {k: np.asarray(v, np.float64) for k, v in layer.items()}
+    h = np_rms(np.asarray(x_rows, np.float64), lp["attn_norm"], CFG.rms_norm_eps)
+    q = (h @ lp["q_proj"]).reshape(len(x_rows), CFG.num_heads, CFG.head_dim)
+    inv = 1.0 / (CFG.rope_theta ** (np.arange(0, CFG.head_dim, 2) / CFG.head_dim))
+    ang = np.asarray(positions)[:, None] * inv[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    half = CFG.head_dim // 2
+    q = q * cos[:, None] + np.concatenate([-q[..., half:], q[..., :half]], -1) * sin[:, None]
+    return q.reshape(len(x_rows), CFG.num_kv_heads, CFG.group_size, CFG.head_dim).transpose(1, 0, 2, 3)
+
+
+def np_middle_mass(ids, window, sink, recent):
+    """[layers, Hkv] float64: mean over the last `window` rows and the G query heads of the causal
+    softmax mass on [sink, L - recent), from each layer's captured input and keys."""
+    L = len(ids)
+    captured = []
+
+    def build_layer(li, layer, x_in, k_buf, v_buf, lens):
+        captured.append((np.asarray(x_in[0]), np.asarray(k_buf[0], np.float64)))
+        return M.full_layer_groups(k_buf, v_buf, lens)
+
+    tokens = np.zeros((1, 128), np.int32)
+    tokens[0, :L] = ids
+    M.prefill(PARAMS, CFG, tokens, np.array([L]), chunk=64, tail_capacity=1, build_layer=build_layer)
+    out = np.zeros((CFG.num_layers, CFG.num_kv_heads))
+    rows = np.arange(L - window, L)
+    for li, (x, keys) in enumerate(captured):
+        q = np_queries(PARAMS["layers"][li], x[rows], rows)  # [H, W, G, D]
+        s = np.einsum("hwgd,htd->hwgt", q, keys[:, :L]) / math.sqrt(CFG.head_dim)
+        s = np.where(np.arange(L)[None, None, None, :] <= rows[None, :, None, None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[li] = p[..., sink : L - recent].sum(-1).mean(axis=(1, 2))
+    return out
+
+
+def np_n_full(rho, L, sink=S_, recent=R_):
+    c = min(L, sink + recent)
+    best = -1
+    for nf in range(N + 1):  # brute force over every count
+        if nf * L + (N - nf) * c <= rho * N * L + 1e-9:
+            best = nf
+    return best
+
+
+# ------------------------------------------------------------------------ tests
+def test_ranking_equals_a_numpy_recomputation():
+    """Scores (Eq. 1 prefill rows, GQA mean), votes (top round(0.65 * 3) = 2 heads per layer and sample)
+    and the global order equal a float64 numpy recomputation; samples of two lengths (two prefills)."""
+    samples = [prompt(60, 1), prompt(60, 2), prompt(75, 3), prompt(75, 4)]
+    got = calibrate_ranking(MODEL, samples, window=4, sink=S_, recent=R_, top_p=0.65)
+    per = np.stack([np_middle_mass(s, 4, S_, R_) for s in samples])  # [S, layers, H]
+    np.testing.assert_allclose(got.scores, per.mean(0), rtol=0, atol=1e-5)
+    votes = np.zeros((CFG.num_layers, CFG.num_kv_heads), int)
+    for s in range(len(samples)):
+        for l in range(CFG.num_layers):
+            ranked = sorted(range(CFG.num_kv_heads), key=lambda h: (-per[s, l, h], h))
+            for h in ranked[:2]:
+                votes[l, h] += 1
+    np.testing.assert_array_equal(got.votes, votes)
+    assert votes.min() < votes.max()  # the votes discriminate: the order is not the tie-break alone
+    want = sorted(((l, h) for l in range(CFG.num_layers) for h in range(CFG.num_kv_heads)),
+                  key=lambda lh: (-votes[lh], -per.mean(0)[lh], lh))
+    assert [tuple(x) for x in got.order()] == want
+    assert got.settings["sink"] == S_ and got.settings["samples"] == 4
+
+
+def test_each_head_keeps_what_numpy_says_with_the_full_kv_rows():
+    """rho 0.5, L 120: N_full by brute force; the top N_full heads of the ranking hold all 120 positions,
+    the others exactly [0, s) + [L - r, L); every kept K/V row equals a full-KV prefill's row."""
+    L, rho = 120, 0.5
+    ids = prompt(L, 5)
+    nf = np_n_full(rho, L)
+    assert nf == 4 and ck(rho).n_full(CFG, L) == nf
+    full_heads = set(ORDER[:nf])
+    eng = Engine(MODEL, [ids], ck(rho), tail_capacity=4)
+    _, ref = prefill(PARAMS, CFG, [ids], tail_capacity=4)
+    perms = ck(rho).layout(CFG).perms
+    for li in range(CFG.num_layers):
+        assert list(perms[li]) == [h for l, h in ORDER if l == li]  # layout = ranking order in each layer
+        rk = np.asarray(ref.layers[li].groups[0].k[0])
+        rv = np.asarray(ref.layers[li].groups[0].v[0])
+        slot = 0
+        for g in eng.cache.layers[li].groups:
+            for j in range(g.num_heads):
+                h = perms[li][slot]
+                n = int(g.lengths[0, j])
+                pos = np.asarray(g.positions[0, j, :n])
+                want = np.arange(L) if (li, h) in full_heads else np.r_[0:S_, L - R_:L]
+                np.testing.assert_array_equal(pos, want, err_msg=f"layer {li} head {h}")
+                np.testing.assert_allclose(np.asarray(g.k[0, j, :n]), rk[h, pos], atol=1e-5)
+                np.testing.assert_allclose(np.asarray(g.v[0, j, :n]), rv[h, pos], atol=1e-5)
+                slot += 1
+        assert slot == CFG.num_kv_heads
+    kept = nf * L + (N - nf) * (S_ + R_)
+    assert eng.achieved_rho[0] == pytest.approx(kept / (N * L))
+    assert eng.state.stats()["n_full"] == [nf]
+    assert eng.state.stats()["full_heads"] == [[list(x) for x in ORDER[:nf]]]
+
+
+def logits_run(policy, batch, steps=4):
+    eng = Engine(MODEL, batch, policy, tail_capacity=steps + 2, is_batch=len(batch) > 1)
+    out = [np.asarray(eng.logits)]
+    tok = eng.first_tokens(0.0, 1.0)
+    toks = [tok]
+    for _ in range(steps):
+        tok, lg = eng.step_with_logits(tok)
+        out.append(np.asarray(lg))
+        toks.append(tok)
+    return np.stack(out, 1), np.stack(toks, 1), eng
+
+
+def test_rho_one_equals_full_kv():
+    ids = prompt(90, 6)
+    want, wt, _ = logits_run(FullKV(), [ids])
+    got, gt, eng = logits_run(ck(1.0), [ids])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    np.testing.assert_array_equal(gt, wt)
+    assert eng.state.stats()["n_full"] == [N] and eng.achieved_rho[0] == 1.0
+
+
+def test_device_bytes_within_rho():
+    L, rho = 300, 0.3
+    eng = Engine(MODEL, [prompt(L, 7)], ck(rho), tail_capacity=4)
+    full_bytes = L * N * 2 * CFG.head_dim * 4
+    got = prompt_kv_bytes(eng.cache)
+    assert got <= rho * full_bytes * 1.05
+    nf = np_n_full(rho, L)
+    assert got == (nf * L + (N - nf) * (S_ + R_)) * 2 * CFG.head_dim * 4
+    assert eng.state.stats()["bytes_rho"] == pytest.approx(got / full_bytes)
+    assert eng.state.stats()["bytes_rho"] == pytest.approx(eng.achieved_rho[0])
+
+
+def test_batch_of_two_lengths_equals_one_by_one():
+    """L 60 -> 3 full heads, L 200 -> 4 at rho 0.5: one head per batch is full for one sequence only."""
+    a, b = prompt(60, 8), prompt(200, 9)
+    assert np_n_full(0.5, 60) == 3 and np_n_full(0.5, 200) == 4
+    got, gt, eng = logits_run(ck(0.5), [a, b])
+    assert eng.state.stats()["n_full"] == [3, 4]
+    for i, ids in enumerate((a, b)):
+        want, wt, one = logits_run(ck(0.5), [ids])
+        np.testing.assert_allclose(got[i], want[0], atol=1e-4)
+        np.testing.assert_array_equal(gt[i], wt[0])
+        assert eng.achieved_rho[i] == pytest.approx(one.achieved_rho[0])
+
+
+def test_budget_error_names_the_smallest_rho():
+    L = 100
+    ids = prompt(L, 10)
+    with pytest.raises(BudgetError, match=r"smallest rho that works .* is rho=([0-9.]+)") as e:
+        Engine(MODEL, [ids], ck(0.05), tail_capacity=2)
+    rho = float(re.search(r"is rho=([0-9.]+)", str(e.value)).group(1))
+    assert rho == 0.12  # (s + r) / L
+    eng = Engine(MODEL, [ids], ck(rho), tail_capacity=2)
+    assert eng.state.stats()["n_full"] == [0]
+    with pytest.raises(BudgetError):
+        Engine(MODEL, [ids], ck(round(rho - 1e-4, 4)), tail_capacity=2)
+    # a prompt no longer than s + r: every head keeps it all, so only rho 1 is honest
+    with pytest.raises(BudgetError, match=r"rho=1\b"):
+        Engine(MODEL, [prompt(10, 11)], ck(0.9), tail_capacity=2)
+    # the paper's defaults (128 + 256) on a short prompt name rho = 384 / L
+    with pytest.raises(BudgetError, match=r"rho=0.96\b"):
+        Engine(MODEL, [prompt(400, 12)], ContextKeeper(ranking=RANKING, budget=0.5), tail_capacity=2)
+
+
+def test_ranking_for_another_model_is_refused(tmp_path):
+    other = CARanking(scores=np.zeros((30, 3)), votes=np.zeros((30, 3), int), model="smollm2-135m")
+    with pytest.raises(ProfileError, match=r"30 layers x 3 KV heads.*model has 3 layers.*another model.*Calibrate"):
+        Engine(MODEL, [prompt(50)], ContextKeeper(ranking=other, budget=0.5, sink=S_, recent=R_), tail_capacity=2)
+    # no ranking shipped for the tiny model: the default refuses and says how to get one
+    with pytest.raises(ProfileError, match=r"ships none for tiny.*calibrate"):
+        Engine(MODEL, [prompt(50)], ContextKeeper(budget=0.5, sink=S_, recent=R_), tail_capacity=2)
+    path = tmp_path / "r.json"
+    RANKING.save(path)
+    back = load_ranking(path)
+    np.testing.assert_array_equal(back.votes, VOTES)
+    assert back.key() == RANKING.key()
+    assert json.loads(path.read_text())["order"] == [list(x) for x in ORDER]
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ProfileError, match="not a hetero-jax-contextkeeper-ranking"):
+        load_ranking(tmp_path / "bad.json")
+
+
+def test_registry_cli_spec_and_session(tmp_path):
+    p = make_policy("contextkeeper", 0.5)
+    assert isinstance(p, ContextKeeper) and p.budget == 0.5 and (p.sink, p.recent) == (128, 256)
+    path = tmp_path / "r.json"
+    RANKING.save(path)
+    q = make_policy(f"contextkeeper:ranking={path},sink={S_},recent={R_}", 0.5)
+    assert q.ranking_key == RANKING.key() and q == ck(0.5)
+    # a 3-turn session: the compressed heads' prompt part never changes while the tail grows
+    sess = Session(MODEL, prompt(120, 13), q, chat=False, reserve_tokens=16)
+    before = [[np.asarray(g.positions) for g in lc.groups] for lc in sess.engine.cache.layers]
+    for t in range(3):
+        sess.ask(prompt(5, 14 + t), max_new_tokens=2, stop=None)
+        after = [[np.asarray(g.positions) for g in lc.groups] for lc in sess.engine.cache.layers]
+        for x, y in zip(before, after):
+            for u, v in zip(x, y):
+                np.testing.assert_array_equal(u, v)
+    assert int(np.asarray(sess.engine.cache.tail_lens)[0]) > 15
+
+
+def test_shipped_smollm2_ranking_is_resolved_by_shape_and_name():
+    """The shipped file loads, fits SmolLM2-135M's 30 x 3 KV heads, and bind() finds it for that model
+    (a config stand-in: no weights are loaded); another shape gets none."""
+    from types import SimpleNamespace
+
+    from hetero_jax.profile.contextkeeper import default_ranking, shipped_ranking_path
+
+    r = load_ranking(shipped_ranking_path("smollm2-135m"))
+    assert r.shape == (30, 3) and r.model == "smollm2-135m" and r.head_dim == 64
+    assert r.settings["sink"] == 128 and r.settings["recent"] == 256 and r.settings["samples"] >= 4
+    assert r.votes.max() <= r.settings["samples"] and len({tuple(x) for x in r.order()}) == 90
+    smol = SimpleNamespace(name="smollm2-135m", config=SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64))
+    bound = ContextKeeper(budget=0.5).bind(smol)
+    assert bound.ranking_key == r.key()
+    assert default_ranking(MODEL) is None
