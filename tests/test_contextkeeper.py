@@ -263,3 +263,26 @@ def test_shipped_smollm2_ranking_is_resolved_by_shape_and_name():
     bound = ContextKeeper(budget=0.5).bind(smol)
     assert bound.ranking_key == r.key()
     assert default_ranking(MODEL) is None
+
+
+def test_profile_cli_writes_a_ranking(tiny_checkpoint, tmp_path, capsys):
+    """`hetero-jax profile --method contextkeeper` on a converted checkpoint writes a ranking of its shape;
+    a bad --top-p is refused before any work."""
+    from hetero_jax.profile.cli import main
+
+    _, ours = tiny_checkpoint("llama")
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 97} and{i % 13}" for i in range(3000)))
+    out = tmp_path / "rank.json"
+    args = ["profile", "--method", "contextkeeper", "--model", ours, "--data", str(text), "--tokens", "64",
+            "--samples", "2", "--sink", "4", "--recent", "8", "--ck-window", "4", "--no-progress", "--out", str(out)]
+    assert main(args) == 0
+    r = load_ranking(out)
+    import hetero_jax
+
+    cfg = hetero_jax.load(ours).config
+    assert r.shape == (cfg.num_layers, cfg.num_kv_heads) and r.settings["samples"] == 2
+    assert r.settings["sink"] == 4 and r.settings["recent"] == 8 and r.settings["window"] == 4
+    assert "heads per vote count" in capsys.readouterr().out
+    assert main(args[:-2] + ["--top-p", "1.5", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--top-p must be in (0, 1]" in capsys.readouterr().err

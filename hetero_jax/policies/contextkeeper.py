@@ -87,7 +87,7 @@ class ContextKeeper(Policy):
                 raise ProfileError(
                     f"ContextKeeper(ranking=None) needs the shipped head ranking of the loaded model, but "
                     f"hetero-jax ships none for {getattr(model, 'name', 'this model')}; calibrate one with "
-                    "benchmarks/calibrate_contextkeeper.py and pass ContextKeeper(ranking='file.json')")
+                    "`hetero-jax profile --method contextkeeper` and pass ContextKeeper(ranking='file.json')")
         r.check_compatible(model.config)
         return dataclasses.replace(self, ranking=r) if r is not self.ranking else self
 

@@ -1,4 +1,5 @@
-"""``hetero-jax profile``: calibrate a HeteroCache head profile for a model.
+"""``hetero-jax profile``: calibrate a HeteroCache head profile (or, ``--method contextkeeper``, a
+ContextKeeper head ranking) for a model.
 
 ``add_profile_parser(subparsers)`` adds the sub-command to the main CLI;
 ``run_profile(args)`` runs it and returns the exit status.
@@ -43,6 +44,16 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.add_argument("--plot", default=None, help="also write the summary figure (PNG) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--method", choices=["heterocache", "contextkeeper"], default="heterocache",
+                   help="heterocache: role profile (default); contextkeeper: head ranking by the attention mass "
+                   "on the prompt's middle (--sink, --recent, --ck-window, --top-p; the decode and clustering "
+                   "options do not apply)")
+    p.add_argument("--sink", type=int, default=128, help="contextkeeper: sink tokens left out (default 128)")
+    p.add_argument("--recent", type=int, default=256, help="contextkeeper: recent tokens left out (default 256)")
+    p.add_argument("--ck-window", type=int, default=32,
+                   help="contextkeeper: last prompt queries scored (default 32)")
+    p.add_argument("--top-p", type=float, default=0.65,
+                   help="contextkeeper: share of a layer's heads voted for per sample (default 0.65)")
     p.set_defaults(func=run_profile)
     return p
 
@@ -84,6 +95,8 @@ def run_profile(args) -> int:
     from hetero_jax.errors import HeteroJaxError
     from hetero_jax.profile.calibrate import calibrate_tokens, calibration_windows, read_texts
 
+    if getattr(args, "method", "heterocache") == "contextkeeper":
+        return _run_contextkeeper(args)
     try:
         check_profile_args(args)  # before reading data, loading the model or calibrating
         text, source = read_texts(args.data)
@@ -113,6 +126,41 @@ def run_profile(args) -> int:
 
         plot_profile(profile, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _run_contextkeeper(args) -> int:
+    import math
+
+    import numpy as np
+
+    import hetero_jax
+    from hetero_jax.errors import HeteroJaxError
+    from hetero_jax.profile.calibrate import calibration_windows, read_texts
+    from hetero_jax.profile.contextkeeper import calibrate_ranking
+    from hetero_jax.profile.format import ProfileError
+
+    try:
+        check_profile_args(args)
+        if args.sink < 0 or args.recent < 1 or args.ck_window < 1:
+            raise ProfileError("--sink must be >= 0, --recent and --ck-window >= 1")
+        if not (math.isfinite(args.top_p) and 0.0 < args.top_p <= 1.0):
+            raise ProfileError(f"--top-p must be in (0, 1], got {args.top_p}")
+        text, source = read_texts(args.data)
+        model = hetero_jax.load(args.model, dtype=args.dtype, progress=not args.no_progress)
+        windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
+        ranking = calibrate_ranking(model, windows, window=args.ck_window, sink=args.sink, recent=args.recent,
+                                    top_p=args.top_p, source=f"{source}; {args.samples} window(s) of "
+                                    f"{args.tokens} tokens chosen with seed {args.seed}")
+        ranking.save(args.out)
+    except HeteroJaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    values, counts = np.unique(ranking.votes, return_counts=True)
+    print(f"ContextKeeper ranking of {model.name}: {ranking.shape[0]} layers x {ranking.shape[1]} KV heads, "
+          f"{args.samples} x {args.tokens} tokens; heads per vote count: "
+          + ", ".join(f"{int(v)}: {int(c)}" for v, c in zip(values, counts)))
+    print(f"wrote {args.out}")
     return 0
 
 

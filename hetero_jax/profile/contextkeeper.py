@@ -97,7 +97,7 @@ class CARanking:
                 f"{self.shape[1]} KV heads (head_dim {self.head_dim}), but the model has {want[0]} layers x "
                 f"{want[1]} KV heads (head_dim {hd}): it was calibrated for another model. Calibrate one for "
                 "this model (hetero_jax.profile.contextkeeper.calibrate_ranking, or "
-                "benchmarks/calibrate_contextkeeper.py) and pass ContextKeeper(ranking=...)")
+                "`hetero-jax profile --method contextkeeper`) and pass ContextKeeper(ranking=...)")
 
     # ------------------------------------------------------------------ I/O
     def to_json(self) -> dict:
@@ -121,7 +121,7 @@ def load_ranking(path: str | os.PathLike) -> CARanking:
             d = json.load(f)
     except FileNotFoundError:
         raise ProfileError(f"ContextKeeper ranking file {str(path)!r} does not exist") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, or a path with a NUL byte
         raise ProfileError(f"ContextKeeper ranking {str(path)!r} is not readable JSON: {e}") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT_NAME or d.get("version") != SCHEMA_VERSION:
         raise ProfileError(f"{str(path)!r} is not a {FORMAT_NAME} v{SCHEMA_VERSION} file")
