@@ -286,3 +286,36 @@ def test_profile_cli_writes_a_ranking(tiny_checkpoint, tmp_path, capsys):
     assert "heads per vote count" in capsys.readouterr().out
     assert main(args[:-2] + ["--top-p", "1.5", "--out", str(tmp_path / "x.json")]) == 2
     assert "--top-p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_decode_logits_equal_a_full_kv_cache_reduced_to_the_kept_rows():
+    """rho 0.4, L 150: each decode step's logits equal a plain decode over a full-KV cache (original head
+    order, unpermuted weights) where every head holds exactly its numpy-planned rows."""
+    import jax
+
+    from hetero_jax.cache import HeadGroup
+
+    L, rho = 150, 0.4
+    ids = prompt(L, 20)
+    nf = np_n_full(rho, L)
+    assert 0 < nf < N
+    full_heads = set(ORDER[:nf])
+    eng = Engine(MODEL, [ids], ck(rho), tail_capacity=6)
+    _, ref = prefill(PARAMS, CFG, [ids], tail_capacity=6)
+    layers = []
+    for li, lc in enumerate(ref.layers):
+        g = lc.groups[0]
+        groups = []
+        for h in range(CFG.num_kv_heads):
+            pos = np.arange(L) if (li, h) in full_heads else np.r_[0:S_, L - R_:L]
+            groups.append(HeadGroup(k=g.k[:, h : h + 1, pos], v=g.v[:, h : h + 1, pos],
+                                    positions=jnp.asarray(pos, jnp.int32)[None, None],
+                                    lengths=jnp.full((1, 1), len(pos), jnp.int32)))
+        layers.append(lc.replace(groups=tuple(groups)))
+    cache = ref.replace(layers=tuple(layers))
+    tok = eng.first_tokens(0.0, 1.0)
+    for _ in range(4):
+        want, cache = M.decode_step_jit(PARAMS, cache, jax.numpy.asarray(tok), CFG)
+        tok, got = eng.step_with_logits(tok)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+        assert int(tok[0]) == int(np.asarray(want)[0].argmax())
