@@ -102,6 +102,14 @@ PRESETS = {
         "budgets": [0.1, 0.3],
         "haystacks": list(haystack.HAYSTACKS),
     },
+    # issue 18: the other seed systems (ContextKeeper so far), same contexts as issue 17
+    "issue18": {
+        "lengths": [2000],
+        "seeds": [0, 1, 2],
+        "policies": ["full", "snapkv", "heterocache", "contextkeeper"],
+        "budgets": [0.3, 0.5],
+        "haystacks": list(haystack.HAYSTACKS),
+    },
 }
 
 
