@@ -12,7 +12,7 @@ from hetero_jax import model as M
 from hetero_jax.cache import HeadGroup, prompt_kv_bytes
 from hetero_jax.generate import Engine, prefill
 from hetero_jax.policies import BudgetError, FreeKV, PolicyError, make_policy
-from tiny_model import tiny_model
+from tiny_model import greedy_with_logits, tiny_model
 
 MODEL = tiny_model()
 CFG, PARAMS = MODEL.config, MODEL.params
@@ -283,14 +283,7 @@ def test_memory_and_bytes_moved():
 
 
 def greedy(policy, prompts, steps=5):
-    eng = Engine(MODEL, prompts, policy, tail_capacity=steps + 2, is_batch=len(prompts) > 1)
-    tok = eng.first_tokens(0.0, 1.0)
-    toks, logits = [tok], []
-    for _ in range(steps):
-        tok, lg = eng.step_with_logits(tok)
-        toks.append(tok)
-        logits.append(lg)
-    return np.stack(toks, 1), np.stack(logits, 1), eng
+    return greedy_with_logits(MODEL, policy, prompts, steps)
 
 
 @pytest.mark.parametrize("lens, kw", [

@@ -9,7 +9,7 @@ from hetero_jax import model as M
 from hetero_jax.cache import HeadGroup
 from hetero_jax.generate import Engine, prefill
 from hetero_jax.policies import BudgetError, FullKV, Quest, make_policy
-from tiny_model import tiny_model
+from tiny_model import greedy_with_logits, tiny_model
 
 MODEL = tiny_model()
 CFG, PARAMS = MODEL.config, MODEL.params
@@ -91,14 +91,7 @@ def test_pages_and_logits_equal_an_independent_reference():
 
 
 def greedy(policy, prompts, steps=5):
-    eng = Engine(MODEL, prompts, policy, tail_capacity=steps + 2, is_batch=len(prompts) > 1)
-    tok = eng.first_tokens(0.0, 1.0)
-    toks, logits = [tok], []
-    for _ in range(steps):
-        tok, lg = eng.step_with_logits(tok)
-        toks.append(tok)
-        logits.append(lg)
-    return np.stack(toks, 1), np.stack(logits, 1), eng
+    return greedy_with_logits(MODEL, policy, prompts, steps)
 
 
 def test_a_budget_covering_the_prompt_is_full_kv():

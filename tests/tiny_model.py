@@ -27,3 +27,20 @@ def tiny_model(max_position_embeddings: int = 1024, seed: int = 6) -> Model:
                       max_position_embeddings=max_position_embeddings, eos_token_ids=(0,))
     params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=seed, scale=0.3))
     return Model(config=cfg, params=params, tokenizer=TinyTokenizer(), path="", name="tiny")
+
+
+def greedy_with_logits(model: Model, policy, prompts, steps: int = 5):
+    """An Engine over ``prompts`` (a batch when more than one), greedy for ``steps`` decode steps:
+    (tokens [B, steps + 1], logits [B, steps, V], engine)."""
+    import numpy as np
+
+    from hetero_jax.generate import Engine
+
+    eng = Engine(model, prompts, policy, tail_capacity=steps + 2, is_batch=len(prompts) > 1)
+    tok = eng.first_tokens(0.0, 1.0)
+    toks, logits = [tok], []
+    for _ in range(steps):
+        tok, lg = eng.step_with_logits(tok)
+        toks.append(tok)
+        logits.append(lg)
+    return np.stack(toks, 1), np.stack(logits, 1), eng

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.profile.format import ProfileError
+from hetero_jax.profile.format import ProfileError, shipped_data_path
 
 FORMAT_NAME = "hetero-jax-contextkeeper-ranking"
 SCHEMA_VERSION = 1
@@ -134,11 +134,8 @@ def load_ranking(path: str | os.PathLike) -> CARanking:
 
 
 def shipped_ranking_path(model_name: str) -> str | None:
-    fname = SHIPPED_RANKINGS.get(model_name)
-    if fname is None:
-        return None
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", fname)
-    return path if os.path.isfile(path) else None
+    """Path of the ranking shipped for known model ``model_name``, or None."""
+    return shipped_data_path(SHIPPED_RANKINGS, model_name)
 
 
 def default_ranking(model) -> CARanking | None:

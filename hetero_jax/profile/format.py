@@ -586,13 +586,18 @@ def weights_fingerprint(params: Any) -> str:
 SHIPPED_PROFILES = {"smollm2-135m": "smollm2-135m.profile.json"}
 
 
-def shipped_profile_path(model_name: str) -> str | None:
-    """Path of the profile shipped for known model ``model_name``, or None."""
-    fname = SHIPPED_PROFILES.get(model_name)
+def shipped_data_path(table: dict[str, str], model_name: str) -> str | None:
+    """Path of the package-data file (hetero_jax/data/) that ``table`` names for ``model_name``, or None."""
+    fname = table.get(model_name)
     if fname is None:
         return None
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", fname)
     return path if os.path.isfile(path) else None
+
+
+def shipped_profile_path(model_name: str) -> str | None:
+    """Path of the profile shipped for known model ``model_name``, or None."""
+    return shipped_data_path(SHIPPED_PROFILES, model_name)
 
 
 def default_profile(model_or_config: Any, fingerprint: str | None = None) -> HeadProfile | None:
