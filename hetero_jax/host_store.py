@@ -132,15 +132,15 @@ def scatter_rows(group: HeadGroup, operands: tuple, compile_fn=None) -> HeadGrou
     return compile_fn(_scatter, group, *operands)(group, *operands)
 
 
-def host_gather(handle: jax.Array, li: int, idx: jax.Array, row: jax.ShapeDtypeStruct) -> tuple[jax.Array, jax.Array]:
+def host_gather(handle: jax.Array, li: int, idx: jax.Array, like: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Traced: K and V of layer ``li`` of the store ``handle`` at token positions ``idx`` [B, H, S].
 
-    Returns two [B, H, S, D] arrays (``row`` gives D and the dtype). Runs as a host callback with numpy
-    only (the store's views must exist: ``HostKVStore.materialize`` before the step); on a GPU the
-    rows, not the store, cross to the device.
+    Returns two [B, H, S, D] arrays with the head dim and dtype of ``like`` (the group they fill). Runs
+    as a host callback with numpy only (the store's views must exist: ``HostKVStore.materialize``
+    before the step); on a GPU the rows, not the store, cross to the device.
     """
     B, H, S = idx.shape
-    out = jax.ShapeDtypeStruct((B, H, S, row.shape[-1]), row.dtype)
+    out = jax.ShapeDtypeStruct((B, H, S, like.shape[-1]), like.dtype)
 
     def gather(h, positions):
         k, v = _STORES[int(h)]._views[li]
@@ -151,15 +151,22 @@ def host_gather(handle: jax.Array, li: int, idx: jax.Array, row: jax.ShapeDtypeS
     return jax.pure_callback(gather, (out, out), handle, idx)
 
 
-def host_prompt_group(handle: jax.Array, li: int, prompt_lens: jax.Array, n_slots: int,
-                      row: jax.ShapeDtypeStruct, num_heads: int) -> HeadGroup:
-    """Traced: layer ``li``'s whole prompt from the store as a head group [B, H, n_slots] (n_slots >= the
-    longest prompt; slots past a sequence's length repeat its last token and are masked by the lengths).
-    A session turn over an offloading policy attends it densely, as prefill did."""
-    B = prompt_lens.shape[0]
+def attend_chunk_over_host_prompt(li: int, q: jax.Array, layer_cache, tail_start: jax.Array, n_slots: int):
+    """Traced: a session turn's chunk (q [B, H, G, C, D]) attends layer ``li``'s whole prompt, gathered
+    from the store named by the layer's ``aux["store"]`` (dense, as prefill did), and the tail.
+
+    ``n_slots`` >= the longest prompt (static); slots past a sequence's length repeat its last token and
+    are masked by the lengths. ``aux["prompt_lens"]`` [B] gives each sequence's prompt length.
+    """
+    from hetero_jax.model import layer_extend_attention  # model builds on the cache only; no cycle
+
+    aux, g = layer_cache.aux, layer_cache.groups[0]
+    prompt_lens = aux["prompt_lens"]
+    B, H = prompt_lens.shape[0], g.num_heads
     slots = jnp.arange(n_slots, dtype=jnp.int32)
-    idx = jnp.broadcast_to(jnp.minimum(slots[None, :], prompt_lens[:, None] - 1)[:, None, :], (B, num_heads, n_slots))
-    k, v = host_gather(handle, li, idx, row)
-    lengths = jnp.broadcast_to(prompt_lens[:, None], (B, num_heads)).astype(jnp.int32)
-    positions = jnp.where(slots[None, None, :] < lengths[..., None], idx, -1)
-    return HeadGroup(k=k, v=v, positions=positions, lengths=lengths)
+    idx = jnp.broadcast_to(jnp.minimum(slots[None, :], prompt_lens[:, None] - 1)[:, None, :], (B, H, n_slots))
+    k, v = host_gather(aux["store"], li, idx, g.k)
+    lengths = jnp.broadcast_to(prompt_lens[:, None], (B, H)).astype(jnp.int32)
+    whole = HeadGroup(k=k, v=v, positions=jnp.where(slots[None, None, :] < lengths[..., None], idx, -1),
+                      lengths=lengths)
+    return layer_extend_attention(q, layer_cache.replace(groups=(whole,)), tail_start)

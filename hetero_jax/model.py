@@ -196,11 +196,10 @@ def _all_logits_jit(params, x, cfg):
 _full_group_jit = jax.jit(full_group, donate_argnums=(0, 1))
 
 
-def full_layer_groups(k_buf, v_buf, lens, compile_fn=None) -> tuple:
+def full_layer_groups(k_buf, v_buf, lens, t_max: int, compile_fn=None) -> tuple:
     """A layer's cache groups under full KV: every head keeps its whole prompt, trimmed to the longest
-    prompt (chunk padding is not kept). k_buf, v_buf: [B, Hkv, Tp, D]; lens: [B]."""
+    prompt ``t_max`` (a host int: chunk padding is not kept). k_buf, v_buf: [B, Hkv, Tp, D]; lens: [B]."""
     compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
-    t_max = int(np.max(np.asarray(lens)))
     k_keep, v_keep = k_buf[:, :, :t_max], v_buf[:, :, :t_max]
     return (compile_fn(_full_group_jit, k_keep, v_keep, lens)(k_keep, v_keep, lens),)
 
@@ -242,7 +241,7 @@ def prefill(
             args = (layer, x, x_out, k_buf, v_buf, np.int32(start))
             x_out, k_buf, v_buf = compile_fn(_layer_prefill_chunk_jit, *args, chunk=chunk, cfg=cfg)(*args)
         if build_layer is None:
-            groups = full_layer_groups(k_buf, v_buf, lens, compile_fn)
+            groups = full_layer_groups(k_buf, v_buf, lens, int(np.max(prompt_lens)), compile_fn)
         else:
             groups = build_layer(li, layer, x, k_buf, v_buf, lens)
         # one sync per layer: compile work in the next layer's hooks then never overlaps

@@ -65,7 +65,7 @@ def np_middle_mass(ids, window, sink, recent):
 
     def build_layer(li, layer, x_in, k_buf, v_buf, lens):
         captured.append((np.asarray(x_in[0]), np.asarray(k_buf[0], np.float64)))
-        return M.full_layer_groups(k_buf, v_buf, lens)
+        return M.full_layer_groups(k_buf, v_buf, lens, L)
 
     tokens = np.zeros((1, 128), np.int32)
     tokens[0, :L] = ids

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from hetero_jax import model as M
+from hetero_jax.cache import kv_bytes
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError
 
@@ -273,8 +274,7 @@ class DecodeState:
     def kv_bytes_read(self, cache) -> int:
         """K/V and index bytes one decode step reads (device reads plus host fetches), the memory traffic a
         roofline compares: by default every device K/V array and the ``aux`` arrays."""
-        return int(sum(g.k.nbytes + g.v.nbytes for lc in cache.layers for g in lc.groups)
-                   + sum(lc.tail_k.nbytes + lc.tail_v.nbytes for lc in cache.layers)) + self.index_bytes(cache)
+        return kv_bytes(cache) + self.index_bytes(cache)
 
     def stats(self) -> dict:
         """The policy's decode counters (JSON-able)."""

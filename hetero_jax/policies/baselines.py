@@ -39,7 +39,7 @@ class FullKV(Policy):
             raise BudgetError(f"FullKV keeps the whole prompt: its budget is 1, got rho={self.budget:g}")
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
-        return FullPrefill(compile_fn)
+        return FullPrefill(prompt_lens, compile_fn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,7 @@ import numpy as np
 from hetero_jax import model as M
 from hetero_jax.cache import HeadGroup, KVCache
 from hetero_jax.config import ModelConfig
-from hetero_jax.host_store import HostKVStore, host_gather, host_prompt_group, put_rows, scatter_rows
+from hetero_jax.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather, put_rows, scatter_rows
 from hetero_jax.policies.base import (BudgetError, DecodeState, Policy, PolicyError, PrefillPlan, check_int,
                                       check_real)
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
@@ -176,7 +176,7 @@ class FreeKV(Policy):
             # copy just the corrected heads' pages that are not resident yet (FreeKVDecode counts those as
             # pages_corrected).
             idx = page_token_index(sel, ps, start=aux["sinks"])  # [B, H, k*p]
-            k_rows, v_rows = host_gather(aux["store"], li, idx, jax.ShapeDtypeStruct((g.k.shape[-1],), g.k.dtype))
+            k_rows, v_rows = host_gather(aux["store"], li, idx, g.k)
             rel = jnp.arange(g.capacity, dtype=jnp.int32)[None, :] - aux["sinks"][:, None]  # [B, cap]
             in_pages = (rel >= 0) & (rel < aux["k_sel"][:, None] * ps)  # this sequence's page slots
             write = corr[:, :, None] & in_pages[:, None, :]  # [B, H, cap]
@@ -198,11 +198,8 @@ class FreeKV(Policy):
         aux = layer_cache.aux
         if "kmin" not in aux:
             return M.layer_extend_attention(q, layer_cache, tail_start)
-        g = layer_cache.groups[0]
-        n_slots = aux["kmin"].shape[2] * self.page_size + g.capacity  # >= S + P*p + w of every sequence
-        whole = host_prompt_group(aux["store"], li, aux["prompt_lens"], n_slots,
-                                  jax.ShapeDtypeStruct((g.k.shape[-1],), g.k.dtype), g.num_heads)
-        return M.layer_extend_attention(q, layer_cache.replace(groups=(whole,)), tail_start)
+        n_slots = aux["kmin"].shape[2] * self.page_size + layer_cache.groups[0].capacity  # >= S + P*p + w
+        return attend_chunk_over_host_prompt(li, q, layer_cache, tail_start, n_slots)
 
 
 @functools.partial(jax.jit, static_argnames=("n_select",))
@@ -265,7 +262,7 @@ class FreeKVPrefill(PrefillPlan):
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
         if li not in self.compressed:
-            return M.full_layer_groups(k_buf, v_buf, lens, self.compile_fn)
+            return M.full_layer_groups(k_buf, v_buf, lens, int(self.lens.max()), self.compile_fn)
         ps = self.policy.page_size
         t_max = int(self.lens.max())
         self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])

@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax import model as M
-from hetero_jax.cache import HeadGroup, KVCache
+from hetero_jax.cache import HeadGroup, KVCache, tail_kv_bytes
 from hetero_jax.config import ModelConfig
-from hetero_jax.host_store import HostKVStore, host_gather, host_prompt_group
+from hetero_jax.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather
 from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PrefillPlan, check_int, tokens_for
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
                                        smallest_page_rho, top_pages)
@@ -107,7 +107,7 @@ class Quest(Policy):
         idx, lengths = _attended_slots(pages, valid, aux["n_pages"], aux["prompt_lens"], ps)  # [B, H, S]
         g = layer_cache.groups[0]
         if self.offload:
-            k_rows, v_rows = host_gather(aux["store"], li, idx, jax.ShapeDtypeStruct((g.k.shape[-1],), g.k.dtype))
+            k_rows, v_rows = host_gather(aux["store"], li, idx, g.k)
         else:
             k_rows = jnp.take_along_axis(g.k, idx[..., None], axis=2)
             v_rows = jnp.take_along_axis(g.v, idx[..., None], axis=2)
@@ -128,11 +128,8 @@ class Quest(Policy):
         aux = layer_cache.aux
         if not self.offload or "kmin" not in aux:
             return M.layer_extend_attention(q, layer_cache, tail_start)
-        g = layer_cache.groups[0]
         n_slots = aux["kmin"].shape[2] * self.page_size + self.page_size  # >= the longest prompt
-        whole = host_prompt_group(aux["store"], li, aux["prompt_lens"], n_slots,
-                                  jax.ShapeDtypeStruct((g.k.shape[-1],), g.k.dtype), g.num_heads)
-        return M.layer_extend_attention(q, layer_cache.replace(groups=(whole,)), tail_start)
+        return attend_chunk_over_host_prompt(li, q, layer_cache, tail_start, n_slots)
 
 
 def _attended_slots(pages, valid, n_pages, prompt_lens, ps: int):
@@ -173,7 +170,7 @@ class QuestPrefill(PrefillPlan):
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
         if li not in self.sparse:
-            return M.full_layer_groups(k_buf, v_buf, lens, self.compile_fn)
+            return M.full_layer_groups(k_buf, v_buf, lens, int(self.lens.max()), self.compile_fn)
         ps = self.policy.page_size
         t_max = int(self.lens.max())
         args = (k_buf[:, :, :t_max], lens)  # no summaries of the chunk padding
@@ -185,7 +182,7 @@ class QuestPrefill(PrefillPlan):
                         "k_sel": jnp.asarray(self.k_sel, jnp.int32),
                         "pages": jnp.zeros((B, H, n_sel), jnp.int32)}
         if not self.policy.offload:
-            return M.full_layer_groups(k_buf, v_buf, lens, self.compile_fn)
+            return M.full_layer_groups(k_buf, v_buf, lens, t_max, self.compile_fn)
         self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
         self.aux[li]["store"] = self.store.handle_array()
         cap = (n_sel + 1) * ps
@@ -226,18 +223,12 @@ class QuestDecode(DecodeState):
     def kv_bytes_read(self, cache) -> int:
         """Full layers' K/V, each sparse layer's attended rows (read on the device; offloaded, fetched from
         the host first, counted again), summaries and tails."""
-        attended = self._attended()  # [B]
-        per_row = 2 * self.cfg.head_dim * self.itemsize
-        sparse = set(self.policy.sparse_layers(self.cfg))
-        total = self.index_bytes(cache)
-        for li, lc in enumerate(cache.layers):
-            total += lc.tail_k.nbytes + lc.tail_v.nbytes
-            if li in sparse:
-                rows = int(attended.sum()) * self.cfg.num_kv_heads
-                total += rows * per_row * (2 if self.policy.offload else 1)
-            else:
-                total += sum(g.k.nbytes + g.v.nbytes for g in lc.groups)
-        return int(total)
+        sparse = self.policy.sparse_layers(self.cfg)
+        rows = int(self._attended().sum()) * self.cfg.num_kv_heads * len(sparse)
+        per_row = 2 * self.cfg.head_dim * self.itemsize * (2 if self.policy.offload else 1)
+        full = sum(g.k.nbytes + g.v.nbytes for li, lc in enumerate(cache.layers) if li not in sparse
+                   for g in lc.groups)
+        return int(full + rows * per_row + tail_kv_bytes(cache) + self.index_bytes(cache))
 
     def _attended(self) -> np.ndarray:
         """[B] prompt tokens a head of a sparse layer attends per step (selected pages + partial page)."""

@@ -130,11 +130,12 @@ class FullPrefill(PrefillPlan):
 
     consumes_kv = True
 
-    def __init__(self, compile_fn=None):
+    def __init__(self, prompt_lens, compile_fn=None):
+        self.t_max = int(np.max(prompt_lens))
         self.compile_fn = compile_fn
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
-        return M.full_layer_groups(k_buf, v_buf, lens, self.compile_fn)
+        return M.full_layer_groups(k_buf, v_buf, lens, self.t_max, self.compile_fn)
 
     def finish(self, cache: KVCache) -> tuple[KVCache, DecodeState]:
         return cache, DecodeState()

@@ -194,7 +194,7 @@ def sample_scores(cfg, params, token_samples: Sequence[Sequence[int]], *, window
         def build_layer(li, layer, x_in, k_buf, v_buf, lens_d):
             per_layer.append(middle_mass(layer, x_in, k_buf, lens_d, cfg=cfg, window=window, sink=sink,
                                          recent=recent))
-            return M.full_layer_groups(k_buf, v_buf, lens_d, compiled)
+            return M.full_layer_groups(k_buf, v_buf, lens_d, T, compiled)
 
         M.prefill(params, cfg, tokens, lens, chunk=C, tail_capacity=1, build_layer=build_layer,
                   compile_fn=compiled)
