@@ -362,11 +362,9 @@ class Engine:
         return e
 
     def _start(self, model, policy, lens, params, logits, cache, state, prefill_seconds, seed, compile_start):
-        from hetero_jax.policies import achieved_rho
-
         self.model, self.cfg, self.policy, self.lens = model, model.config, policy, lens
         self.params, self.logits, self.cache, self.state = params, logits, cache, state
-        self.achieved_rho = achieved_rho(cache, self.cfg)
+        self.achieved_rho = state.achieved_rho(cache, self.cfg)
         self.prefill_seconds = prefill_seconds
         self.compile_start = compile_start
         self.key = jax.random.PRNGKey(seed)
