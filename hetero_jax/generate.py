@@ -48,7 +48,9 @@ class GenerationStats:
     policy_stats: dict = dataclasses.field(default_factory=dict)
     policy_summary: str = ""  # those counters as text
     policy: str = "FullKV(budget=1.0)"
-    achieved_rho: float = 1.0  # prompt KV kept on the device / full prompt KV (tokens x KV heads x layers)
+    # prompt KV kept on the device / full prompt KV (tokens x KV heads x layers); in bytes for a policy that keeps
+    # no token rows (HCAttention: keys or codes + codebook / full K+V bytes)
+    achieved_rho: float = 1.0
 
     @property
     def prefill_tokens_per_second(self) -> float:

@@ -13,13 +13,14 @@ from hetero_jax.policies.base import BudgetError, Policy, PolicyError, UnknownPo
 from hetero_jax.policies.baselines import CAKE, H2O, FullKV, PyramidKV, SnapKV, StreamingLLM
 from hetero_jax.policies.contextkeeper import ContextKeeper
 from hetero_jax.policies.freekv import FreeKV
+from hetero_jax.policies.hcattention import HCAttention
 from hetero_jax.policies.heterocache import HeteroCache
 from hetero_jax.policies.quest import Quest
 from hetero_jax.policies.runtime import PolicyPrefill, achieved_rho
 
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, PyramidKV, H2O, CAKE, HeteroCache, Quest, FreeKV,
-                      ContextKeeper)
+                      ContextKeeper, HCAttention)
 }
 
 
@@ -80,5 +81,6 @@ def describe_policies() -> str:
 __all__ = [
     "BudgetError", "Policy", "PolicyError", "UnknownPolicyError", "smallest_rho", "tokens_for",
     "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache", "Quest", "FreeKV", "ContextKeeper",
+    "HCAttention",
     "PolicyPrefill", "achieved_rho", "REGISTRY", "make_policy", "parse_options", "describe_policies",
 ]
