@@ -93,8 +93,11 @@ class HCAttention(Policy):
         check_real("HCAttention", "k_cap_fraction", self.k_cap_fraction, 0.0, hi=1.0, hi_open=False)
         if not isinstance(self.renormalize, (bool, np.bool_)):
             raise PolicyError(f"HCAttention: renormalize must be True or False, got {self.renormalize!r}")
-        if self.kv_itemsize is not None and self.kv_itemsize not in (1, 2, 4, 8):
-            raise PolicyError(f"HCAttention: kv_itemsize must be a dtype size in bytes, got {self.kv_itemsize!r}")
+        sz = self.kv_itemsize
+        if sz is not None and (isinstance(sz, (bool, np.bool_)) or not isinstance(sz, (int, np.integer))
+                               or int(sz) not in (1, 2, 4, 8)):
+            raise PolicyError(f"HCAttention: kv_itemsize must be None or a dtype size in bytes (1, 2, 4 or 8), got "
+                              f"{sz!r}")
         cbs = self.codebook
         if cbs is not None:
             cbs = cbs if isinstance(cbs, tuple) else (cbs,)
