@@ -145,6 +145,34 @@ def test_attend_equals_a_numpy_float64_recomputation(mode, renormalize):
     assert (kstar < np.array(lens)[:, None, None]).all() and (kstar >= 1).all()  # tau 0.9 drops tokens
 
 
+def test_k_cap_truncates_and_counts():
+    """k_cap_fraction < 1: a row keeps at most k_cap tokens (its top ones) and is flagged when they hold less than
+    tau; the output is the oracle's over the top k_cap (renormalised)."""
+    lens = [50, 37]
+    pol = HCAttention(budget=0.5, tau=TAU, k_cap_fraction=0.1, kv_itemsize=4)
+    _, cache, _, (k, v, tk, tv) = one_layer(pol, lens, seed=2)
+    q = (0.5 * np.random.default_rng(3).normal(size=(2, H, G, D))).astype(np.float32)  # flat attention
+    out, _, (kstar, trunc) = jax.jit(functools.partial(pol.attend, 0))(
+        jnp.asarray(q), cache.layers[0], jnp.asarray([2, 2], jnp.int32), jnp.asarray(lens))
+    kstar, trunc, out = np.asarray(kstar), np.asarray(trunc), np.asarray(out)
+    cap = 5  # ceil(0.1 x 50): the longest prompt's slots
+    assert (kstar <= cap).all() and trunc.any()
+    for b, L in enumerate(lens):
+        for h in range(H):
+            y, lse, sets, _ = np_prompt_part(q[b, h], k[b, h, :L], None, v[b, h, :L], TAU, True)
+            full_k = np.array([len(s) for s in sets])
+            np.testing.assert_array_equal(trunc[b, h], full_k > cap)
+            np.testing.assert_array_equal(kstar[b, h], np.minimum(full_k, cap))
+            s = q[b, h].astype(np.float64) @ k[b, h, :L].astype(np.float64).T / np.sqrt(D)
+            for r in range(G):
+                kept = np.argsort(-s[r], kind="stable")[: kstar[b, h, r]]
+                p = np.exp(s[r] - s[r].max())
+                yr = p[kept] @ v[b, h, kept].astype(np.float64) / p[kept].sum()
+                lse_r = s[r].max() + np.log(p[kept].sum())
+                want = np_merge(yr[None], np.array([lse_r]), q[b, h, r : r + 1], tk[b, h, :2], tv[b, h, :2])
+                np.testing.assert_allclose(out[b, h, r], want[0], atol=1e-5, rtol=1e-5)
+
+
 def exact_codebook(ids):
     """A codebook whose layer-l centroids are layer l's prompt keys (g = 1, d = D): every key quantizes exactly."""
     _, full = prefill(PARAMS, CFG, [ids], tail_capacity=2)

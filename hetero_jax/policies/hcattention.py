@@ -338,6 +338,10 @@ class HCDecode(DecodeState):
     def fresh(self) -> "HCDecode":
         return HCDecode(self.policy, self.cfg, self.lens, self.point, self.store, self.itemsize)
 
+    def before_step(self, step, cache):
+        self._collect()  # the last step's token was read back: its extras are ready, reading them never waits
+        return cache
+
     def after_step(self, step, extras, cache) -> None:
         self.steps += 1
         for e in extras:
