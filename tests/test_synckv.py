@@ -243,6 +243,10 @@ def test_anticipation_every_m_steps_lags_one_step_and_fetches_the_non_static_top
     assert s["rows_requested"] == 2 * CFG.num_layers * 2 * k_dyn
     assert 0 < s["rows_recalled"] <= s["rows_requested"]
     assert s["bytes_recalled"] == s["rows_recalled"] * 2 * D * 4
+    moved = [(set(a[li][2][0, j]) ^ set(b[li][2][0, j])) for a, b in ((before, after[m]), (after[m], after[2 * m]))
+             for li in range(CFG.num_layers) for j in range(2)]
+    assert s["rows_recalled"] == sum(len(x) for x in moved) // 2  # each moved row swaps one position for another
+    assert s["recalls"] == sum(bool(x) for x in moved)
 
 
 def test_rho_one_equals_full_kv():

@@ -247,6 +247,7 @@ class SyncDecode(DecodeState):
         self.layer_anticipations = 0  # (anticipation, layer) pairs scored
         self.rows_requested = 0  # k_dyn rows per NR head per anticipation: what the paper moves
         self.rows_recalled = 0  # rows actually moved (positions that were not resident yet)
+        self.recalls = 0  # (anticipation, NR head) pairs that moved at least one row
         self.bytes_recalled = 0
         self.overlap_sum, self.overlap_n = 0.0, 0  # |I_D,t ∩ I_D,t-1| / k_dyn per (sequence, cluster)
         self.recall_failures = 0
@@ -303,12 +304,12 @@ class SyncDecode(DecodeState):
         """All or nothing: a failed host -> device transfer keeps the cache, mirrors and counters, with a
         RuntimeWarning (the next anticipation tries again)."""
         saved = (self.layer_anticipations, self.rows_requested, self.rows_recalled, self.bytes_recalled,
-                 self.overlap_sum, self.overlap_n)
+                 self.overlap_sum, self.overlap_n, self.recalls)
         try:
             return self._apply(outs, cache)
         except (RuntimeError, MemoryError) as e:
             (self.layer_anticipations, self.rows_requested, self.rows_recalled, self.bytes_recalled,
-             self.overlap_sum, self.overlap_n) = saved
+             self.overlap_sum, self.overlap_n, self.recalls) = saved
             self.recall_failures += 1
             warnings.warn(f"SyncKV: the anticipation {when} failed ({type(e).__name__}: {e}); the device cache "
                           "keeps its rows", RuntimeWarning, stacklevel=3)
@@ -337,6 +338,7 @@ class SyncDecode(DecodeState):
                     self.overlap_sum += (kd - len(missing)) / kd
                     self.overlap_n += 1
                     self.rows_requested += kd * len(sats)
+                    self.recalls += len(sats) if len(missing) else 0
                     for h in sats:
                         b_l.append(np.full(len(missing), b))
                         h_l.append(np.full(len(missing), h))
@@ -374,6 +376,7 @@ class SyncDecode(DecodeState):
             "anticipations": self.anticipations,
             "turn_anticipations": self.turn_anticipations,
             "layer_anticipations": self.layer_anticipations,
+            "recalls": self.recalls,
             "rows_requested": self.rows_requested,
             "rows_recalled": self.rows_recalled,
             "bytes_recalled": self.bytes_recalled,

@@ -33,6 +33,11 @@ statistical average" over the calibration set; we average the scores rather
 than voting on per-sample roles because a mean of scores is stable under
 small perturbations of a single sample and keeps the tau sweep meaningful.
 
+``scoring="synckv"`` calibrates SyncKV's grouping instead: no prefill scoring; at every decode
+step each KV head's top-k (10% of the length) of its raw softmax over the prompt (GQA max, no
+pooling), the pairwise overlaps of those sets averaged over steps and samples, then k-means of the
+rows of max(S) - S (``clustering.synckv_roles``).
+
 Everything is deterministic: greedy decoding, fixed top-k tie rule of
 ``jax.lax.top_k`` (lower index first), fixed reduction order. ``seed`` only
 chooses the windows in :func:`calibration_windows` and is recorded.
