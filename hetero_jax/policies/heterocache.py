@@ -71,7 +71,7 @@ def _check_hetero_args(p: "HeteroCache") -> None:
                           f"token), got {p.select_window!r}")
     tau = p.tau_drift
     if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float, np.integer, np.floating))
-                            or not np.isfinite(tau)):
+                            or not np.isfinite(float(tau) if abs(tau) < 1e300 else np.inf)):
         raise PolicyError(f"HeteroCache: tau_drift must be a finite number (a drift is a median top-k overlap "
                           f"below it, so [0, 1] is meaningful) or None for the profile's tau_stable, got {tau!r}")
 

@@ -214,7 +214,7 @@ class SyncPrefill(PrefillPlan):
         n_nr = int(sum(len(r.satellites) for r in self.roles))
         itemsize = cache.layers[0].groups[0].k.dtype.itemsize
         full_bytes = cache.batch_size * int(self.lens.max()) * n * 2 * self.cfg.head_dim * itemsize
-        index = int(sum(a.nbytes for a in self.aux_arrays(cache)))
+        index = int(sum(a.nbytes for a in jax.tree.leaves([lc.aux for lc in cache.layers])))  # static_idx
         info = {
             "r_heads": n_r, "nr_heads": n_nr, "k": self.k.tolist(), "k_static": self.k_s.tolist(),
             "k_dynamic": self.k_dyn.tolist(),
@@ -222,10 +222,6 @@ class SyncPrefill(PrefillPlan):
         }
         prefilled = SyncPrefilled(self.policy, self.roles, self.k, self.k_s, self.k_dyn, dyn, self.store, info)
         return cache, SyncDecode(prefilled, compile_fn=self.compile_fn)
-
-    @staticmethod
-    def aux_arrays(cache: KVCache) -> list:
-        return [a for lc in cache.layers for a in jax.tree.leaves(lc.aux)]
 
 
 class SyncDecode(DecodeState):
