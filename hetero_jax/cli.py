@@ -29,7 +29,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--budget", type=float, default=None,
                    help="rho: fraction of the prompt's KV kept on the device, in (0, 1] (default: the policy's)")
     p.add_argument("--profile", default=None,
-                   help="heterocache: head profile JSON (default: the shipped profile of the model)")
+                   help="heterocache / synckv: head profile JSON (default: the shipped profile of the model)")
     p.add_argument("--window", type=int, default=None, help="heterocache: decode steps between drift checks (5)")
     p.add_argument("--tau-drift", type=float, default=None,
                    help="heterocache: drift when the median chance-normalised overlap (o - c) / (1 - c) falls "
@@ -105,7 +105,11 @@ def _cmd_generate(args) -> int:
         print(describe_policies())
         return 0
     extra = parse_options(args.option)
-    if args.policy.split(":")[0].lower() == "heterocache":
+    base = args.policy.split(":")[0].lower()
+    stray_profile = args.profile is not None and base not in ("heterocache", "synckv")
+    if base == "synckv" and args.profile:
+        extra["profile"] = args.profile  # SyncKV loads a path itself
+    if base == "heterocache":
         if args.profile:
             from hetero_jax.profile.format import load_profile
 
@@ -116,8 +120,9 @@ def _cmd_generate(args) -> int:
             extra["tau_drift"] = args.tau_drift
         if args.select_window is not None:
             extra["select_window"] = args.select_window
-    elif args.profile or args.window is not None or args.tau_drift is not None or args.select_window is not None:
-        print("error: --profile, --window, --tau-drift and --select-window apply to --policy heterocache",
+    elif stray_profile or args.window is not None or args.tau_drift is not None or args.select_window is not None:
+        print("error: --window, --tau-drift and --select-window apply to --policy heterocache (--profile to "
+              "heterocache and synckv)",
               file=sys.stderr)
         return 2
     policy = make_policy(args.policy, args.budget, **extra)  # a bad name or value: HeteroJaxError, exit 2
