@@ -16,6 +16,7 @@ from hetero_jax.cache import grow_tail, kv_bytes, prompt_kv_bytes, tail_kv_bytes
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import PromptError
 from hetero_jax.layout import params_for
+from hetero_jax.sharding import batch_sharding, imbalance, per_device_bytes, shard_cache
 
 # Prefill chunk sizes: a prompt is padded to a multiple of its bucket, so a new
 # prompt length recompiles only when it crosses into a new bucket.
@@ -49,6 +50,10 @@ class GenerationStats:
     policy_summary: str = ""  # those counters as text
     policy: str = "FullKV(budget=1.0)"
     achieved_rho: float = 1.0  # prompt KV kept on the device / full prompt KV (tokens x KV heads x layers)
+    # on a mesh: K/V bytes each device holds (str(device) -> bytes, measured from the shards; replicated
+    # groups count on every device) and the host bytes held for each device; {} on one device
+    kv_bytes_per_device: dict = dataclasses.field(default_factory=dict)
+    host_bytes_per_device: dict = dataclasses.field(default_factory=dict)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -73,9 +78,16 @@ class GenerationStats:
             f"({self.prefill_tokens_per_second:.0f} tok/s) | generated {self.generated_tokens} tok, "
             f"decode {self.decode_ms_per_token:.1f} ms/tok | KV device {self.kv_bytes_device / 2**20:.1f} MiB "
             f"(used {self.kv_bytes_used / 2**20:.1f} MiB), host {self.kv_bytes_host / 2**20:.1f} MiB{self._host_roles_text()} | "
-            f"rho {self.achieved_rho:.3f}{' | ' + self.policy_summary if self.policy_summary else ''} | compile {self.compile_seconds:.1f} s | "
-            f"stop: {self.stop_reason}"
+            f"rho {self.achieved_rho:.3f}{' | ' + self.policy_summary if self.policy_summary else ''}"
+            f"{self._devices_text()} | compile {self.compile_seconds:.1f} s | stop: {self.stop_reason}"
         )
+
+    def _devices_text(self) -> str:
+        if not self.kv_bytes_per_device:
+            return ""
+        dev = np.asarray(list(self.kv_bytes_per_device.values()), np.float64)
+        return (f" | {dev.size} devices: KV max {dev.max() / 2**20:.1f} MiB/device "
+                f"(max/mean {imbalance(self.kv_bytes_per_device):.2f})")
 
 
 @dataclasses.dataclass
@@ -142,7 +154,9 @@ def compiled(jitted, *args, **static):
     when next needed.
     """
     leaves, treedef = jax.tree.flatten(args)
-    key = (jitted, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves), tuple(sorted(static.items())))
+    # Shardings are part of the key: an executable compiled for one placement rejects another.
+    key = (jitted, treedef, tuple((jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves),
+           tuple(sorted(static.items())))
     fn = _COMPILED.get(key)
     if fn is None:
         t0 = time.perf_counter()  # the mapping check is part of the compile's cost, kept out of timings too
@@ -184,8 +198,8 @@ def _decode_jit(params, cache, tokens, key, cfg, policy, temperature, top_p):
 
 
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
-            build_layer=None, all_logits: bool = False):
-    """Chunked prefill of a right-padded batch of token-id lists.
+            build_layer=None, all_logits: bool = False, mesh=None):
+    """Chunked prefill of a right-padded batch of token-id lists (split over ``mesh``'s "data" axis).
 
     Returns (logits of each prompt's last token [B, V] float32, cache).
     """
@@ -195,6 +209,8 @@ def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
     tokens = np.zeros((len(prompts), _round_up(T, C)), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
+    if mesh is not None:
+        tokens = jax.device_put(tokens, batch_sharding(mesh, tokens.shape))
     return M.prefill(
         params, cfg, tokens, lens, chunk=C, tail_capacity=tail_capacity,
         build_layer=build_layer, compile_fn=compiled, all_logits=all_logits,
@@ -342,9 +358,12 @@ class Engine:
         compile_start = before = _COMPILE_TIME[0]
         t0 = time.perf_counter()
         params = params_for(model, policy.layout(model.config))  # permuted once per (model, layout)
+        mesh = getattr(model, "mesh", None)
         logits, cache = prefill(params, model.config, batch, tail_capacity=tail_capacity,
-                                build_layer=plan.build_layer)
+                                build_layer=plan.build_layer, mesh=mesh)
         cache, state = plan.finish(cache)  # the decode sees only the state the prefill hands on
+        if mesh is not None:  # KV heads on "model", batch on "data", wherever the partitioner put them
+            cache = shard_cache(cache, mesh)
         # the compressed caches and host reservoirs are off the logits' critical path: wait for them too,
         # so prefill_seconds (TTFT) is the time until decode can start, not until the logits exist
         jax.block_until_ready((logits, cache, state.host_arrays()))
@@ -470,7 +489,17 @@ class Engine:
             compile_seconds=_COMPILE_TIME[0] - self.compile_start,
             policy_stats=self.state.stats(),
             policy_summary=self.state.summary(),
+            kv_bytes_per_device=self.kv_bytes_per_device(),
+            host_bytes_per_device=(per_device_bytes(self.state.host_arrays())
+                                   if getattr(self.model, "mesh", None) is not None else {}),
         )
+
+    def kv_bytes_per_device(self) -> dict:
+        """On a mesh: K/V bytes (prompt groups + tail) each device holds; {} on one device."""
+        if getattr(self.model, "mesh", None) is None:
+            return {}
+        return per_device_bytes([(g.k, g.v) for l in self.cache.layers for g in l.groups]
+                                + [(l.tail_k, l.tail_v) for l in self.cache.layers])
 
 
 def _decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperature, top_p, stops, on_token):
