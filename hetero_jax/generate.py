@@ -16,7 +16,7 @@ from hetero_jax.cache import grow_tail, kv_bytes, prompt_kv_bytes, tail_kv_bytes
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import PromptError
 from hetero_jax.layout import params_for
-from hetero_jax.sharding import batch_sharding, imbalance, per_device_bytes, shard_cache
+from hetero_jax.sharding import MeshError, batch_sharding, imbalance, per_device_bytes, shard_cache, to_host
 
 # Prefill chunk sizes: a prompt is padded to a multiple of its bucket, so a new
 # prompt length recompiles only when it crosses into a new bucket.
@@ -364,6 +364,11 @@ class Engine:
         cache, state = plan.finish(cache)  # the decode sees only the state the prefill hands on
         if mesh is not None:  # KV heads on "model", batch on "data", wherever the partitioner put them
             cache = shard_cache(cache, mesh)
+            if jax.process_count() > 1 and state.host_arrays():
+                raise MeshError(f"{policy!r} keeps host copies, which its decode reads in one process; across "
+                                f"{jax.process_count()} processes run a policy without host copies (full, snapkv, "
+                                "pyramidkv, h2o, cake, streamingllm, quest, contextkeeper) or one process with "
+                                "several devices")
         # the compressed caches and host reservoirs are off the logits' critical path: wait for them too,
         # so prefill_seconds (TTFT) is the time until decode can start, not until the logits exist
         jax.block_until_ready((logits, cache, state.host_arrays()))
@@ -394,31 +399,31 @@ class Engine:
 
     @property
     def positions_left(self) -> int:
-        return self.cfg.max_position_embeddings - int(np.max(np.asarray(self.cache.seq_lens)))
+        return self.cfg.max_position_embeddings - int(np.max(to_host(self.cache.seq_lens)))
 
     def reserve(self, n: int) -> None:
         """Make room for ``n`` more tail tokens (grows the tail in TAIL_QUANTUM steps; recompiles decode)."""
-        need = int(np.max(np.asarray(self.cache.tail_lens))) + n
+        need = int(np.max(to_host(self.cache.tail_lens))) + n
         if need > self.cache.tail_capacity:
             self.cache = grow_tail(self.cache, _round_up(need, TAIL_QUANTUM))
 
     def first_tokens(self, temperature: float, top_p: float) -> np.ndarray:
         """Sample the tokens that follow the prefilled prompt."""
         self.key, sub = jax.random.split(self.key)
-        return np.asarray(sample(self.logits, sub, temperature, top_p))
+        return to_host(sample(self.logits, sub, temperature, top_p))
 
     def step(self, tokens, temperature: float, top_p: float) -> tuple[np.ndarray, float]:
         """Append ``tokens`` [B] and sample the next ones. Returns (next tokens [B], seconds)."""
         t1 = time.perf_counter()
         before = _COMPILE_TIME[0]
         out = self._advance(tokens, temperature, top_p)
-        nxt = np.asarray(out[0])  # the read-back is part of the step's cost
+        nxt = to_host(out[0])  # the read-back is part of the step's cost
         return nxt, time.perf_counter() - t1 - (_COMPILE_TIME[0] - before)
 
     def step_with_logits(self, tokens, temperature: float = 0.0, top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """``step`` that also returns the logits it sampled from: (next tokens [B], logits [B, V] float32)."""
         out = self._advance(tokens, temperature, top_p)
-        return np.asarray(out[0]), np.asarray(out[1], np.float32)
+        return to_host(out[0]), to_host(out[1]).astype(np.float32)
 
     def _advance(self, tokens, temperature: float, top_p: float):
         """One decode step with the policy's hooks; the jitted outputs (tokens, logits, cache, extras)."""
@@ -464,7 +469,7 @@ class Engine:
         if keep_q:
             turn_queries = tuple(jnp.concatenate(qs, axis=2) for qs in zip(*per_chunk))  # [B, Nkv, n, G, D]
             self.cache = self.state.after_extend(turn_queries, self.cache)
-        return np.asarray(logits, np.float32)
+        return to_host(logits).astype(np.float32)
 
     def drain(self) -> float:
         """Wait until the policy's asynchronous decode work (HeteroCache's dispatched drift checks and

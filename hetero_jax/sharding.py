@@ -130,6 +130,17 @@ def per_device_bytes(tree: Any) -> dict[str, int]:
     return dict(out)
 
 
+def to_host(x) -> np.ndarray:
+    """``x`` as a numpy array on this host. Under ``jax.distributed`` an array split over several
+    processes is gathered from all of them (a collective: every process makes the same call in the
+    same order, as SPMD programs do)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def imbalance(by_device: dict[str, int]) -> float:
     """max / mean of per-device bytes (1.0 = perfectly balanced)."""
     vals = np.asarray(list(by_device.values()), np.float64)
