@@ -40,6 +40,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a policy option, repeatable, e.g. --policy quest --option offload=true --option page_size=16 "
                         "(true/false, integers, numbers or text; also written --policy quest:offload=true)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel: split heads and MLP over this many devices (must divide the KV heads)")
+    p.add_argument("--dp", type=int, default=1, help="data parallel: split the batch over this many devices")
     p.add_argument("--turns", default=None,
                    help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
 
@@ -83,6 +86,16 @@ def _check_generate_args(args) -> list[str] | None:
 
         raise PromptError(f"turns file {args.turns} holds no questions (one per line)")
     return questions
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Let a CPU-only run build an n-device mesh: XLA's host platform splits into n devices when told so
+    before JAX starts (no effect on GPUs; a no-op once JAX's backends exist or the flag is set)."""
+    import os
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def enable_compilation_cache() -> None:
@@ -137,7 +150,12 @@ def _cmd_generate(args) -> int:
         raise PromptError("empty prompt: the prompt text has no content; give --prompt TEXT or a --prompt-file "
                           "that holds text")
     enable_compilation_cache()
-    model = hetero_jax.load(args.model, dtype=args.dtype)
+    mesh = None
+    if args.tp * args.dp > 1:
+        from hetero_jax.sharding import make_mesh
+
+        mesh = make_mesh(args.tp, args.dp)
+    model = hetero_jax.load(args.model, dtype=args.dtype, mesh=mesh)
     stream = not args.no_stream
     if args.turns:
         return _run_turns(args, model, prompt, policy, stream, questions)
@@ -202,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "tp", 1) < 1 or getattr(args, "dp", 1) < 1:
+        parser.error("--tp and --dp take a positive number of devices")
+    simulate_cpu_devices(getattr(args, "tp", 1) * getattr(args, "dp", 1))
     if args.command is None:
         parser.print_help()
         return 2

@@ -32,6 +32,13 @@ def pinned_host(device=None) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind="pinned_host")
 
 
+def pinned_like(x: jax.Array) -> jax.Sharding:
+    """Pinned host memory laid out as ``x`` is on the devices: on a mesh each device's shard goes to the
+    memory of that device's host, so a host copy never gathers the heads of other devices."""
+    sharding = getattr(x, "sharding", None)
+    return pinned_host() if sharding is None else sharding.with_memory_kind("pinned_host")
+
+
 _STORES: "weakref.WeakValueDictionary[int, HostKVStore]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
 
@@ -63,7 +70,7 @@ class HostKVStore:
 
     def put(self, li: int, k: jax.Array, v: jax.Array) -> None:
         """Copy layer ``li``'s k, v [B, H, T, D] to pinned host memory (asynchronous)."""
-        self.k[li], self.v[li] = jax.device_put(k, pinned_host()), jax.device_put(v, pinned_host())
+        self.k[li], self.v[li] = jax.device_put(k, pinned_like(k)), jax.device_put(v, pinned_like(v))
         self._views.pop(li, None)
 
     def has(self, li: int) -> bool:

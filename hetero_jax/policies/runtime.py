@@ -13,6 +13,7 @@ from hetero_jax.cache import HeadGroup, KVCache, kept_prompt_tokens, prompt_kv_b
 from hetero_jax.config import ModelConfig
 from hetero_jax.policies.base import DecodeState, Policy, PrefillPlan
 from hetero_jax.policies.primitives import INVALID, gather_group, select_topk
+from hetero_jax.sharding import to_host
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "cfg"))
@@ -87,7 +88,7 @@ class PolicyPrefill(PrefillPlan):
         if self.planned:
             per_b = self.counts[li]
         else:  # CAKE: this layer's share at its own step, given the preferences so far
-            self.prefs.append(np.asarray(aux, np.float64))
+            self.prefs.append(to_host(aux).astype(np.float64))
             prefs = np.stack(self.prefs, axis=1)  # [B, li + 1]
             per_b = np.array([
                 self.policy.cascade(prefs[b], int(self.n[b]), int(self.lens[b]), cfg.num_layers)[0][li]
@@ -143,7 +144,7 @@ class FullPrefill(PrefillPlan):
 
 def achieved_rho(cache: KVCache, cfg: ModelConfig) -> np.ndarray:
     """[B] prompt KV kept on the device / the prompt's full KV (tokens x KV heads x layers)."""
-    full = np.asarray(cache.prompt_lens, np.float64) * cfg.num_kv_heads * cfg.num_layers
+    full = to_host(cache.prompt_lens).astype(np.float64) * cfg.num_kv_heads * cfg.num_layers
     return kept_prompt_tokens(cache) / full
 
 
