@@ -115,12 +115,13 @@ PRESETS = {
         "seeds": [0],
         "haystacks": list(haystack.HAYSTACKS),
     },
-    # issue 18: the other seed systems (ContextKeeper so far) beside full KV, SnapKV and HeteroCache on the same
-    # grid as issue 17; rho 0.1 is below ContextKeeper's 128 sinks + 256 recent tokens at these lengths
+    # issue 18: the other seed systems (ContextKeeper, SyncKV) beside full KV, SnapKV and HeteroCache on the same
+    # grid as issue 17; rho 0.1 is below ContextKeeper's 128 sinks + 256 recent tokens at these lengths; SyncKV
+    # is refused at rho 0.3 (SmolLM2's R-heads, one of 3 KV heads per layer, alone hold 1/3; reason recorded)
     "issue18": {
         "lengths": [1000, 2000, 4000],
         "depths": [0.1, 0.5, 0.9],
-        "policies": ["full", "snapkv", "heterocache", "contextkeeper"],
+        "policies": ["full", "snapkv", "heterocache", "contextkeeper", "synckv"],
         "budgets": [0.3, 0.5],
         "seeds": [0],
         "haystacks": list(haystack.HAYSTACKS),

@@ -5,7 +5,8 @@ __version__ = "0.1.0"
 from hetero_jax.config import ModelConfig, SUPPORTED_ARCHITECTURES  # noqa: E402
 from hetero_jax.errors import CheckpointError, ConfigError, HeteroJaxError, PromptError  # noqa: E402
 from hetero_jax.generate import GenerationResult, GenerationStats, Session, generate  # noqa: E402
-from hetero_jax.hub import load  # noqa: E402
+from hetero_jax.hub import load, place  # noqa: E402
+from hetero_jax.sharding import make_mesh  # noqa: E402
 
 __all__ = [
     "ModelConfig",
@@ -19,4 +20,6 @@ __all__ = [
     "generate",
     "Session",
     "load",
+    "place",
+    "make_mesh",
 ]

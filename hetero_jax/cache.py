@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from hetero_jax.sharding import to_host
+
 
 @struct.dataclass
 class HeadGroup:
@@ -99,7 +101,7 @@ def kv_bytes(cache: KVCache) -> int:
 
 def kept_prompt_tokens(cache: KVCache) -> np.ndarray:
     """[B] prompt tokens kept on the device, summed over every head of every layer."""
-    return sum(np.asarray(g.lengths).sum(axis=1) for l in cache.layers for g in l.groups)
+    return sum(to_host(g.lengths).sum(axis=1) for l in cache.layers for g in l.groups)
 
 
 def used_kv_bytes(cache: KVCache) -> int:
@@ -107,7 +109,7 @@ def used_kv_bytes(cache: KVCache) -> int:
     l0 = cache.layers[0]
     per_token = 2 * l0.tail_k.shape[-1] * l0.tail_k.dtype.itemsize
     n_heads = sum(l.num_heads for l in cache.layers)
-    tail = int(np.asarray(cache.tail_lens).sum()) * n_heads
+    tail = int(to_host(cache.tail_lens).sum()) * n_heads
     return (int(kept_prompt_tokens(cache).sum()) + tail) * per_token
 
 

@@ -29,7 +29,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--budget", type=float, default=None,
                    help="rho: fraction of the prompt's KV kept on the device, in (0, 1] (default: the policy's)")
     p.add_argument("--profile", default=None,
-                   help="heterocache: head profile JSON (default: the shipped profile of the model)")
+                   help="heterocache / synckv: head profile JSON (default: the shipped profile of the model)")
     p.add_argument("--window", type=int, default=None, help="heterocache: decode steps between drift checks (5)")
     p.add_argument("--tau-drift", type=float, default=None,
                    help="heterocache: drift when the median chance-normalised overlap (o - c) / (1 - c) falls "
@@ -40,6 +40,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a policy option, repeatable, e.g. --policy quest --option offload=true --option page_size=16 "
                         "(true/false, integers, numbers or text; also written --policy quest:offload=true)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel: split heads and MLP over this many devices (must divide the KV heads)")
+    p.add_argument("--dp", type=int, default=1, help="data parallel: split the batch over this many devices")
     p.add_argument("--turns", default=None,
                    help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
 
@@ -85,6 +88,16 @@ def _check_generate_args(args) -> list[str] | None:
     return questions
 
 
+def simulate_cpu_devices(n: int) -> None:
+    """Let a CPU-only run build an n-device mesh: XLA's host platform splits into n devices when told so
+    before JAX starts (no effect on GPUs; a no-op once JAX's backends exist or the flag is set)."""
+    import os
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def enable_compilation_cache() -> None:
     """Persist XLA executables under the hetero-jax cache dir, so repeated CLI runs skip most compiles."""
     import os
@@ -105,7 +118,11 @@ def _cmd_generate(args) -> int:
         print(describe_policies())
         return 0
     extra = parse_options(args.option)
-    if args.policy.split(":")[0].lower() == "heterocache":
+    base = args.policy.split(":")[0].lower()
+    stray_profile = args.profile is not None and base not in ("heterocache", "synckv")
+    if base == "synckv" and args.profile:
+        extra["profile"] = args.profile  # SyncKV loads a path itself
+    if base == "heterocache":
         if args.profile:
             from hetero_jax.profile.format import load_profile
 
@@ -116,8 +133,9 @@ def _cmd_generate(args) -> int:
             extra["tau_drift"] = args.tau_drift
         if args.select_window is not None:
             extra["select_window"] = args.select_window
-    elif args.profile or args.window is not None or args.tau_drift is not None or args.select_window is not None:
-        print("error: --profile, --window, --tau-drift and --select-window apply to --policy heterocache",
+    elif stray_profile or args.window is not None or args.tau_drift is not None or args.select_window is not None:
+        print("error: --window, --tau-drift and --select-window apply to --policy heterocache (--profile to "
+              "heterocache and synckv)",
               file=sys.stderr)
         return 2
     policy = make_policy(args.policy, args.budget, **extra)  # a bad name or value: HeteroJaxError, exit 2
@@ -132,7 +150,12 @@ def _cmd_generate(args) -> int:
         raise PromptError("empty prompt: the prompt text has no content; give --prompt TEXT or a --prompt-file "
                           "that holds text")
     enable_compilation_cache()
-    model = hetero_jax.load(args.model, dtype=args.dtype)
+    mesh = None
+    if args.tp * args.dp > 1:
+        from hetero_jax.sharding import make_mesh
+
+        mesh = make_mesh(args.tp, args.dp)
+    model = hetero_jax.load(args.model, dtype=args.dtype, mesh=mesh)
     stream = not args.no_stream
     if args.turns:
         return _run_turns(args, model, prompt, policy, stream, questions)
@@ -197,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "tp", 1) < 1 or getattr(args, "dp", 1) < 1:
+        parser.error("--tp and --dp take a positive number of devices")
+    simulate_cpu_devices(getattr(args, "tp", 1) * getattr(args, "dp", 1))
     if args.command is None:
         parser.print_help()
         return 2

@@ -16,6 +16,7 @@ from hetero_jax.cache import grow_tail, kv_bytes, prompt_kv_bytes, tail_kv_bytes
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import PromptError
 from hetero_jax.layout import params_for
+from hetero_jax.sharding import MeshError, batch_sharding, imbalance, per_device_bytes, shard_cache, to_host
 
 # Prefill chunk sizes: a prompt is padded to a multiple of its bucket, so a new
 # prompt length recompiles only when it crosses into a new bucket.
@@ -51,6 +52,10 @@ class GenerationStats:
     # prompt KV kept on the device / full prompt KV (tokens x KV heads x layers); in bytes for a policy that keeps
     # no token rows (HCAttention: keys or codes + codebook / full K+V bytes)
     achieved_rho: float = 1.0
+    # on a mesh: K/V bytes each device holds (str(device) -> bytes, measured from the shards; replicated
+    # groups count on every device) and the host bytes held for each device; {} on one device
+    kv_bytes_per_device: dict = dataclasses.field(default_factory=dict)
+    host_bytes_per_device: dict = dataclasses.field(default_factory=dict)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -75,9 +80,16 @@ class GenerationStats:
             f"({self.prefill_tokens_per_second:.0f} tok/s) | generated {self.generated_tokens} tok, "
             f"decode {self.decode_ms_per_token:.1f} ms/tok | KV device {self.kv_bytes_device / 2**20:.1f} MiB "
             f"(used {self.kv_bytes_used / 2**20:.1f} MiB), host {self.kv_bytes_host / 2**20:.1f} MiB{self._host_roles_text()} | "
-            f"rho {self.achieved_rho:.3f}{' | ' + self.policy_summary if self.policy_summary else ''} | compile {self.compile_seconds:.1f} s | "
-            f"stop: {self.stop_reason}"
+            f"rho {self.achieved_rho:.3f}{' | ' + self.policy_summary if self.policy_summary else ''}"
+            f"{self._devices_text()} | compile {self.compile_seconds:.1f} s | stop: {self.stop_reason}"
         )
+
+    def _devices_text(self) -> str:
+        if not self.kv_bytes_per_device:
+            return ""
+        dev = np.asarray(list(self.kv_bytes_per_device.values()), np.float64)
+        return (f" | {dev.size} devices: KV max {dev.max() / 2**20:.1f} MiB/device "
+                f"(max/mean {imbalance(self.kv_bytes_per_device):.2f})")
 
 
 @dataclasses.dataclass
@@ -144,7 +156,9 @@ def compiled(jitted, *args, **static):
     when next needed.
     """
     leaves, treedef = jax.tree.flatten(args)
-    key = (jitted, treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves), tuple(sorted(static.items())))
+    # Shardings are part of the key: an executable compiled for one placement rejects another.
+    key = (jitted, treedef, tuple((jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves),
+           tuple(sorted(static.items())))
     fn = _COMPILED.get(key)
     if fn is None:
         t0 = time.perf_counter()  # the mapping check is part of the compile's cost, kept out of timings too
@@ -186,8 +200,8 @@ def _decode_jit(params, cache, tokens, key, cfg, policy, temperature, top_p):
 
 
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
-            build_layer=None, all_logits: bool = False):
-    """Chunked prefill of a right-padded batch of token-id lists.
+            build_layer=None, all_logits: bool = False, mesh=None):
+    """Chunked prefill of a right-padded batch of token-id lists (split over ``mesh``'s "data" axis).
 
     Returns (logits of each prompt's last token [B, V] float32, cache).
     """
@@ -197,6 +211,8 @@ def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
     tokens = np.zeros((len(prompts), _round_up(T, C)), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
+    if mesh is not None:
+        tokens = jax.device_put(tokens, batch_sharding(mesh, tokens.shape))
     return M.prefill(
         params, cfg, tokens, lens, chunk=C, tail_capacity=tail_capacity,
         build_layer=build_layer, compile_fn=compiled, all_logits=all_logits,
@@ -344,9 +360,17 @@ class Engine:
         compile_start = before = _COMPILE_TIME[0]
         t0 = time.perf_counter()
         params = params_for(model, policy.layout(model.config))  # permuted once per (model, layout)
+        mesh = getattr(model, "mesh", None)
         logits, cache = prefill(params, model.config, batch, tail_capacity=tail_capacity,
-                                build_layer=plan.build_layer)
+                                build_layer=plan.build_layer, mesh=mesh)
         cache, state = plan.finish(cache)  # the decode sees only the state the prefill hands on
+        if mesh is not None:  # KV heads on "model", batch on "data", wherever the partitioner put them
+            cache = shard_cache(cache, mesh)
+            if jax.process_count() > 1 and state.host_arrays():
+                raise MeshError(f"{policy!r} keeps host copies, which its decode reads in one process; across "
+                                f"{jax.process_count()} processes run a policy without host copies (full, snapkv, "
+                                "pyramidkv, h2o, cake, streamingllm, quest, contextkeeper) or one process with "
+                                "several devices")
         # the compressed caches and host reservoirs are off the logits' critical path: wait for them too,
         # so prefill_seconds (TTFT) is the time until decode can start, not until the logits exist
         jax.block_until_ready((logits, cache, state.host_arrays()))
@@ -375,31 +399,31 @@ class Engine:
 
     @property
     def positions_left(self) -> int:
-        return self.cfg.max_position_embeddings - int(np.max(np.asarray(self.cache.seq_lens)))
+        return self.cfg.max_position_embeddings - int(np.max(to_host(self.cache.seq_lens)))
 
     def reserve(self, n: int) -> None:
         """Make room for ``n`` more tail tokens (grows the tail in TAIL_QUANTUM steps; recompiles decode)."""
-        need = int(np.max(np.asarray(self.cache.tail_lens))) + n
+        need = int(np.max(to_host(self.cache.tail_lens))) + n
         if need > self.cache.tail_capacity:
             self.cache = grow_tail(self.cache, _round_up(need, TAIL_QUANTUM))
 
     def first_tokens(self, temperature: float, top_p: float) -> np.ndarray:
         """Sample the tokens that follow the prefilled prompt."""
         self.key, sub = jax.random.split(self.key)
-        return np.asarray(sample(self.logits, sub, temperature, top_p))
+        return to_host(sample(self.logits, sub, temperature, top_p))
 
     def step(self, tokens, temperature: float, top_p: float) -> tuple[np.ndarray, float]:
         """Append ``tokens`` [B] and sample the next ones. Returns (next tokens [B], seconds)."""
         t1 = time.perf_counter()
         before = _COMPILE_TIME[0]
         out = self._advance(tokens, temperature, top_p)
-        nxt = np.asarray(out[0])  # the read-back is part of the step's cost
+        nxt = to_host(out[0])  # the read-back is part of the step's cost
         return nxt, time.perf_counter() - t1 - (_COMPILE_TIME[0] - before)
 
     def step_with_logits(self, tokens, temperature: float = 0.0, top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """``step`` that also returns the logits it sampled from: (next tokens [B], logits [B, V] float32)."""
         out = self._advance(tokens, temperature, top_p)
-        return np.asarray(out[0]), np.asarray(out[1], np.float32)
+        return to_host(out[0]), to_host(out[1]).astype(np.float32)
 
     def _advance(self, tokens, temperature: float, top_p: float):
         """One decode step with the policy's hooks; the jitted outputs (tokens, logits, cache, extras)."""
@@ -445,7 +469,7 @@ class Engine:
         if keep_q:
             turn_queries = tuple(jnp.concatenate(qs, axis=2) for qs in zip(*per_chunk))  # [B, Nkv, n, G, D]
             self.cache = self.state.after_extend(turn_queries, self.cache)
-        return np.asarray(logits, np.float32)
+        return to_host(logits).astype(np.float32)
 
     def drain(self) -> float:
         """Wait until the policy's asynchronous decode work (HeteroCache's dispatched drift checks and
@@ -470,7 +494,17 @@ class Engine:
             compile_seconds=_COMPILE_TIME[0] - self.compile_start,
             policy_stats=self.state.stats(),
             policy_summary=self.state.summary(),
+            kv_bytes_per_device=self.kv_bytes_per_device(),
+            host_bytes_per_device=(per_device_bytes(self.state.host_arrays())
+                                   if getattr(self.model, "mesh", None) is not None else {}),
         )
+
+    def kv_bytes_per_device(self) -> dict:
+        """On a mesh: K/V bytes (prompt groups + tail) each device holds; {} on one device."""
+        if getattr(self.model, "mesh", None) is None:
+            return {}
+        return per_device_bytes([(g.k, g.v) for l in self.cache.layers for g in l.groups]
+                                + [(l.tail_k, l.tail_v) for l in self.cache.layers])
 
 
 def _decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperature, top_p, stops, on_token):

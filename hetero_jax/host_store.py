@@ -33,6 +33,13 @@ def pinned_host(device=None) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind="pinned_host")
 
 
+def pinned_like(x: jax.Array) -> jax.Sharding:
+    """Pinned host memory laid out as ``x`` is on the devices: on a mesh each device's shard goes to the
+    memory of that device's host, so a host copy never gathers the heads of other devices."""
+    sharding = getattr(x, "sharding", None)
+    return pinned_host() if sharding is None else sharding.with_memory_kind("pinned_host")
+
+
 _STORES: "weakref.WeakValueDictionary[int, HostKVStore]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
 
@@ -67,8 +74,8 @@ class HostKVStore:
 
     def put(self, li: int, k: jax.Array | None, v: jax.Array) -> None:
         """Copy layer ``li``'s k, v [B, H, T, D] to pinned host memory (asynchronous); k None: values only."""
-        self.k[li] = None if k is None else jax.device_put(k, pinned_host())
-        self.v[li] = jax.device_put(v, pinned_host())
+        self.k[li] = None if k is None else jax.device_put(k, pinned_like(k))
+        self.v[li] = jax.device_put(v, pinned_like(v))
         self._views.pop(li, None)
 
     def has(self, li: int) -> bool:

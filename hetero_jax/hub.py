@@ -15,6 +15,7 @@ from typing import Any, Callable
 from hetero_jax.checkpoint import is_checkpoint, load_checkpoint
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import CheckpointError
+from hetero_jax.sharding import check_mesh, shard_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,13 +42,23 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Model:
-    """A loaded model: config, params pytree (jax arrays, spec.py layout), tokenizer."""
+    """A loaded model: config, params pytree (jax arrays, spec.py layout), tokenizer; ``mesh`` when the
+    params are sharded over several devices (``load(..., mesh=)`` or ``place``)."""
 
     config: ModelConfig
     params: Any
     tokenizer: Any
     path: str
     name: str
+    mesh: Any = None
+
+
+def place(model: Model, mesh) -> Model:
+    """``model`` with its params sharded over ``mesh`` (``hetero_jax.sharding.make_mesh(tp, dp)``); every
+    engine built on the result places its caches and host stores on the same mesh. ``mesh=None``: as is."""
+    if mesh is None:
+        return model
+    return dataclasses.replace(model, params=shard_params(model.params, model.config, mesh), mesh=mesh)
 
 
 def cache_dir() -> str:
@@ -108,8 +119,12 @@ def _check_load_args(name_or_path, dtype) -> None:
                               "checkpoint's own)")
 
 
-def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, progress: bool = True) -> Model:
-    """Load a known model by name (see ``KNOWN_MODELS``) or a converted checkpoint directory."""
+def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, progress: bool = True, mesh=None) -> Model:
+    """Load a known model by name (see ``KNOWN_MODELS``) or a converted checkpoint directory.
+
+    ``mesh``: a ``jax.sharding.Mesh`` with axes ("data", "model") (``hetero_jax.sharding.make_mesh``) to
+    shard the params over (tensor parallel over heads and MLP, replicated over data); None = one device.
+    """
     _check_load_args(name_or_path, dtype)
     key = os.fspath(name_or_path)
     if key in KNOWN_MODELS and not os.path.isdir(key):
@@ -122,4 +137,6 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, progress:
             f"{', '.join(sorted(KNOWN_MODELS))}; or pass the path to a checkpoint converted with "
             "hetero-jax-convert")
     config, params, tokenizer = load_checkpoint(path, dtype=dtype)
-    return Model(config=config, params=params, tokenizer=tokenizer, path=path, name=name)
+    if mesh is not None:
+        check_mesh(mesh, config)  # before the params are placed: the error names the tp values that work
+    return place(Model(config=config, params=params, tokenizer=tokenizer, path=path, name=name), mesh)

@@ -16,6 +16,7 @@ import weakref
 import numpy as np
 
 from hetero_jax.config import ModelConfig
+from hetero_jax.sharding import shard_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,9 @@ def params_for(model, layout: HeadLayout | None) -> dict:
         return model.params
     per_model = _PERMUTED.setdefault(model, {})
     if layout not in per_model:
-        per_model[layout] = permute_params(model.params, model.config, layout)
+        params = permute_params(model.params, model.config, layout)
+        if getattr(model, "mesh", None) is not None:  # permuted heads go back to the devices of their slot
+            params = shard_params(params, model.config, model.mesh)
+        per_model[layout] = params
     return per_model[layout]
 

@@ -1,7 +1,9 @@
 """The one spec of parameter names and shapes.
 
 It drives random init (tests), checkpoint loading (shape checks), the HF and
-GGUF converters (name mapping and shape checks) and, later, sharding.
+GGUF converters (name mapping and shape checks) and sharding (the logical
+axes of every parameter and cache field, mapped onto a device mesh by
+``hetero_jax.sharding``).
 
 Our layout: ``params = {"embed": [V, H], "final_norm": [H], "lm_head": [H, V]
 (absent when tied), "layers": [layer_0, ...]}`` where each layer is a flat dict.
@@ -42,6 +44,58 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.qk_norm:
         s.update(q_norm=(D,), k_norm=(D,))
     return s
+
+
+# Logical axes of each per-layer parameter, one name per dimension. ``hetero_jax.sharding.RULES`` maps a
+# name to a mesh axis: "heads" / "kv_heads" / "mlp" split tensor-parallel (Megatron: q, k, v, gate and up
+# by output column, o and down by input row), "vocab" splits the embedding table and the LM head.
+_LAYER_AXES: dict[str, tuple[str, ...]] = {
+    "attn_norm": ("embed",),
+    "q_proj": ("embed", "heads"),
+    "k_proj": ("embed", "kv_heads"),
+    "v_proj": ("embed", "kv_heads"),
+    "o_proj": ("heads", "embed"),
+    "mlp_norm": ("embed",),
+    "gate_proj": ("embed", "mlp"),
+    "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+    "q_bias": ("heads",),
+    "k_bias": ("kv_heads",),
+    "v_bias": ("kv_heads",),
+    "o_bias": ("embed",),
+    "gate_bias": ("mlp",),
+    "up_bias": ("mlp",),
+    "down_bias": ("embed",),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+}
+
+# Logical axes of the cache's fields (``hetero_jax.cache``): head groups and tails are split by KV head
+# like k_proj's columns, so a device attends with the K/V its own projections produced.
+CACHE_AXES: dict[str, tuple[str, ...]] = {
+    "k": ("batch", "kv_heads", "slots", "head_dim"),
+    "v": ("batch", "kv_heads", "slots", "head_dim"),
+    "positions": ("batch", "kv_heads", "slots"),
+    "lengths": ("batch", "kv_heads"),
+    "tail_k": ("batch", "kv_heads", "slots", "head_dim"),
+    "tail_v": ("batch", "kv_heads", "slots", "head_dim"),
+    "seq_lens": ("batch",),
+    "prompt_lens": ("batch",),
+    "tail_lens": ("batch",),
+    "tail_positions": ("batch", "slots"),
+}
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """Nested dict (same structure as params) of logical axis names, one per dimension."""
+    top: dict = {
+        "embed": ("vocab", "embed"),
+        "final_norm": ("embed",),
+        "layers": [{name: _LAYER_AXES[name] for name in layer} for layer in param_shapes(cfg)["layers"]],
+    }
+    if not cfg.tie_word_embeddings:
+        top["lm_head"] = ("embed", "vocab")
+    return top
 
 
 def param_shapes(cfg: ModelConfig) -> dict:

@@ -17,10 +17,11 @@ from hetero_jax.policies.hcattention import HCAttention
 from hetero_jax.policies.heterocache import HeteroCache
 from hetero_jax.policies.quest import Quest
 from hetero_jax.policies.runtime import PolicyPrefill, achieved_rho
+from hetero_jax.policies.synckv import SyncKV
 
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, PyramidKV, H2O, CAKE, HeteroCache, Quest, FreeKV,
-                      ContextKeeper, HCAttention)
+                      ContextKeeper, SyncKV, HCAttention)
 }
 
 
@@ -81,6 +82,6 @@ def describe_policies() -> str:
 __all__ = [
     "BudgetError", "Policy", "PolicyError", "UnknownPolicyError", "smallest_rho", "tokens_for",
     "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache", "Quest", "FreeKV", "ContextKeeper",
-    "HCAttention",
+    "SyncKV", "HCAttention",
     "PolicyPrefill", "achieved_rho", "REGISTRY", "make_policy", "parse_options", "describe_policies",
 ]

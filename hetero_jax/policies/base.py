@@ -72,7 +72,10 @@ def check_real(owner: str, name: str, value, lo: float, *, lo_open: bool = True,
     """PolicyError unless ``value`` is a finite real number inside the interval (open/closed as told)."""
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
     if ok:
-        v = float(value)
+        try:
+            v = float(value)
+        except OverflowError:  # an int beyond float's range: not finite either
+            v = math.inf
         ok = (math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi))
     if not ok:
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"

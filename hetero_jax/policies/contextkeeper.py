@@ -38,6 +38,7 @@ from hetero_jax.config import ModelConfig
 from hetero_jax.layout import HeadLayout
 from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PolicyError, PrefillPlan, check_int
 from hetero_jax.policies.primitives import gather_group
+from hetero_jax.policies.runtime import bytes_rho
 from hetero_jax.profile.contextkeeper import (DEFAULT_RECENT, DEFAULT_SINK, CARanking, default_ranking,
                                               load_ranking)
 from hetero_jax.profile.format import ProfileError
@@ -240,14 +241,3 @@ class ContextKeeperDecode(DecodeState):
         nf = self.info["n_full"]
         return f"full heads {','.join(map(str, nf))}, bytes rho {self.info['bytes_rho']:.3f}"
 
-
-def bytes_rho(cache, cfg: ModelConfig) -> float:
-    """Device bytes of the prompt K/V groups over a full KV cache of the same batch (every head holding the
-    longest prompt): for one sequence, exactly the kept fraction in bytes."""
-    from hetero_jax.cache import prompt_kv_bytes
-
-    g = cache.layers[0].groups[0]
-    per_slot = 2 * cfg.head_dim * g.k.dtype.itemsize
-    t_max = int(np.max(np.asarray(cache.prompt_lens)))
-    full = cache.batch_size * t_max * cfg.num_kv_heads * cfg.num_layers * per_slot
-    return prompt_kv_bytes(cache) / full

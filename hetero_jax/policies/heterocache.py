@@ -40,7 +40,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import warnings
 from typing import ClassVar
 
@@ -49,27 +48,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from hetero_jax import model as M
 from hetero_jax.cache import HeadGroup, KVCache, full_group
 from hetero_jax.config import ModelConfig
 from hetero_jax.host_store import HostKVStore, put_rows, scatter_rows
-from hetero_jax.layout import HeadLayout
 from hetero_jax.model import prompt_queries
-from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PolicyError, PrefillPlan, check_int
+from hetero_jax.policies.base import BudgetError, DecodeState, PolicyError, PrefillPlan, check_int
 from hetero_jax.policies.primitives import (attention_probs, avg_pool, finalize_scores, gqa_reduce,
                                            observation_window_probs, select_topk)
+from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key
 from hetero_jax.policies.runtime import cap_bucket, select_group
-from hetero_jax.profile.clustering import Role
-from hetero_jax.profile.format import HeadProfile, ProfileError
-
-
-def _profile_key(profile: HeadProfile | None) -> str:
-    if profile is None:
-        return ""
-    h = hashlib.sha256(np.ascontiguousarray(profile.roles).tobytes())
-    h.update(np.nan_to_num(np.asarray(profile.weights, np.float64), nan=-1.0).tobytes())
-    h.update(repr(profile.clusters).encode())
-    return h.hexdigest()[:16]
+from hetero_jax.profile.format import HeadProfile
 
 
 def _check_hetero_args(p: "HeteroCache") -> None:
@@ -83,13 +71,13 @@ def _check_hetero_args(p: "HeteroCache") -> None:
                           f"token), got {p.select_window!r}")
     tau = p.tau_drift
     if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float, np.integer, np.floating))
-                            or not np.isfinite(tau)):
+                            or not np.isfinite(float(tau) if abs(tau) < 1e300 else np.inf)):
         raise PolicyError(f"HeteroCache: tau_drift must be a finite number (a drift is a median top-k overlap "
                           f"below it, so [0, 1] is meaningful) or None for the profile's tau_stable, got {tau!r}")
 
 
 @dataclasses.dataclass(frozen=True)
-class HeteroCache(Policy):
+class HeteroCache(ProfiledPolicy):
     """HeteroCache (``profile=None``: the shipped profile of the loaded model)."""
 
     profile: HeadProfile | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
@@ -112,26 +100,7 @@ class HeteroCache(Policy):
                               f"last token), got {self.select_window!r}")
         if self.pool_kernel != 5:
             raise BudgetError("HeteroCache: the pooled-score kernel supports pool_kernel=5 only")
-        object.__setattr__(self, "profile_key", _profile_key(self.profile))
-
-    # -------------------------------------------------------------- binding
-    def bind(self, model) -> "HeteroCache":
-        """This policy with its profile resolved and checked against ``model``."""
-        from hetero_jax.profile.format import default_profile, weights_fingerprint
-
-        prof = self.profile
-        if prof is None:
-            prof = default_profile(model)
-            if prof is None:
-                raise ProfileError(
-                    f"HeteroCache(profile=None) needs the shipped profile of the loaded model, but hetero-jax "
-                    f"ships none for {getattr(model, 'name', 'this model')}; calibrate one with "
-                    "`hetero-jax profile --model M --data FILE --out profile.json` and pass "
-                    "HeteroCache(profile=load_profile('profile.json'))"
-                )
-        prof.check_compatible(model.config, weights_fingerprint=weights_fingerprint(model.params)
-                              if prof.weights_fingerprint else None)
-        return dataclasses.replace(self, profile=prof) if prof is not self.profile else self
+        object.__setattr__(self, "profile_key", profile_key(self.profile))
 
     @property
     def drift_threshold(self) -> float:
@@ -148,67 +117,8 @@ class HeteroCache(Policy):
         c = s.top_k / s.tokens_per_sample if s is not None and s.top_k and s.tokens_per_sample else 0.0
         return (tau - c) / (1.0 - c)
 
-    def _need_profile(self) -> HeadProfile:
-        if self.profile is None:
-            raise ProfileError("HeteroCache has no profile yet: call policy.bind(model) (generate does this)")
-        return self.profile
-
-    # ---------------------------------------------------------------- layout
-    def roles_in_layout(self, layer: int) -> dict[str, list[int]]:
-        """Original KV-head indices per role of one layer, in layout order within each role."""
-        r = self._need_profile().roles[layer]
-        pick = lambda role: [int(h) for h in np.flatnonzero(r == role)]  # noqa: E731
-        return {"pivot": pick(Role.PIVOT), "volatile": pick(Role.VOLATILE),
-                "satellite": pick(Role.SATELLITE), "anchor": pick(Role.ANCHOR)}
-
-    def layout(self, cfg: ModelConfig) -> HeadLayout:
-        """Per layer: [pivots + volatiles] (full) then [satellites + anchors] (compressed)."""
-        groups = []
-        for l in range(cfg.num_layers):
-            r = self.roles_in_layout(l)
-            groups.append([g for g in (r["pivot"] + r["volatile"], r["satellite"] + r["anchor"]) if g])
-        return HeadLayout.from_groups(groups)
-
-    # --------------------------------------------------------------- budgets
-    def budget_grid(self, prompt_len: int) -> tuple[np.ndarray, int]:
-        """(tokens per KV head [L, H] in original order, L_base as an int) for one prompt."""
-        from hetero_jax.profile.clustering import base_budget
-
-        prof = self._need_profile()
-        if prof.n_compressed == 0:  # every head keeps its full KV: nothing to budget
-            if self.budget < 1.0:  # it would keep rho = 1, far above the request
-                raise BudgetError(
-                    f"HeteroCache: budget rho={self.budget:g} cannot be kept: the profile has no compressed "
-                    "heads (every head is a pivot or volatile and keeps its full KV); the smallest rho that "
-                    "works is 1 (use budget=1.0, or a profile with anchor/satellite heads)")
-            return np.full(prof.roles.shape, prompt_len, np.int64), prompt_len
-        try:
-            grid = prof.budgets(self.budget, prompt_len)
-            n_comp = prof.n_compressed
-            l_base = base_budget(self.budget, prof.roles.size, prof.roles.size - n_comp, n_comp, prompt_len)
-        except ValueError as e:
-            raise BudgetError(f"HeteroCache: {e}") from None
-        return grid, int(max(1, min(prompt_len, np.floor(l_base))))
-
-    def check_budget(self, prompt_len: int) -> int:
-        self.budget_grid(prompt_len)
-        return prompt_len
-
-    def layer_counts(self, cfg, prompt_len):
-        return None
-
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return HeteroPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
-
-    def token_scores(self, layer, x_in, keys, prompt_lens, cfg):
-        raise NotImplementedError("HeteroCache selects per role in HeteroPrefill")
-
-    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
-        """Every kept slot (as the base policy); the extra is the layer's pivot queries [B, Np, G, D] (None
-        without pivots), which ``HeteroDecode.after_step`` buffers for the drift check."""
-        n_pivots = len(self.roles_in_layout(li)["pivot"])
-        out = M.layer_decode_attention(q, layer_cache, tail_lens)
-        return out, layer_cache, (q[:, :n_pivots] if n_pivots else None)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -259,15 +169,6 @@ def _turn_k_base(q_last, keys, lengths, l_base: int):
 _select_rows = jax.jit(select_topk, static_argnames=("cap",))
 
 
-@dataclasses.dataclass
-class LayerRoles:
-    n_full: int  # heads [0, n_full) of the layer (layout order) keep everything
-    pivots: list[int]  # layout positions of pivots (inside the full group)
-    satellites: list[int]  # positions inside the compressed group (the first ones)
-    # cluster of each pivot: positions of its satellites inside the compressed group
-    members: dict[int, list[int]]
-
-
 def _split_heads(group: HeadGroup, counts: np.ndarray) -> list[HeadGroup]:
     """One group per head, each exactly as long as its own budget (counts [B, H]): heads of a layer get
     different l_i, and padding them to the longest would hold memory for nothing."""
@@ -290,17 +191,7 @@ class HeteroPrefill(PrefillPlan):
         self.grid = np.stack([g for g, _ in grids])  # [B, L, H] original head order
         self.l_base = np.array([lb for _, lb in grids])  # [B]
         self.layout = policy.layout(cfg)
-        self.roles: list[LayerRoles] = []
-        for l in range(cfg.num_layers):
-            r = policy.roles_in_layout(l)
-            full = r["pivot"] + r["volatile"]
-            comp = r["satellite"] + r["anchor"]
-            sat_pos = {h: comp.index(h) for h in r["satellite"]}
-            members = {}
-            for pivot, sats in policy.profile.clusters[l]:
-                members[full.index(int(pivot))] = [sat_pos[int(s)] for s in sats]
-            self.roles.append(LayerRoles(len(full), list(range(len(r["pivot"]))),
-                                         [sat_pos[h] for h in r["satellite"]], members))
+        self.roles: list[LayerRoles] = policy.layer_roles(cfg)
         # per layer: pinned-host [B, Hc, T, D] prompt KV of every compressed head (layout order)
         self.store = HostKVStore(cfg.num_layers)
         self.counts: list[np.ndarray] = []  # per layer [B, Hc] tokens kept by compressed heads

@@ -67,6 +67,19 @@ def attention_probs(
     return jax.nn.softmax(s, axis=-1)
 
 
+def query_probs_max(q: jax.Array, keys: jax.Array, lengths: jax.Array) -> jax.Array:
+    """One query per KV head over its keys: float32 softmax(q k^T / sqrt(D)), max over the G query heads,
+    no pooling (SyncKV's scoring, paper §4.1-4.2).
+
+    q: [B, H, G, D]; keys: [B, H, T, D]; lengths: [B, H] valid keys (the rest are masked in the softmax
+    and scored INVALID). Returns [B, H, T] float32.
+    """
+    s = jnp.einsum("bhgd,bhtd->bhgt", q, keys, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(q.shape[-1]))
+    valid = jnp.arange(keys.shape[2], dtype=jnp.int32)[None, None, :] < lengths[..., None]  # [B, H, T]
+    p = jax.nn.softmax(jnp.where(valid[:, :, None, :], s, MASK_VALUE), axis=-1).max(axis=2)
+    return jnp.where(valid, p, INVALID)
+
+
 def observation_window_probs(
     layer: dict, x_in: jax.Array, keys: jax.Array, prompt_lens: jax.Array, window: int, cfg: ModelConfig
 ) -> tuple[jax.Array, jax.Array]:

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax import model as M
-from hetero_jax.cache import HeadGroup, KVCache, kept_prompt_tokens
+from hetero_jax.cache import HeadGroup, KVCache, kept_prompt_tokens, prompt_kv_bytes
 from hetero_jax.config import ModelConfig
 from hetero_jax.policies.base import DecodeState, Policy, PrefillPlan
 from hetero_jax.policies.primitives import INVALID, gather_group, select_topk
+from hetero_jax.sharding import to_host
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "cfg"))
@@ -87,7 +88,7 @@ class PolicyPrefill(PrefillPlan):
         if self.planned:
             per_b = self.counts[li]
         else:  # CAKE: this layer's share at its own step, given the preferences so far
-            self.prefs.append(np.asarray(aux, np.float64))
+            self.prefs.append(to_host(aux).astype(np.float64))
             prefs = np.stack(self.prefs, axis=1)  # [B, li + 1]
             per_b = np.array([
                 self.policy.cascade(prefs[b], int(self.n[b]), int(self.lens[b]), cfg.num_layers)[0][li]
@@ -143,5 +144,15 @@ class FullPrefill(PrefillPlan):
 
 def achieved_rho(cache: KVCache, cfg: ModelConfig) -> np.ndarray:
     """[B] prompt KV kept on the device / the prompt's full KV (tokens x KV heads x layers)."""
-    full = np.asarray(cache.prompt_lens, np.float64) * cfg.num_kv_heads * cfg.num_layers
+    full = to_host(cache.prompt_lens).astype(np.float64) * cfg.num_kv_heads * cfg.num_layers
     return kept_prompt_tokens(cache) / full
+
+
+def bytes_rho(cache, cfg: ModelConfig) -> float:
+    """Device bytes of the prompt K/V groups over a full KV cache of the same batch (every head holding the
+    longest prompt): for one sequence, exactly the kept fraction in bytes."""
+    g = cache.layers[0].groups[0]
+    per_slot = 2 * cfg.head_dim * g.k.dtype.itemsize
+    t_max = int(np.max(np.asarray(cache.prompt_lens)))
+    full = cache.batch_size * t_max * cfg.num_kv_heads * cfg.num_layers * per_slot
+    return prompt_kv_bytes(cache) / full

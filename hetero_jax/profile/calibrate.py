@@ -33,6 +33,11 @@ statistical average" over the calibration set; we average the scores rather
 than voting on per-sample roles because a mean of scores is stable under
 small perturbations of a single sample and keeps the tau sweep meaningful.
 
+``scoring="synckv"`` calibrates SyncKV's grouping instead: no prefill scoring; at every decode
+step each KV head's top-k (10% of the length) of its raw softmax over the prompt (GQA max, no
+pooling), the pairwise overlaps of those sets averaged over steps and samples, then k-means of the
+rows of max(S) - S (``clustering.synckv_roles``).
+
 Everything is deterministic: greedy decoding, fixed top-k tie rule of
 ``jax.lax.top_k`` (lower index first), fixed reduction order. ``seed`` only
 chooses the windows in :func:`calibration_windows` and is recorded.
@@ -53,10 +58,13 @@ from hetero_jax import model as M
 from hetero_jax.cache import full_group
 from hetero_jax.config import ModelConfig
 from hetero_jax.generate import chunk_bucket, compiled
+from hetero_jax.policies.primitives import query_probs_max
+from hetero_jax.profile.clustering import default_n_r
 from hetero_jax.profile.format import (
     ProfileError,
     ProfileSettings,
     build_profile,
+    build_synckv_profile,
     weights_fingerprint,
 )
 from hetero_jax.profile.metrics import max_similarity
@@ -73,11 +81,15 @@ __all__ = [
 
 # The authors' release (and the paper's App. D at 128K): top-k = one fifth of the length.
 TOP_K_FRACTION = 0.2
+# SyncKV's calibration top-k (its paper leaves k "predefined"): a tenth of the length (ours).
+SYNCKV_TOP_K_FRACTION = 0.1
+SCORINGS = ("heterocache", "synckv")
 
 
-def default_top_k(n_tokens: int) -> int:
-    """top_k used when none is given: 20% of the (shortest) calibration length, at least 1."""
-    return max(1, int(round(TOP_K_FRACTION * int(n_tokens))))
+def default_top_k(n_tokens: int, scoring: str = "heterocache") -> int:
+    """top_k used when none is given: 20% of the (shortest) calibration length (10% for SyncKV), at least 1."""
+    frac = SYNCKV_TOP_K_FRACTION if scoring == "synckv" else TOP_K_FRACTION
+    return max(1, int(round(frac * int(n_tokens))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +101,18 @@ class CalibrationStats:
     ``similarity_matrix`` [N, L, H, H]: per-sample pairwise overlaps of the
     K_prefill sets within each layer.
     ``generated`` [N, S]: the greedy tokens fed at each step.
+    SyncKV scoring (``scoring="synckv"``): ``overlaps`` and ``stability`` are None,
+    ``similarity_steps`` [N, S, L, H, H] holds the pairwise overlaps of the heads'
+    top-k sets at every decode step and ``similarity_matrix`` their mean over steps.
     """
 
-    overlaps: np.ndarray
-    stability: np.ndarray
+    overlaps: np.ndarray | None
+    stability: np.ndarray | None
     similarity_matrix: np.ndarray
     generated: np.ndarray
     prompt_lens: np.ndarray
     top_k: int
+    similarity_steps: np.ndarray | None = None
 
 
 # --------------------------------------------------------------------- jitted pieces
@@ -157,12 +173,27 @@ def _calib_step_jit(params, cache, tokens, prefill_masks, cfg, top_k):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, jnp.stack(overlaps)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "top_k"), donate_argnames=("cache",))
+def _synckv_step_jit(params, cache, tokens, cfg, top_k):
+    """SyncKV's calibration step: one greedy decode step, then per layer every KV head's top-k of the
+    step's query over the prompt keys (raw softmax, GQA max, no pooling: ``query_probs_max``) and the
+    pairwise overlaps of those sets. Returns (next tokens [B], cache, overlaps [L, B, H, H])."""
+    logits, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
+    sims = []
+    for li, q in enumerate(queries):
+        g = cache.layers[li].groups[0]
+        sims.append(_pairwise_overlap(_topk_mask(query_probs_max(q, g.k, g.lengths), top_k)))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, jnp.stack(sims)
+
+
 # --------------------------------------------------------------------- one batch of samples
-def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_steps: int, bar):
+def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_steps: int, bar,
+                     scoring: str = "heterocache"):
     """Prefill + decode a right-padded batch of samples; per-row results are independent.
 
     Returns overlaps [B, S, L, H], the K_prefill similarities [B, L, H, H]
-    (float64) and the greedy tokens fed at each step [B, S].
+    (float64) and the greedy tokens fed at each step [B, S]. With ``scoring="synckv"``: (None, the
+    per-step pairwise overlaps [B, S, L, H, H], tokens).
     """
     B = len(batch)
     lens = np.array([s.size for s in batch], np.int32)
@@ -176,15 +207,28 @@ def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_st
     sims: list = [None] * cfg.num_layers
 
     def build_layer(li, layer, x_in, k_buf, v_buf, lens_dev):
+        if scoring == "synckv":  # scored at the decode steps only
+            return (compiled(_full_group_jit, k_buf, v_buf, lens_dev)(k_buf, v_buf, lens_dev),)
         masks[li], sims[li] = compiled(_prefill_topk_jit, layer, x_in, k_buf, lens_dev, cfg=cfg, top_k=top_k)(
             layer, x_in, k_buf, lens_dev)
         return (compiled(_full_group_jit, k_buf, v_buf, lens_dev)(k_buf, v_buf, lens_dev),)
 
     logits, cache = M.prefill(params, cfg, tokens, lens, chunk=C, tail_capacity=decode_steps + 1,
                               build_layer=build_layer, compile_fn=compiled)
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if scoring == "synckv":
+        steps, gen = [], []
+        for _ in range(decode_steps):
+            fn = compiled(_synckv_step_jit, params, cache, tok, cfg=cfg, top_k=top_k)
+            gen.append(np.asarray(tok))
+            tok, cache, sim = fn(params, cache, tok)
+            steps.append(np.asarray(sim, np.float64))  # [L, B, H, H]
+            if bar is not None:
+                bar.update(B)
+        del cache
+        return None, np.stack(steps).transpose(2, 0, 1, 3, 4), np.stack(gen, axis=1).astype(np.int64)
     prefill_masks = jnp.stack(masks)  # [L, B, H, Tp]
     sims = np.asarray(jnp.stack(sims), np.float64).transpose(1, 0, 2, 3)  # [B, L, H, H]
-    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     ovs, gen = [], []
     for _ in range(decode_steps):
         args = (params, cache, tok, prefill_masks)
@@ -217,9 +261,16 @@ def calibrate_tokens(
     fingerprint: str | None = None,
     batch_size: int = 4,
     return_stats: bool = False,
+    scoring: str = "heterocache",
+    n_r: int | None = None,
 ):
     """Calibrate a HeadProfile from token-id samples (no tokenizer needed).
 
+    ``scoring="synckv"`` builds SyncKV's grouping instead (paper §4.1): at every decode step each KV
+    head's top-k (default 10% of the length) of the raw softmax (GQA max, no pooling) over the prompt,
+    the heads' pairwise overlaps averaged over steps and samples into S [L, H, H], then k-means of the
+    rows of max(S) - S into ``n_r`` clusters per layer (default a quarter of the KV heads, at least 1);
+    ``tau_stable`` and ``tau_sim`` do not apply.
     ``token_samples``: one token-id sequence per sample; with ``tokens`` each
     is cut to its first ``tokens`` ids (and must have that many). Returns the
     profile, or ``(profile, CalibrationStats)`` with ``return_stats``.
@@ -227,6 +278,10 @@ def calibrate_tokens(
     reading the weights, so a batch costs about one sample per step); the
     batching is fixed by the sample order, so results stay deterministic.
     """
+    if scoring not in SCORINGS:
+        raise ProfileError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+    if n_r is not None and (isinstance(n_r, bool) or int(n_r) != n_r or n_r < 1):
+        raise ProfileError(f"n_r must be a positive integer (R-heads per layer), got {n_r!r}")
     samples = [np.asarray(s, dtype=np.int64).reshape(-1) for s in token_samples]
     if not samples:
         raise ProfileError("no calibration data: pass at least one non-empty sample")
@@ -245,7 +300,7 @@ def calibrate_tokens(
     if shortest == 0:
         raise ProfileError("empty calibration sample: every sample needs tokens")
     if top_k is None:
-        top_k = default_top_k(shortest)
+        top_k = default_top_k(shortest, scoring)
     if int(top_k) != top_k or top_k < 1:
         raise ProfileError(f"top_k must be a positive integer, got {top_k!r}")
     top_k = int(top_k)
@@ -276,20 +331,38 @@ def calibrate_tokens(
             batch = samples[b0:b0 + batch_size]
             if bar is not None:
                 bar.set_postfix_str(f"samples {b0 + 1}-{b0 + len(batch)}/{len(samples)}: prefill")
-            ov, sim, gen = _calibrate_batch(cfg, params, batch, top_k, int(decode_steps), bar)
-            per.extend(zip(ov, sim, gen))
+            ov, sim, gen = _calibrate_batch(cfg, params, batch, top_k, int(decode_steps), bar, scoring)
+            per.extend(zip(ov if ov is not None else [None] * len(batch), sim, gen))
             if bar is not None:
                 bar.set_postfix_str(f"samples {b0 + 1}-{b0 + len(batch)}/{len(samples)}: decoded")
     finally:
         if bar is not None:
             bar.close()
 
+    lens = sorted({int(s.size) for s in samples})
+    if scoring == "synckv":
+        steps = np.stack([p[1] for p in per])  # [N, S, L, H, H]
+        per_sample = steps.mean(axis=1)  # [N, L, H, H]
+        n_r = default_n_r(cfg.num_kv_heads) if n_r is None else int(n_r)
+        settings = ProfileSettings(
+            top_k=top_k, decode_steps=int(decode_steps), seed=int(seed), calibration_data=data_description,
+            samples=len(samples), tokens_per_sample=int(tokens) if tokens is not None else
+            (lens[0] if len(lens) == 1 else None))
+        profile = build_synckv_profile(
+            per_sample.mean(axis=0), n_r, architecture=cfg.architecture, head_dim=cfg.head_dim,
+            model_name=model_name, settings=settings,
+            weights_fingerprint=fingerprint if fingerprint is not None else weights_fingerprint(params))
+        if return_stats:
+            return profile, CalibrationStats(
+                overlaps=None, stability=None, similarity_matrix=per_sample,
+                generated=np.stack([p[2] for p in per]), prompt_lens=np.array([s.size for s in samples]),
+                top_k=top_k, similarity_steps=steps)
+        return profile
     overlaps = np.stack([p[0] for p in per])  # [N, S, L, H]
     simm_per = np.stack([p[1] for p in per])  # [N, L, H, H]
     stab_per = np.median(overlaps, axis=1)  # [N, L, H]
     stability = stab_per.mean(axis=0)
     simm = simm_per.mean(axis=0)
-    lens = sorted({int(s.size) for s in samples})
     settings = ProfileSettings(
         top_k=top_k, decode_steps=int(decode_steps), tau_stable=float(tau_stable), tau_sim=float(tau_sim),
         seed=int(seed), calibration_data=data_description, samples=len(samples),
@@ -329,6 +402,8 @@ def calibrate(
     data_description: str | None = None,
     batch_size: int = 4,
     return_stats: bool = False,
+    scoring: str = "heterocache",
+    n_r: int | None = None,
 ):
     """Calibrate a HeadProfile for ``model`` (a ``hetero_jax.hub.Model``) on ``texts``.
 
@@ -352,7 +427,7 @@ def calibrate(
     return calibrate_tokens(
         model.config, model.params, samples, top_k=top_k, decode_steps=decode_steps, tau_stable=tau_stable,
         tau_sim=tau_sim, seed=seed, tokens=tokens, progress=progress, model_name=getattr(model, "name", None),
-        data_description=desc, batch_size=batch_size, return_stats=return_stats,
+        data_description=desc, batch_size=batch_size, return_stats=return_stats, scoring=scoring, n_r=n_r,
     )
 
 

@@ -1,5 +1,6 @@
 """``hetero-jax profile``: calibrate a HeteroCache head profile (or, ``--method contextkeeper``, a
-ContextKeeper head ranking; ``--method hcattention``, an HCAttention key codebook) for a model.
+ContextKeeper head ranking; ``--method synckv``, a SyncKV head grouping; ``--method hcattention``, an
+HCAttention key codebook) for a model.
 
 ``add_profile_parser(subparsers)`` adds the sub-command to the main CLI;
 ``run_profile(args)`` runs it and returns the exit status.
@@ -34,7 +35,7 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
                    help=f"greedy decode steps per window (default {DEFAULT_DECODE_STEPS}; the paper uses 100)")
     p.add_argument("--top-k", type=int, default=None,
-                   help="size of each top-k token set (default: 20%% of --tokens)")
+                   help="size of each top-k token set (default: 20%% of --tokens; synckv: 10%%)")
     p.add_argument("--tau-stable", type=float, default=0.5, help="stability threshold (default 0.5)")
     p.add_argument("--tau-sim", type=float, default=0.5, help="similarity threshold (default 0.5)")
     p.add_argument("--seed", type=int, default=0, help="chooses the windows (default 0)")
@@ -44,11 +45,15 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.add_argument("--plot", default=None, help="also write the summary figure (PNG) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--method", choices=["heterocache", "contextkeeper", "hcattention"], default="heterocache",
+    p.add_argument("--method", choices=["heterocache", "contextkeeper", "synckv", "hcattention"],
+                   default="heterocache",
                    help="heterocache: role profile (default); contextkeeper: head ranking by the attention mass "
                    "on the prompt's middle (--sink, --recent, --ck-window, --top-p; the decode and clustering "
-                   "options do not apply); hcattention: key codebook, written as .npz (--sub-dim, "
-                   "--codebook-size, --kmeans-steps, --kmeans-batch)")
+                   "options do not apply); synckv: R-heads by k-means over the heads' mean top-k overlaps at "
+                   "every decode step (--n-r; --tau-stable and --tau-sim do not apply); hcattention: key "
+                   "codebook, written as .npz (--sub-dim, --codebook-size, --kmeans-steps, --kmeans-batch)")
+    p.add_argument("--n-r", type=int, default=None,
+                   help="synckv: clusters (R-heads) per layer (default: a quarter of the KV heads, at least 1)")
     p.add_argument("--sink", type=int, default=128, help="contextkeeper: sink tokens left out (default 128)")
     p.add_argument("--recent", type=int, default=256, help="contextkeeper: recent tokens left out (default 256)")
     p.add_argument("--ck-window", type=int, default=32,
@@ -73,6 +78,8 @@ def check_profile_args(args) -> None:
 
     from hetero_jax.profile.format import ProfileError
 
+    if getattr(args, "n_r", None) is not None and args.n_r < 1:
+        raise ProfileError(f"--n-r must be >= 1, got {args.n_r}")
     for flag in ("tokens", "samples", "decode_steps", "batch_size"):
         v = getattr(args, flag)
         if v < 1:
@@ -103,9 +110,10 @@ def run_profile(args) -> int:
     from hetero_jax.errors import HeteroJaxError
     from hetero_jax.profile.calibrate import calibrate_tokens, calibration_windows, read_texts
 
-    if getattr(args, "method", "heterocache") == "contextkeeper":
+    method = getattr(args, "method", "heterocache")
+    if method == "contextkeeper":
         return _run_contextkeeper(args)
-    if getattr(args, "method", "heterocache") == "hcattention":
+    if method == "hcattention":
         return _run_hcattention(args)
     try:
         check_profile_args(args)  # before reading data, loading the model or calibrating
@@ -118,7 +126,7 @@ def run_profile(args) -> int:
             model.config, model.params, windows, top_k=args.top_k, decode_steps=args.decode_steps,
             tau_stable=args.tau_stable, tau_sim=args.tau_sim, seed=args.seed, tokens=args.tokens,
             progress=not args.no_progress, model_name=model.name, data_description=desc,
-            batch_size=args.batch_size,
+            batch_size=args.batch_size, scoring=method, n_r=getattr(args, "n_r", None),
         )
         profile.to_json(args.out)
     except HeteroJaxError as e:
@@ -126,6 +134,13 @@ def run_profile(args) -> int:
         return 2
     counts = profile.role_counts()
     total = sum(counts.values())
+    if method == "synckv":
+        print(f"SyncKV grouping of {model.name}: {profile.num_layers} layers x {profile.num_kv_heads} KV heads, "
+              f"{profile.settings.n_clusters} cluster(s) per layer (top_k {profile.settings.top_k}, "
+              f"{args.decode_steps} decode steps, {args.samples} x {args.tokens} tokens)")
+        print(f"R-heads {counts['pivot']}, NR-heads {counts['satellite']}, singletons (full) {counts['volatile']}")
+        print(f"wrote {args.out}")
+        return 0
     print(f"profile of {model.name}: {profile.num_layers} layers x {profile.num_kv_heads} KV heads = {total} heads "
           f"(top_k {profile.settings.top_k}, {args.decode_steps} decode steps, {args.samples} x {args.tokens} tokens)")
     print("roles: " + ", ".join(f"{k} {v}" for k, v in counts.items())

@@ -11,6 +11,7 @@ Notation: ``L`` layers, ``H`` KV heads per layer.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from typing import NamedTuple
 
@@ -33,6 +34,10 @@ __all__ = [
     "min_rho",
     "head_budgets",
     "budget_grid",
+    "KMeansResult",
+    "kmeans_rows",
+    "synckv_roles",
+    "default_n_r",
 ]
 
 
@@ -255,3 +260,123 @@ def budget_grid(rho: float, roles: np.ndarray, weights: np.ndarray, prompt_len: 
                     hi_c = c
             out[comp] = np.clip(np.floor(np.minimum(prompt_len, lo_c * w) + 1e-9), 1, prompt_len)
     return out
+
+
+# ----------------------------------------------------------- SyncKV: k-means over distance rows
+class KMeansResult(NamedTuple):
+    labels: np.ndarray  # int64 [H]: cluster of each point (clusters numbered by their representative)
+    centroids: np.ndarray  # float64 [n, F]
+    representatives: np.ndarray  # int64 [n]: per cluster, the member closest to its centroid (ascending)
+    inertia: float  # sum of squared distances to the assigned centroids
+
+
+KMEANS_EXHAUSTIVE = 256  # C(H, n) initialisations at most are all tried; beyond, k-means++ restarts
+KMEANS_RESTARTS = 32
+
+
+def _sq_dists(x: np.ndarray, c: np.ndarray) -> np.ndarray:
+    return ((x[:, None, :] - c[None, :, :]) ** 2).sum(-1)  # [H, n]
+
+
+def _lloyd(x: np.ndarray, cent: np.ndarray, max_iter: int = 300) -> tuple[np.ndarray, np.ndarray, float]:
+    """Lloyd iterations from ``cent`` until the assignment stops changing; an emptied cluster is re-seeded
+    with the point farthest from its current centroid (ties: lowest index). Returns (labels, centroids,
+    inertia)."""
+    cent = cent.copy()
+    labels = None
+    for _ in range(max_iter):
+        d = _sq_dists(x, cent)
+        new = np.argmin(d, axis=1)  # ties to the lower cluster index
+        for j in range(len(cent)):
+            if not (new == j).any():  # empty: take the worst-served point (of a cluster with > 1 member)
+                far = d[np.arange(len(x)), new]
+                sizes = np.bincount(new, minlength=len(cent))
+                far = np.where(sizes[new] > 1, far, -1.0)
+                i = int(np.argmax(far))
+                new[i] = j
+        if labels is not None and np.array_equal(new, labels):
+            break
+        labels = new
+        cent = np.stack([x[labels == j].mean(0) for j in range(len(cent))])
+    inertia = float(((x - cent[labels]) ** 2).sum())
+    return labels, cent, inertia
+
+
+def _kmeans_pp(x: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """k-means++ seeding: first centre uniform, then each next with probability proportional to D^2."""
+    idx = [int(rng.integers(len(x)))]
+    for _ in range(1, n):
+        d = _sq_dists(x, x[idx]).min(1)
+        p = d / d.sum() if d.sum() > 0 else np.full(len(x), 1.0 / len(x))
+        idx.append(int(rng.choice(len(x), p=p)))
+    return x[idx]
+
+
+def kmeans_rows(rows: np.ndarray, n_clusters: int) -> KMeansResult:
+    """Deterministic k-means of the rows of ``rows`` [H, F] into ``n_clusters`` clusters (SyncKV §4.1).
+
+    Initialisations: every choice of ``n_clusters`` distinct rows when there are at most
+    ``KMEANS_EXHAUSTIVE`` of them, else ``KMEANS_RESTARTS`` k-means++ seedings (numpy seed 0); each runs
+    Lloyd to convergence and the lowest inertia wins (ties: the first tried). Each cluster's
+    representative is its member nearest the centroid (ties: lowest index); clusters are numbered in the
+    order of their representatives. ``n_clusters >= H`` puts every row in its own cluster.
+    """
+    x = np.asarray(rows, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise ValueError(f"kmeans_rows takes a non-empty [H, F] matrix, got shape {x.shape}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("kmeans_rows: rows must be finite")
+    h = x.shape[0]
+    if isinstance(n_clusters, bool) or int(n_clusters) != n_clusters or n_clusters < 1:
+        raise ValueError(f"n_clusters must be an integer >= 1, got {n_clusters!r}")
+    n = min(int(n_clusters), h)
+    if math.comb(h, n) <= KMEANS_EXHAUSTIVE:
+        inits = (x[list(c)] for c in itertools.combinations(range(h), n))
+    else:
+        rng = np.random.default_rng(0)
+        inits = (_kmeans_pp(x, n, rng) for _ in range(KMEANS_RESTARTS))
+    best = None
+    for c0 in inits:
+        labels, cent, inertia = _lloyd(x, c0)
+        if best is None or inertia < best[2] - 1e-12:
+            best = (labels, cent, inertia)
+    labels, cent, inertia = best
+    reps = []
+    for j in range(n):
+        members = np.flatnonzero(labels == j)
+        d = np.sqrt(((x[members] - cent[j]) ** 2).sum(-1))
+        reps.append(int(members[np.argmin(d)]))  # argmin: ties to the lowest index (members ascending)
+    order = np.argsort(reps)
+    relabel = np.empty(n, np.int64)
+    relabel[order] = np.arange(n)
+    return KMeansResult(relabel[labels].astype(np.int64), cent[order], np.asarray(reps, np.int64)[order], inertia)
+
+
+def default_n_r(num_kv_heads: int) -> int:
+    """SyncKV's representatives per layer: a quarter of the KV heads (the paper's 2 of 8 and 1 of 4), >= 1."""
+    return max(1, int(math.floor(num_kv_heads / 4 + 0.5)))
+
+
+def synckv_roles(similarity: np.ndarray, n_r: int) -> RoleAssignment:
+    """SyncKV's head grouping from per-layer mean top-k overlaps ``similarity`` [L, H, H].
+
+    Per layer: D = max(S) - S, k-means of D's rows into ``n_r`` clusters (:func:`kmeans_rows`); each
+    cluster's representative (R-head) becomes a pivot, its other members satellites (NR-heads). A cluster
+    of one head becomes a volatile head: it keeps its full KV and has no one to lead.
+    """
+    simm = np.asarray(similarity, dtype=np.float64)
+    if simm.ndim != 3 or simm.shape[1] != simm.shape[2]:
+        raise ValueError(f"similarity must be [L, H, H], got shape {simm.shape}")
+    roles = np.full(simm.shape[:2], Role.VOLATILE, np.int8)
+    clusters = []
+    for layer, s in enumerate(simm):
+        km = kmeans_rows(s.max() - s, n_r)
+        layer_clusters = []
+        for j, rep in enumerate(km.representatives):
+            sats = tuple(int(h) for h in np.flatnonzero(km.labels == j) if h != rep)
+            if sats:
+                roles[layer, rep] = Role.PIVOT
+                roles[layer, list(sats)] = Role.SATELLITE
+                layer_clusters.append(Cluster(int(rep), sats))
+        clusters.append(tuple(layer_clusters))
+    return RoleAssignment(roles, tuple(clusters))

@@ -35,6 +35,7 @@ from hetero_jax.profile.clustering import (
     allocation_weights,
     assign_roles,
     budget_grid,
+    synckv_roles,
 )
 from hetero_jax.profile.metrics import max_similarity, similarity_edges
 
@@ -45,9 +46,11 @@ __all__ = [
     "ProfileSettings",
     "HeadProfile",
     "build_profile",
+    "build_synckv_profile",
     "load_profile",
     "weights_fingerprint",
     "SHIPPED_PROFILES",
+    "SHIPPED_SYNCKV_PROFILES",
     "shipped_profile_path",
     "default_profile",
 ]
@@ -73,6 +76,8 @@ class ProfileSettings:
     calibration_data: str | None = None  # free text: source, selection
     samples: int | None = None  # calibration texts
     tokens_per_sample: int | None = None  # prompt length of each text
+    method: str | None = None  # "synckv" for a SyncKV grouping (k-means); None: HeteroCache's taxonomy
+    n_clusters: int | None = None  # SyncKV: clusters (R-heads) asked for per layer
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -185,6 +190,9 @@ class HeadProfile:
 
         Needs the stored similarity matrix (our profiles have it; the authors' files do not).
         """
+        if self.settings.method == "synckv":
+            raise ProfileError("a SyncKV profile is grouped by k-means, not by thresholds: rebuild it with "
+                               "build_synckv_profile(profile.similarity_matrix, n_r)")
         if self.similarity_matrix is None:
             raise ProfileError("this profile stores no similarity matrix (the authors' format), so its heads "
                                "cannot be re-clustered; calibrate one with `hetero-jax profile`")
@@ -367,6 +375,34 @@ def build_profile(
         weights_fingerprint=weights_fingerprint,
         settings=settings,
     )
+
+
+def build_synckv_profile(
+    similarity_matrix: np.ndarray,
+    n_r: int,
+    *,
+    architecture: str | None = None,
+    head_dim: int | None = None,
+    model_name: str | None = None,
+    weights_fingerprint: str | None = None,
+    settings: ProfileSettings | None = None,
+) -> HeadProfile:
+    """A SyncKV grouping (paper §4.1) as a HeadProfile: R-heads are pivots, NR-heads satellites (weight 1,
+    so ``budgets`` gives every NR head the same k), singleton clusters volatile; no stability.
+
+    ``similarity_matrix`` [L, H, H]: each layer's mean pairwise top-k overlap over decode steps and samples
+    (``calibrate_tokens(scoring="synckv")``); ``n_r``: clusters per layer (``clustering.default_n_r``).
+    """
+    simm = np.asarray(similarity_matrix, dtype=np.float64)
+    if simm.ndim != 3 or simm.shape[1] != simm.shape[2]:
+        raise ProfileError(f"similarity_matrix must be [L, H, H], got shape {simm.shape}")
+    roles, clusters = synckv_roles(simm, n_r)
+    weights = np.where(roles == Role.SATELLITE, 1.0, np.nan)
+    settings = dataclasses.replace(settings or ProfileSettings(), method="synckv", n_clusters=int(n_r),
+                                   tau_stable=None, tau_sim=None)
+    return HeadProfile(roles=roles, clusters=clusters, weights=weights, similarity=max_similarity(simm),
+                       similarity_matrix=simm, architecture=architecture, head_dim=head_dim, model_name=model_name,
+                       weights_fingerprint=weights_fingerprint, settings=settings)
 
 
 # ====================================================================== load
@@ -584,6 +620,8 @@ def weights_fingerprint(params: Any) -> str:
 
 # Profiles shipped as package data (hetero_jax/data/), by known model name.
 SHIPPED_PROFILES = {"smollm2-135m": "smollm2-135m.profile.json"}
+# SyncKV groupings (``hetero-jax profile --method synckv``), same format.
+SHIPPED_SYNCKV_PROFILES = {"smollm2-135m": "smollm2-135m.synckv.json"}
 
 
 def shipped_data_path(table: dict[str, str], model_name: str) -> str | None:
@@ -600,8 +638,10 @@ def shipped_profile_path(model_name: str) -> str | None:
     return shipped_data_path(SHIPPED_PROFILES, model_name)
 
 
-def default_profile(model_or_config: Any, fingerprint: str | None = None) -> HeadProfile | None:
-    """The shipped HeadProfile that fits this model, or None.
+def default_profile(model_or_config: Any, fingerprint: str | None = None,
+                    table: dict[str, str] | None = None) -> HeadProfile | None:
+    """The shipped HeadProfile that fits this model, or None (``table``: which shipped files to search,
+    default ``SHIPPED_PROFILES``, HeteroCache's; ``SHIPPED_SYNCKV_PROFILES`` for SyncKV's).
 
     ``model_or_config``: a ``hetero_jax.hub.Model`` (its params are
     fingerprinted) or a ModelConfig-like object. A shipped profile fits when
@@ -612,8 +652,9 @@ def default_profile(model_or_config: Any, fingerprint: str | None = None) -> Hea
     cfg = getattr(model_or_config, "config", model_or_config)
     params = getattr(model_or_config, "params", None)
     fp = fingerprint
-    for name in SHIPPED_PROFILES:
-        path = shipped_profile_path(name)
+    table = SHIPPED_PROFILES if table is None else table
+    for name in table:
+        path = shipped_data_path(table, name)
         if path is None:
             continue
         prof = load_profile(path)

@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""Beyond one device: per-device KV bytes on a ("data", "model") mesh, and where role-balanced placement helps.
+
+Two parts:
+
+1. **Placement, computed from profiles** (no model run): the authors' published HeteroCache profiles
+   (Llama-3.1-8B-Instruct, Qwen2.5-14B-Instruct, ``../shared/reference``) give every head's device tokens
+   at a budget rho and prompt length L (Eq. 7-8). For tp in 2/4/8 the table shows the bytes the largest
+   shard keeps, max/mean, and what an SPMD cache (per-layer head groups split evenly over the shards)
+   allocates per device, for the contiguous split of the checkpoint order, of the role-grouped layout, and
+   for ``hetero_jax.placement.balanced_placement``.
+2. **A sharded run on simulated CPU devices** (SmolLM2-135M, 3 KV heads): tp in {1, 3} x dp in {1, 2},
+   full KV / SnapKV / HeteroCache, a batch of two prompts: per-device device and host bytes measured from
+   the arrays' shards, and the decode step time. A correctness and scaling-shape run: 6 "devices" share
+   this machine's cores, so the times say nothing about speed on real devices.
+
+    .venv/bin/python benchmarks/bench_mesh.py --write-results
+
+The planned GPU run (8 devices, Llama-3.1-8B shapes) is named in the section it writes.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # must precede JAX's start; no effect on GPU devices
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=6").strip()
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (benchmarks/common.py)
+import haystack  # noqa: E402  (benchmarks/haystack.py)
+
+SECTION = "mesh"
+REFERENCE = common.REPO_ROOT.parent / "shared" / "reference"
+PROFILES = {"Llama-3.1-8B-Instruct": "official_profile_llama-3.1-8b-instruct.json",
+            "Qwen2.5-14B-Instruct": "official_profile_qwen2.5-14b-instruct.json"}
+GPU_COMMAND = ("python benchmarks/bench_mesh.py --model <converted Llama-3.1-8B dir> --meshes 1x1,8x1,4x2 "
+               "--prompt-tokens 32768 --write-results  # on 8 GPUs")
+
+
+def placement_rows(rhos, lengths, tps, itemsize: int = 2) -> list[dict]:
+    from hetero_jax.placement import placement_report
+    from hetero_jax.profile.format import load_profile
+
+    rows = []
+    for model_name, fname in PROFILES.items():
+        path = REFERENCE / fname
+        if not path.exists():
+            print(f"skipping {model_name}: {path} not found")
+            continue
+        profile = load_profile(str(path))
+        bytes_per_token = 2 * profile.head_dim * itemsize
+        for rho in rhos:
+            for L in lengths:
+                budgets = profile.budgets(rho, L)
+                for tp in tps:
+                    if profile.num_kv_heads % tp:
+                        continue
+                    for r in placement_report(budgets, tp, bytes_per_token):
+                        rows.append(dict(model=model_name, rho=rho, prompt_tokens=L, **r,
+                                         full_per_shard=profile.num_layers * profile.num_kv_heads // tp * L
+                                         * bytes_per_token))
+    return rows
+
+
+def sharded_runs(model_name: str, meshes, policies, prompt_tokens: int, steps: int) -> list[dict]:
+    import jax
+    import numpy as np
+
+    import hetero_jax
+    from hetero_jax.generate import Engine
+    from hetero_jax.policies import make_policy
+    from hetero_jax.sharding import imbalance, make_mesh
+
+    base = hetero_jax.load(model_name, progress=False)
+    tok = base.tokenizer
+    ids = tok.encode(haystack.pydoc_corpus(), add_special_tokens=False)
+    prompts = [ids[:prompt_tokens], ids[prompt_tokens: 2 * prompt_tokens - prompt_tokens // 4]]
+    rows = []
+    for tp, dp in meshes:
+        model = hetero_jax.place(base, make_mesh(tp, dp)) if tp * dp > 1 else base
+        for spec in policies:
+            name, _, budget = spec.partition("@")
+            policy = make_policy(name, float(budget) if budget else None)
+            eng = Engine(model, prompts, policy, tail_capacity=steps + 2, is_batch=True)
+            t = eng.first_tokens(0.0, 1.0)
+            for _ in range(2):  # compile + warm
+                t, _ = eng.step(t, 0.0, 1.0)
+            times = []
+            for _ in range(steps - 2):
+                t, s = eng.step(t, 0.0, 1.0)
+                times.append(s)
+            f = eng.stats_fields()
+            dev = f["kv_bytes_per_device"] or {"cpu:0": f["kv_bytes_device"]}
+            host = f["host_bytes_per_device"] or ({"cpu:0": f["kv_bytes_host"]} if f["kv_bytes_host"] else {})
+            rows.append(dict(tp=tp, dp=dp, policy=spec, devices=len(jax.devices()[: tp * dp]),
+                             kv_total=f["kv_bytes_device"], kv_max=max(dev.values()),
+                             kv_mean=float(np.mean(list(dev.values()))), kv_imbalance=imbalance(dev),
+                             host_max=max(host.values()) if host else 0, decode_ms=1e3 * statistics.median(times),
+                             rho=float(np.mean(eng.achieved_rho))))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def render(payload: dict) -> str:
+    mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
+    cfg = payload["config"]
+    out = [common.results_header("Mesh: per-device KV bytes and role-balanced placement", payload["machine"],
+                                 payload["git"], payload["command"], payload["timestamp"]), ""]
+    out += ["### Placement computed from the authors' profiles",
+            "",
+            "Device tokens per head from Eq. 7-8 at rho and L, bf16 K+V (2 x head_dim x 2 bytes per token). "
+            "*kept*: bytes of the tokens a shard's heads keep, over all layers; *SPMD alloc*: bytes per device "
+            "when each layer's cache is head groups split evenly over the shards (one shape on every device; a "
+            "group's capacity is its largest head). *full*: full KV per shard.", ""]
+    rows = [[r["model"], r["rho"], r["prompt_tokens"], r["tp"], r["placement"], mib(r["kept_max"]),
+             mib(r["kept_mean"]), f"{r['imbalance']:.2f}", mib(r["padded"]), mib(r["full_per_shard"])]
+            for r in payload["placement"]]
+    out.append(common.markdown_table(["model", "rho", "L", "tp", "placement", "kept max MiB", "kept mean MiB",
+                                      "max/mean", "SPMD alloc MiB", "full MiB"], rows))
+    out += ["", "### Sharded runs on simulated CPU devices (correctness and scaling shape, not speed)", "",
+            f"{cfg['model']}, a batch of two pydoc prompts ({cfg['prompt_tokens']} and "
+            f"{cfg['prompt_tokens'] - cfg['prompt_tokens'] // 4} tokens), median of {cfg['steps'] - 2} decode "
+            "steps after 2 warm ones. Bytes measured from each array's shards (a replicated group counts on "
+            "every device). The 6 simulated devices share this machine's cores.", ""]
+    rows = [[r["policy"], r["tp"], r["dp"], f"{r['rho']:.3f}", mib(r["kv_total"]), mib(r["kv_max"]),
+             f"{r['kv_imbalance']:.2f}", mib(r["host_max"]), f"{r['decode_ms']:.1f}"] for r in payload["runs"]]
+    out.append(common.markdown_table(["policy", "tp", "dp", "rho", "KV total MiB (logical)", "KV max MiB/device",
+                                      "max/mean", "host max MiB/device", "decode ms/step"], rows))
+    out += ["", f"Planned GPU run: `{GPU_COMMAND}`", ""]
+    return "\n".join(out)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--meshes", default="1x1,3x1,1x2,3x2", help="comma-separated TPxDP")
+    p.add_argument("--policies", default="full,snapkv@0.5,heterocache@0.5", help="NAME@RHO, comma-separated")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rhos", default="0.3,0.5")
+    p.add_argument("--lengths", default="32768")
+    p.add_argument("--tps", default="2,4,8")
+    p.add_argument("--skip-runs", action="store_true", help="only the placement tables")
+    p.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "out" / "mesh.json")
+    common.add_results_arguments(p, SECTION)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
+    config = dict(model=args.model, meshes=meshes, policies=args.policies.split(","),
+                  prompt_tokens=args.prompt_tokens, steps=args.steps, rhos=[float(x) for x in args.rhos.split(",")],
+                  lengths=[int(x) for x in args.lengths.split(",")], tps=[int(x) for x in args.tps.split(",")])
+    payload = common.report_header(SECTION, config)
+    payload["placement"] = placement_rows(config["rhos"], config["lengths"], config["tps"])
+    payload["runs"] = [] if args.skip_runs else sharded_runs(args.model, meshes, config["policies"],
+                                                             args.prompt_tokens, args.steps)
+    common.write_json(args.json, payload)
+    print(render(payload))
+    if args.write_results:
+        common.write_results_section(SECTION, lambda _plot: render(payload), None, args.results_file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

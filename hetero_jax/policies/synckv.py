@@ -1,0 +1,388 @@
+"""SyncKV: representative heads keep their full KV and choose, for the heads they stand for, which tokens
+those keep; half of that choice is fixed at prefill, half refreshed from host memory every m steps.
+
+Profile (offline, ``hetero-jax profile --method synckv``): per layer, k-means over the rows of
+D = max(S) - S, S the mean top-k overlap of the heads' attention over decode steps (paper §4.1). Each
+cluster's representative (R-head) is a pivot, its other members (NR-heads) satellites; a cluster of
+one head is volatile (full KV, no NR-heads).
+
+Budget (the B1 rule, our rho): N_R heads model-wide keep the whole prompt, every NR head
+k = floor((rho N - N_R) L / N_NR) tokens; BudgetError (naming the smallest rho) when k < 1, e.g. any
+rho <= 1/3 with one R-head of SmolLM2's three KV heads per layer.
+
+Prefill (paper Alg. 1 lines 9-18), per layer and cluster: I_0 = the top-k positions of the R-head's
+attention from the last prompt token (float32 softmax over the prompt, GQA max, no pooling). Its
+k_s = k - floor((1 - static_ratio) k) best positions are static (kept for the whole decode), the
+other k_dyn dynamic. Every NR head keeps its own K/V rows at I_0 (slots [0, k_s) static, [k_s, k)
+dynamic, each part in position order); all NR heads' full prompt KV goes to pinned host memory.
+
+Decode (Alg. 1 lines 20-40): every ``m`` steps the R-head's query of that step scores its prompt keys
+the same way; the top-k_dyn positions outside the static set (ours: the paper's set union implies
+distinct tokens, and a repeated key would count twice in the softmax) become each NR head's dynamic
+rows, fetched from the host and written into the device group before the next step (a one-step lag,
+as in Alg. 1). Only positions that were not already resident are moved (ours; the attended set is the
+paper's). Ours too: an anticipation right after a session turn (``after_extend``), from the turn's last
+query, so the answer starts on rows chosen for the question; and the R-head's softmax runs over the
+prompt only (generated tokens sit in the tail, which every head attends in full).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax.cache import HeadGroup, KVCache, full_group
+from hetero_jax.config import ModelConfig
+from hetero_jax.host_store import HostKVStore, put_rows, scatter_rows
+from hetero_jax.model import prompt_queries
+from hetero_jax.policies.base import DecodeState, PolicyError, PrefillPlan, check_int, check_real
+from hetero_jax.policies.primitives import INVALID, gather_group, query_probs_max
+from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key
+from hetero_jax.policies.runtime import bytes_rho, cap_bucket
+from hetero_jax.profile.clustering import Role
+from hetero_jax.profile.format import SHIPPED_SYNCKV_PROFILES, HeadProfile, ProfileError, load_profile
+
+# static_idx padding: an out-of-range position, dropped by the scatter that masks the static set
+_NO_POS = 2**30
+
+
+def check_synckv_profile(profile: HeadProfile) -> None:
+    """ProfileError unless ``profile`` is a SyncKV grouping: pivots (R), satellites (NR) of one weight, volatile."""
+    n_anchor = int((profile.roles == Role.ANCHOR).sum())
+    w = profile.weights[profile.roles == Role.SATELLITE]
+    if n_anchor or (w.size and not np.allclose(w, w[0], rtol=0, atol=1e-12)):
+        raise ProfileError(
+            f"SyncKV needs a SyncKV head grouping (R-heads as pivots, NR-heads as satellites of one weight), but "
+            f"this profile has {n_anchor} anchor head(s) and {len(np.unique(w))} satellite weight(s): a "
+            "HeteroCache profile? Calibrate one with `hetero-jax profile --method synckv` (or build_synckv_profile)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncKV(ProfiledPolicy):
+    """SyncKV (``profile=None``: the shipped SyncKV profile of the loaded model; a str is a profile JSON path).
+
+    ``m``: decode steps between anticipations; ``static_ratio``: the paper's rho_s, the share of the NR
+    heads' k tokens fixed at prefill (1 = no refresh, 0 = all refreshed).
+    """
+
+    profile: HeadProfile | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    budget: float = 0.5
+    m: int = 5
+    static_ratio: float = 0.5
+    profile_key: str = dataclasses.field(default="", init=False)
+
+    name: ClassVar[str] = "synckv"
+    summary: ClassVar[str] = ("k-means head groups: representative heads keep their full KV and pick the others' "
+                              "tokens (half fixed, half re-fetched from host memory every m steps)")
+    profile_table: ClassVar[dict[str, str]] = SHIPPED_SYNCKV_PROFILES
+    calibrate_hint: ClassVar[str] = ("calibrate one with `hetero-jax profile --method synckv --model M --data FILE "
+                                     "--out synckv.json` and pass {cls}(profile='synckv.json')")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.profile, str):
+            object.__setattr__(self, "profile", load_profile(self.profile))
+        if self.profile is not None:
+            if not isinstance(self.profile, HeadProfile):
+                raise PolicyError(f"SyncKV: profile must be a HeadProfile, a path to a profile JSON or None for "
+                                  f"the model's shipped SyncKV profile, got {type(self.profile).__name__}")
+            check_synckv_profile(self.profile)
+        check_int("SyncKV", "m", self.m, 1, " (decode steps between anticipations)")
+        check_real("SyncKV", "static_ratio", self.static_ratio, 0.0, lo_open=False, hi=1.0, hi_open=False)
+        object.__setattr__(self, "profile_key", profile_key(self.profile))
+
+    def split(self, k: int) -> tuple[int, int]:
+        """(k_s static, k_dyn dynamic) of an NR head's k tokens: k_dyn = floor((1 - static_ratio) k)."""
+        k_dyn = int(math.floor((1.0 - self.static_ratio) * k + 1e-9))
+        return k - k_dyn, k_dyn
+
+    def nr_tokens(self, prompt_len: int) -> int:
+        """k: tokens every NR head keeps on the device for one prompt (0 without NR heads); BudgetError if < 1."""
+        grid, _ = self.budget_grid(prompt_len)
+        sat = self._need_profile().roles == Role.SATELLITE
+        return int(grid[sat].min()) if sat.any() else 0
+
+    def make_prefill(self, cfg, prompt_lens, compile_fn=None):
+        return SyncPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_pivots", "cap"))
+def _prefill_layer(layer, x_in, k_buf, v_buf, lens, owner, k, k_s, cfg, n_pivots: int, cap: int):
+    """One layer's NR group and static sets. owner [Nnr]: the pivot (layout position) of each NR head;
+    k, k_s [B]. Returns (NR group [B, Nnr, cap] (slots [0, k_s) static, [k_s, k) dynamic, each in position
+    order), positions by pivot [B, Np, cap] in the same slot order)."""
+    B, _, T, _ = k_buf.shape
+    q = prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)[:, :n_pivots, 0]  # [B, Np, G, D]
+    scores = query_probs_max(q, k_buf[:, :n_pivots], jnp.broadcast_to(lens[:, None], (B, n_pivots)))
+    _, top = jax.lax.top_k(scores, cap)  # [B, Np, cap] best first: I_0 (ties to the lower position)
+    rank = jnp.arange(cap, dtype=jnp.int32)[None, None, :]
+    seg = jnp.where(rank < k_s[:, None, None], 0, jnp.where(rank < k[:, None, None], 1, 2))
+    pos = jnp.sort(seg * T + top, axis=-1) % T  # static part sorted, then dynamic part sorted, then padding
+    idx = pos[:, owner]  # [B, Nnr, cap]: each NR head takes its R-head's positions
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), idx.shape[:2] + (T,))
+    counts = jnp.broadcast_to(k[:, None], idx.shape[:2])
+    group = gather_group(k_buf[:, -len(owner):], v_buf[:, -len(owner):], positions, idx, counts)
+    return group, pos
+
+
+@functools.partial(jax.jit, static_argnames=("k_dyn",))
+def _anticipate(q, keys, lengths, static_idx, k_dyn: int):
+    """The dynamic set I_D,t of each R-head: top-k_dyn of softmax(q K^T / sqrt(D)) (GQA max) over its prompt
+    keys, static positions excluded. q [B, Np, G, D]; keys [B, Np, T, D]; lengths [B, Np]; static_idx
+    [B, Np, k_s] (``_NO_POS`` padding). Returns [B, Np, k_dyn] int32, best first."""
+    s = query_probs_max(q, keys, lengths)
+    B, Np, _ = s.shape
+    s = s.at[jnp.arange(B)[:, None, None], jnp.arange(Np)[None, :, None], static_idx].set(INVALID, mode="drop")
+    return jax.lax.top_k(s, k_dyn)[1].astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPrefilled:
+    """What SyncKV's prefill hands its decode."""
+
+    policy: SyncKV
+    roles: list[LayerRoles]
+    k: np.ndarray  # [B] tokens per NR head
+    k_s: np.ndarray  # [B] static part
+    k_dyn: np.ndarray  # [B] dynamic part
+    dyn: dict  # layer -> [B, Np, k_dyn max] positions held by the dynamic slots (-1 padding), after prefill
+    store: HostKVStore  # per layer: the NR heads' full prompt K/V [B, Nnr, T, D]
+    info: dict  # planned sizes and the byte-based rho
+
+
+class SyncPrefill(PrefillPlan):
+    """Full group for R-heads (and volatile singletons), one NR group of k slots per layer, NR prompt KV to host."""
+
+    def __init__(self, policy: SyncKV, cfg: ModelConfig, prompt_lens, compile_fn=None):
+        self.policy, self.cfg = policy, cfg
+        self.lens = np.asarray(prompt_lens, np.int64)
+        self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+        self.k = np.array([policy.nr_tokens(int(L)) for L in self.lens], np.int64)  # validates every prompt
+        split = np.array([policy.split(int(k)) for k in self.k], np.int64).reshape(-1, 2)
+        self.k_s, self.k_dyn = split[:, 0], split[:, 1]
+        self.roles = policy.layer_roles(cfg)
+        self.store = HostKVStore(cfg.num_layers)
+        self.aux: dict[int, dict] = {}
+        self.dyn: dict[int, jax.Array] = {}
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+        r, t_max = self.roles[li], int(self.lens.max())
+        nf = r.n_full
+        groups = [full_group(k_buf[:, :nf, :t_max], v_buf[:, :nf, :t_max], lens)] if nf else []
+        if nf == self.cfg.num_kv_heads:
+            return tuple(groups)
+        owner = np.zeros(self.cfg.num_kv_heads - nf, np.int32)
+        for p, sats in r.members.items():
+            owner[sats] = p
+        kmax = int(self.k.max())
+        cap = cap_bucket(kmax, k_buf.shape[2])  # compiled per 64-slot bucket, then cut to kmax
+        arr = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
+        args = (layer, x_in, k_buf, v_buf, lens, arr(owner), arr(self.k), arr(self.k_s))
+        group, pos = self.compile_fn(_prefill_layer, *args, cfg=self.cfg, n_pivots=len(r.pivots), cap=cap)(*args)
+        if cap != kmax:
+            group = group.replace(k=group.k[:, :, :kmax], v=group.v[:, :, :kmax],
+                                  positions=group.positions[:, :, :kmax])
+        groups.append(group)
+        self.store.put(li, k_buf[:, nf:, :t_max], v_buf[:, nf:, :t_max])
+        ks_max, kd_max = int(self.k_s.max()), int(self.k_dyn.max())
+        slot = np.arange(max(ks_max, 1))[None, None, :]
+        self.aux[li] = {"static_idx": jnp.where(jnp.asarray(slot < self.k_s[:, None, None]),
+                                                pos[:, :, : slot.shape[-1]], _NO_POS).astype(jnp.int32)}
+        self.dyn[li] = (pos, kd_max)
+        return tuple(groups)
+
+    def finish(self, cache: KVCache) -> tuple[KVCache, "SyncDecode"]:
+        layers = tuple(lc.replace(aux=self.aux[li]) if li in self.aux else lc for li, lc in enumerate(cache.layers))
+        cache = cache.replace(layers=layers)
+        dyn = {}
+        for li, (pos, kd_max) in self.dyn.items():  # host mirror of the dynamic slots (copies, never views)
+            pos = np.array(pos, np.int64)
+            d = np.full(pos.shape[:2] + (kd_max,), -1, np.int64)
+            for b in range(len(self.lens)):
+                ks, kd = int(self.k_s[b]), int(self.k_dyn[b])
+                d[b, :, :kd] = pos[b, :, ks : ks + kd]
+            dyn[li] = d
+        n = self.cfg.num_layers * self.cfg.num_kv_heads
+        n_r = int(sum(len(r.pivots) for r in self.roles))
+        n_nr = int(sum(len(r.satellites) for r in self.roles))
+        itemsize = cache.layers[0].groups[0].k.dtype.itemsize
+        full_bytes = cache.batch_size * int(self.lens.max()) * n * 2 * self.cfg.head_dim * itemsize
+        index = int(sum(a.nbytes for a in jax.tree.leaves([lc.aux for lc in cache.layers])))  # static_idx
+        info = {
+            "r_heads": n_r, "nr_heads": n_nr, "k": self.k.tolist(), "k_static": self.k_s.tolist(),
+            "k_dynamic": self.k_dyn.tolist(),
+            "bytes_rho": bytes_rho(cache, self.cfg) + index / full_bytes,
+        }
+        prefilled = SyncPrefilled(self.policy, self.roles, self.k, self.k_s, self.k_dyn, dyn, self.store, info)
+        return cache, SyncDecode(prefilled, compile_fn=self.compile_fn)
+
+
+class SyncDecode(DecodeState):
+    """SyncKV between steps: dispatches an anticipation every ``m`` steps (after the step whose query it
+    uses), and before the next step moves the NR heads' new dynamic rows from the host into their slots."""
+
+    wants_turn_queries = True
+
+    def __init__(self, prefilled: SyncPrefilled, compile_fn=None):
+        self.prefilled = prefilled
+        self.policy = prefilled.policy
+        self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+        self.dyn = {li: d.copy() for li, d in prefilled.dyn.items()}  # replaced on each recall, never edited
+        self.layers = [li for li, d in prefilled.dyn.items() if d.shape[-1]]  # layers with dynamic slots
+        self.since = 0  # decode steps since prefill, or since the last turn's anticipation
+        self.pending = None  # (step, {layer: device indices}) of a dispatched anticipation
+        self.anticipations = 0  # decode-time anticipations (every layer at once)
+        self.turn_anticipations = 0  # anticipations right after a session turn
+        self.layer_anticipations = 0  # (anticipation, layer) pairs scored
+        self.rows_requested = 0  # k_dyn rows per NR head per anticipation: what the paper moves
+        self.rows_recalled = 0  # rows actually moved (positions that were not resident yet)
+        self.recalls = 0  # (anticipation, NR head) pairs that moved at least one row
+        self.bytes_recalled = 0
+        self.overlap_sum, self.overlap_n = 0.0, 0  # |I_D,t ∩ I_D,t-1| / k_dyn per (sequence, cluster)
+        self.recall_failures = 0
+        self.recall_steps: list[int] = []
+
+    def fresh(self) -> "SyncDecode":
+        return SyncDecode(self.prefilled, compile_fn=self.compile_fn)
+
+    def _dispatch(self, queries, cache: KVCache) -> dict:
+        """Start every layer's anticipation on ``queries`` (per layer the pivots' [B, Np, G, D]); the indices
+        are copied to the host asynchronously."""
+        kd_max = int(self.prefilled.k_dyn.max())
+        outs = {}
+        for li in self.layers:
+            lc = cache.layers[li]
+            n_p = len(self.prefilled.roles[li].pivots)
+            g = lc.groups[0]
+            args = (queries[li], g.k[:, :n_p], g.lengths[:, :n_p], lc.aux["static_idx"])
+            outs[li] = self.compile_fn(_anticipate, *args, k_dyn=kd_max)(*args)
+            outs[li].copy_to_host_async()  # read before the next step is dispatched, never waited on now
+        return outs
+
+    def after_step(self, step: int, extras, cache: KVCache) -> None:
+        self.since += 1
+        if self.layers and self.since % self.policy.m == 0:
+            self.pending = (step, self._dispatch(extras, cache))
+
+    def before_step(self, step: int, cache: KVCache) -> KVCache:
+        if self.pending is None:
+            return cache
+        _, outs = self.pending
+        self.pending = None
+        out = self._recall(outs, cache, f"before decode step {step}")
+        if out is not cache:
+            self.anticipations += 1
+            self.recall_steps.append(step)
+        return out
+
+    def after_extend(self, turn_queries, cache: KVCache) -> KVCache:
+        """A session turn: drop a pending anticipation (it was scored before the question) and anticipate now
+        from the turn's last query, landing before the answer's first step (ours, see module docstring)."""
+        self.pending = None
+        self.since = 0
+        if not self.layers:
+            return cache
+        queries = [None if q is None or li not in self.layers else q[:, : len(self.prefilled.roles[li].pivots), -1]
+                   for li, q in enumerate(turn_queries)]
+        out = self._recall(self._dispatch(queries, cache), cache, "after a session turn")
+        if out is not cache:
+            self.turn_anticipations += 1
+        return out
+
+    def _recall(self, outs: dict, cache: KVCache, when: str) -> KVCache:
+        """All or nothing: a failed host -> device transfer keeps the cache, mirrors and counters, with a
+        RuntimeWarning (the next anticipation tries again)."""
+        saved = (self.layer_anticipations, self.rows_requested, self.rows_recalled, self.bytes_recalled,
+                 self.overlap_sum, self.overlap_n, self.recalls)
+        try:
+            return self._apply(outs, cache)
+        except (RuntimeError, MemoryError) as e:
+            (self.layer_anticipations, self.rows_requested, self.rows_recalled, self.bytes_recalled,
+             self.overlap_sum, self.overlap_n, self.recalls) = saved
+            self.recall_failures += 1
+            warnings.warn(f"SyncKV: the anticipation {when} failed ({type(e).__name__}: {e}); the device cache "
+                          "keeps its rows", RuntimeWarning, stacklevel=3)
+            return cache
+
+    def _apply(self, outs: dict, cache: KVCache) -> KVCache:
+        """Per sequence and cluster, the new dynamic positions that are not resident replace, slot by slot,
+        the resident ones no longer chosen, in every NR head of the cluster. Only those rows cross to the
+        device (every transfer started before any write) and are scattered in place."""
+        p = self.prefilled
+        layers = list(cache.layers)
+        writes, mirrors = [], {}
+        for li, top in outs.items():
+            top = np.asarray(top)
+            mirror = self.dyn[li].copy()
+            b_l, h_l, s_l, pos_l = [], [], [], []
+            for b in range(len(p.k)):
+                ks, kd = int(p.k_s[b]), int(p.k_dyn[b])
+                if kd == 0:
+                    continue
+                for piv, sats in p.roles[li].members.items():
+                    new, old = top[b, piv, :kd], mirror[b, piv, :kd]
+                    missing = new[~np.isin(new, old)]
+                    free = np.flatnonzero(~np.isin(old, new))  # as many as missing: both sets hold kd positions
+                    mirror[b, piv, free] = missing
+                    self.overlap_sum += (kd - len(missing)) / kd
+                    self.overlap_n += 1
+                    self.rows_requested += kd * len(sats)
+                    self.recalls += len(sats) if len(missing) else 0
+                    for h in sats:
+                        b_l.append(np.full(len(missing), b))
+                        h_l.append(np.full(len(missing), h))
+                        s_l.append(ks + free)
+                        pos_l.append(missing)
+            self.layer_anticipations += 1
+            mirrors[li] = mirror
+            if not b_l or not sum(len(x) for x in b_l):
+                continue
+            b_idx, h_idx, slots, rows = (np.concatenate(x) for x in (b_l, h_l, s_l, pos_l))
+            k_rows, v_rows = p.store.rows(li, b_idx, h_idx, rows)
+            writes.append((li, put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, layers[li].groups[1].capacity)))
+            self.rows_recalled += len(rows)
+            self.bytes_recalled += k_rows.nbytes + v_rows.nbytes
+        for li, ops in writes:  # every transfer went out: write in place (group 1 = the NR heads)
+            groups = list(layers[li].groups)
+            groups[1] = scatter_rows(groups[1], ops, self.compile_fn)
+            layers[li] = layers[li].replace(groups=tuple(groups))
+        self.dyn.update(mirrors)
+        return cache.replace(layers=tuple(layers))
+
+    def in_flight(self):
+        return None if self.pending is None else self.pending[1]
+
+    def host_arrays(self) -> tuple:
+        return self.prefilled.store.arrays()
+
+    def host_bytes_by_role(self) -> dict[str, int]:
+        """Pinned-host KV bytes: the NR heads' (satellites') full prompt KV, the paper's context bank."""
+        return {"satellite": self.prefilled.store.nbytes()}
+
+    def stats(self) -> dict:
+        return {
+            **self.prefilled.info,
+            "anticipations": self.anticipations,
+            "turn_anticipations": self.turn_anticipations,
+            "layer_anticipations": self.layer_anticipations,
+            "recalls": self.recalls,
+            "rows_requested": self.rows_requested,
+            "rows_recalled": self.rows_recalled,
+            "bytes_recalled": self.bytes_recalled,
+            "dynamic_overlap": self.overlap_sum / self.overlap_n if self.overlap_n else None,
+            "recall_steps": list(self.recall_steps),
+            "recall_failures": self.recall_failures,
+        }
+
+    def summary(self) -> str:
+        ov = self.overlap_sum / self.overlap_n if self.overlap_n else 0.0
+        return (f"anticipations {self.anticipations} (+{self.turn_anticipations} at turns), recalled "
+                f"{self.rows_recalled} rows ({self.bytes_recalled / 2**10:.0f} KiB), kept {ov:.0%} of the dynamic "
+                f"set, bytes rho {self.prefilled.info['bytes_rho']:.3f}")

@@ -1,0 +1,153 @@
+"""A device mesh for params, caches and host stores: tensor parallel over heads, data parallel over batch.
+
+The logical axes come from :mod:`hetero_jax.spec` (``param_axes``, ``CACHE_AXES``); :data:`RULES` maps
+them onto the mesh axes ``("data", "model")``. Computation is not rewritten: the jitted prefill and
+decode functions see sharded inputs and XLA's SPMD partitioner splits them (heads and MLP columns stay
+on their device; the all-reduces after ``o_proj`` and ``down_proj`` are inserted by the partitioner).
+
+A dimension that the mesh axis does not divide stays replicated on that axis (e.g. a HeteroCache group
+of 2 heads on a 3-way model axis); :func:`per_device_bytes` measures what each device really holds.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from hetero_jax.config import ModelConfig
+from hetero_jax.errors import HeteroJaxError
+from hetero_jax.spec import CACHE_AXES, param_axes
+
+DATA, MODEL = "data", "model"
+
+# logical axis -> mesh axis (absent: replicated)
+RULES: dict[str, str] = {"batch": DATA, "heads": MODEL, "kv_heads": MODEL, "mlp": MODEL, "vocab": MODEL}
+
+
+class MeshError(HeteroJaxError, ValueError):
+    """A mesh that cannot be built or does not fit the model."""
+
+
+def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
+    """A ``("data", "model")`` mesh of ``dp x tp`` devices (the first ``dp * tp`` of ``devices``).
+
+    Axes are ``Auto`` (sharding propagates through jitted code). On a CPU, simulate devices with
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before JAX starts.
+    """
+    for name, value in (("tp", tp), ("dp", dp)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise MeshError(f"{name} must be a positive integer, got {value!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    if tp * dp > len(devices):
+        raise MeshError(
+            f"a mesh of tp={tp} x dp={dp} needs {tp * dp} devices but {len(devices)} are visible; lower --tp/--dp"
+            " or, on a CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count=" + str(tp * dp))
+    return jax.make_mesh((dp, tp), (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto),
+                         devices=devices[: tp * dp])
+
+
+def check_mesh(mesh: Mesh, cfg: ModelConfig) -> None:
+    """The model axis must divide the KV heads (a KV head and its query heads live on one device)."""
+    if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {DATA, MODEL}:
+        raise MeshError(f"expected a jax.sharding.Mesh with axes ('data', 'model') (hetero_jax.sharding.make_mesh), "
+                        f"got {mesh!r}")
+    tp = mesh.shape[MODEL]
+    if cfg.num_kv_heads % tp:
+        ok = [d for d in range(1, cfg.num_kv_heads + 1) if cfg.num_kv_heads % d == 0]
+        raise MeshError(f"tensor parallelism tp={tp} does not divide the model's {cfg.num_kv_heads} KV heads; "
+                        f"choose tp in {ok}")
+
+
+def partition_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """``axes`` (logical, one per dim) as a PartitionSpec; a dim the mesh axis does not divide stays whole
+    (as does every dim on a mesh axis of size 1)."""
+    out = []
+    for name, n in zip(axes, shape):
+        mesh_axis = RULES.get(name)
+        split = mesh_axis is not None and mesh.shape[mesh_axis] > 1 and n % mesh.shape[mesh_axis] == 0
+        out.append(mesh_axis if split else None)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, params: dict) -> dict:
+    """NamedShardings for ``params`` (spec layout), from the spec's logical axes."""
+    axes = param_axes(cfg)
+    out = {k: NamedSharding(mesh, partition_spec(axes[k], params[k].shape, mesh)) for k in params if k != "layers"}
+    out["layers"] = [{n: NamedSharding(mesh, partition_spec(la[n], layer[n].shape, mesh)) for n in layer}
+                     for layer, la in zip(params["layers"], axes["layers"])]
+    return out
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """``params`` placed on ``mesh`` (tensor parallel over heads and MLP columns, replicated over data)."""
+    check_mesh(mesh, cfg)
+    return jax.device_put(params, param_shardings(cfg, mesh, params))
+
+
+def _leaf_axes(path) -> tuple[str, ...] | None:
+    names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+    if any(isinstance(k, jax.tree_util.DictKey) for k in path):  # a policy's aux state: batch first, else whole
+        return ("batch",)
+    return CACHE_AXES.get(names[-1]) if names else None
+
+
+def cache_shardings(cache, mesh: Mesh):
+    """NamedShardings for a KVCache pytree: KV heads on "model", batch on "data" (where they divide)."""
+    def one(path, x):
+        axes = _leaf_axes(path) or ()
+        return NamedSharding(mesh, partition_spec(axes[: np.ndim(x)], np.shape(x), mesh))
+
+    return jax.tree_util.tree_map_with_path(one, cache)
+
+
+def shard_cache(cache, mesh: Mesh):
+    """``cache`` placed on ``mesh`` (a no-op for leaves already there)."""
+    return jax.device_put(cache, cache_shardings(cache, mesh))
+
+
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Inputs whose first dim is the batch: split over "data" where it divides."""
+    return NamedSharding(mesh, partition_spec(("batch",), shape, mesh))
+
+
+def per_device_bytes(tree: Any) -> dict[str, int]:
+    """Bytes each device (``str(device)``) holds for the arrays of ``tree``, measured from their shards.
+
+    Replicated arrays count on every device that holds a copy; host-memory arrays count on the device
+    whose host holds them.
+    """
+    out: dict[str, int] = collections.Counter()
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            for shard in x.addressable_shards:
+                out[str(shard.device)] += shard.data.nbytes
+    return dict(out)
+
+
+def to_host(x) -> np.ndarray:
+    """``x`` as a numpy array on this host. Under ``jax.distributed`` an array split over several
+    processes is gathered from all of them (a collective: every process makes the same call in the
+    same order, as SPMD programs do)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def imbalance(by_device: dict[str, int]) -> float:
+    """max / mean of per-device bytes (1.0 = perfectly balanced)."""
+    vals = np.asarray(list(by_device.values()), np.float64)
+    return float(vals.max() / vals.mean()) if vals.size and vals.mean() > 0 else 1.0
+
+
+def mesh_of(params: dict) -> Mesh | None:
+    """The mesh ``params`` live on (None for single-device params)."""
+    s = getattr(params.get("embed"), "sharding", None)
+    return s.mesh if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh) else None

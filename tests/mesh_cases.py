@@ -1,0 +1,119 @@
+"""Sharded runs on 6 simulated CPU devices, each against the same run on one device.
+
+Collected only by ``tests/test_mesh.py``, which starts pytest on this file in a fresh process with
+``XLA_FLAGS=--xla_force_host_platform_device_count=6`` (the flag must be set before JAX starts).
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import hetero_jax
+from hetero_jax.generate import Engine
+from hetero_jax.hub import place
+from hetero_jax.policies import FullKV, HeteroCache, SnapKV
+from hetero_jax.sharding import MeshError, cache_shardings, make_mesh, per_device_bytes
+from test_heterocache import PROFILE
+from tiny_model import greedy_with_logits, tiny_model
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 6, reason="needs 6 devices (run through tests/test_mesh.py)")
+
+MODEL = tiny_model()
+RNG = np.random.default_rng(0)
+PROMPTS = [RNG.integers(3, 100, 150).tolist(), RNG.integers(3, 100, 110).tolist()]
+POLICIES = {"full": FullKV(), "snapkv": SnapKV(budget=0.7), "heterocache": HeteroCache(profile=PROFILE, budget=0.5)}
+_SINGLE: dict = {}
+
+
+def single(name):
+    if name not in _SINGLE:
+        _SINGLE[name] = greedy_with_logits(MODEL, POLICIES[name], PROMPTS, steps=8)
+    return _SINGLE[name]
+
+
+def spec_of(x):
+    """The PartitionSpec as a tuple with one entry per dimension (None = whole)."""
+    spec = tuple(x.sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+@pytest.mark.parametrize("tp,dp", [(3, 1), (1, 2), (3, 2)])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_greedy_and_logits_equal_one_device(name, tp, dp):
+    toks, logits, _ = single(name)
+    sharded = place(MODEL, make_mesh(tp, dp))
+    got_toks, got_logits, eng = greedy_with_logits(sharded, POLICIES[name], PROMPTS, steps=8)
+    np.testing.assert_array_equal(got_toks, toks)
+    np.testing.assert_allclose(got_logits, logits, atol=1e-4, rtol=0)
+
+    # every cache leaf sits where the spec says, after prefill and 8 donated decode steps
+    want = jax.tree.leaves(cache_shardings(eng.cache, sharded.mesh))
+    for leaf, w in zip(jax.tree.leaves(eng.cache), want):
+        assert leaf.sharding.is_equivalent_to(w, leaf.ndim), (leaf.shape, leaf.sharding, w)
+    data = "data" if dp > 1 else None
+    model = "model" if tp > 1 else None
+    lc = eng.cache.layers[0]
+    assert spec_of(lc.tail_k)[:2] == (data, model)
+    assert spec_of(eng.cache.seq_lens) == (data,)
+    kv_dev = per_device_bytes([(g.k, g.v) for l in eng.cache.layers for g in l.groups])
+    assert len(kv_dev) == tp * dp
+    if name != "heterocache":  # one group of all 3 heads per layer: split exactly
+        assert all(spec_of(g.k)[:2] == (data, model) for l in eng.cache.layers for g in l.groups)
+        total = sum(g.k.nbytes + g.v.nbytes for l in eng.cache.layers for g in l.groups)
+        assert set(kv_dev.values()) == {total // (tp * dp)}
+    else:
+        # groups of 1-2 heads do not split 3 ways: replicated over "model" (what placement must fix)
+        for l in eng.cache.layers:
+            for g in l.groups:
+                assert spec_of(g.k)[:2] == (data, model if g.num_heads % tp == 0 else None)
+        host = eng.state.host_arrays()
+        assert host and all(a.sharding.memory_kind == "pinned_host" for a in host)
+        for a in host:  # each device's host holds its own share, laid out as the device group was
+            assert len(a.sharding.device_set) == tp * dp
+    stats = eng.stats_fields()
+    assert stats["kv_bytes_per_device"] and len(stats["kv_bytes_per_device"]) == tp * dp
+
+
+def test_params_split_tensor_parallel():
+    sharded = place(MODEL, make_mesh(3, 2))
+    layer = sharded.params["layers"][0]
+    assert spec_of(layer["q_proj"]) == (None, "model")
+    assert spec_of(layer["k_proj"]) == (None, "model")
+    assert spec_of(layer["o_proj"]) == ("model", None)
+    assert spec_of(layer["gate_proj"]) == (None, None)  # intermediate 64 does not split 3 ways: replicated
+    assert spec_of(layer["attn_norm"]) == (None,)
+    assert spec_of(sharded.params["embed"]) == (None, None)  # vocab 101
+    q = layer["q_proj"]
+    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0], q.shape[1] // 3)}
+
+
+def test_mesh_errors_name_the_fix():
+    with pytest.raises(MeshError, match=r"tp=2 does not divide the model's 3 KV heads; choose tp in \[1, 3\]"):
+        place(MODEL, make_mesh(2, 1))
+    with pytest.raises(MeshError, match=r"needs 12 devices but 6 are visible"):
+        make_mesh(3, 4)
+    with pytest.raises(MeshError, match="tp must be a positive integer"):
+        make_mesh(0, 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_checkpoints_load_onto_a_mesh(arch, tiny_checkpoint):
+    _, ckpt = tiny_checkpoint(arch)
+    one = hetero_jax.load(ckpt)
+    tp = one.config.num_kv_heads
+    sharded = hetero_jax.load(ckpt, mesh=make_mesh(tp, 2))
+    assert sharded.mesh is not None and spec_of(sharded.params["layers"][1]["k_proj"]) == (
+        None, "model" if tp > 1 else None)
+    ids = [np.random.default_rng(1).integers(3, 200, 40).tolist(), np.random.default_rng(2).integers(3, 200, 29).tolist()]
+    ref_toks, ref_logits, _ = greedy_with_logits(one, FullKV(), ids, steps=4)
+    toks, logits, _ = greedy_with_logits(sharded, FullKV(), ids, steps=4)
+    np.testing.assert_array_equal(toks, ref_toks)
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=0)
+
+
+def test_engine_rejects_nothing_on_a_one_device_mesh():
+    # tp = dp = 1 on a mesh runs the same executables' maths: identical tokens
+    toks, _, _ = single("full")
+    got, _, eng = greedy_with_logits(place(MODEL, make_mesh(1, 1)), FullKV(), PROMPTS, steps=8)
+    np.testing.assert_array_equal(got, toks)
+    assert isinstance(eng, Engine)

@@ -1,0 +1,22 @@
+"""Runs tests/mesh_cases.py on 6 simulated CPU devices in a fresh process (XLA_FLAGS only acts before JAX
+starts, and this process already runs on one device)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.slow
+def test_mesh_cases_on_six_simulated_devices():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=6").strip()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                           os.path.join(HERE, "mesh_cases.py")], cwd=os.path.dirname(HERE), env=env,
+                          capture_output=True, text=True, timeout=900)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, tail
