@@ -49,7 +49,9 @@ class GenerationStats:
     policy_stats: dict = dataclasses.field(default_factory=dict)
     policy_summary: str = ""  # those counters as text
     policy: str = "FullKV(budget=1.0)"
-    achieved_rho: float = 1.0  # prompt KV kept on the device / full prompt KV (tokens x KV heads x layers)
+    # prompt KV kept on the device / full prompt KV (tokens x KV heads x layers); in bytes for a policy that keeps
+    # no token rows (HCAttention: keys or codes + codebook / full K+V bytes)
+    achieved_rho: float = 1.0
     # on a mesh: K/V bytes each device holds (str(device) -> bytes, measured from the shards; replicated
     # groups count on every device) and the host bytes held for each device; {} on one device
     kv_bytes_per_device: dict = dataclasses.field(default_factory=dict)
@@ -386,11 +388,9 @@ class Engine:
         return e
 
     def _start(self, model, policy, lens, params, logits, cache, state, prefill_seconds, seed, compile_start):
-        from hetero_jax.policies import achieved_rho
-
         self.model, self.cfg, self.policy, self.lens = model, model.config, policy, lens
         self.params, self.logits, self.cache, self.state = params, logits, cache, state
-        self.achieved_rho = achieved_rho(cache, self.cfg)
+        self.achieved_rho = state.achieved_rho(cache, self.cfg)
         self.prefill_seconds = prefill_seconds
         self.compile_start = compile_start
         self.key = jax.random.PRNGKey(seed)

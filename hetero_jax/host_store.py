@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 import weakref
 
 import jax
@@ -44,7 +45,8 @@ _HANDLES = itertools.count(1)
 
 
 class HostKVStore:
-    """Per layer: K and V [B, H, T, D] in pinned host memory (layers without offloaded heads hold None).
+    """Per layer: K and V [B, H, T, D] in pinned host memory (layers without offloaded heads hold None;
+    a values-only store, HCAttention's, holds V alone and K None).
 
     Numpy views are made on first use (``view``) or all at once (``materialize``, before a decode step
     whose callbacks read them), not at ``put``: ``np.asarray`` waits for the copy, and waiting at
@@ -57,6 +59,8 @@ class HostKVStore:
         self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.handle = next(_HANDLES)  # what a traced step carries to find this store (host_gather)
         _STORES[self.handle] = self
+        # host_weighted_sum's counters, per kind of call ("decode", "turn"): calls, seconds, rows read
+        self.counters: dict[str, list] = {}
 
     def handle_array(self) -> jax.Array:
         """The handle as an int32 scalar on the device (a cache leaf, never a compile-time constant)."""
@@ -68,18 +72,20 @@ class HostKVStore:
             if self.has(li):
                 self.view(li)
 
-    def put(self, li: int, k: jax.Array, v: jax.Array) -> None:
-        """Copy layer ``li``'s k, v [B, H, T, D] to pinned host memory (asynchronous)."""
-        self.k[li], self.v[li] = jax.device_put(k, pinned_like(k)), jax.device_put(v, pinned_like(v))
+    def put(self, li: int, k: jax.Array | None, v: jax.Array) -> None:
+        """Copy layer ``li``'s k, v [B, H, T, D] to pinned host memory (asynchronous); k None: values only."""
+        self.k[li] = None if k is None else jax.device_put(k, pinned_like(k))
+        self.v[li] = jax.device_put(v, pinned_like(v))
         self._views.pop(li, None)
 
     def has(self, li: int) -> bool:
-        return self.k[li] is not None
+        return self.v[li] is not None
 
-    def view(self, li: int) -> tuple[np.ndarray, np.ndarray]:
-        """Numpy (k, v) [B, H, T, D] of layer ``li`` (read-only views of the pinned arrays)."""
+    def view(self, li: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """Numpy (k, v) [B, H, T, D] of layer ``li`` (read-only views of the pinned arrays; k None if not kept)."""
         if li not in self._views:
-            self._views[li] = (np.asarray(self.k[li]), np.asarray(self.v[li]))
+            k = self.k[li]
+            self._views[li] = (None if k is None else np.asarray(k), np.asarray(self.v[li]))
         return self._views[li]
 
     def rows(self, li: int, b: np.ndarray, h: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -93,8 +99,7 @@ class HostKVStore:
 
     def head_bytes(self, li: int) -> int:
         """Host K+V bytes of one head of layer ``li`` (the whole batch)."""
-        k = self.k[li]
-        return 0 if k is None else 2 * k.nbytes // k.shape[1]
+        return sum(a.nbytes // a.shape[1] for a in (self.k[li], self.v[li]) if a is not None)
 
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.arrays()))
@@ -177,3 +182,38 @@ def attend_chunk_over_host_prompt(li: int, q: jax.Array, layer_cache, tail_start
     whole = HeadGroup(k=k, v=v, positions=jnp.where(slots[None, None, :] < lengths[..., None], idx, -1),
                       lengths=lengths)
     return layer_extend_attention(q, layer_cache.replace(groups=(whole,)), tail_start)
+
+
+def host_weighted_sum(handle: jax.Array, li: int, idx: jax.Array, w: jax.Array, head_dim: int,
+                      kind: str = "decode") -> jax.Array:
+    """Traced: sum_k w[b, h, q, k] * V[b, h, idx[b, h, q, k]] of layer ``li``'s values in the store ``handle``.
+
+    idx, w: [B, H, Q, K] (a query row's K token positions, distinct, and their weights; a weight of 0 adds
+    nothing). Returns [B, H, Q, head_dim] float32. A host callback, numpy only (views made by
+    ``HostKVStore.materialize`` before the step): per KV head the rows any of its Q queries selected are
+    read once, so a step moves idx and w to the host and Q x D floats back, never the values. Counts
+    calls, seconds and rows read in ``store.counters[kind]``.
+    """
+    B, H, Q, K = idx.shape
+    out = jax.ShapeDtypeStruct((B, H, Q, head_dim), jnp.float32)
+
+    def weighted_sum(h, positions, weights):
+        t0 = time.perf_counter()
+        store = _STORES[int(h)]
+        _, v = store._views[li]
+        y = np.zeros(out.shape, np.float32)
+        rows = 0
+        for b in range(B):
+            for hh in range(H):
+                dense = np.zeros((Q, v.shape[2]), np.float32)
+                np.put_along_axis(dense, positions[b, hh], weights[b, hh], axis=1)
+                used = np.flatnonzero(dense.any(axis=0))  # the union of the Q queries' kept rows
+                rows += len(used)
+                y[b, hh] = dense[:, used] @ v[b, hh, used].astype(np.float32)
+        c = store.counters.setdefault(kind, [0, 0.0, 0])
+        c[0] += 1
+        c[1] += time.perf_counter() - t0
+        c[2] += rows
+        return y
+
+    return jax.pure_callback(weighted_sum, out, handle, idx, w)

@@ -343,16 +343,11 @@ def decode_step(
     return out
 
 
-def layer_extend_attention(q: jax.Array, layer_cache: LayerCache, tail_start: jax.Array) -> jax.Array:
-    """A chunk of new tokens over the prompt groups and the tail: ``decode_step``'s attention, C tokens at once.
-
-    q: [B, Nkv, G, C, D] queries of the tokens at tail slots ``tail_start + c``, whose K/V are already in
-    the tail; tail_start: [B]. Every kept prompt slot precedes the chunk, so each group is attended without
-    a causal mask (ragged lengths, via ``pallas_kernels.decode_attention`` with the C queries as extra rows);
-    the tail is causal: query c sees slots [0, tail_start + c]. The parts merge by log-sum-exp, exactly as
-    one decode step per token would. Returns [B, Nkv, G, C, D].
-    """
-    B, Nkv, G, C, D = q.shape
+def tail_extend_attention(q: jax.Array, layer_cache: LayerCache, tail_start: jax.Array):
+    """A chunk's causal attention over the tail alone: query c (at tail slot ``tail_start + c``) sees slots
+    [0, tail_start + c]. q: [B, Nkv, G, C, D]. Returns (out [B, Nkv, G, C, D] float32, lse [B, Nkv, G, C]
+    float32), to be merged with the prompt's part by log-sum-exp."""
+    C, D = q.shape[3], q.shape[4]
     R = layer_cache.tail_k.shape[2]
     s = jnp.einsum("bhgcd,bhrd->bhgcr", q, layer_cache.tail_k, preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST) * (1.0 / math.sqrt(D))
@@ -363,7 +358,20 @@ def layer_extend_attention(q: jax.Array, layer_cache: LayerCache, tail_start: ja
     l = p.sum(-1)
     out_t = jnp.einsum("bhgcr,bhrd->bhgcd", p, layer_cache.tail_v, preferred_element_type=jnp.float32,
                        precision=jax.lax.Precision.HIGHEST) / l[..., None]
-    lse_t = m + jnp.log(l)
+    return out_t, m + jnp.log(l)
+
+
+def layer_extend_attention(q: jax.Array, layer_cache: LayerCache, tail_start: jax.Array) -> jax.Array:
+    """A chunk of new tokens over the prompt groups and the tail: ``decode_step``'s attention, C tokens at once.
+
+    q: [B, Nkv, G, C, D] queries of the tokens at tail slots ``tail_start + c``, whose K/V are already in
+    the tail; tail_start: [B]. Every kept prompt slot precedes the chunk, so each group is attended without
+    a causal mask (ragged lengths, via ``pallas_kernels.decode_attention`` with the C queries as extra rows);
+    the tail is causal: query c sees slots [0, tail_start + c]. The parts merge by log-sum-exp, exactly as
+    one decode step per token would. Returns [B, Nkv, G, C, D].
+    """
+    B, Nkv, G, C, D = q.shape
+    out_t, lse_t = tail_extend_attention(q, layer_cache, tail_start)
     outs, h0 = [], 0
     for g in layer_cache.groups:
         hg = g.num_heads

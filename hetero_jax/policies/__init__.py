@@ -13,6 +13,7 @@ from hetero_jax.policies.base import BudgetError, Policy, PolicyError, UnknownPo
 from hetero_jax.policies.baselines import CAKE, H2O, FullKV, PyramidKV, SnapKV, StreamingLLM
 from hetero_jax.policies.contextkeeper import ContextKeeper
 from hetero_jax.policies.freekv import FreeKV
+from hetero_jax.policies.hcattention import HCAttention
 from hetero_jax.policies.heterocache import HeteroCache
 from hetero_jax.policies.quest import Quest
 from hetero_jax.policies.runtime import PolicyPrefill, achieved_rho
@@ -20,7 +21,7 @@ from hetero_jax.policies.synckv import SyncKV
 
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, PyramidKV, H2O, CAKE, HeteroCache, Quest, FreeKV,
-                      ContextKeeper, SyncKV)
+                      ContextKeeper, SyncKV, HCAttention)
 }
 
 
@@ -81,6 +82,6 @@ def describe_policies() -> str:
 __all__ = [
     "BudgetError", "Policy", "PolicyError", "UnknownPolicyError", "smallest_rho", "tokens_for",
     "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache", "Quest", "FreeKV", "ContextKeeper",
-    "SyncKV",
+    "SyncKV", "HCAttention",
     "PolicyPrefill", "achieved_rho", "REGISTRY", "make_policy", "parse_options", "describe_policies",
 ]

@@ -269,6 +269,14 @@ class DecodeState:
     def host_bytes_by_role(self) -> dict[str, int]:
         return {}
 
+    def achieved_rho(self, cache, cfg) -> np.ndarray:
+        """[B] the rho every result reports: prompt tokens kept on the device / the prompt's full KV
+        (``runtime.achieved_rho``). A policy whose device state is not token rows (HCAttention's codes)
+        reports bytes instead."""
+        from hetero_jax.policies.runtime import achieved_rho  # runtime builds on this module
+
+        return achieved_rho(cache, cfg)
+
     def index_bytes(self, cache) -> int:
         """Device bytes of policy state beside the K/V groups (page summaries, K_base, ...): every
         array in the layers' ``aux``."""

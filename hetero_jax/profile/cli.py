@@ -1,5 +1,6 @@
 """``hetero-jax profile``: calibrate a HeteroCache head profile (or, ``--method contextkeeper``, a
-ContextKeeper head ranking; ``--method synckv``, a SyncKV head grouping) for a model.
+ContextKeeper head ranking; ``--method synckv``, a SyncKV head grouping; ``--method hcattention``, an
+HCAttention key codebook) for a model.
 
 ``add_profile_parser(subparsers)`` adds the sub-command to the main CLI;
 ``run_profile(args)`` runs it and returns the exit status.
@@ -44,11 +45,13 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.add_argument("--plot", default=None, help="also write the summary figure (PNG) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--method", choices=["heterocache", "contextkeeper", "synckv"], default="heterocache",
+    p.add_argument("--method", choices=["heterocache", "contextkeeper", "synckv", "hcattention"],
+                   default="heterocache",
                    help="heterocache: role profile (default); contextkeeper: head ranking by the attention mass "
                    "on the prompt's middle (--sink, --recent, --ck-window, --top-p; the decode and clustering "
                    "options do not apply); synckv: R-heads by k-means over the heads' mean top-k overlaps at "
-                   "every decode step (--n-r; --tau-stable and --tau-sim do not apply)")
+                   "every decode step (--n-r; --tau-stable and --tau-sim do not apply); hcattention: key "
+                   "codebook, written as .npz (--sub-dim, --codebook-size, --kmeans-steps, --kmeans-batch)")
     p.add_argument("--n-r", type=int, default=None,
                    help="synckv: clusters (R-heads) per layer (default: a quarter of the KV heads, at least 1)")
     p.add_argument("--sink", type=int, default=128, help="contextkeeper: sink tokens left out (default 128)")
@@ -57,6 +60,13 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
                    help="contextkeeper: last prompt queries scored (default 32)")
     p.add_argument("--top-p", type=float, default=0.65,
                    help="contextkeeper: share of a layer's heads voted for per sample (default 0.65)")
+    p.add_argument("--sub-dim", type=int, default=4,
+                   help="hcattention: dims per key sub-vector d; g = head_dim / d codes per key (default 4)")
+    p.add_argument("--codebook-size", type=int, default=512,
+                   help="hcattention: centroids per layer c, at most 32767 (default 512)")
+    p.add_argument("--kmeans-steps", type=int, default=200, help="hcattention: mini-batch steps (default 200)")
+    p.add_argument("--kmeans-batch", type=int, default=10000,
+                   help="hcattention: sub-vectors per mini-batch (default 10000)")
     p.set_defaults(func=run_profile)
     return p
 
@@ -103,6 +113,8 @@ def run_profile(args) -> int:
     method = getattr(args, "method", "heterocache")
     if method == "contextkeeper":
         return _run_contextkeeper(args)
+    if method == "hcattention":
+        return _run_hcattention(args)
     try:
         check_profile_args(args)  # before reading data, loading the model or calibrating
         text, source = read_texts(args.data)
@@ -173,6 +185,36 @@ def _run_contextkeeper(args) -> int:
     print(f"ContextKeeper ranking of {model.name}: {ranking.shape[0]} layers x {ranking.shape[1]} KV heads, "
           f"{args.samples} x {args.tokens} tokens; heads per vote count: "
           + ", ".join(f"{int(v)}: {int(c)}" for v, c in zip(values, counts)))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _run_hcattention(args) -> int:
+    import hetero_jax
+    from hetero_jax.errors import HeteroJaxError
+    from hetero_jax.profile.calibrate import calibration_windows, read_texts
+    from hetero_jax.profile.codebook import train_codebook
+    from hetero_jax.profile.format import ProfileError
+
+    try:
+        check_profile_args(args)
+        for flag in ("sub_dim", "codebook_size", "kmeans_steps", "kmeans_batch"):
+            if getattr(args, flag) < 1:
+                raise ProfileError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        text, source = read_texts(args.data)
+        model = hetero_jax.load(args.model, dtype=args.dtype, progress=not args.no_progress)
+        windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
+        cb = train_codebook(model, windows, sub_dim=args.sub_dim, size=args.codebook_size, batch=args.kmeans_batch,
+                            steps=args.kmeans_steps, seed=args.seed, progress=not args.no_progress,
+                            source=f"{source}; {args.samples} window(s) of {args.tokens} tokens chosen with seed "
+                            f"{args.seed}")
+        cb.save(args.out)
+    except HeteroJaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    g = model.config.head_dim // cb.sub_dim
+    print(f"HCAttention codebook of {model.name}: {cb.num_layers} layers x {cb.size} centroids of {cb.sub_dim} dims "
+          f"(g={g} codes per key), {args.samples} x {args.tokens} tokens")
     print(f"wrote {args.out}")
     return 0
 

@@ -1,0 +1,414 @@
+"""HCAttention (Yang et al., 2025): approximate scores on the device, values summed on the host.
+
+After prefill no prompt value stays on the device: every layer's prompt V [B, Hkv, L, D] goes to the
+pinned host store. The device keeps, per layer, either the exact post-RoPE keys ("values on host",
+the paper's 50% point) or, with a key codebook (``hetero_jax.profile.codebook``), only each key's
+g int16 codes plus the layer's codebook [c, d] (paper §3.1). Every head's prompt group is empty
+(capacity 0): no prompt K/V row is on the device.
+
+Decode, per layer, per query head q (paper §3.2), inside the jitted step:
+- scores z_t = q . k_t (exact keys), or from the look-up table T[i, j] = q_i . C[j] over the g
+  sub-vectors q_i of q: z~_t = sum_i T[i, P[t, i]] (Eq. 3);
+- a = softmax(z / sqrt(D)) over the prompt; the mass set Pi = the k* most probable tokens,
+  k* = min{k : sum of the k largest a >= tau} (Eq. 4; tau >= 1 keeps every token);
+- a host callback (``host_store.host_weighted_sum``, numpy) returns y = sum_{t in Pi} a_t V_t (Eq. 5);
+- merged with the exact attention over the tail (tokens added after prefill, on the device) by
+  log-sum-exp. ``renormalize=True`` (the issue's default) divides y by its kept mass sum_Pi a_t: the
+  result is softmax attention over Pi and the tail. ``renormalize=False`` is the paper's Eq. 5: the
+  kept tokens keep their weights under the softmax over the whole prompt and the tail, so the
+  weights sum to less than 1.
+
+A session turn's chunk does the same for each of its queries (so a turn equals decoding its tokens).
+
+Budget: byte-based. Operating points per prompt: values on host, rho 0.5 (keys L x D of 2 L x D);
+per codebook, rho = (codes L x g x 2 B + codebook c x d x itemsize per layer) / full K+V bytes, e.g.
+fp32 SmolLM2 (D 64): g 16 -> 0.0625 + the codebook's share. ``budget`` must lie within 5% of a
+point's rho for every prompt, else BudgetError lists the points.
+
+Departures: the tail stays exact on the device (the paper quantizes generated keys too); the device
+sends every query row's top ``k_cap`` candidates with zero weights past k* (a static callback shape)
+where the paper sends only the k* kept ones; the codebook is per layer, shared by heads and groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from hetero_jax import model as M
+from hetero_jax.cache import HeadGroup, KVCache, tail_kv_bytes
+from hetero_jax.config import ModelConfig
+from hetero_jax.host_store import HostKVStore, host_weighted_sum
+from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PolicyError, PrefillPlan, check_real
+from hetero_jax.policies.primitives import INVALID
+from hetero_jax.profile.codebook import KeyCodebook, load_codebook, shipped_codebooks
+
+MATCH = 0.05  # a budget picks the operating point whose rho is within 5% of it
+CODE_BYTES = 2  # int16 codes
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatingPoint:
+    """One way HCAttention can hold a prompt: values on host (``codebook`` None) or a codebook's codes."""
+
+    rho: float  # device bytes (keys, or codes + codebook) / the prompt's full K+V bytes
+    codebook: KeyCodebook | None
+
+    def label(self, head_dim: int) -> str:
+        if self.codebook is None:
+            return f"values on host, exact keys: rho={self.rho:.4g}"
+        cb = self.codebook
+        return f"codebook g={cb.groups(head_dim)} (d={cb.sub_dim}, c={cb.size}): rho={self.rho:.4g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class HCAttention(Policy):
+    """HCAttention; ``codebook``: a KeyCodebook, a path to one (.npz), a tuple of them, or None (the
+    model's shipped codebooks, resolved by ``bind``)."""
+
+    budget: float = 0.5
+    tau: float = 0.9
+    renormalize: bool = True
+    codebook: KeyCodebook | str | tuple | None = dataclasses.field(default=None, compare=False, hash=False,
+                                                                     repr=False)
+    k_cap_fraction: float = 1.0
+    kv_itemsize: int | None = dataclasses.field(default=None, repr=False)  # the KV dtype's, set by bind
+    codebook_keys: tuple = dataclasses.field(default=(), init=False, repr=False)
+
+    name: ClassVar[str] = "hcattention"
+    summary: ClassVar[str] = ("prompt values in pinned host memory, exact keys (rho 0.5) or key codes (codebook) "
+                              "on the device; each step the tokens holding tau=0.9 of the approximate attention "
+                              "mass are summed on the host")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_real("HCAttention", "tau", self.tau, 0.0, hi=1.0, hi_open=False)
+        check_real("HCAttention", "k_cap_fraction", self.k_cap_fraction, 0.0, hi=1.0, hi_open=False)
+        if not isinstance(self.renormalize, (bool, np.bool_)):
+            raise PolicyError(f"HCAttention: renormalize must be True or False, got {self.renormalize!r}")
+        sz = self.kv_itemsize
+        if sz is not None and (isinstance(sz, (bool, np.bool_)) or not isinstance(sz, (int, np.integer))
+                               or int(sz) not in (1, 2, 4, 8)):
+            raise PolicyError(f"HCAttention: kv_itemsize must be None or a dtype size in bytes (1, 2, 4 or 8), got "
+                              f"{sz!r}")
+        cbs = self.codebook
+        if cbs is not None:
+            cbs = cbs if isinstance(cbs, tuple) else (cbs,)
+            cbs = tuple(load_codebook(c) if isinstance(c, (str, bytes)) or hasattr(c, "__fspath__") else c
+                        for c in cbs)
+            bad = [c for c in cbs if not isinstance(c, KeyCodebook)]
+            if bad:
+                raise PolicyError(f"HCAttention: codebook must be a KeyCodebook, a path to a codebook .npz, a tuple "
+                                  f"of those or None, got {type(bad[0]).__name__}")
+            object.__setattr__(self, "codebook", cbs)
+            object.__setattr__(self, "codebook_keys", tuple(c.key() for c in cbs))
+
+    def bind(self, model) -> "HCAttention":
+        """This policy with its codebooks resolved (None: the model's shipped ones) and checked against
+        ``model`` (shape and weights fingerprint), and the KV dtype's size recorded."""
+        from hetero_jax.profile.format import weights_fingerprint
+
+        itemsize = int(np.dtype(model.params["embed"].dtype).itemsize)
+        if self.codebook is None:
+            cbs = shipped_codebooks(model)
+        else:
+            fp = weights_fingerprint(model.params) if any(c.weights_fingerprint for c in self.codebook) else None
+            for c in self.codebook:
+                c.check_compatible(model.config, fp)
+            cbs = self.codebook
+        if cbs is self.codebook and itemsize == self.kv_itemsize:
+            return self
+        return dataclasses.replace(self, codebook=cbs, kv_itemsize=itemsize)
+
+    # --------------------------------------------------------------- budgets
+    def operating_points(self, cfg: ModelConfig, prompt_len: int) -> list[OperatingPoint]:
+        """Every way to hold a ``prompt_len``-token prompt on this model, values on host first."""
+        isz = self.kv_itemsize or 4
+        D, H, NL = cfg.head_dim, cfg.num_kv_heads, cfg.num_layers
+        full = prompt_len * H * NL * 2 * D * isz
+        points = [OperatingPoint(0.5, None)]
+        for cb in self.codebook or ():
+            cb.check_compatible(cfg)
+            dev = prompt_len * H * NL * cb.groups(D) * CODE_BYTES + NL * cb.layer_bytes()
+            points.append(OperatingPoint(dev / full, cb))
+        return points
+
+    def plan(self, cfg: ModelConfig, prompt_lens) -> OperatingPoint:
+        """The operating point every prompt of the batch runs at: the point nearest the budget, within 5% of it
+        for every prompt; BudgetError listing the points otherwise."""
+        chosen = None
+        for L in (int(x) for x in prompt_lens):
+            pts = self.operating_points(cfg, L)
+            ok = [p for p in pts if abs(p.rho - self.budget) <= MATCH * self.budget]
+            if ok:
+                best = min(ok, key=lambda p: abs(p.rho - self.budget))
+                same = chosen is None or (best.codebook is chosen.codebook)
+                if same:
+                    chosen = chosen or best
+                    continue
+            listing = "; ".join(p.label(cfg.head_dim) for p in pts)
+            hint = ("" if len(pts) > 1 else
+                    " (no key codebook for this model: train one with `hetero-jax profile --method hcattention` "
+                    "and pass HCAttention(codebook='file.npz') for the smaller points)")
+            raise BudgetError(
+                f"HCAttention: budget rho={self.budget:g} matches no operating point of a {L}-token prompt "
+                f"(within {MATCH:.0%}{', the same point for the whole batch' if ok else ''}); "
+                f"its points are: {listing}{hint}. Pass one of those rho values")
+        return chosen
+
+    def check_budget(self, prompt_len: int) -> int:
+        return prompt_len  # checked per model and batch in make_prefill (bytes depend on the model)
+
+    def layer_counts(self, cfg, prompt_len):
+        return None
+
+    def make_prefill(self, cfg, prompt_lens, compile_fn=None):
+        return HCPrefill(self, cfg, prompt_lens, compile_fn)
+
+    def token_scores(self, layer, x_in, keys, prompt_lens, cfg):
+        raise NotImplementedError("HCAttention selects at every decode step; it scores no token at prefill")
+
+    # ----------------------------------------------------------------- decode
+    def prompt_part(self, li: int, q, aux, kind: str):
+        """Traced: the prompt's share of attention for query rows q [B, H, Q, D] (module docstring).
+
+        Returns (y [B, H, Q, D] float32, lse [B, H, Q] float32 of what y stands for, k* [B, H, Q] int32,
+        truncated [B, H, Q] bool: the k_cap candidates held less than tau)."""
+        B, H, Q, D = q.shape
+        s = prompt_scores(q, aux) * (1.0 / math.sqrt(D))
+        T = s.shape[-1]
+        valid = jnp.arange(T, dtype=jnp.int32)[None, :] < aux["prompt_lens"][:, None]  # [B, T]
+        s = jnp.where(valid[:, None, None, :], s, INVALID)
+        m = s.max(-1)
+        p = jnp.exp(s - m[..., None])
+        l = p.sum(-1)
+        a = p / l[..., None]
+        k_cap = max(1, min(T, math.ceil(self.k_cap_fraction * T)))
+        vals, idx = jax.lax.top_k(a, k_cap)  # descending; ties to the lower index
+        # mass of the higher-ranked tokens (an exclusive prefix sum, not cumsum - vals: exact at 0)
+        before = jnp.concatenate([jnp.zeros_like(vals[..., :1]), jnp.cumsum(vals, axis=-1)[..., :-1]], axis=-1)
+        keep = idx < aux["prompt_lens"][:, None, None, None]
+        if self.tau < 1.0:  # tau >= 1 keeps every token (a float32 cumsum may never reach 1)
+            keep &= before < self.tau
+        w = jnp.where(keep, vals, 0.0)
+        y = host_weighted_sum(aux["store"], li, idx.astype(jnp.int32), w, D, kind)
+        mass = w.sum(-1)
+        lse = m + jnp.log(l)
+        if self.renormalize:  # softmax over the kept tokens (and, merged, the tail)
+            y, lse = y / mass[..., None], lse + jnp.log(mass)
+        kstar = keep.sum(-1, dtype=jnp.int32)
+        truncated = (kstar == k_cap) & (mass < self.tau) & (k_cap < aux["prompt_lens"][:, None, None])
+        return y, lse, kstar, truncated
+
+    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
+        """The prompt part (host sum over the mass set) merged with the exact tail; extra: (k* [B, H, G] int32,
+        truncated [B, H, G] bool)."""
+        y, lse, kstar, trunc = self.prompt_part(li, q, layer_cache.aux, "decode")
+        B, H = q.shape[:2]
+        t_len = jnp.broadcast_to(tail_lens[:, None], (B, H))
+        out_t, lse_t = pallas_kernels.decode_attention(q, layer_cache.tail_k, layer_cache.tail_v, t_len,
+                                                       finite_padding=True)
+        out, _ = pallas_kernels.merge_attention(y.astype(out_t.dtype), lse, out_t, lse_t)
+        return out, layer_cache, (kstar, trunc)
+
+    def attend_chunk(self, li, q, layer_cache, tail_start):
+        """A session turn's C queries [B, H, G, C, D], each as one decode step would: its own mass set."""
+        B, H, G, C, D = q.shape
+        y, lse, _, _ = self.prompt_part(li, q.reshape(B, H, G * C, D), layer_cache.aux, "turn")
+        out_t, lse_t = M.tail_extend_attention(q, layer_cache, tail_start)
+        out, _ = pallas_kernels.merge_attention(y.reshape(B, H, G, C, D), lse.reshape(B, H, G, C), out_t, lse_t)
+        return out.astype(q.dtype)
+
+
+def prompt_scores(q, aux):
+    """Traced: raw scores [B, H, Q, T] float32 of query rows q [B, H, Q, D] against the prompt: exact
+    (``aux["keys"]`` [B, H, T, D]) or by the look-up table (``aux["codes"]`` [B, H, T, g] int16,
+    ``aux["codebook"]`` [c, d]): z_t = sum_i (q_i . C[P[t, i]]) (paper Eq. 3)."""
+    B, H, Q, D = q.shape
+    qf = q.astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    if "keys" in aux:
+        return jnp.einsum("bhqd,bhtd->bhqt", qf, aux["keys"].astype(jnp.float32), precision=hi)
+    cb = aux["codebook"].astype(jnp.float32)  # [c, d]
+    codes = aux["codes"]
+    T, g = codes.shape[2], codes.shape[3]
+    lut = jnp.einsum("bhqid,cd->ibhqc", qf.reshape(B, H, Q, g, D // g), cb, precision=hi)  # [g, B, H, Q, c]
+
+    def add_group(z, xs):  # one group at a time: never a [.., g, T] intermediate
+        table, code = xs  # [B, H, Q, c], [B, H, T]
+        idx = jnp.broadcast_to(code.astype(jnp.int32)[:, :, None, :], (B, H, Q, T))
+        return z + jnp.take_along_axis(table, idx, axis=-1), None
+
+    z, _ = jax.lax.scan(add_group, jnp.zeros((B, H, Q, T), jnp.float32), (lut, jnp.moveaxis(codes, -1, 0)))
+    return z
+
+
+ENCODE_CHUNK = 128  # tokens encoded at a time: bounds the [B, H, chunk, g, c] distance block
+
+
+@jax.jit
+def encode_keys(keys, centroids, lens):
+    """Codes [B, H, T, g] int16 of keys [B, H, T, D]: per sub-vector the nearest centroid of ``centroids``
+    [c, d] (squared L2, ties to the lower index); 0 past each sequence's length ``lens`` [B]."""
+    B, H, T, D = keys.shape
+    c, d = centroids.shape
+    g = D // d
+    cb = centroids.astype(jnp.float32)
+    cn = (cb * cb).sum(-1)
+    n = -(-T // ENCODE_CHUNK)
+    x = jnp.pad(keys.astype(jnp.float32), ((0, 0), (0, 0), (0, n * ENCODE_CHUNK - T), (0, 0)))
+    x = jnp.moveaxis(x.reshape(B, H, n, ENCODE_CHUNK, g, d), 2, 0)
+
+    def one(xc):  # [B, H, chunk, g, d]; ||x||^2 is the same for every centroid
+        dist = cn - 2.0 * jnp.einsum("bhtid,cd->bhtic", xc, cb, precision=jax.lax.Precision.HIGHEST)
+        return jnp.argmin(dist, axis=-1).astype(jnp.int16)
+
+    codes = jnp.moveaxis(jax.lax.map(one, x), 0, 2).reshape(B, H, n * ENCODE_CHUNK, g)[:, :, :T]
+    valid = jnp.arange(T)[None, :] < lens[:, None]
+    return jnp.where(valid[:, None, :, None], codes, 0).astype(jnp.int16)
+
+
+def _empty_group(B: int, H: int, D: int, dtype) -> HeadGroup:
+    """A capacity-0 group: the layer's heads keep no prompt row on the device (lengths 0)."""
+    return HeadGroup(k=jnp.zeros((B, H, 0, D), dtype), v=jnp.zeros((B, H, 0, D), dtype),
+                     positions=jnp.zeros((B, H, 0), jnp.int32), lengths=jnp.zeros((B, H), jnp.int32))
+
+
+class HCPrefill(PrefillPlan):
+    """Dense prefill; each layer's prompt V to the host store, its keys (or codes + codebook) to ``aux``."""
+
+    def __init__(self, policy: HCAttention, cfg: ModelConfig, prompt_lens, compile_fn=None):
+        self.policy, self.cfg = policy, cfg
+        self.lens = np.asarray(prompt_lens, np.int64)
+        self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+        self.point = policy.plan(cfg, self.lens)  # validates every prompt first
+        self.store = HostKVStore(cfg.num_layers)
+        self.aux: dict[int, dict] = {}
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+        B, H, _, D = k_buf.shape
+        want = self.policy.kv_itemsize or 4
+        if k_buf.dtype.itemsize != want:
+            raise PolicyError(f"HCAttention planned its bytes for a {want}-byte KV dtype but the prefill runs in "
+                              f"{k_buf.dtype}; bind the policy to the model first (policy.bind(model))")
+        t_max = int(self.lens.max())
+        self.store.put(li, None, v_buf[:, :, :t_max])
+        # fresh arrays per layer: the decode step donates every cache leaf separately
+        aux = {"prompt_lens": jnp.asarray(self.lens.astype(np.int32)), "store": self.store.handle_array()}
+        cb = self.point.codebook
+        if cb is None:
+            aux["keys"] = jnp.array(k_buf[:, :, :t_max])  # a copy: k_buf may be shared (benchmarks)
+        else:
+            cents = jnp.asarray(cb.centroids[li])
+            args = (k_buf[:, :, :t_max], cents, lens)
+            aux["codes"] = self.compile_fn(encode_keys, *args)(*args)
+            aux["codebook"] = cents
+        self.aux[li] = aux
+        return (_empty_group(B, H, D, k_buf.dtype),)
+
+    def finish(self, cache: KVCache) -> tuple[KVCache, "HCDecode"]:
+        layers = tuple(lc.replace(aux=self.aux[li]) for li, lc in enumerate(cache.layers))
+        self.store.materialize()  # the in-step callbacks read numpy views only (waits for the copies)
+        itemsize = self.policy.kv_itemsize or 4
+        return cache.replace(layers=layers), HCDecode(self.policy, self.cfg, self.lens, self.point, self.store,
+                                                      itemsize)
+
+
+class HCDecode(DecodeState):
+    """HCAttention's counters; selection and the host sums run inside the step (``HCAttention.attend``)."""
+
+    def __init__(self, policy: HCAttention, cfg: ModelConfig, lens, point: OperatingPoint, store: HostKVStore,
+                 itemsize: int):
+        self.policy, self.cfg, self.lens, self.point, self.store, self.itemsize = (policy, cfg, lens, point, store,
+                                                                                   itemsize)
+        self.steps = 0
+        self.pending = []  # device extras of dispatched steps, read lazily
+        self.kstar_sum = np.zeros(cfg.num_layers)  # sum over steps, sequences and query heads of k*/L
+        self.rows = 0  # (step, layer, sequence, query head) rows counted
+        self.truncations = 0
+        self.base = {k: list(v) for k, v in store.counters.items()}  # callback counters at this state's start
+
+    def fresh(self) -> "HCDecode":
+        return HCDecode(self.policy, self.cfg, self.lens, self.point, self.store, self.itemsize)
+
+    def before_step(self, step, cache):
+        self._collect()  # the last step's token was read back: its extras are ready, reading them never waits
+        return cache
+
+    def after_step(self, step, extras, cache) -> None:
+        self.steps += 1
+        for e in extras:
+            for a in e:
+                a.copy_to_host_async()
+        self.pending.append(extras)
+
+    def _collect(self) -> None:
+        L = self.lens.astype(np.float64)[:, None, None]
+        for extras in self.pending:
+            for li, (kstar, trunc) in enumerate(extras):
+                k = np.asarray(kstar)
+                self.kstar_sum[li] += float((k / L).sum())
+                self.truncations += int(np.asarray(trunc).sum())
+            self.rows += extras[0][0].size
+        self.pending = []
+
+    def in_flight(self):
+        return self.pending
+
+    def host_arrays(self) -> tuple:
+        return self.store.arrays()
+
+    def host_bytes_by_role(self) -> dict:
+        return {"value": self.store.nbytes()}
+
+    def achieved_rho(self, cache, cfg) -> np.ndarray:
+        """[B] bytes: each sequence's keys (or codes + the codebook) / its full prompt K+V bytes."""
+        return np.array([next(p.rho for p in self.policy.operating_points(cfg, int(L))
+                              if p.codebook is self.point.codebook) for L in self.lens])
+
+    def _counter(self, kind: str) -> tuple[int, float, int]:
+        now = self.store.counters.get(kind, [0, 0.0, 0])
+        base = self.base.get(kind, [0, 0.0, 0])
+        return now[0] - base[0], now[1] - base[1], now[2] - base[2]
+
+    def kv_bytes_read(self, cache) -> int:
+        """Keys or codes + codebooks and tails (device), plus the value rows a step reads on the host (mean)."""
+        _, _, rows = self._counter("decode")
+        host = rows * self.cfg.head_dim * self.itemsize / self.steps if self.steps else 0
+        return int(tail_kv_bytes(cache) + self.index_bytes(cache) + host)
+
+    def stats(self) -> dict:
+        self._collect()
+        cfg, n = self.cfg, self.steps
+        B, NL = len(self.lens), cfg.num_layers
+        per_layer = self.kstar_sum / self.rows if self.rows else np.zeros(NL)
+        calls, seconds, rows = self._counter("decode")
+        T = int(self.lens.max())
+        k_cap = max(1, min(T, math.ceil(self.policy.k_cap_fraction * T)))
+        q_rows = B * cfg.num_heads * NL  # query rows per step
+        cb = self.point.codebook
+        return {
+            "steps": n,
+            "mode": "values_on_host" if cb is None else f"codebook_g{cb.groups(cfg.head_dim)}",
+            "selection_ratio": float(per_layer.mean()),  # mean k*/L (paper Fig. 3)
+            "selection_ratio_by_layer": [float(x) for x in per_layer],
+            "truncations": self.truncations,
+            "bytes_to_host_per_step": q_rows * k_cap * 8,  # candidate ids (int32) + weights (float32)
+            "bytes_from_host_per_step": q_rows * cfg.head_dim * 4,  # y, float32
+            "host_value_bytes_read_per_step": rows * cfg.head_dim * self.itemsize / n if n else 0.0,
+            "callback_ms_per_step": 1e3 * seconds / n if n else 0.0,
+            "host_bytes": self.store.nbytes(),
+            "turn_callbacks": self._counter("turn")[0],
+        }
+
+    def summary(self) -> str:
+        s = self.stats()
+        return (f"{s['mode']}, kept {s['selection_ratio']:.1%} of the prompt per query (tau {self.policy.tau:g}), "
+                f"host sums {s['callback_ms_per_step']:.1f} ms/step")

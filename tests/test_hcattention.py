@@ -1,0 +1,340 @@
+"""HCAttention: one layer's attend against a numpy float64 recomputation (codes, look-up-table scores, mass
+set, host weighted sum, tail merge; both normalisations), tau 1 with exact keys or a codebook holding them
+== full KV, memory placement and byte rho, batch == one by one, session turns, codebook file and k-means."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hetero_jax.cache import KVCache, LayerCache
+from hetero_jax.generate import Engine, Session, prefill
+from hetero_jax.policies import BudgetError, FullKV, HCAttention, make_policy
+from hetero_jax.profile.codebook import (KeyCodebook, kmeans_pp, load_codebook, minibatch_kmeans, nearest,
+                                         train_codebook)
+from hetero_jax.profile.format import ProfileError
+from tiny_model import greedy_with_logits, tiny_model
+
+MODEL = tiny_model()
+CFG, PARAMS = MODEL.config, MODEL.params
+D, H, G = CFG.head_dim, CFG.num_kv_heads, CFG.group_size
+TAU = 0.9
+
+
+def prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(3, CFG.vocab_size, size=n).tolist()
+
+
+def matching_budget(policy, cfg, lens, with_codebook: bool) -> float:
+    """A budget within 5% of the wanted point for every length (the points' mean rho)."""
+    rhos = [policy.operating_points(cfg, L)[1 if with_codebook else 0].rho for L in lens]
+    return float(np.mean(rhos))
+
+
+# ------------------------------------------------------------------ numpy oracle (float64)
+def np_codes(keys, cents):
+    """[N, g] nearest centroid of each d-dim sub-vector (direct squared distances; ties: lower index)."""
+    d = cents.shape[1]
+    sub = keys.astype(np.float64).reshape(len(keys), -1, 1, d)
+    dist = ((sub - cents.astype(np.float64)[None, None]) ** 2).sum(-1)  # [N, g, c]
+    return dist.argmin(-1), dist
+
+
+def np_prompt_part(q, keys_or_codes, cents, V, tau, renormalize):
+    """q [Q, D] over one head's L prompt tokens. Returns (y [Q, D], lse [Q], kept sets, boundary margins)."""
+    q = q.astype(np.float64)
+    if cents is None:
+        z = q @ keys_or_codes.astype(np.float64).T
+    else:
+        d = cents.shape[1]
+        table = np.einsum("qid,cd->qic", q.reshape(len(q), -1, d), cents.astype(np.float64))  # the paper's T
+        z = sum(table[:, i, keys_or_codes[:, i]] for i in range(keys_or_codes.shape[1]))  # Eq. 3
+    s = z / np.sqrt(q.shape[-1])
+    m = s.max(-1, keepdims=True)
+    a = np.exp(s - m)
+    lse = m[:, 0] + np.log(a.sum(-1))
+    a /= a.sum(-1, keepdims=True)
+    ys, lses, sets, margins = [], [], [], []
+    for r in range(len(q)):
+        order = np.argsort(-a[r], kind="stable")
+        cum = np.cumsum(a[r][order])
+        k = len(order) if tau >= 1 else int(np.searchsorted(cum, tau) + 1)  # min{k : cum_k >= tau}
+        k = min(k, len(order))
+        kept = order[:k]
+        w = a[r][kept]
+        y = w @ V[kept].astype(np.float64)
+        mass = w.sum()
+        ys.append(y / mass if renormalize else y)
+        lses.append(lse[r] + np.log(mass) if renormalize else lse[r])
+        sets.append(set(kept.tolist()))
+        margins.append(np.abs(cum - tau).min())
+    return np.array(ys), np.array(lses), sets, np.array(margins)
+
+
+def np_merge(y, lse, q, tk, tv):
+    """Merge a prompt part with exact attention over the tail keys tk / values tv [R, D] (float64)."""
+    s = q.astype(np.float64) @ tk.astype(np.float64).T / np.sqrt(q.shape[-1])
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    lse_t = m[:, 0] + np.log(p.sum(-1))
+    out_t = p @ tv.astype(np.float64) / p.sum(-1, keepdims=True)
+    top = np.maximum(lse, lse_t)
+    wa, wb = np.exp(lse - top), np.exp(lse_t - top)
+    return (wa[:, None] * y + wb[:, None] * out_t) / (wa + wb)[:, None]
+
+
+def one_layer(policy, lens, Tp=64, R=8, seed=0):
+    """A one-layer cache built by the policy's own prefill plan from random K/V (garbage past each length)."""
+    rng = np.random.default_rng(seed)
+    cfg1 = dataclasses.replace(CFG, num_layers=1)
+    B = len(lens)
+    k = rng.normal(size=(B, H, Tp, D)).astype(np.float32)
+    v = rng.normal(size=(B, H, Tp, D)).astype(np.float32)
+    tk = rng.normal(size=(B, H, R, D)).astype(np.float32)
+    tv = rng.normal(size=(B, H, R, D)).astype(np.float32)
+    plan = policy.make_prefill(cfg1, lens)
+    lens_d = jnp.asarray(lens, jnp.int32)
+    groups = plan.build_layer(0, None, None, jnp.asarray(k), jnp.asarray(v), lens_d)
+    cache = KVCache(layers=(LayerCache(groups=groups, tail_k=jnp.asarray(tk), tail_v=jnp.asarray(tv)),),
+                    seq_lens=lens_d, prompt_lens=lens_d, tail_lens=jnp.zeros(B, jnp.int32),
+                    tail_positions=jnp.full((B, R), -1, jnp.int32))
+    cache, state = plan.finish(cache)
+    return cfg1, cache, state, (k, v, tk, tv)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("mode", ["values", "codebook"])
+def test_attend_equals_a_numpy_float64_recomputation(mode, renormalize):
+    """Codes, look-up-table scores, the tau mass set (k*), the host weighted sum and its log-sum-exp merge with the
+    tail, for a batch of two lengths, against numpy float64 (c=16, g=4, D=16)."""
+    lens, tail_lens = [50, 37], np.array([3, 6])
+    rng = np.random.default_rng(1)
+    cb = KeyCodebook(rng.normal(size=(1, 16, 4)).astype(np.float32)) if mode == "codebook" else None
+    probe = HCAttention(budget=0.5, codebook=cb, kv_itemsize=4)
+    cfg1 = dataclasses.replace(CFG, num_layers=1)
+    budget = matching_budget(probe, cfg1, lens, mode == "codebook")
+    pol = HCAttention(budget=budget, tau=TAU, renormalize=renormalize, codebook=cb, kv_itemsize=4)
+    cfg1, cache, state, (k, v, tk, tv) = one_layer(pol, lens)
+    lc = cache.layers[0]
+    assert lc.groups[0].capacity == 0 and int(lc.groups[0].lengths.sum()) == 0
+    q = (2.0 * rng.normal(size=(2, H, G, D))).astype(np.float32)
+    attend = jax.jit(functools.partial(pol.attend, 0))
+    out, _, (kstar, trunc) = attend(jnp.asarray(q), lc, jnp.asarray(tail_lens, jnp.int32), jnp.asarray(lens))
+    out, kstar = np.asarray(out), np.asarray(kstar)
+    assert not np.asarray(trunc).any()
+    for b, L in enumerate(lens):
+        for h in range(H):
+            if cb is None:
+                src, cents = k[b, h, :L], None
+            else:
+                want_codes, dist = np_codes(k[b, h, :L], cb.centroids[0])
+                got_codes = np.asarray(lc.aux["codes"][b, h, :L])
+                srt = np.sort(dist, -1)
+                tie = (srt[..., 1] - srt[..., 0]) < 1e-5  # a float32 near-tie may pick either
+                assert np.array_equal(got_codes[~tie], want_codes[~tie])
+                assert (np.asarray(lc.aux["codes"][b, h, L:]) == 0).all()  # padding slots masked
+                src, cents = got_codes, cb.centroids[0]
+            y, lse, sets, margin = np_prompt_part(q[b, h], src, cents, v[b, h, :L], TAU, renormalize)
+            assert (margin > 1e-6).all()  # no row sits on the tau boundary (else float32 may differ by one)
+            np.testing.assert_array_equal(kstar[b, h], [len(s) for s in sets])
+            want = np_merge(y, lse, q[b, h], tk[b, h, : tail_lens[b]], tv[b, h, : tail_lens[b]])
+            np.testing.assert_allclose(out[b, h], want, atol=1e-5, rtol=1e-5)
+    assert (kstar < np.array(lens)[:, None, None]).all() and (kstar >= 1).all()  # tau 0.9 drops tokens
+
+
+def test_k_cap_truncates_and_counts():
+    """k_cap_fraction < 1: a row keeps at most k_cap tokens (its top ones) and is flagged when they hold less than
+    tau; the output is the oracle's over the top k_cap (renormalised)."""
+    lens = [50, 37]
+    pol = HCAttention(budget=0.5, tau=TAU, k_cap_fraction=0.1, kv_itemsize=4)
+    _, cache, _, (k, v, tk, tv) = one_layer(pol, lens, seed=2)
+    q = (0.5 * np.random.default_rng(3).normal(size=(2, H, G, D))).astype(np.float32)  # flat attention
+    out, _, (kstar, trunc) = jax.jit(functools.partial(pol.attend, 0))(
+        jnp.asarray(q), cache.layers[0], jnp.asarray([2, 2], jnp.int32), jnp.asarray(lens))
+    kstar, trunc, out = np.asarray(kstar), np.asarray(trunc), np.asarray(out)
+    cap = 5  # ceil(0.1 x 50): the longest prompt's slots
+    assert (kstar <= cap).all() and trunc.any()
+    for b, L in enumerate(lens):
+        for h in range(H):
+            y, lse, sets, _ = np_prompt_part(q[b, h], k[b, h, :L], None, v[b, h, :L], TAU, True)
+            full_k = np.array([len(s) for s in sets])
+            np.testing.assert_array_equal(trunc[b, h], full_k > cap)
+            np.testing.assert_array_equal(kstar[b, h], np.minimum(full_k, cap))
+            s = q[b, h].astype(np.float64) @ k[b, h, :L].astype(np.float64).T / np.sqrt(D)
+            for r in range(G):
+                kept = np.argsort(-s[r], kind="stable")[: kstar[b, h, r]]
+                p = np.exp(s[r] - s[r].max())
+                yr = p[kept] @ v[b, h, kept].astype(np.float64) / p[kept].sum()
+                lse_r = s[r].max() + np.log(p[kept].sum())
+                want = np_merge(yr[None], np.array([lse_r]), q[b, h, r : r + 1], tk[b, h, :2], tv[b, h, :2])
+                np.testing.assert_allclose(out[b, h, r], want[0], atol=1e-5, rtol=1e-5)
+
+
+def exact_codebook(ids):
+    """A codebook whose layer-l centroids are layer l's prompt keys (g = 1, d = D): every key quantizes exactly."""
+    _, full = prefill(PARAMS, CFG, [ids], tail_capacity=2)
+    return KeyCodebook(np.stack([np.asarray(lc.groups[0].k[0], np.float32).reshape(-1, D) for lc in full.layers]))
+
+
+@pytest.mark.parametrize("mode", ["values", "codebook"])
+def test_tau_one_with_exact_keys_is_full_kv(mode):
+    """tau = 1 keeps every token: exact keys (values on host) or a codebook holding every key give full KV's greedy
+    tokens and logits; with the codebook the device holds codes + codebook only, within rho x 1.05."""
+    ids = prompt(60, 1)
+    want_toks, want_logits, _ = greedy_with_logits(MODEL, FullKV(), [ids])
+    cb = exact_codebook(ids) if mode == "codebook" else None
+    probe = HCAttention(codebook=cb, kv_itemsize=4)
+    budget = matching_budget(probe, CFG, [60], mode == "codebook")
+    toks, logits, eng = greedy_with_logits(MODEL, HCAttention(budget=budget, tau=1.0, codebook=cb), [ids])
+    np.testing.assert_array_equal(toks, want_toks)
+    np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=1e-4)
+    # memory: no prompt row on the device, values (only) pinned on the host, bytes = keys or codes + codebook
+    f = eng.stats_fields()
+    assert f["kv_bytes_prompt"] == 0
+    assert all(g.capacity == 0 for lc in eng.cache.layers for g in lc.groups)
+    store = eng.state.store
+    assert all(a is None for a in store.k)
+    assert [a.shape for a in store.v] == [(1, H, 60, D)] * CFG.num_layers
+    assert all(a.sharding.memory_kind == "pinned_host" for a in eng.state.host_arrays())
+    assert f["kv_bytes_host"] == CFG.num_layers * H * 60 * D * 4
+    full = 60 * H * CFG.num_layers * 2 * D * 4
+    if cb is None:
+        held = sum(lc.aux["keys"].nbytes for lc in eng.cache.layers)
+        assert held == full // 2 and eng.achieved_rho[0] == 0.5
+    else:
+        held = sum(lc.aux["codes"].nbytes + lc.aux["codebook"].nbytes for lc in eng.cache.layers)
+        assert all(lc.aux["codes"].dtype == jnp.int16 and "keys" not in lc.aux for lc in eng.cache.layers)
+        assert eng.achieved_rho[0] == pytest.approx(held / full)
+    assert held <= budget * full * 1.05
+    assert f["kv_bytes_index"] - held < 64  # beside them only the prompt lengths and the store handle
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_codebook():
+    samples = [prompt(100, 11), prompt(100, 12)]
+    return train_codebook(MODEL, samples, sub_dim=4, size=32, batch=500, steps=20)
+
+
+def test_batch_equals_one_by_one_and_stats():
+    """Two prompts of different lengths batched decode as each alone (trained codebook, tau 0.9); the stats'
+    selection ratio is the mean k*/L of the extras."""
+    cb = tiny_codebook()
+    a, b = prompt(150, 3), prompt(97, 4)
+    pol = HCAttention(budget=matching_budget(HCAttention(codebook=cb, kv_itemsize=4), CFG, [150, 97], True),
+                      codebook=cb)
+    eng = Engine(MODEL, [a, b], pol, tail_capacity=8, is_batch=True)
+    seen, orig = [], eng.state.after_step
+    eng.state.after_step = lambda s, e, c: (seen.append([np.asarray(x[0]) for x in e]), orig(s, e, c))
+    tok = eng.first_tokens(0.0, 1.0)
+    toks, logits = [tok], []
+    for _ in range(5):
+        tok, lg = eng.step_with_logits(tok)
+        toks.append(tok)
+        logits.append(lg)
+    toks, logits = np.stack(toks, 1), np.stack(logits, 1)
+    for i, ids in enumerate((a, b)):
+        t1, l1, e1 = greedy_with_logits(MODEL, pol, [ids])
+        np.testing.assert_array_equal(toks[i], t1[0])
+        np.testing.assert_allclose(logits[i], l1[0], atol=1e-4, rtol=1e-4)
+        assert e1.achieved_rho[0] == pytest.approx(eng.achieved_rho[i])
+    st = eng.stats_fields()["policy_stats"]
+    L = np.array([150, 97], np.float64)[:, None, None]
+    ratio = np.mean([[(k / L).mean() for k in step] for step in seen], axis=0)  # per layer
+    np.testing.assert_allclose(st["selection_ratio_by_layer"], ratio, rtol=1e-9)
+    assert st["mode"] == "codebook_g4" and st["steps"] == 5 and st["truncations"] == 0
+    assert st["bytes_from_host_per_step"] == 2 * CFG.num_heads * CFG.num_layers * D * 4
+    assert 0 < st["host_value_bytes_read_per_step"] <= 2 * 150 * H * CFG.num_layers * D * 4
+
+
+def test_a_turn_equals_decoding_its_tokens():
+    """A session turn (chunked, each query its own mass set) gives the logits of feeding the turn token by token;
+    with tau 1 and exact keys a two-turn session answers as full KV does."""
+    ctx, turn = prompt(80, 5), prompt(7, 6)
+    pol = HCAttention(budget=0.5, tau=TAU)
+    e1 = Engine(MODEL, [ctx], pol, tail_capacity=16)
+    got = e1.extend(turn)
+    e2 = Engine(MODEL, [ctx], pol, tail_capacity=16)
+    for t in turn:
+        _, want = e2.step_with_logits(np.array([t]))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert e1.state.stats()["turn_callbacks"] == CFG.num_layers
+    q1, q2 = prompt(12, 7), prompt(5, 8)
+    answers = []
+    for p in (FullKV(), HCAttention(budget=0.5, tau=1.0)):
+        sess = Session(MODEL, ctx, p, chat=False, reserve_tokens=8)
+        answers.append([sess.ask(q, max_new_tokens=4).token_ids for q in (q1, q2)])
+    assert answers[0] == answers[1]
+
+
+def test_budgets_must_match_an_operating_point():
+    ids = prompt(60, 9)
+    with pytest.raises(BudgetError, match=r"values on host, exact keys: rho=0\.5.*hetero-jax profile --method"):
+        Engine(MODEL, [ids], HCAttention(budget=0.3), tail_capacity=4)
+    cb = tiny_codebook()
+    with pytest.raises(BudgetError, match=r"codebook g=4 \(d=4, c=32\): rho=0\.07"):
+        Engine(MODEL, [ids], HCAttention(budget=0.3, codebook=cb), tail_capacity=4)
+    Engine(MODEL, [ids], HCAttention(budget=0.52), tail_capacity=4)  # within 5% of 0.5
+    with pytest.raises(BudgetError):
+        HCAttention(budget=0.3).make_prefill(CFG, [60])
+
+
+def test_codebook_file_and_model_checks(tmp_path):
+    cb = tiny_codebook()
+    assert cb.centroids.shape == (CFG.num_layers, 32, 4) and cb.centroids.dtype == np.float16
+    path = tmp_path / "cb.npz"
+    cb.save(path)
+    back = load_codebook(path)
+    np.testing.assert_array_equal(back.centroids, cb.centroids)
+    assert back.key() == cb.key() and back.weights_fingerprint == cb.weights_fingerprint
+    assert HCAttention(codebook=str(path)) == HCAttention(codebook=cb)
+    assert HCAttention(codebook=cb) != HCAttention(codebook=exact_codebook(prompt(10)))
+    other = tiny_model(seed=7)  # same shape, other weights: the fingerprint refuses it
+    with pytest.raises(ProfileError, match="another model.*fingerprint"):
+        HCAttention(codebook=cb).bind(other)
+    HCAttention(codebook=cb).bind(MODEL)
+    with pytest.raises(ProfileError, match="2 layers"):
+        KeyCodebook(cb.centroids[:2]).check_compatible(CFG)
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(ProfileError, match="not readable"):
+        load_codebook(tmp_path / "bad.npz")
+    with pytest.raises(ProfileError, match="does not exist"):
+        load_codebook(tmp_path / "missing.npz")
+
+
+def test_kmeans_finds_separated_clusters_and_nearest_breaks_ties_low():
+    rng = np.random.default_rng(0)
+    centers = np.array([[0, 0], [10, 0], [0, 10], [10, 10]], np.float64)
+    x = (centers[rng.integers(4, size=4000)] + 0.1 * rng.normal(size=(4000, 2))).astype(np.float32)
+    got = minibatch_kmeans(x, 4, batch=500, steps=30, seed=0)
+    assert np.abs(np.sort(got.round(), axis=0) - np.sort(centers, axis=0)).max() < 0.5
+    assert len({tuple(r) for r in got.round()}) == 4
+    np.testing.assert_array_equal(nearest(np.array([[1.0, 0.0]]), np.array([[0.0, 0.0], [2.0, 0.0]])), [0])
+    seeds = kmeans_pp(x, 4, np.random.default_rng(0))
+    assert len({tuple(r) for r in np.round(seeds / 10)}) == 4  # k-means++ spreads its seeds over the clusters
+
+
+def test_registry_and_options():
+    p = make_policy("hcattention:tau=0.5,renormalize=false", 0.5)
+    assert p == HCAttention(budget=0.5, tau=0.5, renormalize=False)
+    with pytest.raises(BudgetError):
+        HCAttention(tau=0.0)
+    with pytest.raises(BudgetError):
+        HCAttention(k_cap_fraction=1.5)
+
+
+def test_shipped_smollm2_codebooks_fit_its_shape():
+    """The shipped codebooks load, fit SmolLM2-135M's shape and give the documented points at 4K tokens (fp32)."""
+    from hetero_jax.config import ModelConfig
+    from hetero_jax.profile.codebook import SHIPPED_CODEBOOKS
+    from hetero_jax.profile.format import shipped_data_path
+
+    cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192)
+    cbs = [load_codebook(shipped_data_path({"m": f}, "m")) for f in SHIPPED_CODEBOOKS["smollm2-135m"]]
+    pol = HCAttention(codebook=tuple(cbs), kv_itemsize=4)
+    pts = pol.operating_points(cfg, 4096)
+    assert [round(p.rho, 3) for p in pts] == [0.5, 0.063, 0.125]
+    assert [p.codebook.groups(64) for p in pts[1:]] == [16, 32]
