@@ -64,7 +64,10 @@ def check_mesh(mesh: Mesh, cfg: ModelConfig) -> None:
 
 def partition_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     """``axes`` (logical, one per dim) as a PartitionSpec; a dim the mesh axis does not divide stays whole
-    (as does every dim on a mesh axis of size 1)."""
+    (as does every dim on a mesh axis of size 1, and every dim of an empty array, which the partitioner
+    hands back replicated)."""
+    if 0 in tuple(shape):
+        return PartitionSpec()
     out = []
     for name, n in zip(axes, shape):
         mesh_axis = RULES.get(name)
@@ -90,17 +93,21 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     return jax.device_put(params, param_shardings(cfg, mesh, params))
 
 
-def _leaf_axes(path) -> tuple[str, ...] | None:
+def _leaf_axes(path, shape, batch: int) -> tuple[str, ...]:
     names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-    if any(isinstance(k, jax.tree_util.DictKey) for k in path):  # a policy's aux state: batch first, else whole
-        return ("batch",)
-    return CACHE_AXES.get(names[-1]) if names else None
+    if any(isinstance(k, jax.tree_util.DictKey) for k in path):
+        # a policy's aux state: split over "data" when it leads with the batch (K_base [B, Np, L_base]),
+        # whole otherwise (a codebook, a store handle)
+        return ("batch",) if shape and shape[0] == batch else ()
+    return CACHE_AXES.get(names[-1], ()) if names else ()
 
 
 def cache_shardings(cache, mesh: Mesh):
     """NamedShardings for a KVCache pytree: KV heads on "model", batch on "data" (where they divide)."""
+    batch = cache.seq_lens.shape[0]
+
     def one(path, x):
-        axes = _leaf_axes(path) or ()
+        axes = _leaf_axes(path, np.shape(x), batch)
         return NamedSharding(mesh, partition_spec(axes[: np.ndim(x)], np.shape(x), mesh))
 
     return jax.tree_util.tree_map_with_path(one, cache)

@@ -11,9 +11,10 @@ import pytest
 import hetero_jax
 from hetero_jax.generate import Engine
 from hetero_jax.hub import place
-from hetero_jax.policies import FullKV, HeteroCache, SnapKV
+from hetero_jax.policies import FullKV, HCAttention, HeteroCache, SnapKV, SyncKV
 from hetero_jax.sharding import MeshError, cache_shardings, make_mesh, per_device_bytes
 from test_heterocache import PROFILE
+from test_synckv import PROFILE as SYNC_PROFILE
 from tiny_model import greedy_with_logits, tiny_model
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 6, reason="needs 6 devices (run through tests/test_mesh.py)")
@@ -72,6 +73,22 @@ def test_greedy_and_logits_equal_one_device(name, tp, dp):
             assert len(a.sharding.device_set) == tp * dp
     stats = eng.stats_fields()
     assert stats["kv_bytes_per_device"] and len(stats["kv_bytes_per_device"]) == tp * dp
+
+
+@pytest.mark.parametrize("policy", [SyncKV(profile=SYNC_PROFILE, budget=0.6, m=3), HCAttention(budget=0.5)],
+                         ids=["synckv", "hcattention"])
+def test_host_copy_peers_on_a_mesh(policy):
+    """SyncKV's refreshes and HCAttention's in-step host sums run on tp 3 x dp 2 as on one device."""
+    toks, logits, _ = greedy_with_logits(MODEL, policy, PROMPTS, steps=8)
+    got_toks, got_logits, eng = greedy_with_logits(place(MODEL, make_mesh(3, 2)), policy, PROMPTS, steps=8)
+    np.testing.assert_array_equal(got_toks, toks)
+    np.testing.assert_allclose(got_logits, logits, atol=1e-4, rtol=0)
+    for leaf, w in zip(jax.tree.leaves(eng.cache), jax.tree.leaves(cache_shardings(eng.cache, eng.model.mesh))):
+        assert leaf.sharding.is_equivalent_to(w, leaf.ndim)
+    for lc in eng.cache.layers:  # policy state that does not lead with the batch stays whole
+        for leaf in jax.tree.leaves(lc.aux):
+            if leaf.ndim and leaf.shape[0] != len(PROMPTS):
+                assert all(a is None for a in spec_of(leaf))
 
 
 def test_params_split_tensor_parallel():
