@@ -64,6 +64,9 @@ MiB = 2**20
 PRESETS = {
     "cpu": dict(prompt_tokens=1024, continuation_tokens=64, samples=1,
                 policies=["streamingllm", "snapkv", "heterocache"], budgets=[0.3, 0.5]),
+    # issue 18: next-token fidelity of the three peers beside HeteroCache (0.125: HCAttention's g=32 point only)
+    "issue18-peers": dict(prompt_tokens=1024, continuation_tokens=64, samples=3,
+                          policies=["heterocache", "contextkeeper", "synckv", "hcattention"], budgets=[0.125, 0.5]),
 }
 
 

@@ -126,6 +126,10 @@ PRESETS = {
     "llama8b-gpu": dict(real_lengths=[], synthetic_lengths=[16384, 32768, 65536, 131072], synthetic_shape="llama-3.1-8b",
                         policies=["full", "snapkv", "heterocache"], budgets=[0.3], decode_steps=64, warmup_steps=8,
                         ttft_warmup=1, ttft_repeats=1),
+    # issue 18: the three peers beside full KV and HeteroCache at rho 0.5 (the budget all of them reach on SmolLM2)
+    "issue18-peers": dict(real_lengths=[2048, 4096], synthetic_lengths=[],
+                          policies=["full", "heterocache", "contextkeeper", "synckv", "hcattention"],
+                          budgets=[0.5], decode_steps=32, warmup_steps=6, ttft_warmup=1, ttft_repeats=1),
 }
 
 

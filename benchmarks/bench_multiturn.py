@@ -112,6 +112,14 @@ PRESETS = {
         "budgets": [0.3, 0.5],
         "haystacks": list(haystack.HAYSTACKS),
     },
+    # issue 18: the three peers side by side, same contexts as issue 17, at rho 0.5 and HCAttention's 0.125 point
+    "issue18-peers": {
+        "lengths": [2000],
+        "seeds": [0, 1, 2],
+        "policies": ["full", "heterocache", "contextkeeper", "synckv", "hcattention"],
+        "budgets": [0.125, 0.5],
+        "haystacks": list(haystack.HAYSTACKS),
+    },
 }
 
 

@@ -126,6 +126,16 @@ PRESETS = {
         "seeds": [0],
         "haystacks": list(haystack.HAYSTACKS),
     },
+    # issue 18: the three peers side by side at the budgets each can reach on SmolLM2: rho 0.5 (all of them; HCAttention
+    # = values on host, exact keys) and 0.125 (HCAttention's g=32 key codes; the others refuse it, with the reason)
+    "issue18-peers": {
+        "lengths": [1000, 2000, 4000],
+        "depths": [0.1, 0.5, 0.9],
+        "policies": ["full", "heterocache", "contextkeeper", "synckv", "hcattention"],
+        "budgets": [0.125, 0.5],
+        "seeds": [0],
+        "haystacks": list(haystack.HAYSTACKS),
+    },
 }
 
 
