@@ -3,8 +3,11 @@
 Per decoder layer the cache holds the prompt's KV in one or more *head
 groups* plus an append-only *tail*:
 
-- A ``HeadGroup`` is a contiguous slice of the layer's KV heads that share one
-  static capacity ``S``. Each head has its own valid length and the original
+- A ``HeadGroup`` is a set of the layer's KV heads that share one static
+  capacity ``S``: a contiguous slice on one device; under tensor parallelism
+  (``LayerCache.head_tp`` = tp > 1) the same ``m`` local slots of every shard,
+  so a group splits over the "model" axis like the projections do
+  (:func:`group_spans`). Each head has its own valid length and the original
   token position of every slot, so a compression policy can keep a different
   subset (and number) of prompt tokens per head; the slot index is never taken
   for the position. Full KV is one group holding the whole prompt.
@@ -48,10 +51,53 @@ class LayerCache:
     tail_v: jax.Array  # [B, Hkv, R, D]
     # policy state that changes while decoding (HeteroCache: each pivot's K_base [B, Np, L_base])
     aux: dict = struct.field(default_factory=dict)
+    # tensor-parallel shards the groups are cut for (static): group head s*m + i is layer head
+    # s*(Hkv/head_tp) + o + i (``group_spans``); 1 = groups are contiguous slices of the heads
+    head_tp: int = struct.field(pytree_node=False, default=1)
 
     @property
     def num_heads(self) -> int:
         return sum(g.num_heads for g in self.groups)
+
+
+def group_spans(layer_cache: "LayerCache") -> list[tuple[int, int]]:
+    """Per group (o, m): on each of the ``head_tp`` shards the group holds the m local head slots [o, o + m)."""
+    tp, out, o = layer_cache.head_tp, [], 0
+    for g in layer_cache.groups:
+        m = g.num_heads // tp
+        out.append((o, m))
+        o += m
+    return out
+
+
+def take_heads(x: jax.Array, o: int, m: int, tp: int) -> jax.Array:
+    """Group heads of ``x`` [B, H, ...] (H = the layer's KV heads in layout order): the local slots
+    [o, o + m) of each of ``tp`` shards, [B, tp*m, ...]. A reshape and a slice, so heads split over
+    "model" stay on their device; tp = 1: ``x[:, o:o+m]``."""
+    if tp == 1:
+        return x[:, o : o + m]
+    B, H = x.shape[:2]
+    return x.reshape(B, tp, H // tp, *x.shape[2:])[:, :, o : o + m].reshape(B, tp * m, *x.shape[2:])
+
+
+def join_heads(parts: list, tp: int) -> jax.Array:
+    """Inverse of :func:`take_heads` over a layer's groups in order: [B, tp*m_g, ...] each -> [B, H, ...]."""
+    if len(parts) == 1:
+        return parts[0]
+    if tp == 1:
+        return jnp.concatenate(parts, axis=1)
+    B, rest = parts[0].shape[0], parts[0].shape[2:]
+    split = [p.reshape(B, tp, p.shape[1] // tp, *rest) for p in parts]
+    joined = jnp.concatenate(split, axis=2)
+    return joined.reshape(B, joined.shape[1] * joined.shape[2], *rest)
+
+
+def group_head_slots(layer_cache: "LayerCache") -> list[np.ndarray]:
+    """Per group: the layer head slot (layout order) of each group head [tp*m]."""
+    tp = layer_cache.head_tp
+    n_local = layer_cache.tail_k.shape[1] // tp
+    return [np.array([s * n_local + o + i for s in range(tp) for i in range(m)])
+            for o, m in group_spans(layer_cache)]
 
 
 @struct.dataclass

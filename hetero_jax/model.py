@@ -20,7 +20,7 @@ import numpy as np
 
 import pallas_kernels
 
-from hetero_jax.cache import KVCache, LayerCache, full_group
+from hetero_jax.cache import KVCache, LayerCache, full_group, group_spans, join_heads, take_heads
 from hetero_jax.config import ModelConfig
 
 # Finite: -inf minus -inf is NaN, and a fully masked row must stay finite.
@@ -273,20 +273,19 @@ def layer_decode_attention(q: jax.Array, layer_cache: LayerCache, tail_lens: jax
     Returns [B, Nkv, G, D].
     """
     outs = []
-    h0 = 0
-    for g in layer_cache.groups:
+    tp = layer_cache.head_tp
+    for g, (o, m) in zip(layer_cache.groups, group_spans(layer_cache)):
         hg = g.num_heads
-        qg = q[:, h0 : h0 + hg]
+        qg = take_heads(q, o, m, tp)
         # cache slots beyond a head's length hold zeros or copies of real tokens: finite
         out_p, lse_p = pallas_kernels.decode_attention(qg, g.k, g.v, g.lengths, finite_padding=True)
         t_len = jnp.broadcast_to(tail_lens[:, None], (q.shape[0], hg))
         out_t, lse_t = pallas_kernels.decode_attention(
-            qg, layer_cache.tail_k[:, h0 : h0 + hg], layer_cache.tail_v[:, h0 : h0 + hg], t_len,
+            qg, take_heads(layer_cache.tail_k, o, m, tp), take_heads(layer_cache.tail_v, o, m, tp), t_len,
             finite_padding=True,
         )
         outs.append(pallas_kernels.merge_attention(out_p, lse_p, out_t, lse_t)[0])
-        h0 += hg
-    return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+    return join_heads(outs, tp)
 
 
 def decode_step(
@@ -372,17 +371,16 @@ def layer_extend_attention(q: jax.Array, layer_cache: LayerCache, tail_start: ja
     """
     B, Nkv, G, C, D = q.shape
     out_t, lse_t = tail_extend_attention(q, layer_cache, tail_start)
-    outs, h0 = [], 0
-    for g in layer_cache.groups:
+    outs, tp = [], layer_cache.head_tp
+    for g, (o, m) in zip(layer_cache.groups, group_spans(layer_cache)):
         hg = g.num_heads
-        qg = q[:, h0 : h0 + hg].reshape(B, hg, G * C, D)
+        qg = take_heads(q, o, m, tp).reshape(B, hg, G * C, D)
         out_p, lse_p = pallas_kernels.decode_attention(qg, g.k, g.v, g.lengths, finite_padding=True)
         out, _ = pallas_kernels.merge_attention(
-            out_p, lse_p, out_t[:, h0 : h0 + hg].reshape(B, hg, G * C, D).astype(out_p.dtype),
-            lse_t[:, h0 : h0 + hg].reshape(B, hg, G * C))
+            out_p, lse_p, take_heads(out_t, o, m, tp).reshape(B, hg, G * C, D).astype(out_p.dtype),
+            take_heads(lse_t, o, m, tp).reshape(B, hg, G * C))
         outs.append(out.reshape(B, hg, G, C, D))
-        h0 += hg
-    return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+    return join_heads(outs, tp)
 
 
 def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cfg: ModelConfig, policy=None):

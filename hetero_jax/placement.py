@@ -74,6 +74,25 @@ def balanced_placement(budgets: np.ndarray, tp: int) -> np.ndarray:
     return placement
 
 
+def balanced_rows(budgets: np.ndarray, tp: int) -> list[list[list[int]]]:
+    """Per layer, its ``n_local`` rows (largest heads first), each the tp head ids on shards 0..tp-1 as
+    :func:`balanced_placement` spreads them: ``rows[l][j][s]`` is the head that shard s holds in local
+    slot j of layer l."""
+    L, H, n_local = _check(budgets, tp)
+    placement = balanced_placement(budgets, tp)
+    order = role_grouped_order(np.asarray(budgets)).reshape(L, n_local, tp)
+    out = []
+    for l in range(L):
+        rows = []
+        for heads in order[l]:
+            row = [0] * tp
+            for h in heads:
+                row[int(placement[l, h])] = int(h)
+            rows.append(row)
+        out.append(rows)
+    return out
+
+
 def _improve_by_swaps(b: np.ndarray, rows: np.ndarray, placement: np.ndarray, load: np.ndarray,
                       max_rounds: int = 200) -> None:
     """Swap two heads of one row between the most loaded shard and another while the max drops."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hetero_jax
-from hetero_jax.generate import Engine
+from hetero_jax.generate import Engine, Session
 from hetero_jax.hub import place
 from hetero_jax.policies import FullKV, HCAttention, HeteroCache, SnapKV, SyncKV
 from hetero_jax.sharding import MeshError, cache_shardings, make_mesh, per_device_bytes
@@ -58,19 +58,15 @@ def test_greedy_and_logits_equal_one_device(name, tp, dp):
     assert spec_of(eng.cache.seq_lens) == (data,)
     kv_dev = per_device_bytes([(g.k, g.v) for l in eng.cache.layers for g in l.groups])
     assert len(kv_dev) == tp * dp
-    if name != "heterocache":  # one group of all 3 heads per layer: split exactly
-        assert all(spec_of(g.k)[:2] == (data, model) for l in eng.cache.layers for g in l.groups)
-        total = sum(g.k.nbytes + g.v.nbytes for l in eng.cache.layers for g in l.groups)
-        assert set(kv_dev.values()) == {total // (tp * dp)}
-    else:
-        # groups of 1-2 heads do not split 3 ways: replicated over "model" (what placement must fix)
-        for l in eng.cache.layers:
-            for g in l.groups:
-                assert spec_of(g.k)[:2] == (data, model if g.num_heads % tp == 0 else None)
+    # every group splits over "model": one group of all 3 heads per layer (full KV, SnapKV), and
+    # HeteroCache's role-balanced rows (one head per shard; padded to the row's largest head)
+    assert all(spec_of(g.k)[:2] == (data, model) for l in eng.cache.layers for g in l.groups)
+    total = sum(g.k.nbytes + g.v.nbytes for l in eng.cache.layers for g in l.groups)
+    assert set(kv_dev.values()) == {total // (tp * dp)}
+    if name == "heterocache":
+        assert all(l.head_tp == tp for l in eng.cache.layers)
         host = eng.state.host_arrays()
         assert host and all(a.sharding.memory_kind == "pinned_host" for a in host)
-        for a in host:  # each device's host holds its own share, laid out as the device group was
-            assert len(a.sharding.device_set) == tp * dp
     stats = eng.stats_fields()
     assert stats["kv_bytes_per_device"] and len(stats["kv_bytes_per_device"]) == tp * dp
 
@@ -89,6 +85,30 @@ def test_host_copy_peers_on_a_mesh(policy):
         for leaf in jax.tree.leaves(lc.aux):
             if leaf.ndim and leaf.shape[0] != len(PROMPTS):
                 assert all(a is None for a in spec_of(leaf))
+
+
+@pytest.mark.parametrize("tp,dp", [(3, 1), (3, 2)])
+def test_heterocache_rows_recall_and_turns_equal_one_device(tp, dp):
+    """On the row layout, drift recalls (tau_drift > 1: every check drifts) write each satellite's rows into
+    its head of its row group, and a session turn re-selects every compressed head there: tokens, logits,
+    recall counts and answers equal one device."""
+    policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5)
+    toks, logits, one = greedy_with_logits(MODEL, policy, PROMPTS, steps=8)
+    sharded = place(MODEL, make_mesh(tp, dp))
+    got_toks, got_logits, eng = greedy_with_logits(sharded, policy, PROMPTS, steps=8)
+    np.testing.assert_array_equal(got_toks, toks)
+    np.testing.assert_allclose(got_logits, logits, atol=1e-4, rtol=0)
+    assert one.state.stats()["recalls"] > 0
+    assert eng.state.stats()["recalls"] == one.state.stats()["recalls"]
+    assert eng.state.stats()["bytes_recalled"] == one.state.stats()["bytes_recalled"]
+
+    ctx, questions = PROMPTS[0], (RNG.integers(3, 100, 9).tolist(), RNG.integers(3, 100, 21).tolist())
+    answers = []
+    for model in (MODEL, sharded):
+        sess = Session(model, ctx, HeteroCache(profile=PROFILE, budget=0.5), chat=False, reserve_tokens=8)
+        answers.append([sess.ask(q, max_new_tokens=5).token_ids for q in questions])
+        assert sess.engine.state.stats()["reselections"] == 2
+    assert answers[0] == answers[1]
 
 
 def test_params_split_tensor_parallel():

@@ -48,14 +48,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from hetero_jax.cache import HeadGroup, KVCache, full_group
+from hetero_jax.cache import HeadGroup, KVCache, full_group, take_heads
 from hetero_jax.config import ModelConfig
 from hetero_jax.host_store import HostKVStore, put_rows, scatter_rows
 from hetero_jax.model import prompt_queries
 from hetero_jax.policies.base import BudgetError, DecodeState, PolicyError, PrefillPlan, check_int
 from hetero_jax.policies.primitives import (attention_probs, avg_pool, finalize_scores, gqa_reduce,
                                            observation_window_probs, select_topk)
-from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key
+from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key, take_slots
 from hetero_jax.policies.runtime import cap_bucket, select_group
 from hetero_jax.profile.format import HeadProfile
 
@@ -87,6 +87,9 @@ class HeteroCache(ProfiledPolicy):
     pool_kernel: int = 5
     select_window: int = 8
     profile_key: str = dataclasses.field(default="", init=False)
+    # set by bind() on a mesh: the row layout for tp shards and, per layer, its pivots' layout slots
+    head_tp: int = dataclasses.field(default=1, init=False)
+    row_pivot_slots: tuple = dataclasses.field(default=(), init=False, compare=False, repr=False)
 
     name: ClassVar[str] = "heterocache"
     summary: ClassVar[str] = ("role-aware head budgets from an offline profile, compressed heads' full KV in pinned "
@@ -101,6 +104,33 @@ class HeteroCache(ProfiledPolicy):
         if self.pool_kernel != 5:
             raise BudgetError("HeteroCache: the pooled-score kernel supports pool_kernel=5 only")
         object.__setattr__(self, "profile_key", profile_key(self.profile))
+
+    def bind(self, model):
+        """The profile resolved and checked (``ProfiledPolicy.bind``); on a mesh with tp > 1 model shards,
+        the role-balanced row layout (``row_layout``), so every head group splits over "model"."""
+        bound = super().bind(model)
+        mesh = getattr(model, "mesh", None)
+        tp = 1 if mesh is None else int(mesh.shape["model"])
+        if tp == bound.head_tp:
+            return bound
+        bound = dataclasses.replace(bound)  # a copy: head_tp back to its default, set below
+        object.__setattr__(bound, "head_tp", tp)
+        if tp > 1:
+            slots = tuple(tuple(r.pivot_slots()) for r in bound.layer_roles(model.config))
+            object.__setattr__(bound, "row_pivot_slots", slots)
+        return bound
+
+    def layout(self, cfg: ModelConfig):
+        """``ProfiledPolicy.layout``; on one device each compressed head is a group of its own (heads of a
+        layer keep different l_i: ``_split_heads``)."""
+        base = super().layout(cfg)
+        if base.tp > 1:
+            return base
+        sizes = []
+        for l in range(cfg.num_layers):
+            n_full = len(self.roles_in_layout(l)["pivot"]) + len(self.roles_in_layout(l)["volatile"])
+            sizes.append(((n_full,) if n_full else ()) + (1,) * (cfg.num_kv_heads - n_full))
+        return dataclasses.replace(base, group_sizes=tuple(sizes))
 
     @property
     def drift_threshold(self) -> float:
@@ -198,6 +228,8 @@ class HeteroPrefill(PrefillPlan):
         self.k_base: list = []
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+        if self.layout.tp > 1:
+            return self._build_rows(li, layer, x_in, k_buf, v_buf, lens)
         cfg, roles = self.cfg, self.roles[li]
         nf = roles.n_full
         t_max = int(self.lens.max())
@@ -232,12 +264,58 @@ class HeteroPrefill(PrefillPlan):
             self.counts.append(np.zeros((len(self.lens), 0), np.int64))
         return tuple(groups)
 
+    def _build_rows(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+        """``build_layer`` for the row layout of tp shards: each group (rows of heads, one per shard) keeps
+        every head's own count, full heads their whole prompt; pivots' K_base and the host copy of the
+        compressed heads as on one device."""
+        cfg, r, tp = self.cfg, self.roles[li], self.layout.tp
+        t_max = int(self.lens.max())
+        window = self.policy.select_window
+        args = (layer, x_in, k_buf, lens)
+        n_comp = len(r.comp_slots)
+        scores = None
+        if r.pivots or (n_comp and window == 1):
+            scores = self.compile_fn(_last_token_scores, *args, cfg=cfg)(*args)
+        if r.pivots:
+            _, idx = jax.lax.top_k(take_slots(scores, r.pivot_slots()), int(self.l_base.max()))
+            self.k_base.append(idx.astype(jnp.int32))
+        else:
+            self.k_base.append(None)
+        if n_comp and window > 1:
+            scores = self.compile_fn(_window_scores, *args, cfg=cfg, window=window)(*args)
+        counts = self.grid[:, li, np.asarray(self.layout.perms[li])]  # [B, H] layout order; full heads: L
+        B, H, T, _ = k_buf.shape
+        n_local = H // tp
+        groups = []
+        for gi, size in enumerate(self.layout.group_sizes[li]):
+            m = size // tp
+            o = sum(self.layout.group_sizes[li][:gi]) // tp
+            heads = [s * n_local + o + i for s in range(tp) for i in range(m)]
+            kg, vg = take_heads(k_buf, o, m, tp), take_heads(v_buf, o, m, tp)
+            if all(h in r.full_slots for h in heads):
+                groups.append(full_group(kg[:, :, :t_max], vg[:, :, :t_max], lens))
+                continue
+            c = counts[:, heads]
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, size, T))
+            group, _ = select_group(take_heads(scores, o, m, tp), kg, vg, positions, jnp.asarray(c, jnp.int32),
+                                    int(c.max()), self.compile_fn)
+            groups.append(group)
+        if n_comp:
+            self.counts.append(counts[:, r.comp_slots])
+            self.store.put(li, take_slots(k_buf, r.comp_slots)[:, :, :t_max],
+                           take_slots(v_buf, r.comp_slots)[:, :, :t_max])
+        else:
+            self.counts.append(np.zeros((B, 0), np.int64))
+        return tuple(groups)
+
     def finish(self, cache: KVCache) -> tuple[KVCache, "HeteroDecode"]:
         """The cache with each pivot's K_base in its layer's ``aux``, and the decode state (one way: the
         decode never sees this plan)."""
         layers = tuple(
             lc.replace(aux={"k_base": kb}) if kb is not None else lc for lc, kb in zip(cache.layers, self.k_base)
         )
+        if self.layout.tp > 1:
+            layers = tuple(lc.replace(head_tp=self.layout.tp) for lc in layers)
         prefilled = HeteroPrefilled(policy=self.policy, roles=self.roles, counts=self.counts, l_base=self.l_base,
                                     lens=self.lens, store=self.store)
         return cache.replace(layers=tuple(layers)), HeteroDecode(prefilled, compile_fn=self.compile_fn)
@@ -289,6 +367,18 @@ def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: i
     # read only for a drifted pivot: skip it (lax.cond runs one branch) otherwise
     new_base, top = jax.lax.cond(drift.any(), ranked, unchanged, latest_scores)
     return drift, new_base, top
+
+
+def _full_heads(lc, r: LayerRoles, slots) -> tuple[jax.Array, jax.Array]:
+    """(keys [B, n, T, D], lengths [B, n]) of full heads at layout ``slots``: a slice of one group on one
+    device; stacked from the rows' groups (each as long as the longest prompt) under tensor parallelism."""
+    locs = [r.loc[int(s)] for s in slots]
+    gi, h0 = locs[0]
+    if locs == [(gi, h0 + i) for i in range(len(locs))]:
+        g = lc.groups[gi]
+        return g.k[:, h0 : h0 + len(locs)], g.lengths[:, h0 : h0 + len(locs)]
+    return (jnp.stack([lc.groups[g].k[:, h] for g, h in locs], axis=1),
+            jnp.stack([lc.groups[g].lengths[:, h] for g, h in locs], axis=1))
 
 
 class HeteroDecode(DecodeState):
@@ -359,14 +449,13 @@ class HeteroDecode(DecodeState):
             lc, q = layers[li], turn_queries[li]
             groups, aux = list(lc.groups), dict(lc.aux)
             if r.pivots:
-                g = groups[0]
-                np_ = len(r.pivots)
-                args = (q[:, :np_, -1:], g.k[:, :np_], g.lengths[:, :np_])
+                keys, lengths = _full_heads(lc, r, r.pivot_slots())
+                args = (take_slots(q, r.pivot_slots())[:, :, -1:], keys, lengths)
                 aux["k_base"] = self.compile_fn(_turn_k_base, *args, l_base=l_base)(*args)
             counts = self.prefilled.counts[li]  # [B, Hc]
             if counts.shape[1]:
                 host_k, host_v = self.prefilled.store.view(li)  # [B, Hc, T, D]
-                qc = q[:, r.n_full :]
+                qc = take_slots(q, r.comp_slots)
                 qc = jnp.pad(qc, ((0, 0), (0, 0), (0, n_pad - n), (0, 0), (0, 0)))
                 keys = jnp.asarray(host_k)  # one layer's compressed keys on the device, for this scoring only
                 args = (qc, row_valid, keys, lens)
@@ -375,20 +464,44 @@ class HeteroDecode(DecodeState):
                 cap = cap_bucket(int(counts.max()), scores.shape[-1])
                 args = (scores, jnp.asarray(counts, jnp.int32))
                 idx = np.asarray(self.compile_fn(_select_rows, *args, cap=cap)(*args))  # [B, Hc, cap]
-                first = 1 if r.n_full else 0  # compressed head j lives in groups[first + j]
                 b = np.arange(idx.shape[0])[:, None]
+                rows_by_group: dict[int, list] = {}
                 for j in range(counts.shape[1]):
                     c = int(counts[:, j].max())
                     rows = idx[:, j, :c]  # [B, c] position order; past a sequence's count: a repeat
                     valid = np.arange(c)[None, :] < counts[:, j : j + 1]
-                    k_new, v_new = host_k[b, j, rows][:, None], host_v[b, j, rows][:, None]
-                    pos = np.where(valid, rows, -1).astype(np.int32)[:, None]
-                    groups[first + j] = groups[first + j].replace(
-                        k=jax.device_put(k_new), v=jax.device_put(v_new), positions=jax.device_put(pos))
+                    k_new, v_new = host_k[b, j, rows], host_v[b, j, rows]  # [B, c, D]
+                    pos = np.where(valid, rows, -1).astype(np.int32)
+                    gi, hi = r.loc[r.comp_slots[j]]
                     self.bytes_reselected += k_new.nbytes + v_new.nbytes
+                    if groups[gi].num_heads == 1:  # one device: the head's own group, exactly c slots
+                        groups[gi] = groups[gi].replace(k=jax.device_put(k_new[:, None]),
+                                                        v=jax.device_put(v_new[:, None]),
+                                                        positions=jax.device_put(pos[:, None]))
+                    else:
+                        rows_by_group.setdefault(gi, []).append((hi, k_new, v_new, pos))
+                groups = self._write_rows(groups, rows_by_group)
             layers[li] = lc.replace(groups=tuple(groups), aux=aux)
         self.reselections += 1
         return cache.replace(layers=tuple(layers))
+
+    @staticmethod
+    def _write_rows(groups: list, rows_by_group: dict) -> list:
+        """Each group's heads take the given rows in slots [0, c) (a row group under tensor parallelism:
+        one scatter per group, every transfer started before any write)."""
+        ops = {}
+        for gi, items in rows_by_group.items():
+            B, c = items[0][3].shape
+            b_idx = np.concatenate([np.repeat(np.arange(B), k.shape[1]) for _, k, _, _ in items])
+            h_idx = np.concatenate([np.full(B * k.shape[1], hi) for hi, k, _, _ in items])
+            slots = np.concatenate([np.tile(np.arange(k.shape[1]), B) for _, k, _, _ in items])
+            k_rows = np.concatenate([k.reshape(-1, k.shape[-1]) for _, k, _, _ in items])
+            v_rows = np.concatenate([v.reshape(-1, v.shape[-1]) for _, _, v, _ in items])
+            pos = np.concatenate([p.reshape(-1) for _, _, _, p in items])
+            ops[gi] = put_rows(b_idx, h_idx, slots, k_rows, v_rows, pos, groups[gi].capacity)
+        for gi, op in ops.items():
+            groups[gi] = scatter_rows(groups[gi], op)
+        return groups
 
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
         """Dispatch every pivot layer's drift check on the buffered steps; outputs are copied to the host
@@ -398,13 +511,12 @@ class HeteroDecode(DecodeState):
         for li in self.pivot_layers:
             r = self.prefilled.roles[li]
             q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
-            g = cache.layers[li].groups[0]
-            np_ = len(r.pivots)
+            keys, lengths = _full_heads(cache.layers[li], r, r.pivot_slots())
             counts = self.prefilled.counts[li]
             n_top = max(1, int(counts.max())) if counts.size else 1
-            args = (q_buf, g.k[:, :np_], cache.layers[li].aux["k_base"], g.lengths[:, :np_])
+            args = (q_buf, keys, cache.layers[li].aux["k_base"], lengths)
             fn = self.compile_fn(_drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
-                                 n_top=min(n_top, g.capacity))
+                                 n_top=min(n_top, keys.shape[2]))
             out = fn(*args)
             for a in out:
                 a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
@@ -452,22 +564,22 @@ class HeteroDecode(DecodeState):
             self.triggers += int(drift.sum())
             if not drift.any():
                 continue
-            first_comp = 1 if r.n_full else 0  # compressed head j lives in groups[first_comp + j]
             counts = self.prefilled.counts[li]  # [B, Hc]
             per_group: dict[int, list] = {}
             for b, p in zip(*np.nonzero(drift)):
                 for sat in r.members.get(int(p), []):
                     l_s = int(counts[b, sat])
                     pos = np.sort(top[b, p, :l_s])
-                    per_group.setdefault(first_comp + sat, []).append((b, sat, pos))
+                    gi, hi = r.loc[r.comp_slots[sat]]  # the satellite's group and head in it
+                    per_group.setdefault(gi, []).append((b, sat, hi, pos))
             for gi, items in per_group.items():
-                b_idx = np.concatenate([np.full(len(pos), b) for b, _, pos in items])
-                sats = np.concatenate([np.full(len(pos), sat) for _, sat, pos in items])
-                rows = np.concatenate([pos for _, _, pos in items])
-                slots = np.concatenate([np.arange(len(pos)) for _, _, pos in items])
+                b_idx = np.concatenate([np.full(len(pos), b) for b, _, _, pos in items])
+                sats = np.concatenate([np.full(len(pos), sat) for _, sat, _, pos in items])
+                h_idx = np.concatenate([np.full(len(pos), hi) for _, _, hi, pos in items])
+                rows = np.concatenate([pos for _, _, _, pos in items])
+                slots = np.concatenate([np.arange(len(pos)) for _, _, _, pos in items])
                 k_rows, v_rows = self.prefilled.store.rows(li, b_idx, sats, rows)
-                ops = put_rows(b_idx, np.zeros_like(b_idx), slots, k_rows, v_rows, rows,
-                               layers[li].groups[gi].capacity)
+                ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, layers[li].groups[gi].capacity)
                 writes.append((li, gi, ops))
                 self.recalls += len(items)
                 self.bytes_recalled += k_rows.nbytes + v_rows.nbytes
