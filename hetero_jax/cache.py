@@ -45,6 +45,30 @@ class HeadGroup:
 
 
 @struct.dataclass
+class PooledGroup:
+    """A head group whose rows live in the cache's :class:`PromptPool` (tensor parallelism): each head a
+    window of ``capacity`` slots from ``offsets`` in its shard's pool, valid in [0, length)."""
+
+    offsets: jax.Array  # [B, Hg] int32 first pool slot of each head's window (in its own shard's pool)
+    lengths: jax.Array  # [B, Hg] int32 valid slots of each head
+    capacity: int = struct.field(pytree_node=False)
+
+    @property
+    def num_heads(self) -> int:
+        return self.offsets.shape[1]
+
+
+@struct.dataclass
+class PromptPool:
+    """Every shard's kept prompt rows of all layers in one buffer, so a shard allocates what its own heads
+    keep (the SPMD shape is the largest shard's total, not each layer's largest head times the layers)."""
+
+    k: jax.Array  # [B, tp, P, D] keys after RoPE, shard s's pool at [:, s]
+    v: jax.Array  # [B, tp, P, D]
+    positions: jax.Array  # [B, tp, P] int32 original position of each pool slot; -1 = empty
+
+
+@struct.dataclass
 class LayerCache:
     groups: tuple[HeadGroup, ...]  # cover the layer's KV heads 0..Hkv-1 in order
     tail_k: jax.Array  # [B, Hkv, R, D] tokens added after prefill, keys after RoPE
@@ -107,6 +131,8 @@ class KVCache:
     prompt_lens: jax.Array  # [B] int32 tokens of the prefilled prompt
     tail_lens: jax.Array  # [B] int32 valid tail slots (same for every head and layer)
     tail_positions: jax.Array  # [B, R] int32 original positions of tail slots; -1 = empty
+    # the layers' rows of PooledGroups (None: every group holds its own rows)
+    pool: PromptPool | None = None
 
     @property
     def batch_size(self) -> int:
@@ -130,9 +156,36 @@ def full_group(k: jax.Array, v: jax.Array, prompt_lens: jax.Array) -> HeadGroup:
     )
 
 
+def materialize(layer_cache: LayerCache, pool: PromptPool | None) -> LayerCache:
+    """The layer with each :class:`PooledGroup` read out of ``pool`` as a :class:`HeadGroup` [B, Hg,
+    capacity, D] (a per-shard window gather: it stays on each head's device); unchanged without a pool."""
+    if pool is None or not any(isinstance(g, PooledGroup) for g in layer_cache.groups):
+        return layer_cache
+    tp = layer_cache.head_tp
+    groups = []
+    for g, (_, m) in zip(layer_cache.groups, group_spans(layer_cache)):
+        if not isinstance(g, PooledGroup):
+            groups.append(g)
+            continue
+        B = g.offsets.shape[0]
+        idx = g.offsets.reshape(B, tp, m)[..., None] + jnp.arange(g.capacity, dtype=jnp.int32)  # [B,tp,m,S]
+        take = lambda a: jnp.take_along_axis(a[:, :, None], idx.reshape(idx.shape + (1,) * (a.ndim - 3)),
+                                             axis=3)  # noqa: E731
+        k, v, pos = take(pool.k), take(pool.v), take(pool.positions)
+        groups.append(HeadGroup(k=k.reshape(B, tp * m, g.capacity, -1), v=v.reshape(B, tp * m, g.capacity, -1),
+                                positions=pos.reshape(B, tp * m, g.capacity), lengths=g.lengths))
+    return layer_cache.replace(groups=tuple(groups))
+
+
+def prompt_arrays(cache: KVCache) -> list[jax.Array]:
+    """The device K and V arrays of the prompt part: every group's, and the pool's."""
+    out = [a for l in cache.layers for g in l.groups if isinstance(g, HeadGroup) for a in (g.k, g.v)]
+    return out + ([cache.pool.k, cache.pool.v] if cache.pool is not None else [])
+
+
 def prompt_kv_bytes(cache: KVCache) -> int:
-    """Device bytes of the prompt part (all head groups' K and V arrays, as allocated)."""
-    return int(sum(g.k.nbytes + g.v.nbytes for l in cache.layers for g in l.groups))
+    """Device bytes of the prompt part (all head groups' K and V arrays and the pool's, as allocated)."""
+    return int(sum(a.nbytes for a in prompt_arrays(cache)))
 
 
 def tail_kv_bytes(cache: KVCache) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 
 import pallas_kernels
 
-from hetero_jax.cache import KVCache, LayerCache, full_group, group_spans, join_heads, take_heads
+from hetero_jax.cache import KVCache, LayerCache, full_group, group_spans, join_heads, materialize, take_heads
 from hetero_jax.config import ModelConfig
 
 # Finite: -inf minus -inf is NaN, and a fully masked row must stay finite.
@@ -319,11 +319,13 @@ def decode_step(
         )
         qg = q[:, 0].reshape(B, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
         queries.append(qg)
+        view = materialize(lc, cache.pool)  # pooled groups read as windows; the pool keeps the rows
         if policy is None:
-            attn = layer_decode_attention(qg, lc, slot + 1)
+            attn = layer_decode_attention(qg, view, slot + 1)
         else:
-            attn, lc, extra = policy.attend(li, qg, lc, slot + 1, pos)
+            attn, view, extra = policy.attend(li, qg, view, slot + 1, pos)
             extras.append(extra)
+        lc = view if cache.pool is None else view.replace(groups=lc.groups)
         x = x + output_projection(layer, attn.reshape(B, 1, -1))
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_layers.append(lc)
@@ -413,10 +415,11 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cf
         )
         qg = q.reshape(B, C, cfg.num_kv_heads, cfg.group_size, cfg.head_dim).transpose(0, 2, 3, 1, 4)
         queries.append(qg.transpose(0, 1, 3, 2, 4))  # [B, Nkv, C, G, D]
+        view = materialize(lc, cache.pool)
         if policy is None:
-            attn = layer_extend_attention(qg, lc, slot0)  # [B, Nkv, G, C, D]
+            attn = layer_extend_attention(qg, view, slot0)  # [B, Nkv, G, C, D]
         else:
-            attn = policy.attend_chunk(li, qg, lc, slot0)
+            attn = policy.attend_chunk(li, qg, view, slot0)
         x = x + output_projection(layer, attn.transpose(0, 3, 1, 2, 4).reshape(B, C, -1))
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_layers.append(lc)

@@ -12,6 +12,7 @@ import hetero_jax
 from hetero_jax.generate import Engine, Session
 from hetero_jax.hub import place
 from hetero_jax.policies import FullKV, HCAttention, HeteroCache, SnapKV, SyncKV
+from hetero_jax.cache import prompt_arrays
 from hetero_jax.sharding import MeshError, cache_shardings, make_mesh, per_device_bytes
 from test_heterocache import PROFILE
 from test_synckv import PROFILE as SYNC_PROFILE
@@ -56,15 +57,28 @@ def test_greedy_and_logits_equal_one_device(name, tp, dp):
     lc = eng.cache.layers[0]
     assert spec_of(lc.tail_k)[:2] == (data, model)
     assert spec_of(eng.cache.seq_lens) == (data,)
-    kv_dev = per_device_bytes([(g.k, g.v) for l in eng.cache.layers for g in l.groups])
+    kv_dev = per_device_bytes(prompt_arrays(eng.cache))
     assert len(kv_dev) == tp * dp
-    # every group splits over "model": one group of all 3 heads per layer (full KV, SnapKV), and
-    # HeteroCache's role-balanced rows (one head per shard; padded to the row's largest head)
-    assert all(spec_of(g.k)[:2] == (data, model) for l in eng.cache.layers for g in l.groups)
-    total = sum(g.k.nbytes + g.v.nbytes for l in eng.cache.layers for g in l.groups)
-    assert set(kv_dev.values()) == {total // (tp * dp)}
-    if name == "heterocache":
-        assert all(l.head_tp == tp for l in eng.cache.layers)
+    total = sum(a.nbytes for a in prompt_arrays(eng.cache))
+    assert set(kv_dev.values()) == {total // (tp * dp)}  # every array splits exactly: nothing replicated
+    if name != "heterocache":  # one group of all 3 heads per layer
+        assert all(spec_of(g.k)[:2] == (data, model) for l in eng.cache.layers for g in l.groups)
+    elif tp == 1:
+        assert eng.cache.pool is None
+    else:
+        # role-balanced rows (one head per shard) whose rows live in one pool per shard
+        pool = eng.cache.pool
+        assert spec_of(pool.k) == (data, model, None, None) and spec_of(pool.positions) == (data, model, None)
+        assert all(l.head_tp == tp and spec_of(g.offsets) == (data, model) for l in eng.cache.layers
+                   for g in l.groups)
+        # a shard allocates its own heads' rows (+ one window of slack), not each row's largest head
+        cfg = MODEL.config
+        item = 2 * cfg.head_dim * pool.k.dtype.itemsize
+        rows_alloc = sum(g.capacity * (g.num_heads // tp) for l in eng.cache.layers for g in l.groups)
+        assert pool.k.shape[2] < rows_alloc
+        full_per_device = max(len(p) for p in PROMPTS) * cfg.num_kv_heads * cfg.num_layers // tp
+        assert pool.k.shape[2] < 0.8 * full_per_device, (pool.k.shape, full_per_device)
+        assert kv_dev[next(iter(kv_dev))] == pool.k.shape[2] * item * len(PROMPTS) // dp
         host = eng.state.host_arrays()
         assert host and all(a.sharding.memory_kind == "pinned_host" for a in host)
     stats = eng.stats_fields()

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from hetero_jax.cache import HeadGroup, KVCache, full_group, take_heads
+from hetero_jax.cache import HeadGroup, KVCache, PooledGroup, PromptPool, full_group, materialize, take_heads
 from hetero_jax.config import ModelConfig
 from hetero_jax.host_store import HostKVStore, put_rows, scatter_rows
 from hetero_jax.model import prompt_queries
@@ -226,6 +226,53 @@ class HeteroPrefill(PrefillPlan):
         self.store = HostKVStore(cfg.num_layers)
         self.counts: list[np.ndarray] = []  # per layer [B, Hc] tokens kept by compressed heads
         self.k_base: list = []
+        self.pool: PromptPool | None = None
+        if self.layout.tp > 1:
+            self.pool_offsets, self.pool_slots = self._plan_pool()
+
+    def _plan_pool(self) -> tuple[list[np.ndarray], int]:
+        """Under tensor parallelism every head's kept rows get a window in its shard's pool: per layer [B, H]
+        (layout slots) the window starts, each shard's heads packed layer after layer; and the pool size P,
+        which covers every window's full group capacity (a window reads past its head's own rows)."""
+        tp, H = self.layout.tp, self.cfg.num_kv_heads
+        n_local, B = H // tp, len(self.lens)
+        cursor = np.zeros((B, tp), np.int64)
+        offsets, end = [], 1
+        for li, sizes in enumerate(self.layout.group_sizes):
+            counts = self.grid[:, li, np.asarray(self.layout.perms[li])]  # [B, H] layout order
+            off = np.zeros((B, H), np.int64)
+            o = 0
+            for size in sizes:
+                m = size // tp
+                heads = [s * n_local + o + i for s in range(tp) for i in range(m)]
+                cap = int(counts[:, heads].max())
+                for h in heads:
+                    off[:, h] = cursor[:, h // n_local]
+                    cursor[:, h // n_local] += counts[:, h]
+                    end = max(end, int(off[:, h].max()) + cap)
+                o += m
+            offsets.append(off)
+        return offsets, end
+
+    def _new_pool(self, k_buf) -> PromptPool:
+        """A zero pool [B, tp, P, D] made on the devices it lives on (split over "model" on a mesh)."""
+        B, D, tp = k_buf.shape[0], k_buf.shape[3], self.layout.tp
+        shape = (B, tp, self.pool_slots, D)
+
+        def make():
+            return PromptPool(k=jnp.zeros(shape, k_buf.dtype), v=jnp.zeros(shape, k_buf.dtype),
+                              positions=jnp.full(shape[:3], -1, jnp.int32))
+
+        mesh = getattr(getattr(k_buf, "sharding", None), "mesh", None)
+        if mesh is None or not isinstance(mesh, jax.sharding.Mesh):
+            return make()
+        from hetero_jax.sharding import partition_spec
+        from hetero_jax.spec import CACHE_AXES
+
+        named = lambda axes, shp: jax.sharding.NamedSharding(mesh, partition_spec(axes, shp, mesh))  # noqa: E731
+        out = PromptPool(k=named(CACHE_AXES["k"], shape), v=named(CACHE_AXES["v"], shape),
+                         positions=named(CACHE_AXES["positions"], shape[:3]))
+        return jax.jit(make, out_shardings=out)()
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
         if self.layout.tp > 1:
@@ -264,10 +311,10 @@ class HeteroPrefill(PrefillPlan):
             self.counts.append(np.zeros((len(self.lens), 0), np.int64))
         return tuple(groups)
 
-    def _build_rows(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+    def _build_rows(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[PooledGroup, ...]:
         """``build_layer`` for the row layout of tp shards: each group (rows of heads, one per shard) keeps
-        every head's own count, full heads their whole prompt; pivots' K_base and the host copy of the
-        compressed heads as on one device."""
+        every head's own count, full heads their whole prompt, written into each head's pool window (only
+        its own rows); pivots' K_base and the host copy of the compressed heads as on one device."""
         cfg, r, tp = self.cfg, self.roles[li], self.layout.tp
         t_max = int(self.lens.max())
         window = self.policy.select_window
@@ -293,13 +340,18 @@ class HeteroPrefill(PrefillPlan):
             heads = [s * n_local + o + i for s in range(tp) for i in range(m)]
             kg, vg = take_heads(k_buf, o, m, tp), take_heads(v_buf, o, m, tp)
             if all(h in r.full_slots for h in heads):
-                groups.append(full_group(kg[:, :, :t_max], vg[:, :, :t_max], lens))
-                continue
-            c = counts[:, heads]
-            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, size, T))
-            group, _ = select_group(take_heads(scores, o, m, tp), kg, vg, positions, jnp.asarray(c, jnp.int32),
-                                    int(c.max()), self.compile_fn)
-            groups.append(group)
+                group = full_group(kg[:, :, :t_max], vg[:, :, :t_max], lens)
+            else:
+                c = counts[:, heads]
+                positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, size, T))
+                group, _ = select_group(take_heads(scores, o, m, tp), kg, vg, positions,
+                                        jnp.asarray(c, jnp.int32), int(c.max()), self.compile_fn)
+            if self.pool is None:
+                self.pool = self._new_pool(k_buf)
+            offsets = jnp.asarray(self.pool_offsets[li][:, heads], jnp.int32)
+            args = (self.pool, group, offsets)
+            self.pool = self.compile_fn(_pool_write, *args, tp=tp)(*args)  # the row group itself is dropped
+            groups.append(PooledGroup(offsets=offsets, lengths=group.lengths, capacity=group.capacity))
         if n_comp:
             self.counts.append(counts[:, r.comp_slots])
             self.store.put(li, take_slots(k_buf, r.comp_slots)[:, :, :t_max],
@@ -314,10 +366,12 @@ class HeteroPrefill(PrefillPlan):
         layers = tuple(
             lc.replace(aux={"k_base": kb}) if kb is not None else lc for lc, kb in zip(cache.layers, self.k_base)
         )
+        pool_offsets = None
         if self.layout.tp > 1:
             layers = tuple(lc.replace(head_tp=self.layout.tp) for lc in layers)
+            cache, pool_offsets = cache.replace(pool=self.pool), self.pool_offsets
         prefilled = HeteroPrefilled(policy=self.policy, roles=self.roles, counts=self.counts, l_base=self.l_base,
-                                    lens=self.lens, store=self.store)
+                                    lens=self.lens, store=self.store, pool_offsets=pool_offsets)
         return cache.replace(layers=tuple(layers)), HeteroDecode(prefilled, compile_fn=self.compile_fn)
 
 
@@ -331,6 +385,8 @@ class HeteroPrefilled:
     l_base: np.ndarray  # [B] L_base of each sequence
     lens: np.ndarray  # [B] prompt lengths
     store: HostKVStore  # per layer: the compressed heads' full prompt K/V [B, Hc, T, D]
+    # under tensor parallelism: per layer [B, H] each head's window start in its shard's pool (layout slots)
+    pool_offsets: list[np.ndarray] | None = None
 
     def host_bytes_by_role(self) -> dict[str, int]:
         """Pinned-host KV bytes per role: the satellites' (the paper's reservoir) and the anchors'."""
@@ -367,6 +423,24 @@ def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: i
     # read only for a drifted pivot: skip it (lax.cond runs one branch) otherwise
     new_base, top = jax.lax.cond(drift.any(), ranked, unchanged, latest_scores)
     return drift, new_base, top
+
+
+@functools.partial(jax.jit, static_argnames=("tp",), donate_argnums=(0,))
+def _pool_write(pool: PromptPool, group: HeadGroup, offsets, tp: int) -> PromptPool:
+    """A row group's valid rows into the pool: head h (of m = Hg / tp per shard) of sequence b writes its
+    slots [0, length) at pool[b, h // m, offsets[b, h] + t]; its padding slots are dropped, so they never
+    overwrite a neighbouring window. group [B, Hg, S, D]; offsets [B, Hg]."""
+    B, Hg, S = group.positions.shape
+    t = jnp.arange(S, dtype=jnp.int32)
+    slot = jnp.where(t < group.lengths[..., None], offsets[..., None] + t, pool.k.shape[2])  # [B, Hg, S]
+    b = jnp.arange(B)[:, None, None]
+    shard = (jnp.arange(Hg) // (Hg // tp))[None, :, None]
+    return pool.replace(k=pool.k.at[b, shard, slot].set(group.k.astype(pool.k.dtype), mode="drop"),
+                        v=pool.v.at[b, shard, slot].set(group.v.astype(pool.v.dtype), mode="drop"),
+                        positions=pool.positions.at[b, shard, slot].set(group.positions, mode="drop"))
+
+
+_materialize = jax.jit(materialize)
 
 
 def _full_heads(lc, r: LayerRoles, slots) -> tuple[jax.Array, jax.Array]:
@@ -445,11 +519,12 @@ class HeteroDecode(DecodeState):
         l_base = int(self.prefilled.l_base.max())
         lens = jnp.asarray(self.prefilled.lens, jnp.int32)
         layers = list(cache.layers)
+        pool_rows = []  # under tensor parallelism: (layer, b, compressed head, slots, rows) into the pool
         for li, r in enumerate(self.prefilled.roles):
             lc, q = layers[li], turn_queries[li]
             groups, aux = list(lc.groups), dict(lc.aux)
             if r.pivots:
-                keys, lengths = _full_heads(lc, r, r.pivot_slots())
+                keys, lengths = _full_heads(self._view(cache, li), r, r.pivot_slots())
                 args = (take_slots(q, r.pivot_slots())[:, :, -1:], keys, lengths)
                 aux["k_base"] = self.compile_fn(_turn_k_base, *args, l_base=l_base)(*args)
             counts = self.prefilled.counts[li]  # [B, Hc]
@@ -465,43 +540,45 @@ class HeteroDecode(DecodeState):
                 args = (scores, jnp.asarray(counts, jnp.int32))
                 idx = np.asarray(self.compile_fn(_select_rows, *args, cap=cap)(*args))  # [B, Hc, cap]
                 b = np.arange(idx.shape[0])[:, None]
-                rows_by_group: dict[int, list] = {}
                 for j in range(counts.shape[1]):
                     c = int(counts[:, j].max())
                     rows = idx[:, j, :c]  # [B, c] position order; past a sequence's count: a repeat
+                    self.bytes_reselected += 2 * host_k[b, j, rows].nbytes
+                    if cache.pool is not None:  # only each sequence's own rows: a window's tail is another's
+                        pool_rows += [(li, bi, j, np.arange(counts[bi, j]), rows[bi, : counts[bi, j]])
+                                      for bi in range(len(rows))]
+                        continue
                     valid = np.arange(c)[None, :] < counts[:, j : j + 1]
                     k_new, v_new = host_k[b, j, rows], host_v[b, j, rows]  # [B, c, D]
                     pos = np.where(valid, rows, -1).astype(np.int32)
-                    gi, hi = r.loc[r.comp_slots[j]]
-                    self.bytes_reselected += k_new.nbytes + v_new.nbytes
-                    if groups[gi].num_heads == 1:  # one device: the head's own group, exactly c slots
-                        groups[gi] = groups[gi].replace(k=jax.device_put(k_new[:, None]),
-                                                        v=jax.device_put(v_new[:, None]),
-                                                        positions=jax.device_put(pos[:, None]))
-                    else:
-                        rows_by_group.setdefault(gi, []).append((hi, k_new, v_new, pos))
-                groups = self._write_rows(groups, rows_by_group)
+                    gi = r.loc[r.comp_slots[j]][0]  # one device: the head's own group, exactly c slots
+                    groups[gi] = groups[gi].replace(k=jax.device_put(k_new[:, None]), v=jax.device_put(v_new[:, None]),
+                                                    positions=jax.device_put(pos[:, None]))
             layers[li] = lc.replace(groups=tuple(groups), aux=aux)
         self.reselections += 1
-        return cache.replace(layers=tuple(layers))
+        cache = cache.replace(layers=tuple(layers))
+        return self._write_pool(cache, pool_rows) if pool_rows else cache
 
-    @staticmethod
-    def _write_rows(groups: list, rows_by_group: dict) -> list:
-        """Each group's heads take the given rows in slots [0, c) (a row group under tensor parallelism:
-        one scatter per group, every transfer started before any write)."""
-        ops = {}
-        for gi, items in rows_by_group.items():
-            B, c = items[0][3].shape
-            b_idx = np.concatenate([np.repeat(np.arange(B), k.shape[1]) for _, k, _, _ in items])
-            h_idx = np.concatenate([np.full(B * k.shape[1], hi) for hi, k, _, _ in items])
-            slots = np.concatenate([np.tile(np.arange(k.shape[1]), B) for _, k, _, _ in items])
-            k_rows = np.concatenate([k.reshape(-1, k.shape[-1]) for _, k, _, _ in items])
-            v_rows = np.concatenate([v.reshape(-1, v.shape[-1]) for _, _, v, _ in items])
-            pos = np.concatenate([p.reshape(-1) for _, _, _, p in items])
-            ops[gi] = put_rows(b_idx, h_idx, slots, k_rows, v_rows, pos, groups[gi].capacity)
-        for gi, op in ops.items():
-            groups[gi] = scatter_rows(groups[gi], op)
-        return groups
+    def _view(self, cache: KVCache, li: int):
+        """Layer ``li`` with pooled groups read out of the pool (itself on one device)."""
+        lc = cache.layers[li]
+        return lc if cache.pool is None else _materialize(lc, cache.pool)
+
+    def _write_pool(self, cache: KVCache, items: list) -> KVCache:
+        """Rows of compressed heads from the host copy into their pool windows, one transfer and one scatter
+        for all of them. items: (layer, b, compressed head j, window slots [n], prompt rows [n])."""
+        offsets = self.prefilled.pool_offsets
+        tp = cache.layers[0].head_tp
+        H = cache.layers[0].tail_k.shape[1]
+        parts = []
+        for li, b, j, slots, rows in items:
+            h = self.prefilled.roles[li].comp_slots[j]
+            k_rows, v_rows = self.prefilled.store.rows(li, np.full(len(rows), b), np.full(len(rows), j), rows)
+            parts.append((np.full(len(rows), b), np.full(len(rows), h // (H // tp)), offsets[li][b, h] + slots,
+                          k_rows, v_rows, rows))
+        cat = [np.concatenate([p[i] for p in parts]) for i in range(6)]
+        ops = put_rows(*cat, capacity=cache.pool.k.shape[2])
+        return cache.replace(pool=scatter_rows(cache.pool, ops, self.compile_fn))
 
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
         """Dispatch every pivot layer's drift check on the buffered steps; outputs are copied to the host
@@ -511,7 +588,7 @@ class HeteroDecode(DecodeState):
         for li in self.pivot_layers:
             r = self.prefilled.roles[li]
             q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
-            keys, lengths = _full_heads(cache.layers[li], r, r.pivot_slots())
+            keys, lengths = _full_heads(self._view(cache, li), r, r.pivot_slots())
             counts = self.prefilled.counts[li]
             n_top = max(1, int(counts.max())) if counts.size else 1
             args = (q_buf, keys, cache.layers[li].aux["k_base"], lengths)
@@ -555,6 +632,7 @@ class HeteroDecode(DecodeState):
         self.pending = None
         layers = list(cache.layers)
         writes = []  # (layer, group index, device operands) once every transfer has started
+        pool_rows = []  # under tensor parallelism: rows into the pool (``_write_pool``)
         for li, out in enumerate(outs):
             if out is None:
                 continue
@@ -570,6 +648,11 @@ class HeteroDecode(DecodeState):
                 for sat in r.members.get(int(p), []):
                     l_s = int(counts[b, sat])
                     pos = np.sort(top[b, p, :l_s])
+                    if cache.pool is not None:  # the satellite's window in its shard's pool
+                        pool_rows.append((li, b, sat, np.arange(l_s), pos))
+                        self.recalls += 1
+                        self.bytes_recalled += 2 * l_s * layers[li].tail_k.shape[-1] * layers[li].tail_k.dtype.itemsize
+                        continue
                     gi, hi = r.loc[r.comp_slots[sat]]  # the satellite's group and head in it
                     per_group.setdefault(gi, []).append((b, sat, hi, pos))
             for gi, items in per_group.items():
@@ -592,7 +675,8 @@ class HeteroDecode(DecodeState):
             groups = list(layers[li].groups)
             groups[gi] = scatter_rows(groups[gi], ops, self.compile_fn)
             layers[li] = layers[li].replace(groups=tuple(groups))
-        return cache.replace(layers=tuple(layers))
+        cache = cache.replace(layers=tuple(layers))
+        return self._write_pool(cache, pool_rows) if pool_rows else cache
 
     def in_flight(self):
         return self.pending
