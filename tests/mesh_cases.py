@@ -81,6 +81,10 @@ def test_greedy_and_logits_equal_one_device(name, tp, dp):
         assert kv_dev[next(iter(kv_dev))] == pool.k.shape[2] * item * len(PROMPTS) // dp
         host = eng.state.host_arrays()
         assert host and all(a.sharding.memory_kind == "pinned_host" for a in host)
+        p = eng.state.stats()["placement"]  # the stats say what the placement bought
+        assert p["tp"] == tp and p["allocated_tokens_per_shard"] == pool.k.shape[2] * len(PROMPTS)
+        assert p["kept_max_over_mean"] <= p["contiguous_kept_max_over_mean"]
+        assert sum(p["kept_tokens_per_shard"]) == sum(p["contiguous_kept_tokens_per_shard"])
     stats = eng.stats_fields()
     assert stats["kv_bytes_per_device"] and len(stats["kv_bytes_per_device"]) == tp * dp
 

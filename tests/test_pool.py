@@ -113,3 +113,9 @@ def test_heterocache_pool_plan_windows_are_disjoint_and_inside_the_pool(rho):
             assert all(a[1] <= c[0] for a, c in zip(spans, spans[1:]))
             assert sum(e - a for a, e in spans) == int(sum(grid[li, np.asarray(layout.perms[li])[s]]
                                                            for li in range(CFG.num_layers)))
+
+    rep = plan._placement()  # what the stats report: the same totals, split evenly vs contiguous
+    grid_total = sum(PROFILE.budgets(rho, L).sum() for L in lens)
+    assert sum(rep["kept_tokens_per_shard"]) == sum(rep["contiguous_kept_tokens_per_shard"]) == grid_total
+    assert rep["kept_max_over_mean"] <= rep["contiguous_kept_max_over_mean"]
+    assert rep["allocated_tokens_per_shard"] == plan.pool_slots * len(lens)

@@ -254,6 +254,26 @@ class HeteroPrefill(PrefillPlan):
             offsets.append(off)
         return offsets, end
 
+    def _placement(self) -> dict:
+        """Tokens each shard's heads keep (the whole batch) and what the shard allocates (pool slots x
+        batch), beside the naive contiguous split of the role-grouped layout (full heads first)."""
+        from hetero_jax.placement import contiguous_placement, padded_tokens_per_shard, role_grouped_order, shard_tokens
+
+        tp, H = self.layout.tp, self.cfg.num_kv_heads
+        n_local = H // tp
+        kept = np.zeros(tp, np.int64)
+        for li, perm in enumerate(self.layout.perms):
+            per_slot = self.grid[:, li, np.asarray(perm)].sum(axis=0)
+            np.add.at(kept, np.arange(H) // n_local, per_slot)
+        total = self.grid.sum(axis=0)  # [L, H] original order
+        naive = contiguous_placement(self.cfg.num_layers, H, tp, role_grouped_order(total))
+        naive_kept = shard_tokens(total, naive, tp)
+        return {"tp": tp, "kept_tokens_per_shard": kept.tolist(), "kept_max_over_mean": float(kept.max() / kept.mean()),
+                "allocated_tokens_per_shard": int(self.pool_slots) * len(self.lens),
+                "contiguous_kept_tokens_per_shard": naive_kept.tolist(),
+                "contiguous_kept_max_over_mean": float(naive_kept.max() / naive_kept.mean()),
+                "contiguous_allocated_tokens_per_shard": int(padded_tokens_per_shard(total, naive, tp))}
+
     def _new_pool(self, k_buf) -> PromptPool:
         """A zero pool [B, tp, P, D] made on the devices it lives on (split over "model" on a mesh)."""
         B, D, tp = k_buf.shape[0], k_buf.shape[3], self.layout.tp
@@ -366,12 +386,13 @@ class HeteroPrefill(PrefillPlan):
         layers = tuple(
             lc.replace(aux={"k_base": kb}) if kb is not None else lc for lc, kb in zip(cache.layers, self.k_base)
         )
-        pool_offsets = None
+        pool_offsets, placement = None, None
         if self.layout.tp > 1:
             layers = tuple(lc.replace(head_tp=self.layout.tp) for lc in layers)
-            cache, pool_offsets = cache.replace(pool=self.pool), self.pool_offsets
+            cache, pool_offsets, placement = cache.replace(pool=self.pool), self.pool_offsets, self._placement()
         prefilled = HeteroPrefilled(policy=self.policy, roles=self.roles, counts=self.counts, l_base=self.l_base,
-                                    lens=self.lens, store=self.store, pool_offsets=pool_offsets)
+                                    lens=self.lens, store=self.store, pool_offsets=pool_offsets,
+                                    placement=placement)
         return cache.replace(layers=tuple(layers)), HeteroDecode(prefilled, compile_fn=self.compile_fn)
 
 
@@ -387,6 +408,7 @@ class HeteroPrefilled:
     store: HostKVStore  # per layer: the compressed heads' full prompt K/V [B, Hc, T, D]
     # under tensor parallelism: per layer [B, H] each head's window start in its shard's pool (layout slots)
     pool_offsets: list[np.ndarray] | None = None
+    placement: dict | None = None  # under tensor parallelism: tokens per shard, balanced vs contiguous
 
     def host_bytes_by_role(self) -> dict[str, int]:
         """Pinned-host KV bytes per role: the satellites' (the paper's reservoir) and the anchors'."""
@@ -692,6 +714,11 @@ class HeteroDecode(DecodeState):
                 f"recalls {self.recalls} ({self.bytes_recalled / 2**10:.0f} KiB)")
         if self.reselections:
             text += f", re-selected {self.reselections}x ({self.bytes_reselected / 2**20:.1f} MiB)"
+        p = self.prefilled.placement
+        if p:
+            text += (f", tp {p['tp']}: kept max/mean {p['kept_max_over_mean']:.2f} (contiguous "
+                     f"{p['contiguous_kept_max_over_mean']:.2f}), {p['allocated_tokens_per_shard']} tokens allocated "
+                     f"per shard (contiguous {p['contiguous_allocated_tokens_per_shard']})")
         return text
 
     def stats(self) -> dict:
@@ -705,4 +732,5 @@ class HeteroDecode(DecodeState):
             "bytes_reselected": self.bytes_reselected,
             "recall_failures": self.recall_failures,
             "reselect_failures": self.reselect_failures,
+            **({"placement": self.prefilled.placement} if self.prefilled.placement else {}),
         }
