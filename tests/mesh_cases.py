@@ -81,6 +81,9 @@ def test_greedy_and_logits_equal_one_device(name, tp, dp):
         assert kv_dev[next(iter(kv_dev))] == pool.k.shape[2] * item * len(PROMPTS) // dp
         host = eng.state.host_arrays()
         assert host and all(a.sharding.memory_kind == "pinned_host" for a in host)
+        # the host copy is split like the device cache: each device's host holds its own heads' share
+        assert set(per_device_bytes(host).values()) == {sum(a.nbytes for a in host) // (tp * dp)}
+        assert eng.state.host_bytes_by_role()["full"] > 0
         p = eng.state.stats()["placement"]  # the stats say what the placement bought
         assert p["tp"] == tp and p["allocated_tokens_per_shard"] == pool.k.shape[2] * len(PROMPTS)
         assert p["kept_max_over_mean"] <= p["contiguous_kept_max_over_mean"]

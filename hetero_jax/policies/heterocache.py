@@ -374,8 +374,9 @@ class HeteroPrefill(PrefillPlan):
             groups.append(PooledGroup(offsets=offsets, lengths=group.lengths, capacity=group.capacity))
         if n_comp:
             self.counts.append(counts[:, r.comp_slots])
-            self.store.put(li, take_slots(k_buf, r.comp_slots)[:, :, :t_max],
-                           take_slots(v_buf, r.comp_slots)[:, :, :t_max])
+            # every head of the layer, as the device holds them (split over "model"): a gather of the
+            # compressed heads would leave the partitioner a layout it replicates on every device's host
+            self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
         else:
             self.counts.append(np.zeros((B, 0), np.int64))
         return tuple(groups)
@@ -405,19 +406,32 @@ class HeteroPrefilled:
     counts: list[np.ndarray]  # per layer [B, Hc] tokens kept by each compressed head (layout order)
     l_base: np.ndarray  # [B] L_base of each sequence
     lens: np.ndarray  # [B] prompt lengths
-    store: HostKVStore  # per layer: the compressed heads' full prompt K/V [B, Hc, T, D]
+    # per layer: the compressed heads' full prompt K/V, [B, Hc, T, D] on one device; under tensor
+    # parallelism every head's [B, H, T, D] in layout order, split over "model" (``store_heads``)
+    store: HostKVStore
     # under tensor parallelism: per layer [B, H] each head's window start in its shard's pool (layout slots)
     pool_offsets: list[np.ndarray] | None = None
     placement: dict | None = None  # under tensor parallelism: tokens per shard, balanced vs contiguous
 
+    def store_heads(self, li: int) -> np.ndarray:
+        """Index in the layer's host store of each compressed head (0..Hc-1 on one device; its layout slot
+        under tensor parallelism)."""
+        if self.pool_offsets is None:
+            return np.arange(self.counts[li].shape[1])
+        return np.asarray(self.roles[li].comp_slots, np.int64)
+
     def host_bytes_by_role(self) -> dict[str, int]:
-        """Pinned-host KV bytes per role: the satellites' (the paper's reservoir) and the anchors'."""
+        """Pinned-host KV bytes per role: the satellites' (the paper's reservoir), the anchors', and under
+        tensor parallelism the full heads' copies that keep the store split like the device cache."""
         out = {"satellite": 0, "anchor": 0}
         for li, r in enumerate(self.roles):
             per_head = self.store.head_bytes(li)
             if per_head:
+                n_comp = self.counts[li].shape[1]
                 out["satellite"] += per_head * len(r.satellites)
-                out["anchor"] += per_head * (self.counts[li].shape[1] - len(r.satellites))
+                out["anchor"] += per_head * (n_comp - len(r.satellites))
+                if self.pool_offsets is not None:
+                    out["full"] = out.get("full", 0) + per_head * r.n_full
         return out
 
 
@@ -551,10 +565,12 @@ class HeteroDecode(DecodeState):
                 aux["k_base"] = self.compile_fn(_turn_k_base, *args, l_base=l_base)(*args)
             counts = self.prefilled.counts[li]  # [B, Hc]
             if counts.shape[1]:
-                host_k, host_v = self.prefilled.store.view(li)  # [B, Hc, T, D]
+                host_k, host_v = self.prefilled.store.view(li)  # [B, Hc (H under tp), T, D]
+                sh = self.prefilled.store_heads(li)  # compressed head j is host head sh[j]
                 qc = take_slots(q, r.comp_slots)
                 qc = jnp.pad(qc, ((0, 0), (0, 0), (0, n_pad - n), (0, 0), (0, 0)))
-                keys = jnp.asarray(host_k)  # one layer's compressed keys on the device, for this scoring only
+                # one layer's compressed keys on the device, for this scoring only
+                keys = jnp.asarray(host_k if len(sh) == host_k.shape[1] else host_k[:, sh])
                 args = (qc, row_valid, keys, lens)
                 scores = self.compile_fn(_turn_scores, *args, block=block)(*args)
                 # compiled per 64-slot bucket, not per layer's largest budget (as ``select_group``)
@@ -565,13 +581,13 @@ class HeteroDecode(DecodeState):
                 for j in range(counts.shape[1]):
                     c = int(counts[:, j].max())
                     rows = idx[:, j, :c]  # [B, c] position order; past a sequence's count: a repeat
-                    self.bytes_reselected += 2 * host_k[b, j, rows].nbytes
+                    self.bytes_reselected += 2 * host_k[b, sh[j], rows].nbytes
                     if cache.pool is not None:  # only each sequence's own rows: a window's tail is another's
                         pool_rows += [(li, bi, j, np.arange(counts[bi, j]), rows[bi, : counts[bi, j]])
                                       for bi in range(len(rows))]
                         continue
                     valid = np.arange(c)[None, :] < counts[:, j : j + 1]
-                    k_new, v_new = host_k[b, j, rows], host_v[b, j, rows]  # [B, c, D]
+                    k_new, v_new = host_k[b, sh[j], rows], host_v[b, sh[j], rows]  # [B, c, D]
                     pos = np.where(valid, rows, -1).astype(np.int32)
                     gi = r.loc[r.comp_slots[j]][0]  # one device: the head's own group, exactly c slots
                     groups[gi] = groups[gi].replace(k=jax.device_put(k_new[:, None]), v=jax.device_put(v_new[:, None]),
@@ -595,7 +611,7 @@ class HeteroDecode(DecodeState):
         parts = []
         for li, b, j, slots, rows in items:
             h = self.prefilled.roles[li].comp_slots[j]
-            k_rows, v_rows = self.prefilled.store.rows(li, np.full(len(rows), b), np.full(len(rows), j), rows)
+            k_rows, v_rows = self.prefilled.store.rows(li, np.full(len(rows), b), np.full(len(rows), h), rows)
             parts.append((np.full(len(rows), b), np.full(len(rows), h // (H // tp)), offsets[li][b, h] + slots,
                           k_rows, v_rows, rows))
         cat = [np.concatenate([p[i] for p in parts]) for i in range(6)]
@@ -683,7 +699,7 @@ class HeteroDecode(DecodeState):
                 h_idx = np.concatenate([np.full(len(pos), hi) for _, _, hi, pos in items])
                 rows = np.concatenate([pos for _, _, _, pos in items])
                 slots = np.concatenate([np.arange(len(pos)) for _, _, _, pos in items])
-                k_rows, v_rows = self.prefilled.store.rows(li, b_idx, sats, rows)
+                k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[sats], rows)
                 ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, layers[li].groups[gi].capacity)
                 writes.append((li, gi, ops))
                 self.recalls += len(items)
