@@ -119,12 +119,15 @@ def render(payload: dict) -> str:
             "Device tokens per head from Eq. 7-8 at rho and L, bf16 K+V (2 x head_dim x 2 bytes per token). "
             "*kept*: bytes of the tokens a shard's heads keep, over all layers; *SPMD alloc*: bytes per device "
             "when each layer's cache is head groups split evenly over the shards (one shape on every device; a "
-            "group's capacity is its largest head). *full*: full KV per shard.", ""]
+            "group's capacity is its largest head); *pool alloc*: bytes per device of HeteroCache's runtime under "
+            "tensor parallelism, where each shard's kept rows of all layers share one pool (the largest shard's "
+            "total plus one window of slack). *full*: full KV per shard.", ""]
     rows = [[r["model"], r["rho"], r["prompt_tokens"], r["tp"], r["placement"], mib(r["kept_max"]),
-             mib(r["kept_mean"]), f"{r['imbalance']:.2f}", mib(r["padded"]), mib(r["full_per_shard"])]
+             mib(r["kept_mean"]), f"{r['imbalance']:.2f}", mib(r["padded"]),
+             mib(r["pooled"]) if r.get("pooled") is not None else "—", mib(r["full_per_shard"])]
             for r in payload["placement"]]
     out.append(common.markdown_table(["model", "rho", "L", "tp", "placement", "kept max MiB", "kept mean MiB",
-                                      "max/mean", "SPMD alloc MiB", "full MiB"], rows))
+                                      "max/mean", "SPMD alloc MiB", "pool alloc MiB", "full MiB"], rows))
     out += ["", "### Sharded runs on simulated CPU devices (correctness and scaling shape, not speed)", "",
             f"{cfg['model']}, a batch of two pydoc prompts ({cfg['prompt_tokens']} and "
             f"{cfg['prompt_tokens'] - cfg['prompt_tokens'] // 4} tokens), median of {cfg['steps'] - 2} decode "

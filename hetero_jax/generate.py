@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax import model as M
-from hetero_jax.cache import grow_tail, kv_bytes, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
+from hetero_jax.cache import grow_tail, kv_bytes, prompt_arrays, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
 from hetero_jax.config import ModelConfig
 from hetero_jax.errors import PromptError
 from hetero_jax.layout import params_for
@@ -503,7 +503,7 @@ class Engine:
         """On a mesh: K/V bytes (prompt groups + tail) each device holds; {} on one device."""
         if getattr(self.model, "mesh", None) is None:
             return {}
-        return per_device_bytes([(g.k, g.v) for l in self.cache.layers for g in l.groups]
+        return per_device_bytes(prompt_arrays(self.cache)
                                 + [(l.tail_k, l.tail_v) for l in self.cache.layers])
 
 

@@ -23,8 +23,11 @@ from hetero_jax.sharding import shard_params
 class HeadLayout:
     # per layer: perms[l][i] = original KV head stored at position i
     perms: tuple[tuple[int, ...], ...]
-    # per layer: sizes of the contiguous head groups, in order (sum = num_kv_heads)
+    # per layer: heads per group, in order (sum = num_kv_heads); with tp > 1 each a multiple of tp
     group_sizes: tuple[tuple[int, ...], ...]
+    # tensor-parallel shards the groups are cut for: group g of m = size/tp heads per shard holds the
+    # local slots [o, o + m) of every shard (``cache.group_spans``); 1 = contiguous slices of the heads
+    tp: int = 1
 
     @classmethod
     def identity(cls, cfg: ModelConfig) -> "HeadLayout":
@@ -38,6 +41,18 @@ class HeadLayout:
         sizes = tuple(tuple(len(g) for g in layer if len(g)) for layer in groups_per_layer)
         return cls(perms, sizes)
 
+    @classmethod
+    def from_rows(cls, rows_per_layer, tp: int) -> "HeadLayout":
+        """A layout for tp shards. rows_per_layer: per layer, a list of groups, each a list of local rows,
+        each row the tp head indices it puts on shards 0..tp-1. Shard s then holds, in slot
+        s * n_local + j, the s-th head of the layer's j-th row (rows counted across groups)."""
+        perms, sizes = [], []
+        for layer in rows_per_layer:
+            rows = [row for group in layer for row in group]
+            perms.append(tuple(int(rows[j][s]) for s in range(tp) for j in range(len(rows))))
+            sizes.append(tuple(tp * len(group) for group in layer if len(group)))
+        return cls(tuple(perms), tuple(sizes), tp)
+
     def check(self, cfg: ModelConfig) -> None:
         if len(self.perms) != cfg.num_layers or len(self.group_sizes) != cfg.num_layers:
             raise ValueError(f"layout has {len(self.perms)} layers, the model {cfg.num_layers}")
@@ -46,6 +61,8 @@ class HeadLayout:
                 raise ValueError(f"layer {l}: {p} is not a permutation of the {cfg.num_kv_heads} KV heads")
             if sum(g) != cfg.num_kv_heads or min(g) < 1:
                 raise ValueError(f"layer {l}: group sizes {g} must be positive and sum to {cfg.num_kv_heads}")
+            if any(n % self.tp for n in g):
+                raise ValueError(f"layer {l}: group sizes {g} must be multiples of tp={self.tp}")
 
     @property
     def is_identity(self) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 
 import pallas_kernels
 
-from hetero_jax.cache import KVCache, LayerCache, full_group
+from hetero_jax.cache import KVCache, LayerCache, full_group, group_spans, join_heads, materialize, take_heads
 from hetero_jax.config import ModelConfig
 
 # Finite: -inf minus -inf is NaN, and a fully masked row must stay finite.
@@ -273,20 +273,19 @@ def layer_decode_attention(q: jax.Array, layer_cache: LayerCache, tail_lens: jax
     Returns [B, Nkv, G, D].
     """
     outs = []
-    h0 = 0
-    for g in layer_cache.groups:
+    tp = layer_cache.head_tp
+    for g, (o, m) in zip(layer_cache.groups, group_spans(layer_cache)):
         hg = g.num_heads
-        qg = q[:, h0 : h0 + hg]
+        qg = take_heads(q, o, m, tp)
         # cache slots beyond a head's length hold zeros or copies of real tokens: finite
         out_p, lse_p = pallas_kernels.decode_attention(qg, g.k, g.v, g.lengths, finite_padding=True)
         t_len = jnp.broadcast_to(tail_lens[:, None], (q.shape[0], hg))
         out_t, lse_t = pallas_kernels.decode_attention(
-            qg, layer_cache.tail_k[:, h0 : h0 + hg], layer_cache.tail_v[:, h0 : h0 + hg], t_len,
+            qg, take_heads(layer_cache.tail_k, o, m, tp), take_heads(layer_cache.tail_v, o, m, tp), t_len,
             finite_padding=True,
         )
         outs.append(pallas_kernels.merge_attention(out_p, lse_p, out_t, lse_t)[0])
-        h0 += hg
-    return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+    return join_heads(outs, tp)
 
 
 def decode_step(
@@ -320,11 +319,13 @@ def decode_step(
         )
         qg = q[:, 0].reshape(B, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
         queries.append(qg)
+        view = materialize(lc, cache.pool)  # pooled groups read as windows; the pool keeps the rows
         if policy is None:
-            attn = layer_decode_attention(qg, lc, slot + 1)
+            attn = layer_decode_attention(qg, view, slot + 1)
         else:
-            attn, lc, extra = policy.attend(li, qg, lc, slot + 1, pos)
+            attn, view, extra = policy.attend(li, qg, view, slot + 1, pos)
             extras.append(extra)
+        lc = view if cache.pool is None else view.replace(groups=lc.groups)
         x = x + output_projection(layer, attn.reshape(B, 1, -1))
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_layers.append(lc)
@@ -372,17 +373,16 @@ def layer_extend_attention(q: jax.Array, layer_cache: LayerCache, tail_start: ja
     """
     B, Nkv, G, C, D = q.shape
     out_t, lse_t = tail_extend_attention(q, layer_cache, tail_start)
-    outs, h0 = [], 0
-    for g in layer_cache.groups:
+    outs, tp = [], layer_cache.head_tp
+    for g, (o, m) in zip(layer_cache.groups, group_spans(layer_cache)):
         hg = g.num_heads
-        qg = q[:, h0 : h0 + hg].reshape(B, hg, G * C, D)
+        qg = take_heads(q, o, m, tp).reshape(B, hg, G * C, D)
         out_p, lse_p = pallas_kernels.decode_attention(qg, g.k, g.v, g.lengths, finite_padding=True)
         out, _ = pallas_kernels.merge_attention(
-            out_p, lse_p, out_t[:, h0 : h0 + hg].reshape(B, hg, G * C, D).astype(out_p.dtype),
-            lse_t[:, h0 : h0 + hg].reshape(B, hg, G * C))
+            out_p, lse_p, take_heads(out_t, o, m, tp).reshape(B, hg, G * C, D).astype(out_p.dtype),
+            take_heads(lse_t, o, m, tp).reshape(B, hg, G * C))
         outs.append(out.reshape(B, hg, G, C, D))
-        h0 += hg
-    return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+    return join_heads(outs, tp)
 
 
 def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cfg: ModelConfig, policy=None):
@@ -415,10 +415,11 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cf
         )
         qg = q.reshape(B, C, cfg.num_kv_heads, cfg.group_size, cfg.head_dim).transpose(0, 2, 3, 1, 4)
         queries.append(qg.transpose(0, 1, 3, 2, 4))  # [B, Nkv, C, G, D]
+        view = materialize(lc, cache.pool)
         if policy is None:
-            attn = layer_extend_attention(qg, lc, slot0)  # [B, Nkv, G, C, D]
+            attn = layer_extend_attention(qg, view, slot0)  # [B, Nkv, G, C, D]
         else:
-            attn = policy.attend_chunk(li, qg, lc, slot0)
+            attn = policy.attend_chunk(li, qg, view, slot0)
         x = x + output_projection(layer, attn.transpose(0, 3, 1, 2, 4).reshape(B, C, -1))
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_layers.append(lc)

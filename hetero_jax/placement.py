@@ -74,6 +74,25 @@ def balanced_placement(budgets: np.ndarray, tp: int) -> np.ndarray:
     return placement
 
 
+def balanced_rows(budgets: np.ndarray, tp: int) -> list[list[list[int]]]:
+    """Per layer, its ``n_local`` rows (largest heads first), each the tp head ids on shards 0..tp-1 as
+    :func:`balanced_placement` spreads them: ``rows[l][j][s]`` is the head that shard s holds in local
+    slot j of layer l."""
+    L, H, n_local = _check(budgets, tp)
+    placement = balanced_placement(budgets, tp)
+    order = role_grouped_order(np.asarray(budgets)).reshape(L, n_local, tp)
+    out = []
+    for l in range(L):
+        rows = []
+        for heads in order[l]:
+            row = [0] * tp
+            for h in heads:
+                row[int(placement[l, h])] = int(h)
+            rows.append(row)
+        out.append(rows)
+    return out
+
+
 def _improve_by_swaps(b: np.ndarray, rows: np.ndarray, placement: np.ndarray, load: np.ndarray,
                       max_rounds: int = 200) -> None:
     """Swap two heads of one row between the most loaded shard and another while the max drops."""
@@ -113,9 +132,29 @@ def padded_tokens_per_shard(budgets: np.ndarray, placement: np.ndarray, tp: int)
     return total
 
 
+def pooled_tokens_per_shard(budgets: np.ndarray, placement: np.ndarray, tp: int) -> int:
+    """Tokens each shard allocates when every shard's kept rows of all layers share one pool (HeteroCache's
+    runtime under tensor parallelism): the largest shard's total, plus the slack a window needs to read
+    its row's capacity past its own rows. Rows are each layer's heads largest first, tp at a time."""
+    L, H, n_local = _check(budgets, tp)
+    b = np.asarray(budgets, np.int64)
+    rows = role_grouped_order(b).reshape(L, n_local, tp)
+    cursor = np.zeros(tp, np.int64)
+    end = 0
+    for l in range(L):
+        for row in rows[l]:
+            cap = int(b[l, row].max())
+            for h in row:
+                s = int(placement[l, h])
+                end = max(end, int(cursor[s]) + cap)
+                cursor[s] += b[l, h]
+    return end
+
+
 def placement_report(budgets: np.ndarray, tp: int, bytes_per_token: int) -> list[dict]:
     """Per placement (identity-contiguous, role-grouped-contiguous, balanced): bytes per shard (max, mean,
-    max/mean) of the tokens kept, and of the SPMD-padded allocation."""
+    max/mean) of the tokens kept, of the SPMD-padded allocation (per-layer row groups), and for the balanced
+    placement of the per-shard pool the runtime allocates (``pooled_tokens_per_shard``)."""
     L, H, _ = _check(budgets, tp)
     rows = []
     for name, placement in (
@@ -127,5 +166,7 @@ def placement_report(budgets: np.ndarray, tp: int, bytes_per_token: int) -> list
         rows.append(dict(placement=name, tp=tp, kept_max=int(tokens.max()) * bytes_per_token,
                          kept_mean=float(tokens.mean()) * bytes_per_token,
                          imbalance=float(tokens.max() / tokens.mean()),
-                         padded=padded_tokens_per_shard(budgets, placement, tp) * bytes_per_token))
+                         padded=padded_tokens_per_shard(budgets, placement, tp) * bytes_per_token,
+                         pooled=(pooled_tokens_per_shard(budgets, placement, tp) * bytes_per_token
+                                 if name == "role-balanced" else None)))
     return rows

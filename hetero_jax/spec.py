@@ -77,6 +77,8 @@ CACHE_AXES: dict[str, tuple[str, ...]] = {
     "v": ("batch", "kv_heads", "slots", "head_dim"),
     "positions": ("batch", "kv_heads", "slots"),
     "lengths": ("batch", "kv_heads"),
+    "offsets": ("batch", "kv_heads"),  # a pooled group's windows; a PromptPool's k/v/positions are
+    # [B, tp, P(, D)]: the shard axis takes the "kv_heads" rule, as each shard's pool holds its heads' rows
     "tail_k": ("batch", "kv_heads", "slots", "head_dim"),
     "tail_v": ("batch", "kv_heads", "slots", "head_dim"),
     "seq_lens": ("batch",),

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import hetero_jax
-from hetero_jax.generate import Engine
+from hetero_jax.generate import Engine, Session
 from hetero_jax.hub import place
 from hetero_jax.policies import FullKV, HCAttention, HeteroCache, SnapKV, SyncKV
+from hetero_jax.cache import prompt_arrays
 from hetero_jax.sharding import MeshError, cache_shardings, make_mesh, per_device_bytes
 from test_heterocache import PROFILE
 from test_synckv import PROFILE as SYNC_PROFILE
@@ -56,21 +57,37 @@ def test_greedy_and_logits_equal_one_device(name, tp, dp):
     lc = eng.cache.layers[0]
     assert spec_of(lc.tail_k)[:2] == (data, model)
     assert spec_of(eng.cache.seq_lens) == (data,)
-    kv_dev = per_device_bytes([(g.k, g.v) for l in eng.cache.layers for g in l.groups])
+    kv_dev = per_device_bytes(prompt_arrays(eng.cache))
     assert len(kv_dev) == tp * dp
-    if name != "heterocache":  # one group of all 3 heads per layer: split exactly
+    total = sum(a.nbytes for a in prompt_arrays(eng.cache))
+    assert set(kv_dev.values()) == {total // (tp * dp)}  # every array splits exactly: nothing replicated
+    if name != "heterocache":  # one group of all 3 heads per layer
         assert all(spec_of(g.k)[:2] == (data, model) for l in eng.cache.layers for g in l.groups)
-        total = sum(g.k.nbytes + g.v.nbytes for l in eng.cache.layers for g in l.groups)
-        assert set(kv_dev.values()) == {total // (tp * dp)}
+    elif tp == 1:
+        assert eng.cache.pool is None
     else:
-        # groups of 1-2 heads do not split 3 ways: replicated over "model" (what placement must fix)
-        for l in eng.cache.layers:
-            for g in l.groups:
-                assert spec_of(g.k)[:2] == (data, model if g.num_heads % tp == 0 else None)
+        # role-balanced rows (one head per shard) whose rows live in one pool per shard
+        pool = eng.cache.pool
+        assert spec_of(pool.k) == (data, model, None, None) and spec_of(pool.positions) == (data, model, None)
+        assert all(l.head_tp == tp and spec_of(g.offsets) == (data, model) for l in eng.cache.layers
+                   for g in l.groups)
+        # a shard allocates its own heads' rows (+ one window of slack), not each row's largest head
+        cfg = MODEL.config
+        item = 2 * cfg.head_dim * pool.k.dtype.itemsize
+        rows_alloc = sum(g.capacity * (g.num_heads // tp) for l in eng.cache.layers for g in l.groups)
+        assert pool.k.shape[2] < rows_alloc
+        full_per_device = max(len(p) for p in PROMPTS) * cfg.num_kv_heads * cfg.num_layers // tp
+        assert pool.k.shape[2] < 0.8 * full_per_device, (pool.k.shape, full_per_device)
+        assert kv_dev[next(iter(kv_dev))] == pool.k.shape[2] * item * len(PROMPTS) // dp
         host = eng.state.host_arrays()
         assert host and all(a.sharding.memory_kind == "pinned_host" for a in host)
-        for a in host:  # each device's host holds its own share, laid out as the device group was
-            assert len(a.sharding.device_set) == tp * dp
+        # the host copy is split like the device cache: each device's host holds its own heads' share
+        assert set(per_device_bytes(host).values()) == {sum(a.nbytes for a in host) // (tp * dp)}
+        assert eng.state.host_bytes_by_role()["full"] > 0
+        p = eng.state.stats()["placement"]  # the stats say what the placement bought
+        assert p["tp"] == tp and p["allocated_tokens_per_shard"] == pool.k.shape[2] * len(PROMPTS)
+        assert p["kept_max_over_mean"] <= p["contiguous_kept_max_over_mean"]
+        assert sum(p["kept_tokens_per_shard"]) == sum(p["contiguous_kept_tokens_per_shard"])
     stats = eng.stats_fields()
     assert stats["kv_bytes_per_device"] and len(stats["kv_bytes_per_device"]) == tp * dp
 
@@ -89,6 +106,30 @@ def test_host_copy_peers_on_a_mesh(policy):
         for leaf in jax.tree.leaves(lc.aux):
             if leaf.ndim and leaf.shape[0] != len(PROMPTS):
                 assert all(a is None for a in spec_of(leaf))
+
+
+@pytest.mark.parametrize("tp,dp", [(3, 1), (3, 2)])
+def test_heterocache_rows_recall_and_turns_equal_one_device(tp, dp):
+    """On the row layout, drift recalls (tau_drift > 1: every check drifts) write each satellite's rows into
+    its head of its row group, and a session turn re-selects every compressed head there: tokens, logits,
+    recall counts and answers equal one device."""
+    policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5)
+    toks, logits, one = greedy_with_logits(MODEL, policy, PROMPTS, steps=8)
+    sharded = place(MODEL, make_mesh(tp, dp))
+    got_toks, got_logits, eng = greedy_with_logits(sharded, policy, PROMPTS, steps=8)
+    np.testing.assert_array_equal(got_toks, toks)
+    np.testing.assert_allclose(got_logits, logits, atol=1e-4, rtol=0)
+    assert one.state.stats()["recalls"] > 0
+    assert eng.state.stats()["recalls"] == one.state.stats()["recalls"]
+    assert eng.state.stats()["bytes_recalled"] == one.state.stats()["bytes_recalled"]
+
+    ctx, questions = PROMPTS[0], (RNG.integers(3, 100, 9).tolist(), RNG.integers(3, 100, 21).tolist())
+    answers = []
+    for model in (MODEL, sharded):
+        sess = Session(model, ctx, HeteroCache(profile=PROFILE, budget=0.5), chat=False, reserve_tokens=8)
+        answers.append([sess.ask(q, max_new_tokens=5).token_ids for q in questions])
+        assert sess.engine.state.stats()["reselections"] == 2
+    assert answers[0] == answers[1]
 
 
 def test_params_split_tensor_parallel():

@@ -48,14 +48,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from hetero_jax.cache import HeadGroup, KVCache, full_group
+from hetero_jax.cache import HeadGroup, KVCache, PooledGroup, PromptPool, full_group, materialize, take_heads
 from hetero_jax.config import ModelConfig
 from hetero_jax.host_store import HostKVStore, put_rows, scatter_rows
 from hetero_jax.model import prompt_queries
 from hetero_jax.policies.base import BudgetError, DecodeState, PolicyError, PrefillPlan, check_int
 from hetero_jax.policies.primitives import (attention_probs, avg_pool, finalize_scores, gqa_reduce,
                                            observation_window_probs, select_topk)
-from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key
+from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key, take_slots
 from hetero_jax.policies.runtime import cap_bucket, select_group
 from hetero_jax.profile.format import HeadProfile
 
@@ -87,6 +87,9 @@ class HeteroCache(ProfiledPolicy):
     pool_kernel: int = 5
     select_window: int = 8
     profile_key: str = dataclasses.field(default="", init=False)
+    # set by bind() on a mesh: the row layout for tp shards and, per layer, its pivots' layout slots
+    head_tp: int = dataclasses.field(default=1, init=False)
+    row_pivot_slots: tuple = dataclasses.field(default=(), init=False, compare=False, repr=False)
 
     name: ClassVar[str] = "heterocache"
     summary: ClassVar[str] = ("role-aware head budgets from an offline profile, compressed heads' full KV in pinned "
@@ -101,6 +104,33 @@ class HeteroCache(ProfiledPolicy):
         if self.pool_kernel != 5:
             raise BudgetError("HeteroCache: the pooled-score kernel supports pool_kernel=5 only")
         object.__setattr__(self, "profile_key", profile_key(self.profile))
+
+    def bind(self, model):
+        """The profile resolved and checked (``ProfiledPolicy.bind``); on a mesh with tp > 1 model shards,
+        the role-balanced row layout (``row_layout``), so every head group splits over "model"."""
+        bound = super().bind(model)
+        mesh = getattr(model, "mesh", None)
+        tp = 1 if mesh is None else int(mesh.shape["model"])
+        if tp == bound.head_tp:
+            return bound
+        bound = dataclasses.replace(bound)  # a copy: head_tp back to its default, set below
+        object.__setattr__(bound, "head_tp", tp)
+        if tp > 1:
+            slots = tuple(tuple(r.pivot_slots()) for r in bound.layer_roles(model.config))
+            object.__setattr__(bound, "row_pivot_slots", slots)
+        return bound
+
+    def layout(self, cfg: ModelConfig):
+        """``ProfiledPolicy.layout``; on one device each compressed head is a group of its own (heads of a
+        layer keep different l_i: ``_split_heads``)."""
+        base = super().layout(cfg)
+        if base.tp > 1:
+            return base
+        sizes = []
+        for l in range(cfg.num_layers):
+            n_full = len(self.roles_in_layout(l)["pivot"]) + len(self.roles_in_layout(l)["volatile"])
+            sizes.append(((n_full,) if n_full else ()) + (1,) * (cfg.num_kv_heads - n_full))
+        return dataclasses.replace(base, group_sizes=tuple(sizes))
 
     @property
     def drift_threshold(self) -> float:
@@ -196,8 +226,77 @@ class HeteroPrefill(PrefillPlan):
         self.store = HostKVStore(cfg.num_layers)
         self.counts: list[np.ndarray] = []  # per layer [B, Hc] tokens kept by compressed heads
         self.k_base: list = []
+        self.pool: PromptPool | None = None
+        if self.layout.tp > 1:
+            self.pool_offsets, self.pool_slots = self._plan_pool()
+
+    def _plan_pool(self) -> tuple[list[np.ndarray], int]:
+        """Under tensor parallelism every head's kept rows get a window in its shard's pool: per layer [B, H]
+        (layout slots) the window starts, each shard's heads packed layer after layer; and the pool size P,
+        which covers every window's full group capacity (a window reads past its head's own rows)."""
+        tp, H = self.layout.tp, self.cfg.num_kv_heads
+        n_local, B = H // tp, len(self.lens)
+        cursor = np.zeros((B, tp), np.int64)
+        offsets, end = [], 1
+        for li, sizes in enumerate(self.layout.group_sizes):
+            counts = self.grid[:, li, np.asarray(self.layout.perms[li])]  # [B, H] layout order
+            off = np.zeros((B, H), np.int64)
+            o = 0
+            for size in sizes:
+                m = size // tp
+                heads = [s * n_local + o + i for s in range(tp) for i in range(m)]
+                cap = int(counts[:, heads].max())
+                for h in heads:
+                    off[:, h] = cursor[:, h // n_local]
+                    cursor[:, h // n_local] += counts[:, h]
+                    end = max(end, int(off[:, h].max()) + cap)
+                o += m
+            offsets.append(off)
+        return offsets, end
+
+    def _placement(self) -> dict:
+        """Tokens each shard's heads keep (the whole batch) and what the shard allocates (pool slots x
+        batch), beside the naive contiguous split of the role-grouped layout (full heads first)."""
+        from hetero_jax.placement import contiguous_placement, padded_tokens_per_shard, role_grouped_order, shard_tokens
+
+        tp, H = self.layout.tp, self.cfg.num_kv_heads
+        n_local = H // tp
+        kept = np.zeros(tp, np.int64)
+        for li, perm in enumerate(self.layout.perms):
+            per_slot = self.grid[:, li, np.asarray(perm)].sum(axis=0)
+            np.add.at(kept, np.arange(H) // n_local, per_slot)
+        total = self.grid.sum(axis=0)  # [L, H] original order
+        naive = contiguous_placement(self.cfg.num_layers, H, tp, role_grouped_order(total))
+        naive_kept = shard_tokens(total, naive, tp)
+        return {"tp": tp, "kept_tokens_per_shard": kept.tolist(), "kept_max_over_mean": float(kept.max() / kept.mean()),
+                "allocated_tokens_per_shard": int(self.pool_slots) * len(self.lens),
+                "contiguous_kept_tokens_per_shard": naive_kept.tolist(),
+                "contiguous_kept_max_over_mean": float(naive_kept.max() / naive_kept.mean()),
+                "contiguous_allocated_tokens_per_shard": int(padded_tokens_per_shard(total, naive, tp))}
+
+    def _new_pool(self, k_buf) -> PromptPool:
+        """A zero pool [B, tp, P, D] made on the devices it lives on (split over "model" on a mesh)."""
+        B, D, tp = k_buf.shape[0], k_buf.shape[3], self.layout.tp
+        shape = (B, tp, self.pool_slots, D)
+
+        def make():
+            return PromptPool(k=jnp.zeros(shape, k_buf.dtype), v=jnp.zeros(shape, k_buf.dtype),
+                              positions=jnp.full(shape[:3], -1, jnp.int32))
+
+        mesh = getattr(getattr(k_buf, "sharding", None), "mesh", None)
+        if mesh is None or not isinstance(mesh, jax.sharding.Mesh):
+            return make()
+        from hetero_jax.sharding import partition_spec
+        from hetero_jax.spec import CACHE_AXES
+
+        named = lambda axes, shp: jax.sharding.NamedSharding(mesh, partition_spec(axes, shp, mesh))  # noqa: E731
+        out = PromptPool(k=named(CACHE_AXES["k"], shape), v=named(CACHE_AXES["v"], shape),
+                         positions=named(CACHE_AXES["positions"], shape[:3]))
+        return jax.jit(make, out_shardings=out)()
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+        if self.layout.tp > 1:
+            return self._build_rows(li, layer, x_in, k_buf, v_buf, lens)
         cfg, roles = self.cfg, self.roles[li]
         nf = roles.n_full
         t_max = int(self.lens.max())
@@ -232,14 +331,69 @@ class HeteroPrefill(PrefillPlan):
             self.counts.append(np.zeros((len(self.lens), 0), np.int64))
         return tuple(groups)
 
+    def _build_rows(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[PooledGroup, ...]:
+        """``build_layer`` for the row layout of tp shards: each group (rows of heads, one per shard) keeps
+        every head's own count, full heads their whole prompt, written into each head's pool window (only
+        its own rows); pivots' K_base and the host copy of the compressed heads as on one device."""
+        cfg, r, tp = self.cfg, self.roles[li], self.layout.tp
+        t_max = int(self.lens.max())
+        window = self.policy.select_window
+        args = (layer, x_in, k_buf, lens)
+        n_comp = len(r.comp_slots)
+        scores = None
+        if r.pivots or (n_comp and window == 1):
+            scores = self.compile_fn(_last_token_scores, *args, cfg=cfg)(*args)
+        if r.pivots:
+            _, idx = jax.lax.top_k(take_slots(scores, r.pivot_slots()), int(self.l_base.max()))
+            self.k_base.append(idx.astype(jnp.int32))
+        else:
+            self.k_base.append(None)
+        if n_comp and window > 1:
+            scores = self.compile_fn(_window_scores, *args, cfg=cfg, window=window)(*args)
+        counts = self.grid[:, li, np.asarray(self.layout.perms[li])]  # [B, H] layout order; full heads: L
+        B, H, T, _ = k_buf.shape
+        n_local = H // tp
+        groups = []
+        for gi, size in enumerate(self.layout.group_sizes[li]):
+            m = size // tp
+            o = sum(self.layout.group_sizes[li][:gi]) // tp
+            heads = [s * n_local + o + i for s in range(tp) for i in range(m)]
+            kg, vg = take_heads(k_buf, o, m, tp), take_heads(v_buf, o, m, tp)
+            if all(h in r.full_slots for h in heads):
+                group = full_group(kg[:, :, :t_max], vg[:, :, :t_max], lens)
+            else:
+                c = counts[:, heads]
+                positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, size, T))
+                group, _ = select_group(take_heads(scores, o, m, tp), kg, vg, positions,
+                                        jnp.asarray(c, jnp.int32), int(c.max()), self.compile_fn)
+            if self.pool is None:
+                self.pool = self._new_pool(k_buf)
+            offsets = jnp.asarray(self.pool_offsets[li][:, heads], jnp.int32)
+            args = (self.pool, group, offsets)
+            self.pool = self.compile_fn(_pool_write, *args, tp=tp)(*args)  # the row group itself is dropped
+            groups.append(PooledGroup(offsets=offsets, lengths=group.lengths, capacity=group.capacity))
+        if n_comp:
+            self.counts.append(counts[:, r.comp_slots])
+            # every head of the layer, as the device holds them (split over "model"): a gather of the
+            # compressed heads would leave the partitioner a layout it replicates on every device's host
+            self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
+        else:
+            self.counts.append(np.zeros((B, 0), np.int64))
+        return tuple(groups)
+
     def finish(self, cache: KVCache) -> tuple[KVCache, "HeteroDecode"]:
         """The cache with each pivot's K_base in its layer's ``aux``, and the decode state (one way: the
         decode never sees this plan)."""
         layers = tuple(
             lc.replace(aux={"k_base": kb}) if kb is not None else lc for lc, kb in zip(cache.layers, self.k_base)
         )
+        pool_offsets, placement = None, None
+        if self.layout.tp > 1:
+            layers = tuple(lc.replace(head_tp=self.layout.tp) for lc in layers)
+            cache, pool_offsets, placement = cache.replace(pool=self.pool), self.pool_offsets, self._placement()
         prefilled = HeteroPrefilled(policy=self.policy, roles=self.roles, counts=self.counts, l_base=self.l_base,
-                                    lens=self.lens, store=self.store)
+                                    lens=self.lens, store=self.store, pool_offsets=pool_offsets,
+                                    placement=placement)
         return cache.replace(layers=tuple(layers)), HeteroDecode(prefilled, compile_fn=self.compile_fn)
 
 
@@ -252,16 +406,32 @@ class HeteroPrefilled:
     counts: list[np.ndarray]  # per layer [B, Hc] tokens kept by each compressed head (layout order)
     l_base: np.ndarray  # [B] L_base of each sequence
     lens: np.ndarray  # [B] prompt lengths
-    store: HostKVStore  # per layer: the compressed heads' full prompt K/V [B, Hc, T, D]
+    # per layer: the compressed heads' full prompt K/V, [B, Hc, T, D] on one device; under tensor
+    # parallelism every head's [B, H, T, D] in layout order, split over "model" (``store_heads``)
+    store: HostKVStore
+    # under tensor parallelism: per layer [B, H] each head's window start in its shard's pool (layout slots)
+    pool_offsets: list[np.ndarray] | None = None
+    placement: dict | None = None  # under tensor parallelism: tokens per shard, balanced vs contiguous
+
+    def store_heads(self, li: int) -> np.ndarray:
+        """Index in the layer's host store of each compressed head (0..Hc-1 on one device; its layout slot
+        under tensor parallelism)."""
+        if self.pool_offsets is None:
+            return np.arange(self.counts[li].shape[1])
+        return np.asarray(self.roles[li].comp_slots, np.int64)
 
     def host_bytes_by_role(self) -> dict[str, int]:
-        """Pinned-host KV bytes per role: the satellites' (the paper's reservoir) and the anchors'."""
+        """Pinned-host KV bytes per role: the satellites' (the paper's reservoir), the anchors', and under
+        tensor parallelism the full heads' copies that keep the store split like the device cache."""
         out = {"satellite": 0, "anchor": 0}
         for li, r in enumerate(self.roles):
             per_head = self.store.head_bytes(li)
             if per_head:
+                n_comp = self.counts[li].shape[1]
                 out["satellite"] += per_head * len(r.satellites)
-                out["anchor"] += per_head * (self.counts[li].shape[1] - len(r.satellites))
+                out["anchor"] += per_head * (n_comp - len(r.satellites))
+                if self.pool_offsets is not None:
+                    out["full"] = out.get("full", 0) + per_head * r.n_full
         return out
 
 
@@ -289,6 +459,36 @@ def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: i
     # read only for a drifted pivot: skip it (lax.cond runs one branch) otherwise
     new_base, top = jax.lax.cond(drift.any(), ranked, unchanged, latest_scores)
     return drift, new_base, top
+
+
+@functools.partial(jax.jit, static_argnames=("tp",), donate_argnums=(0,))
+def _pool_write(pool: PromptPool, group: HeadGroup, offsets, tp: int) -> PromptPool:
+    """A row group's valid rows into the pool: head h (of m = Hg / tp per shard) of sequence b writes its
+    slots [0, length) at pool[b, h // m, offsets[b, h] + t]; its padding slots are dropped, so they never
+    overwrite a neighbouring window. group [B, Hg, S, D]; offsets [B, Hg]."""
+    B, Hg, S = group.positions.shape
+    t = jnp.arange(S, dtype=jnp.int32)
+    slot = jnp.where(t < group.lengths[..., None], offsets[..., None] + t, pool.k.shape[2])  # [B, Hg, S]
+    b = jnp.arange(B)[:, None, None]
+    shard = (jnp.arange(Hg) // (Hg // tp))[None, :, None]
+    return pool.replace(k=pool.k.at[b, shard, slot].set(group.k.astype(pool.k.dtype), mode="drop"),
+                        v=pool.v.at[b, shard, slot].set(group.v.astype(pool.v.dtype), mode="drop"),
+                        positions=pool.positions.at[b, shard, slot].set(group.positions, mode="drop"))
+
+
+_materialize = jax.jit(materialize)
+
+
+def _full_heads(lc, r: LayerRoles, slots) -> tuple[jax.Array, jax.Array]:
+    """(keys [B, n, T, D], lengths [B, n]) of full heads at layout ``slots``: a slice of one group on one
+    device; stacked from the rows' groups (each as long as the longest prompt) under tensor parallelism."""
+    locs = [r.loc[int(s)] for s in slots]
+    gi, h0 = locs[0]
+    if locs == [(gi, h0 + i) for i in range(len(locs))]:
+        g = lc.groups[gi]
+        return g.k[:, h0 : h0 + len(locs)], g.lengths[:, h0 : h0 + len(locs)]
+    return (jnp.stack([lc.groups[g].k[:, h] for g, h in locs], axis=1),
+            jnp.stack([lc.groups[g].lengths[:, h] for g, h in locs], axis=1))
 
 
 class HeteroDecode(DecodeState):
@@ -355,40 +555,68 @@ class HeteroDecode(DecodeState):
         l_base = int(self.prefilled.l_base.max())
         lens = jnp.asarray(self.prefilled.lens, jnp.int32)
         layers = list(cache.layers)
+        pool_rows = []  # under tensor parallelism: (layer, b, compressed head, slots, rows) into the pool
         for li, r in enumerate(self.prefilled.roles):
             lc, q = layers[li], turn_queries[li]
             groups, aux = list(lc.groups), dict(lc.aux)
             if r.pivots:
-                g = groups[0]
-                np_ = len(r.pivots)
-                args = (q[:, :np_, -1:], g.k[:, :np_], g.lengths[:, :np_])
+                keys, lengths = _full_heads(self._view(cache, li), r, r.pivot_slots())
+                args = (take_slots(q, r.pivot_slots())[:, :, -1:], keys, lengths)
                 aux["k_base"] = self.compile_fn(_turn_k_base, *args, l_base=l_base)(*args)
             counts = self.prefilled.counts[li]  # [B, Hc]
             if counts.shape[1]:
-                host_k, host_v = self.prefilled.store.view(li)  # [B, Hc, T, D]
-                qc = q[:, r.n_full :]
+                host_k, host_v = self.prefilled.store.view(li)  # [B, Hc (H under tp), T, D]
+                sh = self.prefilled.store_heads(li)  # compressed head j is host head sh[j]
+                qc = take_slots(q, r.comp_slots)
                 qc = jnp.pad(qc, ((0, 0), (0, 0), (0, n_pad - n), (0, 0), (0, 0)))
-                keys = jnp.asarray(host_k)  # one layer's compressed keys on the device, for this scoring only
+                # one layer's compressed keys on the device, for this scoring only
+                keys = jnp.asarray(host_k if len(sh) == host_k.shape[1] else host_k[:, sh])
                 args = (qc, row_valid, keys, lens)
                 scores = self.compile_fn(_turn_scores, *args, block=block)(*args)
                 # compiled per 64-slot bucket, not per layer's largest budget (as ``select_group``)
                 cap = cap_bucket(int(counts.max()), scores.shape[-1])
                 args = (scores, jnp.asarray(counts, jnp.int32))
                 idx = np.asarray(self.compile_fn(_select_rows, *args, cap=cap)(*args))  # [B, Hc, cap]
-                first = 1 if r.n_full else 0  # compressed head j lives in groups[first + j]
                 b = np.arange(idx.shape[0])[:, None]
                 for j in range(counts.shape[1]):
                     c = int(counts[:, j].max())
                     rows = idx[:, j, :c]  # [B, c] position order; past a sequence's count: a repeat
+                    self.bytes_reselected += 2 * host_k[b, sh[j], rows].nbytes
+                    if cache.pool is not None:  # only each sequence's own rows: a window's tail is another's
+                        pool_rows += [(li, bi, j, np.arange(counts[bi, j]), rows[bi, : counts[bi, j]])
+                                      for bi in range(len(rows))]
+                        continue
                     valid = np.arange(c)[None, :] < counts[:, j : j + 1]
-                    k_new, v_new = host_k[b, j, rows][:, None], host_v[b, j, rows][:, None]
-                    pos = np.where(valid, rows, -1).astype(np.int32)[:, None]
-                    groups[first + j] = groups[first + j].replace(
-                        k=jax.device_put(k_new), v=jax.device_put(v_new), positions=jax.device_put(pos))
-                    self.bytes_reselected += k_new.nbytes + v_new.nbytes
+                    k_new, v_new = host_k[b, sh[j], rows], host_v[b, sh[j], rows]  # [B, c, D]
+                    pos = np.where(valid, rows, -1).astype(np.int32)
+                    gi = r.loc[r.comp_slots[j]][0]  # one device: the head's own group, exactly c slots
+                    groups[gi] = groups[gi].replace(k=jax.device_put(k_new[:, None]), v=jax.device_put(v_new[:, None]),
+                                                    positions=jax.device_put(pos[:, None]))
             layers[li] = lc.replace(groups=tuple(groups), aux=aux)
         self.reselections += 1
-        return cache.replace(layers=tuple(layers))
+        cache = cache.replace(layers=tuple(layers))
+        return self._write_pool(cache, pool_rows) if pool_rows else cache
+
+    def _view(self, cache: KVCache, li: int):
+        """Layer ``li`` with pooled groups read out of the pool (itself on one device)."""
+        lc = cache.layers[li]
+        return lc if cache.pool is None else _materialize(lc, cache.pool)
+
+    def _write_pool(self, cache: KVCache, items: list) -> KVCache:
+        """Rows of compressed heads from the host copy into their pool windows, one transfer and one scatter
+        for all of them. items: (layer, b, compressed head j, window slots [n], prompt rows [n])."""
+        offsets = self.prefilled.pool_offsets
+        tp = cache.layers[0].head_tp
+        H = cache.layers[0].tail_k.shape[1]
+        parts = []
+        for li, b, j, slots, rows in items:
+            h = self.prefilled.roles[li].comp_slots[j]
+            k_rows, v_rows = self.prefilled.store.rows(li, np.full(len(rows), b), np.full(len(rows), h), rows)
+            parts.append((np.full(len(rows), b), np.full(len(rows), h // (H // tp)), offsets[li][b, h] + slots,
+                          k_rows, v_rows, rows))
+        cat = [np.concatenate([p[i] for p in parts]) for i in range(6)]
+        ops = put_rows(*cat, capacity=cache.pool.k.shape[2])
+        return cache.replace(pool=scatter_rows(cache.pool, ops, self.compile_fn))
 
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
         """Dispatch every pivot layer's drift check on the buffered steps; outputs are copied to the host
@@ -398,13 +626,12 @@ class HeteroDecode(DecodeState):
         for li in self.pivot_layers:
             r = self.prefilled.roles[li]
             q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
-            g = cache.layers[li].groups[0]
-            np_ = len(r.pivots)
+            keys, lengths = _full_heads(self._view(cache, li), r, r.pivot_slots())
             counts = self.prefilled.counts[li]
             n_top = max(1, int(counts.max())) if counts.size else 1
-            args = (q_buf, g.k[:, :np_], cache.layers[li].aux["k_base"], g.lengths[:, :np_])
+            args = (q_buf, keys, cache.layers[li].aux["k_base"], lengths)
             fn = self.compile_fn(_drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
-                                 n_top=min(n_top, g.capacity))
+                                 n_top=min(n_top, keys.shape[2]))
             out = fn(*args)
             for a in out:
                 a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
@@ -443,6 +670,7 @@ class HeteroDecode(DecodeState):
         self.pending = None
         layers = list(cache.layers)
         writes = []  # (layer, group index, device operands) once every transfer has started
+        pool_rows = []  # under tensor parallelism: rows into the pool (``_write_pool``)
         for li, out in enumerate(outs):
             if out is None:
                 continue
@@ -452,22 +680,27 @@ class HeteroDecode(DecodeState):
             self.triggers += int(drift.sum())
             if not drift.any():
                 continue
-            first_comp = 1 if r.n_full else 0  # compressed head j lives in groups[first_comp + j]
             counts = self.prefilled.counts[li]  # [B, Hc]
             per_group: dict[int, list] = {}
             for b, p in zip(*np.nonzero(drift)):
                 for sat in r.members.get(int(p), []):
                     l_s = int(counts[b, sat])
                     pos = np.sort(top[b, p, :l_s])
-                    per_group.setdefault(first_comp + sat, []).append((b, sat, pos))
+                    if cache.pool is not None:  # the satellite's window in its shard's pool
+                        pool_rows.append((li, b, sat, np.arange(l_s), pos))
+                        self.recalls += 1
+                        self.bytes_recalled += 2 * l_s * layers[li].tail_k.shape[-1] * layers[li].tail_k.dtype.itemsize
+                        continue
+                    gi, hi = r.loc[r.comp_slots[sat]]  # the satellite's group and head in it
+                    per_group.setdefault(gi, []).append((b, sat, hi, pos))
             for gi, items in per_group.items():
-                b_idx = np.concatenate([np.full(len(pos), b) for b, _, pos in items])
-                sats = np.concatenate([np.full(len(pos), sat) for _, sat, pos in items])
-                rows = np.concatenate([pos for _, _, pos in items])
-                slots = np.concatenate([np.arange(len(pos)) for _, _, pos in items])
-                k_rows, v_rows = self.prefilled.store.rows(li, b_idx, sats, rows)
-                ops = put_rows(b_idx, np.zeros_like(b_idx), slots, k_rows, v_rows, rows,
-                               layers[li].groups[gi].capacity)
+                b_idx = np.concatenate([np.full(len(pos), b) for b, _, _, pos in items])
+                sats = np.concatenate([np.full(len(pos), sat) for _, sat, _, pos in items])
+                h_idx = np.concatenate([np.full(len(pos), hi) for _, _, hi, pos in items])
+                rows = np.concatenate([pos for _, _, _, pos in items])
+                slots = np.concatenate([np.arange(len(pos)) for _, _, _, pos in items])
+                k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[sats], rows)
+                ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, layers[li].groups[gi].capacity)
                 writes.append((li, gi, ops))
                 self.recalls += len(items)
                 self.bytes_recalled += k_rows.nbytes + v_rows.nbytes
@@ -480,7 +713,8 @@ class HeteroDecode(DecodeState):
             groups = list(layers[li].groups)
             groups[gi] = scatter_rows(groups[gi], ops, self.compile_fn)
             layers[li] = layers[li].replace(groups=tuple(groups))
-        return cache.replace(layers=tuple(layers))
+        cache = cache.replace(layers=tuple(layers))
+        return self._write_pool(cache, pool_rows) if pool_rows else cache
 
     def in_flight(self):
         return self.pending
@@ -496,6 +730,11 @@ class HeteroDecode(DecodeState):
                 f"recalls {self.recalls} ({self.bytes_recalled / 2**10:.0f} KiB)")
         if self.reselections:
             text += f", re-selected {self.reselections}x ({self.bytes_reselected / 2**20:.1f} MiB)"
+        p = self.prefilled.placement
+        if p:
+            text += (f", tp {p['tp']}: kept max/mean {p['kept_max_over_mean']:.2f} (contiguous "
+                     f"{p['contiguous_kept_max_over_mean']:.2f}), {p['allocated_tokens_per_shard']} tokens allocated "
+                     f"per shard (contiguous {p['contiguous_allocated_tokens_per_shard']})")
         return text
 
     def stats(self) -> dict:
@@ -509,4 +748,5 @@ class HeteroDecode(DecodeState):
             "bytes_reselected": self.bytes_reselected,
             "recall_failures": self.recall_failures,
             "reselect_failures": self.reselect_failures,
+            **({"placement": self.prefilled.placement} if self.prefilled.placement else {}),
         }

@@ -35,15 +35,25 @@ def profile_key(profile: HeadProfile | None) -> str:
 
 @dataclasses.dataclass
 class LayerRoles:
-    n_full: int  # heads [0, n_full) of the layer (layout order) keep everything
-    pivots: list[int]  # layout positions of pivots (inside the full group)
-    satellites: list[int]  # positions inside the compressed group (the first ones)
-    # cluster of each pivot: positions of its satellites inside the compressed group
+    n_full: int  # number of full heads (on one device: the layout slots [0, n_full))
+    pivots: list[int]  # indices of the pivots among the full heads (the first ones)
+    satellites: list[int]  # indices of the satellites among the compressed heads (the first ones)
+    # cluster of each pivot: indices of its satellites among the compressed heads
     members: dict[int, list[int]]
+    full_slots: list[int] = dataclasses.field(default_factory=list)  # layout slot of each full head
+    comp_slots: list[int] = dataclasses.field(default_factory=list)  # layout slot of each compressed head
+    # layout slot -> (group index, head index in the group) in the layer's cache
+    loc: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    def pivot_slots(self) -> list[int]:
+        return self.full_slots[: len(self.pivots)]
 
 
 class ProfiledPolicy(Policy):
     """Mix-in of a frozen policy dataclass with a ``profile: HeadProfile | None`` field (None: the shipped one)."""
+
+    head_tp = 1  # tensor-parallel shards the layout is cut for (HeteroCache: a field that ``bind`` sets)
+    row_pivot_slots = ()  # with head_tp > 1: per layer, the pivots' layout slots (set with head_tp)
 
     profile_table: ClassVar[dict[str, str]] = SHIPPED_PROFILES  # shipped profiles bind() looks in
     calibrate_hint: ClassVar[str] = ("calibrate one with `hetero-jax profile --model M --data FILE --out "
@@ -81,24 +91,55 @@ class ProfiledPolicy(Policy):
                 "satellite": pick(Role.SATELLITE), "anchor": pick(Role.ANCHOR)}
 
     def layout(self, cfg: ModelConfig) -> HeadLayout:
-        """Per layer: [pivots + volatiles] (full) then [satellites + anchors] (compressed)."""
+        """Per layer: [pivots + volatiles] (full) then [satellites + anchors] (compressed). Under tensor
+        parallelism (``head_tp`` > 1, set by ``bind`` on a mesh): role-balanced rows (:meth:`row_layout`)."""
+        if self.head_tp > 1:
+            return self.row_layout(cfg)
         groups = []
         for l in range(cfg.num_layers):
             r = self.roles_in_layout(l)
             groups.append([g for g in (r["pivot"] + r["volatile"], r["satellite"] + r["anchor"]) if g])
         return HeadLayout.from_groups(groups)
 
+    def row_layout(self, cfg: ModelConfig) -> HeadLayout:
+        """The layout for ``head_tp`` shards: each layer's heads, largest budget first, cut into rows of tp
+        heads (one per shard; a row is one SPMD head group, padded to its largest head), each row's heads
+        spread over the shards so that every shard's tokens over all layers are even
+        (``placement.balanced_placement``). Leading rows of full heads share one group. Budgets at a
+        nominal prompt length: Eq. 7-8 scale with L, so the placement holds for every L."""
+        from hetero_jax.placement import balanced_rows
+
+        grid, _ = self.budget_grid(1 << 15)
+        roles = self._need_profile().roles
+        full = (roles == Role.PIVOT) | (roles == Role.VOLATILE)
+        layers = []
+        for l, rows in enumerate(balanced_rows(grid, self.head_tp)):
+            n_all_full = next((j for j, row in enumerate(rows) if not full[l, row].all()), len(rows))
+            groups = ([rows[:n_all_full]] if n_all_full else []) + [[row] for row in rows[n_all_full:]]
+            layers.append(groups)
+        return HeadLayout.from_rows(layers, self.head_tp)
+
     def layer_roles(self, cfg: ModelConfig) -> list[LayerRoles]:
-        """Per layer, the layout positions of the pivots and satellites and each pivot's satellites."""
+        """Per layer: the full and compressed heads' layout slots, pivots and satellites among them, each
+        pivot's satellites, and where each slot lives in the layer's cache groups."""
+        layout = self.layout(cfg)
+        n_local = cfg.num_kv_heads // layout.tp
         out = []
         for l in range(cfg.num_layers):
             r = self.roles_in_layout(l)
             full = r["pivot"] + r["volatile"]
             comp = r["satellite"] + r["anchor"]
+            slot_of = {int(h): i for i, h in enumerate(layout.perms[l])}
             sat_pos = {h: comp.index(h) for h in r["satellite"]}
             members = {full.index(int(p)): [sat_pos[int(s)] for s in sats] for p, sats in self.profile.clusters[l]}
+            loc, o = {}, 0
+            for gi, size in enumerate(layout.group_sizes[l]):
+                m = size // layout.tp
+                for i in range(size):
+                    loc[(i // m) * n_local + o + i % m] = (gi, i)
+                o += m
             out.append(LayerRoles(len(full), list(range(len(r["pivot"]))), [sat_pos[h] for h in r["satellite"]],
-                                  members))
+                                  members, [slot_of[h] for h in full], [slot_of[h] for h in comp], loc))
         return out
 
     # --------------------------------------------------------------- budgets
@@ -137,6 +178,22 @@ class ProfiledPolicy(Policy):
     def attend(self, li, q, layer_cache, tail_lens, seq_lens):
         """Every kept slot (as the base policy); the extra is the layer's pivot queries [B, Np, G, D] (None
         without pivots), which the decode state reads after the step."""
-        n_pivots = len(self.roles_in_layout(li)["pivot"])
         out = M.layer_decode_attention(q, layer_cache, tail_lens)
-        return out, layer_cache, (q[:, :n_pivots] if n_pivots else None)
+        slots = self.pivot_slots(li)
+        return out, layer_cache, (take_slots(q, slots) if slots else None)
+
+    def pivot_slots(self, li: int) -> tuple[int, ...]:
+        """Layout slots of layer ``li``'s pivots (read as constants by traced code)."""
+        if self.head_tp == 1:
+            return tuple(range(len(self.roles_in_layout(li)["pivot"])))
+        return self.row_pivot_slots[li]
+
+
+def take_slots(x, slots):
+    """x [B, H, ...] at the layout slots ``slots`` (a slice when they are consecutive)."""
+    slots = [int(s) for s in slots]
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return x[:, slots[0] : slots[0] + len(slots)]
+    return x[:, np.asarray(slots)]
+
+

@@ -151,8 +151,7 @@ def achieved_rho(cache: KVCache, cfg: ModelConfig) -> np.ndarray:
 def bytes_rho(cache, cfg: ModelConfig) -> float:
     """Device bytes of the prompt K/V groups over a full KV cache of the same batch (every head holding the
     longest prompt): for one sequence, exactly the kept fraction in bytes."""
-    g = cache.layers[0].groups[0]
-    per_slot = 2 * cfg.head_dim * g.k.dtype.itemsize
+    per_slot = 2 * cfg.head_dim * cache.layers[0].tail_k.dtype.itemsize  # the prompt's K/V dtype
     t_max = int(np.max(np.asarray(cache.prompt_lens)))
     full = cache.batch_size * t_max * cfg.num_kv_heads * cfg.num_layers * per_slot
     return prompt_kv_bytes(cache) / full
