@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from hetero_jax.layout import group_spans_of
 from hetero_jax.sharding import to_host
 
 
@@ -86,12 +87,7 @@ class LayerCache:
 
 def group_spans(layer_cache: "LayerCache") -> list[tuple[int, int]]:
     """Per group (o, m): on each of the ``head_tp`` shards the group holds the m local head slots [o, o + m)."""
-    tp, out, o = layer_cache.head_tp, [], 0
-    for g in layer_cache.groups:
-        m = g.num_heads // tp
-        out.append((o, m))
-        o += m
-    return out
+    return group_spans_of([g.num_heads for g in layer_cache.groups], layer_cache.head_tp)
 
 
 def take_heads(x: jax.Array, o: int, m: int, tp: int) -> jax.Array:
@@ -114,14 +110,6 @@ def join_heads(parts: list, tp: int) -> jax.Array:
     split = [p.reshape(B, tp, p.shape[1] // tp, *rest) for p in parts]
     joined = jnp.concatenate(split, axis=2)
     return joined.reshape(B, joined.shape[1] * joined.shape[2], *rest)
-
-
-def group_head_slots(layer_cache: "LayerCache") -> list[np.ndarray]:
-    """Per group: the layer head slot (layout order) of each group head [tp*m]."""
-    tp = layer_cache.head_tp
-    n_local = layer_cache.tail_k.shape[1] // tp
-    return [np.array([s * n_local + o + i for s in range(tp) for i in range(m)])
-            for o, m in group_spans(layer_cache)]
 
 
 @struct.dataclass

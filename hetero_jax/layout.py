@@ -64,9 +64,29 @@ class HeadLayout:
             if any(n % self.tp for n in g):
                 raise ValueError(f"layer {l}: group sizes {g} must be multiples of tp={self.tp}")
 
+    def slots(self, layer: int) -> list[list[int]]:
+        """Per group of layer ``layer``: the layout slot of each group head (:func:`group_slots`)."""
+        return group_slots(self.group_sizes[layer], self.tp, len(self.perms[layer]))
+
     @property
     def is_identity(self) -> bool:
         return all(p == tuple(range(len(p))) for p in self.perms)
+
+
+def group_spans_of(sizes, tp: int) -> list[tuple[int, int]]:
+    """Per group of ``sizes`` heads cut for tp shards: (o, m), the m = size / tp local slots [o, o + m)
+    it holds on every shard (tp = 1: the contiguous slice [o, o + size))."""
+    out, o = [], 0
+    for size in sizes:
+        out.append((o, size // tp))
+        o += size // tp
+    return out
+
+
+def group_slots(sizes, tp: int, num_heads: int) -> list[list[int]]:
+    """Per group: the layer slot of each group head; head s*m + i is slot s*n_local + o + i."""
+    n_local = num_heads // tp
+    return [[s * n_local + o + i for s in range(tp) for i in range(m)] for o, m in group_spans_of(sizes, tp)]
 
 
 def _q_order(perm, group_size: int) -> np.ndarray:

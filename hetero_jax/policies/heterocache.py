@@ -51,6 +51,7 @@ import pallas_kernels
 from hetero_jax.cache import HeadGroup, KVCache, PooledGroup, PromptPool, full_group, materialize, take_heads
 from hetero_jax.config import ModelConfig
 from hetero_jax.host_store import HostKVStore, put_rows, scatter_rows
+from hetero_jax.layout import group_spans_of
 from hetero_jax.model import prompt_queries
 from hetero_jax.policies.base import BudgetError, DecodeState, PolicyError, PrefillPlan, check_int
 from hetero_jax.policies.primitives import (attention_probs, avg_pool, finalize_scores, gqa_reduce,
@@ -238,19 +239,15 @@ class HeteroPrefill(PrefillPlan):
         n_local, B = H // tp, len(self.lens)
         cursor = np.zeros((B, tp), np.int64)
         offsets, end = [], 1
-        for li, sizes in enumerate(self.layout.group_sizes):
-            counts = self.grid[:, li, np.asarray(self.layout.perms[li])]  # [B, H] layout order
+        for li, perm in enumerate(self.layout.perms):
+            counts = self.grid[:, li, np.asarray(perm)]  # [B, H] layout order
             off = np.zeros((B, H), np.int64)
-            o = 0
-            for size in sizes:
-                m = size // tp
-                heads = [s * n_local + o + i for s in range(tp) for i in range(m)]
+            for heads in self.layout.slots(li):
                 cap = int(counts[:, heads].max())
                 for h in heads:
                     off[:, h] = cursor[:, h // n_local]
                     cursor[:, h // n_local] += counts[:, h]
                     end = max(end, int(off[:, h].max()) + cap)
-                o += m
             offsets.append(off)
         return offsets, end
 
@@ -352,18 +349,14 @@ class HeteroPrefill(PrefillPlan):
             scores = self.compile_fn(_window_scores, *args, cfg=cfg, window=window)(*args)
         counts = self.grid[:, li, np.asarray(self.layout.perms[li])]  # [B, H] layout order; full heads: L
         B, H, T, _ = k_buf.shape
-        n_local = H // tp
         groups = []
-        for gi, size in enumerate(self.layout.group_sizes[li]):
-            m = size // tp
-            o = sum(self.layout.group_sizes[li][:gi]) // tp
-            heads = [s * n_local + o + i for s in range(tp) for i in range(m)]
+        for (o, m), heads in zip(group_spans_of(self.layout.group_sizes[li], tp), self.layout.slots(li)):
             kg, vg = take_heads(k_buf, o, m, tp), take_heads(v_buf, o, m, tp)
             if all(h in r.full_slots for h in heads):
                 group = full_group(kg[:, :, :t_max], vg[:, :, :t_max], lens)
             else:
                 c = counts[:, heads]
-                positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, size, T))
+                positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, len(heads), T))
                 group, _ = select_group(take_heads(scores, o, m, tp), kg, vg, positions,
                                         jnp.asarray(c, jnp.int32), int(c.max()), self.compile_fn)
             if self.pool is None:

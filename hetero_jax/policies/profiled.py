@@ -123,7 +123,6 @@ class ProfiledPolicy(Policy):
         """Per layer: the full and compressed heads' layout slots, pivots and satellites among them, each
         pivot's satellites, and where each slot lives in the layer's cache groups."""
         layout = self.layout(cfg)
-        n_local = cfg.num_kv_heads // layout.tp
         out = []
         for l in range(cfg.num_layers):
             r = self.roles_in_layout(l)
@@ -132,12 +131,7 @@ class ProfiledPolicy(Policy):
             slot_of = {int(h): i for i, h in enumerate(layout.perms[l])}
             sat_pos = {h: comp.index(h) for h in r["satellite"]}
             members = {full.index(int(p)): [sat_pos[int(s)] for s in sats] for p, sats in self.profile.clusters[l]}
-            loc, o = {}, 0
-            for gi, size in enumerate(layout.group_sizes[l]):
-                m = size // layout.tp
-                for i in range(size):
-                    loc[(i // m) * n_local + o + i % m] = (gi, i)
-                o += m
+            loc = {slot: (gi, i) for gi, slots in enumerate(layout.slots(l)) for i, slot in enumerate(slots)}
             out.append(LayerRoles(len(full), list(range(len(r["pivot"]))), [sat_pos[h] for h in r["satellite"]],
                                   members, [slot_of[h] for h in full], [slot_of[h] for h in comp], loc))
         return out
