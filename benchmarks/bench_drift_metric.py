@@ -24,7 +24,6 @@ reports the distribution of median_t(o) and median_t(o') per setting:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 
@@ -56,50 +55,26 @@ def _overlaps_fn():
 
 
 class Recorder:
-    """Stands in for ``heterocache._drift_layer`` under ``compiled``: records o_t of every check, then runs it."""
+    """A HeteroCache decode state's check observer: records o_t of every pivot check (see ``check_observers``)."""
 
-    def __init__(self, original):
-        self.original, self.overlaps = original, _overlaps_fn()
-        self.label, self.rows = "", []
+    def __init__(self):
+        self.overlaps, self.label, self.rows = _overlaps_fn(), "", []
 
-    def lower(self, *args, **static):
-        rec = self
+    def __call__(self, layer, q_buf, keys, k_base, lengths, l_base: int) -> None:
+        import numpy as np
 
-        class _Lowered:
-            def compile(self):
-                def run(*a):
-                    import numpy as np
-
-                    o = np.asarray(rec.overlaps(*a, l_base=static["l_base"]))  # [B, Np, W]
-                    lengths = np.asarray(a[3])  # [B, Np]
-                    for b, p in np.ndindex(lengths.shape):
-                        rec.rows.append({"label": rec.label, "o": o[b, p].tolist(), "L": int(lengths[b, p]),
-                                         "l_base": int(static["l_base"])})
-                    return rec.original(*a, **static)
-
-                return run
-
-        return _Lowered()
-
-
-@contextlib.contextmanager
-def recording():
-    from hetero_jax.policies import heterocache
-
-    rec = Recorder(heterocache._drift_layer)
-    heterocache._drift_layer = rec
-    try:
-        yield rec
-    finally:
-        heterocache._drift_layer = rec.original
+        o = np.asarray(self.overlaps(q_buf, keys, k_base, lengths, l_base=l_base))  # [B, Np, W]
+        lengths = np.asarray(lengths)  # [B, Np]
+        for b, p in np.ndindex(lengths.shape):
+            self.rows.append({"label": self.label, "o": o[b, p].tolist(), "L": int(lengths[b, p]), "l_base": l_base})
 
 
 def run(args) -> dict:
     import bench_multiturn as mt
 
     import hetero_jax
-    from hetero_jax.generate import Session
     from hetero_jax.policies import HeteroCache
+    from hetero_jax.runtime import Engine, Session, tail_capacity_for
 
     model = hetero_jax.load(mt.MODEL, progress=False)
     facts = mt.make_facts(args.seed, 3)
@@ -108,15 +83,21 @@ def run(args) -> dict:
         ctx = mt.build_context(model.tokenizer, n_tokens, facts, mt.fact_depths(3), args.seed)
         for rho in args.budgets:
             policy = HeteroCache(budget=rho, tau_drift=-1.0)  # never fires: K_base stays the prefill's
-            with recording() as rec:
-                rec.label = "continue"
-                hetero_jax.generate(model, ctx.text, policy, chat=False, max_new_tokens=args.continue_tokens)
-                sess = Session(model, ctx.text, policy)
-                # a turn's question is appended in chunks (no check runs there); every check of a turn
-                # is on its answer's steps
-                rec.label = "answer"
-                for f in facts:
-                    sess.ask(f.question, max_new_tokens=args.answer_tokens)
+            rec = Recorder()
+            rec.label = "continue"  # greedy continuation of the plain-text context
+            ids = model.tokenizer.encode_prompt(ctx.text, chat=False)
+            eng = Engine(model, [ids], policy, tail_capacity=tail_capacity_for(args.continue_tokens))
+            eng.state.check_observers.append(rec)
+            tok = eng.first_tokens(0.0, 1.0)
+            for _ in range(args.continue_tokens - 1):
+                tok, _ = eng.step(tok, 0.0, 1.0)
+            sess = Session(model, ctx.text, policy)
+            sess.engine.state.check_observers.append(rec)
+            # a turn's question is appended in chunks (no check runs there); every check of a turn
+            # is on its answer's steps
+            rec.label = "answer"
+            for f in facts:
+                sess.ask(f.question, max_new_tokens=args.answer_tokens)
             for r in rec.rows:
                 r.update(n_tokens=n_tokens, rho=rho)
             rows += rec.rows

@@ -95,7 +95,7 @@ def time_per_token(engine, turn: list[int], repeats: int) -> float:
 
 def run(args) -> dict:
     import hetero_jax
-    from hetero_jax.generate import Engine
+    from hetero_jax.runtime import Engine
     from hetero_jax.policies import make_policy
 
     t_start = time.perf_counter()

@@ -43,7 +43,6 @@ SnapKV and HeteroCache at rho 0.3 and 0.5) is the small configuration that
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from pathlib import Path
@@ -151,7 +150,7 @@ def check_budgets(model, combos, prompt_len: int):
     """Split combos into (runnable [(name, rho, policy)], refused [{label, reason}]) for this prompt length."""
     from hetero_jax.policies import BudgetError, make_policy
 
-    G = importlib.import_module("hetero_jax.generate")
+    from hetero_jax import runtime as G
     ok, refused = [], []
     for name, rho in combos:
         pol = make_policy(name, None if name == "full" else rho)
@@ -171,11 +170,11 @@ def run_sample(model, doc: list[int], prompt_tokens: int, combos_ok, bar=None) -
 
     import bench_policies  # benchmarks/bench_policies.py: the shared prefill
 
-    G = importlib.import_module("hetero_jax.generate")
+    from hetero_jax import runtime as G
     n_steps = len(doc) - prompt_tokens - 1
     prompt, forced, targets = doc[:prompt_tokens], doc[prompt_tokens:-1], doc[prompt_tokens + 1:]
     assert len(forced) == len(targets) == n_steps
-    tail_capacity = G._round_up(n_steps + 1, G.TAIL_QUANTUM)
+    tail_capacity = G.tail_capacity_for(n_steps + 1)
     t0 = time.perf_counter()
     engines, _ = bench_policies.make_engines(model, prompt, [p for _, _, p in combos_ok], tail_capacity, bar)
     prefill_s = time.perf_counter() - t0

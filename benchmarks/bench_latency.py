@@ -43,7 +43,7 @@ Weights: the real SmolLM2-135M (float32) for ``--real-lengths`` (default
 the first N tokens of the pydoc corpus of ``benchmarks/haystack.py``, raw
 text). ``--synthetic-lengths`` (default 16K, 32K) are beyond that context:
 they use **synthetic** random weights with SmolLM2's exact shapes
-(``hetero_jax.spec.init_params``, ``max_position_embeddings`` raised) and
+(``hetero_jax.model.spec.init_params``, ``max_position_embeddings`` raised) and
 random token ids, labelled "synthetic" in the JSON, table and plot; there
 HeteroCache uses the shipped SmolLM2 profile's roles with its weights
 fingerprint removed (roles calibrated on the real weights, applied to random
@@ -82,7 +82,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib
 import math
 import os
 import statistics
@@ -215,7 +214,7 @@ SYNTHETIC_DEFAULT_DTYPE = {MODEL: "float32", "llama-3.1-8b": "bfloat16"}
 
 def synthetic_config(real_cfg, shape: str, max_positions: int):
     """ModelConfig of a synthetic shape with ``max_position_embeddings`` raised to ``max_positions``."""
-    from hetero_jax.config import ModelConfig
+    from hetero_jax.model.config import ModelConfig
 
     cfg = real_cfg if SYNTHETIC_SHAPES[shape] is None else ModelConfig.from_hf_dict(SYNTHETIC_SHAPES[shape])
     return dataclasses.replace(cfg, max_position_embeddings=max(max_positions, cfg.max_position_embeddings))
@@ -230,8 +229,8 @@ def synthetic_model(real_model, max_positions: int, seed: int, shape: str = MODE
     import jax
     import jax.numpy as jnp
 
-    from hetero_jax import spec
-    from hetero_jax.hub import Model
+    from hetero_jax.model import spec
+    from hetero_jax.io.hub import Model
 
     cfg = synthetic_config(real_model.config, shape, max_positions)
     dt = jnp.dtype(dtype)
@@ -308,13 +307,13 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
     """TTFT rounds, then interleaved decode, for every policy on one prompt. One dict per combo."""
     import gc
 
-    G = importlib.import_module("hetero_jax.generate")  # the module (the package exports the function)
-    from hetero_jax import layout as LY
+    from hetero_jax import runtime as G
+    from hetero_jax.model import layout as LY
 
     cfg = model.config
     n = len(combos)
     steps_total = args.warmup_steps + args.decode_steps
-    tail_capacity = G._round_up(steps_total + 1, G.TAIL_QUANTUM)
+    tail_capacity = G.tail_capacity_for(steps_total + 1)
     bound = [G.bind_policy(model, p) for p in policies]
     for p in bound:  # budget errors before any compute; HeteroCache's permuted weights made before timing
         p.make_prefill(cfg, [len(ids)])
@@ -337,12 +336,12 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
             status(f"prefill round {rnd + 1}/{rounds}, {combo_label(*combos[i])}")
             engines[i] = None  # free the previous round's cache first
             gc.collect()
-            c0 = G._COMPILE_TIME[0]
+            c0 = G.compile_seconds()
             e = G.Engine(model, [ids], bound[i], tail_capacity=tail_capacity)
             t0 = time.perf_counter()
             e.first_tokens(0.0, 1.0)
             first_s = time.perf_counter() - t0
-            compile_s[i] += G._COMPILE_TIME[0] - c0
+            compile_s[i] += G.compile_seconds() - c0
             (ttft if rnd >= args.ttft_warmup else ttft_warm)[i].append(e.prefill_seconds + first_s)
             prefill_s[i].append(e.prefill_seconds)
             engines[i] = e
@@ -356,7 +355,7 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
     times: list[list[float]] = [[] for _ in range(n)]
     recall_at_timing = [None] * n
     done = [0] * n
-    c1 = G._COMPILE_TIME[0]
+    c1 = G.compile_seconds()
     rnd = 0
     while min(done) < steps_total:
         for j in range(n):
@@ -374,7 +373,7 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
                 times[i][-1] += waited
         rnd += 1
         status(f"decode step {min(done)}/{steps_total} x {n} policies")
-    decode_compile = G._COMPILE_TIME[0] - c1
+    decode_compile = G.compile_seconds() - c1
     final = [common.engine_kv_stats(e) for e in engines]
     del engines
     gc.collect()

@@ -8,7 +8,7 @@ Two parts:
    at a budget rho and prompt length L (Eq. 7-8). For tp in 2/4/8 the table shows the bytes the largest
    shard keeps, max/mean, and what an SPMD cache (per-layer head groups split evenly over the shards)
    allocates per device, for the contiguous split of the checkpoint order, of the role-grouped layout, and
-   for ``hetero_jax.placement.balanced_placement``.
+   for ``hetero_jax.policies.placement.balanced_placement``.
 2. **A sharded run on simulated CPU devices** (SmolLM2-135M, 3 KV heads): tp in {1, 3} x dp in {1, 2},
    full KV / SnapKV / HeteroCache, a batch of two prompts: per-device device and host bytes measured from
    the arrays' shards, and the decode step time. A correctness and scaling-shape run: 6 "devices" share
@@ -46,7 +46,7 @@ GPU_COMMAND = ("python benchmarks/bench_mesh.py --model <converted Llama-3.1-8B 
 
 
 def placement_rows(rhos, lengths, tps, itemsize: int = 2) -> list[dict]:
-    from hetero_jax.placement import placement_report
+    from hetero_jax.policies.placement import placement_report
     from hetero_jax.profile.format import load_profile
 
     rows = []
@@ -75,9 +75,9 @@ def sharded_runs(model_name: str, meshes, policies, prompt_tokens: int, steps: i
     import numpy as np
 
     import hetero_jax
-    from hetero_jax.generate import Engine
+    from hetero_jax.runtime import Engine
     from hetero_jax.policies import make_policy
-    from hetero_jax.sharding import imbalance, make_mesh
+    from hetero_jax.model.sharding import imbalance, make_mesh
 
     base = hetero_jax.load(model_name, progress=False)
     tok = base.tokenizer

@@ -55,7 +55,7 @@ import bench_needle  # noqa: E402  (benchmarks/bench_needle.py: answer matching,
 import common  # noqa: E402  (benchmarks/common.py)
 import haystack  # noqa: E402  (benchmarks/haystack.py)
 from bench_needle import (  # noqa: E402
-    _frac, answer_correct, combo_label, config_haystacks, haystacks_of, make_combos, record_haystack,
+    answer_correct, combo_label, config_haystacks, haystacks_of, make_combos, record_haystack,
 )
 
 SECTION = "multiturn"
@@ -140,7 +140,7 @@ def estimate_minutes(preset: dict) -> float:
     n_het = sum(name == "heterocache" for name, _ in combos)
     n_base = len(combos) - n_het
     n = len(preset["seeds"]) * len(preset["haystacks"])
-    cpu = bench_needle._LOAD_S
+    cpu = bench_needle.LOAD_S
     for L in preset["lengths"]:
         per_ctx = bench_needle.interp_cost(_CONTEXT_CPU_S, L) + 8.0 * (n_base - 3) + 25.0 * (n_het - 2)
         cpu += n * max(per_ctx, 10.0) + _FIRST_COMPILE_CPU_S + _MORE_COMPILE_CPU_S * (n - 1)
@@ -250,7 +250,7 @@ def build_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[floa
     """
     if len(facts) != len(depths):
         raise ValueError(f"{len(facts)} facts but {len(depths)} depths")
-    suffix = haystack._suffix_len(tokenizer, True)
+    suffix = haystack.suffix_len(tokenizer, True)
     p = haystack.build_needle_prompt(tokenizer, n_tokens + suffix, list(zip(depths, [f.sentence for f in facts])),
                                      None, "", seed=seed, haystack=haystack_name)
     ids, tail = session_context_ids(tokenizer, p.text)
@@ -262,7 +262,7 @@ def build_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[floa
 
 # ------------------------------------------------- sessions around engines
 def _session_cls():
-    from hetero_jax.generate import Session
+    from hetero_jax.runtime import Session
 
     return Session
 
@@ -395,15 +395,13 @@ def hetero_vs_snapkv(records: list[dict], budgets) -> list[dict]:
 
 # ------------------------------------------------------------------- run
 def run(args) -> dict:
-    import importlib
-
     import jax
     from tqdm import tqdm
 
     import hetero_jax
     from hetero_jax.policies import make_policy
 
-    G = importlib.import_module("hetero_jax.generate")
+    from hetero_jax import runtime as G
     if not args.no_compile_cache:
         from hetero_jax.cli import enable_compilation_cache
 
@@ -449,7 +447,7 @@ def run(args) -> dict:
         turns_room = model.config.max_position_embeddings - len(ctx.ids)
         t_c = time.perf_counter()
         cpu_t_c = time.process_time()
-        c0 = G._COMPILE_TIME[0]
+        c0 = G.compile_seconds()
         bar.set_description(f"{hay}, {L} tok, seed {seed}")
         if args.prefill == "shared":
             engines, info = bench_needle.build_engines(model, ctx.ids, policies, ctx.tail_capacity, bar=bar)
@@ -496,7 +494,7 @@ def run(args) -> dict:
             "fact_token_starts": ctx.fact_token_starts, "actual_depths": ctx.actual_depths,
             "prefill_wall_seconds": prefill_s, "seconds": time.perf_counter() - t_c,
             "process_seconds": time.process_time() - cpu_t_c,
-            "compile_seconds": G._COMPILE_TIME[0] - c0,
+            "compile_seconds": G.compile_seconds() - c0,
         })
     bar.close()
     payload["summary"] = summarize(records, combos, args.lengths, args.n_facts)
@@ -527,7 +525,7 @@ def results_table(payload: dict) -> str:
             common.fmt_num(s["length"]), s["policy"], "—" if s["policy"] == "full" else f"{s['rho']:g}",
             common.fmt_num(s["achieved_rho"], 3),
             *[f"{c}/{n}" for c, n in zip(s["turn_correct"], s["turn_total"])],
-            *[_frac(*s.get("per_haystack", {}).get(h, (0, 0))) for h in per_hay],
+            *[common.fraction_text(*s.get("per_haystack", {}).get(h, (0, 0))) for h in per_hay],
             f"{s['recalled']}/{s['facts']}", "(reference)" if w is None else ("yes" if w["met"] else "no"),
             common.fmt_num(s["drift_checks"]) if hetero else "—",
             f"{100 * s['trigger_rate']:.0f} %" if s["trigger_rate"] is not None else "—",
@@ -548,7 +546,7 @@ def totals_table(payload: dict) -> str:
             continue
         per = [[sum(s.get("per_haystack", {}).get(h, (0, 0))[i] for s in rs) for i in (0, 1)] for h in hays]
         rec, tot = sum(s["recalled"] for s in rs), sum(s["facts"] for s in rs)
-        rows.append([label, *[_frac(*p) for p in per], f"{_frac(rec, tot)} ({100 * rec / tot:.0f} %)"])
+        rows.append([label, *[common.fraction_text(*p) for p in per], f"{common.fraction_text(rec, tot)} ({100 * rec / tot:.0f} %)"])
     return common.markdown_table(["policy", *hays, "total"], rows, align="l" + "r" * (len(hays) + 1))
 
 

@@ -149,7 +149,7 @@ PRESETS = {
 _PROMPT_CPU_S = {1000: 6.2, 2000: 10.0, 4000: 19.4, 7000: 42.0}
 _COMPILE_CPU_S = 40.0
 _SCORING_POLICIES = ("h2o", "cake", "pyramidkv")
-_LOAD_S = 10.0
+LOAD_S = 10.0
 IDLE_CORES = 1.3
 
 
@@ -166,7 +166,7 @@ def estimate_minutes(preset: dict) -> float:
     combos = make_combos(preset["policies"], preset["budgets"])
     extra = combos[3:] if len(combos) > 3 else []
     n = len(preset["depths"]) * len(preset["seeds"]) * len(preset["haystacks"])
-    cpu = _LOAD_S + _COMPILE_CPU_S * len(preset["lengths"])
+    cpu = LOAD_S + _COMPILE_CPU_S * len(preset["lengths"])
     for L in preset["lengths"]:
         per_prompt = interp_cost(_PROMPT_CPU_S, L)
         per_prompt += sum(4.2e-3 * L if name in _SCORING_POLICIES else 1.5 for name, _ in extra)
@@ -336,7 +336,7 @@ def _bench_policies():
 class OneForwardPrefill:
     """One layer-major prefill feeding every policy's ``build_layer`` hook, whatever its head layout.
 
-    ``hetero_jax.model.prefill`` (run with the identity-layout params) calls
+    ``hetero_jax.model.transformer.prefill`` (run with the identity-layout params) calls
     ``build_layer(li, layer, x_in, k_buf, v_buf, lens)`` once per layer; a
     policy with a head layout gets ``layer`` from its permuted params and the
     KV heads of ``k_buf``/``v_buf`` in its layout order (a permuted model
@@ -389,7 +389,7 @@ def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefil
     ``"per-layout"`` (one per head layout: ``bench_policies.make_engines``) or
     ``"separate"`` (``Engine`` per policy). Returns (engines, info per policy).
     """
-    G = importlib.import_module("hetero_jax.generate")
+    from hetero_jax import runtime as G
     if prefill == "separate":
         engines, info = [], []
         for p in policies:
@@ -408,7 +408,7 @@ def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefil
     import jax
     import numpy as np
 
-    from hetero_jax import layout as LY
+    from hetero_jax.model import layout as LY
 
     cfg = model.config
     bound = [G.bind_policy(model, p) for p in policies]
@@ -420,7 +420,7 @@ def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefil
         if bar is not None:
             bar.set_postfix_str(f"prefill ({len(bound)} policies, one forward pass): layer {li + 1}/{cfg.num_layers}")
 
-    c0 = G._COMPILE_TIME[0]
+    c0 = G.compile_seconds()
     t0 = time.perf_counter()
     shared = OneForwardPrefill([None] * len(bound), perms,
                                [p["layers"] for p in params], G.compiled, on_layer)
@@ -440,7 +440,7 @@ def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefil
                                                prefill_seconds=wall - hooks + shared.hook_seconds[i]))
         info.append({"prefill": "shared", "layout": "identity" if layouts[i] is None else "permuted",
                      "prefill_forward_seconds": wall - hooks, "policy_prefill_seconds": shared.hook_seconds[i],
-                     "prefill_group_wall_seconds": wall, "prefill_group_compile_seconds": G._COMPILE_TIME[0] - c0})
+                     "prefill_group_wall_seconds": wall, "prefill_group_compile_seconds": G.compile_seconds() - c0})
     return engines, info
 
 
@@ -468,7 +468,7 @@ def run(args) -> dict:
     import hetero_jax
     from hetero_jax.policies import make_policy
 
-    G = importlib.import_module("hetero_jax.generate")
+    from hetero_jax import runtime as G
     if not args.no_compile_cache:
         from hetero_jax.cli import enable_compilation_cache
 
@@ -496,7 +496,7 @@ def run(args) -> dict:
             raise SystemExit(f"prompt {L} + {args.max_new_tokens} new tokens exceeds the model's context of "
                              f"{cfg.max_position_embeddings} tokens")
     eos = set(model.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
-    tail_capacity = G._round_up(args.max_new_tokens, G.TAIL_QUANTUM)
+    tail_capacity = G.tail_capacity_for(args.max_new_tokens)
 
     config = {
         "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
@@ -524,7 +524,7 @@ def run(args) -> dict:
                                          seed=seed, instruction=args.instruction, haystack=hay)
         t_p = time.perf_counter()
         cpu_t_p = time.process_time()
-        c0 = G._COMPILE_TIME[0]
+        c0 = G.compile_seconds()
         active = [i for i, lab in enumerate(labels) if str(L) not in skipped.get(lab, {})]
         engines, info = build_engines(model, p.ids, [policies[i] for i in active], tail_capacity,
                                       prefill=args.prefill, bar=bar, share_scores=not args.no_share_scores)
@@ -552,7 +552,7 @@ def run(args) -> dict:
             "actual_depth": p.actual_depths[0], "skipped_chars": p.skipped_chars,
             "prefill_wall_seconds": prefill_s, "seconds": time.perf_counter() - t_p,
             "process_seconds": time.process_time() - cpu_t_p,
-            "compile_seconds": G._COMPILE_TIME[0] - c0,
+            "compile_seconds": G.compile_seconds() - c0,
         })
         tqdm.write(f"[{hay} {L} tok d={d:g} seed {seed} answer {needle.answer}] prefill {prefill_s:.0f} s | full: "
                    f"{row[0]['text']!r} | " + " ".join(f"{r['label']}={'Y' if r['correct'] else 'n'}" for r in row))
@@ -588,10 +588,6 @@ def check_against_generate(model, ids, combos, policies, row, max_new) -> dict:
 
 
 # ------------------------------------------------------------------ report
-def _frac(n: int, total: int) -> str:
-    return f"{n}/{total}" if total else "—"
-
-
 def config_haystacks(cfg: dict) -> list[str]:
     """The haystacks of a run's config (["pydoc"] for runs from before haystacks were configurable)."""
     return list(cfg.get("haystacks") or [haystack.DEFAULT_HAYSTACK])
@@ -625,10 +621,10 @@ def results_table(payload: dict) -> str:
             verdict = f"{vs['below']} cell(s) below, {vs['above']} above"
         rows.append([s["policy"], "—" if s["policy"] == "full" else f"{s['rho']:g}",
                      common.fmt_num(s["achieved_rho"], 3),
-                     *[_frac(*s["per_length"][str(L)]) for L in cfg["lengths"]],
-                     *[_frac(*s.get("per_haystack", {}).get(h, (0, 0))) for h in per_hay],
-                     f"{_frac(s['correct'], s['total'])} ({100 * s['accuracy']:.0f} %)",
-                     _frac(vs["equal"], vs["cells"]), verdict])
+                     *[common.fraction_text(*s["per_length"][str(L)]) for L in cfg["lengths"]],
+                     *[common.fraction_text(*s.get("per_haystack", {}).get(h, (0, 0))) for h in per_hay],
+                     f"{common.fraction_text(s['correct'], s['total'])} ({100 * s['accuracy']:.0f} %)",
+                     common.fraction_text(vs["equal"], vs["cells"]), verdict])
     return common.markdown_table(headers, rows, align="llr" + "r" * (len(cfg["lengths"]) + len(per_hay)) + "rrl")
 
 

@@ -56,7 +56,6 @@ beside it, a markdown table on stdout, and with ``--write-results`` the
 from __future__ import annotations
 
 import argparse
-import importlib
 import dataclasses
 import statistics
 import sys
@@ -100,7 +99,7 @@ def combo_label(name: str, rho: float) -> str:
 class SharedPrefill:
     """One layer-major prefill feeding several policies' ``build_layer`` hooks.
 
-    ``hetero_jax.model.prefill`` calls ``build_layer(li, layer, x_in, k_buf,
+    ``hetero_jax.model.transformer.prefill`` calls ``build_layer(li, layer, x_in, k_buf,
     v_buf, lens)`` once per layer with that layer's full prompt KV; here every
     plan's hook sees the same arguments (full KV keeps the whole prompt, as
     ``prefill`` does without a hook). The policies must share one head layout
@@ -111,7 +110,7 @@ class SharedPrefill:
     def __init__(self, plans, compile_fn, on_layer=None):
         import jax
 
-        from hetero_jax import model as M
+        from hetero_jax.model import transformer as M
 
         self._jax, self._M = jax, M
         self.plans, self.compile_fn = list(plans), compile_fn
@@ -128,7 +127,7 @@ class SharedPrefill:
         H2O(0.5) are one computation; it runs once and is reused.
         """
         from hetero_jax.policies import CAKE, H2O, PyramidKV, SnapKV, StreamingLLM
-        from hetero_jax.policies.runtime import layer_scores
+        from hetero_jax.policies.selection import layer_scores
 
         shareable = (StreamingLLM, SnapKV, PyramidKV, H2O, CAKE)
 
@@ -181,13 +180,13 @@ class SharedPrefill:
             if i == 0:
                 cache = base_cache
             else:  # own buffers everywhere: the decode step donates every cache leaf
-                layers = tuple(lc.replace(groups=g, tail_k=M._zeros(lc.tail_k.shape, lc.tail_k.dtype),
-                                          tail_v=M._zeros(lc.tail_v.shape, lc.tail_v.dtype))
+                layers = tuple(lc.replace(groups=g, tail_k=M.fresh_zeros(lc.tail_k.shape, lc.tail_k.dtype),
+                                          tail_v=M.fresh_zeros(lc.tail_v.shape, lc.tail_v.dtype))
                                for lc, g in zip(base_cache.layers, groups))
                 cache = base_cache.replace(
                     layers=layers, seq_lens=jnp.array(base_cache.seq_lens),
                     prompt_lens=jnp.array(base_cache.prompt_lens),
-                    tail_lens=M._zeros(base_cache.tail_lens.shape, base_cache.tail_lens.dtype),
+                    tail_lens=M.fresh_zeros(base_cache.tail_lens.shape, base_cache.tail_lens.dtype),
                     tail_positions=jnp.full(base_cache.tail_positions.shape, -1, jnp.int32))
             t0 = time.perf_counter()
             cache, state = plan.finish(cache)
@@ -211,9 +210,9 @@ def make_engines(model, ids: list[int], policies, tail_capacity: int, bar=None, 
     """
     import jax
 
-    from hetero_jax import layout as LY
+    from hetero_jax.model import layout as LY
 
-    G = importlib.import_module("hetero_jax.generate")  # the module (the package exports the function)
+    from hetero_jax import runtime as G
     cfg = model.config
     bound = [G.bind_policy(model, p) for p in policies]
     groups: dict = {}
@@ -221,7 +220,7 @@ def make_engines(model, ids: list[int], policies, tail_capacity: int, bar=None, 
         groups.setdefault(_layout_key(p.layout(cfg)), []).append(i)
     engines, info = [None] * len(bound), [None] * len(bound)
     for key, idx in groups.items():
-        c0 = G._COMPILE_TIME[0]
+        c0 = G.compile_seconds()
         t0 = time.perf_counter()
         params = LY.params_for(model, key)
         def on_layer(li, what=f"prefill ({'identity' if key is None else 'permuted'} layout, {len(idx)} policies)"):
@@ -236,7 +235,7 @@ def make_engines(model, ids: list[int], policies, tail_capacity: int, bar=None, 
         caches = shared.caches(base)
         jax.block_until_ready(logits)
         wall = time.perf_counter() - t0
-        compile_s = G._COMPILE_TIME[0] - c0
+        compile_s = G.compile_seconds() - c0
         hooks = sum(shared.hook_seconds)
         forward = wall - hooks
         for j, i in enumerate(idx):
@@ -260,20 +259,20 @@ def run_prompt(model, ids: list[int], combos, policies, *, max_new: int, warmup:
     ``timed``: decode ``warmup + steps`` steps per engine and time the last ``steps``; otherwise stop each
     engine when its answer is complete (EOS or ``max_new`` tokens).
     """
-    G = importlib.import_module("hetero_jax.generate")
+    from hetero_jax import runtime as G
     cfg = model.config
     eos = set(model.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
     # tokens generated per cache (the first comes from prefill); the tail is sized as for a timed prompt
     # either way, so every prompt of a length shares the compiled decode steps
     total_timed = max(max_new, warmup + steps + 1)
     total = total_timed if timed else max_new
-    tail_capacity = G._round_up(max(total_timed, 1), G.TAIL_QUANTUM)
+    tail_capacity = G.tail_capacity_for(max(total_timed, 1))
 
-    c0 = G._COMPILE_TIME[0]
+    c0 = G.compile_seconds()
     t0 = time.perf_counter()
     engines, info = make_engines(model, ids, policies, tail_capacity, bar, share_scores)
     prefill_wall = time.perf_counter() - t0
-    prefill_compile = G._COMPILE_TIME[0] - c0
+    prefill_compile = G.compile_seconds() - c0
     after_prefill = [common.engine_kv_stats(e) for e in engines]
 
     n = len(combos)
@@ -297,7 +296,7 @@ def run_prompt(model, ids: list[int], combos, policies, *, max_new: int, warmup:
     for i in range(n):
         accept(i, toks[i])
     times: list[list[float]] = [[] for _ in range(n)]
-    c1 = G._COMPILE_TIME[0]
+    c1 = G.compile_seconds()
     for step in range(total - 1):
         if not timed and all(done):
             break
@@ -312,7 +311,7 @@ def run_prompt(model, ids: list[int], combos, policies, *, max_new: int, warmup:
             accept(i, toks[i])
         if bar is not None:
             bar.set_postfix_str(f"decode step {step + 1}/{total - 1} x {n} policies")
-    decode_compile = G._COMPILE_TIME[0] - c1
+    decode_compile = G.compile_seconds() - c1
     final = [common.engine_kv_stats(e) for e in engines]
     engines.clear()  # free the caches now (the list, not the name: accept() above closes over it)
     if bar is not None:
@@ -340,9 +339,9 @@ def run_prompt(model, ids: list[int], combos, policies, *, max_new: int, warmup:
 def check_against_generate(model, ids, combos, policies, results, max_new, tail_capacity) -> list[str]:
     """Re-run ``generate`` per policy; return the mismatches (empty when everything agrees)."""
     import hetero_jax
-    G = importlib.import_module("hetero_jax.generate")  # the module (the package exports the function)
+    from hetero_jax import runtime as G
 
-    same_tail = G._round_up(max_new, G.TAIL_QUANTUM) == tail_capacity  # else the tails differ by design
+    same_tail = G.tail_capacity_for(max_new) == tail_capacity  # else the tails differ by design
     problems = []
     for (name, rho), pol, r in zip(combos, policies, results):
         g = hetero_jax.generate(model, ids, pol, max_new_tokens=max_new, temperature=0.0)

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from hetero_jax.profile.calibrate import calibrate_tokens, calibration_windows, pydoc_text
     from hetero_jax.profile.format import shipped_profile_path
 
-    gen_mod = sys.modules["hetero_jax.generate"]
+    from hetero_jax.runtime import compile_seconds
     path = shipped_profile_path(args.model)
     if path is None:
         ap.error(f"no shipped profile for {args.model!r}")
@@ -69,13 +69,13 @@ def main(argv=None) -> int:
     model = hetero_jax.load(args.model, progress=not args.no_progress)
     load_s = time.perf_counter() - t0
     windows = calibration_windows(model.tokenizer, pydoc_text(), s.tokens_per_sample, s.samples, seed=s.seed)
-    compile0 = gen_mod._COMPILE_TIME[0]
+    compile0 = compile_seconds()
     t1 = time.perf_counter()
     prof = calibrate_tokens(model.config, model.params, windows, top_k=s.top_k, decode_steps=s.decode_steps,
                             tau_stable=s.tau_stable, tau_sim=s.tau_sim, seed=s.seed, tokens=s.tokens_per_sample,
                             progress=not args.no_progress, model_name=model.name, batch_size=batch)
     calib_s = time.perf_counter() - t1
-    compile_s = gen_mod._COMPILE_TIME[0] - compile0
+    compile_s = compile_seconds() - compile0
     rss = _peak_rss_mib()
     reproduces = bool(np.array_equal(prof.roles, shipped.roles) and prof.clusters == shipped.clusters)
 

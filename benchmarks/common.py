@@ -261,6 +261,11 @@ def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
 
 
 # ----------------------------------------------------------------- markdown
+def fraction_text(n: int, total: int) -> str:
+    """A count out of a sample size for tables: "n/total", '—' when nothing was run."""
+    return f"{n}/{total}" if total else "—"
+
+
 def fmt_num(x: Any, digits: int = 1) -> str:
     """Numbers for tables: thousands separators, fixed decimals, '—' for missing/NaN."""
     if x is None or (isinstance(x, float) and not math.isfinite(x)):

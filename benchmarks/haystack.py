@@ -412,7 +412,7 @@ def compose_fixed(instruction: str | None, needles, question: str | None) -> str
 
 def _token_index(tokenizer, text: str, ids: list[int], char_start: int, chat: bool) -> int:
     """Index in ``ids`` of the token where ``text[char_start:]`` begins (prefix-token count)."""
-    return len(ids) - len(tokenizer.encode(text[char_start:], add_special_tokens=False)) - _suffix_len(tokenizer, chat)
+    return len(ids) - len(tokenizer.encode(text[char_start:], add_special_tokens=False)) - suffix_len(tokenizer, chat)
 
 
 @functools.lru_cache(maxsize=8)
@@ -424,7 +424,7 @@ def _suffix_tokens(tokenizer, chat: bool) -> int:
     return len(tokenizer.encode(rendered.split(marker, 1)[1], add_special_tokens=False))
 
 
-def _suffix_len(tokenizer, chat: bool) -> int:
+def suffix_len(tokenizer, chat: bool) -> int:
     try:
         return _suffix_tokens(tokenizer, chat)
     except TypeError:  # unhashable tokenizer

@@ -38,12 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give HF_DIR OUT_DIR (or --gguf FILE OUT_DIR)")
     try:
         if args.gguf is not None:
-            from convert.gguf_import import convert_gguf
+            from hetero_jax.io.gguf import convert_gguf
 
             res = convert_gguf(args.gguf, args.paths[0], dtype=args.dtype, force=args.force,
                                progress=not args.no_progress)
         else:
-            from convert.hf import convert_hf
+            from hetero_jax.io.hf import convert_hf
 
             res = convert_hf(args.paths[0], args.paths[1], dtype=args.dtype, force=args.force,
                              progress=not args.no_progress)

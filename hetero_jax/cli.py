@@ -75,9 +75,9 @@ def read_text_file(path: str, flag: str, what: str) -> str:
 
 def _check_generate_args(args) -> list[str] | None:
     """The decoding flags, checked before the model is loaded; returns the questions of --turns (or None)."""
-    from hetero_jax.generate import _check_request
+    from hetero_jax.runtime.prompts import check_request
 
-    _check_request(args.max_new_tokens, args.temperature, args.top_p, seed=args.seed, stop=args.stop)
+    check_request(args.max_new_tokens, args.temperature, args.top_p, seed=args.seed, stop=args.stop)
     if not args.turns:
         return None
     questions = [q.strip() for q in read_text_file(args.turns, "--turns", "turns file").splitlines() if q.strip()]
@@ -104,7 +104,7 @@ def enable_compilation_cache() -> None:
 
     import jax
 
-    from hetero_jax.hub import cache_dir
+    from hetero_jax.io.hub import cache_dir
 
     jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -152,7 +152,7 @@ def _cmd_generate(args) -> int:
     enable_compilation_cache()
     mesh = None
     if args.tp * args.dp > 1:
-        from hetero_jax.sharding import make_mesh
+        from hetero_jax.model.sharding import make_mesh
 
         mesh = make_mesh(args.tp, args.dp)
     model = hetero_jax.load(args.model, dtype=args.dtype, mesh=mesh)
@@ -180,7 +180,7 @@ def _cmd_generate(args) -> int:
 
 
 def _run_turns(args, model, context: str, policy, stream: bool, questions: list[str]) -> int:
-    from hetero_jax.generate import Session
+    from hetero_jax.runtime.session import Session
 
     sess = Session(model, context, policy, chat=not args.no_chat, seed=args.seed)
     for i, q in enumerate(questions, 1):
@@ -193,7 +193,7 @@ def _run_turns(args, model, context: str, policy, stream: bool, questions: list[
 
 
 def _cmd_models(args) -> int:
-    from hetero_jax.hub import KNOWN_MODELS, cache_dir
+    from hetero_jax.io.hub import KNOWN_MODELS, cache_dir
 
     for name, km in KNOWN_MODELS.items():
         print(f"{name:16s} {km.description}")

@@ -30,7 +30,7 @@ Dispatching entry points: :func:`decode_attention`, :func:`drift_check`
 
 from __future__ import annotations
 
-from pallas_kernels._util import (BACKENDS, ENV_VAR, MASK_VALUE,
+from pallas_kernels._util import (BACKENDS, ENV_VAR, MASK_VALUE, gpu_available,
                                   resolve_backend, use_kernels)
 from pallas_kernels.pooled_scores import (INVALID_SCORE, POOL_KERNEL_SIZE,
                                           drift_check, drift_check_reference,
@@ -44,7 +44,7 @@ from pallas_kernels.sparse_decode_attention import (
 
 __all__ = [
     "BACKENDS", "ENV_VAR", "MASK_VALUE", "INVALID_SCORE", "POOL_KERNEL_SIZE",
-    "use_kernels", "resolve_backend",
+    "use_kernels", "resolve_backend", "gpu_available",
     "decode_attention", "sparse_decode_attention",
     "sparse_decode_attention_reference", "merge_attention",
     "default_num_splits",

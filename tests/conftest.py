@@ -12,9 +12,9 @@ def smollm2_dir(tmp_path_factory) -> str:
     """Converted SmolLM2-135M checkpoint dir (converted once per session, or reused from $HETERO_JAX_CACHE).
 
     Leaves HETERO_JAX_CACHE pointing at that cache for the whole session so that
-    ``hetero_jax.hub.load("smollm2-135m")`` in any test reuses the same conversion.
+    ``hetero_jax.io.hub.load("smollm2-135m")`` in any test reuses the same conversion.
     """
-    from hetero_jax import hub
+    from hetero_jax.io import hub
 
     prev = os.environ.get("HETERO_JAX_CACHE")
     if not prev:
@@ -58,7 +58,7 @@ def hf_smollm2():
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from convert.gguf_import import smollm2_gguf_path
+    from hetero_jax.io.gguf import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     d, f = os.path.dirname(path), os.path.basename(path)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import hetero_jax
-from hetero_jax.generate import Engine, Session
-from hetero_jax.hub import place
+from hetero_jax.runtime import Engine, Session
+from hetero_jax.io.hub import place
 from hetero_jax.policies import FullKV, HCAttention, HeteroCache, SnapKV, SyncKV
-from hetero_jax.cache import prompt_arrays
-from hetero_jax.sharding import MeshError, cache_shardings, make_mesh, per_device_bytes
+from hetero_jax.model.cache import prompt_arrays
+from hetero_jax.model.sharding import MeshError, cache_shardings, make_mesh, per_device_bytes
 from test_heterocache import PROFILE
 from test_synckv import PROFILE as SYNC_PROFILE
 from tiny_model import greedy_with_logits, tiny_model

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax import spec
-from hetero_jax.config import ModelConfig
-from hetero_jax.hub import Model
+from hetero_jax.model import spec
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.io.hub import Model
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import HeadProfile
 from tiny_model import TinyTokenizer

@@ -152,7 +152,7 @@ def test_presets_set_defaults_and_flags_override_them():
 
 # ------------------------------------------------------ synthetic shapes
 def test_llama8b_synthetic_shape_by_hand():
-    from hetero_jax import spec
+    from hetero_jax.model import spec
 
     cfg = bench_latency.synthetic_config(None, "llama-3.1-8b", 131072 + 73)
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (32, 32, 8, 128)
@@ -190,8 +190,8 @@ def test_synthetic_profile_missing_names_the_fix(tmp_path, monkeypatch):
 def test_synthetic_model_draws_each_tensor_with_its_shape_and_dtype():
     import jax.numpy as jnp
 
-    from hetero_jax import spec
-    from hetero_jax.config import ModelConfig
+    from hetero_jax.model import spec
+    from hetero_jax.model.config import ModelConfig
 
     cfg = ModelConfig(architecture="llama", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2,
                       num_heads=6, num_kv_heads=2, head_dim=8, max_position_embeddings=64)

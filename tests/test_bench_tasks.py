@@ -208,9 +208,9 @@ def test_multiturn_policies_and_results_sections():
 @pytest.fixture(scope="module")
 def tokenizer(request):
     """SmolLM2's tokenizer alone (no weights): from the converted cache, or the suite's conversion."""
-    from hetero_jax import hub
-    from hetero_jax.checkpoint import is_checkpoint
-    from hetero_jax.tokenizer import Tokenizer
+    from hetero_jax.io import hub
+    from hetero_jax.io.checkpoint import is_checkpoint
+    from hetero_jax.io.tokenizer import Tokenizer
 
     path = os.path.join(hub.cache_dir(), "smollm2-135m")
     if not is_checkpoint(path):

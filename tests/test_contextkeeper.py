@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetero_jax import model as M
-from hetero_jax.cache import prompt_kv_bytes
-from hetero_jax.generate import Engine, Session, prefill
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import prompt_kv_bytes
+from hetero_jax.runtime import Engine, Session, prefill
 from hetero_jax.policies import BudgetError, ContextKeeper, FullKV, make_policy
 from hetero_jax.profile.contextkeeper import CARanking, calibrate_ranking, load_ranking
 from hetero_jax.profile.format import ProfileError
@@ -293,7 +293,7 @@ def test_decode_logits_equal_a_full_kv_cache_reduced_to_the_kept_rows():
     order, unpermuted weights) where every head holds exactly its numpy-planned rows."""
     import jax
 
-    from hetero_jax.cache import HeadGroup
+    from hetero_jax.model.cache import HeadGroup
 
     L, rho = 150, 0.4
     ids = prompt(L, 20)

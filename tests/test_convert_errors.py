@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from convert.cli import main as convert_main  # noqa: E402
-from hetero_jax.checkpoint import is_checkpoint  # noqa: E402
+from hetero_jax.io.checkpoint import is_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_fixtures import make_tiny_hf  # noqa: E402
@@ -149,7 +149,7 @@ def test_failure_inside_save_leaves_nothing(hf, out_parent, monkeypatch):
     """A crash while writing (here: in the Orbax save) removes the temporary dir and any parents it made."""
     import orbax.checkpoint as ocp
 
-    from convert.hf import convert_hf
+    from hetero_jax.io.hf import convert_hf
 
     def boom(self, *a, **k):
         raise RuntimeError("disk full (simulated)")
@@ -258,7 +258,7 @@ def test_nonsensical_config_values_are_config_errors(hf, out_parent, capsys, key
 
 
 def test_config_errors_are_config_error_from_the_api(hf):
-    from hetero_jax.config import ModelConfig
+    from hetero_jax.model.config import ModelConfig
     from hetero_jax.errors import ConfigError
 
     cfg = json.load(open(hf / "config.json"))
@@ -333,7 +333,7 @@ def test_load_of_a_damaged_checkpoint_is_a_project_error(converted, tmp_path, na
 ])
 def test_load_arguments(arg, kw, needle, monkeypatch):
     import hetero_jax
-    from hetero_jax import hub
+    from hetero_jax.io import hub
     from hetero_jax.errors import CheckpointError
 
     monkeypatch.setattr(hub, "ensure_converted", lambda *a, **k: (_ for _ in ()).throw(AssertionError("converted")))

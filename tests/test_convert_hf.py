@@ -16,11 +16,11 @@ pytest.importorskip("transformers")
 import ml_dtypes  # noqa: E402
 
 from convert.cli import main as convert_main  # noqa: E402
-from hetero_jax import hub  # noqa: E402
-from hetero_jax.checkpoint import load_checkpoint, load_params  # noqa: E402
+from hetero_jax.io import hub  # noqa: E402
+from hetero_jax.io.checkpoint import load_checkpoint, load_params  # noqa: E402
 from hetero_jax.errors import CheckpointError  # noqa: E402
-from hetero_jax.spec import hf_tensor_map  # noqa: E402
-from hetero_jax.tokenizer import Tokenizer  # noqa: E402
+from hetero_jax.model.spec import hf_tensor_map  # noqa: E402
+from hetero_jax.io.tokenizer import Tokenizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_fixtures import ARCHS, make_tiny_hf  # noqa: E402
@@ -108,7 +108,7 @@ def test_sharded_input_has_index(hf_dirs):
 
 
 def test_bfloat16_conversion(hf_dirs, tmp_path):
-    from convert.hf import convert_hf
+    from hetero_jax.io.hf import convert_hf
 
     out = tmp_path / "bf16"
     res = convert_hf(hf_dirs["llama"], out, dtype="bfloat16", progress=False)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import hetero_jax
-from hetero_jax import model as M
-from hetero_jax.generate import Engine
+from hetero_jax.model import transformer as M
+from hetero_jax.runtime import Engine
 from hetero_jax.policies import FullKV, SnapKV
 
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetero_jax import model as M
-from hetero_jax.cache import HeadGroup, prompt_kv_bytes
-from hetero_jax.generate import Engine, prefill
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import HeadGroup, prompt_kv_bytes
+from hetero_jax.runtime import Engine, prefill
 from hetero_jax.policies import BudgetError, FreeKV, PolicyError, make_policy
 from tiny_model import greedy_with_logits, tiny_model
 
@@ -349,7 +349,7 @@ def test_a_session_turn_reselects_from_its_last_query_and_attends_the_prompt_den
     """After a turn is appended (its chunks attend the whole prompt from the host, as prefill), the page slots
     hold Sel(q) of the turn's last query (numpy MeanS), the group's page slots hold those pages' tokens, and
     q_prev is that query."""
-    from hetero_jax.generate import Session
+    from hetero_jax.runtime import Session
 
     ctx, question = prompt(L, 11), prompt(12, 12)
     pol = FreeKV(budget=0.85, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE, tau=-2.0)

@@ -8,10 +8,10 @@ import os
 import numpy as np
 import pytest
 
-from convert.gguf_import import _unpermute, smollm2_gguf_path
-from hetero_jax.checkpoint import load_checkpoint, load_params
-from hetero_jax.spec import hf_tensor_map
-from hetero_jax.tokenizer import Tokenizer
+from hetero_jax.io.gguf import unpermute_qk, smollm2_gguf_path
+from hetero_jax.io.checkpoint import load_checkpoint, load_params
+from hetero_jax.model.spec import hf_tensor_map
+from hetero_jax.io.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -90,20 +90,20 @@ def test_params_restored_as_list(smollm2_dir):
     assert raw["embed"].dtype == np.float32
 
 
-def test_unpermute_inverts_llama_cpp_permute():
+def testunpermute_qk_inverts_llama_cpp_permute():
     # llama.cpp convert_hf_to_gguf.py's LlamaModel.permute, applied to a known matrix.
     def permute(w, n_head):
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(6 * 8, 5)
     assert not np.array_equal(permute(w, 6), w)
-    np.testing.assert_array_equal(_unpermute(permute(w, 6), 6), w)
+    np.testing.assert_array_equal(unpermute_qk(permute(w, 6), 6), w)
     b = np.arange(3 * 4, dtype=np.float32)
-    np.testing.assert_array_equal(_unpermute(permute(b, 3), 3), b)
+    np.testing.assert_array_equal(unpermute_qk(permute(b, 3), 3), b)
 
 
 def test_hub_load_reuses_conversion(smollm2_dir):
-    from hetero_jax import hub
+    from hetero_jax.io import hub
 
     stamp = os.stat(os.path.join(smollm2_dir, "hetero_jax.json")).st_mtime_ns
     m = hub.load("smollm2-135m")

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import hetero_jax
-from hetero_jax import model as M
-from hetero_jax.config import ModelConfig
+from hetero_jax.model import transformer as M
+from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError, PromptError
-from hetero_jax.generate import Session
+from hetero_jax.runtime import Session
 from hetero_jax.policies import (
     CAKE, H2O, REGISTRY, BudgetError, HeteroCache, PolicyError, PyramidKV, SnapKV, StreamingLLM,
     UnknownPolicyError, make_policy, smallest_rho, tokens_for,

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetero_jax.cache import KVCache, LayerCache
-from hetero_jax.generate import Engine, Session, prefill
+from hetero_jax.model.cache import KVCache, LayerCache
+from hetero_jax.runtime import Engine, Session, prefill
 from hetero_jax.policies import BudgetError, FullKV, HCAttention, make_policy
 from hetero_jax.profile.codebook import (KeyCodebook, kmeans_pp, load_codebook, minibatch_kmeans, nearest,
                                          train_codebook)
@@ -327,7 +327,7 @@ def test_registry_and_options():
 
 def test_shipped_smollm2_codebooks_fit_its_shape():
     """The shipped codebooks load, fit SmolLM2-135M's shape and give the documented points at 4K tokens (fp32)."""
-    from hetero_jax.config import ModelConfig
+    from hetero_jax.model.config import ModelConfig
     from hetero_jax.profile.codebook import SHIPPED_CODEBOOKS
     from hetero_jax.profile.format import shipped_data_path
 

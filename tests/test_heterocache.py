@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import hetero_jax
-from hetero_jax.generate import Engine, Session
+from hetero_jax.runtime import Engine, Session
 from hetero_jax.policies import BudgetError, FullKV, HeteroCache
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import HeadProfile, ProfileError
@@ -87,7 +87,7 @@ def test_prefill_layout_budgets_reservoir_and_bytes():
         want = np.asarray(full.cache.layers[li].groups[0].k[0])[list(perm[nf:])]
         np.testing.assert_allclose(np.asarray(eng.state.prefilled.store.k[li][0]), want, atol=1e-5, rtol=1e-5)
     full_bytes = L * CFG.num_kv_heads * CFG.num_layers * 2 * CFG.head_dim * 4
-    from hetero_jax.cache import prompt_kv_bytes
+    from hetero_jax.model.cache import prompt_kv_bytes
     assert prompt_kv_bytes(eng.cache) <= rho * full_bytes * 1.05
     # compressed heads are their own groups, exactly their budget long
     for li, lc in enumerate(eng.cache.layers):
@@ -248,11 +248,11 @@ def test_drain_waits_for_the_dispatched_drift_check():
 
 @pytest.mark.parametrize("tau,n_top", [(1.5, 7), (-1.0, 7), (1.5, 0)])
 def test_drift_layer_ranks_the_latest_query_only_when_a_pivot_drifted(tau, n_top):
-    """_drift_layer's recall rows and new K_base: the top-n_top / top-l_base positions of the latest
+    """drift_layer's recall rows and new K_base: the top-n_top / top-l_base positions of the latest
     query's pooled scores (numpy reference, best first) when some pivot drifted (tau 1.5 > any
     normalised overlap); zeros and the old K_base when none did (tau -1 below any), zero-width rows
     when the recall does not use them (n_top 0)."""
-    from hetero_jax.policies.heterocache import _drift_layer
+    from hetero_jax.policies.heterocache import drift_layer
 
     rng = np.random.default_rng(5)
     B, Np, W, G, D, T, l_base = 2, 2, 3, 2, 8, 40, 6
@@ -260,7 +260,7 @@ def test_drift_layer_ranks_the_latest_query_only_when_a_pivot_drifted(tau, n_top
     keys = rng.standard_normal((B, Np, T, D)).astype(np.float32)
     k_base = np.stack([rng.permutation(T)[:l_base] for _ in range(B * Np)]).reshape(B, Np, l_base).astype(np.int32)
     lengths = np.array([[T, T], [T - 9, T - 9]], np.int32)
-    drift, new_base, top = _drift_layer(q_buf, keys, k_base, lengths, l_base=l_base, tau=tau, n_top=n_top)
+    drift, new_base, top = drift_layer(q_buf, keys, k_base, lengths, l_base=l_base, tau=tau, n_top=n_top)
     top, new_base = np.asarray(top), np.asarray(new_base)
     assert top.shape == (B, Np, n_top) and new_base.shape == (B, Np, l_base)
     assert bool(np.asarray(drift).all()) == (tau > 1) and bool(np.asarray(drift).any()) == (tau > 1)
@@ -302,7 +302,7 @@ def test_each_turn_reselects_every_compressed_head_from_the_turn_queries():
     K_base is the top-L_base of the question's last query. Budgets and device bytes do not change."""
     from test_policies import assert_top_set, np_pool
 
-    from hetero_jax.cache import prompt_kv_bytes
+    from hetero_jax.model.cache import prompt_kv_bytes
 
     L, rho = 150, 0.5
     policy = HeteroCache(profile=PROFILE, budget=rho, window=4, tau_drift=0.0)

@@ -435,7 +435,7 @@ def test_drift_check_matches_topk_definition(seed, L_base, shift):
 def test_backend_switch(monkeypatch):
   monkeypatch.delenv(pk.ENV_VAR, raising=False)
   assert pk.use_kernels() in ("pallas", "reference")
-  if not pk._util.gpu_available():
+  if not pk.gpu_available():
     assert pk.use_kernels() == "reference"          # auto on CPU
   monkeypatch.setenv(pk.ENV_VAR, "interpret")
   assert pk.use_kernels() == "interpret"
@@ -533,10 +533,10 @@ def test_model_greedy_output_same_with_kernels_forced_in_interpret_mode(monkeypa
   import numpy as np
 
   import pallas_kernels
-  from hetero_jax import model as M
-  from hetero_jax import spec
-  from hetero_jax.config import ModelConfig
-  from hetero_jax.generate import prefill
+  from hetero_jax.model import transformer as M
+  from hetero_jax.model import spec
+  from hetero_jax.model.config import ModelConfig
+  from hetero_jax.runtime import prefill
 
   cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
                     num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=256)

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetero_jax import model as M
-from hetero_jax import spec
-from hetero_jax.cache import kv_bytes, prompt_kv_bytes, tail_kv_bytes
-from hetero_jax.config import ModelConfig, RopeScaling
-from hetero_jax.generate import prefill
+from hetero_jax.model import transformer as M
+from hetero_jax.model import spec
+from hetero_jax.model.cache import kv_bytes, prompt_kv_bytes, tail_kv_bytes
+from hetero_jax.model.config import ModelConfig, RopeScaling
+from hetero_jax.runtime import prefill
 
 
 def tiny_cfg(**kw) -> ModelConfig:

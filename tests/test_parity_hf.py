@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import hetero_jax
-from hetero_jax import model as M
-from hetero_jax.generate import prefill
+from hetero_jax.model import transformer as M
+from hetero_jax.runtime import prefill
 
 from hf_fixtures import hf_greedy_ids, make_tiny_model
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetero_jax.placement import (balanced_placement, contiguous_placement, padded_tokens_per_shard,
+from hetero_jax.policies.placement import (balanced_placement, contiguous_placement, padded_tokens_per_shard,
                                   placement_report, role_grouped_order, shard_tokens)
 
 

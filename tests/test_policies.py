@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import hetero_jax
-from hetero_jax import model as M
-from hetero_jax import spec
-from hetero_jax.cache import prompt_kv_bytes
-from hetero_jax.config import ModelConfig
-from hetero_jax.generate import compiled, prefill
-from hetero_jax.layout import HeadLayout, permute_params
+from hetero_jax.model import transformer as M
+from hetero_jax.model import spec
+from hetero_jax.model.cache import prompt_kv_bytes
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.runtime import compiled, prefill
+from hetero_jax.model.layout import HeadLayout, permute_params
 from hetero_jax.policies import (
     CAKE, H2O, REGISTRY, BudgetError, FullKV, PolicyPrefill, PyramidKV, SnapKV, StreamingLLM,
     achieved_rho, describe_policies, make_policy, smallest_rho, tokens_for,

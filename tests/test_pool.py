@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetero_jax.cache import HeadGroup, LayerCache, PooledGroup, PromptPool, join_heads, materialize, take_heads
-from hetero_jax.layout import HeadLayout
-from hetero_jax.placement import balanced_placement, balanced_rows, pooled_tokens_per_shard, role_grouped_order
+from hetero_jax.model.cache import HeadGroup, LayerCache, PooledGroup, PromptPool, join_heads, materialize, take_heads
+from hetero_jax.model.layout import HeadLayout
+from hetero_jax.policies.placement import balanced_placement, balanced_rows, pooled_tokens_per_shard, role_grouped_order
 from hetero_jax.policies import HeteroCache
 from test_heterocache import CFG, PROFILE
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetero_jax import model as M
-from hetero_jax.cache import full_group
-from hetero_jax.config import ModelConfig
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import full_group
+from hetero_jax.model.config import ModelConfig
 from hetero_jax.profile import ProfileError, load_profile
 from hetero_jax.profile.calibrate import (
     calibrate_tokens,
@@ -25,7 +25,7 @@ from hetero_jax.profile.format import (
     weights_fingerprint,
 )
 from hetero_jax.profile.metrics import overlap_masks, similarity_matrix, topk_mask
-from hetero_jax.spec import init_params
+from hetero_jax.model.spec import init_params
 
 # 2 layers, 3 KV heads x group 3 (odd GQA), small vocab.
 TINY = ModelConfig(architecture="llama", vocab_size=96, hidden_size=72, intermediate_size=96, num_layers=2,

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetero_jax.config import ModelConfig
+from hetero_jax.model.config import ModelConfig
 from hetero_jax.profile import (
     HeadProfile,
     ProfileError,

@@ -5,9 +5,9 @@ import jax
 import numpy as np
 import pytest
 
-from hetero_jax import model as M
-from hetero_jax.cache import HeadGroup
-from hetero_jax.generate import Engine, prefill
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import HeadGroup
+from hetero_jax.runtime import Engine, prefill
 from hetero_jax.policies import BudgetError, FullKV, Quest, make_policy
 from tiny_model import greedy_with_logits, tiny_model
 
@@ -173,7 +173,7 @@ def test_registry_and_options():
 def test_session_turns_offloaded_equal_in_device():
     """A turn is appended in chunks attending the whole prompt (dense, as Quest's prefill): offloaded reads it
     from the host store, in-device from the device; at the same k both answer two turns identically."""
-    from hetero_jax.generate import Session
+    from hetero_jax.runtime import Session
 
     ctx, q1, q2 = prompt(150, 6), prompt(20, 7), prompt(9, 8)
     off = Quest(budget=0.5, page_size=PS, full_layers=1, offload=True)

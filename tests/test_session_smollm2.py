@@ -4,7 +4,7 @@ import pydoc_data.topics
 import pytest
 
 import hetero_jax
-from hetero_jax.generate import Session
+from hetero_jax.runtime import Session
 from hetero_jax.policies import HeteroCache
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -48,7 +48,7 @@ def test_heterocache_half_budget_answers_each_fact_single_turn(smollm2):
 def test_heterocache_half_budget_session_answers_each_fact_in_turn(smollm2):
     """Multi-turn at rho 0.5 with HeteroCache's defaults: each question re-selects every compressed head
     from its host copy by the question's own queries before the answer, within the same device bytes."""
-    from hetero_jax.cache import prompt_kv_bytes
+    from hetero_jax.model.cache import prompt_kv_bytes
 
     sess = Session(smollm2, three_fact_context(smollm2.tokenizer), HeteroCache(budget=0.5))
     cfg = smollm2.config

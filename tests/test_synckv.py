@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import hetero_jax
-from hetero_jax import model as M
-from hetero_jax.cache import prompt_kv_bytes
-from hetero_jax.generate import Engine, Session
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import prompt_kv_bytes
+from hetero_jax.runtime import Engine, Session
 from hetero_jax.policies import BudgetError, FullKV, HeteroCache, SyncKV, make_policy
 from hetero_jax.policies.synckv import SyncPrefill
 from hetero_jax.profile.calibrate import calibrate_tokens

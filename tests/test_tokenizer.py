@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hetero_jax.errors import PromptError
-from hetero_jax.tokenizer import Tokenizer
+from hetero_jax.io.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

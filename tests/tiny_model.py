@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hetero_jax import spec
-from hetero_jax.config import ModelConfig
-from hetero_jax.hub import Model
+from hetero_jax.model import spec
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.io.hub import Model
 
 
 class TinyTokenizer:
@@ -34,7 +34,7 @@ def greedy_with_logits(model: Model, policy, prompts, steps: int = 5):
     (tokens [B, steps + 1], logits [B, steps, V], engine)."""
     import numpy as np
 
-    from hetero_jax.generate import Engine
+    from hetero_jax.runtime import Engine
 
     eng = Engine(model, prompts, policy, tail_capacity=steps + 2, is_batch=len(prompts) > 1)
     tok = eng.first_tokens(0.0, 1.0)

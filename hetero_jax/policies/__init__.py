@@ -16,7 +16,8 @@ from hetero_jax.policies.freekv import FreeKV
 from hetero_jax.policies.hcattention import HCAttention
 from hetero_jax.policies.heterocache import HeteroCache
 from hetero_jax.policies.quest import Quest
-from hetero_jax.policies.runtime import PolicyPrefill, achieved_rho
+from hetero_jax.policies.protocol import DecodeState, PrefillPlan, achieved_rho
+from hetero_jax.policies.selection import PolicyPrefill
 from hetero_jax.policies.synckv import SyncKV
 
 REGISTRY: dict[str, type[Policy]] = {
@@ -83,5 +84,5 @@ __all__ = [
     "BudgetError", "Policy", "PolicyError", "UnknownPolicyError", "smallest_rho", "tokens_for",
     "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache", "Quest", "FreeKV", "ContextKeeper",
     "SyncKV", "HCAttention",
-    "PolicyPrefill", "achieved_rho", "REGISTRY", "make_policy", "parse_options", "describe_policies",
+    "PolicyPrefill", "PrefillPlan", "DecodeState", "achieved_rho", "REGISTRY", "make_policy", "parse_options", "describe_policies",
 ]

@@ -34,13 +34,12 @@ import dataclasses
 import math
 from typing import ClassVar
 
-import jax
 import numpy as np
 
-from hetero_jax import model as M
-from hetero_jax.cache import kv_bytes
-from hetero_jax.config import ModelConfig
+from hetero_jax.model import transformer as M
+from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError
+from hetero_jax.policies.selection import PolicyPrefill
 
 
 class BudgetError(HeteroJaxError, ValueError):
@@ -153,8 +152,6 @@ class Policy:
 
     def make_prefill(self, cfg: ModelConfig, prompt_lens, compile_fn=None):
         """The prefill plan (``build_layer``, ``finish(cache) -> (cache, DecodeState)``); checks budgets first."""
-        from hetero_jax.policies.runtime import PolicyPrefill  # runtime builds on this module
-
         return PolicyPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
 
     # ----------------------------------------------------------------- decode
@@ -209,88 +206,3 @@ def distribute(weights: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
                 base[j] += step
                 short -= step
     return base
-
-
-class PrefillPlan:
-    """A policy's prefill for one batch: ``build_layer`` per layer, then ``finish``.
-
-    ``build_layer(li, layer, x_in, k_buf, v_buf, lens)`` gets the layer's params, input hidden states
-    [B, Tp, H] and full prompt K/V [B, Hkv, Tp, D] and returns the layer's head groups;
-    ``finish(cache)`` returns ``(cache, DecodeState)``. ``consumes_kv``: ``build_layer`` may donate
-    k_buf / v_buf (a full group keeps them without a copy), so a caller that shares them between
-    plans (the benchmarks' one-forward prefill) hands such a plan its own copy.
-    """
-
-    consumes_kv = False
-
-    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple:
-        raise NotImplementedError
-
-    def finish(self, cache):
-        raise NotImplementedError
-
-
-class DecodeState:
-    """Host-side, per-request decode state that a prefill plan's ``finish`` returns.
-
-    The engine runs these hooks around every jitted decode step, for every policy (the defaults do
-    nothing): no policy-specific branch exists in the engine. Counters that change while decoding live
-    here, never on the (frozen) policy.
-    """
-
-    wants_turn_queries = False  # after_extend needs the turn's queries
-
-    def fresh(self) -> "DecodeState":
-        """A new state as this one was right after prefill (counters zero; the same host copies)."""
-        return type(self)()
-
-    def before_step(self, step: int, cache):
-        """Before step ``step`` is dispatched (host): apply last step's decisions; returns the cache."""
-        return cache
-
-    def after_step(self, step: int, extras: tuple, cache) -> None:
-        """After step ``step`` was dispatched (host): ``extras`` are the layers' ``attend`` extras (device)."""
-
-    def after_extend(self, turn_queries: tuple, cache):
-        """After a session's turn was appended: turn_queries per layer [B, Nkv, N, G, D]; returns the cache."""
-        return cache
-
-    def in_flight(self):
-        """Device work the hooks dispatched and nobody waits on (``Engine.drain`` waits for it)."""
-        return ()
-
-    def host_arrays(self) -> tuple:
-        """Arrays the prefill placed in host memory."""
-        return ()
-
-    def host_bytes(self) -> int:
-        return int(sum(a.nbytes for a in self.host_arrays()))
-
-    def host_bytes_by_role(self) -> dict[str, int]:
-        return {}
-
-    def achieved_rho(self, cache, cfg) -> np.ndarray:
-        """[B] the rho every result reports: prompt tokens kept on the device / the prompt's full KV
-        (``runtime.achieved_rho``). A policy whose device state is not token rows (HCAttention's codes)
-        reports bytes instead."""
-        from hetero_jax.policies.runtime import achieved_rho  # runtime builds on this module
-
-        return achieved_rho(cache, cfg)
-
-    def index_bytes(self, cache) -> int:
-        """Device bytes of policy state beside the K/V groups (page summaries, K_base, ...): every
-        array in the layers' ``aux``."""
-        return int(sum(a.nbytes for lc in cache.layers for a in jax.tree.leaves(lc.aux)))
-
-    def kv_bytes_read(self, cache) -> int:
-        """K/V and index bytes one decode step reads (device reads plus host fetches), the memory traffic a
-        roofline compares: by default every device K/V array and the ``aux`` arrays."""
-        return kv_bytes(cache) + self.index_bytes(cache)
-
-    def stats(self) -> dict:
-        """The policy's decode counters (JSON-able)."""
-        return {}
-
-    def summary(self) -> str:
-        """The counters as a short text for ``GenerationStats.summary`` ('' when there are none)."""
-        return ""

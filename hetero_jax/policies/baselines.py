@@ -1,4 +1,4 @@
-"""Baseline KV-cache policies on the shared budget definition (see docs/methods.md).
+"""Baseline KV-cache policies on the shared budget definition (see "KV-cache policies" in README.md).
 
 Each is a scoring function plus a budget rule; selection is shared
 (``primitives.select_topk`` / ``gather_group``).
@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.config import ModelConfig
-from hetero_jax.model import prompt_queries
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.transformer import prompt_queries
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_choice, check_int, check_real, distribute
-from hetero_jax.policies.runtime import FullPrefill
+from hetero_jax.policies.selection import FullPrefill
 from hetero_jax.policies.primitives import (
     attention_probs,
     avg_pool,

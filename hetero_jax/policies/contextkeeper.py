@@ -33,12 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.cache import HeadGroup, full_group
-from hetero_jax.config import ModelConfig
-from hetero_jax.layout import HeadLayout
-from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PolicyError, PrefillPlan, check_int
+from hetero_jax.model.cache import HeadGroup, full_group
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.layout import HeadLayout
+from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_int
+from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.primitives import gather_group
-from hetero_jax.policies.runtime import bytes_rho
+from hetero_jax.policies.selection import bytes_rho
 from hetero_jax.profile.contextkeeper import (DEFAULT_RECENT, DEFAULT_SINK, CARanking, default_ranking,
                                               load_ranking)
 from hetero_jax.profile.format import ProfileError

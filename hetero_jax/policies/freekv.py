@@ -52,12 +52,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax import model as M
-from hetero_jax.cache import HeadGroup, KVCache
-from hetero_jax.config import ModelConfig
-from hetero_jax.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather, put_rows, scatter_rows
-from hetero_jax.policies.base import (BudgetError, DecodeState, Policy, PolicyError, PrefillPlan, check_int,
-                                      check_real)
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import HeadGroup, KVCache
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather, put_rows, scatter_rows
+from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_int, check_real
+from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
                                        query_cosine, smallest_page_rho, top_pages)
 

@@ -42,11 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from hetero_jax import model as M
-from hetero_jax.cache import HeadGroup, KVCache, tail_kv_bytes
-from hetero_jax.config import ModelConfig
-from hetero_jax.host_store import HostKVStore, host_weighted_sum
-from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PolicyError, PrefillPlan, check_real
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import HeadGroup, KVCache, tail_kv_bytes
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.host_store import HostKVStore, host_weighted_sum
+from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_real
+from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.primitives import INVALID
 from hetero_jax.profile.codebook import KeyCodebook, load_codebook, shipped_codebooks
 

@@ -48,16 +48,17 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from hetero_jax.cache import HeadGroup, KVCache, PooledGroup, PromptPool, full_group, materialize, take_heads
-from hetero_jax.config import ModelConfig
-from hetero_jax.host_store import HostKVStore, put_rows, scatter_rows
-from hetero_jax.layout import group_spans_of
-from hetero_jax.model import prompt_queries
-from hetero_jax.policies.base import BudgetError, DecodeState, PolicyError, PrefillPlan, check_int
+from hetero_jax.model.cache import HeadGroup, KVCache, PooledGroup, PromptPool, full_group, materialize, take_heads
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.host_store import HostKVStore, put_rows, scatter_rows
+from hetero_jax.model.layout import group_spans_of
+from hetero_jax.model.transformer import prompt_queries
+from hetero_jax.policies.base import BudgetError, PolicyError, check_int
+from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.primitives import (attention_probs, avg_pool, finalize_scores, gqa_reduce,
                                            observation_window_probs, select_topk)
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key, take_slots
-from hetero_jax.policies.runtime import cap_bucket, select_group
+from hetero_jax.policies.selection import cap_bucket, select_group
 from hetero_jax.profile.format import HeadProfile
 
 
@@ -254,7 +255,7 @@ class HeteroPrefill(PrefillPlan):
     def _placement(self) -> dict:
         """Tokens each shard's heads keep (the whole batch) and what the shard allocates (pool slots x
         batch), beside the naive contiguous split of the role-grouped layout (full heads first)."""
-        from hetero_jax.placement import contiguous_placement, padded_tokens_per_shard, role_grouped_order, shard_tokens
+        from hetero_jax.policies.placement import contiguous_placement, padded_tokens_per_shard, role_grouped_order, shard_tokens
 
         tp, H = self.layout.tp, self.cfg.num_kv_heads
         n_local = H // tp
@@ -283,8 +284,8 @@ class HeteroPrefill(PrefillPlan):
         mesh = getattr(getattr(k_buf, "sharding", None), "mesh", None)
         if mesh is None or not isinstance(mesh, jax.sharding.Mesh):
             return make()
-        from hetero_jax.sharding import partition_spec
-        from hetero_jax.spec import CACHE_AXES
+        from hetero_jax.model.sharding import partition_spec
+        from hetero_jax.model.spec import CACHE_AXES
 
         named = lambda axes, shp: jax.sharding.NamedSharding(mesh, partition_spec(axes, shp, mesh))  # noqa: E731
         out = PromptPool(k=named(CACHE_AXES["k"], shape), v=named(CACHE_AXES["v"], shape),
@@ -429,7 +430,7 @@ class HeteroPrefilled:
 
 
 @functools.partial(jax.jit, static_argnames=("l_base", "tau", "n_top"))
-def _drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: int):
+def drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: int):
     """One layer's drift check: q_buf [B, Np, W, G, D]; keys [B, Np, T, D]; k_base [B, Np, l_base].
 
     Returns (drift [B, Np] bool, new K_base [B, Np, l_base] (top-l_base of the latest pooled scores; the
@@ -506,6 +507,9 @@ class HeteroDecode(DecodeState):
         self.recall_failures = 0  # recalls dropped because their transfer failed (see before_step)
         self.reselect_failures = 0  # re-selections dropped the same way (see after_extend)
         self.recall_steps: list[int] = []
+        # called as f(layer, q_buf, keys, k_base, lengths, l_base=...) with each pivot layer's check inputs
+        # before it is dispatched (benchmarks/bench_drift_metric.py records the overlaps this way)
+        self.check_observers: list = []
 
     def fresh(self) -> "HeteroDecode":
         return HeteroDecode(self.prefilled, compile_fn=self.compile_fn)
@@ -623,7 +627,9 @@ class HeteroDecode(DecodeState):
             counts = self.prefilled.counts[li]
             n_top = max(1, int(counts.max())) if counts.size else 1
             args = (q_buf, keys, cache.layers[li].aux["k_base"], lengths)
-            fn = self.compile_fn(_drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
+            for observe in self.check_observers:
+                observe(li, *args, l_base=l_base)
+            fn = self.compile_fn(drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
                                  n_top=min(n_top, keys.shape[2]))
             out = fn(*args)
             for a in out:

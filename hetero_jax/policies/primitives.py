@@ -11,9 +11,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from hetero_jax.cache import HeadGroup
-from hetero_jax.config import ModelConfig
-from hetero_jax.model import MASK_VALUE, prompt_queries
+from hetero_jax.model.cache import HeadGroup
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.transformer import MASK_VALUE, prompt_queries
 
 # Score of a token a policy must keep (sinks, observation window): above any real score.
 FORCE = 1e30

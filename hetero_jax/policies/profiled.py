@@ -15,9 +15,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from hetero_jax import model as M
-from hetero_jax.config import ModelConfig
-from hetero_jax.layout import HeadLayout
+from hetero_jax.model import transformer as M
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.layout import HeadLayout
 from hetero_jax.policies.base import BudgetError, Policy
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import SHIPPED_PROFILES, HeadProfile, ProfileError
@@ -107,7 +107,7 @@ class ProfiledPolicy(Policy):
         spread over the shards so that every shard's tokens over all layers are even
         (``placement.balanced_placement``). Leading rows of full heads share one group. Budgets at a
         nominal prompt length: Eq. 7-8 scale with L, so the placement holds for every L."""
-        from hetero_jax.placement import balanced_rows
+        from hetero_jax.policies.placement import balanced_rows
 
         grid, _ = self.budget_grid(1 << 15)
         roles = self._need_profile().roles

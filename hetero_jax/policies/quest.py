@@ -35,11 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax import model as M
-from hetero_jax.cache import HeadGroup, KVCache, tail_kv_bytes
-from hetero_jax.config import ModelConfig
-from hetero_jax.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather
-from hetero_jax.policies.base import BudgetError, DecodeState, Policy, PrefillPlan, check_int, tokens_for
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import HeadGroup, KVCache, tail_kv_bytes
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather
+from hetero_jax.policies.base import BudgetError, Policy, check_int, tokens_for
+from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
                                        smallest_page_rho, top_pages)
 

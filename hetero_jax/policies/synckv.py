@@ -38,14 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.cache import HeadGroup, KVCache, full_group
-from hetero_jax.config import ModelConfig
-from hetero_jax.host_store import HostKVStore, put_rows, scatter_rows
-from hetero_jax.model import prompt_queries
-from hetero_jax.policies.base import DecodeState, PolicyError, PrefillPlan, check_int, check_real
+from hetero_jax.model.cache import HeadGroup, KVCache, full_group
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.host_store import HostKVStore, put_rows, scatter_rows
+from hetero_jax.model.transformer import prompt_queries
+from hetero_jax.policies.base import PolicyError, check_int, check_real
+from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.primitives import INVALID, gather_group, query_probs_max
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key
-from hetero_jax.policies.runtime import bytes_rho, cap_bucket
+from hetero_jax.policies.selection import bytes_rho, cap_bucket
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import SHIPPED_SYNCKV_PROFILES, HeadProfile, ProfileError, load_profile
 

@@ -54,10 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from hetero_jax import model as M
-from hetero_jax.cache import full_group
-from hetero_jax.config import ModelConfig
-from hetero_jax.generate import chunk_bucket, compiled
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import full_group
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.runtime.compile_cache import chunk_bucket, compiled
 from hetero_jax.policies.primitives import query_probs_max
 from hetero_jax.profile.clustering import default_n_r
 from hetero_jax.profile.format import (
@@ -405,7 +405,7 @@ def calibrate(
     scoring: str = "heterocache",
     n_r: int | None = None,
 ):
-    """Calibrate a HeadProfile for ``model`` (a ``hetero_jax.hub.Model``) on ``texts``.
+    """Calibrate a HeadProfile for ``model`` (a ``hetero_jax.io.hub.Model``) on ``texts``.
 
     Each text is one sample, tokenized as plain text (no chat template) so
     the model continues it; ``tokens`` keeps the first ``tokens`` tokens of

@@ -152,7 +152,7 @@ def load_codebook(path: str | os.PathLike) -> KeyCodebook:
 
 
 def shipped_codebooks(model) -> tuple[KeyCodebook, ...]:
-    """The shipped codebooks that fit ``model`` (a loaded ``hetero_jax.hub.Model``; its name first, then any
+    """The shipped codebooks that fit ``model`` (a loaded ``hetero_jax.io.hub.Model``; its name first, then any
     shipped model whose shape and fingerprint fit), fewest codes first; () when none does."""
     from hetero_jax.profile.format import weights_fingerprint
 
@@ -232,8 +232,8 @@ def minibatch_kmeans(x: np.ndarray, c: int, *, batch: int = DEFAULT_BATCH, steps
 # ------------------------------------------------------------------ training on a model
 def collect_keys(cfg, params, token_samples: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """Per layer, every post-RoPE prompt key of full-KV prefills of the samples: [N, head_dim] float32."""
-    from hetero_jax import model as M
-    from hetero_jax.generate import chunk_bucket, compiled
+    from hetero_jax.model import transformer as M
+    from hetero_jax.runtime.compile_cache import chunk_bucket, compiled
 
     keys: list[list[np.ndarray]] = [[] for _ in range(cfg.num_layers)]
     for s in token_samples:

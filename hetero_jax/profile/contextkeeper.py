@@ -172,8 +172,8 @@ def middle_mass(layer, x_in, keys, prompt_lens, cfg, window: int, sink: int, rec
 def sample_scores(cfg, params, token_samples: Sequence[Sequence[int]], *, window: int, sink: int,
                   recent: int) -> np.ndarray:
     """[samples, layers, KV heads] middle-mass scores, one full-KV prefill per group of equal-length samples."""
-    from hetero_jax import model as M
-    from hetero_jax.generate import chunk_bucket, compiled
+    from hetero_jax.model import transformer as M
+    from hetero_jax.runtime.compile_cache import chunk_bucket, compiled
 
     out = [None] * len(token_samples)
     by_len: dict[int, list[int]] = {}

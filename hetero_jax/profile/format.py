@@ -553,7 +553,7 @@ def _shape_text(arch, n_layers, n_kv, head_dim) -> str:
 def _model_shape(cfg: Any):
     if isinstance(cfg, Mapping):
         if "architectures" in cfg:  # an HF config.json dict
-            from hetero_jax.config import ModelConfig
+            from hetero_jax.model.config import ModelConfig
 
             cfg = ModelConfig.from_hf_dict(cfg)
         else:
@@ -643,7 +643,7 @@ def default_profile(model_or_config: Any, fingerprint: str | None = None,
     """The shipped HeadProfile that fits this model, or None (``table``: which shipped files to search,
     default ``SHIPPED_PROFILES``, HeteroCache's; ``SHIPPED_SYNCKV_PROFILES`` for SyncKV's).
 
-    ``model_or_config``: a ``hetero_jax.hub.Model`` (its params are
+    ``model_or_config``: a ``hetero_jax.io.hub.Model`` (its params are
     fingerprinted) or a ModelConfig-like object. A shipped profile fits when
     architecture, layers, KV heads and head_dim agree and, when a fingerprint
     is known (a Model, or ``fingerprint=``), the fingerprints agree.

@@ -15,8 +15,8 @@ import weakref
 
 import numpy as np
 
-from hetero_jax.config import ModelConfig
-from hetero_jax.sharding import shard_params
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.sharding import shard_params
 
 
 @dataclasses.dataclass(frozen=True)

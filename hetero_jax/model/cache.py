@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from hetero_jax.layout import group_spans_of
-from hetero_jax.sharding import to_host
+from hetero_jax.model.layout import group_spans_of
+from hetero_jax.model.sharding import to_host
 
 
 @struct.dataclass

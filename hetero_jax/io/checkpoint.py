@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from hetero_jax.config import ModelConfig
+from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -143,7 +143,7 @@ def save_checkpoint(out_dir: str | os.PathLike, config: ModelConfig, params: dic
     ``hf_config``: config.json content to write verbatim (default ``config.to_hf_dict()``).
     ``meta``: extra entries for hetero_jax.json (e.g. ``{"source": {...}}``).
     """
-    from hetero_jax.spec import check_params
+    from hetero_jax.model.spec import check_params
 
     out_dir = check_output_dir(out_dir, force)
     params = _to_numpy_tree(params)
@@ -264,8 +264,8 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None):
     """Load ``(ModelConfig, params, Tokenizer)``; params as jax arrays, cast to ``dtype`` if given."""
     import jax.numpy as jnp
 
-    from hetero_jax.spec import check_params
-    from hetero_jax.tokenizer import Tokenizer
+    from hetero_jax.model.spec import check_params
+    from hetero_jax.io.tokenizer import Tokenizer
 
     path = os.path.abspath(os.fspath(path))
     read_meta(path)

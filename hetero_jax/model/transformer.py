@@ -1,7 +1,7 @@
 """Functional Llama / Qwen2 / Qwen3 decoder over a params pytree.
 
 Pure functions: ``prefill_chunk`` and ``decode_step`` take the params, an
-immutable :class:`~hetero_jax.cache.KVCache` and tokens, and return hidden
+immutable :class:`~hetero_jax.model.cache.KVCache` and tokens, and return hidden
 states or logits with a new cache. ``ModelConfig`` is a static argument.
 
 Numerics follow HF transformers: RMSNorm in float32, RoPE tables in float32
@@ -20,8 +20,8 @@ import numpy as np
 
 import pallas_kernels
 
-from hetero_jax.cache import KVCache, LayerCache, full_group, group_spans, join_heads, materialize, take_heads
-from hetero_jax.config import ModelConfig
+from hetero_jax.model.cache import KVCache, LayerCache, full_group, group_spans, join_heads, materialize, take_heads
+from hetero_jax.model.config import ModelConfig
 
 # Finite: -inf minus -inf is NaN, and a fully masked row must stay finite.
 MASK_VALUE = -1e30
@@ -204,7 +204,7 @@ def full_layer_groups(k_buf, v_buf, lens, t_max: int, compile_fn=None) -> tuple:
     return (compile_fn(_full_group_jit, k_keep, v_keep, lens)(k_keep, v_keep, lens),)
 
 
-def _zeros(shape, dtype) -> jax.Array:
+def fresh_zeros(shape, dtype) -> jax.Array:
     # Created eagerly, one buffer each: jitted code may return one buffer for two
     # equal constants, and the decode step donates every cache leaf separately.
     return jnp.zeros(shape, dtype)
@@ -248,7 +248,7 @@ def prefill(
         # with this layer's compute, so the timings that exclude compile time stay honest
         jax.block_until_ready(groups)
         tail_shape = (B, cfg.num_kv_heads, tail_capacity, cfg.head_dim)
-        layers.append(LayerCache(groups=groups, tail_k=_zeros(tail_shape, dtype), tail_v=_zeros(tail_shape, dtype)))
+        layers.append(LayerCache(groups=groups, tail_k=fresh_zeros(tail_shape, dtype), tail_v=fresh_zeros(tail_shape, dtype)))
         x = x_out
     if all_logits:
         logits = compile_fn(_all_logits_jit, params, x, cfg=cfg)(params, x)
@@ -258,7 +258,7 @@ def prefill(
         layers=tuple(layers),
         seq_lens=jnp.array(lens),
         prompt_lens=lens,
-        tail_lens=_zeros((B,), jnp.int32),
+        tail_lens=fresh_zeros((B,), jnp.int32),
         tail_positions=jnp.full((B, tail_capacity), -1, jnp.int32),
     )
     return logits, cache

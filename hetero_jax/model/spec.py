@@ -3,7 +3,7 @@
 It drives random init (tests), checkpoint loading (shape checks), the HF and
 GGUF converters (name mapping and shape checks) and sharding (the logical
 axes of every parameter and cache field, mapped onto a device mesh by
-``hetero_jax.sharding``).
+``hetero_jax.model.sharding``).
 
 Our layout: ``params = {"embed": [V, H], "final_norm": [H], "lm_head": [H, V]
 (absent when tied), "layers": [layer_0, ...]}`` where each layer is a flat dict.
@@ -17,7 +17,7 @@ from typing import Iterator
 
 import numpy as np
 
-from hetero_jax.config import ModelConfig
+from hetero_jax.model.config import ModelConfig
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -46,7 +46,7 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return s
 
 
-# Logical axes of each per-layer parameter, one name per dimension. ``hetero_jax.sharding.RULES`` maps a
+# Logical axes of each per-layer parameter, one name per dimension. ``hetero_jax.model.sharding.RULES`` maps a
 # name to a mesh axis: "heads" / "kv_heads" / "mlp" split tensor-parallel (Megatron: q, k, v, gate and up
 # by output column, o and down by input row), "vocab" splits the embedding table and the LM head.
 _LAYER_AXES: dict[str, tuple[str, ...]] = {
@@ -70,7 +70,7 @@ _LAYER_AXES: dict[str, tuple[str, ...]] = {
     "k_norm": ("head_dim",),
 }
 
-# Logical axes of the cache's fields (``hetero_jax.cache``): head groups and tails are split by KV head
+# Logical axes of the cache's fields (``hetero_jax.model.cache``): head groups and tails are split by KV head
 # like k_proj's columns, so a device attends with the K/V its own projections produced.
 CACHE_AXES: dict[str, tuple[str, ...]] = {
     "k": ("batch", "kv_heads", "slots", "head_dim"),

@@ -12,10 +12,10 @@ import dataclasses
 import os
 from typing import Any, Callable
 
-from hetero_jax.checkpoint import is_checkpoint, load_checkpoint
-from hetero_jax.config import ModelConfig
+from hetero_jax.io.checkpoint import is_checkpoint, load_checkpoint
+from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError
-from hetero_jax.sharding import check_mesh, shard_params
+from hetero_jax.model.sharding import check_mesh, shard_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,7 @@ class KnownModel:
 
 
 def _smollm2_source() -> str:
-    from convert.gguf_import import smollm2_gguf_path
+    from hetero_jax.io.gguf import smollm2_gguf_path
 
     return smollm2_gguf_path()
 
@@ -54,7 +54,7 @@ class Model:
 
 
 def place(model: Model, mesh) -> Model:
-    """``model`` with its params sharded over ``mesh`` (``hetero_jax.sharding.make_mesh(tp, dp)``); every
+    """``model`` with its params sharded over ``mesh`` (``hetero_jax.model.sharding.make_mesh(tp, dp)``); every
     engine built on the result places its caches and host stores on the same mesh. ``mesh=None``: as is."""
     if mesh is None:
         return model
@@ -92,11 +92,11 @@ def ensure_converted(name: str, *, progress: bool = True) -> str:
     src = known.source()
     try:
         if known.kind == "gguf":
-            from convert.gguf_import import convert_gguf
+            from hetero_jax.io.gguf import convert_gguf
 
             convert_gguf(src, target, dtype="float32", force=force, progress=progress)
         else:
-            from convert.hf import convert_hf
+            from hetero_jax.io.hf import convert_hf
 
             convert_hf(src, target, dtype="float32", force=force, progress=progress)
     except CheckpointError:
@@ -108,7 +108,7 @@ def ensure_converted(name: str, *, progress: bool = True) -> str:
 
 def _check_load_args(name_or_path, dtype) -> None:
     """``load``'s arguments, before any conversion or read."""
-    from hetero_jax.checkpoint import DTYPES
+    from hetero_jax.io.checkpoint import DTYPES
 
     if not isinstance(name_or_path, (str, os.PathLike)) or (isinstance(name_or_path, str) and not name_or_path):
         raise CheckpointError(
@@ -122,7 +122,7 @@ def _check_load_args(name_or_path, dtype) -> None:
 def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, progress: bool = True, mesh=None) -> Model:
     """Load a known model by name (see ``KNOWN_MODELS``) or a converted checkpoint directory.
 
-    ``mesh``: a ``jax.sharding.Mesh`` with axes ("data", "model") (``hetero_jax.sharding.make_mesh``) to
+    ``mesh``: a ``jax.sharding.Mesh`` with axes ("data", "model") (``hetero_jax.model.sharding.make_mesh``) to
     shard the params over (tensor parallel over heads and MLP, replicated over data); None = one device.
     """
     _check_load_args(name_or_path, dtype)

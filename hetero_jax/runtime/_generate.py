@@ -1,0 +1,49 @@
+"""``generate``: one prompt or a batch, prefilled and decoded by an :class:`Engine`."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from hetero_jax.errors import PromptError
+from hetero_jax.runtime.compile_cache import tail_capacity_for
+from hetero_jax.runtime.engine import Engine, decode_loop, make_results
+from hetero_jax.runtime.prompts import as_token_batches, check_model, check_request
+
+
+def generate(
+    model,
+    prompt,
+    policy=None,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop: Sequence[str] | str | None = None,
+    chat: bool = True,
+    on_token: Callable[[str], None] | None = None,
+):
+    """Generate a continuation for one prompt or a batch.
+
+    ``prompt``: a string, a list of strings (a batch), token ids, or a list of
+    token-id lists. ``policy=None`` means full KV. Greedy at temperature 0.
+    Stops at EOS, at any ``stop`` string, or after ``max_new_tokens``.
+    ``on_token(text_delta)`` streams a single prompt's new text.
+    Returns a :class:`GenerationResult` (a list of them for a batch).
+    """
+    stops = check_request(max_new_tokens, temperature, top_p, seed=seed, stop=stop, on_token=on_token)
+    check_model(model)
+    batch, is_batch = as_token_batches(model, prompt, chat)
+    if on_token is not None and is_batch:
+        raise PromptError("on_token streams a single prompt; pass one prompt or on_token=None")
+    T = max(len(b) for b in batch)
+    budget = min(max_new_tokens, model.config.max_position_embeddings - T)  # never past the context
+    engine = Engine(model, batch, policy, tail_capacity=tail_capacity_for(budget), seed=seed,
+                    is_batch=is_batch)
+    first = engine.first_tokens(temperature, top_p)
+    out_ids, texts, reasons, decode_s = decode_loop(engine, first, budget, temperature=temperature, top_p=top_p,
+                                                     stops=stops, on_token=on_token)
+    if budget < max_new_tokens:
+        reasons = ["context" if r == "max_new_tokens" else r for r in reasons]
+    results = make_results(engine, out_ids, texts, reasons, decode_s, [len(b) for b in batch])
+    return results if is_batch else results[0]

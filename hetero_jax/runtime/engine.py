@@ -1,0 +1,293 @@
+"""The engine: a prefilled batch and its jitted decode loop, the same for every policy.
+
+Data flows one way: prompts -> ``prefill`` (the policy's plan selects per layer) -> ``plan.finish`` hands
+(cache, DecodeState) on -> ``Engine.step`` runs the policy's ``attend`` inside the jitted step and the
+state's hooks around it (drift checks, recalls) -> ``decode_loop`` accepts tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax.errors import PromptError
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import grow_tail, kv_bytes, prompt_arrays, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.layout import params_for
+from hetero_jax.model.sharding import MeshError, batch_sharding, per_device_bytes, shard_cache, to_host
+from hetero_jax.runtime.compile_cache import MAX_CHUNK, TAIL_QUANTUM, chunk_bucket, compile_seconds, compiled, round_up
+from hetero_jax.runtime.prompts import check_model, validate_ids
+from hetero_jax.runtime.results import GenerationResult, GenerationStats
+from hetero_jax.runtime.sampling import sample
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "policy", "temperature", "top_p"), donate_argnames=("cache",)
+)
+def _decode_jit(params, cache, tokens, key, cfg, policy, temperature, top_p):
+    """One decode step with the policy's ``attend`` in every layer: (tokens, logits, cache, extras)."""
+    logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy)
+    return sample(logits, key, temperature, top_p), logits, cache, extras
+
+
+def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
+            build_layer=None, all_logits: bool = False, mesh=None):
+    """Chunked prefill of a right-padded batch of token-id lists (split over ``mesh``'s "data" axis).
+
+    Returns (logits of each prompt's last token [B, V] float32, cache).
+    """
+    lens = np.array([len(p) for p in prompts], np.int32)
+    T = int(lens.max())
+    C = chunk_bucket(T)
+    tokens = np.zeros((len(prompts), round_up(T, C)), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    if mesh is not None:
+        tokens = jax.device_put(tokens, batch_sharding(mesh, tokens.shape))
+    return M.prefill(
+        params, cfg, tokens, lens, chunk=C, tail_capacity=tail_capacity,
+        build_layer=build_layer, compile_fn=compiled, all_logits=all_logits,
+    )
+
+
+
+def bind_policy(model, policy):
+    """``policy`` (None = full KV) checked and bound to ``model`` (HeteroCache picks its profile)."""
+    from hetero_jax.policies import FullKV, Policy
+
+    policy = FullKV() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise PromptError(
+            f"policy must be a hetero_jax.policies.Policy (e.g. SnapKV(budget=0.3)) or None, got {policy!r}"
+        )
+    return policy.bind(model)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("cache",))
+def _extend_jit(params, cache, tokens, n_new, cfg, policy):
+    return M.extend(params, cache, tokens, n_new, cfg, policy=policy)
+
+
+class Engine:
+    """A prefilled batch and its decode machinery: the shared core of ``generate`` and ``Session``.
+
+    Validates the prompts and the policy's budget before any compute, permutes
+    the heads for the policy's layout (once per model and layout), prefills
+    layer by layer with the policy's selection, and then steps the decoder,
+    running the policy's ``attend`` inside each step and its decode state's hooks
+    (``policies.base.DecodeState``) around it, the same way for every policy.
+    """
+
+    def __init__(self, model, batch: list[list[int]], policy, *, tail_capacity: int, seed: int = 0,
+                 is_batch: bool = False):
+        check_model(model)
+        validate_ids(batch, model.config, is_batch)
+        policy = bind_policy(model, policy)
+        lens = [len(b) for b in batch]
+        plan = policy.make_prefill(model.config, lens, compile_fn=compiled)  # checks budgets
+        compile_start = before = compile_seconds()
+        t0 = time.perf_counter()
+        params = params_for(model, policy.layout(model.config))  # permuted once per (model, layout)
+        mesh = getattr(model, "mesh", None)
+        logits, cache = prefill(params, model.config, batch, tail_capacity=tail_capacity,
+                                build_layer=plan.build_layer, mesh=mesh)
+        cache, state = plan.finish(cache)  # the decode sees only the state the prefill hands on
+        if mesh is not None:  # KV heads on "model", batch on "data", wherever the partitioner put them
+            cache = shard_cache(cache, mesh)
+            if jax.process_count() > 1 and state.host_arrays():
+                raise MeshError(f"{policy!r} keeps host copies, which its decode reads in one process; across "
+                                f"{jax.process_count()} processes run a policy without host copies (full, snapkv, "
+                                "pyramidkv, h2o, cake, streamingllm, quest, contextkeeper) or one process with "
+                                "several devices")
+        # the compressed caches and host reservoirs are off the logits' critical path: wait for them too,
+        # so prefill_seconds (TTFT) is the time until decode can start, not until the logits exist
+        jax.block_until_ready((logits, cache, state.host_arrays()))
+        seconds = time.perf_counter() - t0 - (compile_seconds() - before)
+        self._start(model, policy, lens, params, logits, cache, state, seconds, seed, compile_start)
+
+    @classmethod
+    def from_prefilled(cls, model, policy, lens: list[int], params, logits, cache, state, *,
+                       prefill_seconds: float, seed: int = 0) -> "Engine":
+        """An engine around a prefill done elsewhere: ``policy`` bound (``bind_policy``), ``params`` in its
+        layout, and ``(cache, state)`` from its plan's ``finish``. Benchmarks share one forward pass
+        between several policies this way; ``generate`` never needs it."""
+        e = cls.__new__(cls)
+        e._start(model, policy, list(lens), params, logits, cache, state, prefill_seconds, seed, compile_seconds())
+        return e
+
+    def _start(self, model, policy, lens, params, logits, cache, state, prefill_seconds, seed, compile_start):
+        self.model, self.cfg, self.policy, self.lens = model, model.config, policy, lens
+        self.params, self.logits, self.cache, self.state = params, logits, cache, state
+        self.achieved_rho = state.achieved_rho(cache, self.cfg)
+        self.prefill_seconds = prefill_seconds
+        self.compile_start = compile_start
+        self.key = jax.random.PRNGKey(seed)
+        self.steps = 0
+        self._fns: dict = {}
+
+    @property
+    def positions_left(self) -> int:
+        return self.cfg.max_position_embeddings - int(np.max(to_host(self.cache.seq_lens)))
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` more tail tokens (grows the tail in TAIL_QUANTUM steps; recompiles decode)."""
+        need = int(np.max(to_host(self.cache.tail_lens))) + n
+        if need > self.cache.tail_capacity:
+            self.cache = grow_tail(self.cache, round_up(need, TAIL_QUANTUM))
+
+    def first_tokens(self, temperature: float, top_p: float) -> np.ndarray:
+        """Sample the tokens that follow the prefilled prompt."""
+        self.key, sub = jax.random.split(self.key)
+        return to_host(sample(self.logits, sub, temperature, top_p))
+
+    def step(self, tokens, temperature: float, top_p: float) -> tuple[np.ndarray, float]:
+        """Append ``tokens`` [B] and sample the next ones. Returns (next tokens [B], seconds)."""
+        t1 = time.perf_counter()
+        before = compile_seconds()
+        out = self._advance(tokens, temperature, top_p)
+        nxt = to_host(out[0])  # the read-back is part of the step's cost
+        return nxt, time.perf_counter() - t1 - (compile_seconds() - before)
+
+    def step_with_logits(self, tokens, temperature: float = 0.0, top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """``step`` that also returns the logits it sampled from: (next tokens [B], logits [B, V] float32)."""
+        out = self._advance(tokens, temperature, top_p)
+        return to_host(out[0]), to_host(out[1]).astype(np.float32)
+
+    def _advance(self, tokens, temperature: float, top_p: float):
+        """One decode step with the policy's hooks; the jitted outputs (tokens, logits, cache, extras)."""
+        self.cache = self.state.before_step(self.steps, self.cache)
+        self.key, sub = jax.random.split(self.key)
+        args = (self.params, self.cache, jnp.asarray(tokens, jnp.int32), sub)
+        fn_key = (self.cache.tail_capacity, float(temperature), float(top_p))
+        fn = self._fns.get(fn_key)
+        if fn is None:  # shapes are fixed until the tail grows: look the executable up once
+            fn = self._fns[fn_key] = compiled(_decode_jit, *args, cfg=self.cfg, policy=self.policy,
+                                              temperature=float(temperature), top_p=float(top_p))
+        out = fn(*args)
+        self.cache = out[2]
+        self.state.after_step(self.steps, out[3], self.cache)
+        self.steps += 1
+        return out
+
+    def extend(self, ids: Sequence[int], *, max_chunk: int = MAX_CHUNK) -> np.ndarray:
+        """Append ``ids`` (a session's turn) through chunked passes over the cache as it is; returns the
+        logits of the last token [B, V] float32.
+
+        Chunks are ``chunk_bucket`` sized (at most ``max_chunk``; the last one padded), so a turn of
+        thousands of tokens costs a few prefill-like passes instead of one decode step per token, and
+        equals those steps (tests/test_extend.py). No decode hook runs per token; the policy's decode
+        state gets the turn's queries once, at the end (``after_extend``: HeteroCache re-selects).
+        """
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise PromptError("nothing to extend: the turn has no tokens")
+        self.reserve(len(ids))
+        C = min(chunk_bucket(len(ids)), max_chunk)
+        keep_q = self.state.wants_turn_queries
+        per_chunk, logits = [], None
+        for start in range(0, len(ids), C):
+            part = ids[start : start + C]
+            tokens = np.zeros((len(self.lens), C), np.int32)
+            tokens[:] = part + [0] * (C - len(part))
+            n_new = np.full(len(self.lens), len(part), np.int32)
+            args = (self.params, self.cache, jnp.asarray(tokens), jnp.asarray(n_new))
+            logits, self.cache, queries = compiled(_extend_jit, *args, cfg=self.cfg, policy=self.policy)(*args)
+            if keep_q:
+                per_chunk.append(tuple(q[:, :, : len(part)] for q in queries))
+        if keep_q:
+            turn_queries = tuple(jnp.concatenate(qs, axis=2) for qs in zip(*per_chunk))  # [B, Nkv, n, G, D]
+            self.cache = self.state.after_extend(turn_queries, self.cache)
+        return to_host(logits).astype(np.float32)
+
+    def drain(self) -> float:
+        """Wait until the policy's asynchronous decode work (HeteroCache's dispatched drift checks and
+        recall copies) has finished; returns the seconds waited. Decoding never needs this; a benchmark
+        that times several engines in turn does, so one engine's background work is not timed as
+        another's step."""
+        t0 = time.perf_counter()
+        jax.block_until_ready((self.cache, self.state.in_flight()))
+        return time.perf_counter() - t0
+
+    def stats_fields(self) -> dict:
+        return dict(
+            kv_bytes_device=kv_bytes(self.cache),
+            kv_bytes_used=used_kv_bytes(self.cache),
+            kv_bytes_host=self.state.host_bytes(),
+            kv_bytes_host_by_role=self.state.host_bytes_by_role(),
+            kv_bytes_index=self.state.index_bytes(self.cache),
+            kv_bytes_read_per_step=self.state.kv_bytes_read(self.cache),
+            kv_bytes_prompt=prompt_kv_bytes(self.cache),
+            kv_bytes_tail=tail_kv_bytes(self.cache),
+            policy=repr(self.policy),
+            compile_seconds=compile_seconds() - self.compile_start,
+            policy_stats=self.state.stats(),
+            policy_summary=self.state.summary(),
+            kv_bytes_per_device=self.kv_bytes_per_device(),
+            host_bytes_per_device=(per_device_bytes(self.state.host_arrays())
+                                   if getattr(self.model, "mesh", None) is not None else {}),
+        )
+
+    def kv_bytes_per_device(self) -> dict:
+        """On a mesh: K/V bytes (prompt groups + tail) each device holds; {} on one device."""
+        if getattr(self.model, "mesh", None) is None:
+            return {}
+        return per_device_bytes(prompt_arrays(self.cache)
+                                + [(l.tail_k, l.tail_v) for l in self.cache.layers])
+
+
+def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperature, top_p, stops, on_token):
+    """Accept sampled tokens and step until EOS / stop string / budget. Returns per-sequence outputs."""
+    tok = engine.model.tokenizer
+    eos = set(tok.eos_token_ids) | set(engine.cfg.eos_token_ids)
+    B = len(next_tok)
+    out_ids: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    reasons = ["max_new_tokens"] * B
+    texts = [""] * B
+    decode_s: list[float] = []
+
+    def accept(i: int, t: int) -> None:
+        if done[i]:
+            return
+        if t in eos:
+            done[i], reasons[i] = True, "eos"
+            return
+        out_ids[i].append(t)
+        text = tok.decode(out_ids[i])
+        if on_token is not None:
+            on_token(text[len(texts[i]) :])
+        texts[i] = text
+        for s in stops:
+            cut = text.find(s)
+            if cut >= 0:
+                texts[i] = text[:cut]
+                done[i], reasons[i] = True, "stop"
+                return
+
+    for step in range(budget):
+        for i in range(B):
+            accept(i, int(next_tok[i]))
+        if all(done) or step == budget - 1:
+            break
+        next_tok, seconds = engine.step(next_tok, temperature, top_p)
+        decode_s.append(seconds)
+    return out_ids, texts, reasons, decode_s
+
+
+def make_results(engine, out_ids, texts, reasons, decode_s, prompt_lens, extend_s=0.0):
+    fields = engine.stats_fields()
+    results = []
+    for i in range(len(out_ids)):
+        stats = GenerationStats(
+            prompt_tokens=prompt_lens[i], generated_tokens=len(out_ids[i]),
+            prefill_seconds=engine.prefill_seconds, decode_seconds=decode_s, stop_reason=reasons[i],
+            achieved_rho=float(engine.achieved_rho[i]), extend_seconds=extend_s, **fields,
+        )
+        results.append(GenerationResult(text=texts[i], token_ids=out_ids[i], stats=stats))
+    return results

@@ -1,0 +1,143 @@
+"""Checks and normalisation of what a caller passes, before any compute: prompts, questions, decoding
+arguments, the model bundle. Every refusal is a PromptError that names the problem and the fix."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hetero_jax.errors import PromptError
+from hetero_jax.model.config import ModelConfig
+
+
+def as_token_batches(model, prompt, chat: bool) -> tuple[list[list[int]], bool]:
+    """Normalise the prompt forms to a list of token-id lists; returns (batch, is_batch)."""
+    tok = model.tokenizer
+    if isinstance(prompt, str):
+        return [_encode(tok, prompt, chat)], False
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if isinstance(prompt, (list, tuple)):
+        if len(prompt) == 0:
+            raise PromptError("empty prompt: pass a non-empty string, list of strings or token ids")
+        if all(isinstance(p, str) for p in prompt):
+            return [_encode(tok, p, chat) for p in prompt], True
+        if all(isinstance(p, (int, np.integer)) for p in prompt):
+            return [token_list(prompt, "the prompt")], False
+        if all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt):
+            return [token_list(p, f"prompt {i}") for i, p in enumerate(prompt)], True
+        if not any(isinstance(p, (str, list, tuple, np.ndarray)) for p in prompt):
+            token_list(prompt, "the prompt")  # numbers, not all integers: name the first that is not
+    raise PromptError(
+        f"unsupported prompt type {type(prompt).__name__}: pass a string, a list of strings, "
+        "a list of token ids or a list of token-id lists"
+    )
+
+
+def _encode(tok, text: str, chat: bool) -> list[int]:
+    if not text.strip():
+        raise PromptError("empty prompt: the prompt text has no content")
+    return tok.encode_prompt(text, chat=chat)
+
+
+def validate_ids(batch: list[list[int]], cfg: ModelConfig, is_batch: bool, what: str = "prompt") -> None:
+    for i, ids in enumerate(batch):
+        if len(ids) == 0:
+            raise PromptError(f"empty {what} (batch item {i}): it encodes to zero tokens")
+        if len(ids) >= cfg.max_position_embeddings:
+            raise PromptError(
+                f"{what}{'' if not is_batch else f' {i}'} has {len(ids)} tokens but the model's context "
+                f"is {cfg.max_position_embeddings} tokens (room is needed for at least one new token); "
+                f"shorten the {what}"
+            )
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_request(max_new_tokens, temperature, top_p, *, seed=0, stop=None, on_token=None) -> list[str]:
+    """Types and ranges of the decoding arguments, before any compute; returns the stop strings as a list.
+
+    The types are checked first, so the range comparisons at the end only ever see numbers.
+    """
+    if not is_int(max_new_tokens):
+        raise PromptError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
+        raise PromptError(f"temperature must be a finite number >= 0 (0 = greedy, > 0 samples), got {temperature!r}")
+    if not is_real(top_p) or not np.isfinite(top_p):
+        raise PromptError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not is_int(seed) or not -(2**63) <= seed < 2**63:
+        raise PromptError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
+    if on_token is not None and not callable(on_token):
+        raise PromptError(f"on_token must be a function taking the new text, or None; got {on_token!r}")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) for x in stops):
+        raise PromptError(f"stop must be a string, a list of strings or None, got {stop!r}")
+    if any(x == "" for x in stops):
+        raise PromptError("stop strings must be non-empty: an empty stop string matches at once and ends "
+                          "generation after one token; drop it or pass stop=None")
+    if max_new_tokens < 0:
+        raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not (0.0 < top_p <= 1.0):
+        raise PromptError(f"top_p must be in (0, 1], got {top_p}")
+    return list(stops)
+
+
+def check_model(model) -> None:
+    """A loaded model bundle (``hetero_jax.load``), not a name or a path."""
+    if not all(hasattr(model, a) for a in ("config", "params", "tokenizer")) or not isinstance(
+            getattr(model, "config", None), ModelConfig):
+        got = repr(model) if model is None or isinstance(model, str) else f"a {type(model).__name__}"
+        raise PromptError(f"model must be a loaded model from hetero_jax.load(NAME_OR_DIR), got {got}"
+                          + ("; load it first: model = hetero_jax.load(name)" if isinstance(model, str) else ""))
+
+
+def token_list(seq, what: str) -> list[int]:
+    """``seq`` as a list of Python ints; PromptError naming the first element that is not an integer."""
+    if isinstance(seq, np.ndarray):
+        if seq.ndim != 1:
+            raise PromptError(f"{what} must be a flat list of token ids, got an array of shape {seq.shape}")
+        seq = seq.tolist()
+    if not isinstance(seq, (list, tuple)):
+        raise PromptError(f"{what} must be a list of token ids, got {type(seq).__name__}")
+    for j, t in enumerate(seq):
+        if not is_int(t):
+            raise PromptError(f"token ids must be integers: {what} has {t!r} ({type(t).__name__}) at position {j}")
+    return [int(t) for t in seq]
+
+
+
+def check_session_args(model, context, chat, seed, reserve_tokens) -> None:
+    """Session's arguments, before any compute. The model needs only its tokenizer here (Engine checks the
+    rest): benchmarks/bench_multiturn.py probes a Session's context ids with a tokenizer-only stand-in."""
+    if not hasattr(model, "tokenizer"):
+        check_model(model)
+    if context is None or not isinstance(context, (str, list, tuple, np.ndarray)):
+        raise PromptError(f"context must be a string or a list of token ids, got {type(context).__name__}; "
+                          "a Session answers questions about a context given up front")
+    if not isinstance(chat, (bool, np.bool_)):
+        raise PromptError(f"chat must be True or False, got {chat!r}")
+    check_request(0, 0.0, 1.0, seed=seed)
+    if not is_int(reserve_tokens) or reserve_tokens < 1:
+        raise PromptError(f"reserve_tokens must be an integer >= 1, got {reserve_tokens!r}")
+
+
+def question_ids(question, cfg: ModelConfig) -> list[int]:
+    """A question given as token ids: integers inside the vocabulary, at least one."""
+    if not isinstance(question, (list, tuple, np.ndarray)):
+        raise PromptError(f"question must be a string or a list of token ids, got {type(question).__name__}")
+    ids = token_list(question, "the question")
+    if not ids:
+        raise PromptError("empty question: pass a non-empty string or list of token ids")
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise PromptError(f"token id {bad[0]} of the question is outside the vocabulary [0, {cfg.vocab_size})")
+    return ids
+

@@ -1,0 +1,133 @@
+"""The code's layering: imports run one way (no cycles between modules of the library, the kernels and the
+converter), and no module reaches into another's private names. Read from the source with ``ast``, so a
+violation fails here before it confuses a reader."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("hetero_jax", "pallas_kernels", "convert")
+CHECKED = PACKAGES + ("benchmarks",)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    if parts[0] == "benchmarks":  # scripts import each other by bare name (benchmarks/ is on sys.path)
+        parts = parts[1:]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources(roots) -> dict[str, ast.Module]:
+    out = {}
+    for root in roots:
+        for p in sorted((REPO / root).rglob("*.py")):
+            out[_module_name(p)] = ast.parse(p.read_text(), str(p))
+    return out
+
+
+def _imports(tree: ast.Module):
+    """(module, imported name or None) for every import statement, lazy ones inside functions included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, None
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                yield node.module, a.name
+
+
+def _resolve(name: str, modules) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def import_graph(sources) -> dict[str, set[str]]:
+    graph = {m: set() for m in sources}
+    for m, tree in sources.items():
+        for mod, name in _imports(tree):
+            target = _resolve(f"{mod}.{name}" if name else mod, sources)
+            if target and target != m and not m.startswith(target + "."):  # a package's own __init__ is no edge
+                graph[m].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_on_a_hand_made_graph():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": set()}
+    assert cycles(g) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph(_sources(PACKAGES)))
+    assert not found, f"import cycles (move the shared part into a module both can import): {found}"
+
+
+def test_no_module_imports_another_modules_private_names():
+    sources = _sources(CHECKED)
+    bad = []
+    for m, tree in sources.items():
+        aliases = {}  # local name -> module it stands for
+        for mod, name in _imports(tree):
+            target = f"{mod}.{name}" if name else mod
+            if name and _private(name) and _resolve(mod, sources) != m:
+                bad.append(f"{m}: from {mod} import {name}")
+            if _resolve(target, sources) == target:
+                aliases[target.rpartition(".")[2] if name else target.split(".")[0]] = target
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in sources:
+                        aliases[a.asname or a.name] = full
+            if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and aliases[node.value.id] != m):
+                bad.append(f"{m}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
+    assert not bad, "private names used across modules (make them public or move the code):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_library_never_imports_benchmarks_or_tests(package):
+    for m, tree in _sources([package]).items():
+        for mod, _ in _imports(tree):
+            assert mod.split(".")[0] not in ("benchmarks", "tests", "bench_needle", "bench_policies", "common",
+                                             "haystack"), f"{m} imports {mod}"
