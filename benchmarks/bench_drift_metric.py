@@ -41,14 +41,14 @@ def _overlaps_fn():
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.pooled_scores import INVALID_SCORE, overlap_bitmap, pooled_scores_reference
+    from pallas_kernels.pooled_scores import MASK_VALUE, overlap_bitmap, pooled_scores_reference
 
     @functools.partial(jax.jit, static_argnames=("l_base",))
     def overlaps(q_buf, keys, k_base, lengths, l_base):
         """Raw o_t [B, Np, W] exactly as the check defines it (top-L_base over the valid prompt)."""
         s = pooled_scores_reference(q_buf, keys, lengths, gqa="max")
         vals, idx = jax.lax.top_k(s, l_base)
-        idx = jnp.where(vals > INVALID_SCORE * 0.5, idx, -1)
+        idx = jnp.where(vals > MASK_VALUE * 0.5, idx, -1)
         return overlap_bitmap(idx, k_base[:, :, None, :], keys.shape[2])
 
     return overlaps

@@ -272,7 +272,7 @@ def run_numerics(kind: str, case: tuple, seed: int) -> dict[str, Any]:
         err = float(np.max(np.abs(got[valid] - want[valid])))
         tol = POOLED_TOL[dtype]
         within = bool(np.all(np.abs(got[valid] - want[valid]) <= tol + POOLED_RTOL * np.abs(want[valid])))
-        invalid_ok = bool(np.all(got[~valid] == np.float32(pk.INVALID_SCORE)))
+        invalid_ok = bool(np.all(got[~valid] == np.float32(pk.MASK_VALUE)))
         row = dict(kernel=f"pooled_scores[{gqa}]", shape=f"B{B} Hkv{H} W{W} G{G} D{D} T{T}", dtype=dtype,
                    params=f"block_t={block_t}", lengths=sorted({int(x) for x in lens.reshape(-1)}),
                    max_abs_err={"scores": err}, tol={"scores": f"{tol:g} + {POOLED_RTOL:g}*|ref|"},
@@ -457,7 +457,7 @@ def drift_timing(*, iters: int = 7, lengths=DRIFT_TIMING_T, rhos=DRIFT_TIMING_RH
 
             def select_old(s, b):   # what the check did after scoring: lax.top_k of every step, bitmap overlap
                 vals, idx = jax.lax.top_k(s, l_base)
-                return pk.overlap_bitmap(jnp.where(vals > pk.INVALID_SCORE * 0.5, idx, -1), b[:, :, None, :], T)
+                return pk.overlap_bitmap(jnp.where(vals > pk.MASK_VALUE * 0.5, idx, -1), b[:, :, None, :], T)
 
             def select_new(s, b):   # bisection select + exact membership of K_base, no sort
                 return pk.topk_membership(s, l_base, jnp.broadcast_to(b[:, :, None, :], (1, 1, W, l_base))).sum(-1)
@@ -470,7 +470,7 @@ def drift_timing(*, iters: int = 7, lengths=DRIFT_TIMING_T, rhos=DRIFT_TIMING_RH
                 e = jnp.exp(x - x.max(-1, keepdims=True))
                 p_ = jnp.pad(e / e.sum(-1, keepdims=True), ((0, 0),) * 4 + ((2, 2),))
                 pooled = (sum(p_[..., i:i + T] for i in range(5)) / 5).max(axis=3)
-                return select_old(jnp.where(valid[:, :, None, :], pooled, pk.INVALID_SCORE), b)
+                return select_old(jnp.where(valid[:, :, None, :], pooled, pk.MASK_VALUE), b)
 
             fns = {   # name -> (jitted fn, per-layer args)
                 "before": (jax.jit(before), list(zip(qs, keys, kb))),
@@ -575,7 +575,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             extra = f"; drift flags equal: {'yes' if r['drift_flags_equal'] else 'NO'}, " \
                     f"max overlap difference {r['max_abs_err']['overlap']:.3g}"
         if "invalid_filled" in r:
-            extra = f"; t >= L = INVALID_SCORE: {'yes' if r['invalid_filled'] else 'NO'}"
+            extra = f"; t >= L = MASK_VALUE: {'yes' if r['invalid_filled'] else 'NO'}"
         lens = r["lengths"]
         lens_s = ", ".join(map(str, lens)) if len(lens) <= 6 else ", ".join(map(str, lens[:5])) + ", …"
         rows.append([r["kernel"], r["shape"], r["dtype"], r["params"], lens_s, err + extra, tol,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from pallas_kernels._util import (BACKENDS, ENV_VAR, MASK_VALUE, gpu_available,
                                   resolve_backend, use_kernels)
-from pallas_kernels.pooled_scores import (INVALID_SCORE, POOL_KERNEL_SIZE,
+from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce, masked_softmax,
                                           drift_check, drift_check_reference,
                                           normalised_overlap, overlap_bitmap,
                                           pooled_scores,
@@ -43,8 +43,8 @@ from pallas_kernels.sparse_decode_attention import (
     sparse_decode_attention_reference)
 
 __all__ = [
-    "BACKENDS", "ENV_VAR", "MASK_VALUE", "INVALID_SCORE", "POOL_KERNEL_SIZE",
-    "use_kernels", "resolve_backend", "gpu_available",
+    "BACKENDS", "ENV_VAR", "MASK_VALUE", "POOL_KERNEL_SIZE",
+    "use_kernels", "resolve_backend", "gpu_available", "avg_pool", "gqa_reduce", "masked_softmax",
     "decode_attention", "sparse_decode_attention",
     "sparse_decode_attention_reference", "merge_attention",
     "default_num_splits",

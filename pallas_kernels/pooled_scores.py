@@ -9,7 +9,7 @@ prompt token t < L = lengths[b, h]:
     out[b,h,w,t] = max_g pool[g, t]        (gqa="max": runtime / drift)
                  | mean_g pool[g, t]       (gqa="mean": calibration)
 
-and out[b, h, w, t] = INVALID_SCORE (= -1e30, finite) for t >= L, so that a
+and out[b, h, w, t] = MASK_VALUE (= -1e30, finite) for t >= L, so that a
 caller's `jax.lax.top_k` never prefers an invalid token and sums over rows
 stay finite. Top-k is left to the caller (no sort in kernels).
 
@@ -25,7 +25,7 @@ over the keys of its head, both bounded by L:
      real there), so each token is written exactly once with its full 5-tap
      halo. Windows overlap by 4 tokens: 4 / block_t extra key reads.
 So pooling and GQA aggregation are both in the kernel (max_g does not commute
-with pooling). Only the INVALID_SCORE fill of t >= L is an XLA `where`.
+with pooling). Only the MASK_VALUE fill of t >= L is an XLA `where`.
 """
 
 from __future__ import annotations
@@ -43,10 +43,13 @@ from pallas_kernels._util import (MASK_VALUE, MIN_DOT_ROWS, dot_precision,
                                   is_pow2, next_pow2, resolve_backend)
 
 __all__ = [
-    "INVALID_SCORE",
+    "MASK_VALUE",
     "POOL_KERNEL_SIZE",
     "pooled_scores",
     "pooled_scores_reference",
+    "masked_softmax",
+    "avg_pool",
+    "gqa_reduce",
     "overlap_bitmap",
     "topk_threshold",
     "topk_membership",
@@ -55,8 +58,6 @@ __all__ = [
     "drift_check_reference",
 ]
 
-# Score of tokens at or beyond a head's length (finite, below any real score).
-INVALID_SCORE: float = -1.0e30
 POOL_KERNEL_SIZE: int = 5
 _HALO = POOL_KERNEL_SIZE // 2
 
@@ -163,7 +164,7 @@ def pooled_scores(
     interpret: run the kernel in the Pallas interpreter.
 
   Returns:
-    [B, Hkv, W, T] float32; INVALID_SCORE at t >= L.
+    [B, Hkv, W, T] float32; MASK_VALUE at t >= L.
   """
   if kernel_size != POOL_KERNEL_SIZE:
     raise NotImplementedError("only kernel_size=5 (padding 2) is implemented")
@@ -203,7 +204,34 @@ def pooled_scores(
   )(q_p, k_r, lengths.reshape(BH))
   out = out.reshape(B, H, W, T)
   valid = jnp.arange(T)[None, None, None, :] < lengths[:, :, None, None]
-  return jnp.where(valid, out, INVALID_SCORE)
+  return jnp.where(valid, out, MASK_VALUE)
+
+
+def masked_softmax(s, visible):
+  """float32 softmax over the last axis of ``s`` where ``visible`` (broadcast to s); masked entries get 0,
+  a row with nothing visible gets zeros (never NaN). The softmax of every pooled score in this project."""
+  s = jnp.where(visible, s.astype(jnp.float32), MASK_VALUE)
+  m = s.max(axis=-1, keepdims=True)
+  e = jnp.where(visible, jnp.exp(s - m), 0.0)
+  return e / jnp.maximum(e.sum(axis=-1, keepdims=True), 1e-30)
+
+
+def avg_pool(x, kernel: int = POOL_KERNEL_SIZE):
+  """1-D average pooling along the last axis: stride 1, zero padding kernel // 2, divided by kernel
+  (count_include_pad), the pooling of the module docstring."""
+  half = kernel // 2
+  xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(half, half)])
+  n = x.shape[-1]
+  return sum(xp[..., i:i + n] for i in range(kernel)) / kernel
+
+
+def gqa_reduce(x, how: str, axis: int):
+  """Aggregate the G query heads of each KV head along ``axis``: ``how`` in {"max", "mean"}."""
+  if how == "max":
+    return x.max(axis=axis)
+  if how == "mean":
+    return x.mean(axis=axis)
+  raise ValueError(f"GQA aggregation must be 'max' or 'mean', got {how!r}")
 
 
 @functools.partial(jax.jit, static_argnames=("kernel_size", "gqa"))
@@ -230,16 +258,9 @@ def pooled_scores_reference(
   s = jnp.einsum("bhwgd,bhtd->bhwgt", q_rows.astype(jnp.float32),
                  keys.astype(jnp.float32),
                  precision=lax.Precision.HIGHEST) / math.sqrt(D)
-  vmask = valid[:, :, None, None, :]
-  s = jnp.where(vmask, s, MASK_VALUE)
-  m = s.max(axis=-1, keepdims=True)
-  e = jnp.where(vmask, jnp.exp(s - m), 0.0)
-  p = e / jnp.maximum(e.sum(axis=-1, keepdims=True), 1e-30)
-  half = kernel_size // 2
-  pp = jnp.pad(p, ((0, 0),) * 4 + ((half, half),))
-  pooled = sum(pp[..., i:i + T] for i in range(kernel_size)) / kernel_size
-  agg = pooled.max(axis=3) if gqa == "max" else pooled.mean(axis=3)
-  return jnp.where(valid[:, :, None, :], agg, INVALID_SCORE)
+  p = masked_softmax(s, valid[:, :, None, None, :])
+  agg = gqa_reduce(avg_pool(p, kernel_size), gqa, axis=3)
+  return jnp.where(valid[:, :, None, :], agg, MASK_VALUE)
 
 
 def overlap_bitmap(
@@ -435,7 +456,7 @@ def _drift_check_reference(q_buffer, prompt_keys, k_base_idx, tau_drift,
   lengths = _prepare_lengths(lengths, B, H, T)
   scores = pooled_scores_reference(q_buffer, prompt_keys, lengths, gqa="max")
   vals, idx = lax.top_k(scores, min(L_base, T))             # [B, Hp, W, L]
-  idx = jnp.where(vals > INVALID_SCORE * 0.5, idx, -1).astype(jnp.int32)
+  idx = jnp.where(vals > MASK_VALUE * 0.5, idx, -1).astype(jnp.int32)
   base = jnp.where(k_base_idx < lengths[..., None], k_base_idx, -1)
   bitmap_ov = overlap_bitmap(idx, base[:, :, None, :], T)   # |∩| / min sizes
   size = jnp.minimum((idx >= 0).sum(-1), (base >= 0).sum(-1)[..., None])

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels as pk
-from pallas_kernels import (INVALID_SCORE, MASK_VALUE, drift_check,
+from pallas_kernels import (MASK_VALUE, drift_check,
                             drift_check_reference, merge_attention,
                             normalised_overlap, overlap_bitmap, pooled_scores,
                             pooled_scores_reference, sparse_decode_attention,
@@ -214,7 +214,7 @@ def test_pooled_interpret_matches_reference(B, H, W, G, D, T, dtype, block_t,
   valid = np.broadcast_to(
       np.arange(T)[None, None, None, :] < np.asarray(lengths)[:, :, None, None],
       (B, H, W, T))
-  np.testing.assert_array_equal(np.asarray(got)[~valid], np.float32(INVALID_SCORE))
+  np.testing.assert_array_equal(np.asarray(got)[~valid], np.float32(MASK_VALUE))
   # Scores are probabilities (<= 1): absolute tolerance.
   atol = 1e-6 if dtype == jnp.float32 else 1e-5
   np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid],
@@ -230,7 +230,7 @@ def test_pooled_reference_matches_numpy(gqa):
   got = np.asarray(pooled_scores_reference(jnp.asarray(q), jnp.asarray(k),
                                            jnp.array([[L]], jnp.int32),
                                            gqa=gqa))
-  want = np.full((W, T), INVALID_SCORE, np.float64)
+  want = np.full((W, T), MASK_VALUE, np.float64)
   for w in range(W):
     rows = []
     for g in range(G):
@@ -240,6 +240,22 @@ def test_pooled_reference_matches_numpy(gqa):
       rows.append(np.convolve(p, np.ones(5) / 5, mode="same"))  # zero pad 2
     want[w, :L] = np.max(rows, 0) if gqa == "max" else np.mean(rows, 0)
   np.testing.assert_allclose(got[0, 0], want, rtol=1e-5, atol=1e-7)
+
+
+def test_shared_scoring_pieces_by_hand():
+  """The pieces every pooled score is built from (the reference, the policies' window scores,
+  SyncKV's query scores): hand-computed values."""
+  x = jnp.array([5.0, 0, 0, 0, 0, 0, 10])
+  np.testing.assert_allclose(pk.avg_pool(x), [1, 1, 1, 0, 2, 2, 2])  # zero padding counts in the mean
+  np.testing.assert_allclose(pk.avg_pool(x, 3), [5 / 3, 5 / 3, 0, 0, 0, 10 / 3, 10 / 3], rtol=1e-6)
+  s = jnp.array([[0.0, math.log(3.0), 7.0], [1.0, 2.0, 3.0]])
+  p = np.asarray(pk.masked_softmax(s, jnp.array([[True, True, False], [False, False, False]])))
+  np.testing.assert_allclose(p, [[0.25, 0.75, 0.0], [0.0, 0.0, 0.0]], rtol=1e-6)  # nothing visible: zeros
+  g = jnp.array([[1.0, 4.0], [3.0, 2.0]])
+  np.testing.assert_array_equal(pk.gqa_reduce(g, "max", axis=0), [3.0, 4.0])
+  np.testing.assert_array_equal(pk.gqa_reduce(g, "mean", axis=1), [2.5, 2.5])
+  with pytest.raises(ValueError, match="'max' or 'mean'"):
+    pk.gqa_reduce(g, "sum", axis=0)
 
 
 def test_pooled_reference_ignores_keys_beyond_length():
@@ -305,7 +321,7 @@ def _check_membership(scores, k, idx):
 
 
 # Few distinct values, so that most rows have ties at the k-th largest.
-_VALUES = [INVALID_SCORE, -3.5, -0.0, 0.0, 1e-30, 0.125, 0.125, 0.5, 0.75,
+_VALUES = [MASK_VALUE, -3.5, -0.0, 0.0, 1e-30, 0.125, 0.125, 0.5, 0.75,
            1.0, 3e4]
 
 
@@ -336,7 +352,7 @@ def test_topk_membership_matches_lax_top_k(data):
     ([3.0, 5.0, 3.0, 3.0, 9.0, 3.0], 2),            # no tie at the boundary
     ([0.0, -0.0, 0.0, -0.0, 1.0], 3),               # -0 ranks below +0
     ([-0.0, 0.0, -0.0, 0.0, 1.0], 2),
-    ([INVALID_SCORE] * 3 + [0.5, INVALID_SCORE], 3),  # k beyond the valid
+    ([MASK_VALUE] * 3 + [0.5, MASK_VALUE], 3),  # k beyond the valid
     ([-1.0, -2.0, -1.0, -3.0], 2),                  # negatives
 ])
 def test_topk_membership_ties(scores, k):
@@ -403,7 +419,7 @@ def test_drift_check_matches_topk_definition(seed, L_base, shift):
   s0 = pooled_scores_reference(jnp.asarray(base_q), jnp.asarray(keys),
                                jnp.asarray(lens))[:, :, 0]
   vals, k_base = jax.lax.top_k(s0, L_base)
-  k_base = jnp.where(vals > INVALID_SCORE * 0.5, k_base, -1)
+  k_base = jnp.where(vals > MASK_VALUE * 0.5, k_base, -1)
   tau = 0.3
   got = drift_check(jnp.asarray(q), jnp.asarray(keys), k_base, L_base, tau,
                     jnp.asarray(lens), backend="reference")

@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 from hetero_jax.policies.pages import (
     group_page_scores, page_summaries, page_token_index, query_cosine, quest_page_scores, top_pages,
 )
-from hetero_jax.policies.primitives import INVALID
+from pallas_kernels import MASK_VALUE
 
 # Jitted once per static configuration: each test below goes through these, which proves they trace.
 summaries_int = jax.jit(page_summaries, static_argnames=("page_size", "start"))
@@ -46,7 +46,7 @@ def np_quest(q, kmin, kmax, n):
     q, kmin, kmax = (np.asarray(a, np.float64) for a in (q, kmin, kmax))
     b_, h_, g_, _ = q.shape
     P = kmin.shape[2]
-    u = np.full((b_, h_, g_, P), INVALID)
+    u = np.full((b_, h_, g_, P), MASK_VALUE)
     for b in range(b_):
         for h in range(h_):
             for g in range(g_):
@@ -58,7 +58,7 @@ def np_quest(q, kmin, kmax, n):
 
 def np_group(u, n, how):
     b_, h_, g_, P = u.shape
-    out = np.full((b_, h_, P), INVALID)
+    out = np.full((b_, h_, P), MASK_VALUE)
     for b in range(b_):
         if n[b] == 0:
             continue
@@ -77,7 +77,7 @@ def np_top(scores, n_sel):
     for b in range(scores.shape[0]):
         for h in range(scores.shape[1]):
             order = np.argsort(-scores[b, h], kind="stable")[:n_sel]
-            res[b, h] = sorted(int(p) for p in order if scores[b, h, p] > INVALID)
+            res[b, h] = sorted(int(p) for p in order if scores[b, h, p] > MASK_VALUE)
     return res
 
 
@@ -160,9 +160,9 @@ def test_quest_scores_match_numpy():
     ref = np_quest(q, kmin, kmax, np.asarray(n))
     assert u.shape == (B, H, G, T // PS) and u.dtype == np.float32
     assert np.all(np.isfinite(u))
-    invalid = ref == INVALID
+    invalid = ref == MASK_VALUE
     assert invalid[2].all() and invalid[1, ..., 3:].all() and not invalid[0].any()
-    np.testing.assert_array_equal(u == np.float32(INVALID), invalid)
+    np.testing.assert_array_equal(u == np.float32(MASK_VALUE), invalid)
     np.testing.assert_allclose(u[~invalid], ref[~invalid], rtol=1e-5, atol=1e-5)
 
 
@@ -173,9 +173,9 @@ def test_group_scores_match_numpy(how):
     ref = np_group(np_quest(q, kmin, kmax, np.asarray(n)), np.asarray(n), how)
     assert s.shape == (B, H, T // PS) and s.dtype == np.float32
     assert not np.isnan(s).any()
-    invalid = ref == INVALID
-    np.testing.assert_array_equal(s == np.float32(INVALID), invalid)
-    assert invalid[2].all()  # zero valid pages: all INVALID
+    invalid = ref == MASK_VALUE
+    np.testing.assert_array_equal(s == np.float32(MASK_VALUE), invalid)
+    assert invalid[2].all()  # zero valid pages: all MASK_VALUE
     np.testing.assert_allclose(s[~invalid], ref[~invalid], rtol=1e-5, atol=1e-6)
     if how == "mean_softmax":  # a distribution over each head's valid pages
         np.testing.assert_allclose(s[0].sum(-1), 1.0, rtol=1e-5)
@@ -195,8 +195,8 @@ def test_top_pages_stable_ascending_and_valid_mask():
     rng = np.random.default_rng(4)
     P, n_sel = 9, 4
     scores = rng.integers(0, 3, size=(B, H, P)).astype(np.float32)  # many ties
-    scores[1, :, 2:] = INVALID  # 2 valid pages < n_select
-    scores[2] = INVALID  # none valid
+    scores[1, :, 2:] = MASK_VALUE  # 2 valid pages < n_select
+    scores[2] = MASK_VALUE  # none valid
     pages, valid = top_jit(jnp.asarray(scores), n_select=n_sel)
     pages, valid = np.asarray(pages), np.asarray(valid)
     assert pages.shape == valid.shape == (B, H, n_sel) and pages.dtype == np.int32
@@ -284,7 +284,7 @@ def test_quest_bound_upper_bounds_every_key_in_page(case):
     u = np.asarray(quest_page_scores(jnp.asarray(q), kmin, kmax, n))
     n = int(n[0])
     assert n == max(0, (length - start) // ps) and np.all(np.isfinite(u))
-    assert np.all(u[..., n:] == np.float32(INVALID))
+    assert np.all(u[..., n:] == np.float32(MASK_VALUE))
     q64, k64 = q[0, 0].astype(np.float64), k[0, 0].astype(np.float64)
     for p in range(n):
         page = k64[start + p * ps : start + (p + 1) * ps]

@@ -19,12 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from pallas_kernels import MASK_VALUE  # the one finite mask value (scores beyond a prompt, masked attention)
 
 from hetero_jax.model.cache import KVCache, LayerCache, full_group, group_spans, join_heads, materialize, take_heads
 from hetero_jax.model.config import ModelConfig
 
-# Finite: -inf minus -inf is NaN, and a fully masked row must stay finite.
-MASK_VALUE = -1e30
 
 
 # ----------------------------------------------------------------- primitives

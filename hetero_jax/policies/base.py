@@ -16,7 +16,7 @@ A policy provides
   decode step, the policy being a static argument): one layer's attention,
   returning ``(out, layer_cache, extra)``; the default attends every kept slot;
 - ``token_scores(layer, x_in, keys, prompt_lens, cfg)`` (traced): per-head
-  float32 scores [B, Hkv, Tp] (FORCE on tokens it must keep, INVALID beyond
+  float32 scores [B, Hkv, Tp] (FORCE on tokens it must keep, MASK_VALUE beyond
   the prompt) and a per-sequence auxiliary value (CAKE's layer preference);
 - ``layer_counts(cfg, prompt_len)`` (host): tokens kept per head in each
   layer for one sequence, or ``None`` for policies that plan while prefilling

@@ -17,13 +17,8 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.transformer import prompt_queries
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_choice, check_int, check_real, distribute
 from hetero_jax.policies.selection import FullPrefill
-from hetero_jax.policies.primitives import (
-    attention_probs,
-    avg_pool,
-    finalize_scores,
-    gqa_reduce,
-    observation_window_probs,
-)
+from hetero_jax.policies.primitives import attention_probs, finalize_scores, observation_window_probs
+from pallas_kernels import avg_pool, gqa_reduce
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, host_weighted_sum
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_real
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
-from hetero_jax.policies.primitives import INVALID
+from pallas_kernels import MASK_VALUE
 from hetero_jax.profile.codebook import KeyCodebook, load_codebook, shipped_codebooks
 
 MATCH = 0.05  # a budget picks the operating point whose rho is within 5% of it
@@ -186,7 +186,7 @@ class HCAttention(Policy):
         s = prompt_scores(q, aux) * (1.0 / math.sqrt(D))
         T = s.shape[-1]
         valid = jnp.arange(T, dtype=jnp.int32)[None, :] < aux["prompt_lens"][:, None]  # [B, T]
-        s = jnp.where(valid[:, None, None, :], s, INVALID)
+        s = jnp.where(valid[:, None, None, :], s, MASK_VALUE)
         m = s.max(-1)
         p = jnp.exp(s - m[..., None])
         l = p.sum(-1)

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from pallas_kernels import avg_pool, gqa_reduce
 from hetero_jax.model.cache import HeadGroup, KVCache, PooledGroup, PromptPool, full_group, materialize, take_heads
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, put_rows, scatter_rows
@@ -55,8 +56,7 @@ from hetero_jax.model.layout import group_spans_of
 from hetero_jax.model.transformer import prompt_queries
 from hetero_jax.policies.base import BudgetError, PolicyError, check_int
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
-from hetero_jax.policies.primitives import (attention_probs, avg_pool, finalize_scores, gqa_reduce,
-                                           observation_window_probs, select_topk)
+from hetero_jax.policies.primitives import attention_probs, finalize_scores, observation_window_probs, select_topk
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key, take_slots
 from hetero_jax.policies.selection import cap_bucket, select_group
 from hetero_jax.profile.format import HeadProfile
@@ -155,7 +155,7 @@ class HeteroCache(ProfiledPolicy):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _last_token_scores(layer, x_in, keys, prompt_lens, cfg):
-    """Pooled last-prompt-token attention, GQA max: [B, Hkv, Tp] (INVALID beyond the prompt)."""
+    """Pooled last-prompt-token attention, GQA max: [B, Hkv, Tp] (MASK_VALUE beyond the prompt)."""
     q = prompt_queries(layer, x_in, (prompt_lens - 1)[:, None], cfg)  # [B, Hkv, 1, G, D]
     lengths = jnp.broadcast_to(prompt_lens[:, None], keys.shape[:2])
     return pallas_kernels.scores(q, keys, lengths, gqa="max")[:, :, 0]
@@ -170,7 +170,7 @@ def _window_scores(layer, x_in, keys, prompt_lens, cfg, window: int):
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def _turn_scores(q_rows, row_valid, keys, prompt_lens, block: int = 16):
-    """Pooled attention of a turn's queries over the prompt, summed, GQA max: [B, H, Tp] (INVALID beyond it).
+    """Pooled attention of a turn's queries over the prompt, summed, GQA max: [B, H, Tp] (MASK_VALUE beyond it).
 
     q_rows: [B, H, N, G, D] (N a multiple of ``block``); row_valid: [N] bool (padding rows count 0);
     keys: [B, H, Tp, D]; prompt_lens: [B]. The scoring of prefill's observation window
@@ -443,7 +443,7 @@ def drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: in
     def ranked(s):  # one top-k serves both: new K_base and the recall rows are its first l_base / n_top
         vals, idx = jax.lax.top_k(s, k)
         idx = idx.astype(jnp.int32)
-        base = jnp.where(vals[..., :l_base] > pallas_kernels.INVALID_SCORE * 0.5, idx[..., :l_base], -1)
+        base = jnp.where(vals[..., :l_base] > pallas_kernels.MASK_VALUE * 0.5, idx[..., :l_base], -1)
         return base, jnp.pad(idx[..., :n_top], [(0, 0)] * (idx.ndim - 1) + [(0, max(0, n_top - k))])
 
     def unchanged(s):

@@ -3,7 +3,7 @@
 A page is ``page_size`` consecutive prompt tokens of one KV head, summarised by
 its per-channel min and max key. Keys are post-RoPE ``[B, H, T, D]`` (H = KV
 heads), queries ``[B, H, G, D]`` (G = query heads per KV head). Scores are
-float32 and pages beyond a sequence's count score INVALID (finite, never -inf).
+float32 and pages beyond a sequence's count score MASK_VALUE (finite, never -inf).
 Everything here is pure and jittable with ``page_size``, ``n_select`` and
 ``how`` static; ``start`` is static when it is a python int.
 """
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.policies.primitives import INVALID
+from pallas_kernels import MASK_VALUE
 
 # Guards the norm product of query_cosine: a zero query gives cosine 0, not NaN.
 COSINE_EPS = 1e-12
@@ -72,13 +72,13 @@ def quest_page_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, n_pages: j
 
     ``u = sum_d max(q_d*kmin_d, q_d*kmax_d)`` in float32, no 1/sqrt(D).
     q: [B, H, G, D]; kmin, kmax: [B, H, P, D]; n_pages: [B].
-    Returns [B, H, G, P], INVALID on pages >= n_pages.
+    Returns [B, H, G, P], MASK_VALUE on pages >= n_pages.
     """
     qf = q.astype(jnp.float32)[:, :, :, None, :]
     lo = kmin.astype(jnp.float32)[:, :, None, :, :]
     hi = kmax.astype(jnp.float32)[:, :, None, :, :]
     u = jnp.maximum(qf * lo, qf * hi).sum(axis=-1)
-    return jnp.where(_page_valid(n_pages, u.shape[-1])[:, None, None, :], u, INVALID)
+    return jnp.where(_page_valid(n_pages, u.shape[-1])[:, None, None, :], u, MASK_VALUE)
 
 
 def group_page_scores(
@@ -89,34 +89,34 @@ def group_page_scores(
     how="max": the group max of the bound (group-consistent Quest, "maxS").
     how="mean_softmax": FreeKV's MeanS rule, a softmax of each query head's
     bounds over the valid pages, then the mean over the group.
-    Shapes as in quest_page_scores; returns [B, H, P] float32, INVALID on pages
-    >= n_pages (all INVALID, no NaN, for a sequence without pages).
+    Shapes as in quest_page_scores; returns [B, H, P] float32, MASK_VALUE on pages
+    >= n_pages (all MASK_VALUE, no NaN, for a sequence without pages).
     """
     u = quest_page_scores(q, kmin, kmax, n_pages)
     if how == "max":
         s = u.max(axis=2)
     elif how == "mean_softmax":
-        s = jax.nn.softmax(u, axis=-1).mean(axis=2)  # INVALID pages get weight 0
+        s = jax.nn.softmax(u, axis=-1).mean(axis=2)  # MASK_VALUE pages get weight 0
     else:
         raise ValueError(f"group page rule must be 'max' or 'mean_softmax', got {how!r}")
-    return jnp.where(_page_valid(n_pages, s.shape[-1])[:, None, :], s, INVALID)
+    return jnp.where(_page_valid(n_pages, s.shape[-1])[:, None, :], s, MASK_VALUE)
 
 
 def top_pages(scores: jax.Array, n_select: int, counts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The ``n_select`` best pages of each head, in ascending page order.
 
-    scores: [B, H, P] float32 (INVALID on unusable pages); n_select <= P,
+    scores: [B, H, P] float32 (MASK_VALUE on unusable pages); n_select <= P,
     static; counts: optional [B] pages each sequence may keep (<= n_select; the
     best ``counts[b]`` are kept). Ties go to the lower page (``lax.top_k`` is
     stable). Returns pages [B, H, n_select] int32 and valid [B, H, n_select]
-    bool; slots that could only pick an INVALID page (or are past the count)
+    bool; slots that could only pick an MASK_VALUE page (or are past the count)
     come last, are marked False and repeat the last valid page (page 0 when a
     head has none), so every id is in range.
     """
     if not 0 < n_select <= scores.shape[-1]:
         raise ValueError(f"n_select must be in [1, {scores.shape[-1]}] (the page axis), got {n_select}")
     vals, idx = jax.lax.top_k(scores, n_select)  # best first
-    ok = vals > INVALID
+    ok = vals > MASK_VALUE
     if counts is not None:
         ok &= jnp.arange(n_select)[None, None, :] < counts[:, None, None]
     big = jnp.iinfo(jnp.int32).max

@@ -13,30 +13,11 @@ import jax.numpy as jnp
 
 from hetero_jax.model.cache import HeadGroup
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.transformer import MASK_VALUE, prompt_queries
+from hetero_jax.model.transformer import prompt_queries
+from pallas_kernels import MASK_VALUE, gqa_reduce, masked_softmax
 
 # Score of a token a policy must keep (sinks, observation window): above any real score.
 FORCE = 1e30
-# Score of a slot beyond a sequence's prompt: below any real score.
-INVALID = -1e30
-POOL_KERNEL = 5
-
-
-def avg_pool(x: jax.Array, kernel: int = POOL_KERNEL) -> jax.Array:
-    """1-D average pooling along the last axis: stride 1, zero padding kernel//2, divide by kernel."""
-    half = kernel // 2
-    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(half, half)])
-    n = x.shape[-1]
-    return sum(xp[..., i : i + n] for i in range(kernel)) / kernel
-
-
-def gqa_reduce(x: jax.Array, how: str, axis: int) -> jax.Array:
-    """Aggregate the G query heads of each KV head: ``how`` in {"max", "mean"}."""
-    if how == "max":
-        return x.max(axis=axis)
-    if how == "mean":
-        return x.mean(axis=axis)
-    raise ValueError(f"GQA aggregation must be 'max' or 'mean', got {how!r}")
 
 
 def window_rows(prompt_lens: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
@@ -63,8 +44,7 @@ def attention_probs(
     s = s * (1.0 / math.sqrt(D))
     t = jnp.arange(keys.shape[2], dtype=jnp.int32)
     visible = (t[None, None, :] <= q_pos[:, :, None]) & (t[None, None, :] < prompt_lens[:, None, None])
-    s = jnp.where(visible[:, None, :, None, :], s, MASK_VALUE)
-    return jax.nn.softmax(s, axis=-1)
+    return masked_softmax(s, visible[:, None, :, None, :])
 
 
 def query_probs_max(q: jax.Array, keys: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -72,12 +52,11 @@ def query_probs_max(q: jax.Array, keys: jax.Array, lengths: jax.Array) -> jax.Ar
     no pooling (SyncKV's scoring, paper §4.1-4.2).
 
     q: [B, H, G, D]; keys: [B, H, T, D]; lengths: [B, H] valid keys (the rest are masked in the softmax
-    and scored INVALID). Returns [B, H, T] float32.
+    and scored MASK_VALUE). Returns [B, H, T] float32.
     """
     s = jnp.einsum("bhgd,bhtd->bhgt", q, keys, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(q.shape[-1]))
     valid = jnp.arange(keys.shape[2], dtype=jnp.int32)[None, None, :] < lengths[..., None]  # [B, H, T]
-    p = jax.nn.softmax(jnp.where(valid[:, :, None, :], s, MASK_VALUE), axis=-1).max(axis=2)
-    return jnp.where(valid, p, INVALID)
+    return jnp.where(valid, gqa_reduce(masked_softmax(s, valid[:, :, None, :]), "max", axis=2), MASK_VALUE)
 
 
 def observation_window_probs(
@@ -100,13 +79,13 @@ def keep_mask(prompt_lens: jax.Array, tp: int) -> jax.Array:
 
 
 def finalize_scores(scores: jax.Array, prompt_lens: jax.Array, forced: jax.Array | None = None) -> jax.Array:
-    """scores [B, Hkv, Tp] -> FORCE on forced slots ([B, Tp] or [B, Hkv, Tp]), INVALID beyond the prompt."""
+    """scores [B, Hkv, Tp] -> FORCE on forced slots ([B, Tp] or [B, Hkv, Tp]), MASK_VALUE beyond the prompt."""
     scores = scores.astype(jnp.float32)
     if forced is not None:
         if forced.ndim == 2:
             forced = forced[:, None, :]
         scores = jnp.where(forced, FORCE, scores)
-    return jnp.where(keep_mask(prompt_lens, scores.shape[-1])[:, None, :], scores, INVALID)
+    return jnp.where(keep_mask(prompt_lens, scores.shape[-1])[:, None, :], scores, MASK_VALUE)
 
 
 def select_topk(scores: jax.Array, counts: jax.Array, cap: int) -> jax.Array:

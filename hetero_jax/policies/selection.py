@@ -12,7 +12,8 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import HeadGroup, KVCache, prompt_kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
-from hetero_jax.policies.primitives import INVALID, gather_group, select_topk
+from pallas_kernels import MASK_VALUE
+from hetero_jax.policies.primitives import gather_group, select_topk
 from hetero_jax.model.sharding import to_host
 
 
@@ -39,7 +40,7 @@ def _select_bucket(scores, k, v, positions, counts, cap: int):
     kept = jnp.take_along_axis(scores, idx, axis=2)
     # padding slots repeat a kept token; they must never win a later re-selection (CAKE's cascade)
     padding = jnp.arange(cap)[None, None, :] >= counts[..., None]
-    return gather_group(k, v, positions, idx, counts), jnp.where(padding, INVALID, kept)
+    return gather_group(k, v, positions, idx, counts), jnp.where(padding, MASK_VALUE, kept)
 
 
 def select_group(scores, k, v, positions, counts, cap: int, compile_fn=None) -> tuple[HeadGroup, jax.Array]:

@@ -44,7 +44,8 @@ from hetero_jax.model.host_store import HostKVStore, put_rows, scatter_rows
 from hetero_jax.model.transformer import prompt_queries
 from hetero_jax.policies.base import PolicyError, check_int, check_real
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
-from hetero_jax.policies.primitives import INVALID, gather_group, query_probs_max
+from pallas_kernels import MASK_VALUE
+from hetero_jax.policies.primitives import gather_group, query_probs_max
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key
 from hetero_jax.policies.selection import bytes_rho, cap_bucket
 from hetero_jax.profile.clustering import Role
@@ -140,7 +141,7 @@ def _anticipate(q, keys, lengths, static_idx, k_dyn: int):
     [B, Np, k_s] (``_NO_POS`` padding). Returns [B, Np, k_dyn] int32, best first."""
     s = query_probs_max(q, keys, lengths)
     B, Np, _ = s.shape
-    s = s.at[jnp.arange(B)[:, None, None], jnp.arange(Np)[None, :, None], static_idx].set(INVALID, mode="drop")
+    s = s.at[jnp.arange(B)[:, None, None], jnp.arange(Np)[None, :, None], static_idx].set(MASK_VALUE, mode="drop")
     return jax.lax.top_k(s, k_dyn)[1].astype(jnp.int32)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hetero_jax.model.transformer import MASK_VALUE
+from pallas_kernels import MASK_VALUE
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
