@@ -132,20 +132,6 @@ def step_logits(engine, token: int):
     return engine.step_with_logits([token], 0.0, 1.0)[1][0]
 
 
-# ------------------------------------------------------------------ combos
-def make_combos(policies, budgets) -> list[tuple[str, float]]:
-    """(registry name, rho): full KV first (the reference), then every other policy x budget."""
-    combos = [("full", 1.0)]
-    for name in policies:
-        if name != "full":
-            combos += [(name, float(b)) for b in budgets]
-    return combos
-
-
-def combo_label(name: str, rho: float) -> str:
-    return "full" if name == "full" else f"{name}@{rho:g}"
-
-
 def check_budgets(model, combos, prompt_len: int):
     """Split combos into (runnable [(name, rho, policy)], refused [{label, reason}]) for this prompt length."""
     from hetero_jax.policies import BudgetError, make_policy
@@ -157,7 +143,7 @@ def check_budgets(model, combos, prompt_len: int):
         try:
             G.bind_policy(model, pol).make_prefill(model.config, [prompt_len])  # checks budgets, no compute
         except BudgetError as e:
-            refused.append({"policy": name, "rho": rho, "label": combo_label(name, rho), "reason": str(e)})
+            refused.append({"policy": name, "rho": rho, "label": common.combo_label(name, rho), "reason": str(e)})
             continue
         ok.append((name, rho, pol))
     return ok, refused
@@ -195,7 +181,7 @@ def run_sample(model, doc: list[int], prompt_tokens: int, combos_ok, bar=None) -
     out = []
     for i, (name, rho, pol) in enumerate(combos_ok):
         out.append({
-            "policy": name, "rho": rho, "label": combo_label(name, rho), "policy_repr": repr(pol),
+            "policy": name, "rho": rho, "label": common.combo_label(name, rho), "policy_repr": repr(pol),
             "achieved_rho": after_prefill[i]["achieved_rho"],
             "kv_bytes_prompt": after_prefill[i]["kv_bytes_prompt"], "kv_bytes_host": after_prefill[i]["kv_bytes_host"],
             "recall": final[i]["recall"],
@@ -217,7 +203,7 @@ def summarize(runs: list[dict], combos) -> list[dict]:
         checks = sum(r["recall"].get("drift_checks", 0) for r in rs)
         trig = sum(r["recall"].get("drift_triggers", 0) for r in rs)
         rows.append({
-            "policy": name, "rho": rho, "label": combo_label(name, rho), "samples": len(rs),
+            "policy": name, "rho": rho, "label": common.combo_label(name, rho), "samples": len(rs),
             "achieved_rho": float(sum(r["achieved_rho"] for r in rs) / len(rs)), **s,
             "drift_checks": checks, "drift_triggers": trig, "trigger_rate": trig / checks if checks else None,
             "recalls": sum(r["recall"].get("recalls", 0) for r in rs),
@@ -260,7 +246,7 @@ def run(args) -> dict:
     if starts[-1] + P + N + 1 > len(doc):
         raise SystemExit(f"the document has {len(doc)} tokens; {args.samples} sample(s) of {P} + {N} + 1 tokens "
                          f"from token {args.start} with stride {stride} need {starts[-1] + P + N + 1}")
-    combos = make_combos(args.policies, args.budgets)
+    combos = common.make_combos(args.policies, args.budgets)
     combos_ok, refused = check_budgets(model, combos, P)
     for r in refused:
         print(f"skipped {r['label']}: {r['reason']}", file=sys.stderr)
@@ -272,7 +258,7 @@ def run(args) -> dict:
         "samples": args.samples, "start": args.start, "stride": stride, "sample_starts": starts,
         "document": where, "document_tokens": len(doc),
         "policies": list(dict.fromkeys(n for n, _ in combos)), "budgets": args.budgets,
-        "combos": [combo_label(n, r) for n, r in combos], "preset": args.preset,
+        "combos": [common.combo_label(n, r) for n, r in combos], "preset": args.preset,
         "compile_cache": not args.no_compile_cache,
         "prefill": "one shared layer-major prefill per head layout (bench_policies.make_engines)",
         "teacher_forcing": "decode step per true token (Engine.step_with_logits: the policy's before_step / "
@@ -351,10 +337,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     summary = [s for s in payload["summary"] if s["policy"] != "full"]
     if not summary:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     cfg = payload["config"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
@@ -375,12 +358,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
         ax.legend(fontsize=8)
     sub = (f"{cfg['model']} {cfg['dtype']}, prompt {cfg['prompt_tokens']} + {cfg['continuation_tokens']} "
            f"teacher-forced tokens x {cfg['samples']} sample(s), {common.git_summary(payload['git'])}")
-    fig.suptitle(f"Fidelity vs full KV — {sub}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, f"Fidelity vs full KV — {sub}")
 
 
 # --------------------------------------------------------------------- main
@@ -420,27 +398,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)
     args.plot = args.plot or args.out.with_suffix(".png")
-    if any(not 0.0 < b <= 1.0 for b in args.budgets):
-        p.error("--budgets must be in (0, 1]")
+    args.budgets = common.checked_budgets(p, args.budgets)
     if args.prompt_tokens < 1 or args.continuation_tokens < 1 or args.samples < 1 or args.start < 0:
         p.error("--prompt-tokens, --continuation-tokens and --samples must be >= 1, --start >= 0")
     if args.stride is not None and args.stride < 1:
         p.error("--stride must be >= 1")
-    args.budgets = list(dict.fromkeys(args.budgets))
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     payload = run(args)
-    out = common.write_json(args.out, payload)
-    png = make_plot(payload, args.plot)
-    print(f"wrote {out}" + (f" and {png}" if png else ""))
-    print(results_table(payload["summary"]))
-    print(f"total {payload['total_seconds'] / 60:.1f} min")
-    if args.write_results:
-        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
-                                     args.results_file, preset=args.preset)
+    common.finish_run(args, payload, section=SECTION, make_plot=make_plot, results_section=results_section,
+                      tables=[results_table(payload["summary"])], preset=args.preset)
     return 0
 
 

@@ -211,10 +211,7 @@ def make_plot(results: list[dict], path: Path, subtitle: str) -> Path | None:
     ok = _ok(results)
     if not ok:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     dtypes = list(dict.fromkeys(r["dtype"] for r in ok))  # in run order
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -178,20 +178,6 @@ def timing_summary(seconds) -> dict:
             "p99_over_p50": p99 / p50 if p50 > 0 else float("nan"), "n": int(ms.size)}
 
 
-# ------------------------------------------------------------------ combos
-def make_combos(policies, budgets) -> list[tuple[str, float]]:
-    """(registry name, rho): full KV first (the reference), then every other policy x budget."""
-    combos = [("full", 1.0)]
-    for name in policies:
-        if name != "full":
-            combos += [(name, float(b)) for b in budgets]
-    return combos
-
-
-def combo_label(name: str, rho: float) -> str:
-    return "full" if name == "full" else f"{name}@{rho:g}"
-
-
 # ------------------------------------------------------------------- models
 # Shapes the synthetic points can take: the loaded SmolLM2's own, or Llama-3.1-8B's (its published
 # config.json fields that fix the cost of a step; meant for a GPU: 16 GB of weights in bfloat16).
@@ -333,7 +319,7 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
     for rnd in range(rounds):
         for j in range(n):
             i = (rnd + j) % n
-            status(f"prefill round {rnd + 1}/{rounds}, {combo_label(*combos[i])}")
+            status(f"prefill round {rnd + 1}/{rounds}, {common.combo_label(*combos[i])}")
             engines[i] = None  # free the previous round's cache first
             gc.collect()
             c0 = G.compile_seconds()
@@ -384,7 +370,7 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
         checks = r1.get("drift_checks", 0) - r0.get("drift_checks", 0)
         trig = r1.get("drift_triggers", 0) - r0.get("drift_triggers", 0)
         results.append({
-            "policy": name, "rho": rho, "label": combo_label(name, rho), "policy_repr": repr(bound[i]),
+            "policy": name, "rho": rho, "label": common.combo_label(name, rho), "policy_repr": repr(bound[i]),
             **final[i],
             "kv_after_prefill": after_prefill[i],
             "ttft_seconds": ttft[i], "ttft_warmup_seconds": ttft_warm[i], "prefill_seconds": prefill_s[i],
@@ -457,7 +443,7 @@ def run(args) -> dict:
         from hetero_jax.cli import enable_compilation_cache
 
         enable_compilation_cache()
-    combos = make_combos(args.policies, args.budgets)
+    combos = common.make_combos(args.policies, args.budgets)
     t_start = time.perf_counter()
     real = hetero_jax.load(args.model, dtype="float32", progress=False)
     load_s = time.perf_counter() - t_start
@@ -482,7 +468,7 @@ def run(args) -> dict:
         "synthetic_profile": synth_prof.model_name if synth_prof is not None else None,
         "real_lengths": args.real_lengths, "synthetic_lengths": args.synthetic_lengths,
         "policies": list(dict.fromkeys(n for n, _ in combos)), "budgets": args.budgets,
-        "combos": [combo_label(n, r) for n, r in combos],
+        "combos": [common.combo_label(n, r) for n, r in combos],
         "decode_steps": args.decode_steps, "warmup_steps": args.warmup_steps,
         "ttft_warmup": args.ttft_warmup, "ttft_repeats": args.ttft_repeats,
         "seed": args.seed, "preset": args.preset, "compile_cache": not args.no_compile_cache,
@@ -686,10 +672,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     runs = payload["runs"]
     if not runs:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     labels = list(dict.fromkeys(r["label"] for r in runs))
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
@@ -736,12 +719,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
         ax.legend(fontsize=7)
     sub = f"{model_label(payload['config'])} {dtype_label(payload['config'])}, {common.git_summary(payload['git'])}, " \
           f"{payload['machine'].get('cpu_model', '?')}"
-    fig.suptitle(f"Latency per policy (hollow markers, dashed: synthetic random weights) — {sub}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, f"Latency per policy (hollow markers, dashed: synthetic random weights) — {sub}")
 
 
 # --------------------------------------------------------------------- main
@@ -797,8 +775,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.plot = args.plot or args.out.with_suffix(".png")
     args.synthetic_dtype = args.synthetic_dtype or SYNTHETIC_DEFAULT_DTYPE[args.synthetic_shape]
-    if any(not 0.0 < b <= 1.0 for b in args.budgets):
-        p.error("--budgets must be in (0, 1]")
+    args.budgets = common.checked_budgets(p, args.budgets)
     if args.decode_steps < 1 or args.warmup_steps < 0:
         p.error("--decode-steps must be >= 1 and --warmup-steps >= 0")
     if args.ttft_repeats < 1 or args.ttft_warmup < 0:
@@ -807,23 +784,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("give at least one of --real-lengths / --synthetic-lengths")
     if any(n < 1 for n in args.real_lengths + args.synthetic_lengths):
         p.error("lengths must be positive")
-    args.budgets = list(dict.fromkeys(args.budgets))
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     payload = run(args)
-    out = common.write_json(args.out, payload)
-    png = make_plot(payload, args.plot)
-    print(f"wrote {out}" + (f" and {png}" if png else ""))
-    print(results_table(payload["runs"]))
-    print()
-    print(targets_text(payload["targets"]))
-    print(f"total {payload['total_seconds'] / 60:.1f} min")
-    if args.write_results:
-        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
-                                     args.results_file, preset=args.preset)
+    common.finish_run(args, payload, section=SECTION, make_plot=make_plot, results_section=results_section,
+                      tables=[results_table(payload["runs"]), targets_text(payload["targets"])], preset=args.preset)
     return 0
 
 

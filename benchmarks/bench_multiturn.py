@@ -55,7 +55,7 @@ import bench_needle  # noqa: E402  (benchmarks/bench_needle.py: answer matching,
 import common  # noqa: E402  (benchmarks/common.py)
 import haystack  # noqa: E402  (benchmarks/haystack.py)
 from bench_needle import (  # noqa: E402
-    answer_correct, combo_label, config_haystacks, haystacks_of, make_combos, record_haystack,
+    answer_correct, config_haystacks, haystacks_of, record_haystack,
 )
 
 SECTION = "multiturn"
@@ -136,7 +136,7 @@ _FIRST_COMPILE_CPU_S, _MORE_COMPILE_CPU_S = 130.0, 20.0
 
 def estimate_minutes(preset: dict) -> float:
     """Estimated wall minutes of a multi-turn preset on an idle 2-core CPU (cold compilation cache)."""
-    combos = make_combos(preset["policies"], preset["budgets"])
+    combos = common.make_combos(preset["policies"], preset["budgets"])
     n_het = sum(name == "heterocache" for name, _ in combos)
     n_base = len(combos) - n_het
     n = len(preset["seeds"]) * len(preset["haystacks"])
@@ -327,7 +327,7 @@ def summarize(records: list[dict], combos, lengths, n_facts: int) -> list[dict]:
     rows = []
     for L in lengths:
         for name, rho in combos:
-            label = combo_label(name, rho)
+            label = common.combo_label(name, rho)
             rs = [r for r in records if r["length"] == L and r["label"] == label]
             if not rs:
                 continue
@@ -383,7 +383,7 @@ def hetero_vs_snapkv(records: list[dict], budgets) -> list[dict]:
     met iff HeteroCache's total is higher."""
     out = []
     for b in budgets:
-        labels = [combo_label(n, b) for n in ("heterocache", "snapkv")]
+        labels = [common.combo_label(n, b) for n in ("heterocache", "snapkv")]
         if not all(any(r["label"] == lab for r in records) for lab in labels):
             continue
         counts = [recalled_per_session(records, lab) for lab in labels]
@@ -406,8 +406,8 @@ def run(args) -> dict:
         from hetero_jax.cli import enable_compilation_cache
 
         enable_compilation_cache()
-    combos = make_combos(args.policies, args.budgets)
-    labels = [combo_label(n, r) for n, r in combos]
+    combos = common.make_combos(args.policies, args.budgets)
+    labels = [common.combo_label(n, r) for n, r in combos]
     depths = args.fact_depths or fact_depths(args.n_facts)
 
     t_start = time.perf_counter()
@@ -667,10 +667,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     summary = payload["summary"]
     if not summary:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
     import numpy as np
 
     cfg = payload["config"]
@@ -755,8 +752,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.plot = args.plot or args.out.with_suffix(".png")
     if "full" not in args.policies:
         args.policies = ["full", *args.policies]
-    if any(not 0.0 < b <= 1.0 for b in args.budgets):
-        p.error("--budgets must be in (0, 1]")
+    args.budgets = common.checked_budgets(p, args.budgets)
     if args.n_facts < 1 or args.max_new_tokens < 1 or any(n < 1 for n in args.lengths):
         p.error("--n-facts, --max-new-tokens and --lengths must be positive")
     if args.fact_depths is not None:
@@ -764,7 +760,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--fact-depths needs one depth per fact ({args.n_facts})")
         if any(not 0.0 <= d <= 1.0 for d in args.fact_depths) or sorted(args.fact_depths) != args.fact_depths:
             p.error("--fact-depths must be increasing, in [0, 1] (facts are asked in depth order)")
-    args.budgets = list(dict.fromkeys(args.budgets))
     args.haystacks = list(dict.fromkeys(args.haystacks))
     return args
 
@@ -772,17 +767,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     payload = run(args)
-    out = common.write_json(args.out, payload)
-    png = make_plot(payload, args.plot)
-    print(f"wrote {out}" + (f" and {png}" if png else ""))
-    print(results_table(payload))
-    if len(args.haystacks) > 1:
-        print(totals_table(payload))
-    print("\n".join(criteria_lines(payload)))
-    print(f"total {payload['total_seconds'] / 60:.1f} min")
-    if args.write_results:
-        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
-                                     args.results_file, preset=args.preset)
+    tables = [results_table(payload)] + ([totals_table(payload)] if len(args.haystacks) > 1 else [])
+    common.finish_run(args, payload, section=SECTION, make_plot=make_plot, results_section=results_section,
+                      tables=tables + ["\n".join(criteria_lines(payload))], preset=args.preset)
     return 0
 
 

@@ -163,7 +163,7 @@ def interp_cost(table: dict[int, float], n: int) -> float:
 
 def estimate_minutes(preset: dict) -> float:
     """Estimated wall minutes of a needle preset on an idle 2-core CPU (cold compilation cache)."""
-    combos = make_combos(preset["policies"], preset["budgets"])
+    combos = common.make_combos(preset["policies"], preset["budgets"])
     extra = combos[3:] if len(combos) > 3 else []
     n = len(preset["depths"]) * len(preset["seeds"]) * len(preset["haystacks"])
     cpu = LOAD_S + _COMPILE_CPU_S * len(preset["lengths"])
@@ -243,19 +243,6 @@ def answer_correct(generated: str, answer: str) -> bool:
 
 
 # --------------------------------------------------------- grid bookkeeping
-def combo_label(name: str, rho: float) -> str:
-    return "full" if name == "full" else f"{name}@{rho:g}"
-
-
-def make_combos(policies: list[str], budgets: list[float]) -> list[tuple[str, float]]:
-    """(registry name, rho): full KV first (the reference), then every other policy x budget."""
-    combos = [("full", 1.0)]
-    for name in policies:
-        if name != "full":
-            combos += [(name, float(b)) for b in budgets]
-    return combos
-
-
 def record_haystack(r: dict) -> str:
     """The haystack of a record (records written before haystacks were recorded used pydoc)."""
     return r.get("haystack", haystack.DEFAULT_HAYSTACK)
@@ -305,7 +292,7 @@ def summarize(records: list[dict], combos, lengths) -> list[dict]:
     """One row per combo: accuracy overall and per length, achieved rho, comparison with full KV."""
     rows = []
     for name, rho in combos:
-        label = combo_label(name, rho)
+        label = common.combo_label(name, rho)
         rs = [r for r in records if r["label"] == label]
         if not rs:
             continue
@@ -473,8 +460,8 @@ def run(args) -> dict:
         from hetero_jax.cli import enable_compilation_cache
 
         enable_compilation_cache()
-    combos = make_combos(args.policies, args.budgets)
-    labels = [combo_label(n, r) for n, r in combos]
+    combos = common.make_combos(args.policies, args.budgets)
+    labels = [common.combo_label(n, r) for n, r in combos]
     policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
 
     t_start = time.perf_counter()
@@ -699,10 +686,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     """One heatmap per combo (x = context length, y = needle depth, colour = score), like Fig. 3 of the paper."""
     if not payload["records"]:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
     import numpy as np
 
     cfg = payload["config"]
@@ -811,13 +795,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.plot = args.plot or args.out.with_suffix(".png")
     if "full" not in args.policies:
         args.policies = ["full", *args.policies]
-    if any(not 0.0 < b <= 1.0 for b in args.budgets):
-        p.error("--budgets must be in (0, 1]")
+    args.budgets = common.checked_budgets(p, args.budgets)
     if any(not 0.0 <= d <= 1.0 for d in args.depths):
         p.error("--depths must be in [0, 1]")
     if any(n < 1 for n in args.lengths) or args.max_new_tokens < 1:
         p.error("--lengths and --max-new-tokens must be positive")
-    args.budgets = list(dict.fromkeys(args.budgets))
     args.haystacks = list(dict.fromkeys(args.haystacks))
     return args
 
@@ -825,14 +807,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     payload = run(args)
-    out = common.write_json(args.out, payload)
-    png = make_plot(payload, args.plot)
-    print(f"wrote {out}" + (f" and {png}" if png else ""))
-    print(results_table(payload))
-    print(f"total {payload['total_seconds'] / 60:.1f} min")
-    if args.write_results:
-        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
-                                     args.results_file, preset=args.preset)
+    common.finish_run(args, payload, section=SECTION, make_plot=make_plot, results_section=results_section,
+                      tables=[results_table(payload)], preset=args.preset)
     return 1 if any(c["problems"] for c in payload["checks"]) else 0
 
 

@@ -82,19 +82,6 @@ def policy_names() -> list[str]:
     return list(REGISTRY)
 
 
-def make_combos(policies: list[str], budgets: list[float]) -> list[tuple[str, float]]:
-    """(registry name, rho): full KV once (always first, the reference), then every policy x budget."""
-    combos = [("full", 1.0)]
-    for name in policies:
-        if name != "full":
-            combos += [(name, float(b)) for b in budgets]
-    return combos
-
-
-def combo_label(name: str, rho: float) -> str:
-    return "full" if name == "full" else f"{name}@{rho:g}"
-
-
 # ----------------------------------------------------------- shared prefill
 class SharedPrefill:
     """One layer-major prefill feeding several policies' ``build_layer`` hooks.
@@ -321,7 +308,7 @@ def run_prompt(model, ids: list[int], combos, policies, *, max_new: int, warmup:
     for i, (name, rho) in enumerate(combos):
         st = answer_stats[i] or final[i]
         results.append({
-            "policy": name, "rho": rho, "label": combo_label(name, rho), "policy_repr": repr(policies[i]),
+            "policy": name, "rho": rho, "label": common.combo_label(name, rho), "policy_repr": repr(policies[i]),
             **st,
             "kv_after_prefill": after_prefill[i],
             "recall_after_timing": final[i]["recall"],
@@ -353,7 +340,7 @@ def check_against_generate(model, ids, combos, policies, results, max_new, tail_
         for k, v in want.items():
             got = r[k]
             if (abs(got - v) > 1e-9) if isinstance(v, float) else (got != v):
-                problems.append(f"{combo_label(name, rho)}: {k} shared-prefill {got!r} vs generate {v!r}")
+                problems.append(f"{common.combo_label(name, rho)}: {k} shared-prefill {got!r} vs generate {v!r}")
     return problems
 
 
@@ -369,7 +356,7 @@ def run(args) -> dict:
         from hetero_jax.cli import enable_compilation_cache
 
         enable_compilation_cache()
-    combos = make_combos(args.policies, args.budgets)
+    combos = common.make_combos(args.policies, args.budgets)
     policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
 
     t0 = time.perf_counter()
@@ -388,7 +375,7 @@ def run(args) -> dict:
         "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype),
         "lengths": args.lengths, "depths": args.depths, "budgets": args.budgets,
         "policies": [n for n, _ in combos[:1]] + list(dict.fromkeys(n for n, _ in combos[1:])),
-        "combos": [combo_label(n, r) for n, r in combos],
+        "combos": [common.combo_label(n, r) for n, r in combos],
         "policy_reprs": [repr(p) for p in policies],
         "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup_steps,
         "decode_steps": args.decode_steps, "timing_depth": args.timing_depth or "all",
@@ -466,7 +453,7 @@ def summarize(runs: list[dict], combos, lengths) -> list[dict]:
             p50 = statistics.median(ms) if ms else float("nan")
             mean = float(np.mean(ms)) if ms else float("nan")
             rows.append({
-                "length": L, "policy": name, "rho": rho, "label": combo_label(name, rho),
+                "length": L, "policy": name, "rho": rho, "label": common.combo_label(name, rho),
                 "achieved_rho": float(np.mean([r["achieved_rho"] for r in rs])),
                 "achieved_rho_all": [r["achieved_rho"] for r in rs],
                 "kv_bytes_prompt": int(np.mean([r["kv_bytes_prompt"] for r in rs])),
@@ -566,10 +553,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     summary = payload["summary"]
     if not summary:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
     import numpy as np
 
     cfg = payload["config"]
@@ -623,12 +607,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     sub = f"{cfg['model']}, {common.git_summary(payload['git'])}, {payload['machine'].get('cpu_model', '?')}"
-    fig.suptitle(f"KV-cache policies — {sub}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, f"KV-cache policies — {sub}")
 
 
 # --------------------------------------------------------------------- main
@@ -671,15 +650,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
     args = p.parse_args(argv)
     args.plot = args.plot or args.out.with_suffix(".png")
-    if any(not 0.0 < b <= 1.0 for b in args.budgets):
-        p.error("--budgets must be in (0, 1]")
+    args.budgets = common.checked_budgets(p, args.budgets)
     if any(not 0.0 <= d <= 1.0 for d in args.depths):
         p.error("--depths must be in [0, 1]")
     if args.decode_steps < 1 or args.warmup_steps < 0 or args.max_new_tokens < 1:
         p.error("--decode-steps and --max-new-tokens must be >= 1, --warmup-steps >= 0")
     if any(n < 1 for n in args.lengths):
         p.error("--lengths must be positive")
-    args.budgets = list(dict.fromkeys(args.budgets))
     if args.timing_depth == "all":
         args.timing_depth = None
     else:
@@ -694,16 +671,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     payload = run(args)
-    out = common.write_json(args.out, payload)
-    png = make_plot(payload, args.plot)
-    print(f"wrote {out}" + (f" and {png}" if png else ""))
-    print(results_table(payload["summary"], args.depths))
-    print()
-    print(answers_table(payload))
-    print(f"total {payload['total_seconds'] / 60:.1f} min")
-    if args.write_results:
-        common.write_results_section(SECTION, lambda plot_rel: results_section(payload, plot_rel), png,
-                                     args.results_file)
+    common.finish_run(args, payload, section=SECTION, make_plot=make_plot, results_section=results_section,
+                      tables=[results_table(payload["summary"], args.depths), answers_table(payload)])
     return 1 if any(c["problems"] for c in payload["checks"]) else 0
 
 

@@ -498,3 +498,60 @@ def results_header(title: str, machine: dict[str, Any], git: dict[str, Any], com
         f"- Date: {timestamp or now_iso()}",
         f"- Command: `{command}`",
     ])
+
+
+# ------------------------------------------------------------ the harness every task script shares
+def make_combos(policies: Sequence[str], budgets: Sequence[float]) -> list[tuple[str, float]]:
+    """(registry name, rho): full KV first and once (the reference), then every other policy x budget."""
+    combos = [("full", 1.0)]
+    for name in policies:
+        if name != "full":
+            combos += [(name, float(b)) for b in budgets]
+    return combos
+
+
+def combo_label(name: str, rho: float) -> str:
+    return "full" if name == "full" else f"{name}@{rho:g}"
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def checked_budgets(parser, budgets: Sequence[float]) -> list[float]:
+    """``--budgets`` in (0, 1], duplicates dropped in order (``parser.error`` otherwise)."""
+    if any(not 0.0 < b <= 1.0 for b in budgets):
+        parser.error("--budgets must be in (0, 1]")
+    return list(dict.fromkeys(budgets))
+
+
+def save_figure(fig, path: Path, title: str, dpi: int = 110) -> Path:
+    """Title, lay out, write and close a matplotlib figure; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def finish_run(args, payload: dict, *, section: str, make_plot, results_section, tables: Sequence[str],
+               preset: str | None = "cpu") -> None:
+    """A task script's ending: the JSON (``args.out``), the plot (``args.plot``), the tables on stdout, the
+    total time, and with ``args.write_results`` the script's section of RESULTS.md."""
+    out = write_json(args.out, payload)
+    png = make_plot(payload, args.plot)
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
+    print("\n\n".join(tables))
+    print(f"total {payload['total_seconds'] / 60:.1f} min")
+    if args.write_results:
+        write_results_section(section, lambda plot_rel: results_section(payload, plot_rel), png,
+                              args.results_file, preset=preset)

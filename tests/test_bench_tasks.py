@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import bench_multiturn as bm  # noqa: E402
+import common  # noqa: E402
 import bench_needle as bn  # noqa: E402
 import haystack  # noqa: E402
 
@@ -91,9 +92,9 @@ def test_summarize_needle_hand_computed():
 
 
 def test_make_combos_puts_full_first_once():
-    assert bn.make_combos(["snapkv", "full", "heterocache"], [0.3, 0.5]) == [
+    assert common.make_combos(["snapkv", "full", "heterocache"], [0.3, 0.5]) == [
         ("full", 1.0), ("snapkv", 0.3), ("snapkv", 0.5), ("heterocache", 0.3), ("heterocache", 0.5)]
-    assert [bn.combo_label(n, r) for n, r in bn.make_combos(["full"], [0.3])] == ["full"]
+    assert [common.combo_label(n, r) for n, r in common.make_combos(["full"], [0.3])] == ["full"]
 
 
 def test_needles_are_deterministic_and_answer_free_questions():
@@ -189,13 +190,13 @@ def test_within_one_of_full_and_hetero_vs_snapkv():
 def test_multiturn_policies_and_results_sections():
     args = bm.parse_args(["--policies", "snapkv", "heterocache", "--budgets", "0.5", "--lengths", "900"])
     assert args.policies == ["full", "snapkv", "heterocache"] and args.preset is None
-    assert bm.make_combos(args.policies, args.budgets)[-1] == ("heterocache", 0.5)
+    assert common.make_combos(args.policies, args.budgets)[-1] == ("heterocache", 0.5)
     # the benchmark-only recall='own' variant is gone: only registered policies
     assert not hasattr(bm, "VARIANTS") and not hasattr(bm, "build_policy")
     with pytest.raises(SystemExit):
         bm.parse_args(["--policies", "heterocache-own"])
     assert all("heterocache-own" not in p["policies"] for p in bm.PRESETS.values())
-    import common
+
 
     # make bench (--preset cpu) and the full grids write different RESULTS.md sections
     assert common.results_section_name("needle", "cpu") == "needle"
