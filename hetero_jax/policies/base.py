@@ -40,6 +40,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError
 from hetero_jax.policies.selection import PolicyPrefill
+from hetero_jax.water_filling import water_level
 
 
 class BudgetError(HeteroJaxError, ValueError):
@@ -188,13 +189,7 @@ def distribute(weights: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
         raise ValueError(f"cannot split {total} into {n} parts within [{lo}, {hi}]")
     if w.sum() == 0:
         w = np.ones(n)
-    c_lo, c_hi = 0.0, hi / max(w[w > 0].min(), 1e-300)
-    for _ in range(200):
-        c = 0.5 * (c_lo + c_hi)
-        if np.clip(c * w, lo, hi).sum() < total:
-            c_lo = c
-        else:
-            c_hi = c
+    _, c_hi = water_level(w, total, lo, hi)
     t = np.clip(c_hi * w, lo, hi)
     base = np.clip(np.floor(t + 1e-9), lo, hi).astype(np.int64)
     order = np.lexsort((np.arange(n), -(t - base)))  # largest remainder first, then lower index

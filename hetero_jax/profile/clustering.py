@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hetero_jax.errors import HeteroJaxError
+from hetero_jax.water_filling import water_level
 
 __all__ = [
     "Role",
@@ -251,13 +252,7 @@ def budget_grid(rho: float, roles: np.ndarray, weights: np.ndarray, prompt_len: 
         if target >= n_comp * prompt_len:
             out[comp] = prompt_len
         else:
-            lo_c, hi_c = 0.0, prompt_len / w.min()
-            for _ in range(200):
-                c = 0.5 * (lo_c + hi_c)
-                if np.minimum(prompt_len, c * w).sum() < target:
-                    lo_c = c
-                else:
-                    hi_c = c
+            lo_c, _ = water_level(w, target, 0.0, prompt_len)
             out[comp] = np.clip(np.floor(np.minimum(prompt_len, lo_c * w) + 1e-9), 1, prompt_len)
     return out
 
