@@ -57,7 +57,6 @@ MODEL = "smollm2-135m"
 DEFAULT_PROMPT_TOKENS = 4096
 DEFAULT_CONTINUATION_TOKENS = 256
 DEFAULT_BUDGETS = (0.2, 0.3, 0.5)
-MiB = 2**20
 
 # --preset NAME sets these defaults (explicit flags still win).
 PRESETS = {
@@ -327,8 +326,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
     if payload.get("refused"):
         lines += ["", "Refused (budget below the policy's minimum): "
                   + "; ".join(f"{r['label']}: {r['reason']}" for r in payload["refused"])]
-    lines += ["", f"Total wall time {payload['total_seconds'] / 60:.1f} min; peak RSS "
-                  f"{payload['peak_rss_bytes'] / MiB:,.0f} MiB."]
+    lines += ["", common.wall_and_memory_line(payload)]
     lines += ["", common.plot_markdown("fidelity", plot_rel, cfg["plot"])]
     return "\n".join(lines)
 
@@ -391,9 +389,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="do not use the persistent XLA compilation cache (only makes reruns start faster)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=common.OUT_DIR / "fidelity.json", help="JSON output")
-    p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
-    common.add_results_arguments(p, SECTION)
+    common.add_output_arguments(p, "fidelity", SECTION)
     if preset:
         p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)

@@ -659,11 +659,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                       "for the longest context of the full grid.)"]
     elif cfg.get("ttft_repeats") == 1:
         lines += ["", "(One timed TTFT round per policy: a single sample, with the noise of this machine in it.)"]
-    lines += [
-        "",
-        f"Total wall time {payload['total_seconds'] / 60:.1f} min; peak RSS "
-        f"{payload['peak_rss_bytes'] / MiB:,.0f} MiB.",
-    ]
+    lines += ["", common.wall_and_memory_line(payload)]
     lines += ["", common.plot_markdown("latency", plot_rel, cfg["plot"])]
     return "\n".join(lines)
 
@@ -767,9 +763,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "timing either way)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=common.OUT_DIR / "latency.json", help="JSON output")
-    p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
-    common.add_results_arguments(p, SECTION)
+    common.add_output_arguments(p, "latency", SECTION)
     if preset:
         p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)

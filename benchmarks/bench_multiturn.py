@@ -655,8 +655,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "",
         answers_table(payload),
         "",
-        f"Total wall time {payload['total_seconds'] / 60:.1f} min; "
-        f"peak RSS {payload['peak_rss_bytes'] / MiB:,.0f} MiB.",
+        common.wall_and_memory_line(payload),
     ]
     lines += ["", common.plot_markdown("multi-turn recall", plot_rel, cfg["plot"])]
     return "\n".join(lines)

@@ -67,7 +67,6 @@ import haystack  # noqa: E402  (benchmarks/haystack.py)
 
 SECTION = "needle"
 MODEL = "smollm2-135m"
-MiB = 2**20
 
 # --preset values; explicit arguments override them.
 PRESETS = {
@@ -676,8 +675,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                   f"{c['depth']:g}): "
                   + ("same tokens, prompt KV bytes and achieved rho for every policy." if not c["problems"]
                      else "MISMATCH: " + "; ".join(c["problems"])), ""]
-    lines.append(f"Total wall time {payload['total_seconds'] / 60:.1f} min; peak RSS "
-                 f"{payload['peak_rss_bytes'] / MiB:,.0f} MiB.")
+    lines.append(common.wall_and_memory_line(payload))
     lines += ["", common.plot_markdown("needle grid", plot_rel, cfg["plot"])]
     return "\n".join(lines)
 

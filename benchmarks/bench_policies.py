@@ -537,8 +537,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "",
         answers_table(payload),
         "",
-        f"Total wall time {payload['total_seconds'] / 60:.1f} min; "
-        f"peak RSS {payload['peak_rss_bytes'] / MiB:,.0f} MiB.",
+        common.wall_and_memory_line(payload),
     ]
     if payload.get("checks"):
         c = payload["checks"][0]

@@ -524,6 +524,20 @@ def pyplot():
     return plt
 
 
+def wall_and_memory_line(payload: dict) -> str:
+    """The closing line of a RESULTS section: the run's wall time and peak resident memory."""
+    return (f"Total wall time {payload['total_seconds'] / 60:.1f} min; peak RSS "
+            f"{payload['peak_rss_bytes'] / 2**20:,.0f} MiB.")
+
+
+def add_output_arguments(parser, name: str, section: str, plot_help: str = "PNG plot") -> None:
+    """--out / --plot (beside the JSON by default) and the RESULTS.md flags of a task script writing
+    benchmarks/out/NAME.json."""
+    parser.add_argument("--out", type=Path, default=OUT_DIR / f"{name}.json", help="JSON output")
+    parser.add_argument("--plot", type=Path, default=None, help=f"{plot_help} (default: --out with .png)")
+    add_results_arguments(parser, section)
+
+
 def checked_budgets(parser, budgets: Sequence[float]) -> list[float]:
     """``--budgets`` in (0, 1], duplicates dropped in order (``parser.error`` otherwise)."""
     if any(not 0.0 < b <= 1.0 for b in budgets):

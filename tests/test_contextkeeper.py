@@ -16,7 +16,7 @@ from hetero_jax.runtime import Engine, Session, prefill
 from hetero_jax.policies import BudgetError, ContextKeeper, FullKV, make_policy
 from hetero_jax.profile.contextkeeper import CARanking, calibrate_ranking, load_ranking
 from hetero_jax.profile.format import ProfileError
-from tiny_model import tiny_model
+from tiny_model import tiny_model, random_prompt
 
 MODEL = tiny_model()
 CFG, PARAMS = MODEL.config, MODEL.params
@@ -31,8 +31,6 @@ RANKING = CARanking(scores=SCORES, votes=VOTES, model="tiny", head_dim=CFG.head_
 ORDER = [(1, 2), (0, 1), (2, 0), (0, 0), (1, 0), (2, 2), (1, 1), (0, 2), (2, 1)]
 
 
-def prompt(n, seed=0):
-    return np.random.default_rng(seed).integers(3, CFG.vocab_size, size=n).tolist()
 
 
 def ck(rho, **kw):
@@ -95,7 +93,7 @@ def np_n_full(rho, L, sink=S_, recent=R_):
 def test_ranking_equals_a_numpy_recomputation():
     """Scores (Eq. 1 prefill rows, GQA mean), votes (top round(0.65 * 3) = 2 heads per layer and sample)
     and the global order equal a float64 numpy recomputation; samples of two lengths (two prefills)."""
-    samples = [prompt(60, 1), prompt(60, 2), prompt(75, 3), prompt(75, 4)]
+    samples = [random_prompt(60, 1), random_prompt(60, 2), random_prompt(75, 3), random_prompt(75, 4)]
     got = calibrate_ranking(MODEL, samples, window=4, sink=S_, recent=R_, top_p=0.65)
     per = np.stack([np_middle_mass(s, 4, S_, R_) for s in samples])  # [S, layers, H]
     np.testing.assert_allclose(got.scores, per.mean(0), rtol=0, atol=1e-5)
@@ -117,7 +115,7 @@ def test_each_head_keeps_what_numpy_says_with_the_full_kv_rows():
     """rho 0.5, L 120: N_full by brute force; the top N_full heads of the ranking hold all 120 positions,
     the others exactly [0, s) + [L - r, L); every kept K/V row equals a full-KV prefill's row."""
     L, rho = 120, 0.5
-    ids = prompt(L, 5)
+    ids = random_prompt(L, 5)
     nf = np_n_full(rho, L)
     assert nf == 4 and ck(rho).n_full(CFG, L) == nf
     full_heads = set(ORDER[:nf])
@@ -159,7 +157,7 @@ def logits_run(policy, batch, steps=4):
 
 
 def test_rho_one_equals_full_kv():
-    ids = prompt(90, 6)
+    ids = random_prompt(90, 6)
     want, wt, _ = logits_run(FullKV(), [ids])
     got, gt, eng = logits_run(ck(1.0), [ids])
     np.testing.assert_allclose(got, want, atol=1e-4)
@@ -169,7 +167,7 @@ def test_rho_one_equals_full_kv():
 
 def test_device_bytes_within_rho():
     L, rho = 300, 0.3
-    eng = Engine(MODEL, [prompt(L, 7)], ck(rho), tail_capacity=4)
+    eng = Engine(MODEL, [random_prompt(L, 7)], ck(rho), tail_capacity=4)
     full_bytes = L * N * 2 * CFG.head_dim * 4
     got = prompt_kv_bytes(eng.cache)
     assert got <= rho * full_bytes * 1.05
@@ -181,7 +179,7 @@ def test_device_bytes_within_rho():
 
 def test_batch_of_two_lengths_equals_one_by_one():
     """L 60 -> 3 full heads, L 200 -> 4 at rho 0.5: one head per batch is full for one sequence only."""
-    a, b = prompt(60, 8), prompt(200, 9)
+    a, b = random_prompt(60, 8), random_prompt(200, 9)
     assert np_n_full(0.5, 60) == 3 and np_n_full(0.5, 200) == 4
     got, gt, eng = logits_run(ck(0.5), [a, b])
     assert eng.state.stats()["n_full"] == [3, 4]
@@ -194,7 +192,7 @@ def test_batch_of_two_lengths_equals_one_by_one():
 
 def test_budget_error_names_the_smallest_rho():
     L = 100
-    ids = prompt(L, 10)
+    ids = random_prompt(L, 10)
     with pytest.raises(BudgetError, match=r"smallest rho that works .* is rho=([0-9.]+)") as e:
         Engine(MODEL, [ids], ck(0.05), tail_capacity=2)
     rho = float(re.search(r"is rho=([0-9.]+)", str(e.value)).group(1))
@@ -205,19 +203,19 @@ def test_budget_error_names_the_smallest_rho():
         Engine(MODEL, [ids], ck(round(rho - 1e-4, 4)), tail_capacity=2)
     # a prompt no longer than s + r: every head keeps it all, so only rho 1 is honest
     with pytest.raises(BudgetError, match=r"rho=1\b"):
-        Engine(MODEL, [prompt(10, 11)], ck(0.9), tail_capacity=2)
+        Engine(MODEL, [random_prompt(10, 11)], ck(0.9), tail_capacity=2)
     # the paper's defaults (128 + 256) on a short prompt name rho = 384 / L
     with pytest.raises(BudgetError, match=r"rho=0.96\b"):
-        Engine(MODEL, [prompt(400, 12)], ContextKeeper(ranking=RANKING, budget=0.5), tail_capacity=2)
+        Engine(MODEL, [random_prompt(400, 12)], ContextKeeper(ranking=RANKING, budget=0.5), tail_capacity=2)
 
 
 def test_ranking_for_another_model_is_refused(tmp_path):
     other = CARanking(scores=np.zeros((30, 3)), votes=np.zeros((30, 3), int), model="smollm2-135m")
     with pytest.raises(ProfileError, match=r"30 layers x 3 KV heads.*model has 3 layers.*another model.*Calibrate"):
-        Engine(MODEL, [prompt(50)], ContextKeeper(ranking=other, budget=0.5, sink=S_, recent=R_), tail_capacity=2)
+        Engine(MODEL, [random_prompt(50)], ContextKeeper(ranking=other, budget=0.5, sink=S_, recent=R_), tail_capacity=2)
     # no ranking shipped for the tiny model: the default refuses and says how to get one
     with pytest.raises(ProfileError, match=r"ships none for tiny.*calibrate"):
-        Engine(MODEL, [prompt(50)], ContextKeeper(budget=0.5, sink=S_, recent=R_), tail_capacity=2)
+        Engine(MODEL, [random_prompt(50)], ContextKeeper(budget=0.5, sink=S_, recent=R_), tail_capacity=2)
     path = tmp_path / "r.json"
     RANKING.save(path)
     back = load_ranking(path)
@@ -237,10 +235,10 @@ def test_registry_cli_spec_and_session(tmp_path):
     q = make_policy(f"contextkeeper:ranking={path},sink={S_},recent={R_}", 0.5)
     assert q.ranking_key == RANKING.key() and q == ck(0.5)
     # a 3-turn session: the compressed heads' prompt part never changes while the tail grows
-    sess = Session(MODEL, prompt(120, 13), q, chat=False, reserve_tokens=16)
+    sess = Session(MODEL, random_prompt(120, 13), q, chat=False, reserve_tokens=16)
     before = [[np.asarray(g.positions) for g in lc.groups] for lc in sess.engine.cache.layers]
     for t in range(3):
-        sess.ask(prompt(5, 14 + t), max_new_tokens=2, stop=None)
+        sess.ask(random_prompt(5, 14 + t), max_new_tokens=2, stop=None)
         after = [[np.asarray(g.positions) for g in lc.groups] for lc in sess.engine.cache.layers]
         for x, y in zip(before, after):
             for u, v in zip(x, y):
@@ -296,7 +294,7 @@ def test_decode_logits_equal_a_full_kv_cache_reduced_to_the_kept_rows():
     from hetero_jax.model.cache import HeadGroup
 
     L, rho = 150, 0.4
-    ids = prompt(L, 20)
+    ids = random_prompt(L, 20)
     nf = np_n_full(rho, L)
     assert 0 < nf < N
     full_heads = set(ORDER[:nf])

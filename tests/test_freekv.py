@@ -12,7 +12,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import HeadGroup, prompt_kv_bytes
 from hetero_jax.runtime import Engine, prefill
 from hetero_jax.policies import BudgetError, FreeKV, PolicyError, make_policy
-from tiny_model import greedy_with_logits, tiny_model
+from tiny_model import greedy_with_logits, tiny_model, random_prompt
 
 MODEL = tiny_model()
 CFG, PARAMS = MODEL.config, MODEL.params
@@ -22,8 +22,6 @@ L, STEPS = 200, 6
 SPARSE = 2  # skip_layers=2: the last layer is the only compressed one, so its queries equal a full-KV run's
 
 
-def prompt(n, seed=0):
-    return np.random.default_rng(seed).integers(3, CFG.vocab_size, size=n).tolist()
 
 
 def layout(L):
@@ -65,7 +63,7 @@ def same_pages(got, want, score, k):
 def full_run(seed=0):
     """The full-KV greedy run on a 200-token prompt: the tokens fed at each step, the caches they are fed to,
     layer 2's query of every step and of the last prompt token (q_last), layer 2's prompt keys."""
-    ids = prompt(L, seed)
+    ids = random_prompt(L, seed)
     logits, cache = prefill(PARAMS, CFG, [ids], tail_capacity=STEPS + 2)
     keys = np.asarray(cache.layers[SPARSE].groups[0].k[0])  # [H, L, D]
     _, short = prefill(PARAMS, CFG, [ids[:-1]], tail_capacity=2)  # the last prompt token as a decode step
@@ -238,7 +236,7 @@ def test_memory_and_bytes_moved():
     """Device: the groups (sinks + k pages + window per compressed head) plus summaries, page ids and q_prev stay
     within rho of the full prompt KV (5% slack for q_prev and the ids); host: the compressed layers' whole prompt,
     pinned; the group rows are the host rows of their positions; bytes_recalled counts the rows that moved."""
-    ids, rho = prompt(L, 1), 0.6
+    ids, rho = random_prompt(L, 1), 0.6
     pol = FreeKV(budget=rho, page_size=PS, sinks=SINKS, window=WINDOW, tau=-2.0)  # every change is a recall
     S, w, P, k = pol.plan_pages(CFG, L)
     eng = Engine(MODEL, [ids], pol, tail_capacity=STEPS + 2)
@@ -291,7 +289,7 @@ def greedy(policy, prompts, steps=5):
     ((400, 150), dict(tau=0.25)),  # default sinks/window differ per sequence; corrections and recalls
 ])
 def test_batch_equals_one_by_one(lens, kw):
-    a, b = prompt(lens[0], 3), prompt(lens[1], 4)
+    a, b = random_prompt(lens[0], 3), random_prompt(lens[1], 4)
     pol = FreeKV(budget=0.6, page_size=PS, **kw)
     plans = [pol.plan_pages(CFG, n) for n in lens]
     assert plans[0][3] != plans[1][3]  # different k per sequence
@@ -308,7 +306,7 @@ def test_batch_equals_one_by_one(lens, kw):
 
 @pytest.mark.parametrize("kw", [dict(sinks=SINKS, window=WINDOW), dict()])
 def test_too_small_a_budget_names_the_smallest_rho_that_runs(kw):
-    ids = prompt(L, 5)
+    ids = random_prompt(L, 5)
     with pytest.raises(BudgetError, match=r"smallest budget that works for this prompt is rho=([0-9.]+)") as e:
         Engine(MODEL, [ids], FreeKV(budget=0.4, page_size=PS, **kw), tail_capacity=4)
     rho = float(re.search(r"is rho=([0-9.]+[0-9])", str(e.value)).group(1))
@@ -351,7 +349,7 @@ def test_a_session_turn_reselects_from_its_last_query_and_attends_the_prompt_den
     q_prev is that query."""
     from hetero_jax.runtime import Session
 
-    ctx, question = prompt(L, 11), prompt(12, 12)
+    ctx, question = random_prompt(L, 11), random_prompt(12, 12)
     pol = FreeKV(budget=0.85, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE, tau=-2.0)
     sess = Session(MODEL, ctx, pol, chat=False, reserve_tokens=8)
     state, seen = sess.engine.state, []

@@ -27,7 +27,7 @@ from hetero_jax.policies import (
 )
 from hetero_jax.profile.clustering import Role, budget_grid, smallest_working_rho
 from hetero_jax.profile.format import HeadProfile
-from tiny_model import tiny_model
+from tiny_model import tiny_model, random_prompt
 
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE
 
@@ -50,8 +50,6 @@ def make_profile(roles, clusters, seed=0):
 PROFILE = make_profile([[S, P, S], [A, V, A], [S, A, P]], (((1, (0, 2)),), (), ((2, (0,)),)))
 
 
-def ids(n, seed=0):
-    return np.random.default_rng(seed).integers(3, CFG.vocab_size, size=n).tolist()
 
 
 @pytest.fixture
@@ -87,7 +85,7 @@ def no_compute(monkeypatch):
 ])
 def test_generate_refuses_bad_arguments_before_compute(kw, needle, no_compute):
     with pytest.raises(PromptError) as ei:
-        hetero_jax.generate(MODEL, ids(10), **{"chat": False, **kw})
+        hetero_jax.generate(MODEL, random_prompt(10), **{"chat": False, **kw})
     assert needle in str(ei.value), str(ei.value)
 
 
@@ -119,8 +117,8 @@ def test_generate_and_session_need_a_loaded_model(model, no_compute):
 
 def test_temperature_zero_and_positive_still_work():
     """The checks refuse only what is wrong: greedy, sampling and a real stop string still run."""
-    g = hetero_jax.generate(MODEL, ids(12), chat=False, max_new_tokens=3)
-    s = hetero_jax.generate(MODEL, ids(12), chat=False, max_new_tokens=3, temperature=0.8, seed=2**63 - 1)
+    g = hetero_jax.generate(MODEL, random_prompt(12), chat=False, max_new_tokens=3)
+    s = hetero_jax.generate(MODEL, random_prompt(12), chat=False, max_new_tokens=3, temperature=0.8, seed=2**63 - 1)
     assert len(g.token_ids) >= 1 and len(s.token_ids) >= 1
 
 
@@ -152,20 +150,20 @@ def test_session_refuses_a_bad_context_before_compute(context, needle, no_comput
 ])
 def test_session_refuses_bad_options(kw, needle, no_compute):
     with pytest.raises(PromptError) as ei:
-        Session(MODEL, ids(20), **{"chat": False, **kw})
+        Session(MODEL, random_prompt(20), **{"chat": False, **kw})
     assert needle in str(ei.value)
 
 
 @pytest.fixture
 def sess():
-    s = Session(MODEL, ids(150, 1), HeteroCache(profile=PROFILE, budget=0.6, window=3), chat=False,
+    s = Session(MODEL, random_prompt(150, 1), HeteroCache(profile=PROFILE, budget=0.6, window=3), chat=False,
                 reserve_tokens=8)
-    s.ask(ids(5, 2), max_new_tokens=3)  # leaves the answer's last token unfed: a refusal must keep it
+    s.ask(random_prompt(5, 2), max_new_tokens=3)  # leaves the answer's last token unfed: a refusal must keep it
     return s
 
 
 @pytest.mark.parametrize("question, kw, needle", [
-    (ids(120, 3), {}, "the question (121 tokens) does not fit"),  # 1 unfed + 120
+    (random_prompt(120, 3), {}, "the question (121 tokens) does not fit"),  # 1 unfed + 120
     ([5, -1], {}, "token id -1 of the question is outside the vocabulary [0, 101)"),
     ([5, 101], {}, "token id 101 of the question is outside the vocabulary [0, 101)"),
     ([5, 2.5], {}, "token ids must be integers: the question has 2.5 (float) at position 1"),
@@ -179,15 +177,15 @@ def sess():
 ])
 def test_a_refused_turn_leaves_the_session_unchanged_and_usable(sess, question, kw, needle):
     before = _state(sess)
-    twin = Session(MODEL, ids(150, 1), HeteroCache(profile=PROFILE, budget=0.6, window=3), chat=False,
+    twin = Session(MODEL, random_prompt(150, 1), HeteroCache(profile=PROFILE, budget=0.6, window=3), chat=False,
                    reserve_tokens=8)
-    twin.ask(ids(5, 2), max_new_tokens=3)
+    twin.ask(random_prompt(5, 2), max_new_tokens=3)
     with pytest.raises(PromptError) as ei:
         sess.ask(question, **kw)
     assert needle in str(ei.value), str(ei.value)
     assert _state(sess) == before
     # the next turn answers, exactly as in a session that never saw the refused one
-    assert sess.ask(ids(4, 7), max_new_tokens=4).token_ids == twin.ask(ids(4, 7), max_new_tokens=4).token_ids
+    assert sess.ask(random_prompt(4, 7), max_new_tokens=4).token_ids == twin.ask(random_prompt(4, 7), max_new_tokens=4).token_ids
 
 
 def test_refused_chat_turn_keeps_the_history(tiny_checkpoint):
@@ -269,7 +267,7 @@ def test_heterocache_names_the_exact_smallest_rho():
     # and it runs end to end at the boundary, within its budget (+ at most one token per head)
     L = 77
     rho = smallest_working_rho(9, 3, 6, L)
-    eng = hetero_jax.generate(MODEL, ids(L, 5), HeteroCache(profile=PROFILE, budget=rho), chat=False,
+    eng = hetero_jax.generate(MODEL, random_prompt(L, 5), HeteroCache(profile=PROFILE, budget=rho), chat=False,
                               max_new_tokens=1)
     assert eng.stats.achieved_rho <= rho + 1 / L
 
@@ -310,7 +308,7 @@ def test_a_failed_recall_transfer_leaves_the_cache_and_the_session_usable(monkey
     array went over): the apply is all or nothing, so the cache is the one before and the turn answers
     exactly as a session whose pivots never drift (no recall at all). Once transfers work again the
     next turn recalls."""
-    context, q1, q2 = ids(150, 1), ids(6, 2), ids(5, 3)
+    context, q1, q2 = random_prompt(150, 1), random_prompt(6, 2), random_prompt(5, 3)
     drifting = HeteroCache(profile=PROFILE, budget=0.6, window=2, tau_drift=1.5)  # tau > 1: every check drifts
     calm = HeteroCache(profile=PROFILE, budget=0.6, window=2, tau_drift=-1.0)  # overlap >= 0: never drifts
     sess = Session(MODEL, context, drifting, chat=False, reserve_tokens=8)
@@ -358,7 +356,7 @@ def test_a_failed_reselection_transfer_keeps_the_previous_rows_and_the_session_u
     """A turn's re-selection whose host -> device transfer fails midway hands back the cache it was given
     (the previous rows, K_base included) with a RuntimeWarning; the turn is answered from those rows, and
     the next turn re-selects."""
-    context, q1, q2 = ids(150, 4), ids(6, 5), ids(5, 6)
+    context, q1, q2 = random_prompt(150, 4), random_prompt(6, 5), random_prompt(5, 6)
     sess = Session(MODEL, context, HeteroCache(profile=PROFILE, budget=0.6, window=50), chat=False, reserve_tokens=8)
     ctl = sess.engine.state
     real_put, puts, failing = jax.device_put, [0], [True]
@@ -425,7 +423,7 @@ def test_property_generate_refuses_malformed_arguments_with_project_errors(data,
     keys = data.draw(st.lists(st.sampled_from(sorted(BAD_ARGS) + ["prompt", "policy"]), min_size=1, max_size=3,
                               unique=True))
     kw = {k: data.draw(BAD_ARGS[k]) for k in keys if k in BAD_ARGS}
-    prompt = data.draw(BAD_PROMPT) if "prompt" in keys else ids(8)
+    prompt = data.draw(BAD_PROMPT) if "prompt" in keys else random_prompt(8)
     if "policy" in keys:
         kw["policy"] = data.draw(st.one_of(st.text(max_size=5), st.integers(), st.floats(), st.just(SnapKV)))
     with pytest.raises(HeteroJaxError):
@@ -434,9 +432,9 @@ def test_property_generate_refuses_malformed_arguments_with_project_errors(data,
 
 @pytest.fixture(scope="module")
 def shared_session():
-    s = Session(MODEL, ids(150, 1), HeteroCache(profile=PROFILE, budget=0.6, window=3), chat=False,
+    s = Session(MODEL, random_prompt(150, 1), HeteroCache(profile=PROFILE, budget=0.6, window=3), chat=False,
                 reserve_tokens=8)
-    s.ask(ids(5, 2), max_new_tokens=3)
+    s.ask(random_prompt(5, 2), max_new_tokens=3)
     return s
 
 

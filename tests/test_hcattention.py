@@ -16,7 +16,7 @@ from hetero_jax.policies import BudgetError, FullKV, HCAttention, make_policy
 from hetero_jax.profile.codebook import (KeyCodebook, kmeans_pp, load_codebook, minibatch_kmeans, nearest,
                                          train_codebook)
 from hetero_jax.profile.format import ProfileError
-from tiny_model import greedy_with_logits, tiny_model
+from tiny_model import greedy_with_logits, tiny_model, random_prompt
 
 MODEL = tiny_model()
 CFG, PARAMS = MODEL.config, MODEL.params
@@ -24,8 +24,6 @@ D, H, G = CFG.head_dim, CFG.num_kv_heads, CFG.group_size
 TAU = 0.9
 
 
-def prompt(n, seed=0):
-    return np.random.default_rng(seed).integers(3, CFG.vocab_size, size=n).tolist()
 
 
 def matching_budget(policy, cfg, lens, with_codebook: bool) -> float:
@@ -183,7 +181,7 @@ def exact_codebook(ids):
 def test_tau_one_with_exact_keys_is_full_kv(mode):
     """tau = 1 keeps every token: exact keys (values on host) or a codebook holding every key give full KV's greedy
     tokens and logits; with the codebook the device holds codes + codebook only, within rho x 1.05."""
-    ids = prompt(60, 1)
+    ids = random_prompt(60, 1)
     want_toks, want_logits, _ = greedy_with_logits(MODEL, FullKV(), [ids])
     cb = exact_codebook(ids) if mode == "codebook" else None
     probe = HCAttention(codebook=cb, kv_itemsize=4)
@@ -214,7 +212,7 @@ def test_tau_one_with_exact_keys_is_full_kv(mode):
 
 @functools.lru_cache(maxsize=None)
 def tiny_codebook():
-    samples = [prompt(100, 11), prompt(100, 12)]
+    samples = [random_prompt(100, 11), random_prompt(100, 12)]
     return train_codebook(MODEL, samples, sub_dim=4, size=32, batch=500, steps=20)
 
 
@@ -222,7 +220,7 @@ def test_batch_equals_one_by_one_and_stats():
     """Two prompts of different lengths batched decode as each alone (trained codebook, tau 0.9); the stats'
     selection ratio is the mean k*/L of the extras."""
     cb = tiny_codebook()
-    a, b = prompt(150, 3), prompt(97, 4)
+    a, b = random_prompt(150, 3), random_prompt(97, 4)
     pol = HCAttention(budget=matching_budget(HCAttention(codebook=cb, kv_itemsize=4), CFG, [150, 97], True),
                       codebook=cb)
     eng = Engine(MODEL, [a, b], pol, tail_capacity=8, is_batch=True)
@@ -252,7 +250,7 @@ def test_batch_equals_one_by_one_and_stats():
 def test_a_turn_equals_decoding_its_tokens():
     """A session turn (chunked, each query its own mass set) gives the logits of feeding the turn token by token;
     with tau 1 and exact keys a two-turn session answers as full KV does."""
-    ctx, turn = prompt(80, 5), prompt(7, 6)
+    ctx, turn = random_prompt(80, 5), random_prompt(7, 6)
     pol = HCAttention(budget=0.5, tau=TAU)
     e1 = Engine(MODEL, [ctx], pol, tail_capacity=16)
     got = e1.extend(turn)
@@ -261,7 +259,7 @@ def test_a_turn_equals_decoding_its_tokens():
         _, want = e2.step_with_logits(np.array([t]))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     assert e1.state.stats()["turn_callbacks"] == CFG.num_layers
-    q1, q2 = prompt(12, 7), prompt(5, 8)
+    q1, q2 = random_prompt(12, 7), random_prompt(5, 8)
     answers = []
     for p in (FullKV(), HCAttention(budget=0.5, tau=1.0)):
         sess = Session(MODEL, ctx, p, chat=False, reserve_tokens=8)
@@ -270,7 +268,7 @@ def test_a_turn_equals_decoding_its_tokens():
 
 
 def test_budgets_must_match_an_operating_point():
-    ids = prompt(60, 9)
+    ids = random_prompt(60, 9)
     with pytest.raises(BudgetError, match=r"values on host, exact keys: rho=0\.5.*hetero-jax profile --method"):
         Engine(MODEL, [ids], HCAttention(budget=0.3), tail_capacity=4)
     cb = tiny_codebook()
@@ -290,7 +288,7 @@ def test_codebook_file_and_model_checks(tmp_path):
     np.testing.assert_array_equal(back.centroids, cb.centroids)
     assert back.key() == cb.key() and back.weights_fingerprint == cb.weights_fingerprint
     assert HCAttention(codebook=str(path)) == HCAttention(codebook=cb)
-    assert HCAttention(codebook=cb) != HCAttention(codebook=exact_codebook(prompt(10)))
+    assert HCAttention(codebook=cb) != HCAttention(codebook=exact_codebook(random_prompt(10)))
     other = tiny_model(seed=7)  # same shape, other weights: the fingerprint refuses it
     with pytest.raises(ProfileError, match="another model.*fingerprint"):
         HCAttention(codebook=cb).bind(other)

@@ -8,7 +8,7 @@ from hetero_jax.runtime import Engine, Session
 from hetero_jax.policies import BudgetError, FullKV, HeteroCache
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import HeadProfile, ProfileError
-from tiny_model import tiny_model
+from tiny_model import tiny_model, random_prompt
 
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE
 
@@ -33,8 +33,6 @@ def make_profile(roles, clusters, weights=None):
 PROFILE = make_profile([[S, P, S], [A, V, A], [S, A, P]], (((1, (0, 2)),), (), ((2, (0,)),)))
 
 
-def prompt(n, seed=0):
-    return np.random.default_rng(seed).integers(3, CFG.vocab_size, size=n).tolist()
 
 
 def greedy(policy, ids, steps=6):
@@ -48,7 +46,7 @@ def greedy(policy, ids, steps=6):
 
 
 def test_rho_one_and_all_volatile_give_full_kv():
-    ids = prompt(90)
+    ids = random_prompt(90)
     full, _ = greedy(FullKV(), ids)
     got, eng = greedy(HeteroCache(profile=PROFILE, budget=1.0), ids)
     assert got == full
@@ -67,7 +65,7 @@ def test_batch_equals_one_by_one():
     achieved rho equal those of the same prompt alone (per-sequence budgets, checks and recalls; tau 1.5
     drifts at every check, so the recalls are in it too)."""
     policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5)
-    prompts = [prompt(n, seed) for n, seed in ((120, 5), (80, 6), (101, 7))]
+    prompts = [random_prompt(n, seed) for n, seed in ((120, 5), (80, 6), (101, 7))]
 
     def run(batch, steps=5):
         eng = Engine(MODEL, batch, policy, tail_capacity=8)
@@ -88,7 +86,7 @@ def test_batch_equals_one_by_one():
 def test_prefill_layout_budgets_reservoir_and_bytes():
     L, rho = 200, 0.5
     policy = HeteroCache(profile=PROFILE, budget=rho)
-    eng = Engine(MODEL, [prompt(L, 1)], policy, tail_capacity=8)
+    eng = Engine(MODEL, [random_prompt(L, 1)], policy, tail_capacity=8)
     grid = PROFILE.budgets(rho, L)
     layout = policy.layout(CFG)
     assert layout.perms == ((1, 0, 2), (1, 0, 2), (2, 0, 1))
@@ -104,7 +102,7 @@ def test_prefill_layout_budgets_reservoir_and_bytes():
     head_bytes = 2 * L * CFG.head_dim * 4
     assert eng.state.host_bytes_by_role() == {"satellite": 3 * head_bytes, "anchor": 3 * head_bytes}
     assert eng.state.host_bytes() == 6 * head_bytes
-    full = Engine(MODEL, [prompt(L, 1)], FullKV(), tail_capacity=8)
+    full = Engine(MODEL, [random_prompt(L, 1)], FullKV(), tail_capacity=8)
     for li in range(CFG.num_layers):
         perm, nf = layout.perms[li], eng.state.prefilled.roles[li].n_full
         want = np.asarray(full.cache.layers[li].groups[0].k[0])[list(perm[nf:])]
@@ -120,7 +118,7 @@ def test_prefill_layout_budgets_reservoir_and_bytes():
 
 def test_budget_too_small_and_missing_profile():
     with pytest.raises(BudgetError, match="smallest rho that works is 0.3"):
-        Engine(MODEL, [prompt(100)], HeteroCache(profile=PROFILE, budget=0.2), tail_capacity=4)
+        Engine(MODEL, [random_prompt(100)], HeteroCache(profile=PROFILE, budget=0.2), tail_capacity=4)
     with pytest.raises(ProfileError, match="ships none"):
         HeteroCache(budget=0.5).bind(MODEL)
     other = make_profile([[A, A]] * 3, ((), (), ()))
@@ -142,7 +140,7 @@ def _np_pooled_max(q, keys):
 def test_drift_thresholds_and_recall_contents(tau):
     L, W, rho = 160, 3, 0.5
     policy = HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=tau)
-    eng = Engine(MODEL, [prompt(L, 2)], policy, tail_capacity=16)
+    eng = Engine(MODEL, [random_prompt(L, 2)], policy, tail_capacity=16)
     ctl = eng.state
     tok = eng.first_tokens(0.0, 1.0)
     seen_q = []
@@ -194,8 +192,8 @@ def test_drift_thresholds_and_recall_contents(tau):
 
 @pytest.mark.parametrize("policy", [FullKV(), HeteroCache(profile=PROFILE, budget=0.6)])
 def test_session_single_turn_equals_generate(policy):
-    ids = prompt(100, 5)
-    q = prompt(6, 6)
+    ids = random_prompt(100, 5)
+    q = random_prompt(6, 6)
     sess = Session(MODEL, ids, policy, chat=False)
     a = sess.ask(q, max_new_tokens=5)
     # the same tokens through generate: the question is appended after prefill in the session,
@@ -215,17 +213,17 @@ def test_compressed_heads_keep_their_top_tokens_and_pivots_their_last_token_k_ba
     L, rho = 150, 0.5
     policy = HeteroCache(profile=PROFILE, budget=rho, select_window=select_window)
     captured = []
-    orig = hetero_jax.policies.heterocache.HeteroPrefill.build_layer
+    orig = hetero_jax.policies.heterocache.prefill.HeteroPrefill.build_layer
 
     def spy(self, li, layer, x_in, k_buf, v_buf, lens):
         captured.append((layer, np.asarray(x_in[0]), np.asarray(k_buf[0])))
         return orig(self, li, layer, x_in, k_buf, v_buf, lens)
 
-    hetero_jax.policies.heterocache.HeteroPrefill.build_layer = spy
+    hetero_jax.policies.heterocache.prefill.HeteroPrefill.build_layer = spy
     try:
-        eng = Engine(MODEL, [prompt(L, 9)], policy, tail_capacity=4)
+        eng = Engine(MODEL, [random_prompt(L, 9)], policy, tail_capacity=4)
     finally:
-        hetero_jax.policies.heterocache.HeteroPrefill.build_layer = orig
+        hetero_jax.policies.heterocache.prefill.HeteroPrefill.build_layer = orig
     grid = PROFILE.budgets(rho, L)
     l_base = eng.state.prefilled.l_base[0]
     for li, (layer, x_in, k_buf) in enumerate(captured):
@@ -257,7 +255,7 @@ def test_select_window_must_be_a_positive_int():
 
 def test_drain_waits_for_the_dispatched_drift_check():
     policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5)
-    eng = Engine(MODEL, [prompt(100, 11)], policy, tail_capacity=8)
+    eng = Engine(MODEL, [random_prompt(100, 11)], policy, tail_capacity=8)
     tok = eng.first_tokens(0.0, 1.0)
     for _ in range(2):
         tok, _ = eng.step(tok, 0.0, 1.0)
@@ -265,7 +263,7 @@ def test_drain_waits_for_the_dispatched_drift_check():
     assert eng.drain() >= 0.0
     assert all(a.is_ready() for out in outs if out is not None for a in out)
     assert eng.state.pending is not None  # drain waits; the recall still lands before the next step
-    full = Engine(MODEL, [prompt(100, 11)], FullKV(), tail_capacity=8)
+    full = Engine(MODEL, [random_prompt(100, 11)], FullKV(), tail_capacity=8)
     assert full.drain() >= 0.0  # no controller: nothing to wait for
 
 
@@ -329,7 +327,7 @@ def test_each_turn_reselects_every_compressed_head_from_the_turn_queries():
 
     L, rho = 150, 0.5
     policy = HeteroCache(profile=PROFILE, budget=rho, window=4, tau_drift=0.0)
-    sess = Session(MODEL, prompt(L, 4), policy, chat=False, reserve_tokens=8)
+    sess = Session(MODEL, random_prompt(L, 4), policy, chat=False, reserve_tokens=8)
     eng = sess.engine
     log = _spy_turns(sess)
     grid = PROFILE.budgets(rho, L)
@@ -337,7 +335,7 @@ def test_each_turn_reselects_every_compressed_head_from_the_turn_queries():
     full_bytes = L * CFG.num_kv_heads * CFG.num_layers * 2 * CFG.head_dim * 4
     bytes_before = prompt_kv_bytes(eng.cache)
     for turn, n_q in enumerate((9, 23)):
-        q = prompt(n_q, 30 + turn)
+        q = random_prompt(n_q, 30 + turn)
         sess.ask(q, max_new_tokens=4)
         ext = [e for e in log if e[0] == "extend"]
         assert len(ext) == turn + 1
@@ -377,18 +375,18 @@ def test_reselection_lands_before_the_answer_and_drops_a_stale_check():
     the new rows; the next check comes W steps into the answer, on the answer's queries."""
     W = 3
     policy = HeteroCache(profile=PROFILE, budget=0.5, window=W, tau_drift=1.5)
-    sess = Session(MODEL, prompt(120, 7), policy, chat=False, reserve_tokens=32)
+    sess = Session(MODEL, random_prompt(120, 7), policy, chat=False, reserve_tokens=32)
     log = _spy_turns(sess)
     ctl = sess.engine.state
     dispatched = []
     orig = ctl._dispatch_check
     ctl._dispatch_check = lambda step, cache: (dispatched.append(step), orig(step, cache))
-    first = sess.ask(prompt(8, 8), max_new_tokens=W + 1, stop=None)
+    first = sess.ask(random_prompt(8, 8), max_new_tokens=W + 1, stop=None)
     assert [e[0] for e in log[:2]] == ["extend", "step"]  # re-selected, then the question's last token
     assert ctl.pending is not None or dispatched  # the answer ran W steps: a check was dispatched
     pending_before = ctl.pending
     recalls = ctl.recalls
-    sess.ask(prompt(5, 9), max_new_tokens=2)
+    sess.ask(random_prompt(5, 9), max_new_tokens=2)
     if pending_before is not None:  # dropped by the re-selection: no recall from it
         assert ctl.recalls == recalls
     steps = [e[1] for e in log if e[0] == "step"]
@@ -399,7 +397,7 @@ def test_reselection_lands_before_the_answer_and_drops_a_stale_check():
 def test_session_turn_with_a_long_pasted_document_is_chunked():
     """A turn of hundreds of tokens goes through a few chunked passes (no decode step per token) and
     answers like full KV would when the policy keeps everything (rho 1)."""
-    ctx, doc = prompt(60, 12), prompt(300, 13)
+    ctx, doc = random_prompt(60, 12), random_prompt(300, 13)
     a = Session(MODEL, ctx, FullKV(), chat=False, reserve_tokens=8)
     b = Session(MODEL, ctx, HeteroCache(profile=PROFILE, budget=1.0), chat=False, reserve_tokens=8)
     ra, rb = a.ask(doc, max_new_tokens=6), b.ask(doc, max_new_tokens=6)

@@ -19,6 +19,7 @@ from hetero_jax.policies import (
     CAKE, H2O, REGISTRY, BudgetError, FullKV, PolicyPrefill, PyramidKV, SnapKV, StreamingLLM,
     achieved_rho, describe_policies, make_policy, smallest_rho, tokens_for,
 )
+from tiny_model import random_prompts
 
 COMPRESSING = [StreamingLLM, SnapKV, PyramidKV, H2O, CAKE]
 
@@ -33,11 +34,6 @@ def tiny_cfg(num_heads=6, num_kv_heads=2, layers=3, head_dim=8, **kw) -> ModelCo
 
 CFG = tiny_cfg()
 PARAMS = jax.tree.map(jnp.asarray, spec.init_params(CFG, seed=4, scale=0.3))
-
-
-def prompts_of(lengths, seed=0, vocab=101):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
 
 
 def run(policy, prompts, params=PARAMS, cfg=CFG, steps=3, capture=None):
@@ -139,7 +135,7 @@ def assert_top_set(kept, scores, forced, count):
 # -------------------------------------------------------------------- tests
 @pytest.mark.parametrize("cls", COMPRESSING)
 def test_rho_one_reproduces_full_kv_exactly(cls):
-    prompts = prompts_of([70, 45])
+    prompts = random_prompts([70, 45])
     full, _, _ = run(FullKV(), prompts)
     got, cache, _ = run(cls(budget=1.0), prompts)
     for a, b in zip(full, got):
@@ -151,7 +147,7 @@ def test_rho_one_reproduces_full_kv_exactly(cls):
 def test_kept_tokens_are_the_top_scored_under_the_policys_own_score(cls):
     policy = cls(budget=0.4)
     L = 90
-    prompts = prompts_of([L], seed=3)
+    prompts = random_prompts([L], seed=3)
     captured = []
     _, cache, plan = run(policy, prompts, steps=0, capture=captured)
     total = 0
@@ -201,7 +197,7 @@ def test_cake_cascade_hand_computed():
 @pytest.mark.parametrize("cls", COMPRESSING)
 def test_batched_equals_one_by_one(cls):
     policy = cls(budget=0.5)
-    prompts = prompts_of([120, 80, 101], seed=5)
+    prompts = random_prompts([120, 80, 101], seed=5)
     batch, bcache, _ = run(policy, prompts)
     for i, p in enumerate(prompts):
         alone, acache, _ = run(policy, [p])
@@ -213,7 +209,7 @@ def test_batched_equals_one_by_one(cls):
 @pytest.mark.parametrize("cls", COMPRESSING)
 def test_device_bytes_are_real(cls):
     L, rho = 200, 0.3
-    _, cache, _ = run(cls(budget=rho), prompts_of([L]), steps=0)
+    _, cache, _ = run(cls(budget=rho), random_prompts([L]), steps=0)
     full_bytes = L * CFG.num_kv_heads * CFG.num_layers * 2 * CFG.head_dim * 4
     assert prompt_kv_bytes(cache) <= rho * full_bytes * 1.05
 
@@ -227,7 +223,7 @@ def test_budget_errors_name_the_smallest_budget_that_works():
     with pytest.raises(BudgetError, match="at least 5 .*4 sinks"):
         StreamingLLM(budget=0.01).check_budget(L)
     with pytest.raises(BudgetError, match="smallest budget that works"):
-        run(H2O(budget=0.05), prompts_of([100]), steps=0)  # before any compute
+        run(H2O(budget=0.05), random_prompts([100]), steps=0)  # before any compute
     for bad in (0.0, -0.1, 1.5, float("nan")):
         with pytest.raises(BudgetError, match=r"out of range.*\(0, 1\]"):
             SnapKV(budget=bad)
@@ -237,7 +233,7 @@ def test_budget_errors_name_the_smallest_budget_that_works():
 
 def test_generate_with_policies_and_registry(tiny_checkpoint):
     bundle = hetero_jax.load(tiny_checkpoint("llama")[1])
-    prompt = prompts_of([120], seed=9, vocab=bundle.config.vocab_size)[0]
+    prompt = random_prompts([120], seed=9, vocab=bundle.config.vocab_size)[0]
     full = hetero_jax.generate(bundle, prompt, max_new_tokens=4, chat=False)
     for name in REGISTRY:
         if name in ("heterocache", "contextkeeper", "synckv"):  # need an offline profile / ranking for this model:
@@ -262,7 +258,7 @@ def test_head_permutation_leaves_outputs_unchanged():
     params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=8, scale=0.3))
     layout = HeadLayout.from_groups([[[2, 0], [1]], [[1], [0, 2]], [[0, 1, 2]]])
     permuted = permute_params(params, cfg, layout)
-    prompts = prompts_of([33, 21], seed=2)
+    prompts = random_prompts([33, 21], seed=2)
     a, ca, _ = run(FullKV(), prompts, params=params, cfg=cfg)
     b, cb, _ = run(FullKV(), prompts, params=permuted, cfg=cfg)
     for x, y in zip(a, b):
@@ -290,7 +286,7 @@ def test_budget_properties(kv, group, L, frac, which):
     lo = smallest_rho(min(cls(budget=1.0).min_tokens(L), L), L)
     rho = round(lo + (1.0 - lo) * frac, 4)
     policy = cls(budget=rho)
-    _, cache, plan = run(policy, prompts_of([L], seed=L), params=params, cfg=cfg, steps=1)
+    _, cache, plan = run(policy, random_prompts([L], seed=L), params=params, cfg=cfg, steps=1)
     n = tokens_for(rho, L)
     total = 0
     for li, lc in enumerate(cache.layers):

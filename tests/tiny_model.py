@@ -21,6 +21,21 @@ class TinyTokenizer:
         return [3 + (ord(c) % 90) for c in text]
 
 
+def random_prompt(n: int, seed: int = 0, vocab: int = 101) -> list[int]:
+    """``n`` token ids drawn from [3, vocab) (ids 0-2 are left to special tokens), reproducible by ``seed``."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = 101) -> list[list[int]]:
+    """One prompt per length, all drawn from one generator seeded by ``seed``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
 def tiny_model(max_position_embeddings: int = 1024, seed: int = 6) -> Model:
     cfg = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, intermediate_size=64, num_layers=3,
                       num_heads=9, num_kv_heads=3, head_dim=16, rms_norm_eps=1e-5,

@@ -1,0 +1,42 @@
+"""HeteroCache: role-aware budgets, host copies of the compressed heads, re-selection per turn, drift recall.
+
+Prefill (per request, prompt length L):
+- L_base by Eq. 7 over the whole model, l_i by Eq. 8 (``HeadProfile.budgets``);
+- full heads (volatile, pivot) keep the whole prompt on the device;
+- compressed heads (anchor, satellite) keep their top-l_i tokens by the pooled
+  attention (GQA max) of the last ``select_window`` prompt queries, summed
+  (causal), stored in position order. The paper scores by the last token alone
+  (``select_window=1``); our default 8 reaches past the chat template's
+  closing tokens into the question (docs/architecture.md);
+- every compressed head's full prompt KV goes to pinned host memory (the paper
+  keeps only the satellites'; the anchors' copy is what lets a later turn re-select);
+- each pivot records K_base = the top-L_base of its pooled last-token attention.
+
+A session's turn (``after_extend``, our departure): once a question has been appended
+(chunked, ``model.extend``), every compressed head re-takes its top-l_i from its host
+keys, scored by the pooled attention of the turn's queries exactly as prefill scores
+its window (budgets unchanged), and each pivot's K_base restarts from the turn's last
+query; this lands before the answer's first token is sampled. For a single request
+(``generate``) nothing changes.
+
+Decode: every ``window`` steps the buffered pivot queries are scored against
+the pivot's prompt keys (``pallas_kernels.drift_check``); when the median
+overlap with K_base, read against its chance level (o - c) / (1 - c) with
+c = L_base / L (our departure: the raw overlap mostly measures rho), drops
+below ``tau_drift``, each satellite of that pivot
+gets its own top-l_s positions of the pivot's latest pooled scores, gathered
+from the host copy and written into its device slots, and K_base moves on.
+
+Asynchrony and lag: the check is dispatched right after step t's decode and
+its small outputs (flags, indices) are copied to the host asynchronously;
+they are read before step t + 1 is dispatched, and recalled rows are written
+then, so a recall takes effect exactly one step after the check. The
+gather runs on the host (numpy view of the pinned array) and the rows go to
+the device with an asynchronous ``device_put``.
+"""
+
+from hetero_jax.policies.heterocache.decode import HeteroDecode, HeteroPrefilled, drift_layer
+from hetero_jax.policies.heterocache.policy import HeteroCache
+from hetero_jax.policies.heterocache.prefill import HeteroPrefill
+
+__all__ = ["HeteroCache", "HeteroDecode", "HeteroPrefill", "HeteroPrefilled", "drift_layer"]

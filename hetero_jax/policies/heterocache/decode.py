@@ -1,0 +1,366 @@
+"""HeteroCache's decode state: re-selection after a session's turn, drift checks every ``window`` steps,
+and recalls from the host copy one step later."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from hetero_jax.model.cache import KVCache, materialize
+from hetero_jax.model.host_store import HostKVStore, put_rows, scatter_rows
+from hetero_jax.policies.protocol import DecodeState
+from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, take_slots
+from hetero_jax.policies.selection import cap_bucket
+from hetero_jax.policies.heterocache.scores import select_rows, turn_k_base, turn_scores
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroPrefilled:
+    """What HeteroCache's prefill hands its decode: roles, budgets and the host copy of the compressed heads."""
+
+    policy: ProfiledPolicy  # the HeteroCache that made it (its package's policy.py imports this module)
+    roles: list[LayerRoles]
+    counts: list[np.ndarray]  # per layer [B, Hc] tokens kept by each compressed head (layout order)
+    l_base: np.ndarray  # [B] L_base of each sequence
+    lens: np.ndarray  # [B] prompt lengths
+    # per layer: the compressed heads' full prompt K/V, [B, Hc, T, D] on one device; under tensor
+    # parallelism every head's [B, H, T, D] in layout order, split over "model" (``store_heads``)
+    store: HostKVStore
+    # under tensor parallelism: per layer [B, H] each head's window start in its shard's pool (layout slots)
+    pool_offsets: list[np.ndarray] | None = None
+    placement: dict | None = None  # under tensor parallelism: tokens per shard, balanced vs contiguous
+
+    def store_heads(self, li: int) -> np.ndarray:
+        """Index in the layer's host store of each compressed head (0..Hc-1 on one device; its layout slot
+        under tensor parallelism)."""
+        if self.pool_offsets is None:
+            return np.arange(self.counts[li].shape[1])
+        return np.asarray(self.roles[li].comp_slots, np.int64)
+
+    def host_bytes_by_role(self) -> dict[str, int]:
+        """Pinned-host KV bytes per role: the satellites' (the paper's reservoir), the anchors', and under
+        tensor parallelism the full heads' copies that keep the store split like the device cache."""
+        out = {"satellite": 0, "anchor": 0}
+        for li, r in enumerate(self.roles):
+            per_head = self.store.head_bytes(li)
+            if per_head:
+                n_comp = self.counts[li].shape[1]
+                out["satellite"] += per_head * len(r.satellites)
+                out["anchor"] += per_head * (n_comp - len(r.satellites))
+                if self.pool_offsets is not None:
+                    out["full"] = out.get("full", 0) + per_head * r.n_full
+        return out
+
+
+@functools.partial(jax.jit, static_argnames=("l_base", "tau", "n_top"))
+def drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: int):
+    """One layer's drift check: q_buf [B, Np, W, G, D]; keys [B, Np, T, D]; k_base [B, Np, l_base].
+
+    Returns (drift [B, Np] bool, new K_base [B, Np, l_base] (top-l_base of the latest pooled scores; the
+    old K_base when no pivot drifted), top-n_top positions of the latest pooled scores, best first
+    [B, Np, n_top]; zeros when no pivot drifted, or when ``n_top`` is 0, i.e. the recall does not use them).
+    """
+    drift, _, latest_scores = pallas_kernels.drift_check(q_buf, keys, k_base, l_base, tau, lengths)
+    k = min(max(l_base, n_top), latest_scores.shape[-1])
+
+    def ranked(s):  # one top-k serves both: new K_base and the recall rows are its first l_base / n_top
+        vals, idx = jax.lax.top_k(s, k)
+        idx = idx.astype(jnp.int32)
+        base = jnp.where(vals[..., :l_base] > pallas_kernels.MASK_VALUE * 0.5, idx[..., :l_base], -1)
+        return base, jnp.pad(idx[..., :n_top], [(0, 0)] * (idx.ndim - 1) + [(0, max(0, n_top - k))])
+
+    def unchanged(s):
+        return k_base.astype(jnp.int32), jnp.zeros(s.shape[:-1] + (n_top,), jnp.int32)
+
+    # the check itself never ranks the prompt; this top-k (a fifth of the check's cost at 32K on CPU) is
+    # read only for a drifted pivot: skip it (lax.cond runs one branch) otherwise
+    new_base, top = jax.lax.cond(drift.any(), ranked, unchanged, latest_scores)
+    return drift, new_base, top
+
+
+materialize_jit = jax.jit(materialize)
+
+
+def full_heads(lc, r: LayerRoles, slots) -> tuple[jax.Array, jax.Array]:
+    """(keys [B, n, T, D], lengths [B, n]) of full heads at layout ``slots``: a slice of one group on one
+    device; stacked from the rows' groups (each as long as the longest prompt) under tensor parallelism."""
+    locs = [r.loc[int(s)] for s in slots]
+    gi, h0 = locs[0]
+    if locs == [(gi, h0 + i) for i in range(len(locs))]:
+        g = lc.groups[gi]
+        return g.k[:, h0 : h0 + len(locs)], g.lengths[:, h0 : h0 + len(locs)]
+    return (jnp.stack([lc.groups[g].k[:, h] for g, h in locs], axis=1),
+            jnp.stack([lc.groups[g].lengths[:, h] for g, h in locs], axis=1))
+
+
+class HeteroDecode(DecodeState):
+    """Per-request decode-time state of HeteroCache: query buffer, pending checks, re-selection and recall stats."""
+
+    wants_turn_queries = True
+
+    def __init__(self, prefilled: HeteroPrefilled, compile_fn=None):
+        self.prefilled = prefilled
+        self.policy = prefilled.policy
+        self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+        # the last `window` steps: tuples over layers of pivot queries [B, Np, G, D] (device)
+        self.buffer: collections.deque = collections.deque(maxlen=prefilled.policy.window)
+        self.pivot_layers = [li for li, r in enumerate(prefilled.roles) if r.pivots]
+        self.pending = None  # (step, per layer check outputs) of a dispatched check
+        self.checks = 0  # pivot checks run (pivots x checks)
+        self.triggers = 0  # pivot checks that drifted
+        self.recalls = 0  # satellite heads refreshed by a drift
+        self.bytes_recalled = 0
+        self.reselections = 0  # turns after which the compressed heads re-selected
+        self.bytes_reselected = 0  # K/V bytes written to the device by those re-selections
+        self.recall_failures = 0  # recalls dropped because their transfer failed (see before_step)
+        self.reselect_failures = 0  # re-selections dropped the same way (see after_extend)
+        self.recall_steps: list[int] = []
+        # called as f(layer, q_buf, keys, k_base, lengths, l_base=...) with each pivot layer's check inputs
+        # before it is dispatched (benchmarks/bench_drift_metric.py records the overlaps this way)
+        self.check_observers: list = []
+
+    def fresh(self) -> "HeteroDecode":
+        return HeteroDecode(self.prefilled, compile_fn=self.compile_fn)
+
+    def after_step(self, step: int, extras, cache: KVCache) -> None:
+        """Buffer the pivots' queries of decode step ``step`` (``HeteroCache.attend``'s extras); every
+        ``window`` steps dispatch the check."""
+        self.buffer.append(tuple(extras))
+        if len(self.buffer) == self.policy.window and self.pivot_layers:
+            self._dispatch_check(step, cache)
+            self.buffer.clear()
+
+    def after_extend(self, turn_queries, cache: KVCache) -> KVCache:
+        """Re-select after a turn: every compressed head re-takes its top-l_i (budgets unchanged) from its
+        host keys, scored by the pooled attention of the turn's queries (``turn_scores``), rows in
+        position order; each pivot's K_base restarts from the turn's last query.
+
+        turn_queries: per layer [B, Nkv, N, G, D] (layout order), the N appended tokens' queries.
+        A check still pending from the previous answer is dropped (it would recall over the new rows),
+        and the drift buffer restarts with the next decode step. All or nothing, like a recall: if a
+        transfer fails the input cache is returned, with a RuntimeWarning.
+        """
+        self.pending = None
+        self.buffer.clear()
+        saved = self.bytes_reselected
+        try:
+            return self._reselect(turn_queries, cache)
+        except (RuntimeError, MemoryError) as e:
+            self.bytes_reselected = saved
+            self.reselect_failures += 1
+            warnings.warn(f"HeteroCache: the re-selection after a turn failed ({type(e).__name__}: {e}); the "
+                          "device cache keeps its previous rows", RuntimeWarning, stacklevel=2)
+            return cache
+
+    def _reselect(self, turn_queries, cache: KVCache) -> KVCache:
+        n = turn_queries[0].shape[2]
+        block = 16
+        n_pad = -(-n // block) * block
+        row_valid = jnp.arange(n_pad) < n
+        l_base = int(self.prefilled.l_base.max())
+        lens = jnp.asarray(self.prefilled.lens, jnp.int32)
+        layers = list(cache.layers)
+        pool_rows = []  # under tensor parallelism: (layer, b, compressed head, slots, rows) into the pool
+        for li, r in enumerate(self.prefilled.roles):
+            lc, q = layers[li], turn_queries[li]
+            groups, aux = list(lc.groups), dict(lc.aux)
+            if r.pivots:
+                keys, lengths = full_heads(self._view(cache, li), r, r.pivot_slots())
+                args = (take_slots(q, r.pivot_slots())[:, :, -1:], keys, lengths)
+                aux["k_base"] = self.compile_fn(turn_k_base, *args, l_base=l_base)(*args)
+            counts = self.prefilled.counts[li]  # [B, Hc]
+            if counts.shape[1]:
+                host_k, host_v = self.prefilled.store.view(li)  # [B, Hc (H under tp), T, D]
+                sh = self.prefilled.store_heads(li)  # compressed head j is host head sh[j]
+                qc = take_slots(q, r.comp_slots)
+                qc = jnp.pad(qc, ((0, 0), (0, 0), (0, n_pad - n), (0, 0), (0, 0)))
+                # one layer's compressed keys on the device, for this scoring only
+                keys = jnp.asarray(host_k if len(sh) == host_k.shape[1] else host_k[:, sh])
+                args = (qc, row_valid, keys, lens)
+                scores = self.compile_fn(turn_scores, *args, block=block)(*args)
+                # compiled per 64-slot bucket, not per layer's largest budget (as ``select_group``)
+                cap = cap_bucket(int(counts.max()), scores.shape[-1])
+                args = (scores, jnp.asarray(counts, jnp.int32))
+                idx = np.asarray(self.compile_fn(select_rows, *args, cap=cap)(*args))  # [B, Hc, cap]
+                b = np.arange(idx.shape[0])[:, None]
+                for j in range(counts.shape[1]):
+                    c = int(counts[:, j].max())
+                    rows = idx[:, j, :c]  # [B, c] position order; past a sequence's count: a repeat
+                    self.bytes_reselected += 2 * host_k[b, sh[j], rows].nbytes
+                    if cache.pool is not None:  # only each sequence's own rows: a window's tail is another's
+                        pool_rows += [(li, bi, j, np.arange(counts[bi, j]), rows[bi, : counts[bi, j]])
+                                      for bi in range(len(rows))]
+                        continue
+                    valid = np.arange(c)[None, :] < counts[:, j : j + 1]
+                    k_new, v_new = host_k[b, sh[j], rows], host_v[b, sh[j], rows]  # [B, c, D]
+                    pos = np.where(valid, rows, -1).astype(np.int32)
+                    gi = r.loc[r.comp_slots[j]][0]  # one device: the head's own group, exactly c slots
+                    groups[gi] = groups[gi].replace(k=jax.device_put(k_new[:, None]), v=jax.device_put(v_new[:, None]),
+                                                    positions=jax.device_put(pos[:, None]))
+            layers[li] = lc.replace(groups=tuple(groups), aux=aux)
+        self.reselections += 1
+        cache = cache.replace(layers=tuple(layers))
+        return self._write_pool(cache, pool_rows) if pool_rows else cache
+
+    def _view(self, cache: KVCache, li: int):
+        """Layer ``li`` with pooled groups read out of the pool (itself on one device)."""
+        lc = cache.layers[li]
+        return lc if cache.pool is None else materialize_jit(lc, cache.pool)
+
+    def _write_pool(self, cache: KVCache, items: list) -> KVCache:
+        """Rows of compressed heads from the host copy into their pool windows, one transfer and one scatter
+        for all of them. items: (layer, b, compressed head j, window slots [n], prompt rows [n])."""
+        offsets = self.prefilled.pool_offsets
+        tp = cache.layers[0].head_tp
+        H = cache.layers[0].tail_k.shape[1]
+        parts = []
+        for li, b, j, slots, rows in items:
+            h = self.prefilled.roles[li].comp_slots[j]
+            k_rows, v_rows = self.prefilled.store.rows(li, np.full(len(rows), b), np.full(len(rows), h), rows)
+            parts.append((np.full(len(rows), b), np.full(len(rows), h // (H // tp)), offsets[li][b, h] + slots,
+                          k_rows, v_rows, rows))
+        cat = [np.concatenate([p[i] for p in parts]) for i in range(6)]
+        ops = put_rows(*cat, capacity=cache.pool.k.shape[2])
+        return cache.replace(pool=scatter_rows(cache.pool, ops, self.compile_fn))
+
+    def _dispatch_check(self, step: int, cache: KVCache) -> None:
+        """Dispatch every pivot layer's drift check on the buffered steps; outputs are copied to the host
+        asynchronously and read before the next step."""
+        outs = [None] * len(self.prefilled.roles)
+        l_base = int(self.prefilled.l_base.max())
+        for li in self.pivot_layers:
+            r = self.prefilled.roles[li]
+            q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
+            keys, lengths = full_heads(self._view(cache, li), r, r.pivot_slots())
+            counts = self.prefilled.counts[li]
+            n_top = max(1, int(counts.max())) if counts.size else 1
+            args = (q_buf, keys, cache.layers[li].aux["k_base"], lengths)
+            for observe in self.check_observers:
+                observe(li, *args, l_base=l_base)
+            fn = self.compile_fn(drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
+                                 n_top=min(n_top, keys.shape[2]))
+            out = fn(*args)
+            for a in out:
+                a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
+            outs[li] = out
+        self.pending = (step, outs)
+
+    def before_step(self, step: int, cache: KVCache) -> KVCache:
+        """Apply the previous check's recalls (one step after it ran), all or nothing.
+
+        A recall whose host -> device transfer fails (a RuntimeError from ``jax.device_put``, e.g. out of
+        device memory) leaves the cache and the recall stats as they were, with a RuntimeWarning:
+        the recall is an accuracy aid, and decoding (a session's turn) goes on without it. K_base is
+        kept too, so the next check sees the drift again and retries the recall.
+        """
+        if self.pending is None:
+            return cache
+        saved = (self.checks, self.triggers, self.recalls, self.bytes_recalled, len(self.recall_steps))
+        try:
+            return self._apply_recalls(step, cache)
+        except (RuntimeError, MemoryError) as e:
+            (self.checks, self.triggers, self.recalls, self.bytes_recalled, n) = saved
+            del self.recall_steps[n:]
+            self.recall_failures += 1
+            warnings.warn(f"HeteroCache: the recall at decode step {step} failed ({type(e).__name__}: {e}); the "
+                          "device cache is unchanged and the drift will be checked again", RuntimeWarning,
+                          stacklevel=2)
+            return cache
+
+    def _apply_recalls(self, step: int, cache: KVCache) -> KVCache:
+        """Each drifted pivot's satellites take the top-l_s rows of its latest scores from the host copy.
+
+        Only those rows cross to the device (``host_store.put_rows``, every transfer started before any
+        write) and are written in place (``scatter_rows``): the groups are never read back.
+        """
+        _, outs = self.pending
+        self.pending = None
+        layers = list(cache.layers)
+        writes = []  # (layer, group index, device operands) once every transfer has started
+        pool_rows = []  # under tensor parallelism: rows into the pool (``_write_pool``)
+        for li, out in enumerate(outs):
+            if out is None:
+                continue
+            drift, new_base, top = (np.asarray(a) for a in out)
+            r = self.prefilled.roles[li]
+            self.checks += drift.size
+            self.triggers += int(drift.sum())
+            if not drift.any():
+                continue
+            counts = self.prefilled.counts[li]  # [B, Hc]
+            per_group: dict[int, list] = {}
+            for b, p in zip(*np.nonzero(drift)):
+                for sat in r.members.get(int(p), []):
+                    l_s = int(counts[b, sat])
+                    pos = np.sort(top[b, p, :l_s])
+                    if cache.pool is not None:  # the satellite's window in its shard's pool
+                        pool_rows.append((li, b, sat, np.arange(l_s), pos))
+                        self.recalls += 1
+                        self.bytes_recalled += 2 * l_s * layers[li].tail_k.shape[-1] * layers[li].tail_k.dtype.itemsize
+                        continue
+                    gi, hi = r.loc[r.comp_slots[sat]]  # the satellite's group and head in it
+                    per_group.setdefault(gi, []).append((b, sat, hi, pos))
+            for gi, items in per_group.items():
+                b_idx = np.concatenate([np.full(len(pos), b) for b, _, _, pos in items])
+                sats = np.concatenate([np.full(len(pos), sat) for _, sat, _, pos in items])
+                h_idx = np.concatenate([np.full(len(pos), hi) for _, _, hi, pos in items])
+                rows = np.concatenate([pos for _, _, _, pos in items])
+                slots = np.concatenate([np.arange(len(pos)) for _, _, _, pos in items])
+                k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[sats], rows)
+                ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, layers[li].groups[gi].capacity)
+                writes.append((li, gi, ops))
+                self.recalls += len(items)
+                self.bytes_recalled += k_rows.nbytes + v_rows.nbytes
+            base = np.where(drift[..., None], new_base, np.asarray(layers[li].aux["k_base"]))
+            aux = dict(layers[li].aux)
+            aux["k_base"] = jax.device_put(base.astype(np.int32))
+            layers[li] = layers[li].replace(aux=aux)
+            self.recall_steps.append(step)
+        for li, gi, ops in writes:  # every transfer went out: write in place
+            groups = list(layers[li].groups)
+            groups[gi] = scatter_rows(groups[gi], ops, self.compile_fn)
+            layers[li] = layers[li].replace(groups=tuple(groups))
+        cache = cache.replace(layers=tuple(layers))
+        return self._write_pool(cache, pool_rows) if pool_rows else cache
+
+    def in_flight(self):
+        return self.pending
+
+    def host_arrays(self) -> tuple:
+        return self.prefilled.store.arrays()
+
+    def host_bytes_by_role(self) -> dict[str, int]:
+        return self.prefilled.host_bytes_by_role()
+
+    def summary(self) -> str:
+        text = (f"drift checks {self.checks}, triggered {self.triggers / self.checks if self.checks else 0:.0%}, "
+                f"recalls {self.recalls} ({self.bytes_recalled / 2**10:.0f} KiB)")
+        if self.reselections:
+            text += f", re-selected {self.reselections}x ({self.bytes_reselected / 2**20:.1f} MiB)"
+        p = self.prefilled.placement
+        if p:
+            text += (f", tp {p['tp']}: kept max/mean {p['kept_max_over_mean']:.2f} (contiguous "
+                     f"{p['contiguous_kept_max_over_mean']:.2f}), {p['allocated_tokens_per_shard']} tokens allocated "
+                     f"per shard (contiguous {p['contiguous_allocated_tokens_per_shard']})")
+        return text
+
+    def stats(self) -> dict:
+        return {
+            "drift_checks": self.checks,
+            "drift_triggers": self.triggers,
+            "trigger_rate": self.triggers / self.checks if self.checks else 0.0,
+            "recalls": self.recalls,
+            "bytes_recalled": self.bytes_recalled,
+            "reselections": self.reselections,
+            "bytes_reselected": self.bytes_reselected,
+            "recall_failures": self.recall_failures,
+            "reselect_failures": self.reselect_failures,
+            **({"placement": self.prefilled.placement} if self.prefilled.placement else {}),
+        }

@@ -1,0 +1,105 @@
+"""HeteroCache the policy: a frozen, hashable set of hyper-parameters and the profile, bound to a model."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.policies.base import BudgetError, PolicyError, check_int
+from hetero_jax.policies.profiled import ProfiledPolicy, profile_key
+from hetero_jax.profile.format import HeadProfile
+from hetero_jax.policies.heterocache.prefill import HeteroPrefill
+
+
+def _check_hetero_args(p: "HeteroCache") -> None:
+    """Types and ranges of HeteroCache's numeric arguments (before the older checks in __post_init__)."""
+    if p.profile is not None and not isinstance(p.profile, HeadProfile):
+        raise PolicyError(f"HeteroCache: profile must be a HeadProfile (load_profile('profile.json')) or None "
+                          f"for the model's shipped profile, got {type(p.profile).__name__}")
+    check_int("HeteroCache", "window", p.window, 1, " (decode steps between drift checks)")
+    if isinstance(p.select_window, bool):  # an int to isinstance, but True is no number of queries
+        raise PolicyError(f"HeteroCache: select_window must be an int >= 1 prompt query (1 = the paper's last "
+                          f"token), got {p.select_window!r}")
+    tau = p.tau_drift
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float, np.integer, np.floating))
+                            or not np.isfinite(float(tau) if abs(tau) < 1e300 else np.inf)):
+        raise PolicyError(f"HeteroCache: tau_drift must be a finite number (a drift is a median top-k overlap "
+                          f"below it, so [0, 1] is meaningful) or None for the profile's tau_stable, got {tau!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroCache(ProfiledPolicy):
+    """HeteroCache (``profile=None``: the shipped profile of the loaded model)."""
+
+    profile: HeadProfile | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    budget: float = 0.3
+    window: int = 5
+    tau_drift: float | None = None
+    pool_kernel: int = 5
+    select_window: int = 8
+    profile_key: str = dataclasses.field(default="", init=False)
+    # set by bind() on a mesh: the row layout for tp shards and, per layer, its pivots' layout slots
+    head_tp: int = dataclasses.field(default=1, init=False)
+    row_pivot_slots: tuple = dataclasses.field(default=(), init=False, compare=False, repr=False)
+
+    name: ClassVar[str] = "heterocache"
+    summary: ClassVar[str] = ("role-aware head budgets from an offline profile, compressed heads' full KV in pinned "
+                              "host memory, re-selection at each session turn, drift-triggered recall")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_hetero_args(self)
+        if not isinstance(self.select_window, int) or self.select_window < 1:
+            raise BudgetError(f"HeteroCache: select_window must be an int >= 1 prompt query (1 = the paper's "
+                              f"last token), got {self.select_window!r}")
+        if self.pool_kernel != 5:
+            raise BudgetError("HeteroCache: the pooled-score kernel supports pool_kernel=5 only")
+        object.__setattr__(self, "profile_key", profile_key(self.profile))
+
+    def bind(self, model):
+        """The profile resolved and checked (``ProfiledPolicy.bind``); on a mesh with tp > 1 model shards,
+        the role-balanced row layout (``row_layout``), so every head group splits over "model"."""
+        bound = super().bind(model)
+        mesh = getattr(model, "mesh", None)
+        tp = 1 if mesh is None else int(mesh.shape["model"])
+        if tp == bound.head_tp:
+            return bound
+        bound = dataclasses.replace(bound)  # a copy: head_tp back to its default, set below
+        object.__setattr__(bound, "head_tp", tp)
+        if tp > 1:
+            slots = tuple(tuple(r.pivot_slots()) for r in bound.layer_roles(model.config))
+            object.__setattr__(bound, "row_pivot_slots", slots)
+        return bound
+
+    def layout(self, cfg: ModelConfig):
+        """``ProfiledPolicy.layout``; on one device each compressed head is a group of its own (heads of a
+        layer keep different l_i: ``split_heads``)."""
+        base = super().layout(cfg)
+        if base.tp > 1:
+            return base
+        sizes = []
+        for l in range(cfg.num_layers):
+            n_full = len(self.roles_in_layout(l)["pivot"]) + len(self.roles_in_layout(l)["volatile"])
+            sizes.append(((n_full,) if n_full else ()) + (1,) * (cfg.num_kv_heads - n_full))
+        return dataclasses.replace(base, group_sizes=tuple(sizes))
+
+    @property
+    def drift_threshold(self) -> float:
+        """tau_drift, on the check's chance-normalised scale (o - c) / (1 - c) (``pallas_kernels.drift_check``).
+
+        Default: the profile's tau_stable (the paper sets them equal), carried to that scale at the
+        calibration's chance level c = top_k / tokens_per_sample (0.4 at c = 0.2 -> 0.25 for SmolLM2);
+        c = 0 when the profile does not record it, 0.5 when it records no tau_stable either.
+        """
+        if self.tau_drift is not None:
+            return float(self.tau_drift)
+        s = self.profile.settings if self.profile is not None else None
+        tau = 0.5 if s is None or s.tau_stable is None else float(s.tau_stable)
+        c = s.top_k / s.tokens_per_sample if s is not None and s.top_k and s.tokens_per_sample else 0.0
+        return (tau - c) / (1.0 - c)
+
+    def make_prefill(self, cfg, prompt_lens, compile_fn=None):
+        return HeteroPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
