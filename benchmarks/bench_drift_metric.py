@@ -75,6 +75,7 @@ def run(args) -> dict:
     import hetero_jax
     from hetero_jax.policies import HeteroCache
     from hetero_jax.runtime import Engine, Session, tail_capacity_for
+    from hetero_jax.runtime.engine import decode_loop
 
     model = hetero_jax.load(mt.MODEL, progress=False)
     facts = mt.make_facts(args.seed, 3)
@@ -88,9 +89,9 @@ def run(args) -> dict:
             ids = model.tokenizer.encode_prompt(ctx.text, chat=False)
             eng = Engine(model, [ids], policy, tail_capacity=tail_capacity_for(args.continue_tokens))
             eng.state.check_observers.append(rec)
-            tok = eng.first_tokens(0.0, 1.0)
-            for _ in range(args.continue_tokens - 1):
-                tok, _ = eng.step(tok, 0.0, 1.0)
+            # generate's own loop (stops at EOS), on an engine whose decode state the recorder can watch
+            decode_loop(eng, eng.first_tokens(0.0, 1.0), args.continue_tokens, temperature=0.0, top_p=1.0,
+                        stops=[], on_token=None)
             sess = Session(model, ctx.text, policy)
             sess.engine.state.check_observers.append(rec)
             # a turn's question is appended in chunks (no check runs there); every check of a turn

@@ -253,7 +253,7 @@ def run_prompt(model, ids: list[int], combos, policies, *, max_new: int, warmup:
     # either way, so every prompt of a length shares the compiled decode steps
     total_timed = max(max_new, warmup + steps + 1)
     total = total_timed if timed else max_new
-    tail_capacity = G.tail_capacity_for(max(total_timed, 1))
+    tail_capacity = G.tail_capacity_for(total_timed)
 
     c0 = G.compile_seconds()
     t0 = time.perf_counter()
