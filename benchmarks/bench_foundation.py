@@ -236,12 +236,7 @@ def make_plot(results: list[dict], path: Path, subtitle: str) -> Path | None:
     ax1.set_title("Prefill throughput")
     ax2.set_ylabel("decode ms / token (lower is better)")
     ax2.set_title("Decode latency")
-    fig.suptitle(f"{MODEL}, full KV, batch 1 — {subtitle}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, f"{MODEL}, full KV, batch 1 — {subtitle}", dpi=120)
 
 
 # --------------------------------------------------------------------- main
