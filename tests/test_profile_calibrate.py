@@ -140,6 +140,23 @@ class _CharTokenizer:
         return ([1] if add_special_tokens else []) + [2 + (ord(c) % 90) for c in text]
 
 
+def test_calibrate_texts_equals_token_samples(tiny_params):
+    """``calibrate`` = tokenize plainly (BOS kept) + ``calibrate_tokens`` with the model's name."""
+    from types import SimpleNamespace
+
+    from hetero_jax.profile.calibrate import calibrate
+
+    model = SimpleNamespace(config=TINY, params=tiny_params, tokenizer=_CharTokenizer(), name="tiny")
+    texts = ["the quick brown fox jumps over the lazy dog, twice over", "pack my box with five dozen jugs"]
+    kw = dict(decode_steps=2, progress=False, seed=1)
+    got = calibrate(model, texts, data_description="two pangrams", **kw)
+    ids = [[1] + [2 + (ord(c) % 90) for c in t] for t in texts]
+    want = calibrate_tokens(TINY, tiny_params, ids, model_name="tiny", data_description="two pangrams", **kw)
+    assert got == want and got.model_name == "tiny"
+    with pytest.raises(ProfileError, match=r"calibration text\(s\) \[1\] are empty"):
+        calibrate(model, ["some text", "  "], **kw)
+
+
 def test_windows_deterministic_and_errors():
     text = "".join(chr(65 + (i * 7) % 53) for i in range(500))  # 500 ids -> 50 windows of 10 after BOS
     w1 = calibration_windows(_CharTokenizer(), text, 11, 3, seed=4)

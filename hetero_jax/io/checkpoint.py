@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.errors import CheckpointError
+from hetero_jax.errors import CheckpointError, read_json
 
 FORMAT_VERSION = 1
 META_FILE = "hetero_jax.json"
@@ -240,16 +240,10 @@ def read_meta(path: str | os.PathLike) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     mp = os.path.join(path, META_FILE)
-    if not os.path.isfile(mp):
-        raise CheckpointError(
-            f"{path} is not a hetero-jax checkpoint (no {META_FILE}); convert the model first with "
-            "hetero-jax-convert HF_DIR OUT_DIR (or --gguf FILE OUT_DIR)")
-    try:
-        with open(mp, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mp} is not valid JSON ({e}); the checkpoint is corrupt, re-convert it with "
-                              "hetero-jax-convert --force") from None
+    meta = read_json(mp, CheckpointError,
+                     missing=f"{path} is not a hetero-jax checkpoint (no {META_FILE}); convert the model first "
+                     "with hetero-jax-convert HF_DIR OUT_DIR (or --gguf FILE OUT_DIR)",
+                     fix="the checkpoint is corrupt, re-convert it with hetero-jax-convert --force")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{mp} holds a JSON {type(meta).__name__}, not an object; the checkpoint is corrupt, "
                               "re-convert it with hetero-jax-convert --force")

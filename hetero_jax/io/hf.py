@@ -24,7 +24,7 @@ import numpy as np
 
 from hetero_jax.io.checkpoint import check_output_apart, check_output_dir, np_dtype, save_checkpoint
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.errors import CheckpointError, ConfigError
+from hetero_jax.errors import CheckpointError, ConfigError, read_json
 from hetero_jax.model.spec import hf_tensor_map, param_shapes
 
 # Non-parameter buffers some older checkpoints carry; they are recomputed, never loaded.
@@ -168,14 +168,9 @@ def read_hf_config(hf_dir: str) -> tuple[ModelConfig, dict]:
         what = "is a file, not a directory (for a GGUF file use --gguf FILE)" if os.path.exists(hf_dir) \
             else "does not exist"
         raise CheckpointError(f"HF model directory {hf_dir} {what}")
-    cfg_path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ConfigError(f"no config.json in {hf_dir}; is this a Hugging Face model directory?")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{cfg_path} is not valid JSON ({e}); re-download it") from None
+    raw = read_json(os.path.join(hf_dir, "config.json"), ConfigError,
+                    missing=f"no config.json in {hf_dir}; is this a Hugging Face model directory?",
+                    fix="re-download it")
     return ModelConfig.from_hf_dict(raw), raw
 
 

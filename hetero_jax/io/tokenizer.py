@@ -13,7 +13,7 @@ import os
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
-from hetero_jax.errors import CheckpointError, PromptError
+from hetero_jax.errors import CheckpointError, PromptError, read_json
 
 
 def _token_content(tok: Any) -> str | None:
@@ -26,11 +26,8 @@ def _token_content(tok: Any) -> str | None:
 
 
 def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); re-create or re-download it") from None
+    return read_json(path, CheckpointError, missing=f"{path} does not exist; re-create or re-download it",
+                     fix="re-create or re-download it")
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,

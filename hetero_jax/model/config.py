@@ -7,12 +7,11 @@ functions as a static argument.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Mapping
 
-from hetero_jax.errors import ConfigError
+from hetero_jax.errors import ConfigError, read_json
 
 # HF ``architectures`` entry -> our architecture family.
 SUPPORTED_ARCHITECTURES = {
@@ -249,14 +248,8 @@ class ModelConfig:
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(data)
+        return cls.from_hf_dict(read_json(path, ConfigError, missing=f"config file not found: {path}",
+                                          fix="pass an HF config.json"))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """An HF-style config.json dict that round-trips through ``from_hf_dict``."""

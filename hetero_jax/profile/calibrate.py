@@ -388,24 +388,9 @@ def _encode_plain(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 
-def calibrate(
-    model,
-    texts: Sequence[str] | str,
-    *,
-    top_k: int | None = None,
-    decode_steps: int = 100,
-    tau_stable: float = 0.5,
-    tau_sim: float = 0.5,
-    seed: int = 0,
-    tokens: int | None = None,
-    progress: bool = True,
-    data_description: str | None = None,
-    batch_size: int = 4,
-    return_stats: bool = False,
-    scoring: str = "heterocache",
-    n_r: int | None = None,
-):
-    """Calibrate a HeadProfile for ``model`` (a ``hetero_jax.io.hub.Model``) on ``texts``.
+def calibrate(model, texts: Sequence[str] | str, *, data_description: str | None = None, **options):
+    """Calibrate a HeadProfile for ``model`` (a ``hetero_jax.io.hub.Model``) on ``texts``; ``options`` are
+    :func:`calibrate_tokens`' keywords.
 
     Each text is one sample, tokenized as plain text (no chat template) so
     the model continues it; ``tokens`` keeps the first ``tokens`` tokens of
@@ -424,11 +409,8 @@ def calibrate(
         raise ProfileError(f"calibration text(s) {empty} are empty")
     samples = [_encode_plain(model.tokenizer, t) for t in texts]
     desc = data_description or f"{len(texts)} text(s) passed to calibrate()"
-    return calibrate_tokens(
-        model.config, model.params, samples, top_k=top_k, decode_steps=decode_steps, tau_stable=tau_stable,
-        tau_sim=tau_sim, seed=seed, tokens=tokens, progress=progress, model_name=getattr(model, "name", None),
-        data_description=desc, batch_size=batch_size, return_stats=return_stats, scoring=scoring, n_r=n_r,
-    )
+    return calibrate_tokens(model.config, model.params, samples, model_name=getattr(model, "name", None),
+                            data_description=desc, **options)
 
 
 def calibration_windows(tokenizer, text: str, tokens: int, samples: int, seed: int = 0) -> list[list[int]]:

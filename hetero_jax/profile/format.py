@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from hetero_jax.errors import HeteroJaxError
+from hetero_jax.errors import HeteroJaxError, read_json
 from hetero_jax.profile.clustering import (
     COMPRESSED_ROLES,
     FULL_ROLES,
@@ -577,13 +577,8 @@ def _floats_in(x) -> np.ndarray:
 
 def _read_json(path) -> Any:
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ProfileError(f"profile file not found: {path}; {_CALIBRATE_HINT}")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProfileError(f"{path} is not valid JSON: {e}") from None
+    return read_json(path, ProfileError, missing=f"profile file not found: {path}; {_CALIBRATE_HINT}",
+                     fix=_CALIBRATE_HINT)
 
 
 # ====================================================================== identity / shipped profiles
