@@ -340,18 +340,17 @@ def calibrate_tokens(
             bar.close()
 
     lens = sorted({int(s.size) for s in samples})
+    settings = ProfileSettings(
+        top_k=top_k, decode_steps=int(decode_steps), seed=int(seed), calibration_data=data_description,
+        samples=len(samples),
+        tokens_per_sample=int(tokens) if tokens is not None else (lens[0] if len(lens) == 1 else None))
+    identity = dict(architecture=cfg.architecture, head_dim=cfg.head_dim, model_name=model_name,
+                    weights_fingerprint=fingerprint if fingerprint is not None else weights_fingerprint(params))
     if scoring == "synckv":
         steps = np.stack([p[1] for p in per])  # [N, S, L, H, H]
         per_sample = steps.mean(axis=1)  # [N, L, H, H]
         n_r = default_n_r(cfg.num_kv_heads) if n_r is None else int(n_r)
-        settings = ProfileSettings(
-            top_k=top_k, decode_steps=int(decode_steps), seed=int(seed), calibration_data=data_description,
-            samples=len(samples), tokens_per_sample=int(tokens) if tokens is not None else
-            (lens[0] if len(lens) == 1 else None))
-        profile = build_synckv_profile(
-            per_sample.mean(axis=0), n_r, architecture=cfg.architecture, head_dim=cfg.head_dim,
-            model_name=model_name, settings=settings,
-            weights_fingerprint=fingerprint if fingerprint is not None else weights_fingerprint(params))
+        profile = build_synckv_profile(per_sample.mean(axis=0), n_r, settings=settings, **identity)
         if return_stats:
             return profile, CalibrationStats(
                 overlaps=None, stability=None, similarity_matrix=per_sample,
@@ -363,18 +362,8 @@ def calibrate_tokens(
     stab_per = np.median(overlaps, axis=1)  # [N, L, H]
     stability = stab_per.mean(axis=0)
     simm = simm_per.mean(axis=0)
-    settings = ProfileSettings(
-        top_k=top_k, decode_steps=int(decode_steps), tau_stable=float(tau_stable), tau_sim=float(tau_sim),
-        seed=int(seed), calibration_data=data_description, samples=len(samples),
-        tokens_per_sample=int(tokens) if tokens is not None else (lens[0] if len(lens) == 1 else None),
-    )
-    profile = build_profile(
-        stability, simm, tau_stable=float(tau_stable), tau_sim=float(tau_sim),
-        similarity=max_similarity(simm),
-        architecture=cfg.architecture, head_dim=cfg.head_dim, model_name=model_name,
-        weights_fingerprint=fingerprint if fingerprint is not None else weights_fingerprint(params),
-        settings=settings,
-    )
+    profile = build_profile(stability, simm, tau_stable=float(tau_stable), tau_sim=float(tau_sim),
+                            similarity=max_similarity(simm), settings=settings, **identity)
     if return_stats:
         stats = CalibrationStats(overlaps=overlaps, stability=stab_per,
                                  similarity_matrix=simm_per, generated=np.stack([p[2] for p in per]),

@@ -339,11 +339,8 @@ def build_profile(
     tau_stable: float,
     tau_sim: float,
     similarity: np.ndarray | None = None,
-    architecture: str | None = None,
-    head_dim: int | None = None,
-    model_name: str | None = None,
-    weights_fingerprint: str | None = None,
     settings: ProfileSettings | None = None,
+    **identity,
 ) -> HeadProfile:
     """The whole offline taxonomy from calibration statistics.
 
@@ -353,7 +350,8 @@ def build_profile(
     (O >= tau_sim), star-clusters each layer, assigns roles and weights.
     ``similarity`` [L, H] is the per-head score stored for the plot
     (default: max overlap at the graph step; pass Eq. 3's median over steps
-    if you have it). ``settings.tau_*`` are filled from the arguments.
+    if you have it). ``settings.tau_*`` are filled from the arguments. ``identity``: the profile's
+    ``architecture``, ``head_dim``, ``model_name`` and ``weights_fingerprint`` (see :class:`HeadProfile`).
     """
     stab = np.asarray(stability, dtype=np.float64)
     simm = np.asarray(similarity_matrix, dtype=np.float64)
@@ -369,11 +367,8 @@ def build_profile(
         stability=stab,
         similarity=max_similarity(simm) if similarity is None else similarity,
         similarity_matrix=simm,
-        architecture=architecture,
-        head_dim=head_dim,
-        model_name=model_name,
-        weights_fingerprint=weights_fingerprint,
         settings=settings,
+        **identity,
     )
 
 
@@ -381,17 +376,15 @@ def build_synckv_profile(
     similarity_matrix: np.ndarray,
     n_r: int,
     *,
-    architecture: str | None = None,
-    head_dim: int | None = None,
-    model_name: str | None = None,
-    weights_fingerprint: str | None = None,
     settings: ProfileSettings | None = None,
+    **identity,
 ) -> HeadProfile:
     """A SyncKV grouping (paper §4.1) as a HeadProfile: R-heads are pivots, NR-heads satellites (weight 1,
     so ``budgets`` gives every NR head the same k), singleton clusters volatile; no stability.
 
     ``similarity_matrix`` [L, H, H]: each layer's mean pairwise top-k overlap over decode steps and samples
-    (``calibrate_tokens(scoring="synckv")``); ``n_r``: clusters per layer (``clustering.default_n_r``).
+    (``calibrate_tokens(scoring="synckv")``); ``n_r``: clusters per layer (``clustering.default_n_r``);
+    ``identity`` as in :func:`build_profile`.
     """
     simm = np.asarray(similarity_matrix, dtype=np.float64)
     if simm.ndim != 3 or simm.shape[1] != simm.shape[2]:
@@ -401,8 +394,7 @@ def build_synckv_profile(
     settings = dataclasses.replace(settings or ProfileSettings(), method="synckv", n_clusters=int(n_r),
                                    tau_stable=None, tau_sim=None)
     return HeadProfile(roles=roles, clusters=clusters, weights=weights, similarity=max_similarity(simm),
-                       similarity_matrix=simm, architecture=architecture, head_dim=head_dim, model_name=model_name,
-                       weights_fingerprint=weights_fingerprint, settings=settings)
+                       similarity_matrix=simm, settings=settings, **identity)
 
 
 # ====================================================================== load
