@@ -283,7 +283,7 @@ def test_budget_properties(kv, group, L, frac, which):
     cfg = tiny_cfg(num_heads=kv * group, num_kv_heads=kv, layers=2)
     params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=kv + group, scale=0.3))
     cls = REGISTRY[which]
-    lo = smallest_rho(min(cls(budget=1.0).min_tokens(L), L), L)
+    lo = smallest_rho(min(cls(budget=1.0).min_tokens()[0], L), L)
     rho = round(lo + (1.0 - lo) * frac, 4)
     policy = cls(budget=rho)
     _, cache, plan = run(policy, random_prompts([L], seed=L), params=params, cfg=cfg, steps=1)

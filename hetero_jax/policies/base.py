@@ -4,8 +4,9 @@
 heads x layers) kept on the device after prefill. Sinks and observation /
 recent windows count inside it; tokens added after prefill (the tail) come
 on top. A policy is a frozen, hashable dataclass (a static jit argument)
-holding hyper-parameters only; everything that changes while decoding lives
-in the cache pytree.
+holding hyper-parameters only (declared with ``int_param``, ``real_param``,
+``choice_param`` or ``bool_param``, so ``Policy.__post_init__`` checks their
+ranges); everything that changes while decoding lives in the cache pytree.
 
 A policy provides
 - ``make_prefill(cfg, prompt_lens)``: the prefill plan, whose ``build_layer``
@@ -87,6 +88,38 @@ def check_choice(owner: str, name: str, value, choices) -> None:
         raise PolicyError(f"{owner}: {name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
+def check_bool(owner: str, name: str, value) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise PolicyError(f"{owner}: {name} must be True or False, got {value!r}")
+
+
+# Hyper-parameters declare their range where they are declared; Policy.__post_init__ checks every field
+# that carries a "check" (called as check(owner, name, value)), so a policy needs no validation code.
+def int_param(default, lo: int, why: str = "", *, optional: bool = False):
+    """A dataclass field holding an int >= ``lo`` (or None when ``optional``); ``why`` ends the error."""
+    def check(owner, name, value):
+        if not (optional and value is None):
+            check_int(owner, name, value, lo, why)
+    return dataclasses.field(default=default, metadata={"check": check})
+
+
+def real_param(default, lo: float, *, lo_open: bool = True, hi: float = math.inf, hi_open: bool = True):
+    """A dataclass field holding a finite real number in the given interval."""
+    def check(owner, name, value):
+        check_real(owner, name, value, lo, lo_open=lo_open, hi=hi, hi_open=hi_open)
+    return dataclasses.field(default=default, metadata={"check": check})
+
+
+def choice_param(default: str, choices: tuple[str, ...]):
+    """A dataclass field holding one of ``choices``."""
+    return dataclasses.field(default=default, metadata={"check": lambda o, n, v: check_choice(o, n, v, choices)})
+
+
+def bool_param(default: bool):
+    """A dataclass field holding True or False."""
+    return dataclasses.field(default=default, metadata={"check": check_bool})
+
+
 def tokens_for(rho: float, prompt_len: int) -> int:
     """Tokens per head kept at budget rho: round(rho * L), at most L."""
     return min(prompt_len, int(math.floor(rho * prompt_len + 0.5)))
@@ -117,23 +150,24 @@ class Policy:
                 f"{type(self).__name__}: budget rho={b!r} is out of range; rho is the fraction of the "
                 "prompt's KV kept on the device and must be in (0, 1]"
             )
+        for f in dataclasses.fields(self):
+            if "check" in f.metadata:
+                f.metadata["check"](type(self).__name__, f.name, getattr(self, f.name))
 
     # ---------------------------------------------------------------- budgets
-    def min_tokens(self, prompt_len: int) -> int:
-        """Fewest tokens a head may keep (sinks + window, at least 1), capped at the prompt length."""
-        return 1
-
-    def min_tokens_reason(self) -> str:
-        return "every head keeps at least one token"
+    def min_tokens(self) -> tuple[int, str]:
+        """Fewest tokens a head may keep (sinks + window, at least 1) and why, for the budget error."""
+        return 1, "every head keeps at least one token"
 
     def check_budget(self, prompt_len: int) -> int:
         """Tokens per head for this prompt at this budget; BudgetError if too small."""
         n = tokens_for(self.budget, prompt_len)
-        need = min(self.min_tokens(prompt_len), prompt_len)
+        need, reason = self.min_tokens()
+        need = min(need, prompt_len)
         if n < need:
             raise BudgetError(
                 f"{type(self).__name__}: budget rho={self.budget:g} keeps {n} token(s) per head of a "
-                f"{prompt_len}-token prompt, but it needs at least {need} ({self.min_tokens_reason()}); "
+                f"{prompt_len}-token prompt, but it needs at least {need} ({reason}); "
                 f"the smallest budget that works for this prompt is rho={smallest_rho(need, prompt_len):g}"
             )
         return n

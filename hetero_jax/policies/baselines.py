@@ -15,7 +15,8 @@ import numpy as np
 
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.transformer import prompt_queries
-from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_choice, check_int, check_real, distribute
+from hetero_jax.policies.base import (BudgetError, Policy, PolicyError, choice_param, distribute, int_param,
+                                      real_param)
 from hetero_jax.policies.selection import FullPrefill
 from hetero_jax.policies.primitives import attention_probs, finalize_scores, observation_window_probs
 from pallas_kernels import avg_pool, gqa_reduce
@@ -41,36 +42,18 @@ class FullKV(Policy):
 class StreamingLLM(Policy):
     """Attention sinks (the first ``sinks`` tokens) plus the most recent tokens."""
 
-    sinks: int = 4
+    sinks: int = int_param(4, 0)
     name: ClassVar[str] = "streamingllm"
     summary: ClassVar[str] = "4 attention-sink tokens + the most recent tokens (Xiao et al.)"
 
-    def __post_init__(self):
-        super().__post_init__()
-        check_int("StreamingLLM", "sinks", self.sinks, 0)
-
-    def min_tokens(self, prompt_len):
-        return self.sinks + 1
-
-    def min_tokens_reason(self):
-        return f"{self.sinks} sinks + at least one recent token"
+    def min_tokens(self):
+        return self.sinks + 1, f"{self.sinks} sinks + at least one recent token"
 
     def token_scores(self, layer, x_in, keys, prompt_lens, cfg):
         t = jnp.arange(keys.shape[2], dtype=jnp.int32)
         recency = jnp.broadcast_to(t.astype(jnp.float32), keys.shape[:3])  # later = better
         forced = jnp.broadcast_to(t[None, :] < self.sinks, (keys.shape[0], keys.shape[2]))
         return finalize_scores(recency, prompt_lens, forced), None
-
-
-def _check_window_args(p) -> None:
-    """SnapKV family (SnapKV, PyramidKV, CAKE): observation window, pooling kernel, GQA mode."""
-    owner = type(p).__name__
-    check_int(owner, "window", p.window, 1, " (prompt queries in the observation window)")
-    check_int(owner, "pool_kernel", p.pool_kernel, 1)
-    if p.pool_kernel % 2 == 0:
-        raise PolicyError(
-            f"{owner}: pool_kernel must be odd (a centred pooling window), got {p.pool_kernel}")
-    check_choice(owner, "gqa", p.gqa, ("max", "mean"))
 
 
 def _window_forced(prompt_lens, tp: int, window: int):
@@ -82,21 +65,20 @@ def _window_forced(prompt_lens, tp: int, window: int):
 class SnapKV(Policy):
     """Observation-window voting: the last ``window`` prompt queries' attention, summed, pooled."""
 
-    window: int = 32
-    pool_kernel: int = 5
-    gqa: str = "max"
+    window: int = int_param(32, 1, " (prompt queries in the observation window)")
+    pool_kernel: int = int_param(5, 1)
+    gqa: str = choice_param("max", ("max", "mean"))
     name: ClassVar[str] = "snapkv"
     summary: ClassVar[str] = "top tokens by pooled attention of the last 32 prompt queries + that window (Li et al.)"
 
     def __post_init__(self):
         super().__post_init__()
-        _check_window_args(self)
+        if self.pool_kernel % 2 == 0:
+            raise PolicyError(
+                f"{type(self).__name__}: pool_kernel must be odd (a centred pooling window), got {self.pool_kernel}")
 
-    def min_tokens(self, prompt_len):
-        return self.window
-
-    def min_tokens_reason(self):
-        return f"its {self.window}-token observation window"
+    def min_tokens(self):
+        return self.window, f"its {self.window}-token observation window"
 
     def window_votes(self, layer, x_in, keys, prompt_lens, cfg):
         """Window attention probs [B, Hkv, W, G, Tp] and the prefix mask [B, Tp] (slots before the window)."""
@@ -115,13 +97,9 @@ class SnapKV(Policy):
 class PyramidKV(SnapKV):
     """SnapKV scoring with per-layer budgets decreasing linearly with depth (same total)."""
 
-    beta: float = 20.0
+    beta: float = real_param(20.0, 1.0, lo_open=False)  # top / bottom layer share; 1 = flat
     name: ClassVar[str] = "pyramidkv"
     summary: ClassVar[str] = "SnapKV scores, per-layer budgets falling linearly with depth, same total (Cai et al.)"
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_real("PyramidKV", "beta", self.beta, 1.0, lo_open=False)  # beta = top / bottom layer share; 1 = flat
 
     def layer_counts(self, cfg: ModelConfig, prompt_len: int) -> np.ndarray:
         n = self.check_budget(prompt_len)
@@ -139,23 +117,14 @@ class PyramidKV(SnapKV):
 class H2O(Policy):
     """Heavy hitters: cumulative attention from every prompt query (chunked), plus a recent window."""
 
-    window: int = 32
-    gqa: str = "max"
-    query_chunk: int = 256
+    window: int = int_param(32, 1, " (recent tokens always kept)")
+    gqa: str = choice_param("max", ("max", "mean"))
+    query_chunk: int = int_param(256, 1)
     name: ClassVar[str] = "h2o"
     summary: ClassVar[str] = "top tokens by attention accumulated over all prompt queries + 32 recent (Zhang et al.)"
 
-    def __post_init__(self):
-        super().__post_init__()
-        check_int("H2O", "window", self.window, 1, " (recent tokens always kept)")
-        check_choice("H2O", "gqa", self.gqa, ("max", "mean"))
-        check_int("H2O", "query_chunk", self.query_chunk, 1)
-
-    def min_tokens(self, prompt_len):
-        return self.window
-
-    def min_tokens_reason(self):
-        return f"its {self.window}-token recent window"
+    def min_tokens(self):
+        return self.window, f"its {self.window}-token recent window"
 
     def token_scores(self, layer, x_in, keys, prompt_lens, cfg):
         B, _, Tp, _ = keys.shape
@@ -189,17 +158,11 @@ class CAKE(SnapKV):
     afterwards, ending at the smallest share it was given (at least the window).
     """
 
-    gamma: float = 200.0
-    tau1: float = 1.0
-    tau2: float = 1.0
+    gamma: float = real_param(200.0, 0.0, lo_open=False)
+    tau1: float = real_param(1.0, 0.0)
+    tau2: float = real_param(1.0, 0.0)
     name: ClassVar[str] = "cake"
     summary: ClassVar[str] = "per-layer budgets by attention entropy x variance, tokens by mean + 200 var (Qin et al.)"
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_real("CAKE", "gamma", self.gamma, 0.0, lo_open=False)
-        check_real("CAKE", "tau1", self.tau1, 0.0)
-        check_real("CAKE", "tau2", self.tau2, 0.0)
 
     def layer_counts(self, cfg, prompt_len):
         return None  # planned during prefill from the layers' preferences

@@ -36,7 +36,7 @@ import numpy as np
 from hetero_jax.model.cache import HeadGroup, full_group
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import HeadLayout
-from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_int
+from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.primitives import gather_group
 from hetero_jax.policies.selection import bytes_rho
@@ -60,8 +60,8 @@ class ContextKeeper(Policy):
 
     ranking: CARanking | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
     budget: float = 0.5
-    sink: int = DEFAULT_SINK
-    recent: int = DEFAULT_RECENT
+    sink: int = int_param(DEFAULT_SINK, 0)
+    recent: int = int_param(DEFAULT_RECENT, 1)
     ranking_key: str = dataclasses.field(default="", init=False)
 
     name: ClassVar[str] = "contextkeeper"
@@ -70,8 +70,6 @@ class ContextKeeper(Policy):
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("ContextKeeper", "sink", self.sink, 0)
-        check_int("ContextKeeper", "recent", self.recent, 1)
         r = self.ranking
         if isinstance(r, str):
             r = load_ranking(r)

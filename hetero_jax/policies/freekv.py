@@ -56,7 +56,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import HeadGroup, KVCache
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather, put_rows, scatter_rows
-from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_int, check_real
+from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
                                        query_cosine, smallest_page_rho, top_pages)
@@ -67,26 +67,16 @@ class FreeKV(Policy):
     """FreeKV; ``sinks``/``window`` None = B_c / 16 (see module docstring)."""
 
     budget: float = 0.3
-    page_size: int = 32
-    sinks: int | None = None
-    window: int | None = None
-    skip_layers: int = 1
-    tau: float = 0.8
+    page_size: int = int_param(32, 1)
+    sinks: int | None = int_param(None, 0, " or None (B_c / 16)", optional=True)
+    window: int | None = int_param(None, 0, " or None (B_c / 16)", optional=True)
+    skip_layers: int = int_param(1, 0)
+    # any finite value: a cosine lies in [-1, 1], so tau > 1 always corrects and tau < -1 never does
+    tau: float = real_param(0.8, -math.inf)
 
     name: ClassVar[str] = "freekv"
     summary: ClassVar[str] = ("speculative page retrieval: prompt KV on the host, the pages chosen with the "
                               "previous query recalled between steps, corrected in-step where the query moved")
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_int("FreeKV", "page_size", self.page_size, 1)
-        if self.sinks is not None:
-            check_int("FreeKV", "sinks", self.sinks, 0, " or None (B_c / 16)")
-        if self.window is not None:
-            check_int("FreeKV", "window", self.window, 0, " or None (B_c / 16)")
-        check_int("FreeKV", "skip_layers", self.skip_layers, 0)
-        # any finite value: a cosine lies in [-1, 1], so tau > 1 always corrects and tau < -1 never does
-        check_real("FreeKV", "tau", self.tau, -math.inf)
 
     # --------------------------------------------------------------- budgets
     def compressed_layers(self, cfg: ModelConfig) -> list[int]:

@@ -46,7 +46,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import HeadGroup, KVCache, tail_kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, host_weighted_sum
-from hetero_jax.policies.base import BudgetError, Policy, PolicyError, check_real
+from hetero_jax.policies.base import BudgetError, Policy, PolicyError, bool_param, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from pallas_kernels import MASK_VALUE
 from hetero_jax.profile.codebook import KeyCodebook, load_codebook, shipped_codebooks
@@ -75,11 +75,11 @@ class HCAttention(Policy):
     model's shipped codebooks, resolved by ``bind``)."""
 
     budget: float = 0.5
-    tau: float = 0.9
-    renormalize: bool = True
+    tau: float = real_param(0.9, 0.0, hi=1.0, hi_open=False)
+    renormalize: bool = bool_param(True)
     codebook: KeyCodebook | str | tuple | None = dataclasses.field(default=None, compare=False, hash=False,
                                                                      repr=False)
-    k_cap_fraction: float = 1.0
+    k_cap_fraction: float = real_param(1.0, 0.0, hi=1.0, hi_open=False)
     kv_itemsize: int | None = dataclasses.field(default=None, repr=False)  # the KV dtype's, set by bind
     codebook_keys: tuple = dataclasses.field(default=(), init=False, repr=False)
 
@@ -90,10 +90,6 @@ class HCAttention(Policy):
 
     def __post_init__(self):
         super().__post_init__()
-        check_real("HCAttention", "tau", self.tau, 0.0, hi=1.0, hi_open=False)
-        check_real("HCAttention", "k_cap_fraction", self.k_cap_fraction, 0.0, hi=1.0, hi_open=False)
-        if not isinstance(self.renormalize, (bool, np.bool_)):
-            raise PolicyError(f"HCAttention: renormalize must be True or False, got {self.renormalize!r}")
         sz = self.kv_itemsize
         if sz is not None and (isinstance(sz, (bool, np.bool_)) or not isinstance(sz, (int, np.integer))
                                or int(sz) not in (1, 2, 4, 8)):

@@ -39,7 +39,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import HeadGroup, KVCache, tail_kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather
-from hetero_jax.policies.base import BudgetError, Policy, check_int, tokens_for
+from hetero_jax.policies.base import BudgetError, Policy, bool_param, int_param, tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
                                        smallest_page_rho, top_pages)
@@ -50,20 +50,13 @@ class Quest(Policy):
     """Quest; ``offload=True`` keeps the sparse layers' prompt in host memory (see module docstring)."""
 
     budget: float = 0.3
-    page_size: int = 16
-    full_layers: int = 2
-    offload: bool = False
+    page_size: int = int_param(16, 1)
+    full_layers: int = int_param(2, 0)
+    offload: bool = bool_param(False)
 
     name: ClassVar[str] = "quest"
     summary: ClassVar[str] = ("query-aware pages at every decode step (min/max key bounds, 16-token pages); "
                               "offload=True: prompt KV on the host, selected pages fetched each step")
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_int("Quest", "page_size", self.page_size, 1)
-        check_int("Quest", "full_layers", self.full_layers, 0)
-        if not isinstance(self.offload, (bool, np.bool_)):
-            raise BudgetError(f"Quest: offload must be True or False, got {self.offload!r}")
 
     def sparse_layers(self, cfg: ModelConfig) -> list[int]:
         return list(range(min(self.full_layers, cfg.num_layers), cfg.num_layers))

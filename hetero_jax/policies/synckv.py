@@ -42,7 +42,7 @@ from hetero_jax.model.cache import HeadGroup, KVCache, full_group
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, put_rows, scatter_rows
 from hetero_jax.model.transformer import prompt_queries
-from hetero_jax.policies.base import PolicyError, check_int, check_real
+from hetero_jax.policies.base import PolicyError, int_param, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from pallas_kernels import MASK_VALUE
 from hetero_jax.policies.primitives import gather_group, query_probs_max
@@ -76,8 +76,8 @@ class SyncKV(ProfiledPolicy):
 
     profile: HeadProfile | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
     budget: float = 0.5
-    m: int = 5
-    static_ratio: float = 0.5
+    m: int = int_param(5, 1, " (decode steps between anticipations)")
+    static_ratio: float = real_param(0.5, 0.0, lo_open=False, hi=1.0, hi_open=False)
     profile_key: str = dataclasses.field(default="", init=False)
 
     name: ClassVar[str] = "synckv"
@@ -96,8 +96,6 @@ class SyncKV(ProfiledPolicy):
                 raise PolicyError(f"SyncKV: profile must be a HeadProfile, a path to a profile JSON or None for "
                                   f"the model's shipped SyncKV profile, got {type(self.profile).__name__}")
             check_synckv_profile(self.profile)
-        check_int("SyncKV", "m", self.m, 1, " (decode steps between anticipations)")
-        check_real("SyncKV", "static_ratio", self.static_ratio, 0.0, lo_open=False, hi=1.0, hi_open=False)
         object.__setattr__(self, "profile_key", profile_key(self.profile))
 
     def split(self, k: int) -> tuple[int, int]:

@@ -8,7 +8,7 @@ from typing import ClassVar
 import numpy as np
 
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.policies.base import BudgetError, PolicyError, check_int
+from hetero_jax.policies.base import BudgetError, PolicyError, int_param
 from hetero_jax.policies.profiled import ProfiledPolicy, profile_key
 from hetero_jax.profile.format import HeadProfile
 from hetero_jax.policies.heterocache.prefill import HeteroPrefill
@@ -19,7 +19,6 @@ def _check_hetero_args(p: "HeteroCache") -> None:
     if p.profile is not None and not isinstance(p.profile, HeadProfile):
         raise PolicyError(f"HeteroCache: profile must be a HeadProfile (load_profile('profile.json')) or None "
                           f"for the model's shipped profile, got {type(p.profile).__name__}")
-    check_int("HeteroCache", "window", p.window, 1, " (decode steps between drift checks)")
     if isinstance(p.select_window, bool):  # an int to isinstance, but True is no number of queries
         raise PolicyError(f"HeteroCache: select_window must be an int >= 1 prompt query (1 = the paper's last "
                           f"token), got {p.select_window!r}")
@@ -36,7 +35,7 @@ class HeteroCache(ProfiledPolicy):
 
     profile: HeadProfile | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
     budget: float = 0.3
-    window: int = 5
+    window: int = int_param(5, 1, " (decode steps between drift checks)")
     tau_drift: float | None = None
     pool_kernel: int = 5
     select_window: int = 8
