@@ -54,18 +54,12 @@ __all__ = [
 ]
 
 
-def decode_attention(
-    q,             # [B, Hkv, G, D]
-    k,             # [B, Hkv, S, D]
-    v,             # [B, Hkv, S, D]
-    lengths,       # [B, Hkv] int32
-    *,
-    sm_scale: float | None = None,
-    backend: str | None = None,
-    finite_padding: bool = False,
-    **kernel_kwargs,
-):
+def decode_attention(q, k, v, lengths, *, sm_scale: float | None = None, backend: str | None = None,
+                     finite_padding: bool = False, **kernel_kwargs):
   """Ragged per-head decode attention, dispatched by the backend switch.
+
+  q [B, Hkv, G, D]; k, v [B, Hkv, S, D]; lengths [B, Hkv] int32 (the
+  arguments of :func:`sparse_decode_attention`).
 
   ``finite_padding``: the caller promises slots beyond ``lengths`` hold finite
   values, letting the reference skip masking K and V (the kernel never reads

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from hetero_jax.dims import axis_size
 from hetero_jax.model.layout import group_spans_of
 from hetero_jax.model.sharding import to_host
 
@@ -36,13 +37,8 @@ class HeadGroup:
     positions: jax.Array  # [B, Hg, S] int32 original position of each slot; -1 = empty
     lengths: jax.Array  # [B, Hg] int32 valid slots [0, length) of each head
 
-    @property
-    def num_heads(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
+    num_heads = axis_size("k", 1, "KV heads in the group")
+    capacity = axis_size("k", 2, "slots per head (the longest head's kept tokens)")
 
 
 @struct.dataclass
@@ -54,9 +50,7 @@ class PooledGroup:
     lengths: jax.Array  # [B, Hg] int32 valid slots of each head
     capacity: int = struct.field(pytree_node=False)
 
-    @property
-    def num_heads(self) -> int:
-        return self.offsets.shape[1]
+    num_heads = axis_size("offsets", 1, "KV heads in the group")
 
 
 @struct.dataclass
@@ -122,13 +116,8 @@ class KVCache:
     # the layers' rows of PooledGroups (None: every group holds its own rows)
     pool: PromptPool | None = None
 
-    @property
-    def batch_size(self) -> int:
-        return self.seq_lens.shape[0]
-
-    @property
-    def tail_capacity(self) -> int:
-        return self.tail_positions.shape[1]
+    batch_size = axis_size("seq_lens", 0, "sequences in the batch")
+    tail_capacity = axis_size("tail_positions", 1, "tail slots for tokens added after prefill")
 
 
 def full_group(k: jax.Array, v: jax.Array, prompt_lens: jax.Array) -> HeadGroup:

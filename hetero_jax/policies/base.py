@@ -16,13 +16,16 @@ A policy provides
 - ``attend(li, q, layer_cache, tail_lens, seq_lens)`` (traced inside the jitted
   decode step, the policy being a static argument): one layer's attention,
   returning ``(out, layer_cache, extra)``; the default attends every kept slot;
+and, for the default plan (``selection.PolicyPrefill``: score, top-k,
+position order, gather into a group, shared by the static baselines):
 - ``token_scores(layer, x_in, keys, prompt_lens, cfg)`` (traced): per-head
   float32 scores [B, Hkv, Tp] (FORCE on tokens it must keep, MASK_VALUE beyond
   the prompt) and a per-sequence auxiliary value (CAKE's layer preference);
 - ``layer_counts(cfg, prompt_len)`` (host): tokens kept per head in each
   layer for one sequence, or ``None`` for policies that plan while prefilling
   (CAKE overrides ``plan``).
-Selection (top-k, position order, gather into a group) is shared.
+A policy with its own plan (HeteroCache, the peers) checks its budget rules
+in that plan's constructor, before any compute, and needs neither hook.
 
 A ``DecodeState`` declares the host-side hooks the engine runs around every
 jitted step (``before_step``, ``after_step`` with the layers' ``extra``

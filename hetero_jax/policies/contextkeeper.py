@@ -141,9 +141,6 @@ class ContextKeeper(Policy):
             raise BudgetError(self._budget_message(prompt_len, self.min_rho(prompt_len)))
         return prompt_len
 
-    def layer_counts(self, cfg, prompt_len):
-        return None
-
     def full_per_layer(self, cfg: ModelConfig, prompt_len: int) -> np.ndarray:
         """[layers] heads of each layer that keep the whole prompt (a prefix of the layer in layout order)."""
         nf = self.n_full(cfg, prompt_len)

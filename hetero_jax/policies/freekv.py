@@ -140,9 +140,6 @@ class FreeKV(Policy):
     def check_budget(self, prompt_len: int) -> int:
         return prompt_len  # checked per model in make_prefill (the skipped layers count)
 
-    def layer_counts(self, cfg, prompt_len):
-        return None
-
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return FreeKVPrefill(self, cfg, prompt_lens, compile_fn)
 

@@ -163,9 +163,6 @@ class HCAttention(Policy):
     def check_budget(self, prompt_len: int) -> int:
         return prompt_len  # checked per model and batch in make_prefill (bytes depend on the model)
 
-    def layer_counts(self, cfg, prompt_len):
-        return None
-
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return HCPrefill(self, cfg, prompt_lens, compile_fn)
 

@@ -162,9 +162,6 @@ class ProfiledPolicy(Policy):
         self.budget_grid(prompt_len)
         return prompt_len
 
-    def layer_counts(self, cfg, prompt_len):
-        return None
-
     def token_scores(self, layer, x_in, keys, prompt_lens, cfg):
         raise NotImplementedError(f"{type(self).__name__} selects per role in its own prefill plan")
 

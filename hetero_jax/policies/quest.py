@@ -82,9 +82,6 @@ class Quest(Policy):
     def check_budget(self, prompt_len: int) -> int:
         return prompt_len  # checked per model in make_prefill (the full layers count)
 
-    def layer_counts(self, cfg, prompt_len):
-        return None
-
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return QuestPrefill(self, cfg, prompt_lens, compile_fn)
 

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from hetero_jax.dims import axis_size
 from hetero_jax.profile.format import ProfileError, shipped_data_path
 
 FORMAT_NAME = "hetero-jax-hcattention-codebook"
@@ -69,19 +70,9 @@ class KeyCodebook:
                                f"{self.head_dim}")
         object.__setattr__(self, "centroids", c)
 
-    @property
-    def num_layers(self) -> int:
-        return self.centroids.shape[0]
-
-    @property
-    def size(self) -> int:
-        """c, the centroids per layer."""
-        return self.centroids.shape[1]
-
-    @property
-    def sub_dim(self) -> int:
-        """d, the dims of one sub-vector."""
-        return self.centroids.shape[2]
+    num_layers = axis_size("centroids", 0, "layers the codebook covers")
+    size = axis_size("centroids", 1, "c, the centroids per layer")
+    sub_dim = axis_size("centroids", 2, "d, the dims of one sub-vector")
 
     def groups(self, head_dim: int) -> int:
         """g = head_dim / d sub-vectors (codes) per key."""

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from hetero_jax.dims import axis_size
 from hetero_jax.errors import HeteroJaxError, read_json
 from hetero_jax.profile.clustering import (
     COMPRESSED_ROLES,
@@ -147,13 +148,8 @@ class HeadProfile:
             raise ProfileError("settings must be a ProfileSettings")
 
     # ------------------------------------------------------------ properties
-    @property
-    def num_layers(self) -> int:
-        return self.roles.shape[0]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.roles.shape[1]
+    num_layers = axis_size("roles", 0, "layers of the profiled model")
+    num_kv_heads = axis_size("roles", 1, "KV heads per layer")
 
     @property
     def n_full(self) -> int:
