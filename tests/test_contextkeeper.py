@@ -16,6 +16,7 @@ from hetero_jax.runtime import Engine, Session, prefill
 from hetero_jax.policies import BudgetError, ContextKeeper, FullKV, make_policy
 from hetero_jax.profile.contextkeeper import CARanking, calibrate_ranking, load_ranking
 from hetero_jax.profile.format import ProfileError
+from test_policies import np_queries
 from tiny_model import tiny_model, random_prompt
 
 MODEL = tiny_model()
@@ -31,30 +32,11 @@ RANKING = CARanking(scores=SCORES, votes=VOTES, model="tiny", head_dim=CFG.head_
 ORDER = [(1, 2), (0, 1), (2, 0), (0, 0), (1, 0), (2, 2), (1, 1), (0, 2), (2, 1)]
 
 
-
-
 def ck(rho, **kw):
     return ContextKeeper(ranking=RANKING, budget=rho, sink=S_, recent=R_, **kw)
 
 
 # ----------------------------------------------------------------- numpy oracles
-def np_rms(x, w, eps):
-    return w * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps))
-
-
-def np_queries(layer, x_rows, positions):
-    """Queries after RoPE of rows of a layer's input: x_rows [n, H] -> [Hkv, n, G, D] (float64)."""
-    lp = {k: np.asarray(v, np.float64) for k, v in layer.items()}
-    h = np_rms(np.asarray(x_rows, np.float64), lp["attn_norm"], CFG.rms_norm_eps)
-    q = (h @ lp["q_proj"]).reshape(len(x_rows), CFG.num_heads, CFG.head_dim)
-    inv = 1.0 / (CFG.rope_theta ** (np.arange(0, CFG.head_dim, 2) / CFG.head_dim))
-    ang = np.asarray(positions)[:, None] * inv[None]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
-    half = CFG.head_dim // 2
-    q = q * cos[:, None] + np.concatenate([-q[..., half:], q[..., :half]], -1) * sin[:, None]
-    return q.reshape(len(x_rows), CFG.num_kv_heads, CFG.group_size, CFG.head_dim).transpose(1, 0, 2, 3)
-
-
 def np_middle_mass(ids, window, sink, recent):
     """[layers, Hkv] float64: mean over the last `window` rows and the G query heads of the causal
     softmax mass on [sink, L - recent), from each layer's captured input and keys."""
@@ -71,7 +53,7 @@ def np_middle_mass(ids, window, sink, recent):
     out = np.zeros((CFG.num_layers, CFG.num_kv_heads))
     rows = np.arange(L - window, L)
     for li, (x, keys) in enumerate(captured):
-        q = np_queries(PARAMS["layers"][li], x[rows], rows)  # [H, W, G, D]
+        q = np_queries(PARAMS["layers"][li], x[rows], rows, CFG)  # [H, W, G, D]
         s = np.einsum("hwgd,htd->hwgt", q, keys[:, :L]) / math.sqrt(CFG.head_dim)
         s = np.where(np.arange(L)[None, None, None, :] <= rows[None, :, None, None], s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))

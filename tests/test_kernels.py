@@ -45,6 +45,14 @@ def _rand(rng, shape, dtype, scale=1.0):
   return jnp.asarray(x).astype(dtype)
 
 
+def _decode_qkv(seed, q_scale=1.0):
+  """float32 q [B, H, G, D] and k, v [B, H, S, D] at the SHARED sizes."""
+  B, H, G, D, S = (SHARED[x] for x in "BHGDS")
+  ks = _keys(seed, 3)
+  return (_rand(ks[0], (B, H, G, D), jnp.float32, q_scale), _rand(ks[1], (B, H, S, D), jnp.float32),
+          _rand(ks[2], (B, H, S, D), jnp.float32))
+
+
 def _ragged_lengths(rng, B, H, S):
   """[B, H] lengths that include 1 and S, the rest random in [1, S]."""
   lens = rng.integers(1, S + 1, size=(B, H))
@@ -108,11 +116,8 @@ def _np_attention(q, k, v, mask, scale):
 
 
 def test_decode_reference_matches_numpy_and_ignores_garbage_padding():
-  B, H, G, D, S = (SHARED[x] for x in "BHGDS")
-  ks = _keys(7, 3)
-  q = _rand(ks[0], (B, H, G, D), jnp.float32, 2.0)
-  k = _rand(ks[1], (B, H, S, D), jnp.float32)
-  v = _rand(ks[2], (B, H, S, D), jnp.float32)
+  q, k, v = _decode_qkv(7, 2.0)
+  S, D = k.shape[2:]
   lengths = jnp.array([[1, 64], [20, 33]], jnp.int32)
   mask = np.arange(S)[None, None, :] < np.asarray(lengths)[..., None]
   want_out, want_lse = _np_attention(q, k, v, mask, 1 / math.sqrt(D))
@@ -129,11 +134,7 @@ def test_decode_reference_matches_numpy_and_ignores_garbage_padding():
 
 
 def test_decode_empty_head_is_finite_and_merges_as_nothing():
-  B, H, G, D, S = (SHARED[x] for x in "BHGDS")
-  ks = _keys(3, 3)
-  q = _rand(ks[0], (B, H, G, D), jnp.float32)
-  k = _rand(ks[1], (B, H, S, D), jnp.float32)
-  v = _rand(ks[2], (B, H, S, D), jnp.float32)
+  q, k, v = _decode_qkv(3)
   lengths = jnp.array([[0, 5], [64, 0]], jnp.int32)
   for out, lse in (sparse_decode_attention(q, k, v, lengths, block_k=16,
                                            num_splits=2, interpret=True),
@@ -463,11 +464,7 @@ def test_backend_switch(monkeypatch):
     pk.use_kernels()
   monkeypatch.setenv(pk.ENV_VAR, "reference")
 
-  B, H, G, D, S = (SHARED[x] for x in "BHGDS")
-  ks = _keys(2, 3)
-  q = _rand(ks[0], (B, H, G, D), jnp.float32)
-  k = _rand(ks[1], (B, H, S, D), jnp.float32)
-  v = _rand(ks[2], (B, H, S, D), jnp.float32)
+  q, k, v = _decode_qkv(2)
   lengths = jnp.array([[5, 64], [1, 40]], jnp.int32)
   ref = pk.decode_attention(q, k, v, lengths)
   got = pk.decode_attention(q, k, v, lengths, backend="interpret", block_k=16,

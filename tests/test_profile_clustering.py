@@ -5,17 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetero_jax.profile.clustering import (
-    BudgetTooSmallError,
-    Role,
-    allocation_weights,
-    assign_roles,
-    base_budget,
-    budget_grid,
-    head_budgets,
-    min_rho,
-    star_clustering,
-)
+from hetero_jax.profile.clustering import (BudgetTooSmallError, Role, allocation_weights, assign_roles, base_budget,
+                                           budget_grid, head_budgets, min_rho, star_clustering)
 
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE
 

@@ -5,19 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetero_jax.profile.metrics import (
-    indices_to_mask,
-    max_similarity,
-    overlap,
-    overlap_masks,
-    similarity_edges,
-    similarity_matrix,
-    similarity_score,
-    stability,
-    stability_masks,
-    topk_mask,
-    topk_set,
-)
+from hetero_jax.profile.metrics import (indices_to_mask, max_similarity, overlap, overlap_masks, similarity_edges,
+                                        similarity_matrix, similarity_score, stability, stability_masks, topk_mask,
+                                        topk_set)
 
 
 def peaked(length, hot, base=0.01):
