@@ -59,14 +59,23 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def _mem_total_bytes() -> int | None:
+def _proc_kib_field(path: str, field: str) -> int | None:
+    """The ``field: N kB`` line of a /proc file (``/proc/meminfo``, ``/proc/self/status``) in bytes, or None
+    where the file or the field is missing."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _mem_total_bytes() -> int | None:
+    total = _proc_kib_field("/proc/meminfo", "MemTotal")
+    if total is not None:
+        return total
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -299,14 +308,7 @@ def peak_rss_bytes() -> int:
 
 def current_rss_bytes() -> int | None:
     """Resident set size now (VmRSS), or None where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _proc_kib_field("/proc/self/status", "VmRSS")
 
 
 # ----------------------------------------------------------------- children
