@@ -93,33 +93,9 @@ PRESETS = {
         "budgets": [0.5, 0.3],
         "haystacks": list(haystack.HAYSTACKS),
     },
-    # issue 17: decode-time retrieval (Quest in-device / offloaded, FreeKV) against full KV, SnapKV and
-    # HeteroCache at rho 0.1 and 0.3, issue 15's haystacks and fact sets, 2K contexts
-    "issue17": {
-        "lengths": [2000],
-        "seeds": [0, 1, 2],
-        "policies": ["full", "snapkv", "heterocache", "quest", "quest:offload=true", "freekv"],
-        "budgets": [0.1, 0.3],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
-    # issue 18: the other seed systems (ContextKeeper, SyncKV), same contexts as issue 17; SyncKV runs at rho 0.5
-    # only: SmolLM2's R-heads (one of 3 KV heads per layer) alone hold 1/3 of the KV, so rho 0.3 is refused
-    # (its BudgetError is recorded as the reason it is absent)
-    "issue18": {
-        "lengths": [2000],
-        "seeds": [0, 1, 2],
-        "policies": ["full", "snapkv", "heterocache", "contextkeeper", "synckv"],
-        "budgets": [0.3, 0.5],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
-    # issue 18: the three peers side by side, same contexts as issue 17, at rho 0.5 and HCAttention's 0.125 point
-    "issue18-peers": {
-        "lengths": [2000],
-        "seeds": [0, 1, 2],
-        "policies": ["full", "heterocache", "contextkeeper", "synckv", "hcattention"],
-        "budgets": [0.125, 0.5],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
+    # issues 17 and 18 (common.ISSUE_COMPARISONS) on issue 15's haystacks and fact sets, 2K contexts
+    **{name: {"lengths": [2000], "seeds": [0, 1, 2], **comparison, "haystacks": list(haystack.HAYSTACKS)}
+       for name, comparison in common.ISSUE_COMPARISONS.items()},
 }
 
 

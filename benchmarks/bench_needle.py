@@ -104,37 +104,9 @@ PRESETS = {
         "seeds": [0],
         "haystacks": list(haystack.HAYSTACKS),
     },
-    # issue 17: decode-time retrieval (Quest in-device / offloaded, FreeKV) against full KV, SnapKV and
-    # HeteroCache at rho 0.1 and 0.3 on issue 15's haystacks (1K-4K: 7K costs as much again on 2 cores)
-    "issue17": {
-        "lengths": [1000, 2000, 4000],
-        "depths": [0.1, 0.5, 0.9],
-        "policies": ["full", "snapkv", "heterocache", "quest", "quest:offload=true", "freekv"],
-        "budgets": [0.1, 0.3],
-        "seeds": [0],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
-    # issue 18: the other seed systems (ContextKeeper, SyncKV) beside full KV, SnapKV and HeteroCache on the same
-    # grid as issue 17; rho 0.1 is below ContextKeeper's 128 sinks + 256 recent tokens at these lengths; SyncKV
-    # is refused at rho 0.3 (SmolLM2's R-heads, one of 3 KV heads per layer, alone hold 1/3; reason recorded)
-    "issue18": {
-        "lengths": [1000, 2000, 4000],
-        "depths": [0.1, 0.5, 0.9],
-        "policies": ["full", "snapkv", "heterocache", "contextkeeper", "synckv"],
-        "budgets": [0.3, 0.5],
-        "seeds": [0],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
-    # issue 18: the three peers side by side at the budgets each can reach on SmolLM2: rho 0.5 (all of them; HCAttention
-    # = values on host, exact keys) and 0.125 (HCAttention's g=32 key codes; the others refuse it, with the reason)
-    "issue18-peers": {
-        "lengths": [1000, 2000, 4000],
-        "depths": [0.1, 0.5, 0.9],
-        "policies": ["full", "heterocache", "contextkeeper", "synckv", "hcattention"],
-        "budgets": [0.125, 0.5],
-        "seeds": [0],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
+    # issues 17 and 18 (common.ISSUE_COMPARISONS) on issue 15's haystacks, 1K-4K (7K costs as much again on 2 cores)
+    **{name: {"lengths": [1000, 2000, 4000], "depths": [0.1, 0.5, 0.9], **comparison, "seeds": [0],
+              "haystacks": list(haystack.HAYSTACKS)} for name, comparison in common.ISSUE_COMPARISONS.items()},
 }
 
 

@@ -503,6 +503,21 @@ def results_header(title: str, machine: dict[str, Any], git: dict[str, Any], com
 
 
 # ------------------------------------------------------------ the harness every task script shares
+# The policy comparisons of issues 17 and 18, each run by the needle and multi-turn presets of that name on the
+# script's own grid. issue17: decode-time retrieval (Quest in-device / offloaded, FreeKV) against full KV, SnapKV
+# and HeteroCache. issue18: the other seed systems (ContextKeeper, SyncKV); SyncKV is refused at rho 0.3 (SmolLM2's
+# R-heads, one of 3 KV heads per layer, alone hold 1/3 of the KV; its BudgetError is recorded as the reason it is
+# absent). issue18-peers: the three peers side by side at the budgets each can reach on SmolLM2: rho 0.5 (all of
+# them; HCAttention = values on host, exact keys) and 0.125 (HCAttention's g=32 key codes; the others refuse it).
+ISSUE_COMPARISONS = {
+    "issue17": {"policies": ["full", "snapkv", "heterocache", "quest", "quest:offload=true", "freekv"],
+                "budgets": [0.1, 0.3]},
+    "issue18": {"policies": ["full", "snapkv", "heterocache", "contextkeeper", "synckv"], "budgets": [0.3, 0.5]},
+    "issue18-peers": {"policies": ["full", "heterocache", "contextkeeper", "synckv", "hcattention"],
+                      "budgets": [0.125, 0.5]},
+}
+
+
 def make_combos(policies: Sequence[str], budgets: Sequence[float]) -> list[tuple[str, float]]:
     """(registry name, rho): full KV first and once (the reference), then every other policy x budget."""
     combos = [("full", 1.0)]
