@@ -144,8 +144,7 @@ def results_table(rows) -> str:
 def results_section(payload: dict) -> str:
     cfg = payload["config"]
     return "\n".join([
-        common.results_header(f"Session turns: chunked extension vs prefill, {cfg['model']}", payload["machine"],
-                              payload["git"], payload["command"], payload.get("timestamp")),
+        common.section_header(f"Session turns: chunked extension vs prefill, {cfg['model']}", payload),
         "",
         "Batch 1, float32. A context of the first N pydoc-corpus tokens is prefilled per policy (budget "
         f"{cfg['budget']} for compressed ones); a turn (the corpus text that follows) is appended with "

@@ -307,8 +307,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
     cfg = payload["config"]
     full = next((s for s in payload["summary"] if s["policy"] == "full"), None)
     lines = [
-        common.results_header(f"Fidelity: {cfg['model']} next-token distributions vs full KV (teacher-forced)",
-                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Fidelity: {cfg['model']} next-token distributions vs full KV (teacher-forced)", payload),
         "",
         f"Document: {cfg['document']}, {cfg['samples']} sample(s) starting at token(s) "
         f"{', '.join(map(str, cfg['sample_starts']))}. Each sample: the first {cfg['prompt_tokens']} tokens are the "
@@ -326,8 +325,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
     if payload.get("refused"):
         lines += ["", "Refused (budget below the policy's minimum): "
                   + "; ".join(f"{r['label']}: {r['reason']}" for r in payload["refused"])]
-    lines += ["", common.wall_and_memory_line(payload)]
-    lines += ["", common.plot_markdown("fidelity", plot_rel, cfg["plot"])]
+    lines += ["", *common.closing_lines(payload, "fidelity", plot_rel)]
     return "\n".join(lines)
 
 
@@ -335,10 +333,9 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     summary = [s for s in payload["summary"] if s["policy"] != "full"]
     if not summary:
         return None
-    plt = common.pyplot()
 
     cfg = payload["config"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, axes = common.subplots(1, 2, figsize=(12, 4.6))
     pols = list(dict.fromkeys(s["policy"] for s in summary))
     for ax, key, ylab, title in ((axes[0], "kl_mean", "mean KL(full || policy), nats", "KL vs full KV"),
                                  (axes[1], "agreement", "top-1 agreement with full KV", "Top-1 agreement")):

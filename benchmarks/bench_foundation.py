@@ -185,8 +185,7 @@ def results_table(results: list[dict]) -> str:
 def results_section(payload: dict, plot_rel: str | None) -> str:
     cfg = payload["config"]
     lines = [
-        common.results_header(f"Foundation: {MODEL} full-KV prefill and decode", payload["machine"],
-                              payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Foundation: {MODEL} full-KV prefill and decode", payload),
         "",
         "Prompts are the first N tokens of Python's `pydoc_data.topics.topics` (joined in sorted key "
         "order, raw text, no chat template), passed as token ids. Greedy decoding, batch 1, full KV. "
@@ -211,10 +210,9 @@ def make_plot(results: list[dict], path: Path, subtitle: str) -> Path | None:
     ok = _ok(results)
     if not ok:
         return None
-    plt = common.pyplot()
 
     dtypes = list(dict.fromkeys(r["dtype"] for r in ok))  # in run order
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = common.subplots(1, 2, figsize=(11, 4.2))
     for i, dt in enumerate(dtypes):
         rs = sorted((r for r in ok if r["dtype"] == dt), key=lambda r: r["length"])
         xs = [r["length"] for r in rs]

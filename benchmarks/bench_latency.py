@@ -629,8 +629,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
             f"ids; HeteroCache there uses {roles} with the weights fingerprint removed, so its timings are "
             "meaningful and what it keeps is not. ")
     lines = [
-        common.results_header(f"Latency: {model_label(cfg)} TTFT and decode per policy and context",
-                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Latency: {model_label(cfg)} TTFT and decode per policy and context", payload),
         "",
         f"Batch 1, greedy, {dtype_label(cfg)}. Real weights: prompts are the first N tokens of the pydoc corpus "
         "(`benchmarks/haystack.py`, raw text). "
@@ -659,8 +658,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                       "for the longest context of the full grid.)"]
     elif cfg.get("ttft_repeats") == 1:
         lines += ["", "(One timed TTFT round per policy: a single sample, with the noise of this machine in it.)"]
-    lines += ["", common.wall_and_memory_line(payload)]
-    lines += ["", common.plot_markdown("latency", plot_rel, cfg["plot"])]
+    lines += ["", *common.closing_lines(payload, "latency", plot_rel)]
     return "\n".join(lines)
 
 
@@ -668,10 +666,9 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     runs = payload["runs"]
     if not runs:
         return None
-    plt = common.pyplot()
 
     labels = list(dict.fromkeys(r["label"] for r in runs))
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    fig, axes = common.subplots(1, 3, figsize=(17, 5))
     panels = [
         (axes[0], lambda r: r["decode"]["p50_ms"], "decode ms/token (P50)", "Decode time per token"),
         (axes[1], None, "decode time / full KV's (P50)", "Measured ratio (solid) vs roofline (dotted)"),

@@ -598,8 +598,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                 if len(hays) > 1 else f"a real-text haystack (`{hays[0]}`"
                 + (": `pydoc_data.topics`" if hays[0] == "pydoc" else "") + ")")
     lines = [
-        common.results_header(f"Multi-turn recall: {cfg['model']}, {cfg['n_facts']} facts, one question per turn",
-                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Multi-turn recall: {cfg['model']}, {cfg['n_facts']} facts, one question per turn", payload),
         "",
         f"{cfg['n_facts']} unrelated facts (a ticket number, a person's favourite thing, the day or the city of an "
         "event; "
@@ -631,9 +630,8 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "",
         answers_table(payload),
         "",
-        common.wall_and_memory_line(payload),
+        *common.closing_lines(payload, "multi-turn recall", plot_rel),
     ]
-    lines += ["", common.plot_markdown("multi-turn recall", plot_rel, cfg["plot"])]
     return "\n".join(lines)
 
 
@@ -642,13 +640,12 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     summary = payload["summary"]
     if not summary:
         return None
-    plt = common.pyplot()
     import numpy as np
 
     cfg = payload["config"]
     lengths, labels, depths = cfg["lengths"], cfg["combos"], cfg["fact_depths"]
-    fig, axes = plt.subplots(1, len(lengths), figsize=(1.2 + 0.45 * len(labels) * len(depths) * len(lengths) + 1.5,
-                                                       4.2), squeeze=False)
+    fig, axes = common.subplots(1, len(lengths), squeeze=False,
+                                figsize=(1.2 + 0.45 * len(labels) * len(depths) * len(lengths) + 1.5, 4.2))
     width = 0.8 / len(labels)
     x = np.arange(len(depths))
     names = list(dict.fromkeys(lab.split("@")[0] for lab in labels))
@@ -673,11 +670,8 @@ def make_plot(payload: dict, path: Path) -> Path | None:
         ax.set_title(f"{L:,}-token context", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(f"Multi-turn recall — {cfg['model']}, {common.git_summary(payload['git'])}", fontsize=9)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, f"Multi-turn recall — {cfg['model']}, {common.git_summary(payload['git'])}",
+                              crop=True)
 
 
 # --------------------------------------------------------------------- main

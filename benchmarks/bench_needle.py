@@ -615,8 +615,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                 f"a real-text haystack (`{hays[0]}`"
                 + (": `pydoc_data.topics`" if hays[0] == "pydoc" else "") + ", `benchmarks/haystack.py`)")
     lines = [
-        common.results_header(f"Needle in a haystack: {cfg['model']}, accuracy per policy (length x depth)",
-                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Needle in a haystack: {cfg['model']}, accuracy per policy (length x depth)", payload),
         "",
         f"One needle per prompt (kind `{cfg['needle_kind']}`, e.g. \"{ex['sentence']}\") at each depth of {hay_text}, "
         "then the question "
@@ -647,8 +646,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                   f"{c['depth']:g}): "
                   + ("same tokens, prompt KV bytes and achieved rho for every policy." if not c["problems"]
                      else "MISMATCH: " + "; ".join(c["problems"])), ""]
-    lines.append(common.wall_and_memory_line(payload))
-    lines += ["", common.plot_markdown("needle grid", plot_rel, cfg["plot"])]
+    lines += common.closing_lines(payload, "needle grid", plot_rel)
     return "\n".join(lines)
 
 
@@ -656,15 +654,14 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     """One heatmap per combo (x = context length, y = needle depth, colour = score), like Fig. 3 of the paper."""
     if not payload["records"]:
         return None
-    plt = common.pyplot()
     import numpy as np
 
     cfg = payload["config"]
     labels, lengths, depths = cfg["combos"], cfg["lengths"], cfg["depths"]
     ncols = min(4, len(labels))
     nrows = -(-len(labels) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols + 1.2, 0.32 * len(depths) * nrows + 1.6 * nrows + 0.6),
-                             squeeze=False)
+    fig, axes = common.subplots(nrows, ncols, squeeze=False,
+                                figsize=(3.6 * ncols + 1.2, 0.32 * len(depths) * nrows + 1.6 * nrows + 0.6))
     im = None
     for k, label in enumerate(labels):
         ax = axes[k // ncols][k % ncols]
@@ -689,12 +686,8 @@ def make_plot(payload: dict, path: Path) -> Path | None:
         axes[k // ncols][k % ncols].axis("off")
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="score (fraction of prompts correct: seeds x "
                  "haystacks)")
-    fig.suptitle(f"Needle in a haystack ({cfg['needle_kind']}) — {cfg['model']}, "
-                 f"{common.git_summary(payload['git'])}", fontsize=9, y=1.02)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, f"Needle in a haystack ({cfg['needle_kind']}) — {cfg['model']}, "
+                                         f"{common.git_summary(payload['git'])}", crop=True, title_y=1.02)
 
 
 # --------------------------------------------------------------------- main

@@ -508,8 +508,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
     td = cfg.get("timing_depth", "all")
     timing_where = "every" if td == "all" else f"depth-{td:g}"
     lines = [
-        common.results_header(f"Policies: {cfg['model']} KV, decode vs full KV, passkey accuracy",
-                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Policies: {cfg['model']} KV, decode vs full KV, passkey accuracy", payload),
         "",
         f"Passkey prompts from `benchmarks/haystack.py` (real text: `pydoc_data.topics`; the needle "
         f"\"{haystack.PASSKEY_NEEDLE.format(key='K')}\" at each depth, then \"{haystack.PASSKEY_QUESTION}\" "
@@ -552,13 +551,12 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     summary = payload["summary"]
     if not summary:
         return None
-    plt = common.pyplot()
     import numpy as np
 
     cfg = payload["config"]
     lengths, depths, labels = cfg["lengths"], cfg["depths"], cfg["combos"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 0.42 * len(labels) + 2.6),
-                             gridspec_kw={"width_ratios": [1.1, 1, 1]})
+    fig, axes = common.subplots(1, 3, figsize=(16, 0.42 * len(labels) + 2.6),
+                                gridspec_kw={"width_ratios": [1.1, 1, 1]})
     # (a) accuracy grid: combos x (length, depth)
     ax = axes[0]
     cols = [(L, d) for L in lengths for d in depths]

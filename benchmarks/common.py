@@ -502,6 +502,16 @@ def results_header(title: str, machine: dict[str, Any], git: dict[str, Any], com
     ])
 
 
+def section_header(title: str, payload: dict) -> str:
+    """:func:`results_header` of a run's JSON payload (:func:`report_header`: its machine, commit, command, time)."""
+    return results_header(title, payload["machine"], payload["git"], payload["command"], payload.get("timestamp"))
+
+
+def closing_lines(payload: dict, alt: str, plot_rel: str | None) -> list[str]:
+    """The last lines of a task's RESULTS section: the run's wall time and peak memory, then its plot."""
+    return [wall_and_memory_line(payload), "", plot_markdown(alt, plot_rel, payload["config"]["plot"])]
+
+
 # ------------------------------------------------------------ the harness every task script shares
 # The policy comparisons of issues 17 and 18, each run by the needle and multi-turn presets of that name on the
 # script's own grid. issue17: decode-time retrieval (Quest in-device / offloaded, FreeKV) against full KV, SnapKV
@@ -531,14 +541,14 @@ def combo_label(name: str, rho: float) -> str:
     return "full" if name == "full" else f"{name}@{rho:g}"
 
 
-def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend (benchmarks run headless)."""
+def subplots(*args, **kwargs):
+    """``matplotlib.pyplot.subplots`` on the file-only Agg backend (benchmarks run headless): (fig, axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
+    return plt.subplots(*args, **kwargs)
 
 
 def wall_and_memory_line(payload: dict) -> str:
@@ -562,14 +572,19 @@ def checked_budgets(parser, budgets: Sequence[float]) -> list[float]:
     return list(dict.fromkeys(budgets))
 
 
-def save_figure(fig, path: Path, title: str, dpi: int = 110) -> Path:
-    """Title, lay out, write and close a matplotlib figure; returns ``path``."""
+def save_figure(fig, path: Path, title: str, dpi: int = 110, *, crop: bool = False,
+                title_y: float | None = None) -> Path:
+    """Title, lay out, write and close a matplotlib figure; returns ``path``.
+
+    ``crop``: cut the image to what is drawn (``bbox_inches="tight"``) instead of ``tight_layout``, for a figure
+    with a legend or colour bar outside its axes; ``title_y``: the title's height, where the default overlaps."""
     import matplotlib.pyplot as plt
 
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.suptitle(title, fontsize=9, **({} if title_y is None else {"y": title_y}))
+    if not crop:
+        fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, **({"bbox_inches": "tight"} if crop else {}))
     plt.close(fig)
     return path
 
