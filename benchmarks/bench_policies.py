@@ -549,8 +549,6 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
 
 def make_plot(payload: dict, path: Path) -> Path | None:
     summary = payload["summary"]
-    if not summary:
-        return None
     import numpy as np
 
     cfg = payload["config"]
@@ -610,10 +608,8 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 # --------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
     names = policy_names()
-    p = argparse.ArgumentParser(
-        description="Every KV-cache policy at each budget vs full KV on SmolLM2-135M: device KV bytes, "
-                    "achieved rho, decode ms/token side by side with full KV, and passkey accuracy.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.argument_parser("Every KV-cache policy at each budget vs full KV on SmolLM2-135M: device KV bytes, "
+                               "achieved rho, decode ms/token side by side with full KV, and passkey accuracy.")
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS),
                    help="prompt lengths in tokens (the context is 8192: '8K' is 7900)")
     p.add_argument("--policies", nargs="+", default=names, type=common.policy_spec,
@@ -641,10 +637,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--check-generate", action="store_true",
                    help="re-run generate() per policy on the first prompt and compare (costs one prefill each)")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=common.OUT_DIR / "policies.json", help="JSON output")
-    p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
-    p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file")
-    p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
+    common.add_output_arguments(p, "policies", SECTION, presets=False)
     args = p.parse_args(argv)
     args.plot = args.plot or args.out.with_suffix(".png")
     args.budgets = common.checked_budgets(p, args.budgets)
@@ -666,10 +659,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    payload = run(args)
-    common.finish_run(args, payload, section=SECTION, make_plot=make_plot, results_section=results_section,
-                      tables=[results_table(payload["summary"], args.depths), answers_table(payload)])
+    payload = common.run_task(parse_args(argv), run, section=SECTION, make_plot=make_plot,
+                              results_section=results_section,
+                              tables=lambda payload: [results_table(payload["summary"], payload["config"]["depths"]),
+                                                      answers_table(payload)])
     return 1 if any(c["problems"] for c in payload["checks"]) else 0
 
 
