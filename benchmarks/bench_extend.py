@@ -144,8 +144,7 @@ def results_table(rows) -> str:
 def results_section(payload: dict) -> str:
     cfg = payload["config"]
     return "\n".join([
-        common.results_header(f"Session turns: chunked extension vs prefill, {cfg['model']}", payload["machine"],
-                              payload["git"], payload["command"], payload.get("timestamp")),
+        common.section_header(f"Session turns: chunked extension vs prefill, {cfg['model']}", payload),
         "",
         "Batch 1, float32. A context of the first N pydoc-corpus tokens is prefilled per policy (budget "
         f"{cfg['budget']} for compressed ones); a turn (the corpus text that follows) is appended with "
@@ -159,12 +158,7 @@ def results_section(payload: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", choices=sorted(PRESETS))
-    preset = pre.parse_known_args(argv)[0].preset
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.argument_parser(__doc__.splitlines()[1])
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="'cpu': 2K context, about 5 min on 2 cores; 'full' (used when none is given): 2K and 4K. "
                         "Explicit flags override it")
@@ -178,9 +172,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=common.OUT_DIR / "extend.json", help="JSON output")
     common.add_results_arguments(p, SECTION)
-    p.set_defaults(**PRESETS[preset or "full"])
-    args = p.parse_args(argv)
-    args.preset = preset
+    args = common.parse_with_preset(p, PRESETS, argv, fallback="full")
     if not 0.0 < args.budget <= 1.0:
         p.error("--budget must be in (0, 1]")
     if min(args.lengths) < 16 or min(args.turn_tokens) < 1 or args.repeats < 1:

@@ -307,8 +307,8 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
     cfg = payload["config"]
     full = next((s for s in payload["summary"] if s["policy"] == "full"), None)
     lines = [
-        common.results_header(f"Fidelity: {cfg['model']} next-token distributions vs full KV (teacher-forced)",
-                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Fidelity: {cfg['model']} next-token distributions vs full KV (teacher-forced)",
+                              payload),
         "",
         f"Document: {cfg['document']}, {cfg['samples']} sample(s) starting at token(s) "
         f"{', '.join(map(str, cfg['sample_starts']))}. Each sample: the first {cfg['prompt_tokens']} tokens are the "
@@ -326,19 +326,17 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
     if payload.get("refused"):
         lines += ["", "Refused (budget below the policy's minimum): "
                   + "; ".join(f"{r['label']}: {r['reason']}" for r in payload["refused"])]
-    lines += ["", common.wall_and_memory_line(payload)]
-    lines += ["", common.plot_markdown("fidelity", plot_rel, cfg["plot"])]
+    lines += ["", *common.closing_lines(payload, "fidelity", plot_rel)]
     return "\n".join(lines)
 
 
 def make_plot(payload: dict, path: Path) -> Path | None:
     summary = [s for s in payload["summary"] if s["policy"] != "full"]
-    if not summary:
+    if not summary:  # full KV alone: nothing to compare
         return None
-    plt = common.pyplot()
 
     cfg = payload["config"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, axes = common.subplots(1, 2, figsize=(12, 4.6))
     pols = list(dict.fromkeys(s["policy"] for s in summary))
     for ax, key, ylab, title in ((axes[0], "kl_mean", "mean KL(full || policy), nats", "KL vs full KV"),
                                  (axes[1], "agreement", "top-1 agreement with full KV", "Top-1 agreement")):
@@ -364,16 +362,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     from hetero_jax.policies import REGISTRY
 
     names = list(REGISTRY)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", choices=sorted(PRESETS))
-    preset = pre.parse_known_args(argv)[0].preset
-    p = argparse.ArgumentParser(
-        description="Teacher-forced fidelity of each KV-cache policy vs full KV on SmolLM2-135M: top-1 agreement "
-                    "and KL(full || policy) of the next-token distributions over a real-text continuation.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="a named configuration; explicit flags override it. "
-                        + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()))
+    p = common.argument_parser("Teacher-forced fidelity of each KV-cache policy vs full KV on SmolLM2-135M: top-1 "
+                               "agreement and KL(full || policy) of the next-token distributions over a real-text "
+                               "continuation.")
+    common.add_preset_argument(p, PRESETS)
     p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="P: prompt tokens per sample")
     p.add_argument("--continuation-tokens", type=int, default=DEFAULT_CONTINUATION_TOKENS,
                    help="N: teacher-forced tokens per sample (compared steps)")
@@ -390,9 +382,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     common.add_output_arguments(p, "fidelity", SECTION)
-    if preset:
-        p.set_defaults(**PRESETS[preset])
-    args = p.parse_args(argv)
+    args = common.parse_with_preset(p, PRESETS, argv)
     args.plot = args.plot or args.out.with_suffix(".png")
     args.budgets = common.checked_budgets(p, args.budgets)
     if args.prompt_tokens < 1 or args.continuation_tokens < 1 or args.samples < 1 or args.start < 0:
@@ -403,10 +393,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    payload = run(args)
-    common.finish_run(args, payload, section=SECTION, make_plot=make_plot, results_section=results_section,
-                      tables=[results_table(payload["summary"])], preset=args.preset)
+    common.run_task(parse_args(argv), run, section=SECTION, make_plot=make_plot, results_section=results_section,
+                    tables=lambda payload: [results_table(payload["summary"])])
     return 0
 
 

@@ -185,8 +185,7 @@ def results_table(results: list[dict]) -> str:
 def results_section(payload: dict, plot_rel: str | None) -> str:
     cfg = payload["config"]
     lines = [
-        common.results_header(f"Foundation: {MODEL} full-KV prefill and decode", payload["machine"],
-                              payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Foundation: {MODEL} full-KV prefill and decode", payload),
         "",
         "Prompts are the first N tokens of Python's `pydoc_data.topics.topics` (joined in sorted key "
         "order, raw text, no chat template), passed as token ids. Greedy decoding, batch 1, full KV. "
@@ -211,10 +210,9 @@ def make_plot(results: list[dict], path: Path, subtitle: str) -> Path | None:
     ok = _ok(results)
     if not ok:
         return None
-    plt = common.pyplot()
 
     dtypes = list(dict.fromkeys(r["dtype"] for r in ok))  # in run order
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = common.subplots(1, 2, figsize=(11, 4.2))
     for i, dt in enumerate(dtypes):
         rs = sorted((r for r in ok if r["dtype"] == dt), key=lambda r: r["length"])
         xs = [r["length"] for r in rs]
@@ -241,10 +239,8 @@ def make_plot(results: list[dict], path: Path, subtitle: str) -> Path | None:
 
 # --------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="SmolLM2-135M full-KV prefill tokens/s, decode ms/token and peak RSS per "
-                    "(prompt length, dtype); every configuration runs in a fresh subprocess.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.argument_parser("SmolLM2-135M full-KV prefill tokens/s, decode ms/token and peak RSS per "
+                               "(prompt length, dtype); every configuration runs in a fresh subprocess.")
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS),
                    help="prompt lengths in tokens (the model's context is 8192, so '8K' is 8000)")
     p.add_argument("--dtypes", nargs="+", default=list(DEFAULT_DTYPES), choices=["float32", "bfloat16"],
@@ -254,11 +250,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="timed generate calls per configuration after the warm-up (prefill: median; "
                         "decode: all steps pooled)")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=common.OUT_DIR / "foundation.json", help="JSON output")
-    p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
-    p.add_argument("--write-results", action="store_true",
-                   help="rewrite the 'foundation' section of --results-file")
-    p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
+    common.add_output_arguments(p, "foundation", SECTION, presets=False)
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per configuration")
     p.add_argument("--one", nargs=2, metavar=("LEN", "DTYPE"), help=argparse.SUPPRESS)  # child mode
     args = p.parse_args(argv)

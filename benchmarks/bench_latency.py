@@ -629,8 +629,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
             f"ids; HeteroCache there uses {roles} with the weights fingerprint removed, so its timings are "
             "meaningful and what it keeps is not. ")
     lines = [
-        common.results_header(f"Latency: {model_label(cfg)} TTFT and decode per policy and context",
-                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Latency: {model_label(cfg)} TTFT and decode per policy and context", payload),
         "",
         f"Batch 1, greedy, {dtype_label(cfg)}. Real weights: prompts are the first N tokens of the pydoc corpus "
         "(`benchmarks/haystack.py`, raw text). "
@@ -659,19 +658,15 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                       "for the longest context of the full grid.)"]
     elif cfg.get("ttft_repeats") == 1:
         lines += ["", "(One timed TTFT round per policy: a single sample, with the noise of this machine in it.)"]
-    lines += ["", common.wall_and_memory_line(payload)]
-    lines += ["", common.plot_markdown("latency", plot_rel, cfg["plot"])]
+    lines += ["", *common.closing_lines(payload, "latency", plot_rel)]
     return "\n".join(lines)
 
 
 def make_plot(payload: dict, path: Path) -> Path | None:
     runs = payload["runs"]
-    if not runs:
-        return None
-    plt = common.pyplot()
 
     labels = list(dict.fromkeys(r["label"] for r in runs))
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    fig, axes = common.subplots(1, 3, figsize=(17, 5))
     panels = [
         (axes[0], lambda r: r["decode"]["p50_ms"], "decode ms/token (P50)", "Decode time per token"),
         (axes[1], None, "decode time / full KV's (P50)", "Measured ratio (solid) vs roofline (dotted)"),
@@ -720,17 +715,10 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 
 # --------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", choices=sorted(PRESETS))
-    preset = pre.parse_known_args(argv)[0].preset
-    p = argparse.ArgumentParser(
-        description="TTFT, decode ms/token (mean/P50/P95/P99), KV bytes and recall rate per KV-cache policy and "
-                    "context length on SmolLM2-135M (synthetic random weights beyond its 8K context), with each "
-                    "decode ratio to full KV beside its roofline ratio.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="a named configuration; explicit flags override it. "
-                        + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()))
+    p = common.argument_parser("TTFT, decode ms/token (mean/P50/P95/P99), KV bytes and recall rate per KV-cache "
+                               "policy and context length on SmolLM2-135M (synthetic random weights beyond its 8K "
+                               "context), with each decode ratio to full KV beside its roofline ratio.")
+    common.add_preset_argument(p, PRESETS)
     p.add_argument("--real-lengths", type=int, nargs="*", default=list(DEFAULT_REAL_LENGTHS),
                    help="prompt lengths on the real weights (context 8192: '8K' is 7900)")
     p.add_argument("--synthetic-lengths", type=int, nargs="*", default=list(DEFAULT_SYNTHETIC_LENGTHS),
@@ -764,9 +752,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     common.add_output_arguments(p, "latency", SECTION)
-    if preset:
-        p.set_defaults(**PRESETS[preset])
-    args = p.parse_args(argv)
+    args = common.parse_with_preset(p, PRESETS, argv)
     args.plot = args.plot or args.out.with_suffix(".png")
     args.synthetic_dtype = args.synthetic_dtype or SYNTHETIC_DEFAULT_DTYPE[args.synthetic_shape]
     args.budgets = common.checked_budgets(p, args.budgets)
@@ -782,10 +768,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    payload = run(args)
-    common.finish_run(args, payload, section=SECTION, make_plot=make_plot, results_section=results_section,
-                      tables=[results_table(payload["runs"]), targets_text(payload["targets"])], preset=args.preset)
+    common.run_task(parse_args(argv), run, section=SECTION, make_plot=make_plot, results_section=results_section,
+                    tables=lambda payload: [results_table(payload["runs"]), targets_text(payload["targets"])],
+                    plot_rows="runs")
     return 0
 
 

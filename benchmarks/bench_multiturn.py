@@ -93,33 +93,9 @@ PRESETS = {
         "budgets": [0.5, 0.3],
         "haystacks": list(haystack.HAYSTACKS),
     },
-    # issue 17: decode-time retrieval (Quest in-device / offloaded, FreeKV) against full KV, SnapKV and
-    # HeteroCache at rho 0.1 and 0.3, issue 15's haystacks and fact sets, 2K contexts
-    "issue17": {
-        "lengths": [2000],
-        "seeds": [0, 1, 2],
-        "policies": ["full", "snapkv", "heterocache", "quest", "quest:offload=true", "freekv"],
-        "budgets": [0.1, 0.3],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
-    # issue 18: the other seed systems (ContextKeeper, SyncKV), same contexts as issue 17; SyncKV runs at rho 0.5
-    # only: SmolLM2's R-heads (one of 3 KV heads per layer) alone hold 1/3 of the KV, so rho 0.3 is refused
-    # (its BudgetError is recorded as the reason it is absent)
-    "issue18": {
-        "lengths": [2000],
-        "seeds": [0, 1, 2],
-        "policies": ["full", "snapkv", "heterocache", "contextkeeper", "synckv"],
-        "budgets": [0.3, 0.5],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
-    # issue 18: the three peers side by side, same contexts as issue 17, at rho 0.5 and HCAttention's 0.125 point
-    "issue18-peers": {
-        "lengths": [2000],
-        "seeds": [0, 1, 2],
-        "policies": ["full", "heterocache", "contextkeeper", "synckv", "hcattention"],
-        "budgets": [0.125, 0.5],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
+    # issues 17 and 18 (common.ISSUE_COMPARISONS) on issue 15's haystacks and fact sets, 2K contexts
+    **{name: {"lengths": [2000], "seeds": [0, 1, 2], **comparison, "haystacks": list(haystack.HAYSTACKS)}
+       for name, comparison in common.ISSUE_COMPARISONS.items()},
 }
 
 
@@ -622,8 +598,8 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                 if len(hays) > 1 else f"a real-text haystack (`{hays[0]}`"
                 + (": `pydoc_data.topics`" if hays[0] == "pydoc" else "") + ")")
     lines = [
-        common.results_header(f"Multi-turn recall: {cfg['model']}, {cfg['n_facts']} facts, one question per turn",
-                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Multi-turn recall: {cfg['model']}, {cfg['n_facts']} facts, one question per turn",
+                              payload),
         "",
         f"{cfg['n_facts']} unrelated facts (a ticket number, a person's favourite thing, the day or the city of an "
         "event; "
@@ -655,24 +631,20 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "",
         answers_table(payload),
         "",
-        common.wall_and_memory_line(payload),
+        *common.closing_lines(payload, "multi-turn recall", plot_rel),
     ]
-    lines += ["", common.plot_markdown("multi-turn recall", plot_rel, cfg["plot"])]
     return "\n".join(lines)
 
 
 def make_plot(payload: dict, path: Path) -> Path | None:
     """Grouped bars: accuracy per turn (x) for every policy (bars), one panel per context length."""
     summary = payload["summary"]
-    if not summary:
-        return None
-    plt = common.pyplot()
     import numpy as np
 
     cfg = payload["config"]
     lengths, labels, depths = cfg["lengths"], cfg["combos"], cfg["fact_depths"]
-    fig, axes = plt.subplots(1, len(lengths), figsize=(1.2 + 0.45 * len(labels) * len(depths) * len(lengths) + 1.5,
-                                                       4.2), squeeze=False)
+    fig, axes = common.subplots(1, len(lengths), squeeze=False,
+                                figsize=(1.2 + 0.45 * len(labels) * len(depths) * len(lengths) + 1.5, 4.2))
     width = 0.8 / len(labels)
     x = np.arange(len(depths))
     names = list(dict.fromkeys(lab.split("@")[0] for lab in labels))
@@ -697,37 +669,26 @@ def make_plot(payload: dict, path: Path) -> Path | None:
         ax.set_title(f"{L:,}-token context", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(f"Multi-turn recall — {cfg['model']}, {common.git_summary(payload['git'])}", fontsize=9)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, f"Multi-turn recall — {cfg['model']}, {common.git_summary(payload['git'])}",
+                              crop=True)
 
 
 # --------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
-    ph = lambda key: bench_needle.preset_help(PRESETS, key)  # noqa: E731
+    ph = lambda key: common.preset_help(PRESETS, key)  # noqa: E731
     S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
-    p = argparse.ArgumentParser(
-        description="Multi-turn recall on SmolLM2-135M: facts far apart in one long real-text context, prefilled "
-                    "once into a Session, asked one per turn; accuracy per turn per policy and budget.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=S,
-                   help="'cpu': the make-bench configuration on pydoc; 'issue15': issue 15's evaluation (3 haystacks "
-                        "x 3 seeds x 2K/4K/7K, full/snapkv/heterocache at rho 0.5 and 0.3); 'full' (used when no "
-                        "preset is given): the complete one on every haystack; 'seeds': 3 seeds at 4K on every "
-                        "haystack. Explicit arguments override the preset. Estimated time on 2 CPU cores: "
-                        + bench_needle.preset_minutes_help(PRESETS, estimate_minutes))
+    p = common.argument_parser("Multi-turn recall on SmolLM2-135M: facts far apart in one long real-text context, "
+                               "prefilled once into a Session, asked one per turn; accuracy per turn per policy and "
+                               "budget.")
+    common.add_grid_preset_argument(
+        p, PRESETS, estimate_minutes, "'cpu': the make-bench configuration on pydoc; 'issue15': issue 15's evaluation "
+        "(3 haystacks x 3 seeds x 2K/4K/7K, full/snapkv/heterocache at rho 0.5 and 0.3); 'full' (used when no preset "
+        "is given): the complete one on every haystack; 'seeds': 3 seeds at 4K on every haystack.")
     p.add_argument("--lengths", type=int, nargs="+", default=S,
                    help="context lengths in tokens (the context is 8192)" + ph("lengths"))
     p.add_argument("--seeds", type=int, nargs="+", default=S, help="one context (fact set) per seed" + ph("seeds"))
-    p.add_argument("--policies", nargs="+", default=S, type=common.policy_spec,
-                   help="registered policies, optionally with options (quest:offload=true); full KV always runs, as the "
-                        "reference" + ph("policies"))
-    p.add_argument("--budgets", type=float, nargs="+", default=S, help="budgets rho in (0, 1]" + ph("budgets"))
-    p.add_argument("--haystacks", nargs="+", default=S, choices=list(haystack.HAYSTACKS), metavar="NAME",
-                   help="haystacks (benchmarks/haystack.py HAYSTACKS: " + ", ".join(haystack.HAYSTACKS)
-                        + "); every (length, seed) context is built on each" + ph("haystacks"))
+    common.add_policy_arguments(p, PRESETS)
+    common.add_haystacks_argument(p, PRESETS, "every (length, seed) context is built on each")
     p.add_argument("--n-facts", type=int, default=3, help="facts per context (= turns)")
     p.add_argument("--fact-depths", type=float, nargs="+", default=None,
                    help="depth of each fact (default: evenly from 0.15 to 0.85)")
@@ -736,22 +697,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill", default="shared", choices=["shared", "separate"],
                    help="shared: one forward pass per context for every policy's Session; separate: a plain "
                         "Session per policy")
-    p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent XLA compilation cache")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="model dtype (default: the loader's)")
-    p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON output (default: benchmarks/out/multiturn[-PRESET].json)")
-    p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
-    common.add_results_arguments(p, SECTION)
-    args = p.parse_args(argv)
-    args.preset = getattr(args, "preset", None)
-    bench_needle.apply_preset(args, PRESETS)
-    suffix = "" if args.preset in (None, "full") else f"-{args.preset}"
-    args.out = args.out or common.OUT_DIR / f"{SECTION}{suffix}.json"
-    args.plot = args.plot or args.out.with_suffix(".png")
-    if "full" not in args.policies:
-        args.policies = ["full", *args.policies]
-    args.budgets = common.checked_budgets(p, args.budgets)
+    common.add_model_arguments(p, MODEL)
+    common.add_output_arguments(p, SECTION, SECTION, out_per_preset=True)
+    args = common.parse_grid_args(p, PRESETS, SECTION, argv)
     if args.n_facts < 1 or args.max_new_tokens < 1 or any(n < 1 for n in args.lengths):
         p.error("--n-facts, --max-new-tokens and --lengths must be positive")
     if args.fact_depths is not None:
@@ -759,16 +707,18 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--fact-depths needs one depth per fact ({args.n_facts})")
         if any(not 0.0 <= d <= 1.0 for d in args.fact_depths) or sorted(args.fact_depths) != args.fact_depths:
             p.error("--fact-depths must be increasing, in [0, 1] (facts are asked in depth order)")
-    args.haystacks = list(dict.fromkeys(args.haystacks))
     return args
 
 
+def report_tables(payload: dict) -> list[str]:
+    """What the run prints: the results table, facts recalled per haystack (several haystacks), the criteria."""
+    many = len(payload["config"]["haystacks"]) > 1
+    return [results_table(payload), *([totals_table(payload)] if many else []), "\n".join(criteria_lines(payload))]
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    payload = run(args)
-    tables = [results_table(payload)] + ([totals_table(payload)] if len(args.haystacks) > 1 else [])
-    common.finish_run(args, payload, section=SECTION, make_plot=make_plot, results_section=results_section,
-                      tables=tables + ["\n".join(criteria_lines(payload))], preset=args.preset)
+    common.run_task(parse_args(argv), run, section=SECTION, make_plot=make_plot, results_section=results_section,
+                    tables=report_tables)
     return 0
 
 

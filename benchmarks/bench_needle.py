@@ -104,37 +104,9 @@ PRESETS = {
         "seeds": [0],
         "haystacks": list(haystack.HAYSTACKS),
     },
-    # issue 17: decode-time retrieval (Quest in-device / offloaded, FreeKV) against full KV, SnapKV and
-    # HeteroCache at rho 0.1 and 0.3 on issue 15's haystacks (1K-4K: 7K costs as much again on 2 cores)
-    "issue17": {
-        "lengths": [1000, 2000, 4000],
-        "depths": [0.1, 0.5, 0.9],
-        "policies": ["full", "snapkv", "heterocache", "quest", "quest:offload=true", "freekv"],
-        "budgets": [0.1, 0.3],
-        "seeds": [0],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
-    # issue 18: the other seed systems (ContextKeeper, SyncKV) beside full KV, SnapKV and HeteroCache on the same
-    # grid as issue 17; rho 0.1 is below ContextKeeper's 128 sinks + 256 recent tokens at these lengths; SyncKV
-    # is refused at rho 0.3 (SmolLM2's R-heads, one of 3 KV heads per layer, alone hold 1/3; reason recorded)
-    "issue18": {
-        "lengths": [1000, 2000, 4000],
-        "depths": [0.1, 0.5, 0.9],
-        "policies": ["full", "snapkv", "heterocache", "contextkeeper", "synckv"],
-        "budgets": [0.3, 0.5],
-        "seeds": [0],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
-    # issue 18: the three peers side by side at the budgets each can reach on SmolLM2: rho 0.5 (all of them; HCAttention
-    # = values on host, exact keys) and 0.125 (HCAttention's g=32 key codes; the others refuse it, with the reason)
-    "issue18-peers": {
-        "lengths": [1000, 2000, 4000],
-        "depths": [0.1, 0.5, 0.9],
-        "policies": ["full", "heterocache", "contextkeeper", "synckv", "hcattention"],
-        "budgets": [0.125, 0.5],
-        "seeds": [0],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
+    # issues 17 and 18 (common.ISSUE_COMPARISONS) on issue 15's haystacks, 1K-4K (7K costs as much again on 2 cores)
+    **{name: {"lengths": [1000, 2000, 4000], "depths": [0.1, 0.5, 0.9], **comparison, "seeds": [0],
+              "haystacks": list(haystack.HAYSTACKS)} for name, comparison in common.ISSUE_COMPARISONS.items()},
 }
 
 
@@ -171,11 +143,6 @@ def estimate_minutes(preset: dict) -> float:
         per_prompt += sum(4.2e-3 * L if name in _SCORING_POLICIES else 1.5 for name, _ in extra)
         cpu += n * per_prompt
     return cpu / IDLE_CORES / 60
-
-
-def preset_minutes_help(presets: dict, estimate) -> str:
-    """'cpu ~4 min, issue15 ~11 min, ...' for the --preset help."""
-    return ", ".join(f"{k} ~{estimate(v):.0f} min" for k, v in presets.items()) + " on an idle machine (longer on a shared one)."
 
 
 # ------------------------------------------------------------------ needles
@@ -643,8 +610,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                 f"a real-text haystack (`{hays[0]}`"
                 + (": `pydoc_data.topics`" if hays[0] == "pydoc" else "") + ", `benchmarks/haystack.py`)")
     lines = [
-        common.results_header(f"Needle in a haystack: {cfg['model']}, accuracy per policy (length x depth)",
-                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Needle in a haystack: {cfg['model']}, accuracy per policy (length x depth)", payload),
         "",
         f"One needle per prompt (kind `{cfg['needle_kind']}`, e.g. \"{ex['sentence']}\") at each depth of {hay_text}, "
         "then the question "
@@ -675,24 +641,20 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
                   f"{c['depth']:g}): "
                   + ("same tokens, prompt KV bytes and achieved rho for every policy." if not c["problems"]
                      else "MISMATCH: " + "; ".join(c["problems"])), ""]
-    lines.append(common.wall_and_memory_line(payload))
-    lines += ["", common.plot_markdown("needle grid", plot_rel, cfg["plot"])]
+    lines += common.closing_lines(payload, "needle grid", plot_rel)
     return "\n".join(lines)
 
 
 def make_plot(payload: dict, path: Path) -> Path | None:
     """One heatmap per combo (x = context length, y = needle depth, colour = score), like Fig. 3 of the paper."""
-    if not payload["records"]:
-        return None
-    plt = common.pyplot()
     import numpy as np
 
     cfg = payload["config"]
     labels, lengths, depths = cfg["combos"], cfg["lengths"], cfg["depths"]
     ncols = min(4, len(labels))
     nrows = -(-len(labels) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols + 1.2, 0.32 * len(depths) * nrows + 1.6 * nrows + 0.6),
-                             squeeze=False)
+    fig, axes = common.subplots(nrows, ncols, squeeze=False,
+                                figsize=(3.6 * ncols + 1.2, 0.32 * len(depths) * nrows + 1.6 * nrows + 0.6))
     im = None
     for k, label in enumerate(labels):
         ax = axes[k // ncols][k % ncols]
@@ -717,57 +679,28 @@ def make_plot(payload: dict, path: Path) -> Path | None:
         axes[k // ncols][k % ncols].axis("off")
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="score (fraction of prompts correct: seeds x "
                  "haystacks)")
-    fig.suptitle(f"Needle in a haystack ({cfg['needle_kind']}) — {cfg['model']}, "
-                 f"{common.git_summary(payload['git'])}", fontsize=9, y=1.02)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, f"Needle in a haystack ({cfg['needle_kind']}) — {cfg['model']}, "
+                                         f"{common.git_summary(payload['git'])}", crop=True, title_y=1.02)
 
 
 # --------------------------------------------------------------------- main
-def apply_preset(args, presets: dict, defaults_from: str = "full") -> None:
-    """Fill every preset argument not given on the command line from ``--preset`` (or the full preset)."""
-    preset = presets[getattr(args, "preset", None) or defaults_from]
-    for key, value in preset.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, list(value) if isinstance(value, list) else value)
-
-
-def preset_help(presets: dict, key: str) -> str:
-    """' (full: ...; cpu: ...)' for one preset argument's help."""
-    def show(v):
-        return " ".join(map(str, v)) if isinstance(v, list) else str(v)
-
-    return " (" + "; ".join(f"{name}: {show(p[key])}" for name, p in presets.items()) + ")"
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="Needle-in-a-haystack grid (context length x depth) per KV-cache policy and budget on "
-                    "SmolLM2-135M, real-text haystack, one needle per prompt.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.argument_parser("Needle-in-a-haystack grid (context length x depth) per KV-cache policy and budget "
+                               "on SmolLM2-135M, real-text haystack, one needle per prompt.")
     S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
-    p.add_argument("--preset", choices=sorted(PRESETS), default=S,
-                   help="'cpu': the make-bench grid on pydoc; 'issue15': issue 15's grid (3 haystacks x 1K-7K x 3 "
-                        "depths, full/snapkv/heterocache at rho 0.3); 'full' (used when no preset is given): the "
-                        "complete grid on every haystack; 'short': its 1K-4K part. Explicit arguments override the "
-                        "preset. Estimated time on 2 CPU cores: " + preset_minutes_help(PRESETS, estimate_minutes))
+    common.add_grid_preset_argument(
+        p, PRESETS, estimate_minutes, "'cpu': the make-bench grid on pydoc; 'issue15': issue 15's grid (3 haystacks x "
+        "1K-7K x 3 depths, full/snapkv/heterocache at rho 0.3); 'full' (used when no preset is given): the complete "
+        "grid on every haystack; 'short': its 1K-4K part.")
     p.add_argument("--lengths", type=int, nargs="+", default=S,
-                   help="prompt lengths in tokens (the context is 8192)" + preset_help(PRESETS, "lengths"))
+                   help="prompt lengths in tokens (the context is 8192)" + common.preset_help(PRESETS, "lengths"))
     p.add_argument("--depths", type=float, nargs="+", default=S,
-                   help="needle depths (fraction of the haystack)" + preset_help(PRESETS, "depths"))
-    p.add_argument("--policies", nargs="+", default=S, type=common.policy_spec,
-                   help="registered policies, optionally with options (quest:offload=true); full KV always runs, as the "
-                        "reference" + preset_help(PRESETS, "policies"))
-    p.add_argument("--budgets", type=float, nargs="+", default=S,
-                   help="budgets rho in (0, 1]" + preset_help(PRESETS, "budgets"))
+                   help="needle depths (fraction of the haystack)" + common.preset_help(PRESETS, "depths"))
+    common.add_policy_arguments(p, PRESETS)
     p.add_argument("--seeds", type=int, nargs="+", default=S,
                    help="one prompt per seed and cell; a cell's score is the fraction answered"
-                        + preset_help(PRESETS, "seeds"))
-    p.add_argument("--haystacks", nargs="+", default=S, choices=list(haystack.HAYSTACKS), metavar="NAME",
-                   help="haystacks (benchmarks/haystack.py HAYSTACKS: " + ", ".join(haystack.HAYSTACKS)
-                        + "); every cell runs on each" + preset_help(PRESETS, "haystacks"))
+                        + common.preset_help(PRESETS, "seeds"))
+    common.add_haystacks_argument(p, PRESETS, "every cell runs on each")
     p.add_argument("--needle", default="magic-number", choices=sorted(NEEDLE_KINDS), help="needle kind")
     p.add_argument("--max-new-tokens", type=int, default=24,
                    help="answer tokens checked (the model often restates the question first: 16 cut 5-digit answers)")
@@ -779,34 +712,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="re-run generate() per policy on the first prompt and compare (one prefill each)")
     p.add_argument("--no-share-scores", action="store_true",
                    help="compute each baseline's token scores once per budget instead of once per policy")
-    p.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent XLA compilation cache")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="model dtype (default: the loader's)")
-    p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=None, help="JSON output (default: benchmarks/out/needle[-PRESET].json)")
-    p.add_argument("--plot", type=Path, default=None, help="PNG heatmaps (default: --out with .png)")
-    common.add_results_arguments(p, SECTION)
-    args = p.parse_args(argv)
-    args.preset = getattr(args, "preset", None)
-    apply_preset(args, PRESETS)
-    suffix = "" if args.preset in (None, "full") else f"-{args.preset}"
-    args.out = args.out or common.OUT_DIR / f"{SECTION}{suffix}.json"
-    args.plot = args.plot or args.out.with_suffix(".png")
-    if "full" not in args.policies:
-        args.policies = ["full", *args.policies]
-    args.budgets = common.checked_budgets(p, args.budgets)
+    common.add_model_arguments(p, MODEL)
+    common.add_output_arguments(p, SECTION, SECTION, "PNG heatmaps", out_per_preset=True)
+    args = common.parse_grid_args(p, PRESETS, SECTION, argv)
     if any(not 0.0 <= d <= 1.0 for d in args.depths):
         p.error("--depths must be in [0, 1]")
     if any(n < 1 for n in args.lengths) or args.max_new_tokens < 1:
         p.error("--lengths and --max-new-tokens must be positive")
-    args.haystacks = list(dict.fromkeys(args.haystacks))
     return args
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    payload = run(args)
-    common.finish_run(args, payload, section=SECTION, make_plot=make_plot, results_section=results_section,
-                      tables=[results_table(payload)], preset=args.preset)
+    payload = common.run_task(parse_args(argv), run, section=SECTION, make_plot=make_plot,
+                              results_section=results_section, tables=lambda payload: [results_table(payload)],
+                              plot_rows="records")
     return 1 if any(c["problems"] for c in payload["checks"]) else 0
 
 

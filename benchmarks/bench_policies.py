@@ -508,8 +508,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
     td = cfg.get("timing_depth", "all")
     timing_where = "every" if td == "all" else f"depth-{td:g}"
     lines = [
-        common.results_header(f"Policies: {cfg['model']} KV, decode vs full KV, passkey accuracy",
-                              payload["machine"], payload["git"], payload["command"], payload["timestamp"]),
+        common.section_header(f"Policies: {cfg['model']} KV, decode vs full KV, passkey accuracy", payload),
         "",
         f"Passkey prompts from `benchmarks/haystack.py` (real text: `pydoc_data.topics`; the needle "
         f"\"{haystack.PASSKEY_NEEDLE.format(key='K')}\" at each depth, then \"{haystack.PASSKEY_QUESTION}\" "
@@ -550,15 +549,12 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
 
 def make_plot(payload: dict, path: Path) -> Path | None:
     summary = payload["summary"]
-    if not summary:
-        return None
-    plt = common.pyplot()
     import numpy as np
 
     cfg = payload["config"]
     lengths, depths, labels = cfg["lengths"], cfg["depths"], cfg["combos"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 0.42 * len(labels) + 2.6),
-                             gridspec_kw={"width_ratios": [1.1, 1, 1]})
+    fig, axes = common.subplots(1, 3, figsize=(16, 0.42 * len(labels) + 2.6),
+                                gridspec_kw={"width_ratios": [1.1, 1, 1]})
     # (a) accuracy grid: combos x (length, depth)
     ax = axes[0]
     cols = [(L, d) for L in lengths for d in depths]
@@ -612,10 +608,8 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 # --------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
     names = policy_names()
-    p = argparse.ArgumentParser(
-        description="Every KV-cache policy at each budget vs full KV on SmolLM2-135M: device KV bytes, "
-                    "achieved rho, decode ms/token side by side with full KV, and passkey accuracy.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.argument_parser("Every KV-cache policy at each budget vs full KV on SmolLM2-135M: device KV bytes, "
+                               "achieved rho, decode ms/token side by side with full KV, and passkey accuracy.")
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS),
                    help="prompt lengths in tokens (the context is 8192: '8K' is 7900)")
     p.add_argument("--policies", nargs="+", default=names, type=common.policy_spec,
@@ -643,10 +637,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--check-generate", action="store_true",
                    help="re-run generate() per policy on the first prompt and compare (costs one prefill each)")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=common.OUT_DIR / "policies.json", help="JSON output")
-    p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: --out with .png)")
-    p.add_argument("--write-results", action="store_true", help=f"rewrite the '{SECTION}' section of --results-file")
-    p.add_argument("--results-file", type=Path, default=common.RESULTS_MD, help="markdown results file")
+    common.add_output_arguments(p, "policies", SECTION, presets=False)
     args = p.parse_args(argv)
     args.plot = args.plot or args.out.with_suffix(".png")
     args.budgets = common.checked_budgets(p, args.budgets)
@@ -668,10 +659,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    payload = run(args)
-    common.finish_run(args, payload, section=SECTION, make_plot=make_plot, results_section=results_section,
-                      tables=[results_table(payload["summary"], args.depths), answers_table(payload)])
+    payload = common.run_task(parse_args(argv), run, section=SECTION, make_plot=make_plot,
+                              results_section=results_section,
+                              tables=lambda payload: [results_table(payload["summary"], payload["config"]["depths"]),
+                                                      answers_table(payload)])
     return 1 if any(c["problems"] for c in payload["checks"]) else 0
 
 

@@ -12,6 +12,11 @@
 - :func:`update_results_section`: rewrite one benchmark's section of
   ``benchmarks/RESULTS.md`` between ``<!-- BEGIN name -->`` and
   ``<!-- END name -->``, leaving every other section untouched.
+- The task scripts' harness (end of file): their shared arguments and presets
+  (:func:`argument_parser`, :func:`add_output_arguments`, :func:`parse_with_preset`,
+  :func:`parse_grid_args`), the top and bottom of their RESULTS sections
+  (:func:`section_header`, :func:`closing_lines`), figures (:func:`subplots`,
+  :func:`save_figure`) and their ending (:func:`run_task`).
 
 Only the standard library is imported at module level, so a parent process
 that merely orchestrates children never loads JAX; :func:`machine_info`
@@ -21,6 +26,7 @@ accept the parent's import).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import json
@@ -59,14 +65,23 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def _mem_total_bytes() -> int | None:
+def _proc_kib_field(path: str, field: str) -> int | None:
+    """The ``field: N kB`` line of a /proc file (``/proc/meminfo``, ``/proc/self/status``) in bytes, or None
+    where the file or the field is missing."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _mem_total_bytes() -> int | None:
+    total = _proc_kib_field("/proc/meminfo", "MemTotal")
+    if total is not None:
+        return total
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -299,14 +314,7 @@ def peak_rss_bytes() -> int:
 
 def current_rss_bytes() -> int | None:
     """Resident set size now (VmRSS), or None where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _proc_kib_field("/proc/self/status", "VmRSS")
 
 
 # ----------------------------------------------------------------- children
@@ -421,8 +429,6 @@ def engine_kv_stats(engine) -> dict[str, Any]:
 
 def policy_spec(text: str) -> str:
     """argparse type of ``--policies``: a registered name, optionally with options (``quest:offload=true``)."""
-    import argparse
-
     from hetero_jax.errors import HeteroJaxError
     from hetero_jax.policies import make_policy
 
@@ -456,12 +462,13 @@ def results_section_name(section: str, preset: str | None) -> str:
     return f"{section}-{preset or 'full'}"
 
 
-def add_results_arguments(parser, section: str) -> None:
+def add_results_arguments(parser, section: str, presets: bool = True) -> None:
     """``--write-results`` and ``--results-file`` of a benchmark script whose RESULTS.md section is ``section``
-    (named per preset by :func:`results_section_name`)."""
+    (named per preset by :func:`results_section_name` where the script has ``presets``)."""
     parser.add_argument("--write-results", action="store_true",
                         help=f"rewrite the '{section}' section of --results-file with --preset cpu, "
-                             f"'{section}-full' with no preset or 'full', '{section}-NAME' with any other --preset NAME")
+                             f"'{section}-full' with no preset or 'full', '{section}-NAME' with any other --preset NAME"
+                        if presets else f"rewrite the '{section}' section of --results-file")
     parser.add_argument("--results-file", type=Path, default=RESULTS_MD, help="markdown results file")
 
 
@@ -500,7 +507,32 @@ def results_header(title: str, machine: dict[str, Any], git: dict[str, Any], com
     ])
 
 
+def section_header(title: str, payload: dict) -> str:
+    """:func:`results_header` of a run's JSON payload (:func:`report_header`: its machine, commit, command, time)."""
+    return results_header(title, payload["machine"], payload["git"], payload["command"], payload.get("timestamp"))
+
+
+def closing_lines(payload: dict, alt: str, plot_rel: str | None) -> list[str]:
+    """The last lines of a task's RESULTS section: the run's wall time and peak memory, then its plot."""
+    return [wall_and_memory_line(payload), "", plot_markdown(alt, plot_rel, payload["config"]["plot"])]
+
+
 # ------------------------------------------------------------ the harness every task script shares
+# The policy comparisons of issues 17 and 18, each run by the needle and multi-turn presets of that name on the
+# script's own grid. issue17: decode-time retrieval (Quest in-device / offloaded, FreeKV) against full KV, SnapKV
+# and HeteroCache. issue18: the other seed systems (ContextKeeper, SyncKV); SyncKV is refused at rho 0.3 (SmolLM2's
+# R-heads, one of 3 KV heads per layer, alone hold 1/3 of the KV; its BudgetError is recorded as the reason it is
+# absent). issue18-peers: the three peers side by side at the budgets each can reach on SmolLM2: rho 0.5 (all of
+# them; HCAttention = values on host, exact keys) and 0.125 (HCAttention's g=32 key codes; the others refuse it).
+ISSUE_COMPARISONS = {
+    "issue17": {"policies": ["full", "snapkv", "heterocache", "quest", "quest:offload=true", "freekv"],
+                "budgets": [0.1, 0.3]},
+    "issue18": {"policies": ["full", "snapkv", "heterocache", "contextkeeper", "synckv"], "budgets": [0.3, 0.5]},
+    "issue18-peers": {"policies": ["full", "heterocache", "contextkeeper", "synckv", "hcattention"],
+                      "budgets": [0.125, 0.5]},
+}
+
+
 def make_combos(policies: Sequence[str], budgets: Sequence[float]) -> list[tuple[str, float]]:
     """(registry name, rho): full KV first and once (the reference), then every other policy x budget."""
     combos = [("full", 1.0)]
@@ -514,14 +546,14 @@ def combo_label(name: str, rho: float) -> str:
     return "full" if name == "full" else f"{name}@{rho:g}"
 
 
-def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend (benchmarks run headless)."""
+def subplots(*args, **kwargs):
+    """``matplotlib.pyplot.subplots`` on the file-only Agg backend (benchmarks run headless): (fig, axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
+    return plt.subplots(*args, **kwargs)
 
 
 def wall_and_memory_line(payload: dict) -> str:
@@ -530,12 +562,116 @@ def wall_and_memory_line(payload: dict) -> str:
             f"{payload['peak_rss_bytes'] / 2**20:,.0f} MiB.")
 
 
-def add_output_arguments(parser, name: str, section: str, plot_help: str = "PNG plot") -> None:
+def argument_parser(description: str) -> argparse.ArgumentParser:
+    """A benchmark script's parser; its --help shows every argument's default."""
+    return argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def add_output_arguments(parser, name: str, section: str, plot_help: str = "PNG plot", *, presets: bool = True,
+                         out_per_preset: bool = False) -> None:
     """--out / --plot (beside the JSON by default) and the RESULTS.md flags of a task script writing
-    benchmarks/out/NAME.json."""
-    parser.add_argument("--out", type=Path, default=OUT_DIR / f"{name}.json", help="JSON output")
+    benchmarks/out/NAME.json (NAME-PRESET.json with ``out_per_preset``: :func:`parse_grid_args` fills it in)."""
+    if out_per_preset:
+        parser.add_argument("--out", type=Path, default=None,
+                            help=f"JSON output (default: benchmarks/out/{name}[-PRESET].json)")
+    else:
+        parser.add_argument("--out", type=Path, default=OUT_DIR / f"{name}.json", help="JSON output")
     parser.add_argument("--plot", type=Path, default=None, help=f"{plot_help} (default: --out with .png)")
-    add_results_arguments(parser, section)
+    add_results_arguments(parser, section, presets)
+
+
+def add_preset_argument(parser, presets: dict) -> None:
+    """--preset of a script whose presets are argument defaults (:func:`parse_with_preset`); the help lists them."""
+    parser.add_argument("--preset", choices=sorted(presets),
+                        help="a named configuration; explicit flags override it. "
+                             + "; ".join(f"{k}: {v}" for k, v in presets.items()))
+
+
+def parse_with_preset(parser, presets: dict, argv=None, fallback: str | None = None) -> argparse.Namespace:
+    """Parse ``argv`` with the values of its --preset (of preset ``fallback`` when none is given) as the parser's
+    defaults, so explicit flags override them (and ``--preset NAME --help`` shows them)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(presets))
+    preset = pre.parse_known_args(argv)[0].preset or fallback
+    if preset:
+        parser.set_defaults(**presets[preset])
+    return parser.parse_args(argv)
+
+
+# A grid script's presets (bench_needle, bench_multiturn) each name the whole grid: its preset arguments are absent
+# unless given (argparse.SUPPRESS) and :func:`parse_grid_args` fills the others from --preset.
+def preset_help(presets: dict, key: str) -> str:
+    """' (full: ...; cpu: ...)' for one preset argument's help."""
+    def show(v):
+        return " ".join(map(str, v)) if isinstance(v, list) else str(v)
+
+    return " (" + "; ".join(f"{name}: {show(p[key])}" for name, p in presets.items()) + ")"
+
+
+def preset_minutes_help(presets: dict, estimate) -> str:
+    """'cpu ~4 min, issue15 ~11 min, ...' for the --preset help."""
+    return (", ".join(f"{k} ~{estimate(v):.0f} min" for k, v in presets.items())
+            + " on an idle machine (longer on a shared one).")
+
+
+def apply_preset(args, presets: dict) -> None:
+    """Fill every preset argument not given on the command line from ``--preset`` (or the full preset)."""
+    preset = presets[getattr(args, "preset", None) or "full"]
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+
+
+def add_grid_preset_argument(parser, presets: dict, estimate_minutes, described: str) -> None:
+    """--preset of a grid script; ``described`` says what the presets are, the help adds each one's run time."""
+    parser.add_argument("--preset", choices=sorted(presets), default=argparse.SUPPRESS,
+                        help=f"{described} Explicit arguments override the preset. Estimated time on 2 CPU cores: "
+                             + preset_minutes_help(presets, estimate_minutes))
+
+
+def add_policy_arguments(parser, presets: dict) -> None:
+    """--policies and --budgets of a grid script."""
+    parser.add_argument("--policies", nargs="+", default=argparse.SUPPRESS, type=policy_spec,
+                        help="registered policies, optionally with options (quest:offload=true); full KV always runs, "
+                             "as the reference" + preset_help(presets, "policies"))
+    parser.add_argument("--budgets", type=float, nargs="+", default=argparse.SUPPRESS,
+                        help="budgets rho in (0, 1]" + preset_help(presets, "budgets"))
+
+
+def add_haystacks_argument(parser, presets: dict, each: str) -> None:
+    """--haystacks of a grid script; ``each`` says what runs on every haystack."""
+    import haystack
+
+    parser.add_argument("--haystacks", nargs="+", default=argparse.SUPPRESS, choices=list(haystack.HAYSTACKS),
+                        metavar="NAME", help="haystacks (benchmarks/haystack.py HAYSTACKS: "
+                                             + ", ".join(haystack.HAYSTACKS) + f"); {each}"
+                                             + preset_help(presets, "haystacks"))
+
+
+def add_model_arguments(parser, model: str) -> None:
+    """--no-compile-cache, --dtype and the hidden --model of a script that loads one model."""
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use the persistent XLA compilation cache")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="model dtype (default: the loader's)")
+    parser.add_argument("--model", default=model, help=argparse.SUPPRESS)
+
+
+def parse_grid_args(parser, presets: dict, name: str, argv=None) -> argparse.Namespace:
+    """Parse a grid script's ``argv``: the preset arguments not given from --preset (the 'full' preset without
+    one), --out benchmarks/out/NAME[-PRESET].json and --plot beside it by default, full KV first among the policies
+    (the reference), --budgets checked, repeated --haystacks dropped."""
+    args = parser.parse_args(argv)
+    args.preset = getattr(args, "preset", None)
+    apply_preset(args, presets)
+    suffix = "" if args.preset in (None, "full") else f"-{args.preset}"
+    args.out = args.out or OUT_DIR / f"{name}{suffix}.json"
+    args.plot = args.plot or args.out.with_suffix(".png")
+    if "full" not in args.policies:
+        args.policies = ["full", *args.policies]
+    args.budgets = checked_budgets(parser, args.budgets)
+    args.haystacks = list(dict.fromkeys(args.haystacks))
+    return args
 
 
 def checked_budgets(parser, budgets: Sequence[float]) -> list[float]:
@@ -545,27 +681,36 @@ def checked_budgets(parser, budgets: Sequence[float]) -> list[float]:
     return list(dict.fromkeys(budgets))
 
 
-def save_figure(fig, path: Path, title: str, dpi: int = 110) -> Path:
-    """Title, lay out, write and close a matplotlib figure; returns ``path``."""
+def save_figure(fig, path: Path, title: str, dpi: int = 110, *, crop: bool = False,
+                title_y: float | None = None) -> Path:
+    """Title, lay out, write and close a matplotlib figure; returns ``path``.
+
+    ``crop``: cut the image to what is drawn (``bbox_inches="tight"``) instead of ``tight_layout``, for a figure
+    with a legend or colour bar outside its axes; ``title_y``: the title's height, where the default overlaps."""
     import matplotlib.pyplot as plt
 
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.suptitle(title, fontsize=9, **({} if title_y is None else {"y": title_y}))
+    if not crop:
+        fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, **({"bbox_inches": "tight"} if crop else {}))
     plt.close(fig)
     return path
 
 
-def finish_run(args, payload: dict, *, section: str, make_plot, results_section, tables: Sequence[str],
-               preset: str | None = "cpu") -> None:
-    """A task script's ending: the JSON (``args.out``), the plot (``args.plot``), the tables on stdout, the
-    total time, and with ``args.write_results`` the script's section of RESULTS.md."""
+def run_task(args, run, *, section: str, make_plot, results_section, tables, plot_rows: str = "summary") -> dict:
+    """A task script after its arguments: ``run(args)``, then the JSON (``args.out``), the plot (``args.plot``; none
+    when the payload's ``plot_rows`` are empty), ``tables(payload)`` on stdout, the total time, and with
+    ``args.write_results`` the script's section of RESULTS.md. Returns the payload."""
+    payload = run(args)
     out = write_json(args.out, payload)
-    png = make_plot(payload, args.plot)
+    png = make_plot(payload, args.plot) if payload[plot_rows] else None
     print(f"wrote {out}" + (f" and {png}" if png else ""))
-    print("\n\n".join(tables))
+    print("\n\n".join(tables(payload)))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
     if args.write_results:
+        # a script without presets writes ``section`` itself, the name results_section_name gives preset "cpu"
+        preset = getattr(args, "preset", "cpu")
         write_results_section(section, lambda plot_rel: results_section(payload, plot_rel), png,
                               args.results_file, preset=preset)
+    return payload

@@ -29,10 +29,10 @@ none is given) and where in the corpus the haystack starts (seed 0 starts at
 the beginning of the corpus; the exact-fit search may skip up to
 ``MAX_SKIPPED_WORDS`` words at the start, recorded in ``skipped_chars``).
 
-    from haystack import build_passkey_prompt
-    ids, answer = build_passkey_prompt(model.tokenizer, 4000, depth=0.5, seed=1)
-    out = hetero_jax.generate(model, ids, max_new_tokens=12)
-    correct = passkey_correct(out.text, answer)
+    from haystack import build_passkey, passkey_correct
+    p = build_passkey(model.tokenizer, 4000, depth=0.5, seed=1)
+    out = hetero_jax.generate(model, p.ids, max_new_tokens=12)
+    correct = passkey_correct(out.text, p.answer)
 
 :func:`build_needle_prompt` is the general form (any needles, question and
 answer; returns a :class:`NeedlePrompt` with the measured positions).
@@ -431,50 +431,16 @@ def suffix_len(tokenizer, chat: bool) -> int:
         return _suffix_tokens.__wrapped__(tokenizer, chat)
 
 
-def build_passkey_prompt(
-    tokenizer,
-    n_tokens: int,
-    depth: float,
-    passkey: str | int | None = None,
-    filler_text: str | None = None,
-    *,
-    seed: int = 0,
-    chat: bool = True,
-    as_text: bool = False,
-    instruction: str | None = None,
-    haystack: str = DEFAULT_HAYSTACK,
-) -> tuple[list[int] | str, str]:
-    """(prompt token ids, or the user-message text with ``as_text``; the passkey).
-
-    Puts "The pass key is K. Remember it. K is the pass key." at ``depth`` of a
-    real-text haystack, then asks "What is the pass key?" in the chat template;
-    the token ids are (exactly, where possible; never more than) ``n_tokens``.
-    ``passkey=None``: a 5-digit key from ``seed``. With ``as_text`` pass the
-    text to ``generate`` with ``chat=True`` (it re-encodes to the same ids).
-    """
-    p = build_passkey(tokenizer, n_tokens, depth, passkey, filler_text, seed=seed, chat=chat, instruction=instruction,
-                      haystack=haystack)
-    return (p.text if as_text else p.ids), p.answer
-
-
-def build_passkey(
-    tokenizer,
-    n_tokens: int,
-    depth: float,
-    passkey: str | int | None = None,
-    filler_text: str | None = None,
-    *,
-    seed: int = 0,
-    chat: bool = True,
-    instruction: str | None = None,
-    haystack: str = DEFAULT_HAYSTACK,
-) -> NeedlePrompt:
-    """:func:`build_passkey_prompt` returning the full :class:`NeedlePrompt`."""
+def build_passkey(tokenizer, n_tokens: int, depth: float, passkey: str | int | None = None, *, seed: int = 0,
+                  **prompt_options) -> NeedlePrompt:
+    """A passkey prompt: "The pass key is K. Remember it. K is the pass key." at ``depth`` of a real-text
+    haystack, then "What is the pass key?" in the chat template, (exactly, where possible; never more than)
+    ``n_tokens`` tokens. ``passkey=None``: a 5-digit key from ``seed``. ``prompt_options``: the keywords of
+    :func:`build_needle_prompt` (``filler_text``, ``chat``, ``instruction``, ``haystack``). Pass ``.ids`` to
+    ``generate``, or ``.text`` with ``chat=True`` (it re-encodes to the same ids)."""
     key = make_passkey(seed) if passkey is None else str(passkey)
-    return build_needle_prompt(
-        tokenizer, n_tokens, [(depth, PASSKEY_NEEDLE.format(key=key))], PASSKEY_QUESTION, key,
-        filler_text=filler_text, seed=seed, chat=chat, instruction=instruction, haystack=haystack,
-    )
+    return build_needle_prompt(tokenizer, n_tokens, [(depth, PASSKEY_NEEDLE.format(key=key))], PASSKEY_QUESTION, key,
+                               seed=seed, **prompt_options)
 
 
 def passkey_correct(generated: str, answer: str) -> bool:

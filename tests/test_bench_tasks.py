@@ -271,7 +271,7 @@ def test_haystack_names_and_presets():
     for mod in (bn, bm):
         minutes = {k: mod.estimate_minutes(v) for k, v in mod.PRESETS.items()}
         assert all(0 < m < 240 for m in minutes.values()) and minutes["cpu"] < minutes["issue15"] < 60
-        assert f"issue15 ~{minutes['issue15']:.0f} min" in bn.preset_minutes_help(mod.PRESETS, mod.estimate_minutes)
+        assert f"issue15 ~{minutes['issue15']:.0f} min" in common.preset_minutes_help(mod.PRESETS, mod.estimate_minutes)
     assert bn.interp_cost({1000: 1.0, 2000: 3.0}, 1500) == 2.0 and bn.interp_cost({1000: 1.0, 2000: 3.0}, 3000) == 5.0
 
 
