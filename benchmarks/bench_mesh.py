@@ -153,7 +153,7 @@ def parse_args(argv=None):
     p.add_argument("--tps", default="2,4,8")
     p.add_argument("--skip-runs", action="store_true", help="only the placement tables")
     p.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "out" / "mesh.json")
-    common.add_results_arguments(p, SECTION)
+    common.add_results_arguments(p, SECTION, presets=False)
     return p.parse_args(argv)
 
 

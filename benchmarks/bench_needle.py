@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import os
 import random
 import re
@@ -62,6 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_policies  # noqa: E402  (benchmarks/bench_policies.py: the shared prefill)
 import common  # noqa: E402  (benchmarks/common.py)
 import haystack  # noqa: E402  (benchmarks/haystack.py)
 
@@ -282,10 +282,6 @@ def summarize(records: list[dict], combos, lengths) -> list[dict]:
 
 
 # ------------------------------------------------------ one forward pass
-def _bench_policies():
-    return importlib.import_module("bench_policies")
-
-
 class OneForwardPrefill:
     """One layer-major prefill feeding every policy's ``build_layer`` hook, whatever its head layout.
 
@@ -299,7 +295,7 @@ class OneForwardPrefill:
     """
 
     def __init__(self, plans, perms, layer_params, compile_fn, on_layer=None):
-        self._shared = _bench_policies().SharedPrefill(plans, compile_fn, on_layer)
+        self._shared = bench_policies.SharedPrefill(plans, compile_fn, on_layer)
         self.perms = perms  # per policy: per layer, an int array of KV heads in layout order, or None
         self.layer_params = layer_params  # per policy: its params["layers"]
 
@@ -351,7 +347,7 @@ def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefil
             info.append({"prefill": "separate", "prefill_group_wall_seconds": time.perf_counter() - t0})
         return engines, info
     if prefill == "per-layout":
-        engines, info = _bench_policies().make_engines(model, list(ids), policies, tail_capacity, bar, share_scores)
+        engines, info = bench_policies.make_engines(model, list(ids), policies, tail_capacity, bar, share_scores)
         for i in info:
             i["prefill"] = "per-layout"
         return engines, info
@@ -365,7 +361,7 @@ def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefil
 
     cfg = model.config
     bound = [G.bind_policy(model, p) for p in policies]
-    layouts = [_bench_policies()._layout_key(p.layout(cfg)) for p in bound]
+    layouts = [bench_policies.layout_key(p.layout(cfg)) for p in bound]
     params = [LY.params_for(model, lay) for lay in layouts]
     perms = [None if lay is None else [np.asarray(p, np.int32) for p in lay.perms] for lay in layouts]
 

@@ -184,7 +184,8 @@ class SharedPrefill:
         return out
 
 
-def _layout_key(layout):
+def layout_key(layout):
+    """A head layout as a grouping key: None for the identity (policies that keep heads in model order)."""
     return None if layout is None or getattr(layout, "is_identity", False) else layout
 
 
@@ -204,7 +205,7 @@ def make_engines(model, ids: list[int], policies, tail_capacity: int, bar=None, 
     bound = [G.bind_policy(model, p) for p in policies]
     groups: dict = {}
     for i, p in enumerate(bound):
-        groups.setdefault(_layout_key(p.layout(cfg)), []).append(i)
+        groups.setdefault(layout_key(p.layout(cfg)), []).append(i)
     engines, info = [None] * len(bound), [None] * len(bound)
     for key, idx in groups.items():
         c0 = G.compile_seconds()
