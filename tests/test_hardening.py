@@ -22,8 +22,8 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError, PromptError
 from hetero_jax.runtime import Session
 from hetero_jax.policies import (
-    CAKE, H2O, REGISTRY, BudgetError, HeteroCache, PolicyError, PyramidKV, SnapKV, StreamingLLM,
-    UnknownPolicyError, make_policy, smallest_rho, tokens_for,
+    CAKE, H2O, REGISTRY, BudgetError, ContextKeeper, FreeKV, HCAttention, HeteroCache, PolicyError, PyramidKV,
+    Quest, SnapKV, StreamingLLM, SyncKV, UnknownPolicyError, make_policy, smallest_rho, tokens_for,
 )
 from hetero_jax.profile.clustering import Role, budget_grid, smallest_working_rho
 from hetero_jax.profile.format import HeadProfile
@@ -228,11 +228,25 @@ def test_refused_chat_turn_keeps_the_history(tiny_checkpoint):
     (lambda: HeteroCache(profile=PROFILE, tau_drift="0.5"), "got '0.5'"),
     (lambda: HeteroCache(profile="profile.json"), "HeteroCache: profile must be a HeadProfile"),
     (lambda: SnapKV(budget=True), "budget rho=True is out of range"),
+    (lambda: FreeKV(sinks=-1), "FreeKV: sinks must be an integer >= 0 or None (B_c / 16), got -1"),
+    (lambda: FreeKV(tau=float("inf")), "FreeKV: tau must be a finite number in (-inf, inf), got inf"),
+    (lambda: Quest(offload="yes"), "Quest: offload must be True or False, got 'yes'"),
+    (lambda: Quest(full_layers=-1), "Quest: full_layers must be an integer >= 0, got -1"),
+    (lambda: HCAttention(tau=0.0), "HCAttention: tau must be a finite number in (0, 1], got 0.0"),
+    (lambda: HCAttention(renormalize=1), "HCAttention: renormalize must be True or False, got 1"),
+    (lambda: SyncKV(m=0), "SyncKV: m must be an integer >= 1 (decode steps between anticipations), got 0"),
+    (lambda: SyncKV(static_ratio=1.5), "SyncKV: static_ratio must be a finite number in [0, 1], got 1.5"),
+    (lambda: ContextKeeper(recent=0), "ContextKeeper: recent must be an integer >= 1, got 0"),
 ])
 def test_policy_arguments_are_checked_at_construction(make, needle):
     with pytest.raises(PolicyError if "budget rho" not in needle else BudgetError) as ei:
         make()
     assert needle in str(ei.value), str(ei.value)
+
+
+def test_optional_and_boolean_parameters_accept_their_values():
+    assert FreeKV(sinks=None, window=0).sinks is None
+    assert Quest(offload=np.bool_(True)).offload and not HCAttention(renormalize=False).renormalize
 
 
 @pytest.mark.parametrize("args, kw, cls, needle", [
