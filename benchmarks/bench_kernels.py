@@ -518,8 +518,7 @@ def render_drift_timing(t: dict[str, Any]) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     has_gpu = report["gpu_present"]
-    lines = [common.results_header("Pallas kernels (bench_kernels.py)", report["machine"], report["git"],
-                                   report["command"], report["timestamp"]), ""]
+    lines = [common.section_header("Pallas kernels (bench_kernels.py)", report), ""]
     if not has_gpu:
         lines += [
             "**No GPU was available for this run** (`jax.devices()`: "

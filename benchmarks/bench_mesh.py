@@ -112,8 +112,7 @@ def sharded_runs(model_name: str, meshes, policies, prompt_tokens: int, steps: i
 def render(payload: dict) -> str:
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     cfg = payload["config"]
-    out = [common.results_header("Mesh: per-device KV bytes and role-balanced placement", payload["machine"],
-                                 payload["git"], payload["command"], payload["timestamp"]), ""]
+    out = [common.section_header("Mesh: per-device KV bytes and role-balanced placement", payload), ""]
     out += ["### Placement computed from the authors' profiles",
             "",
             "Device tokens per head from Eq. 7-8 at rho and L, bf16 K+V (2 x head_dim x 2 bytes per token). "
