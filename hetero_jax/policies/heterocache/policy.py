@@ -15,11 +15,13 @@ from hetero_jax.policies.heterocache.prefill import HeteroPrefill
 
 
 def _check_hetero_args(p: "HeteroCache") -> None:
-    """Types and ranges of HeteroCache's numeric arguments (before the older checks in __post_init__)."""
+    """Types and ranges of HeteroCache's arguments that are not declared with ``int_param`` & co. (the profile,
+    an optional tau_drift, select_window's own message)."""
     if p.profile is not None and not isinstance(p.profile, HeadProfile):
         raise PolicyError(f"HeteroCache: profile must be a HeadProfile (load_profile('profile.json')) or None "
                           f"for the model's shipped profile, got {type(p.profile).__name__}")
-    if isinstance(p.select_window, bool):  # an int to isinstance, but True is no number of queries
+    # bool is an int to isinstance, but True is no number of queries
+    if isinstance(p.select_window, bool) or not isinstance(p.select_window, int) or p.select_window < 1:
         raise PolicyError(f"HeteroCache: select_window must be an int >= 1 prompt query (1 = the paper's last "
                           f"token), got {p.select_window!r}")
     tau = p.tau_drift
@@ -51,9 +53,6 @@ class HeteroCache(ProfiledPolicy):
     def __post_init__(self):
         super().__post_init__()
         _check_hetero_args(self)
-        if not isinstance(self.select_window, int) or self.select_window < 1:
-            raise BudgetError(f"HeteroCache: select_window must be an int >= 1 prompt query (1 = the paper's "
-                              f"last token), got {self.select_window!r}")
         if self.pool_kernel != 5:
             raise BudgetError("HeteroCache: the pooled-score kernel supports pool_kernel=5 only")
         object.__setattr__(self, "profile_key", profile_key(self.profile))
