@@ -394,6 +394,41 @@ def test_reselection_lands_before_the_answer_and_drops_a_stale_check():
     assert len(first.token_ids) >= 1
 
 
+def test_a_turn_is_encoded_again_over_its_reselected_rows():
+    """The turn's first pass ran over the rows selected before it; after re-selecting from its queries the
+    engine appends it again, so its tail K/V and logits equal one decode step per token over the
+    re-selected cache (independent path, within 1e-4), and differ from the first pass's."""
+    import jax.numpy as jnp
+
+    from hetero_jax.model import transformer as M
+
+    n = 13
+    eng = Engine(MODEL, [random_prompt(150, 21)], HeteroCache(profile=PROFILE, budget=0.4), tail_capacity=32)
+    turn = random_prompt(n, 22)
+    first_pass = {}
+    orig = eng.state.after_extend
+
+    def spy(queries, cache):
+        first_pass["tail_k"] = [np.asarray(lc.tail_k[:, :, :n]) for lc in cache.layers]
+        return orig(queries, cache)
+
+    eng.state.after_extend = spy
+    logits = eng.extend(turn)
+    assert int(eng.cache.seq_lens[0]) == 150 + n and int(eng.cache.tail_lens[0]) == n
+    assert eng.state.reselections == 1
+    # reference: the re-selected cache with the turn taken back, then one decode step per token
+    ref = eng.cache.replace(seq_lens=eng.cache.seq_lens - n, tail_lens=eng.cache.tail_lens - n)
+    for t in turn:
+        want, ref, _ = M.decode_step_jit(eng.params, ref, jnp.asarray([t], jnp.int32), CFG, policy=eng.policy)
+    np.testing.assert_allclose(logits, np.asarray(want), atol=1e-4, rtol=1e-4)
+    moved = 0.0
+    for lc, lr, lf in zip(eng.cache.layers, ref.layers, first_pass["tail_k"]):
+        np.testing.assert_allclose(np.asarray(lc.tail_k[:, :, :n]), np.asarray(lr.tail_k[:, :, :n]), atol=1e-4,
+                                   rtol=1e-4)
+        moved = max(moved, float(np.abs(np.asarray(lc.tail_k[:, :, :n]) - lf).max()))
+    assert moved > 1e-3  # the re-selection moved rows, so the second pass differs from the first
+
+
 def test_session_turn_with_a_long_pasted_document_is_chunked():
     """A turn of hundreds of tokens goes through a few chunked passes (no decode step per token) and
     answers like full KV would when the policy keeps everything (rho 1)."""

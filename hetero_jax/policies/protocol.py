@@ -45,6 +45,9 @@ class DecodeState:
     """
 
     wants_turn_queries = False  # after_extend needs the turn's queries
+    # after_extend may move the prompt rows the heads attend: the engine then appends the turn again
+    # over the new rows (its first pass was computed over the old ones)
+    reencodes_turn = False
 
     def fresh(self) -> "DecodeState":
         """A new state as this one was right after prefill (counters zero; the same host copies)."""

@@ -182,14 +182,31 @@ class Engine:
         Chunks are ``chunk_bucket`` sized (at most ``max_chunk``; the last one padded), so a turn of
         thousands of tokens costs a few prefill-like passes instead of one decode step per token, and
         equals those steps (tests/test_extend.py). No decode hook runs per token; the policy's decode
-        state gets the turn's queries once, at the end (``after_extend``: HeteroCache re-selects).
+        state gets the turn's queries once, at the end (``after_extend``: HeteroCache re-selects); a state
+        that ``reencodes_turn`` has the turn appended a second time, over the rows it re-selected.
         """
         ids = [int(t) for t in ids]
         if not ids:
             raise PromptError("nothing to extend: the turn has no tokens")
         self.reserve(len(ids))
-        C = min(chunk_bucket(len(ids)), max_chunk)
         keep_q = self.state.wants_turn_queries
+        logits, turn_queries = self._extend_pass(ids, max_chunk, keep_q)
+        if keep_q:
+            before = self.cache
+            self.cache = self.state.after_extend(turn_queries, before)
+            if self.state.reencodes_turn and self.cache is not before:
+                # The turn's own K/V were computed over the rows the heads held before the turn; once
+                # the policy re-selected from its queries, take the turn back and append it again, so
+                # the turn and the answer both attend the new rows (HeteroCache: README, departures).
+                n = len(ids)
+                self.cache = self.cache.replace(seq_lens=self.cache.seq_lens - n, tail_lens=self.cache.tail_lens - n)
+                logits, _ = self._extend_pass(ids, max_chunk, False)
+        return logits
+
+    def _extend_pass(self, ids: list[int], max_chunk: int, keep_q: bool):
+        """Append ``ids`` in chunked passes: (logits of the last token [B, V] float32, the turn's queries per
+        layer [B, Nkv, n, G, D] when ``keep_q``, else None)."""
+        C = min(chunk_bucket(len(ids)), max_chunk)
         per_chunk, logits = [], None
         for start in range(0, len(ids), C):
             part = ids[start : start + C]
@@ -200,10 +217,8 @@ class Engine:
             logits, self.cache, queries = compiled(_extend_jit, *args, cfg=self.cfg, policy=self.policy)(*args)
             if keep_q:
                 per_chunk.append(tuple(q[:, :, : len(part)] for q in queries))
-        if keep_q:
-            turn_queries = tuple(jnp.concatenate(qs, axis=2) for qs in zip(*per_chunk))  # [B, Nkv, n, G, D]
-            self.cache = self.state.after_extend(turn_queries, self.cache)
-        return to_host(logits).astype(np.float32)
+        turn_queries = tuple(jnp.concatenate(qs, axis=2) for qs in zip(*per_chunk)) if keep_q else None
+        return to_host(logits).astype(np.float32), turn_queries
 
     def drain(self) -> float:
         """Wait until the policy's asynchronous decode work (HeteroCache's dispatched drift checks and

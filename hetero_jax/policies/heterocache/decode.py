@@ -104,6 +104,7 @@ class HeteroDecode(DecodeState):
     """Per-request decode-time state of HeteroCache: query buffer, pending checks, re-selection and recall stats."""
 
     wants_turn_queries = True
+    reencodes_turn = True  # the question is encoded again over the re-selected rows
 
     def __init__(self, prefilled: HeteroPrefilled, compile_fn=None):
         self.prefilled = prefilled
