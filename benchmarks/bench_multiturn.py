@@ -93,6 +93,14 @@ PRESETS = {
         "budgets": [0.5, 0.3],
         "haystacks": list(haystack.HAYSTACKS),
     },
+    # issue 15 at 7K (its own RESULTS section, so the 2K/4K table keeps its run)
+    "issue15-7k": {
+        "lengths": [7000],
+        "seeds": [0, 1, 2],
+        "policies": ["full", "snapkv", "heterocache"],
+        "budgets": [0.5, 0.3],
+        "haystacks": list(haystack.HAYSTACKS),
+    },
     # issues 17 and 18 (common.ISSUE_COMPARISONS) on issue 15's haystacks and fact sets, 2K contexts
     **{name: {"lengths": [2000], "seeds": [0, 1, 2], **comparison, "haystacks": list(haystack.HAYSTACKS)}
        for name, comparison in common.ISSUE_COMPARISONS.items()},
