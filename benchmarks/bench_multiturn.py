@@ -62,6 +62,14 @@ SECTION = "multiturn"
 MODEL = "smollm2-135m"
 MiB = 2**20
 
+_ISSUE15 = {
+    "lengths": [2000, 4000, 7000],
+    "seeds": [0, 1, 2],
+    "policies": ["full", "snapkv", "heterocache"],
+    "budgets": [0.5, 0.3],
+    "haystacks": list(haystack.HAYSTACKS),
+}
+
 PRESETS = {
     "full": {
         "lengths": [4000, 7000],
@@ -86,21 +94,9 @@ PRESETS = {
         "haystacks": ["pydoc"],  # the one haystack make bench has always used
     },
     # issue 15: HeteroCache vs SnapKV vs full KV on every haystack, 3 fact sets each, 2K-7K
-    "issue15": {
-        "lengths": [2000, 4000, 7000],
-        "seeds": [0, 1, 2],
-        "policies": ["full", "snapkv", "heterocache"],
-        "budgets": [0.5, 0.3],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
+    "issue15": _ISSUE15,
     # issue 15 at 7K (its own RESULTS section, so the 2K/4K table keeps its run)
-    "issue15-7k": {
-        "lengths": [7000],
-        "seeds": [0, 1, 2],
-        "policies": ["full", "snapkv", "heterocache"],
-        "budgets": [0.5, 0.3],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
+    "issue15-7k": {**_ISSUE15, "lengths": [7000]},
     # issues 17 and 18 (common.ISSUE_COMPARISONS) on issue 15's haystacks and fact sets, 2K contexts
     **{name: {"lengths": [2000], "seeds": [0, 1, 2], **comparison, "haystacks": list(haystack.HAYSTACKS)}
        for name, comparison in common.ISSUE_COMPARISONS.items()},

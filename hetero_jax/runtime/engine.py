@@ -201,11 +201,11 @@ class Engine:
                 n = len(ids)
                 self.cache = self.cache.replace(seq_lens=self.cache.seq_lens - n, tail_lens=self.cache.tail_lens - n)
                 logits, _ = self._extend_pass(ids, max_chunk, False)
-        return logits
+        return to_host(logits).astype(np.float32)
 
     def _extend_pass(self, ids: list[int], max_chunk: int, keep_q: bool):
-        """Append ``ids`` in chunked passes: (logits of the last token [B, V] float32, the turn's queries per
-        layer [B, Nkv, n, G, D] when ``keep_q``, else None)."""
+        """Append ``ids`` in chunked passes: (logits of the last token [B, V] on the device, the turn's queries
+        per layer [B, Nkv, n, G, D] when ``keep_q``, else None)."""
         C = min(chunk_bucket(len(ids)), max_chunk)
         per_chunk, logits = [], None
         for start in range(0, len(ids), C):
@@ -218,7 +218,7 @@ class Engine:
             if keep_q:
                 per_chunk.append(tuple(q[:, :, : len(part)] for q in queries))
         turn_queries = tuple(jnp.concatenate(qs, axis=2) for qs in zip(*per_chunk)) if keep_q else None
-        return to_host(logits).astype(np.float32), turn_queries
+        return logits, turn_queries
 
     def drain(self) -> float:
         """Wait until the policy's asynchronous decode work (HeteroCache's dispatched drift checks and
