@@ -33,6 +33,7 @@ from __future__ import annotations
 from pallas_kernels._util import (BACKENDS, ENV_VAR, MASK_VALUE, gpu_available,
                                   resolve_backend, use_kernels)
 from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce, masked_softmax,
+                                          attention_and_pooled_scores, base_overlap,
                                           drift_check, drift_check_reference,
                                           normalised_overlap, overlap_bitmap,
                                           pooled_scores,
@@ -50,7 +51,7 @@ __all__ = [
     "default_num_splits",
     "pooled_scores", "pooled_scores_reference", "overlap_bitmap",
     "topk_threshold", "topk_membership", "normalised_overlap",
-    "drift_check", "drift_check_reference", "scores",
+    "drift_check", "drift_check_reference", "base_overlap", "attention_and_pooled_scores", "scores",
 ]
 
 

@@ -423,15 +423,60 @@ def _drift_check(q_buffer, prompt_keys, k_base_idx, tau_drift, lengths, *,
   else:
     scores = pooled_scores(q_buffer, prompt_keys, lengths, gqa="max",
                            interpret=(mode == "interpret"))
-  # K_base entries on invalid tokens (-1, or >= L) are not members.
+  ov = jnp.median(base_overlap(scores, k_base_idx, L_base, lengths), axis=-1)
+  return ov < tau_drift, ov, scores[:, :, -1, :]
+
+
+def base_overlap(
+    scores,        # [B, Hp, W, T] float32 pooled scores of W queries (MASK_VALUE beyond lengths)
+    k_base_idx,    # [B, Hp, L_base] int  K_base
+    L_base: int,   # static top-k size
+    lengths,       # [B, Hp] int32  valid prompt tokens
+):
+  """o'_t = (|top-L_base(scores_t) ∩ K_base| / L_base - c) / (1 - c) per query: [B, Hp, W] float32.
+
+  The per-query part of :func:`drift_check` (Eq. 9, normalised), without sorting: membership of
+  K_base's entries by :func:`topk_membership`; entries at -1 or beyond L are not members.
+  """
+  B, H, W, T = scores.shape
   base = jnp.where(k_base_idx < lengths[..., None], k_base_idx, -1)
   member = topk_membership(scores, min(L_base, T),
-                           jnp.broadcast_to(base[:, :, None, :],
-                                            (B, H, W, base.shape[-1])))
-  inter = member.sum(axis=-1)                                   # [B, Hp, W]
-  ov = jnp.median(normalised_overlap(inter, L_base, lengths[..., None]),
-                  axis=-1)
-  return ov < tau_drift, ov, scores[:, :, -1, :]
+                           jnp.broadcast_to(base[:, :, None, :], (B, H, W, base.shape[-1])))
+  return normalised_overlap(member.sum(axis=-1), L_base, lengths[..., None])
+
+
+def attention_and_pooled_scores(
+    q,        # [B, Hp, G, D]  one decode query per head
+    k,        # [B, Hp, T, D]  its prompt keys (slots beyond lengths finite)
+    v,        # [B, Hp, T, D]
+    lengths,  # [B, Hp] int32  valid prompt tokens
+):
+  """Decode attention over the prompt and the same query's pooled scores from one q·K.
+
+  Returns (out [B, Hp, G, D], lse [B, Hp, G] float32: what
+  ``sparse_decode_attention_reference(..., finite_padding=True)`` returns, to be merged with the
+  tail's; scores [B, Hp, T] float32: ``pooled_scores_reference(q[:, :, None], k, lengths,
+  gqa="max")[:, :, 0]``). A drift check at every step needs the pivots' scores, and on CPU reading
+  their keys a second time cost more than the rest of the check; plain jnp on every backend.
+  """
+  D = q.shape[-1]
+  T = k.shape[2]
+  lengths = _prepare_lengths(lengths, k.shape[0], k.shape[1], T)
+  valid = jnp.arange(T)[None, None, :] < lengths[..., None]        # [B, Hp, T]
+  s = jnp.einsum("bhgd,bhtd->bhgt", q.astype(jnp.float32), k.astype(jnp.float32),
+                 precision=lax.Precision.HIGHEST) / math.sqrt(D)
+  s = jnp.where(valid[:, :, None, :], s, MASK_VALUE)
+  m = s.max(axis=-1)
+  e = jnp.where(valid[:, :, None, :], jnp.exp(s - m[..., None]), 0.0)
+  l = e.sum(axis=-1)
+  nonempty = l > 0
+  l_safe = jnp.where(nonempty, l, 1.0)
+  out = jnp.einsum("bhgt,bhtd->bhgd", e, v.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST) / l_safe[..., None]
+  lse = jnp.where(nonempty, m + jnp.log(l_safe), MASK_VALUE)
+  p = e / jnp.maximum(l, 1e-30)[..., None]
+  scores = jnp.where(valid, gqa_reduce(avg_pool(p), "max", axis=2), MASK_VALUE)
+  return out.astype(q.dtype), lse, scores
 
 
 def drift_check_reference(

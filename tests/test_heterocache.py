@@ -1,7 +1,10 @@
 """HeteroCache runtime: role budgets, host copies, re-selection per turn, drift checks and recall, sessions."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import pallas_kernels
 
 import hetero_jax
 from hetero_jax.runtime import Engine, Session
@@ -146,9 +149,9 @@ def test_drift_thresholds_and_recall_contents(tau):
     seen_q = []
     orig_after = ctl.after_step
 
-    def spy(step, queries, cache):  # keep the pivot queries for the independent check
-        seen_q.append([None if q is None else np.asarray(q) for q in queries])
-        orig_after(step, queries, cache)
+    def spy(step, extras, cache):  # keep the pivot queries (the extras' first) for the independent check
+        seen_q.append([None if e is None else np.asarray(e[0]) for e in extras])
+        orig_after(step, extras, cache)
 
     ctl.after_step = spy
     # every pivot layer is checked after step W - 1; its recall lands before the step that follows
@@ -267,13 +270,17 @@ def test_drain_waits_for_the_dispatched_drift_check():
     assert full.drain() >= 0.0  # no controller: nothing to wait for
 
 
-@pytest.mark.parametrize("tau,n_top", [(1.5, 7), (-1.0, 7), (1.5, 0)])
-def test_drift_layer_ranks_the_latest_query_only_when_a_pivot_drifted(tau, n_top):
-    """drift_layer's recall rows and new K_base: the top-n_top / top-l_base positions of the latest
-    query's pooled scores (numpy reference, best first) when some pivot drifted (tau 1.5 > any
-    normalised overlap); zeros and the old K_base when none did (tau -1 below any), zero-width rows
-    when the recall does not use them (n_top 0)."""
+@pytest.mark.parametrize("tau,n_top", [(1.5, 7), (-1.0, 7), (1.5, 0), (0.05, 7)])
+def test_drift_check_from_per_step_overlaps(tau, n_top):
+    """The check every W steps from the overlaps each step computed (``step_overlaps`` in the jitted
+    step, ``drift_layer`` at the check): its median o'_t equals the batched check over the buffered
+    queries by the definition (``drift_check_reference``: lax.top_k of every step); drift iff it is below
+    tau; the recall rows and new K_base are the top-n_top / top-l_base positions of the latest query's
+    pooled scores (numpy reference, best first) when some pivot drifted; zeros and the old K_base when
+    none did, zero-width rows when the recall does not use them (n_top 0)."""
+    from hetero_jax.model.cache import LayerCache, full_group
     from hetero_jax.policies.heterocache import drift_layer
+    from hetero_jax.policies.heterocache.decode import attend_with_overlaps
 
     rng = np.random.default_rng(5)
     B, Np, W, G, D, T, l_base = 2, 2, 3, 2, 8, 40, 6
@@ -281,19 +288,38 @@ def test_drift_layer_ranks_the_latest_query_only_when_a_pivot_drifted(tau, n_top
     keys = rng.standard_normal((B, Np, T, D)).astype(np.float32)
     k_base = np.stack([rng.permutation(T)[:l_base] for _ in range(B * Np)]).reshape(B, Np, l_base).astype(np.int32)
     lengths = np.array([[T, T], [T - 9, T - 9]], np.int32)
-    drift, new_base, top = drift_layer(q_buf, keys, k_base, lengths, l_base=l_base, tau=tau, n_top=n_top)
-    top, new_base = np.asarray(top), np.asarray(new_base)
+    # the pivots as a layer's full group (one device), values and a one-token tail beside them
+    vals = rng.standard_normal((B, Np, T, D)).astype(np.float32)
+    lc = LayerCache(groups=(full_group(jnp.asarray(keys), jnp.asarray(vals), jnp.asarray(lengths[:, 0])),),
+                    tail_k=jnp.asarray(rng.standard_normal((B, Np, 4, D)), jnp.float32),
+                    tail_v=jnp.asarray(rng.standard_normal((B, Np, 4, D)), jnp.float32),
+                    aux={"k_base": jnp.asarray(k_base)})
+    steps = [attend_with_overlaps(jnp.asarray(q_buf[:, :, w]), lc, jnp.ones((B,), jnp.int32), (0, 1))
+             for w in range(W)]
+    overlaps = jnp.stack([o for _, o, _ in steps], axis=-1)
+    drift, new_base, top = drift_layer(overlaps, steps[-1][2], k_base, l_base=l_base, tau=tau, n_top=n_top)
+    # the attention beside the scores is the plain one (the prompt and the tail merged)
+    want, _ = pallas_kernels.merge_attention(
+        *pallas_kernels.sparse_decode_attention_reference(q_buf[:, :, -1], keys, vals, lengths),
+        *pallas_kernels.sparse_decode_attention_reference(q_buf[:, :, -1], np.asarray(lc.tail_k),
+                                                          np.asarray(lc.tail_v), np.ones((B, Np), np.int32)))
+    np.testing.assert_allclose(np.asarray(steps[-1][0]), np.asarray(want), rtol=1e-5, atol=1e-6)
+    _, ref_overlap, _ = pallas_kernels.drift_check_reference(q_buf, keys, k_base, l_base, tau, lengths)
+    np.testing.assert_allclose(np.median(np.asarray(overlaps), axis=-1), np.asarray(ref_overlap), atol=1e-6)
+    drift, top, new_base = np.asarray(drift), np.asarray(top), np.asarray(new_base)
+    np.testing.assert_array_equal(drift, np.asarray(ref_overlap) < tau)
+    if tau == 0.05:
+        assert drift.any() and not drift.all()  # the case the two constant thresholds cannot show
     assert top.shape == (B, Np, n_top) and new_base.shape == (B, Np, l_base)
-    assert bool(np.asarray(drift).all()) == (tau > 1) and bool(np.asarray(drift).any()) == (tau > 1)
     for b in range(B):
         for p in range(Np):
             scores = _np_pooled_max(q_buf[b, p, -1][None], keys[b, p, : lengths[b, p]])[0]
             order = np.argsort(-scores, kind="stable")
-            if tau > 1:
+            if drift.any():
                 np.testing.assert_array_equal(new_base[b, p], order[:l_base])
             else:
                 np.testing.assert_array_equal(new_base[b, p], k_base[b, p])
-            if tau > 1 and n_top:
+            if drift.any() and n_top:
                 np.testing.assert_array_equal(top[b, p], order[:n_top])
             else:
                 assert not top[b, p].any()

@@ -13,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, materialize
 from hetero_jax.model.host_store import HostKVStore, put_rows, scatter_rows
+from hetero_jax.model.layout import group_slots
 from hetero_jax.policies.protocol import DecodeState
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, take_slots
 from hetero_jax.policies.selection import cap_bucket
@@ -59,15 +61,56 @@ class HeteroPrefilled:
         return out
 
 
-@functools.partial(jax.jit, static_argnames=("l_base", "tau", "n_top"))
-def drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: int):
-    """One layer's drift check: q_buf [B, Np, W, G, D]; keys [B, Np, T, D]; k_base [B, Np, l_base].
+def attend_with_overlaps(q, layer_cache, tail_lens, slots):
+    """A decode step's attention in one layer with its share of the drift check (``HeteroCache.attend``).
 
-    Returns (drift [B, Np] bool, new K_base [B, Np, l_base] (top-l_base of the latest pooled scores; the
-    old K_base when no pivot drifted), top-n_top positions of the latest pooled scores, best first
-    [B, Np, n_top]; zeros when no pivot drifted, or when ``n_top`` is 0, i.e. the recall does not use them).
+    q [B, Nkv, G, D]; ``slots``: the pivots' layout slots. Returns (out [B, Nkv, G, D], o'_t [B, Np]
+    float32: the chance-normalised overlap of each pivot's top-L_base with its K_base, and the pooled
+    scores [B, Np, T]). The check every ``window`` steps is the median of the buffered o'_t
+    (``drift_layer``): the value the paper's check computes from the buffered queries, spread over the
+    steps. On one device the pivots (the first slots of the full group) are attended by
+    ``pallas_kernels.attention_and_pooled_scores``, so their keys are read once for both; under tensor
+    parallelism they are scored apart.
     """
-    drift, _, latest_scores = pallas_kernels.drift_check(q_buf, keys, k_base, l_base, tau, lengths)
+    k_base = layer_cache.aux["k_base"]  # [B, Np, L_base]
+    n = len(slots)
+    g0 = layer_cache.groups[0]
+    if layer_cache.head_tp == 1 and list(slots) == list(range(n)) and g0.num_heads >= n:
+        q_piv = q[:, :n]
+        out_p, lse_p, scores = pallas_kernels.attention_and_pooled_scores(q_piv, g0.k[:, :n], g0.v[:, :n],
+                                                                          g0.lengths[:, :n])
+        t_len = jnp.broadcast_to(tail_lens[:, None], (q.shape[0], n))
+        out_t, lse_t = pallas_kernels.decode_attention(q_piv, layer_cache.tail_k[:, :n],
+                                                       layer_cache.tail_v[:, :n], t_len, finite_padding=True)
+        out_piv = pallas_kernels.merge_attention(out_p, lse_p, out_t, lse_t)[0]
+        rest = ((g0.replace(k=g0.k[:, n:], v=g0.v[:, n:], positions=g0.positions[:, n:], lengths=g0.lengths[:, n:]),)
+                if g0.num_heads > n else ()) + tuple(layer_cache.groups[1:])
+        outs = [out_piv]
+        if rest:
+            lc_rest = layer_cache.replace(groups=rest, tail_k=layer_cache.tail_k[:, n:],
+                                          tail_v=layer_cache.tail_v[:, n:])
+            outs.append(M.layer_decode_attention(q[:, n:], lc_rest, tail_lens))
+        out = jnp.concatenate(outs, axis=1)
+        lengths = g0.lengths[:, :n]
+    else:
+        out = M.layer_decode_attention(q, layer_cache, tail_lens)
+        keys, lengths = full_heads(layer_cache, slots)
+        scores = pallas_kernels.scores(take_slots(q, slots)[:, :, None], keys, lengths, gqa="max")[:, :, 0]
+    overlap = pallas_kernels.base_overlap(scores[:, :, None], k_base, k_base.shape[-1], lengths)[:, :, 0]
+    return out, overlap, scores
+
+
+@functools.partial(jax.jit, static_argnames=("l_base", "tau", "n_top"))
+def drift_layer(overlaps, latest_scores, k_base, l_base: int, tau: float, n_top: int):
+    """One layer's drift check from its buffered steps: overlaps [B, Np, W] (``step_overlaps``' o'_t);
+    latest_scores [B, Np, T] (the last step's pooled scores); k_base [B, Np, l_base].
+
+    Returns (drift [B, Np] bool: median_t o'_t < tau (Eq. 10, normalised), new K_base [B, Np, l_base]
+    (top-l_base of the latest pooled scores; the old K_base when no pivot drifted), top-n_top positions of
+    the latest pooled scores, best first [B, Np, n_top]; zeros when no pivot drifted, or when ``n_top``
+    is 0, i.e. the recall does not use them).
+    """
+    drift = jnp.median(overlaps, axis=-1) < tau
     k = min(max(l_base, n_top), latest_scores.shape[-1])
 
     def ranked(s):  # one top-k serves both: new K_base and the recall rows are its first l_base / n_top
@@ -79,8 +122,7 @@ def drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: in
     def unchanged(s):
         return k_base.astype(jnp.int32), jnp.zeros(s.shape[:-1] + (n_top,), jnp.int32)
 
-    # the check itself never ranks the prompt; this top-k (a fifth of the check's cost at 32K on CPU) is
-    # read only for a drifted pivot: skip it (lax.cond runs one branch) otherwise
+    # read only for a drifted pivot: skip the ranking (lax.cond runs one branch) otherwise
     new_base, top = jax.lax.cond(drift.any(), ranked, unchanged, latest_scores)
     return drift, new_base, top
 
@@ -88,10 +130,13 @@ def drift_layer(q_buf, keys, k_base, lengths, l_base: int, tau: float, n_top: in
 materialize_jit = jax.jit(materialize)
 
 
-def full_heads(lc, r: LayerRoles, slots) -> tuple[jax.Array, jax.Array]:
+def full_heads(lc, slots) -> tuple[jax.Array, jax.Array]:
     """(keys [B, n, T, D], lengths [B, n]) of full heads at layout ``slots``: a slice of one group on one
     device; stacked from the rows' groups (each as long as the longest prompt) under tensor parallelism."""
-    locs = [r.loc[int(s)] for s in slots]
+    sizes = [g.num_heads for g in lc.groups]
+    loc = {slot: (gi, i) for gi, ss in enumerate(group_slots(sizes, lc.head_tp, lc.tail_k.shape[1]))
+           for i, slot in enumerate(ss)}
+    locs = [loc[int(s)] for s in slots]
     gi, h0 = locs[0]
     if locs == [(gi, h0 + i) for i in range(len(locs))]:
         g = lc.groups[gi]
@@ -110,7 +155,8 @@ class HeteroDecode(DecodeState):
         self.prefilled = prefilled
         self.policy = prefilled.policy
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
-        # the last `window` steps: tuples over layers of pivot queries [B, Np, G, D] (device)
+        # the last `window` steps: tuples over layers of ``HeteroCache.attend``'s extras (device): the pivots'
+        # queries [B, Np, G, D], their o'_t [B, Np] and pooled scores [B, Np, T] (``step_overlaps``)
         self.buffer: collections.deque = collections.deque(maxlen=prefilled.policy.window)
         self.pivot_layers = [li for li, r in enumerate(prefilled.roles) if r.pivots]
         self.pending = None  # (step, per layer check outputs) of a dispatched check
@@ -131,8 +177,8 @@ class HeteroDecode(DecodeState):
         return HeteroDecode(self.prefilled, compile_fn=self.compile_fn)
 
     def after_step(self, step: int, extras, cache: KVCache) -> None:
-        """Buffer the pivots' queries of decode step ``step`` (``HeteroCache.attend``'s extras); every
-        ``window`` steps dispatch the check."""
+        """Buffer decode step ``step``'s pivot overlaps (``HeteroCache.attend``'s extras); every ``window``
+        steps dispatch the check."""
         self.buffer.append(tuple(extras))
         if len(self.buffer) == self.policy.window and self.pivot_layers:
             self._dispatch_check(step, cache)
@@ -173,7 +219,7 @@ class HeteroDecode(DecodeState):
             lc, q = layers[li], turn_queries[li]
             groups, aux = list(lc.groups), dict(lc.aux)
             if r.pivots:
-                keys, lengths = full_heads(self._view(cache, li), r, r.pivot_slots())
+                keys, lengths = full_heads(self._view(cache, li), r.pivot_slots())
                 args = (take_slots(q, r.pivot_slots())[:, :, -1:], keys, lengths)
                 aux["k_base"] = self.compile_fn(turn_k_base, *args, l_base=l_base)(*args)
             counts = self.prefilled.counts[li]  # [B, Hc]
@@ -232,21 +278,24 @@ class HeteroDecode(DecodeState):
         return cache.replace(pool=scatter_rows(cache.pool, ops, self.compile_fn))
 
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
-        """Dispatch every pivot layer's drift check on the buffered steps; outputs are copied to the host
-        asynchronously and read before the next step."""
+        """Dispatch every pivot layer's drift check on the buffered steps' overlaps; outputs are copied to
+        the host asynchronously and read before the next step."""
         outs = [None] * len(self.prefilled.roles)
         l_base = int(self.prefilled.l_base.max())
         for li in self.pivot_layers:
-            r = self.prefilled.roles[li]
-            q_buf = jnp.stack([b[li] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
-            keys, lengths = full_heads(self._view(cache, li), r, r.pivot_slots())
+            overlaps = jnp.stack([b[li][1] for b in self.buffer], axis=-1)  # [B, Np, W]
+            latest = self.buffer[-1][li][2]  # [B, Np, T]
+            if self.check_observers:
+                r = self.prefilled.roles[li]
+                keys, lengths = full_heads(self._view(cache, li), r.pivot_slots())
+                q_buf = jnp.stack([b[li][0] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
+                for observe in self.check_observers:
+                    observe(li, q_buf, keys, cache.layers[li].aux["k_base"], lengths, l_base=l_base)
             counts = self.prefilled.counts[li]
             n_top = max(1, int(counts.max())) if counts.size else 1
-            args = (q_buf, keys, cache.layers[li].aux["k_base"], lengths)
-            for observe in self.check_observers:
-                observe(li, *args, l_base=l_base)
+            args = (overlaps, latest, cache.layers[li].aux["k_base"])
             fn = self.compile_fn(drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
-                                 n_top=min(n_top, keys.shape[2]))
+                                 n_top=min(n_top, latest.shape[-1]))
             out = fn(*args)
             for a in out:
                 a.copy_to_host_async()  # read before the next step is dispatched, never waited on now

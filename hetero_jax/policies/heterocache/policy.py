@@ -7,10 +7,12 @@ from typing import ClassVar
 
 import numpy as np
 
+from hetero_jax.model import transformer as M
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.policies.base import BudgetError, PolicyError, int_param
-from hetero_jax.policies.profiled import ProfiledPolicy, profile_key
+from hetero_jax.policies.profiled import ProfiledPolicy, profile_key, take_slots
 from hetero_jax.profile.format import HeadProfile
+from hetero_jax.policies.heterocache.decode import attend_with_overlaps
 from hetero_jax.policies.heterocache.prefill import HeteroPrefill
 
 
@@ -98,6 +100,16 @@ class HeteroCache(ProfiledPolicy):
         tau = 0.5 if s is None or s.tau_stable is None else float(s.tau_stable)
         c = s.top_k / s.tokens_per_sample if s is not None and s.top_k and s.tokens_per_sample else 0.0
         return (tau - c) / (1.0 - c)
+
+    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
+        """Every kept slot; the extras are the layer's pivot queries [B, Np, G, D] and this step's share
+        of the drift check, o'_t [B, Np] and the pooled scores [B, Np, T] (``attend_with_overlaps``),
+        which the decode state buffers (None without pivots)."""
+        slots = self.pivot_slots(li)
+        if not slots:
+            return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, None
+        out, overlap, scores = attend_with_overlaps(q, layer_cache, tail_lens, slots)
+        return out, layer_cache, (take_slots(q, slots), overlap, scores)
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return HeteroPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
