@@ -420,7 +420,8 @@ def drift_timing(*, iters: int = 7, lengths=DRIFT_TIMING_T, rhos=DRIFT_TIMING_RH
                  layers: int = DRIFT_TIMING_LAYERS) -> dict[str, Any]:
     """Old vs new drift check, one check step of ``layers`` pivot layers at SmolLM2-135M shapes.
 
-    Per layer (as ``heterocache.drift_layer`` dispatches it): B 1, one pivot, W 5 buffered steps,
+    Per layer (the batched check, as HeteroCache dispatched it before it scored one query per decode
+    step inside the step, commit 2020b90; ``drift_check`` is still its kernel): B 1, one pivot, W 5 buffered steps,
     G 3, D 64, float32, T prompt keys; L_base from the shipped profile at rho (Eq. 7). "old" is the
     definition (``drift_check_reference``: lax.top_k of every buffered step, then the bitmap overlap),
     "new" is ``drift_check`` (the L_base-th largest by bisection on the float bits, no sort); both on
