@@ -41,6 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._util import (MASK_VALUE, MIN_DOT_ROWS, dot_precision,
                                   is_pow2, next_pow2, resolve_backend)
+from pallas_kernels.sparse_decode_attention import masked_decode_attention
 
 __all__ = [
     "MASK_VALUE",
@@ -459,21 +460,11 @@ def attention_and_pooled_scores(
   gqa="max")[:, :, 0]``). A drift check at every step needs the pivots' scores, and on CPU reading
   their keys a second time cost more than the rest of the check; plain jnp on every backend.
   """
-  D = q.shape[-1]
   T = k.shape[2]
   lengths = _prepare_lengths(lengths, k.shape[0], k.shape[1], T)
   valid = jnp.arange(T)[None, None, :] < lengths[..., None]        # [B, Hp, T]
-  s = jnp.einsum("bhgd,bhtd->bhgt", q.astype(jnp.float32), k.astype(jnp.float32),
-                 precision=lax.Precision.HIGHEST) / math.sqrt(D)
-  s = jnp.where(valid[:, :, None, :], s, MASK_VALUE)
-  m = s.max(axis=-1)
-  e = jnp.where(valid[:, :, None, :], jnp.exp(s - m[..., None]), 0.0)
-  l = e.sum(axis=-1)
-  nonempty = l > 0
-  l_safe = jnp.where(nonempty, l, 1.0)
-  out = jnp.einsum("bhgt,bhtd->bhgd", e, v.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST) / l_safe[..., None]
-  lse = jnp.where(nonempty, m + jnp.log(l_safe), MASK_VALUE)
+  out, lse, e, l = masked_decode_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                           v.astype(jnp.float32), valid, 1.0 / math.sqrt(q.shape[-1]))
   p = e / jnp.maximum(l, 1e-30)[..., None]
   scores = jnp.where(valid, gqa_reduce(avg_pool(p), "max", axis=2), MASK_VALUE)
   return out.astype(q.dtype), lse, scores

@@ -249,6 +249,14 @@ def sparse_decode_attention_reference(
   if not finite_padding:
     k = jnp.where(valid[..., None], k, jnp.zeros((), k.dtype))
     v = jnp.where(valid[..., None], v, jnp.zeros((), v.dtype))
+  out, lse, _, _ = masked_decode_attention(q, k, v, valid, sm_scale)
+  return out.astype(q.dtype), lse
+
+
+def masked_decode_attention(q, k, v, valid, sm_scale: float):
+  """The float32 math of :func:`sparse_decode_attention_reference`: q [B, H, G, D]; k, v [B, H, S, D];
+  valid [B, H, S] bool. Returns (out [B, H, G, D] float32, lse [B, H, G], the unnormalised
+  probabilities exp(s - max) [B, H, G, S] (0 where not valid) and their sums l [B, H, G])."""
   s = jnp.einsum("bhgd,bhsd->bhgs", q, k, preferred_element_type=jnp.float32,
                  precision=jax.lax.Precision.HIGHEST) * sm_scale
   s = jnp.where(valid[:, :, None, :], s, MASK_VALUE)
@@ -261,7 +269,7 @@ def sparse_decode_attention_reference(
                    preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST) / l_safe[..., None]
   lse = jnp.where(nonempty, m + jnp.log(l_safe), MASK_VALUE)
-  return out.astype(q.dtype), lse
+  return out, lse, p, l
 
 
 def merge_attention(
