@@ -272,7 +272,7 @@ def test_drain_waits_for_the_dispatched_drift_check():
 
 @pytest.mark.parametrize("tau,n_top", [(1.5, 7), (-1.0, 7), (1.5, 0), (0.05, 7)])
 def test_drift_check_from_per_step_overlaps(tau, n_top):
-    """The check every W steps from the overlaps each step computed (``step_overlaps`` in the jitted
+    """The check every W steps from the overlaps each step computed (``attend_with_overlaps`` in the jitted
     step, ``drift_layer`` at the check): its median o'_t equals the batched check over the buffered
     queries by the definition (``drift_check_reference``: lax.top_k of every step); drift iff it is below
     tau; the recall rows and new K_base are the top-n_top / top-l_base positions of the latest query's

@@ -102,7 +102,7 @@ def attend_with_overlaps(q, layer_cache, tail_lens, slots):
 
 @functools.partial(jax.jit, static_argnames=("l_base", "tau", "n_top"))
 def drift_layer(overlaps, latest_scores, k_base, l_base: int, tau: float, n_top: int):
-    """One layer's drift check from its buffered steps: overlaps [B, Np, W] (``step_overlaps``' o'_t);
+    """One layer's drift check from its buffered steps: overlaps [B, Np, W] (``attend_with_overlaps``' o'_t);
     latest_scores [B, Np, T] (the last step's pooled scores); k_base [B, Np, l_base].
 
     Returns (drift [B, Np] bool: median_t o'_t < tau (Eq. 10, normalised), new K_base [B, Np, l_base]
@@ -156,7 +156,7 @@ class HeteroDecode(DecodeState):
         self.policy = prefilled.policy
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
         # the last `window` steps: tuples over layers of ``HeteroCache.attend``'s extras (device): the pivots'
-        # queries [B, Np, G, D], their o'_t [B, Np] and pooled scores [B, Np, T] (``step_overlaps``)
+        # queries [B, Np, G, D], their o'_t [B, Np] and pooled scores [B, Np, T] (``attend_with_overlaps``)
         self.buffer: collections.deque = collections.deque(maxlen=prefilled.policy.window)
         self.pivot_layers = [li for li, r in enumerate(prefilled.roles) if r.pivots]
         self.pending = None  # (step, per layer check outputs) of a dispatched check
