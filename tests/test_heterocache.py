@@ -310,6 +310,8 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
     np.testing.assert_array_equal(drift, np.asarray(ref_overlap) < tau)
     if tau == 0.05:
         assert drift.any() and not drift.all()  # the case the two constant thresholds cannot show
+    else:  # tau 1.5 is above any normalised overlap, -1 below any
+        assert bool(drift.all()) == (tau > 1) and bool(drift.any()) == (tau > 1)
     assert top.shape == (B, Np, n_top) and new_base.shape == (B, Np, l_base)
     for b in range(B):
         for p in range(Np):
