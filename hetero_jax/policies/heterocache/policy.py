@@ -7,7 +7,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from hetero_jax.model import transformer as M
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.policies.base import BudgetError, PolicyError, int_param
 from hetero_jax.policies.profiled import ProfiledPolicy, profile_key, take_slots
@@ -107,7 +106,7 @@ class HeteroCache(ProfiledPolicy):
         which the decode state buffers (None without pivots)."""
         slots = self.pivot_slots(li)
         if not slots:
-            return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, None
+            return super().attend(li, q, layer_cache, tail_lens, seq_lens)
         out, overlap, scores = attend_with_overlaps(q, layer_cache, tail_lens, slots)
         return out, layer_cache, (take_slots(q, slots), overlap, scores)
 
