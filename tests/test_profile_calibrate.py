@@ -16,6 +16,7 @@ from hetero_jax.profile import ProfileError, load_profile
 from hetero_jax.profile.calibrate import (
     calibrate_tokens,
     calibration_windows,
+    copy_positions,
     default_top_k,
     pydoc_text,
 )
@@ -111,6 +112,80 @@ def test_matches_numpy_reference(tiny_params, tiny_samples):
     assert (prof.architecture, prof.head_dim) == ("llama", 16)
 
 
+def _reference_copy_argmax(params, toks, positions):
+    """Copy phase recomputed step by step: full-KV prefill, then feed toks[p] for p in ``positions``;
+    the argmax of every query head's raw q.k over the prompt keys, int [C, L, H, G]."""
+    T = len(toks)
+    logits, cache = M.prefill(params, TINY, np.asarray(toks, np.int32)[None], np.array([T], np.int32), chunk=T,
+                              tail_capacity=len(positions) + 1)
+    out = []
+    for p in positions:
+        _, cache, queries = M.decode_step(params, cache, jnp.asarray([toks[p]], jnp.int32), TINY, return_queries=True)
+        row = []
+        for li, q in enumerate(queries):
+            k = np.asarray(cache.layers[li].groups[0].k, np.float64)[0, :, :T]  # [H, T, D]
+            s = np.einsum("hgd,htd->hgt", np.asarray(q, np.float64)[0], k)
+            row.append(s.argmax(-1))
+        out.append(row)
+    return np.array(out)
+
+
+def test_copy_positions_hand_computed():
+    # 61 tokens, 8 steps, 4 runs of 2 centred at round(61 * i / 5) = 12, 24, 37, 49
+    assert copy_positions(np.array([61]), 8).tolist() == [[11, 12, 23, 24, 36, 37, 48, 49]]
+    # 9 steps: the first run is one longer; a single run sits in the middle
+    assert copy_positions(np.array([48]), 9).tolist() == [[9, 10, 11, 18, 19, 28, 29, 37, 38]]
+    assert copy_positions(np.array([10, 20]), 2, spans=1).tolist() == [[4, 5], [9, 10]]
+
+
+def test_copy_phase_matches_numpy_reference(tiny_params, tiny_samples):
+    """Copy hits = some query head's argmax over the prompt lands on the re-fed token's position; the
+    copy score is their mean; heads at or above tau_copy are kept whole."""
+    steps = 8
+    prof, stats = calibrate_tokens(TINY, tiny_params, tiny_samples, decode_steps=2, copy_steps=steps,
+                                   progress=False, batch_size=2, return_stats=True, tau_copy=None)
+    assert stats.copy_hits.shape == (2, steps, TINY.num_layers, TINY.num_kv_heads)
+    for i, toks in enumerate(tiny_samples):
+        pos = stats.copy_positions[i]
+        np.testing.assert_array_equal(pos, copy_positions(np.array([len(toks)]), steps)[0])
+        am = _reference_copy_argmax(tiny_params, toks, pos)  # [C, L, H, G]
+        np.testing.assert_array_equal(stats.copy_hits[i], (am == pos[:, None, None, None]).any(-1))
+    np.testing.assert_allclose(prof.copy_score, stats.copy_hits.mean(axis=(0, 1)))
+    assert prof.settings.copy_steps == steps and prof.settings.tau_copy is None
+
+    # The jitted step on a source that is some head's argmax: a hit exactly where the reference says.
+    toks = tiny_samples[1]
+    pos = copy_positions(np.array([len(toks)]), steps)[0]
+    am = _reference_copy_argmax(tiny_params, toks, pos[:1])[0]  # [L, H, G]
+    from hetero_jax.profile.calibrate import _copy_step_jit
+
+    T = len(toks)
+    _, cache = M.prefill(tiny_params, TINY, np.asarray(toks, np.int32)[None], np.array([T], np.int32), chunk=T,
+                         tail_capacity=2)
+    src = int(am[1, 2, 0])
+    _, hit = _copy_step_jit(tiny_params, cache, jnp.asarray([toks[pos[0]]], jnp.int32),
+                            jnp.asarray([src], jnp.int32), cfg=TINY)
+    np.testing.assert_array_equal(np.asarray(hit)[:, 0], (am == src).any(-1))
+    assert np.asarray(hit)[1, 0, 2]
+
+    # The rule, on the calibrated scores (tau_stable 0 and tau_sim 1.01: every head an anchor first):
+    # a threshold at the top score makes exactly the heads that reach it volatile.
+    base = prof.reclustered(tau_stable=0.0, tau_sim=1.01)
+    assert (base.roles == 1).all()
+    tau = float(prof.copy_score.max())
+    kept = base.reclustered(tau_copy=tau)
+    assert 0 < (prof.copy_score >= tau).sum() < prof.copy_score.size
+    np.testing.assert_array_equal(kept.roles, np.where(prof.copy_score >= tau, 2, 1))
+    assert kept.settings.tau_copy == tau
+    comp = kept.roles == 1
+    np.testing.assert_allclose(kept.weights[comp].mean(), 1.0)
+    none = calibrate_tokens(TINY, tiny_params, tiny_samples, decode_steps=2, copy_steps=0, progress=False)
+    assert np.isnan(none.copy_score).all() and none.settings.copy_steps == 0
+    np.testing.assert_array_equal(none.roles, prof.roles)
+    with pytest.raises(ProfileError, match="no copy scores"):
+        none.reclustered(tau_copy=0.5)
+
+
 def test_deterministic(tiny_params, tiny_samples, tmp_path):
     kw = dict(decode_steps=3, progress=False, seed=5)
     a = calibrate_tokens(TINY, tiny_params, tiny_samples, **kw)
@@ -131,6 +206,12 @@ def test_clear_errors(tiny_params, tiny_samples):
         calibrate_tokens(TINY, tiny_params, tiny_samples, tokens=100, decode_steps=1, progress=False)
     with pytest.raises(ProfileError, match="exceeds the model's context"):
         calibrate_tokens(TINY, tiny_params, tiny_samples, decode_steps=250, progress=False)
+    with pytest.raises(ProfileError, match="copy_steps=48 needs samples longer"):
+        calibrate_tokens(TINY, tiny_params, tiny_samples, decode_steps=1, copy_steps=48, progress=False)
+    with pytest.raises(ProfileError, match="copy_steps must be a non-negative integer"):
+        calibrate_tokens(TINY, tiny_params, tiny_samples, decode_steps=1, copy_steps=-1, progress=False)
+    with pytest.raises(ProfileError, match="tau_copy must lie in"):
+        calibrate_tokens(TINY, tiny_params, tiny_samples, decode_steps=1, tau_copy=1.5, progress=False)
 
 
 class _CharTokenizer:

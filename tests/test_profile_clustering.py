@@ -119,6 +119,32 @@ def test_assign_roles():
         assign_roles(stab, adjs[:2], 0.5)
 
 
+def test_assign_roles_copy_heads_kept_whole():
+    """Heads at or above tau_copy keep full KV; clusters shrink; NaN copy scores change nothing."""
+    stab = np.array([
+        [0.9, 0.1, 0.5, 0.49],
+        [0.9, 0.1, 0.9, 0.1],
+        [0.2, 0.2, 0.8, 0.3],
+    ])
+    adjs = [np.zeros((4, 4), bool), ~np.eye(4, dtype=bool), graph(4, [(1, 3)])]
+    copy = np.array([
+        [0.3, 0.9, 0.29, np.nan],  # anchor 0 at tau -> volatile; anchor 2 just below stays; volatile 1 stays
+        [0.9, 0.5, 0.0, 0.1],  # pivot 0 stays (already full); satellite 1 leaves its cluster
+        [0.0, 0.0, 0.0, 0.4],  # satellite 3 was pivot 1's only member -> both volatile
+    ])
+    roles, clusters = assign_roles(stab, adjs, tau_stable=0.5, copy_score=copy, tau_copy=0.3)
+    assert roles.tolist() == [[V, V, A, V], [P, V, S, S], [V, V, A, V]]
+    assert [as_lists(c) for c in clusters] == [[], [(0, [2, 3])], []]
+    # tau_copy above every score, or no score: the plain taxonomy
+    plain = assign_roles(stab, adjs, tau_stable=0.5)
+    for kw in (dict(copy_score=copy, tau_copy=1.5), dict(copy_score=np.full((3, 4), np.nan), tau_copy=0.0),
+               dict(copy_score=copy, tau_copy=None)):
+        r, c = assign_roles(stab, adjs, tau_stable=0.5, **kw)
+        assert r.tolist() == plain.roles.tolist() and c == plain.clusters
+    with pytest.raises(ValueError, match="copy_score"):
+        assign_roles(stab, adjs, 0.5, copy_score=copy[:, :3], tau_copy=0.3)
+
+
 # ------------------------------------------------------------ allocation
 def test_allocation_weights_hand_computed():
     stab = np.array([[0.25, 0.5, 0.1], [1.0, 0.5, 0.9]])

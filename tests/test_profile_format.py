@@ -251,6 +251,34 @@ def test_newer_schema_and_bad_profile_rejected(tmp_path):
     assert ok.role_counts() == {"anchor": 0, "volatile": 0, "pivot": 1, "satellite": 1}
 
 
+def test_copy_scores_round_trip_and_version_1_reads(tmp_path):
+    base = synthetic_profile()
+    copy = np.round(np.random.default_rng(3).random(base.roles.shape) * 0.5, 3)
+    copy[0, 0] = np.nan
+    prof = build_profile(base.stability, base.similarity_matrix, tau_stable=0.5, tau_sim=0.5, copy_score=copy,
+                         tau_copy=0.3, settings=dataclasses.replace(base.settings, copy_steps=48))
+    assert prof.settings.tau_copy == 0.3 and prof.settings.copy_steps == 48
+    comp_before = np.isin(base.roles, (Role.ANCHOR, Role.SATELLITE))
+    promoted = comp_before & (copy >= 0.3)
+    assert promoted.any() and (prof.roles[promoted] == Role.VOLATILE).all()
+    prof.to_json(tmp_path / "p.json")
+    back = HeadProfile.from_json(tmp_path / "p.json")
+    assert back == prof and np.isnan(back.copy_score[0, 0])
+    assert json.loads((tmp_path / "p.json").read_text())["schema_version"] == 2
+    # reclustered keeps the copy rule unless told otherwise
+    assert prof.reclustered() == prof
+    np.testing.assert_array_equal(prof.reclustered(tau_copy=1.5).roles, base.roles)
+    # a version-1 file (no copy score) still reads, with copy scores unknown
+    d = base.to_dict()
+    d["schema_version"] = 1
+    del d["copy_score"]
+    d["settings"] = {k: v for k, v in d["settings"].items() if k not in ("copy_steps", "tau_copy")}
+    (tmp_path / "v1.json").write_text(json.dumps(d))
+    old = HeadProfile.from_json(tmp_path / "v1.json")
+    assert np.isnan(old.copy_score).all() and old.settings.tau_copy is None
+    np.testing.assert_array_equal(old.roles, base.roles)
+
+
 def test_build_profile_consistent():
     prof = synthetic_profile()
     for layer in range(prof.num_layers):

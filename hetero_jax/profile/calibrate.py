@@ -15,6 +15,16 @@ For each calibration sample (a token sequence, no chat template):
    O(K_t, K_prefill) per head. The cache is donated; only [L, H] overlaps
    leave the device, never attention matrices.
 3. Per sample: stability = median over steps of the overlap (Eq. 2).
+4. Copy phase (ours, ``copy_steps`` > 0): from a second full-KV prefill of
+   the sample, ``copy_steps`` of its tokens (``COPY_SPANS`` runs spread over
+   it, see :func:`copy_positions`) are fed again, teacher forced, right after
+   the prompt, as if the model quoted the text. At each step a KV head scores a hit
+   when the argmax over the prompt keys of any of its query heads (raw q.k)
+   is the earlier occurrence of the token just fed. copy_score = hits / steps,
+   averaged over samples. Heads that copy this way (duplicate-token heads)
+   look stable by top-k overlap, yet a long answer that repeats the prompt
+   (a number, a name) needs exactly the tokens they point at; ``build_profile``
+   keeps heads with copy_score >= tau_copy whole.
 
 Both follow the authors' release rather than METHODS.md's first reading:
 top-k = 20% of the calibration length (the paper's App. D "one-fifth of the
@@ -47,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Iterable, Sequence
 
 import jax
@@ -84,6 +95,12 @@ TOP_K_FRACTION = 0.2
 # SyncKV's calibration top-k (its paper leaves k "predefined"): a tenth of the length (ours).
 SYNCKV_TOP_K_FRACTION = 0.1
 SCORINGS = ("heterocache", "synckv")
+# Copy phase (ours): teacher-forced steps that re-feed a span of each sample, and the duplicate-token
+# score from which a compressed head is kept whole. tau_copy was chosen on held-out needle prompts
+# (README, "Where the misses come from"), not on the reported grid.
+DEFAULT_COPY_STEPS = 48
+COPY_SPANS = 4
+DEFAULT_TAU_COPY = 0.3
 
 
 def default_top_k(n_tokens: int, scoring: str = "heterocache") -> int:
@@ -101,6 +118,8 @@ class CalibrationStats:
     ``similarity_matrix`` [N, L, H, H]: per-sample pairwise overlaps of the
     K_prefill sets within each layer.
     ``generated`` [N, S]: the greedy tokens fed at each step.
+    ``copy_hits`` [N, C, L, H] bool: copy-phase hits per step (None without a copy phase);
+    ``copy_positions`` [N, C]: the prompt position re-fed at each copy step.
     SyncKV scoring (``scoring="synckv"``): ``overlaps`` and ``stability`` are None,
     ``similarity_steps`` [N, S, L, H, H] holds the pairwise overlaps of the heads'
     top-k sets at every decode step and ``similarity_matrix`` their mean over steps.
@@ -113,6 +132,8 @@ class CalibrationStats:
     prompt_lens: np.ndarray
     top_k: int
     similarity_steps: np.ndarray | None = None
+    copy_hits: np.ndarray | None = None
+    copy_positions: np.ndarray | None = None
 
 
 # --------------------------------------------------------------------- jitted pieces
@@ -173,6 +194,38 @@ def _calib_step_jit(params, cache, tokens, prefill_masks, cfg, top_k):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, jnp.stack(overlaps)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _copy_step_jit(params, cache, tokens, src, cfg):
+    """One teacher-forced copy step: feed ``tokens`` [B], whose earlier occurrence is at prompt position
+    ``src`` [B]. Returns (cache, hits bool [L, B, H]): some query head of the KV head has its largest
+    raw q.k over the prompt keys (positions < the sample's length) at ``src``."""
+    _, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
+    hits = []
+    for li, q in enumerate(queries):
+        g = cache.layers[li].groups[0]
+        s = jnp.einsum("bhgd,bhtd->bhgt", q.astype(jnp.float32), g.k.astype(jnp.float32))
+        valid = jnp.arange(g.k.shape[2])[None, None, None, :] < g.lengths[:, :, None, None]
+        top = jnp.argmax(jnp.where(valid, s, jnp.finfo(jnp.float32).min), axis=-1)  # [B, H, G]
+        hits.append(jnp.any(top == src[:, None, None], axis=-1))
+    return cache, jnp.stack(hits)
+
+
+def copy_positions(lens: np.ndarray, copy_steps: int, spans: int = None) -> np.ndarray:
+    """Prompt positions re-fed by the copy phase, int64 [N, copy_steps].
+
+    ``spans`` (default ``COPY_SPANS``, at most ``copy_steps``) consecutive runs of near-equal length,
+    run i centred at (i + 1) / (spans + 1) of the sample, so the copied text sits at several distances
+    from the prompt's end; positions are clipped to the sample.
+    """
+    spans = min(COPY_SPANS if spans is None else int(spans), int(copy_steps))
+    sizes = np.full(spans, copy_steps // spans) + (np.arange(spans) < copy_steps % spans)
+    out = []
+    for T in np.asarray(lens, np.int64):
+        pos = [int(round((i + 1) * T / (spans + 1))) - n // 2 + np.arange(n) for i, n in enumerate(sizes)]
+        out.append(np.clip(np.concatenate(pos), 0, T - 1))
+    return np.stack(out).astype(np.int64)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "top_k"), donate_argnames=("cache",))
 def _synckv_step_jit(params, cache, tokens, cfg, top_k):
     """SyncKV's calibration step: one greedy decode step, then per layer every KV head's top-k of the
@@ -188,12 +241,13 @@ def _synckv_step_jit(params, cache, tokens, cfg, top_k):
 
 # --------------------------------------------------------------------- one batch of samples
 def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_steps: int, bar,
-                     scoring: str = "heterocache"):
+                     scoring: str = "heterocache", copy_steps: int = 0):
     """Prefill + decode a right-padded batch of samples; per-row results are independent.
 
     Returns overlaps [B, S, L, H], the K_prefill similarities [B, L, H, H]
-    (float64) and the greedy tokens fed at each step [B, S]. With ``scoring="synckv"``: (None, the
-    per-step pairwise overlaps [B, S, L, H, H], tokens).
+    (float64), the greedy tokens fed at each step [B, S] and the copy phase's hits [B, C, L, H]
+    (None when ``copy_steps`` is 0). With ``scoring="synckv"``: (None, the per-step pairwise overlaps
+    [B, S, L, H, H], tokens, None).
     """
     B = len(batch)
     lens = np.array([s.size for s in batch], np.int32)
@@ -226,7 +280,7 @@ def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_st
             if bar is not None:
                 bar.update(B)
         del cache
-        return None, np.stack(steps).transpose(2, 0, 1, 3, 4), np.stack(gen, axis=1).astype(np.int64)
+        return None, np.stack(steps).transpose(2, 0, 1, 3, 4), np.stack(gen, axis=1).astype(np.int64), None
     prefill_masks = jnp.stack(masks)  # [L, B, H, Tp]
     sims = np.asarray(jnp.stack(sims), np.float64).transpose(1, 0, 2, 3)  # [B, L, H, H]
     ovs, gen = [], []
@@ -240,7 +294,27 @@ def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_st
             bar.update(B)
     del cache
     ovs = np.stack(ovs).transpose(2, 0, 1, 3)  # [B, S, L, H]
-    return ovs, sims, np.stack(gen, axis=1).astype(np.int64)
+    return ovs, sims, np.stack(gen, axis=1).astype(np.int64), _copy_phase(cfg, params, tokens, lens, C, copy_steps, bar)
+
+
+def _copy_phase(cfg, params, tokens: np.ndarray, lens: np.ndarray, chunk: int, copy_steps: int, bar):
+    """Copy-phase hits [B, C, L, H] bool (None when ``copy_steps`` is 0), from a fresh full-KV prefill:
+    the copy starts right after the prompt, as an answer that quotes it does."""
+    if not copy_steps:
+        return None
+    B = tokens.shape[0]
+    _, cache = M.prefill(params, cfg, tokens, lens, chunk=chunk, tail_capacity=copy_steps + 1, compile_fn=compiled)
+    src_all = copy_positions(lens, copy_steps)  # [B, C]
+    rows = np.arange(B)
+    hits = []
+    for j in range(copy_steps):
+        src = src_all[:, j].astype(np.int32)
+        args = (params, cache, jnp.asarray(tokens[rows, src]), jnp.asarray(src))
+        cache, hit = compiled(_copy_step_jit, *args, cfg=cfg)(*args)
+        hits.append(np.asarray(hit))  # [L, B, H]
+        if bar is not None:
+            bar.update(B)
+    return np.stack(hits).transpose(2, 0, 1, 3)
 
 
 # --------------------------------------------------------------------- public API
@@ -263,8 +337,14 @@ def calibrate_tokens(
     return_stats: bool = False,
     scoring: str = "heterocache",
     n_r: int | None = None,
+    copy_steps: int | None = None,
+    tau_copy: float | None = DEFAULT_TAU_COPY,
 ):
     """Calibrate a HeadProfile from token-id samples (no tokenizer needed).
+
+    ``copy_steps`` (default ``DEFAULT_COPY_STEPS``, at most half the shortest sample): length of the
+    copy phase after the greedy steps (module docstring, step 4); 0 skips it. Compressed heads whose
+    copy score is >= ``tau_copy`` become volatile (None: scores recorded, no head changed).
 
     ``scoring="synckv"`` builds SyncKV's grouping instead (paper §4.1): at every decode step each KV
     head's top-k (default 10% of the length) of the raw softmax (GQA max, no pooling) over the prompt,
@@ -317,12 +397,27 @@ def calibrate_tokens(
         raise ProfileError(f"sample(s) {bad} hold token ids outside the vocabulary [0, {cfg.vocab_size})")
     if not (0.0 <= tau_stable <= 1.0 and 0.0 <= tau_sim <= 1.0):
         raise ProfileError(f"tau_stable and tau_sim must lie in [0, 1], got {tau_stable}, {tau_sim}")
+    if scoring == "synckv":
+        copy_steps = 0  # SyncKV's grouping has no copy rule
+    elif copy_steps is None:
+        copy_steps = min(DEFAULT_COPY_STEPS, shortest // 2)
+    if isinstance(copy_steps, bool) or int(copy_steps) != copy_steps or copy_steps < 0:
+        raise ProfileError(f"copy_steps must be a non-negative integer, got {copy_steps!r}")
+    copy_steps = int(copy_steps)
+    if copy_steps >= shortest:
+        raise ProfileError(f"copy_steps={copy_steps} needs samples longer than the copied span; the shortest "
+                           f"has {shortest} tokens (use at most half of it)")
+    if longest + copy_steps > cfg.max_position_embeddings:
+        raise ProfileError(f"a {longest}-token sample plus {copy_steps} copy steps exceeds the model's "
+                           f"context of {cfg.max_position_embeddings} tokens")
+    if tau_copy is not None and not (math.isfinite(tau_copy) and 0.0 <= tau_copy <= 1.0):
+        raise ProfileError(f"tau_copy must lie in [0, 1] (or None for no copy rule), got {tau_copy}")
 
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(samples) * decode_steps, desc="calibrate", unit="step")
+        bar = tqdm(total=len(samples) * (decode_steps + copy_steps), desc="calibrate", unit="step")
     if int(batch_size) != batch_size or batch_size < 1:
         raise ProfileError(f"batch_size must be a positive integer, got {batch_size!r}")
     try:
@@ -331,8 +426,10 @@ def calibrate_tokens(
             batch = samples[b0:b0 + batch_size]
             if bar is not None:
                 bar.set_postfix_str(f"samples {b0 + 1}-{b0 + len(batch)}/{len(samples)}: prefill")
-            ov, sim, gen = _calibrate_batch(cfg, params, batch, top_k, int(decode_steps), bar, scoring)
-            per.extend(zip(ov if ov is not None else [None] * len(batch), sim, gen))
+            ov, sim, gen, hits = _calibrate_batch(cfg, params, batch, top_k, int(decode_steps), bar, scoring,
+                                                  copy_steps)
+            per.extend(zip(ov if ov is not None else [None] * len(batch), sim, gen,
+                           hits if hits is not None else [None] * len(batch)))
             if bar is not None:
                 bar.set_postfix_str(f"samples {b0 + 1}-{b0 + len(batch)}/{len(samples)}: decoded")
     finally:
@@ -342,7 +439,7 @@ def calibrate_tokens(
     lens = sorted({int(s.size) for s in samples})
     settings = ProfileSettings(
         top_k=top_k, decode_steps=int(decode_steps), seed=int(seed), calibration_data=data_description,
-        samples=len(samples),
+        samples=len(samples), copy_steps=copy_steps if scoring != "synckv" else None,
         tokens_per_sample=int(tokens) if tokens is not None else (lens[0] if len(lens) == 1 else None))
     identity = dict(architecture=cfg.architecture, head_dim=cfg.head_dim, model_name=model_name,
                     weights_fingerprint=fingerprint if fingerprint is not None else weights_fingerprint(params))
@@ -362,12 +459,17 @@ def calibrate_tokens(
     stab_per = np.median(overlaps, axis=1)  # [N, L, H]
     stability = stab_per.mean(axis=0)
     simm = simm_per.mean(axis=0)
+    copy_hits = np.stack([p[3] for p in per]) if copy_steps else None  # [N, C, L, H]
+    copy_score = copy_hits.mean(axis=(0, 1)) if copy_steps else None
     profile = build_profile(stability, simm, tau_stable=float(tau_stable), tau_sim=float(tau_sim),
-                            similarity=max_similarity(simm), settings=settings, **identity)
+                            similarity=max_similarity(simm), copy_score=copy_score,
+                            tau_copy=None if tau_copy is None else float(tau_copy), settings=settings, **identity)
     if return_stats:
+        lens_all = np.array([s.size for s in samples])
         stats = CalibrationStats(overlaps=overlaps, stability=stab_per,
                                  similarity_matrix=simm_per, generated=np.stack([p[2] for p in per]),
-                                 prompt_lens=np.array([s.size for s in samples]), top_k=top_k)
+                                 prompt_lens=lens_all, top_k=top_k, copy_hits=copy_hits,
+                                 copy_positions=copy_positions(lens_all, copy_steps) if copy_steps else None)
         return profile, stats
     return profile
 

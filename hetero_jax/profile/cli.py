@@ -38,6 +38,12 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
                    help="size of each top-k token set (default: 20%% of --tokens; synckv: 10%%)")
     p.add_argument("--tau-stable", type=float, default=0.5, help="stability threshold (default 0.5)")
     p.add_argument("--tau-sim", type=float, default=0.5, help="similarity threshold (default 0.5)")
+    p.add_argument("--copy-steps", type=int, default=None,
+                   help="teacher-forced steps of the copy phase, which re-feeds 4 runs of each window and "
+                   "scores each head's argmax on the earlier occurrence of the token fed (default 48, at most "
+                   "half of --tokens; 0: no copy phase)")
+    p.add_argument("--tau-copy", type=float, default=None,
+                   help="copy score from which an anchor or satellite keeps its full KV (default 0.3)")
     p.add_argument("--seed", type=int, default=0, help="chooses the windows (default 0)")
     p.add_argument("--batch-size", type=int, default=4, help="windows run together (default 4)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -84,6 +90,11 @@ def check_profile_args(args) -> None:
         v = getattr(args, flag)
         if v < 1:
             raise ProfileError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if getattr(args, "copy_steps", None) is not None and args.copy_steps < 0:
+        raise ProfileError(f"--copy-steps must be >= 0, got {args.copy_steps}")
+    tau_copy = getattr(args, "tau_copy", None)
+    if tau_copy is not None and not (math.isfinite(tau_copy) and 0.0 <= tau_copy <= 1.0):
+        raise ProfileError(f"--tau-copy must be in [0, 1], got {tau_copy}")
     if args.top_k is not None and args.top_k < 1:
         raise ProfileError(f"--top-k must be >= 1, got {args.top_k}")
     for flag in ("tau_stable", "tau_sim"):
@@ -108,7 +119,7 @@ def check_profile_args(args) -> None:
 def run_profile(args) -> int:
     import hetero_jax
     from hetero_jax.errors import HeteroJaxError
-    from hetero_jax.profile.calibrate import calibrate_tokens, calibration_windows, read_texts
+    from hetero_jax.profile.calibrate import DEFAULT_TAU_COPY, calibrate_tokens, calibration_windows, read_texts
 
     method = getattr(args, "method", "heterocache")
     if method == "contextkeeper":
@@ -127,6 +138,7 @@ def run_profile(args) -> int:
             tau_stable=args.tau_stable, tau_sim=args.tau_sim, seed=args.seed, tokens=args.tokens,
             progress=not args.no_progress, model_name=model.name, data_description=desc,
             batch_size=args.batch_size, scoring=method, n_r=getattr(args, "n_r", None),
+            copy_steps=args.copy_steps, tau_copy=DEFAULT_TAU_COPY if args.tau_copy is None else args.tau_copy,
         )
         profile.to_json(args.out)
     except HeteroJaxError as e:
@@ -145,6 +157,14 @@ def run_profile(args) -> int:
           f"(top_k {profile.settings.top_k}, {args.decode_steps} decode steps, {args.samples} x {args.tokens} tokens)")
     print("roles: " + ", ".join(f"{k} {v}" for k, v in counts.items())
           + f" | full {profile.n_full}, compressed {profile.n_compressed}")
+    s = profile.settings
+    if s.copy_steps:
+        import numpy as np
+
+        kept = [(int(l), int(h), float(profile.copy_score[l, h]))
+                for l, h in zip(*np.nonzero(profile.copy_score >= s.tau_copy))] if s.tau_copy is not None else []
+        print(f"copy phase: {s.copy_steps} steps; heads with copy score >= {s.tau_copy} (kept whole): "
+              + (", ".join(f"layer {l} head {h} ({c:.2f})" for l, h, c in kept) or "none"))
     print(f"wrote {args.out}")
     if args.plot:
         from hetero_jax.profile import plot_profile

@@ -111,14 +111,23 @@ def star_clustering(adj: np.ndarray) -> list[Cluster]:
     return clusters
 
 
-def assign_roles(stability: np.ndarray, adjs, tau_stable: float) -> RoleAssignment:
-    """Roles for every head of the model (Sec. 4.1 as pinned by METHODS.md).
+def assign_roles(stability: np.ndarray, adjs, tau_stable: float, copy_score: np.ndarray | None = None,
+                 tau_copy: float | None = None) -> RoleAssignment:
+    """Roles for every head of the model (Sec. 4.1 as pinned by METHODS.md, plus our copy rule).
 
     ``stability`` float [L, H] (Eq. 2); ``adjs`` bool [L, H, H] (or a sequence
     of L [H, H] graphs) from :func:`similarity_edges`. Clustered heads become
     pivot/satellite; each unclustered head is anchor if S >= tau_stable, else
     volatile (a NaN stability fails the test and gives volatile: keeping full
     KV is the safe side).
+
+    Departure (ours): ``copy_score`` float [L, H] (duplicate-token score of the
+    calibration's copy phase, NaN unknown) with ``tau_copy``: a compressed head
+    (anchor or satellite) scoring >= tau_copy becomes volatile. A satellite
+    leaves its cluster; a pivot left with no satellite becomes volatile too (it
+    would watch over nobody). Such heads look stable by top-k overlap yet put
+    half their attention on a few tokens while a span is copied, which a static
+    selection cannot know in advance (README, "Where the misses come from").
     """
     stab = np.asarray(stability, dtype=np.float64)
     if stab.ndim != 2:
@@ -126,16 +135,29 @@ def assign_roles(stability: np.ndarray, adjs, tau_stable: float) -> RoleAssignme
     n_layers, n_heads = stab.shape
     if len(adjs) != n_layers:
         raise ValueError(f"got {len(adjs)} adjacency matrices for {n_layers} layers")
+    copy_heads = np.zeros(stab.shape, bool)
+    if copy_score is not None and tau_copy is not None:
+        cs = np.asarray(copy_score, dtype=np.float64)
+        if cs.shape != stab.shape:
+            raise ValueError(f"copy_score {cs.shape} and stability {stab.shape} differ in shape")
+        copy_heads = cs >= tau_copy  # NaN (unknown) compares False: the head keeps its role
     roles = np.where(stab >= tau_stable, Role.ANCHOR, Role.VOLATILE).astype(np.int8)
     all_clusters = []
     for layer, adj in enumerate(adjs):
         if np.shape(adj) != (n_heads, n_heads):
             raise ValueError(f"layer {layer}: adjacency shape {np.shape(adj)} != ({n_heads}, {n_heads})")
-        clusters = tuple(star_clustering(adj))
-        for c in clusters:
+        clusters = []
+        for c in star_clustering(adj):
+            sats = tuple(s for s in c.satellites if not copy_heads[layer, s])
+            roles[layer, [s for s in c.satellites if s not in sats]] = Role.VOLATILE
+            if not sats:
+                roles[layer, c.pivot] = Role.VOLATILE
+                continue
             roles[layer, c.pivot] = Role.PIVOT
-            roles[layer, list(c.satellites)] = Role.SATELLITE
-        all_clusters.append(clusters)
+            roles[layer, list(sats)] = Role.SATELLITE
+            clusters.append(Cluster(c.pivot, sats))
+        all_clusters.append(tuple(clusters))
+    roles[copy_heads & (roles == Role.ANCHOR)] = Role.VOLATILE
     return RoleAssignment(roles, tuple(all_clusters))
 
 

@@ -1,8 +1,8 @@
 """HeadProfile: the offline HeteroCache profile, its JSON file, and import of
 the HeteroCache authors' published profiles.
 
-Our file (``"format": "hetero-jax-head-profile"``, ``schema_version`` 1) is
-plain JSON: [L][H] nested lists, NaN written as ``null``, floats written with
+Our file (``"format": "hetero-jax-head-profile"``, ``schema_version`` 2; version 1,
+which had no copy score, still reads) is plain JSON: [L][H] nested lists, NaN written as ``null``, floats written with
 Python's shortest round-trip repr, so ``to_json`` -> ``from_json`` is exact.
 
 The authors' files (``official_profile_<model>.json``) hold ``meta.type_map``
@@ -57,7 +57,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "hetero-jax-head-profile"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Version 1 lacks copy_score and settings.copy_steps / tau_copy (read as unknown).
+READABLE_SCHEMA_VERSIONS = (1, 2)
 _CALIBRATE_HINT = "calibrate a profile for this model with `hetero-jax profile`"
 
 
@@ -79,6 +81,8 @@ class ProfileSettings:
     tokens_per_sample: int | None = None  # prompt length of each text
     method: str | None = None  # "synckv" for a SyncKV grouping (k-means); None: HeteroCache's taxonomy
     n_clusters: int | None = None  # SyncKV: clusters (R-heads) asked for per layer
+    copy_steps: int | None = None  # teacher-forced steps of the copy phase (0: none)
+    tau_copy: float | None = None  # copy score from which a compressed head is kept whole
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -92,6 +96,9 @@ class HeadProfile:
     the graph step (Eq. 3 / App. B.4), NaN where unknown.
     ``weights``: mean-1 allocation weights of compressed heads (Sec. 4.2),
     NaN for full heads. ``clusters[l]``: that layer's (pivot, satellites).
+    ``copy_score``: share of the copy phase's steps at which the head's argmax
+    lands on the earlier occurrence of the token just fed (our duplicate-token
+    score, see ``calibrate``), NaN where unknown.
     """
 
     roles: np.ndarray
@@ -100,6 +107,7 @@ class HeadProfile:
     stability: np.ndarray | None = None
     similarity: np.ndarray | None = None
     similarity_matrix: np.ndarray | None = None
+    copy_score: np.ndarray | None = None
     architecture: str | None = None  # "llama" / "qwen2" / "qwen3"
     head_dim: int | None = None
     model_name: str | None = None
@@ -142,6 +150,7 @@ class HeadProfile:
         for name, value in (("roles", roles), ("weights", weights), ("clusters", clusters),
                             ("stability", grid("stability", self.stability)),
                             ("similarity", grid("similarity", self.similarity)),
+                            ("copy_score", grid("copy_score", self.copy_score)),
                             ("similarity_matrix", simm)):
             object.__setattr__(self, name, value)
         if not isinstance(self.settings, ProfileSettings):
@@ -181,8 +190,11 @@ class HeadProfile:
         """Device tokens per KV head after prefill, int64 [L, H] (Eq. 7-8)."""
         return budget_grid(rho, self.roles, self.weights, prompt_len)
 
-    def reclustered(self, *, tau_stable: float | None = None, tau_sim: float | None = None) -> "HeadProfile":
+    def reclustered(self, *, tau_stable: float | None = None, tau_sim: float | None = None,
+                    tau_copy: float | None = None) -> "HeadProfile":
         """The same calibration statistics with other thresholds: roles, clusters and weights rebuilt.
+
+        ``tau_copy`` needs the stored copy scores (a profile calibrated with a copy phase).
 
         Needs the stored similarity matrix (our profiles have it; the authors' files do not).
         """
@@ -194,8 +206,12 @@ class HeadProfile:
                                "cannot be re-clustered; calibrate one with `hetero-jax profile`")
         tau_stable = self.settings.tau_stable if tau_stable is None else tau_stable
         tau_sim = self.settings.tau_sim if tau_sim is None else tau_sim
+        if tau_copy is not None and np.isnan(self.copy_score).all():
+            raise ProfileError("this profile stores no copy scores, so tau_copy cannot apply; calibrate one "
+                               "with `hetero-jax profile --copy-steps N`")
+        tau_copy = self.settings.tau_copy if tau_copy is None else tau_copy
         return build_profile(self.stability, self.similarity_matrix, tau_stable=tau_stable, tau_sim=tau_sim,
-                             similarity=self.similarity, architecture=self.architecture, head_dim=self.head_dim,
+                             copy_score=self.copy_score, tau_copy=tau_copy, similarity=self.similarity, architecture=self.architecture, head_dim=self.head_dim,
                              model_name=self.model_name, weights_fingerprint=self.weights_fingerprint,
                              settings=self.settings)
 
@@ -271,6 +287,7 @@ class HeadProfile:
             "stability": _floats_out(self.stability),
             "similarity": _floats_out(self.similarity),
             "similarity_matrix": None if self.similarity_matrix is None else _floats_out(self.similarity_matrix),
+            "copy_score": _floats_out(self.copy_score),
             "allocation_weights": _floats_out(self.weights),
             "clusters": [[{"pivot": c.pivot, "satellites": list(c.satellites)} for c in layer]
                          for layer in self.clusters],
@@ -287,9 +304,10 @@ class HeadProfile:
         if d.get("format") != FORMAT_NAME:
             raise ProfileError(f"not a {FORMAT_NAME} document (format={d.get('format')!r})")
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise ProfileError(f"profile schema_version {version!r} is not supported by this "
-                               f"hetero-jax (it reads version {SCHEMA_VERSION}); re-calibrate or upgrade")
+                               f"hetero-jax (it reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}); "
+                               "re-calibrate or upgrade")
         codes = {ROLE_NAMES[r]: int(r) for r in Role}
         if d.get("role_codes") != codes:
             raise ProfileError(f"profile role codes {d.get('role_codes')} differ from ours {codes}")
@@ -304,13 +322,13 @@ class HeadProfile:
                 stability=_floats_in(d["stability"]),
                 similarity=_floats_in(d["similarity"]),
                 similarity_matrix=None if d.get("similarity_matrix") is None else _floats_in(d["similarity_matrix"]),
+                copy_score=_floats_in(d["copy_score"]) if version >= 2 else None,
                 architecture=m.get("architecture"),
                 head_dim=m.get("head_dim"),
                 model_name=m.get("name"),
                 weights_fingerprint=m.get("weights_fingerprint"),
                 settings=ProfileSettings(**d.get("settings", {})),
                 source=d.get("source", "hetero-jax"),
-                schema_version=version,
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ProfileError):
@@ -335,6 +353,8 @@ def build_profile(
     tau_stable: float,
     tau_sim: float,
     similarity: np.ndarray | None = None,
+    copy_score: np.ndarray | None = None,
+    tau_copy: float | None = None,
     settings: ProfileSettings | None = None,
     **identity,
 ) -> HeadProfile:
@@ -346,7 +366,8 @@ def build_profile(
     (O >= tau_sim), star-clusters each layer, assigns roles and weights.
     ``similarity`` [L, H] is the per-head score stored for the plot
     (default: max overlap at the graph step; pass Eq. 3's median over steps
-    if you have it). ``settings.tau_*`` are filled from the arguments. ``identity``: the profile's
+    if you have it). ``copy_score`` [L, H] with ``tau_copy``: compressed heads scoring >= tau_copy are
+    kept whole (``clustering.assign_roles``). ``settings.tau_*`` are filled from the arguments. ``identity``: the profile's
     ``architecture``, ``head_dim``, ``model_name`` and ``weights_fingerprint`` (see :class:`HeadProfile`).
     """
     stab = np.asarray(stability, dtype=np.float64)
@@ -354,8 +375,9 @@ def build_profile(
     if simm.shape != stab.shape + (stab.shape[-1],):
         raise ProfileError(f"similarity_matrix {simm.shape} does not match stability {stab.shape}")
     adjs = [similarity_edges(s, tau_sim) for s in simm]
-    roles, clusters = assign_roles(stab, adjs, tau_stable)
-    settings = dataclasses.replace(settings or ProfileSettings(), tau_stable=tau_stable, tau_sim=tau_sim)
+    roles, clusters = assign_roles(stab, adjs, tau_stable, copy_score=copy_score, tau_copy=tau_copy)
+    settings = dataclasses.replace(settings or ProfileSettings(), tau_stable=tau_stable, tau_sim=tau_sim,
+                                   tau_copy=None if copy_score is None else tau_copy)
     return HeadProfile(
         roles=roles,
         clusters=clusters,
@@ -363,6 +385,7 @@ def build_profile(
         stability=stab,
         similarity=max_similarity(simm) if similarity is None else similarity,
         similarity_matrix=simm,
+        copy_score=copy_score,
         settings=settings,
         **identity,
     )

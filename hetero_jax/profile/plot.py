@@ -3,7 +3,8 @@
 One PNG, three panels: (a) the role of every KV head (layers x heads grid),
 (b) stability S_stable sorted descending with the tau_stable line, (c) each
 head's similarity (max overlap with another head of its layer) sorted
-descending with the tau_sim line. Panels (b)/(c) say so when the profile
+descending with the tau_sim line. Heads kept whole by the copy rule
+(copy score >= tau_copy) are marked "C" in (a). Panels (b)/(c) say so when the profile
 does not carry the scores (the authors' published files do not).
 """
 
@@ -72,13 +73,21 @@ def plot_profile(profile, path: str | os.PathLike) -> str:
             for sat in c.satellites:
                 ax_roles.text(sat, layer, str(c.pivot), ha="center", va="center", fontsize=fs - 1,
                               color="#333333")
+    s = profile.settings
+    copy_heads = np.zeros(profile.roles.shape, bool)
+    if s.tau_copy is not None and profile.copy_score is not None:
+        copy_heads = profile.copy_score >= s.tau_copy  # NaN compares False
+        for layer, head in zip(*np.nonzero(copy_heads & (profile.roles == Role.VOLATILE))):
+            ax_roles.text(head, layer, "C", ha="center", va="center", fontsize=fs, color="white",
+                          fontweight="bold")
     counts = profile.role_counts()
     handles = [Patch(color=ROLE_COLORS[r], label=f"{ROLE_NAMES[r]} ({counts[ROLE_NAMES[r]]})") for r in Role]
     ax_roles.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.06 if n_layers > 12 else -0.15),
                     ncol=2, fontsize=8, frameon=False)
-    ax_roles.set_title("(a) role per KV head\n(P = pivot; number = its pivot)", fontsize=10)
+    ax_roles.set_title("(a) role per KV head\n(P = pivot; number = its pivot"
+                       + (f"; C = copy score >= {s.tau_copy:g}, kept whole)" if copy_heads.any() else ")"),
+                       fontsize=10)
 
-    s = profile.settings
     # Two random top-k sets of L tokens overlap k/L on average: the floor both scores sit on.
     chance = s.top_k / s.tokens_per_sample if s.top_k and s.tokens_per_sample else None
     _sorted_curve(ax_stab, profile.stability, s.tau_stable, r"$\tau_{stable}$",
