@@ -85,7 +85,7 @@ def plot_profile(profile, path: str | os.PathLike) -> str:
     ax_roles.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.06 if n_layers > 12 else -0.15),
                     ncol=2, fontsize=8, frameon=False)
     ax_roles.set_title("(a) role per KV head\n(P = pivot; number = its pivot"
-                       + (f"; C = copy score >= {s.tau_copy:g}, kept whole)" if copy_heads.any() else ")"),
+                       + (f";\nC = copy score >= {s.tau_copy:g}: kept whole)" if copy_heads.any() else ")"),
                        fontsize=10)
 
     # Two random top-k sets of L tokens overlap k/L on average: the floor both scores sit on.
