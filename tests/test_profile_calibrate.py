@@ -287,7 +287,12 @@ def test_shipped_profile_reproduces(smollm2_dir):
     windows = calibration_windows(model.tokenizer, pydoc_text(), s.tokens_per_sample, s.samples, seed=s.seed)
     prof = calibrate_tokens(model.config, model.params, windows, top_k=s.top_k, decode_steps=s.decode_steps,
                             tau_stable=s.tau_stable, tau_sim=s.tau_sim, seed=s.seed, tokens=s.tokens_per_sample,
-                            progress=False, batch_size=batch)
+                            progress=False, batch_size=batch, copy_steps=s.copy_steps, tau_copy=s.tau_copy)
     np.testing.assert_array_equal(prof.roles, shipped.roles)
     assert prof.clusters == shipped.clusters
     np.testing.assert_allclose(prof.stability, shipped.stability, atol=1e-9)
+    np.testing.assert_allclose(prof.copy_score, shipped.copy_score, atol=1e-9)
+    # the copy rule is what keeps layer 7 head 2 and layer 14 head 1 whole (README, "Where the misses came from")
+    plain = shipped.reclustered(tau_copy=1.0)
+    assert sorted(zip(*np.nonzero(plain.roles != shipped.roles))) == [(7, 2), (14, 1)]
+    assert shipped.roles[7, 2] == shipped.roles[14, 1] == 2
