@@ -153,6 +153,8 @@ def test_profile_out_is_checked_before_calibrating(tmp_path, capsys, monkeypatch
     (["--samples", "0"], "--samples must be >= 1, got 0"),
     (["--tau-stable", "nan"], "--tau-stable must be in [0, 1], got nan"),
     (["--top-k", "0"], "--top-k must be >= 1, got 0"),
+    (["--copy-steps", "-1"], "--copy-steps must be >= 0, got -1"),
+    (["--tau-copy", "1.5"], "--tau-copy must be in [0, 1], got 1.5"),
 ])
 def test_profile_numbers_are_checked_before_loading(tmp_path, capsys, monkeypatch, flags, needle):
     import hetero_jax
