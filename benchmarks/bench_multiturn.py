@@ -97,6 +97,10 @@ PRESETS = {
     "issue15": _ISSUE15,
     # issue 15 at 7K (its own RESULTS section, so the 2K/4K table keeps its run)
     "issue15-7k": {**_ISSUE15, "lengths": [7000]},
+    # issue 15 ablation: the drift check switched off (tau_drift -100: the normalised overlap never falls
+    # below it) beside the default, so the facts the within-turn recall adds on top of re-selection show
+    "issue15-drift": {**_ISSUE15, "lengths": [2000, 4000], "budgets": [0.5, 0.3],
+                      "policies": ["full", "heterocache", "heterocache:tau_drift=-100"]},
     # issues 17 and 18 (common.ISSUE_COMPARISONS) on issue 15's haystacks and fact sets, 2K contexts
     **{name: {"lengths": [2000], "seeds": [0, 1, 2], **comparison, "haystacks": list(haystack.HAYSTACKS)}
        for name, comparison in common.ISSUE_COMPARISONS.items()},
