@@ -171,9 +171,10 @@ def git_info(repo: Path = REPO_ROOT) -> dict[str, Any]:
     commit = commit.strip() if commit else None
     status = git("status", "--porcelain")  # not stripped: " M path" starts with a space
     changed = [line[3:] for line in status.splitlines() if line.strip()] if status else []
-    # RESULTS.md is what benchmarks write: a run queued after another one's --write-results is not
-    # running uncommitted code.
-    changed = [c for c in changed if c != "benchmarks/RESULTS.md"]
+    # RESULTS.md and the docs/bench-*.png plots are what benchmarks write: a run queued after another
+    # one's --write-results is not running uncommitted code.
+    changed = [c for c in changed if c != "benchmarks/RESULTS.md"
+               and not (c.startswith("docs/bench-") and c.endswith(".png"))]
     return {
         "commit": commit,
         "dirty": bool(changed) if status is not None else None,
