@@ -97,7 +97,7 @@ SYNCKV_TOP_K_FRACTION = 0.1
 SCORINGS = ("heterocache", "synckv")
 # Copy phase (ours): teacher-forced steps that re-feed a span of each sample, and the duplicate-token
 # score from which a compressed head is kept whole. tau_copy was chosen on held-out needle prompts
-# (README, "Where the misses come from"), not on the reported grid.
+# (README, "Where the misses came from"), not on the reported grid.
 DEFAULT_COPY_STEPS = 48
 COPY_SPANS = 4
 DEFAULT_TAU_COPY = 0.3
@@ -210,7 +210,7 @@ def _copy_step_jit(params, cache, tokens, src, cfg):
     return cache, jnp.stack(hits)
 
 
-def copy_positions(lens: np.ndarray, copy_steps: int, spans: int = None) -> np.ndarray:
+def copy_positions(lens: np.ndarray, copy_steps: int, spans: int | None = None) -> np.ndarray:
     """Prompt positions re-fed by the copy phase, int64 [N, copy_steps].
 
     ``spans`` (default ``COPY_SPANS``, at most ``copy_steps``) consecutive runs of near-equal length,

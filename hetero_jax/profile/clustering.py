@@ -127,7 +127,7 @@ def assign_roles(stability: np.ndarray, adjs, tau_stable: float, copy_score: np.
     leaves its cluster; a pivot left with no satellite becomes volatile too (it
     would watch over nobody). Such heads look stable by top-k overlap yet put
     half their attention on a few tokens while a span is copied, which a static
-    selection cannot know in advance (README, "Where the misses come from").
+    selection cannot know in advance (README, "Where the misses came from").
     """
     stab = np.asarray(stability, dtype=np.float64)
     if stab.ndim != 2:
