@@ -69,6 +69,14 @@ SECTION = "needle"
 MODEL = "smollm2-135m"
 
 # --preset values; explicit arguments override them.
+_ISSUE15 = {
+    "lengths": [1000, 2000, 4000, 7000],
+    "depths": [0.1, 0.5, 0.9],
+    "policies": ["full", "snapkv", "heterocache"],
+    "budgets": [0.3],
+    "seeds": [0],
+    "haystacks": list(haystack.HAYSTACKS),
+}
 PRESETS = {
     "full": {
         "lengths": [1000, 2000, 4000, 6000, 7900],  # the context is 8192 tokens: "8K" is 7900
@@ -96,23 +104,9 @@ PRESETS = {
         "haystacks": ["pydoc"],  # the one haystack make bench has always used
     },
     # issue 15: is HeteroCache's needle score a property of the pydoc haystack? Every haystack, 1K-7K, rho 0.3
-    "issue15": {
-        "lengths": [1000, 2000, 4000, 7000],
-        "depths": [0.1, 0.5, 0.9],
-        "policies": ["full", "snapkv", "heterocache"],
-        "budgets": [0.3],
-        "seeds": [0],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
+    "issue15": _ISSUE15,
     # issue 15, held out: the seeds on which defaults are chosen (tau_copy), never reported as the grid
-    "issue15-heldout": {
-        "lengths": [1000, 2000, 4000, 7000],
-        "depths": [0.1, 0.5, 0.9],
-        "policies": ["full", "heterocache"],
-        "budgets": [0.3],
-        "seeds": [100, 101],
-        "haystacks": list(haystack.HAYSTACKS),
-    },
+    "issue15-heldout": {**_ISSUE15, "policies": ["full", "heterocache"], "seeds": [100, 101]},
     # issues 17 and 18 (common.ISSUE_COMPARISONS) on issue 15's haystacks, 1K-4K (7K costs as much again on 2 cores)
     **{name: {"lengths": [1000, 2000, 4000], "depths": [0.1, 0.5, 0.9], **comparison, "seeds": [0],
               "haystacks": list(haystack.HAYSTACKS)} for name, comparison in common.ISSUE_COMPARISONS.items()},
