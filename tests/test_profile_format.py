@@ -261,6 +261,8 @@ def test_copy_scores_round_trip_and_version_1_reads(tmp_path):
     comp_before = np.isin(base.roles, (Role.ANCHOR, Role.SATELLITE))
     promoted = comp_before & (copy >= 0.3)
     assert promoted.any() and (prof.roles[promoted] == Role.VOLATILE).all()
+    np.testing.assert_array_equal(prof.copy_heads(), np.nan_to_num(copy, nan=0.0) >= 0.3)
+    assert not base.copy_heads().any()  # no copy rule
     prof.to_json(tmp_path / "p.json")
     back = HeadProfile.from_json(tmp_path / "p.json")
     assert back == prof and np.isnan(back.copy_score[0, 0])

@@ -161,10 +161,10 @@ def run_profile(args) -> int:
     if s.copy_steps:
         import numpy as np
 
-        kept = [(int(l), int(h), float(profile.copy_score[l, h]))
-                for l, h in zip(*np.nonzero(profile.copy_score >= s.tau_copy))] if s.tau_copy is not None else []
+        kept = ", ".join(f"layer {l} head {h} ({profile.copy_score[l, h]:.2f})"
+                         for l, h in zip(*np.nonzero(profile.copy_heads())))
         print(f"copy phase: {s.copy_steps} steps; heads with copy score >= {s.tau_copy} (kept whole): "
-              + (", ".join(f"layer {l} head {h} ({c:.2f})" for l, h, c in kept) or "none"))
+              + (kept or "none"))
     print(f"wrote {args.out}")
     if args.plot:
         from hetero_jax.profile import plot_profile

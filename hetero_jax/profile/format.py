@@ -186,6 +186,13 @@ class HeadProfile:
         """KV heads of ``layer`` with a budget (anchor + satellite), ascending."""
         return np.flatnonzero(np.isin(self.roles[layer], COMPRESSED_ROLES))
 
+    def copy_heads(self) -> np.ndarray:
+        """bool [L, H]: heads whose copy score reaches the profile's tau_copy (all False without a copy rule;
+        an unknown score, NaN, never does). The copy rule keeps these whole (``clustering.assign_roles``)."""
+        if self.settings.tau_copy is None:
+            return np.zeros(self.roles.shape, bool)
+        return self.copy_score >= self.settings.tau_copy
+
     def budgets(self, rho: float, prompt_len: int) -> np.ndarray:
         """Device tokens per KV head after prefill, int64 [L, H] (Eq. 7-8)."""
         return budget_grid(rho, self.roles, self.weights, prompt_len)
@@ -211,9 +218,9 @@ class HeadProfile:
                                "with `hetero-jax profile --copy-steps N`")
         tau_copy = self.settings.tau_copy if tau_copy is None else tau_copy
         return build_profile(self.stability, self.similarity_matrix, tau_stable=tau_stable, tau_sim=tau_sim,
-                             copy_score=self.copy_score, tau_copy=tau_copy, similarity=self.similarity, architecture=self.architecture, head_dim=self.head_dim,
-                             model_name=self.model_name, weights_fingerprint=self.weights_fingerprint,
-                             settings=self.settings)
+                             copy_score=self.copy_score, tau_copy=tau_copy, similarity=self.similarity,
+                             architecture=self.architecture, head_dim=self.head_dim, model_name=self.model_name,
+                             weights_fingerprint=self.weights_fingerprint, settings=self.settings)
 
     def describe_shape(self) -> str:
         return _shape_text(self.architecture, self.num_layers, self.num_kv_heads, self.head_dim)

@@ -74,12 +74,9 @@ def plot_profile(profile, path: str | os.PathLike) -> str:
                 ax_roles.text(sat, layer, str(c.pivot), ha="center", va="center", fontsize=fs - 1,
                               color="#333333")
     s = profile.settings
-    copy_heads = np.zeros(profile.roles.shape, bool)
-    if s.tau_copy is not None and profile.copy_score is not None:
-        copy_heads = profile.copy_score >= s.tau_copy  # NaN compares False
-        for layer, head in zip(*np.nonzero(copy_heads & (profile.roles == Role.VOLATILE))):
-            ax_roles.text(head, layer, "C", ha="center", va="center", fontsize=fs, color="white",
-                          fontweight="bold")
+    copy_heads = profile.copy_heads()
+    for layer, head in zip(*np.nonzero(copy_heads & (profile.roles == Role.VOLATILE))):
+        ax_roles.text(head, layer, "C", ha="center", va="center", fontsize=fs, color="white", fontweight="bold")
     counts = profile.role_counts()
     handles = [Patch(color=ROLE_COLORS[r], label=f"{ROLE_NAMES[r]} ({counts[ROLE_NAMES[r]]})") for r in Role]
     ax_roles.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.06 if n_layers > 12 else -0.15),
