@@ -87,6 +87,20 @@ DRIFT_NUMERICS = [
     (1, 3, 5, 3, 64, 256, "float32", 16),
     (1, 2, 5, 4, 128, 256, "bfloat16", 16),
 ]
+# Compiled on a GPU, also at Llama-3.1-8B sizes (long ragged heads, several splits, the default blocks).
+DECODE_NUMERICS_GPU = [
+    (1, 8, 4, 128, 32 * 1024, "bfloat16", 64, None),
+    (1, 8, 4, 128, 32 * 1024, "float32", 64, None),
+    (2, 8, 4, 128, 8 * 1024, "bfloat16", 64, 8),
+]
+POOLED_NUMERICS_GPU = [
+    (1, 8, 5, 4, 128, 8 * 1024, "bfloat16", 64, "max"),
+    (1, 8, 5, 4, 128, 8 * 1024, "float32", 64, "mean"),
+]
+DRIFT_NUMERICS_GPU = [
+    (1, 4, 5, 4, 128, 8 * 1024, "bfloat16", 512),
+    (1, 4, 5, 4, 128, 8 * 1024, "float32", 512),
+]
 # Tolerances (abs) — the same as tests/test_kernels.py: the reference does float32 math on the same
 # low-precision inputs, the bf16 kernel feeds p to the p@v dot in bf16.
 DECODE_TOL = {"float32": dict(out=2e-5, lse=2e-5), "bfloat16": dict(out=3e-2, lse=1e-3)}
@@ -223,12 +237,19 @@ def run_lowering(job: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- numerics
-def numerics_jobs() -> list[tuple[str, tuple]]:
-    return ([("decode", c) for c in DECODE_NUMERICS] + [("pooled", c) for c in POOLED_NUMERICS]
+def numerics_jobs(gpu: bool = False) -> list[tuple[str, tuple]]:
+    """The numerics cases; on a GPU (compiled kernels) the small cases plus the Llama-sized ones."""
+    jobs = ([("decode", c) for c in DECODE_NUMERICS] + [("pooled", c) for c in POOLED_NUMERICS]
             + [("drift", c) for c in DRIFT_NUMERICS])
+    if gpu:
+        jobs += ([("decode", c) for c in DECODE_NUMERICS_GPU] + [("pooled", c) for c in POOLED_NUMERICS_GPU]
+                 + [("drift", c) for c in DRIFT_NUMERICS_GPU])
+    return jobs
 
 
-def run_numerics(kind: str, case: tuple, seed: int) -> dict[str, Any]:
+def run_numerics(kind: str, case: tuple, seed: int, compiled: bool = False) -> dict[str, Any]:
+    """One numerics case: the kernel (Pallas interpreter, or compiled through Triton with ``compiled``) vs
+    its plain-JAX reference on the same random inputs."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -250,7 +271,7 @@ def run_numerics(kind: str, case: tuple, seed: int) -> dict[str, Any]:
         kn = jnp.where(jnp.asarray(valid)[..., None], k, jnp.nan)
         vn = jnp.where(jnp.asarray(valid)[..., None], v, jnp.nan)
         got_o, got_l = pk.sparse_decode_attention(q, kn, vn, jnp.asarray(lens), block_k=block_k, num_splits=ns,
-                                                  interpret=True)
+                                                  interpret=not compiled)
         want_o, want_l = pk.sparse_decode_attention_reference(q, k, v, jnp.asarray(lens))
         got_o, want_o = np.asarray(got_o, np.float32), np.asarray(want_o, np.float32)
         err_o = float(np.max(np.abs(got_o - want_o)))
@@ -266,7 +287,8 @@ def run_numerics(kind: str, case: tuple, seed: int) -> dict[str, Any]:
         B, H, W, G, D, T, dtype, block_t, gqa = case
         q, k = rand((B, H, W, G, D), dtype, 3.0), rand((B, H, T, D), dtype)
         lens = _ragged_lengths(rng, B, H, T)
-        got = np.asarray(pk.pooled_scores(q, k, jnp.asarray(lens), gqa=gqa, block_t=block_t, interpret=True))
+        got = np.asarray(pk.pooled_scores(q, k, jnp.asarray(lens), gqa=gqa, block_t=block_t,
+                                          interpret=not compiled))
         want = np.asarray(pk.pooled_scores_reference(q, k, jnp.asarray(lens), gqa=gqa))
         valid = np.broadcast_to(np.arange(T)[None, None, None, :] < lens[:, :, None, None], got.shape)
         err = float(np.max(np.abs(got[valid] - want[valid])))
@@ -285,7 +307,8 @@ def run_numerics(kind: str, case: tuple, seed: int) -> dict[str, Any]:
         base_scores = pk.pooled_scores_reference(q[:, :, :1], k, jnp.asarray(lens))
         k_base = jax.lax.top_k(base_scores[:, :, 0], L_base)[1].astype(jnp.int32)
         ref = pk.drift_check(q, k, k_base, L_base, DRIFT_TAU, jnp.asarray(lens), backend="reference")
-        got = pk.drift_check(q, k, k_base, L_base, DRIFT_TAU, jnp.asarray(lens), backend="interpret")
+        got = pk.drift_check(q, k, k_base, L_base, DRIFT_TAU, jnp.asarray(lens),
+                             backend="pallas" if compiled else "interpret")
         valid = np.arange(T)[None, None, :] < lens[..., None]
         gs, rs = np.asarray(got[2]), np.asarray(ref[2])
         err = float(np.max(np.abs(gs[valid] - rs[valid])))
@@ -301,6 +324,7 @@ def run_numerics(kind: str, case: tuple, seed: int) -> dict[str, Any]:
                    ok=flags_equal and bool(np.all(np.abs(gs[valid] - rs[valid])
                                                   <= tol + POOLED_RTOL * np.abs(rs[valid]))))
     row["seconds"] = time.perf_counter() - t0
+    row["mode"] = "compiled (Triton)" if compiled else "interpret"
     return row
 
 
@@ -388,11 +412,13 @@ def gpu_timing(shapes: dict[str, Any] = LLAMA, capacities=None, rhos=RHOS, *, it
         for rho in rhos:
             L = int(round(rho * S))
             lens = jnp.full((B, H), L, jnp.int32)
+            got, want = kernel(q, k, v, lens)[0], ref(q, k, v, lens)[0]
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
             t_k = _time_fn(kernel, (q, k, v, lens), iters)
             t_r = _time_fn(ref, (q, k, v, lens), iters)
             nb = decode_bytes(S, rho, Hkv=H, G=G, D=D, B=B)
             bw = nb["kv_bytes"] / t_k
-            rows.append(dict(S=S, rho=rho, L=L, kernel_s=t_k, reference_s=t_r, speedup=t_r / t_k,
+            rows.append(dict(S=S, rho=rho, L=L, kernel_s=t_k, reference_s=t_r, speedup=t_r / t_k, max_abs_err_out=err,
                              kv_bytes=nb["kv_bytes"], achieved_bandwidth=bw,
                              fraction_of_copy_bandwidth=bw / copy["bandwidth"]))
             if progress is not None:
@@ -519,7 +545,8 @@ def render_drift_timing(t: dict[str, Any]) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     has_gpu = report["gpu_present"]
-    lines = [common.section_header("Pallas kernels (bench_kernels.py)", report), ""]
+    title = "Pallas kernels on a GPU (bench_kernels.py)" if has_gpu else "Pallas kernels (bench_kernels.py)"
+    lines = [common.section_header(title, report), ""]
     if not has_gpu:
         lines += [
             "**No GPU was available for this run** (`jax.devices()`: "
@@ -557,10 +584,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     # 2. numerics
     num = report["numerics"]
     n_ok = sum(r["ok"] for r in num)
+    compiled = bool(num) and num[0].get("mode", "interpret") != "interpret"
     lines += [
+        "### 2. Compiled (Triton) numerics on the GPU vs the plain-JAX reference" if compiled else
         "### 2. Interpret-mode numerics vs the plain-JAX reference (CPU)",
         "",
-        "Pallas interpreter (`interpret=True`) vs `*_reference` on the same inputs (the reference does float32 "
+        ("The kernels compiled through Triton and run on the GPU (`interpret=False`; drift_check with backend "
+         "'pallas'), at the interpret cases' small shapes and at Llama-3.1-8B sizes (32K / 8K keys), " if compiled
+         else "Pallas interpreter (`interpret=True`) ")
+        + "vs `*_reference` on the same inputs (the reference does float32 "
         "math). Lengths are ragged per head and include 1 and the full length; decode inputs hold NaN beyond each "
         "head's length (the kernel must never read them). Tolerances are those of tests/test_kernels.py. "
         f"**{n_ok}/{len(num)} within tolerance.**",
@@ -582,6 +614,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                      "yes" if r["ok"] else "NO"])
     lines += [common.markdown_table(["kernel", "shape", "dtype", "params", "lengths", "max abs error", "tolerance",
                                      "ok"], rows, "llllllll"), ""]
+    if compiled:
+        lines += ["(The drift check's scores are compared at valid positions; its flags must be equal.)", ""]
     # 3. bytes
     lines += [
         "### 3. Bytes read per decode kernel call at Llama-3.1-8B shapes — computed lower bound, NOT a measurement",
@@ -621,9 +655,10 @@ def render_markdown(report: dict[str, Any]) -> str:
                   f"(`x + 0`, {_fmt_bytes(c['array_bytes'])}): **{c['bandwidth'] / 1e12:.2f} TB/s**.", ""]
         rows = [[_len(r["S"]), f"{r['rho']:g}", _fmt_us(r["kernel_s"]), _fmt_us(r["reference_s"]),
                  f"{r['speedup']:.2f}x", f"{r['achieved_bandwidth'] / 1e12:.2f}",
-                 f"{100 * r['fraction_of_copy_bandwidth']:.0f} %"] for r in g["rows"]]
+                 f"{100 * r['fraction_of_copy_bandwidth']:.0f} %", f"{r.get('max_abs_err_out', float('nan')):.2e}"]
+                for r in g["rows"]]
         lines += [common.markdown_table(["S", "rho", "kernel µs", "reference µs", "speedup", "achieved TB/s",
-                                         "of copy BW"], rows, "rrrrrrr"), ""]
+                                         "of copy BW", "max abs err vs reference (out)"], rows, "rrrrrrrr"), ""]
         falls = ", ".join(f"{_len(int(S))} {'yes' if ok else 'NO'}" for S, ok in g["target_time_falls_with_rho"].items())
         lines += [f"- Target bandwidth >= 70 % of copy from S = 32K (rho 1): "
                   f"**{ {True: 'met', False: 'NOT met', None: 'no shape >= 32K timed'}[g['target_bandwidth_fraction_ge_70pct_from_32k']]}**",
@@ -659,7 +694,7 @@ def main(argv=None) -> int:
     machine = common.machine_info()
     has_gpu = gpu_present()
     low_jobs = [] if args.skip_lowering else lowering_jobs()
-    num_jobs = [] if args.skip_numerics else numerics_jobs()
+    num_jobs = [] if args.skip_numerics else numerics_jobs(gpu=has_gpu)
     n_gpu = len(LLAMA["S"]) * len(RHOS) if has_gpu else 0
     config = dict(models=MODELS, rhos=RHOS, score_W=SCORE_W, drift_L_base=DRIFT_L_BASE, drift_tau=DRIFT_TAU,
                   block_k=BLOCK_K, h100_nominal_bandwidth=H100_NOMINAL_BW, decode_numerics=DECODE_NUMERICS,
@@ -675,8 +710,8 @@ def main(argv=None) -> int:
             lowering.append(run_lowering(job))
             bar.update(1)
         for i, (kind, case) in enumerate(num_jobs):
-            bar.set_postfix_str(f"interpret {kind} {case}")
-            numerics.append(run_numerics(kind, case, args.seed * 1000 + i))
+            bar.set_postfix_str(f"{'compiled' if has_gpu else 'interpret'} {kind} {case}")
+            numerics.append(run_numerics(kind, case, args.seed * 1000 + i, compiled=has_gpu))
             bar.update(1)
         gpu = None
         if has_gpu:
@@ -705,7 +740,9 @@ def main(argv=None) -> int:
     print(md)
     print(f"\nwrote {out}")
     if args.write_results:
-        print(f"updated section '{SECTION}' of {common.update_results_section(SECTION, md)}")
+        # a GPU run has its own section: make bench's CPU run (interpret numerics, no timing) keeps "kernels"
+        section = SECTION + "-gpu" if has_gpu else SECTION
+        print(f"updated section '{section}' of {common.update_results_section(section, md)}")
     failed = [r for r in lowering if not (r["lowered"] and r["triton_call_present"])] + \
              [r for r in numerics if not r["ok"]]
     return 1 if failed else 0

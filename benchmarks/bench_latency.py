@@ -218,7 +218,7 @@ def synthetic_model(real_model, max_positions: int, seed: int, shape: str = MODE
     from hetero_jax.model import spec
     from hetero_jax.io.hub import Model
 
-    cfg = synthetic_config(real_model.config, shape, max_positions)
+    cfg = synthetic_config(real_model.config if real_model is not None else None, shape, max_positions)
     dt = jnp.dtype(dtype)
     keys = iter(jax.random.split(jax.random.key(seed), 1 + 16 * (cfg.num_layers + 1)))
 
@@ -232,8 +232,9 @@ def synthetic_model(real_model, max_positions: int, seed: int, shape: str = MODE
     params = {k: make(k, v) for k, v in shapes.items() if k != "layers"}
     params["layers"] = [{k: make(k, v) for k, v in layer.items()} for layer in shapes["layers"]]
     name = real_model.name if shape == MODEL else shape
-    return Model(config=cfg, params=params, tokenizer=real_model.tokenizer, path="<synthetic>",
-                 name=f"{name}-synthetic")
+    # no tokenizer for another shape's weights drawn without the real model (the timing feeds token ids)
+    return Model(config=cfg, params=params, tokenizer=real_model.tokenizer if real_model is not None else None,
+                 path="<synthetic>", name=f"{name}-synthetic")
 
 
 def reference_dir() -> Path | None:
@@ -445,14 +446,17 @@ def run(args) -> dict:
         enable_compilation_cache()
     combos = common.make_combos(args.policies, args.budgets)
     t_start = time.perf_counter()
-    real = hetero_jax.load(args.model, dtype="float32", progress=False)
+    # Another shape's synthetic points alone need no real model (a GPU machine may not have the embedded GGUF)
+    need_real = bool(args.real_lengths) or args.synthetic_shape == MODEL
+    real = hetero_jax.load(args.model, dtype="float32", progress=False) if need_real else None
     load_s = time.perf_counter() - t_start
-    ctx = real.config.max_position_embeddings
     steps_total = args.warmup_steps + args.decode_steps + 1
     synth_prof = None
     if args.synthetic_lengths and any(n.startswith("heterocache") for n, _ in combos):  # a missing profile fails first
         synth_prof = synthetic_profile(args.synthetic_shape, args.synthetic_profile)
-        synth_prof.check_compatible(synthetic_config(real.config, args.synthetic_shape, 0))
+        synth_prof.check_compatible(synthetic_config(real.config if real is not None else None,
+                                                     args.synthetic_shape, 0))
+    ctx = real.config.max_position_embeddings if real is not None else None
     for L in args.real_lengths:
         if L + steps_total > ctx:
             raise SystemExit(f"real length {L} + {steps_total} decode tokens exceeds SmolLM2's {ctx}-token context; "
@@ -607,6 +611,14 @@ def targets_text(t: dict) -> str:
     ])
 
 
+def warmup_text(cfg: dict) -> str:
+    """The untimed TTFT rounds, per length where merged runs differ."""
+    per = cfg.get("ttft_warmup_per_length") or {}
+    if len(set(per.values())) > 1:
+        return "untimed round(s) " + ", ".join(f"{int(k):,}: {v}" for k, v in per.items())
+    return f"{cfg['ttft_warmup']} untimed round(s)"
+
+
 def results_section(payload: dict, plot_rel: str | None) -> str:
     cfg = payload["config"]
     synth = [x for x in payload["lengths"] if x["weights"] == "synthetic"]
@@ -636,7 +648,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         + synth_text
         + f"TTFT = prefill as `GenerationStats` reports it (policy selection in every layer and HeteroCache's "
         f"pinned-host reservoir copy included, compile excluded) + sampling and reading back the first token; "
-        f"each policy has its own prefill, round-robin, {cfg['ttft_warmup']} untimed round(s) then the median of "
+        f"each policy has its own prefill, round-robin, {warmup_text(cfg)} then the median of "
         f"{cfg['ttft_repeats']}. Decode: the policies' caches of one length take turns in blocks of "
         f"{cfg.get('decode_block', 1)} consecutive steps, order rotated every round, each block ending by waiting for "
         f"the policy's own asynchronous work (counted in its last step), {cfg['warmup_steps']} untimed then "
@@ -752,6 +764,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     common.add_output_arguments(p, "latency", SECTION)
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="no run: join the JSON of runs of one configuration at different lengths into one table "
+                        "(with --write-results, the section of their preset)")
     args = common.parse_with_preset(p, PRESETS, argv)
     args.plot = args.plot or args.out.with_suffix(".png")
     args.synthetic_dtype = args.synthetic_dtype or SYNTHETIC_DEFAULT_DTYPE[args.synthetic_shape]
@@ -767,8 +782,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def merge(args) -> dict:
+    """One payload from runs of the same configuration at different lengths (``--merge A.json B.json ...``).
+
+    A device call that may be cut off runs each length as its own process with its own JSON; this joins
+    the lengths that finished into one table and target check (the first file's header: machine, commit).
+    """
+    import json
+
+    parts = [json.loads(Path(f).read_text()) for f in args.merge]
+    keep = ("synthetic_lengths", "real_lengths", "out", "plot", "ttft_warmup")
+    base = {k: v for k, v in parts[0]["config"].items() if k not in keep}
+    for f, p in zip(args.merge[1:], parts[1:]):
+        other = {k: v for k, v in p["config"].items() if k not in keep}
+        if other != base:
+            diff = sorted(k for k in set(base) | set(other) if base.get(k) != other.get(k))
+            raise SystemExit(f"--merge: {f} was run with another configuration ({', '.join(diff)} differ)")
+    payload = dict(parts[0])
+    order = sorted(range(len(parts)), key=lambda i: min(x["length"] for x in parts[i]["lengths"]))
+    payload["lengths"] = [x for i in order for x in parts[i]["lengths"]]
+    payload["runs"] = [r for i in order for r in parts[i]["runs"]]
+    cfg = dict(parts[0]["config"])
+    for k in ("synthetic_lengths", "real_lengths"):
+        cfg[k] = sorted({L for p in parts for L in p["config"][k]})
+    warm = sorted({p["config"]["ttft_warmup"] for p in parts})
+    cfg["ttft_warmup"] = warm[0] if len(warm) == 1 else min(warm)
+    cfg["ttft_warmup_per_length"] = {str(x["length"]): parts[i]["config"]["ttft_warmup"] for i in order
+                                     for x in parts[i]["lengths"]}
+    cfg["merged_from"] = [str(f) for f in args.merge]
+    cfg["out"], cfg["plot"] = str(args.out), str(args.plot)
+    payload["config"] = cfg
+    payload["targets"] = target_check(payload["runs"])
+    payload["total_seconds"] = sum(p["total_seconds"] for p in parts)
+    args.preset = cfg.get("preset")
+    return payload
+
+
 def main(argv=None) -> int:
-    common.run_task(parse_args(argv), run, section=SECTION, make_plot=make_plot, results_section=results_section,
+    args = parse_args(argv)
+    common.run_task(args, merge if args.merge else run, section=SECTION, make_plot=make_plot,
+                    results_section=results_section,
                     tables=lambda payload: [results_table(payload["runs"]), targets_text(payload["targets"])],
                     plot_rows="runs")
     return 0
