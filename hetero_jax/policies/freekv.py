@@ -55,7 +55,7 @@ import numpy as np
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import HeadGroup, KVCache
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather, put_rows, scatter_rows
+from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather, put_rows, row_bucket, scatter_rows
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
@@ -408,9 +408,9 @@ class FreeKVDecode(DecodeState):
             tok = (self.sinks[mb, None] + pages[:, None] * ps + offs).reshape(-1)
             slots = (self.sinks[mb, None] + fj[:, None] * ps + offs).reshape(-1)
             b_idx, h_idx = np.repeat(mb, ps), np.repeat(mh, ps)
-            k_rows, v_rows = self.store.rows(li, b_idx, h_idx, tok)
+            k_rows, v_rows = self.store.rows(li, b_idx, h_idx, tok, total=row_bucket(len(tok)))
             ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, tok, layers[li].groups[0].capacity)
-            writes.append((li, ops, len(pages), k_rows.nbytes + v_rows.nbytes))
+            writes.append((li, ops, len(pages), 2 * len(tok) * k_rows.shape[-1] * k_rows.itemsize))  # rows, not padding
             moved += len(pages)
         for li, ops, _, _ in writes:  # every transfer went out: write in place
             lc = layers[li]

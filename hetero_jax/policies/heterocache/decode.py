@@ -15,7 +15,7 @@ import numpy as np
 import pallas_kernels
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, materialize
-from hetero_jax.model.host_store import HostKVStore, put_rows, scatter_rows
+from hetero_jax.model.host_store import HostKVStore, put_rows, row_bucket, scatter_rows
 from hetero_jax.model.layout import group_slots
 from hetero_jax.policies.protocol import DecodeState
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, take_slots
@@ -224,7 +224,7 @@ class HeteroDecode(DecodeState):
                 aux["k_base"] = self.compile_fn(turn_k_base, *args, l_base=l_base)(*args)
             counts = self.prefilled.counts[li]  # [B, Hc]
             if counts.shape[1]:
-                host_k, host_v = self.prefilled.store.view(li)  # [B, Hc (H under tp), T, D]
+                host_k, _ = self.prefilled.store.view(li)  # [B, Hc (H under tp), T, D]
                 sh = self.prefilled.store_heads(li)  # compressed head j is host head sh[j]
                 qc = take_slots(q, r.comp_slots)
                 qc = jnp.pad(qc, ((0, 0), (0, 0), (0, n_pad - n), (0, 0), (0, 0)))
@@ -240,13 +240,13 @@ class HeteroDecode(DecodeState):
                 for j in range(counts.shape[1]):
                     c = int(counts[:, j].max())
                     rows = idx[:, j, :c]  # [B, c] position order; past a sequence's count: a repeat
-                    self.bytes_reselected += 2 * host_k[b, sh[j], rows].nbytes
+                    self.bytes_reselected += 2 * rows.size * host_k.shape[-1] * host_k.itemsize
                     if cache.pool is not None:  # only each sequence's own rows: a window's tail is another's
                         pool_rows += [(li, bi, j, np.arange(counts[bi, j]), rows[bi, : counts[bi, j]])
                                       for bi in range(len(rows))]
                         continue
                     valid = np.arange(c)[None, :] < counts[:, j : j + 1]
-                    k_new, v_new = host_k[b, sh[j], rows], host_v[b, sh[j], rows]  # [B, c, D]
+                    k_new, v_new = self.prefilled.store.rows(li, b, sh[j], rows)  # [B, c, D]
                     pos = np.where(valid, rows, -1).astype(np.int32)
                     gi = r.loc[r.comp_slots[j]][0]  # one device: the head's own group, exactly c slots
                     groups[gi] = groups[gi].replace(k=jax.device_put(k_new[:, None]), v=jax.device_put(v_new[:, None]),
@@ -363,11 +363,12 @@ class HeteroDecode(DecodeState):
                 h_idx = np.concatenate([np.full(len(pos), hi) for _, _, hi, pos in items])
                 rows = np.concatenate([pos for _, _, _, pos in items])
                 slots = np.concatenate([np.arange(len(pos)) for _, _, _, pos in items])
-                k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[sats], rows)
+                k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[sats], rows,
+                                                           total=row_bucket(len(rows)))
                 ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, layers[li].groups[gi].capacity)
                 writes.append((li, gi, ops))
                 self.recalls += len(items)
-                self.bytes_recalled += k_rows.nbytes + v_rows.nbytes
+                self.bytes_recalled += 2 * len(rows) * k_rows.shape[-1] * k_rows.itemsize
             base = np.where(drift[..., None], new_base, np.asarray(layers[li].aux["k_base"]))
             aux = dict(layers[li].aux)
             aux["k_base"] = jax.device_put(base.astype(np.int32))
