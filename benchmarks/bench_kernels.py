@@ -359,17 +359,26 @@ def decode_bytes(S: int, rho: float, *, Hkv: int = LLAMA["Hkv"], G: int = LLAMA[
 
 
 # ------------------------------------------------------------ GPU timing path
-def _time_fn(fn, args, iters: int, warmup: int = 3) -> float:
-    """Median wall seconds of fn(*args) after warm-up (compile excluded), synchronised per call."""
+def _time_fn(fn, args, iters: int, warmup: int = 3, repeats: int = 5) -> float:
+    """Seconds per call of fn(*args) after warm-up (compile excluded): ``iters`` calls dispatched back to back
+    and waited for once, the median over ``repeats`` such runs.
+
+    Back to back, the device runs one call while the host dispatches the next, so a call that takes the
+    device longer than its dispatch is timed by the device; timing each call to its own wait (as this
+    script did until commit a7c95bc) timed ~90 µs of dispatch and wait for any kernel under that on an
+    H200 (RESULTS.md, kernels-gpu: 8K keys at rho 1, 0.5 and 0.3 all took 95-99 µs).
+    """
     import jax
 
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
     return statistics.median(times)
 
 
@@ -433,6 +442,76 @@ def gpu_timing(shapes: dict[str, Any] = LLAMA, capacities=None, rhos=RHOS, *, it
         falls[S] = all(b < a for a, b in zip(ts, ts[1:]))
     return dict(device=str(jax.devices()[0]), interpret=interpret, iters=iters, copy=copy, rows=rows,
                 target_bandwidth_fraction_ge_70pct_from_32k=frac_ok, target_time_falls_with_rho=falls)
+
+
+SWEEP_S = (32 * KIB, 128 * KIB)
+SWEEP = dict(num_splits=(None, 32, 64, 128), block_k=(64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
+
+
+def sweep_launch(iters: int = 20, capacities=SWEEP_S, progress=None) -> dict[str, Any]:
+    """Time ``sparse_decode_attention`` over launch parameters (SWEEP) at Llama-3.1-8B shapes, rho 1, bf16.
+
+    For choosing the defaults on a GPU (the first H200 run reached 18-47 % of copy bandwidth with the
+    defaults: 128 programs for 8 KV heads). Each configuration is checked against the reference first.
+    """
+    import itertools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_kernels as pk
+
+    B, H, G, D = LLAMA["B"], LLAMA["Hkv"], LLAMA["G"], LLAMA["D"]
+    copy = measure_copy_bandwidth(1 << 30, iters=10)
+    ref = jax.jit(lambda q, k, v, l: pk.sparse_decode_attention_reference(q, k, v, l, finite_padding=True))
+    rows = []
+    rng = np.random.default_rng(0)
+    for S in capacities:
+        q = jnp.asarray(rng.standard_normal((B, H, G, D)).astype(np.float32)).astype(jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((B, H, S, D)).astype(np.float32)).astype(jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((B, H, S, D)).astype(np.float32)).astype(jnp.bfloat16)
+        lens = jnp.full((B, H), S, jnp.int32)
+        want = ref(q, k, v, lens)[0].astype(jnp.float32)
+        nbytes = decode_bytes(S, 1.0)["kv_bytes"]
+        for ns, bk, nw, st in itertools.product(*SWEEP.values()):
+            f = jax.jit(lambda q, k, v, l, ns=ns, bk=bk, nw=nw, st=st: pk.sparse_decode_attention(
+                q, k, v, l, num_splits=ns, block_k=bk, num_warps=nw, num_stages=st))
+            row = dict(S=S, num_splits=ns if ns is not None else pk.default_num_splits(S, bk), block_k=bk,
+                       num_warps=nw, num_stages=st)
+            try:
+                err = float(jnp.max(jnp.abs(f(q, k, v, lens)[0].astype(jnp.float32) - want)))
+                t = _time_fn(f, (q, k, v, lens), iters)
+                row.update(ok=err <= DECODE_TOL["bfloat16"]["out"], max_abs_err=err, seconds=t,
+                           fraction_of_copy_bandwidth=nbytes / t / copy["bandwidth"])
+            except Exception as e:  # a configuration Triton refuses (shared memory, registers) is a result too
+                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+            rows.append(row)
+            if progress is not None:
+                progress.update(1)
+        del q, k, v
+    best = {}
+    for S in capacities:
+        done = [r for r in rows if r["S"] == S and r.get("ok")]
+        if done:
+            best[S] = min(done, key=lambda r: r["seconds"])
+    return dict(device=str(jax.devices()[0]), copy=copy, rows=rows, best=best, iters=iters)
+
+
+def render_sweep(sw: dict[str, Any]) -> str:
+    lines = [f"Device {sw['device']}; copy bandwidth {sw['copy']['bandwidth'] / 1e12:.2f} TB/s; rho 1, bf16, B 1, "
+             f"Hkv {LLAMA['Hkv']}, G {LLAMA['G']}, D {LLAMA['D']}; {sw['iters']} calls back to back per timing.", "",
+             "| S | num_splits | block_k | num_warps | num_stages | µs | of copy BW | max abs err | ok |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for r in sorted(sw["rows"], key=lambda r: (r["S"], r.get("seconds", float("inf")))):
+        if "seconds" in r:
+            lines.append(f"| {_len(r['S'])} | {r['num_splits']} | {r['block_k']} | {r['num_warps']} | "
+                         f"{r['num_stages']} | {r['seconds'] * 1e6:,.1f} | {100 * r['fraction_of_copy_bandwidth']:.0f} % "
+                         f"| {r['max_abs_err']:.2e} | {'yes' if r['ok'] else 'NO'} |")
+        else:
+            lines.append(f"| {_len(r['S'])} | {r['num_splits']} | {r['block_k']} | {r['num_warps']} | "
+                         f"{r['num_stages']} | — | — | — | NO: {r['error']} |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- markdown
@@ -684,9 +763,15 @@ def main(argv=None) -> int:
                     help="only time the drift check, old (lax.top_k) vs new (bisection select), at SmolLM2 shapes; "
                          "--write-results rewrites the 'kernels-drift-check' section")
     ap.add_argument("--drift-iters", type=int, default=7, help="repeats of each drift-check timing (default 7)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only time the decode kernel over launch parameters (num_splits, block_k, num_warps, "
+                         "num_stages) at Llama-3.1-8B shapes, 32K and 128K (needs a GPU); writes kernels-sweep.json "
+                         "beside --out and, with --write-results, the 'kernels-gpu-sweep' section")
     args = ap.parse_args(argv)
     if args.drift_timing:
         return drift_timing_main(args, argv)
+    if args.sweep:
+        return sweep_main(args, argv)
 
     from tqdm import tqdm
 
@@ -746,6 +831,26 @@ def main(argv=None) -> int:
     failed = [r for r in lowering if not (r["lowered"] and r["triton_call_present"])] + \
              [r for r in numerics if not r["ok"]]
     return 1 if failed else 0
+
+
+def sweep_main(args, argv) -> int:
+    from tqdm import tqdm
+
+    if not gpu_present():
+        raise SystemExit("--sweep times compiled kernels: it needs a GPU (jax.devices() has none)")
+    machine, git = common.machine_info(), common.git_info()
+    n = len(SWEEP_S) * math.prod(len(v) for v in SWEEP.values())
+    with tqdm(total=n, desc="sweep", disable=args.no_progress, file=sys.stderr) as bar:
+        sw = sweep_launch(progress=bar)
+    md = "\n".join([common.results_header("Decode kernel launch parameters on a GPU (bench_kernels.py --sweep)",
+                                           machine, git, common.command_line(argv)), "", render_sweep(sw)])
+    out = Path(args.out).with_name("kernels-sweep.json")
+    common.write_json(out, {**common.report_header("kernels-sweep", vars(args), machine), **sw, "markdown": md})
+    print(md)
+    print(f"\nwrote {out}")
+    if args.write_results:
+        print(f"updated section 'kernels-gpu-sweep' of {common.update_results_section('kernels-gpu-sweep', md)}")
+    return 0
 
 
 def drift_timing_main(args, argv) -> int:

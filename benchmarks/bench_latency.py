@@ -658,7 +658,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         f"row and the lm_head in full ({weight_text}), device KV = prompt "
         f"groups as allocated + the tail buffer ({payload['lengths'][0]['tail_capacity']} slots). 'within 10 %': "
         f"measured / roofline in [0.9, 1.1]. Recall triggers: HeteroCache drift checks that triggered during the "
-        f"timed steps."
+        f"timed steps.",
         "",
         results_table(payload["runs"]),
         "",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU half of the benchmarks in one call of a lent machine (see benchmarks/RESULTS.md, "GPU runs"):
-# kernel numerics and timings, host-offload overlap, Llama-3.1-8B-shaped latency up to 128K.
+# kernel numerics and timings, host-offload overlap, the decode kernel's launch-parameter sweep,
+# Llama-3.1-8B-shaped latency up to 128K.
 #
 #   OUT=/some/dir HETERO_JAX_COMMIT=<commit> HETERO_JAX_REFERENCE_DIR=<dir with the authors' profiles> \
 #       BUDGET_S=480 bash benchmarks/gpu_session.sh
@@ -9,7 +10,8 @@
 # fails or runs out of time loses only itself. Latency lengths run in the order 32K, 128K, 64K, 16K
 # while time is left; join them afterwards with
 #   python benchmarks/bench_latency.py --preset llama8b-gpu --merge $OUT/lat-*.json --write-results
-# The other stages' JSON carry their markdown ("markdown" key) for RESULTS.md.
+# The other stages' JSON (kernels.json, kernels-sweep.json, offload.json) carry their markdown ("markdown"
+# key) for RESULTS.md. At most 8 files come back from a lent machine: this writes at most 8.
 set -u
 OUT=${OUT:?set OUT to the output folder}
 BUDGET_S=${BUDGET_S:-480}
@@ -32,6 +34,7 @@ stage() {   # stage NAME MAX_SECONDS CMD...: run CMD under min(MAX, time left - 
   $PY -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, jax.devices())"
   stage kernels 150 $PY benchmarks/bench_kernels.py --no-progress --out "$OUT/kernels.json"
   stage offload 60 $PY benchmarks/bench_offload.py --out "$OUT/offload.json"
+  stage sweep 150 $PY benchmarks/bench_kernels.py --sweep --no-progress --out "$OUT/kernels.json"
   # A kernel that does not compile here would stop every latency run: they then time the plain-JAX
   # references (the JSON's machine.env and machine.kernels say which ran)
   if ! timeout 120 $PY -c "
