@@ -117,8 +117,8 @@ def gather_rows(a: np.ndarray, b: np.ndarray, h: np.ndarray, positions: np.ndarr
 
     Each row is moved as one item of 8-byte words (``np.take`` on a [B*H*T, row words] view) rather than
     D elements of ``a``'s dtype: numpy's fancy indexing of bfloat16 (an ml_dtypes type) goes element by
-    element, 2.7x slower on a 32K x 8-head gather (README, "Host offload"). With ``total`` (1-D indices,
-    n <= total): ``total`` rows, zero past n.
+    element (1.4 GB/s in the H200 run, RESULTS.md ``offload-gpu``; 4.8x slower than this on the CPU for a
+    32K-row gather, padding included). With ``total`` (1-D indices, n <= total): ``total`` rows, zero past n.
     """
     B, H, T, D = a.shape
     row_bytes = D * a.itemsize
