@@ -9,6 +9,7 @@ import pallas_kernels
 import hetero_jax
 from hetero_jax.runtime import Engine, Session
 from hetero_jax.policies import BudgetError, FullKV, HeteroCache
+from hetero_jax.policies.heterocache.policy import GROUP_PADDING, budget_runs
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import HeadProfile, ProfileError
 from tiny_model import tiny_model, random_prompt
@@ -113,10 +114,13 @@ def test_prefill_layout_budgets_reservoir_and_bytes():
     full_bytes = L * CFG.num_kv_heads * CFG.num_layers * 2 * CFG.head_dim * 4
     from hetero_jax.model.cache import prompt_kv_bytes
     assert prompt_kv_bytes(eng.cache) <= rho * full_bytes * 1.05
-    # compressed heads are their own groups, exactly their budget long
+    # each group is as long as its longest head; the padding of close-budget heads sharing a group is bounded
+    kept_by_layer = PROFILE.budgets(rho, L).sum(axis=1)
     for li, lc in enumerate(eng.cache.layers):
         for g in lc.groups:
             assert g.capacity == int(np.asarray(g.lengths).max())
+        padding = sum(g.capacity * g.num_heads - int(np.asarray(g.lengths).sum()) for g in lc.groups)
+        assert padding <= GROUP_PADDING * kept_by_layer[li] * 1.01 + len(lc.groups)   # budgets round per head
 
 
 def test_budget_too_small_and_missing_profile():
@@ -180,17 +184,18 @@ def test_drift_thresholds_and_recall_contents(tau):
         res_v = np.asarray(eng.state.prefilled.store.v[li])[0]
         for s in sats:
             s_pos = perm.index(s) - eng.state.prefilled.roles[li].n_full  # among the compressed heads
-            comp = groups[1 + s_pos]  # each compressed head is its own group, after the full group
+            roles = eng.state.prefilled.roles[li]
+            gi, hi = roles.loc[roles.comp_slots[s_pos]]  # the satellite's group and head in it
+            comp = groups[gi]
             l_s = int(grid[li, s])
-            assert comp.capacity == l_s  # exactly its budget: no padding
+            assert comp.capacity >= l_s and int(comp.lengths[0, hi]) == l_s  # its budget, past it padding
             want = np.sort(order[:l_s])
-            got = np.asarray(comp.positions[0, 0, :l_s])
+            got = np.asarray(comp.positions[0, hi, :l_s])
             if not np.array_equal(got, want):  # only float near-ties may differ
                 thr = np.sort(scores)[::-1][l_s - 1]
                 assert all(abs(scores[t] - thr) < 1e-6 for t in set(got) ^ set(want))
-            np.testing.assert_array_equal(np.asarray(comp.k[0, 0, :l_s]), res_k[s_pos, got])
-            np.testing.assert_array_equal(np.asarray(comp.v[0, 0, :l_s]), res_v[s_pos, got])
-            assert int(comp.lengths[0, 0]) == l_s
+            np.testing.assert_array_equal(np.asarray(comp.k[0, hi, :l_s]), res_k[s_pos, got])
+            np.testing.assert_array_equal(np.asarray(comp.v[0, hi, :l_s]), res_v[s_pos, got])
 
 
 @pytest.mark.parametrize("policy", [FullKV(), HeteroCache(profile=PROFILE, budget=0.6)])
@@ -237,14 +242,15 @@ def test_compressed_heads_keep_their_top_tokens_and_pivots_their_last_token_k_ba
         last = np_pool(np_probs(np_queries(layer, x_in[[L - 1]], [L - 1], CFG), keys, [L - 1], L)).max(2)[:, 0]
         rows = t[L - select_window:]
         window = np_pool(np_probs(np_queries(layer, x_in[rows], rows, CFG), keys, rows, L).sum(1)).max(1)
-        for j in range(CFG.num_kv_heads - r.n_full):  # compressed head j: its own group
+        for j in range(CFG.num_kv_heads - r.n_full):  # compressed head j: head hi of its group gi
             h = r.n_full + j
             l_i = int(grid[li, perm[h]])
-            g = lc.groups[(1 if r.n_full else 0) + j]
-            assert int(g.lengths[0, 0]) == l_i
-            kept = np.asarray(g.positions[0, 0, :l_i])
+            gi, hi = r.loc[r.comp_slots[j]]
+            g = lc.groups[gi]
+            assert int(g.lengths[0, hi]) == l_i
+            kept = np.asarray(g.positions[0, hi, :l_i])
             assert_top_set(kept, window[h] if select_window > 1 else last[h], np.zeros(L, bool), l_i)
-            np.testing.assert_array_equal(np.asarray(g.k[0, 0, :l_i]), k_buf[h, kept])
+            np.testing.assert_array_equal(np.asarray(g.k[0, hi, :l_i]), k_buf[h, kept])
         for p in r.pivots:
             k_base = np.sort(np.asarray(lc.aux["k_base"][0, p]))
             assert_top_set(k_base, last[p], np.zeros(L, bool), l_base)
@@ -381,12 +387,14 @@ def test_each_turn_reselects_every_compressed_head_from_the_turn_queries():
                 p /= p.sum(-1, keepdims=True)
                 scores = np_pool(p.sum(0)).max(0)  # [L]
                 l_i = int(grid[li, perm[r.n_full + j]])
-                g = lc.groups[(1 if r.n_full else 0) + j]
-                assert g.capacity == l_i and int(g.lengths[0, 0]) == l_i
-                kept = np.asarray(g.positions[0, 0])
+                gi, hi = r.loc[r.comp_slots[j]]   # its group of close budgets, and its head there
+                g = lc.groups[gi]
+                assert g.capacity >= l_i and int(g.lengths[0, hi]) == l_i
+                kept = np.asarray(g.positions[0, hi, :l_i])
                 assert_top_set(kept, scores, np.zeros(L, bool), l_i)
-                np.testing.assert_allclose(np.asarray(g.k[0, 0]), host_k[j, kept], rtol=0, atol=0)
-                np.testing.assert_allclose(np.asarray(g.v[0, 0]), host_v[j, kept], rtol=0, atol=0)
+                assert (np.asarray(g.positions[0, hi, l_i:]) == -1).all()   # the run's padding holds no row
+                np.testing.assert_allclose(np.asarray(g.k[0, hi, :l_i]), host_k[j, kept], rtol=0, atol=0)
+                np.testing.assert_allclose(np.asarray(g.v[0, hi, :l_i]), host_v[j, kept], rtol=0, atol=0)
             for pv in r.pivots:
                 keys = np.asarray(lc.groups[0].k[0, pv], np.float64)
                 last = _np_pooled_max(turn_q[li][0, pv, -1:].astype(np.float64), keys)[0]
@@ -468,3 +476,37 @@ def test_session_turn_with_a_long_pasted_document_is_chunked():
     assert a.engine.steps == len(ra.token_ids)  # the question's last token + the answer's steps, nothing else
     g = hetero_jax.generate(MODEL, ctx + doc, max_new_tokens=6, chat=False)
     assert ra.token_ids == g.token_ids
+
+
+def test_budget_runs_by_hand():
+    """Fewest runs of consecutive budgets within the padding allowance, then the least padding."""
+    assert budget_runs([], 0) == []
+    assert budget_runs([5], 0) == [1]
+    assert budget_runs([10, 10, 10], 0) == [3]               # equal budgets: one group, no padding
+    assert budget_runs([10, 9, 3, 2], 0) == [1, 1, 1, 1]     # no padding allowed: a group per distinct budget
+    # one run pads 1 + 7 + 8 = 16; two runs [10, 9] | [3, 2] pad 1 + 1 = 2
+    assert budget_runs([10, 9, 3, 2], 16) == [4]
+    assert budget_runs([10, 9, 3, 2], 15) == [2, 2]
+    assert budget_runs([10, 9, 3, 2], 2) == [2, 2]
+    # [10, 9] | [3, 1] pads 3 > 1: three runs, and of those only [10, 9] | [3] | [1] pads <= 1
+    assert budget_runs([10, 9, 3, 1], 1) == [2, 1, 1]
+    # runs follow the order given: [3] | [10, 4] pads 6, [3, 10] | [4] pads 7, all of it 7 + 6 = 13
+    assert budget_runs([3, 10, 4], 6) == [1, 2]
+    assert budget_runs([3, 10, 4], 5) == [1, 1, 1]
+    assert budget_runs([3, 10, 4], 13) == [3]
+
+
+def test_layout_groups_close_budgets():
+    """On one device the compressed heads of a layer are sorted by budget within their role and cut into
+    runs by ``budget_runs`` at GROUP_PADDING of the layer's kept tokens (nominal length: budgets scale)."""
+    policy = HeteroCache(profile=PROFILE, budget=0.4).bind(MODEL)
+    layout = policy.layout(CFG)
+    grid = policy.budget_grid(1 << 15)[0]
+    for li in range(CFG.num_layers):
+        r = policy.roles_in_layout(li)
+        for role in ("satellite", "anchor"):
+            assert [grid[li, h] for h in r[role]] == sorted((grid[li, h] for h in r[role]), reverse=True)
+        comp = r["satellite"] + r["anchor"]
+        n_full = len(r["pivot"]) + len(r["volatile"])
+        want = budget_runs([grid[li, h] for h in comp], GROUP_PADDING * grid[li].sum())
+        assert list(layout.group_sizes[li]) == ([n_full] if n_full else []) + want

@@ -237,6 +237,7 @@ class HeteroDecode(DecodeState):
                 args = (scores, jnp.asarray(counts, jnp.int32))
                 idx = np.asarray(self.compile_fn(select_rows, *args, cap=cap)(*args))  # [B, Hc, cap]
                 b = np.arange(idx.shape[0])[:, None]
+                fresh = {}  # one device: group index -> host (k, v, positions) of its heads' new rows
                 for j in range(counts.shape[1]):
                     c = int(counts[:, j].max())
                     rows = idx[:, j, :c]  # [B, c] position order; past a sequence's count: a repeat
@@ -248,9 +249,16 @@ class HeteroDecode(DecodeState):
                     valid = np.arange(c)[None, :] < counts[:, j : j + 1]
                     k_new, v_new = self.prefilled.store.rows(li, b, sh[j], rows)  # [B, c, D]
                     pos = np.where(valid, rows, -1).astype(np.int32)
-                    gi = r.loc[r.comp_slots[j]][0]  # one device: the head's own group, exactly c slots
-                    groups[gi] = groups[gi].replace(k=jax.device_put(k_new[:, None]), v=jax.device_put(v_new[:, None]),
-                                                    positions=jax.device_put(pos[:, None]))
+                    gi, hi = r.loc[r.comp_slots[j]]  # the head's run of close budgets (``HeteroCache.layout``)
+                    if gi not in fresh:
+                        g = groups[gi]
+                        fresh[gi] = (np.zeros(g.k.shape, g.k.dtype), np.zeros(g.v.shape, g.v.dtype),
+                                     np.full(g.positions.shape, -1, np.int32))
+                    kg, vg, pg = fresh[gi]
+                    kg[:, hi, :c], vg[:, hi, :c], pg[:, hi, :c] = k_new, v_new, pos
+                for gi, (kg, vg, pg) in fresh.items():  # every head of the layer re-took its rows: whole groups
+                    groups[gi] = groups[gi].replace(k=jax.device_put(kg), v=jax.device_put(vg),
+                                                    positions=jax.device_put(pg))
             layers[li] = lc.replace(groups=tuple(groups), aux=aux)
         self.reselections += 1
         cache = cache.replace(layers=tuple(layers))

@@ -20,14 +20,16 @@ from hetero_jax.policies.heterocache.decode import HeteroDecode, HeteroPrefilled
 from hetero_jax.policies.heterocache.scores import last_token_scores, window_scores
 
 
-def split_heads(group: HeadGroup, counts: np.ndarray) -> list[HeadGroup]:
-    """One group per head, each exactly as long as its own budget (counts [B, H]): heads of a layer get
-    different l_i, and padding them to the longest would hold memory for nothing."""
-    out = []
-    for j in range(counts.shape[1]):
-        c = int(counts[:, j].max())
-        out.append(HeadGroup(k=group.k[:, j : j + 1, :c], v=group.v[:, j : j + 1, :c],
-                             positions=group.positions[:, j : j + 1, :c], lengths=group.lengths[:, j : j + 1]))
+def split_runs(group: HeadGroup, counts: np.ndarray, runs) -> list[HeadGroup]:
+    """The compressed heads' group cut into the layout's runs of heads (``HeteroCache.layout``: heads of close
+    budgets), each as long as its longest head's budget (counts [B, H]); every head keeps its own l_i rows
+    (``lengths``), the rest of its run's capacity is padding."""
+    out, j = [], 0
+    for m in runs:
+        c = int(counts[:, j : j + m].max())
+        out.append(HeadGroup(k=group.k[:, j : j + m, :c], v=group.v[:, j : j + m, :c],
+                             positions=group.positions[:, j : j + m, :c], lengths=group.lengths[:, j : j + m]))
+        j += m
     return out
 
 
@@ -141,7 +143,7 @@ class HeteroPrefill(PrefillPlan):
                 scores = self.compile_fn(window_scores, *args, cfg=cfg, window=window)(*args)
             group, _ = select_group(scores[:, nf:], k_buf[:, nf:], v_buf[:, nf:], positions,
                                     jnp.asarray(counts, jnp.int32), int(counts.max()), self.compile_fn)
-            groups.extend(split_heads(group, counts))
+            groups.extend(split_runs(group, counts, self.layout.group_sizes[li][1 if nf else 0:]))
             self.counts.append(counts)
             self.store.put(li, k_buf[:, nf:, :t_max], v_buf[:, nf:, :t_max])
         else:
