@@ -56,6 +56,9 @@ roles from the HeteroCache authors' published Llama-3.1-8B-Instruct profile
 ``--preset llama8b-gpu`` runs 16K to 128K with full KV, SnapKV and HeteroCache
 at rho 0.3 (the ``latency-llama8b-gpu`` section). Not on a CPU: XLA's CPU backend
 converts the bfloat16 weights to float32 for the decode step's matmuls, 30 GB.
+``--synthetic-shape llama-3.1-8b-narrow`` keeps Llama-3.1-8B's attention heads and layers (and the authors'
+roles) with a narrow MLP and vocabulary, float32: HeteroCache's per-head structure at a size a CPU runs
+(``--preset llama8b-narrow-cpu``, 2K tokens, about 3 min).
 
 Cost: prefill dominates long contexts (one per policy and round: 7 policies x
 3 rounds (1 untimed) per length by default). On a 2-core CPU SmolLM2's full-KV prefill
@@ -125,6 +128,10 @@ PRESETS = {
     "llama8b-gpu": dict(real_lengths=[], synthetic_lengths=[16384, 32768, 65536, 131072], synthetic_shape="llama-3.1-8b",
                         policies=["full", "snapkv", "heterocache"], budgets=[0.3], decode_steps=64, warmup_steps=8,
                         ttft_warmup=1, ttft_repeats=1),
+    # Llama-3.1-8B's heads and the authors' profile on a CPU (narrow MLP): HeteroCache's per-head structure
+    "llama8b-narrow-cpu": dict(real_lengths=[], synthetic_lengths=[2048], synthetic_shape="llama-3.1-8b-narrow",
+                               policies=["full", "snapkv", "heterocache"], budgets=[0.3], decode_steps=48,
+                               warmup_steps=6, ttft_warmup=1, ttft_repeats=1),
     # issue 18: the three peers beside full KV and HeteroCache at rho 0.5 (the budget all of them reach on SmolLM2)
     "issue18-peers": dict(real_lengths=[2048, 4096], synthetic_lengths=[],
                           policies=["full", "heterocache", "contextkeeper", "synckv", "hcattention"],
@@ -194,8 +201,14 @@ SYNTHETIC_SHAPES = {
 }
 # Roles for HeteroCache on a synthetic shape: SmolLM2's shipped profile, or the HeteroCache authors'
 # published Llama-3.1-8B-Instruct profile (read from --synthetic-profile or the reference folder).
-OFFICIAL_PROFILES = {"llama-3.1-8b": "official_profile_llama-3.1-8b-instruct.json"}
-SYNTHETIC_DEFAULT_DTYPE = {MODEL: "float32", "llama-3.1-8b": "bfloat16"}
+# Llama-3.1-8B's attention (32 layers, 32 query / 8 KV heads of 128) with a narrow residual stream, MLP and
+# vocabulary: what a CPU can run of the per-head structure (HeteroCache's head groups, the authors' roles) that
+# sets the step's kernel count on a GPU; the weights' bytes are not Llama's, so the roofline is not either.
+SYNTHETIC_SHAPES["llama-3.1-8b-narrow"] = dict(SYNTHETIC_SHAPES["llama-3.1-8b"], hidden_size=256,
+                                               intermediate_size=512, vocab_size=1024)
+OFFICIAL_PROFILES = {"llama-3.1-8b": "official_profile_llama-3.1-8b-instruct.json",
+                     "llama-3.1-8b-narrow": "official_profile_llama-3.1-8b-instruct.json"}
+SYNTHETIC_DEFAULT_DTYPE = {MODEL: "float32", "llama-3.1-8b": "bfloat16", "llama-3.1-8b-narrow": "float32"}
 
 
 def synthetic_config(real_cfg, shape: str, max_positions: int):
