@@ -382,6 +382,15 @@ def _time_fn(fn, args, iters: int, warmup: int = 3, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def _decode_inputs(rng, B: int, H: int, G: int, D: int, S: int):
+    """Random bf16 q [B, H, G, D], k and v [B, H, S, D] for the GPU timings."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    return tuple(jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(jnp.bfloat16)
+                 for shape in ((B, H, G, D), (B, H, S, D), (B, H, S, D)))
+
+
 def measure_copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> dict[str, Any]:
     """Device copy bandwidth from a jitted `x + 0` over a large bf16 array: (read + write) / time."""
     import jax
@@ -415,9 +424,7 @@ def gpu_timing(shapes: dict[str, Any] = LLAMA, capacities=None, rhos=RHOS, *, it
     rows = []
     rng = np.random.default_rng(0)
     for S in capacities:
-        q = jnp.asarray(rng.standard_normal((B, H, G, D)).astype(np.float32)).astype(jnp.bfloat16)
-        k = jnp.asarray(rng.standard_normal((B, H, S, D)).astype(np.float32)).astype(jnp.bfloat16)
-        v = jnp.asarray(rng.standard_normal((B, H, S, D)).astype(np.float32)).astype(jnp.bfloat16)
+        q, k, v = _decode_inputs(rng, B, H, G, D, S)
         for rho in rhos:
             L = int(round(rho * S))
             lens = jnp.full((B, H), L, jnp.int32)
@@ -468,9 +475,7 @@ def sweep_launch(iters: int = 20, capacities=SWEEP_S, progress=None) -> dict[str
     rows = []
     rng = np.random.default_rng(0)
     for S in capacities:
-        q = jnp.asarray(rng.standard_normal((B, H, G, D)).astype(np.float32)).astype(jnp.bfloat16)
-        k = jnp.asarray(rng.standard_normal((B, H, S, D)).astype(np.float32)).astype(jnp.bfloat16)
-        v = jnp.asarray(rng.standard_normal((B, H, S, D)).astype(np.float32)).astype(jnp.bfloat16)
+        q, k, v = _decode_inputs(rng, B, H, G, D, S)
         lens = jnp.full((B, H), S, jnp.int32)
         want = ref(q, k, v, lens)[0].astype(jnp.float32)
         nbytes = decode_bytes(S, 1.0)["kv_bytes"]
