@@ -818,8 +818,7 @@ def merge(args) -> dict:
     cfg = dict(parts[0]["config"])
     for k in ("synthetic_lengths", "real_lengths"):
         cfg[k] = sorted({L for p in parts for L in p["config"][k]})
-    warm = sorted({p["config"]["ttft_warmup"] for p in parts})
-    cfg["ttft_warmup"] = warm[0] if len(warm) == 1 else min(warm)
+    cfg["ttft_warmup"] = min(p["config"]["ttft_warmup"] for p in parts)
     cfg["ttft_warmup_per_length"] = {str(x["length"]): parts[i]["config"]["ttft_warmup"] for i in order
                                      for x in parts[i]["lengths"]}
     cfg["merged_from"] = [str(f) for f in args.merge]

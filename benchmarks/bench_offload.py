@@ -43,7 +43,7 @@ SMALL = dict(layers=2, hidden=256, inter=512, kv_heads=2, head_dim=64)
 GiB = 2**30
 
 
-def _median_seconds(fn, iters: int) -> list[float]:
+def _wall_times(fn, iters: int) -> list[float]:
     out = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -137,7 +137,7 @@ def run(args) -> dict:
     samples = {"compute": [], "recall": [], "both": []}
     for _ in range(args.iters):
         for name, f in (("compute", only_compute), ("recall", only_recall), ("both", both)):
-            samples[name] += _median_seconds(f, 1)
+            samples[name] += _wall_times(f, 1)
     med = {k: statistics.median(v) for k, v in samples.items()}
     hidden = (med["compute"] + med["recall"] - med["both"]) / min(med["compute"], med["recall"])
 
@@ -145,7 +145,7 @@ def run(args) -> dict:
     dev = jax.devices()[0]
     src = store.k[0]
     to_dev = src.sharding.with_memory_kind("device")
-    h2d = _median_seconds(lambda: jax.block_until_ready(jax.device_put(src, to_dev, may_alias=False)),
+    h2d = _wall_times(lambda: jax.block_until_ready(jax.device_put(src, to_dev, may_alias=False)),
                           max(5, args.iters // 2))
     h2d_s = statistics.median(h2d)
     recall_bytes = n_rec * H * R * 2 * D * 2

@@ -127,12 +127,12 @@ def gather_rows(a: np.ndarray, b: np.ndarray, h: np.ndarray, positions: np.ndarr
     for x, size, name in ((b, B, "batch"), (h, H, "head"), (positions, T, "position")):
         if x.size and (x.min() < 0 or x.max() >= size):   # np.take(mode="clip") below would not say
             raise IndexError(f"{name} index out of range for a [{B}, {H}, {T}, {D}] store")
-    flat = (b * H + h) * T + positions
     if word is None:   # odd row sizes or a strided view: plain indexing
         out = a[b, h, positions]
         if total is not None:
             out = np.concatenate([out, np.zeros((total - len(out), D), a.dtype)])
         return out
+    flat = (b * H + h) * T + positions
     rows = a.reshape(B * H * T, D).view(word)
     if total is None:
         return np.take(rows, flat.reshape(-1), axis=0).view(a.dtype).reshape(*flat.shape, D)
@@ -154,6 +154,11 @@ def _scatter(group: HeadGroup, b_idx, h_idx, slots, k_rows, v_rows, pos_rows) ->
         v=group.v.at[b_idx, h_idx, slots].set(v_rows.astype(group.v.dtype), mode="drop"),
         positions=group.positions.at[b_idx, h_idx, slots].set(pos_rows, mode="drop"),
     )
+
+
+def kv_rows_nbytes(n: int, like: np.ndarray) -> int:
+    """Bytes of n K rows and n V rows shaped like ``like`` [..., D]: what a recall moves, its padding not counted."""
+    return 2 * int(n) * like.shape[-1] * like.itemsize
 
 
 def row_bucket(n: int) -> int:

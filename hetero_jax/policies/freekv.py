@@ -55,7 +55,7 @@ import numpy as np
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import HeadGroup, KVCache
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather, put_rows, row_bucket, scatter_rows
+from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather, kv_rows_nbytes, put_rows, row_bucket, scatter_rows
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
@@ -410,7 +410,7 @@ class FreeKVDecode(DecodeState):
             b_idx, h_idx = np.repeat(mb, ps), np.repeat(mh, ps)
             k_rows, v_rows = self.store.rows(li, b_idx, h_idx, tok, total=row_bucket(len(tok)))
             ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, tok, layers[li].groups[0].capacity)
-            writes.append((li, ops, len(pages), 2 * len(tok) * k_rows.shape[-1] * k_rows.itemsize))  # rows, not padding
+            writes.append((li, ops, len(pages), kv_rows_nbytes(len(tok), k_rows)))
             moved += len(pages)
         for li, ops, _, _ in writes:  # every transfer went out: write in place
             lc = layers[li]

@@ -40,7 +40,7 @@ import numpy as np
 
 from hetero_jax.model.cache import HeadGroup, KVCache, full_group
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import HostKVStore, put_rows, row_bucket, scatter_rows
+from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, put_rows, row_bucket, scatter_rows
 from hetero_jax.model.transformer import prompt_queries
 from hetero_jax.policies.base import PolicyError, int_param, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
@@ -348,7 +348,7 @@ class SyncDecode(DecodeState):
             k_rows, v_rows = p.store.rows(li, b_idx, h_idx, rows, total=row_bucket(len(rows)))
             writes.append((li, put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, layers[li].groups[1].capacity)))
             self.rows_recalled += len(rows)
-            self.bytes_recalled += 2 * len(rows) * k_rows.shape[-1] * k_rows.itemsize  # rows, not padding
+            self.bytes_recalled += kv_rows_nbytes(len(rows), k_rows)
         for li, ops in writes:  # every transfer went out: write in place (group 1 = the NR heads)
             groups = list(layers[li].groups)
             groups[1] = scatter_rows(groups[1], ops, self.compile_fn)

@@ -15,7 +15,7 @@ import numpy as np
 import pallas_kernels
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, materialize
-from hetero_jax.model.host_store import HostKVStore, put_rows, row_bucket, scatter_rows
+from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, put_rows, row_bucket, scatter_rows
 from hetero_jax.model.layout import group_slots
 from hetero_jax.policies.protocol import DecodeState
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, take_slots
@@ -241,7 +241,7 @@ class HeteroDecode(DecodeState):
                 for j in range(counts.shape[1]):
                     c = int(counts[:, j].max())
                     rows = idx[:, j, :c]  # [B, c] position order; past a sequence's count: a repeat
-                    self.bytes_reselected += 2 * rows.size * host_k.shape[-1] * host_k.itemsize
+                    self.bytes_reselected += kv_rows_nbytes(rows.size, host_k)
                     if cache.pool is not None:  # only each sequence's own rows: a window's tail is another's
                         pool_rows += [(li, bi, j, np.arange(counts[bi, j]), rows[bi, : counts[bi, j]])
                                       for bi in range(len(rows))]
@@ -361,7 +361,7 @@ class HeteroDecode(DecodeState):
                     if cache.pool is not None:  # the satellite's window in its shard's pool
                         pool_rows.append((li, b, sat, np.arange(l_s), pos))
                         self.recalls += 1
-                        self.bytes_recalled += 2 * l_s * layers[li].tail_k.shape[-1] * layers[li].tail_k.dtype.itemsize
+                        self.bytes_recalled += kv_rows_nbytes(l_s, layers[li].tail_k)
                         continue
                     gi, hi = r.loc[r.comp_slots[sat]]  # the satellite's group and head in it
                     per_group.setdefault(gi, []).append((b, sat, hi, pos))
@@ -376,7 +376,7 @@ class HeteroDecode(DecodeState):
                 ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, layers[li].groups[gi].capacity)
                 writes.append((li, gi, ops))
                 self.recalls += len(items)
-                self.bytes_recalled += 2 * len(rows) * k_rows.shape[-1] * k_rows.itemsize
+                self.bytes_recalled += kv_rows_nbytes(len(rows), k_rows)
             base = np.where(drift[..., None], new_base, np.asarray(layers[li].aux["k_base"]))
             aux = dict(layers[li].aux)
             aux["k_base"] = jax.device_put(base.astype(np.int32))
