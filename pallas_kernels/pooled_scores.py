@@ -447,26 +447,30 @@ def base_overlap(
 
 
 def attention_and_pooled_scores(
-    q,        # [B, Hp, G, D]  one decode query per head
-    k,        # [B, Hp, T, D]  its prompt keys (slots beyond lengths finite)
-    v,        # [B, Hp, T, D]
-    lengths,  # [B, Hp] int32  valid prompt tokens
+    q,        # [B, H, G, D]  one decode query per head
+    k,        # [B, H, T, D]  its prompt keys (slots beyond lengths finite)
+    v,        # [B, H, T, D]
+    lengths,  # [B, H] int32  valid prompt tokens
+    scored_heads: int | None = None,  # static: pooled scores of heads [0, scored_heads) only (None: all H)
 ):
   """Decode attention over the prompt and the same query's pooled scores from one q·K.
 
-  Returns (out [B, Hp, G, D], lse [B, Hp, G] float32: what
+  Returns (out [B, H, G, D], lse [B, H, G] float32: what
   ``sparse_decode_attention_reference(..., finite_padding=True)`` returns, to be merged with the
-  tail's; scores [B, Hp, T] float32: ``pooled_scores_reference(q[:, :, None], k, lengths,
-  gqa="max")[:, :, 0]``). A drift check at every step needs the pivots' scores, and on CPU reading
-  their keys a second time cost more than the rest of the check; plain jnp on every backend.
+  tail's; scores [B, n, T] float32 for the first n = ``scored_heads`` heads:
+  ``pooled_scores_reference(q[:, :n, None], k[:, :n], lengths[:, :n], gqa="max")[:, :, 0]``). A drift
+  check at every step needs the pivots' scores, and on CPU reading their keys a second time cost more
+  than the rest of the check; a layer's pivots lead its full-head group, whose other heads are attended
+  in the same call because slicing K/V per head copies them (XLA:CPU). Plain jnp on every backend.
   """
   T = k.shape[2]
+  n = k.shape[1] if scored_heads is None else int(scored_heads)
   lengths = _prepare_lengths(lengths, k.shape[0], k.shape[1], T)
-  valid = jnp.arange(T)[None, None, :] < lengths[..., None]        # [B, Hp, T]
+  valid = jnp.arange(T)[None, None, :] < lengths[..., None]        # [B, H, T]
   out, lse, e, l = masked_decode_attention(q.astype(jnp.float32), k.astype(jnp.float32),
                                            v.astype(jnp.float32), valid, 1.0 / math.sqrt(q.shape[-1]))
-  p = e / jnp.maximum(l, 1e-30)[..., None]
-  scores = jnp.where(valid, gqa_reduce(avg_pool(p), "max", axis=2), MASK_VALUE)
+  p = e[:, :n] / jnp.maximum(l[:, :n], 1e-30)[..., None]
+  scores = jnp.where(valid[:, :n], gqa_reduce(avg_pool(p), "max", axis=2), MASK_VALUE)
   return out.astype(q.dtype), lse, scores
 
 

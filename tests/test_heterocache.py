@@ -333,6 +333,44 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
                 assert not top[b, p].any()
 
 
+def test_attend_with_overlaps_pivots_beside_volatiles_and_groups():
+    """A pivot layer whose full group holds a volatile head after its 2 pivots, then a compressed group of
+    ragged heads (one device): the step's attention equals plain per-group attention merged with the tail
+    (``layer_decode_attention``, every head), and the scores are the pivots' own pooled scores (numpy,
+    masked beyond each pivot's length) with their chance-normalised overlaps against K_base by the
+    definition (``drift_check_reference`` over one query)."""
+    from hetero_jax.model import transformer as M
+    from hetero_jax.model.cache import HeadGroup, LayerCache
+    from hetero_jax.policies.heterocache.decode import attend_with_overlaps
+
+    rng = np.random.default_rng(11)
+    B, G, D, T, S, R, l_base = 2, 3, 8, 48, 20, 6, 7
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    full_len = np.array([[T, T, T], [T - 5, T - 5, T - 5]], np.int32)
+    comp_len = np.array([[S, 13], [9, S]], np.int32)
+    full = HeadGroup(k=f32(B, 3, T, D), v=f32(B, 3, T, D), positions=jnp.zeros((B, 3, T), jnp.int32),
+                     lengths=jnp.asarray(full_len))
+    comp = HeadGroup(k=f32(B, 2, S, D), v=f32(B, 2, S, D), positions=jnp.zeros((B, 2, S), jnp.int32),
+                     lengths=jnp.asarray(comp_len))
+    k_base = np.stack([rng.permutation(T - 5)[:l_base] for _ in range(B * 2)]).reshape(B, 2, l_base)
+    lc = LayerCache(groups=(full, comp), tail_k=f32(B, 5, R, D), tail_v=f32(B, 5, R, D),
+                    aux={"k_base": jnp.asarray(k_base, jnp.int32)})
+    q, tail_lens = f32(B, 5, G, D), jnp.asarray([2, 4], jnp.int32)
+    out, overlap, scores = attend_with_overlaps(q, lc, tail_lens, (0, 1))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(M.layer_decode_attention(q, lc, tail_lens)),
+                               rtol=1e-5, atol=1e-6)
+    assert scores.shape == (B, 2, T)
+    for b in range(B):
+        for p in range(2):
+            n = full_len[b, p]
+            want = _np_pooled_max(np.asarray(q[b, p])[None], np.asarray(full.k[b, p, :n]))[0]
+            np.testing.assert_allclose(np.asarray(scores[b, p, :n]), want, rtol=1e-5, atol=1e-7)
+            assert (np.asarray(scores[b, p, n:]) == pallas_kernels.MASK_VALUE).all()
+    _, ref, _ = pallas_kernels.drift_check_reference(q[:, :2, None], full.k[:, :2], k_base, l_base, 0.0,
+                                                     jnp.asarray(full_len[:, :2]))
+    np.testing.assert_allclose(np.asarray(overlap), np.asarray(ref), atol=1e-6)
+
+
 def _spy_turns(sess):
     """Record (event, step, numpy turn queries) as the session's controller sees a turn."""
     ctl, log = sess.engine.state, []

@@ -68,29 +68,28 @@ def attend_with_overlaps(q, layer_cache, tail_lens, slots):
     float32: the chance-normalised overlap of each pivot's top-L_base with its K_base, and the pooled
     scores [B, Np, T]). The check every ``window`` steps is the median of the buffered o'_t
     (``drift_layer``): the value the paper's check computes from the buffered queries, spread over the
-    steps. On one device the pivots (the first slots of the full group) are attended by
-    ``pallas_kernels.attention_and_pooled_scores``, so their keys are read once for both; under tensor
-    parallelism they are scored apart.
+    steps. On one device the pivots lead the full-head group, which
+    ``pallas_kernels.attention_and_pooled_scores`` attends whole, so the pivots' keys are read once for
+    both; under tensor parallelism they are scored apart.
     """
     k_base = layer_cache.aux["k_base"]  # [B, Np, L_base]
     n = len(slots)
     g0 = layer_cache.groups[0]
     if layer_cache.head_tp == 1 and list(slots) == list(range(n)) and g0.num_heads >= n:
-        q_piv = q[:, :n]
-        out_p, lse_p, scores = pallas_kernels.attention_and_pooled_scores(q_piv, g0.k[:, :n], g0.v[:, :n],
-                                                                          g0.lengths[:, :n])
-        t_len = jnp.broadcast_to(tail_lens[:, None], (q.shape[0], n))
-        out_t, lse_t = pallas_kernels.decode_attention(q_piv, layer_cache.tail_k[:, :n],
-                                                       layer_cache.tail_v[:, :n], t_len, finite_padding=True)
-        out_piv = pallas_kernels.merge_attention(out_p, lse_p, out_t, lse_t)[0]
-        rest = ((g0.replace(k=g0.k[:, n:], v=g0.v[:, n:], positions=g0.positions[:, n:], lengths=g0.lengths[:, n:]),)
-                if g0.num_heads > n else ()) + tuple(layer_cache.groups[1:])
-        outs = [out_piv]
-        if rest:
-            lc_rest = layer_cache.replace(groups=rest, tail_k=layer_cache.tail_k[:, n:],
-                                          tail_v=layer_cache.tail_v[:, n:])
-            outs.append(M.layer_decode_attention(q[:, n:], lc_rest, tail_lens))
-        out = jnp.concatenate(outs, axis=1)
+        # the whole leading group in one call: slicing its K/V at the pivots copied them (XLA:CPU), and the
+        # copy cost more than the volatile heads' attention beside the pivots' (README, "Latency")
+        m = g0.num_heads
+        out_p, lse_p, scores = pallas_kernels.attention_and_pooled_scores(q[:, :m], g0.k, g0.v, g0.lengths,
+                                                                          scored_heads=n)
+        t_len = jnp.broadcast_to(tail_lens[:, None], (q.shape[0], m))
+        out_t, lse_t = pallas_kernels.decode_attention(q[:, :m], layer_cache.tail_k[:, :m],
+                                                       layer_cache.tail_v[:, :m], t_len, finite_padding=True)
+        outs = [pallas_kernels.merge_attention(out_p, lse_p, out_t, lse_t)[0]]
+        if len(layer_cache.groups) > 1:
+            lc_rest = layer_cache.replace(groups=tuple(layer_cache.groups[1:]), tail_k=layer_cache.tail_k[:, m:],
+                                          tail_v=layer_cache.tail_v[:, m:])
+            outs.append(M.layer_decode_attention(q[:, m:], lc_rest, tail_lens))
+        out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
         lengths = g0.lengths[:, :n]
     else:
         out = M.layer_decode_attention(q, layer_cache, tail_lens)
