@@ -303,6 +303,42 @@ def _sortable_bits(x):
   return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
 
 
+def _bisect_kth(key, k: int):
+  """Largest uint32 v with count(key >= v) >= k per row of key [..., T] (the k-th largest key), and that
+  count. 32 passes of a compare and a sum; the sum in float32 (exact below 2^24 entries) runs 1.3-1.5x
+  faster than an int32 one on XLA:CPU (14 rows of 32K: 2.5 against 3.2-3.8 ms)."""
+  T = key.shape[-1]
+  count_dtype = jnp.float32 if T < (1 << 24) else jnp.int32
+
+  def body(i, carry):
+    v, n_v = carry
+    cand = v | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+    n_ge = jnp.where(key >= cand[..., None], 1, 0).astype(count_dtype).sum(axis=-1)
+    take = n_ge >= k
+    return jnp.where(take, cand, v), jnp.where(take, n_ge, n_v)
+
+  init = (jnp.zeros(key.shape[:-1], jnp.uint32), jnp.full(key.shape[:-1], T, count_dtype))
+  v, n_v = lax.fori_loop(0, 32, body, init)
+  return v, n_v.astype(jnp.int32)
+
+
+def _threshold_counts(scores, k: int):
+  """(sortable keys [..., T], k-th largest key [...], n_greater [...], n_at_least [...]: entries above it
+  and at or above it)."""
+  T = scores.shape[-1]
+  if not 1 <= k <= T:
+    raise ValueError(f"k must lie in [1, {T}], got {k}")
+  key = _sortable_bits(scores)
+  v, n_ge = _bisect_kth(key, k)
+  n_greater = (key > v[..., None]).sum(axis=-1, dtype=jnp.int32)
+  return key, v, n_greater, n_ge
+
+
+def _key_to_float(v):
+  b = jnp.where((v >> 31) == 1, v & jnp.uint32(0x7FFFFFFF), ~v)
+  return lax.bitcast_convert_type(b, jnp.float32)
+
+
 @functools.partial(jax.jit, static_argnames=("k",))
 def topk_threshold(
     scores,   # [..., T] float32
@@ -316,20 +352,8 @@ def topk_threshold(
   {t: s_t > kth} plus the first k - n_greater indices t with s_t == kth
   (ties go to the lower index).
   """
-  T = scores.shape[-1]
-  if not 1 <= k <= T:
-    raise ValueError(f"k must lie in [1, {T}], got {k}")
-  key = _sortable_bits(scores)
-
-  def body(i, v):
-    cand = v | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
-    n_ge = (key >= cand[..., None]).sum(axis=-1, dtype=jnp.int32)
-    return jnp.where(n_ge >= k, cand, v)   # largest v with count(key >= v) >= k
-
-  v = lax.fori_loop(0, 32, body, jnp.zeros(scores.shape[:-1], jnp.uint32))
-  n_greater = (key > v[..., None]).sum(axis=-1, dtype=jnp.int32)
-  b = jnp.where((v >> 31) == 1, v & jnp.uint32(0x7FFFFFFF), ~v)
-  return lax.bitcast_convert_type(b, jnp.float32), n_greater
+  _, v, n_greater, _ = _threshold_counts(scores, k)
+  return _key_to_float(v), n_greater
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
@@ -343,19 +367,24 @@ def topk_membership(
   With kth, n_greater = topk_threshold(scores, k): t is a member iff
   s_t > kth, or s_t == kth and fewer than k - n_greater indices t' < t have
   s_t' == kth (lax.top_k keeps the lower indices of a tie; "==" and ">" in
-  its total order, where -0.0 < +0.0). Returns bool [..., K]; no sort.
+  its total order, where -0.0 < +0.0). Returns bool [..., K]; no sort. When
+  every entry equal to kth is a member (no tie crosses the cut, the usual
+  case) membership is s_t >= kth and the running count of ties is skipped.
   """
-  kth, n_greater = topk_threshold(scores, k)
-  key, kkey = _sortable_bits(scores), _sortable_bits(kth)[..., None]
-  ties = (key == kkey).astype(jnp.int32)
-  ties_before = jnp.cumsum(ties, axis=-1) - ties                # [..., T]
+  key, kkey, n_greater, n_ge = _threshold_counts(scores, k)
+  kkey = kkey[..., None]
   T = scores.shape[-1]
   ok = (idx >= 0) & (idx < T)
   j = jnp.clip(idx, 0, T - 1).astype(jnp.int32)
   kj = jnp.take_along_axis(key, j, axis=-1)
-  before = jnp.take_along_axis(ties_before, j, axis=-1)
-  return ok & ((kj > kkey) | ((kj == kkey)
-                              & (before < (k - n_greater)[..., None])))
+
+  def tie_cut():
+    ties = (key == kkey).astype(jnp.int32)
+    before = jnp.take_along_axis(jnp.cumsum(ties, axis=-1) - ties, j, axis=-1)
+    return ok & ((kj > kkey) | ((kj == kkey) & (before < (k - n_greater)[..., None])))
+
+  # n_ge - n_greater entries equal kth, k - n_greater of them are members: all of them iff the counts agree
+  return lax.cond(jnp.all(n_ge == k), lambda: ok & (kj >= kkey), tie_cut)
 
 
 def normalised_overlap(

@@ -333,18 +333,20 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
                 assert not top[b, p].any()
 
 
-def test_attend_with_overlaps_pivots_beside_volatiles_and_groups():
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_attend_with_overlaps_pivots_beside_volatiles_and_groups(backend):
     """A pivot layer whose full group holds a volatile head after its 2 pivots, then a compressed group of
     ragged heads (one device): the step's attention equals plain per-group attention merged with the tail
     (``layer_decode_attention``, every head), and the scores are the pivots' own pooled scores (numpy,
     masked beyond each pivot's length) with their chance-normalised overlaps against K_base by the
-    definition (``drift_check_reference`` over one query)."""
+    definition (``drift_check_reference`` over one query). Both paths: the reference kernels attend the
+    whole full group beside the pivots' scores; the Pallas ones (interpreted) take the volatile apart."""
     from hetero_jax.model import transformer as M
     from hetero_jax.model.cache import HeadGroup, LayerCache
     from hetero_jax.policies.heterocache.decode import attend_with_overlaps
 
     rng = np.random.default_rng(11)
-    B, G, D, T, S, R, l_base = 2, 3, 8, 48, 20, 6, 7
+    B, G, D, T, S, R, l_base = 2, 3, 16, 48, 20, 6, 7
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
     full_len = np.array([[T, T, T], [T - 5, T - 5, T - 5]], np.int32)
     comp_len = np.array([[S, 13], [9, S]], np.int32)
@@ -356,9 +358,11 @@ def test_attend_with_overlaps_pivots_beside_volatiles_and_groups():
     lc = LayerCache(groups=(full, comp), tail_k=f32(B, 5, R, D), tail_v=f32(B, 5, R, D),
                     aux={"k_base": jnp.asarray(k_base, jnp.int32)})
     q, tail_lens = f32(B, 5, G, D), jnp.asarray([2, 4], jnp.int32)
-    out, overlap, scores = attend_with_overlaps(q, lc, tail_lens, (0, 1))
-    np.testing.assert_allclose(np.asarray(out), np.asarray(M.layer_decode_attention(q, lc, tail_lens)),
-                               rtol=1e-5, atol=1e-6)
+    with pallas_kernels.use_kernels(backend):
+        out, overlap, scores = attend_with_overlaps(q, lc, tail_lens, (0, 1))
+    with pallas_kernels.use_kernels("reference"):
+        want = M.layer_decode_attention(q, lc, tail_lens)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
     assert scores.shape == (B, 2, T)
     for b in range(B):
         for p in range(2):

@@ -68,25 +68,28 @@ def attend_with_overlaps(q, layer_cache, tail_lens, slots):
     float32: the chance-normalised overlap of each pivot's top-L_base with its K_base, and the pooled
     scores [B, Np, T]). The check every ``window`` steps is the median of the buffered o'_t
     (``drift_layer``): the value the paper's check computes from the buffered queries, spread over the
-    steps. On one device the pivots lead the full-head group, which
-    ``pallas_kernels.attention_and_pooled_scores`` attends whole, so the pivots' keys are read once for
-    both; under tensor parallelism they are scored apart.
+    steps. On one device the pivots lead the full-head group and are attended by
+    ``pallas_kernels.attention_and_pooled_scores``, so their keys are read once for both (with the reference
+    kernels the group's volatiles in the same call); under tensor parallelism they are scored apart.
     """
     k_base = layer_cache.aux["k_base"]  # [B, Np, L_base]
     n = len(slots)
     g0 = layer_cache.groups[0]
     if layer_cache.head_tp == 1 and list(slots) == list(range(n)) and g0.num_heads >= n:
-        # the whole leading group in one call: slicing its K/V at the pivots copied them (XLA:CPU), and the
-        # copy cost more than the volatile heads' attention beside the pivots' (README, "Latency")
-        m = g0.num_heads
-        out_p, lse_p, scores = pallas_kernels.attention_and_pooled_scores(q[:, :m], g0.k, g0.v, g0.lengths,
-                                                                          scored_heads=n)
+        # XLA:CPU copies a K/V slice, and with a volatile beside its pivot the copy cost 4x the layer's
+        # attention: there the whole leading group is attended in one call. With Pallas kernels the volatiles
+        # stay in the decode kernel (a slice is one contiguous copy on a GPU; README, "Latency").
+        m = g0.num_heads if pallas_kernels.resolve_backend(None) == "reference" else n
+        out_p, lse_p, scores = pallas_kernels.attention_and_pooled_scores(
+            q[:, :m], g0.k[:, :m], g0.v[:, :m], g0.lengths[:, :m], scored_heads=n)
         t_len = jnp.broadcast_to(tail_lens[:, None], (q.shape[0], m))
         out_t, lse_t = pallas_kernels.decode_attention(q[:, :m], layer_cache.tail_k[:, :m],
                                                        layer_cache.tail_v[:, :m], t_len, finite_padding=True)
         outs = [pallas_kernels.merge_attention(out_p, lse_p, out_t, lse_t)[0]]
-        if len(layer_cache.groups) > 1:
-            lc_rest = layer_cache.replace(groups=tuple(layer_cache.groups[1:]), tail_k=layer_cache.tail_k[:, m:],
+        rest = ((g0.replace(k=g0.k[:, m:], v=g0.v[:, m:], positions=g0.positions[:, m:], lengths=g0.lengths[:, m:]),)
+                if g0.num_heads > m else ()) + tuple(layer_cache.groups[1:])
+        if rest:
+            lc_rest = layer_cache.replace(groups=rest, tail_k=layer_cache.tail_k[:, m:],
                                           tail_v=layer_cache.tail_v[:, m:])
             outs.append(M.layer_decode_attention(q[:, m:], lc_rest, tail_lens))
         out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
