@@ -489,8 +489,8 @@ def attention_and_pooled_scores(
   tail's; scores [B, n, T] float32 for the first n = ``scored_heads`` heads:
   ``pooled_scores_reference(q[:, :n, None], k[:, :n], lengths[:, :n], gqa="max")[:, :, 0]``). A drift
   check at every step needs the pivots' scores, and on CPU reading their keys a second time cost more
-  than the rest of the check; a layer's pivots lead its full-head group, whose other heads are attended
-  in the same call because slicing K/V per head copies them (XLA:CPU). Plain jnp on every backend.
+  than the rest of the check. With the reference kernels HeteroCache passes a pivot layer's whole
+  full-head group (its pivots first), because XLA:CPU copies a K/V slice. Plain jnp on every backend.
   """
   T = k.shape[2]
   n = k.shape[1] if scored_heads is None else int(scored_heads)
