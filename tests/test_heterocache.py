@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import pallas_kernels
 
@@ -154,7 +155,7 @@ def test_drift_thresholds_and_recall_contents(tau):
     orig_after = ctl.after_step
 
     def spy(step, extras, cache):  # keep the pivot queries (the extras' first) for the independent check
-        seen_q.append([None if e is None else np.asarray(e[0]) for e in extras])
+        seen_q.append([None if e is None or e[0] is None else np.asarray(e[0][0]) for e in extras])
         orig_after(step, extras, cache)
 
     ctl.after_step = spy
@@ -552,3 +553,188 @@ def test_layout_groups_close_budgets():
         n_full = len(r["pivot"]) + len(r["volatile"])
         want = budget_runs([grid[li, h] for h in comp], GROUP_PADDING * grid[li].sum())
         assert list(layout.group_sizes[li]) == ([n_full] if n_full else []) + want
+
+
+# ------------------------------------------------------------------ copy window
+def _copy_profile():
+    """PROFILE's roles with copy heads: layer 1's volatile (head 1) and, in layer 2, a volatile head 1
+    beside pivot 2 (copy scores 0.5 >= tau_copy 0.3); every other head scores 0."""
+    from hetero_jax.profile.format import ProfileSettings
+
+    base = make_profile([[S, P, S], [A, V, A], [S, V, P]], (((1, (0, 2)),), (), ((2, (0,)),)))
+    copy = np.zeros((3, 3))
+    copy[1, 1] = copy[2, 1] = 0.5
+    return HeadProfile(roles=base.roles, clusters=base.clusters, weights=base.weights, copy_score=copy,
+                       architecture="llama", head_dim=CFG.head_dim, settings=ProfileSettings(tau_copy=0.3))
+
+
+COPY_PROFILE = _copy_profile()
+
+
+def test_window_slots_and_copy_rows_by_hand():
+    from hetero_jax.policies.heterocache.decode import copy_rows, window_slots
+
+    kept = np.array([[[0.5, 0.1, 0.9, 0.1, 0.3, 0.7, 0.2, 0.8, -9.0]]])  # slot 8 is past the head's count
+    # w = min(4, 8 // 4) = 2: the two least-scored kept rows, ties to the lower slot
+    np.testing.assert_array_equal(window_slots(kept, np.array([[8]]), 4), [[[1, 3, -1, -1]]])
+    np.testing.assert_array_equal(window_slots(kept, np.array([[3]]), 4), [[[-1, -1, -1, -1]]])  # 3 // 4 = 0
+    # forward from the start, skipping the head's other rows; at the prompt's end, back from start - 1
+    np.testing.assert_array_equal(copy_rows(5, 4, np.array([6, 8, 2]), 20), [5, 7, 9, 10])
+    np.testing.assert_array_equal(copy_rows(16, 6, np.array([17, 3, 14]), 20), [12, 13, 15, 16, 18, 19])
+    np.testing.assert_array_equal(copy_rows(-3, 2, np.array([0]), 20), [1, 2])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_copy_rows_are_the_nearest_free_rows(data):
+    """copy_rows (two-stage numpy search) equals the set-difference definition on random cases."""
+    from hetero_jax.policies.heterocache.decode import copy_rows
+
+    T = data.draw(st.integers(1, 80))
+    held = np.asarray(data.draw(st.lists(st.integers(0, T - 1), unique=True, max_size=T - 1)), np.int64)
+    w = data.draw(st.integers(1, T - len(held)))
+    start = data.draw(st.integers(-3, T + 3))
+    np.testing.assert_array_equal(copy_rows(start, w, held, T), _np_copy_rows(min(max(0, start), T), w, held, T))
+
+
+def test_copy_slots_follow_the_profile():
+    p = HeteroCache(profile=COPY_PROFILE).bind(MODEL)
+    assert [p.copy_slots(li) for li in range(3)] == [(), (0,), (1,)]  # after the pivots, volatiles copy-first
+    assert [HeteroCache(profile=COPY_PROFILE, copy_window=0).bind(MODEL).copy_slots(li) for li in range(3)] == [(), (), ()]
+    assert [HeteroCache(profile=PROFILE).bind(MODEL).copy_slots(li) for li in range(3)] == [(), (), ()]  # no copy rule
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_attend_reports_the_copy_heads_pointer(backend):
+    """Layer 2 of COPY_PROFILE (pivot, copy head, one satellite): ``HeteroCache.attend`` gives plain attention,
+    the pivot's overlap share as ``attend_with_overlaps``, and as the pointer the copy head's most attended
+    prompt position by numpy's pooled scores (GQA max)."""
+    from hetero_jax.model import transformer as M
+    from hetero_jax.model.cache import HeadGroup, LayerCache
+    from hetero_jax.policies.heterocache.decode import attend_with_overlaps
+
+    p = HeteroCache(profile=COPY_PROFILE).bind(MODEL)
+    rng = np.random.default_rng(5)
+    B, G, D, T, S, R, l_base = 2, 3, 16, 40, 12, 4, 6
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    full_len = np.array([[T, T], [T - 7, T - 7]], np.int32)
+    full = HeadGroup(k=f32(B, 2, T, D), v=f32(B, 2, T, D), positions=jnp.zeros((B, 2, T), jnp.int32),
+                     lengths=jnp.asarray(full_len))
+    comp = HeadGroup(k=f32(B, 1, S, D), v=f32(B, 1, S, D), positions=jnp.zeros((B, 1, S), jnp.int32),
+                     lengths=jnp.asarray([[S], [9]], jnp.int32))
+    k_base = jnp.asarray(np.stack([rng.permutation(T - 7)[:l_base] for _ in range(B)])[:, None], jnp.int32)
+    lc = LayerCache(groups=(full, comp), tail_k=f32(B, 3, R, D), tail_v=f32(B, 3, R, D), aux={"k_base": k_base})
+    q, tail_lens = f32(B, 3, G, D), jnp.asarray([1, 3], jnp.int32)
+    with pallas_kernels.use_kernels(backend):
+        out, _, (pivot, pointer) = p.attend(2, q, lc, tail_lens, None)
+        _, want_overlap, want_scores = attend_with_overlaps(q, lc, tail_lens, (0,))
+    with pallas_kernels.use_kernels("reference"):
+        want = M.layer_decode_attention(q, lc, tail_lens)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(pivot[1]), np.asarray(want_overlap), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(pivot[2]), np.asarray(want_scores), rtol=1e-5, atol=1e-7)
+    assert pointer.shape == (B, 1) and pointer.dtype == jnp.int32
+    for b in range(B):
+        pooled = _np_pooled_max(np.asarray(q[b, 1])[None], np.asarray(full.k[b, 1, : full_len[b, 1]]))[0]
+        assert int(pointer[b, 0]) == int(np.argmax(pooled))
+
+
+def _assert_rows_are_the_host_copy(eng):
+    """Every compressed head holds distinct prompt positions, its budget of them, and at each the host copy's
+    K/V row; returns per layer the [B, Hc, cap] positions, as the decode state's mirror says."""
+    st = eng.state
+    out = []
+    for li, r in enumerate(st.prefilled.roles):
+        counts = st.prefilled.counts[li]
+        if not counts.shape[1]:
+            out.append(None)
+            continue
+        host_k, host_v = st.prefilled.store.view(li)
+        lc = eng.cache.layers[li]
+        for b in range(counts.shape[0]):
+            for j in range(counts.shape[1]):
+                gi, hi = r.loc[r.comp_slots[j]]
+                g = lc.groups[gi]
+                c = int(counts[b, j])
+                assert int(g.lengths[b, hi]) == c
+                pos = np.asarray(g.positions[b, hi, :c])
+                assert len(set(pos.tolist())) == c and pos.min() >= 0
+                np.testing.assert_array_equal(st.held[li][b, j, :c], pos)  # the mirror is the device's
+                np.testing.assert_array_equal(np.asarray(g.k[b, hi, :c]), host_k[b, j, pos])
+                np.testing.assert_array_equal(np.asarray(g.v[b, hi, :c]), host_v[b, j, pos])
+        out.append(st.held[li].copy())
+    return out
+
+
+def _np_copy_rows(start, w, others, T):
+    """copy_rows by a set difference: the w positions nearest after ``start`` (then before it) not held."""
+    free = [t for t in range(T) if t not in set(others.tolist())]
+    order = sorted(free, key=lambda t: (t < start, t if t >= start else -t))
+    return np.sort(np.asarray(order[:w]))
+
+
+def test_copy_window_follows_a_copy_pointer():
+    """Prefill and the first steps equal copy_window=0's (the window only moves on a copy); a pointer one
+    token ahead of the step before moves every compressed head's window slots, its least-scored kept rows,
+    to the prompt rows from two tokens before the pointer that the head does not hold, from the host copy;
+    its other rows, lengths and shapes stay. A recall then refills a satellite's window (tau 1.5 drifts)."""
+    L, rho, W = 160, 0.5, 8
+    ids = random_prompt(L, 3)
+    off = Engine(MODEL, [ids], HeteroCache(profile=COPY_PROFILE, budget=rho, copy_window=0), tail_capacity=16)
+    eng = Engine(MODEL, [ids], HeteroCache(profile=COPY_PROFILE, budget=rho, copy_window=W, window=2,
+                                           tau_drift=1.5), tail_capacity=16)
+    np.testing.assert_array_equal(np.asarray(eng.logits), np.asarray(off.logits))
+    for a, b in zip(jax_leaves(eng.cache), jax_leaves(off.cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    st = eng.state
+    before = _assert_rows_are_the_host_copy(eng)
+    shapes = [np.shape(a) for a in jax_leaves(eng.cache)]
+    ptr = 100
+    st.pointer_prev, st.pointer_pending = np.array([[40]]), np.array([[ptr]])  # jumped: no copy
+    eng.cache = st.before_step(0, eng.cache)
+    assert st.copy_moves == 0 and st.window_start[0] == -1
+    st.pointer_prev, st.pointer_pending = np.array([[ptr - 1]]), np.array([[ptr]])  # one token on: a copy
+    eng.cache = st.before_step(0, eng.cache)
+    assert st.copy_moves == 1 and st.window_start[0] == ptr - 2 and st.bytes_copied > 0
+    after = _assert_rows_are_the_host_copy(eng)
+    assert [np.shape(a) for a in jax_leaves(eng.cache)] == shapes
+    for li, (h0, h1) in enumerate(zip(before, after)):
+        if h0 is None:
+            continue
+        for j in range(h0.shape[1]):
+            c = int(st.prefilled.counts[li][0, j])
+            slots = st.win[li][0, j]
+            slots = slots[slots >= 0]
+            assert len(slots) == min(W, c // 4) > 0
+            others = np.delete(h0[0, j, :c], slots)
+            np.testing.assert_array_equal(np.delete(h1[0, j, :c], slots), others)  # the rest unchanged
+            np.testing.assert_array_equal(np.sort(h1[0, j, slots]), _np_copy_rows(ptr - 2, len(slots), others, L))
+    # the pointer stays inside the window's first half: no move; past it: the window moves on
+    st.pointer_prev, st.pointer_pending = np.array([[ptr]]), np.array([[ptr + 1]])
+    eng.cache = st.before_step(0, eng.cache)
+    assert st.copy_moves == 1
+    st.pointer_prev, st.pointer_pending = np.array([[ptr + W // 2]]), np.array([[ptr + W // 2 + 1]])
+    eng.cache = st.before_step(0, eng.cache)
+    assert st.copy_moves == 2 and st.window_start[0] == ptr + W // 2 - 1
+    # decode on: drift checks recall satellites every 2 steps and the open window is refilled after them
+    tok = eng.first_tokens(0.0, 1.0)
+    for _ in range(5):
+        tok, _ = eng.step(tok, 0.0, 1.0)
+    assert st.stats()["recalls"] > 0
+    final = _assert_rows_are_the_host_copy(eng)
+    for li, h in enumerate(final):
+        if h is None:
+            continue
+        for j in range(h.shape[1]):
+            c = int(st.prefilled.counts[li][0, j])
+            slots = st.win[li][0, j]
+            slots = slots[slots >= 0]
+            others = np.delete(h[0, j, :c], slots)
+            np.testing.assert_array_equal(np.sort(h[0, j, slots]),
+                                          _np_copy_rows(int(st.window_start[0]), len(slots), others, L))
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)

@@ -189,7 +189,7 @@ class HeadProfile:
     def copy_heads(self) -> np.ndarray:
         """bool [L, H]: heads whose copy score reaches the profile's tau_copy (all False without a copy rule;
         an unknown score, NaN, never does). The copy rule keeps these whole (``clustering.assign_roles``)."""
-        if self.settings.tau_copy is None:
+        if self.settings.tau_copy is None or self.copy_score is None:
             return np.zeros(self.roles.shape, bool)
         return self.copy_score >= self.settings.tau_copy
 

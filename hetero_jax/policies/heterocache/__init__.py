@@ -27,6 +27,17 @@ below ``tau_drift``, each satellite of that pivot
 gets its own top-l_s positions of the pivot's latest pooled scores, gathered
 from the host copy and written into its device slots, and K_base moves on.
 
+Copy window (ours, ``copy_window=16``; one device): each compressed head gives its
+``copy_window`` least-scored kept slots (at most a quarter of its l_i) to a window
+that follows the profile's copy heads (duplicate-token heads the copy rule keeps
+whole). Every step reports each copy head's most attended prompt position (its
+pooled scores, read with its attention); when one moves one or two tokens on,
+the answer is copying a span of the prompt, and the windows take the rows from
+two tokens before it, from the host copy (rows a head holds already are skipped).
+The window moves on once the pointer passes its middle. Until a copy is seen the
+cache is exactly the selection without a window; a profile without copy heads
+never moves it.
+
 Asynchrony and lag: the check is dispatched right after step t's decode and
 its small outputs (flags, indices) are copied to the host asynchronously;
 they are read before step t + 1 is dispatched, and recalled rows are written

@@ -1,5 +1,5 @@
 """HeteroCache's decode state: re-selection after a session's turn, drift checks every ``window`` steps,
-and recalls from the host copy one step later."""
+recalls from the host copy one step later, and the copy window that follows an answer copying the prompt."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ class HeteroPrefilled:
     # under tensor parallelism: per layer [B, H] each head's window start in its shard's pool (layout slots)
     pool_offsets: list[np.ndarray] | None = None
     placement: dict | None = None  # under tensor parallelism: tokens per shard, balanced vs contiguous
+    # copy window (one device, ``copy_window`` > 0), per layer with compressed heads (else None): the prompt
+    # position in each slot of each compressed head [B, Hc, cap] (-1: padding) and its window slots
+    # [B, Hc, W] (-1: none), the slots of its least-scored kept rows (``window_slots``)
+    held: list | None = None
+    window_slots: list | None = None
 
     def store_heads(self, li: int) -> np.ndarray:
         """Index in the layer's host store of each compressed head (0..Hc-1 on one device; its layout slot
@@ -68,17 +73,32 @@ def attend_with_overlaps(q, layer_cache, tail_lens, slots):
     float32: the chance-normalised overlap of each pivot's top-L_base with its K_base, and the pooled
     scores [B, Np, T]). The check every ``window`` steps is the median of the buffered o'_t
     (``drift_layer``): the value the paper's check computes from the buffered queries, spread over the
-    steps. On one device the pivots lead the full-head group and are attended by
-    ``pallas_kernels.attention_and_pooled_scores``, so their keys are read once for both (with the reference
-    kernels the group's volatiles in the same call); under tensor parallelism they are scored apart.
+    steps.
     """
-    k_base = layer_cache.aux["k_base"]  # [B, Np, L_base]
+    out, scores, lengths = attend_and_score(q, layer_cache, tail_lens, slots)
+    return out, pivot_overlap(scores, layer_cache.aux["k_base"], lengths), scores
+
+
+def pivot_overlap(scores, k_base, lengths):
+    """o'_t [B, Np] of the pivots' pooled scores [B, Np, T] against their K_base [B, Np, L_base]."""
+    return pallas_kernels.base_overlap(scores[:, :, None], k_base, k_base.shape[-1], lengths)[:, :, 0]
+
+
+def attend_and_score(q, layer_cache, tail_lens, slots):
+    """A decode step's attention in one layer and the pooled scores (GQA max) of the full heads at ``slots``.
+
+    q [B, Nkv, G, D]. Returns (out [B, Nkv, G, D], scores [B, n, T], their prompt lengths [B, n]). On one
+    device, when ``slots`` lead the full-head group (pivots, then copy heads: ``HeteroCache.roles_in_layout``),
+    they are attended by ``pallas_kernels.attention_and_pooled_scores``, so their keys are read once for both
+    (with the reference kernels the group's other full heads in the same call); under tensor parallelism
+    they are scored apart.
+    """
     n = len(slots)
     g0 = layer_cache.groups[0]
     if layer_cache.head_tp == 1 and list(slots) == list(range(n)) and g0.num_heads >= n:
         # XLA:CPU copies a K/V slice, and with a volatile beside its pivot the copy cost 4x the layer's
-        # attention: there the whole leading group is attended in one call. With Pallas kernels the volatiles
-        # stay in the decode kernel (a slice is one contiguous copy on a GPU; README, "Latency").
+        # attention: there the whole leading group is attended in one call. With Pallas kernels the other
+        # full heads stay in the decode kernel (a slice is one contiguous copy on a GPU; README, "Latency").
         m = g0.num_heads if pallas_kernels.resolve_backend(None) == "reference" else n
         out_p, lse_p, scores = pallas_kernels.attention_and_pooled_scores(
             q[:, :m], g0.k[:, :m], g0.v[:, :m], g0.lengths[:, :m], scored_heads=n)
@@ -93,13 +113,11 @@ def attend_with_overlaps(q, layer_cache, tail_lens, slots):
                                           tail_v=layer_cache.tail_v[:, m:])
             outs.append(M.layer_decode_attention(q[:, m:], lc_rest, tail_lens))
         out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
-        lengths = g0.lengths[:, :n]
-    else:
-        out = M.layer_decode_attention(q, layer_cache, tail_lens)
-        keys, lengths = full_heads(layer_cache, slots)
-        scores = pallas_kernels.scores(take_slots(q, slots)[:, :, None], keys, lengths, gqa="max")[:, :, 0]
-    overlap = pallas_kernels.base_overlap(scores[:, :, None], k_base, k_base.shape[-1], lengths)[:, :, 0]
-    return out, overlap, scores
+        return out, scores, g0.lengths[:, :n]
+    out = M.layer_decode_attention(q, layer_cache, tail_lens)
+    keys, lengths = full_heads(layer_cache, slots)
+    scores = pallas_kernels.scores(take_slots(q, slots)[:, :, None], keys, lengths, gqa="max")[:, :, 0]
+    return out, scores, lengths
 
 
 @functools.partial(jax.jit, static_argnames=("l_base", "tau", "n_top"))
@@ -130,6 +148,42 @@ def drift_layer(overlaps, latest_scores, k_base, l_base: int, tau: float, n_top:
 
 
 materialize_jit = jax.jit(materialize)
+
+
+def window_slots(kept_scores: np.ndarray, counts: np.ndarray, window: int) -> np.ndarray:
+    """Each compressed head's copy-window slots: the slots of its ``w`` least-scored kept rows, w =
+    min(window, count // 4) (a head keeps three quarters of its own selection at least), -1 past w.
+
+    kept_scores: [B, Hc, cap] the selection scores of the rows in each slot; counts: [B, Hc] rows kept.
+    Returns int64 [B, Hc, window], each head's slots in ascending score order (ties to the lower slot).
+    """
+    B, Hc, cap = kept_scores.shape
+    out = np.full((B, Hc, window), -1, np.int64)
+    for b in range(B):
+        for j in range(Hc):
+            c = int(counts[b, j])
+            w = min(window, c // 4)
+            if w:
+                out[b, j, :w] = np.argsort(np.asarray(kept_scores[b, j, :c], np.float64), kind="stable")[:w]
+    return out
+
+
+def copy_rows(start: int, w: int, held: np.ndarray, prompt_len: int) -> np.ndarray:
+    """The ``w`` prompt positions a copy window starting at ``start`` holds for a head whose other slots
+    hold ``held`` (positions): the first w of start, start + 1, ..., prompt_len - 1, then start - 1, ...,
+    0 that the head does not hold already (so no row is attended twice). Sorted, int64."""
+    held = np.asarray(held, np.int64)
+    s = min(max(0, int(start)), prompt_len)
+    free = lambda a: a[~np.isin(a, held)]  # noqa: E731
+    for span in (4 * w, prompt_len):  # the near rows first; the whole prompt only if too many are held
+        fwd = free(np.arange(s, min(prompt_len, s + span), dtype=np.int64))
+        if len(fwd) >= w:
+            return np.sort(fwd[:w])
+        if s + span >= prompt_len:  # every row after start is in: the rest from start - 1 down
+            back = free(np.arange(s - 1, max(-1, s - 1 - span), -1, dtype=np.int64))
+            if len(fwd) + len(back) >= w or span >= prompt_len:
+                return np.sort(np.concatenate([fwd, back[: w - len(fwd)]]))
+    raise AssertionError("unreachable: the second span is the whole prompt")
 
 
 def full_heads(lc, slots) -> tuple[jax.Array, jax.Array]:
@@ -171,6 +225,18 @@ class HeteroDecode(DecodeState):
         self.recall_failures = 0  # recalls dropped because their transfer failed (see before_step)
         self.reselect_failures = 0  # re-selections dropped the same way (see after_extend)
         self.recall_steps: list[int] = []
+        # copy window: per layer the positions each compressed head's slots hold and its window slots (this
+        # state's own copies: recalls, re-selections and the window rewrite them), the pointers of the copy
+        # heads at the last step (device, copied to the host asynchronously) and the step before (host)
+        self.held = [None if h is None else h.copy() for h in (prefilled.held or [])]
+        self.win = [None if w is None else w.copy() for w in (prefilled.window_slots or [])]
+        self.pointer_pending = None
+        self.pointer_prev = None
+        self.window_start = np.full(len(prefilled.lens), -1, np.int64)  # per sequence; -1: no copy seen
+        self.window_dirty: set = set()  # sequences whose windows must be (re)filled before the next step
+        self.copy_failures = 0  # window fills dropped (filled again at the next step)
+        self.copy_moves = 0  # times a sequence's window moved to a copied span
+        self.bytes_copied = 0
         # called as f(layer, q_buf, keys, k_base, lengths, l_base=...) with each pivot layer's check inputs
         # before it is dispatched (benchmarks/bench_drift_metric.py records the overlaps this way)
         self.check_observers: list = []
@@ -180,8 +246,12 @@ class HeteroDecode(DecodeState):
 
     def after_step(self, step: int, extras, cache: KVCache) -> None:
         """Buffer decode step ``step``'s pivot overlaps (``HeteroCache.attend``'s extras); every ``window``
-        steps dispatch the check."""
-        self.buffer.append(tuple(extras))
+        steps dispatch the check. The copy heads' pointers are read before the next step (``before_step``)."""
+        pointers = [e[1] for e in extras if e is not None and e[1] is not None]
+        if pointers:
+            self.pointer_pending = jnp.concatenate(pointers, axis=1) if len(pointers) > 1 else pointers[0]
+            self.pointer_pending.copy_to_host_async()
+        self.buffer.append(tuple(None if e is None else e[0] for e in extras))
         if len(self.buffer) == self.policy.window and self.pivot_layers:
             self._dispatch_check(step, cache)
             self.buffer.clear()
@@ -198,6 +268,8 @@ class HeteroDecode(DecodeState):
         """
         self.pending = None
         self.buffer.clear()
+        self.pointer_pending = self.pointer_prev = None
+        self.window_start[:] = -1
         saved = self.bytes_reselected
         try:
             return self._reselect(turn_queries, cache)
@@ -217,6 +289,7 @@ class HeteroDecode(DecodeState):
         lens = jnp.asarray(self.prefilled.lens, jnp.int32)
         layers = list(cache.layers)
         pool_rows = []  # under tensor parallelism: (layer, b, compressed head, slots, rows) into the pool
+        held_new = {}  # copy window: per layer the new rows' positions and window slots, set once all is written
         for li, r in enumerate(self.prefilled.roles):
             lc, q = layers[li], turn_queries[li]
             groups, aux = list(lc.groups), dict(lc.aux)
@@ -239,6 +312,12 @@ class HeteroDecode(DecodeState):
                 args = (scores, jnp.asarray(counts, jnp.int32))
                 idx = np.asarray(self.compile_fn(select_rows, *args, cap=cap)(*args))  # [B, Hc, cap]
                 b = np.arange(idx.shape[0])[:, None]
+                if self.held and self.held[li] is not None:  # the copy window's slots in the new rows
+                    hc = self.held[li].shape[2]
+                    valid = np.arange(hc)[None, None] < counts[:, :, None]
+                    kept = np.take_along_axis(np.asarray(scores), idx[:, :, :hc], axis=2)
+                    held_new[li] = (np.where(valid, idx[:, :, :hc], -1),
+                                    window_slots(kept, counts, self.policy.copy_window))
                 fresh = {}  # one device: group index -> host (k, v, positions) of its heads' new rows
                 for j in range(counts.shape[1]):
                     c = int(counts[:, j].max())
@@ -263,6 +342,8 @@ class HeteroDecode(DecodeState):
                                                     positions=jax.device_put(pg))
             layers[li] = lc.replace(groups=tuple(groups), aux=aux)
         self.reselections += 1
+        for li, (held, win) in held_new.items():
+            self.held[li], self.win[li] = held, win
         cache = cache.replace(layers=tuple(layers))
         return self._write_pool(cache, pool_rows) if pool_rows else cache
 
@@ -313,26 +394,35 @@ class HeteroDecode(DecodeState):
         self.pending = (step, outs)
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
-        """Apply the previous check's recalls (one step after it ran), all or nothing.
+        """Apply the previous check's recalls (one step after it ran), all or nothing; then move the copy
+        windows (``_follow_copy``) if the last step's pointers say an answer copies from the prompt.
 
         A recall whose host -> device transfer fails (a RuntimeError from ``jax.device_put``, e.g. out of
         device memory) leaves the cache and the recall stats as they were, with a RuntimeWarning:
         the recall is an accuracy aid, and decoding (a session's turn) goes on without it. K_base is
         kept too, so the next check sees the drift again and retries the recall.
         """
-        if self.pending is None:
-            return cache
-        saved = (self.checks, self.triggers, self.recalls, self.bytes_recalled, len(self.recall_steps))
-        try:
-            return self._apply_recalls(step, cache)
-        except (RuntimeError, MemoryError) as e:
-            (self.checks, self.triggers, self.recalls, self.bytes_recalled, n) = saved
-            del self.recall_steps[n:]
-            self.recall_failures += 1
-            warnings.warn(f"HeteroCache: the recall at decode step {step} failed ({type(e).__name__}: {e}); the "
-                          "device cache is unchanged and the drift will be checked again", RuntimeWarning,
-                          stacklevel=2)
-            return cache
+        if self.pending is not None:
+            saved = (self.checks, self.triggers, self.recalls, self.bytes_recalled, len(self.recall_steps))
+            try:
+                cache = self._apply_recalls(step, cache)
+            except (RuntimeError, MemoryError) as e:
+                (self.checks, self.triggers, self.recalls, self.bytes_recalled, n) = saved
+                del self.recall_steps[n:]
+                self.recall_failures += 1
+                warnings.warn(f"HeteroCache: the recall at decode step {step} failed ({type(e).__name__}: {e}); "
+                              "the device cache is unchanged and the drift will be checked again", RuntimeWarning,
+                              stacklevel=2)
+        if self.pointer_pending is not None or self.window_dirty:
+            saved = self.bytes_copied
+            try:
+                cache = self._follow_copy(cache)
+            except (RuntimeError, MemoryError) as e:  # the windows stay dirty: filled at the next step
+                self.bytes_copied = saved
+                self.copy_failures += 1
+                warnings.warn(f"HeteroCache: the copy window at decode step {step} failed ({type(e).__name__}: "
+                              f"{e}); it is filled again before the next step", RuntimeWarning, stacklevel=2)
+        return cache
 
     def _apply_recalls(self, step: int, cache: KVCache) -> KVCache:
         """Each drifted pivot's satellites take the top-l_s rows of its latest scores from the host copy.
@@ -345,6 +435,7 @@ class HeteroDecode(DecodeState):
         layers = list(cache.layers)
         writes = []  # (layer, group index, device operands) once every transfer has started
         pool_rows = []  # under tensor parallelism: rows into the pool (``_write_pool``)
+        held_updates = []  # copy window: (layer, b, satellite, its new positions, its new window slots)
         for li, out in enumerate(outs):
             if out is None:
                 continue
@@ -367,18 +458,15 @@ class HeteroDecode(DecodeState):
                         continue
                     gi, hi = r.loc[r.comp_slots[sat]]  # the satellite's group and head in it
                     per_group.setdefault(gi, []).append((b, sat, hi, pos))
+                    if self.held and self.held[li] is not None:  # its window: the recall's least-scored rows
+                        w = int((self.win[li][b, sat] >= 0).sum())
+                        held_updates.append((li, b, sat, pos, np.searchsorted(pos, top[b, p, l_s - w : l_s])))
             for gi, items in per_group.items():
-                b_idx = np.concatenate([np.full(len(pos), b) for b, _, _, pos in items])
-                sats = np.concatenate([np.full(len(pos), sat) for _, sat, _, pos in items])
-                h_idx = np.concatenate([np.full(len(pos), hi) for _, _, hi, pos in items])
-                rows = np.concatenate([pos for _, _, _, pos in items])
-                slots = np.concatenate([np.arange(len(pos)) for _, _, _, pos in items])
-                k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[sats], rows,
-                                                           total=row_bucket(len(rows)))
-                ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, layers[li].groups[gi].capacity)
+                ops, nbytes = self._row_ops(li, layers[li].groups[gi],
+                                            [(b, sat, hi, np.arange(len(pos)), pos) for b, sat, hi, pos in items])
                 writes.append((li, gi, ops))
                 self.recalls += len(items)
-                self.bytes_recalled += kv_rows_nbytes(len(rows), k_rows)
+                self.bytes_recalled += nbytes
             base = np.where(drift[..., None], new_base, np.asarray(layers[li].aux["k_base"]))
             aux = dict(layers[li].aux)
             aux["k_base"] = jax.device_put(base.astype(np.int32))
@@ -388,8 +476,88 @@ class HeteroDecode(DecodeState):
             groups = list(layers[li].groups)
             groups[gi] = scatter_rows(groups[gi], ops, self.compile_fn)
             layers[li] = layers[li].replace(groups=tuple(groups))
+        for li, b, sat, pos, slots in held_updates:
+            self.held[li][b, sat, : len(pos)] = pos
+            self.win[li][b, sat, : len(slots)] = slots
+            if self.window_start[b] >= 0:  # a copy window is open: fill the satellite's again
+                self.window_dirty.add(b)
         cache = cache.replace(layers=tuple(layers))
         return self._write_pool(cache, pool_rows) if pool_rows else cache
+
+    def _row_ops(self, li: int, group, items) -> tuple[tuple, int]:
+        """Device operands of ``scatter_rows`` (transfers started) writing host-copy rows into one group, and
+        the bytes moved. items: (b, compressed head j, its head index in the group, slots [n], positions [n])."""
+        b_idx = np.concatenate([np.full(len(pos), b) for b, _, _, _, pos in items])
+        heads = np.concatenate([np.full(len(pos), j) for _, j, _, _, pos in items])
+        h_idx = np.concatenate([np.full(len(pos), hi) for _, _, hi, _, pos in items])
+        slots = np.concatenate([sl for _, _, _, sl, _ in items])
+        rows = np.concatenate([pos for _, _, _, _, pos in items])
+        k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[heads], rows,
+                                                   total=row_bucket(len(rows)))
+        ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, group.capacity)
+        return ops, kv_rows_nbytes(len(rows), k_rows)
+
+    def _follow_copy(self, cache: KVCache) -> KVCache:
+        """The copy window: when a copy head's pointer (its most attended prompt position) moved one or two
+        tokens forward since the step before, the answer is copying a span of the prompt from there, and
+        every compressed head's window slots take the ``copy_window`` prompt rows from two tokens before it
+        (``copy_rows``: rows the head holds already are skipped) from the host copy, so that the heads which
+        follow a copy (duplicate-token heads the profile calls stable) see the span's next tokens. The window
+        moves again once the pointer passes its middle. Rows cross to the device only when a window moves."""
+        if self.pointer_pending is not None:
+            ptr = np.asarray(self.pointer_pending).astype(np.int64)  # [B, Nc]
+            self.pointer_pending = None
+            prev, self.pointer_prev = self.pointer_prev, ptr
+            W = self.policy.copy_window
+            if prev is not None:
+                for b in range(len(ptr)):
+                    adv = ptr[b] - prev[b]
+                    hits = np.flatnonzero((adv >= 1) & (adv <= 2))
+                    if not hits.size:
+                        continue
+                    c = int(ptr[b, hits[0]])
+                    start = self.window_start[b]
+                    if start < 0 or c < start + 2 or c > start + W // 2:
+                        self.window_start[b] = max(0, c - 2)
+                        self.window_dirty.add(b)
+                        self.copy_moves += 1
+        if not self.window_dirty:
+            return cache
+        dirty = sorted(self.window_dirty)
+        layers = list(cache.layers)
+        writes, updates = [], []
+        for li, r in enumerate(self.prefilled.roles):
+            held = self.held[li] if self.held else None
+            if held is None:
+                continue
+            per_group: dict[int, list] = {}
+            for b in dirty:
+                T = int(self.prefilled.lens[b])
+                for j in range(held.shape[1]):
+                    slots = self.win[li][b, j]
+                    slots = slots[slots >= 0]
+                    if not slots.size:
+                        continue
+                    c = int(self.prefilled.counts[li][b, j])
+                    own = np.delete(held[b, j, :c], slots)
+                    want = copy_rows(int(self.window_start[b]), len(slots), own, T)
+                    if np.array_equal(np.sort(held[b, j, slots]), want):
+                        continue
+                    gi, hi = r.loc[r.comp_slots[j]]
+                    per_group.setdefault(gi, []).append((b, j, hi, np.sort(slots), want))
+            for gi, items in per_group.items():
+                ops, nbytes = self._row_ops(li, layers[li].groups[gi], items)
+                writes.append((li, gi, ops))
+                updates += [(li, b, j, sl, want) for b, j, _, sl, want in items]
+                self.bytes_copied += nbytes
+        for li, gi, ops in writes:
+            groups = list(layers[li].groups)
+            groups[gi] = scatter_rows(groups[gi], ops, self.compile_fn)
+            layers[li] = layers[li].replace(groups=tuple(groups))
+        for li, b, j, sl, want in updates:
+            self.held[li][b, j, sl] = want
+        self.window_dirty = set()
+        return cache.replace(layers=tuple(layers))
 
     def in_flight(self):
         return self.pending
@@ -403,6 +571,8 @@ class HeteroDecode(DecodeState):
     def summary(self) -> str:
         text = (f"drift checks {self.checks}, triggered {self.triggers / self.checks if self.checks else 0:.0%}, "
                 f"recalls {self.recalls} ({self.bytes_recalled / 2**10:.0f} KiB)")
+        if self.copy_moves:
+            text += f", copy window moved {self.copy_moves}x ({self.bytes_copied / 2**10:.0f} KiB)"
         if self.reselections:
             text += f", re-selected {self.reselections}x ({self.bytes_reselected / 2**20:.1f} MiB)"
         p = self.prefilled.placement
@@ -422,6 +592,9 @@ class HeteroDecode(DecodeState):
             "reselections": self.reselections,
             "bytes_reselected": self.bytes_reselected,
             "recall_failures": self.recall_failures,
+            "copy_moves": self.copy_moves,
+            "bytes_copied": self.bytes_copied,
+            "copy_failures": self.copy_failures,
             "reselect_failures": self.reselect_failures,
             **({"placement": self.prefilled.placement} if self.prefilled.placement else {}),
         }

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.policies.base import BudgetError, PolicyError, int_param
 from hetero_jax.policies.profiled import ProfiledPolicy, profile_key, take_slots
 from hetero_jax.profile.format import HeadProfile
-from hetero_jax.policies.heterocache.decode import attend_with_overlaps
+from hetero_jax.policies.heterocache.decode import attend_and_score, pivot_overlap
 from hetero_jax.policies.heterocache.prefill import HeteroPrefill
 
 # Heads of a layer whose budgets are close share a cache group, each keeping exactly its own l_i rows
@@ -85,6 +86,7 @@ class HeteroCache(ProfiledPolicy):
     tau_drift: float | None = None
     pool_kernel: int = 5
     select_window: int = 8
+    copy_window: int = int_param(16, 0, " (prompt rows per compressed head that follow the copy heads; 0: off)")
     profile_key: str = dataclasses.field(default="", init=False)
     # set by bind() on a mesh: the row layout for tp shards and, per layer, its pivots' layout slots
     head_tp: int = dataclasses.field(default=1, init=False)
@@ -128,6 +130,8 @@ class HeteroCache(ProfiledPolicy):
         """``ProfiledPolicy.roles_in_layout``; on one device the satellites and the anchors each largest budget
         first (ties in head order), so that heads of close budgets are neighbours and can share a group."""
         r = super().roles_in_layout(layer)
+        copy = self.profile.copy_heads()[layer]
+        r["volatile"] = sorted(r["volatile"], key=lambda h: not copy[h])  # copy heads lead: scored beside pivots
         grid = self._nominal_grid() if self.head_tp == 1 else None
         if grid is not None:
             for role in ("satellite", "anchor"):
@@ -168,15 +172,34 @@ class HeteroCache(ProfiledPolicy):
         c = s.top_k / s.tokens_per_sample if s is not None and s.top_k and s.tokens_per_sample else 0.0
         return (tau - c) / (1.0 - c)
 
+    def copy_slots(self, li: int) -> tuple[int, ...]:
+        """Layout slots of layer ``li``'s copy heads (the profile's ``copy_heads()`` among its full heads),
+        which lead its volatiles right after the pivots; () with ``copy_window=0`` or under tensor parallelism
+        (the copy window is built for one device)."""
+        if not self.copy_window or self.head_tp != 1:
+            return ()
+        r = self.roles_in_layout(li)
+        copy = self.profile.copy_heads()[li]
+        n_p = len(r["pivot"])
+        return tuple(n_p + i for i, h in enumerate(r["volatile"]) if copy[h])
+
     def attend(self, li, q, layer_cache, tail_lens, seq_lens):
-        """Every kept slot; the extras are the layer's pivot queries [B, Np, G, D] and this step's share
-        of the drift check, o'_t [B, Np] and the pooled scores [B, Np, T] (``attend_with_overlaps``),
-        which the decode state buffers (None without pivots)."""
-        slots = self.pivot_slots(li)
-        if not slots:
+        """Every kept slot; the extra, for a layer with pivots or copy heads, is (pivots' share of the drift
+        check or None, copy heads' pointer or None). The pivots' share: their queries [B, Np, G, D], o'_t
+        [B, Np] and pooled scores [B, Np, T] (``attend_with_overlaps``), which the decode state buffers. The
+        pointer [B, Nc] int32: each copy head's most attended prompt position (pooled, GQA max), which moves
+        one token per step while an answer copies a span of the prompt (``HeteroDecode``'s copy window)."""
+        slots, copy = self.pivot_slots(li), self.copy_slots(li)
+        if not slots and not copy:
             return super().attend(li, q, layer_cache, tail_lens, seq_lens)
-        out, overlap, scores = attend_with_overlaps(q, layer_cache, tail_lens, slots)
-        return out, layer_cache, (take_slots(q, slots), overlap, scores)
+        out, scores, lengths = attend_and_score(q, layer_cache, tail_lens, tuple(slots) + copy)
+        n_p = len(slots)
+        pivot = None
+        if slots:
+            pivot = (take_slots(q, slots), pivot_overlap(scores[:, :n_p], layer_cache.aux["k_base"], lengths[:, :n_p]),
+                     scores[:, :n_p])
+        pointer = jnp.argmax(scores[:, n_p:], axis=-1).astype(jnp.int32) if copy else None
+        return out, layer_cache, (pivot, pointer)
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return HeteroPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)

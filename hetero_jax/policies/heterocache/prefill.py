@@ -16,7 +16,7 @@ from hetero_jax.model.layout import group_spans_of
 from hetero_jax.policies.protocol import PrefillPlan
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, take_slots
 from hetero_jax.policies.selection import select_group
-from hetero_jax.policies.heterocache.decode import HeteroDecode, HeteroPrefilled
+from hetero_jax.policies.heterocache.decode import HeteroDecode, HeteroPrefilled, window_slots
 from hetero_jax.policies.heterocache.scores import last_token_scores, window_scores
 
 
@@ -49,6 +49,9 @@ class HeteroPrefill(PrefillPlan):
         self.store = HostKVStore(cfg.num_layers)
         self.counts: list[np.ndarray] = []  # per layer [B, Hc] tokens kept by compressed heads
         self.k_base: list = []
+        # per layer on one device: the compressed heads' kept positions and their selection scores, both
+        # [B, Hc, cap] (device), from which ``finish`` picks each head's copy-window slots; None otherwise
+        self.kept: list = []
         self.pool: PromptPool | None = None
         if self.layout.tp > 1:
             self.pool_offsets, self.pool_slots = self._plan_pool()
@@ -141,13 +144,15 @@ class HeteroPrefill(PrefillPlan):
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (k_buf.shape[0], n_comp, T))
             if window > 1:
                 scores = self.compile_fn(window_scores, *args, cfg=cfg, window=window)(*args)
-            group, _ = select_group(scores[:, nf:], k_buf[:, nf:], v_buf[:, nf:], positions,
-                                    jnp.asarray(counts, jnp.int32), int(counts.max()), self.compile_fn)
+            group, kept = select_group(scores[:, nf:], k_buf[:, nf:], v_buf[:, nf:], positions,
+                                       jnp.asarray(counts, jnp.int32), int(counts.max()), self.compile_fn)
             groups.extend(split_runs(group, counts, self.layout.group_sizes[li][1 if nf else 0:]))
+            self.kept.append((group.positions, kept))
             self.counts.append(counts)
             self.store.put(li, k_buf[:, nf:, :t_max], v_buf[:, nf:, :t_max])
         else:
             self.counts.append(np.zeros((len(self.lens), 0), np.int64))
+            self.kept.append(None)
         return tuple(groups)
 
     def _build_rows(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[PooledGroup, ...]:
@@ -187,6 +192,7 @@ class HeteroPrefill(PrefillPlan):
             args = (self.pool, group, offsets)
             self.pool = self.compile_fn(pool_write, *args, tp=tp)(*args)  # the row group itself is dropped
             groups.append(PooledGroup(offsets=offsets, lengths=group.lengths, capacity=group.capacity))
+        self.kept.append(None)  # the copy window is built for one device
         if n_comp:
             self.counts.append(counts[:, r.comp_slots])
             # every head of the layer, as the device holds them (split over "model"): a gather of the
@@ -206,9 +212,18 @@ class HeteroPrefill(PrefillPlan):
         if self.layout.tp > 1:
             layers = tuple(lc.replace(head_tp=self.layout.tp) for lc in layers)
             cache, pool_offsets, placement = cache.replace(pool=self.pool), self.pool_offsets, self._placement()
+        held, win = [], []
+        for counts, kept in zip(self.counts, self.kept):
+            if kept is None or not self.policy.copy_window:
+                held.append(None)
+                win.append(None)
+                continue
+            pos, score = (np.asarray(a) for a in kept)
+            held.append(pos.astype(np.int64))
+            win.append(window_slots(score, counts, self.policy.copy_window))
         prefilled = HeteroPrefilled(policy=self.policy, roles=self.roles, counts=self.counts, l_base=self.l_base,
                                     lens=self.lens, store=self.store, pool_offsets=pool_offsets,
-                                    placement=placement)
+                                    placement=placement, held=held, window_slots=win)
         return cache.replace(layers=tuple(layers)), HeteroDecode(prefilled, compile_fn=self.compile_fn)
 
 
