@@ -134,6 +134,15 @@ def test_budget_too_small_and_missing_profile():
         HeteroCache(profile=other).bind(MODEL)
 
 
+def _pivot_step(q, lc, tail_lens, slots):
+    """``attend_step`` of a layer with pivots at ``slots`` and no copy head: (out, o'_t, pooled scores)."""
+    from hetero_jax.policies.heterocache.decode import attend_step
+
+    out, (_, overlap, scores), pointer = attend_step(q, lc, tail_lens, slots)
+    assert pointer is None
+    return out, overlap, scores
+
+
 def _np_pooled_max(q, keys):
     """q [W, G, D], keys [T, D] -> pooled (kernel 5, zero pad) softmax, max over G: [W, T]."""
     s = np.einsum("wgd,td->wgt", q, keys) / np.sqrt(keys.shape[-1])
@@ -279,7 +288,7 @@ def test_drain_waits_for_the_dispatched_drift_check():
 
 @pytest.mark.parametrize("tau,n_top", [(1.5, 7), (-1.0, 7), (1.5, 0), (0.05, 7)])
 def test_drift_check_from_per_step_overlaps(tau, n_top):
-    """The check every W steps from the overlaps each step computed (``attend_with_overlaps`` in the jitted
+    """The check every W steps from the overlaps each step computed (``attend_step`` without copy heads in the jitted
     step, ``drift_layer`` at the check): its median o'_t equals the batched check over the buffered
     queries by the definition (``drift_check_reference``: lax.top_k of every step); drift iff it is below
     tau; the recall rows and new K_base are the top-n_top / top-l_base positions of the latest query's
@@ -287,7 +296,6 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
     none did, zero-width rows when the recall does not use them (n_top 0)."""
     from hetero_jax.model.cache import LayerCache, full_group
     from hetero_jax.policies.heterocache import drift_layer
-    from hetero_jax.policies.heterocache.decode import attend_with_overlaps
 
     rng = np.random.default_rng(5)
     B, Np, W, G, D, T, l_base = 2, 2, 3, 2, 8, 40, 6
@@ -301,7 +309,7 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
                     tail_k=jnp.asarray(rng.standard_normal((B, Np, 4, D)), jnp.float32),
                     tail_v=jnp.asarray(rng.standard_normal((B, Np, 4, D)), jnp.float32),
                     aux={"k_base": jnp.asarray(k_base)})
-    steps = [attend_with_overlaps(jnp.asarray(q_buf[:, :, w]), lc, jnp.ones((B,), jnp.int32), (0, 1))
+    steps = [_pivot_step(jnp.asarray(q_buf[:, :, w]), lc, jnp.ones((B,), jnp.int32), (0, 1))
              for w in range(W)]
     overlaps = jnp.stack([o for _, o, _ in steps], axis=-1)
     drift, new_base, top = drift_layer(overlaps, steps[-1][2], k_base, l_base=l_base, tau=tau, n_top=n_top)
@@ -335,7 +343,7 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
-def test_attend_with_overlaps_pivots_beside_volatiles_and_groups(backend):
+def test_attend_step_pivots_beside_volatiles_and_groups(backend):
     """A pivot layer whose full group holds a volatile head after its 2 pivots, then a compressed group of
     ragged heads (one device): the step's attention equals plain per-group attention merged with the tail
     (``layer_decode_attention``, every head), and the scores are the pivots' own pooled scores (numpy,
@@ -344,7 +352,6 @@ def test_attend_with_overlaps_pivots_beside_volatiles_and_groups(backend):
     whole full group beside the pivots' scores; the Pallas ones (interpreted) take the volatile apart."""
     from hetero_jax.model import transformer as M
     from hetero_jax.model.cache import HeadGroup, LayerCache
-    from hetero_jax.policies.heterocache.decode import attend_with_overlaps
 
     rng = np.random.default_rng(11)
     B, G, D, T, S, R, l_base = 2, 3, 16, 48, 20, 6, 7
@@ -360,7 +367,7 @@ def test_attend_with_overlaps_pivots_beside_volatiles_and_groups(backend):
                     aux={"k_base": jnp.asarray(k_base, jnp.int32)})
     q, tail_lens = f32(B, 5, G, D), jnp.asarray([2, 4], jnp.int32)
     with pallas_kernels.use_kernels(backend):
-        out, overlap, scores = attend_with_overlaps(q, lc, tail_lens, (0, 1))
+        out, overlap, scores = _pivot_step(q, lc, tail_lens, (0, 1))
     with pallas_kernels.use_kernels("reference"):
         want = M.layer_decode_attention(q, lc, tail_lens)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
@@ -607,11 +614,10 @@ def test_copy_slots_follow_the_profile():
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
 def test_attend_reports_the_copy_heads_pointer(backend):
     """Layer 2 of COPY_PROFILE (pivot, copy head, one satellite): ``HeteroCache.attend`` gives plain attention,
-    the pivot's overlap share as ``attend_with_overlaps``, and as the pointer the copy head's most attended
+    the pivot's overlap share as ``attend_step`` without copy heads, and as the pointer the copy head's most attended
     prompt position by numpy's pooled scores (GQA max)."""
     from hetero_jax.model import transformer as M
     from hetero_jax.model.cache import HeadGroup, LayerCache
-    from hetero_jax.policies.heterocache.decode import attend_with_overlaps
 
     p = HeteroCache(profile=COPY_PROFILE).bind(MODEL)
     rng = np.random.default_rng(5)
@@ -627,7 +633,7 @@ def test_attend_reports_the_copy_heads_pointer(backend):
     q, tail_lens = f32(B, 3, G, D), jnp.asarray([1, 3], jnp.int32)
     with pallas_kernels.use_kernels(backend):
         out, _, (pivot, pointer) = p.attend(2, q, lc, tail_lens, None)
-        _, want_overlap, want_scores = attend_with_overlaps(q, lc, tail_lens, (0,))
+        _, want_overlap, want_scores = _pivot_step(q, lc, tail_lens, (0,))
     with pallas_kernels.use_kernels("reference"):
         want = M.layer_decode_attention(q, lc, tail_lens)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)

@@ -66,17 +66,26 @@ class HeteroPrefilled:
         return out
 
 
-def attend_with_overlaps(q, layer_cache, tail_lens, slots):
-    """A decode step's attention in one layer with its share of the drift check (``HeteroCache.attend``).
+def attend_step(q, layer_cache, tail_lens, pivot_slots, copy_slots=()):
+    """A decode step's attention in one layer with its pivots' share of the drift check and its copy heads'
+    pointer (``HeteroCache.attend``).
 
-    q [B, Nkv, G, D]; ``slots``: the pivots' layout slots. Returns (out [B, Nkv, G, D], o'_t [B, Np]
-    float32: the chance-normalised overlap of each pivot's top-L_base with its K_base, and the pooled
-    scores [B, Np, T]). The check every ``window`` steps is the median of the buffered o'_t
-    (``drift_layer``): the value the paper's check computes from the buffered queries, spread over the
-    steps.
+    q [B, Nkv, G, D]; ``pivot_slots``, ``copy_slots``: layout slots. Returns (out [B, Nkv, G, D], pivots'
+    share or None, pointer or None). The share: their queries [B, Np, G, D], o'_t [B, Np] float32 (the
+    chance-normalised overlap of each pivot's top-L_base with its K_base) and pooled scores [B, Np, T]; the
+    check every ``window`` steps is the median of the buffered o'_t (``drift_layer``): the value the paper's
+    check computes from the buffered queries, spread over the steps. The pointer [B, Nc] int32: each copy
+    head's most attended prompt position (pooled scores, GQA max; ``HeteroDecode._follow_copy``).
     """
-    out, scores, lengths = attend_and_score(q, layer_cache, tail_lens, slots)
-    return out, pivot_overlap(scores, layer_cache.aux["k_base"], lengths), scores
+    pivot_slots, copy_slots = tuple(pivot_slots), tuple(copy_slots)
+    out, scores, lengths = attend_and_score(q, layer_cache, tail_lens, pivot_slots + copy_slots)
+    n = len(pivot_slots)
+    pivot = None
+    if n:
+        pivot = (take_slots(q, pivot_slots), pivot_overlap(scores[:, :n], layer_cache.aux["k_base"], lengths[:, :n]),
+                 scores[:, :n])
+    pointer = jnp.argmax(scores[:, n:], axis=-1).astype(jnp.int32) if copy_slots else None
+    return out, pivot, pointer
 
 
 def pivot_overlap(scores, k_base, lengths):
@@ -122,7 +131,7 @@ def attend_and_score(q, layer_cache, tail_lens, slots):
 
 @functools.partial(jax.jit, static_argnames=("l_base", "tau", "n_top"))
 def drift_layer(overlaps, latest_scores, k_base, l_base: int, tau: float, n_top: int):
-    """One layer's drift check from its buffered steps: overlaps [B, Np, W] (``attend_with_overlaps``' o'_t);
+    """One layer's drift check from its buffered steps: overlaps [B, Np, W] (``attend_step``'s o'_t);
     latest_scores [B, Np, T] (the last step's pooled scores); k_base [B, Np, l_base].
 
     Returns (drift [B, Np] bool: median_t o'_t < tau (Eq. 10, normalised), new K_base [B, Np, l_base]
@@ -212,7 +221,7 @@ class HeteroDecode(DecodeState):
         self.policy = prefilled.policy
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
         # the last `window` steps: tuples over layers of ``HeteroCache.attend``'s extras (device): the pivots'
-        # queries [B, Np, G, D], their o'_t [B, Np] and pooled scores [B, Np, T] (``attend_with_overlaps``)
+        # queries [B, Np, G, D], their o'_t [B, Np] and pooled scores [B, Np, T] (``attend_step``)
         self.buffer: collections.deque = collections.deque(maxlen=prefilled.policy.window)
         self.pivot_layers = [li for li, r in enumerate(prefilled.roles) if r.pivots]
         self.pending = None  # (step, per layer check outputs) of a dispatched check

@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.policies.base import BudgetError, PolicyError, int_param
-from hetero_jax.policies.profiled import ProfiledPolicy, profile_key, take_slots
+from hetero_jax.policies.profiled import ProfiledPolicy, profile_key
 from hetero_jax.profile.format import HeadProfile
-from hetero_jax.policies.heterocache.decode import attend_and_score, pivot_overlap
+from hetero_jax.policies.heterocache.decode import attend_step
 from hetero_jax.policies.heterocache.prefill import HeteroPrefill
 
 # Heads of a layer whose budgets are close share a cache group, each keeping exactly its own l_i rows
@@ -185,20 +184,12 @@ class HeteroCache(ProfiledPolicy):
 
     def attend(self, li, q, layer_cache, tail_lens, seq_lens):
         """Every kept slot; the extra, for a layer with pivots or copy heads, is (pivots' share of the drift
-        check or None, copy heads' pointer or None). The pivots' share: their queries [B, Np, G, D], o'_t
-        [B, Np] and pooled scores [B, Np, T] (``attend_with_overlaps``), which the decode state buffers. The
-        pointer [B, Nc] int32: each copy head's most attended prompt position (pooled, GQA max), which moves
-        one token per step while an answer copies a span of the prompt (``HeteroDecode``'s copy window)."""
+        check or None, copy heads' pointer or None) (``attend_step``), which the decode state reads after
+        the step."""
         slots, copy = self.pivot_slots(li), self.copy_slots(li)
         if not slots and not copy:
             return super().attend(li, q, layer_cache, tail_lens, seq_lens)
-        out, scores, lengths = attend_and_score(q, layer_cache, tail_lens, tuple(slots) + copy)
-        n_p = len(slots)
-        pivot = None
-        if slots:
-            pivot = (take_slots(q, slots), pivot_overlap(scores[:, :n_p], layer_cache.aux["k_base"], lengths[:, :n_p]),
-                     scores[:, :n_p])
-        pointer = jnp.argmax(scores[:, n_p:], axis=-1).astype(jnp.int32) if copy else None
+        out, pivot, pointer = attend_step(q, layer_cache, tail_lens, slots, copy)
         return out, layer_cache, (pivot, pointer)
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
