@@ -156,6 +156,36 @@ def _scatter(group: HeadGroup, b_idx, h_idx, slots, k_rows, v_rows, pos_rows) ->
     )
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_many(groups: tuple, which, b_idx, h_idx, slots, k_rows, v_rows, pos_rows) -> tuple:
+    """``_scatter`` into each group of ``groups`` the rows whose ``which`` is its index (the others, and the
+    padding rows with which == -1, dropped): one dispatch for rows bound to many groups."""
+    out = []
+    for gi, g in enumerate(groups):
+        s = jnp.where(which == gi, slots, g.k.shape[2])
+        out.append(g.replace(k=g.k.at[b_idx, h_idx, s].set(k_rows.astype(g.k.dtype), mode="drop"),
+                             v=g.v.at[b_idx, h_idx, s].set(v_rows.astype(g.v.dtype), mode="drop"),
+                             positions=g.positions.at[b_idx, h_idx, s].set(pos_rows, mode="drop")))
+    return tuple(out)
+
+
+def scatter_rows_many(groups: tuple, which, b_idx, h_idx, slots, k_rows, v_rows, pos_rows,
+                      compile_fn=None) -> tuple:
+    """``groups`` (donated) with n host rows written in place, row i into ``groups[which[i]]`` at (b_idx[i],
+    h_idx[i], slots[i]): ints [n], k_rows / v_rows [n, D] (numpy). The rows are padded to ``row_bucket(n)``
+    and cross to the device in three transfers, whatever the number of groups."""
+    n = len(slots)
+    pad = row_bucket(n) - n
+    ints = np.pad(np.stack([np.asarray(a, np.int32) for a in (which, b_idx, h_idx, slots, pos_rows)]),
+                  ((0, 0), (0, pad)), constant_values=-1)
+    ints[1:4, n:] = 0  # padding rows: which == -1 drops them; in-range indices keep the scatter simple
+    rows = lambda a: np.pad(np.asarray(a), ((0, pad), (0, 0)))  # noqa: E731
+    ints_d, k_d, v_d = jax.device_put(ints), jax.device_put(rows(k_rows)), jax.device_put(rows(v_rows))
+    args = (tuple(groups), ints_d[0], ints_d[1], ints_d[2], ints_d[3], k_d, v_d, ints_d[4])
+    fn = _scatter_many if compile_fn is None else compile_fn(_scatter_many, *args)
+    return fn(*args)
+
+
 def kv_rows_nbytes(n: int, like: np.ndarray) -> int:
     """Bytes of n K rows and n V rows shaped like ``like`` [..., D]: what a recall moves, its padding not counted."""
     return 2 * int(n) * like.shape[-1] * like.itemsize

@@ -15,7 +15,8 @@ import numpy as np
 import pallas_kernels
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, materialize
-from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, put_rows, row_bucket, scatter_rows
+from hetero_jax.model.host_store import (HostKVStore, kv_rows_nbytes, put_rows, row_bucket, scatter_rows,
+                                         scatter_rows_many)
 from hetero_jax.model.layout import group_slots
 from hetero_jax.policies.protocol import DecodeState
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, take_slots
@@ -183,7 +184,10 @@ def copy_rows(start: int, w: int, held: np.ndarray, prompt_len: int) -> np.ndarr
     0 that the head does not hold already (so no row is attended twice). Sorted, int64."""
     held = np.asarray(held, np.int64)
     s = min(max(0, int(start)), prompt_len)
-    free = lambda a: a[~np.isin(a, held)]  # noqa: E731
+
+    def free(a):  # a head holds thousands of rows, the window looks at a few dozen: compare those in a's span
+        return a[~np.isin(a, held[(held >= a.min()) & (held <= a.max())])] if a.size else a
+
     for span in (4 * w, prompt_len):  # the near rows first; the whole prompt only if too many are held
         fwd = free(np.arange(s, min(prompt_len, s + span), dtype=np.int64))
         if len(fwd) >= w:
@@ -534,35 +538,45 @@ class HeteroDecode(DecodeState):
             return cache
         dirty = sorted(self.window_dirty)
         layers = list(cache.layers)
-        writes, updates = [], []
+        targets, rows, updates = {}, [], []  # (layer, group) -> index; per layer (k, v) rows and their indices
         for li, r in enumerate(self.prefilled.roles):
             held = self.held[li] if self.held else None
             if held is None:
                 continue
-            per_group: dict[int, list] = {}
+            items = []
             for b in dirty:
                 T = int(self.prefilled.lens[b])
                 for j in range(held.shape[1]):
                     slots = self.win[li][b, j]
-                    slots = slots[slots >= 0]
+                    slots = np.sort(slots[slots >= 0])
                     if not slots.size:
                         continue
                     c = int(self.prefilled.counts[li][b, j])
-                    own = np.delete(held[b, j, :c], slots)
-                    want = copy_rows(int(self.window_start[b]), len(slots), own, T)
+                    want = copy_rows(int(self.window_start[b]), len(slots), np.delete(held[b, j, :c], slots), T)
                     if np.array_equal(np.sort(held[b, j, slots]), want):
                         continue
                     gi, hi = r.loc[r.comp_slots[j]]
-                    per_group.setdefault(gi, []).append((b, j, hi, np.sort(slots), want))
-            for gi, items in per_group.items():
-                ops, nbytes = self._row_ops(li, layers[li].groups[gi], items)
-                writes.append((li, gi, ops))
-                updates += [(li, b, j, sl, want) for b, j, _, sl, want in items]
-                self.bytes_copied += nbytes
-        for li, gi, ops in writes:
-            groups = list(layers[li].groups)
-            groups[gi] = scatter_rows(groups[gi], ops, self.compile_fn)
-            layers[li] = layers[li].replace(groups=tuple(groups))
+                    which = targets.setdefault((li, gi), len(targets))
+                    items.append((which, b, j, hi, slots, want))
+                    updates.append((li, b, j, slots, want))
+            if items:
+                b_idx = np.concatenate([np.full(len(w), b) for _, b, _, _, _, w in items])
+                heads = np.concatenate([np.full(len(w), j) for _, _, j, _, _, w in items])
+                pos = np.concatenate([w for *_, w in items])
+                k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[heads], pos)
+                rows.append((np.concatenate([np.full(len(w), x) for x, *_, w in items]), b_idx,
+                             np.concatenate([np.full(len(w), hi) for _, _, _, hi, _, w in items]),
+                             np.concatenate([sl for *_, sl, _ in items]), k_rows, v_rows, pos))
+        if targets:  # every row of every layer in three transfers and one scatter
+            cat = [np.concatenate([r_[i] for r_ in rows]) for i in range(7)]
+            order = sorted(targets, key=targets.get)
+            new = scatter_rows_many(tuple(layers[li].groups[gi] for li, gi in order), *cat,
+                                    compile_fn=self.compile_fn)
+            for (li, gi), g in zip(order, new):
+                groups = list(layers[li].groups)
+                groups[gi] = g
+                layers[li] = layers[li].replace(groups=tuple(groups))
+            self.bytes_copied += kv_rows_nbytes(len(cat[0]), cat[4])
         for li, b, j, sl, want in updates:
             self.held[li][b, j, sl] = want
         self.window_dirty = set()
