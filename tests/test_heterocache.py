@@ -605,10 +605,12 @@ def test_copy_rows_are_the_nearest_free_rows(data):
 
 
 def test_copy_slots_follow_the_profile():
-    p = HeteroCache(profile=COPY_PROFILE).bind(MODEL)
+    p = HeteroCache(profile=COPY_PROFILE, copy_window=16).bind(MODEL)
     assert [p.copy_slots(li) for li in range(3)] == [(), (0,), (1,)]  # after the pivots, volatiles copy-first
-    assert [HeteroCache(profile=COPY_PROFILE, copy_window=0).bind(MODEL).copy_slots(li) for li in range(3)] == [(), (), ()]
-    assert [HeteroCache(profile=PROFILE).bind(MODEL).copy_slots(li) for li in range(3)] == [(), (), ()]  # no copy rule
+    off = HeteroCache(profile=COPY_PROFILE).bind(MODEL)  # the default: no window
+    assert off.copy_window == 0 and [off.copy_slots(li) for li in range(3)] == [(), (), ()]
+    no_rule = HeteroCache(profile=PROFILE, copy_window=16).bind(MODEL)
+    assert [no_rule.copy_slots(li) for li in range(3)] == [(), (), ()]
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
@@ -619,7 +621,7 @@ def test_attend_reports_the_copy_heads_pointer(backend):
     from hetero_jax.model import transformer as M
     from hetero_jax.model.cache import HeadGroup, LayerCache
 
-    p = HeteroCache(profile=COPY_PROFILE).bind(MODEL)
+    p = HeteroCache(profile=COPY_PROFILE, copy_window=16).bind(MODEL)
     rng = np.random.default_rng(5)
     B, G, D, T, S, R, l_base = 2, 3, 16, 40, 12, 4, 6
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731

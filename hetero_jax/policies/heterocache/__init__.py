@@ -27,7 +27,7 @@ below ``tau_drift``, each satellite of that pivot
 gets its own top-l_s positions of the pivot's latest pooled scores, gathered
 from the host copy and written into its device slots, and K_base moves on.
 
-Copy window (ours, ``copy_window=16``; one device): each compressed head gives its
+Copy window (ours, opt-in: ``copy_window=16``; one device): each compressed head gives its
 ``copy_window`` least-scored kept slots (at most a quarter of its l_i) to a window
 that follows the profile's copy heads (duplicate-token heads the copy rule keeps
 whole). Every step reports each copy head's most attended prompt position (its
