@@ -706,17 +706,11 @@ def test_copy_window_follows_a_copy_pointer():
     assert st.copy_moves == 1 and st.window_start[0] == ptr - 2 and st.bytes_copied > 0
     after = _assert_rows_are_the_host_copy(eng)
     assert [np.shape(a) for a in jax_leaves(eng.cache)] == shapes
-    for li, (h0, h1) in enumerate(zip(before, after)):
-        if h0 is None:
-            continue
-        for j in range(h0.shape[1]):
-            c = int(st.prefilled.counts[li][0, j])
-            slots = st.win[li][0, j]
-            slots = slots[slots >= 0]
-            assert len(slots) == min(W, c // 4) > 0
-            others = np.delete(h0[0, j, :c], slots)
-            np.testing.assert_array_equal(np.delete(h1[0, j, :c], slots), others)  # the rest unchanged
-            np.testing.assert_array_equal(np.sort(h1[0, j, slots]), _np_copy_rows(ptr - 2, len(slots), others, L))
+    for li, j, c, slots in _each_window(st):
+        assert len(slots) == min(W, c // 4) > 0
+        others = np.delete(before[li][0, j, :c], slots)
+        np.testing.assert_array_equal(np.delete(after[li][0, j, :c], slots), others)  # the rest unchanged
+        np.testing.assert_array_equal(np.sort(after[li][0, j, slots]), _np_copy_rows(ptr - 2, len(slots), others, L))
     # the pointer stays inside the window's first half: no move; past it: the window moves on
     st.pointer_prev, st.pointer_pending = np.array([[ptr]]), np.array([[ptr + 1]])
     eng.cache = st.before_step(0, eng.cache)
@@ -730,16 +724,20 @@ def test_copy_window_follows_a_copy_pointer():
         tok, _ = eng.step(tok, 0.0, 1.0)
     assert st.stats()["recalls"] > 0
     final = _assert_rows_are_the_host_copy(eng)
-    for li, h in enumerate(final):
-        if h is None:
+    for li, j, c, slots in _each_window(st):
+        others = np.delete(final[li][0, j, :c], slots)
+        np.testing.assert_array_equal(np.sort(final[li][0, j, slots]),
+                                      _np_copy_rows(int(st.window_start[0]), len(slots), others, L))
+
+
+def _each_window(st):
+    """(layer, compressed head, its count, its window slots) of sequence 0, for every head with a window."""
+    for li, win in enumerate(st.win):
+        if win is None:
             continue
-        for j in range(h.shape[1]):
-            c = int(st.prefilled.counts[li][0, j])
-            slots = st.win[li][0, j]
-            slots = slots[slots >= 0]
-            others = np.delete(h[0, j, :c], slots)
-            np.testing.assert_array_equal(np.sort(h[0, j, slots]),
-                                          _np_copy_rows(int(st.window_start[0]), len(slots), others, L))
+        for j in range(win.shape[1]):
+            slots = win[0, j]
+            yield li, j, int(st.prefilled.counts[li][0, j]), slots[slots >= 0]
 
 
 def jax_leaves(tree):
