@@ -497,18 +497,24 @@ class HeteroDecode(DecodeState):
         cache = cache.replace(layers=tuple(layers))
         return self._write_pool(cache, pool_rows) if pool_rows else cache
 
+    def _host_rows(self, li: int, items, total: int | None = None) -> tuple:
+        """Host-copy rows of layer ``li`` for items (b, compressed head j, its head index in the group, slots
+        [n], positions [n]), flattened: (b_idx, h_idx, slots, k_rows, v_rows, positions); ``total`` as in
+        ``HostKVStore.rows``."""
+        flat = lambda f: np.concatenate([f(*it) for it in items])  # noqa: E731
+        b_idx = flat(lambda b, j, hi, sl, pos: np.full(len(pos), b))
+        heads = flat(lambda b, j, hi, sl, pos: np.full(len(pos), j))
+        rows = flat(lambda b, j, hi, sl, pos: pos)
+        k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[heads], rows, total=total)
+        return (b_idx, flat(lambda b, j, hi, sl, pos: np.full(len(pos), hi)), flat(lambda b, j, hi, sl, pos: sl),
+                k_rows, v_rows, rows)
+
     def _row_ops(self, li: int, group, items) -> tuple[tuple, int]:
         """Device operands of ``scatter_rows`` (transfers started) writing host-copy rows into one group, and
-        the bytes moved. items: (b, compressed head j, its head index in the group, slots [n], positions [n])."""
-        b_idx = np.concatenate([np.full(len(pos), b) for b, _, _, _, pos in items])
-        heads = np.concatenate([np.full(len(pos), j) for _, j, _, _, pos in items])
-        h_idx = np.concatenate([np.full(len(pos), hi) for _, _, hi, _, pos in items])
-        slots = np.concatenate([sl for _, _, _, sl, _ in items])
-        rows = np.concatenate([pos for _, _, _, _, pos in items])
-        k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[heads], rows,
-                                                   total=row_bucket(len(rows)))
-        ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, group.capacity)
-        return ops, kv_rows_nbytes(len(rows), k_rows)
+        the bytes moved. items: as ``_host_rows``."""
+        n = sum(len(it[4]) for it in items)
+        b_idx, h_idx, slots, k_rows, v_rows, rows = self._host_rows(li, items, total=row_bucket(n))
+        return put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, group.capacity), kv_rows_nbytes(n, k_rows)
 
     def _follow_copy(self, cache: KVCache) -> KVCache:
         """The copy window: when a copy head's pointer (its most attended prompt position) moved one or two
@@ -543,7 +549,7 @@ class HeteroDecode(DecodeState):
             held = self.held[li] if self.held else None
             if held is None:
                 continue
-            items = []
+            items, which = [], []  # which: per item, the index of its (layer, group) in ``targets``
             for b in dirty:
                 T = int(self.prefilled.lens[b])
                 for j in range(held.shape[1]):
@@ -556,17 +562,11 @@ class HeteroDecode(DecodeState):
                     if np.array_equal(np.sort(held[b, j, slots]), want):
                         continue
                     gi, hi = r.loc[r.comp_slots[j]]
-                    which = targets.setdefault((li, gi), len(targets))
-                    items.append((which, b, j, hi, slots, want))
+                    which.append(np.full(len(want), targets.setdefault((li, gi), len(targets))))
+                    items.append((b, j, hi, slots, want))
                     updates.append((li, b, j, slots, want))
             if items:
-                b_idx = np.concatenate([np.full(len(w), b) for _, b, _, _, _, w in items])
-                heads = np.concatenate([np.full(len(w), j) for _, _, j, _, _, w in items])
-                pos = np.concatenate([w for *_, w in items])
-                k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[heads], pos)
-                rows.append((np.concatenate([np.full(len(w), x) for x, *_, w in items]), b_idx,
-                             np.concatenate([np.full(len(w), hi) for _, _, _, hi, _, w in items]),
-                             np.concatenate([sl for *_, sl, _ in items]), k_rows, v_rows, pos))
+                rows.append((np.concatenate(which),) + self._host_rows(li, items))
         if targets:  # every row of every layer in three transfers and one scatter
             cat = [np.concatenate([r_[i] for r_ in rows]) for i in range(7)]
             order = sorted(targets, key=targets.get)

@@ -49,8 +49,8 @@ class HeteroPrefill(PrefillPlan):
         self.store = HostKVStore(cfg.num_layers)
         self.counts: list[np.ndarray] = []  # per layer [B, Hc] tokens kept by compressed heads
         self.k_base: list = []
-        # per layer on one device: the compressed heads' kept positions and their selection scores, both
-        # [B, Hc, cap] (device), from which ``finish`` picks each head's copy-window slots; None otherwise
+        # per layer on one device with a copy window: the compressed heads' kept positions and their selection
+        # scores, both [B, Hc, cap] (device), from which ``finish`` picks each head's window slots; else None
         self.kept: list = []
         self.pool: PromptPool | None = None
         if self.layout.tp > 1:
@@ -147,7 +147,7 @@ class HeteroPrefill(PrefillPlan):
             group, kept = select_group(scores[:, nf:], k_buf[:, nf:], v_buf[:, nf:], positions,
                                        jnp.asarray(counts, jnp.int32), int(counts.max()), self.compile_fn)
             groups.extend(split_runs(group, counts, self.layout.group_sizes[li][1 if nf else 0:]))
-            self.kept.append((group.positions, kept))
+            self.kept.append((group.positions, kept) if self.policy.copy_window else None)
             self.counts.append(counts)
             self.store.put(li, k_buf[:, nf:, :t_max], v_buf[:, nf:, :t_max])
         else:
@@ -214,7 +214,7 @@ class HeteroPrefill(PrefillPlan):
             cache, pool_offsets, placement = cache.replace(pool=self.pool), self.pool_offsets, self._placement()
         held, win = [], []
         for counts, kept in zip(self.counts, self.kept):
-            if kept is None or not self.policy.copy_window:
+            if kept is None:
                 held.append(None)
                 win.append(None)
                 continue
