@@ -15,7 +15,7 @@ import numpy as np
 import pallas_kernels
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, materialize
-from hetero_jax.model.host_store import (HostKVStore, kv_rows_nbytes, put_rows, row_bucket, scatter_rows,
+from hetero_jax.model.host_store import (HostKVStore, kv_rows_nbytes, put_rows, scatter_rows,
                                          scatter_rows_many)
 from hetero_jax.model.layout import group_slots
 from hetero_jax.policies.protocol import DecodeState
@@ -440,13 +440,14 @@ class HeteroDecode(DecodeState):
     def _apply_recalls(self, step: int, cache: KVCache) -> KVCache:
         """Each drifted pivot's satellites take the top-l_s rows of its latest scores from the host copy.
 
-        Only those rows cross to the device (``host_store.put_rows``, every transfer started before any
-        write) and are written in place (``scatter_rows``): the groups are never read back.
+        Only those rows cross to the device and are written in place, every layer's in three transfers
+        and one scatter (``host_store.scatter_rows_many``; the transfers start before anything is written):
+        the groups are never read back.
         """
         _, outs = self.pending
         self.pending = None
         layers = list(cache.layers)
-        writes = []  # (layer, group index, device operands) once every transfer has started
+        targets, rows = {}, []  # (layer, group) -> its index in the scatter; per layer, the host rows
         pool_rows = []  # under tensor parallelism: rows into the pool (``_write_pool``)
         held_updates = []  # copy window: (layer, b, satellite, its new positions, its new window slots)
         for li, out in enumerate(outs):
@@ -459,7 +460,7 @@ class HeteroDecode(DecodeState):
             if not drift.any():
                 continue
             counts = self.prefilled.counts[li]  # [B, Hc]
-            per_group: dict[int, list] = {}
+            items, which = [], []  # which: per satellite, the index of its (layer, group) in ``targets``
             for b, p in zip(*np.nonzero(drift)):
                 for sat in r.members.get(int(p), []):
                     l_s = int(counts[b, sat])
@@ -470,25 +471,22 @@ class HeteroDecode(DecodeState):
                         self.bytes_recalled += kv_rows_nbytes(l_s, layers[li].tail_k)
                         continue
                     gi, hi = r.loc[r.comp_slots[sat]]  # the satellite's group and head in it
-                    per_group.setdefault(gi, []).append((b, sat, hi, pos))
+                    items.append((b, sat, hi, np.arange(l_s), pos))
+                    which.append(np.full(l_s, targets.setdefault((li, gi), len(targets))))
                     if self.held and self.held[li] is not None:  # its window: the recall's least-scored rows
                         w = int((self.win[li][b, sat] >= 0).sum())
                         held_updates.append((li, b, sat, pos, np.searchsorted(pos, top[b, p, l_s - w : l_s])))
-            for gi, items in per_group.items():
-                ops, nbytes = self._row_ops(li, layers[li].groups[gi],
-                                            [(b, sat, hi, np.arange(len(pos)), pos) for b, sat, hi, pos in items])
-                writes.append((li, gi, ops))
+            if items:
+                rows.append((np.concatenate(which),) + self._host_rows(li, items))
                 self.recalls += len(items)
-                self.bytes_recalled += nbytes
             base = np.where(drift[..., None], new_base, np.asarray(layers[li].aux["k_base"]))
             aux = dict(layers[li].aux)
             aux["k_base"] = jax.device_put(base.astype(np.int32))
             layers[li] = layers[li].replace(aux=aux)
             self.recall_steps.append(step)
-        for li, gi, ops in writes:  # every transfer went out: write in place
-            groups = list(layers[li].groups)
-            groups[gi] = scatter_rows(groups[gi], ops, self.compile_fn)
-            layers[li] = layers[li].replace(groups=tuple(groups))
+        if targets:
+            layers = self._scatter_host_rows(layers, targets, rows)
+            self.bytes_recalled += kv_rows_nbytes(sum(len(r_[0]) for r_ in rows), rows[0][4])
         for li, b, sat, pos, slots in held_updates:
             self.held[li][b, sat, : len(pos)] = pos
             self.win[li][b, sat, : len(slots)] = slots
@@ -497,24 +495,29 @@ class HeteroDecode(DecodeState):
         cache = cache.replace(layers=tuple(layers))
         return self._write_pool(cache, pool_rows) if pool_rows else cache
 
-    def _host_rows(self, li: int, items, total: int | None = None) -> tuple:
+    def _host_rows(self, li: int, items) -> tuple:
         """Host-copy rows of layer ``li`` for items (b, compressed head j, its head index in the group, slots
-        [n], positions [n]), flattened: (b_idx, h_idx, slots, k_rows, v_rows, positions); ``total`` as in
-        ``HostKVStore.rows``."""
+        [n], positions [n]), flattened: (b_idx, h_idx, slots, k_rows, v_rows, positions)."""
         flat = lambda f: np.concatenate([f(*it) for it in items])  # noqa: E731
         b_idx = flat(lambda b, j, hi, sl, pos: np.full(len(pos), b))
         heads = flat(lambda b, j, hi, sl, pos: np.full(len(pos), j))
         rows = flat(lambda b, j, hi, sl, pos: pos)
-        k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[heads], rows, total=total)
+        k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[heads], rows)
         return (b_idx, flat(lambda b, j, hi, sl, pos: np.full(len(pos), hi)), flat(lambda b, j, hi, sl, pos: sl),
                 k_rows, v_rows, rows)
 
-    def _row_ops(self, li: int, group, items) -> tuple[tuple, int]:
-        """Device operands of ``scatter_rows`` (transfers started) writing host-copy rows into one group, and
-        the bytes moved. items: as ``_host_rows``."""
-        n = sum(len(it[4]) for it in items)
-        b_idx, h_idx, slots, k_rows, v_rows, rows = self._host_rows(li, items, total=row_bucket(n))
-        return put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, group.capacity), kv_rows_nbytes(n, k_rows)
+    def _scatter_host_rows(self, layers: list, targets: dict, rows: list) -> list:
+        """``layers`` with host-copy rows written into their groups: every row of every layer in three
+        transfers and one scatter. targets: (layer, group index) -> its index in the scatter; rows: per layer,
+        (which [n], then ``_host_rows``' six arrays)."""
+        cat = [np.concatenate([r_[i] for r_ in rows]) for i in range(7)]
+        order = sorted(targets, key=targets.get)
+        new = scatter_rows_many(tuple(layers[li].groups[gi] for li, gi in order), *cat, compile_fn=self.compile_fn)
+        for (li, gi), g in zip(order, new):
+            groups = list(layers[li].groups)
+            groups[gi] = g
+            layers[li] = layers[li].replace(groups=tuple(groups))
+        return layers
 
     def _follow_copy(self, cache: KVCache) -> KVCache:
         """The copy window: when a copy head's pointer (its most attended prompt position) moved one or two
@@ -567,16 +570,9 @@ class HeteroDecode(DecodeState):
                     updates.append((li, b, j, slots, want))
             if items:
                 rows.append((np.concatenate(which),) + self._host_rows(li, items))
-        if targets:  # every row of every layer in three transfers and one scatter
-            cat = [np.concatenate([r_[i] for r_ in rows]) for i in range(7)]
-            order = sorted(targets, key=targets.get)
-            new = scatter_rows_many(tuple(layers[li].groups[gi] for li, gi in order), *cat,
-                                    compile_fn=self.compile_fn)
-            for (li, gi), g in zip(order, new):
-                groups = list(layers[li].groups)
-                groups[gi] = g
-                layers[li] = layers[li].replace(groups=tuple(groups))
-            self.bytes_copied += kv_rows_nbytes(len(cat[0]), cat[4])
+        if targets:
+            layers = self._scatter_host_rows(layers, targets, rows)
+            self.bytes_copied += kv_rows_nbytes(sum(len(r_[0]) for r_ in rows), rows[0][4])
         for li, b, j, sl, want in updates:
             self.held[li][b, j, sl] = want
         self.window_dirty = set()
