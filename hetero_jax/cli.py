@@ -36,7 +36,7 @@ def _add_generate(sub) -> None:
                         "below this (default: the profile's tau_stable on that scale, 0.25 for SmolLM2)")
     p.add_argument("--select-window", type=int, default=None,
                    help="heterocache: compressed heads keep their top tokens by the attention of this many last "
-                        "prompt queries (8; 1 = the paper's last token)")
+                        "prompt queries (16; 1 = the paper's last token)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a policy option, repeatable, e.g. --policy quest --option offload=true --option page_size=16 "
                         "(true/false, integers, numbers or text; also written --policy quest:offload=true)")

@@ -6,7 +6,7 @@ Prefill (per request, prompt length L):
 - compressed heads (anchor, satellite) keep their top-l_i tokens by the pooled
   attention (GQA max) of the last ``select_window`` prompt queries, summed
   (causal), stored in position order. The paper scores by the last token alone
-  (``select_window=1``); our default 8 reaches past the chat template's
+  (``select_window=1``); our default 16 reaches past the chat template's
   closing tokens into the question (docs/architecture.md);
 - every compressed head's full prompt KV goes to pinned host memory (the paper
   keeps only the satellites'; the anchors' copy is what lets a later turn re-select);

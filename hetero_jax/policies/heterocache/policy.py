@@ -84,7 +84,7 @@ class HeteroCache(ProfiledPolicy):
     window: int = int_param(5, 1, " (decode steps between drift checks)")
     tau_drift: float | None = None
     pool_kernel: int = 5
-    select_window: int = 8
+    select_window: int = 16
     copy_window: int = int_param(0, 0, " (prompt rows per compressed head that follow the copy heads; 0: off)")
     profile_key: str = dataclasses.field(default="", init=False)
     # set by bind() on a mesh: the row layout for tp shards and, per layer, its pivots' layout slots
