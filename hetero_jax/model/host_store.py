@@ -157,9 +157,11 @@ def _scatter(group: HeadGroup, b_idx, h_idx, slots, k_rows, v_rows, pos_rows) ->
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter_many(groups: tuple, which, b_idx, h_idx, slots, k_rows, v_rows, pos_rows) -> tuple:
+def _scatter_many(groups: tuple, ints, k_rows, v_rows) -> tuple:
     """``_scatter`` into each group of ``groups`` the rows whose ``which`` is its index (the others, and the
-    padding rows with which == -1, dropped): one dispatch for rows bound to many groups."""
+    padding rows with which == -1, dropped): one dispatch for rows bound to many groups. ints: [5, n] rows
+    which, b_idx, h_idx, slots, positions (split here: an eager slice would compile per row bucket)."""
+    which, b_idx, h_idx, slots, pos_rows = ints
     out = []
     for gi, g in enumerate(groups):
         s = jnp.where(which == gi, slots, g.k.shape[2])
@@ -181,7 +183,7 @@ def scatter_rows_many(groups: tuple, which, b_idx, h_idx, slots, k_rows, v_rows,
     ints[1:4, n:] = 0  # padding rows: which == -1 drops them; in-range indices keep the scatter simple
     rows = lambda a: np.pad(np.asarray(a), ((0, pad), (0, 0)))  # noqa: E731
     ints_d, k_d, v_d = jax.device_put(ints), jax.device_put(rows(k_rows)), jax.device_put(rows(v_rows))
-    args = (tuple(groups), ints_d[0], ints_d[1], ints_d[2], ints_d[3], k_d, v_d, ints_d[4])
+    args = (tuple(groups), ints_d, k_d, v_d)
     fn = _scatter_many if compile_fn is None else compile_fn(_scatter_many, *args)
     return fn(*args)
 

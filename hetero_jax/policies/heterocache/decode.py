@@ -199,6 +199,11 @@ def copy_rows(start: int, w: int, held: np.ndarray, prompt_len: int) -> np.ndarr
     raise AssertionError("unreachable: the second span is the whole prompt")
 
 
+def _group_index(roles, layer_slots) -> dict:
+    """{(layer, group index): i} over the groups holding the (layer, layout slot) pairs, sorted."""
+    return {k: i for i, k in enumerate(sorted({(li, roles[li].loc[slot][0]) for li, slot in layer_slots}))}
+
+
 def full_heads(lc, slots) -> tuple[jax.Array, jax.Array]:
     """(keys [B, n, T, D], lengths [B, n]) of full heads at layout ``slots``: a slice of one group on one
     device; stacked from the rows' groups (each as long as the longest prompt) under tensor parallelism."""
@@ -242,6 +247,14 @@ class HeteroDecode(DecodeState):
         # state's own copies: recalls, re-selections and the window rewrite them), the pointers of the copy
         # heads at the last step (device, copied to the host asynchronously) and the step before (host)
         self.held = [None if h is None else h.copy() for h in (prefilled.held or [])]
+        # the groups a recall / a window move can write, (layer, group) -> index: every write passes all of
+        # them to one scatter (rows for some only), so its executable depends on the row bucket alone, not
+        # on which layers drifted (a per-set executable compiled on most recall steps, 80-300 ms each)
+        roles = prefilled.roles
+        self.recall_groups = _group_index(roles, ((li, r.comp_slots[sat]) for li, r in enumerate(roles)
+                                                  for sats in r.members.values() for sat in sats))
+        self.window_groups = _group_index(roles, ((li, h) for li, r in enumerate(roles)
+                                                  if self.held and self.held[li] is not None for h in r.comp_slots))
         self.win = [None if w is None else w.copy() for w in (prefilled.window_slots or [])]
         self.pointer_pending = None
         self.pointer_prev = None
@@ -447,7 +460,7 @@ class HeteroDecode(DecodeState):
         _, outs = self.pending
         self.pending = None
         layers = list(cache.layers)
-        targets, rows = {}, []  # (layer, group) -> its index in the scatter; per layer, the host rows
+        rows = []  # per layer, the host rows (``_scatter_host_rows``)
         pool_rows = []  # under tensor parallelism: rows into the pool (``_write_pool``)
         held_updates = []  # copy window: (layer, b, satellite, its new positions, its new window slots)
         for li, out in enumerate(outs):
@@ -460,7 +473,7 @@ class HeteroDecode(DecodeState):
             if not drift.any():
                 continue
             counts = self.prefilled.counts[li]  # [B, Hc]
-            items, which = [], []  # which: per satellite, the index of its (layer, group) in ``targets``
+            items, which = [], []  # which: per satellite, the index of its (layer, group) in ``recall_groups``
             for b, p in zip(*np.nonzero(drift)):
                 for sat in r.members.get(int(p), []):
                     l_s = int(counts[b, sat])
@@ -472,7 +485,7 @@ class HeteroDecode(DecodeState):
                         continue
                     gi, hi = r.loc[r.comp_slots[sat]]  # the satellite's group and head in it
                     items.append((b, sat, hi, np.arange(l_s), pos))
-                    which.append(np.full(l_s, targets.setdefault((li, gi), len(targets))))
+                    which.append(np.full(l_s, self.recall_groups[li, gi]))
                     if self.held and self.held[li] is not None:  # its window: the recall's least-scored rows
                         w = int((self.win[li][b, sat] >= 0).sum())
                         held_updates.append((li, b, sat, pos, np.searchsorted(pos, top[b, p, l_s - w : l_s])))
@@ -484,8 +497,8 @@ class HeteroDecode(DecodeState):
             aux["k_base"] = jax.device_put(base.astype(np.int32))
             layers[li] = layers[li].replace(aux=aux)
             self.recall_steps.append(step)
-        if targets:
-            layers = self._scatter_host_rows(layers, targets, rows)
+        if rows:
+            layers = self._scatter_host_rows(layers, self.recall_groups, rows)
             self.bytes_recalled += kv_rows_nbytes(sum(len(r_[0]) for r_ in rows), rows[0][4])
         for li, b, sat, pos, slots in held_updates:
             self.held[li][b, sat, : len(pos)] = pos
@@ -508,8 +521,9 @@ class HeteroDecode(DecodeState):
 
     def _scatter_host_rows(self, layers: list, targets: dict, rows: list) -> list:
         """``layers`` with host-copy rows written into their groups: every row of every layer in three
-        transfers and one scatter. targets: (layer, group index) -> its index in the scatter; rows: per layer,
-        (which [n], then ``_host_rows``' six arrays)."""
+        transfers and one scatter over all of ``targets``' groups. targets: (layer, group index) -> its index
+        in the scatter (``recall_groups`` or ``window_groups``); rows: per layer, (which [n], then
+        ``_host_rows``' six arrays)."""
         cat = [np.concatenate([r_[i] for r_ in rows]) for i in range(7)]
         order = sorted(targets, key=targets.get)
         new = scatter_rows_many(tuple(layers[li].groups[gi] for li, gi in order), *cat, compile_fn=self.compile_fn)
@@ -547,12 +561,12 @@ class HeteroDecode(DecodeState):
             return cache
         dirty = sorted(self.window_dirty)
         layers = list(cache.layers)
-        targets, rows, updates = {}, [], []  # (layer, group) -> index; per layer (k, v) rows and their indices
+        rows, updates = [], []  # per layer, the host rows (``_scatter_host_rows``); the held positions to update
         for li, r in enumerate(self.prefilled.roles):
             held = self.held[li] if self.held else None
             if held is None:
                 continue
-            items, which = [], []  # which: per item, the index of its (layer, group) in ``targets``
+            items, which = [], []  # which: per item, the index of its (layer, group) in ``window_groups``
             for b in dirty:
                 T = int(self.prefilled.lens[b])
                 for j in range(held.shape[1]):
@@ -565,13 +579,13 @@ class HeteroDecode(DecodeState):
                     if np.array_equal(np.sort(held[b, j, slots]), want):
                         continue
                     gi, hi = r.loc[r.comp_slots[j]]
-                    which.append(np.full(len(want), targets.setdefault((li, gi), len(targets))))
+                    which.append(np.full(len(want), self.window_groups[li, gi]))
                     items.append((b, j, hi, slots, want))
                     updates.append((li, b, j, slots, want))
             if items:
                 rows.append((np.concatenate(which),) + self._host_rows(li, items))
-        if targets:
-            layers = self._scatter_host_rows(layers, targets, rows)
+        if rows:
+            layers = self._scatter_host_rows(layers, self.window_groups, rows)
             self.bytes_copied += kv_rows_nbytes(sum(len(r_[0]) for r_ in rows), rows[0][4])
         for li, b, j, sl, want in updates:
             self.held[li][b, j, sl] = want
