@@ -9,7 +9,7 @@ Kernels (always lowered through Triton: `plgpu.CompilerParams` on every
 - :func:`pooled_scores` — softmax -> 5-tap average pooling -> GQA max/mean,
   the shared scoring primitive; :func:`overlap_bitmap` and
   :func:`drift_check` build on it (top-k membership without a sort:
-  :func:`topk_threshold`, :func:`topk_membership`).
+  :func:`topk_threshold`, :func:`topk_membership`, :func:`topk_sets`).
 
 Backend switch
 --------------
@@ -38,7 +38,7 @@ from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce
                                           normalised_overlap, overlap_bitmap,
                                           pooled_scores,
                                           pooled_scores_reference,
-                                          topk_membership, topk_threshold)
+                                          topk_membership, topk_sets, topk_threshold)
 from pallas_kernels.sparse_decode_attention import (
     default_num_splits, merge_attention, sparse_decode_attention,
     sparse_decode_attention_reference)
@@ -50,7 +50,7 @@ __all__ = [
     "sparse_decode_attention_reference", "merge_attention",
     "default_num_splits",
     "pooled_scores", "pooled_scores_reference", "overlap_bitmap",
-    "topk_threshold", "topk_membership", "normalised_overlap",
+    "topk_threshold", "topk_membership", "topk_sets", "normalised_overlap",
     "drift_check", "drift_check_reference", "base_overlap", "attention_and_pooled_scores", "scores",
 ]
 

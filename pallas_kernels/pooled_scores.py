@@ -387,6 +387,58 @@ def topk_membership(
   return lax.cond(jnp.all(n_ge == k), lambda: ok & (kj >= kkey), tie_cut)
 
 
+def _top_members(key, k):
+  """bool [..., T]: the top-k of each row of sortable keys [..., T] as `lax.top_k` picks them (ties to the
+  lower index); k: int [...] in [0, T]."""
+  v, n_ge = _bisect_kth(key, k)
+  kv = v[..., None]
+
+  def tie_cut():  # k - n_greater of the keys equal to the k-th are members: the first ones
+    gt = key > kv
+    eq = key == kv
+    n_greater = gt.sum(axis=-1, dtype=jnp.int32)
+    return gt | (eq & (jnp.cumsum(eq, axis=-1, dtype=jnp.int32) <= (k - n_greater)[..., None]))
+
+  return lax.cond(jnp.all(n_ge == k), lambda: key >= kv, tie_cut)
+
+
+def _compact(member, values, cap: int, fill):
+  """values [..., T] where member [..., T], in order, into [..., cap]; ``fill`` past the members."""
+  lead, T = member.shape[:-1], member.shape[-1]
+  R = math.prod(lead)
+  slot = jnp.where(member, jnp.cumsum(member, axis=-1, dtype=jnp.int32) - 1, cap)
+  out = jnp.full((R, cap), fill, values.dtype).at[jnp.arange(R)[:, None], slot.reshape(R, T)].set(
+      jnp.broadcast_to(values, member.shape).reshape(R, T), mode="drop")
+  return out.reshape(lead + (cap,))
+
+
+@functools.partial(jax.jit, static_argnames=("cap",))
+def topk_sets(
+    scores,    # [..., T] float32
+    sizes,     # [..., K] int  set sizes, each in [0, min(cap, T)]
+    cap: int,  # static, >= every size
+):
+  """For each size k of `sizes`, the positions of the top-k entries of the
+  row, the set `lax.top_k(scores, k)` picks (ties to the lower index, its
+  total order), in ascending position order and -1 past k: int32 [..., K, cap].
+
+  No ranking: a bisection finds the k-th key of the row's largest size and a
+  prefix sum compacts those members (at most cap); each size is then cut from
+  them the same way. XLA:CPU's top-k sorts the row, which with k in the
+  thousands cost 3-4x this at 16K-32K entries.
+  """
+  T = scores.shape[-1]
+  k = jnp.asarray(sizes, jnp.int32)
+  key = _sortable_bits(scores)
+  pos = jnp.arange(T, dtype=jnp.int32)
+  top = _top_members(key, k.max(axis=-1))                   # [..., T]
+  cand_pos = _compact(top, pos, cap, -1)                    # [..., cap] ascending
+  # padding sorts below every real key (0 is a NaN's key), and no size reaches it
+  cand_key = _compact(top, key, cap, jnp.uint32(0))
+  member = _top_members(jnp.broadcast_to(cand_key[..., None, :], k.shape + (cap,)), k)
+  return _compact(member, cand_pos[..., None, :], cap, -1)
+
+
 def normalised_overlap(
     inter,     # [...] number of common members of two L_base-sets
     L_base,    # int or [...] set size

@@ -291,9 +291,9 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
     """The check every W steps from the overlaps each step computed (``attend_step`` without copy heads in the jitted
     step, ``drift_layer`` at the check): its median o'_t equals the batched check over the buffered
     queries by the definition (``drift_check_reference``: lax.top_k of every step); drift iff it is below
-    tau; the recall rows and new K_base are the top-n_top / top-l_base positions of the latest query's
-    pooled scores (numpy reference, best first) when some pivot drifted; zeros and the old K_base when
-    none did, zero-width rows when the recall does not use them (n_top 0)."""
+    tau; the recall sets and new K_base are the top-size / top-l_base positions of the latest query's
+    pooled scores (numpy reference, ascending) when some pivot drifted; -1 and the old K_base when none
+    did, no sets when the recall reads none (n_top 0)."""
     from hetero_jax.model.cache import LayerCache, full_group
     from hetero_jax.policies.heterocache import drift_layer
 
@@ -312,7 +312,10 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
     steps = [_pivot_step(jnp.asarray(q_buf[:, :, w]), lc, jnp.ones((B,), jnp.int32), (0, 1))
              for w in range(W)]
     overlaps = jnp.stack([o for _, o, _ in steps], axis=-1)
-    drift, new_base, top = drift_layer(overlaps, steps[-1][2], k_base, l_base=l_base, tau=tau, n_top=n_top)
+    # per pivot two sets (a satellite's l_s and l_s - w, as with a copy window), differing per sequence
+    sizes = np.array([[[n_top, n_top - 2]] * Np, [[n_top - 1, 4]] * Np], np.int32)[..., : 2 if n_top else 0]
+    drift, new_base, top = drift_layer(overlaps, steps[-1][2], k_base, sizes, l_base=l_base, tau=tau,
+                                       cap=max(1, n_top))
     # the attention beside the scores is the plain one (the prompt and the tail merged)
     want, _ = pallas_kernels.merge_attention(
         *pallas_kernels.sparse_decode_attention_reference(q_buf[:, :, -1], keys, vals, lengths),
@@ -327,19 +330,18 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
         assert drift.any() and not drift.all()  # the case the two constant thresholds cannot show
     else:  # tau 1.5 is above any normalised overlap, -1 below any
         assert bool(drift.all()) == (tau > 1) and bool(drift.any()) == (tau > 1)
-    assert top.shape == (B, Np, n_top) and new_base.shape == (B, Np, l_base)
+    assert top.shape == (B, Np, sizes.shape[-1], max(1, n_top)) and new_base.shape == (B, Np, l_base)
     for b in range(B):
         for p in range(Np):
             scores = _np_pooled_max(q_buf[b, p, -1][None], keys[b, p, : lengths[b, p]])[0]
             order = np.argsort(-scores, kind="stable")
             if drift.any():
-                np.testing.assert_array_equal(new_base[b, p], order[:l_base])
+                np.testing.assert_array_equal(new_base[b, p], np.sort(order[:l_base]))
             else:
                 np.testing.assert_array_equal(new_base[b, p], k_base[b, p])
-            if drift.any() and n_top:
-                np.testing.assert_array_equal(top[b, p], order[:n_top])
-            else:
-                assert not top[b, p].any()
+            for j, size in enumerate(sizes[b, p]):
+                want = np.sort(order[:size]) if drift.any() else []
+                np.testing.assert_array_equal(top[b, p, j], np.r_[want, np.full(max(1, n_top) - len(want), -1)])
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret"])

@@ -22,7 +22,7 @@ from pallas_kernels import (MASK_VALUE, drift_check,
                             normalised_overlap, overlap_bitmap, pooled_scores,
                             pooled_scores_reference, sparse_decode_attention,
                             sparse_decode_attention_reference,
-                            topk_membership, topk_threshold)
+                            topk_membership, topk_sets, topk_threshold)
 
 TRITON_CALL = "__gpu$xla.gpu.triton"   # custom-call target, jax/jaxlib 0.10.2
 
@@ -360,6 +360,29 @@ def test_topk_membership_ties(scores, k):
   scores = np.array([scores], np.float32)
   T = scores.shape[-1]
   _check_membership(scores, k, np.arange(-1, T + 1, dtype=np.int32)[None])
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_topk_sets_are_lax_top_k_sets(data):
+  # each row's sets for several sizes: the numpy top-k (ties to the lower index, +0 above -0), ascending
+  rows, K = 2, 3
+  T = data.draw(st.sampled_from([1, 6, 40]))
+  tied = data.draw(st.booleans())
+  elem = (st.sampled_from(_VALUES) if tied else
+          st.floats(-1e6, 1e6, allow_nan=False, width=32))
+  scores = np.array(data.draw(st.lists(elem, min_size=rows * T, max_size=rows * T)),
+                    np.float32).reshape(rows, T)
+  cap = data.draw(st.integers(1, T))
+  sizes = np.array(data.draw(st.lists(st.integers(0, cap), min_size=rows * K, max_size=rows * K)),
+                   np.int32).reshape(rows, K)
+  got = np.asarray(topk_sets(jnp.asarray(scores), jnp.asarray(sizes), cap))
+  assert got.shape == (rows, K, cap)
+  for r in range(rows):
+    for j, k in enumerate(sizes[r]):
+      want = np.sort(_numpy_topk(scores[r], k))
+      np.testing.assert_array_equal(got[r, j], np.r_[want, np.full(cap - k, -1)], err_msg=f"row {r} k {k}")
 
 
 def test_normalised_overlap():

@@ -130,31 +130,53 @@ def attend_and_score(q, layer_cache, tail_lens, slots):
     return out, scores, lengths
 
 
-@functools.partial(jax.jit, static_argnames=("l_base", "tau", "n_top"))
-def drift_layer(overlaps, latest_scores, k_base, l_base: int, tau: float, n_top: int):
+@functools.partial(jax.jit, static_argnames=("l_base", "tau", "cap"))
+def drift_layer(overlaps, latest_scores, k_base, set_sizes, l_base: int, tau: float, cap: int):
     """One layer's drift check from its buffered steps: overlaps [B, Np, W] (``attend_step``'s o'_t);
-    latest_scores [B, Np, T] (the last step's pooled scores); k_base [B, Np, l_base].
+    latest_scores [B, Np, T] (the last step's pooled scores); k_base [B, Np, l_base]; set_sizes [B, Np, K]
+    int: the sizes of the top sets a recall reads per pivot (its satellites' l_s; with a copy window also
+    l_s - w), 0 for none, each at most ``cap``.
 
     Returns (drift [B, Np] bool: median_t o'_t < tau (Eq. 10, normalised), new K_base [B, Np, l_base]
-    (top-l_base of the latest pooled scores; the old K_base when no pivot drifted), top-n_top positions of
-    the latest pooled scores, best first [B, Np, n_top]; zeros when no pivot drifted, or when ``n_top``
-    is 0, i.e. the recall does not use them).
+    (the top-l_base of the latest pooled scores, ascending, -1 where masked; the old K_base when no pivot
+    drifted), top sets [B, Np, K, cap] of the latest pooled scores (``pallas_kernels.topk_sets``:
+    ascending positions, -1 past each size; -1 everywhere when no pivot drifted)). The sets are
+    ``lax.top_k``'s, found without ranking the prompt.
     """
     drift = jnp.median(overlaps, axis=-1) < tau
-    k = min(max(l_base, n_top), latest_scores.shape[-1])
+    lead, T = latest_scores.shape[:-1], latest_scores.shape[-1]
+    n_base = min(l_base, T)
 
-    def ranked(s):  # one top-k serves both: new K_base and the recall rows are its first l_base / n_top
-        vals, idx = jax.lax.top_k(s, k)
-        idx = idx.astype(jnp.int32)
-        base = jnp.where(vals[..., :l_base] > pallas_kernels.MASK_VALUE * 0.5, idx[..., :l_base], -1)
-        return base, jnp.pad(idx[..., :n_top], [(0, 0)] * (idx.ndim - 1) + [(0, max(0, n_top - k))])
+    def ranked(s):
+        sizes = jnp.concatenate([jnp.full(lead + (1,), n_base, jnp.int32), set_sizes.astype(jnp.int32)], -1)
+        sets = pallas_kernels.topk_sets(s, sizes, max(cap, n_base))
+        base = sets[..., 0, :n_base]
+        hit = jnp.take_along_axis(s, jnp.maximum(base, 0), axis=-1) > pallas_kernels.MASK_VALUE * 0.5
+        base = jnp.pad(jnp.where((base >= 0) & hit, base, -1), [(0, 0)] * len(lead) + [(0, l_base - n_base)],
+                       constant_values=-1)
+        return base, sets[..., 1:, :cap]
 
     def unchanged(s):
-        return k_base.astype(jnp.int32), jnp.zeros(s.shape[:-1] + (n_top,), jnp.int32)
+        return k_base.astype(jnp.int32), jnp.full(lead + (set_sizes.shape[-1], cap), -1, jnp.int32)
 
-    # read only for a drifted pivot: skip the ranking (lax.cond runs one branch) otherwise
-    new_base, top = jax.lax.cond(drift.any(), ranked, unchanged, latest_scores)
-    return drift, new_base, top
+    # read only for a drifted pivot: skip the selection (lax.cond runs one branch) otherwise
+    new_base, sets = jax.lax.cond(drift.any(), ranked, unchanged, latest_scores)
+    return drift, new_base, sets
+
+
+def recall_set_sizes(members: dict, n_pivots: int, counts: np.ndarray, window: np.ndarray | None):
+    """Per pivot, the top-set sizes a recall of its satellites reads (``drift_layer``'s set_sizes), int32
+    [B, Np, K]: at k = j its j-th satellite's l_s (counts [B, Hc]), and with a copy window (window [B, Hc]:
+    each head's w) at k = S + j its l_s - w; K = S or 2S, S the most satellites a pivot has, 0 elsewhere."""
+    S = max((len(v) for v in members.values()), default=0)
+    B = counts.shape[0]
+    sizes = np.zeros((B, n_pivots, S * (2 if window is not None else 1)), np.int32)
+    for p, sats in members.items():
+        for j, sat in enumerate(sats):
+            sizes[:, p, j] = counts[:, sat]
+            if window is not None:
+                sizes[:, p, S + j] = counts[:, sat] - window[:, sat]
+    return sizes
 
 
 materialize_jit = jax.jit(materialize)
@@ -247,15 +269,20 @@ class HeteroDecode(DecodeState):
         # state's own copies: recalls, re-selections and the window rewrite them), the pointers of the copy
         # heads at the last step (device, copied to the host asynchronously) and the step before (host)
         self.held = [None if h is None else h.copy() for h in (prefilled.held or [])]
+        self.win = [None if w is None else w.copy() for w in (prefilled.window_slots or [])]
         # the groups a recall / a window move can write, (layer, group) -> index: every write passes all of
         # them to one scatter (rows for some only), so its executable depends on the row bucket alone, not
         # on which layers drifted (a per-set executable compiled on most recall steps, 80-300 ms each)
         roles = prefilled.roles
         self.recall_groups = _group_index(roles, ((li, r.comp_slots[sat]) for li, r in enumerate(roles)
                                                   for sats in r.members.values() for sat in sats))
+        # per pivot layer, the top-set sizes its check selects for a recall (``recall_set_sizes``)
+        self.set_sizes = {li: jax.device_put(recall_set_sizes(
+            r.members, len(r.pivots), prefilled.counts[li],
+            (self.win[li] >= 0).sum(axis=-1) if self.held and self.held[li] is not None else None))
+            for li, r in enumerate(roles) if r.pivots}
         self.window_groups = _group_index(roles, ((li, h) for li, r in enumerate(roles)
                                                   if self.held and self.held[li] is not None for h in r.comp_slots))
-        self.win = [None if w is None else w.copy() for w in (prefilled.window_slots or [])]
         self.pointer_pending = None
         self.pointer_prev = None
         self.window_start = np.full(len(prefilled.lens), -1, np.int64)  # per sequence; -1: no copy seen
@@ -408,11 +435,10 @@ class HeteroDecode(DecodeState):
                 q_buf = jnp.stack([b[li][0] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
                 for observe in self.check_observers:
                     observe(li, q_buf, keys, cache.layers[li].aux["k_base"], lengths, l_base=l_base)
-            counts = self.prefilled.counts[li]
-            n_top = max(1, int(counts.max())) if counts.size else 1
-            args = (overlaps, latest, cache.layers[li].aux["k_base"])
+            sizes = self.set_sizes[li]
+            args = (overlaps, latest, cache.layers[li].aux["k_base"], sizes)
             fn = self.compile_fn(drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
-                                 n_top=min(n_top, latest.shape[-1]))
+                                 cap=min(max(1, int(sizes.max(initial=0))), latest.shape[-1]))
             out = fn(*args)
             for a in out:
                 a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
@@ -466,7 +492,7 @@ class HeteroDecode(DecodeState):
         for li, out in enumerate(outs):
             if out is None:
                 continue
-            drift, new_base, top = (np.asarray(a) for a in out)
+            drift, new_base, sets = (np.asarray(a) for a in out)
             r = self.prefilled.roles[li]
             self.checks += drift.size
             self.triggers += int(drift.sum())
@@ -474,10 +500,11 @@ class HeteroDecode(DecodeState):
                 continue
             counts = self.prefilled.counts[li]  # [B, Hc]
             items, which = [], []  # which: per satellite, the index of its (layer, group) in ``recall_groups``
+            n_sat = sets.shape[2] // 2 if self.held and self.held[li] is not None else sets.shape[2]
             for b, p in zip(*np.nonzero(drift)):
-                for sat in r.members.get(int(p), []):
+                for j, sat in enumerate(r.members.get(int(p), [])):
                     l_s = int(counts[b, sat])
-                    pos = np.sort(top[b, p, :l_s])
+                    pos = sets[b, p, j, :l_s]  # its top-l_s, ascending
                     if cache.pool is not None:  # the satellite's window in its shard's pool
                         pool_rows.append((li, b, sat, np.arange(l_s), pos))
                         self.recalls += 1
@@ -486,9 +513,10 @@ class HeteroDecode(DecodeState):
                     gi, hi = r.loc[r.comp_slots[sat]]  # the satellite's group and head in it
                     items.append((b, sat, hi, np.arange(l_s), pos))
                     which.append(np.full(l_s, self.recall_groups[li, gi]))
-                    if self.held and self.held[li] is not None:  # its window: the recall's least-scored rows
+                    if self.held and self.held[li] is not None:  # its window: the recall's w least-scored rows
                         w = int((self.win[li][b, sat] >= 0).sum())
-                        held_updates.append((li, b, sat, pos, np.searchsorted(pos, top[b, p, l_s - w : l_s])))
+                        low = np.setdiff1d(pos, sets[b, p, n_sat + j, : l_s - w], assume_unique=True)
+                        held_updates.append((li, b, sat, pos, np.searchsorted(pos, low)))
             if items:
                 rows.append((np.concatenate(which),) + self._host_rows(li, items))
                 self.recalls += len(items)
