@@ -276,11 +276,14 @@ class HeteroDecode(DecodeState):
         roles = prefilled.roles
         self.recall_groups = _group_index(roles, ((li, r.comp_slots[sat]) for li, r in enumerate(roles)
                                                   for sats in r.members.values() for sat in sats))
-        # per pivot layer, the top-set sizes its check selects for a recall (``recall_set_sizes``)
-        self.set_sizes = {li: jax.device_put(recall_set_sizes(
-            r.members, len(r.pivots), prefilled.counts[li],
-            (self.win[li] >= 0).sum(axis=-1) if self.held and self.held[li] is not None else None))
-            for li, r in enumerate(roles) if r.pivots}
+        # per pivot layer, the top-set sizes its check selects for a recall (``recall_set_sizes``, on the
+        # device) and the largest (host: reading it from the device would wait for the step in flight)
+        self.set_sizes = {}
+        for li, r in enumerate(roles):
+            if r.pivots:
+                sizes = recall_set_sizes(r.members, len(r.pivots), prefilled.counts[li], (self.win[li] >= 0).sum(
+                    axis=-1) if self.held and self.held[li] is not None else None)
+                self.set_sizes[li] = (jax.device_put(sizes), int(sizes.max(initial=0)))
         self.window_groups = _group_index(roles, ((li, h) for li, r in enumerate(roles)
                                                   if self.held and self.held[li] is not None for h in r.comp_slots))
         self.pointer_pending = None
@@ -435,10 +438,10 @@ class HeteroDecode(DecodeState):
                 q_buf = jnp.stack([b[li][0] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
                 for observe in self.check_observers:
                     observe(li, q_buf, keys, cache.layers[li].aux["k_base"], lengths, l_base=l_base)
-            sizes = self.set_sizes[li]
+            sizes, largest = self.set_sizes[li]
             args = (overlaps, latest, cache.layers[li].aux["k_base"], sizes)
             fn = self.compile_fn(drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
-                                 cap=min(max(1, int(sizes.max(initial=0))), latest.shape[-1]))
+                                 cap=min(max(1, largest), latest.shape[-1]))
             out = fn(*args)
             for a in out:
                 a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
