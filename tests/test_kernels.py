@@ -326,20 +326,25 @@ _VALUES = [MASK_VALUE, -3.5, -0.0, 0.0, 1e-30, 0.125, 0.125, 0.5, 0.75,
            1.0, 3e4]
 
 
+def _draw_scores(data, rows):
+  """float32 [rows, T] for T in a few lengths (each compiles once), tied at few values or not."""
+  T = data.draw(st.sampled_from([1, 6, 40]))
+  tied = data.draw(st.booleans())
+  elem = (st.sampled_from(_VALUES) if tied else
+          st.floats(-1e6, 1e6, allow_nan=False, width=32))
+  return np.array(data.draw(st.lists(elem, min_size=rows * T, max_size=rows * T)),
+                  np.float32).reshape(rows, T)
+
+
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_topk_membership_matches_lax_top_k(data):
   # few shapes (each k and T compiles once); rows tied or not
   rows, n_idx = 2, 12
-  T = data.draw(st.sampled_from([1, 6, 40]))
+  scores = _draw_scores(data, rows)
+  T = scores.shape[-1]
   k = data.draw(st.integers(1, T))
-  tied = data.draw(st.booleans())
-  elem = (st.sampled_from(_VALUES) if tied else
-          st.floats(-1e6, 1e6, allow_nan=False, width=32))
-  scores = np.array(data.draw(st.lists(elem, min_size=rows * T,
-                                       max_size=rows * T)),
-                    np.float32).reshape(rows, T)
   idx = np.array(data.draw(st.lists(st.integers(-2, T + 2),
                                     min_size=rows * n_idx,
                                     max_size=rows * n_idx)),
@@ -368,12 +373,8 @@ def test_topk_membership_ties(scores, k):
 def test_topk_sets_are_lax_top_k_sets(data):
   # each row's sets for several sizes: the numpy top-k (ties to the lower index, +0 above -0), ascending
   rows, K = 2, 3
-  T = data.draw(st.sampled_from([1, 6, 40]))
-  tied = data.draw(st.booleans())
-  elem = (st.sampled_from(_VALUES) if tied else
-          st.floats(-1e6, 1e6, allow_nan=False, width=32))
-  scores = np.array(data.draw(st.lists(elem, min_size=rows * T, max_size=rows * T)),
-                    np.float32).reshape(rows, T)
+  scores = _draw_scores(data, rows)
+  T = scores.shape[-1]
   cap = data.draw(st.integers(1, T))
   sizes = np.array(data.draw(st.lists(st.integers(0, cap), min_size=rows * K, max_size=rows * K)),
                    np.int32).reshape(rows, K)
