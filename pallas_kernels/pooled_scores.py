@@ -371,20 +371,25 @@ def topk_membership(
   every entry equal to kth is a member (no tie crosses the cut, the usual
   case) membership is s_t >= kth and the running count of ties is skipped.
   """
-  key, kkey, n_greater, n_ge = _threshold_counts(scores, k)
+  key, kkey, _, n_ge = _threshold_counts(scores, k)
   kkey = kkey[..., None]
   T = scores.shape[-1]
   ok = (idx >= 0) & (idx < T)
   j = jnp.clip(idx, 0, T - 1).astype(jnp.int32)
   kj = jnp.take_along_axis(key, j, axis=-1)
-
-  def tie_cut():
-    ties = (key == kkey).astype(jnp.int32)
-    before = jnp.take_along_axis(jnp.cumsum(ties, axis=-1) - ties, j, axis=-1)
-    return ok & ((kj > kkey) | ((kj == kkey) & (before < (k - n_greater)[..., None])))
-
   # n_ge - n_greater entries equal kth, k - n_greater of them are members: all of them iff the counts agree
-  return lax.cond(jnp.all(n_ge == k), lambda: ok & (kj >= kkey), tie_cut)
+  return lax.cond(jnp.all(n_ge == k), lambda: ok & (kj >= kkey),
+                  lambda: ok & jnp.take_along_axis(_tie_cut(key, kkey, k), j, axis=-1))
+
+
+def _tie_cut(key, kv, k):
+  """bool [..., T]: the top-k of sortable keys [..., T] whose k-th key is kv [..., 1] when a tie crosses
+  the cut: every key above kv, and of those equal to it the first k - n_greater (lax.top_k keeps the lower
+  indices of a tie)."""
+  gt = key > kv
+  eq = key == kv
+  n_greater = gt.sum(axis=-1, dtype=jnp.int32)
+  return gt | (eq & (jnp.cumsum(eq, axis=-1, dtype=jnp.int32) <= (k - n_greater)[..., None]))
 
 
 def _top_members(key, k):
@@ -392,14 +397,7 @@ def _top_members(key, k):
   lower index); k: int [...] in [0, T]."""
   v, n_ge = _bisect_kth(key, k)
   kv = v[..., None]
-
-  def tie_cut():  # k - n_greater of the keys equal to the k-th are members: the first ones
-    gt = key > kv
-    eq = key == kv
-    n_greater = gt.sum(axis=-1, dtype=jnp.int32)
-    return gt | (eq & (jnp.cumsum(eq, axis=-1, dtype=jnp.int32) <= (k - n_greater)[..., None]))
-
-  return lax.cond(jnp.all(n_ge == k), lambda: key >= kv, tie_cut)
+  return lax.cond(jnp.all(n_ge == k), lambda: key >= kv, lambda: _tie_cut(key, kv, k))
 
 
 def _compact(member, values, cap: int, fill):

@@ -516,9 +516,8 @@ class HeteroDecode(DecodeState):
                     gi, hi = r.loc[r.comp_slots[sat]]  # the satellite's group and head in it
                     items.append((b, sat, hi, np.arange(l_s), pos))
                     which.append(np.full(l_s, self.recall_groups[li, gi]))
-                    if self.held and self.held[li] is not None:  # its window: the recall's w least-scored rows
-                        w = int((self.win[li][b, sat] >= 0).sum())
-                        low = np.setdiff1d(pos, sets[b, p, n_sat + j, : l_s - w], assume_unique=True)
+                    if self.held and self.held[li] is not None:  # its window: the rows past its top-(l_s - w)
+                        low = pos[~np.isin(pos, sets[b, p, n_sat + j])]
                         held_updates.append((li, b, sat, pos, np.searchsorted(pos, low)))
             if items:
                 rows.append((np.concatenate(which),) + self._host_rows(li, items))
@@ -529,8 +528,8 @@ class HeteroDecode(DecodeState):
             layers[li] = layers[li].replace(aux=aux)
             self.recall_steps.append(step)
         if rows:
-            layers = self._scatter_host_rows(layers, self.recall_groups, rows)
-            self.bytes_recalled += kv_rows_nbytes(sum(len(r_[0]) for r_ in rows), rows[0][4])
+            layers, nbytes = self._scatter_host_rows(layers, self.recall_groups, rows)
+            self.bytes_recalled += nbytes
         for li, b, sat, pos, slots in held_updates:
             self.held[li][b, sat, : len(pos)] = pos
             self.win[li][b, sat, : len(slots)] = slots
@@ -550,11 +549,11 @@ class HeteroDecode(DecodeState):
         return (b_idx, flat(lambda b, j, hi, sl, pos: np.full(len(pos), hi)), flat(lambda b, j, hi, sl, pos: sl),
                 k_rows, v_rows, rows)
 
-    def _scatter_host_rows(self, layers: list, targets: dict, rows: list) -> list:
-        """``layers`` with host-copy rows written into their groups: every row of every layer in three
-        transfers and one scatter over all of ``targets``' groups. targets: (layer, group index) -> its index
-        in the scatter (``recall_groups`` or ``window_groups``); rows: per layer, (which [n], then
-        ``_host_rows``' six arrays)."""
+    def _scatter_host_rows(self, layers: list, targets: dict, rows: list) -> tuple[list, int]:
+        """``layers`` with host-copy rows written into their groups, and the K/V bytes moved: every row of
+        every layer in three transfers and one scatter over all of ``targets``' groups. targets: (layer, group
+        index) -> its index in the scatter (``recall_groups`` or ``window_groups``); rows: per layer, (which
+        [n], then ``_host_rows``' six arrays)."""
         cat = [np.concatenate([r_[i] for r_ in rows]) for i in range(7)]
         order = sorted(targets, key=targets.get)
         new = scatter_rows_many(tuple(layers[li].groups[gi] for li, gi in order), *cat, compile_fn=self.compile_fn)
@@ -562,7 +561,7 @@ class HeteroDecode(DecodeState):
             groups = list(layers[li].groups)
             groups[gi] = g
             layers[li] = layers[li].replace(groups=tuple(groups))
-        return layers
+        return layers, kv_rows_nbytes(len(cat[0]), cat[4])
 
     def _follow_copy(self, cache: KVCache) -> KVCache:
         """The copy window: when a copy head's pointer (its most attended prompt position) moved one or two
@@ -616,8 +615,8 @@ class HeteroDecode(DecodeState):
             if items:
                 rows.append((np.concatenate(which),) + self._host_rows(li, items))
         if rows:
-            layers = self._scatter_host_rows(layers, self.window_groups, rows)
-            self.bytes_copied += kv_rows_nbytes(sum(len(r_[0]) for r_ in rows), rows[0][4])
+            layers, nbytes = self._scatter_host_rows(layers, self.window_groups, rows)
+            self.bytes_copied += nbytes
         for li, b, j, sl, want in updates:
             self.held[li][b, j, sl] = want
         self.window_dirty = set()
