@@ -70,3 +70,36 @@ def test_store_rows_and_padded_put_rows_scatter():
     want_k = np.zeros((B, H, 16, D), np.float32)
     want_k[b_idx, h_idx, slots] = np.asarray(k)[b_idx, h_idx, pos]   # later duplicates win, as in the scatter
     np.testing.assert_array_equal(np.asarray(g_pad.k), want_k)
+
+
+@pytest.mark.parametrize("chunk", [None, 8, 64])
+def test_scatter_rows_many_writes_each_row_into_its_group(monkeypatch, chunk):
+    """37 rows bound to three groups of different shapes, in one call (padded to 64) or five calls of 8:
+    each group equals numpy's assignment of its own rows; the padding writes nothing."""
+    from hetero_jax.model import host_store as HS
+
+    rng = np.random.default_rng(5)
+    D, shapes = 4, [(2, 3, 10), (2, 1, 6), (2, 2, 12)]  # [B, H, capacity] per group
+    groups = tuple(HeadGroup(k=jnp.full((*s, D), 7.0), v=jnp.full((*s, D), -7.0),
+                             positions=jnp.full(s, -1, jnp.int32), lengths=jnp.full(s[:2], s[2], jnp.int32))
+                   for s in shapes)
+    want = [(np.full((*s, D), 7.0, np.float32), np.full((*s, D), -7.0, np.float32), np.full(s, -1, np.int32))
+            for s in shapes]
+    # distinct (group, b, h, slot) targets: the scatter's order among duplicates is not the point here
+    targets = [(g, b, h, sl) for g, s in enumerate(shapes) for b in range(s[0]) for h in range(s[1])
+               for sl in range(s[2])]
+    pick = [targets[i] for i in rng.choice(len(targets), 37, replace=False)]
+    which, b_idx, h_idx, slots = (np.array(c) for c in zip(*pick))
+    k_rows, v_rows = rng.standard_normal((37, D), np.float32), rng.standard_normal((37, D), np.float32)
+    pos = rng.integers(0, 1000, 37).astype(np.int32)
+    for i, (g, b, h, sl) in enumerate(pick):
+        want[g][0][b, h, sl], want[g][1][b, h, sl], want[g][2][b, h, sl] = k_rows[i], v_rows[i], pos[i]
+    calls = []
+    real = HS._scatter_many
+    monkeypatch.setattr(HS, "_scatter_many", lambda *a: calls.append(a[1].shape) or real(*a))
+    out = HS.scatter_rows_many(groups, which, b_idx, h_idx, slots, k_rows, v_rows, pos, chunk=chunk)
+    assert calls == ([(5, 8)] * 5 if chunk == 8 else [(5, 64)])
+    for g, (wk, wv, wp) in zip(out, want):
+        np.testing.assert_array_equal(np.asarray(g.k), wk)
+        np.testing.assert_array_equal(np.asarray(g.v), wv)
+        np.testing.assert_array_equal(np.asarray(g.positions), wp)

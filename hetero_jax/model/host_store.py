@@ -172,20 +172,26 @@ def _scatter_many(groups: tuple, ints, k_rows, v_rows) -> tuple:
 
 
 def scatter_rows_many(groups: tuple, which, b_idx, h_idx, slots, k_rows, v_rows, pos_rows,
-                      compile_fn=None) -> tuple:
+                      compile_fn=None, chunk: int | None = None) -> tuple:
     """``groups`` (donated) with n host rows written in place, row i into ``groups[which[i]]`` at (b_idx[i],
     h_idx[i], slots[i]): ints [n], k_rows / v_rows [n, D] (numpy). The rows are padded to ``row_bucket(n)``
-    and cross to the device in three transfers, whatever the number of groups."""
+    and written by one call, or with ``chunk`` to a multiple of it and written ``chunk`` rows per call of one
+    executable (whatever n: a caller whose row counts vary widely compiles, and warms, that one only). Every
+    call's three transfers start before anything is written, whatever the number of groups."""
     n = len(slots)
-    pad = row_bucket(n) - n
+    chunk = chunk or row_bucket(n)
+    pad = max(1, -(-n // chunk)) * chunk - n
     ints = np.pad(np.stack([np.asarray(a, np.int32) for a in (which, b_idx, h_idx, slots, pos_rows)]),
                   ((0, 0), (0, pad)), constant_values=-1)
     ints[1:4, n:] = 0  # padding rows: which == -1 drops them; in-range indices keep the scatter simple
-    rows = lambda a: np.pad(np.asarray(a), ((0, pad), (0, 0)))  # noqa: E731
-    ints_d, k_d, v_d = jax.device_put(ints), jax.device_put(rows(k_rows)), jax.device_put(rows(v_rows))
-    args = (tuple(groups), ints_d, k_d, v_d)
-    fn = _scatter_many if compile_fn is None else compile_fn(_scatter_many, *args)
-    return fn(*args)
+    k_pad, v_pad = (np.pad(np.asarray(a), ((0, pad), (0, 0))) for a in (k_rows, v_rows))
+    ops = [(jax.device_put(ints[:, i : i + chunk]), jax.device_put(k_pad[i : i + chunk]),
+            jax.device_put(v_pad[i : i + chunk])) for i in range(0, n + pad, chunk)]
+    groups = tuple(groups)
+    for op in ops:
+        args = (groups, *op)
+        groups = (_scatter_many if compile_fn is None else compile_fn(_scatter_many, *args))(*args)
+    return groups
 
 
 def kv_rows_nbytes(n: int, like: np.ndarray) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 import pallas_kernels
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, materialize
-from hetero_jax.model.host_store import (HostKVStore, kv_rows_nbytes, put_rows, scatter_rows,
+from hetero_jax.model.host_store import (HostKVStore, kv_rows_nbytes, put_rows, row_bucket, scatter_rows,
                                          scatter_rows_many)
 from hetero_jax.model.layout import group_slots
 from hetero_jax.policies.protocol import DecodeState
@@ -284,6 +284,12 @@ class HeteroDecode(DecodeState):
                 sizes = recall_set_sizes(r.members, len(r.pivots), prefilled.counts[li], (self.win[li] >= 0).sum(
                     axis=-1) if self.held and self.held[li] is not None else None)
                 self.set_sizes[li] = (jax.device_put(sizes), int(sizes.max(initial=0)))
+        # a recall's rows go in chunks of one executable, sized to the satellites of one layer (the most rows a
+        # layer recalls, bucketed): power-of-two buckets of each recall's total ran three or four executables
+        # at 16K, each compiled (about 100 ms on a CPU) and cold (10 to 20 ms more) on its first recall
+        self.recall_chunk = row_bucket(max((int(prefilled.counts[li][:, [s for v in r.members.values() for s in v]]
+                                                .sum(axis=1).max()) for li, r in enumerate(roles) if r.members),
+                                           default=1))
         self.window_groups = _group_index(roles, ((li, h) for li, r in enumerate(roles)
                                                   if self.held and self.held[li] is not None for h in r.comp_slots))
         self.pointer_pending = None
@@ -482,8 +488,8 @@ class HeteroDecode(DecodeState):
     def _apply_recalls(self, step: int, cache: KVCache) -> KVCache:
         """Each drifted pivot's satellites take the top-l_s rows of its latest scores from the host copy.
 
-        Only those rows cross to the device and are written in place, every layer's in three transfers
-        and one scatter (``host_store.scatter_rows_many``; the transfers start before anything is written):
+        Only those rows cross to the device and are written in place, every layer's through one scatter
+        executable (``host_store.scatter_rows_many``; the transfers start before anything is written):
         the groups are never read back.
         """
         _, outs = self.pending
@@ -528,7 +534,7 @@ class HeteroDecode(DecodeState):
             layers[li] = layers[li].replace(aux=aux)
             self.recall_steps.append(step)
         if rows:
-            layers, nbytes = self._scatter_host_rows(layers, self.recall_groups, rows)
+            layers, nbytes = self._scatter_host_rows(layers, self.recall_groups, rows, chunk=self.recall_chunk)
             self.bytes_recalled += nbytes
         for li, b, sat, pos, slots in held_updates:
             self.held[li][b, sat, : len(pos)] = pos
@@ -549,14 +555,15 @@ class HeteroDecode(DecodeState):
         return (b_idx, flat(lambda b, j, hi, sl, pos: np.full(len(pos), hi)), flat(lambda b, j, hi, sl, pos: sl),
                 k_rows, v_rows, rows)
 
-    def _scatter_host_rows(self, layers: list, targets: dict, rows: list) -> tuple[list, int]:
+    def _scatter_host_rows(self, layers: list, targets: dict, rows: list, chunk=None) -> tuple[list, int]:
         """``layers`` with host-copy rows written into their groups, and the K/V bytes moved: every row of
-        every layer in three transfers and one scatter over all of ``targets``' groups. targets: (layer, group
-        index) -> its index in the scatter (``recall_groups`` or ``window_groups``); rows: per layer, (which
-        [n], then ``_host_rows``' six arrays)."""
+        every layer through one scatter executable over all of ``targets``' groups (``scatter_rows_many``,
+        ``chunk`` rows per call). targets: (layer, group index) -> its index in the scatter (``recall_groups``
+        or ``window_groups``); rows: per layer, (which [n], then ``_host_rows``' six arrays)."""
         cat = [np.concatenate([r_[i] for r_ in rows]) for i in range(7)]
         order = sorted(targets, key=targets.get)
-        new = scatter_rows_many(tuple(layers[li].groups[gi] for li, gi in order), *cat, compile_fn=self.compile_fn)
+        new = scatter_rows_many(tuple(layers[li].groups[gi] for li, gi in order), *cat, compile_fn=self.compile_fn,
+                                chunk=chunk)
         for (li, gi), g in zip(order, new):
             groups = list(layers[li].groups)
             groups[gi] = g
