@@ -22,7 +22,7 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError, PromptError
 from hetero_jax.runtime import Session
 from hetero_jax.policies import (
-    CAKE, H2O, REGISTRY, BudgetError, ContextKeeper, FreeKV, HCAttention, HeteroCache, PolicyError, PyramidKV,
+    CAKE, H2O, REGISTRY, BudgetError, ContextKeeper, FreeKV, FullKV, HCAttention, HeteroCache, PolicyError, PyramidKV,
     Quest, SnapKV, StreamingLLM, SyncKV, UnknownPolicyError, make_policy, smallest_rho, tokens_for,
 )
 from hetero_jax.profile.clustering import Role, budget_grid, smallest_working_rho
@@ -546,3 +546,34 @@ def test_property_config_values_raise_only_config_errors(changes):
 def test_property_session_constructor_raises_only_project_errors(context, policy, no_compute):
     with pytest.raises(HeteroJaxError):
         Session(MODEL, context, policy if policy is not None else None, chat=False)
+
+
+@pytest.mark.parametrize("policy", [FullKV(), HeteroCache(profile=PROFILE, budget=0.6, window=2, tau_drift=1.5)],
+                         ids=["full", "heterocache-recalling"])
+def test_engines_freeze_the_heap_and_are_freed_without_the_collector(monkeypatch, policy):
+    """``runtime.heap``: a compile while an engine lives freezes the heap (``gc.freeze``, so decoding meets no
+    full collection), and the last engine's end unfreezes it. That is safe only because a session, its
+    engine, cache and decode state (HeteroCache after recalls) are freed by reference counting alone:
+    with the collector off, dropping the last reference frees them."""
+    import gc
+    import weakref
+
+    from hetero_jax.runtime import compiled, heap
+
+    monkeypatch.setattr(heap, "_live", [0])  # engines of other tests stay out of the count
+    heap.unfreeze()
+    sess = Session(MODEL, random_prompt(150, 1), policy, chat=False, reserve_tokens=8)
+    sess.ask(random_prompt(6, 8), max_new_tokens=6)
+    if isinstance(policy, HeteroCache):
+        assert sess.engine.state.stats()["recalls"] > 0
+    assert heap.live_engines() == 1
+    compiled(jax.jit(lambda x: x * 3 + 1), np.arange(5.0))  # a compile nothing else in the process made
+    assert gc.get_freeze_count() > 0
+    refs = [weakref.ref(o) for o in (sess, sess.engine, sess.engine.state)]
+    gc.disable()
+    try:
+        del sess
+        assert [r() is None for r in refs] == [True] * 3
+        assert heap.live_engines() == 0 and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()

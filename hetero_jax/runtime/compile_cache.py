@@ -11,6 +11,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from hetero_jax.runtime import heap
+
 # Prefill chunk sizes: a prompt is padded to a multiple of its bucket, so a new
 # prompt length recompiles only when it crosses into a new bucket.
 MAX_CHUNK = 512
@@ -75,6 +77,7 @@ def cached_executables() -> int:
 
 def release_executables() -> None:
     """Drop every cached executable (ours and jax's); those still referenced (live engines) stay valid."""
+    heap.unfreeze()  # frozen, the released ones would outlive this if any sits in a reference cycle
     _COMPILED.clear()
     jax.clear_caches()
 
@@ -99,6 +102,7 @@ def compiled(jitted, *args, **static):
         if budget is not None and held is not None and held > budget:
             release_executables()
         fn = jitted.lower(*args, **static).compile()
+        heap.after_compile()
         _COMPILE_TIME[0] += time.perf_counter() - t0
         _COMPILED[key] = fn
     return fn

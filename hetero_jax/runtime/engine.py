@@ -21,6 +21,7 @@ from hetero_jax.model.cache import grow_tail, kv_bytes, prompt_arrays, prompt_kv
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import params_for
 from hetero_jax.model.sharding import MeshError, batch_sharding, per_device_bytes, shard_cache, to_host
+from hetero_jax.runtime import heap
 from hetero_jax.runtime.compile_cache import MAX_CHUNK, TAIL_QUANTUM, chunk_bucket, compile_seconds, compiled, round_up
 from hetero_jax.runtime.prompts import check_model, validate_ids
 from hetero_jax.runtime.results import GenerationResult, GenerationStats
@@ -122,6 +123,7 @@ class Engine:
         return e
 
     def _start(self, model, policy, lens, params, logits, cache, state, prefill_seconds, seed, compile_start):
+        heap.engine_started(self)  # its compiles freeze the heap (``runtime.heap``)
         self.model, self.cfg, self.policy, self.lens = model, model.config, policy, lens
         self.params, self.logits, self.cache, self.state = params, logits, cache, state
         self.achieved_rho = state.achieved_rho(cache, self.cfg)
