@@ -65,7 +65,8 @@ Cost: prefill dominates long contexts (one per policy and round: 7 policies x
 takes about 90 s at 7900 tokens, 5.3 min at 16K and 22 min at 32K (measured,
 synthetic weights), so the default grid's 16K and 32K points take hours there;
 ``--preset long`` (those two lengths, full KV and HeteroCache at rho 0.3, one
-round) took 55 min. ``--preset cpu`` (real 1K and 2K,
+round) takes about 15 min (4fb7e81); ``--preset long-copy-window`` the same with
+HeteroCache's opt-in copy window. ``--preset cpu`` (real 1K and 2K,
 synthetic 2K, rho 0.3 only, 32 timed steps) is the small configuration that
 ``make bench`` runs: 5 to 7 min on 2 shared cores (warm / cold XLA cache).
 
@@ -120,6 +121,10 @@ PRESETS = {
     # default: over 64 the P99 is the slowest step interpolated with the next (one stray step decided it)
     "long": dict(real_lengths=[], synthetic_lengths=[16384, 32768], policies=["full", "heterocache"], budgets=[0.3],
                  decode_steps=128, warmup_steps=8, ttft_warmup=0, ttft_repeats=1),
+    # the opt-in copy window at the same long contexts (section latency-long-copy-window)
+    "long-copy-window": dict(real_lengths=[], synthetic_lengths=[16384, 32768],
+                             policies=["full", "heterocache:copy_window=16"], budgets=[0.3], decode_steps=128,
+                             warmup_steps=8, ttft_warmup=0, ttft_repeats=1),
     # issue 17: decode-time retrieval (Quest in-device and offloaded, FreeKV) beside full KV, SnapKV and
     # HeteroCache on the real model; the roofline counts the bytes a step reads, host fetches included
     "issue17": dict(real_lengths=[2048, 4096], synthetic_lengths=[],
