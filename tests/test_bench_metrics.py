@@ -229,3 +229,16 @@ def test_bench_extend_presets_and_table_by_hand():
     # ms per token, chunked / prefill = 2.00 and per-token / chunked = 7.5; no per-token run -> dashes
     assert table[2].split("|")[1:-1] == [" 2,048 ", " full ", " 256 ", " 2.00 ", " 4.00 ", " 30.00 ", " 2.00 ", " 7.5 "]
     assert table[3].split("|")[1:-1] == [" 2,048 ", " heterocache ", " 1,024 ", " 2.00 ", " 3.00 ", " — ", " 1.50 ", " — "]
+
+
+def test_make_policies_keeps_each_specs_options():
+    """A grid entry's options reach the policy (``heterocache:copy_window=16`` once timed the default
+    HeteroCache under the variant's label), and the synthetic profile replaces only HeteroCache's."""
+    prof = bench_latency.synthetic_profile()
+    combos = [("full", 1.0), ("heterocache", 0.3), ("heterocache:copy_window=16", 0.3), ("quest:offload=true", 0.2)]
+    full, hc, hc_copy, quest = bench_latency.make_policies(combos, prof)
+    assert type(full).__name__ == "FullKV"
+    assert (hc.budget, hc.copy_window, hc_copy.budget, hc_copy.copy_window) == (0.3, 0, 0.3, 16)
+    assert hc.profile is prof and hc_copy.profile is prof
+    assert (type(quest).__name__, quest.offload, quest.budget) == ("Quest", True, 0.2)
+    assert bench_latency.make_policies(combos[2:3])[0].copy_window == 16  # real weights: the shipped profile
