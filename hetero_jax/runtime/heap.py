@@ -20,6 +20,7 @@ import weakref
 
 ENABLED = os.environ.get("HETERO_JAX_GC_FREEZE", "1") != "0"
 _live = [0]  # engines alive
+_frozen = [False]  # whether this module froze the heap: a freeze of the user's own is never undone here
 
 
 def engine_started(engine) -> None:
@@ -38,12 +39,14 @@ def after_compile() -> None:
     """Freeze the heap if an engine is alive (a compile adds most of the long-lived objects)."""
     if ENABLED and _live[0]:
         gc.freeze()
+        _frozen[0] = True
 
 
 def unfreeze() -> None:
-    """Return frozen objects to the collector (the last engine gone, or executables released)."""
-    if gc.get_freeze_count():
+    """Return what this module froze to the collector (the last engine gone, or executables released)."""
+    if _frozen[0]:
         gc.unfreeze()
+        _frozen[0] = False
 
 
 def live_engines() -> int:
