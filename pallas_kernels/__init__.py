@@ -39,6 +39,7 @@ from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce
                                           pooled_scores,
                                           pooled_scores_reference,
                                           topk_membership, topk_sets, topk_threshold)
+from pallas_kernels.pool_attention import pivot_pooled_scores, pool_attention_reference
 from pallas_kernels.sparse_decode_attention import (
     default_num_splits, merge_attention, sparse_decode_attention,
     sparse_decode_attention_reference)
@@ -52,7 +53,22 @@ __all__ = [
     "pooled_scores", "pooled_scores_reference", "overlap_bitmap",
     "topk_threshold", "topk_membership", "topk_sets", "normalised_overlap",
     "drift_check", "drift_check_reference", "base_overlap", "attention_and_pooled_scores", "scores",
+    "pool_attention", "pool_attention_reference", "pivot_pooled_scores",
 ]
+
+
+def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, *, max_len: int, score_len: int = 0,
+                   sm_scale: float | None = None, backend: str | None = None):
+  """Every KV head of a layer over one row pool (``pallas_kernels.pool_attention``'s contract), dispatched
+  by the backend switch.
+
+  q [B, H, T, G, D]; k_pool, v_pool [B, P, D]; offsets, lengths [B, H] int32; score_heads [H] int32 flags or
+  None. Returns (out [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, logits [B, H, G, score_len]
+  float32 or None).
+  """
+  resolve_backend(backend)  # validates the switch
+  return pool_attention_reference(q, k_pool, v_pool, offsets, lengths, score_heads, max_len=max_len,
+                                  score_len=score_len, sm_scale=sm_scale)
 
 
 def decode_attention(q, k, v, lengths, *, sm_scale: float | None = None, backend: str | None = None,

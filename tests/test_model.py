@@ -9,7 +9,7 @@ import pytest
 
 from hetero_jax.model import transformer as M
 from hetero_jax.model import spec
-from hetero_jax.model.cache import kv_bytes, prompt_kv_bytes, tail_kv_bytes
+from hetero_jax.model.cache import kv_bytes, layer_rows, pool_offsets, prompt_kv_bytes, tail_kv_bytes
 from hetero_jax.model.config import ModelConfig, RopeScaling
 from hetero_jax.runtime import prefill
 
@@ -93,20 +93,17 @@ def test_chunked_prefill_and_decode_match_numpy(name, chunk_len):
     for t in range(chunk_len, len(ids)):
         logits, cache = M.decode_step_jit(params, cache, jnp.asarray([ids[t]], jnp.int32), cfg)
         np.testing.assert_allclose(np.asarray(logits[0]), ref[t], atol=2e-4, rtol=0)
-    # per-head bookkeeping: every head holds exactly the tokens seen, at their positions
-    # per-head bookkeeping: the prompt group holds the prompt at its positions, the tail the rest
+    # per-head bookkeeping: each head's region holds the prompt at its positions, then the decoded tokens
     assert np.asarray(cache.seq_lens).tolist() == [len(ids)]
     assert np.asarray(cache.tail_lens).tolist() == [len(ids) - chunk_len]
     tail_pos = np.asarray(cache.tail_positions[0])
     assert np.all(tail_pos[: len(ids) - chunk_len] == np.arange(chunk_len, len(ids)))
     assert np.all(tail_pos[len(ids) - chunk_len :] == -1)
-    for layer in cache.layers:
-        (group,) = layer.groups
-        assert group.lengths.shape == (1, cfg.num_kv_heads)
-        assert np.all(np.asarray(group.lengths) == chunk_len)
-        pos = np.asarray(group.positions[0])
-        assert np.all(pos[:, :chunk_len] == np.arange(chunk_len))
-        assert np.all(pos[:, chunk_len:] == -1)
+    for li, layer in enumerate(cache.layers):
+        assert layer.lengths.shape == (1, cfg.num_kv_heads)
+        assert np.all(np.asarray(layer.lengths) == chunk_len)
+        _, _, pos, _ = layer_rows(cache, li)
+        assert np.all(np.asarray(pos[0]) == np.arange(chunk_len))
 
 
 def test_llama3_rope_inv_freq_matches_hf():
@@ -131,14 +128,26 @@ def test_cache_is_stored_at_kv_heads_and_counts_bytes():
     cfg = CONFIGS["llama-gqa3"]
     params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=0))
     _, cache = prefill(params, cfg, [[1, 2, 3], [4, 5, 6, 7, 8]], tail_capacity=32)
-    (group,) = cache.layers[0].groups
-    T = 5  # the longest prompt: chunk padding (to 16) is not kept
-    assert group.k.shape == (2, cfg.num_kv_heads, T, cfg.head_dim)
-    assert np.asarray(group.lengths).tolist() == [[3, 3], [5, 5]]
+    assert np.asarray(cache.layers[0].lengths).tolist() == [[3, 3], [5, 5]]
+    # one pool: per sequence, every head of every layer holds its prompt (chunk padding not kept) + 32 rows
+    B, S, P, D = cache.pool.k.shape
+    need = cfg.num_layers * cfg.num_kv_heads * (5 + 32)  # the longer sequence
+    assert (B, S, D) == (2, 1, cfg.head_dim) and need <= P < need + 128
     per_token = 2 * cfg.head_dim * 4  # K and V, float32
-    assert prompt_kv_bytes(cache) == cfg.num_layers * 2 * cfg.num_kv_heads * T * per_token
-    assert tail_kv_bytes(cache) == cfg.num_layers * 2 * cfg.num_kv_heads * 32 * per_token
+    assert prompt_kv_bytes(cache) == cfg.num_layers * cfg.num_kv_heads * (3 + 5) * per_token
+    assert kv_bytes(cache) == B * P * per_token
     assert kv_bytes(cache) == prompt_kv_bytes(cache) + tail_kv_bytes(cache)
+    # regions: sequence 1's heads one after another, each 5 prompt rows + 32 tail rows
+    offsets = np.stack([np.asarray(l.offsets) for l in cache.layers])
+    assert offsets[:, 1].reshape(-1).tolist() == list(range(0, need, 37))
+
+
+def test_pool_offsets_pack_each_shards_heads_layer_after_layer():
+    counts = np.array([[[3, 1, 4, 1]], [[5, 9, 2, 6]]])  # [L=2, B=1, H=4]
+    offsets, rows = pool_offsets(counts, tail_capacity=2, shards=2)
+    # shard 0 holds slots 0, 1 of each layer, shard 1 slots 2, 3: regions of counts + 2 rows, in order
+    assert offsets[:, 0].tolist() == [[0, 5, 0, 6], [8, 15, 9, 13]]
+    assert rows == 128  # the largest shard total (26 rows) rounded up to the pool quantum
 
 
 def test_bfloat16_close_to_float32():
@@ -148,7 +157,7 @@ def test_bfloat16_close_to_float32():
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=40).tolist()
     l32, _ = prefill(p32, cfg, [ids], tail_capacity=8)
     l16, c16 = prefill(p16, cfg, [ids], tail_capacity=8)
-    assert c16.layers[0].groups[0].k.dtype == jnp.bfloat16
+    assert c16.pool.k.dtype == jnp.bfloat16
     assert l16.dtype == jnp.float32  # logits always float32
     err = np.abs(np.asarray(l16) - np.asarray(l32)).max()
     assert err < 0.05 * np.abs(np.asarray(l32)).max()

@@ -1,11 +1,10 @@
-"""Head layouts: permute KV heads once so each role group is a contiguous slice.
+"""Head layouts: permute KV heads once so each layer's heads are in the order a policy wants.
 
-A policy that treats heads differently (HeteroCache: full heads and
-compressed heads) asks for a layout; the parameters are permuted once per
-(model, layout), the query heads following their KV head and the output
-projection's rows following the query heads, so the model computes exactly
-the same function. The cache then holds heads in layout order; ``perms``
-maps a cache head back to its original index.
+A policy that treats heads differently (HeteroCache: full heads first, then compressed heads; on a mesh,
+heads balanced over the shards) asks for a layout; the parameters are permuted once per (model, layout),
+the query heads following their KV head and the output projection's rows following the query heads, so the
+model computes exactly the same function. The cache then holds heads in layout order; ``perms`` maps a
+layout slot back to its original head.
 """
 
 from __future__ import annotations
@@ -21,72 +20,40 @@ from hetero_jax.model.sharding import shard_params
 
 @dataclasses.dataclass(frozen=True)
 class HeadLayout:
-    # per layer: perms[l][i] = original KV head stored at position i
+    # per layer: perms[l][i] = original KV head stored at layout slot i
     perms: tuple[tuple[int, ...], ...]
-    # per layer: heads per group, in order (sum = num_kv_heads); with tp > 1 each a multiple of tp
-    group_sizes: tuple[tuple[int, ...], ...]
-    # tensor-parallel shards the groups are cut for: group g of m = size/tp heads per shard holds the
-    # local slots [o, o + m) of every shard (``cache.group_spans``); 1 = contiguous slices of the heads
+    # tensor-parallel shards the layout is made for: shard s holds the slots [s H/tp, (s + 1) H/tp) of every
+    # layer, as the projections split (``cache``: a head's pool region lives in its slot's shard)
     tp: int = 1
 
     @classmethod
     def identity(cls, cfg: ModelConfig) -> "HeadLayout":
-        h = cfg.num_kv_heads
-        return cls(tuple(tuple(range(h)) for _ in range(cfg.num_layers)), tuple((h,) for _ in range(cfg.num_layers)))
+        return cls(tuple(tuple(range(cfg.num_kv_heads)) for _ in range(cfg.num_layers)))
 
     @classmethod
-    def from_groups(cls, groups_per_layer) -> "HeadLayout":
-        """groups_per_layer: per layer, a list of head-index lists (one per group, in order)."""
-        perms = tuple(tuple(int(h) for g in layer for h in g) for layer in groups_per_layer)
-        sizes = tuple(tuple(len(g) for g in layer if len(g)) for layer in groups_per_layer)
-        return cls(perms, sizes)
+    def from_orders(cls, orders_per_layer, tp: int = 1) -> "HeadLayout":
+        """orders_per_layer: per layer, the original head index at each layout slot."""
+        return cls(tuple(tuple(int(h) for h in order) for order in orders_per_layer), tp)
 
     @classmethod
     def from_rows(cls, rows_per_layer, tp: int) -> "HeadLayout":
-        """A layout for tp shards. rows_per_layer: per layer, a list of groups, each a list of local rows,
-        each row the tp head indices it puts on shards 0..tp-1. Shard s then holds, in slot
-        s * n_local + j, the s-th head of the layer's j-th row (rows counted across groups)."""
-        perms, sizes = [], []
-        for layer in rows_per_layer:
-            rows = [row for group in layer for row in group]
-            perms.append(tuple(int(rows[j][s]) for s in range(tp) for j in range(len(rows))))
-            sizes.append(tuple(tp * len(group) for group in layer if len(group)))
-        return cls(tuple(perms), tuple(sizes), tp)
+        """A layout for tp shards. rows_per_layer: per layer, a list of rows, each the tp head indices it puts
+        on shards 0..tp-1. Shard s then holds, in slot s * n_local + j, the s-th head of the layer's j-th row."""
+        return cls(tuple(tuple(int(rows[j][s]) for s in range(tp) for j in range(len(rows)))
+                         for rows in rows_per_layer), tp)
 
     def check(self, cfg: ModelConfig) -> None:
-        if len(self.perms) != cfg.num_layers or len(self.group_sizes) != cfg.num_layers:
+        if len(self.perms) != cfg.num_layers:
             raise ValueError(f"layout has {len(self.perms)} layers, the model {cfg.num_layers}")
-        for l, (p, g) in enumerate(zip(self.perms, self.group_sizes)):
+        if cfg.num_kv_heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide the {cfg.num_kv_heads} KV heads")
+        for l, p in enumerate(self.perms):
             if sorted(p) != list(range(cfg.num_kv_heads)):
                 raise ValueError(f"layer {l}: {p} is not a permutation of the {cfg.num_kv_heads} KV heads")
-            if sum(g) != cfg.num_kv_heads or min(g) < 1:
-                raise ValueError(f"layer {l}: group sizes {g} must be positive and sum to {cfg.num_kv_heads}")
-            if any(n % self.tp for n in g):
-                raise ValueError(f"layer {l}: group sizes {g} must be multiples of tp={self.tp}")
-
-    def slots(self, layer: int) -> list[list[int]]:
-        """Per group of layer ``layer``: the layout slot of each group head (:func:`group_slots`)."""
-        return group_slots(self.group_sizes[layer], self.tp, len(self.perms[layer]))
 
     @property
     def is_identity(self) -> bool:
         return all(p == tuple(range(len(p))) for p in self.perms)
-
-
-def group_spans_of(sizes, tp: int) -> list[tuple[int, int]]:
-    """Per group of ``sizes`` heads cut for tp shards: (o, m), the m = size / tp local slots [o, o + m)
-    it holds on every shard (tp = 1: the contiguous slice [o, o + size))."""
-    out, o = [], 0
-    for size in sizes:
-        out.append((o, size // tp))
-        o += size // tp
-    return out
-
-
-def group_slots(sizes, tp: int, num_heads: int) -> list[list[int]]:
-    """Per group: the layer slot of each group head; head s*m + i is slot s*n_local + o + i."""
-    n_local = num_heads // tp
-    return [[s * n_local + o + i for s in range(tp) for i in range(m)] for o, m in group_spans_of(sizes, tp)]
 
 
 def _q_order(perm, group_size: int) -> np.ndarray:

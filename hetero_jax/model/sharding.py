@@ -1,6 +1,7 @@
 """A device mesh for params, caches and host stores: tensor parallel over heads, data parallel over batch.
 
-The logical axes come from :mod:`hetero_jax.model.spec` (``param_axes``, ``CACHE_AXES``); :data:`RULES` maps
+The logical axes come from :mod:`hetero_jax.model.spec` (``param_axes``; the cache's records declare theirs with
+``spec.axes_field``, read by ``spec.tree_axes``); :data:`RULES` maps
 them onto the mesh axes ``("data", "model")``. Computation is not rewritten: the jitted prefill and
 decode functions see sharded inputs and XLA's SPMD partitioner splits them (heads and MLP columns stay
 on their device; the all-reduces after ``o_proj`` and ``down_proj`` are inserted by the partitioner).
@@ -20,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError
-from hetero_jax.model.spec import CACHE_AXES, param_axes
+from hetero_jax.model.spec import param_axes, tree_axes
 
 DATA, MODEL = "data", "model"
 
@@ -93,29 +94,29 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     return jax.device_put(params, param_shardings(cfg, mesh, params))
 
 
-def _leaf_axes(path, shape, batch: int) -> tuple[str, ...]:
-    names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-    if any(isinstance(k, jax.tree_util.DictKey) for k in path):
-        # a policy's aux state: split over "data" when it leads with the batch (K_base [B, Np, L_base]),
-        # whole otherwise (a codebook, a store handle)
-        return ("batch",) if shape and shape[0] == batch else ()
-    return CACHE_AXES.get(names[-1], ()) if names else ()
+def named_sharding(mesh: Mesh, axes: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+    """The NamedSharding of an array of logical ``axes`` and ``shape`` on ``mesh`` (``partition_spec``)."""
+    return NamedSharding(mesh, partition_spec(tuple(axes)[: len(shape)], tuple(shape), mesh))
+
+
+def tree_shardings(tree, mesh: Mesh):
+    """NamedShardings for a pytree of records whose fields declare their logical axes (``spec.axes_field``:
+    the KV cache, a policy's per-layer state): KV heads (and the pool's shards) on "model", batch on "data",
+    where they divide. A leaf without a declaration is an error, never a guess."""
+    leaves, treedef = jax.tree.flatten(tree)
+    axes = tree_axes(tree)
+    return jax.tree.unflatten(treedef, [named_sharding(mesh, a, np.shape(x)) for a, x in zip(axes, leaves)])
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """NamedShardings for a KVCache pytree: KV heads on "model", batch on "data" (where they divide)."""
-    batch = cache.seq_lens.shape[0]
-
-    def one(path, x):
-        axes = _leaf_axes(path, np.shape(x), batch)
-        return NamedSharding(mesh, partition_spec(axes[: np.ndim(x)], np.shape(x), mesh))
-
-    return jax.tree_util.tree_map_with_path(one, cache)
+    """NamedShardings for a KVCache pytree (:func:`tree_shardings`)."""
+    return tree_shardings(cache, mesh)
 
 
 def shard_cache(cache, mesh: Mesh):
-    """``cache`` placed on ``mesh`` (a no-op for leaves already there)."""
-    return jax.device_put(cache, cache_shardings(cache, mesh))
+    """``cache`` placed on ``mesh`` (a no-op for leaves already there), and marked as living there."""
+    placed = jax.device_put(cache, cache_shardings(cache, mesh))
+    return placed.replace(mesh=mesh) if hasattr(placed, "mesh") else placed
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:

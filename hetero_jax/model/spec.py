@@ -70,22 +70,57 @@ _LAYER_AXES: dict[str, tuple[str, ...]] = {
     "k_norm": ("head_dim",),
 }
 
-# Logical axes of the cache's fields (``hetero_jax.model.cache``): head groups and tails are split by KV head
-# like k_proj's columns, so a device attends with the K/V its own projections produced.
-CACHE_AXES: dict[str, tuple[str, ...]] = {
-    "k": ("batch", "kv_heads", "slots", "head_dim"),
-    "v": ("batch", "kv_heads", "slots", "head_dim"),
-    "positions": ("batch", "kv_heads", "slots"),
-    "lengths": ("batch", "kv_heads"),
-    "offsets": ("batch", "kv_heads"),  # a pooled group's windows; a PromptPool's k/v/positions are
-    # [B, tp, P(, D)]: the shard axis takes the "kv_heads" rule, as each shard's pool holds its heads' rows
-    "tail_k": ("batch", "kv_heads", "slots", "head_dim"),
-    "tail_v": ("batch", "kv_heads", "slots", "head_dim"),
-    "seq_lens": ("batch",),
-    "prompt_lens": ("batch",),
-    "tail_lens": ("batch",),
-    "tail_positions": ("batch", "slots"),
-}
+# The cache's arrays declare their logical axes where they are declared (``axes_field`` on each field of the
+# cache's records and of every policy's per-layer state), and :func:`tree_axes` reads them: the sharding rules
+# (``hetero_jax.model.sharding``), the pool and the kernels read one declaration, never a field's name.
+AXES_KEY = "axes"
+
+
+def axes_field(*axes: str, **kwargs):
+    """A ``flax.struct`` pytree field holding an array whose dimensions have the logical ``axes`` (one name
+    per dimension, as ``param_axes``; "batch" and "kv_heads" split over the mesh)."""
+    from flax import struct
+
+    return struct.field(pytree_node=True, metadata={AXES_KEY: tuple(axes)}, **kwargs)
+
+
+def tree_axes(tree) -> list[tuple[str, ...]]:
+    """The logical axes of every array leaf of ``tree`` (records whose fields are ``axes_field``s, tuples,
+    lists, None), in ``jax.tree.leaves(tree)`` order: one tuple of names per leaf.
+
+    A leaf reached without a declaration raises ValueError naming the field: no axis is ever guessed from a
+    name or a shape."""
+    import dataclasses
+
+    import jax
+
+    out: list[tuple[str, ...]] = []
+
+    def walk(node, axes, where):
+        if node is None:
+            return
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                if f.metadata.get("pytree_node", True):
+                    walk(getattr(node, f.name), f.metadata.get(AXES_KEY), f"{where}.{f.name}")
+            return
+        if isinstance(node, (tuple, list)):
+            for i, x in enumerate(node):
+                walk(x, axes, f"{where}[{i}]")
+            return
+        if axes is None:
+            raise ValueError(f"{where}: an array without declared logical axes (declare its field with "
+                             "hetero_jax.model.spec.axes_field)")
+        if len(axes) != len(getattr(node, "shape", ())):
+            raise ValueError(f"{where}: declared axes {axes} do not match its shape {tuple(node.shape)}")
+        out.append(tuple(axes))
+
+    walk(tree, None, type(tree).__name__)
+    n = len(jax.tree.leaves(tree))
+    if n != len(out):
+        raise ValueError(f"{type(tree).__name__}: {n} array leaves but {len(out)} declared (a container that "
+                         "tree_axes does not walk: use records, tuples or lists)")
+    return out
 
 
 def param_axes(cfg: ModelConfig) -> dict:

@@ -21,8 +21,9 @@ import numpy as np
 import pallas_kernels
 from pallas_kernels import MASK_VALUE  # the one finite mask value (scores beyond a prompt, masked attention)
 
-from hetero_jax.model.cache import KVCache, LayerCache, full_group, group_spans, join_heads, materialize, take_heads
+from hetero_jax.model.cache import KVCache, LayerCache, LayerPrefill, PoolBuilder, RowBlock
 from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.pool import LayerStep, append
 
 
 
@@ -192,37 +193,46 @@ def _all_logits_jit(params, x, cfg):
     return lm_logits(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cfg)
 
 
-_full_group_jit = jax.jit(full_group, donate_argnums=(0, 1))
+def full_rows(k_buf: jax.Array, v_buf: jax.Array, lens: jax.Array, t_max: int) -> LayerPrefill:
+    """A layer's prefill under full KV: every head keeps its whole prompt, trimmed to the longest prompt
+    ``t_max`` (a host int: chunk padding is not kept). k_buf, v_buf: [B, Hkv, Tp, D]; lens: [B]."""
+    B, H = k_buf.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(t_max, dtype=jnp.int32), (B, H, t_max))
+    lengths = jnp.broadcast_to(lens[:, None], (B, H)).astype(jnp.int32)
+    return LayerPrefill(blocks=(RowBlock(k=k_buf[:, :, :t_max], v=v_buf[:, :, :t_max], positions=positions,
+                                         lengths=lengths, heads=tuple(range(H))),))
 
 
-def full_layer_groups(k_buf, v_buf, lens, t_max: int, compile_fn=None) -> tuple:
-    """A layer's cache groups under full KV: every head keeps its whole prompt, trimmed to the longest
-    prompt ``t_max`` (a host int: chunk padding is not kept). k_buf, v_buf: [B, Hkv, Tp, D]; lens: [B]."""
-    compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
-    k_keep, v_keep = k_buf[:, :, :t_max], v_buf[:, :, :t_max]
-    return (compile_fn(_full_group_jit, k_keep, v_keep, lens)(k_keep, v_keep, lens),)
+class FullKVPlan:
+    """Full KV's prefill plan: every head keeps its whole prompt (no scoring, no selection)."""
 
+    def __init__(self, prompt_lens, num_layers: int, num_kv_heads: int):
+        self.lens = np.asarray(prompt_lens, np.int64)
+        self.t_max = int(self.lens.max())
+        self.shape = (num_layers, len(self.lens), num_kv_heads)
 
-def fresh_zeros(shape, dtype) -> jax.Array:
-    # Created eagerly, one buffer each: jitted code may return one buffer for two
-    # equal constants, and the decode step donates every cache leaf separately.
-    return jnp.zeros(shape, dtype)
+    def prompt_counts(self) -> np.ndarray:
+        return np.broadcast_to(self.lens[None, :, None], self.shape)
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
+        return full_rows(k_buf, v_buf, lens, self.t_max)
 
 
 def prefill(
     params: dict, cfg: ModelConfig, tokens: np.ndarray, prompt_lens: np.ndarray, *,
-    chunk: int, tail_capacity: int, dtype=None, build_layer=None, compile_fn=None,
-    all_logits: bool = False,
+    chunk: int, tail_capacity: int, dtype=None, plan=None, observe=None, compile_fn=None,
+    all_logits: bool = False, mesh=None,
 ) -> tuple[jax.Array, KVCache]:
-    """Layer-major chunked prefill of a right-padded batch.
+    """Layer-major chunked prefill of a right-padded batch into the row pool.
 
     tokens: [B, Tp] int32 (Tp a multiple of ``chunk``); prompt_lens: [B].
-    Each layer runs over all chunks before the next layer starts, so only one
-    layer's full prompt KV exists at a time and ``build_layer`` (a policy's
-    selection; default full KV) turns it into that layer's cache right away.
-    One compiled chunk function serves every layer (they share shapes).
-    Returns (logits of each prompt's last token [B, V] float32, or of every
-    slot [B, Tp, V] with ``all_logits``; cache).
+    Each layer runs over all chunks before the next layer starts, so only one layer's full prompt KV exists
+    at a time: ``observe(li, layer, x_in, k_buf, v_buf, lens)`` (calibration) sees it, then ``plan.build_layer``
+    (a policy's selection; default: full KV) turns it into row blocks that go into the pool right away
+    (``cache.PoolBuilder``; the pool is allocated from ``plan.prompt_counts()`` before the first layer).
+    One compiled chunk function serves every layer (they share shapes). ``mesh``: the pool is split over it.
+    Returns (logits of each prompt's last token [B, V] float32, or of every slot [B, Tp, V] with
+    ``all_logits``; cache).
     """
     compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
     B, Tp = tokens.shape
@@ -230,110 +240,78 @@ def prefill(
     dtype = dtype or params["embed"].dtype
     lens = jnp.asarray(prompt_lens, jnp.int32)
     tok = jnp.asarray(tokens, jnp.int32)
+    plan = plan or FullKVPlan(prompt_lens, cfg.num_layers, cfg.num_kv_heads)
+    builder = PoolBuilder(plan, prompt_lens, cfg, tail_capacity, dtype, mesh=mesh, compile_fn=compile_fn)
     x = compile_fn(_embed_jit, params, tok, cfg=cfg)(params, tok)
     kv_shape = (B, cfg.num_kv_heads, Tp, cfg.head_dim)
-    layers = []
     for li, layer in enumerate(params["layers"]):
         x_out = jnp.zeros_like(x)
         k_buf, v_buf = jnp.zeros(kv_shape, dtype), jnp.zeros(kv_shape, dtype)
         for start in range(0, Tp, chunk):
             args = (layer, x, x_out, k_buf, v_buf, np.int32(start))
             x_out, k_buf, v_buf = compile_fn(_layer_prefill_chunk_jit, *args, chunk=chunk, cfg=cfg)(*args)
-        if build_layer is None:
-            groups = full_layer_groups(k_buf, v_buf, lens, int(np.max(prompt_lens)), compile_fn)
-        else:
-            groups = build_layer(li, layer, x, k_buf, v_buf, lens)
+        if observe is not None:
+            observe(li, layer, x, k_buf, v_buf, lens)
+        done = builder.add(li, plan.build_layer(li, layer, x, k_buf, v_buf, lens))
         # one sync per layer: compile work in the next layer's hooks then never overlaps
         # with this layer's compute, so the timings that exclude compile time stay honest
-        jax.block_until_ready(groups)
-        tail_shape = (B, cfg.num_kv_heads, tail_capacity, cfg.head_dim)
-        layers.append(LayerCache(groups=groups, tail_k=fresh_zeros(tail_shape, dtype), tail_v=fresh_zeros(tail_shape, dtype)))
+        jax.block_until_ready(done)
+        del k_buf, v_buf
         x = x_out
     if all_logits:
         logits = compile_fn(_all_logits_jit, params, x, cfg=cfg)(params, x)
     else:
         logits = compile_fn(_final_logits_jit, params, x, lens, cfg=cfg)(params, x, lens)
-    cache = KVCache(
-        layers=tuple(layers),
-        seq_lens=jnp.array(lens),
-        prompt_lens=lens,
-        tail_lens=fresh_zeros((B,), jnp.int32),
-        tail_positions=jnp.full((B, tail_capacity), -1, jnp.int32),
-    )
-    return logits, cache
+    return logits, builder.cache(lens)
 
 
 # ------------------------------------------------------------------- decode
-def layer_decode_attention(q: jax.Array, layer_cache: LayerCache, tail_lens: jax.Array) -> jax.Array:
-    """One query token per sequence over the prompt groups and the tail.
-
-    q: [B, Nkv, G, D]; tail_lens: [B] valid tail slots (the new token included).
-    Each group's ragged attention and the tail's are merged by log-sum-exp.
-    Returns [B, Nkv, G, D].
-    """
-    outs = []
-    tp = layer_cache.head_tp
-    for g, (o, m) in zip(layer_cache.groups, group_spans(layer_cache)):
-        hg = g.num_heads
-        qg = take_heads(q, o, m, tp)
-        # cache slots beyond a head's length hold zeros or copies of real tokens: finite
-        out_p, lse_p = pallas_kernels.decode_attention(qg, g.k, g.v, g.lengths, finite_padding=True)
-        t_len = jnp.broadcast_to(tail_lens[:, None], (q.shape[0], hg))
-        out_t, lse_t = pallas_kernels.decode_attention(
-            qg, take_heads(layer_cache.tail_k, o, m, tp), take_heads(layer_cache.tail_v, o, m, tp), t_len,
-            finite_padding=True,
-        )
-        outs.append(pallas_kernels.merge_attention(out_p, lse_p, out_t, lse_t)[0])
-    return join_heads(outs, tp)
-
-
 def decode_step(
     params: dict, cache: KVCache, tokens: jax.Array, cfg: ModelConfig, return_queries: bool = False,
     policy=None,
 ):
     """One new token per sequence. tokens: [B] int32. Returns logits [B, V] (float32) and the cache.
 
-    The token's K/V is appended to every head's tail at slot ``tail_lens``.
-    With ``return_queries`` also returns each layer's query (after RoPE) as a
-    tuple of [B, Nkv, G, D] arrays, for head profiling.
+    The token's K/V goes into every head's region of the pool, after its prompt rows and its ``tail_lens``
+    earlier tokens; then each layer attends every head in one call (``LayerStep.attend``). With
+    ``return_queries`` also returns each layer's query (after RoPE) as a tuple of [B, Nkv, G, D] arrays.
 
-    ``policy`` (static; None = attention over every kept slot): an object whose
-    ``attend(li, q, layer_cache, tail_lens, seq_lens) -> (out, layer_cache, extra)``
-    replaces :func:`layer_decode_attention` in every layer (a decode-time policy
-    selects or fetches there and may update its layer's cache). Then the
-    per-layer ``extra`` outputs come back too, as a tuple over layers, last.
+    ``policy`` (static; None = attention over every kept row): an object whose
+    ``attend(li, q, step) -> (out, step, extra)`` replaces ``step.attend`` in every layer (a decode-time
+    policy selects or fetches there and may update the pool and its layer's state). Then the per-layer
+    ``extra`` outputs come back too, as a tuple over layers, last.
     """
     B = tokens.shape[0]
     pos = cache.seq_lens  # [B]
     b = jnp.arange(B)
     slot = cache.tail_lens  # [B]
+    R = cache.tail_capacity
     x = params["embed"][tokens][:, None, :]  # [B, 1, H]
+    pool = cache.pool
     new_layers, queries, extras = [], [], []
     for li, (layer, lc) in enumerate(zip(params["layers"], cache.layers)):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q, k, v = project_qkv(layer, h, pos[:, None], cfg)
-        lc = lc.replace(
-            tail_k=lc.tail_k.at[b, :, slot].set(k[:, 0].astype(lc.tail_k.dtype)),
-            tail_v=lc.tail_v.at[b, :, slot].set(v[:, 0].astype(lc.tail_v.dtype)),
-        )
+        pool = append(pool, lc, slot, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), R, cache.mesh)
         qg = q[:, 0].reshape(B, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
         queries.append(qg)
-        view = materialize(lc, cache.pool)  # pooled groups read as windows; the pool keeps the rows
+        step = LayerStep(pool=pool, layer=lc, tail_lens=slot + 1, seq_lens=pos, tail_capacity=R, mesh=cache.mesh)
         if policy is None:
-            attn = layer_decode_attention(qg, view, slot + 1)
+            attn = step.attend(qg)[0]
         else:
-            attn, view, extra = policy.attend(li, qg, view, slot + 1, pos)
+            attn, step, extra = policy.attend(li, qg, step)
             extras.append(extra)
-        lc = view if cache.pool is None else view.replace(groups=lc.groups)
+        pool, lc = step.pool, step.layer
         x = x + output_projection(layer, attn.reshape(B, 1, -1))
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_layers.append(lc)
     h = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
     cache = cache.replace(
+        pool=pool,
         layers=tuple(new_layers),
         seq_lens=pos + 1,
         tail_lens=slot + 1,
-        tail_positions=cache.tail_positions.at[b, slot].set(pos),
+        tail_positions=cache.tail_positions.at[b, slot].set(pos, mode="drop"),
     )
     out = (lm_logits(params, h, cfg), cache)
     if return_queries:
@@ -343,88 +321,46 @@ def decode_step(
     return out
 
 
-def tail_extend_attention(q: jax.Array, layer_cache: LayerCache, tail_start: jax.Array):
-    """A chunk's causal attention over the tail alone: query c (at tail slot ``tail_start + c``) sees slots
-    [0, tail_start + c]. q: [B, Nkv, G, C, D]. Returns (out [B, Nkv, G, C, D] float32, lse [B, Nkv, G, C]
-    float32), to be merged with the prompt's part by log-sum-exp."""
-    C, D = q.shape[3], q.shape[4]
-    R = layer_cache.tail_k.shape[2]
-    s = jnp.einsum("bhgcd,bhrd->bhgcr", q, layer_cache.tail_k, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST) * (1.0 / math.sqrt(D))
-    visible = jnp.arange(R)[None, None, :] <= (tail_start[:, None, None] + jnp.arange(C)[None, :, None])  # [B,C,R]
-    s = jnp.where(visible[:, None, None], s, MASK_VALUE)
-    m = s.max(-1)
-    p = jnp.exp(s - m[..., None])  # query c always sees its own slot: no empty row
-    l = p.sum(-1)
-    out_t = jnp.einsum("bhgcr,bhrd->bhgcd", p, layer_cache.tail_v, preferred_element_type=jnp.float32,
-                       precision=jax.lax.Precision.HIGHEST) / l[..., None]
-    return out_t, m + jnp.log(l)
-
-
-def layer_extend_attention(q: jax.Array, layer_cache: LayerCache, tail_start: jax.Array) -> jax.Array:
-    """A chunk of new tokens over the prompt groups and the tail: ``decode_step``'s attention, C tokens at once.
-
-    q: [B, Nkv, G, C, D] queries of the tokens at tail slots ``tail_start + c``, whose K/V are already in
-    the tail; tail_start: [B]. Every kept prompt slot precedes the chunk, so each group is attended without
-    a causal mask (ragged lengths, via ``pallas_kernels.decode_attention`` with the C queries as extra rows);
-    the tail is causal: query c sees slots [0, tail_start + c]. The parts merge by log-sum-exp, exactly as
-    one decode step per token would. Returns [B, Nkv, G, C, D].
-    """
-    B, Nkv, G, C, D = q.shape
-    out_t, lse_t = tail_extend_attention(q, layer_cache, tail_start)
-    outs, tp = [], layer_cache.head_tp
-    for g, (o, m) in zip(layer_cache.groups, group_spans(layer_cache)):
-        hg = g.num_heads
-        qg = take_heads(q, o, m, tp).reshape(B, hg, G * C, D)
-        out_p, lse_p = pallas_kernels.decode_attention(qg, g.k, g.v, g.lengths, finite_padding=True)
-        out, _ = pallas_kernels.merge_attention(
-            out_p, lse_p, take_heads(out_t, o, m, tp).reshape(B, hg, G * C, D).astype(out_p.dtype),
-            take_heads(lse_t, o, m, tp).reshape(B, hg, G * C))
-        outs.append(out.reshape(B, hg, G, C, D))
-    return join_heads(outs, tp)
-
-
 def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cfg: ModelConfig, policy=None):
-    """Append a chunk of tokens to every head's tail in one pass (a session's turn, chunked).
+    """Append a chunk of tokens to every head's region in one pass (a session's turn, chunked).
 
-    tokens: [B, C] int32, of which the first ``n_new`` [B] are real (the rest is padding: its K/V lands
-    in tail slots past the new length, never read, and writes past the tail's capacity are dropped).
+    tokens: [B, C] int32, of which the first ``n_new`` [B] are real (the rest is padding: its K/V lands in
+    tail rows past the new length, never read, and rows past the tail's capacity are dropped).
     Equal, up to float summation order, to ``n_new`` calls of :func:`decode_step` (under the default
-    attention); ``policy`` (static, None = that default) may replace :func:`layer_extend_attention`
-    through its ``attend_chunk(li, q, layer_cache, tail_start)`` (Quest offloaded attends the prompt
-    it keeps on the host).
+    attention); ``policy`` (static, None = that default) may replace ``step.attend_chunk`` through its
+    ``attend_chunk(li, q, step)`` (Quest offloaded attends the prompt it keeps on the host).
     Returns (logits of each sequence's last real token [B, V] float32, the cache, and each layer's
     queries (after RoPE) as a tuple of [B, Nkv, C, G, D] arrays, the layout of ``pallas_kernels.scores``).
     """
     B, C = tokens.shape
     pos0, slot0 = cache.seq_lens, cache.tail_lens  # [B]
+    R = cache.tail_capacity
     offs = jnp.arange(C, dtype=jnp.int32)
     positions = pos0[:, None] + offs[None, :]  # [B, C]
     slots = slot0[:, None] + offs[None, :]
     real = offs[None, :] < n_new[:, None]
     b = jnp.arange(B)[:, None]
     x = params["embed"][tokens]  # [B, C, H]
+    pool = cache.pool
     new_layers, queries = [], []
     for li, (layer, lc) in enumerate(zip(params["layers"], cache.layers)):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q, k, v = project_qkv(layer, h, positions, cfg)  # q [B, C, Nq, D]; k, v [B, C, Nkv, D]
-        lc = lc.replace(
-            tail_k=lc.tail_k.at[b, :, slots].set(k.astype(lc.tail_k.dtype), mode="drop"),
-            tail_v=lc.tail_v.at[b, :, slots].set(v.astype(lc.tail_v.dtype), mode="drop"),
-        )
+        pool = append(pool, lc, slot0, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), R, cache.mesh)
         qg = q.reshape(B, C, cfg.num_kv_heads, cfg.group_size, cfg.head_dim).transpose(0, 2, 3, 1, 4)
         queries.append(qg.transpose(0, 1, 3, 2, 4))  # [B, Nkv, C, G, D]
-        view = materialize(lc, cache.pool)
+        step = LayerStep(pool=pool, layer=lc, tail_lens=slot0 + 1, seq_lens=pos0, tail_capacity=R, mesh=cache.mesh)
         if policy is None:
-            attn = layer_extend_attention(qg, view, slot0)  # [B, Nkv, G, C, D]
+            attn = step.attend_chunk(qg)
         else:
-            attn = policy.attend_chunk(li, qg, view, slot0)
+            attn = policy.attend_chunk(li, qg, step)
         x = x + output_projection(layer, attn.transpose(0, 3, 1, 2, 4).reshape(B, C, -1))
         x = x + mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
         new_layers.append(lc)
     last = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
     h = rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
     cache = cache.replace(
+        pool=pool,
         layers=tuple(new_layers),
         seq_lens=pos0 + n_new,
         tail_lens=slot0 + n_new,

@@ -193,23 +193,25 @@ class Policy:
         return PolicyPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
 
     # ----------------------------------------------------------------- decode
-    def attend(self, li: int, q, layer_cache, tail_lens, seq_lens):
-        """Traced, once per layer inside the decode step: one query per sequence over the layer's cache.
+    def attend(self, li: int, q, step):
+        """Traced, once per layer inside the decode step: one query per sequence over the layer's rows.
 
-        q: [B, Hkv, G, D] (after RoPE); tail_lens: [B] valid tail slots (the new token's included);
-        seq_lens: [B] the new token's position. Returns (out [B, Hkv, G, D], layer cache, extra): a
-        decode-time policy may select or fetch here and update its layer's cache (same shapes); ``extra``
-        (a pytree or None) reaches ``DecodeState.after_step``. Default: every kept slot and the tail.
+        q: [B, Hkv, G, D] (after RoPE); ``step`` (``model.pool.LayerStep``): the pool with this step's token
+        appended, the layer's offsets, lengths and state, the tail rows each head attends. Returns (out
+        [B, Hkv, G, D], step, extra): a decode-time policy may select or fetch here and update the pool or its
+        layer's state (same shapes); ``extra`` (a pytree or None) reaches ``DecodeState.after_step``.
+        Default: every kept row and the tail, every head in one call.
         """
-        return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, None
+        return step.attend(q)[0], step, None
 
-    def attend_chunk(self, li: int, q, layer_cache, tail_start):
+    def attend_chunk(self, li: int, q, step):
         """Traced, once per layer of a chunked turn (``model.extend``): C new queries [B, Hkv, G, C, D] over
-        the layer's cache and the tail (causal from ``tail_start`` [B]). Default: every kept slot."""
-        return M.layer_extend_attention(q, layer_cache, tail_start)
+        the layer's rows, causal over the tail (``step.tail_lens`` - 1 + c for query c). Default: every kept
+        row."""
+        return step.attend_chunk(q)
 
     def layout(self, cfg: ModelConfig):
-        """The head layout this policy needs (a ``HeadLayout``), or None for one group per layer."""
+        """The head layout this policy needs (a ``HeadLayout``: the order of each layer's heads), or None."""
         return None
 
 

@@ -35,7 +35,7 @@ class FullKV(Policy):
             raise BudgetError(f"FullKV keeps the whole prompt: its budget is 1, got rho={self.budget:g}")
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
-        return FullPrefill(prompt_lens, compile_fn)
+        return FullPrefill(cfg, prompt_lens, compile_fn)
 
 
 @dataclasses.dataclass(frozen=True)

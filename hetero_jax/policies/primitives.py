@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from hetero_jax.model.cache import HeadGroup
+from hetero_jax.model.cache import RowBlock
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.transformer import prompt_queries
 from pallas_kernels import MASK_VALUE, gqa_reduce, masked_softmax
@@ -105,13 +105,10 @@ def select_topk(scores: jax.Array, counts: jax.Array, cap: int) -> jax.Array:
     return jnp.where(kept == big, last, kept).astype(jnp.int32)
 
 
-def gather_group(k: jax.Array, v: jax.Array, positions: jax.Array, idx: jax.Array, counts: jax.Array) -> HeadGroup:
-    """Gather kept slots into a new group.
-
-    k, v: [B, H, T, D]; positions: [B, H, T] int32; idx: [B, H, cap];
-    counts: [B, H]. The new arrays are exactly cap slots long: memory is real.
-    """
+def gather_group(k: jax.Array, v: jax.Array, positions: jax.Array, idx: jax.Array, counts: jax.Array) -> RowBlock:
+    """Gather kept slots into a row block (what a prefill plan hands the pool; its ``heads`` are set by the
+    caller). k, v: [B, H, T, D]; positions: [B, H, T] int32; idx: [B, H, cap]; counts: [B, H]."""
     take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=2)  # noqa: E731
     pos = jnp.take_along_axis(positions, idx, axis=2)
     valid = jnp.arange(idx.shape[-1])[None, None, :] < counts[..., None]
-    return HeadGroup(k=take(k), v=take(v), positions=jnp.where(valid, pos, -1), lengths=counts.astype(jnp.int32))
+    return RowBlock(k=take(k), v=take(v), positions=jnp.where(valid, pos, -1), lengths=counts.astype(jnp.int32))

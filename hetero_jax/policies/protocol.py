@@ -18,18 +18,22 @@ def achieved_rho(cache: KVCache, cfg: ModelConfig) -> np.ndarray:
 
 
 class PrefillPlan:
-    """A policy's prefill for one batch: ``build_layer`` per layer, then ``finish``.
+    """A policy's prefill for one batch: ``prompt_counts`` before any compute, ``build_layer`` per layer,
+    then ``finish``.
 
+    ``prompt_counts()`` gives the prompt rows every head keeps, [layers, B, Hkv] in layout order (the
+    pool is allocated from them, ``cache.pool_offsets``), or None when they are decided at the end; then
+    ``cut(outputs) -> (outputs, counts)`` gives the final blocks and counts (CAKE).
     ``build_layer(li, layer, x_in, k_buf, v_buf, lens)`` gets the layer's params, input hidden states
-    [B, Tp, H] and full prompt K/V [B, Hkv, Tp, D] and returns the layer's head groups;
-    ``finish(cache)`` returns ``(cache, DecodeState)``. ``consumes_kv``: ``build_layer`` may donate
-    k_buf / v_buf (a full group keeps them without a copy), so a caller that shares them between
-    plans (the benchmarks' one-forward prefill) hands such a plan its own copy.
+    [B, Tp, H] and full prompt K/V [B, Hkv, Tp, D] and returns a ``cache.LayerPrefill``: row blocks that
+    cover the layer's heads (each head's kept rows, at least its count) and the layer's state record;
+    ``finish(cache)`` returns ``(cache, DecodeState)``.
     """
 
-    consumes_kv = False
+    def prompt_counts(self):
+        raise NotImplementedError
 
-    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple:
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens):
         raise NotImplementedError
 
     def finish(self, cache):
@@ -85,13 +89,13 @@ class DecodeState:
         return achieved_rho(cache, cfg)
 
     def index_bytes(self, cache) -> int:
-        """Device bytes of policy state beside the K/V groups (page summaries, K_base, ...): every
-        array in the layers' ``aux``."""
-        return int(sum(a.nbytes for lc in cache.layers for a in jax.tree.leaves(lc.aux)))
+        """Device bytes of policy state beside the K/V rows (page summaries, K_base, ...): every array of
+        the layers' state records."""
+        return int(sum(a.nbytes for lc in cache.layers for a in jax.tree.leaves(lc.state)))
 
     def kv_bytes_read(self, cache) -> int:
         """K/V and index bytes one decode step reads (device reads plus host fetches), the memory traffic a
-        roofline compares: by default every device K/V array and the ``aux`` arrays."""
+        roofline compares: by default the pool as allocated and the state arrays."""
         return kv_bytes(cache) + self.index_bytes(cache)
 
     def stats(self) -> dict:

@@ -38,8 +38,9 @@ def _decode_jit(params, cache, tokens, key, cfg, policy, temperature, top_p):
 
 
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
-            build_layer=None, all_logits: bool = False, mesh=None):
-    """Chunked prefill of a right-padded batch of token-id lists (split over ``mesh``'s "data" axis).
+            plan=None, observe=None, all_logits: bool = False, mesh=None):
+    """Chunked prefill of a right-padded batch of token-id lists (split over ``mesh``'s "data" axis) with a
+    policy's ``plan`` (None: full KV) and an ``observe`` hook (``model.transformer.prefill``).
 
     Returns (logits of each prompt's last token [B, V] float32, cache).
     """
@@ -52,8 +53,8 @@ def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
     if mesh is not None:
         tokens = jax.device_put(tokens, batch_sharding(mesh, tokens.shape))
     return M.prefill(
-        params, cfg, tokens, lens, chunk=C, tail_capacity=tail_capacity,
-        build_layer=build_layer, compile_fn=compiled, all_logits=all_logits,
+        params, cfg, tokens, lens, chunk=C, tail_capacity=tail_capacity, plan=plan, observe=observe,
+        compile_fn=compiled, all_logits=all_logits, mesh=mesh,
     )
 
 
@@ -96,8 +97,7 @@ class Engine:
         t0 = time.perf_counter()
         params = params_for(model, policy.layout(model.config))  # permuted once per (model, layout)
         mesh = getattr(model, "mesh", None)
-        logits, cache = prefill(params, model.config, batch, tail_capacity=tail_capacity,
-                                build_layer=plan.build_layer, mesh=mesh)
+        logits, cache = prefill(params, model.config, batch, tail_capacity=tail_capacity, plan=plan, mesh=mesh)
         cache, state = plan.finish(cache)  # the decode sees only the state the prefill hands on
         if mesh is not None:  # KV heads on "model", batch on "data", wherever the partitioner put them
             cache = shard_cache(cache, mesh)
@@ -251,11 +251,10 @@ class Engine:
         )
 
     def kv_bytes_per_device(self) -> dict:
-        """On a mesh: K/V bytes (prompt groups + tail) each device holds; {} on one device."""
+        """On a mesh: K/V bytes (each device's shard of the pool) each device holds; {} on one device."""
         if getattr(self.model, "mesh", None) is None:
             return {}
-        return per_device_bytes(prompt_arrays(self.cache)
-                                + [(l.tail_k, l.tail_v) for l in self.cache.layers])
+        return per_device_bytes(prompt_arrays(self.cache))
 
 
 def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperature, top_p, stops, on_token):
