@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import hetero_jax
 from hetero_jax.model import transformer as M
 from hetero_jax.model import spec
-from hetero_jax.model.cache import prompt_kv_bytes
+from hetero_jax.model.cache import layer_rows, prompt_kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.runtime import compiled, prefill
 from hetero_jax.model.layout import HeadLayout, permute_params
@@ -39,16 +39,12 @@ PARAMS = jax.tree.map(jnp.asarray, spec.init_params(CFG, seed=4, scale=0.3))
 def run(policy, prompts, params=PARAMS, cfg=CFG, steps=3, capture=None):
     """Prefill with ``policy`` then ``steps`` greedy decode steps -> (list of logits arrays, cache, plan)."""
     lens = [len(p) for p in prompts]
-    plan = PolicyPrefill(policy, cfg, lens, compile_fn=compiled)
+    plan = policy.make_prefill(cfg, lens, compile_fn=compiled)
+    observe = None
     if capture is not None:
-        def build(li, layer, x_in, k_buf, v_buf, lens_, _b=plan.build_layer):
+        def observe(li, layer, x_in, k_buf, v_buf, lens_):
             capture.append((np.asarray(x_in), np.asarray(k_buf)))
-            return _b(li, layer, x_in, k_buf, v_buf, lens_)
-    elif isinstance(policy, FullKV):
-        build = None
-    else:
-        build = plan.build_layer
-    logits, cache = prefill(params, cfg, prompts, tail_capacity=steps + 1, build_layer=build)
+    logits, cache = prefill(params, cfg, prompts, tail_capacity=steps + 1, plan=plan, observe=observe)
     cache, _ = plan.finish(cache)
     out = [np.asarray(logits)]
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
@@ -152,16 +148,16 @@ def test_kept_tokens_are_the_top_scored_under_the_policys_own_score(cls):
     _, cache, plan = run(policy, prompts, steps=0, capture=captured)
     total = 0
     for li, (lc, (x_in, k_buf)) in enumerate(zip(cache.layers, captured)):
-        (g,) = lc.groups
-        lengths = np.asarray(g.lengths[0])
+        k_kept, _, pos, lengths = (np.asarray(a) for a in layer_rows(cache, li))
+        lengths = lengths[0]
         count = int(plan.counts[li][0])
         assert np.all(lengths == count) and count >= 1  # per-head budget exact, never zero
         scores, forced = np_policy_scores(policy, PARAMS["layers"][li], x_in[0], k_buf[0], L, CFG)
-        pos = np.asarray(g.positions[0])
+        pos = pos[0]
         for h in range(CFG.num_kv_heads):
             assert_top_set(pos[h, :count], scores[h], forced, count)
             # the kept keys are the prompt keys at those positions
-            np.testing.assert_array_equal(np.asarray(g.k[0, h, :count]), k_buf[0, h, pos[h, :count]])
+            np.testing.assert_array_equal(k_kept[0, h, :count], k_buf[0, h, pos[h, :count]])
         total += count * CFG.num_kv_heads
     n = tokens_for(0.4, L)
     if cls is CAKE:
@@ -256,7 +252,7 @@ def test_generate_with_policies_and_registry(tiny_checkpoint):
 def test_head_permutation_leaves_outputs_unchanged():
     cfg = tiny_cfg(num_heads=9, num_kv_heads=3, qkv_bias=True)
     params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=8, scale=0.3))
-    layout = HeadLayout.from_groups([[[2, 0], [1]], [[1], [0, 2]], [[0, 1, 2]]])
+    layout = HeadLayout.from_orders([[2, 0, 1], [1, 0, 2], [0, 1, 2]])
     permuted = permute_params(params, cfg, layout)
     prompts = random_prompts([33, 21], seed=2)
     a, ca, _ = run(FullKV(), prompts, params=params, cfg=cfg)
@@ -268,10 +264,10 @@ def test_head_permutation_leaves_outputs_unchanged():
         assert np.array_equal(x.argmax(-1), y.argmax(-1))
     # the cache holds the same heads, in layout order
     for li, perm in enumerate(layout.perms):
-        ka, kb = np.asarray(ca.layers[li].groups[0].k), np.asarray(cb.layers[li].groups[0].k)
+        ka, kb = np.asarray(layer_rows(ca, li)[0]), np.asarray(layer_rows(cb, li)[0])
         np.testing.assert_allclose(kb, ka[:, list(perm)], atol=1e-5)
     with pytest.raises(ValueError, match="not a permutation"):
-        HeadLayout.from_groups([[[0, 0, 1]]] * 3).check(cfg)
+        HeadLayout.from_orders([[0, 0, 1]] * 3).check(cfg)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -290,10 +286,9 @@ def test_budget_properties(kv, group, L, frac, which):
     n = tokens_for(rho, L)
     total = 0
     for li, lc in enumerate(cache.layers):
-        (g,) = lc.groups
-        lengths = np.asarray(g.lengths[0])
+        _, _, pos, lengths = (np.asarray(a) for a in layer_rows(cache, li))
+        lengths, pos = lengths[0], pos[0]
         assert np.all(lengths == plan.counts[li][0]) and lengths.min() >= 1
-        pos = np.asarray(g.positions[0])
         for h in range(kv):
             kept = pos[h, : lengths[h]]
             assert np.all(np.diff(kept) > 0) and kept.min() >= 0 and kept.max() < L

@@ -234,8 +234,10 @@ def layer_lengths(blocks: tuple[RowBlock, ...], num_heads: int) -> jax.Array:
     return lens[:, np.argsort(order)]
 
 
-@functools.partial(jax.jit, static_argnames=("max_len",))
-def _gather_rows(pool: KVPool, offsets, lengths, max_len: int):
+def gather_rows(pool: KVPool, offsets, lengths, max_len: int):
+    """Traced: every head's first rows as dense arrays, k, v [B, H, max_len, D] (zero past each head's
+    ``lengths``) and positions [B, H, max_len] (-1 there); offsets, lengths [B, H]. A copy: for tools that
+    need a layer's keys whole (calibration, re-selection); the decode reads the pool in place."""
     B, H = offsets.shape
     n_local = H // pool.num_shards
     j = jnp.arange(max_len, dtype=jnp.int32)
@@ -248,6 +250,9 @@ def _gather_rows(pool: KVPool, offsets, lengths, max_len: int):
     return k, v, jnp.where(valid, pool.positions[b, s, rows], -1)
 
 
+_gather_rows_jit = jax.jit(gather_rows, static_argnames=("max_len",))
+
+
 def layer_rows(cache: KVCache, li: int, with_tail: bool = False) -> tuple[jax.Array, ...]:
     """Layer ``li``'s rows of every head as dense arrays (a gather, for tests and host tools; the decode reads
     the pool in place): (k [B, H, S, D], v, positions [B, H, S] (-1 past each head's rows), lengths [B, H]).
@@ -255,7 +260,7 @@ def layer_rows(cache: KVCache, li: int, with_tail: bool = False) -> tuple[jax.Ar
     lc = cache.layers[li]
     lengths = lc.lengths + (cache.tail_lens[:, None] if with_tail else 0)
     S = max(1, int(np.max(to_host(lengths))))
-    k, v, pos = _gather_rows(cache.pool, lc.offsets, lengths.astype(jnp.int32), S)
+    k, v, pos = _gather_rows_jit(cache.pool, lc.offsets, lengths.astype(jnp.int32), S)
     return k, v, pos, lengths
 
 

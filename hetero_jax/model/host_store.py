@@ -4,9 +4,9 @@ A policy that offloads (HeteroCache's compressed heads, Quest offloaded, FreeKV)
 puts a layer's full prompt K/V in pinned host memory at prefill
 (``HostKVStore.put``: asynchronous, never waited on while prefill dispatches),
 reads rows from numpy views of it on the host thread, moves only those rows to
-the device (``jax.device_put``, asynchronous) and writes them into a head group
-with :func:`scatter_rows`, a jitted, donating update: the group is never read
-back or re-uploaded whole.
+the device (``jax.device_put``, asynchronous, :func:`put_rows`) and writes them
+into the row pool with :func:`scatter_rows`, a jitted, donating update: the pool
+is never read back or re-uploaded whole, and one executable serves every layer.
 
 A policy that must fetch inside the jitted decode step (Quest offloaded, FreeKV's
 correction: the rows depend on this step's query) calls :func:`host_gather`, a
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.model.cache import HeadGroup
+from hetero_jax.model.cache import KVPool
 
 
 def pinned_host(device=None) -> jax.sharding.Sharding:
@@ -147,51 +147,15 @@ def gather_rows(a: np.ndarray, b: np.ndarray, h: np.ndarray, positions: np.ndarr
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter(group: HeadGroup, b_idx, h_idx, slots, k_rows, v_rows, pos_rows) -> HeadGroup:
-    # padding rows carry slot == capacity: out of range, dropped
-    return group.replace(
-        k=group.k.at[b_idx, h_idx, slots].set(k_rows.astype(group.k.dtype), mode="drop"),
-        v=group.v.at[b_idx, h_idx, slots].set(v_rows.astype(group.v.dtype), mode="drop"),
-        positions=group.positions.at[b_idx, h_idx, slots].set(pos_rows, mode="drop"),
+def _scatter(pool: KVPool, ints, k_rows, v_rows) -> KVPool:
+    """Rows into the pool: ints [4, n] = (b, shard, slot, position) of each row (split here: an eager slice
+    would compile per row bucket); a padding row carries slot == P, out of range, and is dropped."""
+    b_idx, s_idx, slots, pos_rows = ints
+    return pool.replace(
+        k=pool.k.at[b_idx, s_idx, slots].set(k_rows.astype(pool.k.dtype), mode="drop"),
+        v=pool.v.at[b_idx, s_idx, slots].set(v_rows.astype(pool.v.dtype), mode="drop"),
+        positions=pool.positions.at[b_idx, s_idx, slots].set(pos_rows, mode="drop"),
     )
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter_many(groups: tuple, ints, k_rows, v_rows) -> tuple:
-    """``_scatter`` into each group of ``groups`` the rows whose ``which`` is its index (the others, and the
-    padding rows with which == -1, dropped): one dispatch for rows bound to many groups. ints: [5, n] rows
-    which, b_idx, h_idx, slots, positions (split here: an eager slice would compile per row bucket)."""
-    which, b_idx, h_idx, slots, pos_rows = ints
-    out = []
-    for gi, g in enumerate(groups):
-        s = jnp.where(which == gi, slots, g.k.shape[2])
-        out.append(g.replace(k=g.k.at[b_idx, h_idx, s].set(k_rows.astype(g.k.dtype), mode="drop"),
-                             v=g.v.at[b_idx, h_idx, s].set(v_rows.astype(g.v.dtype), mode="drop"),
-                             positions=g.positions.at[b_idx, h_idx, s].set(pos_rows, mode="drop")))
-    return tuple(out)
-
-
-def scatter_rows_many(groups: tuple, which, b_idx, h_idx, slots, k_rows, v_rows, pos_rows,
-                      compile_fn=None, chunk: int | None = None) -> tuple:
-    """``groups`` (donated) with n host rows written in place, row i into ``groups[which[i]]`` at (b_idx[i],
-    h_idx[i], slots[i]): ints [n], k_rows / v_rows [n, D] (numpy). The rows are padded to ``row_bucket(n)``
-    and written by one call, or with ``chunk`` to a multiple of it and written ``chunk`` rows per call of one
-    executable (whatever n: a caller whose row counts vary widely compiles, and warms, that one only). Every
-    call's three transfers start before anything is written, whatever the number of groups."""
-    n = len(slots)
-    chunk = chunk or row_bucket(n)
-    pad = max(1, -(-n // chunk)) * chunk - n
-    ints = np.pad(np.stack([np.asarray(a, np.int32) for a in (which, b_idx, h_idx, slots, pos_rows)]),
-                  ((0, 0), (0, pad)), constant_values=-1)
-    ints[1:4, n:] = 0  # padding rows: which == -1 drops them; in-range indices keep the scatter simple
-    k_pad, v_pad = (np.pad(np.asarray(a), ((0, pad), (0, 0))) for a in (k_rows, v_rows))
-    ops = [(jax.device_put(ints[:, i : i + chunk]), jax.device_put(k_pad[i : i + chunk]),
-            jax.device_put(v_pad[i : i + chunk])) for i in range(0, n + pad, chunk)]
-    groups = tuple(groups)
-    for op in ops:
-        args = (groups, *op)
-        groups = (_scatter_many if compile_fn is None else compile_fn(_scatter_many, *args))(*args)
-    return groups
 
 
 def kv_rows_nbytes(n: int, like: np.ndarray) -> int:
@@ -204,29 +168,30 @@ def row_bucket(n: int) -> int:
     return max(8, 1 << max(0, n - 1).bit_length())
 
 
-def put_rows(b_idx, h_idx, slots, k_rows, v_rows, pos_rows, capacity: int) -> tuple:
-    """Pad n rows to ``row_bucket(n)`` (padding dropped by the scatter) and start their host -> device copies.
-
-    b_idx, h_idx, slots, pos_rows: [n] ints; k_rows, v_rows: [n, D], or [row_bucket(n), D] already padded. Returns the device operands of
-    :func:`scatter_rows`. Raises whatever ``jax.device_put`` raises, before anything is written.
-    """
+def put_rows(b_idx, s_idx, slots, k_rows, v_rows, pos_rows, rows: int, chunk: int | None = None) -> list[tuple]:
+    """Start the host -> device copies of n rows bound for the pool (``rows`` = its P): b_idx, s_idx (the
+    head's shard), slots (pool row), pos_rows: [n] ints; k_rows, v_rows: [n, D] numpy. The rows are padded to
+    ``row_bucket(n)`` and sent as one part, or with ``chunk`` to a multiple of it and sent ``chunk`` rows per
+    part (a caller whose row counts vary widely compiles, and warms, one scatter executable). Returns the
+    parts' device operands for :func:`scatter_rows`; raises whatever ``jax.device_put`` raises, before
+    anything is written."""
     n = len(slots)
-    pad = row_bucket(n) - n
-    ints = lambda a, fill: np.pad(np.asarray(a, np.int32), (0, pad), constant_values=fill)  # noqa: E731
-    # rows gathered with ``HostKVStore.rows(..., total=row_bucket(n))`` are padded already: no copy
-    rows = lambda a: a if len(a) == n + pad else np.pad(a, ((0, pad), (0, 0)))  # noqa: E731
-    return tuple(jax.device_put(a) for a in (ints(b_idx, 0), ints(h_idx, 0), ints(slots, capacity), rows(k_rows),
-                                             rows(v_rows), ints(pos_rows, -1)))
+    chunk = chunk or row_bucket(n)
+    pad = max(1, -(-n // chunk)) * chunk - n
+    ints = np.stack([np.pad(np.asarray(a, np.int32), (0, pad), constant_values=fill)
+                     for a, fill in ((b_idx, 0), (s_idx, 0), (slots, rows), (pos_rows, -1))])
+    k_pad, v_pad = (np.pad(np.asarray(a), ((0, pad), (0, 0))) for a in (k_rows, v_rows))
+    return [(jax.device_put(ints[:, i : i + chunk]), jax.device_put(k_pad[i : i + chunk]),
+             jax.device_put(v_pad[i : i + chunk])) for i in range(0, n + pad, chunk)]
 
 
-def scatter_rows(group: HeadGroup, operands: tuple, compile_fn=None) -> HeadGroup:
-    """``group`` with the rows of ``put_rows`` written in place (the input group is donated).
-
-    Only the new rows cross to the device; bytes moved = rows x 2 x D x itemsize.
-    """
-    if compile_fn is None:
-        return _scatter(group, *operands)
-    return compile_fn(_scatter, group, *operands)(group, *operands)
+def scatter_rows(pool: KVPool, parts: list[tuple], compile_fn=None) -> KVPool:
+    """``pool`` (donated) with the rows of :func:`put_rows` written in place: only the new rows cross to the
+    device (bytes moved = rows x 2 x D x itemsize)."""
+    for op in parts:
+        args = (pool, *op)
+        pool = (_scatter if compile_fn is None else compile_fn(_scatter, *args))(*args)
+    return pool
 
 
 def host_gather(handle: jax.Array, li: int, idx: jax.Array, like: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -247,25 +212,27 @@ def host_gather(handle: jax.Array, li: int, idx: jax.Array, like: jax.Array) -> 
     return jax.pure_callback(gather, (out, out), handle, idx)
 
 
-def attend_chunk_over_host_prompt(li: int, q: jax.Array, layer_cache, tail_start: jax.Array, n_slots: int):
-    """Traced: a session turn's chunk (q [B, H, G, C, D]) attends layer ``li``'s whole prompt, gathered
-    from the store named by the layer's ``aux["store"]`` (dense, as prefill did), and the tail.
+def attend_chunk_over_host_prompt(li: int, q: jax.Array, step, handle: jax.Array, prompt_lens: jax.Array,
+                                  n_slots: int) -> jax.Array:
+    """Traced: a session turn's chunk (q [B, H, G, C, D]) attends layer ``li``'s whole prompt, gathered from
+    the store ``handle`` (dense, as prefill did), and each head's tail rows in the pool (``step``, a
+    ``model.pool.LayerStep``: causal). Returns [B, H, G, C, D].
 
     ``n_slots`` >= the longest prompt (static); slots past a sequence's length repeat its last token and
-    are masked by the lengths. ``aux["prompt_lens"]`` [B] gives each sequence's prompt length.
+    are masked by the lengths. prompt_lens: [B] each sequence's prompt length.
     """
-    from hetero_jax.model.transformer import layer_extend_attention  # model builds on the cache only; no cycle
+    import pallas_kernels
 
-    aux, g = layer_cache.aux, layer_cache.groups[0]
-    prompt_lens = aux["prompt_lens"]
-    B, H = prompt_lens.shape[0], g.num_heads
+    B, H, G, C, D = q.shape
     slots = jnp.arange(n_slots, dtype=jnp.int32)
     idx = jnp.broadcast_to(jnp.minimum(slots[None, :], prompt_lens[:, None] - 1)[:, None, :], (B, H, n_slots))
-    k, v = host_gather(aux["store"], li, idx, g.k)
+    k, v = host_gather(handle, li, idx, step.pool.k)
     lengths = jnp.broadcast_to(prompt_lens[:, None], (B, H)).astype(jnp.int32)
-    whole = HeadGroup(k=k, v=v, positions=jnp.where(slots[None, None, :] < lengths[..., None], idx, -1),
-                      lengths=lengths)
-    return layer_extend_attention(q, layer_cache.replace(groups=(whole,)), tail_start)
+    out_p, lse_p = pallas_kernels.decode_attention(q.reshape(B, H, G * C, D), k, v, lengths, finite_padding=True)
+    out_t, lse_t = step.attend_tail(q.transpose(0, 1, 3, 2, 4))  # [B, H, C, G, D], [B, H, C, G]
+    out, _ = pallas_kernels.merge_attention(out_p, lse_p, out_t.transpose(0, 1, 3, 2, 4).reshape(B, H, G * C, D),
+                                            lse_t.transpose(0, 1, 3, 2).reshape(B, H, G * C))
+    return out.reshape(B, H, G, C, D)
 
 
 def host_weighted_sum(handle: jax.Array, li: int, idx: jax.Array, w: jax.Array, head_dim: int,

@@ -123,6 +123,15 @@ class LayerStep:
                                   mesh=self.mesh, score_heads=score_heads, score_len=score_len)
         return out[:, :, 0], lse[:, :, 0], logits
 
+    def attend_tail(self, q: jax.Array):
+        """Queries q [B, H, T, G, D] over each head's tail rows only (query t sees tail_lens + t of them),
+        to be merged by log-sum-exp with a prompt part attended elsewhere. Returns (out [B, H, T, G, D],
+        lse [B, H, T, G] float32)."""
+        out, lse, _ = attend(q, self.pool, self.layer.offsets + self.layer.lengths,
+                             jnp.broadcast_to(self.tail_lens[:, None], self.layer.lengths.shape),
+                             max_len=self.tail_capacity, mesh=self.mesh)
+        return out, lse
+
     def attend_chunk(self, q: jax.Array) -> jax.Array:
         """A chunk's C queries per head, q [B, H, G, C, D] (query c at tail row tail_lens - 1 + c, causal over
         the tail, every prompt row visible). Returns [B, H, G, C, D]."""

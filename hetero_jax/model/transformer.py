@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
 from pallas_kernels import MASK_VALUE  # the one finite mask value (scores beyond a prompt, masked attention)
 
-from hetero_jax.model.cache import KVCache, LayerCache, LayerPrefill, PoolBuilder, RowBlock
+from hetero_jax.model.cache import KVCache, LayerPrefill, PoolBuilder, RowBlock
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.pool import LayerStep, append
 
@@ -216,6 +215,19 @@ class FullKVPlan:
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
         return full_rows(k_buf, v_buf, lens, self.t_max)
+
+
+class DropKVPlan(FullKVPlan):
+    """A prefill that keeps no prompt row (for ``observe`` hooks that only read each layer's K/V)."""
+
+    def prompt_counts(self) -> np.ndarray:
+        return np.zeros(self.shape, np.int64)
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
+        B, H, _, D = k_buf.shape
+        return LayerPrefill(blocks=(RowBlock(k=jnp.zeros((B, H, 0, D), k_buf.dtype), v=jnp.zeros((B, H, 0, D), v_buf.dtype),
+                                             positions=jnp.zeros((B, H, 0), jnp.int32),
+                                             lengths=jnp.zeros((B, H), jnp.int32), heads=tuple(range(H))),))
 
 
 def prefill(

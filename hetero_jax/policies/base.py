@@ -40,7 +40,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from hetero_jax.model import transformer as M
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError
 from hetero_jax.policies.selection import PolicyPrefill

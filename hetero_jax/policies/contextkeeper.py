@@ -12,20 +12,16 @@ Defaults are the paper's s = 128, r = 256 (Table 1), not scaled for short prompt
 384 tokens keeps everything, so only rho = 1 is accepted there.
 
 Layout: one fixed permutation per (model, ranking): each layer's KV heads in ranking order, so for
-every prompt length the full heads of a layer are a prefix and no weights are re-permuted. A layer's
-cache has up to three groups: heads full for every sequence of the batch (one full group), heads full
-for some sequences only (a batch of prompts of different lengths; capacity = the longest prompt,
-each sequence keeping its own set), and heads compressed for every sequence (capacity sink + recent).
-Each sequence thus keeps exactly what it would alone; device bytes of a mixed batch can exceed a short
-sequence's share, the token-based ``achieved_rho`` per sequence does not.
+every prompt length the full heads of a layer are a prefix and no weights are re-permuted. In the row
+pool each head of each sequence keeps exactly its own rows (the whole prompt, or sinks + recent), so a
+batch of prompts of different lengths keeps what each would alone, in bytes too.
 
-A static policy: no decode hooks. Generated tokens go to the tail, which every head attends.
+A static policy: no decode hooks. Generated tokens follow each head's prompt rows; every head attends them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import ClassVar
 
@@ -33,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.model.cache import HeadGroup, full_group
+from hetero_jax.model.cache import LayerPrefill
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import HeadLayout
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param
@@ -149,10 +145,9 @@ class ContextKeeper(Policy):
 
     # ----------------------------------------------------------------- layout
     def layout(self, cfg: ModelConfig) -> HeadLayout:
-        """Each layer's KV heads in ranking order (one group size: the split is per request, not here)."""
+        """Each layer's KV heads in ranking order (the split into full and compressed heads is per request)."""
         rank = self._need_ranking().rank()
-        perms = tuple(tuple(int(h) for h in np.argsort(rank[l], kind="stable")) for l in range(cfg.num_layers))
-        return HeadLayout(perms, tuple((cfg.num_kv_heads,) for _ in range(cfg.num_layers)))
+        return HeadLayout.from_orders(np.argsort(rank[l], kind="stable") for l in range(cfg.num_layers))
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return ContextKeeperPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
@@ -161,13 +156,9 @@ class ContextKeeper(Policy):
         raise NotImplementedError("ContextKeeper keeps whole heads or sinks + recent tokens; it scores no token")
 
 
-@functools.partial(jax.jit, static_argnames=())
-def _full(k, v, lens):
-    return full_group(k, v, lens)
-
-
 class ContextKeeperPrefill(PrefillPlan):
-    """Splits each layer (heads in ranking order) into full / per-sequence / compressed groups."""
+    """Each head of each sequence keeps its whole prompt (the first ``per_layer`` heads of a layer, in
+    ranking order) or its sinks + recent tokens."""
 
     def __init__(self, policy: ContextKeeper, cfg: ModelConfig, prompt_lens, compile_fn=None):
         self.policy, self.cfg = policy, cfg
@@ -176,34 +167,28 @@ class ContextKeeperPrefill(PrefillPlan):
         self.n_full = np.array([policy.n_full(cfg, int(L)) for L in self.lens])  # validates every prompt first
         self.per_layer = np.stack([policy.full_per_layer(cfg, int(L)) for L in self.lens])  # [B, layers]
         self.kept = [kept_positions(int(L), policy.sink, policy.recent) for L in self.lens]
+        L, H = cfg.num_layers, cfg.num_kv_heads
+        self.counts = np.array([[[len(self._positions(b, li, h)) for h in range(H)] for b in range(len(self.lens))]
+                                for li in range(L)], np.int64)  # [layers, B, H]
 
-    def _indices(self, heads: range, li: int, cap: int):
-        """idx [B, Hg, cap] and counts [B, Hg] of heads ``heads`` (layout positions) of layer ``li``."""
-        B = len(self.lens)
-        idx = np.zeros((B, len(heads), cap), np.int32)
-        counts = np.zeros((B, len(heads)), np.int32)
+    def _positions(self, b: int, li: int, h: int) -> np.ndarray:
+        return np.arange(self.lens[b]) if h < self.per_layer[b, li] else self.kept[b]
+
+    def prompt_counts(self) -> np.ndarray:
+        return self.counts
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
+        B, H, T, _ = k_buf.shape
+        counts = self.counts[li]  # [B, H]
+        idx = np.zeros((B, H, int(counts.max())), np.int32)
         for b in range(B):
-            for j, h in enumerate(heads):
-                pos = np.arange(self.lens[b]) if h < self.per_layer[b, li] else self.kept[b]
-                idx[b, j, : len(pos)] = pos
-                idx[b, j, len(pos):] = pos[-1]
-                counts[b, j] = len(pos)
-        return jnp.asarray(idx), jnp.asarray(counts)
-
-    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
-        H = self.cfg.num_kv_heads
-        lo, hi = int(self.per_layer[:, li].min()), int(self.per_layer[:, li].max())
-        t_max = int(self.lens.max())
-        groups = []
-        if lo:
-            groups.append(_full(k_buf[:, :lo, :t_max], v_buf[:, :lo, :t_max], lens))
-        T = k_buf.shape[2]
-        for a, b, cap in ((lo, hi, t_max), (hi, H, max(len(k) for k in self.kept))):
-            if b > a:
-                idx, counts = self._indices(range(a, b), li, cap)
-                positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (k_buf.shape[0], b - a, T))
-                groups.append(_gather(k_buf[:, a:b], v_buf[:, a:b], positions, idx, counts))
-        return tuple(groups)
+            for h in range(H):
+                pos = self._positions(b, li, h)
+                idx[b, h, : len(pos)] = pos
+                idx[b, h, len(pos):] = pos[-1]
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, H, T))
+        block = _gather(k_buf, v_buf, positions, jnp.asarray(idx), jnp.asarray(counts, jnp.int32))
+        return LayerPrefill(blocks=(block.replace(heads=tuple(range(H))),))
 
     def finish(self, cache):
         return cache, ContextKeeperDecode(self, cache)

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import HeadGroup, KVCache
+from hetero_jax.model.cache import KVCache, RowBlock as HeadGroup  # PORT: not yet on the pool
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather, kv_rows_nbytes, put_rows, row_bucket, scatter_rows
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param, real_param

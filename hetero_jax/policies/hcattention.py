@@ -43,7 +43,7 @@ import numpy as np
 
 import pallas_kernels
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import HeadGroup, KVCache, tail_kv_bytes
+from hetero_jax.model.cache import KVCache, RowBlock as HeadGroup, tail_kv_bytes  # PORT: not yet on the pool
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, host_weighted_sum
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, bool_param, real_param

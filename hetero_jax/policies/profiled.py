@@ -15,7 +15,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from hetero_jax.model import transformer as M
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import HeadLayout
 from hetero_jax.policies.base import BudgetError, Policy
@@ -42,8 +41,6 @@ class LayerRoles:
     members: dict[int, list[int]]
     full_slots: list[int] = dataclasses.field(default_factory=list)  # layout slot of each full head
     comp_slots: list[int] = dataclasses.field(default_factory=list)  # layout slot of each compressed head
-    # layout slot -> (group index, head index in the group) in the layer's cache
-    loc: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def pivot_slots(self) -> list[int]:
         return self.full_slots[: len(self.pivots)]
@@ -95,33 +92,25 @@ class ProfiledPolicy(Policy):
         parallelism (``head_tp`` > 1, set by ``bind`` on a mesh): role-balanced rows (:meth:`row_layout`)."""
         if self.head_tp > 1:
             return self.row_layout(cfg)
-        groups = []
+        orders = []
         for l in range(cfg.num_layers):
             r = self.roles_in_layout(l)
-            groups.append([g for g in (r["pivot"] + r["volatile"], r["satellite"] + r["anchor"]) if g])
-        return HeadLayout.from_groups(groups)
+            orders.append(r["pivot"] + r["volatile"] + r["satellite"] + r["anchor"])
+        return HeadLayout.from_orders(orders)
 
     def row_layout(self, cfg: ModelConfig) -> HeadLayout:
         """The layout for ``head_tp`` shards: each layer's heads, largest budget first, cut into rows of tp
-        heads (one per shard; a row is one SPMD head group, padded to its largest head), each row's heads
-        spread over the shards so that every shard's tokens over all layers are even
-        (``placement.balanced_placement``). Leading rows of full heads share one group. Budgets at a
-        nominal prompt length: Eq. 7-8 scale with L, so the placement holds for every L."""
+        heads (one per shard), each row's heads spread over the shards so that every shard's tokens over all
+        layers are even (``placement.balanced_placement``): each shard's pool then holds about the same rows.
+        Budgets at a nominal prompt length: Eq. 7-8 scale with L, so the placement holds for every L."""
         from hetero_jax.policies.placement import balanced_rows
 
         grid, _ = self.budget_grid(1 << 15)
-        roles = self._need_profile().roles
-        full = (roles == Role.PIVOT) | (roles == Role.VOLATILE)
-        layers = []
-        for l, rows in enumerate(balanced_rows(grid, self.head_tp)):
-            n_all_full = next((j for j, row in enumerate(rows) if not full[l, row].all()), len(rows))
-            groups = ([rows[:n_all_full]] if n_all_full else []) + [[row] for row in rows[n_all_full:]]
-            layers.append(groups)
-        return HeadLayout.from_rows(layers, self.head_tp)
+        return HeadLayout.from_rows(balanced_rows(grid, self.head_tp), self.head_tp)
 
     def layer_roles(self, cfg: ModelConfig) -> list[LayerRoles]:
-        """Per layer: the full and compressed heads' layout slots, pivots and satellites among them, each
-        pivot's satellites, and where each slot lives in the layer's cache groups."""
+        """Per layer: the full and compressed heads' layout slots, pivots and satellites among them, and each
+        pivot's satellites."""
         layout = self.layout(cfg)
         out = []
         for l in range(cfg.num_layers):
@@ -131,9 +120,8 @@ class ProfiledPolicy(Policy):
             slot_of = {int(h): i for i, h in enumerate(layout.perms[l])}
             sat_pos = {h: comp.index(h) for h in r["satellite"]}
             members = {full.index(int(p)): [sat_pos[int(s)] for s in sats] for p, sats in self.profile.clusters[l]}
-            loc = {slot: (gi, i) for gi, slots in enumerate(layout.slots(l)) for i, slot in enumerate(slots)}
             out.append(LayerRoles(len(full), list(range(len(r["pivot"]))), [sat_pos[h] for h in r["satellite"]],
-                                  members, [slot_of[h] for h in full], [slot_of[h] for h in comp], loc))
+                                  members, [slot_of[h] for h in full], [slot_of[h] for h in comp]))
         return out
 
     # --------------------------------------------------------------- budgets
@@ -166,12 +154,11 @@ class ProfiledPolicy(Policy):
         raise NotImplementedError(f"{type(self).__name__} selects per role in its own prefill plan")
 
     # ----------------------------------------------------------------- decode
-    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
-        """Every kept slot (as the base policy); the extra is the layer's pivot queries [B, Np, G, D] (None
+    def attend(self, li, q, step):
+        """Every kept row (as the base policy); the extra is the layer's pivot queries [B, Np, G, D] (None
         without pivots), which the decode state reads after the step."""
-        out = M.layer_decode_attention(q, layer_cache, tail_lens)
         slots = self.pivot_slots(li)
-        return out, layer_cache, (take_slots(q, slots) if slots else None)
+        return step.attend(q)[0], step, (take_slots(q, slots) if slots else None)
 
     def pivot_slots(self, li: int) -> tuple[int, ...]:
         """Layout slots of layer ``li``'s pivots (read as constants by traced code)."""

@@ -64,6 +64,10 @@ class DecodeState:
     def after_step(self, step: int, extras: tuple, cache) -> None:
         """After step ``step`` was dispatched (host): ``extras`` are the layers' ``attend`` extras (device)."""
 
+    def pool_moved(self, cache) -> None:
+        """The pool was repacked (``cache.grow_tail``: a session outgrew its tail rows), so every head's
+        offset changed: a state that writes rows by offset reads the new ones here."""
+
     def after_extend(self, turn_queries: tuple, cache):
         """After a session's turn was appended: turn_queries per layer [B, Nkv, N, G, D]; returns the cache."""
         return cache

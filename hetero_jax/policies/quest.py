@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import HeadGroup, KVCache, tail_kv_bytes
+from hetero_jax.model.cache import KVCache, RowBlock as HeadGroup, tail_kv_bytes  # PORT: not yet on the pool
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather
 from hetero_jax.policies.base import BudgetError, Policy, bool_param, int_param, tokens_for

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.model.cache import HeadGroup, KVCache, full_group
+from hetero_jax.model.cache import KVCache, RowBlock as HeadGroup  # PORT: not yet on the pool
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, put_rows, row_bucket, scatter_rows
 from hetero_jax.model.transformer import prompt_queries

@@ -66,7 +66,7 @@ import numpy as np
 
 import pallas_kernels
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import full_group
+from hetero_jax.model.cache import gather_rows
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.runtime.compile_cache import chunk_bucket, compiled
 from hetero_jax.policies.primitives import query_probs_max
@@ -175,7 +175,12 @@ def _prefill_topk_jit(layer, x_in, k_buf, lens, cfg, top_k):
     return mask, _pairwise_overlap(mask)
 
 
-_full_group_jit = jax.jit(full_group, donate_argnums=(0, 1))
+def _prompt_keys(cache, li: int):
+    """Traced: layer ``li``'s prompt keys [B, H, T, D] (full KV: every head holds its prompt) and lengths
+    [B, H], gathered out of the pool."""
+    lc = cache.layers[li]
+    keys, _, _ = gather_rows(cache.pool, lc.offsets, lc.lengths, lc.capacity)
+    return keys, lc.lengths
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "top_k"), donate_argnames=("cache",))
@@ -188,8 +193,8 @@ def _calib_step_jit(params, cache, tokens, prefill_masks, cfg, top_k):
     logits, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
     overlaps = []
     for li, q in enumerate(queries):
-        g = cache.layers[li].groups[0]
-        s = pallas_kernels.scores(q[:, :, None], g.k, g.lengths, gqa="mean")[:, :, 0]  # [B, H, Tp]
+        keys, lengths = _prompt_keys(cache, li)
+        s = pallas_kernels.scores(q[:, :, None], keys, lengths, gqa="mean")[:, :, 0]  # [B, H, Tp]
         overlaps.append(_overlap(_topk_mask(s, top_k), prefill_masks[li]))
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, jnp.stack(overlaps)
 
@@ -202,9 +207,9 @@ def _copy_step_jit(params, cache, tokens, src, cfg):
     _, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
     hits = []
     for li, q in enumerate(queries):
-        g = cache.layers[li].groups[0]
-        s = jnp.einsum("bhgd,bhtd->bhgt", q.astype(jnp.float32), g.k.astype(jnp.float32))
-        valid = jnp.arange(g.k.shape[2])[None, None, None, :] < g.lengths[:, :, None, None]
+        keys, lengths = _prompt_keys(cache, li)
+        s = jnp.einsum("bhgd,bhtd->bhgt", q.astype(jnp.float32), keys.astype(jnp.float32))
+        valid = jnp.arange(keys.shape[2])[None, None, None, :] < lengths[:, :, None, None]
         top = jnp.argmax(jnp.where(valid, s, jnp.finfo(jnp.float32).min), axis=-1)  # [B, H, G]
         hits.append(jnp.any(top == src[:, None, None], axis=-1))
     return cache, jnp.stack(hits)
@@ -234,8 +239,8 @@ def _synckv_step_jit(params, cache, tokens, cfg, top_k):
     logits, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
     sims = []
     for li, q in enumerate(queries):
-        g = cache.layers[li].groups[0]
-        sims.append(_pairwise_overlap(_topk_mask(query_probs_max(q, g.k, g.lengths), top_k)))
+        keys, lengths = _prompt_keys(cache, li)
+        sims.append(_pairwise_overlap(_topk_mask(query_probs_max(q, keys, lengths), top_k)))
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, jnp.stack(sims)
 
 
@@ -260,15 +265,13 @@ def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_st
     masks: list = [None] * cfg.num_layers
     sims: list = [None] * cfg.num_layers
 
-    def build_layer(li, layer, x_in, k_buf, v_buf, lens_dev):
-        if scoring == "synckv":  # scored at the decode steps only
-            return (compiled(_full_group_jit, k_buf, v_buf, lens_dev)(k_buf, v_buf, lens_dev),)
-        masks[li], sims[li] = compiled(_prefill_topk_jit, layer, x_in, k_buf, lens_dev, cfg=cfg, top_k=top_k)(
-            layer, x_in, k_buf, lens_dev)
-        return (compiled(_full_group_jit, k_buf, v_buf, lens_dev)(k_buf, v_buf, lens_dev),)
+    def observe(li, layer, x_in, k_buf, v_buf, lens_dev):
+        if scoring != "synckv":  # SyncKV is scored at the decode steps only
+            masks[li], sims[li] = compiled(_prefill_topk_jit, layer, x_in, k_buf, lens_dev, cfg=cfg, top_k=top_k)(
+                layer, x_in, k_buf, lens_dev)
 
     logits, cache = M.prefill(params, cfg, tokens, lens, chunk=C, tail_capacity=decode_steps + 1,
-                              build_layer=build_layer, compile_fn=compiled)
+                              observe=observe, compile_fn=compiled)
     tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if scoring == "synckv":
         steps, gen = [], []

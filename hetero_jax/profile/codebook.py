@@ -234,11 +234,11 @@ def collect_keys(cfg, params, token_samples: Sequence[Sequence[int]]) -> list[np
         tokens[0, :T] = s
         lens = np.array([T], np.int32)
 
-        def build_layer(li, layer, x_in, k_buf, v_buf, lens_d, T=T):
+        def observe(li, layer, x_in, k_buf, v_buf, lens_d, T=T):
             keys[li].append(np.asarray(k_buf[0, :, :T], np.float32).reshape(-1, cfg.head_dim))
-            return M.full_layer_groups(k_buf, v_buf, lens_d, T, compiled)
 
-        M.prefill(params, cfg, tokens, lens, chunk=C, tail_capacity=1, build_layer=build_layer, compile_fn=compiled)
+        M.prefill(params, cfg, tokens, lens, chunk=C, tail_capacity=1, observe=observe, compile_fn=compiled,
+                  plan=M.DropKVPlan(lens, cfg.num_layers, cfg.num_kv_heads))
     return [np.concatenate(k) for k in keys]
 
 

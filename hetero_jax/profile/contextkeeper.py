@@ -191,13 +191,12 @@ def sample_scores(cfg, params, token_samples: Sequence[Sequence[int]], *, window
         lens = np.full(len(idx), T, np.int32)
         per_layer = []
 
-        def build_layer(li, layer, x_in, k_buf, v_buf, lens_d):
+        def observe(li, layer, x_in, k_buf, v_buf, lens_d):
             per_layer.append(middle_mass(layer, x_in, k_buf, lens_d, cfg=cfg, window=window, sink=sink,
                                          recent=recent))
-            return M.full_layer_groups(k_buf, v_buf, lens_d, T, compiled)
 
-        M.prefill(params, cfg, tokens, lens, chunk=C, tail_capacity=1, build_layer=build_layer,
-                  compile_fn=compiled)
+        M.prefill(params, cfg, tokens, lens, chunk=C, tail_capacity=1, observe=observe, compile_fn=compiled,
+                  plan=M.DropKVPlan(lens, cfg.num_layers, cfg.num_kv_heads))
         grid = np.asarray(jnp.stack(per_layer, axis=1), np.float64)  # [b, layers, H]
         for j, i in enumerate(idx):
             out[i] = grid[j]

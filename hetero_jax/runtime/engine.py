@@ -142,6 +142,7 @@ class Engine:
         need = int(np.max(to_host(self.cache.tail_lens))) + n
         if need > self.cache.tail_capacity:
             self.cache = grow_tail(self.cache, round_up(need, TAIL_QUANTUM))
+            self.state.pool_moved(self.cache)
 
     def first_tokens(self, temperature: float, top_p: float) -> np.ndarray:
         """Sample the tokens that follow the prefilled prompt."""

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import KVCache, materialize
-from hetero_jax.model.host_store import (HostKVStore, kv_rows_nbytes, put_rows, row_bucket, scatter_rows,
-                                         scatter_rows_many)
-from hetero_jax.model.layout import group_slots
+from flax import struct
+
+from hetero_jax.model.cache import KVCache, layer_rows
+from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, put_rows, row_bucket, scatter_rows
+from hetero_jax.model.sharding import to_host
+from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.protocol import DecodeState
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, take_slots
 from hetero_jax.policies.selection import cap_bucket
@@ -36,8 +37,8 @@ class HeteroPrefilled:
     # per layer: the compressed heads' full prompt K/V, [B, Hc, T, D] on one device; under tensor
     # parallelism every head's [B, H, T, D] in layout order, split over "model" (``store_heads``)
     store: HostKVStore
-    # under tensor parallelism: per layer [B, H] each head's window start in its shard's pool (layout slots)
-    pool_offsets: list[np.ndarray] | None = None
+    offsets: list[np.ndarray]  # per layer [B, H] each head's first pool row (layout slots), at prefill
+    tp: int = 1  # shards of the model axis the layout is made for
     placement: dict | None = None  # under tensor parallelism: tokens per shard, balanced vs contiguous
     # copy window (one device, ``copy_window`` > 0), per layer with compressed heads (else None): the prompt
     # position in each slot of each compressed head [B, Hc, cap] (-1: padding) and its window slots
@@ -48,7 +49,7 @@ class HeteroPrefilled:
     def store_heads(self, li: int) -> np.ndarray:
         """Index in the layer's host store of each compressed head (0..Hc-1 on one device; its layout slot
         under tensor parallelism)."""
-        if self.pool_offsets is None:
+        if self.tp == 1:
             return np.arange(self.counts[li].shape[1])
         return np.asarray(self.roles[li].comp_slots, np.int64)
 
@@ -62,28 +63,43 @@ class HeteroPrefilled:
                 n_comp = self.counts[li].shape[1]
                 out["satellite"] += per_head * len(r.satellites)
                 out["anchor"] += per_head * (n_comp - len(r.satellites))
-                if self.pool_offsets is not None:
+                if self.tp > 1:
                     out["full"] = out.get("full", 0) + per_head * r.n_full
         return out
 
 
-def attend_step(q, layer_cache, tail_lens, pivot_slots, copy_slots=()):
-    """A decode step's attention in one layer with its pivots' share of the drift check and its copy heads'
-    pointer (``HeteroCache.attend``).
+@struct.dataclass
+class PivotBase:
+    """A pivot layer's decode state: each pivot's K_base (Eq. 9's reference set)."""
 
-    q [B, Nkv, G, D]; ``pivot_slots``, ``copy_slots``: layout slots. Returns (out [B, Nkv, G, D], pivots'
-    share or None, pointer or None). The share: their queries [B, Np, G, D], o'_t [B, Np] float32 (the
+    k_base: jax.Array = axes_field("batch", "pivots", "slots")  # [B, Np, L_base] int32 positions; -1 = none
+
+
+def attend_step(q, step, pivot_slots, copy_slots=()):
+    """A decode step's attention in one layer with its pivots' share of the drift check and its copy heads'
+    pointer (``HeteroCache.attend``), from one pass over the pool.
+
+    q [B, Nkv, G, D]; step: ``model.pool.LayerStep``; ``pivot_slots``, ``copy_slots``: layout slots (full
+    heads: their first rows are the whole prompt in position order). Returns (out [B, Nkv, G, D], pivots'
+    share or None, pointer or None). The kernel also returns the scored heads' logits over their prompt rows,
+    from which their pooled scores come (``pallas_kernels.pivot_pooled_scores``), so the drift check never
+    reads their keys again. The share: the pivots' queries [B, Np, G, D], o'_t [B, Np] float32 (the
     chance-normalised overlap of each pivot's top-L_base with its K_base) and pooled scores [B, Np, T]; the
     check every ``window`` steps is the median of the buffered o'_t (``drift_layer``): the value the paper's
     check computes from the buffered queries, spread over the steps. The pointer [B, Nc] int32: each copy
-    head's most attended prompt position (pooled scores, GQA max; ``HeteroDecode._follow_copy``).
+    head's most attended prompt position (``HeteroDecode._follow_copy``).
     """
     pivot_slots, copy_slots = tuple(pivot_slots), tuple(copy_slots)
-    out, scores, lengths = attend_and_score(q, layer_cache, tail_lens, pivot_slots + copy_slots)
+    scored = pivot_slots + copy_slots
+    flags = np.zeros(q.shape[1], np.int32)
+    flags[list(scored)] = 1
+    out, _, logits = step.attend(q, score_heads=jnp.asarray(flags), score_len=step.layer.capacity)
+    lengths = take_slots(step.layer.lengths, scored)
+    scores = pallas_kernels.pivot_pooled_scores(take_slots(logits, scored), lengths)  # [B, n, T]
     n = len(pivot_slots)
     pivot = None
     if n:
-        pivot = (take_slots(q, pivot_slots), pivot_overlap(scores[:, :n], layer_cache.aux["k_base"], lengths[:, :n]),
+        pivot = (take_slots(q, pivot_slots), pivot_overlap(scores[:, :n], step.layer.state.k_base, lengths[:, :n]),
                  scores[:, :n])
     pointer = jnp.argmax(scores[:, n:], axis=-1).astype(jnp.int32) if copy_slots else None
     return out, pivot, pointer
@@ -92,42 +108,6 @@ def attend_step(q, layer_cache, tail_lens, pivot_slots, copy_slots=()):
 def pivot_overlap(scores, k_base, lengths):
     """o'_t [B, Np] of the pivots' pooled scores [B, Np, T] against their K_base [B, Np, L_base]."""
     return pallas_kernels.base_overlap(scores[:, :, None], k_base, k_base.shape[-1], lengths)[:, :, 0]
-
-
-def attend_and_score(q, layer_cache, tail_lens, slots):
-    """A decode step's attention in one layer and the pooled scores (GQA max) of the full heads at ``slots``.
-
-    q [B, Nkv, G, D]. Returns (out [B, Nkv, G, D], scores [B, n, T], their prompt lengths [B, n]). On one
-    device, when ``slots`` lead the full-head group (pivots, then copy heads: ``HeteroCache.roles_in_layout``),
-    they are attended by ``pallas_kernels.attention_and_pooled_scores``, so their keys are read once for both
-    (with the reference kernels the group's other full heads in the same call); under tensor parallelism
-    they are scored apart.
-    """
-    n = len(slots)
-    g0 = layer_cache.groups[0]
-    if layer_cache.head_tp == 1 and list(slots) == list(range(n)) and g0.num_heads >= n:
-        # XLA:CPU copies a K/V slice, and with a volatile beside its pivot the copy cost 4x the layer's
-        # attention: there the whole leading group is attended in one call. With Pallas kernels the other
-        # full heads stay in the decode kernel (a slice is one contiguous copy on a GPU; README, "Latency").
-        m = g0.num_heads if pallas_kernels.resolve_backend(None) == "reference" else n
-        out_p, lse_p, scores = pallas_kernels.attention_and_pooled_scores(
-            q[:, :m], g0.k[:, :m], g0.v[:, :m], g0.lengths[:, :m], scored_heads=n)
-        t_len = jnp.broadcast_to(tail_lens[:, None], (q.shape[0], m))
-        out_t, lse_t = pallas_kernels.decode_attention(q[:, :m], layer_cache.tail_k[:, :m],
-                                                       layer_cache.tail_v[:, :m], t_len, finite_padding=True)
-        outs = [pallas_kernels.merge_attention(out_p, lse_p, out_t, lse_t)[0]]
-        rest = ((g0.replace(k=g0.k[:, m:], v=g0.v[:, m:], positions=g0.positions[:, m:], lengths=g0.lengths[:, m:]),)
-                if g0.num_heads > m else ()) + tuple(layer_cache.groups[1:])
-        if rest:
-            lc_rest = layer_cache.replace(groups=rest, tail_k=layer_cache.tail_k[:, m:],
-                                          tail_v=layer_cache.tail_v[:, m:])
-            outs.append(M.layer_decode_attention(q[:, m:], lc_rest, tail_lens))
-        out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
-        return out, scores, g0.lengths[:, :n]
-    out = M.layer_decode_attention(q, layer_cache, tail_lens)
-    keys, lengths = full_heads(layer_cache, slots)
-    scores = pallas_kernels.scores(take_slots(q, slots)[:, :, None], keys, lengths, gqa="max")[:, :, 0]
-    return out, scores, lengths
 
 
 @functools.partial(jax.jit, static_argnames=("l_base", "tau", "cap"))
@@ -179,9 +159,6 @@ def recall_set_sizes(members: dict, n_pivots: int, counts: np.ndarray, window: n
     return sizes
 
 
-materialize_jit = jax.jit(materialize)
-
-
 def window_slots(kept_scores: np.ndarray, counts: np.ndarray, window: int) -> np.ndarray:
     """Each compressed head's copy-window slots: the slots of its ``w`` least-scored kept rows, w =
     min(window, count // 4) (a head keeps three quarters of its own selection at least), -1 past w.
@@ -221,24 +198,12 @@ def copy_rows(start: int, w: int, held: np.ndarray, prompt_len: int) -> np.ndarr
     raise AssertionError("unreachable: the second span is the whole prompt")
 
 
-def _group_index(roles, layer_slots) -> dict:
-    """{(layer, group index): i} over the groups holding the (layer, layout slot) pairs, sorted."""
-    return {k: i for i, k in enumerate(sorted({(li, roles[li].loc[slot][0]) for li, slot in layer_slots}))}
-
-
-def full_heads(lc, slots) -> tuple[jax.Array, jax.Array]:
-    """(keys [B, n, T, D], lengths [B, n]) of full heads at layout ``slots``: a slice of one group on one
-    device; stacked from the rows' groups (each as long as the longest prompt) under tensor parallelism."""
-    sizes = [g.num_heads for g in lc.groups]
-    loc = {slot: (gi, i) for gi, ss in enumerate(group_slots(sizes, lc.head_tp, lc.tail_k.shape[1]))
-           for i, slot in enumerate(ss)}
-    locs = [loc[int(s)] for s in slots]
-    gi, h0 = locs[0]
-    if locs == [(gi, h0 + i) for i in range(len(locs))]:
-        g = lc.groups[gi]
-        return g.k[:, h0 : h0 + len(locs)], g.lengths[:, h0 : h0 + len(locs)]
-    return (jnp.stack([lc.groups[g].k[:, h] for g, h in locs], axis=1),
-            jnp.stack([lc.groups[g].lengths[:, h] for g, h in locs], axis=1))
+def pivot_keys(cache: KVCache, li: int, slots) -> tuple[jax.Array, jax.Array]:
+    """(keys [B, n, T, D], prompt lengths [B, n]) of the full heads at layout ``slots`` of layer ``li``, read out
+    of the pool (a gather, for observers and re-selection: the decode step reads the pool in place)."""
+    k, _, _, _ = layer_rows(cache, li)
+    lengths = take_slots(cache.layers[li].lengths, slots)
+    return take_slots(k, slots), lengths
 
 
 class HeteroDecode(DecodeState):
@@ -270,12 +235,10 @@ class HeteroDecode(DecodeState):
         # heads at the last step (device, copied to the host asynchronously) and the step before (host)
         self.held = [None if h is None else h.copy() for h in (prefilled.held or [])]
         self.win = [None if w is None else w.copy() for w in (prefilled.window_slots or [])]
-        # the groups a recall / a window move can write, (layer, group) -> index: every write passes all of
-        # them to one scatter (rows for some only), so its executable depends on the row bucket alone, not
-        # on which layers drifted (a per-set executable compiled on most recall steps, 80-300 ms each)
         roles = prefilled.roles
-        self.recall_groups = _group_index(roles, ((li, r.comp_slots[sat]) for li, r in enumerate(roles)
-                                                  for sats in r.members.values() for sat in sats))
+        # per layer [B, H] each head's first pool row (host copies: reading the cache's would wait for the
+        # step in flight); refreshed when the pool is repacked (``pool_moved``)
+        self.offsets = [np.asarray(o, np.int64) for o in prefilled.offsets]
         # per pivot layer, the top-set sizes its check selects for a recall (``recall_set_sizes``, on the
         # device) and the largest (host: reading it from the device would wait for the step in flight)
         self.set_sizes = {}
@@ -290,8 +253,6 @@ class HeteroDecode(DecodeState):
         self.recall_chunk = row_bucket(max((int(prefilled.counts[li][:, [s for v in r.members.values() for s in v]]
                                                 .sum(axis=1).max()) for li, r in enumerate(roles) if r.members),
                                            default=1))
-        self.window_groups = _group_index(roles, ((li, h) for li, r in enumerate(roles)
-                                                  if self.held and self.held[li] is not None for h in r.comp_slots))
         self.pointer_pending = None
         self.pointer_prev = None
         self.window_start = np.full(len(prefilled.lens), -1, np.int64)  # per sequence; -1: no copy seen
@@ -350,15 +311,14 @@ class HeteroDecode(DecodeState):
         l_base = int(self.prefilled.l_base.max())
         lens = jnp.asarray(self.prefilled.lens, jnp.int32)
         layers = list(cache.layers)
-        pool_rows = []  # under tensor parallelism: (layer, b, compressed head, slots, rows) into the pool
+        items = []  # (layer, b, compressed head j, slots [n], prompt rows [n]) into the pool
         held_new = {}  # copy window: per layer the new rows' positions and window slots, set once all is written
         for li, r in enumerate(self.prefilled.roles):
             lc, q = layers[li], turn_queries[li]
-            groups, aux = list(lc.groups), dict(lc.aux)
             if r.pivots:
-                keys, lengths = full_heads(self._view(cache, li), r.pivot_slots())
+                keys, lengths = pivot_keys(cache, li, r.pivot_slots())
                 args = (take_slots(q, r.pivot_slots())[:, :, -1:], keys, lengths)
-                aux["k_base"] = self.compile_fn(turn_k_base, *args, l_base=l_base)(*args)
+                layers[li] = lc.replace(state=PivotBase(k_base=self.compile_fn(turn_k_base, *args, l_base=l_base)(*args)))
             counts = self.prefilled.counts[li]  # [B, Hc]
             if counts.shape[1]:
                 host_k, _ = self.prefilled.store.view(li)  # [B, Hc (H under tp), T, D]
@@ -373,62 +333,55 @@ class HeteroDecode(DecodeState):
                 cap = cap_bucket(int(counts.max()), scores.shape[-1])
                 args = (scores, jnp.asarray(counts, jnp.int32))
                 idx = np.asarray(self.compile_fn(select_rows, *args, cap=cap)(*args))  # [B, Hc, cap]
-                b = np.arange(idx.shape[0])[:, None]
                 if self.held and self.held[li] is not None:  # the copy window's slots in the new rows
                     hc = self.held[li].shape[2]
                     valid = np.arange(hc)[None, None] < counts[:, :, None]
                     kept = np.take_along_axis(np.asarray(scores), idx[:, :, :hc], axis=2)
                     held_new[li] = (np.where(valid, idx[:, :, :hc], -1),
                                     window_slots(kept, counts, self.policy.copy_window))
-                fresh = {}  # one device: group index -> host (k, v, positions) of its heads' new rows
-                for j in range(counts.shape[1]):
-                    c = int(counts[:, j].max())
-                    rows = idx[:, j, :c]  # [B, c] position order; past a sequence's count: a repeat
-                    self.bytes_reselected += kv_rows_nbytes(rows.size, host_k)
-                    if cache.pool is not None:  # only each sequence's own rows: a window's tail is another's
-                        pool_rows += [(li, bi, j, np.arange(counts[bi, j]), rows[bi, : counts[bi, j]])
-                                      for bi in range(len(rows))]
-                        continue
-                    valid = np.arange(c)[None, :] < counts[:, j : j + 1]
-                    k_new, v_new = self.prefilled.store.rows(li, b, sh[j], rows)  # [B, c, D]
-                    pos = np.where(valid, rows, -1).astype(np.int32)
-                    gi, hi = r.loc[r.comp_slots[j]]  # the head's run of close budgets (``HeteroCache.layout``)
-                    if gi not in fresh:
-                        g = groups[gi]
-                        fresh[gi] = (np.zeros(g.k.shape, g.k.dtype), np.zeros(g.v.shape, g.v.dtype),
-                                     np.full(g.positions.shape, -1, np.int32))
-                    kg, vg, pg = fresh[gi]
-                    kg[:, hi, :c], vg[:, hi, :c], pg[:, hi, :c] = k_new, v_new, pos
-                for gi, (kg, vg, pg) in fresh.items():  # every head of the layer re-took its rows: whole groups
-                    groups[gi] = groups[gi].replace(k=jax.device_put(kg), v=jax.device_put(vg),
-                                                    positions=jax.device_put(pg))
-            layers[li] = lc.replace(groups=tuple(groups), aux=aux)
+                for b in range(idx.shape[0]):
+                    for j in range(counts.shape[1]):
+                        c = int(counts[b, j])
+                        items.append((li, b, j, np.arange(c), idx[b, j, :c]))
+        cache, nbytes = self._write_rows(cache.replace(layers=tuple(layers)), items)
+        self.bytes_reselected += nbytes
         self.reselections += 1
         for li, (held, win) in held_new.items():
             self.held[li], self.win[li] = held, win
-        cache = cache.replace(layers=tuple(layers))
-        return self._write_pool(cache, pool_rows) if pool_rows else cache
+        return cache
 
-    def _view(self, cache: KVCache, li: int):
-        """Layer ``li`` with pooled groups read out of the pool (itself on one device)."""
-        lc = cache.layers[li]
-        return lc if cache.pool is None else materialize_jit(lc, cache.pool)
-
-    def _write_pool(self, cache: KVCache, items: list) -> KVCache:
-        """Rows of compressed heads from the host copy into their pool windows, one transfer and one scatter
-        for all of them. items: (layer, b, compressed head j, window slots [n], prompt rows [n])."""
-        offsets = self.prefilled.pool_offsets
-        tp = cache.layers[0].head_tp
-        H = cache.layers[0].tail_k.shape[1]
+    def _write_rows(self, cache: KVCache, items: list, chunk: int | None = None) -> tuple[KVCache, int]:
+        """Rows of compressed heads from the host copy into their regions of the pool: one transfer set and
+        one scatter executable for all of them, whatever the layers (``host_store.put_rows``: every transfer
+        starts before anything is written, so a failed transfer leaves the pool as it was). items: (layer,
+        b, compressed head j, slots in its region [n], prompt rows [n]). Returns (the cache, K/V bytes moved)."""
+        if not items:
+            return cache, 0
+        H = cache.layers[0].num_heads
+        n_local = H // cache.pool.num_shards
         parts = []
         for li, b, j, slots, rows in items:
             h = self.prefilled.roles[li].comp_slots[j]
-            k_rows, v_rows = self.prefilled.store.rows(li, np.full(len(rows), b), np.full(len(rows), h), rows)
-            parts.append((np.full(len(rows), b), np.full(len(rows), h // (H // tp)), offsets[li][b, h] + slots,
-                          k_rows, v_rows, rows))
-        cat = [np.concatenate([p[i] for p in parts]) for i in range(6)]
-        ops = put_rows(*cat, capacity=cache.pool.k.shape[2])
-        return cache.replace(pool=scatter_rows(cache.pool, ops, self.compile_fn))
+            n = len(rows)
+            parts.append((li, np.full(n, b), np.full(n, self.prefilled.store_heads(li)[j]), rows,
+                          np.full(n, h // n_local), self.offsets[li][b, h] + np.asarray(slots, np.int64)))
+        k_all, v_all = [], []
+        for li in sorted({p[0] for p in parts}):
+            mine = [p for p in parts if p[0] == li]
+            k_rows, v_rows = self.prefilled.store.rows(li, np.concatenate([p[1] for p in mine]),
+                                                       np.concatenate([p[2] for p in mine]),
+                                                       np.concatenate([p[3] for p in mine]))
+            k_all.append(k_rows)
+            v_all.append(v_rows)
+        parts.sort(key=lambda p: p[0])
+        cat = lambda i: np.concatenate([p[i] for p in parts])  # noqa: E731
+        k_rows, v_rows = np.concatenate(k_all), np.concatenate(v_all)
+        ops = put_rows(cat(1), cat(4), cat(5), k_rows, v_rows, cat(3), rows=cache.pool.num_rows, chunk=chunk)
+        return cache.replace(pool=scatter_rows(cache.pool, ops, self.compile_fn)), kv_rows_nbytes(len(k_rows), k_rows)
+
+    def pool_moved(self, cache: KVCache) -> None:
+        """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
+        self.offsets = [to_host(l.offsets).astype(np.int64) for l in cache.layers]
 
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
         """Dispatch every pivot layer's drift check on the buffered steps' overlaps; outputs are copied to
@@ -440,12 +393,12 @@ class HeteroDecode(DecodeState):
             latest = self.buffer[-1][li][2]  # [B, Np, T]
             if self.check_observers:
                 r = self.prefilled.roles[li]
-                keys, lengths = full_heads(self._view(cache, li), r.pivot_slots())
+                keys, lengths = pivot_keys(cache, li, r.pivot_slots())
                 q_buf = jnp.stack([b[li][0] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
                 for observe in self.check_observers:
-                    observe(li, q_buf, keys, cache.layers[li].aux["k_base"], lengths, l_base=l_base)
+                    observe(li, q_buf, keys, cache.layers[li].state.k_base, lengths, l_base=l_base)
             sizes, largest = self.set_sizes[li]
-            args = (overlaps, latest, cache.layers[li].aux["k_base"], sizes)
+            args = (overlaps, latest, cache.layers[li].state.k_base, sizes)
             fn = self.compile_fn(drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
                                  cap=min(max(1, largest), latest.shape[-1]))
             out = fn(*args)
@@ -489,14 +442,12 @@ class HeteroDecode(DecodeState):
         """Each drifted pivot's satellites take the top-l_s rows of its latest scores from the host copy.
 
         Only those rows cross to the device and are written in place, every layer's through one scatter
-        executable (``host_store.scatter_rows_many``; the transfers start before anything is written):
-        the groups are never read back.
+        executable, in chunks of ``recall_chunk`` rows (``_write_rows``): the pool is never read back.
         """
         _, outs = self.pending
         self.pending = None
         layers = list(cache.layers)
-        rows = []  # per layer, the host rows (``_scatter_host_rows``)
-        pool_rows = []  # under tensor parallelism: rows into the pool (``_write_pool``)
+        items = []  # (layer, b, satellite j, slots, rows) into the pool
         held_updates = []  # copy window: (layer, b, satellite, its new positions, its new window slots)
         for li, out in enumerate(outs):
             if out is None:
@@ -508,67 +459,27 @@ class HeteroDecode(DecodeState):
             if not drift.any():
                 continue
             counts = self.prefilled.counts[li]  # [B, Hc]
-            items, which = [], []  # which: per satellite, the index of its (layer, group) in ``recall_groups``
             n_sat = sets.shape[2] // 2 if self.held and self.held[li] is not None else sets.shape[2]
             for b, p in zip(*np.nonzero(drift)):
                 for j, sat in enumerate(r.members.get(int(p), [])):
                     l_s = int(counts[b, sat])
                     pos = sets[b, p, j, :l_s]  # its top-l_s, ascending
-                    if cache.pool is not None:  # the satellite's window in its shard's pool
-                        pool_rows.append((li, b, sat, np.arange(l_s), pos))
-                        self.recalls += 1
-                        self.bytes_recalled += kv_rows_nbytes(l_s, layers[li].tail_k)
-                        continue
-                    gi, hi = r.loc[r.comp_slots[sat]]  # the satellite's group and head in it
-                    items.append((b, sat, hi, np.arange(l_s), pos))
-                    which.append(np.full(l_s, self.recall_groups[li, gi]))
+                    items.append((li, b, sat, np.arange(l_s), pos))
                     if self.held and self.held[li] is not None:  # its window: the rows past its top-(l_s - w)
                         low = pos[~np.isin(pos, sets[b, p, n_sat + j])]
                         held_updates.append((li, b, sat, pos, np.searchsorted(pos, low)))
-            if items:
-                rows.append((np.concatenate(which),) + self._host_rows(li, items))
-                self.recalls += len(items)
-            base = np.where(drift[..., None], new_base, np.asarray(layers[li].aux["k_base"]))
-            aux = dict(layers[li].aux)
-            aux["k_base"] = jax.device_put(base.astype(np.int32))
-            layers[li] = layers[li].replace(aux=aux)
+            base = np.where(drift[..., None], new_base, np.asarray(layers[li].state.k_base))
+            layers[li] = layers[li].replace(state=PivotBase(k_base=jax.device_put(base.astype(np.int32))))
             self.recall_steps.append(step)
-        if rows:
-            layers, nbytes = self._scatter_host_rows(layers, self.recall_groups, rows, chunk=self.recall_chunk)
-            self.bytes_recalled += nbytes
+        cache, nbytes = self._write_rows(cache.replace(layers=tuple(layers)), items, chunk=self.recall_chunk)
+        self.bytes_recalled += nbytes
+        self.recalls += len(items)
         for li, b, sat, pos, slots in held_updates:
             self.held[li][b, sat, : len(pos)] = pos
             self.win[li][b, sat, : len(slots)] = slots
             if self.window_start[b] >= 0:  # a copy window is open: fill the satellite's again
                 self.window_dirty.add(b)
-        cache = cache.replace(layers=tuple(layers))
-        return self._write_pool(cache, pool_rows) if pool_rows else cache
-
-    def _host_rows(self, li: int, items) -> tuple:
-        """Host-copy rows of layer ``li`` for items (b, compressed head j, its head index in the group, slots
-        [n], positions [n]), flattened: (b_idx, h_idx, slots, k_rows, v_rows, positions)."""
-        flat = lambda f: np.concatenate([f(*it) for it in items])  # noqa: E731
-        b_idx = flat(lambda b, j, hi, sl, pos: np.full(len(pos), b))
-        heads = flat(lambda b, j, hi, sl, pos: np.full(len(pos), j))
-        rows = flat(lambda b, j, hi, sl, pos: pos)
-        k_rows, v_rows = self.prefilled.store.rows(li, b_idx, self.prefilled.store_heads(li)[heads], rows)
-        return (b_idx, flat(lambda b, j, hi, sl, pos: np.full(len(pos), hi)), flat(lambda b, j, hi, sl, pos: sl),
-                k_rows, v_rows, rows)
-
-    def _scatter_host_rows(self, layers: list, targets: dict, rows: list, chunk=None) -> tuple[list, int]:
-        """``layers`` with host-copy rows written into their groups, and the K/V bytes moved: every row of
-        every layer through one scatter executable over all of ``targets``' groups (``scatter_rows_many``,
-        ``chunk`` rows per call). targets: (layer, group index) -> its index in the scatter (``recall_groups``
-        or ``window_groups``); rows: per layer, (which [n], then ``_host_rows``' six arrays)."""
-        cat = [np.concatenate([r_[i] for r_ in rows]) for i in range(7)]
-        order = sorted(targets, key=targets.get)
-        new = scatter_rows_many(tuple(layers[li].groups[gi] for li, gi in order), *cat, compile_fn=self.compile_fn,
-                                chunk=chunk)
-        for (li, gi), g in zip(order, new):
-            groups = list(layers[li].groups)
-            groups[gi] = g
-            layers[li] = layers[li].replace(groups=tuple(groups))
-        return layers, kv_rows_nbytes(len(cat[0]), cat[4])
+        return cache
 
     def _follow_copy(self, cache: KVCache) -> KVCache:
         """The copy window: when a copy head's pointer (its most attended prompt position) moved one or two
@@ -597,13 +508,11 @@ class HeteroDecode(DecodeState):
         if not self.window_dirty:
             return cache
         dirty = sorted(self.window_dirty)
-        layers = list(cache.layers)
-        rows, updates = [], []  # per layer, the host rows (``_scatter_host_rows``); the held positions to update
+        items, updates = [], []  # rows into the pool (``_write_rows``); the held positions to update
         for li, r in enumerate(self.prefilled.roles):
             held = self.held[li] if self.held else None
             if held is None:
                 continue
-            items, which = [], []  # which: per item, the index of its (layer, group) in ``window_groups``
             for b in dirty:
                 T = int(self.prefilled.lens[b])
                 for j in range(held.shape[1]):
@@ -615,19 +524,14 @@ class HeteroDecode(DecodeState):
                     want = copy_rows(int(self.window_start[b]), len(slots), np.delete(held[b, j, :c], slots), T)
                     if np.array_equal(np.sort(held[b, j, slots]), want):
                         continue
-                    gi, hi = r.loc[r.comp_slots[j]]
-                    which.append(np.full(len(want), self.window_groups[li, gi]))
-                    items.append((b, j, hi, slots, want))
+                    items.append((li, b, j, slots, want))
                     updates.append((li, b, j, slots, want))
-            if items:
-                rows.append((np.concatenate(which),) + self._host_rows(li, items))
-        if rows:
-            layers, nbytes = self._scatter_host_rows(layers, self.window_groups, rows)
-            self.bytes_copied += nbytes
+        cache, nbytes = self._write_rows(cache, items)
+        self.bytes_copied += nbytes
         for li, b, j, sl, want in updates:
             self.held[li][b, j, sl] = want
         self.window_dirty = set()
-        return cache.replace(layers=tuple(layers))
+        return cache
 
     def in_flight(self):
         return self.pending

@@ -7,56 +7,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from hetero_jax.model.config import ModelConfig
 from hetero_jax.policies.base import BudgetError, PolicyError, int_param
 from hetero_jax.policies.profiled import ProfiledPolicy, profile_key
 from hetero_jax.profile.format import HeadProfile
 from hetero_jax.policies.heterocache.decode import attend_step
 from hetero_jax.policies.heterocache.prefill import HeteroPrefill
-
-# Heads of a layer whose budgets are close share a cache group, each keeping exactly its own l_i rows
-# (``lengths``) in a group as long as its longest head: at most this fraction of the layer's kept tokens is
-# padding. One group per head (no padding) gave a decode step 5.7x full KV's fusions (XLA:CPU) with the
-# authors' Llama-3.1-8B profile (223 compressed heads, 6-8 per layer), and its H200 steps took 42-100 ms against
-# full KV's 12.5 (RESULTS.md, latency-llama8b-gpu); at 2 % that profile has 89 groups (1-5 per layer) and
-# 3.4x; SmolLM2's shipped profile 51 groups for its 71 compressed heads at rho 0.3.
-GROUP_PADDING = 0.02
-# Budgets scale with the prompt length (Eq. 7-8): the groups are planned once, at this nominal length.
-NOMINAL_PROMPT = 1 << 15
-
-
-def budget_runs(budgets, max_padding: float) -> list[int]:
-    """Sizes of consecutive runs of ``budgets`` (one layer's compressed heads, in layout order): the fewest runs
-    whose padding, sum over runs of (run max - budget) per head, is at most ``max_padding`` tokens; among
-    those, the least padding. A run shares one cache group as long as its largest budget."""
-    b = [int(x) for x in budgets]
-    n = len(b)
-    if n == 0:
-        return []
-    pad = [[0] * (n + 1) for _ in range(n)]   # pad[i][j]: padding of the run b[i:j]
-    for i in range(n):
-        for j in range(i + 1, n + 1):
-            pad[i][j] = max(b[i:j]) * (j - i) - sum(b[i:j])
-    inf = float("inf")
-    # best[k][i]: least padding of b[i:] in exactly k runs; cut[k][i]: where the first run ends
-    best = [[inf] * (n + 1) for _ in range(n + 1)]
-    cut = [[n] * (n + 1) for _ in range(n + 1)]
-    best[0][n] = 0
-    for k in range(1, n + 1):
-        for i in range(n - 1, -1, -1):
-            for j in range(i + 1, n + 1):
-                v = pad[i][j] + best[k - 1][j]
-                if v < best[k][i]:
-                    best[k][i], cut[k][i] = v, j
-        if best[k][0] <= max_padding:
-            sizes, i = [], 0
-            for kk in range(k, 0, -1):
-                j = cut[kk][i]
-                sizes.append(j - i)
-                i = j
-            return sizes
-    return [1] * n   # unreachable: n runs have no padding
-
 
 def _check_hetero_args(p: "HeteroCache") -> None:
     """Types and ranges of HeteroCache's arguments that are not declared with ``int_param`` & co. (the profile,
@@ -117,44 +72,13 @@ class HeteroCache(ProfiledPolicy):
             object.__setattr__(bound, "row_pivot_slots", slots)
         return bound
 
-    def _nominal_grid(self) -> np.ndarray | None:
-        """Tokens per KV head [L, H] at ``NOMINAL_PROMPT`` (None when the budget cannot be kept: prefill says
-        why, with the prompt's own numbers)."""
-        try:
-            return self.budget_grid(NOMINAL_PROMPT)[0]
-        except BudgetError:
-            return None
-
     def roles_in_layout(self, layer: int) -> dict[str, list[int]]:
-        """``ProfiledPolicy.roles_in_layout``; on one device the satellites and the anchors each largest budget
-        first (ties in head order), so that heads of close budgets are neighbours and can share a group."""
+        """``ProfiledPolicy.roles_in_layout``, the copy heads first among the volatiles (scored beside the
+        pivots)."""
         r = super().roles_in_layout(layer)
         copy = self.profile.copy_heads()[layer]
-        r["volatile"] = sorted(r["volatile"], key=lambda h: not copy[h])  # copy heads lead: scored beside pivots
-        grid = self._nominal_grid() if self.head_tp == 1 else None
-        if grid is not None:
-            for role in ("satellite", "anchor"):
-                r[role] = sorted(r[role], key=lambda h: -int(grid[layer, h]))
+        r["volatile"] = sorted(r["volatile"], key=lambda h: not copy[h])
         return r
-
-    def layout(self, cfg: ModelConfig):
-        """``ProfiledPolicy.layout``; on one device the compressed heads of a layer are cut into runs of close
-        budgets (``budget_runs``, at most ``GROUP_PADDING`` of the layer's kept tokens padded), a group each."""
-        base = super().layout(cfg)
-        if base.tp > 1:
-            return base
-        grid = self._nominal_grid()
-        sizes = []
-        for l in range(cfg.num_layers):
-            r = self.roles_in_layout(l)
-            n_full = len(r["pivot"]) + len(r["volatile"])
-            comp = r["satellite"] + r["anchor"]
-            if grid is None:   # prefill refuses the budget; any layout will do until then
-                runs = [1] * len(comp)
-            else:
-                runs = budget_runs([grid[l, h] for h in comp], GROUP_PADDING * float(grid[l].sum()))
-            sizes.append(((n_full,) if n_full else ()) + tuple(runs))
-        return dataclasses.replace(base, group_sizes=tuple(sizes))
 
     @property
     def drift_threshold(self) -> float:
@@ -182,15 +106,15 @@ class HeteroCache(ProfiledPolicy):
         n_p = len(r["pivot"])
         return tuple(n_p + i for i, h in enumerate(r["volatile"]) if copy[h])
 
-    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
-        """Every kept slot; the extra, for a layer with pivots or copy heads, is (pivots' share of the drift
-        check or None, copy heads' pointer or None) (``attend_step``), which the decode state reads after
-        the step."""
+    def attend(self, li, q, step):
+        """Every kept row of every head in one call; the extra, for a layer with pivots or copy heads, is
+        (pivots' share of the drift check or None, copy heads' pointer or None) (``attend_step``, from the
+        same pass), which the decode state reads after the step."""
         slots, copy = self.pivot_slots(li), self.copy_slots(li)
         if not slots and not copy:
-            return super().attend(li, q, layer_cache, tail_lens, seq_lens)
-        out, pivot, pointer = attend_step(q, layer_cache, tail_lens, slots, copy)
-        return out, layer_cache, (pivot, pointer)
+            return step.attend(q)[0], step, None
+        out, pivot, pointer = attend_step(q, step, slots, copy)
+        return out, step, (pivot, pointer)
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return HeteroPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
