@@ -4,7 +4,7 @@ What it measures depends on the machine:
 
 - Always (no GPU needed):
   1. CUDA lowering through Triton of every kernel (sparse_decode_attention,
-     pooled_scores gqa=max/mean, drift_check) at SmolLM2-135M shapes
+     pooled_scores gqa=max/mean, drift_check, pool_attention) at SmolLM2-135M shapes
      (Hkv 3, G 3, D 64, S 8192) and Llama-3.1-8B shapes (Hkv 8, G 4, D 128;
      S 8K/32K/128K for decode, T 8K/32K for scoring), bf16 and f32:
      lowered yes/no, Triton custom call present, Triton module verified,
@@ -19,6 +19,10 @@ What it measures depends on the machine:
   Llama-3.1-8B decode shapes and reports achieved bandwidth against a
   measured copy bandwidth (`x + 0` over a large array), and the two GPU
   targets (>= 70 % of copy bandwidth from S = 32K; time falling with rho).
+  Then times `pool_attention` (one launch per layer over a row pool) at
+  Llama-3.1-8B shapes, contexts 32K and 128K, two full KV heads and six at
+  about 0.1x the context, against the bytes of the heads' lengths, the copy
+  bandwidth and one `sparse_decode_attention` launch per head group.
   Without a GPU that path is skipped and the output says so.
 
 Writes JSON (config, commit, machine, every row) to benchmarks/out/kernels.json
@@ -192,6 +196,12 @@ def lowering_jobs() -> list[dict[str, Any]]:
                                      D=m["D"], S=T, W=SCORE_W, dtype=dtype, gqa=gqa))
                 jobs.append(dict(kernel="drift_check", model=model, B=m["B"], Hkv=m["Hkv"], G=m["G"], D=m["D"], S=T,
                                  W=SCORE_W, dtype=dtype, L_base=DRIFT_L_BASE))
+        # pool_attention: decode with the logits of every head over the prompt, and a 64-token chunk.
+        S = m["S"][-1]
+        for T, score_len in ((1, S), (64, 0)):
+            jobs.append(dict(kernel="pool_attention" + ("[logits]" if score_len else f"[T={T}]"), model=model,
+                             B=m["B"], Hkv=m["Hkv"], G=m["G"], D=m["D"], S=S, T=T, score_len=score_len,
+                             dtype="bfloat16"))
     return jobs
 
 
@@ -212,6 +222,13 @@ def run_lowering(job: dict[str, Any]) -> dict[str, Any]:
         gqa = job["gqa"]
         args = (sds((B, H, job["W"], G, D), dt), sds((B, H, S, D), dt), lens)
         f = lambda q, k, l: pk.pooled_scores(q, k, l, gqa=gqa)  # noqa: E731
+    elif job["kernel"].startswith("pool_attention"):
+        from pallas_kernels.pool_attention import pool_attention
+
+        P = H * S // 3 + POOL_TAIL * H          # a compressed layer's pool
+        T, score_len = job["T"], job["score_len"]
+        args = (sds((B, H, T, G, D), dt), sds((B, P, D), dt), sds((B, P, D), dt), lens, lens, sds((H,), jnp.int32))
+        f = lambda *a: pool_attention(*a, max_len=S, score_len=score_len)  # noqa: E731
     else:
         args = (sds((B, H, job["W"], G, D), dt), sds((B, H, S, D), dt), sds((B, H, job["L_base"]), jnp.int32), lens)
         f = lambda q, k, kb, l: pk.drift_check(q, k, kb, DRIFT_L_BASE, DRIFT_TAU, l, backend="pallas")  # noqa: E731
@@ -451,6 +468,122 @@ def gpu_timing(shapes: dict[str, Any] = LLAMA, capacities=None, rhos=RHOS, *, it
                 target_bandwidth_fraction_ge_70pct_from_32k=frac_ok, target_time_falls_with_rho=falls)
 
 
+# pool_attention (one launch per layer over a row pool) at Llama-3.1-8B shapes, HeteroCache-like lengths.
+POOL_CONTEXTS = (32 * KIB, 128 * KIB)
+POOL_FULL_HEADS = (0, 5)        # KV heads of the layer that keep the full context (the rest are compressed)
+POOL_COMPRESSED = 0.1           # a compressed head keeps about 0.1 x the context (0.08x .. 0.12x, per head)
+POOL_TAIL = 256                 # rows of each head's region past its kept rows (room for generated tokens)
+POOL_SPLITS = (None, 16, 128)   # num_splits timed (None: default_pool_num_splits)
+
+
+def pool_layout(S: int, H: int = LLAMA["Hkv"], B: int = LLAMA["B"]):
+    """HeteroCache-like per-head lengths at context S and the pool layout: (lengths [B, H], offsets [B, H],
+    P). Heads POOL_FULL_HEADS keep S rows, the others about POOL_COMPRESSED * S (spread 0.08x-0.12x);
+    each head's region has POOL_TAIL spare rows after its kept ones; regions are contiguous in head order."""
+    import numpy as np
+
+    frac = np.linspace(0.8, 1.2, H - len(POOL_FULL_HEADS)) * POOL_COMPRESSED
+    lens, it = [], iter(frac)
+    for h in range(H):
+        lens.append(S if h in POOL_FULL_HEADS else max(1, int(round(next(it) * S))))
+    lens = np.asarray(lens, np.int32)
+    cap = lens + POOL_TAIL
+    offs = np.concatenate([[0], np.cumsum(cap)[:-1]]).astype(np.int32)
+    return np.tile(lens, (B, 1)), np.tile(offs, (B, 1)), int(cap.sum())
+
+
+def pool_timing(shapes: dict[str, Any] = LLAMA, contexts=POOL_CONTEXTS, *, iters: int = 50, copy=None,
+                splits=POOL_SPLITS, interpret: bool = False, progress=None) -> dict[str, Any]:
+    """Time ``pool_attention`` (decode, T = 1, bf16) at Llama-3.1-8B shapes over a row pool with
+    HeteroCache-like per-head lengths (:func:`pool_layout`); achieved bandwidth = the K+V bytes it must read
+    (sum of the heads' lengths x D x 2 B, K and V) / time, against the measured copy bandwidth. Also times
+    the layout it replaces: one ``sparse_decode_attention`` launch per head group (the full heads, then the
+    compressed heads at their capacity). Runs only on a GPU (``interpret=True`` smoke-tests the code path on
+    CPU at tiny ``shapes``/``contexts``; its numbers mean nothing)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_kernels as pk
+    from pallas_kernels.pool_attention import (default_pool_num_splits, pool_attention,
+                                               pool_attention_reference)
+
+    B, H, G, D = shapes["B"], shapes["Hkv"], shapes["G"], shapes["D"]
+    if copy is None:
+        copy = measure_copy_bandwidth(iters=max(3, iters // 2))
+    rng = np.random.default_rng(1)
+    bf16 = lambda shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(jnp.bfloat16)  # noqa: E731
+    rows = []
+    for S in contexts:
+        lens_np, offs_np, P = pool_layout(S, H, B)
+        lens, offs = jnp.asarray(lens_np), jnp.asarray(offs_np)
+        q, k_pool, v_pool = bf16((B, H, 1, G, D)), bf16((B, P, D)), bf16((B, P, D))
+        kv_bytes = int(lens_np.sum()) * 2 * D * 2
+        want = pool_attention_reference(q, k_pool, v_pool, offs, lens, max_len=S)[0].astype(jnp.float32)
+        for ns in splits:
+            f = jax.jit(lambda q, k, v, o, l, ns=ns: pool_attention(q, k, v, o, l, max_len=S, num_splits=ns,
+                                                                     interpret=interpret)[:2])
+            row = dict(S=S, lengths=sorted({int(x) for x in lens_np.reshape(-1)}), pool_rows=P,
+                       num_splits=ns if ns is not None else default_pool_num_splits(S), kv_bytes=kv_bytes,
+                       mean_rho=float(lens_np.mean() / S))
+            try:
+                err = float(jnp.max(jnp.abs(f(q, k_pool, v_pool, offs, lens)[0].astype(jnp.float32) - want)))
+                t = _time_fn(f, (q, k_pool, v_pool, offs, lens), iters)
+                bw = kv_bytes / t
+                row.update(ok=err <= DECODE_TOL["bfloat16"]["out"], max_abs_err_out=err, kernel_s=t,
+                           achieved_bandwidth=bw, fraction_of_copy_bandwidth=bw / copy["bandwidth"])
+            except Exception as e:  # noqa: BLE001 - a configuration Triton refuses is a result too
+                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+            rows.append(row)
+        # The layout it replaces: one launch per head group (full heads at S, compressed heads at their capacity).
+        full = [h for h in range(H) if h in POOL_FULL_HEADS]
+        comp = [h for h in range(H) if h not in POOL_FULL_HEADS]
+        cap_c = int(lens_np[:, comp].max()) + POOL_TAIL
+        groups = [(bf16((B, len(full), G, D)), bf16((B, len(full), S, D)), bf16((B, len(full), S, D)),
+                   jnp.asarray(lens_np[:, full])),
+                  (bf16((B, len(comp), G, D)), bf16((B, len(comp), cap_c, D)), bf16((B, len(comp), cap_c, D)),
+                   jnp.asarray(lens_np[:, comp]))]
+        per_group = jax.jit(lambda gs: [pk.sparse_decode_attention(*g, interpret=interpret) for g in gs])
+        t_groups = _time_fn(per_group, (groups,), iters)
+        for r in rows:
+            if r["S"] == S:
+                r["per_group_s"] = t_groups
+        del q, k_pool, v_pool, groups
+        if progress is not None:
+            progress.update(1)
+    return dict(device=str(jax.devices()[0]), interpret=interpret, iters=iters, copy=copy, rows=rows,
+                full_heads=POOL_FULL_HEADS, compressed=POOL_COMPRESSED, tail=POOL_TAIL)
+
+
+def render_pool_timing(p: dict[str, Any] | None) -> list[str]:
+    lines = ["### 5. pool_attention on a GPU (one launch per layer over a row pool)", ""]
+    if p is None:
+        return lines + ["**Not run: no GPU present.** With a GPU, this script times `pool_attention` (decode, bf16, "
+                        f"B {LLAMA['B']}, Hkv {LLAMA['Hkv']}, G {LLAMA['G']}, D {LLAMA['D']}) over one row pool "
+                        f"where KV heads {', '.join(map(str, POOL_FULL_HEADS))} keep the whole context and the others "
+                        f"about {POOL_COMPRESSED:g}x of it, at contexts "
+                        f"{', '.join(_len(s) for s in POOL_CONTEXTS)}, and one `sparse_decode_attention` launch per "
+                        "head group for the same lengths.", ""]
+    lines += [f"Device: {p['device']}; copy bandwidth {p['copy']['bandwidth'] / 1e12:.2f} TB/s; heads "
+              f"{', '.join(map(str, p['full_heads']))} full, the others about {p['compressed']:g}x the context, "
+              f"{p['tail']} spare rows per region. Achieved = K+V bytes of the heads' lengths / kernel time. "
+              "'per group' = one `sparse_decode_attention` per head group (full, compressed) on the same lengths.",
+              ""]
+    rows = []
+    for r in p["rows"]:
+        if "kernel_s" in r:
+            rows.append([_len(r["S"]), f"{r['mean_rho']:.3f}", _fmt_bytes(r["kv_bytes"]), str(r["num_splits"]),
+                         _fmt_us(r["kernel_s"]), f"{r['achieved_bandwidth'] / 1e12:.2f}",
+                         f"{100 * r['fraction_of_copy_bandwidth']:.0f} %", _fmt_us(r.get("per_group_s")),
+                         f"{r['max_abs_err_out']:.2e}", "yes" if r["ok"] else "NO"])
+        else:
+            rows.append([_len(r["S"]), f"{r['mean_rho']:.3f}", _fmt_bytes(r["kv_bytes"]), str(r["num_splits"]),
+                         "—", "—", "—", _fmt_us(r.get("per_group_s")), "—", f"NO: {r['error']}"])
+    return lines + [common.markdown_table(["context", "mean rho", "K+V bytes", "num_splits", "kernel µs",
+                                           "achieved TB/s", "of copy BW", "per group µs", "max abs err", "ok"],
+                                          rows, "rrrrrrrrrl"), ""]
+
+
 SWEEP_S = (32 * KIB, 128 * KIB)
 SWEEP = dict(num_splits=(None, 32, 64, 128), block_k=(64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
 
@@ -659,7 +792,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     for r in low:
         ver = {True: "yes", False: "NO", None: "n/a"}[r["triton_modules_verified"]]
         rows.append([r["kernel"], r["model"], f"Hkv {r['Hkv']}, G {r['G']}, D {r['D']}",
-                     ("S " if r["kernel"] == "sparse_decode_attention" else "T ") + _len(r["S"]),
+                     ("S " if r["kernel"].startswith(("sparse_decode_attention", "pool_attention")) else "T ")
+                     + _len(r["S"]),
                      r["dtype"], "yes" if r["lowered"] else f"NO ({r['error']})",
                      f"yes ({r['triton_calls']})" if r["triton_call_present"] else "NO", ver,
                      f"{r['lower_seconds']:.2f}"])
@@ -747,6 +881,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"- Target bandwidth >= 70 % of copy from S = 32K (rho 1): "
                   f"**{ {True: 'met', False: 'NOT met', None: 'no shape >= 32K timed'}[g['target_bandwidth_fraction_ge_70pct_from_32k']]}**",
                   f"- Target time falling with rho: {falls}", ""]
+    lines += render_pool_timing(report.get("pool_timing"))
     lines.append(f"Wall time of the whole run: {report['wall_seconds']:.1f} s. JSON: `{report['json_path']}`.")
     return "\n".join(lines)
 
@@ -785,7 +920,7 @@ def main(argv=None) -> int:
     has_gpu = gpu_present()
     low_jobs = [] if args.skip_lowering else lowering_jobs()
     num_jobs = [] if args.skip_numerics else numerics_jobs(gpu=has_gpu)
-    n_gpu = len(LLAMA["S"]) * len(RHOS) if has_gpu else 0
+    n_gpu = len(LLAMA["S"]) * len(RHOS) + len(POOL_CONTEXTS) if has_gpu else 0
     config = dict(models=MODELS, rhos=RHOS, score_W=SCORE_W, drift_L_base=DRIFT_L_BASE, drift_tau=DRIFT_TAU,
                   block_k=BLOCK_K, h100_nominal_bandwidth=H100_NOMINAL_BW, decode_numerics=DECODE_NUMERICS,
                   pooled_numerics=POOLED_NUMERICS, drift_numerics=DRIFT_NUMERICS, decode_tol=DECODE_TOL,
@@ -803,10 +938,12 @@ def main(argv=None) -> int:
             bar.set_postfix_str(f"{'compiled' if has_gpu else 'interpret'} {kind} {case}")
             numerics.append(run_numerics(kind, case, args.seed * 1000 + i, compiled=has_gpu))
             bar.update(1)
-        gpu = None
+        gpu = pool = None
         if has_gpu:
             bar.set_postfix_str("GPU timing")
             gpu = gpu_timing(iters=args.gpu_iters, progress=bar)
+            bar.set_postfix_str("GPU timing: pool_attention")
+            pool = pool_timing(iters=args.gpu_iters, copy=gpu["copy"], progress=bar)
 
     out = Path(args.out)
     report = common.report_header("kernels", config, machine)
@@ -821,6 +958,7 @@ def main(argv=None) -> int:
         decode_bytes=[decode_bytes(S, rho) for S in LLAMA["S"] for rho in RHOS],
         gpu_timing=gpu,
         gpu_timing_run=gpu is not None,
+        pool_timing=pool,
         json_path=os.path.relpath(out.resolve(), REPO) if str(out.resolve()).startswith(str(REPO)) else str(out),
     )
     report["wall_seconds"] = time.perf_counter() - t_start

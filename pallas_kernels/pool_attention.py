@@ -20,6 +20,24 @@ With ``score_len`` > 0 (T = 1 only) the call also returns each scored head's log
 region, and the drift check pools those logits (``pivot_pooled_scores``) instead of reading the keys again.
 Entries past a head's visible rows, and every entry of a head whose ``score_heads`` flag is 0, are
 unspecified in the kernels (callers mask by the prompt length); the reference fills them with MASK_VALUE.
+
+Kernel (:func:`pool_attention`, Pallas lowered through Triton): ONE launch per layer over all heads.
+grid = (B * H, row tiles, key splits). The T * G query rows of a KV head (row = t * G + g) form the rows of
+its query tiles (padded to >= 16 rows, a Triton ``dot`` needs them); program (r, i, j) owns the key range
+[j * split_len, (j + 1) * split_len) of head r and reads only its part below the tile's largest visible
+count n_max = lengths + t_last, in blocks of ``block_k`` rows at ``pl.ds(offset + key, block_k)`` of the
+batch element's whole [P, D] pool block (read in place, no gather). The loop bound comes from n_max, so a
+split past it does no load and a short head reads ceil(n / block_k) * block_k rows at most; the last
+block's loads are masked (``plgpu.load(mask=..., other=0)``), so no row outside [offset, offset + n_max)
+is ever read (it may hold another head's rows, or NaN). Each row masks its own causal bound lengths + t.
+Online softmax in float32; the per-split partials (o, m, l) of the real rows are combined by log-sum-exp
+in XLA. Tiles hold at most 64 rows (a decode step is one tile); split_len = max_len / num_splits rounded
+up to block_k is a fixed unit of work, so a full head runs many busy programs and a short one a few
+(:func:`default_pool_num_splits`). With score_len > 0 the programs of a scored head store each key
+block's logits (masked to the block's visible rows below score_len) into that head's [G, score_len] rows.
+
+Triton in jax 0.10.2 has no scalar prefetch ("scalar prefetch not implemented"): each program loads its
+head's offset and length (and score flag) as scalars from [B * H] refs at its start, the equivalent here.
 """
 
 from __future__ import annotations
@@ -30,11 +48,13 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._util import MASK_VALUE
+from pallas_kernels._util import MASK_VALUE, MIN_DOT_ROWS, cdiv, dot_precision, is_pow2, next_pow2
 from pallas_kernels.pooled_scores import POOL_KERNEL_SIZE, avg_pool, gqa_reduce, masked_softmax
 
-__all__ = ["pool_attention_reference", "pivot_pooled_scores"]
+__all__ = ["pool_attention", "pool_attention_reference", "pivot_pooled_scores", "default_pool_num_splits"]
 
 
 @functools.partial(jax.jit, static_argnames=("max_len", "score_len", "sm_scale"))
@@ -104,3 +124,250 @@ def pivot_pooled_scores(
   p = masked_softmax(logits, valid[:, :, None, :])
   agg = gqa_reduce(avg_pool(p, POOL_KERNEL_SIZE), gqa, axis=2)
   return jnp.where(valid, agg, MASK_VALUE)
+
+
+# ---------------------------------------------------------------------------
+# The Pallas (Triton) kernel
+
+# Most query rows (T * G) in one tile: a chunk of many tokens is cut into tiles of this many rows
+# (the float32 accumulator is [rows, D] per program).
+MAX_TILE_ROWS = 64
+# Fewest pool rows a key split covers by default (a work unit of a program).
+MIN_SPLIT_ROWS = 512
+# Most key splits per (head, row tile) by default.
+MAX_SPLITS = 64
+
+
+def default_pool_num_splits(max_len: int, block_k: int = 64, row_tiles: int = 1) -> int:
+  """Number of key splits used when ``num_splits`` is None.
+
+  One split per ``MIN_SPLIT_ROWS`` (512) rows of ``max_len``, at most ``MAX_SPLITS`` (64) / ``row_tiles``
+  and never more splits than key blocks. Heads of a pool differ in length, so a split is a fixed-size unit
+  of work (split_len = max_len / num_splits): a full head runs many busy programs, a 0.1x head a few, and
+  the rest exit before any load. More splits than :func:`default_num_splits`'s 16 because with 8 KV heads
+  and a few full ones, 16 busy programs per full head would leave most SMs of an H100/H200 idle; a chunk
+  (several row tiles) already has parallelism along its rows, so it gets fewer.
+  """
+  n = min(MAX_SPLITS, cdiv(max(1, max_len), MIN_SPLIT_ROWS), cdiv(max(1, max_len), block_k))
+  return int(max(1, n // max(1, row_tiles)))
+
+
+def _pool_kernel(
+    q_ref,      # [block_r, D]       query rows i * block_r + [0, block_r) of head r (row = t * G + g); pad rows 0
+    k_ref,      # [P, D]             the whole key pool of batch element r // H (read in place)
+    v_ref,      # [P, D]             the whole value pool of batch element r // H
+    off_ref,    # []                 int32 first pool row of head r
+    len_ref,    # []                 int32 rows query position t = 0 of head r sees
+    *rest,      # [flag_ref [] int32 (score_len > 0 only)], o_ref [block_r, D] f32, m_ref [block_r] f32,
+                # l_ref [block_r] f32, [logits_ref [G, score_len] f32 (score_len > 0 only)]
+    sm_scale: float,
+    block_k: int,
+    split_len: int,
+    num_rows: int,   # T * G real query rows per head
+    group: int,      # G
+    max_len: int,    # clip of every visible count (static, >= 1)
+    pool_rows: int,  # P
+    score_len: int,
+):
+  """One (head r, row tile i, key split j): online-softmax attention of the tile's rows over the split's
+  keys, s = sm_scale * q k^T (float32), masked per row at lengths + t; writes the split's unnormalised
+  o = sum_j exp(s_j - m) v_j, m = max_j s_j and l = sum_j exp(s_j - m) for the real rows, and (score_len > 0,
+  scored heads) the logits s_j, j < min(score_len, n), of the split's keys."""
+  if score_len:
+    flag_ref, o_ref, m_ref, l_ref, logits_ref = rest
+  else:
+    o_ref, m_ref, l_ref = rest
+  block_r, head_dim = q_ref.shape
+  tile = pl.program_id(1)
+  split = pl.program_id(2)
+  base = off_ref[()]
+  length = len_ref[()]
+
+  # Per-row visible count n = clip(lengths + t, 0, max_len); pad rows see nothing.
+  row = tile * block_r + jnp.arange(block_r, dtype=jnp.int32)              # [block_r]
+  real = row < num_rows
+  t_row = lax.div(row, jnp.int32(group))
+  n_row = jnp.where(real, jnp.clip(length + t_row, 0, max_len), 0)        # [block_r]
+  # The tile's largest count bounds the key loop (rows are ordered by t).
+  t_last = lax.div(jnp.minimum((tile + 1) * block_r - 1, num_rows - 1), jnp.int32(group))
+  n_tile = jnp.clip(length + t_last, 0, max_len)
+  start = split * split_len
+  end = jnp.minimum(n_tile, start + split_len)
+  n_blocks = (jnp.maximum(end - start, 0) + block_k - 1) // block_k
+
+  q = q_ref[...]
+  precision = dot_precision(q.dtype)
+  lane = jnp.arange(block_k, dtype=jnp.int32)
+  scored = (flag_ref[()] != 0) if score_len else None
+
+  def body(it, carry):
+    o, m, l = carry
+    off = start + it * block_k
+    key = off + lane                                                      # [block_k] rows of the head
+    prow = base + key                                                     # [block_k] rows of the pool
+    # Rows read: below the tile's bound, and inside the pool whatever the offsets.
+    read = (key < end) & (prow >= 0) & (prow < pool_rows)                 # [block_k]
+    k = plgpu.load(k_ref.at[pl.ds(base + off, block_k), :],
+                   mask=read[:, None], other=0.0)                         # [block_k, D]
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale     # [block_r, block_k] f32
+    vis = read[None, :] & (key[None, :] < n_row[:, None])                 # [block_r, block_k]
+    s = jnp.where(vis, s, MASK_VALUE)
+    if score_len:
+      # vis is False on pad rows: rows past G of this [G, score_len] block are the next head's logits.
+      @pl.when((off < score_len) & scored)
+      def _():
+        plgpu.store(logits_ref.at[pl.ds(tile * block_r, block_r), pl.ds(off, block_k)], s,
+                    mask=vis & (key[None, :] < score_len))
+    # A row may see none of this block (its causal bound, or a pad row): its m stays MASK_VALUE and
+    # its p is forced to 0, so it adds nothing.
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
+    l_new = alpha * l + p.sum(axis=-1)
+    v = plgpu.load(v_ref.at[pl.ds(base + off, block_k), :],
+                   mask=read[:, None], other=0.0)                         # [block_k, D]
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)            # [block_r, D] f32
+    return alpha[:, None] * o + pv, m_new, l_new
+
+  o = jnp.zeros((block_r, head_dim), jnp.float32)
+  m = jnp.full((block_r,), MASK_VALUE, jnp.float32)
+  l = jnp.zeros((block_r,), jnp.float32)
+  o, m, l = lax.fori_loop(0, n_blocks, body, (o, m, l))
+  # Pad rows are not written (the combine slices them off).
+  plgpu.store(o_ref, o, mask=real[:, None])
+  plgpu.store(m_ref, m, mask=real)
+  plgpu.store(l_ref, l, mask=real)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("max_len", "score_len", "sm_scale", "block_k", "num_splits", "num_warps",
+                     "num_stages", "interpret"))
+def pool_attention(
+    q,                 # [B, H, T, G, D]  T query positions per KV head, G query heads each (after RoPE, unscaled)
+    k_pool,            # [B, P, D]        the pool's keys (after RoPE); head h's rows start at offsets[b, h]
+    v_pool,            # [B, P, D]        the pool's values
+    offsets,           # [B, H] int32     first pool row of each head's region
+    lengths,           # [B, H] int32     rows query position 0 sees; position t sees lengths + t
+    score_heads=None,  # [H] int32        1: also write this head's logits (None: every head)
+    *,
+    max_len: int,      # static: the most rows any query position sees (>= max(lengths) + T - 1)
+    score_len: int = 0,
+    sm_scale: float | None = None,
+    block_k: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+):
+  """Attention of every KV head of a layer over one row pool, one kernel launch (module docstring):
+
+      s_j = sm_scale * <q[b, h, t, g], k_pool[b, o + j]>,  j < n = lengths[b, h] + t,  o = offsets[b, h]
+      out = softmax(s) @ v_pool[b, o:o + n],   lse = log sum_j exp(s_j)   (float32)
+
+  Args:
+    q: [B, H, T, G, D] queries, bf16/f16/f32 (T = 1: decode; T > 1: a chunk, causal over its own rows).
+    k_pool, v_pool: [B, P, D] the pool, same dtype as q; only rows [o, o + n) of each head are read.
+    offsets, lengths: [B, H] int32. n = clip(lengths + t, 0, max_len); n = 0 gives out = 0 and
+      lse = MASK_VALUE. Rows outside [0, P) are never read (they count as zero keys: bad offsets).
+    score_heads: [H] int32 flags of the heads whose logits are written (score_len > 0); None: all.
+    max_len: static bound of n (sets the key splits); score_len: logits per scored head (T = 1 only).
+    sm_scale: logit scale, default 1 / sqrt(D).
+    block_k: pool rows per inner block (power of two >= 16).
+    num_splits: key splits per (head, row tile); default :func:`default_pool_num_splits`.
+    num_warps, num_stages: Triton compiler parameters.
+    interpret: run in the Pallas interpreter (CPU tests).
+
+  Returns:
+    out [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, and logits [B, H, G, score_len] float32 (s_j
+    of scored heads for j < min(score_len, n); other entries unspecified) or None when score_len = 0.
+  """
+  B, H, T, G, D = q.shape
+  P = k_pool.shape[1]
+  if k_pool.shape != (B, P, D) or v_pool.shape != (B, P, D):
+    raise ValueError(f"shape mismatch: q {q.shape} k_pool {k_pool.shape} v_pool {v_pool.shape}")
+  if offsets.shape != (B, H) or lengths.shape != (B, H):
+    raise ValueError(f"offsets and lengths must be [B, H] = {(B, H)}, got {offsets.shape} and {lengths.shape}")
+  if score_heads is not None and score_heads.shape != (H,):
+    raise ValueError(f"score_heads must be [H] = {(H,)}, got {score_heads.shape}")
+  if score_len and T != 1:
+    raise ValueError(f"logits are returned for one query position only, got T={T}")
+  if not is_pow2(D) or D < 16:
+    raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
+  if not is_pow2(block_k) or block_k < 16:
+    raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(D)
+  S = max(1, int(max_len))
+  score_len = int(score_len)
+
+  # Query rows of a head: row = t * G + g, cut into tiles of block_r rows (>= 16 for the dot).
+  R = T * G
+  block_r = max(MIN_DOT_ROWS, min(MAX_TILE_ROWS, next_pow2(R)))
+  row_tiles = cdiv(R, block_r)
+  Rp = row_tiles * block_r
+  if num_splits is None:
+    num_splits = default_pool_num_splits(S, block_k, row_tiles)
+  split_len = cdiv(cdiv(S, num_splits), block_k) * block_k
+  num_splits = cdiv(S, split_len)          # drop splits that would be empty
+  BH = B * H
+
+  q_p = jnp.pad(q.reshape(BH, R, D), ((0, 0), (0, Rp - R), (0, 0)))       # [BH, Rp, D]
+  off_r = offsets.astype(jnp.int32).reshape(BH)
+  len_r = lengths.astype(jnp.int32).reshape(BH)
+
+  scalar = pl.BlockSpec((None,), lambda r, i, j: (r,))
+  in_specs = [
+      pl.BlockSpec((None, block_r, D), lambda r, i, j: (r, i, 0)),
+      pl.BlockSpec((None, P, D), lambda r, i, j: (r // H, 0, 0)),
+      pl.BlockSpec((None, P, D), lambda r, i, j: (r // H, 0, 0)),
+      scalar,
+      scalar,
+  ]
+  args = [q_p, k_pool, v_pool, off_r, len_r]
+  out_specs = [
+      pl.BlockSpec((None, None, block_r, D), lambda r, i, j: (r, j, i, 0)),
+      pl.BlockSpec((None, None, block_r), lambda r, i, j: (r, j, i)),
+      pl.BlockSpec((None, None, block_r), lambda r, i, j: (r, j, i)),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((BH, num_splits, Rp, D), jnp.float32),
+      jax.ShapeDtypeStruct((BH, num_splits, Rp), jnp.float32),
+      jax.ShapeDtypeStruct((BH, num_splits, Rp), jnp.float32),
+  ]
+  if score_len:
+    flags = (jnp.ones((H,), jnp.int32) if score_heads is None else score_heads.astype(jnp.int32))
+    in_specs.append(scalar)
+    args.append(jnp.broadcast_to(flags[None, :], (B, H)).reshape(BH))
+    # Every program of head r writes its own keys' columns of the one [G, score_len] block.
+    out_specs.append(pl.BlockSpec((None, G, score_len), lambda r, i, j: (r, 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((BH, G, score_len), jnp.float32))
+
+  kernel = functools.partial(
+      _pool_kernel, sm_scale=float(sm_scale), block_k=block_k, split_len=split_len, num_rows=R,
+      group=G, max_len=S, pool_rows=P, score_len=score_len)
+  res = pl.pallas_call(
+      kernel,
+      grid=(BH, row_tiles, num_splits),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="pool_attention",
+  )(*args)
+  o, m, l = (x[:, :, :R] for x in res[:3])                 # pad rows were never written
+
+  # Log-sum-exp combine of the splits (XLA). Empty splits have m = MASK_VALUE and l = 0: their weight
+  # exp(MASK_VALUE - m_max) is exactly 0 (or 1 with l = 0 and o = 0 when the whole row is empty).
+  m_max = m.max(axis=1)                                    # [BH, R]
+  m_max = lax.optimization_barrier(m_max)                  # as sparse_decode_attention (b/389925439)
+  w = jnp.exp(m - m_max[:, None, :])                       # [BH, ns, R]
+  l_tot = (w * l).sum(axis=1)                              # [BH, R]
+  o_tot = (w[..., None] * o).sum(axis=1)                   # [BH, R, D]
+  nonempty = l_tot > 0
+  l_safe = jnp.where(nonempty, l_tot, 1.0)
+  out = (o_tot / l_safe[..., None]).reshape(B, H, T, G, D).astype(q.dtype)
+  lse = jnp.where(nonempty, m_max + jnp.log(l_safe), MASK_VALUE).reshape(B, H, T, G)
+  logits = res[3].reshape(B, H, G, score_len) if score_len else None
+  return out, lse, logits

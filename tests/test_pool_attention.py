@@ -1,0 +1,226 @@
+"""Tests of pallas_kernels.pool_attention: the Pallas kernel in interpret mode vs the plain-jnp
+reference (every head of a layer over one row pool, each at its own offset and length), and its CUDA
+(Triton) lowering without a GPU.
+
+Pools are built so the kernel can only pass by reading exactly each head's visible rows: regions are
+placed in a shuffled order at non-contiguous offsets, and every row outside a head's visible range
+(gaps, the end of the pool, the rows past lengths + T - 1) holds NaN. Shapes are small: the Pallas
+interpreter compiles each distinct shape (~1 s).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels._util import MASK_VALUE
+from pallas_kernels.pool_attention import (default_pool_num_splits, pool_attention,
+                                           pool_attention_reference)
+
+TRITON_CALL = "__gpu$xla.gpu.triton"   # custom-call target, jax/jaxlib 0.10.2
+
+# Kernel vs reference (float32 math on the same inputs; the bf16 kernel feeds p to the p@v dot in bf16).
+TOL = {
+    jnp.float32: dict(out=2e-5, lse=2e-5, logits=2e-5),
+    jnp.bfloat16: dict(out=3e-2, lse=1e-3, logits=1e-3),
+}
+
+
+def make_pool(rng, lengths, T, D, dtype, *, gap_max=9, q_scale=2.0):
+  """A row pool [B, P, D] holding each head's visible rows, NaN elsewhere.
+
+  Head (b, h) owns rows [offsets, offsets + lengths + T - 1) (what its last query position sees); the
+  regions of a sequence are laid out in a random order with random NaN gaps between them and NaN after
+  the last one. Returns (k_nan, v_nan, k_clean, v_clean, offsets): the clean pools equal the NaN ones on
+  visible rows and are 0 elsewhere (the reference gathers up to max_len rows, which may include gaps).
+  """
+  lengths = np.asarray(lengths, np.int32)
+  B, H = lengths.shape
+  need = np.maximum(lengths + T - 1, 0)
+  offsets = np.zeros((B, H), np.int32)
+  visible = []
+  P = int(max(need.sum(axis=1) + gap_max * (H + 1)))
+  for b in range(B):
+    pos = int(rng.integers(0, gap_max + 1))
+    vis = np.zeros(P, bool)
+    for h in rng.permutation(H):            # unsorted offsets
+      offsets[b, h] = pos
+      vis[pos:pos + need[b, h]] = True
+      pos += int(need[b, h]) + int(rng.integers(1, gap_max + 1))
+    visible.append(vis)
+  visible = np.stack(visible)[..., None]                            # [B, P, 1]
+  k = (rng.standard_normal((B, P, D))).astype(np.float32)
+  v = (rng.standard_normal((B, P, D))).astype(np.float32)
+  k_clean, v_clean = np.where(visible, k, 0.0), np.where(visible, v, 0.0)
+  k_nan, v_nan = np.where(visible, k, np.nan), np.where(visible, v, np.nan)
+  cast = lambda x: jnp.asarray(x, jnp.float32).astype(dtype)       # noqa: E731
+  return cast(k_nan), cast(v_nan), cast(k_clean), cast(v_clean), jnp.asarray(offsets)
+
+
+def check_against_reference(rng, lengths, T, G, D, dtype, *, block_k, num_splits=None, score_len=0,
+                            score_heads=None, max_len=None):
+  lengths = np.asarray(lengths, np.int32)
+  B, H = lengths.shape
+  k_nan, v_nan, k, v, offsets = make_pool(rng, lengths, T, D, dtype)
+  q = jnp.asarray(2.0 * rng.standard_normal((B, H, T, G, D)), jnp.float32).astype(dtype)
+  if max_len is None:
+    max_len = int(max(1, lengths.max() + T - 1))
+  lens = jnp.asarray(lengths)
+  flags = None if score_heads is None else jnp.asarray(score_heads, jnp.int32)
+  out, lse, logits = pool_attention(q, k_nan, v_nan, offsets, lens, flags, max_len=max_len,
+                                    score_len=score_len, block_k=block_k, num_splits=num_splits,
+                                    interpret=True)
+  r_out, r_lse, r_logits = pool_attention_reference(q, k, v, offsets, lens, flags, max_len=max_len,
+                                                    score_len=score_len)
+  assert out.shape == (B, H, T, G, D) and out.dtype == dtype
+  assert lse.shape == (B, H, T, G) and lse.dtype == jnp.float32
+  out, lse = np.asarray(out, np.float32), np.asarray(lse)
+  assert np.isfinite(out).all() and np.isfinite(lse).all()
+  tol = TOL[dtype]
+  np.testing.assert_allclose(out, np.asarray(r_out, np.float32), atol=tol["out"], rtol=tol["out"])
+  np.testing.assert_allclose(lse, np.asarray(r_lse), atol=tol["lse"], rtol=tol["lse"])
+  # Empty query positions (n <= 0): out exactly 0, lse exactly MASK_VALUE.
+  n = np.clip(lengths[:, :, None] + np.arange(T), 0, max_len)                 # [B, H, T]
+  empty = np.broadcast_to((n == 0)[..., None], lse.shape)
+  assert (lse[empty] == np.float32(MASK_VALUE)).all() and (out[empty] == 0).all()
+  if not score_len:
+    assert logits is None and r_logits is None
+    return
+  assert logits.shape == (B, H, G, score_len) and logits.dtype == jnp.float32
+  scored = np.ones(H, bool) if score_heads is None else np.asarray(score_heads) != 0
+  seen = np.arange(score_len)[None, None, :] < np.minimum(lengths, max_len)[..., None]    # [B, H, L]
+  want = np.broadcast_to((seen & scored[None, :, None])[:, :, None, :], logits.shape)
+  got, ref = np.asarray(logits)[want], np.asarray(r_logits)[want]
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got, ref, atol=tol["logits"], rtol=tol["logits"])
+
+
+# ---------------------------------------------------------------------------
+# Interpret mode vs the reference
+
+# Every G in {1, 4, 7}, D in {64, 128}, T in {1, 5} (and a chunk over several row tiles), both dtypes,
+# lengths 0, 1, block_k - 1, block_k + 1 and a long head, B = 3 with different lengths per sequence,
+# score_len shorter and longer than a head's rows, flags mixing 0 and 1.
+BK = 16
+LONG = 150
+CASES = [
+    # id, lengths [B, H], T, G, D, dtype, num_splits, score_len, score_heads
+    ("decode-g4-logits-flags", [[0, 1, BK - 1], [BK + 1, LONG, 5], [LONG - 3, 2, BK]], 1, 4, 64,
+     jnp.float32, 3, 20, [1, 0, 1]),
+    ("decode-g7-bf16-logits-all", [[BK + 1, 0], [LONG, 1], [3, BK - 1]], 1, 7, 128, jnp.bfloat16, 4, 64,
+     None),
+    ("decode-g1-default-splits", [[LONG, 0, BK - 1]], 1, 1, 64, jnp.float32, None, 0, None),
+    ("chunk-g4", [[0, 1, BK - 1], [BK + 1, LONG, 2], [7, 0, BK]], 5, 4, 64, jnp.float32, 2, 0, None),
+    ("chunk-g7-bf16", [[LONG, BK + 1], [0, BK - 1]], 5, 7, 128, jnp.bfloat16, 3, 0, None),
+    ("chunk-tiles-g1", [[1, LONG - 90], [0, BK + 1]], 40, 1, 64, jnp.float32, 2, 0, None),  # 40 rows, 1 tile
+    ("chunk-3tiles-g4", [[0, BK + 1]], 40, 4, 64, jnp.float32, 2, 0, None),                 # 160 rows, 3 tiles
+]
+
+
+@pytest.mark.parametrize("name,lengths,T,G,D,dtype,num_splits,score_len,score_heads", CASES,
+                         ids=[c[0] for c in CASES])
+def test_interpret_matches_reference(name, lengths, T, G, D, dtype, num_splits, score_len, score_heads):
+  rng = np.random.default_rng(zlib.crc32(name.encode()))
+  check_against_reference(rng, lengths, T, G, D, dtype, block_k=BK, num_splits=num_splits,
+                          score_len=score_len, score_heads=score_heads)
+
+
+def test_max_len_clips_and_larger_max_len_is_the_same():
+  """n = clip(lengths + t, 0, max_len): a max_len above the longest head changes nothing (other splits),
+  one below it truncates exactly as the reference does."""
+  rng = np.random.default_rng(3)
+  lengths = [[BK + 1, 40], [0, 33]]
+  check_against_reference(rng, lengths, 1, 3, 64, jnp.float32, block_k=BK, num_splits=2, max_len=100,
+                          score_len=50, score_heads=[1, 1])
+  check_against_reference(rng, lengths, 1, 3, 64, jnp.float32, block_k=BK, num_splits=2, max_len=36,
+                          score_len=50, score_heads=[1, 1])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_property_matches_reference(data):
+  """Random lengths, layouts, flags and values at a few small shapes (few compiles: fixed max_len)."""
+  T = data.draw(st.sampled_from([1, 3]), label="T")
+  G = data.draw(st.sampled_from([1, 3]), label="G")
+  B, H, D, max_len = 2, 3, 16, 48
+  lengths = data.draw(st.lists(st.integers(0, max_len - T + 1), min_size=B * H, max_size=B * H),
+                      label="lengths")
+  lengths = np.asarray(lengths, np.int32).reshape(B, H)
+  flags = data.draw(st.lists(st.integers(0, 1), min_size=H, max_size=H), label="flags")
+  seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+  check_against_reference(np.random.default_rng(seed), lengths, T, G, D, jnp.float32, block_k=BK,
+                          num_splits=2, max_len=max_len, score_len=24 if T == 1 else 0,
+                          score_heads=flags if T == 1 else None)
+
+
+def test_default_num_splits():
+  assert default_pool_num_splits(1) == 1
+  assert default_pool_num_splits(512) == 1
+  assert default_pool_num_splits(32 * 1024) == 64          # 512 rows per split
+  assert default_pool_num_splits(128 * 1024) == 64         # capped: 2048 rows per split
+  assert default_pool_num_splits(128 * 1024, row_tiles=8) == 8
+  assert default_pool_num_splits(100, block_k=16) == 1
+
+
+def test_argument_errors():
+  q = jnp.zeros((1, 2, 3, 1, 16), jnp.float32)
+  pool = jnp.zeros((1, 32, 16), jnp.float32)
+  idx = jnp.zeros((1, 2), jnp.int32)
+  with pytest.raises(ValueError, match="one query position"):
+    pool_attention(q, pool, pool, idx, idx, max_len=8, score_len=4, interpret=True)
+  with pytest.raises(ValueError, match="offsets and lengths"):
+    pool_attention(q, pool, pool, idx[:, :1], idx, max_len=8, interpret=True)
+  with pytest.raises(ValueError, match="block_k"):
+    pool_attention(q, pool, pool, idx, idx, max_len=8, block_k=24, interpret=True)
+  with pytest.raises(ValueError, match="head_dim"):
+    pool_attention(q[..., :12], pool[..., :12], pool[..., :12], idx, idx, max_len=8, interpret=True)
+
+
+# ---------------------------------------------------------------------------
+# CUDA lowering without a GPU
+
+
+@pytest.fixture
+def verified_triton_modules(monkeypatch):
+  """Run the MLIR verifier on every Triton module the lowering builds (as tests/test_kernels.py)."""
+  from jax._src.pallas.triton import pallas_call_registration as reg
+  orig = reg.lowering.lower_jaxpr_to_triton_module
+  results = []
+
+  def wrapped(*args, **kwargs):
+    res = orig(*args, **kwargs)
+    results.append(res.module.operation.verify())
+    return res
+
+  monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", wrapped)
+  return results
+
+
+def _lower_cuda(f, *args):
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# name, B, H, G, D, per-head capacity, max_len, T, score_len
+LOWER_CASES = [
+    ("smollm2-135m-decode-logits", 1, 3, 3, 64, 8192, 8192, 1, 8000),
+    ("llama-3.1-8b-decode-logits", 1, 8, 4, 128, 131072, 131072, 1, 32768),
+    ("llama-3.1-8b-chunk", 2, 8, 4, 128, 32768, 32768, 64, 0),
+]
+
+
+@pytest.mark.parametrize("name,B,H,G,D,cap,max_len,T,score_len", LOWER_CASES, ids=[c[0] for c in LOWER_CASES])
+def test_lowers_to_triton_for_cuda(verified_triton_modules, name, B, H, G, D, cap, max_len, T, score_len):
+  sds = jax.ShapeDtypeStruct
+  P = H * cap // 3 + 1000                     # a pool of a compressed layer (odd size)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    args = (sds((B, H, T, G, D), dtype), sds((B, P, D), dtype), sds((B, P, D), dtype),
+            sds((B, H), jnp.int32), sds((B, H), jnp.int32), sds((H,), jnp.int32))
+    txt = _lower_cuda(lambda *a: pool_attention(*a, max_len=max_len, score_len=score_len), *args)
+    assert txt.count(TRITON_CALL) == 1, name      # one launch for all the heads of the layer
+  assert verified_triton_modules and all(verified_triton_modules)
