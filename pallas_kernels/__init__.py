@@ -40,6 +40,7 @@ from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce
                                           pooled_scores_reference,
                                           topk_membership, topk_sets, topk_threshold)
 from pallas_kernels.pool_attention import pivot_pooled_scores, pool_attention_reference
+from pallas_kernels.pool_attention import pool_attention as pool_attention_pallas
 from pallas_kernels.sparse_decode_attention import (
     default_num_splits, merge_attention, sparse_decode_attention,
     sparse_decode_attention_reference)
@@ -53,7 +54,7 @@ __all__ = [
     "pooled_scores", "pooled_scores_reference", "overlap_bitmap",
     "topk_threshold", "topk_membership", "topk_sets", "normalised_overlap",
     "drift_check", "drift_check_reference", "base_overlap", "attention_and_pooled_scores", "scores",
-    "pool_attention", "pool_attention_reference", "pivot_pooled_scores",
+    "pool_attention", "pool_attention_pallas", "pool_attention_reference", "pivot_pooled_scores",
 ]
 
 
@@ -66,9 +67,12 @@ def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, *, max
   None. Returns (out [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, logits [B, H, G, score_len]
   float32 or None).
   """
-  resolve_backend(backend)  # validates the switch
-  return pool_attention_reference(q, k_pool, v_pool, offsets, lengths, score_heads, max_len=max_len,
-                                  score_len=score_len, sm_scale=sm_scale)
+  mode = resolve_backend(backend)
+  if mode == "reference":
+    return pool_attention_reference(q, k_pool, v_pool, offsets, lengths, score_heads, max_len=max_len,
+                                    score_len=score_len, sm_scale=sm_scale)
+  return pool_attention_pallas(q, k_pool, v_pool, offsets, lengths, score_heads, max_len=max_len,
+                               score_len=score_len, sm_scale=sm_scale, interpret=(mode == "interpret"))
 
 
 def decode_attention(q, k, v, lengths, *, sm_scale: float | None = None, backend: str | None = None,

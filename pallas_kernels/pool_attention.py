@@ -87,10 +87,12 @@ def pool_attention_reference(
   S = max(1, int(max_len))
   slot = jnp.arange(S, dtype=jnp.int32)
   rows = jnp.clip(offsets.astype(jnp.int32)[..., None] + slot, 0, P - 1)          # [B, H, S]
-  k = jnp.take_along_axis(k_pool[:, None], rows[..., None], axis=2)                # [B, H, S, D]
-  v = jnp.take_along_axis(v_pool[:, None], rows[..., None], axis=2)
   seen = lengths.astype(jnp.int32)[:, :, None] + jnp.arange(T, dtype=jnp.int32)    # [B, H, T]
   visible = slot[None, None, None, :] < seen[..., None]                            # [B, H, T, S]
+  # rows no query of the head sees are zeroed: they belong to other heads or are free (any value, NaN too)
+  mine = visible.any(axis=2)[..., None]                                            # [B, H, S, 1]
+  k = jnp.where(mine, jnp.take_along_axis(k_pool[:, None], rows[..., None], axis=2), 0)  # [B, H, S, D]
+  v = jnp.where(mine, jnp.take_along_axis(v_pool[:, None], rows[..., None], axis=2), 0)
   s = jnp.einsum("bhtgd,bhsd->bhtgs", q.astype(jnp.float32), k.astype(jnp.float32),
                  precision=lax.Precision.HIGHEST) * sm_scale
   s = jnp.where(visible[:, :, :, None, :], s, MASK_VALUE)

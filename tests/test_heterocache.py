@@ -10,9 +10,10 @@ import pallas_kernels
 import hetero_jax
 from hetero_jax.runtime import Engine, Session
 from hetero_jax.policies import BudgetError, FullKV, HeteroCache
-from hetero_jax.policies.heterocache.policy import GROUP_PADDING, budget_runs
+from hetero_jax.model.cache import layer_rows
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import HeadProfile, ProfileError
+from pool_utils import dense_attention, step_from_dense
 from tiny_model import tiny_model, random_prompt
 
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE
@@ -97,7 +98,7 @@ def test_prefill_layout_budgets_reservoir_and_bytes():
     assert layout.perms == ((1, 0, 2), (1, 0, 2), (2, 0, 1))
     for li, lc in enumerate(eng.cache.layers):
         perm = layout.perms[li]
-        lengths = np.concatenate([np.asarray(g.lengths[0]) for g in lc.groups])
+        lengths = np.asarray(lc.lengths[0])
         assert lengths.tolist() == grid[li, list(perm)].tolist()  # each head's own budget, in layout order
         assert lengths.min() >= 1
     # every compressed head's full prompt KV in pinned host memory, equal to the prompt's own KV
@@ -110,18 +111,18 @@ def test_prefill_layout_budgets_reservoir_and_bytes():
     full = Engine(MODEL, [random_prompt(L, 1)], FullKV(), tail_capacity=8)
     for li in range(CFG.num_layers):
         perm, nf = layout.perms[li], eng.state.prefilled.roles[li].n_full
-        want = np.asarray(full.cache.layers[li].groups[0].k[0])[list(perm[nf:])]
+        want = np.asarray(layer_rows(full.cache, li)[0][0])[list(perm[nf:])]
         np.testing.assert_allclose(np.asarray(eng.state.prefilled.store.k[li][0]), want, atol=1e-5, rtol=1e-5)
     full_bytes = L * CFG.num_kv_heads * CFG.num_layers * 2 * CFG.head_dim * 4
     from hetero_jax.model.cache import prompt_kv_bytes
     assert prompt_kv_bytes(eng.cache) <= rho * full_bytes * 1.05
-    # each group is as long as its longest head; the padding of close-budget heads sharing a group is bounded
-    kept_by_layer = PROFILE.budgets(rho, L).sum(axis=1)
-    for li, lc in enumerate(eng.cache.layers):
-        for g in lc.groups:
-            assert g.capacity == int(np.asarray(g.lengths).max())
-        padding = sum(g.capacity * g.num_heads - int(np.asarray(g.lengths).sum()) for g in lc.groups)
-        assert padding <= GROUP_PADDING * kept_by_layer[li] * 1.01 + len(lc.groups)   # budgets round per head
+    # the pool holds exactly each head's budget plus the tail rows of every head, nothing padded per head:
+    # regions follow each other (layer after layer, head after head), each its count + tail capacity long
+    R = eng.cache.tail_capacity
+    offsets = np.concatenate([np.asarray(lc.offsets[0]) for lc in eng.cache.layers])
+    sizes = np.concatenate([np.asarray(lc.lengths[0]) for lc in eng.cache.layers]) + R
+    np.testing.assert_array_equal(offsets, np.cumsum(sizes) - sizes)
+    assert eng.cache.pool.num_rows == -(-int(sizes.sum()) // 128) * 128
 
 
 def test_budget_too_small_and_missing_profile():
@@ -134,11 +135,11 @@ def test_budget_too_small_and_missing_profile():
         HeteroCache(profile=other).bind(MODEL)
 
 
-def _pivot_step(q, lc, tail_lens, slots):
+def _pivot_step(q, step, slots):
     """``attend_step`` of a layer with pivots at ``slots`` and no copy head: (out, o'_t, pooled scores)."""
     from hetero_jax.policies.heterocache.decode import attend_step
 
-    out, (_, overlap, scores), pointer = attend_step(q, lc, tail_lens, slots)
+    out, (_, overlap, scores), pointer = attend_step(q, step, slots)
     assert pointer is None
     return out, overlap, scores
 
@@ -185,27 +186,25 @@ def test_drift_thresholds_and_recall_contents(tau):
     for li, pivot, sats in ((0, 1, (0, 2)), (2, 2, (0,))):
         perm = list(layout.perms[li])
         p_pos = perm.index(pivot)  # pivot's position in the layout (inside the full group)
-        keys = np.asarray(eng.cache.layers[li].groups[0].k[0, p_pos, :L])  # full heads never change
+        k_rows, v_rows, pos_rows, lengths = (np.asarray(a) for a in layer_rows(eng.cache, li))
+        keys = k_rows[0, p_pos, :L]  # full heads never change
         q_last = seen_q[check_step[li]][li][0, p_pos]  # the latest step buffered by its check: [G, D]
         scores = _np_pooled_max(q_last[None], keys)[0]
         order = np.argsort(-scores, kind="stable")
-        groups = eng.cache.layers[li].groups
         res_k = np.asarray(eng.state.prefilled.store.k[li])[0]
         res_v = np.asarray(eng.state.prefilled.store.v[li])[0]
         for s in sats:
             s_pos = perm.index(s) - eng.state.prefilled.roles[li].n_full  # among the compressed heads
-            roles = eng.state.prefilled.roles[li]
-            gi, hi = roles.loc[roles.comp_slots[s_pos]]  # the satellite's group and head in it
-            comp = groups[gi]
+            h = perm.index(s)  # its layout slot
             l_s = int(grid[li, s])
-            assert comp.capacity >= l_s and int(comp.lengths[0, hi]) == l_s  # its budget, past it padding
+            assert int(lengths[0, h]) == l_s  # its budget
             want = np.sort(order[:l_s])
-            got = np.asarray(comp.positions[0, hi, :l_s])
+            got = pos_rows[0, h, :l_s]
             if not np.array_equal(got, want):  # only float near-ties may differ
                 thr = np.sort(scores)[::-1][l_s - 1]
                 assert all(abs(scores[t] - thr) < 1e-6 for t in set(got) ^ set(want))
-            np.testing.assert_array_equal(np.asarray(comp.k[0, hi, :l_s]), res_k[s_pos, got])
-            np.testing.assert_array_equal(np.asarray(comp.v[0, hi, :l_s]), res_v[s_pos, got])
+            np.testing.assert_array_equal(k_rows[0, h, :l_s], res_k[s_pos, got])
+            np.testing.assert_array_equal(v_rows[0, h, :l_s], res_v[s_pos, got])
 
 
 @pytest.mark.parametrize("policy", [FullKV(), HeteroCache(profile=PROFILE, budget=0.6)])
@@ -252,17 +251,16 @@ def test_compressed_heads_keep_their_top_tokens_and_pivots_their_last_token_k_ba
         last = np_pool(np_probs(np_queries(layer, x_in[[L - 1]], [L - 1], CFG), keys, [L - 1], L)).max(2)[:, 0]
         rows = t[L - select_window:]
         window = np_pool(np_probs(np_queries(layer, x_in[rows], rows, CFG), keys, rows, L).sum(1)).max(1)
-        for j in range(CFG.num_kv_heads - r.n_full):  # compressed head j: head hi of its group gi
+        k_rows, _, pos_rows, lengths = (np.asarray(a) for a in layer_rows(eng.cache, li))
+        for j in range(CFG.num_kv_heads - r.n_full):  # compressed head j: layout slot h
             h = r.n_full + j
             l_i = int(grid[li, perm[h]])
-            gi, hi = r.loc[r.comp_slots[j]]
-            g = lc.groups[gi]
-            assert int(g.lengths[0, hi]) == l_i
-            kept = np.asarray(g.positions[0, hi, :l_i])
+            assert int(lengths[0, h]) == l_i
+            kept = pos_rows[0, h, :l_i]
             assert_top_set(kept, window[h] if select_window > 1 else last[h], np.zeros(L, bool), l_i)
-            np.testing.assert_array_equal(np.asarray(g.k[0, hi, :l_i]), k_buf[h, kept])
+            np.testing.assert_array_equal(k_rows[0, h, :l_i], k_buf[h, kept])
         for p in r.pivots:
-            k_base = np.sort(np.asarray(lc.aux["k_base"][0, p]))
+            k_base = np.sort(np.asarray(lc.state.k_base[0, p]))
             assert_top_set(k_base, last[p], np.zeros(L, bool), l_base)
 
 
@@ -294,8 +292,8 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
     tau; the recall sets and new K_base are the top-size / top-l_base positions of the latest query's
     pooled scores (numpy reference, ascending) when some pivot drifted; -1 and the old K_base when none
     did, no sets when the recall reads none (n_top 0)."""
-    from hetero_jax.model.cache import LayerCache, full_group
     from hetero_jax.policies.heterocache import drift_layer
+    from hetero_jax.policies.heterocache.decode import PivotBase
 
     rng = np.random.default_rng(5)
     B, Np, W, G, D, T, l_base = 2, 2, 3, 2, 8, 40, 6
@@ -303,14 +301,12 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
     keys = rng.standard_normal((B, Np, T, D)).astype(np.float32)
     k_base = np.stack([rng.permutation(T)[:l_base] for _ in range(B * Np)]).reshape(B, Np, l_base).astype(np.int32)
     lengths = np.array([[T, T], [T - 9, T - 9]], np.int32)
-    # the pivots as a layer's full group (one device), values and a one-token tail beside them
+    # the pivots as a layer's full heads in the pool, values and a one-token tail beside them
     vals = rng.standard_normal((B, Np, T, D)).astype(np.float32)
-    lc = LayerCache(groups=(full_group(jnp.asarray(keys), jnp.asarray(vals), jnp.asarray(lengths[:, 0])),),
-                    tail_k=jnp.asarray(rng.standard_normal((B, Np, 4, D)), jnp.float32),
-                    tail_v=jnp.asarray(rng.standard_normal((B, Np, 4, D)), jnp.float32),
-                    aux={"k_base": jnp.asarray(k_base)})
-    steps = [_pivot_step(jnp.asarray(q_buf[:, :, w]), lc, jnp.ones((B,), jnp.int32), (0, 1))
-             for w in range(W)]
+    tail_k, tail_v = (rng.standard_normal((B, Np, 4, D)).astype(np.float32) for _ in range(2))
+    step = step_from_dense(keys, vals, lengths, tail_k, tail_v, np.ones(B, np.int32),
+                           state=PivotBase(k_base=jnp.asarray(k_base)))
+    steps = [_pivot_step(jnp.asarray(q_buf[:, :, w]), step, (0, 1)) for w in range(W)]
     overlaps = jnp.stack([o for _, o, _ in steps], axis=-1)
     # per pivot two sets (a satellite's l_s and l_s - w, as with a copy window), differing per sequence
     sizes = np.array([[[n_top, n_top - 2]] * Np, [[n_top - 1, 4]] * Np], np.int32)[..., : 2 if n_top else 0]
@@ -319,8 +315,8 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
     # the attention beside the scores is the plain one (the prompt and the tail merged)
     want, _ = pallas_kernels.merge_attention(
         *pallas_kernels.sparse_decode_attention_reference(q_buf[:, :, -1], keys, vals, lengths),
-        *pallas_kernels.sparse_decode_attention_reference(q_buf[:, :, -1], np.asarray(lc.tail_k),
-                                                          np.asarray(lc.tail_v), np.ones((B, Np), np.int32)))
+        *pallas_kernels.sparse_decode_attention_reference(q_buf[:, :, -1], tail_k, tail_v,
+                                                          np.ones((B, Np), np.int32)))
     np.testing.assert_allclose(np.asarray(steps[-1][0]), np.asarray(want), rtol=1e-5, atol=1e-6)
     _, ref_overlap, _ = pallas_kernels.drift_check_reference(q_buf, keys, k_base, l_base, tau, lengths)
     np.testing.assert_allclose(np.median(np.asarray(overlaps), axis=-1), np.asarray(ref_overlap), atol=1e-6)
@@ -344,44 +340,42 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
                 np.testing.assert_array_equal(top[b, p, j], np.r_[want, np.full(max(1, n_top) - len(want), -1)])
 
 
+def _np_f32(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
-def test_attend_step_pivots_beside_volatiles_and_groups(backend):
-    """A pivot layer whose full group holds a volatile head after its 2 pivots, then a compressed group of
-    ragged heads (one device): the step's attention equals plain per-group attention merged with the tail
-    (``layer_decode_attention``, every head), and the scores are the pivots' own pooled scores (numpy,
-    masked beyond each pivot's length) with their chance-normalised overlaps against K_base by the
-    definition (``drift_check_reference`` over one query). Both paths: the reference kernels attend the
-    whole full group beside the pivots' scores; the Pallas ones (interpreted) take the volatile apart."""
-    from hetero_jax.model import transformer as M
-    from hetero_jax.model.cache import HeadGroup, LayerCache
+def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend):
+    """A pivot layer of 2 pivots, a volatile head and two compressed heads of ragged lengths, all in one pool
+    with every other row NaN: the step's attention (one call over every head) equals plain attention of
+    each head over its own rows and the tail (numpy), and the scores are the pivots' own pooled scores
+    (numpy, masked beyond each pivot's length) with their chance-normalised overlaps against K_base by the
+    definition (``drift_check_reference`` over one query), from the same pass."""
+    from hetero_jax.policies.heterocache.decode import PivotBase
 
     rng = np.random.default_rng(11)
-    B, G, D, T, S, R, l_base = 2, 3, 16, 48, 20, 6, 7
-    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    full_len = np.array([[T, T, T], [T - 5, T - 5, T - 5]], np.int32)
-    comp_len = np.array([[S, 13], [9, S]], np.int32)
-    full = HeadGroup(k=f32(B, 3, T, D), v=f32(B, 3, T, D), positions=jnp.zeros((B, 3, T), jnp.int32),
-                     lengths=jnp.asarray(full_len))
-    comp = HeadGroup(k=f32(B, 2, S, D), v=f32(B, 2, S, D), positions=jnp.zeros((B, 2, S), jnp.int32),
-                     lengths=jnp.asarray(comp_len))
+    B, G, D, T, R, l_base = 2, 3, 16, 48, 6, 7
+    lengths = np.array([[T, T, T, 20, 13], [T - 5, T - 5, T - 5, 9, 20]], np.int32)
+    k, v = _np_f32(rng, B, 5, T, D), _np_f32(rng, B, 5, T, D)
+    tail_k, tail_v = _np_f32(rng, B, 5, R, D), _np_f32(rng, B, 5, R, D)
+    tail_lens = np.array([2, 4], np.int32)
     k_base = np.stack([rng.permutation(T - 5)[:l_base] for _ in range(B * 2)]).reshape(B, 2, l_base)
-    lc = LayerCache(groups=(full, comp), tail_k=f32(B, 5, R, D), tail_v=f32(B, 5, R, D),
-                    aux={"k_base": jnp.asarray(k_base, jnp.int32)})
-    q, tail_lens = f32(B, 5, G, D), jnp.asarray([2, 4], jnp.int32)
+    step = step_from_dense(k, v, lengths, tail_k, tail_v, tail_lens,
+                           state=PivotBase(k_base=jnp.asarray(k_base, jnp.int32)))
+    q = jnp.asarray(_np_f32(rng, B, 5, G, D))
     with pallas_kernels.use_kernels(backend):
-        out, overlap, scores = _pivot_step(q, lc, tail_lens, (0, 1))
-    with pallas_kernels.use_kernels("reference"):
-        want = M.layer_decode_attention(q, lc, tail_lens)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
+        out, overlap, scores = _pivot_step(q, step, (0, 1))
+    want = dense_attention(q, k, v, lengths, tail_k, tail_v, tail_lens)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
     assert scores.shape == (B, 2, T)
     for b in range(B):
         for p in range(2):
-            n = full_len[b, p]
-            want = _np_pooled_max(np.asarray(q[b, p])[None], np.asarray(full.k[b, p, :n]))[0]
+            n = lengths[b, p]
+            want = _np_pooled_max(np.asarray(q[b, p])[None], k[b, p, :n])[0]
             np.testing.assert_allclose(np.asarray(scores[b, p, :n]), want, rtol=1e-5, atol=1e-7)
             assert (np.asarray(scores[b, p, n:]) == pallas_kernels.MASK_VALUE).all()
-    _, ref, _ = pallas_kernels.drift_check_reference(q[:, :2, None], full.k[:, :2], k_base, l_base, 0.0,
-                                                     jnp.asarray(full_len[:, :2]))
+    _, ref, _ = pallas_kernels.drift_check_reference(q[:, :2, None], k[:, :2], k_base, l_base, 0.0,
+                                                     jnp.asarray(lengths[:, :2]))
     np.testing.assert_allclose(np.asarray(overlap), np.asarray(ref), atol=1e-6)
 
 
@@ -431,6 +425,7 @@ def test_each_turn_reselects_every_compressed_head_from_the_turn_queries():
         for li, lc in enumerate(eng.cache.layers):
             r = eng.state.prefilled.roles[li]
             perm = list(policy.layout(CFG).perms[li])
+            k_rows, v_rows, pos_rows, lengths = (np.asarray(a) for a in layer_rows(eng.cache, li))
             host_k, host_v = (np.asarray(a[0], np.float64) for a in (eng.state.prefilled.store.k[li], eng.state.prefilled.store.v[li]))
             for j in range(CFG.num_kv_heads - r.n_full):
                 rows = turn_q[li][0, r.n_full + j].astype(np.float64)  # [n, G, D]
@@ -439,18 +434,16 @@ def test_each_turn_reselects_every_compressed_head_from_the_turn_queries():
                 p /= p.sum(-1, keepdims=True)
                 scores = np_pool(p.sum(0)).max(0)  # [L]
                 l_i = int(grid[li, perm[r.n_full + j]])
-                gi, hi = r.loc[r.comp_slots[j]]   # its group of close budgets, and its head there
-                g = lc.groups[gi]
-                assert g.capacity >= l_i and int(g.lengths[0, hi]) == l_i
-                kept = np.asarray(g.positions[0, hi, :l_i])
+                h = r.comp_slots[j]  # its layout slot
+                assert int(lengths[0, h]) == l_i
+                kept = pos_rows[0, h, :l_i]
                 assert_top_set(kept, scores, np.zeros(L, bool), l_i)
-                assert (np.asarray(g.positions[0, hi, l_i:]) == -1).all()   # the run's padding holds no row
-                np.testing.assert_allclose(np.asarray(g.k[0, hi, :l_i]), host_k[j, kept], rtol=0, atol=0)
-                np.testing.assert_allclose(np.asarray(g.v[0, hi, :l_i]), host_v[j, kept], rtol=0, atol=0)
+                np.testing.assert_allclose(k_rows[0, h, :l_i], host_k[j, kept], rtol=0, atol=0)
+                np.testing.assert_allclose(v_rows[0, h, :l_i], host_v[j, kept], rtol=0, atol=0)
             for pv in r.pivots:
-                keys = np.asarray(lc.groups[0].k[0, pv], np.float64)
+                keys = k_rows[0, pv, :L].astype(np.float64)
                 last = _np_pooled_max(turn_q[li][0, pv, -1:].astype(np.float64), keys)[0]
-                assert_top_set(np.sort(np.asarray(lc.aux["k_base"][0, pv])), last, np.zeros(L, bool), l_base)
+                assert_top_set(np.sort(np.asarray(lc.state.k_base[0, pv])), last, np.zeros(L, bool), l_base)
         assert prompt_kv_bytes(eng.cache) == bytes_before <= rho * full_bytes * 1.05
     st = sess.turns[-1].stats
     assert st.policy_stats["reselections"] == 2 and st.policy_stats["bytes_reselected"] > 0
@@ -497,7 +490,7 @@ def test_a_turn_is_encoded_again_over_its_reselected_rows():
     orig = eng.state.after_extend
 
     def spy(queries, cache):
-        first_pass["tail_k"] = [np.asarray(lc.tail_k[:, :, :n]) for lc in cache.layers]
+        first_pass["tail_k"] = [_tail_keys(cache, li, n) for li in range(len(cache.layers))]
         return orig(queries, cache)
 
     eng.state.after_extend = spy
@@ -510,11 +503,22 @@ def test_a_turn_is_encoded_again_over_its_reselected_rows():
         want, ref, _ = M.decode_step_jit(eng.params, ref, jnp.asarray([t], jnp.int32), CFG, policy=eng.policy)
     np.testing.assert_allclose(logits, np.asarray(want), atol=1e-4, rtol=1e-4)
     moved = 0.0
-    for lc, lr, lf in zip(eng.cache.layers, ref.layers, first_pass["tail_k"]):
-        np.testing.assert_allclose(np.asarray(lc.tail_k[:, :, :n]), np.asarray(lr.tail_k[:, :, :n]), atol=1e-4,
-                                   rtol=1e-4)
-        moved = max(moved, float(np.abs(np.asarray(lc.tail_k[:, :, :n]) - lf).max()))
+    for li, lf in enumerate(first_pass["tail_k"]):
+        got = _tail_keys(eng.cache, li, n)
+        np.testing.assert_allclose(got, _tail_keys(ref, li, n), atol=1e-4, rtol=1e-4)
+        moved = max(moved, float(np.abs(got - lf).max()))
     assert moved > 1e-3  # the re-selection moved rows, so the second pass differs from the first
+
+
+def _tail_keys(cache, li, n):
+    """The first ``n`` tail rows' keys of every head of layer ``li``: [B, H, n, D] (each head's rows right
+    after its prompt rows in the pool)."""
+    lc = cache.layers[li]
+    k, _, _, lengths = (np.asarray(a) for a in layer_rows(cache.replace(tail_lens=cache.tail_lens * 0 + n), li,
+                                                           with_tail=True))
+    prompt = np.asarray(lc.lengths)
+    B, H = prompt.shape
+    return np.stack([np.stack([k[b, h, prompt[b, h] : prompt[b, h] + n] for h in range(H)]) for b in range(B)])
 
 
 def test_session_turn_with_a_long_pasted_document_is_chunked():
@@ -530,38 +534,17 @@ def test_session_turn_with_a_long_pasted_document_is_chunked():
     assert ra.token_ids == g.token_ids
 
 
-def test_budget_runs_by_hand():
-    """Fewest runs of consecutive budgets within the padding allowance, then the least padding."""
-    assert budget_runs([], 0) == []
-    assert budget_runs([5], 0) == [1]
-    assert budget_runs([10, 10, 10], 0) == [3]               # equal budgets: one group, no padding
-    assert budget_runs([10, 9, 3, 2], 0) == [1, 1, 1, 1]     # no padding allowed: a group per distinct budget
-    # one run pads 1 + 7 + 8 = 16; two runs [10, 9] | [3, 2] pad 1 + 1 = 2
-    assert budget_runs([10, 9, 3, 2], 16) == [4]
-    assert budget_runs([10, 9, 3, 2], 15) == [2, 2]
-    assert budget_runs([10, 9, 3, 2], 2) == [2, 2]
-    # [10, 9] | [3, 1] pads 3 > 1: three runs, and of those only [10, 9] | [3] | [1] pads <= 1
-    assert budget_runs([10, 9, 3, 1], 1) == [2, 1, 1]
-    # runs follow the order given: [3] | [10, 4] pads 6, [3, 10] | [4] pads 7, all of it 7 + 6 = 13
-    assert budget_runs([3, 10, 4], 6) == [1, 2]
-    assert budget_runs([3, 10, 4], 5) == [1, 1, 1]
-    assert budget_runs([3, 10, 4], 13) == [3]
-
-
-def test_layout_groups_close_budgets():
-    """On one device the compressed heads of a layer are sorted by budget within their role and cut into
-    runs by ``budget_runs`` at GROUP_PADDING of the layer's kept tokens (nominal length: budgets scale)."""
-    policy = HeteroCache(profile=PROFILE, budget=0.4).bind(MODEL)
+def test_layout_orders_each_layer_by_role():
+    """One device: each layer's heads in layout order are its pivots, its volatiles (copy heads first), its
+    satellites, then its anchors; no head is cut into groups (the pool holds each at its own length)."""
+    policy = HeteroCache(profile=COPY_PROFILE, budget=0.5, copy_window=16).bind(MODEL)
     layout = policy.layout(CFG)
-    grid = policy.budget_grid(1 << 15)[0]
-    for li in range(CFG.num_layers):
-        r = policy.roles_in_layout(li)
-        for role in ("satellite", "anchor"):
-            assert [grid[li, h] for h in r[role]] == sorted((grid[li, h] for h in r[role]), reverse=True)
-        comp = r["satellite"] + r["anchor"]
-        n_full = len(r["pivot"]) + len(r["volatile"])
-        want = budget_runs([grid[li, h] for h in comp], GROUP_PADDING * grid[li].sum())
-        assert list(layout.group_sizes[li]) == ([n_full] if n_full else []) + want
+    roles = COPY_PROFILE.roles
+    order = {P: 0, V: 1, S: 2, A: 3}
+    for li, perm in enumerate(layout.perms):
+        assert sorted(perm) == [0, 1, 2]
+        assert [order[int(roles[li, h])] for h in perm] == sorted(order[int(roles[li, h])] for h in perm)
+    assert layout.perms[2] == (2, 1, 0)  # pivot 2, then the copy head 1, then satellite 0
 
 
 # ------------------------------------------------------------------ copy window
@@ -620,32 +603,28 @@ def test_attend_reports_the_copy_heads_pointer(backend):
     """Layer 2 of COPY_PROFILE (pivot, copy head, one satellite): ``HeteroCache.attend`` gives plain attention,
     the pivot's overlap share as ``attend_step`` without copy heads, and as the pointer the copy head's most attended
     prompt position by numpy's pooled scores (GQA max)."""
-    from hetero_jax.model import transformer as M
-    from hetero_jax.model.cache import HeadGroup, LayerCache
+    from hetero_jax.policies.heterocache.decode import PivotBase
 
     p = HeteroCache(profile=COPY_PROFILE, copy_window=16).bind(MODEL)
     rng = np.random.default_rng(5)
     B, G, D, T, S, R, l_base = 2, 3, 16, 40, 12, 4, 6
-    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    full_len = np.array([[T, T], [T - 7, T - 7]], np.int32)
-    full = HeadGroup(k=f32(B, 2, T, D), v=f32(B, 2, T, D), positions=jnp.zeros((B, 2, T), jnp.int32),
-                     lengths=jnp.asarray(full_len))
-    comp = HeadGroup(k=f32(B, 1, S, D), v=f32(B, 1, S, D), positions=jnp.zeros((B, 1, S), jnp.int32),
-                     lengths=jnp.asarray([[S], [9]], jnp.int32))
+    lengths = np.array([[T, T, S], [T - 7, T - 7, 9]], np.int32)
+    k, v = _np_f32(rng, B, 3, T, D), _np_f32(rng, B, 3, T, D)
+    tail_k, tail_v = _np_f32(rng, B, 3, R, D), _np_f32(rng, B, 3, R, D)
+    tail_lens = np.array([1, 3], np.int32)
     k_base = jnp.asarray(np.stack([rng.permutation(T - 7)[:l_base] for _ in range(B)])[:, None], jnp.int32)
-    lc = LayerCache(groups=(full, comp), tail_k=f32(B, 3, R, D), tail_v=f32(B, 3, R, D), aux={"k_base": k_base})
-    q, tail_lens = f32(B, 3, G, D), jnp.asarray([1, 3], jnp.int32)
+    step = step_from_dense(k, v, lengths, tail_k, tail_v, tail_lens, state=PivotBase(k_base=k_base))
+    q = jnp.asarray(_np_f32(rng, B, 3, G, D))
     with pallas_kernels.use_kernels(backend):
-        out, _, (pivot, pointer) = p.attend(2, q, lc, tail_lens, None)
-        _, want_overlap, want_scores = _pivot_step(q, lc, tail_lens, (0,))
-    with pallas_kernels.use_kernels("reference"):
-        want = M.layer_decode_attention(q, lc, tail_lens)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
+        out, _, (pivot, pointer) = p.attend(2, q, step)
+        _, want_overlap, want_scores = _pivot_step(q, step, (0,))
+    want = dense_attention(q, k, v, lengths, tail_k, tail_v, tail_lens)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(pivot[1]), np.asarray(want_overlap), atol=1e-6)
     np.testing.assert_allclose(np.asarray(pivot[2]), np.asarray(want_scores), rtol=1e-5, atol=1e-7)
     assert pointer.shape == (B, 1) and pointer.dtype == jnp.int32
     for b in range(B):
-        pooled = _np_pooled_max(np.asarray(q[b, 1])[None], np.asarray(full.k[b, 1, : full_len[b, 1]]))[0]
+        pooled = _np_pooled_max(np.asarray(q[b, 1])[None], k[b, 1, : lengths[b, 1]])[0]
         assert int(pointer[b, 0]) == int(np.argmax(pooled))
 
 
@@ -660,18 +639,17 @@ def _assert_rows_are_the_host_copy(eng):
             out.append(None)
             continue
         host_k, host_v = st.prefilled.store.view(li)
-        lc = eng.cache.layers[li]
+        k_rows, v_rows, pos_rows, lengths = (np.asarray(a) for a in layer_rows(eng.cache, li))
         for b in range(counts.shape[0]):
             for j in range(counts.shape[1]):
-                gi, hi = r.loc[r.comp_slots[j]]
-                g = lc.groups[gi]
+                h = r.comp_slots[j]
                 c = int(counts[b, j])
-                assert int(g.lengths[b, hi]) == c
-                pos = np.asarray(g.positions[b, hi, :c])
+                assert int(lengths[b, h]) == c
+                pos = pos_rows[b, h, :c]
                 assert len(set(pos.tolist())) == c and pos.min() >= 0
                 np.testing.assert_array_equal(st.held[li][b, j, :c], pos)  # the mirror is the device's
-                np.testing.assert_array_equal(np.asarray(g.k[b, hi, :c]), host_k[b, j, pos])
-                np.testing.assert_array_equal(np.asarray(g.v[b, hi, :c]), host_v[b, j, pos])
+                np.testing.assert_array_equal(k_rows[b, h, :c], host_k[b, j, pos])
+                np.testing.assert_array_equal(v_rows[b, h, :c], host_v[b, j, pos])
         out.append(st.held[li].copy())
     return out
 

@@ -1,0 +1,53 @@
+"""Building a layer's view of the row pool from dense per-head arrays, for unit tests of attention code."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax.model.cache import KVPool, LayerCache, pool_offsets
+from hetero_jax.model.pool import LayerStep
+
+
+def step_from_dense(k, v, lengths, tail_k, tail_v, tail_lens, state=None, positions=None) -> LayerStep:
+    """A ``LayerStep`` whose pool holds, for head h of sequence b, the rows k[b, h, :lengths[b, h]] (positions
+    0.. unless given) and right after them the tail rows tail_k[b, h, :tail_lens[b]]; every other pool row
+    is NaN (attention must never read it). k, v: [B, H, S, D]; tail_k, tail_v: [B, H, R, D]; lengths [B, H];
+    tail_lens [B] (the rows each head attends past its prompt rows)."""
+    k, v, tail_k, tail_v = (np.asarray(a, np.float32) for a in (k, v, tail_k, tail_v))
+    lengths, tail_lens = np.asarray(lengths, np.int64), np.asarray(tail_lens, np.int64)
+    B, H, S, D = k.shape
+    R = tail_k.shape[2]
+    offsets, P = pool_offsets(lengths[None], R, 1)
+    offsets = offsets[0]
+    pk = np.full((B, 1, P, D), np.nan, np.float32)
+    pv = np.full((B, 1, P, D), np.nan, np.float32)
+    pos = np.full((B, 1, P), -1, np.int32)
+    for b in range(B):
+        for h in range(H):
+            o, n, t = offsets[b, h], lengths[b, h], tail_lens[b]
+            pk[b, 0, o : o + n], pv[b, 0, o : o + n] = k[b, h, :n], v[b, h, :n]
+            pos[b, 0, o : o + n] = np.arange(n) if positions is None else np.asarray(positions)[b, h, :n]
+            pk[b, 0, o + n : o + n + t], pv[b, 0, o + n : o + n + t] = tail_k[b, h, :t], tail_v[b, h, :t]
+    layer = LayerCache(offsets=jnp.asarray(offsets, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32), state=state,
+                       capacity=int(lengths.max()))
+    return LayerStep(pool=KVPool(k=jnp.asarray(pk), v=jnp.asarray(pv), positions=jnp.asarray(pos)), layer=layer,
+                     tail_lens=jnp.asarray(tail_lens, jnp.int32), seq_lens=jnp.asarray(lengths.max(1), jnp.int32),
+                     tail_capacity=R)
+
+
+def dense_attention(q, k, v, lengths, tail_k, tail_v, tail_lens):
+    """The plain attention of one query per head over its first ``lengths`` rows and ``tail_lens`` tail rows
+    (numpy float64): q [B, H, G, D] -> [B, H, G, D]."""
+    q, k, v, tail_k, tail_v = (np.asarray(a, np.float64) for a in (q, k, v, tail_k, tail_v))
+    B, H, G, D = q.shape
+    out = np.zeros((B, H, G, D))
+    for b in range(B):
+        for h in range(H):
+            n, t = int(lengths[b, h]), int(tail_lens[b])
+            keys = np.concatenate([k[b, h, :n], tail_k[b, h, :t]])
+            vals = np.concatenate([v[b, h, :n], tail_v[b, h, :t]])
+            s = q[b, h] @ keys.T / np.sqrt(D)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[b, h] = (p / p.sum(-1, keepdims=True)) @ vals
+    return out
