@@ -133,22 +133,11 @@ def padded_tokens_per_shard(budgets: np.ndarray, placement: np.ndarray, tp: int)
 
 
 def pooled_tokens_per_shard(budgets: np.ndarray, placement: np.ndarray, tp: int) -> int:
-    """Tokens each shard allocates when every shard's kept rows of all layers share one pool (HeteroCache's
-    runtime under tensor parallelism): the largest shard's total, plus the slack a window needs to read
-    its row's capacity past its own rows. Rows are each layer's heads largest first, tp at a time."""
-    L, H, n_local = _check(budgets, tp)
-    b = np.asarray(budgets, np.int64)
-    rows = role_grouped_order(b).reshape(L, n_local, tp)
-    cursor = np.zeros(tp, np.int64)
-    end = 0
-    for l in range(L):
-        for row in rows[l]:
-            cap = int(b[l, row].max())
-            for h in row:
-                s = int(placement[l, h])
-                end = max(end, int(cursor[s]) + cap)
-                cursor[s] += b[l, h]
-    return end
+    """Prompt tokens each shard allocates when every shard's kept rows of all layers share one row pool
+    (``model.cache``: each head's region holds exactly its rows): the largest shard's total (one SPMD
+    shape for all shards; the tail rows, equal on every shard, come on top)."""
+    _check(budgets, tp)
+    return int(shard_tokens(budgets, placement, tp).max())
 
 
 def placement_report(budgets: np.ndarray, tp: int, bytes_per_token: int) -> list[dict]:

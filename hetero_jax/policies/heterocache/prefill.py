@@ -51,7 +51,7 @@ class HeteroPrefill(PrefillPlan):
     def _placement(self, pool_rows: int) -> dict:
         """Tokens each shard's heads keep (the whole batch) and what the shard allocates (pool rows x batch),
         beside the naive contiguous split of the role-grouped layout (full heads first)."""
-        from hetero_jax.policies.placement import contiguous_placement, padded_tokens_per_shard, role_grouped_order, shard_tokens
+        from hetero_jax.policies.placement import contiguous_placement, pooled_tokens_per_shard, role_grouped_order, shard_tokens
 
         tp, H = self.layout.tp, self.cfg.num_kv_heads
         n_local = H // tp
@@ -65,7 +65,7 @@ class HeteroPrefill(PrefillPlan):
                 "allocated_tokens_per_shard": int(pool_rows) * len(self.lens),
                 "contiguous_kept_tokens_per_shard": naive_kept.tolist(),
                 "contiguous_kept_max_over_mean": float(naive_kept.max() / naive_kept.mean()),
-                "contiguous_allocated_tokens_per_shard": int(padded_tokens_per_shard(total, naive, tp))}
+                "contiguous_allocated_tokens_per_shard": int(pooled_tokens_per_shard(total, naive, tp)) * len(self.lens)}
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
         cfg, r = self.cfg, self.roles[li]
