@@ -5,12 +5,12 @@ whose one layer keeps exactly some of its prompt rows, built with the cache modu
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.model.cache import RowBlock, gather_rows, layer_rows, new_pool, pool_offsets, write_blocks
+from hetero_jax.model.cache import KVCache, RowBlock, gather_rows, layer_rows, new_pool, pool_offsets, write_blocks
 from hetero_jax.model.pool import append
 from hetero_jax.model.sharding import to_host
 
 
-def keep_rows(cache, li: int, idx) -> "KVCache":  # noqa: F821
+def keep_rows(cache: KVCache, li: int, idx) -> KVCache:
     """A copy of ``cache`` whose layer ``li`` keeps, of its prompt rows, only the rows ``idx`` [B, H, S] (rows of
     each head's prompt part, every head S of them, in that order); every other layer's prompt rows and every
     tail row (tokens added after prefill) as they are. The default attention over it attends exactly those rows

@@ -387,3 +387,27 @@ def test_a_session_turn_reselects_from_its_last_query_and_attends_the_prompt_den
             np.testing.assert_array_equal(pos[h, S + j * PS : S + (j + 1) * PS], S + r * PS + np.arange(PS))
         np.testing.assert_array_equal(rows[h, : S + k * PS], hk[0, h, pos[h, : S + k * PS]])
     assert state.stats()["turn_reselections"] == 1
+
+
+def test_a_session_whose_tail_outgrows_its_rows_recalls_into_the_moved_regions():
+    """A long turn outgrows the tail rows (the pool is repacked, every head's offset moves, ``pool_moved``): the
+    recalls after it write into the heads' new regions, so the answers equal a session whose tail never grew, and
+    every compressed head's page slots still hold the pages ``resident`` names, with the host's rows."""
+    from hetero_jax.runtime import Session
+
+    ctx, q1, q2 = random_prompt(L, 21), random_prompt(150, 22), random_prompt(20, 23)
+    pol = FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW, tau=-2.0)  # recalls only
+    answers = []
+    for reserve in (8, 600):
+        sess = Session(MODEL, ctx, pol, chat=False, reserve_tokens=reserve)
+        before = sess.engine.cache.tail_capacity
+        answers.append([sess.ask(q, max_new_tokens=6).token_ids for q in (q1, q2)])
+        grew = sess.engine.cache.tail_capacity > before
+        assert grew == (reserve == 8)
+        if grew:
+            grown = sess
+    assert answers[0] == answers[1]
+    assert grown.engine.state.stats()["pages_recalled"] > 0
+    k = pol.plan_pages(CFG, L)[3]
+    for li in (1, 2):
+        check_group(grown.engine, li, k)

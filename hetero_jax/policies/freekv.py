@@ -8,8 +8,9 @@ window): ``[sinks | page slots | window]``, a valid prefix that
 ``LayerStep.attend`` attends as it is, with the tail. Its state record
 (``FreeKVState``) holds the page summaries (per-channel min/max key, §3.2), the
 page id held by each page slot (``resident``) and the previous step's query
-(``q_prev``): the §4.1 data placement. The skipped layers keep their prompt. Pages cover ``[S, S + P*p)``, P being the full pages left before the
-window, so the window holds W to W + p - 1 tokens.
+(``q_prev``): the §4.1 data placement. The skipped layers keep their prompt.
+Pages cover ``[S, S + P*p)``, P being the full pages left before the window,
+so the window holds W to W + p - 1 tokens.
 
 Selection Sel(q) (§3.2, App. B.2 "MeanS"): per query head, the softmax over the
 pages of the Quest bound sum_d max(q_d kmin_d, q_d kmax_d); the group mean of
@@ -41,7 +42,8 @@ budgeted.
 
 Departures: tokens added after prefill (the tail) are attended in full, where
 FreeKV pages its generated tokens too; the in-step fetch returns every head's
-selected pages (a static callback shape), the corrected heads' rows are kept.
+selected pages (a static callback shape); only the corrected heads' rows are
+written.
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from flax import struct
 
 from hetero_jax.model import transformer as M
@@ -215,7 +216,7 @@ def _select(q, kmin, kmax, n_pages, k_sel, n_select: int):
 
 
 def _slot_index(pages, sinks, k_sel, win_start, prompt_lens, ps: int, cap: int):
-    """Token position of every group slot, per sequence [sinks | k_sel page slots | window]; slots past a
+    """Token position of every prompt row of a head, per sequence [sinks | k_sel page slots | window]; rows past a
     sequence's length point at token 0 (finite, masked by the lengths). pages [B, H, k]; the rest [B].
     Returns (idx [B, H, cap], positions (-1 past the length), lengths [B] int32)."""
     B, H, n = pages.shape

@@ -6,6 +6,11 @@ heads), queries ``[B, H, G, D]`` (G = query heads per KV head). Scores are
 float32 and pages beyond a sequence's count score MASK_VALUE (finite, never -inf).
 Everything here is pure and jittable with ``page_size``, ``n_select`` and
 ``how`` static; ``start`` is static when it is a python int.
+
+``region_rows`` and ``write_region_rows`` read and write, inside a decode step,
+rows of each KV head's region of the row pool (``model.cache``): what Quest's
+page gather, Quest offloaded's buffer refill and FreeKV's in-step correction
+touch (on a mesh inside ``shard_map``, each device its own heads' rows).
 """
 
 from __future__ import annotations
