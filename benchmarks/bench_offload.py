@@ -3,7 +3,7 @@
 
 A HeteroCache recall (and Quest / FreeKV / SyncKV fetches) reads rows from numpy views of the
 pinned-host store (``HostKVStore.rows``), starts their host -> device copies (``put_rows``) and
-writes them into the device head group (``scatter_rows``), all dispatched from the host thread while
+writes them into the device row pool (``scatter_rows``), all dispatched from the host thread while
 the device runs the step. This script times, at Llama-3.1-8B shapes (8 KV heads of 128, bfloat16):
 
 - **compute**: a decode-shaped device workload, the 32 layers' MLP weights (3 x 4096 x 14336 each,
@@ -57,7 +57,7 @@ def run(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from hetero_jax.model.cache import HeadGroup
+    from hetero_jax.model.cache import new_pool
     from hetero_jax.model.host_store import HostKVStore, put_rows, scatter_rows
 
     shp = SMALL if args.small else LLAMA
@@ -86,7 +86,8 @@ def run(args) -> dict:
 
     x = draw(next(ks), (1, shp["hidden"]))
 
-    # --- the pinned-host store and the device groups the recalled rows land in
+    # --- the pinned-host store and the device row pool the recalled rows land in: one device (one shard), each
+    # head of each recalled layer a region of ``cap`` rows, layer after layer (the layout of ``cache.pool_offsets``)
     store = HostKVStore(n_rec)
     for li in range(n_rec):
         k = draw(next(ks), (1, H, T, D))
@@ -94,24 +95,25 @@ def run(args) -> dict:
     jax.block_until_ready(store.arrays())
     store.materialize()
     cap = max(R, 8)
-    groups = [HeadGroup(k=jnp.zeros((1, H, cap, D), dt), v=jnp.zeros((1, H, cap, D), dt),
-                        positions=jnp.full((1, H, cap), -1, jnp.int32), lengths=jnp.full((1, H), cap, jnp.int32))
-              for _ in range(n_rec)]
+    pool = new_pool(1, 1, n_rec * H * cap, D, dt)
+    offsets = (np.arange(n_rec)[:, None] * H + np.arange(H)[None, :]) * cap  # [layers, H] first row of each region
     rng = np.random.default_rng(0)
     pos = [np.sort(rng.choice(T, size=(H, R), replace=True), axis=1) for _ in range(n_rec)]
     b_idx = np.zeros(H * R, np.int64)
     h_idx = np.repeat(np.arange(H), R)
+    s_idx = np.zeros(H * R, np.int64)
     slots = np.tile(np.arange(R), H)
 
     def recall():
-        nonlocal groups
+        nonlocal pool
         new = []
         for li in range(n_rec):   # every transfer started before any scatter, as the policies do
             p = pos[li].reshape(-1)
             k_rows, v_rows = store.rows(li, b_idx, h_idx, p)
-            new.append(put_rows(b_idx, h_idx, slots, k_rows, v_rows, p, cap))
-        groups = [scatter_rows(g, ops) for g, ops in zip(groups, new)]
-        return groups
+            new.append(put_rows(b_idx, s_idx, offsets[li][h_idx] + slots, k_rows, v_rows, p, pool.num_rows))
+        for ops in new:
+            pool = scatter_rows(pool, ops)
+        return pool
 
     def only_compute():
         jax.block_until_ready(compute(x, weights))
@@ -128,7 +130,8 @@ def run(args) -> dict:
     only_recall()
     kh = np.asarray(store.k[0])
     want = kh[0, np.arange(H)[:, None], pos[0]]
-    got = np.asarray(groups[0].k[0, :, :R].astype(jnp.float32))
+    rows0 = offsets[0][:, None] + np.arange(R)[None, :]  # [H, R] layer 0's recalled rows in the pool
+    got = np.asarray(pool.k[0, 0].astype(jnp.float32))[rows0]
     rows_ok = bool(np.array_equal(got, want.astype(np.float32)))
 
     for f in (only_compute, only_recall, both):   # warm-up (compile)

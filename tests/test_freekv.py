@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import HeadGroup, prompt_kv_bytes
+from hetero_jax.model.cache import layer_rows, prompt_kv_bytes
 from hetero_jax.runtime import Engine, prefill
 from hetero_jax.policies import BudgetError, FreeKV, PolicyError, make_policy
+from pool_rows import keep_rows
 from tiny_model import greedy_with_logits, tiny_model, random_prompt
 
 MODEL = tiny_model()
@@ -65,7 +66,7 @@ def full_run(seed=0):
     layer 2's query of every step and of the last prompt token (q_last), layer 2's prompt keys."""
     ids = random_prompt(L, seed)
     logits, cache = prefill(PARAMS, CFG, [ids], tail_capacity=STEPS + 2)
-    keys = np.asarray(cache.layers[SPARSE].groups[0].k[0])  # [H, L, D]
+    keys = np.asarray(layer_rows(cache, SPARSE)[0][0])  # [H, L, D]
     _, short = prefill(PARAMS, CFG, [ids[:-1]], tail_capacity=2)  # the last prompt token as a decode step
     _, _, qs = M.decode_step_jit(PARAMS, short, jnp.asarray(ids[-1:], jnp.int32), CFG, return_queries=True)
     q_last = np.asarray(qs[SPARSE][0])
@@ -84,8 +85,8 @@ def spy(eng):
     """Record per step: the resident pages before and after the host recall (before_step), the extras and
     the resident pages the step left (after its correction). Copies, taken before the next step donates."""
     rec = {"before": [], "recalled": [], "extras": [], "after": []}
-    comp = [li for li, lc in enumerate(eng.cache.layers) if "resident" in lc.aux]
-    res = lambda cache: {li: np.array(cache.layers[li].aux["resident"]) for li in comp}  # noqa: E731
+    comp = [li for li, lc in enumerate(eng.cache.layers) if lc.state is not None]
+    res = lambda cache: {li: np.array(cache.layers[li].state.resident) for li in comp}  # noqa: E731
     before, after = eng.state.before_step, eng.state.after_step
 
     def before_step(step, cache):
@@ -109,7 +110,7 @@ def sparse_run(tau):
     ids, toks, *_ = full_run()
     pol = FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE, tau=tau)
     eng = Engine(MODEL, [ids], pol, tail_capacity=STEPS + 2)
-    prefilled = np.array(eng.cache.layers[SPARSE].aux["resident"][0])
+    prefilled = np.array(eng.cache.layers[SPARSE].state.resident[0])
     rec = spy(eng)
     logits = [eng.step_with_logits(t)[1] for t in toks]
     return eng, rec, logits, prefilled
@@ -173,17 +174,13 @@ def test_correction_fires_exactly_where_the_group_mean_cosine_is_below_tau(which
 
 
 def reference_logits(cache, tok, pages):
-    """A plain decode step over ``cache`` whose layer 2 holds exactly sinks + the given pages + the window."""
+    """A plain decode step over ``cache`` (full KV: region row j = prompt position j) whose layer 2 holds
+    exactly sinks + the given pages + the window."""
     S, w, P = layout(L)
     rows = [np.concatenate([np.arange(S)] + [S + p * PS + np.arange(PS) for p in pages[h]]
                            + [np.arange(L - w, L)]) for h in range(H)]
-    idx = jnp.asarray(np.stack(rows)[None], jnp.int32)  # [1, H, n]
-    g = cache.layers[SPARSE].groups[0]
-    take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=2)  # noqa: E731
-    sel = HeadGroup(k=take(g.k), v=take(g.v), positions=idx, lengths=jnp.full((1, H), idx.shape[-1], jnp.int32))
-    layers = list(cache.layers)
-    layers[SPARSE] = layers[SPARSE].replace(groups=(sel,))
-    return np.asarray(M.decode_step_jit(PARAMS, cache.replace(layers=tuple(layers)), jnp.asarray(tok), CFG)[0])
+    ref = keep_rows(cache, SPARSE, np.stack(rows)[None])  # [1, H, n]
+    return np.asarray(M.decode_step_jit(PARAMS, ref, jnp.asarray(tok), CFG)[0])
 
 
 @pytest.mark.parametrize("which", ["always", "never", "mid"])
@@ -216,26 +213,28 @@ def test_each_step_attends_the_pages_of_the_paper_rule(which):
 
 
 def check_group(eng, li, k):
-    """Layer li's group holds sinks + the pages its ``resident`` names (slot order) + window, and every row is
-    the host store's row at its position."""
+    """Each head's prompt rows of layer li in the pool are sinks + the pages its ``resident`` names (slot order)
+    + window, and every row is the host store's row at its position."""
     S, w, _ = layout(L)
-    g = eng.cache.layers[li].groups[0]
+    rk, rv, rpos, lengths = (np.asarray(a) for a in layer_rows(eng.cache, li))
     hk, hv = eng.state.store.view(li)
-    pos, length = np.asarray(g.positions[0]), int(np.asarray(g.lengths)[0, 0])
-    res = np.asarray(eng.cache.layers[li].aux["resident"][0])
+    res = np.asarray(eng.cache.layers[li].state.resident[0])
+    assert (lengths == S + k * PS + w).all()
     for h in range(H):
-        p = pos[h, :length]
+        length = int(lengths[0, h])
+        p = rpos[0, h, :length]
         want = np.concatenate([np.arange(S)] + [S + r * PS + np.arange(PS) for r in res[h, :k]]
                               + [np.arange(L - w, L)])
         np.testing.assert_array_equal(p, want)
-        np.testing.assert_array_equal(np.asarray(g.k[0, h, :length]), hk[0, h, p])
-        np.testing.assert_array_equal(np.asarray(g.v[0, h, :length]), hv[0, h, p])
+        np.testing.assert_array_equal(rk[0, h, :length], hk[0, h, p])
+        np.testing.assert_array_equal(rv[0, h, :length], hv[0, h, p])
 
 
 def test_memory_and_bytes_moved():
-    """Device: the groups (sinks + k pages + window per compressed head) plus summaries, page ids and q_prev stay
-    within rho of the full prompt KV (5% slack for q_prev and the ids); host: the compressed layers' whole prompt,
-    pinned; the group rows are the host rows of their positions; bytes_recalled counts the rows that moved."""
+    """Device: the prompt rows in the pool (sinks + k pages + window per compressed head) plus summaries, page ids
+    and q_prev stay within rho of the full prompt KV (5% slack for q_prev and the ids); host: the compressed
+    layers' whole prompt, pinned; the pool's rows are the host rows of their positions; bytes_recalled counts
+    the rows that moved."""
     ids, rho = random_prompt(L, 1), 0.6
     pol = FreeKV(budget=rho, page_size=PS, sinks=SINKS, window=WINDOW, tau=-2.0)  # every change is a recall
     S, w, P, k = pol.plan_pages(CFG, L)
@@ -246,8 +245,13 @@ def test_memory_and_bytes_moved():
         tok, _ = eng.step_with_logits(tok)
     s = eng.stats_fields()
     full_bytes = 2 * L * H * CFG.num_layers * D * 4
-    assert [lc.groups[0].capacity for lc in eng.cache.layers] == [L, S + k * PS + w, S + k * PS + w]
+    assert [lc.capacity for lc in eng.cache.layers] == [L, S + k * PS + w, S + k * PS + w]
+    assert [np.asarray(lc.lengths).tolist() for lc in eng.cache.layers] == \
+        [[[L] * H], [[S + k * PS + w] * H], [[S + k * PS + w] * H]]
+    assert prompt_kv_bytes(eng.cache) == s["kv_bytes_prompt"] == (L + 2 * (S + k * PS + w)) * H * 2 * D * 4
     assert prompt_kv_bytes(eng.cache) + s["kv_bytes_index"] <= rho * full_bytes * 1.05
+    # the per-step read (the default: the pool as allocated and the state records)
+    assert s["kv_bytes_read_per_step"] == s["kv_bytes_device"] + s["kv_bytes_index"]
     assert s["kv_bytes_index"] >= 2 * 2 * H * P * D * 4  # the summaries are counted
     # host: layers 1 and 2, the whole prompt, pinned
     _, full = prefill(PARAMS, CFG, [ids], tail_capacity=2)
@@ -256,8 +260,9 @@ def test_memory_and_bytes_moved():
     assert s["kv_bytes_host"] == 2 * 2 * L * H * D * 4
     for li in (1, 2):
         hk, hv = store.view(li)
-        np.testing.assert_allclose(hk, np.asarray(full.layers[li].groups[0].k), atol=1e-6)
-        np.testing.assert_allclose(hv, np.asarray(full.layers[li].groups[0].v), atol=1e-6)
+        fk, fv, _, _ = layer_rows(full, li)
+        np.testing.assert_allclose(hk, np.asarray(fk), atol=1e-6)
+        np.testing.assert_allclose(hv, np.asarray(fv), atol=1e-6)
         check_group(eng, li, k)
     # the recall's bytes: pages that entered the slots (per head) x p rows x K and V
     moved = sum(len(set(a[li][0, h, :k]) - set(z[li][0, h, :k]))
@@ -345,8 +350,8 @@ def test_registry_and_options():
 
 def test_a_session_turn_reselects_from_its_last_query_and_attends_the_prompt_densely():
     """After a turn is appended (its chunks attend the whole prompt from the host, as prefill), the page slots
-    hold Sel(q) of the turn's last query (numpy MeanS), the group's page slots hold those pages' tokens, and
-    q_prev is that query."""
+    hold Sel(q) of the turn's last query (numpy MeanS), the page slots of each head's region in the pool hold
+    those pages' tokens (the host rows), and q_prev is that query."""
     from hetero_jax.runtime import Session
 
     ctx, question = random_prompt(L, 11), random_prompt(12, 12)
@@ -357,23 +362,52 @@ def test_a_session_turn_reselects_from_its_last_query_and_attends_the_prompt_den
 
     def spy(turn_queries, cache):
         out = orig(turn_queries, cache)
-        seen.append((np.asarray(turn_queries[SPARSE][0, :, -1]), np.asarray(out.layers[SPARSE].aux["resident"][0]),
-                     np.asarray(out.layers[SPARSE].aux["q_prev"][0]),
-                     np.asarray(out.layers[SPARSE].groups[0].positions[0])))  # the next step donates the cache
+        rk, _, rpos, _ = layer_rows(out, SPARSE)
+        seen.append((np.asarray(turn_queries[SPARSE][0, :, -1]), np.asarray(out.layers[SPARSE].state.resident[0]),
+                     np.asarray(out.layers[SPARSE].state.q_prev[0]), np.asarray(rpos[0]),
+                     np.asarray(rk[0])))  # copies: the next step donates the cache
         return out
 
     state.after_extend = spy
     sess.ask(question, max_new_tokens=3)
-    (q_last, resident, q_prev, pos), = seen
+    (q_last, resident, q_prev, pos, rows), = seen
     k = resident.shape[-1]
-    keys = np.asarray(prefill(PARAMS, CFG, [ctx], tail_capacity=2)[1].layers[SPARSE].groups[0].k[0])
+    keys = np.asarray(layer_rows(prefill(PARAMS, CFG, [ctx], tail_capacity=2)[1], SPARSE)[0][0])
     want, score = np_select(q_last, keys, L, k)
     for h in range(H):
         same_pages(resident[h], want[h], score[h], k)
     np.testing.assert_array_equal(q_prev, q_last)
     S, _, _ = layout(L)
-    # the group's page slots hold exactly the resident pages' tokens
+    # the page slots hold exactly the resident pages' tokens, slot by slot, and their rows are the host's
+    hk, _ = sess.engine.state.store.view(SPARSE)
     for h in range(H):
         got_pages = sorted({(int(t) - S) // PS for t in pos[h, S : S + k * PS]})
         assert got_pages == sorted(resident[h].tolist())
+        for j, r in enumerate(resident[h]):
+            np.testing.assert_array_equal(pos[h, S + j * PS : S + (j + 1) * PS], S + r * PS + np.arange(PS))
+        np.testing.assert_array_equal(rows[h, : S + k * PS], hk[0, h, pos[h, : S + k * PS]])
     assert state.stats()["turn_reselections"] == 1
+
+
+def test_a_session_whose_tail_outgrows_its_rows_recalls_into_the_moved_regions():
+    """A long turn outgrows the tail rows (the pool is repacked, every head's offset moves, ``pool_moved``): the
+    recalls after it write into the heads' new regions, so the answers equal a session whose tail never grew, and
+    every compressed head's page slots still hold the pages ``resident`` names, with the host's rows."""
+    from hetero_jax.runtime import Session
+
+    ctx, q1, q2 = random_prompt(L, 21), random_prompt(150, 22), random_prompt(20, 23)
+    pol = FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW, tau=-2.0)  # recalls only
+    answers = []
+    for reserve in (8, 600):
+        sess = Session(MODEL, ctx, pol, chat=False, reserve_tokens=reserve)
+        before = sess.engine.cache.tail_capacity
+        answers.append([sess.ask(q, max_new_tokens=6).token_ids for q in (q1, q2)])
+        grew = sess.engine.cache.tail_capacity > before
+        assert grew == (reserve == 8)
+        if grew:
+            grown = sess
+    assert answers[0] == answers[1]
+    assert grown.engine.state.stats()["pages_recalled"] > 0
+    k = pol.plan_pages(CFG, L)[3]
+    for li in (1, 2):
+        check_group(grown.engine, li, k)

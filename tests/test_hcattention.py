@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetero_jax.model.cache import KVCache, LayerCache
+from hetero_jax.model.cache import PoolBuilder, layer_rows
+from hetero_jax.model.pool import LayerStep, append
 from hetero_jax.runtime import Engine, Session, prefill
 from hetero_jax.policies import BudgetError, FullKV, HCAttention, make_policy
 from hetero_jax.profile.codebook import (KeyCodebook, kmeans_pp, load_codebook, minibatch_kmeans, nearest,
@@ -85,7 +86,9 @@ def np_merge(y, lse, q, tk, tv):
 
 
 def one_layer(policy, lens, Tp=64, R=8, seed=0):
-    """A one-layer cache built by the policy's own prefill plan from random K/V (garbage past each length)."""
+    """A one-layer cache built by the policy's own prefill plan from random K/V (garbage past each length), its
+    pool built as prefill builds it (``PoolBuilder``, from the plan's prompt counts) and R random tail rows
+    appended to every head's region."""
     rng = np.random.default_rng(seed)
     cfg1 = dataclasses.replace(CFG, num_layers=1)
     B = len(lens)
@@ -95,12 +98,18 @@ def one_layer(policy, lens, Tp=64, R=8, seed=0):
     tv = rng.normal(size=(B, H, R, D)).astype(np.float32)
     plan = policy.make_prefill(cfg1, lens)
     lens_d = jnp.asarray(lens, jnp.int32)
-    groups = plan.build_layer(0, None, None, jnp.asarray(k), jnp.asarray(v), lens_d)
-    cache = KVCache(layers=(LayerCache(groups=groups, tail_k=jnp.asarray(tk), tail_v=jnp.asarray(tv)),),
-                    seq_lens=lens_d, prompt_lens=lens_d, tail_lens=jnp.zeros(B, jnp.int32),
-                    tail_positions=jnp.full((B, R), -1, jnp.int32))
-    cache, state = plan.finish(cache)
+    builder = PoolBuilder(plan, lens, cfg1, R, jnp.float32)
+    builder.add(0, plan.build_layer(0, None, None, jnp.asarray(k), jnp.asarray(v), lens_d))
+    cache = builder.cache(lens_d)
+    pool = append(cache.pool, cache.layers[0], jnp.zeros(B, jnp.int32), jnp.asarray(tk), jnp.asarray(tv), R)
+    cache, state = plan.finish(cache.replace(pool=pool))
     return cfg1, cache, state, (k, v, tk, tv)
+
+
+def layer_step(cache, tail_lens):
+    """Layer 0's ``LayerStep`` with ``tail_lens`` [B] tail rows visible (what the decode step hands ``attend``)."""
+    return LayerStep(pool=cache.pool, layer=cache.layers[0], tail_lens=jnp.asarray(tail_lens, jnp.int32),
+                     seq_lens=cache.seq_lens, tail_capacity=cache.tail_capacity)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -117,10 +126,11 @@ def test_attend_equals_a_numpy_float64_recomputation(mode, renormalize):
     pol = HCAttention(budget=budget, tau=TAU, renormalize=renormalize, codebook=cb, kv_itemsize=4)
     cfg1, cache, state, (k, v, tk, tv) = one_layer(pol, lens)
     lc = cache.layers[0]
-    assert lc.groups[0].capacity == 0 and int(lc.groups[0].lengths.sum()) == 0
+    assert lc.capacity == 0 and int(lc.lengths.sum()) == 0  # no prompt row in the pool: the regions hold tails
+    st = lc.state
     q = (2.0 * rng.normal(size=(2, H, G, D))).astype(np.float32)
     attend = jax.jit(functools.partial(pol.attend, 0))
-    out, _, (kstar, trunc) = attend(jnp.asarray(q), lc, jnp.asarray(tail_lens, jnp.int32), jnp.asarray(lens))
+    out, _, (kstar, trunc) = attend(jnp.asarray(q), layer_step(cache, tail_lens))
     out, kstar = np.asarray(out), np.asarray(kstar)
     assert not np.asarray(trunc).any()
     for b, L in enumerate(lens):
@@ -129,11 +139,11 @@ def test_attend_equals_a_numpy_float64_recomputation(mode, renormalize):
                 src, cents = k[b, h, :L], None
             else:
                 want_codes, dist = np_codes(k[b, h, :L], cb.centroids[0])
-                got_codes = np.asarray(lc.aux["codes"][b, h, :L])
+                got_codes = np.asarray(st.codes[b, h, :L])
                 srt = np.sort(dist, -1)
                 tie = (srt[..., 1] - srt[..., 0]) < 1e-5  # a float32 near-tie may pick either
                 assert np.array_equal(got_codes[~tie], want_codes[~tie])
-                assert (np.asarray(lc.aux["codes"][b, h, L:]) == 0).all()  # padding slots masked
+                assert (np.asarray(st.codes[b, h, L:]) == 0).all()  # padding slots masked
                 src, cents = got_codes, cb.centroids[0]
             y, lse, sets, margin = np_prompt_part(q[b, h], src, cents, v[b, h, :L], TAU, renormalize)
             assert (margin > 1e-6).all()  # no row sits on the tau boundary (else float32 may differ by one)
@@ -150,8 +160,7 @@ def test_k_cap_truncates_and_counts():
     pol = HCAttention(budget=0.5, tau=TAU, k_cap_fraction=0.1, kv_itemsize=4)
     _, cache, _, (k, v, tk, tv) = one_layer(pol, lens, seed=2)
     q = (0.5 * np.random.default_rng(3).normal(size=(2, H, G, D))).astype(np.float32)  # flat attention
-    out, _, (kstar, trunc) = jax.jit(functools.partial(pol.attend, 0))(
-        jnp.asarray(q), cache.layers[0], jnp.asarray([2, 2], jnp.int32), jnp.asarray(lens))
+    out, _, (kstar, trunc) = jax.jit(functools.partial(pol.attend, 0))(jnp.asarray(q), layer_step(cache, [2, 2]))
     kstar, trunc, out = np.asarray(kstar), np.asarray(trunc), np.asarray(out)
     cap = 5  # ceil(0.1 x 50): the longest prompt's slots
     assert (kstar <= cap).all() and trunc.any()
@@ -174,7 +183,8 @@ def test_k_cap_truncates_and_counts():
 def exact_codebook(ids):
     """A codebook whose layer-l centroids are layer l's prompt keys (g = 1, d = D): every key quantizes exactly."""
     _, full = prefill(PARAMS, CFG, [ids], tail_capacity=2)
-    return KeyCodebook(np.stack([np.asarray(lc.groups[0].k[0], np.float32).reshape(-1, D) for lc in full.layers]))
+    return KeyCodebook(np.stack([np.asarray(layer_rows(full, li)[0][0], np.float32).reshape(-1, D)
+                                 for li in range(CFG.num_layers)]))
 
 
 @pytest.mark.parametrize("mode", ["values", "codebook"])
@@ -192,7 +202,8 @@ def test_tau_one_with_exact_keys_is_full_kv(mode):
     # memory: no prompt row on the device, values (only) pinned on the host, bytes = keys or codes + codebook
     f = eng.stats_fields()
     assert f["kv_bytes_prompt"] == 0
-    assert all(g.capacity == 0 for lc in eng.cache.layers for g in lc.groups)
+    assert all(lc.capacity == 0 and not np.asarray(lc.lengths).any() for lc in eng.cache.layers)
+    assert f["kv_bytes_tail"] == f["kv_bytes_device"]  # the pool holds the tails only
     store = eng.state.store
     assert all(a is None for a in store.k)
     assert [a.shape for a in store.v] == [(1, H, 60, D)] * CFG.num_layers
@@ -200,14 +211,18 @@ def test_tau_one_with_exact_keys_is_full_kv(mode):
     assert f["kv_bytes_host"] == CFG.num_layers * H * 60 * D * 4
     full = 60 * H * CFG.num_layers * 2 * D * 4
     if cb is None:
-        held = sum(lc.aux["keys"].nbytes for lc in eng.cache.layers)
+        held = sum(lc.state.keys.nbytes for lc in eng.cache.layers)
+        assert all(lc.state.codes is None and lc.state.codebook is None for lc in eng.cache.layers)
         assert held == full // 2 and eng.achieved_rho[0] == 0.5
     else:
-        held = sum(lc.aux["codes"].nbytes + lc.aux["codebook"].nbytes for lc in eng.cache.layers)
-        assert all(lc.aux["codes"].dtype == jnp.int16 and "keys" not in lc.aux for lc in eng.cache.layers)
+        held = sum(lc.state.codes.nbytes + lc.state.codebook.nbytes for lc in eng.cache.layers)
+        assert all(lc.state.codes.dtype == jnp.int16 and lc.state.keys is None for lc in eng.cache.layers)
         assert eng.achieved_rho[0] == pytest.approx(held / full)
     assert held <= budget * full * 1.05
     assert f["kv_bytes_index"] - held < 64  # beside them only the prompt lengths and the store handle
+    # a step reads the pool (the tails), the state records and the host rows of the kept values
+    host = eng.state.stats()["host_value_bytes_read_per_step"]
+    assert host > 0 and f["kv_bytes_read_per_step"] == int(f["kv_bytes_device"] + f["kv_bytes_index"] + host)
 
 
 @functools.lru_cache(maxsize=None)

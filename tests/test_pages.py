@@ -1,4 +1,6 @@
-"""Page primitives (Quest / FreeKV) against independent float64 numpy references, traced under jit."""
+"""Page primitives (Quest / FreeKV) against independent float64 numpy references, traced under jit; the rows of
+a head's region of the row pool that a decode step reads and writes (``region_rows``, ``write_region_rows``)
+against numpy indexing."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
+from hetero_jax.model.cache import KVPool
 from hetero_jax.policies.pages import (
-    group_page_scores, page_summaries, page_token_index, query_cosine, quest_page_scores, top_pages,
+    group_page_scores, page_summaries, page_token_index, query_cosine, quest_page_scores, region_rows, top_pages,
+    write_region_rows,
 )
 from pallas_kernels import MASK_VALUE
 
@@ -291,3 +295,60 @@ def test_quest_bound_upper_bounds_every_key_in_page(case):
         true = (q64 @ page.T).max(axis=1)  # [G]: the best real q.k in the page
         tol = 1e-5 * (np.abs(q64) @ np.abs(page).max(axis=0)) + 1e-6
         assert np.all(u[0, 0, :, p] >= true - tol)
+
+
+# ----------------------------------------------------------------------------- rows of a head's pool region
+
+
+def _region_case(seed=7, shards=3, heads=6, P=64, n=5):
+    """A [2, shards, P, D] pool of distinct rows and per-head regions of 10 rows (head h on shard h // (H / S))."""
+    rng = np.random.default_rng(seed)
+    Bq = 2
+    k = rand(rng, Bq, shards, P, D)
+    v = rand(rng, Bq, shards, P, D)
+    pos = rng.integers(0, 1000, (Bq, shards, P)).astype(np.int32)
+    pool = KVPool(k=jnp.asarray(k), v=jnp.asarray(v), positions=jnp.asarray(pos))
+    per = heads // shards
+    offsets = np.array([[(h % per) * 10 + 3 * b for h in range(heads)] for b in range(Bq)], np.int32)  # [B, H]
+    idx = rng.integers(0, 10, (Bq, heads, n)).astype(np.int32)
+    return pool, (k, v, pos), offsets, idx, per
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_region_rows_reads_each_heads_own_region(shards):
+    pool, (k, v, _), offsets, idx, per = _region_case(shards=shards)
+    got_k, got_v = jax.jit(region_rows)(pool, jnp.asarray(offsets), jnp.asarray(idx))
+    Bq, Hh, n = idx.shape
+    for b in range(Bq):
+        for h in range(Hh):
+            rows = offsets[b, h] + idx[b, h]
+            np.testing.assert_array_equal(np.asarray(got_k[b, h]), k[b, h // per, rows])
+            np.testing.assert_array_equal(np.asarray(got_v[b, h]), v[b, h // per, rows])
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_write_region_rows_writes_only_the_rows_asked_for(shards):
+    """Rows with dst >= 0 land at offsets + dst of their head's shard (K, V, position); dst < 0 writes nothing;
+    every other row of the pool is unchanged."""
+    pool, (k, v, pos), offsets, dst, per = _region_case(shards=shards, seed=8)
+    rng = np.random.default_rng(9)
+    Bq, Hh, n = dst.shape
+    # distinct rows per head (a duplicate's winner is not the point), some dropped
+    dst = np.stack([np.stack([rng.permutation(10)[:n] for _ in range(Hh)]) for _ in range(Bq)]).astype(np.int32)
+    dst[0, 1, :2] = -1
+    dst[1, :, -1] = -1
+    nk, nv = rand(rng, Bq, Hh, n, D), rand(rng, Bq, Hh, n, D)
+    npos = rng.integers(0, 1000, (Bq, Hh, n)).astype(np.int32)
+    out = jax.jit(write_region_rows)(pool, jnp.asarray(offsets), jnp.asarray(dst), jnp.asarray(nk), jnp.asarray(nv),
+                                     jnp.asarray(npos))
+    want_k, want_v, want_pos = k.copy(), v.copy(), pos.copy()
+    for b in range(Bq):
+        for h in range(Hh):
+            for j in range(n):
+                if dst[b, h, j] >= 0:
+                    r = offsets[b, h] + dst[b, h, j]
+                    want_k[b, h // per, r], want_v[b, h // per, r] = nk[b, h, j], nv[b, h, j]
+                    want_pos[b, h // per, r] = npos[b, h, j]
+    np.testing.assert_array_equal(np.asarray(out.k), want_k)
+    np.testing.assert_array_equal(np.asarray(out.v), want_v)
+    np.testing.assert_array_equal(np.asarray(out.positions), want_pos)

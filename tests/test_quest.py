@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import HeadGroup
+from hetero_jax.model.cache import layer_rows, row_nbytes
 from hetero_jax.runtime import Engine, prefill
 from hetero_jax.policies import BudgetError, FullKV, Quest, make_policy
+from pool_rows import keep_rows
 from tiny_model import greedy_with_logits, tiny_model
 
 MODEL = tiny_model()
@@ -57,22 +58,17 @@ def test_pages_and_logits_equal_an_independent_reference():
     seen = spy_extras(eng)
     k = (round(rho * L) - L % PS) // PS
     _, full = prefill(PARAMS, CFG, [ids], tail_capacity=8)
-    keys = np.asarray(full.layers[2].groups[0].k[0])  # [H, L, D]
+    keys = np.asarray(layer_rows(full, 2)[0][0])  # [H, L, D]
     tok = eng.first_tokens(0.0, 1.0)
     compared = 0
     for step in range(4):
         _, nxt_full, qs = M.decode_step_jit(PARAMS, full, jax.numpy.asarray(tok), CFG, return_queries=True)
         q = np.asarray(qs[2][0])  # [H, G, D]
         want_pages, u = oracle_pages(q, keys, L, k)
-        # reference: the same cache, layer 2 reduced to the oracle's tokens, through the default attention
-        g = full.layers[2].groups[0]
+        # reference: the same cache (tail included), layer 2 reduced to the oracle's tokens, through the
+        # default attention (full KV's region row j is prompt position j)
         idx = np.stack([attended_tokens(p, L) for p in want_pages])[None]  # [1, H, S]
-        take = lambda a: jax.numpy.take_along_axis(a, jax.numpy.asarray(idx)[..., None], axis=2)  # noqa: E731
-        sel = HeadGroup(k=take(g.k), v=take(g.v), positions=jax.numpy.asarray(idx, jax.numpy.int32),
-                        lengths=jax.numpy.full((1, CFG.num_kv_heads), idx.shape[-1], jax.numpy.int32))
-        layers = list(full.layers)
-        layers[2] = layers[2].replace(groups=(sel,))
-        want_logits, _ = M.decode_step_jit(PARAMS, full.replace(layers=tuple(layers)), jax.numpy.asarray(tok), CFG)
+        want_logits, _ = M.decode_step_jit(PARAMS, keep_rows(full, 2, idx), jax.numpy.asarray(tok), CFG)
         tok, logits = eng.step_with_logits(tok)
         assert seen[-1][0] is None and seen[-1][1] is None  # full layers select nothing
         pages, valid = seen[-1][2]
@@ -116,12 +112,28 @@ def test_offloaded_fetches_exactly_what_in_device_attends():
     np.testing.assert_array_equal(t_off, t_dev)
     np.testing.assert_allclose(l_off, l_dev, atol=1e-5, rtol=1e-5)
     s = e_off.stats_fields()
-    # memory: sparse layers hold (k + 1) pages on the device, the prompt on the pinned host
+    # memory: each head of a sparse layer holds a page buffer of k pages + the partial page (at most k + 1
+    # pages) in its region of the pool, the prompt on the pinned host
+    held = k * PS + 150 % PS
+    assert held <= (k + 1) * PS
     assert all(a.sharding.memory_kind == "pinned_host" for a in e_off.state.host_arrays())
-    assert [lc.groups[0].capacity for lc in e_off.cache.layers] == [150, (k + 1) * PS, (k + 1) * PS]
+    assert [np.asarray(lc.lengths).tolist() for lc in e_off.cache.layers] == \
+        [[[150] * CFG.num_kv_heads], [[held] * CFG.num_kv_heads], [[held] * CFG.num_kv_heads]]
+    assert [lc.capacity for lc in e_off.cache.layers] == [150, held, held]
+    # the buffer holds the last step's rows: each equals the host copy's row at its position
+    for li in (1, 2):
+        bk, bv, bpos, blen = (np.asarray(a) for a in layer_rows(e_off.cache, li))
+        hk, hv = e_off.state.store.view(li)
+        pages = np.asarray(e_off.cache.layers[li].state.pages[0])
+        for h in range(CFG.num_kv_heads):
+            p = bpos[0, h, :held]
+            np.testing.assert_array_equal(p, attended_tokens(pages[h], 150))
+            np.testing.assert_array_equal(bk[0, h, :held], hk[0, h, p])
+            np.testing.assert_array_equal(bv[0, h, :held], hv[0, h, p])
     full_prompt = 2 * 150 * CFG.num_kv_heads * CFG.num_layers * CFG.head_dim * 4
-    summaries = sum(lc.aux["kmin"].nbytes + lc.aux["kmax"].nbytes for lc in e_off.cache.layers if lc.aux)
-    kept = 2 * 4 * CFG.head_dim * int(sum(np.asarray(g.lengths).sum() for lc in e_off.cache.layers for g in lc.groups))
+    summaries = sum(lc.state.kmin.nbytes + lc.state.kmax.nbytes for lc in e_off.cache.layers if lc.state is not None)
+    kept = 2 * 4 * CFG.head_dim * int(sum(np.asarray(lc.lengths).sum() for lc in e_off.cache.layers))
+    assert kept == s["kv_bytes_prompt"]
     assert kept + summaries <= 0.5 * full_prompt
     assert s["kv_bytes_host"] == 2 * 2 * 150 * CFG.num_kv_heads * CFG.head_dim * 4  # two sparse layers
     st = s["policy_stats"]
@@ -131,13 +143,21 @@ def test_offloaded_fetches_exactly_what_in_device_attends():
     assert d["policy_stats"]["bytes_fetched_per_step"] == 0
     assert e_dev.achieved_rho[0] == 1.0  # in-device Quest saves no memory
     # bytes a step reads (the roofline's): layer 0 whole, layers 1-2 their attended rows (offloaded: fetched
-    # from the host, then read), summaries and the other aux arrays, tails
+    # from the host, then read), summaries and the rest of the state records, the tails (the rest of the pool)
     row = 2 * CFG.head_dim * 4
-    tails = sum(lc.tail_k.nbytes + lc.tail_v.nbytes for lc in e_dev.cache.layers)
+    assert row_nbytes(e_dev.cache) == row
     attended = 2 * CFG.num_kv_heads * (k * PS + 150 % PS) * row
     layer0 = 150 * CFG.num_kv_heads * row
-    assert d["kv_bytes_read_per_step"] == layer0 + attended + d["kv_bytes_index"] + tails
-    assert s["kv_bytes_read_per_step"] == layer0 + 2 * attended + s["kv_bytes_index"] + tails
+    for f, e in ((d, e_dev), (s, e_off)):  # the tails: every head's tail rows and the pool's rounding
+        assert f["kv_bytes_tail"] == f["kv_bytes_device"] - f["kv_bytes_prompt"]
+        assert f["kv_bytes_tail"] >= e.cache.tail_capacity * CFG.num_kv_heads * CFG.num_layers * row
+    assert d["kv_bytes_prompt"] == 150 * CFG.num_kv_heads * CFG.num_layers * row  # in-device: every prompt row
+    assert d["kv_bytes_read_per_step"] == layer0 + attended + d["kv_bytes_index"] + d["kv_bytes_tail"]
+    assert s["kv_bytes_read_per_step"] == layer0 + 2 * attended + s["kv_bytes_index"] + s["kv_bytes_tail"]
+    # the state records: summaries, page counts, budgets, the last selection (and, offloaded, the store handle)
+    for f, e in ((d, e_dev), (s, e_off)):
+        assert f["kv_bytes_index"] == sum(a.nbytes for lc in e.cache.layers for a in jax.tree.leaves(lc.state))
+        assert e.cache.layers[0].state is None and f["kv_bytes_index"] > summaries
 
 
 @pytest.mark.parametrize("offload", [False, True])

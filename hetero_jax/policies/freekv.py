@@ -1,13 +1,16 @@
 """FreeKV (Liu et al., 2025): speculative page retrieval with fine-grained correction.
 
 Every compressed layer (all but the first ``skip_layers``, App. A) keeps its
-whole prompt K/V in the pinned-host store and, on the device, one head group
-per layer holding, for each KV head, ``sinks`` first tokens, k selected pages
-of ``page_size`` tokens and the prompt's last tokens (the window), plus the
-page summaries (per-channel min/max key, §3.2), the page id held by each page
-slot (``resident``) and the previous step's query (``q_prev``): the §4.1 data
-placement. Pages cover ``[S, S + P*p)``, P being the full pages left before the
-window, so the window holds W to W + p - 1 tokens.
+whole prompt K/V in the pinned-host store and, on the device, as the prompt
+part of each KV head's region of the row pool, ``sinks`` first tokens, k
+selected pages of ``page_size`` tokens and the prompt's last tokens (the
+window): ``[sinks | page slots | window]``, a valid prefix that
+``LayerStep.attend`` attends as it is, with the tail. Its state record
+(``FreeKVState``) holds the page summaries (per-channel min/max key, §3.2), the
+page id held by each page slot (``resident``) and the previous step's query
+(``q_prev``): the §4.1 data placement. The skipped layers keep their prompt.
+Pages cover ``[S, S + P*p)``, P being the full pages left before the window,
+so the window holds W to W + p - 1 tokens.
 
 Selection Sel(q) (§3.2, App. B.2 "MeanS"): per query head, the softmax over the
 pages of the Quest bound sum_d max(q_d kmin_d, q_d kmax_d); the group mean of
@@ -17,10 +20,12 @@ consistent (§2.1).
 Decode, step i (compressed layers):
 - speculative retrieval (§3.2): the page slots hold Sel(q_{i-1}); the host
   recalled it between steps i-1 and i, moving only the pages that were not
-  resident (``FreeKVDecode.before_step``);
+  resident into the page slots of the pool (``FreeKVDecode.before_step``:
+  ``put_rows`` + ``scatter_rows``, by each head's offset);
 - fine-grained correction (§3.3): a KV head whose group-mean cosine
   cos(q_i, q_{i-1}) is below ``tau`` (App. B.3) fetches Sel(q_i) inside the
-  step, before its attention (``FreeKV.attend``); nothing is fetched when no
+  step, before its attention, and writes them into its page slots of the pool
+  (``FreeKV.attend``, ``pages.write_region_rows``); nothing is fetched when no
   head is corrected. ``tau > 1`` corrects every head (no speculation), ``tau < -1``
   none.
 After prefill the page slots hold Sel(q_last) of the prompt's last query, so
@@ -37,7 +42,8 @@ budgeted.
 
 Departures: tokens added after prefill (the tail) are attended in full, where
 FreeKV pages its generated tokens too; the in-step fetch returns every head's
-selected pages (a static callback shape), the corrected heads' rows are kept.
+selected pages (a static callback shape); only the corrected heads' rows are
+written.
 """
 
 from __future__ import annotations
@@ -51,15 +57,34 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import KVCache, RowBlock as HeadGroup  # PORT: not yet on the pool
+from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather, kv_rows_nbytes, put_rows, row_bucket, scatter_rows
+from hetero_jax.model.host_store import (HostKVStore, attend_chunk_over_host_prompt, host_gather, kv_rows_nbytes,
+                                         put_rows, row_bucket, scatter_rows)
+from hetero_jax.model.sharding import to_host
+from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
-                                       query_cosine, smallest_page_rho, top_pages)
+                                       query_cosine, smallest_page_rho, top_pages, write_region_rows)
+
+
+@struct.dataclass
+class FreeKVState:
+    """A compressed layer's decode state (its K/V rows are in the pool: [sinks | page slots | window])."""
+
+    kmin: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel min key
+    kmax: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel max key
+    n_pages: jax.Array = axes_field("batch")  # [B] int32 selectable pages of each prompt
+    sinks: jax.Array = axes_field("batch")  # [B] int32 sink rows (the page slots start there)
+    k_sel: jax.Array = axes_field("batch")  # [B] int32 page slots of each sequence
+    resident: jax.Array = axes_field("batch", "kv_heads", "slots")  # [B, H, k] int32 page id in each page slot
+    q_prev: jax.Array = axes_field("batch", "kv_heads", "group", "head_dim")  # [B, H, G, D] previous query
+    prompt_lens: jax.Array = axes_field("batch")  # [B] int32
+    store: jax.Array = axes_field()  # int32 handle of the host store holding the prompt (``host_gather``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,49 +169,44 @@ class FreeKV(Policy):
         return FreeKVPrefill(self, cfg, prompt_lens, compile_fn)
 
     # ----------------------------------------------------------------- decode
-    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
-        """Skipped layers: every slot. Compressed layers: correct the heads whose query moved (§3.3), then
+    def attend(self, li, q, step):
+        """Skipped layers: every row. Compressed layers: correct the heads whose query moved (§3.3), then
         attend sinks + page slots + window + tail. Extra: (Sel(q) [B, H, k], its validity, corrected [B, H]),
         which the host recalls for the next step (§3.2); None in skipped layers."""
-        aux = layer_cache.aux
-        if "kmin" not in aux:
-            return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, None
+        st = step.layer.state
+        if st is None:
+            return step.attend(q)[0], step, None
         ps = self.page_size
-        corr = query_cosine(q, aux["q_prev"]) < self.tau  # [B, H]
-        scores = group_page_scores(q, aux["kmin"], aux["kmax"], aux["n_pages"], "mean_softmax")
-        sel, valid = top_pages(scores, aux["resident"].shape[-1], aux["k_sel"])  # [B, H, k]
-        g = layer_cache.groups[0]
+        corr = query_cosine(q, st.q_prev) < self.tau  # [B, H]
+        scores = group_page_scores(q, st.kmin, st.kmax, st.n_pages, "mean_softmax")
+        sel, valid = top_pages(scores, st.resident.shape[-1], st.k_sel)  # [B, H, k]
 
-        def correct(_):
+        def correct(pool):
             # The callback's shape is static, so it returns every head's selected pages (B*H*k*p rows) even
-            # when only some heads are corrected; only the corrected heads' rows are kept. A GPU version would
-            # copy just the corrected heads' pages that are not resident yet (FreeKVDecode counts those as
-            # pages_corrected).
-            idx = page_token_index(sel, ps, start=aux["sinks"])  # [B, H, k*p]
-            k_rows, v_rows = host_gather(aux["store"], li, idx, g.k)
-            rel = jnp.arange(g.capacity, dtype=jnp.int32)[None, :] - aux["sinks"][:, None]  # [B, cap]
-            in_pages = (rel >= 0) & (rel < aux["k_sel"][:, None] * ps)  # this sequence's page slots
-            write = corr[:, :, None] & in_pages[:, None, :]  # [B, H, cap]
-            src = jnp.broadcast_to(jnp.clip(rel, 0, idx.shape[-1] - 1)[:, None, :], write.shape)
-            take = lambda a: jnp.take_along_axis(a, src[..., None], axis=2)  # noqa: E731
-            return (jnp.where(write[..., None], take(k_rows), g.k), jnp.where(write[..., None], take(v_rows), g.v),
-                    jnp.where(write, jnp.take_along_axis(idx, src, axis=2), g.positions))
+            # when only some heads are corrected; only the corrected heads' rows are written, into their page
+            # slots (region rows [S, S + k_sel p)). A GPU version would copy just the corrected heads' pages
+            # that are not resident yet (FreeKVDecode counts those as pages_corrected).
+            idx = page_token_index(sel, ps, start=st.sinks)  # [B, H, k*p]
+            k_rows, v_rows = host_gather(st.store, li, idx, pool.k)
+            j = jnp.arange(idx.shape[-1], dtype=jnp.int32)
+            in_pages = j[None, :] < (st.k_sel * ps)[:, None]  # [B, k*p] this sequence's page slots
+            write = corr[:, :, None] & in_pages[:, None, :]  # [B, H, k*p]
+            dst = jnp.where(write, st.sinks[:, None, None] + j, -1)
+            return write_region_rows(pool, step.layer.offsets, dst, k_rows, v_rows, idx, step.mesh)
 
-        k, v, pos = jax.lax.cond(corr.any(), correct, lambda _: (g.k, g.v, g.positions), None)
-        aux = dict(aux, resident=jnp.where(corr[..., None], sel, aux["resident"]),
-                   q_prev=q.astype(aux["q_prev"].dtype))
-        layer_cache = layer_cache.replace(groups=(g.replace(k=k, v=v, positions=pos),), aux=aux)
-        return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, (sel, valid, corr)
+        pool = jax.lax.cond(corr.any(), correct, lambda p: p, step.pool)
+        state = st.replace(resident=jnp.where(corr[..., None], sel, st.resident), q_prev=q.astype(st.q_prev.dtype))
+        step = step.replace(pool=pool, layer=step.layer.replace(state=state))
+        return step.attend(q)[0], step, (sel, valid, corr)
 
-
-    def attend_chunk(self, li, q, layer_cache, tail_start):
+    def attend_chunk(self, li, q, step):
         """A session's turn attends the whole prompt, as prefill did (dense): a compressed layer reads it from
         the host store; ``FreeKVDecode.after_extend`` then re-selects from the turn's last query."""
-        aux = layer_cache.aux
-        if "kmin" not in aux:
-            return M.layer_extend_attention(q, layer_cache, tail_start)
-        n_slots = aux["kmin"].shape[2] * self.page_size + layer_cache.groups[0].capacity  # >= S + P*p + w
-        return attend_chunk_over_host_prompt(li, q, layer_cache, tail_start, n_slots)
+        st = step.layer.state
+        if st is None:
+            return step.attend_chunk(q)
+        n_slots = st.kmin.shape[2] * self.page_size + step.layer.capacity  # >= S + P*p + w
+        return attend_chunk_over_host_prompt(li, q, step, st.store, st.prompt_lens, n_slots)
 
 
 @functools.partial(jax.jit, static_argnames=("n_select",))
@@ -196,7 +216,7 @@ def _select(q, kmin, kmax, n_pages, k_sel, n_select: int):
 
 
 def _slot_index(pages, sinks, k_sel, win_start, prompt_lens, ps: int, cap: int):
-    """Token position of every group slot, per sequence [sinks | k_sel page slots | window]; slots past a
+    """Token position of every prompt row of a head, per sequence [sinks | k_sel page slots | window]; rows past a
     sequence's length point at token 0 (finite, masked by the lengths). pages [B, H, k]; the rest [B].
     Returns (idx [B, H, cap], positions (-1 past the length), lengths [B] int32)."""
     B, H, n = pages.shape
@@ -216,7 +236,7 @@ def _slot_index(pages, sinks, k_sel, win_start, prompt_lens, ps: int, cap: int):
 def _prefill_layer(layer, x_in, k_buf, v_buf, lens, sinks, win_start, k_sel, cfg, page_size: int, n_pages: int,
                    n_select: int, cap: int):
     """One compressed layer: summaries of the pages [S, win_start), Sel(q_last) of the last prompt query, and
-    the group [sinks | selected pages | window]. Returns (group, kmin, kmax, n_pages, pages, q_last)."""
+    each head's rows [sinks | selected pages | window]. Returns (rows, kmin, kmax, n_pages, pages, q_last)."""
     kmin, kmax, counts = page_summaries(k_buf, win_start, page_size, start=sinks)
     kmin, kmax = kmin[:, :, :n_pages], kmax[:, :, :n_pages]  # the longest sequence's pages
     q_last = M.prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)[:, :, 0]  # [B, H, G, D]
@@ -224,16 +244,14 @@ def _prefill_layer(layer, x_in, k_buf, v_buf, lens, sinks, win_start, k_sel, cfg
     pages, _ = top_pages(scores, n_select, k_sel)
     idx, pos, lengths = _slot_index(pages, sinks, k_sel, win_start, lens, page_size, cap)
     take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=2)  # noqa: E731
-    group = HeadGroup(k=take(k_buf), v=take(v_buf), positions=pos,
-                      lengths=jnp.broadcast_to(lengths[:, None], pos.shape[:2]))
-    return group, kmin, kmax, counts, pages, q_last
+    rows = RowBlock(k=take(k_buf), v=take(v_buf), positions=pos,
+                    lengths=jnp.broadcast_to(lengths[:, None], pos.shape[:2]))
+    return rows, kmin, kmax, counts, pages, q_last
 
 
 class FreeKVPrefill(PrefillPlan):
     """Skipped layers keep their prompt; compressed layers put it in the host store and keep
-    sinks + Sel(q_last) + window, the summaries and q_last on the device."""
-
-    consumes_kv = True  # skipped layers keep k_buf / v_buf as their full group without a copy
+    sinks + Sel(q_last) + window in the pool, the summaries and q_last in their state record."""
 
     def __init__(self, policy: FreeKV, cfg: ModelConfig, prompt_lens, compile_fn=None):
         self.policy, self.cfg = policy, cfg
@@ -243,49 +261,56 @@ class FreeKVPrefill(PrefillPlan):
         self.sinks, self.win, self.n_pages, self.k_sel = (plans[:, i] for i in range(4))
         self.compressed = set(policy.compressed_layers(cfg))
         self.store = HostKVStore(cfg.num_layers)
-        self.aux: dict[int, dict] = {}
-        self.resident: dict[int, np.ndarray] = {}
+        self.resident: dict[int, jax.Array] = {}
         self.itemsize = 0
 
-    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
-        if li not in self.compressed:
-            return M.full_layer_groups(k_buf, v_buf, lens, int(self.lens.max()), self.compile_fn)
-        ps = self.policy.page_size
+    def prompt_counts(self) -> np.ndarray:
+        """Skipped layers: the prompt; compressed layers: sinks + k pages + window, every head."""
+        kept = self.sinks + self.k_sel * self.policy.page_size + self.win  # [B]
+        return np.stack([np.broadcast_to((kept if li in self.compressed else self.lens)[:, None],
+                                         (len(self.lens), self.cfg.num_kv_heads))
+                         for li in range(self.cfg.num_layers)]).astype(np.int64)
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
         t_max = int(self.lens.max())
+        if li not in self.compressed:
+            return M.full_rows(k_buf, v_buf, lens, t_max)
+        ps = self.policy.page_size
         self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
         self.itemsize = k_buf.dtype.itemsize
         # fresh arrays per layer: the decode step donates every cache leaf separately
         arr = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
         args = (layer, x_in, k_buf, v_buf, lens, arr(self.sinks), arr(self.lens - self.win), arr(self.k_sel))
         cap = int((self.sinks + self.k_sel * ps + self.win).max())
-        group, kmin, kmax, n_pages, pages, q_last = self.compile_fn(
+        rows, kmin, kmax, n_pages, pages, q_last = self.compile_fn(
             _prefill_layer, *args, cfg=self.cfg, page_size=ps, n_pages=int(self.n_pages.max()),
             n_select=int(self.k_sel.max()), cap=cap)(*args)
-        self.aux[li] = {"kmin": kmin, "kmax": kmax, "n_pages": n_pages, "sinks": arr(self.sinks),
-                        "k_sel": arr(self.k_sel), "resident": pages, "q_prev": q_last,
-                        "prompt_lens": arr(self.lens), "store": self.store.handle_array()}
+        state = FreeKVState(kmin=kmin, kmax=kmax, n_pages=n_pages, sinks=arr(self.sinks), k_sel=arr(self.k_sel),
+                            resident=pages, q_prev=q_last, prompt_lens=arr(self.lens),
+                            store=self.store.handle_array())
         self.resident[li] = pages
-        return (group,)
+        return LayerPrefill(blocks=(rows.replace(heads=tuple(range(k_buf.shape[1]))),), state=state)
 
     def finish(self, cache: KVCache) -> tuple[KVCache, "FreeKVDecode"]:
-        layers = tuple(lc.replace(aux=self.aux[li]) if li in self.aux else lc for li, lc in enumerate(cache.layers))
         # copies (np.array), never views of device buffers the decode step will donate
         resident = {li: np.array(p, np.int32, copy=True) for li, p in self.resident.items()}
         self.store.materialize()  # the in-step callbacks read numpy views only (waits for the copies)
+        offsets = [to_host(l.offsets).astype(np.int64) for l in cache.layers]
         state = FreeKVDecode(self.policy, self.cfg, self.lens, self.sinks, self.n_pages, self.k_sel, self.store,
-                             resident, self.itemsize, self.compile_fn)
-        return cache.replace(layers=layers), state
+                             resident, self.itemsize, offsets, self.compile_fn)
+        return cache, state
 
 
 class FreeKVDecode(DecodeState):
     """FreeKV between steps: reads step i's selections and corrections (copied to the host asynchronously)
     before step i + 1 and recalls the pages that changed (§3.2); keeps a host mirror of each layer's
-    ``resident`` (the page id in every page slot) and the counters."""
+    ``resident`` (the page id in every page slot), each head's first pool row (``offsets``) and the counters."""
 
     def __init__(self, policy: FreeKV, cfg: ModelConfig, lens, sinks, n_pages, k_sel, store: HostKVStore,
-                 resident: dict[int, np.ndarray], itemsize: int, compile_fn=None):
+                 resident: dict[int, np.ndarray], itemsize: int, offsets: list[np.ndarray], compile_fn=None):
         self.policy, self.cfg, self.store, self.itemsize = policy, cfg, store, itemsize
         self.lens, self.sinks, self.n_pages, self.k_sel = lens, sinks, n_pages, k_sel
+        self.offsets = offsets  # per layer [B, H] each head's first pool row (``pool_moved`` reads new ones)
         self.initial = resident  # as prefill left it (fresh() starts from it; never mutated)
         self.resident = dict(resident)  # host mirror; replaced, never written in place
         self.compile_fn = compile_fn
@@ -304,7 +329,11 @@ class FreeKVDecode(DecodeState):
 
     def fresh(self) -> "FreeKVDecode":
         return FreeKVDecode(self.policy, self.cfg, self.lens, self.sinks, self.n_pages, self.k_sel, self.store,
-                            self.initial, self.itemsize, self.compile_fn)
+                            self.initial, self.itemsize, self.offsets, self.compile_fn)
+
+    def pool_moved(self, cache) -> None:
+        """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
+        self.offsets = [to_host(l.offsets).astype(np.int64) for l in cache.layers]
 
     def after_step(self, step, extras, cache) -> None:
         self.steps += 1
@@ -348,12 +377,13 @@ class FreeKVDecode(DecodeState):
         layers = list(cache.layers)
         sels = {}
         for li in self.resident:
-            aux = layers[li].aux
+            st = layers[li].state
             q = turn_queries[li][:, :, -1]  # [B, H, G, D]
-            args = (q, aux["kmin"], aux["kmax"], aux["n_pages"], aux["k_sel"])
-            sel = self.compile_fn(_select, *args, n_select=aux["resident"].shape[-1])(*args)
+            args = (q, st.kmin, st.kmax, st.n_pages, st.k_sel)
+            sel = self.compile_fn(_select, *args, n_select=st.resident.shape[-1])(*args)
             sels[li] = np.array(sel, np.int32)
-            layers[li] = layers[li].replace(aux=dict(aux, q_prev=q.astype(aux["q_prev"].dtype)))
+            q_prev = jax.device_put(q.astype(st.q_prev.dtype), st.q_prev.sharding)
+            layers[li] = layers[li].replace(state=st.replace(q_prev=q_prev))
         self.ready = (None, sels)
         try:
             out = self._recall(cache.replace(layers=tuple(layers)))
@@ -385,10 +415,12 @@ class FreeKVDecode(DecodeState):
     def _recall(self, cache: KVCache) -> KVCache:
         """Per head, the pages of Sel(q_i) that are not resident replace, slot by slot, the resident pages
         no longer selected. Only those rows cross to the device (every transfer started before any write)
-        and are scattered in place; the group is never read back."""
+        and are scattered in place into the page slots of each head's region of the pool (pool row = its
+        offset + slot, its shard = head // (H / S)); the pool is never read back."""
         _, sels = self.ready
         ps = self.policy.page_size
         layers = list(cache.layers)
+        n_local = self.cfg.num_kv_heads // cache.pool.num_shards
         writes, mirrors, moved = [], {}, 0
         for li, sel in sels.items():
             mirror = self.resident[li]
@@ -406,20 +438,23 @@ class FreeKVDecode(DecodeState):
             mirrors[li] = new
             offs = np.arange(ps)[None, :]
             tok = (self.sinks[mb, None] + pages[:, None] * ps + offs).reshape(-1)
-            slots = (self.sinks[mb, None] + fj[:, None] * ps + offs).reshape(-1)
+            slots = (self.sinks[mb, None] + fj[:, None] * ps + offs).reshape(-1)  # region rows of the page slots
             b_idx, h_idx = np.repeat(mb, ps), np.repeat(mh, ps)
             k_rows, v_rows = self.store.rows(li, b_idx, h_idx, tok, total=row_bucket(len(tok)))
-            ops = put_rows(b_idx, h_idx, slots, k_rows, v_rows, tok, layers[li].groups[0].capacity)
-            writes.append((li, ops, len(pages), kv_rows_nbytes(len(tok), k_rows)))
+            rows = self.offsets[li][b_idx, h_idx] + slots
+            ops = put_rows(b_idx, h_idx // n_local, rows, k_rows, v_rows, tok, cache.pool.num_rows)
+            writes.append((li, ops, kv_rows_nbytes(len(tok), k_rows)))
             moved += len(pages)
-        for li, ops, _, _ in writes:  # every transfer went out: write in place
-            lc = layers[li]
-            aux = dict(lc.aux, resident=jax.device_put(mirrors[li].copy()))  # a fresh array, never mutated
-            layers[li] = lc.replace(groups=(scatter_rows(lc.groups[0], ops, self.compile_fn),), aux=aux)
+        pool = cache.pool
+        for li, ops, _ in writes:  # every transfer went out: write in place
+            pool = scatter_rows(pool, ops, self.compile_fn)
+            st = layers[li].state
+            resident = jax.device_put(mirrors[li].copy(), st.resident.sharding)  # a fresh array, never mutated
+            layers[li] = layers[li].replace(state=st.replace(resident=resident))
         self.resident.update(mirrors)
         self.pages_recalled += moved
         self.bytes_recalled += sum(b for *_, b in writes)
-        return cache.replace(layers=tuple(layers))
+        return cache.replace(pool=pool, layers=tuple(layers))
 
     def in_flight(self):
         return None if self.pending is None else self.pending[1]

@@ -1,10 +1,10 @@
 """HCAttention (Yang et al., 2025): approximate scores on the device, values summed on the host.
 
 After prefill no prompt value stays on the device: every layer's prompt V [B, Hkv, L, D] goes to the
-pinned host store. The device keeps, per layer, either the exact post-RoPE keys ("values on host",
-the paper's 50% point) or, with a key codebook (``hetero_jax.profile.codebook``), only each key's
-g int16 codes plus the layer's codebook [c, d] (paper §3.1). Every head's prompt group is empty
-(capacity 0): no prompt K/V row is on the device.
+pinned host store. The device keeps, per layer, in its state record (``HCState``), either the exact
+post-RoPE keys ("values on host", the paper's 50% point) or, with a key codebook
+(``hetero_jax.profile.codebook``), only each key's g int16 codes plus the layer's codebook [c, d]
+(paper §3.1). Every head keeps 0 prompt rows in the row pool: its region holds only the tail.
 
 Decode, per layer, per query head q (paper §3.2), inside the jitted step:
 - scores z_t = q . k_t (exact keys), or from the look-up table T[i, j] = q_i . C[j] over the g
@@ -12,8 +12,8 @@ Decode, per layer, per query head q (paper §3.2), inside the jitted step:
 - a = softmax(z / sqrt(D)) over the prompt; the mass set Pi = the k* most probable tokens,
   k* = min{k : sum of the k largest a >= tau} (Eq. 4; tau >= 1 keeps every token);
 - a host callback (``host_store.host_weighted_sum``, numpy) returns y = sum_{t in Pi} a_t V_t (Eq. 5);
-- merged with the exact attention over the tail (tokens added after prefill, on the device) by
-  log-sum-exp. ``renormalize=True`` (the issue's default) divides y by its kept mass sum_Pi a_t: the
+- merged with the exact attention over the tail (tokens added after prefill, in the head's region of
+  the pool, ``LayerStep.attend_tail``) by log-sum-exp. ``renormalize=True`` (the issue's default) divides y by its kept mass sum_Pi a_t: the
   result is softmax attention over Pi and the tail. ``renormalize=False`` is the paper's Eq. 5: the
   kept tokens keep their weights under the softmax over the whole prompt and the tail, so the
   weights sum to less than 1.
@@ -42,10 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import KVCache, RowBlock as HeadGroup, tail_kv_bytes  # PORT: not yet on the pool
+from flax import struct
+
+from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, host_weighted_sum
+from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, bool_param, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from pallas_kernels import MASK_VALUE
@@ -53,6 +55,18 @@ from hetero_jax.profile.codebook import KeyCodebook, load_codebook, shipped_code
 
 MATCH = 0.05  # a budget picks the operating point whose rho is within 5% of it
 CODE_BYTES = 2  # int16 codes
+
+
+@struct.dataclass
+class HCState:
+    """A layer's decode state: the prompt's keys, or their codes and the layer's codebook (the values are on
+    the host, in the store ``store``)."""
+
+    prompt_lens: jax.Array = axes_field("batch")  # [B] int32
+    store: jax.Array = axes_field()  # int32 handle of the values-only host store (``host_weighted_sum``)
+    keys: jax.Array | None = axes_field("batch", "kv_heads", "tokens", "head_dim", default=None)  # [B, H, T, D]
+    codes: jax.Array | None = axes_field("batch", "kv_heads", "tokens", "subvectors", default=None)  # [B, H, T, g]
+    codebook: jax.Array | None = axes_field("centroids", "sub_dim", default=None)  # [c, d], shared by the layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,15 +184,15 @@ class HCAttention(Policy):
         raise NotImplementedError("HCAttention selects at every decode step; it scores no token at prefill")
 
     # ----------------------------------------------------------------- decode
-    def prompt_part(self, li: int, q, aux, kind: str):
+    def prompt_part(self, li: int, q, st: HCState, kind: str):
         """Traced: the prompt's share of attention for query rows q [B, H, Q, D] (module docstring).
 
         Returns (y [B, H, Q, D] float32, lse [B, H, Q] float32 of what y stands for, k* [B, H, Q] int32,
         truncated [B, H, Q] bool: the k_cap candidates held less than tau)."""
         B, H, Q, D = q.shape
-        s = prompt_scores(q, aux) * (1.0 / math.sqrt(D))
+        s = prompt_scores(q, st) * (1.0 / math.sqrt(D))
         T = s.shape[-1]
-        valid = jnp.arange(T, dtype=jnp.int32)[None, :] < aux["prompt_lens"][:, None]  # [B, T]
+        valid = jnp.arange(T, dtype=jnp.int32)[None, :] < st.prompt_lens[:, None]  # [B, T]
         s = jnp.where(valid[:, None, None, :], s, MASK_VALUE)
         m = s.max(-1)
         p = jnp.exp(s - m[..., None])
@@ -188,50 +202,48 @@ class HCAttention(Policy):
         vals, idx = jax.lax.top_k(a, k_cap)  # descending; ties to the lower index
         # mass of the higher-ranked tokens (an exclusive prefix sum, not cumsum - vals: exact at 0)
         before = jnp.concatenate([jnp.zeros_like(vals[..., :1]), jnp.cumsum(vals, axis=-1)[..., :-1]], axis=-1)
-        keep = idx < aux["prompt_lens"][:, None, None, None]
+        keep = idx < st.prompt_lens[:, None, None, None]
         if self.tau < 1.0:  # tau >= 1 keeps every token (a float32 cumsum may never reach 1)
             keep &= before < self.tau
         w = jnp.where(keep, vals, 0.0)
-        y = host_weighted_sum(aux["store"], li, idx.astype(jnp.int32), w, D, kind)
+        y = host_weighted_sum(st.store, li, idx.astype(jnp.int32), w, D, kind)
         mass = w.sum(-1)
         lse = m + jnp.log(l)
         if self.renormalize:  # softmax over the kept tokens (and, merged, the tail)
             y, lse = y / mass[..., None], lse + jnp.log(mass)
         kstar = keep.sum(-1, dtype=jnp.int32)
-        truncated = (kstar == k_cap) & (mass < self.tau) & (k_cap < aux["prompt_lens"][:, None, None])
+        truncated = (kstar == k_cap) & (mass < self.tau) & (k_cap < st.prompt_lens[:, None, None])
         return y, lse, kstar, truncated
 
-    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
+    def attend(self, li, q, step):
         """The prompt part (host sum over the mass set) merged with the exact tail; extra: (k* [B, H, G] int32,
         truncated [B, H, G] bool)."""
-        y, lse, kstar, trunc = self.prompt_part(li, q, layer_cache.aux, "decode")
-        B, H = q.shape[:2]
-        t_len = jnp.broadcast_to(tail_lens[:, None], (B, H))
-        out_t, lse_t = pallas_kernels.decode_attention(q, layer_cache.tail_k, layer_cache.tail_v, t_len,
-                                                       finite_padding=True)
-        out, _ = pallas_kernels.merge_attention(y.astype(out_t.dtype), lse, out_t, lse_t)
-        return out, layer_cache, (kstar, trunc)
+        y, lse, kstar, trunc = self.prompt_part(li, q, step.layer.state, "decode")
+        out_t, lse_t = step.attend_tail(q[:, :, None])  # [B, H, 1, G, D], [B, H, 1, G]
+        out, _ = pallas_kernels.merge_attention(y.astype(out_t.dtype), lse, out_t[:, :, 0], lse_t[:, :, 0])
+        return out, step, (kstar, trunc)
 
-    def attend_chunk(self, li, q, layer_cache, tail_start):
+    def attend_chunk(self, li, q, step):
         """A session turn's C queries [B, H, G, C, D], each as one decode step would: its own mass set."""
         B, H, G, C, D = q.shape
-        y, lse, _, _ = self.prompt_part(li, q.reshape(B, H, G * C, D), layer_cache.aux, "turn")
-        out_t, lse_t = M.tail_extend_attention(q, layer_cache, tail_start)
-        out, _ = pallas_kernels.merge_attention(y.reshape(B, H, G, C, D), lse.reshape(B, H, G, C), out_t, lse_t)
+        y, lse, _, _ = self.prompt_part(li, q.reshape(B, H, G * C, D), step.layer.state, "turn")
+        out_t, lse_t = step.attend_tail(q.transpose(0, 1, 3, 2, 4))  # [B, H, C, G, D], [B, H, C, G]
+        out, _ = pallas_kernels.merge_attention(y.reshape(B, H, G, C, D), lse.reshape(B, H, G, C),
+                                                out_t.transpose(0, 1, 3, 2, 4), lse_t.transpose(0, 1, 3, 2))
         return out.astype(q.dtype)
 
 
-def prompt_scores(q, aux):
+def prompt_scores(q, st: HCState):
     """Traced: raw scores [B, H, Q, T] float32 of query rows q [B, H, Q, D] against the prompt: exact
-    (``aux["keys"]`` [B, H, T, D]) or by the look-up table (``aux["codes"]`` [B, H, T, g] int16,
-    ``aux["codebook"]`` [c, d]): z_t = sum_i (q_i . C[P[t, i]]) (paper Eq. 3)."""
+    (``st.keys`` [B, H, T, D]) or by the look-up table (``st.codes`` [B, H, T, g] int16, ``st.codebook``
+    [c, d]): z_t = sum_i (q_i . C[P[t, i]]) (paper Eq. 3)."""
     B, H, Q, D = q.shape
     qf = q.astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
-    if "keys" in aux:
-        return jnp.einsum("bhqd,bhtd->bhqt", qf, aux["keys"].astype(jnp.float32), precision=hi)
-    cb = aux["codebook"].astype(jnp.float32)  # [c, d]
-    codes = aux["codes"]
+    if st.keys is not None:
+        return jnp.einsum("bhqd,bhtd->bhqt", qf, st.keys.astype(jnp.float32), precision=hi)
+    cb = st.codebook.astype(jnp.float32)  # [c, d]
+    codes = st.codes
     T, g = codes.shape[2], codes.shape[3]
     lut = jnp.einsum("bhqid,cd->ibhqc", qf.reshape(B, H, Q, g, D // g), cb, precision=hi)  # [g, B, H, Q, c]
 
@@ -269,14 +281,16 @@ def encode_keys(keys, centroids, lens):
     return jnp.where(valid[:, None, :, None], codes, 0).astype(jnp.int16)
 
 
-def _empty_group(B: int, H: int, D: int, dtype) -> HeadGroup:
-    """A capacity-0 group: the layer's heads keep no prompt row on the device (lengths 0)."""
-    return HeadGroup(k=jnp.zeros((B, H, 0, D), dtype), v=jnp.zeros((B, H, 0, D), dtype),
-                     positions=jnp.zeros((B, H, 0), jnp.int32), lengths=jnp.zeros((B, H), jnp.int32))
+def _no_rows(B: int, H: int, D: int, dtype) -> RowBlock:
+    """The layer's heads keep no prompt row in the pool (count 0): their regions hold only the tail."""
+    return RowBlock(k=jnp.zeros((B, H, 0, D), dtype), v=jnp.zeros((B, H, 0, D), dtype),
+                    positions=jnp.zeros((B, H, 0), jnp.int32), lengths=jnp.zeros((B, H), jnp.int32),
+                    heads=tuple(range(H)))
 
 
 class HCPrefill(PrefillPlan):
-    """Dense prefill; each layer's prompt V to the host store, its keys (or codes + codebook) to ``aux``."""
+    """Dense prefill; each layer's prompt V to the host store, its keys (or codes + codebook) to its state
+    record; no prompt row in the pool."""
 
     def __init__(self, policy: HCAttention, cfg: ModelConfig, prompt_lens, compile_fn=None):
         self.policy, self.cfg = policy, cfg
@@ -284,9 +298,11 @@ class HCPrefill(PrefillPlan):
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
         self.point = policy.plan(cfg, self.lens)  # validates every prompt first
         self.store = HostKVStore(cfg.num_layers)
-        self.aux: dict[int, dict] = {}
 
-    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
+    def prompt_counts(self) -> np.ndarray:
+        return np.zeros((self.cfg.num_layers, len(self.lens), self.cfg.num_kv_heads), np.int64)
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
         B, H, _, D = k_buf.shape
         want = self.policy.kv_itemsize or 4
         if k_buf.dtype.itemsize != want:
@@ -295,24 +311,20 @@ class HCPrefill(PrefillPlan):
         t_max = int(self.lens.max())
         self.store.put(li, None, v_buf[:, :, :t_max])
         # fresh arrays per layer: the decode step donates every cache leaf separately
-        aux = {"prompt_lens": jnp.asarray(self.lens.astype(np.int32)), "store": self.store.handle_array()}
+        st = HCState(prompt_lens=jnp.asarray(self.lens.astype(np.int32)), store=self.store.handle_array())
         cb = self.point.codebook
         if cb is None:
-            aux["keys"] = jnp.array(k_buf[:, :, :t_max])  # a copy: k_buf may be shared (benchmarks)
+            st = st.replace(keys=jnp.array(k_buf[:, :, :t_max]))  # a copy: k_buf may be shared (benchmarks)
         else:
             cents = jnp.asarray(cb.centroids[li])
             args = (k_buf[:, :, :t_max], cents, lens)
-            aux["codes"] = self.compile_fn(encode_keys, *args)(*args)
-            aux["codebook"] = cents
-        self.aux[li] = aux
-        return (_empty_group(B, H, D, k_buf.dtype),)
+            st = st.replace(codes=self.compile_fn(encode_keys, *args)(*args), codebook=cents)
+        return LayerPrefill(blocks=(_no_rows(B, H, D, k_buf.dtype),), state=st)
 
     def finish(self, cache: KVCache) -> tuple[KVCache, "HCDecode"]:
-        layers = tuple(lc.replace(aux=self.aux[li]) for li, lc in enumerate(cache.layers))
         self.store.materialize()  # the in-step callbacks read numpy views only (waits for the copies)
         itemsize = self.policy.kv_itemsize or 4
-        return cache.replace(layers=layers), HCDecode(self.policy, self.cfg, self.lens, self.point, self.store,
-                                                      itemsize)
+        return cache, HCDecode(self.policy, self.cfg, self.lens, self.point, self.store, itemsize)
 
 
 class HCDecode(DecodeState):
@@ -373,10 +385,11 @@ class HCDecode(DecodeState):
         return now[0] - base[0], now[1] - base[1], now[2] - base[2]
 
     def kv_bytes_read(self, cache) -> int:
-        """Keys or codes + codebooks and tails (device), plus the value rows a step reads on the host (mean)."""
+        """Keys or codes + codebooks (the state records) and the pool (device: every head's region holds only
+        its tail), plus the value rows a step reads on the host (mean)."""
         _, _, rows = self._counter("decode")
         host = rows * self.cfg.head_dim * self.itemsize / self.steps if self.steps else 0
-        return int(tail_kv_bytes(cache) + self.index_bytes(cache) + host)
+        return int(kv_bytes(cache) + self.index_bytes(cache) + host)
 
     def stats(self) -> dict:
         self._collect()

@@ -6,6 +6,11 @@ heads), queries ``[B, H, G, D]`` (G = query heads per KV head). Scores are
 float32 and pages beyond a sequence's count score MASK_VALUE (finite, never -inf).
 Everything here is pure and jittable with ``page_size``, ``n_select`` and
 ``how`` static; ``start`` is static when it is a python int.
+
+``region_rows`` and ``write_region_rows`` read and write, inside a decode step,
+rows of each KV head's region of the row pool (``model.cache``): what Quest's
+page gather, Quest offloaded's buffer refill and FreeKV's in-step correction
+touch (on a mesh inside ``shard_map``, each device its own heads' rows).
 """
 
 from __future__ import annotations
@@ -176,3 +181,73 @@ def smallest_page_rho(prompt_len: int, num_layers: int, full_layers: int, page_s
     while pages_for_budget(rho, prompt_len, num_layers, full_layers, page_size, **kw) < 1:
         rho = round(rho + 1e-4, 4)
     return float(rho)
+
+
+# ----------------------------------------------------------------------------- rows of a head's pool region
+# Inside a decode step (traced): read or write rows of every head's region of the row pool
+# (``model.cache``: head h of a layer owns pool[b, h // (H / S), offsets[b, h] + j]). On a mesh both run inside
+# ``jax.shard_map`` over the pool's shards, as ``model.pool.append`` does: each device touches its own heads'
+# rows only, so no pool shard is gathered or replicated.
+
+
+def _local_gather(pool, offsets, idx):
+    """One shard: rows offsets + idx of each head's region, k, v [B, h, n, D] (idx clipped into the pool)."""
+    B, h, _ = idx.shape
+    n_local = h // pool.num_shards
+    rows = jnp.clip(offsets[..., None] + idx, 0, pool.num_rows - 1)
+    b = jnp.arange(B)[:, None, None]
+    s = (jnp.arange(h) // n_local)[None, :, None]
+    return pool.k[b, s, rows], pool.v[b, s, rows]
+
+
+def _local_write(pool, offsets, dst, k, v, pos):
+    """One shard: k, v [B, h, n, D] and positions [B, h, n] at rows offsets + dst of each head's region; rows
+    whose dst is negative are dropped."""
+    B, h, _ = dst.shape
+    n_local = h // pool.num_shards
+    rows = jnp.where(dst >= 0, offsets[..., None] + dst, pool.num_rows)
+    b = jnp.arange(B)[:, None, None]
+    s = (jnp.arange(h) // n_local)[None, :, None]
+    return pool.replace(k=pool.k.at[b, s, rows].set(k.astype(pool.k.dtype), mode="drop"),
+                        v=pool.v.at[b, s, rows].set(v.astype(pool.v.dtype), mode="drop"),
+                        positions=pool.positions.at[b, s, rows].set(pos.astype(jnp.int32), mode="drop"))
+
+
+def _pool_specs(mesh, pool):
+    from hetero_jax.model.sharding import partition_spec
+
+    kv = partition_spec(("batch", "kv_heads", "pool_rows", "head_dim"), pool.k.shape, mesh)
+    return type(pool)(k=kv, v=kv, positions=partition_spec(("batch", "kv_heads", "pool_rows"), pool.positions.shape,
+                                                           mesh))
+
+
+def region_rows(pool, offsets, idx, mesh=None):
+    """Traced: rows ``idx`` [B, H, n] int32 (region-relative; clipped into the pool, so any finite index is
+    safe) of every head's region of ``pool``, whose first rows are at ``offsets`` [B, H]. Returns k, v
+    [B, H, n, D] (the pool's dtype)."""
+    if mesh is None:
+        return _local_gather(pool, offsets, idx)
+    from hetero_jax.model.sharding import partition_spec
+
+    bh = partition_spec(("batch", "kv_heads"), offsets.shape, mesh)
+    i_spec = partition_spec(("batch", "kv_heads", "slots"), idx.shape, mesh)
+    out = partition_spec(("batch", "kv_heads", "slots", "head_dim"), idx.shape + (pool.k.shape[-1],), mesh)
+    return jax.shard_map(_local_gather, mesh=mesh, in_specs=(_pool_specs(mesh, pool), bh, i_spec),
+                         out_specs=(out, out), check_vma=False)(pool, offsets, idx)
+
+
+def write_region_rows(pool, offsets, dst, k, v, positions, mesh=None):
+    """Traced: ``pool`` with k, v [B, H, n, D] and their prompt positions [B, H, n] written at rows ``dst``
+    [B, H, n] int32 of every head's region (region-relative, the region starting at ``offsets`` [B, H]); a
+    negative ``dst`` is not written. The caller keeps ``dst`` inside each head's prompt rows (a fetch never
+    reaches the tail or a neighbouring region)."""
+    if mesh is None:
+        return _local_write(pool, offsets, dst, k, v, positions)
+    from hetero_jax.model.sharding import partition_spec
+
+    spec = _pool_specs(mesh, pool)
+    bh = partition_spec(("batch", "kv_heads"), offsets.shape, mesh)
+    i_spec = partition_spec(("batch", "kv_heads", "slots"), dst.shape, mesh)
+    r_spec = partition_spec(("batch", "kv_heads", "slots", "head_dim"), k.shape, mesh)
+    return jax.shard_map(_local_write, mesh=mesh, in_specs=(spec, bh, i_spec, r_spec, r_spec, i_spec),
+                         out_specs=spec, check_vma=False)(pool, offsets, dst, k, v, positions)

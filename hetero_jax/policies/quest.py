@@ -11,14 +11,20 @@ group max over its query heads), plus the partial last page and the tail
 
 Two modes, one budget definition:
 
-- in-device (``offload=False``, the paper): the whole prompt stays on the device
-  and ``budget`` is the fraction attended per step: round(rho L) tokens per
-  head of a sparse layer. No memory saving (achieved rho 1).
+- in-device (``offload=False``, the paper): every head keeps its whole prompt
+  in its region of the row pool and ``budget`` is the fraction attended per
+  step: round(rho L) tokens per head of a sparse layer. A step gathers its
+  selected rows from the head's region (``pages.region_rows``) and attends them
+  merged by log-sum-exp with the tail (``LayerStep.attend_tail``). No memory
+  saving (achieved rho 1).
 - offloaded (``offload=True``): the sparse layers' prompt K/V lives in the host
-  store; the device keeps the summaries and a page buffer that the step refills
-  with the pages it selects (fetched inside the step with ``host_gather``).
-  Device bytes, summaries counted (one page's kmin + kmax = one token's K + V),
-  are at most rho of the prompt's full KV: ``pages.pages_for_budget``.
+  store; the prompt part of each head's region is its page buffer (the k
+  selected pages and the partial page: what a step attends), which the step
+  refills with the rows it selects (fetched inside the step with
+  ``host_gather``, written into the pool with ``pages.write_region_rows``) and
+  then attends with the tail in one call (``LayerStep.attend``). Device bytes,
+  summaries counted (one page's kmin + kmax = one token's K + V), are at most
+  rho of the prompt's full KV: ``pages.pages_for_budget``.
 
 Our departure: selection is per KV head (group max of the G query heads'
 bounds, FreeKV's "maxS" Quest baseline) rather than per query head, so one
@@ -34,15 +40,33 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
+import pallas_kernels
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import KVCache, RowBlock as HeadGroup, tail_kv_bytes  # PORT: not yet on the pool
+from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, row_nbytes, tail_kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather
+from hetero_jax.model.sharding import to_host
+from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.base import BudgetError, Policy, bool_param, int_param, tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
-                                       smallest_page_rho, top_pages)
+                                       region_rows, smallest_page_rho, top_pages, write_region_rows)
+
+
+@struct.dataclass
+class QuestPages:
+    """A sparse layer's decode state: the page summaries, the selection's bounds and the last selection."""
+
+    kmin: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel min key
+    kmax: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel max key
+    n_pages: jax.Array = axes_field("batch")  # [B] int32 full pages of each prompt
+    prompt_lens: jax.Array = axes_field("batch")  # [B] int32
+    k_sel: jax.Array = axes_field("batch")  # [B] int32 pages each sequence selects per step
+    pages: jax.Array = axes_field("batch", "kv_heads", "slots")  # [B, H, k] int32 the last step's selection
+    # offloaded: the handle of the host store holding the layer's prompt K/V (``host_gather``); else None
+    store: jax.Array | None = axes_field(default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,42 +109,45 @@ class Quest(Policy):
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return QuestPrefill(self, cfg, prompt_lens, compile_fn)
 
-    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
-        """Layers below ``full_layers``: every slot. Others: the selected pages + partial page + tail.
+    def attend(self, li, q, step):
+        """Layers below ``full_layers``: every row. Others: the selected pages + partial page + tail.
         Extra: the selected pages [B, H, k] and their validity (None in full layers)."""
-        aux = layer_cache.aux
-        if "kmin" not in aux:
-            return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, None
+        st = step.layer.state
+        if st is None:
+            return step.attend(q)[0], step, None
         ps = self.page_size
-        n_sel = aux["pages"].shape[-1]
-        scores = group_page_scores(q, aux["kmin"], aux["kmax"], aux["n_pages"], "max")  # [B, H, P]
-        pages, valid = top_pages(scores, n_sel, aux["k_sel"])
-        idx, lengths = _attended_slots(pages, valid, aux["n_pages"], aux["prompt_lens"], ps)  # [B, H, S]
-        g = layer_cache.groups[0]
-        if self.offload:
-            k_rows, v_rows = host_gather(aux["store"], li, idx, g.k)
-        else:
-            k_rows = jnp.take_along_axis(g.k, idx[..., None], axis=2)
-            v_rows = jnp.take_along_axis(g.v, idx[..., None], axis=2)
+        scores = group_page_scores(q, st.kmin, st.kmax, st.n_pages, "max")  # [B, H, P]
+        pages, valid = top_pages(scores, st.pages.shape[-1], st.k_sel)
+        idx, lengths = _attended_slots(pages, valid, st.n_pages, st.prompt_lens, ps)  # [B, H, S]
         S = idx.shape[-1]
-        pos = jnp.where(jnp.arange(S)[None, None, :] < lengths[..., None], idx, -1)
-        attended = HeadGroup(k=k_rows, v=v_rows, positions=pos, lengths=lengths)
-        out = M.layer_decode_attention(q, layer_cache.replace(groups=(attended,)), tail_lens)
-        new_aux = dict(aux, pages=pages)
-        # offloaded: the fetched pages are the device buffer (real memory of the budget); in-device: the
-        # full group stays and the gathered rows are temporaries
-        new_groups = (attended,) if self.offload else layer_cache.groups
-        return out, layer_cache.replace(groups=new_groups, aux=new_aux), (pages, valid)
+        slot = jnp.arange(S, dtype=jnp.int32)[None, None, :]
+        layer = step.layer.replace(state=st.replace(pages=pages))
+        if self.offload:
+            # the page buffer is the prompt part of each head's region (its count is what a step attends, so
+            # the attended rows form its valid prefix): refill it with this step's rows, then attend it and
+            # the tail in one call
+            k_rows, v_rows = host_gather(st.store, li, idx, step.pool.k)
+            dst = jnp.where(slot < lengths[..., None], slot, -1)
+            pool = write_region_rows(step.pool, step.layer.offsets, dst, k_rows, v_rows,
+                                     jnp.where(dst >= 0, idx, -1), step.mesh)
+            step = step.replace(pool=pool, layer=layer)
+            return step.attend(q)[0], step, (pages, valid)
+        # in-device: the head's region holds its whole prompt in position order (row j = position j); the
+        # gathered rows are temporaries, merged with the tail by log-sum-exp
+        k_rows, v_rows = region_rows(step.pool, step.layer.offsets, idx, step.mesh)
+        out_p, lse_p = pallas_kernels.decode_attention(q, k_rows, v_rows, lengths, finite_padding=True)
+        out_t, lse_t = step.attend_tail(q[:, :, None])
+        out, _ = pallas_kernels.merge_attention(out_p, lse_p, out_t[:, :, 0], lse_t[:, :, 0])
+        return out, step.replace(layer=layer), (pages, valid)
 
-
-    def attend_chunk(self, li, q, layer_cache, tail_start):
+    def attend_chunk(self, li, q, step):
         """A session's turn attends the whole prompt, as Quest's prefill does (dense); offloaded, a sparse
         layer reads its prompt from the host store for the turn."""
-        aux = layer_cache.aux
-        if not self.offload or "kmin" not in aux:
-            return M.layer_extend_attention(q, layer_cache, tail_start)
-        n_slots = aux["kmin"].shape[2] * self.page_size + self.page_size  # >= the longest prompt
-        return attend_chunk_over_host_prompt(li, q, layer_cache, tail_start, n_slots)
+        st = step.layer.state
+        if not self.offload or st is None:
+            return step.attend_chunk(q)
+        n_slots = st.kmin.shape[2] * self.page_size + self.page_size  # >= the longest prompt
+        return attend_chunk_over_host_prompt(li, q, step, st.store, st.prompt_lens, n_slots)
 
 
 def _attended_slots(pages, valid, n_pages, prompt_lens, ps: int):
@@ -144,9 +171,8 @@ def _summaries(k_buf, lens, page_size: int):
 
 
 class QuestPrefill(PrefillPlan):
-    """Full prompt KV per layer (in-device) or in the host store (offloaded), plus page summaries."""
-
-    consumes_kv = True  # full groups keep k_buf / v_buf without a copy
+    """Full layers keep their prompt; sparse layers keep it too (in-device) or put it in the host store and
+    keep a page buffer (offloaded); sparse layers' page summaries go to their state record."""
 
     def __init__(self, policy: Quest, cfg: ModelConfig, prompt_lens, compile_fn=None):
         self.policy, self.cfg = policy, cfg
@@ -156,40 +182,49 @@ class QuestPrefill(PrefillPlan):
         self.n_pages, self.partial, self.k_sel = plans[:, 0], plans[:, 1], plans[:, 2]
         self.sparse = set(policy.sparse_layers(cfg))
         self.store = HostKVStore(cfg.num_layers) if policy.offload else None
-        self.aux: dict[int, dict] = {}
         self.itemsize = 0  # of the KV dtype, for the bytes-moved stats (set by the first sparse layer)
 
-    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
-        if li not in self.sparse:
-            return M.full_layer_groups(k_buf, v_buf, lens, int(self.lens.max()), self.compile_fn)
-        ps = self.policy.page_size
+    def held(self) -> np.ndarray:
+        """[B] rows a head of a sparse layer attends (and, offloaded, holds) per step: k pages + partial."""
+        return np.minimum(self.k_sel, self.n_pages) * self.policy.page_size + self.partial
+
+    def prompt_counts(self) -> np.ndarray:
+        """Every head its prompt; offloaded, a sparse layer's heads their page buffer."""
+        counts = np.broadcast_to(self.lens[None, :, None], (self.cfg.num_layers, len(self.lens),
+                                                            self.cfg.num_kv_heads)).copy()
+        if self.policy.offload:
+            for li in self.sparse:
+                counts[li] = self.held()[:, None]
+        return counts
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
         t_max = int(self.lens.max())
+        if li not in self.sparse:
+            return M.full_rows(k_buf, v_buf, lens, t_max)
+        ps = self.policy.page_size
         args = (k_buf[:, :, :t_max], lens)  # no summaries of the chunk padding
         kmin, kmax, n_pages = self.compile_fn(_summaries, *args, page_size=ps)(*args)
-        B, H = k_buf.shape[:2]
+        B, H, _, D = k_buf.shape
         self.itemsize = k_buf.dtype.itemsize
         n_sel = max(1, int(self.k_sel.max()))
-        self.aux[li] = {"kmin": kmin, "kmax": kmax, "n_pages": n_pages, "prompt_lens": jnp.array(lens),
-                        "k_sel": jnp.asarray(self.k_sel, jnp.int32),
-                        "pages": jnp.zeros((B, H, n_sel), jnp.int32)}
+        # fresh arrays per layer: the decode step donates every cache leaf separately
+        state = QuestPages(kmin=kmin, kmax=kmax, n_pages=n_pages, prompt_lens=jnp.array(lens),
+                           k_sel=jnp.asarray(self.k_sel, jnp.int32), pages=jnp.zeros((B, H, n_sel), jnp.int32))
         if not self.policy.offload:
-            return M.full_layer_groups(k_buf, v_buf, lens, t_max, self.compile_fn)
+            return M.full_rows(k_buf, v_buf, lens, t_max).replace(state=state)
         self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
-        self.aux[li]["store"] = self.store.handle_array()
-        cap = (n_sel + 1) * ps
-        held = np.minimum(self.k_sel, self.n_pages) * ps + self.partial  # what each step attends (and holds)
-        D = k_buf.shape[-1]
-        return (HeadGroup(k=jnp.zeros((B, H, cap, D), k_buf.dtype), v=jnp.zeros((B, H, cap, D), v_buf.dtype),
-                          positions=jnp.full((B, H, cap), -1, jnp.int32),
-                          lengths=jnp.asarray(np.broadcast_to(held[:, None], (B, H)), jnp.int32)),)
+        # the page buffer's rows are written by every step before it attends them: none at prefill
+        held = jnp.asarray(np.broadcast_to(self.held()[:, None], (B, H)), jnp.int32)
+        empty = RowBlock(k=jnp.zeros((B, H, 0, D), k_buf.dtype), v=jnp.zeros((B, H, 0, D), v_buf.dtype),
+                         positions=jnp.zeros((B, H, 0), jnp.int32), lengths=held, heads=tuple(range(H)))
+        return LayerPrefill(blocks=(empty,), state=state.replace(store=self.store.handle_array()))
 
     def finish(self, cache: KVCache) -> tuple[KVCache, "QuestDecode"]:
-        layers = tuple(lc.replace(aux=self.aux[li]) if li in self.aux else lc for li, lc in enumerate(cache.layers))
         if self.store is not None:
             self.store.materialize()  # the in-step callbacks read numpy views only (waits for the copies)
         state = QuestDecode(self.policy, self.cfg, self.lens, self.partial, self.k_sel, self.n_pages, self.store,
                             self.itemsize)
-        return cache.replace(layers=layers), state
+        return cache, state
 
 
 class QuestDecode(DecodeState):
@@ -212,13 +247,14 @@ class QuestDecode(DecodeState):
         return () if self.store is None else self.store.arrays()
 
     def kv_bytes_read(self, cache) -> int:
-        """Full layers' K/V, each sparse layer's attended rows (read on the device; offloaded, fetched from
-        the host first, counted again), summaries and tails."""
+        """Full layers' prompt rows, each sparse layer's attended rows (read on the device; offloaded, fetched
+        from the host first, counted again), the state records (summaries, ...) and the rest of the pool (the
+        tails, ``cache.tail_kv_bytes``)."""
         sparse = self.policy.sparse_layers(self.cfg)
         rows = int(self._attended().sum()) * self.cfg.num_kv_heads * len(sparse)
         per_row = 2 * self.cfg.head_dim * self.itemsize * (2 if self.policy.offload else 1)
-        full = sum(g.k.nbytes + g.v.nbytes for li, lc in enumerate(cache.layers) if li not in sparse
-                   for g in lc.groups)
+        full = sum(int(to_host(lc.lengths).astype(np.int64).sum()) for li, lc in enumerate(cache.layers)
+                   if li not in sparse) * row_nbytes(cache)
         return int(full + rows * per_row + tail_kv_bytes(cache) + self.index_bytes(cache))
 
     def _attended(self) -> np.ndarray:
