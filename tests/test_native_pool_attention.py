@@ -163,6 +163,11 @@ def test_jit_vmap_and_errors():
     one = native.pool_attention_native(q2[i], k2[i], v2[i], offsets, lens)
     np.testing.assert_allclose(np.asarray(batched[0][i]), np.asarray(one[0]), atol=1e-6)
     np.testing.assert_allclose(np.asarray(batched[1][i]), np.asarray(one[1]), atol=1e-6)
+  # ranges outside the pool read nothing outside it: an offset past the end is an empty head
+  P = k.shape[1]
+  bad_off = offsets.at[0, 0].set(P + 5).at[0, 1].set(P - 3)
+  out, lse, _ = native.pool_attention_native(q, k, v, bad_off, lens.at[0, 1].set(10**6))
+  assert lse[0, 0, 0, 0] == np.float32(MASK_VALUE) and not np.asarray(out[0, 0]).any()
   with pytest.raises(ValueError, match="one query position"):
     native.pool_attention_native(jnp.zeros((2, 3, 2, 3, 64)), k, v, offsets, lens, score_len=4)
   with pytest.raises(ValueError, match="offsets and lengths"):
@@ -195,13 +200,28 @@ def _run_python(code: str, env_extra: dict, timeout: float = 300) -> subprocess.
                         text=True, timeout=timeout)
 
 
-def test_unavailable_without_a_compiler(tmp_path):
+def test_unavailable_without_a_working_compiler(tmp_path):
   proc = _run_python("""
+      import os, sys
       from pallas_kernels import native
-      print(native.available(), native.unavailable_reason())
+      from pallas_kernels.native.__main__ import main
+      print(native.available(), native.unavailable_reason())          # CXX names no file
+      assert main(["build"]) == 1
+      os.environ["CXX"] = "false"                                      # a compiler that always fails
+      native._state.clear()
+      print(native.available(), native.unavailable_reason().splitlines()[0])
+      try:
+          native.pool_attention_native(None, None, None, None, None)
+      except RuntimeError as e:
+          print("raised", e)
   """, {"CXX": str(tmp_path / "no-such-compiler"), "HETERO_JAX_CACHE": str(tmp_path)})
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert proc.stdout.startswith("False") and "no C++ compiler" in proc.stdout, proc.stdout
+  lines = proc.stdout.splitlines()
+  assert lines[0].startswith("False") and "no C++ compiler" in lines[0], proc.stdout
+  assert "native pool attention not built: no C++ compiler" in proc.stderr
+  assert lines[1].startswith("False") and "compiling the native pool attention failed" in lines[1], proc.stdout
+  assert lines[2].startswith("raised") and "compiling" in lines[2], proc.stdout
+  assert not [f for f in os.listdir(tmp_path / "native") if f.endswith((".so", ".tmp"))]
 
 
 SHARD_MAP_CASE = """

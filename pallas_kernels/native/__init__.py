@@ -11,12 +11,15 @@ source, the compiler and its flags, the jaxlib version and the CPU's features. W
 failed build or load, :func:`available` is False and :func:`unavailable_reason` says why; callers then use
 the jnp reference.
 
-Environment: ``CXX`` picks the compiler (default: the first of g++, c++, clang++ on PATH).
+Environment: ``CXX`` picks the compiler (default: the first of g++, c++, clang++ on PATH);
+``HETERO_JAX_NATIVE_THREADS`` caps the threads one call uses (default: XLA's intra-op pool, which a call
+only uses when it is long enough to gain from it).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -25,12 +28,14 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["available", "unavailable_reason", "build", "library_path", "pool_attention_native", "TARGET"]
+__all__ = ["available", "unavailable_reason", "build", "cache_dir", "library_path", "pool_attention_native",
+           "TARGET"]
 
 TARGET = "hetero_jax_pool_attention"
 _SYMBOL = "HeteroJaxPoolAttention"
@@ -60,6 +65,7 @@ def _compiler() -> str | None:
   return None
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_features() -> str:
   try:
     with open("/proc/cpuinfo") as f:
@@ -71,6 +77,7 @@ def _cpu_features() -> str:
   return platform.machine() + " " + platform.processor()
 
 
+@functools.lru_cache(maxsize=None)
 def _compiler_version(cxx: str) -> str:
   try:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
@@ -131,8 +138,13 @@ class _FileLock:
       import fcntl
     except ImportError:
       return self
-    self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(self.fd, fcntl.LOCK_EX)
+    try:
+      self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      fcntl.flock(self.fd, fcntl.LOCK_EX)
+    except OSError:  # a file system without locks: the rename alone keeps the library whole
+      if self.fd is not None:
+        os.close(self.fd)
+        self.fd = None
     return self
 
   def __exit__(self, *exc):
@@ -150,11 +162,28 @@ def build(force: bool = False) -> str:
   if cxx is None:
     raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
   out = library_path()
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with _lock, _FileLock(os.path.join(os.path.dirname(out), ".build.lock")):
-    if force or not os.path.exists(out):
-      _compile(cxx, out)
+  folder = os.path.dirname(out)
+  try:
+    os.makedirs(folder, exist_ok=True)
+    with _lock, _FileLock(os.path.join(folder, ".build.lock")):
+      if force or not os.path.exists(out):
+        _remove_stale_temporaries(folder)
+        _compile(cxx, out)
+  except OSError as e:
+    raise RuntimeError(f"cannot build into {folder}: {e}") from e
   return out
+
+
+def _remove_stale_temporaries(folder: str, age_s: float = 3600.0) -> None:
+  """Temporary files of builds that were killed (a live build holds the lock, so these are not in use)."""
+  for name in os.listdir(folder):
+    path = os.path.join(folder, name)
+    if name.startswith(".pool_attention-") and name.endswith(".tmp"):
+      try:
+        if time.time() - os.stat(path).st_mtime > age_s:
+          os.unlink(path)
+      except OSError:
+        pass
 
 
 def _load() -> str:

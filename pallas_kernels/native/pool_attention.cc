@@ -13,21 +13,22 @@
 // Attributes: sm_scale (f32), score_len (i64), chunk_rows (i64; 0 = automatic, > 0 forces that split: tests).
 // Results: out [B, H, T, G, D] in q's dtype, lse [B, H, T, G] f32, logits [B, H, G, score_len] f32.
 //
-// Work split: items are (b, h, key chunk); a long head is cut into chunks so that every thread has work, and
-// the chunks of a head are merged by log-sum-exp by whichever thread finishes the head's last chunk. Threads:
-// the caller plus helpers scheduled on XLA's intra-op pool (ffi::ThreadPool) pull items from an atomic
-// counter; the caller waits only for items that were taken, so a helper that starts late (or never, on a
-// saturated pool) cannot stall or deadlock the call. Small calls run on the caller alone.
+// Work split: items are (b, h, key chunk). A long head is cut into chunks when a call is long enough for
+// threads to pay (about 4 items a thread), and the chunks of a head are merged by log-sum-exp by whichever
+// thread finishes the head's last chunk. Threads: the caller plus helpers scheduled on XLA's intra-op pool
+// (ffi::ThreadPool) pull items (longest first) from an atomic counter; the caller waits only for items that
+// were taken, so a helper that starts late (or never, on a saturated pool) cannot stall or deadlock the call.
 //
-// Inner loop: blocks of kBlock rows (64 at D <= 64). Per block and query (t, g): the block's logits with
-// 4-row dot products, one max / rescale, a vectorised exp, and P.V accumulated in registers. K and V stay
-// in L1 across the T*G queries, so one pass reads each row once: memory-bound at decode shapes.
+// Inner loop: blocks of 64 rows (32 at D = 128, 16 above). Per block and query (t, g): the block's logits
+// 8 rows at a time (a transposing reduction of 8 accumulators), one max / rescale, a vectorised exp, and
+// P.V accumulated in registers. K and V stay in L1 across the T*G queries, so each row comes from memory
+// once. float32 rows are read in place; bfloat16 / float16 rows are widened into a float32 block first.
 //
 // Masks: MASK_VALUE (-1e30, finite) is the running max before any row; exp() of a difference at or below
-// about -87.3 returns exactly 0, never NaN. Rows past a query's visible range are never read: a chunk ends
-// at the last row any query of the head sees, and a block stops at each query's own end.
-// Offsets outside [0, P) or ranges past the pool's end are clamped to rows that exist (never read
-// out of bounds); callers keep ranges inside the pool.
+// about -87.3 returns exactly 0, never NaN. No row outside a head's range [o, o + lengths + T - 1) is read:
+// a chunk ends at the last row any query of the head sees, and each query's logits stop at its own end.
+// A head whose offset is outside [0, P) is empty, and a range past the pool's end is cut there (callers
+// keep ranges inside the pool; this only keeps a bad call from reading out of bounds).
 
 #include <algorithm>
 #include <atomic>
@@ -112,9 +113,18 @@ inline f8 reduce8(f8 a0, f8 a1, f8 a2, f8 a3, f8 a4, f8 a5, f8 a6, f8 a7) {
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+#if defined(__AVX512F__)
+  const f8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f8 e = lo > hi ? lo : hi;
+#else
+  const f8 e = v;
+#endif
+  const f4 a = __builtin_shufflevector(e, e, 0, 1, 2, 3), b = __builtin_shufflevector(e, e, 4, 5, 6, 7);
+  f4 m = a > b ? a : b;
+  const f4 c = __builtin_shufflevector(m, m, 2, 3, 0, 1);
+  m = m > c ? m : c;
+  return m[0] > m[1] ? m[0] : m[1];
 }
 
 // exp(x) for x <= 0 (the softmax's s - max), Cephes' expf polynomial (about 1 ulp). Below -87.3 the result is
@@ -311,8 +321,13 @@ struct Item {
 template <int ND>
 inline f8 logits8(const float* qv, const float* kb, int64_t Dp, int64_t nd_rt, int64_t j0, int64_t cnt) {
   const int64_t nd = ND > 0 ? ND : nd_rt;
+  const int64_t stride = ND > 0 ? ND * W : Dp;  // a constant where ND is
   const float* kr[8];
-  for (int r = 0; r < 8; ++r) kr[r] = kb + std::min<int64_t>(j0 + r, cnt - 1) * Dp;
+  if (j0 + 8 <= cnt) {
+    for (int r = 0; r < 8; ++r) kr[r] = kb + (j0 + r) * stride;
+  } else {
+    for (int r = 0; r < 8; ++r) kr[r] = kb + std::min<int64_t>(j0 + r, cnt - 1) * stride;
+  }
   vf a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   for (int64_t i = 0; i < nd; ++i) {
     const vf x = loadv(qv + W * i);
@@ -359,6 +374,8 @@ inline void block_pv(float* acc, float alpha, const float* p, const float* vb, i
     // accumulators (even and odd rows), so at least 8 independent FMA chains run
     constexpr int CT = ND < 8 ? ND : 8;
     constexpr int R = CT >= 8 ? 1 : 2;
+    constexpr int64_t stride = ND * W;
+    (void)Dp;
     for (int c = 0; c < ND; c += CT) {
       float* a = acc + W * c;
       const float* vc = vb + W * c;
@@ -371,13 +388,13 @@ inline void block_pv(float* acc, float alpha, const float* p, const float* vb, i
       for (; j + R <= cnt; j += R) {
         for (int u = 0; u < R; ++u) {
           const vf pj = splat(p[j + u]);
-          const float* vr = vc + (j + u) * Dp;
+          const float* vr = vc + (j + u) * stride;
           for (int i = 0; i < CT; ++i) r[u][i] += pj * loadv(vr + W * i);
         }
       }
       for (; j < cnt; ++j) {
         const vf pj = splat(p[j]);
-        const float* vr = vc + j * Dp;
+        const float* vr = vc + j * stride;
         for (int i = 0; i < CT; ++i) r[0][i] += pj * loadv(vr + W * i);
       }
       for (int i = 0; i < CT; ++i) storev(a + W * i, R > 1 ? r[0][i] + r[R - 1][i] : r[0][i]);
