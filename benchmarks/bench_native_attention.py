@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     return 1
   dtype = DTYPES[args.dtype]
   print(f"native pool attention vs grouped XLA attention: B={B} H={H} G={G} D={D} {args.dtype}, "
-        f"median of {args.reps} calls, jax {jax.__version__}, {os.cpu_count()} CPUs")
+        f"median of {args.reps} calls, jax {jax.__version__}, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f} at the start")
   print("| layout | L | rows read | grouped XLA (us) | native (us) | native / grouped | max |diff| |")
   print("|---|---:|---:|---:|---:|---:|---:|")
   for layout in args.layouts.split(","):
@@ -122,6 +123,7 @@ def main(argv=None) -> int:
       tg, tn = time_pair(lambda: grouped(q, groups), lambda: pooled(q, *pool), args.reps)
       print(f"| {layout} | {L} | {sum(head_rows(layout, L))} | {tg:.0f} | {tn:.0f} | {tn / tg:.2f} | {diff:.1e} |",
             flush=True)
+  print(f"load average {os.getloadavg()[0]:.1f} at the end (the cores are shared: compare within a row)")
   return 0
 
 

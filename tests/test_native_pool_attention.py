@@ -168,6 +168,13 @@ def test_jit_vmap_and_errors():
   bad_off = offsets.at[0, 0].set(P + 5).at[0, 1].set(P - 3)
   out, lse, _ = native.pool_attention_native(q, k, v, bad_off, lens.at[0, 1].set(10**6))
   assert lse[0, 0, 0, 0] == np.float32(MASK_VALUE) and not np.asarray(out[0, 0]).any()
+  # vmap over q alone (the pool, offsets and flags broadcast), logits included
+  flags = jnp.asarray([1, 0, 1], jnp.int32)
+  batched = jax.vmap(lambda a: native.pool_attention_native(a, k, v, offsets, lens, flags, score_len=9))(q2)
+  for i in range(2):
+    one = native.pool_attention_native(q2[i], k, v, offsets, lens, flags, score_len=9)
+    for a, b in zip(batched, one):
+      np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
   with pytest.raises(ValueError, match="one query position"):
     native.pool_attention_native(jnp.zeros((2, 3, 2, 3, 64)), k, v, offsets, lens, score_len=4)
   with pytest.raises(ValueError, match="offsets and lengths"):
