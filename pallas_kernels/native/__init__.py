@@ -1,0 +1,292 @@
+"""The pool attention as a native CPU kernel: a C++ XLA FFI custom call (``pool_attention.cc`` here).
+
+On the CPU, XLA cannot read a head's sub-range of a row pool without copying it (a slice before a dot, a
+gather, or a masked matmul over every row all cost more than the attention itself), so the pool attention
+of ``pallas_kernels.pool_attention`` gets its own kernel there. It computes what
+``pool_attention_reference`` documents, reading each head's rows in place, on XLA's intra-op thread pool.
+
+The library is compiled on first use (or by ``python -m pallas_kernels.native build``, which ``make install``
+runs) into ``$HETERO_JAX_CACHE/native`` (default ``~/.cache/hetero_jax/native``), one file per hash of the
+source, the compiler and its flags, the jaxlib version and the CPU's features. With no C++ compiler, or a
+failed build or load, :func:`available` is False and :func:`unavailable_reason` says why; callers then use
+the jnp reference.
+
+Environment: ``CXX`` picks the compiler (default: the first of g++, c++, clang++ on PATH);
+``HETERO_JAX_NATIVE_THREADS`` caps the threads one call uses (default: XLA's intra-op pool, which a call
+only uses when it is long enough to gain from it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["available", "unavailable_reason", "build", "cache_dir", "library_path", "pool_attention_native",
+           "TARGET"]
+
+TARGET = "hetero_jax_pool_attention"
+_SYMBOL = "HeteroJaxPoolAttention"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pool_attention.cc")
+_ARCH_FLAGS = ["-march=native"]
+_BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing"]
+_MASK_VALUE = -1.0e30  # pallas_kernels._util.MASK_VALUE
+
+_lock = threading.Lock()       # one build at a time in this process
+_load_lock = threading.Lock()  # one load / registration
+_state: dict = {}  # "path" once loaded and registered, or "error" with the reason
+
+
+def cache_dir() -> str:
+  root = os.environ.get("HETERO_JAX_CACHE") or "~/.cache/hetero_jax"
+  return os.path.join(os.path.abspath(os.path.expanduser(root)), "native")
+
+
+def _compiler() -> str | None:
+  cxx = os.environ.get("CXX")
+  if cxx:
+    return shutil.which(cxx) or (cxx if os.path.isfile(cxx) else None)
+  for name in ("g++", "c++", "clang++"):
+    path = shutil.which(name)
+    if path:
+      return path
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_features() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith(("flags", "Features")):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.machine() + " " + platform.processor()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version(cxx: str) -> str:
+  try:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"? {e}"
+
+
+def _key(cxx: str) -> str:
+  import jaxlib
+  h = hashlib.sha256()
+  with open(_SOURCE, "rb") as f:
+    h.update(f.read())
+  for part in (" ".join(_BASE_FLAGS + _ARCH_FLAGS), cxx, _compiler_version(cxx), jaxlib.__version__,
+               _cpu_features()):
+    h.update(b"\0" + part.encode())
+  return h.hexdigest()[:20]
+
+
+def library_path() -> str | None:
+  """Where the library for this source, compiler, jaxlib and CPU is (or will be) built; None: no compiler."""
+  cxx = _compiler()
+  return None if cxx is None else os.path.join(cache_dir(), f"pool_attention-{_key(cxx)}.so")
+
+
+def _compile(cxx: str, out: str) -> None:
+  """Compiles into a temporary file beside ``out`` and renames it; -march=native is dropped if the compiler
+  refuses it. Raises RuntimeError with the compiler's message."""
+  include = jax.ffi.include_dir()
+  fd, tmp = tempfile.mkstemp(prefix=".pool_attention-", suffix=".so.tmp", dir=os.path.dirname(out))
+  os.close(fd)
+  try:
+    errors = []
+    for arch in (_ARCH_FLAGS, []):
+      cmd = [cxx, *_BASE_FLAGS, *arch, "-I", include, _SOURCE, "-o", tmp]
+      try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+      except (OSError, subprocess.SubprocessError) as e:
+        errors.append(f"{' '.join(cmd)}: {e}")
+        continue
+      if proc.returncode == 0:
+        os.replace(tmp, out)
+        return
+      errors.append(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stderr or proc.stdout)[-3000:]}")
+    raise RuntimeError("compiling the native pool attention failed:\n" + "\n".join(errors))
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
+class _FileLock:
+  """An exclusive advisory lock on ``path`` (fcntl; a no-op where fcntl is missing)."""
+
+  def __init__(self, path: str):
+    self.path, self.fd = path, None
+
+  def __enter__(self):
+    try:
+      import fcntl
+    except ImportError:
+      return self
+    try:
+      self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      fcntl.flock(self.fd, fcntl.LOCK_EX)
+    except OSError:  # a file system without locks: the rename alone keeps the library whole
+      if self.fd is not None:
+        os.close(self.fd)
+        self.fd = None
+    return self
+
+  def __exit__(self, *exc):
+    if self.fd is not None:
+      import fcntl
+      fcntl.flock(self.fd, fcntl.LOCK_UN)
+      os.close(self.fd)
+      self.fd = None
+
+
+def build(force: bool = False) -> str:
+  """Builds the library if missing (always with ``force``) and returns its path. Raises RuntimeError when
+  there is no compiler or the build fails. Safe across processes (a file lock) and threads."""
+  cxx = _compiler()
+  if cxx is None:
+    raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
+  out = library_path()
+  folder = os.path.dirname(out)
+  try:
+    os.makedirs(folder, exist_ok=True)
+    with _lock, _FileLock(os.path.join(folder, ".build.lock")):
+      if force or not os.path.exists(out):
+        _remove_stale_temporaries(folder)
+        _compile(cxx, out)
+  except OSError as e:
+    raise RuntimeError(f"cannot build into {folder}: {e}") from e
+  return out
+
+
+def _remove_stale_temporaries(folder: str, age_s: float = 3600.0) -> None:
+  """Temporary files of builds that were killed (a live build holds the lock, so these are not in use)."""
+  for name in os.listdir(folder):
+    path = os.path.join(folder, name)
+    if name.startswith(".pool_attention-") and name.endswith(".tmp"):
+      try:
+        if time.time() - os.stat(path).st_mtime > age_s:
+          os.unlink(path)
+      except OSError:
+        pass
+
+
+def _load() -> str:
+  """Builds if needed, loads and registers the FFI target once per process; returns the library's path."""
+  if "path" in _state:
+    return _state["path"]
+  with _load_lock:
+    return _load_locked()
+
+
+def _load_locked() -> str:
+  if "path" in _state:
+    return _state["path"]
+  if "error" in _state:
+    raise RuntimeError(_state["error"])
+  try:
+    path = build()
+    try:
+      lib = ctypes.cdll.LoadLibrary(path)
+    except OSError:
+      path = build(force=True)  # a truncated or stale file: build it again once
+      lib = ctypes.cdll.LoadLibrary(path)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+  except Exception as e:  # noqa: BLE001 - any failure makes the kernel unavailable, with the reason
+    _state["error"] = f"{type(e).__name__}: {e}"
+    raise RuntimeError(_state["error"]) from e
+  _state["lib"], _state["path"] = lib, path
+  return path
+
+
+def available() -> bool:
+  """Whether the native kernel can run in this process (builds and registers it on the first call)."""
+  try:
+    _load()
+    return True
+  except RuntimeError:
+    return False
+
+
+def unavailable_reason() -> str:
+  """Why :func:`available` is False ('' when it is True)."""
+  return "" if available() else _state.get("error", "unknown")
+
+
+def pool_attention_native(
+    q,                 # [B, H, T, G, D]  float32 / bfloat16 / float16
+    k_pool,            # [B, P, D]
+    v_pool,            # [B, P, D]        same dtype as k_pool
+    offsets,           # [B, H] int32
+    lengths,           # [B, H] int32
+    score_heads=None,  # [H] int32 flags (None: every head)
+    *,
+    max_len: int | None = None,  # accepted for the reference's signature; the kernel needs no bound
+    score_len: int = 0,
+    sm_scale: float | None = None,
+    chunk_rows: int | None = None,
+):
+  """``pool_attention_reference``'s computation in the native CPU kernel: returns (out [B, H, T, G, D] in
+  q.dtype, lse [B, H, T, G] float32, logits [B, H, G, score_len] float32 or None). Logits past a head's
+  visible rows and those of unflagged heads are MASK_VALUE. Raises RuntimeError when the kernel is not
+  available (:func:`unavailable_reason`). Works under jit, vmap (one call over the batched axes) and
+  shard_map (each shard's local arrays).
+
+  ``chunk_rows`` (tests): cut every head into work items of that many rows (rounded up to the kernel's
+  block), merged by log-sum-exp, on several threads where the pool has them; None: the kernel's own split
+  (long heads are cut only when a call is big enough for threads to pay)."""
+  del max_len
+  _load()
+  q, k_pool, v_pool = jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool)
+  if q.ndim != 5:
+    raise ValueError(f"q must be [B, H, T, G, D], got {q.shape}")
+  B, H, T, G, D = q.shape
+  P = k_pool.shape[1] if k_pool.ndim == 3 else None
+  if k_pool.shape != (B, P, D) or v_pool.shape != k_pool.shape:
+    raise ValueError(f"shape mismatch: q {q.shape} k_pool {k_pool.shape} v_pool {v_pool.shape}")
+  if k_pool.dtype != v_pool.dtype:
+    raise ValueError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")
+  for a in (q, k_pool):
+    if a.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+      raise ValueError(f"dtypes must be float32, bfloat16 or float16, got {a.dtype}")
+  if jnp.shape(offsets) != (B, H) or jnp.shape(lengths) != (B, H):
+    raise ValueError(f"offsets and lengths must be [B, H] = {(B, H)}, got {jnp.shape(offsets)} and "
+                     f"{jnp.shape(lengths)}")
+  if chunk_rows is not None and int(chunk_rows) < 1:
+    raise ValueError(f"chunk_rows must be None or >= 1, got {chunk_rows}")
+  score_len = int(score_len)
+  if score_len < 0 or (score_len and T != 1):
+    raise ValueError(f"logits are returned for one query position only (T={T}, score_len={score_len})")
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(D)
+  if score_heads is None:
+    flags = jnp.ones((B, H), jnp.int32)
+  else:
+    if jnp.shape(score_heads) != (H,):
+      raise ValueError(f"score_heads must be [H] = [{H}], got {jnp.shape(score_heads)}")
+    flags = jnp.broadcast_to(jnp.asarray(score_heads).astype(jnp.int32)[None, :], (B, H))
+  result = (jax.ShapeDtypeStruct((B, H, T, G, D), q.dtype),
+            jax.ShapeDtypeStruct((B, H, T, G), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, G, score_len), jnp.float32))
+  # broadcast_all: the kernel flattens leading batch axes into B, so a vmapped call is one call
+  call = jax.ffi.ffi_call(TARGET, result, vmap_method="broadcast_all")
+  out, lse, logits = call(q, k_pool, v_pool, jnp.asarray(offsets).astype(jnp.int32),
+                          jnp.asarray(lengths).astype(jnp.int32), flags,
+                          sm_scale=np.float32(sm_scale), score_len=np.int64(score_len),
+                          chunk_rows=np.int64(chunk_rows or 0))
+  return out, lse, (logits if score_len else None)

@@ -1,0 +1,720 @@
+// Pool attention on the CPU: an XLA FFI custom call (target "hetero_jax_pool_attention").
+//
+// Computes exactly what pallas_kernels/pool_attention.py documents (pool_attention_reference): every KV head
+// h of sequence b attends the rows [offsets[b, h], offsets[b, h] + lengths[b, h] + t) of k_pool[b] / v_pool[b]
+// for query position t, reading the pool in place (XLA on the CPU cannot read a sub-range of a buffer without
+// copying it).
+//
+// Operands (leading batch dims are flattened into B, so vmap_method="broadcast_all" works):
+//   q       [B, H, T, G, D]   float32 / bfloat16 / float16
+//   k_pool  [B, P, D]         float32 / bfloat16 / float16 (v_pool the same dtype)
+//   v_pool  [B, P, D]
+//   offsets [B, H] int32, lengths [B, H] int32, flags [B, H] int32 (1: write this head's logits)
+// Attributes: sm_scale (f32), score_len (i64), chunk_rows (i64; 0 = automatic, > 0 forces that split: tests).
+// Results: out [B, H, T, G, D] in q's dtype, lse [B, H, T, G] f32, logits [B, H, G, score_len] f32.
+//
+// Work split: items are (b, h, key chunk). A long head is cut into chunks when a call is long enough for
+// threads to pay (about 4 items a thread), and the chunks of a head are merged by log-sum-exp by whichever
+// thread finishes the head's last chunk. Threads: the caller plus helpers scheduled on XLA's intra-op pool
+// (ffi::ThreadPool) pull items (longest first) from an atomic counter; the caller waits only for items that
+// were taken, so a helper that starts late (or never, on a saturated pool) cannot stall or deadlock the call.
+//
+// Inner loop: blocks of 64 rows (32 at D = 128, 16 above). Per block and query (t, g): the block's logits
+// 8 rows at a time (a transposing reduction of 8 accumulators), one max / rescale, a vectorised exp, and
+// P.V accumulated in registers. K and V stay in L1 across the T*G queries, so each row comes from memory
+// once. float32 rows are read in place; bfloat16 / float16 rows are widened into a float32 block first.
+//
+// Masks: MASK_VALUE (-1e30, finite) is the running max before any row; exp() of a difference at or below
+// about -87.3 returns exactly 0, never NaN. No row outside a head's range [o, o + lengths + T - 1) is read:
+// a chunk ends at the last row any query of the head sees, and each query's logits stop at its own end.
+// A head whose offset is outside [0, P) is empty, and a range past the pool's end is cut there (callers
+// keep ranges inside the pool; this only keeps a bad call from reading out of bounds).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMask = -1.0e30f;  // pallas_kernels._util.MASK_VALUE
+
+// ---------------------------------------------------------------------------------------------------------
+// Vectors (GCC / clang vector extensions): W float lanes, 16 where AVX-512 is compiled in (-march=native on
+// such a CPU), else 8 (AVX registers on x86, two NEON registers on ARM).
+
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef float vfu __attribute__((vector_size(4 * W), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef float f8 __attribute__((vector_size(32)));
+typedef float f8u __attribute__((vector_size(32), aligned(4)));
+typedef float f4 __attribute__((vector_size(16)));
+
+inline vf loadv(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline void storev(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+inline vf splat(float x) {  // a broadcast (`vf{} + x` would be a scalar add: 0 + x is not x for -0)
+#if defined(__AVX512F__)
+  return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+  return vf{x, x, x, x, x, x, x, x};
+#endif
+}
+inline void store8(float* p, f8 v) { *reinterpret_cast<f8u*>(p) = v; }
+
+inline f8 fold8(vf v) {  // 8 lanes whose sum is the sum of v
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return v;
+#endif
+}
+
+inline float hsum(vf v) {
+  f8 e = fold8(v);
+  f4 s = __builtin_shufflevector(e, e, 0, 1, 2, 3) + __builtin_shufflevector(e, e, 4, 5, 6, 7);
+  s = s + __builtin_shufflevector(s, s, 2, 3, 0, 1);
+  return s[0] + s[1];
+}
+
+// The sums of eight vectors, as one 8-lane vector (a transposing reduction: 7 adds, 14 shuffles).
+inline f8 reduce8(f8 a0, f8 a1, f8 a2, f8 a3, f8 a4, f8 a5, f8 a6, f8 a7) {
+  f8 b01 = __builtin_shufflevector(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15);
+  f8 b23 = __builtin_shufflevector(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a2, a3, 1, 9, 3, 11, 5, 13, 7, 15);
+  f8 b45 = __builtin_shufflevector(a4, a5, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a4, a5, 1, 9, 3, 11, 5, 13, 7, 15);
+  f8 b67 = __builtin_shufflevector(a6, a7, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a6, a7, 1, 9, 3, 11, 5, 13, 7, 15);
+  f8 c0 = __builtin_shufflevector(b01, b23, 0, 1, 8, 9, 4, 5, 12, 13) +
+          __builtin_shufflevector(b01, b23, 2, 3, 10, 11, 6, 7, 14, 15);
+  f8 c1 = __builtin_shufflevector(b45, b67, 0, 1, 8, 9, 4, 5, 12, 13) +
+          __builtin_shufflevector(b45, b67, 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(c0, c1, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(c0, c1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+inline float hmax(vf v) {
+#if defined(__AVX512F__)
+  const f8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f8 e = lo > hi ? lo : hi;
+#else
+  const f8 e = v;
+#endif
+  const f4 a = __builtin_shufflevector(e, e, 0, 1, 2, 3), b = __builtin_shufflevector(e, e, 4, 5, 6, 7);
+  f4 m = a > b ? a : b;
+  const f4 c = __builtin_shufflevector(m, m, 2, 3, 0, 1);
+  m = m > c ? m : c;
+  return m[0] > m[1] ? m[0] : m[1];
+}
+
+// exp(x) for x <= 0 (the softmax's s - max), Cephes' expf polynomial (about 1 ulp). Below -87.3 the result is
+// exactly 0 (MASK_VALUE differences included); a NaN stays NaN.
+inline vf expv(vf x) {
+  const vf lo = splat(-87.33654f), hi = splat(88.3762626647949f);
+  const vi under = x < lo;
+  x = x < lo ? lo : x;  // a NaN fails both compares and stays NaN
+  x = x > hi ? hi : x;
+  vf fx = x * 1.44269504088896341f + 0.5f;
+  vi ti = __builtin_convertvector(fx, vi);  // truncation toward zero
+  vf tf = __builtin_convertvector(ti, vf);
+  tf = tf - (vf)((vi)splat(1.0f) & (vi)(tf > fx));  // floor
+  ti = __builtin_convertvector(tf, vi);
+  x = x - tf * 0.693359375f - tf * -2.12194440e-4f;
+  vf z = x * x;
+  vf y = splat(1.9875691500E-4f);
+  y = y * x + 1.3981999507E-3f;
+  y = y * x + 8.3334519073E-3f;
+  y = y * x + 4.1665795894E-2f;
+  y = y * x + 1.6666665459E-1f;
+  y = y * x + 5.0000001201E-1f;
+  y = y * z + x + 1.0f;
+  vf r = y * (vf)((ti + 127) << 23);
+  return (vf)((vi)r & ~under);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Element types.
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#if defined(__FLT16_MANT_DIG__)
+typedef _Float16 half_t;
+inline float f16_to_f32(uint16_t h) {
+  half_t x;
+  std::memcpy(&x, &h, 2);
+  return static_cast<float>(x);
+}
+inline uint16_t f32_to_f16(float f) {
+  half_t x = static_cast<half_t>(f);
+  uint16_t h;
+  std::memcpy(&h, &x, 2);
+  return h;
+}
+#else
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {  // subnormal half: a normal float
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400u));
+    u = sign | ((112u - e) << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f32_to_f16(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow to inf
+  if (a < 0x38800000u) {                                                 // subnormal or zero half
+    if (a < 0x33000000u) return static_cast<uint16_t>(sign);
+    uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126u - e;
+    uint32_t h = m >> shift, rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (h & 1u))) ++h;
+    return static_cast<uint16_t>(sign | h);
+  }
+  uint32_t h = ((a - 0x38000000u) >> 13);
+  uint32_t rem = a & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(sign | h);
+}
+#endif
+
+enum class Elem { kF32, kBF16, kF16 };
+
+inline float load_elem(const void* p, int64_t i, Elem e) {
+  switch (e) {
+    case Elem::kF32: return static_cast<const float*>(p)[i];
+    case Elem::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    default: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+inline void store_elem(void* p, int64_t i, float x, Elem e) {
+  switch (e) {
+    case Elem::kF32: static_cast<float*>(p)[i] = x; break;
+    case Elem::kBF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(x); break;
+    default: static_cast<uint16_t*>(p)[i] = f32_to_f16(x); break;
+  }
+}
+
+// Rows [r0, r0 + n) of a [*, D] array of KV elements, as float32 rows of stride Dp (zero padding).
+template <typename KV>
+void rows_to_f32(const KV* src, int64_t D, int64_t Dp, int64_t n, float* dst);
+
+template <>
+void rows_to_f32<float>(const float* src, int64_t D, int64_t Dp, int64_t n, float* dst) {
+  for (int64_t r = 0; r < n; ++r) {
+    std::memcpy(dst + r * Dp, src + r * D, D * sizeof(float));
+    for (int64_t d = D; d < Dp; ++d) dst[r * Dp + d] = 0.f;
+  }
+}
+
+struct BF16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+
+template <>
+void rows_to_f32<BF16>(const BF16* src, int64_t D, int64_t Dp, int64_t n, float* dst) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t r = 0; r < n; ++r) {
+    uint32_t* o = reinterpret_cast<uint32_t*>(dst + r * Dp);
+    const uint16_t* sr = s + r * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<uint32_t>(sr[d]) << 16;
+    for (int64_t d = D; d < Dp; ++d) o[d] = 0u;
+  }
+}
+
+template <>
+void rows_to_f32<F16>(const F16* src, int64_t D, int64_t Dp, int64_t n, float* dst) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t r = 0; r < n; ++r) {
+    float* o = dst + r * Dp;
+    const uint16_t* sr = s + r * D;
+#if defined(__FLT16_MANT_DIG__)
+    const half_t* hr = reinterpret_cast<const half_t*>(sr);
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(hr[d]);
+#else
+    for (int64_t d = 0; d < D; ++d) o[d] = f16_to_f32(sr[d]);
+#endif
+    for (int64_t d = D; d < Dp; ++d) o[d] = 0.f;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The problem and its work items.
+
+struct Problem {
+  int64_t B, H, T, G, D, Dp, P, S;  // S = score_len
+  int64_t QG;                       // T * G queries per head
+  const float* q;                   // [B, H, T, G, Dp] float32, already times sm_scale
+  const void* k;                    // [B, P, D]
+  const void* v;
+  const int32_t* offsets;           // [B, H]
+  const int32_t* lengths;
+  const int32_t* flags;
+  void* out;                        // [B, H, T, G, D] in out_elem
+  Elem out_elem;
+  float* lse;                       // [B, H, T, G]
+  float* logits;                    // [B, H, G, S]
+  int64_t block;                    // rows per block
+};
+
+struct Head {
+  int64_t start;     // first pool row (b * P + offset)
+  int64_t n0;        // rows query position 0 sees (may be <= 0)
+  int64_t rows;      // rows any query of the head sees (clamped to the pool)
+  int64_t first_part;
+  int32_t nparts;
+};
+
+struct Item {
+  int64_t bh;
+  int64_t c0, c1;    // rows [c0, c1) of the head
+  int64_t part;      // index of this item's partial result
+};
+
+// <qv, k_j> for 8 rows j0..j0+7 of a block (rows past cnt - 1 read row cnt - 1: never past the block).
+template <int ND>
+inline f8 logits8(const float* qv, const float* kb, int64_t Dp, int64_t nd_rt, int64_t j0, int64_t cnt) {
+  const int64_t nd = ND > 0 ? ND : nd_rt;
+  const int64_t stride = ND > 0 ? ND * W : Dp;  // a constant where ND is
+  const float* kr[8];
+  if (j0 + 8 <= cnt) {
+    for (int r = 0; r < 8; ++r) kr[r] = kb + (j0 + r) * stride;
+  } else {
+    for (int r = 0; r < 8; ++r) kr[r] = kb + std::min<int64_t>(j0 + r, cnt - 1) * stride;
+  }
+  vf a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t i = 0; i < nd; ++i) {
+    const vf x = loadv(qv + W * i);
+    a0 += x * loadv(kr[0] + W * i);
+    a1 += x * loadv(kr[1] + W * i);
+    a2 += x * loadv(kr[2] + W * i);
+    a3 += x * loadv(kr[3] + W * i);
+    a4 += x * loadv(kr[4] + W * i);
+    a5 += x * loadv(kr[5] + W * i);
+    a6 += x * loadv(kr[6] + W * i);
+    a7 += x * loadv(kr[7] + W * i);
+  }
+  return reduce8(fold8(a0), fold8(a1), fold8(a2), fold8(a3), fold8(a4), fold8(a5), fold8(a6), fold8(a7));
+}
+
+// s[j] = <qv, k_j> for the rows [0, cnt) of a block (row stride Dp), MASK_VALUE on [cnt, round_up(cnt, W));
+// returns max_j s[j]. Whole W-lane stores, so the loads that follow forward from them.
+template <int ND>
+inline float block_logits(const float* qv, const float* kb, int64_t Dp, int64_t nd_rt, int64_t cnt, float* s) {
+  vi iota;
+  for (int i = 0; i < W; ++i) iota[i] = i;
+  vf mx = splat(kMask);
+  for (int64_t j = 0; j < cnt; j += W) {
+    const f8 lo = logits8<ND>(qv, kb, Dp, nd_rt, j, cnt);
+#if defined(__AVX512F__)
+    const f8 hi = j + 8 < cnt ? logits8<ND>(qv, kb, Dp, nd_rt, j + 8, cnt) : lo;
+    vf sv = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    vf sv = lo;
+#endif
+    if (j + W > cnt) sv = (iota + static_cast<int32_t>(j)) < static_cast<int32_t>(cnt) ? sv : splat(kMask);
+    storev(s + j, sv);
+    mx = vmax(mx, sv);
+  }
+  return hmax(mx);
+}
+
+// acc[0, Dp) = alpha * acc + sum_{j < cnt} p[j] * v_j.
+template <int ND>
+inline void block_pv(float* acc, float alpha, const float* p, const float* vb, int64_t Dp, int64_t nd_rt,
+                     int64_t cnt) {
+  if (ND > 0) {
+    // column tiles of at most 8 vectors (accumulators stay in registers); below 8 vectors two sets of
+    // accumulators (even and odd rows), so at least 8 independent FMA chains run
+    constexpr int CT = ND < 8 ? ND : 8;
+    constexpr int R = CT >= 8 ? 1 : 2;
+    constexpr int64_t stride = ND * W;
+    (void)Dp;
+    for (int c = 0; c < ND; c += CT) {
+      float* a = acc + W * c;
+      const float* vc = vb + W * c;
+      vf r[R][CT];
+      for (int i = 0; i < CT; ++i) {
+        r[0][i] = loadv(a + W * i) * alpha;
+        if (R > 1) r[R - 1][i] = splat(0.f);
+      }
+      int64_t j = 0;
+      for (; j + R <= cnt; j += R) {
+        for (int u = 0; u < R; ++u) {
+          const vf pj = splat(p[j + u]);
+          const float* vr = vc + (j + u) * stride;
+          for (int i = 0; i < CT; ++i) r[u][i] += pj * loadv(vr + W * i);
+        }
+      }
+      for (; j < cnt; ++j) {
+        const vf pj = splat(p[j]);
+        const float* vr = vc + j * stride;
+        for (int i = 0; i < CT; ++i) r[0][i] += pj * loadv(vr + W * i);
+      }
+      for (int i = 0; i < CT; ++i) storev(a + W * i, R > 1 ? r[0][i] + r[R - 1][i] : r[0][i]);
+    }
+  } else {
+    for (int64_t i = 0; i < nd_rt; ++i) storev(acc + W * i, loadv(acc + W * i) * alpha);
+    for (int64_t j = 0; j < cnt; ++j) {
+      const vf pj = splat(p[j]);
+      const float* vr = vb + j * Dp;
+      for (int64_t i = 0; i < nd_rt; ++i) storev(acc + W * i, loadv(acc + W * i) + pj * loadv(vr + W * i));
+    }
+  }
+}
+
+constexpr int kMaxBlock = 64;
+
+// One chunk: running max m[QG], sum l[QG] and unnormalised accumulator acc[QG, Dp], written to part.
+template <typename KV, int ND>
+void run_chunk(const Problem& pb, const Head& hd, int64_t bh, int64_t c0, int64_t c1, float* part,
+               float* kbuf, float* vbuf) {
+  const int64_t QG = pb.QG, G = pb.G, D = pb.D, Dp = pb.Dp;
+  const int64_t nd = Dp / W;
+  float* m = part;
+  float* l = part + QG;
+  float* acc = part + 2 * QG;
+  for (int64_t i = 0; i < QG; ++i) { m[i] = kMask; l[i] = 0.f; }
+  std::memset(acc, 0, sizeof(float) * QG * Dp);
+
+  const bool direct = std::is_same<KV, float>::value && Dp == D;
+  const KV* kp = static_cast<const KV*>(pb.k) + hd.start * D;
+  const KV* vp = static_cast<const KV*>(pb.v) + hd.start * D;
+  const float* qh = pb.q + bh * QG * Dp;
+  const bool write_logits = pb.S > 0 && pb.flags[bh] != 0;  // S > 0 only with T == 1
+  float* lg = pb.logits + bh * G * pb.S;
+  alignas(64) float s[kMaxBlock + W];
+
+  for (int64_t j0 = c0; j0 < c1; j0 += pb.block) {
+    const int64_t j1 = std::min(c1, j0 + pb.block);
+    const int64_t nb = j1 - j0;
+    const float *kb, *vb;
+    if (direct) {
+      kb = reinterpret_cast<const float*>(kp) + j0 * D;
+      vb = reinterpret_cast<const float*>(vp) + j0 * D;
+    } else {
+      rows_to_f32<KV>(kp + j0 * D, D, Dp, nb, kbuf);
+      rows_to_f32<KV>(vp + j0 * D, D, Dp, nb, vbuf);
+      kb = kbuf;
+      vb = vbuf;
+    }
+    for (int64_t t = 0; t < pb.T; ++t) {
+      const int64_t vis = std::min(hd.rows, hd.n0 + t);  // rows this position sees
+      const int64_t cnt = std::min(j1, vis) - j0;         // of this block
+      if (cnt <= 0) continue;
+      const int64_t cntw = (cnt + W - 1) / W * W;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t qi = t * G + g;
+        const float bm = block_logits<ND>(qh + qi * Dp, kb, Dp, nd, cnt, s);
+        if (write_logits && j0 < pb.S) std::memcpy(lg + g * pb.S + j0, s, sizeof(float) * std::min(cnt, pb.S - j0));
+        const float m_old = m[qi];
+        const float m_new = bm > m_old ? bm : m_old;
+        const float alpha = std::exp(m_old - m_new);  // 0 while m_old is MASK_VALUE
+        vf lsum = splat(0.f);
+        for (int64_t j = 0; j < cntw; j += W) {
+          const vf p = expv(loadv(s + j) - m_new);
+          storev(s + j, p);
+          lsum += p;
+        }
+        m[qi] = m_new;
+        l[qi] = l[qi] * alpha + hsum(lsum);
+        block_pv<ND>(acc + qi * Dp, alpha, s, vb, Dp, nd, cnt);
+      }
+    }
+  }
+}
+
+// Merges a head's partials into out / lse, and fills its logits past the written rows with MASK_VALUE.
+void finalize(const Problem& pb, const Head& hd, int64_t bh, const float* parts) {
+  const int64_t QG = pb.QG, D = pb.D, Dp = pb.Dp, stride = 2 * QG + QG * Dp;
+  std::vector<float> o(Dp);
+  for (int64_t qi = 0; qi < QG; ++qi) {
+    float M = kMask;
+    for (int32_t c = 0; c < hd.nparts; ++c) M = std::max(M, parts[c * stride + qi]);
+    float L = 0.f;
+    std::fill(o.begin(), o.end(), 0.f);
+    for (int32_t c = 0; c < hd.nparts; ++c) {
+      const float* pc = parts + c * stride;
+      const float l = pc[QG + qi];
+      if (!(l > 0.f)) continue;  // no visible row in this chunk
+      const float w = std::exp(pc[qi] - M);
+      L += w * l;
+      const float* a = pc + 2 * QG + qi * Dp;
+      for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+    }
+    const int64_t oi = bh * QG + qi;
+    if (L > 0.f) {
+      const float inv = 1.f / L;
+      for (int64_t d = 0; d < D; ++d) store_elem(pb.out, oi * D + d, o[d] * inv, pb.out_elem);
+      pb.lse[oi] = M + std::log(L);
+    } else {
+      for (int64_t d = 0; d < D; ++d) store_elem(pb.out, oi * D + d, 0.f, pb.out_elem);
+      pb.lse[oi] = kMask;
+    }
+  }
+  if (pb.S > 0) {
+    const int64_t written = pb.flags[bh] != 0 ? std::max<int64_t>(0, std::min(pb.S, std::min(hd.rows, hd.n0))) : 0;
+    for (int64_t g = 0; g < pb.G; ++g) {
+      float* lg = pb.logits + (bh * pb.G + g) * pb.S;
+      std::fill(lg + written, lg + pb.S, kMask);
+    }
+  }
+}
+
+struct Shared {
+  Problem pb;
+  std::vector<Head> heads;
+  std::vector<Item> items;
+  std::vector<float> parts;
+  std::unique_ptr<std::atomic<int32_t>[]> left;  // chunks of each head not yet done
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  void (*chunk_fn)(const Problem&, const Head&, int64_t, int64_t, int64_t, float*, float*, float*);
+};
+
+void work(Shared& sh) {
+  const int64_t n = static_cast<int64_t>(sh.items.size());
+  const int64_t stride = 2 * sh.pb.QG + sh.pb.QG * sh.pb.Dp;
+  std::vector<float> kbuf, vbuf;
+  for (;;) {
+    const int64_t i = sh.next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= n) break;
+    if (kbuf.empty()) {
+      kbuf.resize(sh.pb.block * sh.pb.Dp);
+      vbuf.resize(sh.pb.block * sh.pb.Dp);
+    }
+    const Item& it = sh.items[i];
+    const Head& hd = sh.heads[it.bh];
+    sh.chunk_fn(sh.pb, hd, it.bh, it.c0, it.c1, sh.parts.data() + it.part * stride, kbuf.data(), vbuf.data());
+    if (sh.left[it.bh].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      finalize(sh.pb, hd, it.bh, sh.parts.data() + hd.first_part * stride);
+    if (sh.done.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+      std::lock_guard<std::mutex> lock(sh.mu);
+      sh.cv.notify_all();
+    }
+  }
+}
+
+template <typename KV>
+void (*pick_chunk_fn(int64_t Dp))(const Problem&, const Head&, int64_t, int64_t, int64_t, float*, float*, float*) {
+  switch (Dp / W) {
+    case 2: return &run_chunk<KV, 2>;
+    case 4: return &run_chunk<KV, 4>;
+    case 8: return &run_chunk<KV, 8>;
+    case 16: return &run_chunk<KV, 16>;
+    default: return &run_chunk<KV, 0>;
+  }
+}
+
+bool elem_of(ffi::DataType t, Elem* e) {
+  switch (t) {
+    case ffi::DataType::F32: *e = Elem::kF32; return true;
+    case ffi::DataType::BF16: *e = Elem::kBF16; return true;
+    case ffi::DataType::F16: *e = Elem::kF16; return true;
+    default: return false;
+  }
+}
+
+int64_t prod(ffi::AnyBuffer::Dimensions d, size_t from, size_t to) {
+  int64_t p = 1;
+  for (size_t i = from; i < to; ++i) p *= d[i];
+  return p;
+}
+
+ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> lengths,
+                             ffi::Buffer<ffi::S32> flags, float sm_scale, int64_t score_len, int64_t chunk_rows,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                             ffi::Result<ffi::Buffer<ffi::F32>> logits) {
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  if (qd.size() < 5 || kd.size() < 3 || v.dimensions().size() != kd.size())
+    return ffi::Error::InvalidArgument("pool_attention: q must be [..., H, T, G, D], k/v [..., P, D]");
+  const size_t r = qd.size();
+  const int64_t B = prod(qd, 0, r - 4), H = qd[r - 4], T = qd[r - 3], G = qd[r - 2], D = qd[r - 1];
+  const int64_t P = kd[kd.size() - 2];
+  if (prod(kd, 0, kd.size() - 2) != B || kd[kd.size() - 1] != D)
+    return ffi::Error::InvalidArgument("pool_attention: k_pool must be [B, P, D] matching q");
+  for (size_t i = 0; i < kd.size(); ++i)
+    if (v.dimensions()[i] != kd[i]) return ffi::Error::InvalidArgument("pool_attention: v_pool shape != k_pool");
+  if (offsets.element_count() != static_cast<size_t>(B * H) || lengths.element_count() != static_cast<size_t>(B * H) ||
+      flags.element_count() != static_cast<size_t>(B * H))
+    return ffi::Error::InvalidArgument("pool_attention: offsets, lengths and flags must be [B, H]");
+  if (score_len < 0 || (score_len > 0 && T != 1))
+    return ffi::Error::InvalidArgument("pool_attention: score_len needs T == 1");
+  if (logits->element_count() != static_cast<size_t>(B * H * G * score_len))
+    return ffi::Error::InvalidArgument("pool_attention: logits must be [B, H, G, score_len]");
+  Elem qe, ke, ve, oe;
+  if (!elem_of(q.element_type(), &qe) || !elem_of(k.element_type(), &ke) || !elem_of(v.element_type(), &ve) ||
+      !elem_of(out->element_type(), &oe))
+    return ffi::Error::InvalidArgument("pool_attention: dtypes must be float32, bfloat16 or float16");
+  if (ke != ve) return ffi::Error::InvalidArgument("pool_attention: k_pool and v_pool dtypes differ");
+  if (out->element_count() != q.element_count() || lse->element_count() != static_cast<size_t>(B * H * T * G))
+    return ffi::Error::InvalidArgument("pool_attention: output shapes");
+  if (B * H * T * G == 0) return ffi::Error::Success();
+
+  auto sh = std::make_shared<Shared>();
+  Problem& pb = sh->pb;
+  pb.B = B; pb.H = H; pb.T = T; pb.G = G; pb.D = D; pb.P = P; pb.S = score_len;
+  pb.Dp = (D + W - 1) / W * W;
+  pb.QG = T * G;
+  pb.k = k.untyped_data();
+  pb.v = v.untyped_data();
+  pb.offsets = offsets.typed_data();
+  pb.lengths = lengths.typed_data();
+  pb.flags = flags.typed_data();
+  pb.out = out->untyped_data();
+  pb.out_elem = oe;
+  pb.lse = lse->typed_data();
+  pb.logits = logits->typed_data();
+  pb.block = pb.Dp <= 64 ? kMaxBlock : (pb.Dp <= 128 ? 32 : 16);  // K and V blocks stay in L1
+
+  // q in float32, scaled, rows padded to Dp
+  std::vector<float> qf(B * H * T * G * pb.Dp, 0.f);
+  {
+    const void* qp = q.untyped_data();
+    for (int64_t i = 0; i < B * H * T * G; ++i)
+      for (int64_t d = 0; d < D; ++d) qf[i * pb.Dp + d] = load_elem(qp, i * D + d, qe) * sm_scale;
+  }
+  pb.q = qf.data();
+
+  // heads, and the chunk size that gives every thread a few items
+  sh->heads.resize(B * H);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      Head& hd = sh->heads[b * H + h];
+      const int64_t o = pb.offsets[b * H + h];
+      hd.n0 = pb.lengths[b * H + h];
+      const int64_t avail = (o >= 0 && o < P) ? P - o : 0;
+      hd.rows = std::max<int64_t>(0, std::min(avail, hd.n0 + T - 1));
+      hd.start = b * P + (avail > 0 ? o : 0);
+      total += hd.rows;
+    }
+  }
+  int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  if (const char* env = std::getenv("HETERO_JAX_NATIVE_THREADS")) {  // a cap (0 or unset: the pool's size)
+    const long cap = std::strtol(env, nullptr, 10);
+    if (cap > 0) workers = std::min<int64_t>(workers, cap);
+  }
+  // Threads only for calls of more than about 100 us on one core: waking a helper costs microseconds on a
+  // quiet machine, and tens when the cores are shared (the woken helper preempts the caller).
+  // chunk_rows > 0 (tests) forces that split, and threads whenever there are several.
+  const bool parallel = workers > 1 && (chunk_rows > 0 || total * (pb.QG + 2) >= 48 * 1024);
+  int64_t chunk = INT64_MAX;
+  if (chunk_rows > 0) {
+    chunk = chunk_rows;
+  } else if (parallel) {  // about 4 items a thread, so that the last ones to be taken are short
+    chunk = std::max<int64_t>((total + 4 * workers - 1) / (4 * workers), 256);
+  }
+  if (chunk != INT64_MAX) chunk = (chunk + pb.block - 1) / pb.block * pb.block;
+  int64_t nparts = 0;
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    Head& hd = sh->heads[bh];
+    hd.first_part = nparts;
+    // chunks of `chunk` rows (a multiple of the block); a head that fits is one item (an empty head too)
+    const int64_t nc = hd.rows > chunk ? (hd.rows + chunk - 1) / chunk : 1;
+    int64_t per = hd.rows;
+    if (nc > 1) per = ((hd.rows + nc - 1) / nc + pb.block - 1) / pb.block * pb.block;
+    int32_t made = 0;
+    for (int64_t c0 = 0; made == 0 || c0 < hd.rows; c0 += per) {
+      sh->items.push_back(Item{bh, c0, std::min(hd.rows, c0 + per), nparts++});
+      ++made;
+      if (per == 0) break;
+    }
+    hd.nparts = made;
+  }
+  // longest items first, so the last ones to be taken are short
+  std::stable_sort(sh->items.begin(), sh->items.end(),
+                   [](const Item& a, const Item& b) { return a.c1 - a.c0 > b.c1 - b.c0; });
+  sh->parts.resize(nparts * (2 * pb.QG + pb.QG * pb.Dp));
+  sh->left.reset(new std::atomic<int32_t>[B * H]);
+  for (int64_t bh = 0; bh < B * H; ++bh) sh->left[bh].store(sh->heads[bh].nparts, std::memory_order_relaxed);
+  switch (ke) {
+    case Elem::kF32: sh->chunk_fn = pick_chunk_fn<float>(pb.Dp); break;
+    case Elem::kBF16: sh->chunk_fn = pick_chunk_fn<BF16>(pb.Dp); break;
+    default: sh->chunk_fn = pick_chunk_fn<F16>(pb.Dp); break;
+  }
+
+  const int64_t n_items = static_cast<int64_t>(sh->items.size());
+  const int64_t helpers = parallel ? std::min(workers - 1, n_items - 1) : 0;
+  for (int64_t i = 0; i < helpers; ++i) {
+    std::shared_ptr<Shared> keep = sh;
+    pool.Schedule([keep]() { work(*keep); });
+  }
+  work(*sh);
+  if (sh->done.load(std::memory_order_acquire) != n_items) {
+    std::unique_lock<std::mutex> lock(sh->mu);
+    sh->cv.wait(lock, [&] { return sh->done.load(std::memory_order_acquire) == n_items; });
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// The one exported symbol (the library is built with -fvisibility=hidden).
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* HeteroJaxPoolAttention(XLA_FFI_CallFrame*);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HeteroJaxPoolAttention, PoolAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k_pool
+                                  .Arg<ffi::AnyBuffer>()          // v_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // offsets
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // lengths
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // flags
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("score_len")
+                                  .Attr<int64_t>("chunk_rows")    // 0: automatic
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // logits
