@@ -13,10 +13,13 @@ Kernels (always lowered through Triton: `plgpu.CompilerParams` on every
 
 Backend switch
 --------------
-`HETERO_JAX_KERNELS` = auto | pallas | reference | interpret (default auto):
+`HETERO_JAX_KERNELS` = auto | pallas | native | reference | interpret (default auto):
 
-- auto:      Pallas kernels when jax sees a GPU, the jnp references otherwise;
+- auto:      Pallas kernels when jax sees a GPU; otherwise the native CPU kernel for the pool attention
+             (``pallas_kernels.native``, built on first use) and the jnp references for the rest;
 - pallas:    the Pallas/Triton kernels (needs a CUDA GPU to run);
+- native:    the native CPU kernel for the pool attention (an error if it cannot be built), references
+             for the rest;
 - reference: the plain-jnp references (any backend);
 - interpret: the Pallas kernels in the Pallas interpreter (CPU debugging).
 
@@ -67,10 +70,14 @@ def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, *, max
   None. Returns (out [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, logits [B, H, G, score_len]
   float32 or None).
   """
-  mode = resolve_backend(backend)
+  mode = resolve_backend(backend, native=True)
   if mode == "reference":
     return pool_attention_reference(q, k_pool, v_pool, offsets, lengths, score_heads, max_len=max_len,
                                     score_len=score_len, sm_scale=sm_scale)
+  if mode == "native":
+    from pallas_kernels.native import pool_attention_native
+    return pool_attention_native(q, k_pool, v_pool, offsets, lengths, score_heads, score_len=score_len,
+                                 sm_scale=sm_scale)
   return pool_attention_pallas(q, k_pool, v_pool, offsets, lengths, score_heads, max_len=max_len,
                                score_len=score_len, sm_scale=sm_scale, interpret=(mode == "interpret"))
 

@@ -57,7 +57,7 @@ import contextlib
 import os
 
 ENV_VAR = "HETERO_JAX_KERNELS"
-BACKENDS = ("auto", "pallas", "reference", "interpret")
+BACKENDS = ("auto", "pallas", "native", "reference", "interpret")
 _override: list[str | None] = [None]
 
 
@@ -75,16 +75,26 @@ def requested_backend() -> str:
   return _check_backend(os.environ.get(ENV_VAR, "auto") or "auto")
 
 
-def resolve_backend(backend: str | None = None) -> str:
-  """Concrete backend: 'pallas', 'reference' or 'interpret'.
+def resolve_backend(backend: str | None = None, native: bool = False) -> str:
+  """Concrete backend: 'pallas', 'native', 'reference' or 'interpret'.
 
   `backend` (if given) wins over `use_kernels(...)`, which wins over the
   HETERO_JAX_KERNELS env var. 'auto' is 'pallas' when a GPU is visible to
-  jax, 'reference' otherwise.
+  jax; otherwise, for a kernel with a native CPU version (``native=True``:
+  the pool attention) that version when it is built, else 'reference'.
+  'native' asks for the native CPU kernel: kernels without one use their
+  reference, and the pool attention raises when it cannot be built.
   """
   mode = _check_backend(backend) if backend is not None else requested_backend()
   if mode == "auto":
-    mode = "pallas" if gpu_available() else "reference"
+    if gpu_available():
+      return "pallas"
+    if native:
+      from pallas_kernels import native as native_kernels
+      return "native" if native_kernels.available() else "reference"
+    return "reference"
+  if mode == "native" and not native:
+    return "reference"
   return mode
 
 

@@ -476,6 +476,7 @@ def test_drift_check_matches_topk_definition(seed, L_base, shift):
 def test_backend_switch(monkeypatch):
   monkeypatch.delenv(pk.ENV_VAR, raising=False)
   assert pk.use_kernels() in ("pallas", "reference")
+  assert pk.resolve_backend(native=True) in ("pallas", "native")  # auto: the CPU's pool attention is native
   if not pk.gpu_available():
     assert pk.use_kernels() == "reference"          # auto on CPU
   monkeypatch.setenv(pk.ENV_VAR, "interpret")
@@ -595,12 +596,15 @@ def test_model_greedy_output_same_with_kernels_forced_in_interpret_mode(monkeypa
     return toks, np.stack(all_logits)
 
   calls = []
-  kernel = pallas_kernels.sparse_decode_attention
-  monkeypatch.setattr(pallas_kernels, "sparse_decode_attention",
+  kernel = pallas_kernels.pool_attention_pallas
+  monkeypatch.setattr(pallas_kernels, "pool_attention_pallas",
                       lambda *a, **k: calls.append(k.get("interpret")) or kernel(*a, **k))
   ref_toks, ref_logits = greedy("reference")
   assert calls == []
   ker_toks, ker_logits = greedy("interpret")
-  assert calls and all(calls)  # every layer's prompt and tail attention went through the kernel
+  assert len(calls) == cfg.num_layers and all(calls)  # one kernel call per layer: every head, prompt and tail
   assert ker_toks == ref_toks
   np.testing.assert_allclose(ker_logits, ref_logits, atol=1e-4, rtol=0)
+  nat_toks, nat_logits = greedy("native")  # the CPU kernel the runtime picks on a CPU
+  assert len(calls) == cfg.num_layers and nat_toks == ref_toks
+  np.testing.assert_allclose(nat_logits, ref_logits, atol=1e-4, rtol=0)
