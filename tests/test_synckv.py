@@ -254,6 +254,49 @@ def test_anticipation_every_m_steps_lags_one_step_and_fetches_the_non_static_top
     assert s["recalls"] == sum(bool(x) for x in moved)
 
 
+def test_a_failed_anticipation_keeps_the_rows_and_the_next_one_lands(monkeypatch):
+    """A host -> device transfer that fails while an anticipation is applied leaves every pool row, the host
+    mirror and the counters as they were (RuntimeWarning); the next anticipation moves the rows."""
+    import warnings
+
+    import jax
+
+    L, m = 160, 2
+    eng = Engine(MODEL, [prompt(L, 3)], SyncKV(profile=PROFILE, budget=0.6, m=m), tail_capacity=8)
+    st = eng.state
+    failing, real_put = [False], jax.device_put
+
+    def flaky(x, *a, **k):
+        if failing[0] and isinstance(x, np.ndarray):
+            raise RuntimeError("RESOURCE_EXHAUSTED: injected transfer failure")
+        return real_put(x, *a, **k)
+
+    monkeypatch.setattr(jax, "device_put", flaky)
+    rows = lambda: [np.asarray(a) for li in range(CFG.num_layers) for a in layer_rows(eng.cache, li)]  # noqa: E731
+    tok = eng.first_tokens(0.0, 1.0)
+    for _ in range(m):
+        tok, _ = eng.step(tok, 0.0, 1.0)
+    assert st.pending is not None  # dispatched after step m - 1, applied before step m
+    before, mirror = rows(), {li: d.copy() for li, d in st.dyn.items()}
+    failing[0] = True
+    with pytest.warns(RuntimeWarning, match=r"anticipation before decode step 2 failed \(RuntimeError: RESOURCE"):
+        eng.cache = st.before_step(m, eng.cache)
+    failing[0] = False
+    assert all(np.array_equal(a, b) for a, b in zip(before, rows()))
+    assert all(np.array_equal(st.dyn[li], mirror[li]) for li in mirror)
+    s = st.stats()
+    assert s["recall_failures"] == 1 and s["anticipations"] == 0 and s["rows_recalled"] == 0
+    assert s["layer_anticipations"] == 0 and s["rows_requested"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(m):
+            tok, _ = eng.step(tok, 0.0, 1.0)
+        eng.cache = st.before_step(eng.steps, eng.cache)
+    s = st.stats()
+    assert s["anticipations"] == 1 and s["rows_recalled"] > 0 and s["layer_anticipations"] == CFG.num_layers
+    assert not all(np.array_equal(a, b) for a, b in zip(before, rows()))
+
+
 def test_rho_one_equals_full_kv():
     ids = prompt(120, 4)
     t_full, l_full, _ = greedy_with_logits(MODEL, FullKV(), [ids], steps=8)
