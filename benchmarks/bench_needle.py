@@ -286,15 +286,14 @@ def summarize(records: list[dict], combos, lengths) -> list[dict]:
 
 # ------------------------------------------------------ one forward pass
 class OneForwardPrefill:
-    """One layer-major prefill feeding every policy's ``build_layer`` hook, whatever its head layout.
+    """One layer-major prefill feeding every policy's prefill plan, whatever its head layout.
 
-    ``hetero_jax.model.transformer.prefill`` (run with the identity-layout params) calls
-    ``build_layer(li, layer, x_in, k_buf, v_buf, lens)`` once per layer; a
-    policy with a head layout gets ``layer`` from its permuted params and the
-    KV heads of ``k_buf``/``v_buf`` in its layout order (a permuted model
-    computes the same function, so ``x_in`` is shared). Full KV keeps the whole
-    prompt, as ``prefill`` does without a hook. :meth:`caches` assembles one
-    cache per policy (``bench_policies.SharedPrefill.caches``).
+    ``hetero_jax.model.transformer.prefill`` (run with the identity-layout params and ``DropKVPlan``) calls
+    the ``observe(li, layer, x_in, k_buf, v_buf, lens)`` hook once per layer; a policy with a head layout
+    gets ``layer`` from its permuted params and the KV heads of ``k_buf``/``v_buf`` in its layout order (a
+    permuted model computes the same function, so ``x_in`` is shared). Each plan's ``build_layer`` output
+    goes into its own ``cache.PoolBuilder`` (``bench_policies.SharedPrefill``: ``start`` before the
+    prefill, ``caches`` after it).
     """
 
     def __init__(self, plans, perms, layer_params, compile_fn, on_layer=None):
@@ -302,10 +301,10 @@ class OneForwardPrefill:
         self.perms = perms  # per policy: per layer, an int array of KV heads in layout order, or None
         self.layer_params = layer_params  # per policy: its params["layers"]
 
-    def __getattr__(self, name):  # plans, groups, hook_seconds, caches, compile_fn_sharing_scores
+    def __getattr__(self, name):  # plans, builders, hook_seconds, start, drop_plan, caches, compile_fn_sharing_scores
         return getattr(self._shared, name)
 
-    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens):
+    def observe(self, li, layer, x_in, k_buf, v_buf, lens):
         import jax
         import jax.numpy as jnp
 
@@ -313,24 +312,21 @@ class OneForwardPrefill:
         jax.block_until_ready((x_in, k_buf, v_buf))  # the layer's forward pass is not the hooks' time
         s._scores.clear()
         permuted: dict = {}
-        for i, (kb, vb) in s.kv_for_plans(k_buf, v_buf):
-            t0 = time.perf_counter()
+        for i in range(len(s.plans)):
             if self.perms[i] is None:
-                g = s.plans[i].build_layer(li, layer, x_in, kb, vb, lens)
-            else:
-                perm = self.perms[i][li]
-                key = perm.tobytes()
-                if key not in permuted:
-                    idx = jnp.asarray(perm)
-                    permuted[key] = (jnp.take(k_buf, idx, axis=1), jnp.take(v_buf, idx, axis=1))
-                k_p, v_p = permuted[key]
-                g = s.plans[i].build_layer(li, self.layer_params[i][li], x_in, k_p, v_p, lens)
-            jax.block_until_ready(g)
+                s.add(i, li, layer, x_in, k_buf, v_buf, lens)
+                continue
+            t0 = time.perf_counter()
+            perm = self.perms[i][li]
+            key = perm.tobytes()
+            if key not in permuted:
+                idx = jnp.asarray(perm)
+                permuted[key] = jax.block_until_ready((jnp.take(k_buf, idx, axis=1), jnp.take(v_buf, idx, axis=1)))
             s.hook_seconds[i] += time.perf_counter() - t0
-            s.groups[i].append(g)
+            k_p, v_p = permuted[key]
+            s.add(i, li, self.layer_params[i][li], x_in, k_p, v_p, lens)
         if s.on_layer is not None:
             s.on_layer(li)
-        return s.groups[0][-1]
 
 
 def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefill: str = "shared", bar=None,
@@ -379,9 +375,11 @@ def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefil
     fn = shared.compile_fn_sharing_scores() if share_scores else G.compiled
     plans = [p.make_prefill(cfg, [len(ids)], compile_fn=fn) for p in bound]  # checks budgets first
     shared._shared.plans = plans
-    logits, base = G.prefill(model.params, cfg, [list(ids)], tail_capacity=tail_capacity,
-                             build_layer=shared.build_layer)
-    caches = shared.caches(base)
+    lens = [len(ids)]
+    shared.start(cfg, lens, tail_capacity, model.params["embed"].dtype)
+    logits, _ = G.prefill(model.params, cfg, [list(ids)], tail_capacity=1, plan=shared.drop_plan(cfg, lens),
+                          observe=shared.observe)
+    caches = shared.caches(np.asarray(lens, np.int32))
     jax.block_until_ready(logits)
     wall = time.perf_counter() - t0
     hooks = sum(shared.hook_seconds)

@@ -84,14 +84,14 @@ def policy_names() -> list[str]:
 
 # ----------------------------------------------------------- shared prefill
 class SharedPrefill:
-    """One layer-major prefill feeding several policies' ``build_layer`` hooks.
+    """One layer-major prefill feeding several policies' prefill plans.
 
-    ``hetero_jax.model.transformer.prefill`` calls ``build_layer(li, layer, x_in, k_buf,
-    v_buf, lens)`` once per layer with that layer's full prompt KV; here every
-    plan's hook sees the same arguments (full KV keeps the whole prompt, as
-    ``prefill`` does without a hook). The policies must share one head layout
-    (the same permuted params). :meth:`caches` assembles one cache per policy
-    and applies each plan's ``finish``.
+    ``hetero_jax.model.transformer.prefill`` (run with ``DropKVPlan``: its own cache keeps no prompt row) calls
+    the ``observe(li, layer, x_in, k_buf, v_buf, lens)`` hook once per layer with that layer's full prompt
+    KV; here every plan's ``build_layer`` sees the same arguments and its output goes straight into that
+    plan's own ``cache.PoolBuilder`` (one pool per plan, allocated from its ``prompt_counts()`` by
+    :meth:`start`). The policies must share one head layout (the same permuted params). :meth:`caches`
+    finishes one cache per policy and applies each plan's ``finish``.
     """
 
     def __init__(self, plans, compile_fn, on_layer=None):
@@ -103,8 +103,24 @@ class SharedPrefill:
         self.plans, self.compile_fn = list(plans), compile_fn
         self.on_layer = on_layer
         self._scores: dict = {}
-        self.groups: list[list] = [[] for _ in self.plans]
-        self.hook_seconds = [0.0] * len(self.plans)  # scoring + selection per policy (compile included)
+        self.builders: list = []
+        self.hook_seconds = [0.0] * len(self.plans)  # scoring + selection + pool writes per policy (compile included)
+
+    def start(self, cfg, prompt_lens, tail_capacity: int, dtype, mesh=None) -> None:
+        """One ``PoolBuilder`` per plan (each pool allocated from its plan's counts), before the prefill."""
+        from hetero_jax.model.cache import PoolBuilder
+
+        self.hook_seconds = [0.0] * len(self.plans)
+        self.builders = []
+        for i, plan in enumerate(self.plans):
+            t0 = time.perf_counter()
+            self.builders.append(PoolBuilder(plan, prompt_lens, cfg, tail_capacity, dtype, mesh=mesh,
+                                             compile_fn=self.compile_fn))
+            self.hook_seconds[i] += time.perf_counter() - t0
+
+    def drop_plan(self, cfg, prompt_lens):
+        """The plan of the shared prefill's own cache: it keeps no prompt row (every policy has its pool)."""
+        return self._M.DropKVPlan(prompt_lens, cfg.num_layers, cfg.num_kv_heads)
 
     def compile_fn_sharing_scores(self):
         """``compile_fn`` for the plans: one policy's per-layer token scores serve all its budgets.
@@ -134,53 +150,34 @@ class SharedPrefill:
 
         return compile_fn
 
-    def kv_for_plans(self, k_buf, v_buf):
-        """(plan index, its k/v) in build order: plans that consume the buffers (``consumes_kv``: full
-        groups kept without a copy) go last, each but the very last on its own copy."""
-        jnp = self._jax.numpy
-        order = sorted(range(len(self.plans)), key=lambda j: self.plans[j].consumes_kv)
-        last = order[-1] if order and self.plans[order[-1]].consumes_kv else None
-        for i in order:
-            own = self.plans[i].consumes_kv and i != last
-            yield i, ((jnp.copy(k_buf), jnp.copy(v_buf)) if own else (k_buf, v_buf))
-
-    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens):
+    def add(self, i: int, li: int, layer, x_in, k_buf, v_buf, lens) -> None:
+        """Plan ``i``'s layer ``li`` into its pool, timed (the pool write included)."""
         jax = self._jax
-        jax.block_until_ready((x_in, k_buf, v_buf))  # the layer's forward pass is not the hooks' time
+        t0 = time.perf_counter()
+        done = self.builders[i].add(li, self.plans[i].build_layer(li, layer, x_in, k_buf, v_buf, lens))
+        jax.block_until_ready(done)
+        self.hook_seconds[i] += time.perf_counter() - t0
+
+    def observe(self, li, layer, x_in, k_buf, v_buf, lens):
+        self._jax.block_until_ready((x_in, k_buf, v_buf))  # the layer's forward pass is not the hooks' time
         self._scores.clear()
-        for i, (kb, vb) in self.kv_for_plans(k_buf, v_buf):
-            t0 = time.perf_counter()
-            g = self.plans[i].build_layer(li, layer, x_in, kb, vb, lens)
-            jax.block_until_ready(g)
-            self.hook_seconds[i] += time.perf_counter() - t0
-            self.groups[i].append(g)
+        for i in range(len(self.plans)):
+            self.add(i, li, layer, x_in, k_buf, v_buf, lens)
         if self.on_layer is not None:
             self.on_layer(li)
-        return self.groups[0][-1]  # prefill's own cache gets the first policy's groups
 
-    def caches(self, base_cache):
-        """One cache per policy from ``prefill``'s cache (its tails, lengths) and the collected groups."""
-        jax, M = self._jax, self._M
-        jnp = jax.numpy
+    def caches(self, prompt_lens):
+        """One (cache, decode state) per policy: its builder's cache (own buffers: the decode step donates
+        every cache leaf), then its plan's ``finish``. prompt_lens: [B] int32 (device)."""
+        jax = self._jax
         out = []
-        for i, (plan, groups) in enumerate(zip(self.plans, self.groups)):
-            if i == 0:
-                cache = base_cache
-            else:  # own buffers everywhere: the decode step donates every cache leaf
-                layers = tuple(lc.replace(groups=g, tail_k=M.fresh_zeros(lc.tail_k.shape, lc.tail_k.dtype),
-                                          tail_v=M.fresh_zeros(lc.tail_v.shape, lc.tail_v.dtype))
-                               for lc, g in zip(base_cache.layers, groups))
-                cache = base_cache.replace(
-                    layers=layers, seq_lens=jnp.array(base_cache.seq_lens),
-                    prompt_lens=jnp.array(base_cache.prompt_lens),
-                    tail_lens=M.fresh_zeros(base_cache.tail_lens.shape, base_cache.tail_lens.dtype),
-                    tail_positions=jnp.full(base_cache.tail_positions.shape, -1, jnp.int32))
+        for i, (plan, builder) in enumerate(zip(self.plans, self.builders)):
             t0 = time.perf_counter()
-            cache, state = plan.finish(cache)
+            cache, state = plan.finish(builder.cache(jax.numpy.array(prompt_lens)))
             jax.block_until_ready((cache, state.host_arrays()))
             self.hook_seconds[i] += time.perf_counter() - t0
             out.append((cache, state))
-        self.groups = [[] for _ in self.plans]
+        self.builders = []
         return out
 
 
@@ -197,6 +194,7 @@ def make_engines(model, ids: list[int], policies, tail_capacity: int, bar=None, 
     that the prefill forward pass is shared. Returns (engines, info per policy).
     """
     import jax
+    import numpy as np
 
     from hetero_jax.model import layout as LY
 
@@ -219,8 +217,11 @@ def make_engines(model, ids: list[int], policies, tail_capacity: int, bar=None, 
         fn = shared.compile_fn_sharing_scores() if share_scores else G.compiled
         plans = [bound[i].make_prefill(cfg, [len(ids)], compile_fn=fn) for i in idx]  # checks budgets
         shared.plans = plans
-        logits, base = G.prefill(params, cfg, [ids], tail_capacity=tail_capacity, build_layer=shared.build_layer)
-        caches = shared.caches(base)
+        lens = [len(ids)]
+        shared.start(cfg, lens, tail_capacity, params["embed"].dtype)
+        logits, _ = G.prefill(params, cfg, [ids], tail_capacity=1, plan=shared.drop_plan(cfg, lens),
+                              observe=shared.observe)
+        caches = shared.caches(np.asarray(lens, np.int32))
         jax.block_until_ready(logits)
         wall = time.perf_counter() - t0
         compile_s = G.compile_seconds() - c0

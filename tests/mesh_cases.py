@@ -12,7 +12,7 @@ import hetero_jax
 from hetero_jax.runtime import Engine, Session
 from hetero_jax.io.hub import place
 from hetero_jax.policies import FullKV, HCAttention, HeteroCache, SnapKV, SyncKV
-from hetero_jax.model.cache import prompt_arrays
+from hetero_jax.model.cache import POOL_QUANTUM, prompt_arrays
 from hetero_jax.model.sharding import MeshError, cache_shardings, make_mesh, per_device_bytes
 from test_heterocache import PROFILE
 from test_synckv import PROFILE as SYNC_PROFILE
@@ -54,38 +54,39 @@ def test_greedy_and_logits_equal_one_device(name, tp, dp):
         assert leaf.sharding.is_equivalent_to(w, leaf.ndim), (leaf.shape, leaf.sharding, w)
     data = "data" if dp > 1 else None
     model = "model" if tp > 1 else None
-    lc = eng.cache.layers[0]
-    assert spec_of(lc.tail_k)[:2] == (data, model)
-    assert spec_of(eng.cache.seq_lens) == (data,)
+    # one pool per device: [B, S, P, D] split over "data" (batch) and "model" (S = tp shards of the heads)
+    pool = eng.cache.pool
+    assert pool.num_shards == tp
+    assert spec_of(pool.k) == spec_of(pool.v) == (data, model, None, None)
+    assert spec_of(pool.positions) == (data, model, None)
+    assert all(spec_of(l.offsets) == spec_of(l.lengths) == (data, model) for l in eng.cache.layers)
+    assert spec_of(eng.cache.seq_lens) == (data,) and spec_of(eng.cache.tail_lens) == (data,)
     kv_dev = per_device_bytes(prompt_arrays(eng.cache))
     assert len(kv_dev) == tp * dp
     total = sum(a.nbytes for a in prompt_arrays(eng.cache))
     assert set(kv_dev.values()) == {total // (tp * dp)}  # every array splits exactly: nothing replicated
-    if name != "heterocache":  # one group of all 3 heads per layer
-        assert all(spec_of(g.k)[:2] == (data, model) for l in eng.cache.layers for g in l.groups)
-    elif tp == 1:
-        assert eng.cache.pool is None
-    else:
-        # role-balanced rows (one head per shard) whose rows live in one pool per shard
-        pool = eng.cache.pool
-        assert spec_of(pool.k) == (data, model, None, None) and spec_of(pool.positions) == (data, model, None)
-        assert all(l.head_tp == tp and spec_of(g.offsets) == (data, model) for l in eng.cache.layers
-                   for g in l.groups)
-        # a shard allocates its own heads' rows (+ one window of slack), not each row's largest head
-        cfg = MODEL.config
-        item = 2 * cfg.head_dim * pool.k.dtype.itemsize
-        rows_alloc = sum(g.capacity * (g.num_heads // tp) for l in eng.cache.layers for g in l.groups)
-        assert pool.k.shape[2] < rows_alloc
+    # each shard allocates its own heads' regions (kept rows + tail rows each, layer after layer), the
+    # largest (sequence, shard) total rounded up to the pool quantum: no head is padded to another's size
+    cfg = MODEL.config
+    lengths = np.stack([np.asarray(l.lengths) for l in eng.cache.layers])  # [L, B, H]
+    per_shard = (lengths + eng.cache.tail_capacity).reshape(cfg.num_layers, len(PROMPTS), tp, -1).sum(axis=(0, 3))
+    assert pool.num_rows == -(-int(per_shard.max()) // POOL_QUANTUM) * POOL_QUANTUM
+    item = 2 * cfg.head_dim * pool.k.dtype.itemsize
+    assert kv_dev[next(iter(kv_dev))] == pool.num_rows * item * len(PROMPTS) // dp
+    if name == "heterocache" and tp > 1:
+        # role-balanced rows (one head per shard): each shard keeps about the same prompt rows, well below a
+        # full cache's share (the pool adds each head's tail rows and the quantum's rounding, checked above)
+        assert eng.policy.head_tp == tp
         full_per_device = max(len(p) for p in PROMPTS) * cfg.num_kv_heads * cfg.num_layers // tp
-        assert pool.k.shape[2] < 0.8 * full_per_device, (pool.k.shape, full_per_device)
-        assert kv_dev[next(iter(kv_dev))] == pool.k.shape[2] * item * len(PROMPTS) // dp
+        kept = lengths.reshape(cfg.num_layers, len(PROMPTS), tp, -1).sum(axis=(0, 3))  # [B, tp]
+        assert kept.max() < 0.8 * full_per_device, (kept, full_per_device)
         host = eng.state.host_arrays()
         assert host and all(a.sharding.memory_kind == "pinned_host" for a in host)
         # the host copy is split like the device cache: each device's host holds its own heads' share
         assert set(per_device_bytes(host).values()) == {sum(a.nbytes for a in host) // (tp * dp)}
         assert eng.state.host_bytes_by_role()["full"] > 0
         p = eng.state.stats()["placement"]  # the stats say what the placement bought
-        assert p["tp"] == tp and p["allocated_tokens_per_shard"] == pool.k.shape[2] * len(PROMPTS)
+        assert p["tp"] == tp and p["allocated_tokens_per_shard"] == pool.num_rows * len(PROMPTS)
         assert p["kept_max_over_mean"] <= p["contiguous_kept_max_over_mean"]
         assert sum(p["kept_tokens_per_shard"]) == sum(p["contiguous_kept_tokens_per_shard"])
     stats = eng.stats_fields()
@@ -103,7 +104,7 @@ def test_host_copy_peers_on_a_mesh(policy):
     for leaf, w in zip(jax.tree.leaves(eng.cache), jax.tree.leaves(cache_shardings(eng.cache, eng.model.mesh))):
         assert leaf.sharding.is_equivalent_to(w, leaf.ndim)
     for lc in eng.cache.layers:  # policy state that does not lead with the batch stays whole
-        for leaf in jax.tree.leaves(lc.aux):
+        for leaf in jax.tree.leaves(lc.state):
             if leaf.ndim and leaf.shape[0] != len(PROMPTS):
                 assert all(a is None for a in spec_of(leaf))
 

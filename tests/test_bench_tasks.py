@@ -374,6 +374,44 @@ def test_multiturn_records_and_tables_carry_the_haystack():
     assert "pydoc 4 vs 3, stdlib-docs 6 vs 0" in "\n".join(bm.criteria_lines(payload))
 
 
+# --------------------------------------------------- shared prefills
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "per-layout"])
+def test_shared_prefills_build_the_engines_generate_builds(mode):
+    """One forward pass for every policy (``bench_needle.build_engines``: a PoolBuilder per plan, fed by an
+    observe hook; per layout for ``per-layout``): each engine decodes the tokens and logits of an ``Engine`` of
+    its own, for policies in model order and in their own head layouts, a plan whose counts are decided at
+    the end (CAKE) and one with host copies and anticipations (SyncKV)."""
+    import numpy as np
+
+    from hetero_jax.policies import CAKE, FullKV, SnapKV, SyncKV
+    from hetero_jax.runtime import Engine
+    from test_contextkeeper import ck
+    from test_synckv import PROFILE
+    from tiny_model import tiny_model
+
+    model = tiny_model()
+    ids = np.random.default_rng(0).integers(3, 100, 150).tolist()
+    policies = [FullKV(), SnapKV(budget=0.5), CAKE(budget=0.5), SyncKV(profile=PROFILE, budget=0.6, m=2), ck(0.5)]
+
+    def greedy(eng, n=5):
+        tok, toks, logits = eng.first_tokens(0.0, 1.0), [], []
+        for _ in range(n):
+            tok, lg = eng.step_with_logits(tok)
+            toks.append(int(tok[0]))
+            logits.append(lg)
+        return toks, np.stack(logits)
+
+    engines, info = bn.build_engines(model, ids, policies, 8, prefill=mode)
+    assert [i["prefill"] for i in info] == [mode] * len(policies)
+    for p, eng in zip(policies, engines):
+        want_toks, want_logits = greedy(Engine(model, [ids], p, tail_capacity=8))
+        toks, logits = greedy(eng)
+        assert toks == want_toks, p
+        np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
+    assert engines[3].state.stats()["anticipations"] == 2  # the shared SyncKV engine recalled from its host copy
+
+
 # --------------------------------------------------- tiny end-to-end runs
 @pytest.mark.slow
 @pytest.mark.real_model

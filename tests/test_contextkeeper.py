@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import prompt_kv_bytes
+from hetero_jax.model.cache import LayerPrefill, RowBlock, layer_rows, prompt_kv_bytes
 from hetero_jax.runtime import Engine, Session, prefill
 from hetero_jax.policies import BudgetError, ContextKeeper, FullKV, make_policy
 from hetero_jax.profile.contextkeeper import CARanking, calibrate_ranking, load_ranking
@@ -43,13 +43,13 @@ def np_middle_mass(ids, window, sink, recent):
     L = len(ids)
     captured = []
 
-    def build_layer(li, layer, x_in, k_buf, v_buf, lens):
+    def observe(li, layer, x_in, k_buf, v_buf, lens):
         captured.append((np.asarray(x_in[0]), np.asarray(k_buf[0], np.float64)))
-        return M.full_layer_groups(k_buf, v_buf, lens, L)
 
     tokens = np.zeros((1, 128), np.int32)
     tokens[0, :L] = ids
-    M.prefill(PARAMS, CFG, tokens, np.array([L]), chunk=64, tail_capacity=1, build_layer=build_layer)
+    M.prefill(PARAMS, CFG, tokens, np.array([L]), chunk=64, tail_capacity=1,
+              plan=M.DropKVPlan([L], CFG.num_layers, CFG.num_kv_heads), observe=observe)
     out = np.zeros((CFG.num_layers, CFG.num_kv_heads))
     rows = np.arange(L - window, L)
     for li, (x, keys) in enumerate(captured):
@@ -106,20 +106,17 @@ def test_each_head_keeps_what_numpy_says_with_the_full_kv_rows():
     perms = ck(rho).layout(CFG).perms
     for li in range(CFG.num_layers):
         assert list(perms[li]) == [h for l, h in ORDER if l == li]  # layout = ranking order in each layer
-        rk = np.asarray(ref.layers[li].groups[0].k[0])
-        rv = np.asarray(ref.layers[li].groups[0].v[0])
-        slot = 0
-        for g in eng.cache.layers[li].groups:
-            for j in range(g.num_heads):
-                h = perms[li][slot]
-                n = int(g.lengths[0, j])
-                pos = np.asarray(g.positions[0, j, :n])
-                want = np.arange(L) if (li, h) in full_heads else np.r_[0:S_, L - R_:L]
-                np.testing.assert_array_equal(pos, want, err_msg=f"layer {li} head {h}")
-                np.testing.assert_allclose(np.asarray(g.k[0, j, :n]), rk[h, pos], atol=1e-5)
-                np.testing.assert_allclose(np.asarray(g.v[0, j, :n]), rv[h, pos], atol=1e-5)
-                slot += 1
-        assert slot == CFG.num_kv_heads
+        rk, rv = (np.asarray(a[0]) for a in layer_rows(ref, li)[:2])
+        gk, gv, gpos, glen = (np.asarray(a[0]) for a in layer_rows(eng.cache, li))
+        assert gk.shape[0] == CFG.num_kv_heads
+        for slot in range(CFG.num_kv_heads):  # each head's region of the pool, in layout order
+            h = perms[li][slot]
+            n = int(glen[slot])
+            pos = gpos[slot, :n]
+            want = np.arange(L) if (li, h) in full_heads else np.r_[0:S_, L - R_:L]
+            np.testing.assert_array_equal(pos, want, err_msg=f"layer {li} head {h}")
+            np.testing.assert_allclose(gk[slot, :n], rk[h, pos], atol=1e-5)
+            np.testing.assert_allclose(gv[slot, :n], rv[h, pos], atol=1e-5)
     kept = nf * L + (N - nf) * (S_ + R_)
     assert eng.achieved_rho[0] == pytest.approx(kept / (N * L))
     assert eng.state.stats()["n_full"] == [nf]
@@ -218,11 +215,13 @@ def test_registry_cli_spec_and_session(tmp_path):
     assert q.ranking_key == RANKING.key() and q == ck(0.5)
     # a 3-turn session: the compressed heads' prompt part never changes while the tail grows
     sess = Session(MODEL, random_prompt(120, 13), q, chat=False, reserve_tokens=16)
-    before = [[np.asarray(g.positions) for g in lc.groups] for lc in sess.engine.cache.layers]
+    rows = lambda: [[np.asarray(a) for a in layer_rows(sess.engine.cache, li)]  # noqa: E731 - prompt rows only
+                    for li in range(CFG.num_layers)]
+    before = rows()
     for t in range(3):
         sess.ask(random_prompt(5, 14 + t), max_new_tokens=2, stop=None)
-        after = [[np.asarray(g.positions) for g in lc.groups] for lc in sess.engine.cache.layers]
-        for x, y in zip(before, after):
+        after = rows()
+        for x, y in zip(before, after):  # keys, values, positions and lengths of every head's prompt rows
             for u, v in zip(x, y):
                 np.testing.assert_array_equal(u, v)
     assert int(np.asarray(sess.engine.cache.tail_lens)[0]) > 15
@@ -273,26 +272,32 @@ def test_decode_logits_equal_a_full_kv_cache_reduced_to_the_kept_rows():
     order, unpermuted weights) where every head holds exactly its numpy-planned rows."""
     import jax
 
-    from hetero_jax.model.cache import HeadGroup
-
     L, rho = 150, 0.4
     ids = random_prompt(L, 20)
     nf = np_n_full(rho, L)
     assert 0 < nf < N
     full_heads = set(ORDER[:nf])
     eng = Engine(MODEL, [ids], ck(rho), tail_capacity=6)
-    _, ref = prefill(PARAMS, CFG, [ids], tail_capacity=6)
-    layers = []
-    for li, lc in enumerate(ref.layers):
-        g = lc.groups[0]
-        groups = []
-        for h in range(CFG.num_kv_heads):
-            pos = np.arange(L) if (li, h) in full_heads else np.r_[0:S_, L - R_:L]
-            groups.append(HeadGroup(k=g.k[:, h : h + 1, pos], v=g.v[:, h : h + 1, pos],
-                                    positions=jnp.asarray(pos, jnp.int32)[None, None],
-                                    lengths=jnp.full((1, 1), len(pos), jnp.int32)))
-        layers.append(lc.replace(groups=tuple(groups)))
-    cache = ref.replace(layers=tuple(layers))
+    H = CFG.num_kv_heads
+    planned = [[np.arange(L) if (li, h) in full_heads else np.r_[0:S_, L - R_:L] for h in range(H)]
+               for li in range(CFG.num_layers)]
+
+    class Planned:
+        """Full KV's prefill reduced to the numpy-planned rows: each head (original order) keeps exactly those."""
+
+        def prompt_counts(self):
+            return np.array([[[len(p) for p in layer]] for layer in planned])  # [L, 1, H]
+
+        def build_layer(self, li, layer, x_in, k_buf, v_buf, lens):
+            n = max(len(p) for p in planned[li])
+            idx = np.stack([np.pad(p, (0, n - len(p)), mode="edge") for p in planned[li]])  # [H, n]
+            pos = np.stack([np.pad(p, (0, n - len(p)), constant_values=-1) for p in planned[li]])
+            take = lambda a: jnp.asarray(np.asarray(a)[:, np.arange(H)[:, None], idx])  # noqa: E731
+            return LayerPrefill(blocks=(RowBlock(k=take(k_buf), v=take(v_buf), positions=jnp.asarray(pos[None], jnp.int32),
+                                                 lengths=jnp.asarray([[len(p) for p in planned[li]]], jnp.int32),
+                                                 heads=tuple(range(H))),))
+
+    _, cache = prefill(PARAMS, CFG, [ids], tail_capacity=6, plan=Planned())
     tok = eng.first_tokens(0.0, 1.0)
     for _ in range(4):
         want, cache = M.decode_step_jit(PARAMS, cache, jax.numpy.asarray(tok), CFG)

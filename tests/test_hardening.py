@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import hetero_jax
 from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import layer_rows
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError, PromptError
 from hetero_jax.runtime import Session
@@ -391,12 +392,14 @@ def test_a_failed_reselection_transfer_keeps_the_previous_rows_and_the_session_u
 
     monkeypatch.setattr(jax, "device_put", flaky)
     monkeypatch.setattr(ctl, "_reselect", spy)
-    before = [np.asarray(g.positions) for lc in sess.engine.cache.layers for g in lc.groups]
+    rows = lambda: [np.asarray(a) for li in range(len(sess.engine.cache.layers))  # noqa: E731
+                    for a in layer_rows(sess.engine.cache, li)]  # every head's prompt rows and positions
+    before = rows()
     with pytest.warns(RuntimeWarning, match=r"re-selection after a turn failed \(RuntimeError: RESOURCE_EXHAUSTED"):
         got = sess.ask(q1, max_new_tokens=3)
     assert len(got.token_ids) >= 1 and ctl.stats()["reselect_failures"] == 1
     assert ctl.stats()["reselections"] == 0 and ctl.stats()["bytes_reselected"] == 0
-    after = [np.asarray(g.positions) for lc in sess.engine.cache.layers for g in lc.groups]
+    after = rows()
     assert all(np.array_equal(a, b) for a, b in zip(before, after))  # the prompt rows are the prefill's
     failing[0] = False
     with warnings.catch_warnings():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import full_group
+from hetero_jax.model.cache import layer_rows
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.profile import ProfileError, load_profile
 from hetero_jax.profile.calibrate import (
@@ -69,13 +69,12 @@ def _reference_overlaps(params, toks, top_k, steps):
     lens = np.array([T], np.int32)
     prefill = {}
 
-    def build_layer(li, layer, x_in, k_buf, v_buf, lens_dev):
+    def observe(li, layer, x_in, k_buf, v_buf, lens_dev):
         q = np.asarray(M.prompt_queries(layer, x_in, (lens_dev - 1)[:, None], TINY))[0, :, 0]  # [H, G, D]
         k = np.asarray(k_buf)[0]
         prefill[li] = np.stack([topk_mask(_np_pooled_mean(q[h], k[h], T), top_k) for h in range(TINY.num_kv_heads)])
-        return (full_group(k_buf, v_buf, lens_dev),)
 
-    logits, cache = M.prefill(params, TINY, tokens, lens, chunk=T, tail_capacity=steps + 1, build_layer=build_layer)
+    logits, cache = M.prefill(params, TINY, tokens, lens, chunk=T, tail_capacity=steps + 1, observe=observe)
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     sim = np.stack([similarity_matrix(prefill[li]) for li in range(TINY.num_layers)])
     ovs = []
@@ -84,7 +83,7 @@ def _reference_overlaps(params, toks, top_k, steps):
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
         row = []
         for li, q in enumerate(queries):
-            k = np.asarray(cache.layers[li].groups[0].k)[0]
+            k = np.asarray(layer_rows(cache, li)[0])[0]  # every head's prompt keys (full KV)
             q = np.asarray(q)[0]
             masks = np.stack([topk_mask(_np_pooled_mean(q[h], k[h], T), top_k) for h in range(TINY.num_kv_heads)])
             row.append(overlap_masks(masks, prefill[li]))
@@ -123,7 +122,7 @@ def _reference_copy_argmax(params, toks, positions):
         _, cache, queries = M.decode_step(params, cache, jnp.asarray([toks[p]], jnp.int32), TINY, return_queries=True)
         row = []
         for li, q in enumerate(queries):
-            k = np.asarray(cache.layers[li].groups[0].k, np.float64)[0, :, :T]  # [H, T, D]
+            k = np.asarray(layer_rows(cache, li)[0], np.float64)[0, :, :T]  # [H, T, D]
             s = np.einsum("hgd,htd->hgt", np.asarray(q, np.float64)[0], k)
             row.append(s.argmax(-1))
         out.append(row)

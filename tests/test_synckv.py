@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 import hetero_jax
-from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import prompt_kv_bytes
+from hetero_jax.model.cache import layer_rows, prompt_kv_bytes
 from hetero_jax.runtime import Engine, Session
 from hetero_jax.policies import BudgetError, FullKV, HeteroCache, SyncKV, make_policy
 from hetero_jax.policies.synckv import SyncPrefill
@@ -157,21 +156,25 @@ def test_prefill_keeps_the_r_heads_last_token_top_k_split_static_dynamic():
     assert st.prefilled.k.tolist() == [k] and st.prefilled.k_dyn.tolist() == [k_dyn]
     for li, (layer, x_in, k_buf, v_buf) in enumerate(captured):
         lc = eng.cache.layers[li]
-        full, nr = lc.groups
-        assert full.capacity == L and nr.capacity == k and np.asarray(nr.lengths).tolist() == [[k, k]]
+        # the R-head (layout slot 0) keeps its whole prompt, each NR head (slots 1, 2) exactly k rows
+        assert lc.capacity == L and np.asarray(lc.lengths).tolist() == [[L, k, k]]
+        rows_k, rows_v, rows_pos, _ = (np.asarray(a) for a in layer_rows(eng.cache, li))
+        np.testing.assert_array_equal(rows_pos[0, 0], np.arange(L))
+        np.testing.assert_array_equal(rows_k[0, 0], k_buf[0, :L])
+        assert np.all(rows_pos[0, 1:, k:] == -1)  # nothing past an NR head's k rows
         q = np_queries(layer, x_in[[L - 1]], [L - 1], CFG)[0, 0]  # R-head = layout position 0: [G, D]
         scores = np_probs_max(q, k_buf[0, :L])
         order = top_order(scores)
-        pos = np.asarray(nr.positions[0])
+        pos = rows_pos[0, 1:, :k]
         for j in range(2):  # both NR heads hold the R-head's positions, their own rows
             assert np.array_equal(pos[j], pos[0])
-            np.testing.assert_array_equal(np.asarray(nr.k[0, j]), k_buf[1 + j, pos[j]])
-            np.testing.assert_array_equal(np.asarray(nr.v[0, j]), v_buf[1 + j, pos[j]])
+            np.testing.assert_array_equal(rows_k[0, 1 + j, :k], k_buf[1 + j, pos[j]])
+            np.testing.assert_array_equal(rows_v[0, 1 + j, :k], v_buf[1 + j, pos[j]])
         static, dyn = pos[0, :k_s], pos[0, k_s:]
         assert np.all(np.diff(static) > 0) and np.all(np.diff(dyn) > 0)  # each part in position order
         assert_same_set(static, scores, order, k_s)
         assert_same_set(np.concatenate([static, dyn]), scores, order, k)
-        np.testing.assert_array_equal(np.asarray(lc.aux["static_idx"][0, 0]), static)
+        np.testing.assert_array_equal(np.asarray(lc.state.static_idx[0, 0]), static)
         # the host store holds the NR heads' full prompt KV
         np.testing.assert_array_equal(np.asarray(st.prefilled.store.k[li][0]), k_buf[1:, :L])
         np.testing.assert_array_equal(np.asarray(st.prefilled.store.v[li][0]), v_buf[1:, :L])
@@ -209,8 +212,10 @@ def test_anticipation_every_m_steps_lags_one_step_and_fetches_the_non_static_top
         orig_after(step, extras, cache)
 
     st.after_step = spy
-    snap = lambda: [(np.asarray(lc.groups[1].k).copy(), np.asarray(lc.groups[1].v).copy(),  # noqa: E731
-                     np.asarray(lc.groups[1].positions).copy()) for lc in eng.cache.layers]
+    k = int(st.prefilled.k[0])
+    # the NR heads' (layout slots 1, 2) prompt rows: k, v [B, 2, k, D], positions [B, 2, k]
+    snap = lambda: [tuple(np.asarray(a)[:, 1:, :k].copy() for a in layer_rows(eng.cache, li)[:3])  # noqa: E731
+                    for li in range(CFG.num_layers)]
     before = snap()
     tok = eng.first_tokens(0.0, 1.0)
     after = []
@@ -224,7 +229,7 @@ def test_anticipation_every_m_steps_lags_one_step_and_fetches_the_non_static_top
     assert same(after[m], after[m + 1]) and same(after[m + 1], after[2 * m - 1])  # suspension: no I/O
     assert not same(after[2 * m - 1], after[2 * m])
     for li in range(CFG.num_layers):
-        keys = np.asarray(eng.cache.layers[li].groups[0].k[0, 0, :L])  # the R-head's prompt keys (never change)
+        keys = np.asarray(layer_rows(eng.cache, li)[0][0, 0, :L])  # the R-head's prompt keys (never change)
         static = before[li][2][0, 0, :k_s]
         res_k, res_v = (np.asarray(a[li][0]) for a in (st.prefilled.store.k, st.prefilled.store.v))
         for step, snapshot in ((m - 1, after[m]), (2 * m - 1, after[2 * m])):
@@ -249,6 +254,49 @@ def test_anticipation_every_m_steps_lags_one_step_and_fetches_the_non_static_top
     assert s["recalls"] == sum(bool(x) for x in moved)
 
 
+def test_a_failed_anticipation_keeps_the_rows_and_the_next_one_lands(monkeypatch):
+    """A host -> device transfer that fails while an anticipation is applied leaves every pool row, the host
+    mirror and the counters as they were (RuntimeWarning); the next anticipation moves the rows."""
+    import warnings
+
+    import jax
+
+    L, m = 160, 2
+    eng = Engine(MODEL, [prompt(L, 3)], SyncKV(profile=PROFILE, budget=0.6, m=m), tail_capacity=8)
+    st = eng.state
+    failing, real_put = [False], jax.device_put
+
+    def flaky(x, *a, **k):
+        if failing[0] and isinstance(x, np.ndarray):
+            raise RuntimeError("RESOURCE_EXHAUSTED: injected transfer failure")
+        return real_put(x, *a, **k)
+
+    monkeypatch.setattr(jax, "device_put", flaky)
+    rows = lambda: [np.asarray(a) for li in range(CFG.num_layers) for a in layer_rows(eng.cache, li)]  # noqa: E731
+    tok = eng.first_tokens(0.0, 1.0)
+    for _ in range(m):
+        tok, _ = eng.step(tok, 0.0, 1.0)
+    assert st.pending is not None  # dispatched after step m - 1, applied before step m
+    before, mirror = rows(), {li: d.copy() for li, d in st.dyn.items()}
+    failing[0] = True
+    with pytest.warns(RuntimeWarning, match=r"anticipation before decode step 2 failed \(RuntimeError: RESOURCE"):
+        eng.cache = st.before_step(m, eng.cache)
+    failing[0] = False
+    assert all(np.array_equal(a, b) for a, b in zip(before, rows()))
+    assert all(np.array_equal(st.dyn[li], mirror[li]) for li in mirror)
+    s = st.stats()
+    assert s["recall_failures"] == 1 and s["anticipations"] == 0 and s["rows_recalled"] == 0
+    assert s["layer_anticipations"] == 0 and s["rows_requested"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(m):
+            tok, _ = eng.step(tok, 0.0, 1.0)
+        eng.cache = st.before_step(eng.steps, eng.cache)
+    s = st.stats()
+    assert s["anticipations"] == 1 and s["rows_recalled"] > 0 and s["layer_anticipations"] == CFG.num_layers
+    assert not all(np.array_equal(a, b) for a, b in zip(before, rows()))
+
+
 def test_rho_one_equals_full_kv():
     ids = prompt(120, 4)
     t_full, l_full, _ = greedy_with_logits(MODEL, FullKV(), [ids], steps=8)
@@ -270,11 +318,11 @@ def test_batch_equals_one_by_one():
         assert np.array_equal(tb[i], t1[0])
         assert eb.achieved_rho[i] == pytest.approx(e1.achieved_rho[0])
         k = int(e1.state.prefilled.k[0])
-        for lb_c, l1_c in zip(eb.cache.layers, e1.cache.layers):
-            got = np.asarray(lb_c.groups[1].positions[i, :, :k])
-            want = np.asarray(l1_c.groups[1].positions[0, :, :k])
+        for li, lb_c in enumerate(eb.cache.layers):
+            got = np.asarray(layer_rows(eb.cache, li)[2][i, 1:, :k])  # the NR heads' rows
+            want = np.asarray(layer_rows(e1.cache, li)[2][0, 1:, :k])
             assert np.array_equal(np.sort(got, -1), np.sort(want, -1))
-            assert int(np.asarray(lb_c.groups[1].lengths[i, 0])) == k
+            assert np.asarray(lb_c.lengths[i, 1:]).tolist() == [k, k]
 
 
 def test_budget_below_the_r_heads_names_the_smallest_rho():
@@ -309,7 +357,7 @@ def test_a_session_turn_anticipates_from_its_last_query():
     L, rho = 140, 0.6
     sess = Session(MODEL, prompt(L, 7), SyncKV(profile=PROFILE, budget=rho, m=50), chat=False, reserve_tokens=8)
     st = sess.engine.state
-    k_s, k_dyn = int(st.prefilled.k_s[0]), int(st.prefilled.k_dyn[0])
+    k_s, k_dyn, k = int(st.prefilled.k_s[0]), int(st.prefilled.k_dyn[0]), int(st.prefilled.k[0])
     turns = []
     orig = st.after_extend
     st.after_extend = lambda q, cache: (turns.append([np.asarray(x) for x in q]), orig(q, cache))[1]
@@ -319,16 +367,19 @@ def test_a_session_turn_anticipates_from_its_last_query():
         a = sess.ask(q, max_new_tokens=4)
         full.ask(q, max_new_tokens=4)
         assert len(a.token_ids) >= 1 and st.stats()["turn_anticipations"] == t + 1
-        for li, lc in enumerate(sess.engine.cache.layers):
-            keys = np.asarray(lc.groups[0].k[0, 0, :L])
+        # the first turn outgrows the 8 reserved tail rows: the pool is repacked (every head's offset moves,
+        # ``pool_moved``) and the rows below are written and read at the new offsets
+        assert sess.engine.cache.tail_capacity > 8
+        for li in range(CFG.num_layers):
+            rows_k, _, rows_pos, _ = (np.asarray(a) for a in layer_rows(sess.engine.cache, li))
+            keys = rows_k[0, 0, :L]
             scores = np_probs_max(turns[-1][li][0, 0, -1], keys)  # the R-head's last turn query
-            pos = np.asarray(lc.groups[1].positions[0])
+            pos = rows_pos[0, 1:, :k]  # the NR heads' (layout slots 1, 2) rows
             static = pos[0, :k_s]
             order = top_order(scores, static)
             for j in range(2):
                 assert_same_set(pos[j, k_s:], scores, order, k_dyn, excluded=static)
-                np.testing.assert_array_equal(np.asarray(lc.groups[1].k[0, j]),
-                                              np.asarray(st.prefilled.store.k[li][0, j])[pos[j]])
+                np.testing.assert_array_equal(rows_k[0, 1 + j, :k], np.asarray(st.prefilled.store.k[li][0, j])[pos[j]])
     assert st.stats()["anticipations"] == 0  # m = 50: no decode-time anticipation in these short answers
     # rho 1: a session turn equals full KV
     s1 = Session(MODEL, prompt(L, 7), SyncKV(profile=PROFILE, budget=1.0, m=2), chat=False, reserve_tokens=8)
@@ -342,8 +393,8 @@ def test_a_session_turn_anticipates_from_its_last_query():
 class _FullWithQueries(FullKV):
     """Full KV whose decode step hands every layer's query to the hooks (to recompute the calibration)."""
 
-    def attend(self, li, q, layer_cache, tail_lens, seq_lens):
-        return M.layer_decode_attention(q, layer_cache, tail_lens), layer_cache, q
+    def attend(self, li, q, step):
+        return step.attend(q)[0], step, q
 
 
 def test_synckv_calibration_averages_per_step_top_k_overlaps_and_clusters_them():
@@ -363,7 +414,7 @@ def test_synckv_calibration_averages_per_step_top_k_overlaps_and_clusters_them()
             tok, _ = eng.step(tok, 0.0, 1.0)
         for s in range(steps):
             for li in range(CFG.num_layers):
-                keys = np.asarray(eng.cache.layers[li].groups[0].k[0])
+                keys = np.asarray(layer_rows(eng.cache, li)[0][0])
                 sets = [set(top_order(np_probs_max(seen[s][li][0, h], keys[h, :80]))[:top_k].tolist())
                         for h in range(H)]
                 want = np.array([[len(a & b) / top_k for b in sets] for a in sets])

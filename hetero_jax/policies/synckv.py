@@ -13,14 +13,16 @@ rho <= 1/3 with one R-head of SmolLM2's three KV heads per layer.
 Prefill (paper Alg. 1 lines 9-18), per layer and cluster: I_0 = the top-k positions of the R-head's
 attention from the last prompt token (float32 softmax over the prompt, GQA max, no pooling). Its
 k_s = k - floor((1 - static_ratio) k) best positions are static (kept for the whole decode), the
-other k_dyn dynamic. Every NR head keeps its own K/V rows at I_0 (slots [0, k_s) static, [k_s, k)
-dynamic, each part in position order); all NR heads' full prompt KV goes to pinned host memory.
+other k_dyn dynamic. Every NR head keeps its own K/V rows at I_0 (the prompt part of its region of the
+row pool, ``model.cache``: rows [0, k_s) static, [k_s, k) dynamic, each part in position order); all NR
+heads' full prompt KV goes to pinned host memory. The static positions are the layer's state
+(:class:`SyncState`, a typed record whose fields declare their logical axes).
 
 Decode (Alg. 1 lines 20-40): every ``m`` steps the R-head's query of that step scores its prompt keys
 the same way; the top-k_dyn positions outside the static set (ours: the paper's set union implies
 distinct tokens, and a repeated key would count twice in the softmax) become each NR head's dynamic
-rows, fetched from the host and written into the device group before the next step (a one-step lag,
-as in Alg. 1). Only positions that were not already resident are moved (ours; the attended set is the
+rows, fetched from the host and written into the NR heads' regions of the pool before the next step
+(a one-step lag, as in Alg. 1). Only positions that were not already resident are moved (ours; the attended set is the
 paper's). Ours too: an anticipation right after a session turn (``after_extend``), from the turn's last
 query, so the answer starts on rows chosen for the question; and the R-head's softmax runs over the
 prompt only (generated tokens sit in the tail, which every head attends in full).
@@ -37,16 +39,19 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from hetero_jax.model.cache import KVCache, RowBlock as HeadGroup  # PORT: not yet on the pool
+from hetero_jax.model.cache import KVCache, KVPool, LayerPrefill, RowBlock
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, put_rows, row_bucket, scatter_rows
+from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, put_rows, scatter_rows
+from hetero_jax.model.sharding import to_host
+from hetero_jax.model.spec import axes_field
 from hetero_jax.model.transformer import prompt_queries
 from hetero_jax.policies.base import PolicyError, int_param, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from pallas_kernels import MASK_VALUE
 from hetero_jax.policies.primitives import gather_group, query_probs_max
-from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key
+from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key, take_slots
 from hetero_jax.policies.selection import bytes_rho, cap_bucket
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import SHIPPED_SYNCKV_PROFILES, HeadProfile, ProfileError, load_profile
@@ -113,11 +118,20 @@ class SyncKV(ProfiledPolicy):
         return SyncPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
 
 
+@struct.dataclass
+class SyncState:
+    """A layer's SyncKV state (layers with NR heads): the static positions of each R-head's cluster."""
+
+    # [B, Np, k_s max] int32 the k_s static positions of each R-head (its NR heads' rows [0, k_s)), ascending;
+    # ``_NO_POS`` past a sequence's k_s
+    static_idx: jax.Array = axes_field("batch", "pivots", "slots")
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "n_pivots", "cap"))
 def _prefill_layer(layer, x_in, k_buf, v_buf, lens, owner, k, k_s, cfg, n_pivots: int, cap: int):
-    """One layer's NR group and static sets. owner [Nnr]: the pivot (layout position) of each NR head;
-    k, k_s [B]. Returns (NR group [B, Nnr, cap] (slots [0, k_s) static, [k_s, k) dynamic, each in position
-    order), positions by pivot [B, Np, cap] in the same slot order)."""
+    """One layer's NR rows and static sets. owner [Nnr]: the pivot (layout position) of each NR head;
+    k, k_s [B]. Returns (the NR heads' row block [B, Nnr, cap] (rows [0, k_s) static, [k_s, k) dynamic,
+    each in position order), positions by pivot [B, Np, cap] in the same row order)."""
     B, _, T, _ = k_buf.shape
     q = prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)[:, :n_pivots, 0]  # [B, Np, G, D]
     scores = query_probs_max(q, k_buf[:, :n_pivots], jnp.broadcast_to(lens[:, None], (B, n_pivots)))
@@ -128,16 +142,28 @@ def _prefill_layer(layer, x_in, k_buf, v_buf, lens, owner, k, k_s, cfg, n_pivots
     idx = pos[:, owner]  # [B, Nnr, cap]: each NR head takes its R-head's positions
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), idx.shape[:2] + (T,))
     counts = jnp.broadcast_to(k[:, None], idx.shape[:2])
-    group = gather_group(k_buf[:, -len(owner):], v_buf[:, -len(owner):], positions, idx, counts)
-    return group, pos
+    block = gather_group(k_buf[:, -len(owner):], v_buf[:, -len(owner):], positions, idx, counts)
+    return block, pos
 
 
-@functools.partial(jax.jit, static_argnames=("k_dyn",))
-def _anticipate(q, keys, lengths, static_idx, k_dyn: int):
+def _pivot_keys(pool: KVPool, offsets, n_pivots: int, t_max: int):
+    """Traced: the R-heads' (layout slots [0, Np)) prompt keys [B, Np, t_max, D], read from their regions of
+    the pool (rows past a head's prompt are other rows: the caller masks them by the lengths)."""
+    B, H = offsets.shape
+    n_local = H // pool.num_shards
+    rows = jnp.clip(offsets[:, :n_pivots, None] + jnp.arange(t_max, dtype=jnp.int32), 0, pool.num_rows - 1)
+    s = (jnp.arange(n_pivots) // n_local)[None, :, None]
+    return pool.k[jnp.arange(B)[:, None, None], s, rows]
+
+
+@functools.partial(jax.jit, static_argnames=("k_dyn", "n_pivots", "t_max"))
+def _anticipate(q, pool, offsets, lengths, static_idx, k_dyn: int, n_pivots: int, t_max: int):
     """The dynamic set I_D,t of each R-head: top-k_dyn of softmax(q K^T / sqrt(D)) (GQA max) over its prompt
-    keys, static positions excluded. q [B, Np, G, D]; keys [B, Np, T, D]; lengths [B, Np]; static_idx
-    [B, Np, k_s] (``_NO_POS`` padding). Returns [B, Np, k_dyn] int32, best first."""
-    s = query_probs_max(q, keys, lengths)
+    keys (read from the pool), static positions excluded. q [B, Np, G, D]; offsets, lengths [B, H] (the
+    layer's; R-heads first); static_idx [B, Np, k_s] (``_NO_POS`` padding); t_max: the longest prompt.
+    Returns [B, Np, k_dyn] int32, best first."""
+    keys = _pivot_keys(pool, offsets, n_pivots, t_max)
+    s = query_probs_max(q, keys, lengths[:, :n_pivots])
     B, Np, _ = s.shape
     s = s.at[jnp.arange(B)[:, None, None], jnp.arange(Np)[None, :, None], static_idx].set(MASK_VALUE, mode="drop")
     return jax.lax.top_k(s, k_dyn)[1].astype(jnp.int32)
@@ -152,58 +178,73 @@ class SyncPrefilled:
     k: np.ndarray  # [B] tokens per NR head
     k_s: np.ndarray  # [B] static part
     k_dyn: np.ndarray  # [B] dynamic part
-    dyn: dict  # layer -> [B, Np, k_dyn max] positions held by the dynamic slots (-1 padding), after prefill
+    dyn: dict  # layer -> [B, Np, k_dyn max] positions held by the dynamic rows (-1 padding), after prefill
     store: HostKVStore  # per layer: the NR heads' full prompt K/V [B, Nnr, T, D]
+    offsets: list  # per layer [B, H] int64 each head's first pool row (layout slots), at prefill
     info: dict  # planned sizes and the byte-based rho
 
 
 class SyncPrefill(PrefillPlan):
-    """Full group for R-heads (and volatile singletons), one NR group of k slots per layer, NR prompt KV to host."""
+    """R-heads (and volatile singletons) keep their whole prompt, every NR head k rows (k_s static then k_dyn
+    dynamic); the NR heads' prompt KV goes to the host."""
 
     def __init__(self, policy: SyncKV, cfg: ModelConfig, prompt_lens, compile_fn=None):
         self.policy, self.cfg = policy, cfg
         self.lens = np.asarray(prompt_lens, np.int64)
+        self.t_max = int(self.lens.max())
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
         self.k = np.array([policy.nr_tokens(int(L)) for L in self.lens], np.int64)  # validates every prompt
         split = np.array([policy.split(int(k)) for k in self.k], np.int64).reshape(-1, 2)
         self.k_s, self.k_dyn = split[:, 0], split[:, 1]
         self.roles = policy.layer_roles(cfg)
+        H = cfg.num_kv_heads
+        for r in self.roles:  # one device's layout: [R-heads, volatiles][NR heads] (``ProfiledPolicy.layout``)
+            assert r.full_slots == list(range(r.n_full)) and r.comp_slots == list(range(r.n_full, H)), r
+        # [L, B, H] prompt rows each head keeps: full heads their prompt, NR heads k
+        self.counts = np.zeros((cfg.num_layers, len(self.lens), H), np.int64)
+        for li, r in enumerate(self.roles):
+            self.counts[li][:, r.full_slots] = self.lens[:, None]
+            self.counts[li][:, r.comp_slots] = self.k[:, None]
         self.store = HostKVStore(cfg.num_layers)
-        self.aux: dict[int, dict] = {}
-        self.dyn: dict[int, jax.Array] = {}
+        self.dyn: dict[int, tuple] = {}
 
-    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> tuple[HeadGroup, ...]:
-        r, t_max = self.roles[li], int(self.lens.max())
-        nf = r.n_full
-        groups = [full_group(k_buf[:, :nf, :t_max], v_buf[:, :nf, :t_max], lens)] if nf else []
-        if nf == self.cfg.num_kv_heads:
-            return tuple(groups)
-        owner = np.zeros(self.cfg.num_kv_heads - nf, np.int32)
+    def prompt_counts(self) -> np.ndarray:
+        return self.counts
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
+        r, t_max = self.roles[li], self.t_max
+        B = k_buf.shape[0]
+        blocks = []
+        if r.n_full:
+            full = r.full_slots
+            blocks.append(RowBlock(k=take_slots(k_buf, full)[:, :, :t_max], v=take_slots(v_buf, full)[:, :, :t_max],
+                                   positions=jnp.broadcast_to(jnp.arange(t_max, dtype=jnp.int32), (B, len(full), t_max)),
+                                   lengths=jnp.asarray(self.counts[li][:, full], jnp.int32), heads=tuple(full)))
+        if not r.comp_slots:
+            return LayerPrefill(blocks=tuple(blocks))
+        owner = np.zeros(len(r.comp_slots), np.int32)
         for p, sats in r.members.items():
             owner[sats] = p
         kmax = int(self.k.max())
         cap = cap_bucket(kmax, k_buf.shape[2])  # compiled per 64-slot bucket, then cut to kmax
         arr = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
         args = (layer, x_in, k_buf, v_buf, lens, arr(owner), arr(self.k), arr(self.k_s))
-        group, pos = self.compile_fn(_prefill_layer, *args, cfg=self.cfg, n_pivots=len(r.pivots), cap=cap)(*args)
-        if cap != kmax:
-            group = group.replace(k=group.k[:, :, :kmax], v=group.v[:, :, :kmax],
-                                  positions=group.positions[:, :, :kmax])
-        groups.append(group)
-        self.store.put(li, k_buf[:, nf:, :t_max], v_buf[:, nf:, :t_max])
+        block, pos = self.compile_fn(_prefill_layer, *args, cfg=self.cfg, n_pivots=len(r.pivots), cap=cap)(*args)
+        block = block.replace(k=block.k[:, :, :kmax], v=block.v[:, :, :kmax], positions=block.positions[:, :, :kmax],
+                              heads=tuple(r.comp_slots))
+        blocks.append(block)
+        self.store.put(li, take_slots(k_buf, r.comp_slots)[:, :, :t_max], take_slots(v_buf, r.comp_slots)[:, :, :t_max])
         ks_max, kd_max = int(self.k_s.max()), int(self.k_dyn.max())
         slot = np.arange(max(ks_max, 1))[None, None, :]
-        self.aux[li] = {"static_idx": jnp.where(jnp.asarray(slot < self.k_s[:, None, None]),
-                                                pos[:, :, : slot.shape[-1]], _NO_POS).astype(jnp.int32)}
+        state = SyncState(static_idx=jnp.where(jnp.asarray(slot < self.k_s[:, None, None]),
+                                               pos[:, :, : slot.shape[-1]], _NO_POS).astype(jnp.int32))
         self.dyn[li] = (pos, kd_max)
-        return tuple(groups)
+        return LayerPrefill(blocks=tuple(blocks), state=state)
 
     def finish(self, cache: KVCache) -> tuple[KVCache, "SyncDecode"]:
-        layers = tuple(lc.replace(aux=self.aux[li]) if li in self.aux else lc for li, lc in enumerate(cache.layers))
-        cache = cache.replace(layers=layers)
         dyn = {}
-        for li, (pos, kd_max) in self.dyn.items():  # host mirror of the dynamic slots (copies, never views)
-            pos = np.array(pos, np.int64)
+        for li, (pos, kd_max) in self.dyn.items():  # host mirror of the dynamic rows (copies, never views)
+            pos = np.array(to_host(pos), np.int64)
             d = np.full(pos.shape[:2] + (kd_max,), -1, np.int64)
             for b in range(len(self.lens)):
                 ks, kd = int(self.k_s[b]), int(self.k_dyn[b])
@@ -212,21 +253,24 @@ class SyncPrefill(PrefillPlan):
         n = self.cfg.num_layers * self.cfg.num_kv_heads
         n_r = int(sum(len(r.pivots) for r in self.roles))
         n_nr = int(sum(len(r.satellites) for r in self.roles))
-        itemsize = cache.layers[0].groups[0].k.dtype.itemsize
-        full_bytes = cache.batch_size * int(self.lens.max()) * n * 2 * self.cfg.head_dim * itemsize
-        index = int(sum(a.nbytes for a in jax.tree.leaves([lc.aux for lc in cache.layers])))  # static_idx
+        itemsize = cache.pool.k.dtype.itemsize
+        full_bytes = cache.batch_size * self.t_max * n * 2 * self.cfg.head_dim * itemsize
+        index = int(sum(a.nbytes for a in jax.tree.leaves([lc.state for lc in cache.layers])))  # static_idx
         info = {
             "r_heads": n_r, "nr_heads": n_nr, "k": self.k.tolist(), "k_static": self.k_s.tolist(),
             "k_dynamic": self.k_dyn.tolist(),
             "bytes_rho": bytes_rho(cache, self.cfg) + index / full_bytes,
         }
-        prefilled = SyncPrefilled(self.policy, self.roles, self.k, self.k_s, self.k_dyn, dyn, self.store, info)
+        offsets = [to_host(lc.offsets).astype(np.int64) for lc in cache.layers]
+        prefilled = SyncPrefilled(self.policy, self.roles, self.k, self.k_s, self.k_dyn, dyn, self.store, offsets,
+                                  info)
         return cache, SyncDecode(prefilled, compile_fn=self.compile_fn)
 
 
 class SyncDecode(DecodeState):
     """SyncKV between steps: dispatches an anticipation every ``m`` steps (after the step whose query it
-    uses), and before the next step moves the NR heads' new dynamic rows from the host into their slots."""
+    uses), and before the next step moves the NR heads' new dynamic rows from the host into their regions
+    of the pool."""
 
     wants_turn_queries = True
 
@@ -235,7 +279,10 @@ class SyncDecode(DecodeState):
         self.policy = prefilled.policy
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
         self.dyn = {li: d.copy() for li, d in prefilled.dyn.items()}  # replaced on each recall, never edited
-        self.layers = [li for li, d in prefilled.dyn.items() if d.shape[-1]]  # layers with dynamic slots
+        self.layers = [li for li, d in prefilled.dyn.items() if d.shape[-1]]  # layers with dynamic rows
+        # per layer [B, H] each head's first pool row (host copies: reading the cache's would wait for the
+        # step in flight); refreshed when the pool is repacked (``pool_moved``)
+        self.offsets = [np.asarray(o, np.int64) for o in prefilled.offsets]
         self.since = 0  # decode steps since prefill, or since the last turn's anticipation
         self.pending = None  # (step, {layer: device indices}) of a dispatched anticipation
         self.anticipations = 0  # decode-time anticipations (every layer at once)
@@ -260,9 +307,9 @@ class SyncDecode(DecodeState):
         for li in self.layers:
             lc = cache.layers[li]
             n_p = len(self.prefilled.roles[li].pivots)
-            g = lc.groups[0]
-            args = (queries[li], g.k[:, :n_p], g.lengths[:, :n_p], lc.aux["static_idx"])
-            outs[li] = self.compile_fn(_anticipate, *args, k_dyn=kd_max)(*args)
+            args = (queries[li], cache.pool, lc.offsets, lc.lengths, lc.state.static_idx)
+            # t_max: the R-heads keep the whole prompt, the most rows any head of the layer keeps
+            outs[li] = self.compile_fn(_anticipate, *args, k_dyn=kd_max, n_pivots=n_p, t_max=lc.capacity)(*args)
             outs[li].copy_to_host_async()  # read before the next step is dispatched, never waited on now
         return outs
 
@@ -276,8 +323,8 @@ class SyncDecode(DecodeState):
             return cache
         _, outs = self.pending
         self.pending = None
-        out = self._recall(outs, cache, f"before decode step {step}")
-        if out is not cache:
+        out, ok = self._recall(outs, cache, f"before decode step {step}")
+        if ok:
             self.anticipations += 1
             self.recall_steps.append(step)
         return out
@@ -291,37 +338,40 @@ class SyncDecode(DecodeState):
             return cache
         queries = [None if q is None or li not in self.layers else q[:, : len(self.prefilled.roles[li].pivots), -1]
                    for li, q in enumerate(turn_queries)]
-        out = self._recall(self._dispatch(queries, cache), cache, "after a session turn")
-        if out is not cache:
+        out, ok = self._recall(self._dispatch(queries, cache), cache, "after a session turn")
+        if ok:
             self.turn_anticipations += 1
         return out
 
-    def _recall(self, outs: dict, cache: KVCache, when: str) -> KVCache:
-        """All or nothing: a failed host -> device transfer keeps the cache, mirrors and counters, with a
-        RuntimeWarning (the next anticipation tries again)."""
+    def _recall(self, outs: dict, cache: KVCache, when: str) -> tuple[KVCache, bool]:
+        """(the cache, whether the anticipation was applied). All or nothing: a failed host -> device
+        transfer keeps the cache, mirrors and counters, with a RuntimeWarning (the next anticipation tries
+        again). An anticipation whose positions are all resident already is applied and moves nothing."""
         saved = (self.layer_anticipations, self.rows_requested, self.rows_recalled, self.bytes_recalled,
                  self.overlap_sum, self.overlap_n, self.recalls)
         try:
-            return self._apply(outs, cache)
+            return self._apply(outs, cache), True
         except (RuntimeError, MemoryError) as e:
             (self.layer_anticipations, self.rows_requested, self.rows_recalled, self.bytes_recalled,
              self.overlap_sum, self.overlap_n, self.recalls) = saved
             self.recall_failures += 1
             warnings.warn(f"SyncKV: the anticipation {when} failed ({type(e).__name__}: {e}); the device cache "
                           "keeps its rows", RuntimeWarning, stacklevel=3)
-            return cache
+            return cache, False
 
     def _apply(self, outs: dict, cache: KVCache) -> KVCache:
-        """Per sequence and cluster, the new dynamic positions that are not resident replace, slot by slot,
+        """Per sequence and cluster, the new dynamic positions that are not resident replace, row by row,
         the resident ones no longer chosen, in every NR head of the cluster. Only those rows cross to the
-        device (every transfer started before any write) and are scattered in place."""
+        device (every transfer started before any write, ``put_rows``) and are scattered in place into the
+        heads' regions of the pool (``scatter_rows``: pool row = the head's offset + k_s + the row)."""
         p = self.prefilled
-        layers = list(cache.layers)
-        writes, mirrors = [], {}
+        n_local = cache.layers[0].num_heads // cache.pool.num_shards
+        mirrors, parts, k_all, v_all = {}, [], [], []
         for li, top in outs.items():
             top = np.asarray(top)
             mirror = self.dyn[li].copy()
-            b_l, h_l, s_l, pos_l = [], [], [], []
+            comp = p.roles[li].comp_slots
+            b_l, h_l, s_l, r_l, pos_l = [], [], [], [], []
             for b in range(len(p.k)):
                 ks, kd = int(p.k_s[b]), int(p.k_dyn[b])
                 if kd == 0:
@@ -335,26 +385,35 @@ class SyncDecode(DecodeState):
                     self.overlap_n += 1
                     self.rows_requested += kd * len(sats)
                     self.recalls += len(sats) if len(missing) else 0
-                    for h in sats:
-                        b_l.append(np.full(len(missing), b))
-                        h_l.append(np.full(len(missing), h))
-                        s_l.append(ks + free)
+                    for j in sats:  # NR head j of the layer's store, layout slot comp[j]
+                        n = len(missing)
+                        b_l.append(np.full(n, b))
+                        h_l.append(np.full(n, j))
+                        s_l.append(np.full(n, comp[j] // n_local))
+                        r_l.append(self.offsets[li][b, comp[j]] + ks + free)
                         pos_l.append(missing)
             self.layer_anticipations += 1
             mirrors[li] = mirror
             if not b_l or not sum(len(x) for x in b_l):
                 continue
-            b_idx, h_idx, slots, rows = (np.concatenate(x) for x in (b_l, h_l, s_l, pos_l))
-            k_rows, v_rows = p.store.rows(li, b_idx, h_idx, rows, total=row_bucket(len(rows)))
-            writes.append((li, put_rows(b_idx, h_idx, slots, k_rows, v_rows, rows, layers[li].groups[1].capacity)))
-            self.rows_recalled += len(rows)
-            self.bytes_recalled += kv_rows_nbytes(len(rows), k_rows)
-        for li, ops in writes:  # every transfer went out: write in place (group 1 = the NR heads)
-            groups = list(layers[li].groups)
-            groups[1] = scatter_rows(groups[1], ops, self.compile_fn)
-            layers[li] = layers[li].replace(groups=tuple(groups))
+            b_idx, h_idx, s_idx, rows, positions = (np.concatenate(x) for x in (b_l, h_l, s_l, r_l, pos_l))
+            k_rows, v_rows = p.store.rows(li, b_idx, h_idx, positions)
+            parts.append((b_idx, s_idx, rows, positions))
+            k_all.append(k_rows)
+            v_all.append(v_rows)
+        if parts:  # every layer's rows in one transfer set: all of them leave before anything is written
+            cat = lambda i: np.concatenate([x[i] for x in parts])  # noqa: E731
+            k_rows, v_rows = np.concatenate(k_all), np.concatenate(v_all)
+            ops = put_rows(cat(0), cat(1), cat(2), k_rows, v_rows, cat(3), rows=cache.pool.num_rows)
+            cache = cache.replace(pool=scatter_rows(cache.pool, ops, self.compile_fn))
+            self.rows_recalled += len(k_rows)
+            self.bytes_recalled += kv_rows_nbytes(len(k_rows), k_rows)
         self.dyn.update(mirrors)
-        return cache.replace(layers=tuple(layers))
+        return cache
+
+    def pool_moved(self, cache: KVCache) -> None:
+        """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
+        self.offsets = [to_host(lc.offsets).astype(np.int64) for lc in cache.layers]
 
     def in_flight(self):
         return None if self.pending is None else self.pending[1]

@@ -187,7 +187,7 @@ def _prompt_keys(cache, li: int):
 def _calib_step_jit(params, cache, tokens, prefill_masks, cfg, top_k):
     """One greedy decode step + every layer's scoring: a single dispatch.
 
-    prefill_masks: bool [L, B, H, Tp]. Returns (next tokens [B], cache,
+    prefill_masks: bool [L, B, H, T] (T: the rows of the longest prompt). Returns (next tokens [B], cache,
     overlaps [L, B, H]).
     """
     logits, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
@@ -284,7 +284,9 @@ def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_st
                 bar.update(B)
         del cache
         return None, np.stack(steps).transpose(2, 0, 1, 3, 4), np.stack(gen, axis=1).astype(np.int64), None
-    prefill_masks = jnp.stack(masks)  # [L, B, H, Tp]
+    # [L, B, H, T]: the decode steps score the prompt rows the pool keeps (the longest prompt T, not the
+    # chunk-padded Tp); the top-k of a prompt never reaches past T
+    prefill_masks = jnp.stack(masks)[..., :T]
     sims = np.asarray(jnp.stack(sims), np.float64).transpose(1, 0, 2, 3)  # [B, L, H, H]
     ovs, gen = [], []
     for _ in range(decode_steps):
