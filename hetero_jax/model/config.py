@@ -189,6 +189,9 @@ class ModelConfig:
         if scaling_dict is None and rope_params:
             scaling_dict = rope_params
         rope_scaling = None
+        if scaling_dict and not isinstance(scaling_dict, Mapping):
+            raise ConfigError(f"config.json: rope_scaling / rope_parameters must be an object with a rope_type, got "
+                              f"{scaling_dict!r}; fix the config or remove the key")
         if scaling_dict:
             rtype = scaling_dict.get("rope_type", scaling_dict.get("type", "default"))
             if rtype == "llama3":
