@@ -253,15 +253,19 @@ def count_step_ops(text: str) -> dict:
     c = {"copies": 0, "async_copies": 0, "while_loops": 0, "unknown_trip_loops": 0, "loop_trips": 0, "conditionals": 0}
 
     in_loops = [0]
+    by_source: Counter = Counter()
 
-    def walk(name: str, times: int, stack: tuple, looped: bool = False) -> None:
+    def walk(name: str, times: int, stack: tuple, looped: bool = False, source: str | None = None) -> None:
         if name in stack:
             raise ValueError(f"recursive HLO computation {name}")
         for ins in comps.get(name, ()):
             op = ins.opcode
-            if looped and op not in _FREE_OPS and op not in ("while", "conditional", "call", "async-start") and not (
+            src = source or op_source(ins)
+            if op not in _FREE_OPS and op not in ("while", "conditional", "call", "async-start") and not (
                     op == "custom-call" and custom_call_kind(ins.attr("custom_call_target") or "") == "host_callback"):
-                in_loops[0] += times
+                by_source[src] += times
+                if looped:
+                    in_loops[0] += times
             if op == "fusion":
                 fusions[_fusion_kind(ins)] += times
             elif op == "custom-call":
@@ -277,23 +281,23 @@ def count_step_ops(text: str) -> dict:
                     c["unknown_trip_loops"] += 1
                 c["loop_trips"] += times * (n or 1)
                 for body in ins.called("body"):
-                    walk(body, times * (n or 1), stack + (name,), True)
+                    walk(body, times * (n or 1), stack + (name,), True, src)
                 if n is None:  # with a known trip count XLA runs the body n times without the condition
                     for cond in ins.called("condition"):
-                        walk(cond, times, stack + (name,), True)
+                        walk(cond, times, stack + (name,), True, src)
             elif op == "conditional":
                 c["conditionals"] += 1
                 branches = ins.called("branch_computations") or (
                     ins.called("true_computation") + ins.called("false_computation"))
                 sizes = [(count_step_ops_in(comps, b), b) for b in branches]
                 if sizes:
-                    walk(max(sizes)[1], times, stack + (name,), looped)
+                    walk(max(sizes)[1], times, stack + (name,), looped, src)
             elif op == "call":
                 for sub in ins.called("to_apply"):
-                    walk(sub, times, stack + (name,), looped)
+                    walk(sub, times, stack + (name,), looped, source)
             elif op == "async-start":
                 for sub in ins.called("calls"):
-                    walk(sub, times, stack + (name,), looped)
+                    walk(sub, times, stack + (name,), looped, source)
             elif op not in _FREE_OPS:
                 other[op] += times
 
@@ -323,12 +327,28 @@ def count_step_ops(text: str) -> dict:
         "unknown_trip_loops": c["unknown_trip_loops"],
         "loop_trips": c["loop_trips"],
         "kernels_in_loops": in_loops[0],
+        "kernels_by_source": dict(by_source.most_common()),
         "conditionals": c["conditionals"],
         "kernels_per_step": kernels,
         "fusion_substrings": text.count(" fusion("),
         "computations": len(comps),
         "hlo_chars": len(text),
     }
+
+
+def op_source(ins: HloInstruction) -> str:
+    """Where an instruction comes from, for the launch breakdown: the first function jitted inside the step in its
+    ``op_name`` metadata (``jit(_decode_jit)/jit(topk_membership)/...`` -> ``topk_membership``), else the jax
+    primitive (``jit(_decode_jit)/slice`` -> ``slice``), else the opcode."""
+    m = re.search(r'op_name="([^"]*)"', ins.text)
+    if not m:
+        return f"({ins.opcode})"
+    parts = [p for p in m.group(1).split("/") if p]
+    jits = [p[4:-1] for p in parts if p.startswith("jit(") and p.endswith(")")]
+    if len(jits) >= 2:
+        return jits[1]
+    rest = [p for p in parts if not p.startswith("jit(")]
+    return rest[-1] if rest else (jits[0] if jits else f"({ins.opcode})")
 
 
 def count_step_ops_in(comps: dict, name: str) -> int:
@@ -639,6 +659,25 @@ def make_policy(spec: str, rho: float, profile, cfg, ranking=None, codebook=None
 
 
 # ==================================================================== the run
+def hlo_filename(policy_label: str, length: int) -> str:
+    return f"{policy_label.replace(':', '_').replace('=', '-')}-{length}.hlo.txt"
+
+
+def recount(payload: dict, hlo_dir: Path) -> int:
+    """Count again, from the HLO texts a run dumped (--dump-hlo), every row whose text is in ``hlo_dir`` (the
+    counting rule changed, not the compile); ratios and targets follow. Returns how many rows were recounted."""
+    n = 0
+    for r in payload["rows"]:
+        f = hlo_dir / hlo_filename(r["policy"], r["length"])
+        if f.is_file():
+            r.update(count_step_ops(f.read_text()))
+            n += 1
+    add_ratios(payload["rows"])
+    payload["targets"] = target_check(payload["rows"])
+    payload["config"]["counting_rule"] = COUNTING_RULE
+    return n
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -675,7 +714,7 @@ def measure(spec: str, rho: float, length: int, *, model, params_abs, cfg, mesh,
     counts = count_step_ops(text)
     if dump_dir is not None:
         dump_dir.mkdir(parents=True, exist_ok=True)
-        (dump_dir / f"{label(spec, rho).replace(':', '_').replace('=', '-')}-{length}.hlo.txt").write_text(text)
+        (dump_dir / hlo_filename(label(spec, rho), length)).write_text(text)
     row = {"policy": label(spec, rho), "spec": spec, "rho": None if spec == "full" else parse_spec(spec, rho)[1],
            "length": length, "policy_repr": repr(policy), "stand_in": note,
            "prefill_seconds": prefill_s, "lower_seconds": lower_s, "compile_seconds": compile_s, **summary, **counts}
@@ -840,6 +879,31 @@ def table(rows: list[dict], lengths=None) -> str:
     return common.markdown_table(headers, out, align="rl" + "r" * (len(headers) - 2))
 
 
+def extra_sources(row: dict, full: dict | None, top: int = 4) -> str:
+    """The sources (``op_source``) of the launches a policy adds over full KV at the same length, largest first."""
+    if full is None or "kernels_by_source" not in row:
+        return "—"
+    base = full.get("kernels_by_source", {})
+    diff = {k: v - base.get(k, 0) for k, v in row["kernels_by_source"].items()}
+    diff.update({k: -v for k, v in base.items() if k not in diff})
+    parts = [f"`{k}` {v:+,}" for k, v in sorted(diff.items(), key=lambda kv: -kv[1])[:top] if v > 0]
+    return ", ".join(parts) or "none"
+
+
+def sources_table(rows: list[dict], lengths=None) -> str:
+    """Per policy: launches inside loops and the sources of its launches beyond full KV's."""
+    full = {r["length"]: r for r in rows if r["policy"] == "full"}
+    out = []
+    for r in table_rows(rows, lengths):
+        if r["policy"] == "full":
+            continue
+        ctx = f"{r['length']:,}" if r["shown_for"] == r["length"] else f"{r['length']:,} (for {r['shown_for']:,})"
+        out.append([ctx, r["policy"], fmt_int(r["kernels_per_step"]), fmt_int(r.get("kernels_in_loops")),
+                    extra_sources(r, full.get(r["length"]))])
+    return common.markdown_table(["context", "policy", "kernels / step", "in while loops",
+                                  "largest additions over full KV, by source (op_name)"], out, align="rlrrl")
+
+
 def targets_text(payload: dict) -> str:
     lines = []
     for key, t in payload["targets"].items():
@@ -873,6 +937,12 @@ def results_section(payload: dict) -> str:
         f"are its untuned choice (a Triton GEMM fusion or a cuBLAS call: one kernel each).",
         "",
         table(rows),
+        "",
+        "Where the launches go: the step's kernels inside `while` loops (per trip) and the sources of the "
+        "launches each policy adds over full KV (the innermost function jitted inside the step, else the jax "
+        "primitive, from the HLO's `op_name`; negative changes not shown):",
+        "",
+        sources_table(rows),
         "",
         "Targets (kernels per step, ratio to full KV at the same context):",
         "",
@@ -913,6 +983,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump-hlo", type=Path, default=None, help="write each compiled HLO text into this folder")
     p.add_argument("--out", type=Path, default=common.OUT_DIR / "step-ops.json", help="JSON output")
+    p.add_argument("--render", type=Path, default=None, metavar="JSON",
+                   help="compile nothing: print (and with --write-results, write) the tables of a saved run's JSON")
+    p.add_argument("--recount", type=Path, default=None, metavar="DIR",
+                   help="with --render: count again from the HLO texts that run dumped into DIR (--dump-hlo)")
     common.add_results_arguments(p, SECTION, presets=False)
     args = p.parse_args(argv)
     if "full" not in args.policies:
@@ -923,10 +997,17 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    payload = run(args)
-    out = common.write_json(args.out, payload)
-    print(f"wrote {out}")
+    if args.render is not None:
+        payload = json.loads(args.render.read_text())
+        if args.recount is not None:
+            print(f"recounted {recount(payload, args.recount)} rows from {args.recount}")
+    else:
+        payload = run(args)
+        out = common.write_json(args.out, payload)
+        print(f"wrote {out}")
     print(table(payload["rows"]))
+    print()
+    print(sources_table(payload["rows"]))
     print()
     print(targets_text(payload))
     for e in payload["errors"]:
