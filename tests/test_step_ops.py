@@ -90,7 +90,7 @@ ENTRY %main (a: f32[8], m: f32[8,8], p: pred[]) -> f32[8] {
   %p = pred[] parameter(2)
   %k = f32[] constant(1)
   %bc = f32[8,8]{1,0} bitcast(%m)
-  %loop = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_add
+  %loop = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_add, metadata={op_name="jit(_decode_jit)/slice" stack_frame_id=3}
   %gemm = f32[8,8]{1,0} fusion(%bc, %m), kind=kCustom, calls=%gemm_computation, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
   %cublas = (f32[8,8]{1,0}, s8[1024]{0}) custom-call(%m, %m), custom_call_target="__cublas$gemm"
   %pallas = (f32[8]{0}, f32[8]{0}) custom-call(%a, %m), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"k"}
@@ -101,7 +101,7 @@ ENTRY %main (a: f32[8], m: f32[8,8], p: pred[]) -> f32[8] {
   %cd = f32[8]{0} copy-done(%cs)
   %srt = f32[8]{0} sort(%a), dimensions={0}, to_apply=%region_add
   %init = (s32[], f32[8]{0}) tuple(%k, %a)
-  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"},"known_init_step":{"init":"0","step":"1"}}
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, metadata={op_name="jit(_decode_jit)/jit(topk_membership)/while"}, backend_config={"known_trip_count":{"n":"5"},"known_init_step":{"init":"0","step":"1"}}
   %w2 = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
   %cnd = f32[8]{0} conditional(%p, %a, %a), true_computation=%branch_big, false_computation=%branch_small
   %g = f32[8]{0} get-tuple-element(%w), index=1
@@ -129,6 +129,10 @@ def test_counter_on_a_hand_written_module():
     # fusions 23 + custom calls 4 - 1 callback + copy + copy-start + sort
     assert c["kernels_per_step"] == 23 + 3 + 1 + 1 + 1
     assert c["fusion_substrings"] == HLO.count(" fusion(") == 10  # nested and unrun ones too
+    # sources: op_name's function jitted inside the step, else its primitive, else the opcode; a loop's body
+    # counts for the loop
+    src = c["kernels_by_source"]
+    assert src["topk_membership"] == 15 and src["slice"] == 1 and sum(src.values()) == c["kernels_per_step"]
 
 
 def test_counter_refuses_text_without_entry():
