@@ -35,38 +35,22 @@ SECTION = "drift-metric"
 TAUS = (0.1, 0.2, 0.25, 0.3, 0.4)
 
 
-def _overlaps_fn():
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels.pooled_scores import MASK_VALUE, overlap_bitmap, pooled_scores_reference
-
-    @functools.partial(jax.jit, static_argnames=("l_base",))
-    def overlaps(q_buf, keys, k_base, lengths, l_base):
-        """Raw o_t [B, Np, W] exactly as the check defines it (top-L_base over the valid prompt)."""
-        s = pooled_scores_reference(q_buf, keys, lengths, gqa="max")
-        vals, idx = jax.lax.top_k(s, l_base)
-        idx = jnp.where(vals > MASK_VALUE * 0.5, idx, -1)
-        return overlap_bitmap(idx, k_base[:, :, None, :], keys.shape[2])
-
-    return overlaps
-
-
 class Recorder:
-    """A HeteroCache decode state's check observer: records o_t of every pivot check (see ``check_observers``)."""
+    """A HeteroCache decode state's check observer: records the raw o_t of every pivot check (see
+    ``check_observers``: the state hands over o'_t = (o_t - c) / (1 - c), c = L_base / L, Eq. 9 normalised)."""
 
     def __init__(self):
-        self.overlaps, self.label, self.rows = _overlaps_fn(), "", []
+        self.label, self.rows = "", []
 
-    def __call__(self, layer, q_buf, keys, k_base, lengths, l_base: int) -> None:
+    def __call__(self, layer, overlaps, lengths, l_base: int) -> None:
         import numpy as np
 
-        o = np.asarray(self.overlaps(q_buf, keys, k_base, lengths, l_base=l_base))  # [B, Np, W]
+        o_norm = np.asarray(overlaps, np.float64)  # [B, Np, W]
         lengths = np.asarray(lengths)  # [B, Np]
         for b, p in np.ndindex(lengths.shape):
-            self.rows.append({"label": self.label, "o": o[b, p].tolist(), "L": int(lengths[b, p]), "l_base": l_base})
+            c = min(1.0, l_base / max(int(lengths[b, p]), 1))
+            o = o_norm[b, p] * (1.0 - c) + c if c < 1.0 else np.ones_like(o_norm[b, p])
+            self.rows.append({"label": self.label, "o": o.tolist(), "L": int(lengths[b, p]), "l_base": l_base})
 
 
 def run(args) -> dict:

@@ -493,16 +493,15 @@ def synthetic_prefill(policy, model, length: int, *, tail_capacity: int = TAIL_C
     with random layer inputs instead of the model's forward pass.
 
     Per layer, the policy's plan gets ``build_layer(li, layer, x_in, k_buf, v_buf, lens)`` with random
-    x_in [B, Tp, hidden], k_buf / v_buf [B, Hkv, Tp, D] (model dtype) and ``model``'s layer params; the groups
-    are wrapped with tail buffers as ``model.transformer.prefill`` wraps them, then ``plan.finish``. Only the
-    plan protocol is used. ``progress(li)`` is called after each layer.
+    x_in [B, Tp, hidden], k_buf / v_buf [B, Hkv, Tp, D] (model dtype) and ``model``'s layer params; its output
+    goes into the row pool as ``model.transformer.prefill`` puts it there (``cache.PoolBuilder``), then
+    ``plan.finish``. Only the plan protocol is used. ``progress(li)`` is called after each layer.
     """
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from hetero_jax.model import transformer as M
-    from hetero_jax.model.cache import KVCache, LayerCache
+    from hetero_jax.model.cache import PoolBuilder
     from hetero_jax.runtime.compile_cache import chunk_bucket, compiled, round_up
 
     cfg = model.config
@@ -523,36 +522,26 @@ def synthetic_prefill(policy, model, length: int, *, tail_capacity: int = TAIL_C
         return x, k, v
 
     base = jax.random.key(seed)
-    layers = []
+    builder = PoolBuilder(plan, lens_np, cfg, tail_capacity, dtype, compile_fn=compiled)
     for li, layer in enumerate(model.params["layers"]):
         x_in, k_buf, v_buf = draw(jax.random.fold_in(base, li))
-        groups = plan.build_layer(li, layer, x_in, k_buf, v_buf, lens)
-        jax.block_until_ready(groups)
-        tail_shape = (batch, cfg.num_kv_heads, tail_capacity, cfg.head_dim)
-        layers.append(LayerCache(groups=groups, tail_k=M.fresh_zeros(tail_shape, dtype),
-                                 tail_v=M.fresh_zeros(tail_shape, dtype)))
+        jax.block_until_ready(builder.add(li, plan.build_layer(li, layer, x_in, k_buf, v_buf, lens)))
         del x_in, k_buf, v_buf
         if progress is not None:
             progress(li)
-    cache = KVCache(
-        layers=tuple(layers),
-        seq_lens=jnp.array(lens),
-        prompt_lens=lens,
-        tail_lens=M.fresh_zeros((batch,), jnp.int32),
-        tail_positions=jnp.full((batch, tail_capacity), -1, jnp.int32),
-    )
-    return plan.finish(cache)
+    return plan.finish(builder.cache(lens))
 
 
 def cache_summary(cache, state, cfg) -> dict:
-    """What the step compiles over: head groups per layer (where the cache has them), leaves, device bytes."""
+    """What the step compiles over: head groups per layer (where the cache has them: before the row pool),
+    leaves, device bytes."""
     import jax
     import numpy as np
 
     groups = [len(getattr(l, "groups", ())) for l in getattr(cache, "layers", ())]
     leaves = jax.tree.leaves(cache)
     out = {"cache_leaves": len(leaves), "cache_bytes": int(sum(np.prod(x.shape) * x.dtype.itemsize for x in leaves))}
-    if groups:
+    if groups and any(groups):
         out.update(head_groups=int(sum(groups)), max_groups_per_layer=int(max(groups)))
     try:
         out["achieved_rho"] = float(np.asarray(state.achieved_rho(cache, cfg))[0])

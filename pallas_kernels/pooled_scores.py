@@ -303,6 +303,23 @@ def _sortable_bits(x):
   return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
 
 
+def _sorted_kth(key, k):
+  """:func:`_bisect_kth` by one sort per row: the GPU's way (a sort is a few kernels; the bisection's 32
+  passes are 32 launches per row set, each a loop trip)."""
+  T = key.shape[-1]
+  k = jnp.broadcast_to(jnp.asarray(k, jnp.int32), key.shape[:-1])
+  kth = jnp.take_along_axis(jnp.sort(key, axis=-1), jnp.clip(T - k, 0, T - 1)[..., None], axis=-1)[..., 0]
+  v = jnp.where(k > 0, kth, jnp.uint32(0xFFFFFFFF))
+  return v, (key >= v[..., None]).sum(axis=-1, dtype=jnp.int32)
+
+
+def _kth_key(key, k):
+  """The k-th largest sortable key of each row of key [..., T] and the count of keys at or above it
+  (k: int or int [...]): a sort on a GPU (``resolve_backend()`` is 'pallas'), the bisection elsewhere
+  (XLA:CPU sorts slowly)."""
+  return _sorted_kth(key, k) if resolve_backend() == "pallas" else _bisect_kth(key, k)
+
+
 def _bisect_kth(key, k: int):
   """Largest uint32 v with count(key >= v) >= k per row of key [..., T] (the k-th largest key), and that
   count. 32 passes of a compare and a sum; the sum in float32 (exact below 2^24 entries) runs 1.3-1.5x
@@ -329,7 +346,7 @@ def _threshold_counts(scores, k: int):
   if not 1 <= k <= T:
     raise ValueError(f"k must lie in [1, {T}], got {k}")
   key = _sortable_bits(scores)
-  v, n_ge = _bisect_kth(key, k)
+  v, n_ge = _kth_key(key, k)
   n_greater = (key > v[..., None]).sum(axis=-1, dtype=jnp.int32)
   return key, v, n_greater, n_ge
 
@@ -377,9 +394,11 @@ def topk_membership(
   ok = (idx >= 0) & (idx < T)
   j = jnp.clip(idx, 0, T - 1).astype(jnp.int32)
   kj = jnp.take_along_axis(key, j, axis=-1)
+  tied = lambda: ok & jnp.take_along_axis(_tie_cut(key, kkey, k), j, axis=-1)  # noqa: E731
+  if resolve_backend() == "pallas":  # a GPU conditional waits for its predicate on the host: the cut always
+    return tied()
   # n_ge - n_greater entries equal kth, k - n_greater of them are members: all of them iff the counts agree
-  return lax.cond(jnp.all(n_ge == k), lambda: ok & (kj >= kkey),
-                  lambda: ok & jnp.take_along_axis(_tie_cut(key, kkey, k), j, axis=-1))
+  return lax.cond(jnp.all(n_ge == k), lambda: ok & (kj >= kkey), tied)
 
 
 def _tie_cut(key, kv, k):
@@ -395,8 +414,10 @@ def _tie_cut(key, kv, k):
 def _top_members(key, k):
   """bool [..., T]: the top-k of each row of sortable keys [..., T] as `lax.top_k` picks them (ties to the
   lower index); k: int [...] in [0, T]."""
-  v, n_ge = _bisect_kth(key, k)
+  v, n_ge = _kth_key(key, k)
   kv = v[..., None]
+  if resolve_backend() == "pallas":
+    return _tie_cut(key, kv, k)
   return lax.cond(jnp.all(n_ge == k), lambda: key >= kv, lambda: _tie_cut(key, kv, k))
 
 

@@ -136,21 +136,26 @@ def test_budget_too_small_and_missing_profile():
 
 
 def _pivot_step(q, step, slots):
-    """``attend_step`` of a layer with pivots at ``slots`` and no copy head: (out, o'_t, pooled scores)."""
+    """``attend_step`` of a layer with pivots at ``slots`` and no copy head: (out, the pivots' logits)."""
     from hetero_jax.policies.heterocache.decode import attend_step
 
-    out, (_, overlap, scores), pointer = attend_step(q, step, slots)
+    out, logits, pointer = attend_step(q, step, slots)
     assert pointer is None
-    return out, overlap, scores
+    return out, logits
 
 
 def _np_pooled_max(q, keys):
     """q [W, G, D], keys [T, D] -> pooled (kernel 5, zero pad) softmax, max over G: [W, T]."""
-    s = np.einsum("wgd,td->wgt", q, keys) / np.sqrt(keys.shape[-1])
+    return _np_pooled_logits(np.einsum("wgd,td->wgt", q, keys) / np.sqrt(keys.shape[-1]))
+
+
+def _np_pooled_logits(s):
+    """Logits [W, G, T] -> pooled (kernel 5, zero pad) softmax, max over G: [W, T]."""
+    s = np.asarray(s, np.float64)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     pad = np.pad(p, ((0, 0), (0, 0), (2, 2)))
-    pooled = sum(pad[..., i : i + keys.shape[0]] for i in range(5)) / 5
+    pooled = sum(pad[..., i : i + s.shape[-1]] for i in range(5)) / 5
     return pooled.max(1)
 
 
@@ -164,8 +169,8 @@ def test_drift_thresholds_and_recall_contents(tau):
     seen_q = []
     orig_after = ctl.after_step
 
-    def spy(step, extras, cache):  # keep the pivot queries (the extras' first) for the independent check
-        seen_q.append([None if e is None or e[0] is None else np.asarray(e[0][0]) for e in extras])
+    def spy(step, extras, cache):  # keep the pivots' logits (the extras' first) for the independent check
+        seen_q.append([None if e is None or e[0] is None else np.asarray(e[0]) for e in extras])
         orig_after(step, extras, cache)
 
     ctl.after_step = spy
@@ -188,8 +193,9 @@ def test_drift_thresholds_and_recall_contents(tau):
         p_pos = perm.index(pivot)  # pivot's position in the layout (inside the full group)
         k_rows, v_rows, pos_rows, lengths = (np.asarray(a) for a in layer_rows(eng.cache, li))
         keys = k_rows[0, p_pos, :L]  # full heads never change
-        q_last = seen_q[check_step[li]][li][0, p_pos]  # the latest step buffered by its check: [G, D]
-        scores = _np_pooled_max(q_last[None], keys)[0]
+        logits = seen_q[check_step[li]][li][0, p_pos, :, :L]  # the latest step buffered by its check: [G, L]
+        # they are the step's own q.k (the kernel's logits) over the pivot's prompt keys
+        scores = _np_pooled_logits(logits[None])[0]
         order = np.argsort(-scores, kind="stable")
         res_k = np.asarray(eng.state.prefilled.store.k[li])[0]
         res_v = np.asarray(eng.state.prefilled.store.v[li])[0]
@@ -285,14 +291,14 @@ def test_drain_waits_for_the_dispatched_drift_check():
 
 
 @pytest.mark.parametrize("tau,n_top", [(1.5, 7), (-1.0, 7), (1.5, 0), (0.05, 7)])
-def test_drift_check_from_per_step_overlaps(tau, n_top):
-    """The check every W steps from the overlaps each step computed (``attend_step`` without copy heads in the jitted
-    step, ``drift_layer`` at the check): its median o'_t equals the batched check over the buffered
-    queries by the definition (``drift_check_reference``: lax.top_k of every step); drift iff it is below
-    tau; the recall sets and new K_base are the top-size / top-l_base positions of the latest query's
-    pooled scores (numpy reference, ascending) when some pivot drifted; -1 and the old K_base when none
-    did, no sets when the recall reads none (n_top 0)."""
-    from hetero_jax.policies.heterocache import drift_layer
+def test_drift_check_from_the_buffered_steps_logits(tau, n_top):
+    """The check every W steps from the pivots' logits each step's attention wrote (``attend_step``, then
+    ``drift_check`` over two layers at once): its median o'_t equals the check by the definition over the
+    buffered queries and the pivots' keys (``drift_check_reference``: lax.top_k of every step); drift iff it
+    is below tau; the recall sets and new K_base are the top-size / top-l_base positions of the latest query's
+    pooled scores (numpy reference, ascending) when some pivot drifted; -1 and the old K_base when none did,
+    no sets when the recall reads none (n_top 0). The attention beside the logits is the plain one."""
+    from hetero_jax.policies.heterocache import drift_check
     from hetero_jax.policies.heterocache.decode import PivotBase
 
     rng = np.random.default_rng(5)
@@ -307,17 +313,18 @@ def test_drift_check_from_per_step_overlaps(tau, n_top):
     step = step_from_dense(keys, vals, lengths, tail_k, tail_v, np.ones(B, np.int32),
                            state=PivotBase(k_base=jnp.asarray(k_base)))
     steps = [_pivot_step(jnp.asarray(q_buf[:, :, w]), step, (0, 1)) for w in range(W)]
-    overlaps = jnp.stack([o for _, o, _ in steps], axis=-1)
+    want = dense_attention(q_buf[:, :, -1], keys, vals, lengths, tail_k, tail_v, np.ones(B, np.int32))
+    np.testing.assert_allclose(np.asarray(steps[-1][0]), want, rtol=1e-5, atol=1e-5)
     # per pivot two sets (a satellite's l_s and l_s - w, as with a copy window), differing per sequence
     sizes = np.array([[[n_top, n_top - 2]] * Np, [[n_top - 1, 4]] * Np], np.int32)[..., : 2 if n_top else 0]
-    drift, new_base, top = drift_layer(overlaps, steps[-1][2], k_base, sizes, l_base=l_base, tau=tau,
-                                       cap=max(1, n_top))
-    # the attention beside the scores is the plain one (the prompt and the tail merged)
-    want, _ = pallas_kernels.merge_attention(
-        *pallas_kernels.sparse_decode_attention_reference(q_buf[:, :, -1], keys, vals, lengths),
-        *pallas_kernels.sparse_decode_attention_reference(q_buf[:, :, -1], tail_k, tail_v,
-                                                          np.ones((B, Np), np.int32)))
-    np.testing.assert_allclose(np.asarray(steps[-1][0]), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # two layers of the same pivots, the second's sets padded to more than the first's: one check for both
+    logits = tuple(lg for _, lg in steps)
+    (drift, new_base, top, overlaps), again = drift_check(
+        (logits, logits), (jnp.asarray(lengths),) * 2, (jnp.asarray(k_base),) * 2,
+        (jnp.asarray(sizes), jnp.pad(jnp.asarray(sizes), ((0, 0), (0, 0), (0, 1)))), l_base=l_base, tau=tau,
+        cap=max(1, n_top))
+    np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(drift))
+    np.testing.assert_array_equal(np.asarray(again[2])[..., : sizes.shape[-1], :], np.asarray(top))
     _, ref_overlap, _ = pallas_kernels.drift_check_reference(q_buf, keys, k_base, l_base, tau, lengths)
     np.testing.assert_allclose(np.median(np.asarray(overlaps), axis=-1), np.asarray(ref_overlap), atol=1e-6)
     drift, top, new_base = np.asarray(drift), np.asarray(top), np.asarray(new_base)
@@ -350,7 +357,7 @@ def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend):
     with every other row NaN: the step's attention (one call over every head) equals plain attention of
     each head over its own rows and the tail (numpy), and the scores are the pivots' own pooled scores
     (numpy, masked beyond each pivot's length) with their chance-normalised overlaps against K_base by the
-    definition (``drift_check_reference`` over one query), from the same pass."""
+    definition, from the same pass: the logits the check pools are each pivot's own q.k over its prompt rows."""
     from hetero_jax.policies.heterocache.decode import PivotBase
 
     rng = np.random.default_rng(11)
@@ -364,19 +371,19 @@ def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend):
                            state=PivotBase(k_base=jnp.asarray(k_base, jnp.int32)))
     q = jnp.asarray(_np_f32(rng, B, 5, G, D))
     with pallas_kernels.use_kernels(backend):
-        out, overlap, scores = _pivot_step(q, step, (0, 1))
+        out, logits = _pivot_step(q, step, (0, 1))
     want = dense_attention(q, k, v, lengths, tail_k, tail_v, tail_lens)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
-    assert scores.shape == (B, 2, T)
+    assert logits.shape == (B, 2, G, T)
+    scores = pallas_kernels.pivot_pooled_scores(logits, jnp.asarray(lengths[:, :2]))
     for b in range(B):
         for p in range(2):
             n = lengths[b, p]
+            want = np.asarray(q[b, p], np.float64) @ k[b, p, :n].T.astype(np.float64) / np.sqrt(D)
+            np.testing.assert_allclose(np.asarray(logits[b, p, :, :n]), want, rtol=1e-5, atol=1e-5)
             want = _np_pooled_max(np.asarray(q[b, p])[None], k[b, p, :n])[0]
             np.testing.assert_allclose(np.asarray(scores[b, p, :n]), want, rtol=1e-5, atol=1e-7)
             assert (np.asarray(scores[b, p, n:]) == pallas_kernels.MASK_VALUE).all()
-    _, ref, _ = pallas_kernels.drift_check_reference(q[:, :2, None], k[:, :2], k_base, l_base, 0.0,
-                                                     jnp.asarray(lengths[:, :2]))
-    np.testing.assert_allclose(np.asarray(overlap), np.asarray(ref), atol=1e-6)
 
 
 def _spy_turns(sess):
@@ -601,7 +608,7 @@ def test_copy_slots_follow_the_profile():
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
 def test_attend_reports_the_copy_heads_pointer(backend):
     """Layer 2 of COPY_PROFILE (pivot, copy head, one satellite): ``HeteroCache.attend`` gives plain attention,
-    the pivot's overlap share as ``attend_step`` without copy heads, and as the pointer the copy head's most attended
+    the pivot's logits as ``attend_step`` without copy heads, and as the pointer the copy head's most attended
     prompt position by numpy's pooled scores (GQA max)."""
     from hetero_jax.policies.heterocache.decode import PivotBase
 
@@ -617,11 +624,11 @@ def test_attend_reports_the_copy_heads_pointer(backend):
     q = jnp.asarray(_np_f32(rng, B, 3, G, D))
     with pallas_kernels.use_kernels(backend):
         out, _, (pivot, pointer) = p.attend(2, q, step)
-        _, want_overlap, want_scores = _pivot_step(q, step, (0,))
+        _, want_logits = _pivot_step(q, step, (0,))
     want = dense_attention(q, k, v, lengths, tail_k, tail_v, tail_lens)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(pivot[1]), np.asarray(want_overlap), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(pivot[2]), np.asarray(want_scores), rtol=1e-5, atol=1e-7)
+    valid = np.arange(T)[None, None, None, :] < lengths[:, :1, None, None]
+    np.testing.assert_array_equal(np.where(valid, np.asarray(pivot), 0), np.where(valid, np.asarray(want_logits), 0))
     assert pointer.shape == (B, 1) and pointer.dtype == jnp.int32
     for b in range(B):
         pooled = _np_pooled_max(np.asarray(q[b, 1])[None], k[b, 1, : lengths[b, 1]])[0]

@@ -305,6 +305,16 @@ def _numpy_topk(scores, k):
   return order[:k]
 
 
+@pytest.fixture(params=["bisection", "sort"], scope="module")
+def kth_path(request):
+  """Both ways to the k-th largest key: the bisection (the CPU's) and one sort per row (what the Pallas
+  backend, a GPU, traces): a function giving the context to run under. The choice is read at trace time,
+  so jax's trace caches are cleared before and after each way's tests."""
+  jax.clear_caches()
+  yield lambda: pk.use_kernels("pallas" if request.param == "sort" else "reference")
+  jax.clear_caches()
+
+
 def _check_membership(scores, k, idx):
   scores = np.asarray(scores, np.float32)
   got = np.asarray(topk_membership(jnp.asarray(scores), k, jnp.asarray(idx)))
@@ -339,8 +349,13 @@ def _draw_scores(data, rows):
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_topk_membership_matches_lax_top_k(data):
+def test_topk_membership_matches_lax_top_k(kth_path, data):
   # few shapes (each k and T compiles once); rows tied or not
+  with kth_path():
+    _membership_case(data)
+
+
+def _membership_case(data):
   rows, n_idx = 2, 12
   scores = _draw_scores(data, rows)
   T = scores.shape[-1]
@@ -361,16 +376,17 @@ def test_topk_membership_matches_lax_top_k(data):
     ([MASK_VALUE] * 3 + [0.5, MASK_VALUE], 3),  # k beyond the valid
     ([-1.0, -2.0, -1.0, -3.0], 2),                  # negatives
 ])
-def test_topk_membership_ties(scores, k):
+def test_topk_membership_ties(kth_path, scores, k):
   scores = np.array([scores], np.float32)
   T = scores.shape[-1]
-  _check_membership(scores, k, np.arange(-1, T + 1, dtype=np.int32)[None])
+  with kth_path():
+    _check_membership(scores, k, np.arange(-1, T + 1, dtype=np.int32)[None])
 
 
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_topk_sets_are_lax_top_k_sets(data):
+def test_topk_sets_are_lax_top_k_sets(kth_path, data):
   # each row's sets for several sizes: the numpy top-k (ties to the lower index, +0 above -0), ascending
   rows, K = 2, 3
   scores = _draw_scores(data, rows)
@@ -378,7 +394,8 @@ def test_topk_sets_are_lax_top_k_sets(data):
   cap = data.draw(st.integers(1, T))
   sizes = np.array(data.draw(st.lists(st.integers(0, cap), min_size=rows * K, max_size=rows * K)),
                    np.int32).reshape(rows, K)
-  got = np.asarray(topk_sets(jnp.asarray(scores), jnp.asarray(sizes), cap))
+  with kth_path():
+    got = np.asarray(topk_sets(jnp.asarray(scores), jnp.asarray(sizes), cap))
   assert got.shape == (rows, K, cap)
   for r in range(rows):
     for j, k in enumerate(sizes[r]):

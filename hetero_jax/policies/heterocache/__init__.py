@@ -46,8 +46,8 @@ gather runs on the host (numpy view of the pinned array) and the rows go to
 the device with an asynchronous ``device_put``.
 """
 
-from hetero_jax.policies.heterocache.decode import HeteroDecode, HeteroPrefilled, drift_layer
+from hetero_jax.policies.heterocache.decode import HeteroDecode, HeteroPrefilled, drift_check
 from hetero_jax.policies.heterocache.policy import HeteroCache
 from hetero_jax.policies.heterocache.prefill import HeteroPrefill
 
-__all__ = ["HeteroCache", "HeteroDecode", "HeteroPrefill", "HeteroPrefilled", "drift_layer"]
+__all__ = ["HeteroCache", "HeteroDecode", "HeteroPrefill", "HeteroPrefilled", "drift_check"]

@@ -76,76 +76,84 @@ class PivotBase:
 
 
 def attend_step(q, step, pivot_slots, copy_slots=()):
-    """A decode step's attention in one layer with its pivots' share of the drift check and its copy heads'
-    pointer (``HeteroCache.attend``), from one pass over the pool.
+    """A decode step's attention in one layer with what its pivots' drift check and its copy heads' pointer
+    need (``HeteroCache.attend``), from one pass over the pool.
 
     q [B, Nkv, G, D]; step: ``model.pool.LayerStep``; ``pivot_slots``, ``copy_slots``: layout slots (full
-    heads: their first rows are the whole prompt in position order). Returns (out [B, Nkv, G, D], pivots'
-    share or None, pointer or None). The kernel also returns the scored heads' logits over their prompt rows,
-    from which their pooled scores come (``pallas_kernels.pivot_pooled_scores``), so the drift check never
-    reads their keys again. The share: the pivots' queries [B, Np, G, D], o'_t [B, Np] float32 (the
-    chance-normalised overlap of each pivot's top-L_base with its K_base) and pooled scores [B, Np, T]; the
-    check every ``window`` steps is the median of the buffered o'_t (``drift_layer``): the value the paper's
-    check computes from the buffered queries, spread over the steps. The pointer [B, Nc] int32: each copy
-    head's most attended prompt position (``HeteroDecode._follow_copy``).
+    heads: their first rows are the whole prompt in position order). Returns (out [B, Nkv, G, D], the pivots'
+    logits [B, Np, G, T] or None, pointer [B, Nc] int32 or None). The kernel writes the scored heads' logits
+    over their prompt rows in the same pass, so the drift check never reads their keys again: the decode
+    state buffers the pivots' logits of ``window`` steps and checks them all at once (:func:`drift_check`,
+    Eq. 9-10 over the buffered queries, as the paper does). The pointer: each copy head's most attended
+    prompt position by its pooled scores (``HeteroDecode._follow_copy``).
     """
     pivot_slots, copy_slots = tuple(pivot_slots), tuple(copy_slots)
     scored = pivot_slots + copy_slots
     flags = np.zeros(q.shape[1], np.int32)
     flags[list(scored)] = 1
     out, _, logits = step.attend(q, score_heads=jnp.asarray(flags), score_len=step.layer.capacity)
-    lengths = take_slots(step.layer.lengths, scored)
-    scores = pallas_kernels.pivot_pooled_scores(take_slots(logits, scored), lengths)  # [B, n, T]
-    n = len(pivot_slots)
-    pivot = None
-    if n:
-        pivot = (take_slots(q, pivot_slots), pivot_overlap(scores[:, :n], step.layer.state.k_base, lengths[:, :n]),
-                 scores[:, :n])
-    pointer = jnp.argmax(scores[:, n:], axis=-1).astype(jnp.int32) if copy_slots else None
+    pivot = take_slots(logits, pivot_slots) if pivot_slots else None
+    pointer = None
+    if copy_slots:
+        scores = pallas_kernels.pivot_pooled_scores(take_slots(logits, copy_slots),
+                                                    take_slots(step.layer.lengths, copy_slots))
+        pointer = jnp.argmax(scores, axis=-1).astype(jnp.int32)
     return out, pivot, pointer
 
 
-def pivot_overlap(scores, k_base, lengths):
-    """o'_t [B, Np] of the pivots' pooled scores [B, Np, T] against their K_base [B, Np, L_base]."""
-    return pallas_kernels.base_overlap(scores[:, :, None], k_base, k_base.shape[-1], lengths)[:, :, 0]
-
-
 @functools.partial(jax.jit, static_argnames=("l_base", "tau", "cap"))
-def drift_layer(overlaps, latest_scores, k_base, set_sizes, l_base: int, tau: float, cap: int):
-    """One layer's drift check from its buffered steps: overlaps [B, Np, W] (``attend_step``'s o'_t);
-    latest_scores [B, Np, T] (the last step's pooled scores); k_base [B, Np, l_base]; set_sizes [B, Np, K]
-    int: the sizes of the top sets a recall reads per pivot (its satellites' l_s; with a copy window also
-    l_s - w), 0 for none, each at most ``cap``.
+def drift_check(logits, lengths, k_base, set_sizes, l_base: int, tau: float, cap: int):
+    """The drift check of every pivot of the model at once, from the ``window`` buffered decode steps.
 
-    Returns (drift [B, Np] bool: median_t o'_t < tau (Eq. 10, normalised), new K_base [B, Np, l_base]
-    (the top-l_base of the latest pooled scores, ascending, -1 where masked; the old K_base when no pivot
-    drifted), top sets [B, Np, K, cap] of the latest pooled scores (``pallas_kernels.topk_sets``:
-    ascending positions, -1 past each size; -1 everywhere when no pivot drifted)). The sets are
-    ``lax.top_k``'s, found without ranking the prompt.
+    logits: per pivot layer, per buffered step, the pivots' logits [B, Np_l, G, T] (``attend_step``);
+    lengths: per pivot layer [B, Np_l] the pivots' prompt rows; k_base: per pivot layer [B, Np_l, l_base];
+    set_sizes: per pivot layer [B, Np_l, K_l] int, the sizes of the top sets a recall reads per pivot (its
+    satellites' l_s; with a copy window also l_s - w), 0 for none, each at most ``cap``. The layers' pivots
+    are checked as one batch [B, Np, W, ...]: one executable and a few kernels, whatever the layers.
+
+    Per pivot and step, the pooled scores (softmax over the prompt rows, 5-tap pooling, GQA max:
+    ``pallas_kernels.pivot_pooled_scores``) and o'_t, the chance-normalised overlap of their top-L_base with
+    K_base (Eq. 9, ``pallas_kernels.base_overlap``). Returns, per pivot layer, (drift [B, Np_l] bool:
+    median_t o'_t < tau (Eq. 10, normalised), new K_base [B, Np_l, l_base] (the top-l_base of the latest
+    step's pooled scores, ascending, -1 where masked; the old K_base when no pivot of the model drifted),
+    top sets [B, Np_l, K, cap] of the latest pooled scores (``pallas_kernels.topk_sets``: ascending
+    positions, -1 past each size; -1 everywhere when none drifted), overlaps o'_t [B, Np_l, W]).
     """
+    n = [lg[0].shape[1] for lg in logits]
+    K = max(s.shape[-1] for s in set_sizes)
+    x = jnp.concatenate([jnp.stack(lg, axis=2) for lg in logits], axis=1)  # [B, Np, W, G, T]
+    B, Np, W, G, T = x.shape
+    lens = jnp.concatenate(lengths, axis=1)
+    base = jnp.concatenate(k_base, axis=1).astype(jnp.int32)
+    sizes = jnp.concatenate([jnp.pad(s.astype(jnp.int32), ((0, 0), (0, 0), (0, K - s.shape[-1])))
+                             for s in set_sizes], axis=1)
+    scores = pallas_kernels.pivot_pooled_scores(x.reshape(B, Np * W, G, T), jnp.repeat(lens, W, axis=1))
+    scores = scores.reshape(B, Np, W, T)
+    overlaps = pallas_kernels.base_overlap(scores, base, l_base, lens)  # [B, Np, W]
     drift = jnp.median(overlaps, axis=-1) < tau
-    lead, T = latest_scores.shape[:-1], latest_scores.shape[-1]
     n_base = min(l_base, T)
 
     def ranked(s):
-        sizes = jnp.concatenate([jnp.full(lead + (1,), n_base, jnp.int32), set_sizes.astype(jnp.int32)], -1)
-        sets = pallas_kernels.topk_sets(s, sizes, max(cap, n_base))
-        base = sets[..., 0, :n_base]
-        hit = jnp.take_along_axis(s, jnp.maximum(base, 0), axis=-1) > pallas_kernels.MASK_VALUE * 0.5
-        base = jnp.pad(jnp.where((base >= 0) & hit, base, -1), [(0, 0)] * len(lead) + [(0, l_base - n_base)],
-                       constant_values=-1)
-        return base, sets[..., 1:, :cap]
+        want = jnp.concatenate([jnp.full((B, Np, 1), n_base, jnp.int32), sizes], -1)
+        sets = pallas_kernels.topk_sets(s, want, max(cap, n_base))
+        top = sets[..., 0, :n_base]
+        hit = jnp.take_along_axis(s, jnp.maximum(top, 0), axis=-1) > pallas_kernels.MASK_VALUE * 0.5
+        top = jnp.pad(jnp.where((top >= 0) & hit, top, -1), ((0, 0), (0, 0), (0, l_base - n_base)),
+                      constant_values=-1)
+        return top, sets[..., 1:, :cap]
 
     def unchanged(s):
-        return k_base.astype(jnp.int32), jnp.full(lead + (set_sizes.shape[-1], cap), -1, jnp.int32)
+        return base, jnp.full((B, Np, K, cap), -1, jnp.int32)
 
     # read only for a drifted pivot: skip the selection (lax.cond runs one branch) otherwise
-    new_base, sets = jax.lax.cond(drift.any(), ranked, unchanged, latest_scores)
-    return drift, new_base, sets
+    new_base, sets = jax.lax.cond(drift.any(), ranked, unchanged, scores[:, :, -1])
+    cuts = np.cumsum([0] + n)
+    return tuple((drift[:, a:b], new_base[:, a:b], sets[:, a:b, : set_sizes[i].shape[-1]], overlaps[:, a:b])
+                 for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])))
 
 
 def recall_set_sizes(members: dict, n_pivots: int, counts: np.ndarray, window: np.ndarray | None):
-    """Per pivot, the top-set sizes a recall of its satellites reads (``drift_layer``'s set_sizes), int32
+    """Per pivot, the top-set sizes a recall of its satellites reads (``drift_check``'s set_sizes), int32
     [B, Np, K]: at k = j its j-th satellite's l_s (counts [B, Hc]), and with a copy window (window [B, Hc]:
     each head's w) at k = S + j its l_s - w; K = S or 2S, S the most satellites a pivot has, 0 elsewhere."""
     S = max((len(v) for v in members.values()), default=0)
@@ -216,8 +224,7 @@ class HeteroDecode(DecodeState):
         self.prefilled = prefilled
         self.policy = prefilled.policy
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
-        # the last `window` steps: tuples over layers of ``HeteroCache.attend``'s extras (device): the pivots'
-        # queries [B, Np, G, D], their o'_t [B, Np] and pooled scores [B, Np, T] (``attend_step``)
+        # the last `window` steps: tuples over layers of the pivots' logits [B, Np, G, T] (device; ``attend_step``)
         self.buffer: collections.deque = collections.deque(maxlen=prefilled.policy.window)
         self.pivot_layers = [li for li, r in enumerate(prefilled.roles) if r.pivots]
         self.pending = None  # (step, per layer check outputs) of a dispatched check
@@ -260,8 +267,8 @@ class HeteroDecode(DecodeState):
         self.copy_failures = 0  # window fills dropped (filled again at the next step)
         self.copy_moves = 0  # times a sequence's window moved to a copied span
         self.bytes_copied = 0
-        # called as f(layer, q_buf, keys, k_base, lengths, l_base=...) with each pivot layer's check inputs
-        # before it is dispatched (benchmarks/bench_drift_metric.py records the overlaps this way)
+        # called as f(layer, overlaps [B, Np, W], lengths [B, Np], l_base=...) with each pivot layer's o'_t of
+        # every check (benchmarks/bench_drift_metric.py records them this way)
         self.check_observers: list = []
 
     def fresh(self) -> "HeteroDecode":
@@ -270,7 +277,7 @@ class HeteroDecode(DecodeState):
     def after_step(self, step: int, extras, cache: KVCache) -> None:
         """Buffer decode step ``step``'s pivot overlaps (``HeteroCache.attend``'s extras); every ``window``
         steps dispatch the check. The copy heads' pointers are read before the next step (``before_step``)."""
-        pointers = [e[1] for e in extras if e is not None and e[1] is not None]
+        pointers = [e[1] for e in extras if e is not None and e[1] is not None]  # (pivot logits, pointer)
         if pointers:
             self.pointer_pending = jnp.concatenate(pointers, axis=1) if len(pointers) > 1 else pointers[0]
             self.pointer_pending.copy_to_host_async()
@@ -384,27 +391,24 @@ class HeteroDecode(DecodeState):
         self.offsets = [to_host(l.offsets).astype(np.int64) for l in cache.layers]
 
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
-        """Dispatch every pivot layer's drift check on the buffered steps' overlaps; outputs are copied to
-        the host asynchronously and read before the next step."""
-        outs = [None] * len(self.prefilled.roles)
+        """Dispatch the drift check of every pivot layer on the buffered steps' logits, as one executable;
+        its outputs are copied to the host asynchronously and read before the next step."""
+        layers = self.pivot_layers
         l_base = int(self.prefilled.l_base.max())
-        for li in self.pivot_layers:
-            overlaps = jnp.stack([b[li][1] for b in self.buffer], axis=-1)  # [B, Np, W]
-            latest = self.buffer[-1][li][2]  # [B, Np, T]
-            if self.check_observers:
-                r = self.prefilled.roles[li]
-                keys, lengths = pivot_keys(cache, li, r.pivot_slots())
-                q_buf = jnp.stack([b[li][0] for b in self.buffer], axis=2)  # [B, Np, W, G, D]
-                for observe in self.check_observers:
-                    observe(li, q_buf, keys, cache.layers[li].state.k_base, lengths, l_base=l_base)
-            sizes, largest = self.set_sizes[li]
-            args = (overlaps, latest, cache.layers[li].state.k_base, sizes)
-            fn = self.compile_fn(drift_layer, *args, l_base=l_base, tau=self.policy.drift_threshold,
-                                 cap=min(max(1, largest), latest.shape[-1]))
-            out = fn(*args)
-            for a in out:
+        args = (tuple(tuple(b[li] for b in self.buffer) for li in layers),
+                tuple(take_slots(cache.layers[li].lengths, self.prefilled.roles[li].pivot_slots()) for li in layers),
+                tuple(cache.layers[li].state.k_base for li in layers),
+                tuple(self.set_sizes[li][0] for li in layers))
+        cap = max(1, max(self.set_sizes[li][1] for li in layers))
+        T = args[0][0][0].shape[-1]
+        fn = self.compile_fn(drift_check, *args, l_base=l_base, tau=self.policy.drift_threshold, cap=min(cap, T))
+        outs = [None] * len(self.prefilled.roles)
+        for li, out in zip(layers, fn(*args)):
+            for a in out[:3]:
                 a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
-            outs[li] = out
+            outs[li] = out[:3]
+            for observe in self.check_observers:
+                observe(li, out[3], args[1][layers.index(li)], l_base=l_base)
         self.pending = (step, outs)
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
