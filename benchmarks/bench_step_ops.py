@@ -429,6 +429,41 @@ def compile_step(params_abs, cache_abs, cfg, policy, mesh, kernels: str):
     return exe, t1 - t0, t2 - t1
 
 
+def compile_check(state, cache, mesh, kernels: str, group_size: int):
+    """HeteroCache's drift check (``heterocache.decode.drift_check``: every pivot of the model, on the buffered
+    steps' logits), compiled for ``mesh``'s device as the decode state dispatches it every ``window`` steps:
+    (compiled executable, window), or None for a state without pivots."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import pallas_kernels
+    from hetero_jax.policies.heterocache.decode import drift_check
+
+    layers = getattr(state, "pivot_layers", None)
+    if not layers:
+        return None
+    s = NamedSharding(mesh, PartitionSpec())
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=s)  # noqa: E731
+    policy, roles = state.policy, state.prefilled.roles
+    B = int(cache.batch_size)
+    T = {li: cache.layers[li].capacity for li in layers}
+    args = (tuple(tuple(sds((B, len(roles[li].pivots), group_size, T[li]), jnp.float32)
+                        for _ in range(policy.window)) for li in layers),
+            tuple(sds((B, len(roles[li].pivots)), jnp.int32) for li in layers),
+            tuple(sds(cache.layers[li].state.k_base.shape, jnp.int32) for li in layers),
+            tuple(sds(state.set_sizes[li][0].shape, jnp.int32) for li in layers))
+    cap = max(1, max(state.set_sizes[li][1] for li in layers))
+    jax.clear_caches()
+    try:
+        with pallas_kernels.use_kernels(kernels):
+            exe = drift_check.lower(*args, l_base=int(state.prefilled.l_base.max()), tau=policy.drift_threshold,
+                                    cap=min(cap, min(T.values()))).compile()
+    finally:
+        jax.clear_caches()
+    return exe, policy.window
+
+
 @contextlib.contextmanager
 def callbacks_without_a_device():
     """Let host callbacks (``jax.pure_callback``: Quest offloaded, FreeKV, HCAttention) lower and compile for a GPU
@@ -695,7 +730,11 @@ def measure(spec: str, rho: float, length: int, *, model, params_abs, cfg, mesh,
     prefill_s = time.perf_counter() - t0
     summary = cache_summary(cache, state, model.config)
     cache_abs = abstract(cache, mesh)
-    del cache, state
+    check = compile_check(state, cache, mesh, kernels, model.config.group_size)
+    if check is not None:  # work the decode state dispatches between steps: counted apart from the step's
+        summary["check_kernels"] = count_step_ops(check[0].as_text())["kernels_per_step"]
+        summary["check_every"] = check[1]
+    del cache, state, check
     gc.collect()
     log(f"  {label(spec, rho)} @ {length}: compiling the step ({summary.get('head_groups', '?')} head groups)")
     exe, lower_s, compile_s = compile_step(params_abs, cache_abs, cfg, policy, mesh, kernels)
@@ -847,7 +886,7 @@ def table(rows: list[dict], lengths=None) -> str:
     headers = ["context", "policy", "kernels / step", "vs full", "fusions", "vs full", "GEMMs (cuBLAS + Triton)",
                "Pallas (Triton) calls", "other custom calls", "host callbacks", "copies (+ async)", "other ops",
                "while loops (trips) / conditionals", "head groups", "`fusion(` in text", "compile s",
-               "synthetic prefill s"]
+               "synthetic prefill s", "between steps: kernels (every n steps)"]
     out = []
     for r in table_rows(rows, lengths):
         kinds = r["custom_calls_by_kind"]
@@ -864,6 +903,7 @@ def table(rows: list[dict], lengths=None) -> str:
                                                         else "") + f") / {r['conditionals']}",
             fmt_int(r.get("head_groups")), fmt_int(r["fusion_substrings"]),
             f"{r['lower_seconds'] + r['compile_seconds']:.0f}", f"{r['prefill_seconds']:.0f}",
+            f"{r['check_kernels']:,} ({r['check_every']})" if r.get("check_kernels") is not None else "—",
         ])
     return common.markdown_table(headers, out, align="rl" + "r" * (len(headers) - 2))
 
