@@ -136,12 +136,20 @@ def test_budget_too_small_and_missing_profile():
 
 
 def _pivot_step(q, step, slots):
-    """``attend_step`` of a layer with pivots at ``slots`` and no copy head: (out, the pivots' logits)."""
+    """``attend_step`` of a layer with pivots at ``slots`` and no copy head: (out, the pivots' share)."""
     from hetero_jax.policies.heterocache.decode import attend_step
 
-    out, logits, pointer = attend_step(q, step, slots)
+    out, share, pointer = attend_step(q, step, slots)
     assert pointer is None
-    return out, logits
+    return out, share
+
+
+def _pivot_logits(q, step, slots):
+    """The pivots' logits over their prompt rows from the layer's one attention call: [B, Np, G, T]."""
+    flags = np.zeros(q.shape[1], np.int32)
+    flags[list(slots)] = 1
+    _, _, logits = step.attend(q, score_heads=jnp.asarray(flags), score_len=step.layer.capacity)
+    return logits[:, list(slots)]
 
 
 def _np_pooled_max(q, keys):
@@ -169,8 +177,8 @@ def test_drift_thresholds_and_recall_contents(tau):
     seen_q = []
     orig_after = ctl.after_step
 
-    def spy(step, extras, cache):  # keep the pivots' logits (the extras' first) for the independent check
-        seen_q.append([None if e is None or e[0] is None else np.asarray(e[0]) for e in extras])
+    def spy(step, extras, cache):  # keep the pivots' pooled scores (the CPU's steps compute them) for the check
+        seen_q.append([None if e is None or e[0] is None else np.asarray(e[0][0]) for e in extras])
         orig_after(step, extras, cache)
 
     ctl.after_step = spy
@@ -192,10 +200,7 @@ def test_drift_thresholds_and_recall_contents(tau):
         perm = list(layout.perms[li])
         p_pos = perm.index(pivot)  # pivot's position in the layout (inside the full group)
         k_rows, v_rows, pos_rows, lengths = (np.asarray(a) for a in layer_rows(eng.cache, li))
-        keys = k_rows[0, p_pos, :L]  # full heads never change
-        logits = seen_q[check_step[li]][li][0, p_pos, :, :L]  # the latest step buffered by its check: [G, L]
-        # they are the step's own q.k (the kernel's logits) over the pivot's prompt keys
-        scores = _np_pooled_logits(logits[None])[0]
+        scores = seen_q[check_step[li]][li][0, p_pos, :L]  # the latest step buffered by its check
         order = np.argsort(-scores, kind="stable")
         res_k = np.asarray(eng.state.prefilled.store.k[li])[0]
         res_v = np.asarray(eng.state.prefilled.store.v[li])[0]
@@ -291,15 +296,16 @@ def test_drain_waits_for_the_dispatched_drift_check():
 
 
 @pytest.mark.parametrize("tau,n_top", [(1.5, 7), (-1.0, 7), (1.5, 0), (0.05, 7)])
-def test_drift_check_from_the_buffered_steps_logits(tau, n_top):
-    """The check every W steps from the pivots' logits each step's attention wrote (``attend_step``, then
-    ``drift_check`` over two layers at once): its median o'_t equals the check by the definition over the
-    buffered queries and the pivots' keys (``drift_check_reference``: lax.top_k of every step); drift iff it
-    is below tau; the recall sets and new K_base are the top-size / top-l_base positions of the latest query's
-    pooled scores (numpy reference, ascending) when some pivot drifted; -1 and the old K_base when none did,
-    no sets when the recall reads none (n_top 0). The attention beside the logits is the plain one."""
+def test_drift_check_from_the_buffered_steps(tau, n_top):
+    """The check every W steps from what each step's attention wrote (the pivots' logits over their prompt
+    rows, one kernel pass), by either schedule: the statistics computed in each step (``pivot_statistics``,
+    the CPU's) or all at the check (the buffered logits, a GPU's), over two layers at once (``drift_check``).
+    Both give its median o'_t equal to the check by the definition over the buffered queries and the pivots'
+    keys (``drift_check_reference``: lax.top_k of every step); drift iff below tau; the recall sets and new
+    K_base are the top-size / top-l_base positions of the latest query's pooled scores (numpy, ascending) when
+    some pivot drifted; -1 and the old K_base when none did, no sets when the recall reads none (n_top 0)."""
     from hetero_jax.policies.heterocache import drift_check
-    from hetero_jax.policies.heterocache.decode import PivotBase
+    from hetero_jax.policies.heterocache.decode import PivotBase, pivot_statistics
 
     rng = np.random.default_rng(5)
     B, Np, W, G, D, T, l_base = 2, 2, 3, 2, 8, 40, 6
@@ -312,19 +318,21 @@ def test_drift_check_from_the_buffered_steps_logits(tau, n_top):
     tail_k, tail_v = (rng.standard_normal((B, Np, 4, D)).astype(np.float32) for _ in range(2))
     step = step_from_dense(keys, vals, lengths, tail_k, tail_v, np.ones(B, np.int32),
                            state=PivotBase(k_base=jnp.asarray(k_base)))
-    steps = [_pivot_step(jnp.asarray(q_buf[:, :, w]), step, (0, 1)) for w in range(W)]
-    want = dense_attention(q_buf[:, :, -1], keys, vals, lengths, tail_k, tail_v, np.ones(B, np.int32))
-    np.testing.assert_allclose(np.asarray(steps[-1][0]), want, rtol=1e-5, atol=1e-5)
+    logits = tuple(_pivot_logits(jnp.asarray(q_buf[:, :, w]), step, (0, 1)) for w in range(W))
+    stats = tuple(pivot_statistics(lg, jnp.asarray(lengths), jnp.asarray(k_base), l_base) for lg in logits)
     # per pivot two sets (a satellite's l_s and l_s - w, as with a copy window), differing per sequence
     sizes = np.array([[[n_top, n_top - 2]] * Np, [[n_top - 1, 4]] * Np], np.int32)[..., : 2 if n_top else 0]
-    # two layers of the same pivots, the second's sets padded to more than the first's: one check for both
-    logits = tuple(lg for _, lg in steps)
-    (drift, new_base, top, overlaps), again = drift_check(
-        (logits, logits), (jnp.asarray(lengths),) * 2, (jnp.asarray(k_base),) * 2,
-        (jnp.asarray(sizes), jnp.pad(jnp.asarray(sizes), ((0, 0), (0, 0), (0, 1)))), l_base=l_base, tau=tau,
-        cap=max(1, n_top))
-    np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(drift))
-    np.testing.assert_array_equal(np.asarray(again[2])[..., : sizes.shape[-1], :], np.asarray(top))
+    runs = []
+    for shares in (logits, stats):  # two layers of the same pivots, the second's sets padded to more
+        runs.append(drift_check((shares, shares), (jnp.asarray(lengths),) * 2, (jnp.asarray(k_base),) * 2,
+                                (jnp.asarray(sizes), jnp.pad(jnp.asarray(sizes), ((0, 0), (0, 0), (0, 1)))),
+                                l_base=l_base, tau=tau, cap=max(1, n_top)))
+    (drift, new_base, top, overlaps), again = runs[0]
+    for got in (again, runs[1][0], runs[1][1]):  # the same check, whatever the schedule or the layer
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(drift))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(new_base))
+        np.testing.assert_array_equal(np.asarray(got[2])[..., : sizes.shape[-1], :], np.asarray(top))
+        np.testing.assert_allclose(np.asarray(got[3]), np.asarray(overlaps), atol=1e-6)
     _, ref_overlap, _ = pallas_kernels.drift_check_reference(q_buf, keys, k_base, l_base, tau, lengths)
     np.testing.assert_allclose(np.median(np.asarray(overlaps), axis=-1), np.asarray(ref_overlap), atol=1e-6)
     drift, top, new_base = np.asarray(drift), np.asarray(top), np.asarray(new_base)
@@ -337,6 +345,7 @@ def test_drift_check_from_the_buffered_steps_logits(tau, n_top):
     for b in range(B):
         for p in range(Np):
             scores = _np_pooled_max(q_buf[b, p, -1][None], keys[b, p, : lengths[b, p]])[0]
+            np.testing.assert_allclose(np.asarray(stats[-1][0][b, p, : lengths[b, p]]), scores, rtol=1e-5, atol=1e-7)
             order = np.argsort(-scores, kind="stable")
             if drift.any():
                 np.testing.assert_array_equal(new_base[b, p], np.sort(order[:l_base]))
@@ -351,8 +360,8 @@ def _np_f32(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("backend", ["reference", "interpret"])
-def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend):
+@pytest.mark.parametrize("backend", ["reference", "native", "interpret"])
+def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend, monkeypatch):
     """A pivot layer of 2 pivots, a volatile head and two compressed heads of ragged lengths, all in one pool
     with every other row NaN: the step's attention (one call over every head) equals plain attention of
     each head over its own rows and the tail (numpy), and the scores are the pivots' own pooled scores
@@ -370,12 +379,23 @@ def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend):
     step = step_from_dense(k, v, lengths, tail_k, tail_v, tail_lens,
                            state=PivotBase(k_base=jnp.asarray(k_base, jnp.int32)))
     q = jnp.asarray(_np_f32(rng, B, 5, G, D))
+    from hetero_jax.policies.heterocache import decode
+
     with pallas_kernels.use_kernels(backend):
-        out, logits = _pivot_step(q, step, (0, 1))
+        out, share = _pivot_step(q, step, (0, 1))
+        logits = _pivot_logits(q, step, (0, 1))
+        monkeypatch.setattr(decode, "spread_checks", lambda: False)  # a GPU's schedule: the logits themselves
+        _, gpu_share = _pivot_step(q, step, (0, 1))
     want = dense_attention(q, k, v, lengths, tail_k, tail_v, tail_lens)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
     assert logits.shape == (B, 2, G, T)
+    valid = np.arange(T)[None, None, None, :] < lengths[:, :2, None, None]
+    np.testing.assert_array_equal(np.where(valid, np.asarray(gpu_share), 0), np.where(valid, np.asarray(logits), 0))
     scores = pallas_kernels.pivot_pooled_scores(logits, jnp.asarray(lengths[:, :2]))
+    want_scores, want_overlap = decode.pivot_statistics(logits, jnp.asarray(lengths[:, :2]), jnp.asarray(k_base),
+                                                        l_base)
+    np.testing.assert_allclose(np.asarray(share[0]), np.asarray(want_scores), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(share[1]), np.asarray(want_overlap), atol=1e-6)
     for b in range(B):
         for p in range(2):
             n = lengths[b, p]
@@ -605,7 +625,7 @@ def test_copy_slots_follow_the_profile():
     assert [no_rule.copy_slots(li) for li in range(3)] == [(), (), ()]
 
 
-@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("backend", ["reference", "native", "interpret"])
 def test_attend_reports_the_copy_heads_pointer(backend):
     """Layer 2 of COPY_PROFILE (pivot, copy head, one satellite): ``HeteroCache.attend`` gives plain attention,
     the pivot's logits as ``attend_step`` without copy heads, and as the pointer the copy head's most attended
@@ -624,11 +644,11 @@ def test_attend_reports_the_copy_heads_pointer(backend):
     q = jnp.asarray(_np_f32(rng, B, 3, G, D))
     with pallas_kernels.use_kernels(backend):
         out, _, (pivot, pointer) = p.attend(2, q, step)
-        _, want_logits = _pivot_step(q, step, (0,))
+        _, want_share = _pivot_step(q, step, (0,))
     want = dense_attention(q, k, v, lengths, tail_k, tail_v, tail_lens)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
-    valid = np.arange(T)[None, None, None, :] < lengths[:, :1, None, None]
-    np.testing.assert_array_equal(np.where(valid, np.asarray(pivot), 0), np.where(valid, np.asarray(want_logits), 0))
+    for a, b in zip(pivot, want_share):  # the pivot's share is attend_step's without copy heads
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert pointer.shape == (B, 1) and pointer.dtype == jnp.int32
     for b in range(B):
         pooled = _np_pooled_max(np.asarray(q[b, 1])[None], k[b, 1, : lengths[b, 1]])[0]

@@ -75,24 +75,52 @@ class PivotBase:
     k_base: jax.Array = axes_field("batch", "pivots", "slots")  # [B, Np, L_base] int32 positions; -1 = none
 
 
+def spread_checks() -> bool:
+    """Where the pivots' drift statistics are computed (read at trace time): in every decode step (True: the
+    CPU; the check then takes the median of the buffered o'_t, so no step does W steps' work) or all at once
+    at the check from the buffered logits (False: a GPU, where a layer's statistics in the step cost a dozen
+    launches and the check's are a few kernels for every pivot of the model). Same numbers either way."""
+    return pallas_kernels.resolve_backend(native=True) != "pallas"
+
+
+def pivot_statistics(logits, lengths, k_base, l_base: int):
+    """A pivot's pooled scores and o'_t from its logits over its prompt rows: logits [B, Np, ..., G, T] (any
+    steps between), lengths [B, Np], k_base [B, Np, l_base]. Returns (scores [B, Np, ..., T]: softmax over
+    the prompt rows, 5-tap pooling, GQA max, ``pallas_kernels.pivot_pooled_scores``; o'_t [B, Np, ...]: the
+    chance-normalised overlap of their top-L_base with K_base, Eq. 9, ``pallas_kernels.base_overlap``)."""
+    B, Np = logits.shape[:2]
+    mid, (G, T) = logits.shape[2:-2], logits.shape[-2:]
+    n = int(np.prod(mid, dtype=np.int64))
+    scores = pallas_kernels.pivot_pooled_scores(logits.reshape(B, Np * n, G, T), jnp.repeat(lengths, n, axis=1))
+    scores = scores.reshape(B, Np, n, T)
+    overlaps = pallas_kernels.base_overlap(scores, k_base, l_base, lengths)  # [B, Np, n]
+    return scores.reshape((B, Np) + mid + (T,)), overlaps.reshape((B, Np) + mid)
+
+
 def attend_step(q, step, pivot_slots, copy_slots=()):
     """A decode step's attention in one layer with what its pivots' drift check and its copy heads' pointer
     need (``HeteroCache.attend``), from one pass over the pool.
 
     q [B, Nkv, G, D]; step: ``model.pool.LayerStep``; ``pivot_slots``, ``copy_slots``: layout slots (full
     heads: their first rows are the whole prompt in position order). Returns (out [B, Nkv, G, D], the pivots'
-    logits [B, Np, G, T] or None, pointer [B, Nc] int32 or None). The kernel writes the scored heads' logits
-    over their prompt rows in the same pass, so the drift check never reads their keys again: the decode
-    state buffers the pivots' logits of ``window`` steps and checks them all at once (:func:`drift_check`,
-    Eq. 9-10 over the buffered queries, as the paper does). The pointer: each copy head's most attended
-    prompt position by its pooled scores (``HeteroDecode._follow_copy``).
+    share or None, pointer [B, Nc] int32 or None). The kernel writes the scored heads' logits over their
+    prompt rows in the same pass, so the drift check never reads their keys again. The share: the pivots'
+    logits [B, Np, G, T], buffered and checked all at once every ``window`` steps (:func:`drift_check`); or,
+    where checks are spread (:func:`spread_checks`), this step's (pooled scores [B, Np, T], o'_t [B, Np])
+    (:func:`pivot_statistics`). The pointer: each copy head's most attended prompt position by its pooled
+    scores (``HeteroDecode._follow_copy``).
     """
     pivot_slots, copy_slots = tuple(pivot_slots), tuple(copy_slots)
     scored = pivot_slots + copy_slots
     flags = np.zeros(q.shape[1], np.int32)
     flags[list(scored)] = 1
     out, _, logits = step.attend(q, score_heads=jnp.asarray(flags), score_len=step.layer.capacity)
-    pivot = take_slots(logits, pivot_slots) if pivot_slots else None
+    pivot = None
+    if pivot_slots:
+        pivot = take_slots(logits, pivot_slots)
+        if spread_checks():
+            k_base = step.layer.state.k_base
+            pivot = pivot_statistics(pivot, take_slots(step.layer.lengths, pivot_slots), k_base, k_base.shape[-1])
     pointer = None
     if copy_slots:
         scores = pallas_kernels.pivot_pooled_scores(take_slots(logits, copy_slots),
@@ -102,34 +130,36 @@ def attend_step(q, step, pivot_slots, copy_slots=()):
 
 
 @functools.partial(jax.jit, static_argnames=("l_base", "tau", "cap"))
-def drift_check(logits, lengths, k_base, set_sizes, l_base: int, tau: float, cap: int):
+def drift_check(shares, lengths, k_base, set_sizes, l_base: int, tau: float, cap: int):
     """The drift check of every pivot of the model at once, from the ``window`` buffered decode steps.
 
-    logits: per pivot layer, per buffered step, the pivots' logits [B, Np_l, G, T] (``attend_step``);
+    shares: per pivot layer, per buffered step, what ``attend_step`` returned for its pivots: their logits
+    [B, Np_l, G, T], or (pooled scores [B, Np_l, T], o'_t [B, Np_l]) where the steps computed them;
     lengths: per pivot layer [B, Np_l] the pivots' prompt rows; k_base: per pivot layer [B, Np_l, l_base];
     set_sizes: per pivot layer [B, Np_l, K_l] int, the sizes of the top sets a recall reads per pivot (its
     satellites' l_s; with a copy window also l_s - w), 0 for none, each at most ``cap``. The layers' pivots
     are checked as one batch [B, Np, W, ...]: one executable and a few kernels, whatever the layers.
 
-    Per pivot and step, the pooled scores (softmax over the prompt rows, 5-tap pooling, GQA max:
-    ``pallas_kernels.pivot_pooled_scores``) and o'_t, the chance-normalised overlap of their top-L_base with
-    K_base (Eq. 9, ``pallas_kernels.base_overlap``). Returns, per pivot layer, (drift [B, Np_l] bool:
-    median_t o'_t < tau (Eq. 10, normalised), new K_base [B, Np_l, l_base] (the top-l_base of the latest
-    step's pooled scores, ascending, -1 where masked; the old K_base when no pivot of the model drifted),
-    top sets [B, Np_l, K, cap] of the latest pooled scores (``pallas_kernels.topk_sets``: ascending
-    positions, -1 past each size; -1 everywhere when none drifted), overlaps o'_t [B, Np_l, W]).
+    Returns, per pivot layer, (drift [B, Np_l] bool: median_t o'_t < tau (Eq. 10, normalised), new K_base
+    [B, Np_l, l_base] (the top-l_base of the latest step's pooled scores, ascending, -1 where masked; the old
+    K_base when no pivot of the model drifted), top sets [B, Np_l, K, cap] of the latest pooled scores
+    (``pallas_kernels.topk_sets``: ascending positions, -1 past each size; -1 everywhere when none
+    drifted), o'_t [B, Np_l, W]).
     """
-    n = [lg[0].shape[1] for lg in logits]
+    n = [jax.tree.leaves(sh[0])[0].shape[1] for sh in shares]  # pivots per layer
     K = max(s.shape[-1] for s in set_sizes)
-    x = jnp.concatenate([jnp.stack(lg, axis=2) for lg in logits], axis=1)  # [B, Np, W, G, T]
-    B, Np, W, G, T = x.shape
     lens = jnp.concatenate(lengths, axis=1)
     base = jnp.concatenate(k_base, axis=1).astype(jnp.int32)
     sizes = jnp.concatenate([jnp.pad(s.astype(jnp.int32), ((0, 0), (0, 0), (0, K - s.shape[-1])))
                              for s in set_sizes], axis=1)
-    scores = pallas_kernels.pivot_pooled_scores(x.reshape(B, Np * W, G, T), jnp.repeat(lens, W, axis=1))
-    scores = scores.reshape(B, Np, W, T)
-    overlaps = pallas_kernels.base_overlap(scores, base, l_base, lens)  # [B, Np, W]
+    if isinstance(shares[0][0], tuple):  # the steps scored their pivots: the latest scores, every o'_t
+        latest = jnp.concatenate([sh[-1][0] for sh in shares], axis=1)  # [B, Np, T]
+        overlaps = jnp.concatenate([jnp.stack([st[1] for st in sh], axis=-1) for sh in shares], axis=1)
+    else:
+        x = jnp.concatenate([jnp.stack(sh, axis=2) for sh in shares], axis=1)  # [B, Np, W, G, T]
+        scores, overlaps = pivot_statistics(x, lens, base, l_base)
+        latest = scores[:, :, -1]
+    B, Np, T = latest.shape
     drift = jnp.median(overlaps, axis=-1) < tau
     n_base = min(l_base, T)
 
@@ -146,7 +176,7 @@ def drift_check(logits, lengths, k_base, set_sizes, l_base: int, tau: float, cap
         return base, jnp.full((B, Np, K, cap), -1, jnp.int32)
 
     # read only for a drifted pivot: skip the selection (lax.cond runs one branch) otherwise
-    new_base, sets = jax.lax.cond(drift.any(), ranked, unchanged, scores[:, :, -1])
+    new_base, sets = jax.lax.cond(drift.any(), ranked, unchanged, latest)
     cuts = np.cumsum([0] + n)
     return tuple((drift[:, a:b], new_base[:, a:b], sets[:, a:b, : set_sizes[i].shape[-1]], overlaps[:, a:b])
                  for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])))
@@ -224,7 +254,7 @@ class HeteroDecode(DecodeState):
         self.prefilled = prefilled
         self.policy = prefilled.policy
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
-        # the last `window` steps: tuples over layers of the pivots' logits [B, Np, G, T] (device; ``attend_step``)
+        # the last `window` steps: tuples over layers of the pivots' share of the check (device; ``attend_step``)
         self.buffer: collections.deque = collections.deque(maxlen=prefilled.policy.window)
         self.pivot_layers = [li for li, r in enumerate(prefilled.roles) if r.pivots]
         self.pending = None  # (step, per layer check outputs) of a dispatched check
@@ -391,7 +421,7 @@ class HeteroDecode(DecodeState):
         self.offsets = [to_host(l.offsets).astype(np.int64) for l in cache.layers]
 
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
-        """Dispatch the drift check of every pivot layer on the buffered steps' logits, as one executable;
+        """Dispatch the drift check of every pivot layer on the buffered steps' shares, as one executable;
         its outputs are copied to the host asynchronously and read before the next step."""
         layers = self.pivot_layers
         l_base = int(self.prefilled.l_base.max())
@@ -400,7 +430,7 @@ class HeteroDecode(DecodeState):
                 tuple(cache.layers[li].state.k_base for li in layers),
                 tuple(self.set_sizes[li][0] for li in layers))
         cap = max(1, max(self.set_sizes[li][1] for li in layers))
-        T = args[0][0][0].shape[-1]
+        T = jax.tree.leaves(args[0][0][0])[0].shape[-1]
         fn = self.compile_fn(drift_check, *args, l_base=l_base, tau=self.policy.drift_threshold, cap=min(cap, T))
         outs = [None] * len(self.prefilled.roles)
         for li, out in zip(layers, fn(*args)):
