@@ -30,8 +30,8 @@ greedy, measured through ``generate``'s decode ``Engine``:
   policy) / (weight bytes + KV bytes with full KV). Weight bytes = every
   parameter once, except the embedding table, of which the token's gather
   reads one row; the lm_head is read in full (SmolLM2 ties it to the
-  embedding table). KV bytes = the device KV arrays the step attends: the
-  prompt's head groups as allocated (the kept prompt) plus the tail buffer.
+  embedding table). KV bytes = the device KV the step attends: the row pool as
+  allocated (every head's kept prompt rows plus its rows for added tokens).
   Printed beside each measured ratio with measured / roofline and whether that
   is within 10 %.
 - **KV bytes** (device, host) and **recall trigger rate** (HeteroCache: drift
@@ -509,7 +509,7 @@ def run(args) -> dict:
         "roofline": "(weight bytes + policy's KV bytes read per step) / (weight bytes + full KV's); bytes read = "
                     "device K/V + index arrays, for Quest the attended rows only, host fetches counted twice; "
                     "weight bytes = all params, embedding counted one row, lm_head (tied) in full; "
-                    "device KV bytes = prompt head groups as allocated + tail buffer",
+                    "device KV bytes = the row pool as allocated (kept prompt rows + each head's tail rows)",
         "roofline_tolerance": ROOFLINE_TOLERANCE,
         "out": str(args.out), "plot": str(args.plot),
     }
@@ -671,8 +671,8 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         f"{cfg['decode_steps']} timed steps each (`Engine.step`, HeteroCache's drift checks and recalls included; "
         f"wall time incl. token read-back). 'decode vs full' = P50 over full KV's P50 from the same rounds. Roofline ratio = (weight bytes + the policy's device KV "
         f"bytes) / (weight bytes + full KV's), weight bytes = all parameters with the embedding counted as one "
-        f"row and the lm_head in full ({weight_text}), device KV = prompt "
-        f"groups as allocated + the tail buffer ({payload['lengths'][0]['tail_capacity']} slots). 'within 10 %': "
+        f"row and the lm_head in full ({weight_text}), device KV = the row pool as allocated: every head's kept "
+        f"prompt rows + its rows for added tokens ({payload['lengths'][0]['tail_capacity']} per head). 'within 10 %': "
         f"measured / roofline in [0.9, 1.1]. Recall triggers: HeteroCache drift checks that triggered during the "
         f"timed steps.",
         "",

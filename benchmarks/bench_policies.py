@@ -527,7 +527,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "'vs full' is the policy's median (mean) ms/token over full KV's median (mean) from the same "
         "interleaved steps. Correct iff the first "
         f"{cfg['max_new_tokens']} generated tokens contain the passkey. KV MiB: device arrays when the "
-        "answer is complete, as `generate` reports them (prompt groups; tail = the preallocated buffer for new tokens, "
+        "answer is complete, as `generate` reports them (prompt = the kept prompt rows of the row pool; tail = the rest of it, each head's rows for new tokens, "
         f"{payload['prompts'][0]['tail_capacity'] if payload['prompts'] else '?'} slots); achieved rho = "
         "prompt KV kept / full prompt KV. KV host: HeteroCache's satellites' full KV in pinned host memory; "
         "recalls: HeteroCache's drift-triggered recalls over all decode steps (timed ones included) / drift checks.",

@@ -62,8 +62,6 @@ import contextlib
 import dataclasses
 import gc
 import json
-import math
-import os
 import re
 import sys
 import time
@@ -709,8 +707,6 @@ def log(msg: str) -> None:
 def measure(spec: str, rho: float, length: int, *, model, params_abs, cfg, mesh, kernels: str, profile,
             dump_dir: Path | None = None, seed: int = 0) -> dict:
     """Synthetic prefill, abstract cache, compile, count: one row."""
-    import jax
-
     policy, note = make_policy(spec, rho, profile, model.config)
     policy = policy.bind(model)
     t0 = time.perf_counter()

@@ -129,7 +129,10 @@ def machine_info(with_jax: bool = True) -> dict[str, Any]:
         try:
             import pallas_kernels
 
-            info["kernels"] = pallas_kernels.use_kernels()
+            mode = pallas_kernels.use_kernels()
+            pool = pallas_kernels.resolve_backend(native=True)
+            # the pool attention (every layer's decode attention) has a native CPU kernel besides Pallas
+            info["kernels"] = mode if pool == mode else f"{mode} (pool attention: {pool})"
         except Exception:  # noqa: BLE001 - informational only
             info["kernels"] = None
     return info

@@ -44,6 +44,9 @@ jax.block_until_ready(pk.sparse_decode_attention(q, k, k, jnp.full((1, 8), 200, 
 qs = jnp.ones((1, 2, 5, 4, 128), jnp.bfloat16); ks = jnp.ones((1, 2, 256, 128), jnp.bfloat16)
 base = jnp.zeros((1, 2, 16), jnp.int32) + jnp.arange(16, dtype=jnp.int32)
 jax.block_until_ready(pk.drift_check(qs, ks, base, 16, 0.5, jnp.full((1, 2), 256, jnp.int32), backend='pallas'))
+qp = jnp.ones((1, 8, 1, 4, 128), jnp.bfloat16); kp = jnp.ones((1, 4096, 128), jnp.bfloat16)
+offs = jnp.arange(8, dtype=jnp.int32)[None] * 512; lens = jnp.full((1, 8), 300, jnp.int32)
+jax.block_until_ready(pk.pool_attention(qp, kp, kp, offs, lens, max_len=512, score_len=256, backend='pallas'))
 print('compiled kernels run')"; then
     echo "=== compiled kernels failed: latency runs use HETERO_JAX_KERNELS=reference"
     export HETERO_JAX_KERNELS=reference

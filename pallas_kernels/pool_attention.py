@@ -53,6 +53,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._util import MASK_VALUE, MIN_DOT_ROWS, cdiv, dot_precision, is_pow2, next_pow2
 from pallas_kernels.pooled_scores import POOL_KERNEL_SIZE, avg_pool, gqa_reduce, masked_softmax
+from pallas_kernels.sparse_decode_attention import combine_splits
 
 __all__ = ["pool_attention", "pool_attention_reference", "pivot_pooled_scores", "default_pool_num_splits"]
 
@@ -360,16 +361,8 @@ def pool_attention(
   )(*args)
   o, m, l = (x[:, :, :R] for x in res[:3])                 # pad rows were never written
 
-  # Log-sum-exp combine of the splits (XLA). Empty splits have m = MASK_VALUE and l = 0: their weight
-  # exp(MASK_VALUE - m_max) is exactly 0 (or 1 with l = 0 and o = 0 when the whole row is empty).
-  m_max = m.max(axis=1)                                    # [BH, R]
-  m_max = lax.optimization_barrier(m_max)                  # as sparse_decode_attention (b/389925439)
-  w = jnp.exp(m - m_max[:, None, :])                       # [BH, ns, R]
-  l_tot = (w * l).sum(axis=1)                              # [BH, R]
-  o_tot = (w[..., None] * o).sum(axis=1)                   # [BH, R, D]
-  nonempty = l_tot > 0
-  l_safe = jnp.where(nonempty, l_tot, 1.0)
-  out = (o_tot / l_safe[..., None]).reshape(B, H, T, G, D).astype(q.dtype)
-  lse = jnp.where(nonempty, m_max + jnp.log(l_safe), MASK_VALUE).reshape(B, H, T, G)
+  out, lse = combine_splits(o, m, l)                       # [BH, R, D], [BH, R]
+  out = out.reshape(B, H, T, G, D).astype(q.dtype)
+  lse = lse.reshape(B, H, T, G)
   logits = res[3].reshape(B, H, G, score_len) if score_len else None
   return out, lse, logits

@@ -204,21 +204,29 @@ def sparse_decode_attention(
       name="sparse_decode_attention",
   )(q_p, k_r, v_r, len_r)
 
-  # Log-sum-exp combine of the splits (XLA). Empty splits have m = MASK_VALUE
-  # and l = 0: their weight exp(MASK_VALUE - m_max) is exactly 0.
-  m_max = m.max(axis=1)                                   # [BH, bh]
-  # Same workaround as the stock decode kernel (b/389925439).
-  m_max = jax.lax.optimization_barrier(m_max)
-  w = jnp.exp(m - m_max[:, None, :])                      # [BH, ns, bh]
-  l_tot = (w * l).sum(axis=1)                             # [BH, bh]
-  o_tot = (w[..., None] * o).sum(axis=1)                  # [BH, bh, D]
-  nonempty = l_tot > 0
-  out = o_tot / jnp.where(nonempty, l_tot, 1.0)[..., None]
-  lse = jnp.where(nonempty, m_max + jnp.log(jnp.where(nonempty, l_tot, 1.0)),
-                  MASK_VALUE)
+  out, lse = combine_splits(o, m, l)
   out = out[:, :G].reshape(B, H, G, D).astype(q.dtype)
   lse = lse[:, :G].reshape(B, H, G)
   return out, lse
+
+
+def combine_splits(
+    o,  # [BH, ns, R, D]  float32 unnormalised output of each key split
+    m,  # [BH, ns, R]     float32 running max of each split
+    l,  # [BH, ns, R]     float32 running sum of each split
+):
+  """Log-sum-exp combine of a split-K kernel's partial results (XLA): out [BH, R, D] float32 and lse
+  [BH, R] float32. An empty split has m = MASK_VALUE and l = 0: its weight exp(MASK_VALUE - m_max) is
+  exactly 0 (or 1 with l = 0 and o = 0 when the whole row is empty: out 0, lse MASK_VALUE)."""
+  m_max = m.max(axis=1)                                   # [BH, R]
+  # Same workaround as the stock decode kernel (b/389925439).
+  m_max = jax.lax.optimization_barrier(m_max)
+  w = jnp.exp(m - m_max[:, None, :])                      # [BH, ns, R]
+  l_tot = (w * l).sum(axis=1)                             # [BH, R]
+  o_tot = (w[..., None] * o).sum(axis=1)                  # [BH, R, D]
+  nonempty = l_tot > 0
+  l_safe = jnp.where(nonempty, l_tot, 1.0)
+  return o_tot / l_safe[..., None], jnp.where(nonempty, m_max + jnp.log(l_safe), MASK_VALUE)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "finite_padding"))

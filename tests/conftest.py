@@ -72,3 +72,28 @@ def smollm2(smollm2_dir):
     import hetero_jax
 
     return hetero_jax.load(smollm2_dir)
+
+
+@pytest.fixture
+def verified_triton_modules(monkeypatch):
+    """Run the MLIR verifier on every Triton module the CUDA lowering builds (tests without a GPU): the list
+    of each module's verify() result."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    orig = reg.lowering.lower_jaxpr_to_triton_module
+    results = []
+
+    def wrapped(*args, **kwargs):
+        res = orig(*args, **kwargs)
+        results.append(res.module.operation.verify())
+        return res
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", wrapped)
+    return results
+
+
+def lower_cuda(f, *args) -> str:
+    """The StableHLO text of ``f`` lowered for CUDA, on a machine without a GPU."""
+    import jax
+
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from conftest import lower_cuda
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -519,26 +521,6 @@ def test_backend_switch(monkeypatch):
 # CUDA lowering without a GPU
 
 
-@pytest.fixture
-def verified_triton_modules(monkeypatch):
-  """Run the MLIR verifier on every Triton module the lowering builds."""
-  from jax._src.pallas.triton import pallas_call_registration as reg
-  orig = reg.lowering.lower_jaxpr_to_triton_module
-  results = []
-
-  def wrapped(*args, **kwargs):
-    res = orig(*args, **kwargs)
-    results.append(res.module.operation.verify())
-    return res
-
-  monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", wrapped)
-  return results
-
-
-def _lower_cuda(f, *args):
-  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 # name, B, Hkv, G, D, S
 MODEL_SHAPES = [
     ("smollm2-135m", 1, 3, 3, 64, 8192),
@@ -553,10 +535,10 @@ def test_decode_lowers_to_triton_for_cuda(verified_triton_modules, name, B, H,
   for dtype in (jnp.bfloat16, jnp.float32):
     args = (sds((B, H, G, D), dtype), sds((B, H, S, D), dtype),
             sds((B, H, S, D), dtype), sds((B, H), jnp.int32))
-    txt = _lower_cuda(lambda *a: sparse_decode_attention(*a), *args)
+    txt = lower_cuda(lambda *a: sparse_decode_attention(*a), *args)
     assert TRITON_CALL in txt, name
     # The dispatcher with backend="pallas" lowers to the same kernel.
-    txt = _lower_cuda(lambda *a: pk.decode_attention(*a, backend="pallas"),
+    txt = lower_cuda(lambda *a: pk.decode_attention(*a, backend="pallas"),
                       *args)
     assert TRITON_CALL in txt, name
   assert verified_triton_modules and all(verified_triton_modules)
@@ -572,11 +554,11 @@ def test_pooled_and_drift_lower_to_triton_for_cuda(verified_triton_modules,
   keys = sds((B, H, T, D), jnp.bfloat16)
   lens = sds((B, H), jnp.int32)
   for gqa in ("max", "mean"):
-    txt = _lower_cuda(lambda a, b, c: pooled_scores(a, b, c, gqa=gqa), q,
+    txt = lower_cuda(lambda a, b, c: pooled_scores(a, b, c, gqa=gqa), q,
                       keys, lens)
     assert TRITON_CALL in txt, name
   kbase = sds((B, H, 64), jnp.int32)
-  txt = _lower_cuda(
+  txt = lower_cuda(
       lambda a, b, c: drift_check(a, b, c, 64, 0.5, backend="pallas"), q,
       keys, kbase)
   assert TRITON_CALL in txt, name

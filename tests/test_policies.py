@@ -16,7 +16,7 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.runtime import compiled, prefill
 from hetero_jax.model.layout import HeadLayout, permute_params
 from hetero_jax.policies import (
-    CAKE, H2O, REGISTRY, BudgetError, FullKV, PolicyPrefill, PyramidKV, SnapKV, StreamingLLM,
+    CAKE, H2O, REGISTRY, BudgetError, FullKV, PyramidKV, SnapKV, StreamingLLM,
     achieved_rho, describe_policies, make_policy, smallest_rho, tokens_for,
 )
 from tiny_model import random_prompts
@@ -40,10 +40,10 @@ def run(policy, prompts, params=PARAMS, cfg=CFG, steps=3, capture=None):
     """Prefill with ``policy`` then ``steps`` greedy decode steps -> (list of logits arrays, cache, plan)."""
     lens = [len(p) for p in prompts]
     plan = policy.make_prefill(cfg, lens, compile_fn=compiled)
-    observe = None
-    if capture is not None:
-        def observe(li, layer, x_in, k_buf, v_buf, lens_):
+    def observe(li, layer, x_in, k_buf, v_buf, lens_):
+        if capture is not None:
             capture.append((np.asarray(x_in), np.asarray(k_buf)))
+
     logits, cache = prefill(params, cfg, prompts, tail_capacity=steps + 1, plan=plan, observe=observe)
     cache, _ = plan.finish(cache)
     out = [np.asarray(logits)]

@@ -74,3 +74,43 @@ def test_heterocache_regions_per_shard_are_disjoint_and_inside_the_pool(rho):
             assert all(a[1] <= c[0] for a, c in zip(sp, sp[1:])) and sp[-1][1] <= rows
             assert sum(e - a - R for a, e in sp) == int(sum(grid[li, np.asarray(layout.perms[li])[s]]
                                                             for li in range(CFG.num_layers)))
+
+
+def test_every_cache_array_declares_its_axes_and_sharding_reads_them():
+    """Every array of a policy's cache (the pool, each layer's offsets / lengths, each policy's state record)
+    has declared logical axes (``spec.tree_axes``), which the sharding reads; an array field without a
+    declaration is an error naming it, never a guess."""
+    import jax
+    from flax import struct
+
+    from hetero_jax.model.sharding import make_mesh, tree_shardings
+    from hetero_jax.model.spec import tree_axes
+    from hetero_jax.policies import FreeKV, Quest, SnapKV, SyncKV
+    from hetero_jax.runtime import Engine
+    from test_heterocache import MODEL
+    from tiny_model import random_prompt
+
+    caches = []
+    for policy in (SnapKV(budget=0.5), HeteroCache(profile=PROFILE, budget=0.5), Quest(budget=0.5),
+                   Quest(budget=0.8, offload=True), FreeKV(budget=0.9)):
+        caches.append(Engine(MODEL, [random_prompt(150, 1)], policy, tail_capacity=8).cache)
+    from test_synckv import PROFILE as SYNC_PROFILE
+
+    synckv = SyncKV(profile=SYNC_PROFILE, budget=0.6)
+    caches.append(Engine(MODEL, [random_prompt(150, 1)], synckv, tail_capacity=8).cache)
+    mesh = make_mesh(1, 1)
+    for cache in caches:
+        axes = tree_axes(cache)
+        leaves = jax.tree.leaves(cache)
+        assert len(axes) == len(leaves) and all(len(a) == leaf.ndim for a, leaf in zip(axes, leaves))
+        assert axes[:3] == [("batch", "kv_heads", "pool_rows", "head_dim")] * 2 + [("batch", "kv_heads", "pool_rows")]
+        assert len(jax.tree.leaves(tree_shardings(cache, mesh))) == len(leaves)
+    hetero = caches[1]
+    assert tree_axes(hetero.layers[0].state) == [("batch", "pivots", "slots")]  # K_base
+
+    @struct.dataclass
+    class Undeclared:
+        x: jax.Array
+
+    with pytest.raises(ValueError, match=r"Undeclared.x: an array without declared logical axes"):
+        tree_axes(Undeclared(x=np.zeros((2, 3))))

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from conftest import lower_cuda
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -186,26 +188,6 @@ def test_argument_errors():
 # CUDA lowering without a GPU
 
 
-@pytest.fixture
-def verified_triton_modules(monkeypatch):
-  """Run the MLIR verifier on every Triton module the lowering builds (as tests/test_kernels.py)."""
-  from jax._src.pallas.triton import pallas_call_registration as reg
-  orig = reg.lowering.lower_jaxpr_to_triton_module
-  results = []
-
-  def wrapped(*args, **kwargs):
-    res = orig(*args, **kwargs)
-    results.append(res.module.operation.verify())
-    return res
-
-  monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", wrapped)
-  return results
-
-
-def _lower_cuda(f, *args):
-  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 # name, B, H, G, D, per-head capacity, max_len, T, score_len
 LOWER_CASES = [
     ("smollm2-135m-decode-logits", 1, 3, 3, 64, 8192, 8192, 1, 8000),
@@ -221,6 +203,6 @@ def test_lowers_to_triton_for_cuda(verified_triton_modules, name, B, H, G, D, ca
   for dtype in (jnp.bfloat16, jnp.float32):
     args = (sds((B, H, T, G, D), dtype), sds((B, P, D), dtype), sds((B, P, D), dtype),
             sds((B, H), jnp.int32), sds((B, H), jnp.int32), sds((H,), jnp.int32))
-    txt = _lower_cuda(lambda *a: pool_attention(*a, max_len=max_len, score_len=score_len), *args)
+    txt = lower_cuda(lambda *a: pool_attention(*a, max_len=max_len, score_len=score_len), *args)
     assert txt.count(TRITON_CALL) == 1, name      # one launch for all the heads of the layer
   assert verified_triton_modules and all(verified_triton_modules)
