@@ -235,3 +235,31 @@ def test_peer_stand_ins_fit_llama_shapes():
         if hasattr(policy, "kv_itemsize"):  # what bind sets from the bfloat16 weights
             policy = dataclasses.replace(policy, kv_itemsize=2)
         policy.make_prefill(cfg, [4096])  # budgets check out at these shapes
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_gpu_step_is_one_pool_kernel_call_per_layer_and_no_control_flow(name):
+    """The decode step lowered for CUDA without a GPU (the Pallas kernels traced): every layer's attention is
+    one call of the pool kernel, whatever its heads' lengths, and the step has no loop or conditional (a GPU
+    runs a loop's trips as launches and reads a conditional's predicate on the host) and no sort: HeteroCache's
+    pivots only hand their logits to the check, which ranks them every W steps. The same structure the H100
+    compile of `bench_step_ops` counts."""
+    import re
+
+    import pallas_kernels
+    from hetero_jax.runtime import Engine
+    from hetero_jax.runtime.engine import _decode_jit
+
+    eng = Engine(MODEL, [random_prompt(LENGTH)], POLICIES[name], tail_capacity=16)
+    args = (eng.params, eng.cache, jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0))
+    jax.clear_caches()  # the kernel choice is read at trace time
+    try:
+        with pallas_kernels.use_kernels("pallas"):
+            txt = _decode_jit.trace(*args, cfg=CFG, policy=eng.policy, temperature=0.0, top_p=1.0).lower(
+                lowering_platforms=("cuda",)).as_text()
+    finally:
+        jax.clear_caches()
+    assert len(re.findall(r"call @pool_attention\w*\(", txt)) == CFG.num_layers
+    assert "__gpu$xla.gpu.triton" in txt
+    for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if", "stablehlo.sort"):
+        assert op not in txt, op
