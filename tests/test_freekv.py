@@ -12,7 +12,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import layer_rows, prompt_kv_bytes
 from hetero_jax.runtime import Engine, prefill
 from hetero_jax.policies import BudgetError, FreeKV, PolicyError, make_policy
-from pool_rows import keep_rows
+from pool_utils import keep_rows
 from tiny_model import greedy_with_logits, tiny_model, random_prompt
 
 MODEL = tiny_model()

@@ -9,7 +9,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import layer_rows, row_nbytes
 from hetero_jax.runtime import Engine, prefill
 from hetero_jax.policies import BudgetError, FullKV, Quest, make_policy
-from pool_rows import keep_rows
+from pool_utils import keep_rows
 from tiny_model import greedy_with_logits, tiny_model
 
 MODEL = tiny_model()
