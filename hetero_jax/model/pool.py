@@ -16,11 +16,20 @@ from jax.sharding import PartitionSpec
 
 import pallas_kernels
 from hetero_jax.model.cache import KVPool, LayerCache
-from hetero_jax.model.sharding import partition_spec
+from hetero_jax.model.sharding import partition_spec, tree_specs
+from hetero_jax.model.spec import field_axes
+
+# the per-head [B, H] arrays (offsets, lengths) split as the layer's own declaration says
+HEAD_AXES = field_axes(LayerCache, "offsets")
 
 
 def _spec(mesh, axes, shape) -> PartitionSpec:
     return partition_spec(axes, shape, mesh)
+
+
+def _pool_and_head_specs(mesh, pool: KVPool, heads_shape):
+    """shard_map specs of the pool and of per-head [B, H] arrays, from their declared axes."""
+    return tree_specs(pool, mesh), _spec(mesh, HEAD_AXES, heads_shape)
 
 
 def _local_append(pool: KVPool, offsets, lengths, tail_start, k_new, v_new, capacity):
@@ -43,10 +52,7 @@ def append(pool: KVPool, layer: LayerCache, tail_start: jax.Array, k_new: jax.Ar
     tail rows (rows past ``tail_capacity`` are dropped)."""
     if mesh is None:
         return _local_append(pool, layer.offsets, layer.lengths, tail_start, k_new, v_new, tail_capacity)
-    bh = _spec(mesh, ("batch", "kv_heads"), layer.offsets.shape)
-    specs = (_spec(mesh, ("batch", "kv_heads", "pool_rows", "head_dim"), pool.k.shape),)
-    pool_spec = KVPool(k=specs[0], v=specs[0], positions=_spec(mesh, ("batch", "kv_heads", "pool_rows"),
-                                                                 pool.positions.shape))
+    pool_spec, bh = _pool_and_head_specs(mesh, pool, layer.offsets.shape)
     new_spec = _spec(mesh, ("batch", "kv_heads", "slots", "head_dim"), k_new.shape)
     fn = jax.shard_map(lambda p, o, l, t, k, v: _local_append(p, o, l, t, k, v, tail_capacity), mesh=mesh,
                        in_specs=(pool_spec, bh, bh, _spec(mesh, ("batch",), tail_start.shape), new_spec, new_spec),
@@ -77,9 +83,7 @@ def attend(q: jax.Array, pool: KVPool, offsets: jax.Array, lengths: jax.Array, *
                                None if score_heads is None else score_heads[s * n:(s + 1) * n], max_len, score_len)
                  for s in range(pool.num_shards)]
         return tuple(None if p[0] is None else jnp.concatenate(p, axis=1) for p in zip(*parts))
-    bh = _spec(mesh, ("batch", "kv_heads"), offsets.shape)
-    kv = _spec(mesh, ("batch", "kv_heads", "pool_rows", "head_dim"), pool.k.shape)
-    pool_spec = KVPool(k=kv, v=kv, positions=_spec(mesh, ("batch", "kv_heads", "pool_rows"), pool.positions.shape))
+    pool_spec, bh = _pool_and_head_specs(mesh, pool, offsets.shape)
     q_spec = _spec(mesh, ("batch", "kv_heads", "slots", "group", "head_dim"), q.shape)
     lse_spec = _spec(mesh, ("batch", "kv_heads", "slots", "group"), q.shape[:4])
     flags = score_heads if score_heads is not None else jnp.ones((q.shape[1],), jnp.int32)

@@ -99,6 +99,14 @@ def named_sharding(mesh: Mesh, axes: tuple[str, ...], shape: tuple[int, ...]) ->
     return NamedSharding(mesh, partition_spec(tuple(axes)[: len(shape)], tuple(shape), mesh))
 
 
+def tree_specs(tree, mesh: Mesh):
+    """PartitionSpecs for a pytree of records whose fields declare their logical axes (``spec.axes_field``),
+    as :func:`tree_shardings` places them (``jax.shard_map``'s in/out specs)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    axes = tree_axes(tree)
+    return jax.tree.unflatten(treedef, [partition_spec(tuple(a), np.shape(x), mesh) for a, x in zip(axes, leaves)])
+
+
 def tree_shardings(tree, mesh: Mesh):
     """NamedShardings for a pytree of records whose fields declare their logical axes (``spec.axes_field``:
     the KV cache, a policy's per-layer state): KV heads (and the pool's shards) on "model", batch on "data",

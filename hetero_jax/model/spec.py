@@ -84,6 +84,13 @@ def axes_field(*axes: str, **kwargs):
     return struct.field(pytree_node=True, metadata={AXES_KEY: tuple(axes)}, **kwargs)
 
 
+def field_axes(record_type, name: str) -> tuple[str, ...]:
+    """The logical axes a record type declares for its field ``name`` (``axes_field``)."""
+    import dataclasses
+
+    return tuple(next(f for f in dataclasses.fields(record_type) if f.name == name).metadata[AXES_KEY])
+
+
 def tree_axes(tree) -> list[tuple[str, ...]]:
     """The logical axes of every array leaf of ``tree`` (records whose fields are ``axes_field``s, tuples,
     lists, None), in ``jax.tree.leaves(tree)`` order: one tuple of names per leaf.
