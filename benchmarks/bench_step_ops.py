@@ -8,7 +8,7 @@ CUDA plugin compiles a jitted function for an H100 *topology* (``jax.experimenta
 driver) and the compiled executable's text lists every kernel (docs/architecture.md, "Compiling for a GPU
 without one").
 
-What is compiled, per policy: ONE decode step exactly as the engine jits it (``runtime.engine._decode_jit``:
+What is compiled, per policy: ONE decode step exactly as the engine jits it (``runtime.engine.decode_step_jit``:
 ``model.transformer.decode_step`` with the policy's ``attend`` in every layer, the cache donated, greedy
 sampling), Llama-3.1-8B shapes (``bench_latency.SYNTHETIC_SHAPES["llama-3.1-8b"]``), bfloat16, batch 1, the
 Pallas kernels (Triton lowering), for one H100 SXM (``H100_TARGET_CONFIG``). The 8B weights are
@@ -336,8 +336,8 @@ def count_step_ops(text: str) -> dict:
 
 def op_source(ins: HloInstruction) -> str:
     """Where an instruction comes from, for the launch breakdown: the first function jitted inside the step in its
-    ``op_name`` metadata (``jit(_decode_jit)/jit(topk_membership)/...`` -> ``topk_membership``), else the jax
-    primitive (``jit(_decode_jit)/slice`` -> ``slice``), else the opcode."""
+    ``op_name`` metadata (``jit(decode_step_jit)/jit(topk_membership)/...`` -> ``topk_membership``), else the jax
+    primitive (``jit(decode_step_jit)/slice`` -> ``slice``), else the opcode."""
     m = re.search(r'op_name="([^"]*)"', ins.text)
     if not m:
         return f"({ins.opcode})"
@@ -398,14 +398,14 @@ def abstract_params(cfg, dtype, mesh):
 
 
 def compile_step(params_abs, cache_abs, cfg, policy, mesh, kernels: str):
-    """The engine's decode step (``engine._decode_jit``, cache donated, greedy) compiled for ``mesh``'s device
+    """The engine's decode step (``engine.decode_step_jit``, cache donated, greedy) compiled for ``mesh``'s device
     with ``kernels`` (pallas / reference) traced in: (compiled executable, lower seconds, compile seconds)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
     import pallas_kernels
-    from hetero_jax.runtime.engine import _decode_jit
+    from hetero_jax.runtime.engine import decode_step_jit
 
     s = NamedSharding(mesh, PartitionSpec())
     batch = _batch_of(cache_abs)
@@ -417,7 +417,7 @@ def compile_step(params_abs, cache_abs, cfg, policy, mesh, kernels: str):
     try:
         with pallas_kernels.use_kernels(kernels), callbacks_without_a_device():
             t0 = time.perf_counter()
-            lowered = _decode_jit.lower(params_abs, cache_abs, tokens, key, cfg=cfg, policy=policy,
+            lowered = decode_step_jit.lower(params_abs, cache_abs, tokens, key, cfg=cfg, policy=policy,
                                         temperature=0.0, top_p=1.0)
             t1 = time.perf_counter()
             exe = lowered.compile()
@@ -962,7 +962,7 @@ def results_section(payload: dict) -> str:
         "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 HETERO_JAX_KERNELS=pallas`)",
         "",
         f"Target: {cfg['target_description']}. jax {cfg['jax']}, jaxlib {cfg['jaxlib']}; {plugin}. "
-        f"One decode step as the engine jits it (`engine._decode_jit`: `decode_step` with the policy's `attend`, "
+        f"One decode step as the engine jits it (`engine.decode_step_jit`: `decode_step` with the policy's `attend`, "
         f"cache donated, greedy), {cfg['shape']} shapes, {cfg['dtype']}, batch 1, kernels: {cfg['kernels']}, "
         f"rho {cfg['rho']:g} (HCAttention at its own byte-based points), tail {cfg['tail_capacity']} slots. "
         f"Weights are ShapeDtypeStructs; the cache is the policy's own post-prefill structure from a synthetic "

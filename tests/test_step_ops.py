@@ -90,7 +90,7 @@ ENTRY %main (a: f32[8], m: f32[8,8], p: pred[]) -> f32[8] {
   %p = pred[] parameter(2)
   %k = f32[] constant(1)
   %bc = f32[8,8]{1,0} bitcast(%m)
-  %loop = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_add, metadata={op_name="jit(_decode_jit)/slice" stack_frame_id=3}
+  %loop = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_add, metadata={op_name="jit(decode_step_jit)/slice" stack_frame_id=3}
   %gemm = f32[8,8]{1,0} fusion(%bc, %m), kind=kCustom, calls=%gemm_computation, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
   %cublas = (f32[8,8]{1,0}, s8[1024]{0}) custom-call(%m, %m), custom_call_target="__cublas$gemm"
   %pallas = (f32[8]{0}, f32[8]{0}) custom-call(%a, %m), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"k"}
@@ -101,7 +101,7 @@ ENTRY %main (a: f32[8], m: f32[8,8], p: pred[]) -> f32[8] {
   %cd = f32[8]{0} copy-done(%cs)
   %srt = f32[8]{0} sort(%a), dimensions={0}, to_apply=%region_add
   %init = (s32[], f32[8]{0}) tuple(%k, %a)
-  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, metadata={op_name="jit(_decode_jit)/jit(topk_membership)/while"}, backend_config={"known_trip_count":{"n":"5"},"known_init_step":{"init":"0","step":"1"}}
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, metadata={op_name="jit(decode_step_jit)/jit(topk_membership)/while"}, backend_config={"known_trip_count":{"n":"5"},"known_init_step":{"init":"0","step":"1"}}
   %w2 = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
   %cnd = f32[8]{0} conditional(%p, %a, %a), true_computation=%branch_big, false_computation=%branch_small
   %g = f32[8]{0} get-tuple-element(%w), index=1
@@ -248,14 +248,14 @@ def test_gpu_step_is_one_pool_kernel_call_per_layer_and_no_control_flow(name):
 
     import pallas_kernels
     from hetero_jax.runtime import Engine
-    from hetero_jax.runtime.engine import _decode_jit
+    from hetero_jax.runtime.engine import decode_step_jit
 
     eng = Engine(MODEL, [random_prompt(LENGTH)], POLICIES[name], tail_capacity=16)
     args = (eng.params, eng.cache, jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0))
     jax.clear_caches()  # the kernel choice is read at trace time
     try:
         with pallas_kernels.use_kernels("pallas"):
-            txt = _decode_jit.trace(*args, cfg=CFG, policy=eng.policy, temperature=0.0, top_p=1.0).lower(
+            txt = decode_step_jit.trace(*args, cfg=CFG, policy=eng.policy, temperature=0.0, top_p=1.0).lower(
                 lowering_platforms=("cuda",)).as_text()
     finally:
         jax.clear_caches()

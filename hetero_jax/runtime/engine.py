@@ -31,7 +31,7 @@ from hetero_jax.runtime.sampling import sample
 @functools.partial(
     jax.jit, static_argnames=("cfg", "policy", "temperature", "top_p"), donate_argnames=("cache",)
 )
-def _decode_jit(params, cache, tokens, key, cfg, policy, temperature, top_p):
+def decode_step_jit(params, cache, tokens, key, cfg, policy, temperature, top_p):
     """One decode step with the policy's ``attend`` in every layer: (tokens, logits, cache, extras)."""
     logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy)
     return sample(logits, key, temperature, top_p), logits, cache, extras
@@ -170,7 +170,7 @@ class Engine:
         fn_key = (self.cache.tail_capacity, float(temperature), float(top_p))
         fn = self._fns.get(fn_key)
         if fn is None:  # shapes are fixed until the tail grows: look the executable up once
-            fn = self._fns[fn_key] = compiled(_decode_jit, *args, cfg=self.cfg, policy=self.policy,
+            fn = self._fns[fn_key] = compiled(decode_step_jit, *args, cfg=self.cfg, policy=self.policy,
                                               temperature=float(temperature), top_p=float(top_p))
         out = fn(*args)
         self.cache = out[2]
