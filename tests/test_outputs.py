@@ -259,6 +259,40 @@ def test_profile_flags_past_the_model_are_refused_before_calibrating(tmp_path, c
     assert os.listdir(tmp_path) == []
 
 
+def test_profile_writes_each_output_whole_and_leaves_no_temporary(tiny_checkpoint, tmp_path, capsys):
+    """The writers behind the command (profile JSON, figure, codebook) replace their files through a temporary
+    sibling; a codebook --out without .npz is written (and reported) with it."""
+    from hetero_jax.profile.codebook import load_codebook
+    from hetero_jax.profile.format import load_profile
+
+    _, ours = tiny_checkpoint("llama")
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 97} and{i % 13}" for i in range(3000)))
+    out, plot = tmp_path / "p.json", tmp_path / "roles"  # no extension: PNG, at exactly this path
+    out.write_text("an earlier profile")
+    common_flags = ["--model", ours, "--data", str(text), "--tokens", "64", "--samples", "2", "--no-progress"]
+    assert main(["profile", *common_flags, "--decode-steps", "3", "--copy-steps", "0", "--out", str(out),
+                 "--plot", str(plot)]) == 0
+    assert load_profile(str(out)).roles.shape[0] == hetero_jax.load(ours).config.num_layers
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["profile", "--method", "hcattention", *common_flags, "--codebook-size", "8", "--kmeans-steps", "2",
+                 "--kmeans-batch", "64", "--out", str(tmp_path / "cb")]) == 0
+    assert f"wrote {tmp_path}/cb.npz" in capsys.readouterr().out and load_codebook(tmp_path / "cb.npz").size == 8
+    assert sorted(os.listdir(tmp_path)) == ["cb.npz", "p.json", "roles", "t.txt"]
+
+
+def test_calibrate_tokens_refuses_more_r_heads_than_kv_heads(monkeypatch):
+    from hetero_jax.model import transformer
+    from hetero_jax.profile.format import ProfileError
+
+    monkeypatch.setattr(transformer, "prefill", _boom("prefill ran"))
+    model = tiny_model(256)
+    with pytest.raises(ProfileError, match=re.escape(
+            "n_r=4 R-heads per layer exceeds the model's 3 KV heads per layer; use at most 3")):
+        calibrate.calibrate_tokens(model.config, model.params, [list(range(3, 67))], scoring="synckv", n_r=4,
+                                   decode_steps=2, progress=False)
+
+
 # ------------------------------------------------------------------ the model cache
 @pytest.fixture
 def no_conversion(monkeypatch):
