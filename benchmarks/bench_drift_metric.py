@@ -23,7 +23,6 @@ reports the distribution of median_t(o) and median_t(o') per setting:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -132,7 +131,7 @@ def render(summary, header: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.argument_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000], help="context tokens")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.3, 0.5], help="rho values")
     ap.add_argument("--seed", type=int, default=0, help="facts and haystack start (bench_multiturn)")

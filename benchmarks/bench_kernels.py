@@ -888,8 +888,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 # -------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.argument_parser(__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(common.OUT_DIR / "kernels.json"), help="JSON output path "
                     "(default: benchmarks/out/kernels.json)")
     ap.add_argument("--write-results", action="store_true",

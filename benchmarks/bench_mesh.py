@@ -27,7 +27,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     # must precede JAX's start; no effect on GPU devices
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=6").strip()
 
-import argparse  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -141,7 +140,7 @@ def render(payload: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.argument_parser(__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--meshes", default="1x1,3x1,1x2,3x2", help="comma-separated TPxDP")
     p.add_argument("--policies", default="full,snapkv@0.5,heterocache@0.5", help="NAME@RHO, comma-separated")

@@ -1030,6 +1030,7 @@ def parse_args(argv=None):
     p.add_argument("--recount", type=Path, default=None, metavar="DIR",
                    help="with --render: count again from the HLO texts that run dumped into DIR (--dump-hlo)")
     common.add_results_arguments(p, SECTION, presets=False)
+    p.not_written_with("out", "render")  # --render only reads its JSON
     args = p.parse_args(argv)
     if "full" not in args.policies:
         args.policies = ["full", *args.policies]

@@ -38,7 +38,6 @@ import resource
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -266,16 +265,12 @@ def _nan_to_none(x: Any) -> Any:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
+    """``hetero_jax.io.files.write_text`` (imported here: this module imports only the standard library at load),
+    into a directory created when missing (benchmarks/out)."""
+    from hetero_jax.io.files import write_text
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_text(path, text)
 
 
 def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
@@ -572,9 +567,63 @@ def wall_and_memory_line(payload: dict) -> str:
             f"{payload['peak_rss_bytes'] / 2**20:,.0f} MiB.")
 
 
-def argument_parser(description: str) -> argparse.ArgumentParser:
-    """A benchmark script's parser; its --help shows every argument's default."""
-    return argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+# The destinations of the files a script writes (--out, --plot, --json; --results-file only with --write-results);
+# every other argument of type Path is an input it reads (--merge, --text, --profile, --render, ...), except the
+# folders it writes into.
+OUTPUT_DESTS = ("out", "plot", "json", "results_file")
+OUTPUT_FOLDER_DESTS = ("dump_hlo",)
+
+
+class BenchParser(argparse.ArgumentParser):
+    """A benchmark script's parser: ``parse_args`` also refuses (a usage error, exit 2, before any work) an output
+    that is the same file as another output or as a Path-typed input (:meth:`check_paths`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plot_beside_out = False  # --plot defaults to --out with .png (add_output_arguments)
+        self.unwritten: dict[str, str] = {}  # output dest -> the dest that, when given, means it is not written
+
+    def not_written_with(self, output: str, given: str) -> None:
+        """Declare that output ``output`` (a dest) is not written when argument ``given`` is set."""
+        self.unwritten[output] = given
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        self.check_paths(ns)
+        return ns
+
+    def check_paths(self, ns: argparse.Namespace) -> None:
+        """``hetero_jax.io.files.check_outputs`` over ``ns``'s outputs (OUTPUT_DESTS, those of type Path) and
+        its other Path-typed arguments as inputs; ``parser.error`` on a clash. Call it again after filling in
+        an output's default (``parse_grid_args`` does)."""
+        outputs, inputs = {}, {}
+        for action in self._actions:
+            value = getattr(ns, action.dest, None)
+            if action.type is not Path or value is None or action.dest in OUTPUT_FOLDER_DESTS:
+                continue
+            flag = action.option_strings[-1] if action.option_strings else action.dest
+            if action.dest not in OUTPUT_DESTS:
+                inputs[flag] = value
+            elif action.dest == "results_file" and not getattr(ns, "write_results", False):
+                continue
+            elif getattr(ns, self.unwritten.get(action.dest, ""), None) is None:
+                outputs[flag] = value
+        if self.plot_beside_out and getattr(ns, "plot", None) is None and "--out" in outputs:
+            outputs["--plot"] = Path(outputs["--out"]).with_suffix(".png")
+        from hetero_jax.errors import OutputError
+        from hetero_jax.io.files import check_outputs
+
+        try:
+            check_outputs(outputs, inputs, parents=True)
+        except OutputError as e:
+            self.error(str(e))
+
+
+def argument_parser(description: str, **kwargs) -> BenchParser:
+    """A benchmark script's parser (:class:`BenchParser`); its --help shows every argument's default unless
+    ``kwargs`` name another ``formatter_class``."""
+    kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+    return BenchParser(description=description, **kwargs)
 
 
 def add_output_arguments(parser, name: str, section: str, plot_help: str = "PNG plot", *, presets: bool = True,
@@ -587,6 +636,7 @@ def add_output_arguments(parser, name: str, section: str, plot_help: str = "PNG 
     else:
         parser.add_argument("--out", type=Path, default=OUT_DIR / f"{name}.json", help="JSON output")
     parser.add_argument("--plot", type=Path, default=None, help=f"{plot_help} (default: --out with .png)")
+    parser.plot_beside_out = True
     add_results_arguments(parser, section, presets)
 
 
@@ -677,6 +727,7 @@ def parse_grid_args(parser, presets: dict, name: str, argv=None) -> argparse.Nam
     suffix = "" if args.preset in (None, "full") else f"-{args.preset}"
     args.out = args.out or OUT_DIR / f"{name}{suffix}.json"
     args.plot = args.plot or args.out.with_suffix(".png")
+    parser.check_paths(args)  # the outputs just filled in
     if "full" not in args.policies:
         args.policies = ["full", *args.policies]
     args.budgets = checked_budgets(parser, args.budgets)
@@ -702,9 +753,16 @@ def save_figure(fig, path: Path, title: str, dpi: int = 110, *, crop: bool = Fal
     fig.suptitle(title, fontsize=9, **({} if title_y is None else {"y": title_y}))
     if not crop:
         fig.tight_layout()
+    from hetero_jax.io.files import atomic_path
+
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, **({"bbox_inches": "tight"} if crop else {}))
-    plt.close(fig)
+    try:
+        with atomic_path(path, "--plot") as tmp:  # the format named: matplotlib would add .png to a bare name
+            fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".").lower() or "png",
+                        **({"bbox_inches": "tight"} if crop else {}))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -98,16 +98,29 @@ def simulate_cpu_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def enable_compilation_cache() -> None:
-    """Persist XLA executables under the hetero-jax cache dir, so repeated CLI runs skip most compiles."""
+def enable_compilation_cache() -> bool:
+    """Persist XLA executables under the hetero-jax cache dir, so repeated CLI runs skip most compiles. A
+    directory that cannot be created or written (HETERO_JAX_CACHE at a file or a read-only directory) gets
+    one warning and the run goes on without the cache (JAX would warn at every compile). Returns whether the
+    cache is on."""
     import os
+    import warnings
 
     import jax
 
+    from hetero_jax.io.files import dir_problem
     from hetero_jax.io.hub import cache_dir
 
-    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_dir(), "xla"))
+    folder = os.path.join(cache_dir(), "xla")
+    problem = dir_problem(folder)
+    if problem:
+        warnings.warn(f"the compile cache {folder} cannot be used ({problem}); compiling without it (point "
+                      "HETERO_JAX_CACHE at a writable directory to keep compiles between runs)", RuntimeWarning,
+                      stacklevel=2)
+        return False
+    jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return True
 
 
 def _cmd_generate(args) -> int:

@@ -21,6 +21,10 @@ class PromptError(HeteroJaxError, ValueError):
     """A prompt that cannot be run (empty, or longer than the model's context)."""
 
 
+class OutputError(HeteroJaxError, ValueError):
+    """An output path that cannot be written, or whose write would replace an input or another output."""
+
+
 def read_json(path: str, error: type[HeteroJaxError], *, missing: str, fix: str) -> Any:
     """The JSON value in ``path``.
 

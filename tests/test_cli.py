@@ -132,8 +132,8 @@ def test_unreadable_prompt_and_turns_files(tmp_path, capsys, no_load, flag, kind
 
 
 @pytest.mark.parametrize("out, needles", [
-    ("missing/dir/profile.json", ["the directory", "does not exist; create it first (nothing was calibrated)"]),
-    (".", ["is a directory; give a file path such as"]),
+    ("missing/dir/profile.json", ["the directory", "does not exist; create it first (nothing was written)"]),
+    (".", ["is a directory; give the path of a file to write (inside it or elsewhere)"]),
 ])
 def test_profile_out_is_checked_before_calibrating(tmp_path, capsys, monkeypatch, out, needles):
     import importlib

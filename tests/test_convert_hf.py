@@ -158,15 +158,15 @@ def test_hub_load_path_and_unknown(hf_dirs, tmp_path):
 
 
 def test_hub_converts_known_model_once(hf_dirs, tmp_path, monkeypatch):
-    """A registry entry is converted into $HETERO_JAX_CACHE/<name> once, then reused; stale dirs replaced."""
+    """A registry entry is converted into $HETERO_JAX_CACHE/<name> once, then reused; an empty directory there is
+    replaced (one holding anything else is refused: tests/test_outputs.py)."""
     monkeypatch.setenv("HETERO_JAX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setitem(hub.KNOWN_MODELS, "tiny-qwen3",
                         hub.KnownModel(description="test", source=lambda: str(hf_dirs["qwen3"]), kind="hf"))
     target = tmp_path / "cache" / "tiny-qwen3"
-    target.mkdir(parents=True)
-    (target / "half-written").write_text("")  # not a checkpoint: must be replaced
+    target.mkdir(parents=True)  # empty: may be replaced
     m = hub.load("tiny-qwen3")
-    assert m.path == str(target) and m.name == "tiny-qwen3" and not (target / "half-written").exists()
+    assert m.path == str(target) and m.name == "tiny-qwen3" and (target / "hetero_jax.json").is_file()
     stamp = os.stat(target / "hetero_jax.json").st_mtime_ns
     m2 = hub.load("tiny-qwen3")
     assert os.stat(target / "hetero_jax.json").st_mtime_ns == stamp and m2.config == m.config

@@ -4,6 +4,9 @@ Known models are converted once into ``$HETERO_JAX_CACHE/<name>`` (default
 ``~/.cache/hetero_jax``) and reused. The conversion writes into a temporary
 sibling and renames it into place, so concurrent or killed conversions never
 leave a half-written directory; a loser of a race simply loads the winner's.
+Nothing it did not write is ever deleted: an existing ``<name>`` that is not a
+complete checkpoint is refused (only an empty directory is replaced), and the
+clean-up of killed conversions removes only their own temporaries.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import dataclasses
 import os
 from typing import Any, Callable
 
-from hetero_jax.io.checkpoint import is_checkpoint, load_checkpoint
+from hetero_jax.io.checkpoint import META_FILE, is_checkpoint, load_checkpoint
+from hetero_jax.io.files import dir_problem
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError
 from hetero_jax.model.sharding import check_mesh, shard_params
@@ -65,16 +69,39 @@ def cache_dir() -> str:
     return os.path.abspath(os.path.expanduser(os.environ.get("HETERO_JAX_CACHE") or "~/.cache/hetero_jax"))
 
 
+def _cache_fix() -> str:
+    return ("point HETERO_JAX_CACHE at a writable directory (it is created if missing)" if
+            os.environ.get("HETERO_JAX_CACHE") else "set HETERO_JAX_CACHE to a writable directory")
+
+
+def check_cache_dir() -> str:
+    """The model cache directory (:func:`cache_dir`), refused with a CheckpointError before any conversion when
+    it is a file (or lies under one) or when it cannot be created or written."""
+    root = cache_dir()
+    problem = dir_problem(root)
+    if problem:
+        raise CheckpointError(f"the model cache {root} cannot hold a converted model ({problem}); {_cache_fix()}")
+    return root
+
+
 def _remove_stale_temporaries(target: str, max_age_s: float = 6 * 3600) -> None:
-    """Delete temporaries of conversions that were killed (SIGKILL skips our cleanup) long ago."""
-    import glob
+    """Delete temporaries of conversions that were killed (SIGKILL skips our cleanup) long ago: only directories
+    named exactly as ``save_checkpoint`` names its temporary (mkdtemp's) and swapped-out (.old-<8 hex>) ones."""
+    import re
     import shutil
     import time
 
     parent, name = os.path.split(target)
-    for p in glob.glob(os.path.join(parent, f".{name}.tmp-*")) + glob.glob(os.path.join(parent, f".{name}.old-*")):
+    ours = re.compile(re.escape(f".{name}.") + r"(tmp-[a-z0-9_]{8}|old-[0-9a-f]{8})")
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    for entry in entries:
+        p = os.path.join(parent, entry)
         try:
-            if time.time() - os.stat(p).st_mtime > max_age_s:
+            if (ours.fullmatch(entry) and os.path.isdir(p) and not os.path.islink(p)
+                    and time.time() - os.stat(p).st_mtime > max_age_s):
                 shutil.rmtree(p, ignore_errors=True)
         except OSError:
             pass
@@ -84,21 +111,31 @@ def ensure_converted(name: str, *, progress: bool = True) -> str:
     """Path of the converted checkpoint for known model ``name``, converting it on first use."""
     known = KNOWN_MODELS[name]
     target = os.path.join(cache_dir(), name)
-    if is_checkpoint(target):
+    if is_checkpoint(target):  # a read-only cache that holds the model is fine
         return target
+    check_cache_dir()
+    if os.path.isdir(target) and not os.path.islink(target):
+        try:
+            os.rmdir(target)  # only an empty directory: rmdir refuses one with anything in it
+        except OSError:
+            pass
+    if os.path.lexists(target):
+        # Not ours (no marker: our conversions appear complete or not at all): never delete a user's files.
+        raise CheckpointError(
+            f"{target} exists but is not a converted {name} checkpoint (it has no {META_FILE}); hetero-jax "
+            f"converts {name} there and will not delete files it did not write. Move {target} away, or point "
+            "HETERO_JAX_CACHE at another directory")
     _remove_stale_temporaries(target)
-    # A directory without our marker file is not ours to keep (e.g. made by hand); replace it.
-    force = os.path.lexists(target)
     src = known.source()
     try:
         if known.kind == "gguf":
             from hetero_jax.io.gguf import convert_gguf
 
-            convert_gguf(src, target, dtype="float32", force=force, progress=progress)
+            convert_gguf(src, target, dtype="float32", progress=progress)
         else:
             from hetero_jax.io.hf import convert_hf
 
-            convert_hf(src, target, dtype="float32", force=force, progress=progress)
+            convert_hf(src, target, dtype="float32", progress=progress)
     except CheckpointError:
         if is_checkpoint(target):  # another process finished first
             return target

@@ -367,6 +367,9 @@ def calibrate_tokens(
         raise ProfileError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
     if n_r is not None and (isinstance(n_r, bool) or int(n_r) != n_r or n_r < 1):
         raise ProfileError(f"n_r must be a positive integer (R-heads per layer), got {n_r!r}")
+    if scoring == "synckv" and n_r is not None and n_r > cfg.num_kv_heads:
+        raise ProfileError(f"n_r={n_r} R-heads per layer exceeds the model's {cfg.num_kv_heads} KV heads per "
+                           f"layer; use at most {cfg.num_kv_heads}")
     samples = [np.asarray(s, dtype=np.int64).reshape(-1) for s in token_samples]
     if not samples:
         raise ProfileError("no calibration data: pass at least one non-empty sample")

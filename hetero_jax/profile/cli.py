@@ -77,12 +77,39 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def check_profile_args(args) -> None:
-    """ProfileError for a bad number or an output path that cannot be written, before any work."""
-    import math
+def _model_files(model: str) -> str | None:
+    """The directory ``--model`` reads: the checkpoint directory given, or a known model's converted copy."""
     import os
 
+    from hetero_jax.io.hub import KNOWN_MODELS, cache_dir
+
+    if os.path.isdir(model):
+        return model
+    return os.path.join(cache_dir(), model) if model in KNOWN_MODELS else None
+
+
+def out_path(args) -> str:
+    """The file ``--out`` names: the codebook of ``--method hcattention`` gets ``.npz`` added, as numpy does."""
+    if getattr(args, "method", "heterocache") == "hcattention":
+        from hetero_jax.profile.codebook import npz_path
+
+        return npz_path(args.out)
+    return args.out
+
+
+def check_profile_args(args) -> None:
+    """Before any work: ProfileError for a bad number or a ``--plot`` that draws nothing; OutputError for an
+    ``--out`` / ``--plot`` that would overwrite an input (``--data``, ``--model``) or each other, or that cannot
+    be written (``hetero_jax.io.files.check_outputs``)."""
+    import math
+
+    from hetero_jax.io.files import check_outputs
     from hetero_jax.profile.format import ProfileError
+
+    method = getattr(args, "method", "heterocache")
+    if args.plot is not None and method != "heterocache":
+        raise ProfileError(f"--plot draws the HeteroCache role figure; --method {method} draws nothing. Drop "
+                           "--plot (it would write no file)")
 
     if getattr(args, "n_r", None) is not None and args.n_r < 1:
         raise ProfileError(f"--n-r must be >= 1, got {args.n_r}")
@@ -101,19 +128,31 @@ def check_profile_args(args) -> None:
         v = getattr(args, flag)
         if not (math.isfinite(v) and 0.0 <= v <= 1.0):
             raise ProfileError(f"--{flag.replace('_', '-')} must be in [0, 1], got {v}")
-    for flag in ("out", "plot"):
-        path = getattr(args, flag)
-        if path is None:
-            continue
-        parent = os.path.dirname(os.path.abspath(path))
-        if os.path.isdir(path):
-            example = os.path.join(path, "profile.json" if flag == "out" else "profile.png")
-            raise ProfileError(f"--{flag} {path} is a directory; give a file path such as {example}")
-        if not os.path.isdir(parent):
-            raise ProfileError(f"--{flag} {path}: the directory {parent} does not exist; create it first "
-                               "(nothing was calibrated)")
-        if not os.access(parent, os.W_OK):
-            raise ProfileError(f"--{flag} {path}: the directory {parent} is not writable")
+    check_outputs({"--out": out_path(args), "--plot": args.plot},
+                  {"--data": [d for d in args.data if d != "pydoc"], "--model": _model_files(args.model)})
+    if args.plot is not None:
+        from hetero_jax.profile.plot import plot_format
+
+        plot_format(args.plot, "--plot")
+
+
+def check_model_args(args, config) -> None:
+    """ProfileError, right after the model is loaded and before any window is cut or calibrated, for a
+    ``--tokens`` (plus the decode steps of the methods that decode) past the model's context, or an ``--n-r``
+    larger than its KV heads."""
+    from hetero_jax.profile.format import ProfileError
+
+    method = getattr(args, "method", "heterocache")
+    context = config.max_position_embeddings
+    steps = args.decode_steps if method in ("heterocache", "synckv") else 0
+    if args.tokens + steps > context:
+        plus = f" plus --decode-steps {steps}" if steps else ""
+        raise ProfileError(f"--tokens {args.tokens}{plus} exceeds the model's context of {context} tokens; use "
+                           f"--tokens {context - steps} or fewer")
+    n_r, heads = getattr(args, "n_r", None), config.num_kv_heads
+    if method == "synckv" and n_r is not None and n_r > heads:
+        raise ProfileError(f"--n-r {n_r} exceeds the model's {heads} KV heads per layer (SyncKV groups a layer's "
+                           f"KV heads into R-head clusters); use --n-r {heads} or fewer")
 
 
 def run_profile(args) -> int:
@@ -130,6 +169,7 @@ def run_profile(args) -> int:
         check_profile_args(args)  # before reading data, loading the model or calibrating
         text, source = read_texts(args.data)
         model = hetero_jax.load(args.model, dtype=args.dtype, progress=not args.no_progress)
+        check_model_args(args, model.config)
         windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
         desc = (f"{source}: {args.samples} window(s) of {args.tokens} tokens chosen with seed {args.seed} "
                 f"among consecutive non-overlapping windows; batch_size {args.batch_size}")
@@ -169,7 +209,11 @@ def run_profile(args) -> int:
     if args.plot:
         from hetero_jax.profile import plot_profile
 
-        plot_profile(profile, args.plot)
+        try:
+            plot_profile(profile, args.plot)
+        except HeteroJaxError as e:  # e.g. its directory removed while calibrating; the profile is written
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(f"wrote {args.plot}")
     return 0
 
@@ -193,6 +237,7 @@ def _run_contextkeeper(args) -> int:
             raise ProfileError(f"--top-p must be in (0, 1], got {args.top_p}")
         text, source = read_texts(args.data)
         model = hetero_jax.load(args.model, dtype=args.dtype, progress=not args.no_progress)
+        check_model_args(args, model.config)
         windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
         ranking = calibrate_ranking(model, windows, window=args.ck_window, sink=args.sink, recent=args.recent,
                                     top_p=args.top_p, source=f"{source}; {args.samples} window(s) of "
@@ -223,19 +268,20 @@ def _run_hcattention(args) -> int:
                 raise ProfileError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
         text, source = read_texts(args.data)
         model = hetero_jax.load(args.model, dtype=args.dtype, progress=not args.no_progress)
+        check_model_args(args, model.config)
         windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
         cb = train_codebook(model, windows, sub_dim=args.sub_dim, size=args.codebook_size, batch=args.kmeans_batch,
                             steps=args.kmeans_steps, seed=args.seed, progress=not args.no_progress,
                             source=f"{source}; {args.samples} window(s) of {args.tokens} tokens chosen with seed "
                             f"{args.seed}")
-        cb.save(args.out)
+        out = cb.save(args.out)
     except HeteroJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     g = model.config.head_dim // cb.sub_dim
     print(f"HCAttention codebook of {model.name}: {cb.num_layers} layers x {cb.size} centroids of {cb.sub_dim} dims "
           f"(g={g} codes per key), {args.samples} x {args.tokens} tokens")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

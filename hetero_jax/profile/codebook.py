@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hetero_jax.dims import axis_size
+from hetero_jax.io.files import atomic_path
 from hetero_jax.profile.format import ProfileError, shipped_data_path
 
 FORMAT_NAME = "hetero-jax-hcattention-codebook"
@@ -121,9 +122,19 @@ class KeyCodebook:
                 "num_layers": self.num_layers, "size": self.size, "sub_dim": self.sub_dim,
                 "weights_fingerprint": self.weights_fingerprint, "settings": dict(self.settings)}
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the ``.npz`` (numpy adds the suffix when ``path`` lacks it)."""
-        np.savez_compressed(path, centroids=self.centroids, meta=np.array(json.dumps(self.meta())))
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the ``.npz`` to :func:`npz_path` of ``path`` (``.npz`` added when it lacks it, as numpy does),
+        whole or not at all (OutputError for a path that cannot be written); returns the path written."""
+        out = npz_path(path)
+        with atomic_path(out) as tmp:  # tmp ends in .npz, so numpy adds nothing
+            np.savez_compressed(tmp, centroids=self.centroids, meta=np.array(json.dumps(self.meta())))
+        return out
+
+
+def npz_path(path: str | os.PathLike) -> str:
+    """Where :meth:`KeyCodebook.save` writes ``path``: with ``.npz`` appended unless it ends so."""
+    path = os.fspath(path)
+    return path if path.endswith(".npz") else path + ".npz"
 
 
 def load_codebook(path: str | os.PathLike) -> KeyCodebook:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetero_jax.io.files import write_text
 from hetero_jax.profile.format import ProfileError, shipped_data_path
 
 FORMAT_NAME = "hetero-jax-contextkeeper-ranking"
@@ -109,9 +110,8 @@ class CARanking:
                 "order": [[int(l), int(h)] for l, h in self.order()]}
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.write("\n")
+        """Write the ranking JSON, whole or not at all (OutputError for a path that cannot be written)."""
+        write_text(path, json.dumps(self.to_json(), indent=1) + "\n")
 
 
 def load_ranking(path: str | os.PathLike) -> CARanking:

@@ -27,6 +27,7 @@ import numpy as np
 
 from hetero_jax.dims import axis_size
 from hetero_jax.errors import HeteroJaxError, read_json
+from hetero_jax.io.files import write_text
 from hetero_jax.profile.clustering import (
     COMPRESSED_ROLES,
     FULL_ROLES,
@@ -301,10 +302,9 @@ class HeadProfile:
         }
 
     def to_json(self, path: str | os.PathLike) -> None:
-        """Write our versioned JSON (standard JSON: NaN becomes null)."""
-        text = json.dumps(self.to_dict(), indent=1, allow_nan=False)
-        with open(path, "w") as f:
-            f.write(text + "\n")
+        """Write our versioned JSON (standard JSON: NaN becomes null), whole or not at all (OutputError for a
+        path that cannot be written)."""
+        write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "HeadProfile":

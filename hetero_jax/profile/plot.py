@@ -18,10 +18,13 @@ matplotlib.use("Agg")  # headless; must precede pyplot
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 from matplotlib.colors import BoundaryNorm, ListedColormap  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from hetero_jax.io.files import atomic_path  # noqa: E402
 from hetero_jax.profile.clustering import ROLE_NAMES, Role  # noqa: E402
+from hetero_jax.profile.format import ProfileError  # noqa: E402
 
 # Colour-blind-safe (Okabe-Ito) colours; full heads warm, compressed cool.
 ROLE_COLORS = {
@@ -32,8 +35,22 @@ ROLE_COLORS = {
 }
 
 
+def plot_format(path: str | os.PathLike, flag: str = "plot path") -> str:
+    """The image format ``path``'s extension names (PNG without one); ProfileError (naming ``flag``) for one
+    matplotlib cannot write, so a bad ``--plot`` is refused before calibrating."""
+    ext = os.path.splitext(os.fspath(path))[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in formats:
+        raise ProfileError(f"{flag} {os.fspath(path)}: matplotlib cannot write .{ext} files; use one of "
+                           + ", ".join("." + f for f in sorted(formats)) + " (e.g. roles.png)")
+    return ext or "png"
+
+
 def plot_profile(profile, path: str | os.PathLike) -> str:
-    """Write the profile figure to ``path`` (PNG); returns the path."""
+    """Write the profile figure to ``path``, whole or not at all (OutputError for a path that cannot be
+    written); the format follows its extension (:func:`plot_format`). Returns the path."""
+    fmt = plot_format(path)
+
     n_layers, n_heads = profile.roles.shape
     fig = plt.figure(figsize=(12, max(6.0, 0.2 * n_layers + 2.5)))
     # The grid panel's width follows the head count so that 3 heads stay
@@ -93,8 +110,13 @@ def plot_profile(profile, path: str | os.PathLike) -> str:
                   "(c) similarity: max overlap with another head of the layer, sorted", "similarity", chance)
     ax_sim.set_xlabel(f"head rank (of {n_layers * n_heads} KV heads)")
 
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            # An explicit format: the temporary name's extension is path's, but without one matplotlib would add
+            # ".png" to it and the rename would miss the file.
+            fig.savefig(tmp, dpi=120, format=fmt)
+    finally:
+        plt.close(fig)
     return os.fspath(path)
 
 

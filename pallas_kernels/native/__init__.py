@@ -163,6 +163,10 @@ def build(force: bool = False) -> str:
     raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
   out = library_path()
   folder = os.path.dirname(out)
+  problem = _folder_problem(folder)
+  if problem and not (os.path.isfile(out) and not force):  # a read-only cache holding the library is fine
+    folder = _private_folder(f"the native kernel cache {folder} cannot be used ({problem})")
+    out = os.path.join(folder, os.path.basename(out))
   try:
     os.makedirs(folder, exist_ok=True)
     with _lock, _FileLock(os.path.join(folder, ".build.lock")):
@@ -172,6 +176,36 @@ def build(force: bool = False) -> str:
   except OSError as e:
     raise RuntimeError(f"cannot build into {folder}: {e}") from e
   return out
+
+
+def _folder_problem(folder: str) -> str | None:
+  """Why ``folder`` cannot be created (where missing) or written, or None; creates nothing."""
+  probe = os.path.abspath(folder)
+  while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    return f"{probe} is a file, not a directory"
+  if not os.access(probe, os.W_OK | os.X_OK):
+    return f"{probe} is not writable"
+  return None
+
+
+_private: list[str] = []
+
+
+def _private_folder(reason: str) -> str:
+  """A folder of this process's own (removed at exit) for a build that cannot be cached: an unusable cache
+  (HETERO_JAX_CACHE at a file or a read-only directory) costs a compile per process, not the kernel."""
+  import atexit
+  import warnings
+
+  with _lock:
+    if not _private:
+      warnings.warn(f"{reason}; building it for this process only (point HETERO_JAX_CACHE at a writable "
+                    "directory to keep it between runs)", RuntimeWarning, stacklevel=3)
+      _private.append(tempfile.mkdtemp(prefix="hetero_jax_native-"))
+      atexit.register(shutil.rmtree, _private[0], True)
+    return _private[0]
 
 
 def _remove_stale_temporaries(folder: str, age_s: float = 3600.0) -> None:

@@ -1,0 +1,176 @@
+"""Output files, for every command and writer: :func:`check_outputs` refuses, before any work, an output that
+would replace one of the command's inputs or another of its outputs or that cannot be written, and
+:func:`atomic_path` / :func:`write_text` / :func:`write_bytes` write an output whole or not at all (a temporary
+sibling renamed into place), so a failed or killed write never leaves a truncated file over a good one.
+
+Only the standard library and ``hetero_jax.errors`` are imported: every layer may use this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from typing import Iterator, Mapping, Sequence, Union
+
+from hetero_jax.errors import OutputError
+
+PathLike = Union[str, os.PathLike]
+
+
+def _paths(value) -> list[str]:
+    """An input flag's value (None, a path, or a list of paths) as a list of path strings."""
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        return [os.fspath(value)]
+    return [os.fspath(v) for v in value if v is not None]
+
+
+def same_file(a: PathLike, b: PathLike) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same path once symlinks are resolved, or (both existing) the
+    same inode, which also catches hard links and bind mounts."""
+    try:
+        if os.path.realpath(a) == os.path.realpath(b):
+            return True
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # a missing file; a path with a NUL byte
+        return False
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path`` lies (after resolving symlinks) under the directory ``folder``."""
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    return real != root and os.path.commonpath([real, root]) == root
+
+
+def check_output_path(path: PathLike, flag: str = "output", *, parents: bool = False) -> str:
+    """The resolved path ``path`` will be written to, after refusing (OutputError, naming ``flag``) a directory,
+    a missing or unwritable parent directory, and an existing file that is not writable (the rename of an
+    atomic write would otherwise replace a file its owner made read-only). A symlink is followed: its target
+    is what gets written. ``parents``: the writer creates a missing parent, which then only has to be
+    creatable."""
+    shown = os.fspath(path)
+    if os.path.isdir(shown):
+        raise OutputError(f"{flag} {shown} is a directory; give the path of a file to write (inside it or "
+                          "elsewhere)")
+    real = os.path.realpath(shown)
+    parent = os.path.dirname(real)
+    if parents and not os.path.lexists(parent):
+        problem = dir_problem(parent)
+        if problem:
+            raise OutputError(f"{flag} {shown}: its directory {parent} cannot be created ({problem}); choose "
+                              f"another {flag}")
+        return real
+    if not os.path.isdir(parent):
+        if os.path.lexists(parent):
+            raise OutputError(f"{flag} {shown}: {parent} is not a directory; choose another {flag}")
+        raise OutputError(f"{flag} {shown}: the directory {parent} does not exist; create it first "
+                          "(nothing was written)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{flag} {shown}: the directory {parent} is not writable; choose another {flag} "
+                          "or make the directory writable")
+    if os.path.isfile(real) and not os.access(real, os.W_OK):
+        raise OutputError(f"{flag} {shown} exists and is read-only; choose another {flag} or make it writable "
+                          f"(chmod u+w {shown})")
+    return real
+
+
+def check_outputs(outputs: Mapping[str, PathLike | None],
+                  inputs: Mapping[str, PathLike | Sequence[PathLike] | None] | None = None, *,
+                  parents: bool = False) -> None:
+    """Refuse (OutputError), before anything is computed or written, any output of ``outputs`` ({flag: path or
+    None}) that is the same file as an input of ``inputs`` ({flag: path, list of paths or None}) or as another
+    output, that is an existing file inside an input directory (a checkpoint the command reads), or that cannot
+    be written (:func:`check_output_path`, ``parents`` passed on). Symlinks and hard links are seen through."""
+    inputs = inputs or {}
+    seen: list[tuple[str, str]] = []
+    for flag, value in outputs.items():
+        if value is None:
+            continue
+        path = os.fspath(value)
+        for in_flag, in_value in inputs.items():
+            for src in _paths(in_value):
+                if same_file(path, src):
+                    raise OutputError(f"{flag} {path} is also the {in_flag} input; writing it would overwrite "
+                                      f"your input. Choose another {flag}")
+                if os.path.isdir(src) and os.path.lexists(path) and _inside(path, src):
+                    raise OutputError(f"{flag} {path} is a file of the {in_flag} input {src}; writing it would "
+                                      f"overwrite part of your input. Choose another {flag}")
+        for other_flag, other in seen:
+            if same_file(path, other):
+                raise OutputError(f"{flag} {path} is the same file as {other_flag} {other}; the second write "
+                                  f"would replace the first. Choose different paths for {other_flag} and {flag}")
+        check_output_path(path, flag, parents=parents)
+        seen.append((flag, path))
+
+
+def dir_problem(path: PathLike) -> str | None:
+    """Why the directory ``path`` cannot be used for writing, or None when it can: it (or the ancestor where a
+    missing one would be created) is a file, or is not writable. Nothing is created."""
+    path = os.path.abspath(os.fspath(path))
+    probe = path
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    it = "it" if probe == path else probe
+    if not os.path.isdir(probe):
+        return f"{it} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{it} is not writable"
+    return None
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux allows (os.umask sets it, racing threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_path(path: PathLike, flag: str = "output") -> Iterator[str]:
+    """Yield a temporary path beside ``path`` to write the whole output into; on leaving the block it replaces
+    ``path`` in one rename, and on any error it is removed and ``path`` stays as it was.
+
+    The temporary name keeps ``path``'s extension, so writers that infer the format from it (matplotlib) still
+    do. The file gets ``path``'s permissions when it exists, else the umask's (not mkstemp's private 0600). A
+    symlink's target is replaced; a device or FIFO (``/dev/null``) is yielded as is, to be written in place.
+    ``path`` is checked first (:func:`check_output_path`)."""
+    real = check_output_path(path, flag)
+    if os.path.exists(real) and not os.path.isfile(real):
+        yield real
+        return
+    folder, name = os.path.split(real)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp" + os.path.splitext(name)[1], dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+        mode = stat.S_IMODE(os.stat(real).st_mode) if os.path.isfile(real) else 0o666 & ~_umask()
+        os.chmod(tmp, mode)
+        os.replace(tmp, real)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):  # a full disk, a directory gone meanwhile: say which output, not a traceback
+            raise OutputError(f"{flag} {os.fspath(path)}: writing it failed ({e.strerror or e}); "
+                              f"{os.fspath(path)} was not changed") from e
+        raise
+
+
+def write_bytes(path: PathLike, data: bytes, flag: str = "output") -> None:
+    """Write ``data`` to ``path`` atomically (:func:`atomic_path`)."""
+    with atomic_path(path, flag) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+
+
+def write_text(path: PathLike, text: str, flag: str = "output", encoding: str = "utf-8") -> None:
+    """Write ``text`` to ``path`` atomically (:func:`atomic_path`)."""
+    write_bytes(path, text.encode(encoding), flag)
