@@ -7,7 +7,6 @@ tokens added after prefill come on top.
 
 from __future__ import annotations
 
-
 from hetero_jax.policies.base import (
     BudgetError, Policy, PolicyError, UnknownOptionError, UnknownPolicyError, check_options, smallest_rho, tokens_for,
 )
