@@ -33,8 +33,8 @@ Dispatching entry points: :func:`decode_attention`, :func:`drift_check`
 
 from __future__ import annotations
 
-from pallas_kernels._util import (BACKENDS, ENV_VAR, MASK_VALUE, gpu_available,
-                                  resolve_backend, use_kernels)
+from pallas_kernels._util import (BACKENDS, ENV_VAR, MASK_VALUE, KernelBackendError, gpu_available,
+                                  kernel_head_dim_ok, resolve_backend, use_kernels)
 from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce, masked_softmax,
                                           attention_and_pooled_scores, base_overlap,
                                           drift_check, drift_check_reference,
@@ -49,7 +49,7 @@ from pallas_kernels.sparse_decode_attention import (
     sparse_decode_attention_reference)
 
 __all__ = [
-    "BACKENDS", "ENV_VAR", "MASK_VALUE", "POOL_KERNEL_SIZE",
+    "BACKENDS", "ENV_VAR", "MASK_VALUE", "POOL_KERNEL_SIZE", "KernelBackendError", "kernel_head_dim_ok",
     "use_kernels", "resolve_backend", "gpu_available", "avg_pool", "gqa_reduce", "masked_softmax",
     "decode_attention", "sparse_decode_attention",
     "sparse_decode_attention_reference", "merge_attention",
@@ -70,7 +70,7 @@ def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, *, max
   None. Returns (out [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, logits [B, H, G, score_len]
   float32 or None).
   """
-  mode = resolve_backend(backend, native=True)
+  mode = resolve_backend(backend, native=True, head_dim=q.shape[-1])
   if mode == "reference":
     return pool_attention_reference(q, k_pool, v_pool, offsets, lengths, score_heads, max_len=max_len,
                                     score_len=score_len, sm_scale=sm_scale)
@@ -97,7 +97,7 @@ def decode_attention(q, k, v, lengths, *, sm_scale: float | None = None, backend
   for every backend. `kernel_kwargs` (block_k, num_splits, num_warps,
   num_stages) only reach the Pallas kernel.
   """
-  mode = resolve_backend(backend)
+  mode = resolve_backend(backend, head_dim=q.shape[-1])
   if mode == "reference":
     return sparse_decode_attention_reference(q, k, v, lengths,
                                              sm_scale=sm_scale,
@@ -117,7 +117,7 @@ def scores(
     **kernel_kwargs,
 ):
   """:func:`pooled_scores` dispatched by the backend switch; [B, Hkv, W, T]."""
-  mode = resolve_backend(backend)
+  mode = resolve_backend(backend, head_dim=keys.shape[-1])
   if mode == "reference":
     return pooled_scores_reference(q_rows, keys, lengths, gqa=gqa)
   return pooled_scores(q_rows, keys, lengths, gqa=gqa,

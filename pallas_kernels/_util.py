@@ -61,21 +61,34 @@ BACKENDS = ("auto", "pallas", "native", "reference", "interpret")
 _override: list[str | None] = [None]
 
 
-def _check_backend(mode: str) -> str:
-  mode = str(mode).strip().lower()
-  if mode not in BACKENDS:
-    raise ValueError(f"kernel backend must be one of {BACKENDS}, got {mode!r}")
-  return mode
+class KernelBackendError(ValueError):
+  """A kernel backend name that is not one of BACKENDS (from an argument or HETERO_JAX_KERNELS)."""
+
+
+def _check_backend(mode: str, source: str = "kernel backend") -> str:
+  name = str(mode).strip().lower()
+  if name not in BACKENDS:
+    raise KernelBackendError(f"{source} must be one of {', '.join(BACKENDS)}, got {mode!r}"
+                             + (f"; unset {ENV_VAR} to let auto choose" if source == ENV_VAR else ""))
+  return name
 
 
 def requested_backend() -> str:
   """The requested mode: override from `use_kernels`, else env var, else auto."""
   if _override[0] is not None:
     return _override[0]
-  return _check_backend(os.environ.get(ENV_VAR, "auto") or "auto")
+  return _check_backend(os.environ.get(ENV_VAR, "auto") or "auto", ENV_VAR)
 
 
-def resolve_backend(backend: str | None = None, native: bool = False) -> str:
+def kernel_head_dim_ok(head_dim: int) -> bool:
+  """Whether the Pallas kernels take this head_dim (a power of two >= 16: Triton's tile sizes)."""
+  return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+_warned_head_dims: set[int] = set()
+
+
+def resolve_backend(backend: str | None = None, native: bool = False, head_dim: int | None = None) -> str:
   """Concrete backend: 'pallas', 'native', 'reference' or 'interpret'.
 
   `backend` (if given) wins over `use_kernels(...)`, which wins over the
@@ -84,8 +97,21 @@ def resolve_backend(backend: str | None = None, native: bool = False) -> str:
   the pool attention) that version when it is built, else 'reference'.
   'native' asks for the native CPU kernel: kernels without one use their
   reference, and the pool attention raises when it cannot be built.
+  A ``head_dim`` the Pallas kernels do not take turns 'pallas' and
+  'interpret' into 'reference' (with a warning, once per head_dim).
   """
   mode = _check_backend(backend) if backend is not None else requested_backend()
+  if mode in ("auto", "pallas", "interpret") and head_dim is not None and not kernel_head_dim_ok(head_dim):
+    resolved = resolve_backend(backend, native)
+    if resolved not in ("pallas", "interpret"):
+      return resolved
+    if head_dim not in _warned_head_dims:
+      import warnings
+      _warned_head_dims.add(head_dim)
+      warnings.warn(f"head_dim {head_dim} is not a power of two >= 16, which the Pallas kernels need: the "
+                    "plain-JAX reference attention runs instead (correct, slower on a GPU)", RuntimeWarning,
+                    stacklevel=2)
+    return "reference"
   if mode == "auto":
     if gpu_available():
       return "pallas"

@@ -510,7 +510,7 @@ def drift_check(
              callers rank them (new K_base, recall rows) only after a drift
   """
   return _drift_check(q_buffer, prompt_keys, k_base_idx, tau_drift, lengths,
-                      L_base=int(L_base), mode=resolve_backend(backend))
+                      L_base=int(L_base), mode=resolve_backend(backend, head_dim=prompt_keys.shape[-1]))
 
 
 @functools.partial(jax.jit, static_argnames=("L_base", "mode"))

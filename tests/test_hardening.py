@@ -228,7 +228,8 @@ def test_refused_chat_turn_keeps_the_history(tiny_checkpoint):
     (lambda: HeteroCache(profile=PROFILE, tau_drift=float("nan")), "HeteroCache: tau_drift must be a finite number"),
     (lambda: HeteroCache(profile=PROFILE, tau_drift="0.5"), "got '0.5'"),
     (lambda: HeteroCache(profile="profile.json"), "HeteroCache: profile must be a HeadProfile"),
-    (lambda: SnapKV(budget=True), "budget rho=True is out of range"),
+    (lambda: SnapKV(budget=True), "SnapKV: budget rho must be a number in (0, 1], the fraction of the prompt's KV "
+                                  "kept on the device; got True of type bool"),
     (lambda: FreeKV(sinks=-1), "FreeKV: sinks must be an integer >= 0 or None (B_c / 16), got -1"),
     (lambda: FreeKV(tau=float("inf")), "FreeKV: tau must be a finite number in (-inf, inf), got inf"),
     (lambda: Quest(offload="yes"), "Quest: offload must be True or False, got 'yes'"),

@@ -7,9 +7,9 @@ tokens added after prefill come on top.
 
 from __future__ import annotations
 
-import dataclasses
-
-from hetero_jax.policies.base import BudgetError, Policy, PolicyError, UnknownPolicyError, smallest_rho, tokens_for
+from hetero_jax.policies.base import (
+    BudgetError, Policy, PolicyError, UnknownOptionError, UnknownPolicyError, check_options, smallest_rho, tokens_for,
+)
 from hetero_jax.policies.baselines import CAKE, H2O, FullKV, PyramidKV, SnapKV, StreamingLLM
 from hetero_jax.policies.contextkeeper import ContextKeeper
 from hetero_jax.policies.freekv import FreeKV
@@ -44,7 +44,11 @@ def parse_options(items) -> dict:
                     value = float(raw)
                 except ValueError:
                     value = raw
-        out[key.strip().replace("-", "_")] = value
+        name = key.strip().replace("-", "_")
+        if name in out:
+            raise PolicyError(f"the policy option {name!r} is given twice ({name}={out[name]!r} and {item!r}); "
+                              "give each option once")
+        out[name] = value
     return out
 
 
@@ -63,11 +67,7 @@ def make_policy(name: str, budget: float | None = None, **kwargs) -> Policy:
     if key not in REGISTRY:
         raise UnknownPolicyError(f"unknown policy {name!r}; known policies: {', '.join(REGISTRY)}")
     cls = REGISTRY[key]
-    unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(cls) if f.init and f.name != "budget"})
-    if unknown:
-        allowed = ", ".join(f.name for f in dataclasses.fields(cls) if f.init and f.name != "budget")
-        raise PolicyError(f"{cls.__name__} has no option {unknown[0]!r}; its options are: {allowed or 'none'} "
-                          "(give the budget as make_policy's second argument)")
+    check_options(cls, sorted(kwargs), exclude=("budget",), hint=" (give the budget as make_policy's second argument)")
     if budget is None or cls is FullKV:
         if cls is FullKV and budget not in (None, 1.0):
             raise BudgetError(f"the full policy keeps the whole prompt; drop --budget (got {budget})")
@@ -81,7 +81,7 @@ def describe_policies() -> str:
 
 
 __all__ = [
-    "BudgetError", "Policy", "PolicyError", "UnknownPolicyError", "smallest_rho", "tokens_for",
+    "BudgetError", "Policy", "PolicyError", "UnknownOptionError", "UnknownPolicyError", "smallest_rho", "tokens_for",
     "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache", "Quest", "FreeKV", "ContextKeeper",
     "SyncKV", "HCAttention",
     "PolicyPrefill", "PrefillPlan", "DecodeState", "achieved_rho", "REGISTRY", "make_policy", "parse_options", "describe_policies",

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import ClassVar
 
 import numpy as np
@@ -56,6 +57,34 @@ class PolicyError(BudgetError):
     A subclass of BudgetError because HeteroCache refused a bad ``window`` with BudgetError before
     this class existed: handlers written for that keep working.
     """
+
+
+class UnknownOptionError(PolicyError, TypeError):
+    """An option a policy does not have (also a TypeError, which the dataclass constructor raised before)."""
+
+
+def check_options(cls, names, *, exclude: tuple[str, ...] = (), hint: str = "") -> None:
+    """UnknownOptionError naming the first of ``names`` that is not an init field of policy class ``cls``, with
+    the options it has (less ``exclude``) and ``hint``."""
+    known = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in exclude]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UnknownOptionError(f"{cls.__name__} has no option {unknown[0]!r}; its options are: "
+                                 f"{', '.join(known) or 'none'}{hint}")
+
+
+class _PolicyType(type):
+    """Checks a policy constructor's keywords against its fields before the dataclass ``__init__`` runs, so a
+    misspelt option is the project's error naming the options rather than a bare TypeError."""
+
+    def __call__(cls, *args, **kwargs):
+        if dataclasses.is_dataclass(cls):
+            check_options(cls, kwargs)
+            n_init = sum(f.init for f in dataclasses.fields(cls))
+            if len(args) > n_init:
+                raise UnknownOptionError(f"{cls.__name__} takes at most {n_init} positional argument(s) (got "
+                                         f"{len(args)}); give options by name")
+        return super().__call__(*args, **kwargs)
 
 
 class UnknownPolicyError(PolicyError, KeyError):
@@ -138,7 +167,7 @@ def smallest_rho(min_tokens: int, prompt_len: int) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class Policy:
+class Policy(metaclass=_PolicyType):
     budget: float = 1.0
 
     name: ClassVar[str] = "policy"
@@ -146,12 +175,15 @@ class Policy:
 
     def __post_init__(self):
         b = self.budget
-        if (isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b)
-                or not (0.0 < float(b) <= 1.0)):
+        if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Real):
+            raise BudgetError(f"{type(self).__name__}: budget rho must be a number in (0, 1], the fraction of the "
+                              f"prompt's KV kept on the device; got {b!r} of type {type(b).__name__}")
+        if math.isnan(float(b)) or not (0.0 < float(b) <= 1.0):
             raise BudgetError(
-                f"{type(self).__name__}: budget rho={b!r} is out of range; rho is the fraction of the "
+                f"{type(self).__name__}: budget rho={float(b)!r} is out of range; rho is the fraction of the "
                 "prompt's KV kept on the device and must be in (0, 1]"
             )
+        object.__setattr__(self, "budget", float(b))  # a numpy scalar becomes the float it stands for
         for f in dataclasses.fields(self):
             if "check" in f.metadata:
                 f.metadata["check"](type(self).__name__, f.name, getattr(self, f.name))

@@ -37,7 +37,7 @@ from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.primitives import gather_group
 from hetero_jax.policies.selection import bytes_rho
 from hetero_jax.profile.contextkeeper import (DEFAULT_RECENT, DEFAULT_SINK, CARanking, default_ranking,
-                                              load_ranking)
+                                              load_ranking, model_fingerprint)
 from hetero_jax.profile.format import ProfileError
 
 _gather = jax.jit(gather_group)
@@ -84,7 +84,7 @@ class ContextKeeper(Policy):
                     f"ContextKeeper(ranking=None) needs the shipped head ranking of the loaded model, but "
                     f"hetero-jax ships none for {getattr(model, 'name', 'this model')}; calibrate one with "
                     "`hetero-jax profile --method contextkeeper` and pass ContextKeeper(ranking='file.json')")
-        r.check_compatible(model.config)
+        r.check_compatible(model.config, model_fingerprint(model) if r.weights_fingerprint else None)
         return dataclasses.replace(self, ranking=r) if r is not self.ranking else self
 
     def _need_ranking(self) -> CARanking:

@@ -135,8 +135,9 @@ class FreeKV(Policy):
         n_skip = cfg.num_layers - n_comp
         S, w, P = self._layout(cfg, L, self.budget)
         if P < 1:
-            raise BudgetError(f"FreeKV: a {L}-token prompt is too short for {S} sinks + a {w}-token window + one "
-                              f"{ps}-token page; use smaller sinks/window/page_size or full KV")
+            W = self.sinks_window(cfg, L, self.budget)[1]
+            raise BudgetError(f"FreeKV: a {L}-token prompt is too short for {S} sinks + a {W}-token window + one "
+                              f"{ps}-token page ({S + W + ps} tokens); use smaller sinks/window/page_size or full KV")
         k = pages_for_budget(self.budget, L, cfg.num_layers, n_skip, ps, fixed_tokens=S + w, summary_pages=P)
         if k < 1:
             rho = self._smallest_rho(cfg, L)

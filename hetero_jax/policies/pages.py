@@ -43,7 +43,7 @@ def page_summaries(
 
     The static page axis is ``P = (T - start) // ps`` for an int start and
     ``T // ps`` for an array start (its values are unknown at trace time).
-    Returns kmin, kmax [B, H, P, D] in k's dtype (zeros on pages >= n_pages)
+    Returns kmin, kmax [B, H, max(P, 1), D] in k's dtype (zeros on pages >= n_pages)
     and n_pages [B] int32.
     """
     B, H, T, D = k.shape
@@ -64,7 +64,10 @@ def page_summaries(
     # after the reduction is the token mask, and garbage (even NaN/inf) in dropped pages cannot leak.
     valid = (jnp.arange(P, dtype=jnp.int32)[None, :] < n_pages[:, None])[:, None, :, None]
     zero = jnp.zeros((), k.dtype)
-    return jnp.where(valid, pages.min(axis=3), zero), jnp.where(valid, pages.max(axis=3), zero), n_pages
+    kmin, kmax = jnp.where(valid, pages.min(axis=3), zero), jnp.where(valid, pages.max(axis=3), zero)
+    if P == 0:  # every prompt shorter than a page: one unusable page, so a top-1 page selection is defined
+        kmin = kmax = jnp.zeros((B, H, 1, D), k.dtype)
+    return kmin, kmax, n_pages
 
 
 def _page_valid(n_pages: jax.Array, n: int) -> jax.Array:

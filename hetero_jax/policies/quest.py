@@ -90,13 +90,18 @@ class Quest(Policy):
         the budget cannot hold one page (offloaded: naming the smallest rho)."""
         L, ps = prompt_len, self.page_size
         P, r = L // ps, L % ps
-        if not self.offload:
+        if not self.offload or P == 0:  # a prompt shorter than one page has no page to select: all of it is kept
             return P, r, min(P, max(1, (tokens_for(self.budget, L) - r) // ps))
         n_full = cfg.num_layers - len(self.sparse_layers(cfg))
         kw = dict(fixed_tokens=r, summary_pages=P)
         k = pages_for_budget(self.budget, L, cfg.num_layers, n_full, ps, **kw)
         if k < 1:
             rho = smallest_page_rho(L, cfg.num_layers, n_full, ps, **kw)
+            if rho > 1.0:
+                raise BudgetError(
+                    f"Quest(offload=True): no budget fits a {L}-token prompt with {ps}-token pages: one page, the "
+                    f"{P} page summaries and the {r}-token partial page per head take more than the prompt itself "
+                    f"(rho={rho:g}); use a smaller page_size, offload=False, or a longer prompt")
             raise BudgetError(
                 f"Quest(offload=True): budget rho={self.budget:g} cannot hold one {ps}-token page per head of a "
                 f"{L}-token prompt ({n_full} full layers, the page summaries and the partial page come first); "

@@ -140,10 +140,19 @@ def npz_path(path: str | os.PathLike) -> str:
 def load_codebook(path: str | os.PathLike) -> KeyCodebook:
     """A codebook written by :meth:`KeyCodebook.save`; ProfileError on anything else."""
     try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+        if not head.startswith(b"PK"):  # np.load would call anything else "pickled data"
+            kind = ("a JSON document (a head profile or a ContextKeeper ranking?)" if head.lstrip()[:1] in (b"{", b"[")
+                    else "not an .npz archive")
+            raise ProfileError(f"HCAttention codebook {str(path)!r} is {kind}; HCAttention(codebook=...) takes the .npz "
+                               "written by `hetero-jax profile --method hcattention`")
         with np.load(path, allow_pickle=False) as z:
             centroids, meta = np.array(z["centroids"]), json.loads(str(z["meta"]))
     except FileNotFoundError:
         raise ProfileError(f"HCAttention codebook file {str(path)!r} does not exist") from None
+    except ProfileError:
+        raise
     except (OSError, ValueError, KeyError) as e:  # not an npz, pickled arrays, missing members, bad JSON
         raise ProfileError(f"HCAttention codebook {str(path)!r} is not readable: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or meta.get("version") != SCHEMA_VERSION:

@@ -52,6 +52,7 @@ class CARanking:
     architecture: str | None = None
     head_dim: int | None = None
     settings: dict = dataclasses.field(default_factory=dict)
+    weights_fingerprint: str | None = None  # format.weights_fingerprint of the calibrated weights
 
     def __post_init__(self):
         s = np.asarray(self.scores, np.float64)
@@ -88,8 +89,9 @@ class CARanking:
 
         return hashlib.sha256(np.ascontiguousarray(self.order()).tobytes()).hexdigest()[:16]
 
-    def check_compatible(self, cfg: Any) -> None:
-        """ProfileError unless this ranking has the model's layers x KV heads (and head_dim when recorded)."""
+    def check_compatible(self, cfg: Any, weights_fingerprint: str | None = None) -> None:
+        """ProfileError unless this ranking has the model's layers x KV heads (and head_dim when recorded) and,
+        both known, was calibrated on weights with the model's fingerprint."""
         want = (int(cfg.num_layers), int(cfg.num_kv_heads))
         hd = getattr(cfg, "head_dim", None)
         if self.shape != want or (self.head_dim is not None and hd is not None and self.head_dim != hd):
@@ -99,12 +101,19 @@ class CARanking:
                 f"{want[1]} KV heads (head_dim {hd}): it was calibrated for another model. Calibrate one for "
                 "this model (hetero_jax.profile.contextkeeper.calibrate_ranking, or "
                 "`hetero-jax profile --method contextkeeper`) and pass ContextKeeper(ranking=...)")
+        if weights_fingerprint and self.weights_fingerprint and weights_fingerprint != self.weights_fingerprint:
+            raise ProfileError(
+                f"ContextKeeper ranking for {self.model or 'an unnamed model'} was calibrated on weights "
+                f"{self.weights_fingerprint}, but the model's weights are {weights_fingerprint} (same shape "
+                f"{want[0]} layers x {want[1]} KV heads): it ranks another model's heads. Calibrate one for this "
+                "model (`hetero-jax profile --method contextkeeper`) and pass ContextKeeper(ranking=...)")
 
     # ------------------------------------------------------------------ I/O
     def to_json(self) -> dict:
         return {"format": FORMAT_NAME, "version": SCHEMA_VERSION, "model": self.model,
                 "architecture": self.architecture, "head_dim": self.head_dim,
                 "num_layers": self.shape[0], "num_kv_heads": self.shape[1], "settings": dict(self.settings),
+                "weights_fingerprint": self.weights_fingerprint,
                 "scores": [[float(x) for x in row] for row in self.scores],
                 "votes": [[int(x) for x in row] for row in self.votes],
                 "order": [[int(l), int(h)] for l, h in self.order()]}
@@ -128,9 +137,18 @@ def load_ranking(path: str | os.PathLike) -> CARanking:
     try:
         return CARanking(scores=np.array(d["scores"], np.float64), votes=np.array(d["votes"], np.int64),
                          model=str(d.get("model", "")), architecture=d.get("architecture"),
-                         head_dim=d.get("head_dim"), settings=dict(d.get("settings") or {}))
+                         head_dim=d.get("head_dim"), settings=dict(d.get("settings") or {}),
+                         weights_fingerprint=d.get("weights_fingerprint"))
     except (KeyError, TypeError, ValueError) as e:
         raise ProfileError(f"ContextKeeper ranking {str(path)!r} is malformed: {e}") from None
+
+
+def model_fingerprint(model) -> str | None:
+    """``format.weights_fingerprint`` of a loaded model's params (None for an object without params)."""
+    from hetero_jax.profile.format import weights_fingerprint
+
+    params = getattr(model, "params", None)
+    return weights_fingerprint(params) if params is not None else None
 
 
 def shipped_ranking_path(model_name: str) -> str | None:
@@ -139,15 +157,16 @@ def shipped_ranking_path(model_name: str) -> str | None:
 
 
 def default_ranking(model) -> CARanking | None:
-    """The shipped ranking for this model (by its name, else the first whose shape fits), or None."""
+    """The shipped ranking for this model (by its name, else the first whose shape and weights fit), or None."""
     names = [getattr(model, "name", None)] + list(SHIPPED_RANKINGS)
+    fp = model_fingerprint(model)
     for name in names:
         path = shipped_ranking_path(name) if name else None
         if path is None:
             continue
         r = load_ranking(path)
         try:
-            r.check_compatible(model.config)
+            r.check_compatible(model.config, fp)
         except ProfileError:
             continue
         return r
@@ -225,7 +244,7 @@ def calibrate_ranking(model, token_samples: Sequence[Sequence[int]], *, window: 
     return CARanking(
         scores=per_sample.mean(axis=0), votes=votes_from_scores(per_sample, top_p),
         model=str(getattr(model, "name", "") or ""), architecture=getattr(cfg, "architecture", None),
-        head_dim=int(cfg.head_dim),
+        head_dim=int(cfg.head_dim), weights_fingerprint=model_fingerprint(model),
         settings={"sink": sink, "recent": recent, "window": window, "top_p": top_p, "decode_steps": 0,
                   "samples": len(token_samples), "tokens_per_sample": sorted({len(s) for s in token_samples}),
                   "gqa": "mean", "source": source})

@@ -130,7 +130,7 @@ class HeadProfile:
         def grid(name, value):
             a = np.full(shape, np.nan) if value is None else np.array(value, dtype=np.float64)
             if a.shape != shape:
-                raise ProfileError(f"{name} has shape {a.shape}, expected {shape}")
+                raise ProfileError(_grid_mismatch(name, a.shape, shape))
             a.setflags(write=False)
             return a
 
@@ -144,7 +144,7 @@ class HeadProfile:
         if self.similarity_matrix is not None:
             simm = np.array(self.similarity_matrix, dtype=np.float64)
             if simm.shape != shape + (shape[1],):
-                raise ProfileError(f"similarity_matrix has shape {simm.shape}, expected {shape + (shape[1],)}")
+                raise ProfileError(_grid_mismatch("similarity_matrix", simm.shape, shape + (shape[1],)))
             simm.setflags(write=False)
         clusters = _check_clusters(self.clusters, roles)
         roles.setflags(write=False)
@@ -350,6 +350,15 @@ class HeadProfile:
     def from_json(cls, path: str | os.PathLike) -> "HeadProfile":
         """Read our JSON (see :func:`load_profile` for the authors' format too)."""
         return cls.from_dict(_read_json(path))
+
+
+def _grid_mismatch(name: str, got: tuple, want: tuple) -> str:
+    """The message for a profile field whose grid is not its roles' grid: parts of two models' profiles."""
+    def text(g):
+        return (f"{g[0]} layers x {g[1]} KV heads" + (f" x {g[2]}" if len(g) > 2 else "")) if len(g) >= 2 else str(g)
+    return (f"this profile does not describe one model: its roles cover {text(want)} but its {name} covers "
+            f"{text(got)} (a file assembled from another model's profile, or edited by hand); calibrate a profile "
+            "for the model with `hetero-jax profile` instead of editing one")
 
 
 # ====================================================================== build

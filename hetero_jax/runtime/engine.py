@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.errors import PromptError
+import pallas_kernels
+from hetero_jax.errors import ConfigError, PromptError
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import grow_tail, kv_bytes, prompt_arrays, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
 from hetero_jax.model.config import ModelConfig
@@ -59,6 +60,19 @@ def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
 
 
 
+def check_kernel_backend() -> None:
+    """ConfigError for a kernel backend setting (``HETERO_JAX_KERNELS`` or ``use_kernels``) that this process
+    cannot run, before any compute: an unknown name, or the Triton kernels without a GPU."""
+    try:
+        mode = pallas_kernels.resolve_backend(native=True)
+    except pallas_kernels.KernelBackendError as e:
+        raise ConfigError(str(e)) from None
+    if mode == "pallas" and not pallas_kernels.gpu_available():
+        raise ConfigError(f"the kernel backend is 'pallas' ({pallas_kernels.ENV_VAR} or use_kernels), whose Triton "
+                          "kernels need a GPU, and jax sees none; unset it (auto picks the native CPU kernel here) "
+                          "or choose native, reference or interpret")
+
+
 def bind_policy(model, policy):
     """``policy`` (None = full KV) checked and bound to ``model`` (HeteroCache picks its profile)."""
     from hetero_jax.policies import FullKV, Policy
@@ -89,6 +103,7 @@ class Engine:
     def __init__(self, model, batch: list[list[int]], policy, *, tail_capacity: int, seed: int = 0,
                  is_batch: bool = False):
         check_model(model)
+        check_kernel_backend()
         validate_ids(batch, model.config, is_batch)
         policy = bind_policy(model, policy)
         lens = [len(b) for b in batch]
