@@ -4,6 +4,7 @@ set, host weighted sum, tail merge; both normalisations), tau 1 with exact keys 
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -311,7 +312,8 @@ def test_codebook_file_and_model_checks(tmp_path):
     with pytest.raises(ProfileError, match="2 layers"):
         KeyCodebook(cb.centroids[:2]).check_compatible(CFG)
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
-    with pytest.raises(ProfileError, match="not readable"):
+    with pytest.raises(ProfileError,
+                       match=re.escape("bad.npz' is not an .npz archive; HCAttention(codebook=...) takes the .npz")):
         load_codebook(tmp_path / "bad.npz")
     with pytest.raises(ProfileError, match="does not exist"):
         load_codebook(tmp_path / "missing.npz")
