@@ -205,6 +205,23 @@ def test_a_second_thread_is_refused_while_the_first_answers_and_the_session_surv
     assert s.ask(q2, max_new_tokens=5).token_ids == twin.ask(q2, max_new_tokens=5).token_ids
 
 
+def test_an_ask_from_inside_its_own_on_token_is_refused_and_the_outer_answer_stands():
+    ctx, q1 = random_prompt(150, 1), random_prompt(12, 2)
+    s = Session(MODEL, ctx, FullKV(), chat=False, reserve_tokens=8)
+    twin = Session(MODEL, ctx, FullKV(), chat=False, reserve_tokens=8)
+    refusals = []
+
+    def nested(_text):
+        try:
+            s.ask(q1, max_new_tokens=2)
+        except SessionBusyError as e:
+            refusals.append(str(e))
+    assert s.ask(q1, max_new_tokens=4, on_token=nested).token_ids == twin.ask(q1, max_new_tokens=4).token_ids
+    assert len(refusals) == 4 and set(refusals) == {
+        "Session.ask was called from this Session's own on_token while it answers; ask the next question after "
+        "ask returns"}
+
+
 # ------------------------------------------------------------------ scripted turns checked up front
 def test_check_turns_fit_refuses_a_later_turn_before_any_compute(chat_model, no_compute):
     total = chat_model.config.max_position_embeddings

@@ -148,6 +148,7 @@ class Session:
         self.context_tokens = len(ids)
         self.turns: list[GenerationResult] = []
         self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread answering now
         self._lost: str | None = None  # why the cache cannot be used any more (a turn's failure could not be undone)
 
     # the history, read-only views of the committed transcript
@@ -169,11 +170,16 @@ class Session:
         # one turn at a time: a second thread would step the same donated cache (its arrays deleted under the
         # first) and interleave two histories; refuse it at once rather than queue behind a long answer
         if not self._lock.acquire(blocking=False):
+            if self._owner == threading.get_ident():  # from inside its own on_token
+                raise SessionBusyError("Session.ask was called from this Session's own on_token while it answers; "
+                                       "ask the next question after ask returns")
             raise SessionBusyError("this Session is answering another question in another thread; wait for that "
                                    "answer or open a second Session")
+        self._owner = threading.get_ident()
         try:
             return self._ask(question, max_new_tokens, temperature, top_p, stop, on_token)
         finally:
+            self._owner = None
             self._lock.release()
 
     def _ask(self, question, max_new_tokens, temperature, top_p, stop, on_token) -> GenerationResult:
