@@ -3,7 +3,8 @@
 __version__ = "0.1.0"
 
 from hetero_jax.model.config import ModelConfig, SUPPORTED_ARCHITECTURES  # noqa: E402
-from hetero_jax.errors import CheckpointError, ConfigError, HeteroJaxError, OutputError, PromptError  # noqa: E402
+from hetero_jax.errors import (CheckpointError, ConfigError, HeteroJaxError, OutputError, PromptError,  # noqa: E402
+                               SessionBusyError, SessionError)
 from hetero_jax.runtime import GenerationResult, GenerationStats, Session, generate  # noqa: E402
 from hetero_jax.io.hub import load, place  # noqa: E402
 from hetero_jax.model.sharding import make_mesh  # noqa: E402
@@ -16,6 +17,8 @@ __all__ = [
     "HeteroJaxError",
     "OutputError",
     "PromptError",
+    "SessionBusyError",
+    "SessionError",
     "GenerationResult",
     "GenerationStats",
     "generate",

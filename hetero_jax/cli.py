@@ -193,8 +193,11 @@ def _cmd_generate(args) -> int:
 
 
 def _run_turns(args, model, context: str, policy, stream: bool, questions: list[str]) -> int:
-    from hetero_jax.runtime.session import Session
+    from hetero_jax.runtime.session import Session, check_turns_fit
 
+    # every question against the context before the session prefills anything: a line that cannot fit is
+    # refused now, not after the turns before it were answered
+    check_turns_fit(model, context, questions, chat=not args.no_chat)
     sess = Session(model, context, policy, chat=not args.no_chat, seed=args.seed)
     for i, q in enumerate(questions, 1):
         print(f"[turn {i}] {q}")

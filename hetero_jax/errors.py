@@ -10,7 +10,7 @@ class HeteroJaxError(Exception):
 
 
 class ConfigError(HeteroJaxError, ValueError):
-    """A model config that is missing, malformed or unsupported."""
+    """A model config (or a setting such as an environment variable) that is missing, malformed or unsupported."""
 
 
 class CheckpointError(HeteroJaxError, ValueError):
@@ -23,6 +23,37 @@ class PromptError(HeteroJaxError, ValueError):
 
 class OutputError(HeteroJaxError, ValueError):
     """An output path that cannot be written, or whose write would replace an input or another output."""
+
+
+class SessionError(HeteroJaxError, RuntimeError):
+    """A ``Session`` that cannot answer now (busy in another thread, or its cache was lost)."""
+
+
+class SessionBusyError(SessionError):
+    """A second ``Session.ask`` while the first is still answering (in another thread)."""
+
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The boolean environment variable ``name`` (``default`` when unset or empty).
+
+    True: 1/true/yes/on; false: 0/false/no/off (case and surrounding whitespace ignored). Anything else
+    is a ConfigError naming the variable and the allowed values: a typo must not flip a setting silently.
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    word = raw.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ConfigError(f"environment variable {name}={raw!r} is not a boolean: use one of "
+                      f"{'/'.join(TRUE_WORDS)} (on) or {'/'.join(FALSE_WORDS)} (off), or unset it "
+                      f"(default: {'on' if default else 'off'})")
 
 
 def read_json(path: str, error: type[HeteroJaxError], *, missing: str, fix: str) -> Any:

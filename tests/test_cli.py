@@ -171,3 +171,44 @@ def test_profile_data_that_is_a_directory(tmp_path, capsys, monkeypatch):
     _refused(capsys, ["profile", "--data", str(tmp_path), "--out", str(tmp_path / "p.json")],
              f"cannot read calibration data file {tmp_path}")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Fail if any model compute starts: the input must be refused before."""
+    from hetero_jax.model import transformer as M
+
+    def boom(*a, **k):
+        raise AssertionError("compute started for input that should have been refused")
+    for name in ("prefill", "decode_step", "extend"):
+        monkeypatch.setattr(M, name, boom)
+
+
+@pytest.mark.parametrize("chat", [[], ["--no-chat"]])
+def test_a_turn_that_cannot_fit_is_refused_before_the_first_is_answered(tiny_checkpoint, tmp_path, capsys,
+                                                                       no_compute, chat):
+    _, ours = tiny_checkpoint("llama")
+    turns = tmp_path / "turns.txt"
+    turns.write_text("who jumps?\n" + "tell me about the dog " * 200 + "\n")
+    assert main(["generate", "--model", ours, "--prompt", "the quick brown fox", "--turns", str(turns),
+                 "--max-new-tokens", "3", *chat]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # turn 1 was not answered
+    assert err.startswith("error: turn 2 (") and "does not fit: the context (" in err, err
+    assert err.rstrip().endswith("shorten or drop that question (nothing was computed)"), err
+
+
+def test_a_chat_template_that_does_not_compile_is_refused_before_compute(tiny_checkpoint, tmp_path, capsys,
+                                                                        no_compute):
+    import json
+    import shutil
+
+    _, ours = tiny_checkpoint("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(ours, bad)
+    cfg = json.loads((bad / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }"
+    (bad / "tokenizer_config.json").write_text(json.dumps(cfg))
+    _refused(capsys, ["generate", "--model", str(bad), "--prompt", "the quick brown fox"],
+             "the checkpoint's chat template is not valid Jinja (line 1: ", "pass chat=False (CLI: --no-chat)",
+             "fix chat_template in the checkpoint's tokenizer_config.json")

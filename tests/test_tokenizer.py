@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 
 import pytest
 
@@ -104,9 +105,11 @@ def test_template_features_tojson_raise_exception():
                                                        "chat_template": template})
     out = tok.apply_chat_template([{"role": "user", "content": "é"}])
     assert out == '<s>{"role": "user", "content": "é"}\nGO'
-    from jinja2.exceptions import TemplateError
-
-    with pytest.raises(TemplateError, match="no bad roles"):
+    # content written as JSON (escaped) is still the user's text
+    assert tok.apply_chat_template([{"role": "user", "content": 'say "hi"\n'}]).startswith('<s>{"role": "user"')
+    # the template's own refusal is the project's error (issue 37), naming it and the ways out
+    with pytest.raises(PromptError, match=re.escape("the checkpoint's chat template refused the conversation "
+                                                    "(TemplateError: no bad roles); pass chat=False")):
         tok.apply_chat_template([{"role": "bad", "content": "x"}])
 
 

@@ -43,6 +43,18 @@ def _raise_exception(message: str):
     raise TemplateError(message)
 
 
+def template_error(problem: str) -> PromptError:
+    """The error for a chat template that cannot render a prompt: the problem and both ways out."""
+    return PromptError(f"the checkpoint's chat template {problem}; pass chat=False (CLI: --no-chat) to use the "
+                       "raw prompt, or fix chat_template in the checkpoint's tokenizer_config.json (or "
+                       "chat_template.jinja)")
+
+
+def _preview(text: str, n: int = 40) -> str:
+    text = text.strip()
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
@@ -147,6 +159,7 @@ class Tokenizer:
     # ------------------------------------------------------------ chat template
     def _compiled_template(self):
         if self._template_fn is None:
+            from jinja2 import TemplateSyntaxError
             from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -155,11 +168,18 @@ class Tokenizer:
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = _strftime_now
-            self._template_fn = env.from_string(self.chat_template)
+            try:
+                self._template_fn = env.from_string(self.chat_template)
+            except TemplateSyntaxError as e:
+                raise template_error(f"is not valid Jinja (line {e.lineno}: {e.message})") from None
         return self._template_fn
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render ``messages`` ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
+        """Render ``messages`` ([{"role": ..., "content": ...}, ...]) with the model's chat template.
+
+        A template that does not compile, fails or refuses the conversation (``raise_exception``), or leaves a
+        user message's text out of the prompt (truncated, dropped) is a PromptError naming the problem, raised
+        before any compute."""
         if not self.chat_template:
             raise PromptError(
                 "this checkpoint has no chat template; pass chat=False (CLI: --no-chat) to use the raw prompt"
@@ -173,7 +193,24 @@ class Tokenizer:
             unk_token=self.unk_token or "",
         )
         ctx.update(kwargs)
-        return self._compiled_template().render(**ctx)
+        template = self._compiled_template()
+        from jinja2 import TemplateError
+
+        try:
+            rendered = template.render(**ctx)
+        except TemplateError as e:  # raise_exception(...), an undefined name, a sandbox refusal
+            raise template_error(f"refused the conversation ({type(e).__name__}: {e})") from None
+        except Exception as e:  # the template's own code failing (a bad filter argument, an index error...)
+            raise template_error(f"failed while rendering ({type(e).__name__}: {e})") from None
+        for m in messages:
+            user = isinstance(m, Mapping) and m.get("role") == "user" and isinstance(m.get("content"), str)
+            content = m["content"] if user else ""
+            # templates often trim the content (Llama-3) and a few write it as JSON (escaped); anything else
+            # missing was dropped or truncated
+            if user and content.strip() not in rendered and _tojson(content.strip())[1:-1] not in rendered:
+                raise template_error("leaves the user's message out of the prompt (truncated or dropped: "
+                                     f"{_preview(content)} is not in what it rendered)")
+        return rendered
 
     def encode_prompt(self, text: str, chat: bool = True) -> list[int]:
         """Prompt ids: chat -> one user turn through the chat template; else raw text + specials (BOS)."""

@@ -197,6 +197,8 @@ class ContextKeeperPrefill(PrefillPlan):
 class ContextKeeperDecode(DecodeState):
     """No decode-time work; carries the prefill's split and its byte-based rho for the stats."""
 
+    writes_prompt_rows = False
+
     def __init__(self, plan: ContextKeeperPrefill, cache=None, info: dict | None = None):
         if info is None:
             cfg = plan.cfg

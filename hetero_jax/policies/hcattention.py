@@ -330,6 +330,8 @@ class HCPrefill(PrefillPlan):
 class HCDecode(DecodeState):
     """HCAttention's counters; selection and the host sums run inside the step (``HCAttention.attend``)."""
 
+    writes_prompt_rows = False  # its attend reads the codes and the host; only the tail grows
+
     def __init__(self, policy: HCAttention, cfg: ModelConfig, lens, point: OperatingPoint, store: HostKVStore,
                  itemsize: int):
         self.policy, self.cfg, self.lens, self.point, self.store, self.itemsize = (policy, cfg, lens, point, store,

@@ -52,6 +52,10 @@ class DecodeState:
     # after_extend may move the prompt rows the heads attend: the engine then appends the turn again
     # over the new rows (its first pass was computed over the old ones)
     reencodes_turn = False
+    # the hooks or the policy's attend may rewrite prompt rows of the pool (recalls, fetched pages): undoing a
+    # session's failed turn then needs a copy of the pool taken before it (False: a turn only appends to the
+    # tail, and the lengths alone undo it). True unless a state declares otherwise, so a new policy is safe.
+    writes_prompt_rows = True
 
     def fresh(self) -> "DecodeState":
         """A new state as this one was right after prefill (counters zero; the same host copies)."""
@@ -109,3 +113,9 @@ class DecodeState:
     def summary(self) -> str:
         """The counters as a short text for ``GenerationStats.summary`` ('' when there are none)."""
         return ""
+
+
+class TailOnlyDecode(DecodeState):
+    """The state of a policy whose decode only appends to the tail (full KV, the static baselines): no hooks."""
+
+    writes_prompt_rows = False

@@ -235,6 +235,10 @@ class QuestPrefill(PrefillPlan):
 class QuestDecode(DecodeState):
     """Quest's decode counters; the selection itself runs inside the step (``Quest.attend``)."""
 
+    @property
+    def writes_prompt_rows(self) -> bool:
+        return self.store is not None  # offload refills each head's page buffer with the fetched rows
+
     def __init__(self, policy: Quest, cfg: ModelConfig, lens, partial, k_sel, n_pages, store: HostKVStore | None,
                  itemsize: int):
         self.policy, self.cfg, self.store, self.itemsize = policy, cfg, store, itemsize

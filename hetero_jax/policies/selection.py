@@ -11,7 +11,7 @@ import numpy as np
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, prompt_kv_bytes
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.policies.protocol import DecodeState, PrefillPlan
+from hetero_jax.policies.protocol import DecodeState, PrefillPlan, TailOnlyDecode
 from pallas_kernels import MASK_VALUE
 from hetero_jax.policies.primitives import gather_group, select_topk
 from hetero_jax.model.sharding import to_host
@@ -132,7 +132,7 @@ class PolicyPrefill(PrefillPlan):
 
     def finish(self, cache: KVCache) -> tuple[KVCache, DecodeState]:
         """(the cache, its decode state): a static policy's decode has no hooks."""
-        return cache, DecodeState()
+        return cache, TailOnlyDecode()
 
 
 class FullPrefill(M.FullKVPlan, PrefillPlan):
@@ -142,7 +142,7 @@ class FullPrefill(M.FullKVPlan, PrefillPlan):
         super().__init__(prompt_lens, cfg.num_layers, cfg.num_kv_heads)
 
     def finish(self, cache: KVCache) -> tuple[KVCache, DecodeState]:
-        return cache, DecodeState()
+        return cache, TailOnlyDecode()
 
 
 def bytes_rho(cache, cfg: ModelConfig) -> float:

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 from hetero_jax.errors import PromptError
 from hetero_jax.runtime.compile_cache import tail_capacity_for
 from hetero_jax.runtime.engine import Engine, decode_loop, make_results
-from hetero_jax.runtime.prompts import as_token_batches, check_model, check_request
+from hetero_jax.runtime.prompts import as_token_batches, check_flag, check_model, check_request
 
 
 def generate(
@@ -32,6 +32,7 @@ def generate(
     Returns a :class:`GenerationResult` (a list of them for a batch).
     """
     stops = check_request(max_new_tokens, temperature, top_p, seed=seed, stop=stop, on_token=on_token)
+    check_flag("chat", chat)
     check_model(model)
     batch, is_batch = as_token_batches(model, prompt, chat)
     if on_token is not None and is_batch:

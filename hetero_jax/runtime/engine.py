@@ -7,6 +7,7 @@ state's hooks around it (drift checks, recalls) -> ``decode_loop`` accepts token
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Sequence
@@ -238,6 +239,35 @@ class Engine:
         turn_queries = tuple(jnp.concatenate(qs, axis=2) for qs in zip(*per_chunk)) if keep_q else None
         return logits, turn_queries
 
+    def checkpoint(self) -> "EngineCheckpoint":
+        """What a session's turn may change, saved so that ``restore`` can undo the turn if it fails.
+
+        The cache's arrays are copied (every jitted call donates them); the pool only when the decode state
+        may rewrite prompt rows (``DecodeState.writes_prompt_rows``): otherwise a turn only writes tail rows
+        past the saved lengths, and the live pool serves again. Call it after ``reserve``, so the tail does
+        not grow inside the turn."""
+        copy = functools.partial(jax.tree.map, lambda a: a.copy())
+        whole = bool(self.state.writes_prompt_rows)
+        cache = copy(self.cache) if whole else copy(self.cache.replace(pool=None))
+        return EngineCheckpoint(cache=cache, pool_copied=whole, pool_shape=tuple(self.cache.pool.k.shape),
+                                state=_copy_state(vars(self.state)), key=self.key, steps=self.steps)
+
+    def restore(self, ck: "EngineCheckpoint") -> bool:
+        """Put the engine back as ``ck`` saw it; False if it cannot be (its pool was not copied and the live one
+        is gone: a device call was interrupted after it took the donated pool, or the tail grew)."""
+        if ck.pool_copied:
+            cache = ck.cache
+        else:
+            pool = self.cache.pool
+            if tuple(pool.k.shape) != ck.pool_shape or any(a.is_deleted() for a in jax.tree.leaves(pool)):
+                return False
+            cache = ck.cache.replace(pool=pool)
+        self.cache, self.key, self.steps = cache, ck.key, ck.steps
+        attrs = vars(self.state)
+        attrs.clear()
+        attrs.update(ck.state)  # in place: whoever holds the state object sees the restored one
+        return True
+
     def drain(self) -> float:
         """Wait until the policy's asynchronous decode work (HeteroCache's dispatched drift checks and
         recall copies) has finished; returns the seconds waited. Decoding never needs this; a benchmark
@@ -271,6 +301,31 @@ class Engine:
         if getattr(self.model, "mesh", None) is None:
             return {}
         return per_device_bytes(prompt_arrays(self.cache))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCheckpoint:
+    """An engine's state before a session turn (``Engine.checkpoint``); used once, by ``Engine.restore``."""
+
+    cache: object  # copies of the cache's arrays (the pool's only when ``pool_copied``; else pool=None)
+    pool_copied: bool
+    pool_shape: tuple  # the live pool's shape when the pool was not copied: it must still be that one
+    state: dict  # the decode state's attributes, containers and host arrays copied
+    key: object
+    steps: int
+
+
+def _copy_state(value):
+    """``value`` with its containers and numpy arrays copied (the decode state's held positions, buffers, step
+    lists). Device arrays (immutable), host stores (written once, at prefill), plans and policies are shared;
+    so are a host store's call counters, which a failed turn leaves counted."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if type(value) in (list, tuple, set):
+        return type(value)(_copy_state(v) for v in value)
+    if type(value) is dict:
+        return {k: _copy_state(v) for k, v in value.items()}
+    return value
 
 
 def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperature, top_p, stops, on_token):

@@ -9,16 +9,18 @@ While an engine is alive, every new compile (:func:`compiled` calls :func:`after
 the heap (``gc.freeze``): what exists then leaves the collector's scans. Frozen objects are still freed
 by reference counting (engines, caches and decode states hold no reference cycles); only cyclic
 garbage among them waits, until the last engine is gone and the heap is unfrozen (``gc.unfreeze``).
-Set ``HETERO_JAX_GC_FREEZE=0`` to leave the collector alone.
+Set ``HETERO_JAX_GC_FREEZE=0`` (or false/no/off) to leave the collector alone; a value that is not a
+boolean is refused when hetero_jax is imported (``errors.env_flag``).
 """
 
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 
-ENABLED = os.environ.get("HETERO_JAX_GC_FREEZE", "1") != "0"
+from hetero_jax.errors import env_flag
+
+ENABLED = env_flag("HETERO_JAX_GC_FREEZE", True)
 _live = [0]  # engines alive
 _frozen = [False]  # whether this module froze the heap: a freeze of the user's own is never undone here
 

@@ -122,11 +122,40 @@ def check_session_args(model, context, chat, seed, reserve_tokens) -> None:
     if context is None or not isinstance(context, (str, list, tuple, np.ndarray)):
         raise PromptError(f"context must be a string or a list of token ids, got {type(context).__name__}; "
                           "a Session answers questions about a context given up front")
-    if not isinstance(chat, (bool, np.bool_)):
-        raise PromptError(f"chat must be True or False, got {chat!r}")
+    check_flag("chat", chat)
     check_request(0, 0.0, 1.0, seed=seed)
-    if not is_int(reserve_tokens) or reserve_tokens < 1:
-        raise PromptError(f"reserve_tokens must be an integer >= 1, got {reserve_tokens!r}")
+    if reserve_tokens is not None and (not is_int(reserve_tokens) or reserve_tokens < 1):
+        raise PromptError(f"reserve_tokens must be an integer >= 1, got {reserve_tokens!r} (None: the default)")
+
+
+def check_flag(name: str, value) -> None:
+    """A boolean option: True or False only (a string such as "no" is truthy and would mean the opposite)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise PromptError(f"{name} must be True or False, got {value!r}")
+
+
+DEFAULT_RESERVE = 512  # tail rows a Session allocates for its turns and answers unless told
+
+
+def session_reserve(reserve_tokens, cfg: ModelConfig, context_tokens: int) -> int:
+    """The tail rows a Session allocates after a context of ``context_tokens`` tokens.
+
+    None: ``DEFAULT_RESERVE``, or the positions the context leaves if fewer. A value the context leaves no room
+    for is refused before the pool is allocated: the tail can never hold more than those positions, and a value
+    far past them ran out of memory allocating rows that could never be used.
+    """
+    left = cfg.max_position_embeddings - context_tokens
+    if left < 1:
+        return 1  # the context itself does not fit: the Engine refuses it, naming its length
+    if reserve_tokens is None:
+        return min(DEFAULT_RESERVE, left)
+    if reserve_tokens > left:
+        raise PromptError(
+            f"reserve_tokens={reserve_tokens} is more than the context leaves: the model's context is "
+            f"{cfg.max_position_embeddings} tokens and the session's context takes {context_tokens}, so at most "
+            f"{left} tokens of turns and answers follow it; pass reserve_tokens <= {left} or leave it unset"
+        )
+    return int(reserve_tokens)
 
 
 def question_ids(question, cfg: ModelConfig) -> list[int]:

@@ -2,16 +2,117 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from typing import Sequence
 
 import numpy as np
 
-from hetero_jax.errors import PromptError
+from hetero_jax.errors import PromptError, SessionBusyError, SessionError
 from hetero_jax.runtime.compile_cache import compile_seconds
 from hetero_jax.runtime.engine import Engine, decode_loop, make_results
-from hetero_jax.runtime.prompts import check_request, check_session_args, question_ids, token_list
+from hetero_jax.runtime.prompts import (DEFAULT_RESERVE, check_model, check_request, check_session_args, question_ids,
+                                        session_reserve, token_list)
 from hetero_jax.runtime.results import GenerationResult
+
+_MARKER = "\x00HETERO_JAX_TURN\x00"
+
+
+@dataclasses.dataclass(frozen=True)
+class Transcript:
+    """What a session's next turn is rendered from; a turn makes a new one (``ask``, then ``answered``), which
+    the session keeps only once the turn has succeeded.
+
+    ``context_text``: the context as text (None for token ids); ``messages``: the chat history; ``rendered``:
+    the text the cache holds (chat template applied); ``unfed``: the last answer token, not yet in the cache;
+    ``turns``: turns answered.
+    """
+
+    context_text: str | None
+    chat: bool
+    rendered: str | None
+    messages: tuple = ()
+    unfed: tuple = ()
+    turns: int = 0
+
+    def ask(self, tok, cfg, question) -> tuple[list[int], "Transcript"]:
+        """Tokens that close the previous turn (if any) and open this one, and the transcript after them."""
+        unfed = list(self.unfed)
+        if not isinstance(question, str):
+            return unfed + question_ids(question, cfg), dataclasses.replace(self, unfed=())
+        if not question.strip():
+            raise PromptError("empty question: the question text has no content")
+        if self.context_text is None or not self.chat:
+            sep = "\n\n" if (self.turns or self.context_text) else ""
+            ids = unfed + tok.encode(sep + question, add_special_tokens=False)
+            return ids, dataclasses.replace(self, unfed=())
+        if not self.turns:
+            msgs = ({"role": "user", "content": self.context_text + "\n\n" + question},)
+        else:
+            msgs = self.messages + ({"role": "user", "content": question},)
+        rendered = tok.apply_chat_template(list(msgs), add_generation_prompt=True)
+        if not rendered.startswith(self.rendered):
+            raise PromptError("the chat template does not render turns incrementally (the history renders "
+                              "differently once a turn is added); use chat=False")
+        ids = unfed + tok.encode(rendered[len(self.rendered):], add_special_tokens=False)
+        return ids, dataclasses.replace(self, messages=msgs, rendered=rendered, unfed=())
+
+    def answered(self, tok, answer_ids: list[int], at_eos: bool) -> "Transcript":
+        """The transcript once the answer ``answer_ids`` was generated (``at_eos``: it ended at EOS). The
+        answer is in the cache except its last token when it did not end at EOS: that one opens the next turn."""
+        t = dataclasses.replace(self, turns=self.turns + 1,
+                                unfed=(answer_ids[-1],) if answer_ids and not at_eos else ())
+        if self.chat and self.context_text is not None:
+            answer = tok.decode(answer_ids)
+            t = dataclasses.replace(t, messages=t.messages + ({"role": "assistant", "content": answer},),
+                                    rendered=t.rendered + answer)
+        return t
+
+
+def open_context(tok, context, chat: bool) -> tuple[list[int], Transcript]:
+    """The context's token ids and the transcript a session starts from; checks before any compute."""
+    if isinstance(context, str):
+        if not context.strip():
+            raise PromptError("empty context: the session's context text has no content")
+        if chat:
+            rendered = tok.apply_chat_template([{"role": "user", "content": context + _MARKER}])
+            if _MARKER not in rendered:
+                raise PromptError("the chat template changes the message text, so the context cannot be "
+                                  "prefilled apart from the first question; use chat=False")
+            prefix = rendered[: rendered.index(_MARKER)]
+            return tok.encode(prefix, add_special_tokens=False), Transcript(context, True, prefix)
+        return tok.encode_prompt(context, chat=False), Transcript(context, False, context)
+    return token_list(context, "the context"), Transcript(None, chat, None)
+
+
+def check_turns_fit(model, context, questions: Sequence, *, chat: bool = True) -> None:
+    """Every question of a scripted session fits the model's context, checked before any compute.
+
+    The rule is ``Session.ask``'s (a turn's tokens must leave at least one position for its answer), applied
+    to the questions in order as if every answer were empty: answers only take more positions, so a turn
+    refused here would be refused by the session, after the turns before it were computed.
+    """
+    check_model(model)
+    tok, cfg = model.tokenizer, model.config
+    ids, t = open_context(tok, context, chat)
+    total = cfg.max_position_embeddings
+    used = len(ids)
+    if used >= total:
+        raise PromptError(f"the context has {used} tokens but the model's context is {total} tokens (room is "
+                          "needed for the questions and answers); shorten the context")
+    for i, q in enumerate(questions, 1):
+        q_ids, t = t.ask(tok, cfg, q)
+        if used + len(q_ids) + 1 > total:
+            raise PromptError(
+                f"turn {i} ({len(q_ids)} tokens) does not fit: the context ({len(ids)} tokens)"
+                + (f" and turns 1-{i - 1} ({used - len(ids)} tokens, answers not counted)" if i > 1 else "")
+                + (" leave" if i > 1 else " leaves")
+                + f" {total - used} positions of the model's {total}-token context, and its answer needs at least "
+                "one; shorten or drop that question (nothing was computed)"
+            )
+        used += len(q_ids)
+        t = t.answered(tok, [], at_eos=True)
 
 
 class Session:
@@ -22,64 +123,71 @@ class Session:
     answered. The policy's prefill selection sees only the context; HeteroCache
     re-selects its compressed heads from each turn's queries before the answer.
     ``generate`` is one turn of this with the question inside the prompt.
+
+    A turn that fails, whatever fails (a refused question, an ``on_token`` that
+    raises, a KeyboardInterrupt, a policy's recall), leaves the session as it
+    was: the history, the cache and the decode state are committed only when
+    the answer is complete. One question at a time: an ``ask`` from another
+    thread while one runs is refused (``SessionBusyError``).
     """
 
     def __init__(self, model, context: str | Sequence[int], policy=None, *, chat: bool = True, seed: int = 0,
-                 reserve_tokens: int = 512):
+                 reserve_tokens: int | None = None):
+        """``reserve_tokens``: tail rows allocated up front for turns and answers (the tail grows when they
+        outgrow it); None: 512, or the positions the context leaves if fewer."""
         check_session_args(model, context, chat, seed, reserve_tokens)
         self.model, self.chat = model, chat
-        tok = model.tokenizer
-        self.messages: list[dict] = []
-        if isinstance(context, str):
-            if not context.strip():
-                raise PromptError("empty context: the session's context text has no content")
-            if chat:
-                marker = "\x00HETERO_JAX_TURN\x00"
-                rendered = tok.apply_chat_template([{"role": "user", "content": context + marker}])
-                self._prefix_text = rendered[: rendered.index(marker)]
-                ids = tok.encode(self._prefix_text, add_special_tokens=False)
-            else:
-                self._prefix_text = context
-                ids = tok.encode_prompt(context, chat=False)
-            self._context_text = context
-        else:
-            ids = token_list(context, "the context")
-            self._prefix_text = None
-            self._context_text = None
+        ids, self._t = open_context(model.tokenizer, context, chat)
+        cfg = getattr(model, "config", None)
+        if cfg is not None:  # a tokenizer-only stand-in (benchmarks' probe) has no context length
+            check_model(model)
+            reserve_tokens = session_reserve(reserve_tokens, cfg, len(ids))
+        elif reserve_tokens is None:
+            reserve_tokens = DEFAULT_RESERVE
         self.engine = Engine(model, [ids], policy, tail_capacity=reserve_tokens, seed=seed)
         self.context_tokens = len(ids)
-        self._rendered = self._prefix_text
-        self._unfed: list[int] = []
         self.turns: list[GenerationResult] = []
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread answering now
+        self._lost: str | None = None  # why the cache cannot be used any more (a turn's failure could not be undone)
 
-    def _turn_ids(self, question: str | Sequence[int]) -> tuple[list[int], list[dict], str | None]:
-        """Tokens that close the previous turn (if any) and open this one, with the chat history and
-        rendered text after it; ``ask`` commits them only once the turn is accepted."""
-        tok = self.model.tokenizer
-        unfed = self._unfed
-        if not isinstance(question, str):
-            return unfed + question_ids(question, self.engine.cfg), self.messages, self._rendered
-        if not question.strip():
-            raise PromptError("empty question: the question text has no content")
-        if self._context_text is None or not self.chat:
-            sep = "\n\n" if (self.turns or self._context_text) else ""
-            return unfed + tok.encode(sep + question, add_special_tokens=False), self.messages, self._rendered
-        if not self.turns:
-            msgs = [{"role": "user", "content": self._context_text + "\n\n" + question}]
-        else:
-            msgs = self.messages + [{"role": "user", "content": question}]
-        rendered = tok.apply_chat_template(msgs, add_generation_prompt=True)
-        if not rendered.startswith(self._rendered):
-            raise PromptError("the chat template does not render turns incrementally; use chat=False")
-        new_text = rendered[len(self._rendered):]
-        return unfed + tok.encode(new_text, add_special_tokens=False), msgs, rendered
+    # the history, read-only views of the committed transcript
+    @property
+    def messages(self) -> list[dict]:
+        return list(self._t.messages)
+
+    @property
+    def _rendered(self) -> str | None:
+        return self._t.rendered
+
+    @property
+    def _unfed(self) -> list[int]:
+        return list(self._t.unfed)
 
     def ask(self, question, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
             stop=None, on_token=None) -> GenerationResult:
         """Append ``question`` (text or token ids) and generate the answer."""
+        # one turn at a time: a second thread would step the same donated cache (its arrays deleted under the
+        # first) and interleave two histories; refuse it at once rather than queue behind a long answer
+        if not self._lock.acquire(blocking=False):
+            if self._owner == threading.get_ident():  # from inside its own on_token
+                raise SessionBusyError("Session.ask was called from this Session's own on_token while it answers; "
+                                       "ask the next question after ask returns")
+            raise SessionBusyError("this Session is answering another question in another thread; wait for that "
+                                   "answer or open a second Session")
+        self._owner = threading.get_ident()
+        try:
+            return self._ask(question, max_new_tokens, temperature, top_p, stop, on_token)
+        finally:
+            self._owner = None
+            self._lock.release()
+
+    def _ask(self, question, max_new_tokens, temperature, top_p, stop, on_token) -> GenerationResult:
+        if self._lost is not None:
+            raise SessionError(self._lost)
         stops = check_request(max_new_tokens, temperature, top_p, stop=stop, on_token=on_token)
-        eng = self.engine
-        ids, messages, rendered = self._turn_ids(question)
+        eng, tok = self.engine, self.model.tokenizer
+        ids, t = self._t.ask(tok, eng.cfg, question)
         room = eng.positions_left - len(ids)
         if room < 1:
             raise PromptError(
@@ -87,10 +195,24 @@ class Session:
                 f"model's {eng.cfg.max_position_embeddings}-token context; ask a shorter question or start a new "
                 "session (this one is unchanged)"
             )
-        # every check passed: the turn is accepted (a refused one leaves the session as it was)
-        self._unfed, self.messages, self._rendered = [], messages, rendered
         budget = min(max_new_tokens, room)
-        eng.reserve(len(ids) + budget + 1)
+        eng.reserve(len(ids) + budget + 1)  # may grow the tail: more room, the same answers
+        saved = eng.checkpoint()
+        try:
+            res, t = self._answer(ids, t, budget, max_new_tokens, temperature, top_p, stops, on_token)
+        except BaseException:
+            # whatever failed (on_token, Ctrl-C, the template, a recall), the turn did not happen
+            if not eng.restore(saved):
+                self._lost = ("this Session's cache was lost when a turn failed inside a device call (its arrays "
+                              "had been handed to the call); open a new Session")
+            raise
+        self._t = t
+        self.turns.append(res)
+        return res
+
+    def _answer(self, ids, t: Transcript, budget, max_new_tokens, temperature, top_p, stops, on_token):
+        """Feed the turn and decode its answer: (result, transcript after it). Changes only the engine."""
+        eng = self.engine
         # All but the turn's last token go in chunked passes (the policy re-selects from their queries,
         # HeteroCache's after_extend); the last one is a decode step, so the answer's first token is
         # sampled with the new selection in place.
@@ -104,14 +226,5 @@ class Session:
                                                          stops=stops, on_token=on_token)
         if budget < max_new_tokens:
             reasons = ["context" if r == "max_new_tokens" else r for r in reasons]
-        # the answer is in the cache except its last token when it did not end at EOS:
-        # that one opens the next turn
-        if out_ids[0] and reasons[0] != "eos":
-            self._unfed = [out_ids[0][-1]]
-        if self.chat and self._context_text is not None:
-            answer = self.model.tokenizer.decode(out_ids[0])
-            self.messages = self.messages + [{"role": "assistant", "content": answer}]
-            self._rendered = self._rendered + answer
-        res = make_results(eng, out_ids, texts, reasons, decode_s, [self.context_tokens], extend_s)[0]
-        self.turns.append(res)
-        return res
+        t = t.answered(self.model.tokenizer, out_ids[0], reasons[0] == "eos")
+        return make_results(eng, out_ids, texts, reasons, decode_s, [self.context_tokens], extend_s)[0], t

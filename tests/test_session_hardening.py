@@ -1,0 +1,379 @@
+"""Sessions, chat templates and boolean settings (issue 37): a failed turn, whatever failed, leaves the
+session as it was; a second thread is refused while one asks; malformed chat templates, non-bool flags, a
+reserve past the context and a non-boolean HETERO_JAX_GC_FREEZE are the project's errors, before any compute."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import hetero_jax
+from hetero_jax.errors import ConfigError, PromptError, SessionBusyError, SessionError, env_flag
+from hetero_jax.io.tokenizer import Tokenizer
+from hetero_jax.model import transformer as M
+from hetero_jax.policies import FullKV, HeteroCache
+from hetero_jax.profile.clustering import Role
+from hetero_jax.profile.format import HeadProfile
+from hetero_jax.runtime import Session
+from hetero_jax.runtime.session import check_turns_fit
+from tiny_model import random_prompt, tiny_model
+
+MODEL = tiny_model(256)
+A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE
+# pivots with satellites in layers 0 and 2: drift checks and recalls rewrite prompt rows of the pool
+PROFILE = HeadProfile(roles=np.asarray([[S, P, S], [A, V, A], [S, A, P]], np.int8),
+                      clusters=(((1, (0, 2)),), (), ((2, (0,)),)),
+                      weights=np.where(np.isin([[S, P, S], [A, V, A], [S, A, P]], [A, S]), 1.0, np.nan),
+                      architecture="llama", head_dim=MODEL.config.head_dim)
+
+
+class Boom(Exception):
+    pass
+
+
+def raise_on(n: int, exc=Boom):
+    """An on_token that raises ``exc`` at its ``n``-th call (the answer half decoded)."""
+    calls = [0]
+
+    def on_token(_text):
+        calls[0] += 1
+        if calls[0] == n:
+            raise exc("stop here")
+    return on_token
+
+
+def state(sess):
+    """What a turn may change, as plain values."""
+    c = sess.engine.cache
+    return dict(messages=sess.messages, rendered=sess._rendered, unfed=sess._unfed, turns=len(sess.turns),
+                steps=sess.engine.steps, seq=np.asarray(c.seq_lens).tolist(), tail=np.asarray(c.tail_lens).tolist(),
+                stats=sess.engine.state.stats(), key=np.asarray(sess.engine.key).tolist())
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_checkpoint):
+    pytest.importorskip("transformers")
+    return hetero_jax.load(tiny_checkpoint("llama")[1])
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("compute started for input that should have been refused")
+    monkeypatch.setattr(M, "prefill", boom)
+    monkeypatch.setattr(M, "decode_step", boom)
+    monkeypatch.setattr(M, "extend", boom)
+
+
+# ------------------------------------------------------------------ a failed turn changes nothing
+CONTEXT = "the quick brown fox jumps over the lazy dog. " * 6
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
+def test_a_turn_whose_on_token_raises_leaves_the_chat_session_as_it_was(chat_model, chat, exc):
+    """The reported case: with chat=True a raising on_token left every later question refused ('the chat
+    template does not render turns incrementally'). Now turn 2 asked again answers as in a session that never
+    failed, and so does turn 3."""
+    s, twin = Session(chat_model, CONTEXT, chat=chat), Session(chat_model, CONTEXT, chat=chat)
+    assert s.ask("who jumps?", max_new_tokens=4).token_ids == twin.ask("who jumps?", max_new_tokens=4).token_ids
+    before = state(s)
+    with pytest.raises(exc, match="stop here"):
+        s.ask("and the dog?", max_new_tokens=6, on_token=raise_on(2, exc))
+    assert state(s) == before
+    for q in ("and the dog?", "what colour is the fox?"):
+        got, want = s.ask(q, max_new_tokens=6), twin.ask(q, max_new_tokens=6)
+        assert got.token_ids == want.token_ids and got.text == want.text
+    assert s.messages == twin.messages and s._rendered == twin._rendered
+
+
+POLICIES = {
+    "full": lambda: FullKV(),  # only the tail grows: the lengths undo a turn
+    "heterocache": lambda: HeteroCache(profile=PROFILE, budget=0.6, window=2, tau_drift=1.5),  # recalls: pool copied
+}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("where", ["on_token", "step", "extend"])
+def test_a_failed_turn_is_undone_for_a_policy_that_rewrites_prompt_rows_and_one_that_does_not(name, where,
+                                                                                             monkeypatch):
+    make = POLICIES[name]
+    ctx, q1, q2 = random_prompt(150, 1), random_prompt(12, 2), random_prompt(9, 3)
+    s = Session(MODEL, ctx, make(), chat=False, reserve_tokens=8)
+    twin = Session(MODEL, ctx, make(), chat=False, reserve_tokens=8)
+    assert s.ask(q1, max_new_tokens=7).token_ids == twin.ask(q1, max_new_tokens=7).token_ids
+    assert s.engine.state.writes_prompt_rows == (name == "heterocache")
+    before = state(s)
+    at_failure = {}
+    kw = {}
+    if where == "on_token":
+        on_token = raise_on(5)
+
+        def watched(text):
+            at_failure.update(state(s))
+            on_token(text)
+        kw["on_token"] = watched
+    else:  # a failure inside the engine (a policy hook, a device call) after the turn changed the cache
+        real, calls = getattr(s.engine, where), [0]
+
+        def failing(*a, **k):
+            out = real(*a, **k)
+            calls[0] += 1
+            if calls[0] == 3 or where == "extend":
+                at_failure.update(state(s))
+                raise Boom("stop here")
+            return out
+        monkeypatch.setattr(s.engine, where, failing)
+    with pytest.raises(Boom, match="stop here"):
+        s.ask(q2, max_new_tokens=8, **kw)
+    monkeypatch.undo()
+    assert at_failure["tail"] != before["tail"]  # the turn had changed the cache when it failed
+    if name == "heterocache":  # and the policy's state: checks, recalls or the turn's re-selection
+        assert at_failure["stats"] != before["stats"]
+    assert state(s) == before
+    if name == "heterocache":
+        assert twin.ask(q2, max_new_tokens=8).stats.policy_stats["recalls"] > before["stats"]["recalls"]
+    else:
+        twin.ask(q2, max_new_tokens=8)
+    assert s.ask(q2, max_new_tokens=8).token_ids == twin.turns[-1].token_ids
+    assert s.ask(q1, max_new_tokens=5).token_ids == twin.ask(q1, max_new_tokens=5).token_ids
+
+
+def test_a_turn_that_loses_the_donated_pool_marks_the_session_lost(monkeypatch):
+    """A failure inside a device call after it took the (donated) pool: a policy whose pool was not copied
+    cannot be put back; the session says so on every later question instead of 'Array has been deleted'."""
+    s = Session(MODEL, random_prompt(150, 1), FullKV(), chat=False, reserve_tokens=8)
+    s.ask(random_prompt(5, 2), max_new_tokens=3)
+    eng, real = s.engine, s.engine.step
+
+    def interrupted(*a, **k):
+        real(*a, **k)
+        jax.tree.map(lambda a: a.delete(), eng.cache.pool)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(eng, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.ask(random_prompt(5, 3), max_new_tokens=3)
+    monkeypatch.undo()
+    for _ in range(2):
+        with pytest.raises(SessionError, match=re.escape("this Session's cache was lost when a turn failed inside "
+                                                         "a device call") + ".*open a new Session"):
+            s.ask(random_prompt(5, 3), max_new_tokens=3)
+
+
+# ------------------------------------------------------------------ one question at a time
+def test_a_second_thread_is_refused_while_the_first_answers_and_the_session_survives():
+    ctx, q1, q2 = random_prompt(150, 1), random_prompt(12, 2), random_prompt(9, 3)
+    s = Session(MODEL, ctx, FullKV(), chat=False, reserve_tokens=8)
+    twin = Session(MODEL, ctx, FullKV(), chat=False, reserve_tokens=8)
+    inside, release = threading.Event(), threading.Event()
+    result, errors = {}, []
+
+    def wait_inside(_text):
+        inside.set()
+        if not release.wait(60):
+            raise AssertionError("never released")
+
+    def first():
+        try:
+            result["res"] = s.ask(q1, max_new_tokens=5, on_token=wait_inside)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        assert inside.wait(120), "the first question never reached its answer"
+        with pytest.raises(SessionBusyError, match=re.escape(
+                "this Session is answering another question in another thread; wait for that answer or open a "
+                "second Session")):
+            s.ask(q2, max_new_tokens=5)
+    finally:
+        release.set()
+        t.join(120)
+    assert not errors and not t.is_alive()
+    assert isinstance(SessionBusyError("x"), hetero_jax.HeteroJaxError)
+    assert result["res"].token_ids == twin.ask(q1, max_new_tokens=5).token_ids
+    assert len(s.turns) == 1
+    assert s.ask(q2, max_new_tokens=5).token_ids == twin.ask(q2, max_new_tokens=5).token_ids
+
+
+def test_an_ask_from_inside_its_own_on_token_is_refused_and_the_outer_answer_stands():
+    ctx, q1 = random_prompt(150, 1), random_prompt(12, 2)
+    s = Session(MODEL, ctx, FullKV(), chat=False, reserve_tokens=8)
+    twin = Session(MODEL, ctx, FullKV(), chat=False, reserve_tokens=8)
+    refusals = []
+
+    def nested(_text):
+        try:
+            s.ask(q1, max_new_tokens=2)
+        except SessionBusyError as e:
+            refusals.append(str(e))
+    assert s.ask(q1, max_new_tokens=4, on_token=nested).token_ids == twin.ask(q1, max_new_tokens=4).token_ids
+    assert len(refusals) == 4 and set(refusals) == {
+        "Session.ask was called from this Session's own on_token while it answers; ask the next question after "
+        "ask returns"}
+
+
+# ------------------------------------------------------------------ scripted turns checked up front
+def test_check_turns_fit_refuses_a_later_turn_before_any_compute(chat_model, no_compute):
+    total = chat_model.config.max_position_embeddings
+    long_line = "tell me about the dog " * 200
+    for chat in (True, False):
+        with pytest.raises(PromptError) as ei:
+            check_turns_fit(chat_model, CONTEXT, ["who jumps?", long_line], chat=chat)
+        msg = str(ei.value)
+        assert re.match(r"turn 2 \(\d+ tokens\) does not fit: the context \(\d+ tokens\) and turns 1-1 \(\d+ tokens, "
+                        r"answers not counted\) leave \d+ positions of the model's " + str(total) + "-token context",
+                        msg), msg
+        assert msg.endswith("shorten or drop that question (nothing was computed)")
+        check_turns_fit(chat_model, CONTEXT, ["who jumps?", "and the dog?"], chat=chat)  # these fit
+    with pytest.raises(PromptError, match=r"^turn 1 \(\d+ tokens\) does not fit: the context \(\d+ tokens\) "
+                                         r"leaves \d+ positions"):
+        check_turns_fit(chat_model, CONTEXT, [long_line], chat=True)
+
+
+def test_check_turns_fit_follows_the_sessions_own_rule(chat_model):
+    """The last question the check accepts is one the session answers; one token more is refused by both."""
+    total = chat_model.config.max_position_embeddings
+    ctx = [5] * 100
+    fits, over = [7] * (total - 101), [7] * (total - 100)  # the answer needs one position
+    check_turns_fit(chat_model, ctx, [fits], chat=False)
+    with pytest.raises(PromptError, match=r"^turn 1 \(" + str(total - 100) + r" tokens\) does not fit"):
+        check_turns_fit(chat_model, ctx, [over], chat=False)
+    s = Session(chat_model, ctx, chat=False, reserve_tokens=8)
+    with pytest.raises(PromptError, match="does not fit"):
+        s.ask(over, max_new_tokens=1)
+    assert len(s.ask(fits, max_new_tokens=1).token_ids) <= 1
+
+
+# ------------------------------------------------------------------ chat templates
+BAD_TEMPLATES = [
+    ("{% for m in messages %}{{ m['content'] }", "is not valid Jinja (line 1: "),
+    ("{{ raise_exception('Conversation roles must alternate user/assistant') }}",
+     "refused the conversation (TemplateError: Conversation roles must alternate user/assistant)"),
+    ("{% for m in messages %}{{ m['content'][:5] }}{% endfor %}", "leaves the user's message out of the prompt "
+                                                                   "(truncated or dropped: "),
+    ("{% for m in messages %}<|im_start|>{{ m['role'] }}<|im_end|>{% endfor %}",
+     "leaves the user's message out of the prompt (truncated or dropped: "),
+    ("{{ messages[0]['content'].split(1) }}", "failed while rendering (TypeError: "),
+]
+FIX = ("; pass chat=False (CLI: --no-chat) to use the raw prompt, or fix chat_template in the checkpoint's "
+       "tokenizer_config.json (or chat_template.jinja)")
+
+
+def _with_template(chat_model, template: str):
+    tok = chat_model.tokenizer
+    bad = Tokenizer(tok.backend, tokenizer_config={**tok.tokenizer_config, "chat_template": template})
+    return dataclasses.replace(chat_model, tokenizer=bad)
+
+
+@pytest.mark.parametrize("template, needle", BAD_TEMPLATES)
+def test_a_malformed_chat_template_is_a_prompt_error_before_compute(chat_model, template, needle, no_compute):
+    model = _with_template(chat_model, template)
+    for call in (lambda: hetero_jax.generate(model, "the quick brown fox, the lazy dog"),
+                 lambda: Session(model, "the quick brown fox, the lazy dog")):
+        with pytest.raises(PromptError) as ei:
+            call()
+        msg = str(ei.value)
+        assert msg.startswith("the checkpoint's chat template " + needle), msg
+        assert msg.endswith(FIX), msg
+    # the way out the message names: without the template the prompt encodes
+    assert model.tokenizer.encode_prompt("the quick brown fox", chat=False)
+
+
+def test_templates_that_trim_the_content_are_not_refused(chat_model):
+    """Llama-3's template trims each message: whitespace around the text is not a truncation."""
+    model = _with_template(chat_model, "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+                                       "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    assert "hello there" in model.tokenizer.apply_chat_template([{"role": "user", "content": "  hello there \n"}])
+
+
+def test_a_turn_whose_template_fails_leaves_the_session_as_it_was(chat_model, monkeypatch):
+    """The template refuses the second turn (raise_exception on the history): the session is unchanged and
+    the next turn, once the template accepts it, answers as in a session that never saw the failure."""
+    s, twin = Session(chat_model, CONTEXT), Session(chat_model, CONTEXT)
+    s.ask("who jumps?", max_new_tokens=4)
+    twin.ask("who jumps?", max_new_tokens=4)
+    before = state(s)
+    real = s.model.tokenizer.apply_chat_template
+
+    def refusing(messages, *a, **k):
+        if len(messages) > 1:
+            from hetero_jax.io.tokenizer import template_error
+            raise template_error("refused the conversation (TemplateError: no follow-ups)")
+        return real(messages, *a, **k)
+    monkeypatch.setattr(s.model.tokenizer, "apply_chat_template", refusing)
+    with pytest.raises(PromptError, match=re.escape("refused the conversation (TemplateError: no follow-ups)")):
+        s.ask("and the dog?", max_new_tokens=4)
+    monkeypatch.undo()
+    assert state(s) == before
+    assert s.ask("and the dog?", max_new_tokens=4).token_ids == twin.ask("and the dog?", max_new_tokens=4).token_ids
+
+
+# ------------------------------------------------------------------ flags and sizes
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None, [True]])
+def test_chat_must_be_a_bool(value, no_compute):
+    needle = f"chat must be True or False, got {value!r}"
+    with pytest.raises(PromptError, match=re.escape(needle)):
+        hetero_jax.generate(MODEL, random_prompt(10), chat=value)
+    with pytest.raises(PromptError, match=re.escape(needle)):
+        Session(MODEL, random_prompt(10), chat=value)
+
+
+@pytest.mark.parametrize("reserve", [237, 256, 10**9])
+def test_a_reserve_past_the_context_is_refused_before_allocating(reserve, no_compute):
+    with pytest.raises(PromptError) as ei:
+        Session(MODEL, random_prompt(20), chat=False, reserve_tokens=reserve)
+    assert str(ei.value) == (
+        f"reserve_tokens={reserve} is more than the context leaves: the model's context is 256 tokens and the "
+        "session's context takes 20, so at most 236 tokens of turns and answers follow it; pass reserve_tokens <= "
+        "236 or leave it unset")
+
+
+def test_the_largest_reserve_and_the_default_fit_the_context():
+    s = Session(MODEL, random_prompt(20), chat=False, reserve_tokens=236)
+    assert s.engine.cache.tail_capacity >= 236
+    d = Session(MODEL, random_prompt(200), chat=False)  # the default 512 would not fit: the 56 positions left
+    assert 56 <= d.engine.cache.tail_capacity < 512
+    assert len(d.ask(random_prompt(5, 1), max_new_tokens=3).token_ids) == 3
+
+
+# ------------------------------------------------------------------ boolean environment variables
+@pytest.mark.parametrize("raw, want", [("1", True), ("true", True), (" Yes ", True), ("ON", True),
+                                       ("0", False), ("false", False), (" 0", False), ("Off\n", False), ("NO", False),
+                                       ("", True), ("  ", True)])
+def test_env_flag_reads_the_usual_words(monkeypatch, raw, want):
+    monkeypatch.setenv("HETERO_JAX_TEST_FLAG", raw)
+    assert env_flag("HETERO_JAX_TEST_FLAG", True) is want
+
+
+@pytest.mark.parametrize("raw", ["maybe", "2", "enabled", "tru"])
+def test_env_flag_refuses_other_values(monkeypatch, raw):
+    monkeypatch.setenv("HETERO_JAX_TEST_FLAG", raw)
+    with pytest.raises(ConfigError) as ei:
+        env_flag("HETERO_JAX_TEST_FLAG", True)
+    assert str(ei.value) == (f"environment variable HETERO_JAX_TEST_FLAG={raw!r} is not a boolean: use one of "
+                             "1/true/yes/on (on) or 0/false/no/off (off), or unset it (default: on)")
+
+
+def _heap_enabled(value: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HETERO_JAX_GC_FREEZE": value, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", "from hetero_jax.runtime import heap; print(heap.ENABLED)"],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_gc_freeze_reads_false_words_as_off_and_refuses_a_typo():
+    off = _heap_enabled(" off")
+    assert off.returncode == 0 and off.stdout.strip() == "False", off.stderr
+    bad = _heap_enabled("disable")
+    assert bad.returncode != 0
+    assert ("ConfigError: environment variable HETERO_JAX_GC_FREEZE='disable' is not a boolean: use one of "
+            "1/true/yes/on (on) or 0/false/no/off (off)") in bad.stderr
