@@ -179,10 +179,11 @@ def test_a_step_hands_the_cache_back_placed_as_it_took_it():
 @pytest.mark.parametrize("name", ["quest-offload", "freekv"])
 def test_host_fetching_turns_equal_one_device(name):
     """A session turn over the host copy (Quest's and FreeKV's dense turn attention from the host, FreeKV's
-    re-selection after it) on tp 3 answers as on one device."""
+    re-selection after it) on tp 3 x dp 2 answers as on one device (one sequence: the batch stays whole over
+    "data", and each device's host gather reads its heads of it)."""
     ctx, questions = PROMPTS[0], ([5, 6, 7, 8, 9], [10] * 7)  # one chunk size: one extend executable
     answers = []
-    for model in (MODEL, place(MODEL, make_mesh(3, 1))):
+    for model in (MODEL, place(MODEL, make_mesh(3, 2))):
         sess = Session(model, ctx, PEERS[name], chat=False, reserve_tokens=8)
         answers.append([sess.ask(q, max_new_tokens=4).token_ids for q in questions])
     assert answers[0] == answers[1]
