@@ -4,17 +4,23 @@ Collected only by ``tests/test_mesh.py``, which starts pytest on this file in a 
 ``XLA_FLAGS=--xla_force_host_platform_device_count=6`` (the flag must be set before JAX starts).
 """
 
+import re
+
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 import hetero_jax
 from hetero_jax.runtime import Engine, Session
 from hetero_jax.io.hub import place
-from hetero_jax.policies import FullKV, HCAttention, HeteroCache, SnapKV, SyncKV
+from hetero_jax.policies import (CAKE, H2O, REGISTRY, ContextKeeper, FreeKV, FullKV, HCAttention, HeteroCache,
+                                 PolicyError, PyramidKV, Quest, SnapKV, StreamingLLM, SyncKV)
 from hetero_jax.model.cache import POOL_QUANTUM, prompt_arrays
-from hetero_jax.model.sharding import MeshError, cache_shardings, make_mesh, per_device_bytes
-from test_heterocache import PROFILE
+from hetero_jax.model.sharding import MeshError, cache_shardings, keep_placed, make_mesh, per_device_bytes
+from hetero_jax.runtime.compile_cache import cached_executables
+from test_contextkeeper import RANKING
+from test_heterocache import COPY_PROFILE, PROFILE
 from test_synckv import PROFILE as SYNC_PROFILE
 from tiny_model import greedy_with_logits, tiny_model
 
@@ -93,20 +99,108 @@ def test_greedy_and_logits_equal_one_device(name, tp, dp):
     assert stats["kv_bytes_per_device"] and len(stats["kv_bytes_per_device"]) == tp * dp
 
 
-@pytest.mark.parametrize("policy", [SyncKV(profile=SYNC_PROFILE, budget=0.6, m=3), HCAttention(budget=0.5)],
-                         ids=["synckv", "hcattention"])
-def test_host_copy_peers_on_a_mesh(policy):
-    """SyncKV's refreshes and HCAttention's in-step host sums run on tp 3 x dp 2 as on one device."""
-    toks, logits, _ = greedy_with_logits(MODEL, policy, PROMPTS, steps=8)
-    got_toks, got_logits, eng = greedy_with_logits(place(MODEL, make_mesh(3, 2)), policy, PROMPTS, steps=8)
+# every other registered policy, with options under which its decode-time machinery runs on the tiny model:
+# Quest in device memory and offloaded (pages gathered from the host inside the step), FreeKV at tau 0.5 (most
+# head-steps corrected in the step from the host, some selections recalled before it), SyncKV's refreshes,
+# HCAttention's in-step host sums
+PEERS = {
+    "streamingllm": StreamingLLM(budget=0.5), "pyramidkv": PyramidKV(budget=0.5), "h2o": H2O(budget=0.5),
+    "cake": CAKE(budget=0.5), "contextkeeper": ContextKeeper(ranking=RANKING, budget=0.5, sink=4, recent=8),
+    "quest": Quest(budget=0.6, page_size=8, full_layers=1),
+    "quest-offload": Quest(budget=0.6, page_size=8, full_layers=1, offload=True),
+    "freekv": FreeKV(budget=0.6, page_size=8, tau=0.5),
+    "synckv": SyncKV(profile=SYNC_PROFILE, budget=0.6, m=3), "hcattention": HCAttention(budget=0.5),
+}
+# what each peer's stats must show, so that the mesh run is known to have exercised it
+EXERCISED = {"quest-offload": ("bytes_fetched_per_step",), "freekv": ("corrections", "pages_recalled"),
+             "synckv": ("recalls",), "hcattention": ("host_value_bytes_read_per_step",)}
+PEER_STEPS = 6
+_PEER_SINGLE: dict = {}
+
+
+def test_every_registered_policy_has_a_mesh_case():
+    """README "Several devices": every policy runs on a mesh; a newly registered one needs its case here."""
+    covered = {type(p).name for p in (*POLICIES.values(), *PEERS.values())}
+    assert covered == set(REGISTRY), set(REGISTRY) ^ covered
+
+
+def _stats(eng) -> dict:
+    """The decode state's counters, without wall-clock ones (they differ from run to run)."""
+    return {k: v for k, v in eng.state.stats().items() if "seconds" not in k and not k.endswith("_ms_per_step")}
+
+
+@pytest.mark.parametrize("tp,dp", [(3, 1), (3, 2)])
+@pytest.mark.parametrize("name", list(PEERS))
+def test_every_policy_equals_one_device(name, tp, dp):
+    """Greedy tokens, logits (1e-4) and the policy's counters (pages fetched, recalled, corrected) on tp 3 x dp 1
+    (3 of the 6 devices: a mesh need not use them all) and tp 3 x dp 2 equal one device's; every cache leaf
+    sits where the spec says after prefill and the decode steps with their host writes (a step that handed the
+    cache back placed otherwise was refused by its compiled executable at the next step); host copies are in
+    pinned host memory, split over the mesh's devices."""
+    policy = PEERS[name]
+    if name not in _PEER_SINGLE:
+        _PEER_SINGLE[name] = greedy_with_logits(MODEL, policy, PROMPTS, steps=PEER_STEPS)
+    toks, logits, one = _PEER_SINGLE[name]
+    got_toks, got_logits, eng = greedy_with_logits(place(MODEL, make_mesh(tp, dp)), policy, PROMPTS, steps=PEER_STEPS)
     np.testing.assert_array_equal(got_toks, toks)
     np.testing.assert_allclose(got_logits, logits, atol=1e-4, rtol=0)
+    assert _stats(eng) == _stats(one)
+    for key in EXERCISED.get(name, ()):
+        assert _stats(one)[key] > 0, (name, key, _stats(one))
     for leaf, w in zip(jax.tree.leaves(eng.cache), jax.tree.leaves(cache_shardings(eng.cache, eng.model.mesh))):
-        assert leaf.sharding.is_equivalent_to(w, leaf.ndim)
+        assert leaf.sharding.is_equivalent_to(w, leaf.ndim), (leaf.shape, leaf.sharding, w)
+    assert eng.cache.pool.num_shards == tp and spec_of(eng.cache.pool.k) == ("data" if dp > 1 else None, "model",
+                                                                               None, None)
     for lc in eng.cache.layers:  # policy state that does not lead with the batch stays whole
         for leaf in jax.tree.leaves(lc.state):
             if leaf.ndim and leaf.shape[0] != len(PROMPTS):
                 assert all(a is None for a in spec_of(leaf))
+    host = eng.state.host_arrays()
+    assert bool(host) == (name in EXERCISED)
+    assert all(a.sharding.memory_kind == "pinned_host" for a in host)
+    assert not host or len(per_device_bytes(host)) == tp * dp
+
+
+def test_a_step_hands_the_cache_back_placed_as_it_took_it():
+    """``keep_placed``, which the decode and extend steps end with: a field that a step's body leaves placed
+    otherwise (here the lengths gathered whole) goes back where ``shard_cache`` put it, so the engine's one
+    compiled step accepts its own output (FreeKV's state once came back split and the next step failed)."""
+    _, _, eng = greedy_with_logits(place(MODEL, make_mesh(3, 2)), FullKV(), PROMPTS, steps=1)
+    cache, mesh = eng.cache, eng.model.mesh
+    whole = NamedSharding(mesh, PartitionSpec())
+    gather = lambda c: c.replace(seq_lens=jax.lax.with_sharding_constraint(c.seq_lens + 1, whole))  # noqa: E731
+    assert spec_of(cache.seq_lens) == ("data",) and spec_of(jax.jit(gather)(cache).seq_lens) == (None,)
+    out = jax.jit(lambda c: keep_placed(gather(c)))(cache)
+    np.testing.assert_array_equal(np.asarray(out.seq_lens), np.asarray(cache.seq_lens) + 1)
+    for leaf, w in zip(jax.tree.leaves(out), jax.tree.leaves(cache_shardings(cache, mesh))):
+        assert leaf.sharding.is_equivalent_to(w, leaf.ndim), (leaf.shape, leaf.sharding, w)
+
+
+@pytest.mark.parametrize("name", ["quest-offload", "freekv"])
+def test_host_fetching_turns_equal_one_device(name):
+    """A session turn over the host copy (Quest's and FreeKV's dense turn attention from the host, FreeKV's
+    re-selection after it) on tp 3 x dp 2 answers as on one device (one sequence: the batch stays whole over
+    "data", and each device's host gather reads its heads of it)."""
+    ctx, questions = PROMPTS[0], ([5, 6, 7, 8, 9], [10] * 7)  # one chunk size: one extend executable
+    answers = []
+    for model in (MODEL, place(MODEL, make_mesh(3, 2))):
+        sess = Session(model, ctx, PEERS[name], chat=False, reserve_tokens=8)
+        answers.append([sess.ask(q, max_new_tokens=4).token_ids for q in questions])
+    assert answers[0] == answers[1]
+    if name == "freekv":
+        assert sess.engine.state.stats()["turn_reselections"] == 2
+
+
+@pytest.mark.parametrize("tp,dp", [(3, 1), (1, 2)])
+def test_copy_window_on_a_mesh_is_refused_before_compute(tp, dp):
+    """HeteroCache's copy window is built for one device; on a mesh it used to be silently off."""
+    before = cached_executables()
+    with pytest.raises(PolicyError, match=re.escape(
+            f"HeteroCache: copy_window=16 runs on one device only, but the model is on a mesh of tp={tp} x dp={dp} "
+            "devices; use copy_window=0 (off) on a mesh, or load the model without one")):
+        hetero_jax.generate(place(MODEL, make_mesh(tp, dp)), PROMPTS, HeteroCache(profile=COPY_PROFILE, copy_window=16),
+                            max_new_tokens=2, chat=False)
+    assert cached_executables() == before  # refused before anything was compiled or run
 
 
 @pytest.mark.parametrize("tp,dp", [(3, 1), (3, 2)])

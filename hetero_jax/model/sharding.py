@@ -127,6 +127,17 @@ def shard_cache(cache, mesh: Mesh):
     return placed.replace(mesh=mesh) if hasattr(placed, "mesh") else placed
 
 
+def keep_placed(cache):
+    """Traced: ``cache`` constrained to where :func:`shard_cache` places it (a no-op off a mesh).
+
+    A jitted step that takes the cache and hands it back ends with this, so its output sits where its input
+    did: the engine reuses one compiled step, which refuses arguments placed otherwise ("compiled for input
+    shardings that disagree"), and the partitioner may otherwise split a small state field that the
+    declared axes keep whole (FreeKV's resident pages did)."""
+    mesh = getattr(cache, "mesh", None)
+    return cache if mesh is None else jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+
+
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     """Inputs whose first dim is the batch: split over "data" where it divides."""
     return NamedSharding(mesh, partition_spec(("batch",), shape, mesh))

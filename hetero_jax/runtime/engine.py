@@ -22,7 +22,8 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import grow_tail, kv_bytes, prompt_arrays, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import params_for
-from hetero_jax.model.sharding import MeshError, batch_sharding, per_device_bytes, shard_cache, to_host
+from hetero_jax.model.sharding import (MeshError, batch_sharding, keep_placed, per_device_bytes, shard_cache,
+                                       to_host)
 from hetero_jax.runtime import heap
 from hetero_jax.runtime.compile_cache import MAX_CHUNK, TAIL_QUANTUM, chunk_bucket, compile_seconds, compiled, round_up
 from hetero_jax.runtime.prompts import check_model, validate_ids
@@ -36,7 +37,7 @@ from hetero_jax.runtime.sampling import sample
 def decode_step_jit(params, cache, tokens, key, cfg, policy, temperature, top_p):
     """One decode step with the policy's ``attend`` in every layer: (tokens, logits, cache, extras)."""
     logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy)
-    return sample(logits, key, temperature, top_p), logits, cache, extras
+    return sample(logits, key, temperature, top_p), logits, keep_placed(cache), extras
 
 
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
@@ -88,7 +89,8 @@ def bind_policy(model, policy):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("cache",))
 def _extend_jit(params, cache, tokens, n_new, cfg, policy):
-    return M.extend(params, cache, tokens, n_new, cfg, policy=policy)
+    logits, cache, queries = M.extend(params, cache, tokens, n_new, cfg, policy=policy)
+    return logits, keep_placed(cache), queries
 
 
 class Engine:

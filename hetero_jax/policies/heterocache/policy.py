@@ -60,8 +60,12 @@ class HeteroCache(ProfiledPolicy):
     def bind(self, model):
         """The profile resolved and checked (``ProfiledPolicy.bind``); on a mesh with tp > 1 model shards,
         the role-balanced row layout (``row_layout``), so every head group splits over "model"."""
-        bound = super().bind(model)
         mesh = getattr(model, "mesh", None)
+        if self.copy_window and mesh is not None and mesh.size > 1:  # refused here: it was silently off
+            raise PolicyError(f"HeteroCache: copy_window={self.copy_window} runs on one device only, but the model "
+                              f"is on a mesh of tp={mesh.shape['model']} x dp={mesh.shape['data']} devices; use "
+                              "copy_window=0 (off) on a mesh, or load the model without one")
+        bound = super().bind(model)
         tp = 1 if mesh is None else int(mesh.shape["model"])
         if tp == bound.head_tp:
             return bound
