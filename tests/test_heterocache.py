@@ -67,25 +67,39 @@ def test_rho_one_and_all_volatile_give_full_kv():
 
 
 def test_batch_equals_one_by_one():
-    """Three prompts of different lengths in one batch: each sequence's logits at every step and its
-    achieved rho equal those of the same prompt alone (per-sequence budgets, checks and recalls; tau 1.5
-    drifts at every check, so the recalls are in it too)."""
-    policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5)
-    prompts = [random_prompt(n, seed) for n, seed in ((120, 5), (80, 6), (101, 7))]
+    """Three prompts of different lengths (L_base 15, 50, 25) in one batch: each sequence's logits at every
+    step, its achieved rho, its K_base and each of its drift decisions equal those of the same prompt alone.
+    tau 0.3 sits among the checks' median overlaps, so some checks drift and some do not, in one sequence
+    and not another (issue 37: K_base and the check used the batch's largest L_base for every sequence)."""
+    policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=0.3)
+    prompts = [random_prompt(n, seed) for n, seed in ((60, 5), (200, 6), (101, 7))]
+    forced = np.random.default_rng(3).integers(3, CFG.vocab_size, size=(3, 6))
 
-    def run(batch, steps=5):
-        eng = Engine(MODEL, batch, policy, tail_capacity=8)
-        logits, tok = [np.asarray(eng.logits, np.float32)], np.argmax(np.asarray(eng.logits), -1)
-        for _ in range(steps):
-            tok, lg = eng.step_with_logits(tok)
-            logits.append(lg)
-        return np.stack(logits, 1), eng  # [B, steps + 1, V]
+    def run(idx):
+        eng = Engine(MODEL, [prompts[i] for i in idx], policy, tail_capacity=8, is_batch=len(idx) > 1)
+        drifts = []  # per check: [B, Np] drift decisions (the median o'_t against tau)
+        eng.state.check_observers.append(lambda li, ov, lens, l_base: drifts.append(
+            np.median(np.asarray(ov), axis=-1) < policy.drift_threshold))
+        k_base = [np.asarray(lc.state.k_base) for lc in eng.cache.layers if lc.state is not None]
+        logits = [np.asarray(eng.logits, np.float32)]
+        for s in range(forced.shape[1]):
+            logits.append(eng.step_with_logits(forced[idx, s])[1])
+        return np.stack(logits, 1), np.stack(drifts, 1), k_base, eng  # [B, steps + 1, V], [B, checks, Np]
 
-    batch, beng = run(prompts)
-    for i, p in enumerate(prompts):
-        alone, aeng = run([p])
-        np.testing.assert_allclose(alone[0], batch[i], atol=5e-5, rtol=0)
+    batch, bdrift, bbase, beng = run([0, 1, 2])
+    assert beng.state.prefilled.l_base.tolist() == [15, 50, 25]
+    assert bdrift.any() and not bdrift.all()
+    assert any(bdrift[b].any() != bdrift[b].all() for b in range(3))  # a sequence with both outcomes
+    assert any((bdrift[:, c] != bdrift[0, c]).any() for c in range(bdrift.shape[1]))  # a check that splits
+    for i in range(3):
+        alone, adrift, abase, aeng = run([i])
+        np.testing.assert_allclose(batch[i], alone[0], atol=5e-5, rtol=0)
+        np.testing.assert_array_equal(bdrift[i], adrift[0])
         assert aeng.achieved_rho[0] == pytest.approx(beng.achieved_rho[i])
+        for kb, ka in zip(bbase, abase):  # its own L_base positions, then -1 to the batch's width
+            lb = ka.shape[-1]
+            np.testing.assert_array_equal(kb[i, :, :lb], ka[0])
+            assert (kb[i, :, lb:] == -1).all()
     assert beng.state.recalls > 0
 
 
@@ -302,8 +316,10 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     the CPU's) or all at the check (the buffered logits, a GPU's), over two layers at once (``drift_check``).
     Both give its median o'_t equal to the check by the definition over the buffered queries and the pivots'
     keys (``drift_check_reference``: lax.top_k of every step); drift iff below tau; the recall sets and new
-    K_base are the top-size / top-l_base positions of the latest query's pooled scores (numpy, ascending) when
-    some pivot drifted; -1 and the old K_base when none did, no sets when the recall reads none (n_top 0)."""
+    K_base are the top-size / top-L_base positions of the latest query's pooled scores (numpy, ascending) when
+    some pivot drifted; -1 and the old K_base when none did, no sets when the recall reads none (n_top 0).
+    The two sequences have their own L_base (6 and 4, the second's K_base padded with -1): each is checked
+    and re-based as it would be alone."""
     from hetero_jax.policies.heterocache import drift_check
     from hetero_jax.policies.heterocache.decode import PivotBase, pivot_statistics
 
@@ -312,6 +328,8 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     q_buf = rng.standard_normal((B, Np, W, G, D)).astype(np.float32)
     keys = rng.standard_normal((B, Np, T, D)).astype(np.float32)
     k_base = np.stack([rng.permutation(T)[:l_base] for _ in range(B * Np)]).reshape(B, Np, l_base).astype(np.int32)
+    own = [l_base, 4]  # each sequence's L_base
+    k_base[1, :, own[1]:] = -1
     lengths = np.array([[T, T], [T - 9, T - 9]], np.int32)
     # the pivots as a layer's full heads in the pool, values and a one-token tail beside them
     vals = rng.standard_normal((B, Np, T, D)).astype(np.float32)
@@ -319,7 +337,7 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     step = step_from_dense(keys, vals, lengths, tail_k, tail_v, np.ones(B, np.int32),
                            state=PivotBase(k_base=jnp.asarray(k_base)))
     logits = tuple(_pivot_logits(jnp.asarray(q_buf[:, :, w]), step, (0, 1)) for w in range(W))
-    stats = tuple(pivot_statistics(lg, jnp.asarray(lengths), jnp.asarray(k_base), l_base) for lg in logits)
+    stats = tuple(pivot_statistics(lg, jnp.asarray(lengths), jnp.asarray(k_base)) for lg in logits)
     # per pivot two sets (a satellite's l_s and l_s - w, as with a copy window), differing per sequence
     sizes = np.array([[[n_top, n_top - 2]] * Np, [[n_top - 1, 4]] * Np], np.int32)[..., : 2 if n_top else 0]
     runs = []
@@ -333,7 +351,10 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(new_base))
         np.testing.assert_array_equal(np.asarray(got[2])[..., : sizes.shape[-1], :], np.asarray(top))
         np.testing.assert_allclose(np.asarray(got[3]), np.asarray(overlaps), atol=1e-6)
-    _, ref_overlap, _ = pallas_kernels.drift_check_reference(q_buf, keys, k_base, l_base, tau, lengths)
+    # the definition, each sequence alone with its own L_base
+    ref_overlap = np.concatenate([np.asarray(pallas_kernels.drift_check_reference(
+        q_buf[b : b + 1], keys[b : b + 1], k_base[b : b + 1, :, : own[b]], own[b], tau, lengths[b : b + 1])[1])
+        for b in range(B)])
     np.testing.assert_allclose(np.median(np.asarray(overlaps), axis=-1), np.asarray(ref_overlap), atol=1e-6)
     drift, top, new_base = np.asarray(drift), np.asarray(top), np.asarray(new_base)
     np.testing.assert_array_equal(drift, np.asarray(ref_overlap) < tau)
@@ -348,7 +369,8 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
             np.testing.assert_allclose(np.asarray(stats[-1][0][b, p, : lengths[b, p]]), scores, rtol=1e-5, atol=1e-7)
             order = np.argsort(-scores, kind="stable")
             if drift.any():
-                np.testing.assert_array_equal(new_base[b, p], np.sort(order[:l_base]))
+                np.testing.assert_array_equal(new_base[b, p], np.r_[np.sort(order[: own[b]]),
+                                                                     np.full(l_base - own[b], -1)])
             else:
                 np.testing.assert_array_equal(new_base[b, p], k_base[b, p])
             for j, size in enumerate(sizes[b, p]):
@@ -392,8 +414,7 @@ def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend, monkeypat
     valid = np.arange(T)[None, None, None, :] < lengths[:, :2, None, None]
     np.testing.assert_array_equal(np.where(valid, np.asarray(gpu_share), 0), np.where(valid, np.asarray(logits), 0))
     scores = pallas_kernels.pivot_pooled_scores(logits, jnp.asarray(lengths[:, :2]))
-    want_scores, want_overlap = decode.pivot_statistics(logits, jnp.asarray(lengths[:, :2]), jnp.asarray(k_base),
-                                                        l_base)
+    want_scores, want_overlap = decode.pivot_statistics(logits, jnp.asarray(lengths[:, :2]), jnp.asarray(k_base))
     np.testing.assert_allclose(np.asarray(share[0]), np.asarray(want_scores), rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(np.asarray(share[1]), np.asarray(want_overlap), atol=1e-6)
     for b in range(B):
