@@ -205,6 +205,9 @@ class QuestPrefill(PrefillPlan):
         args = (k_buf[:, :, :t_max], lens)  # no summaries of the chunk padding
         kmin, kmax, n_pages = self.compile_fn(_summaries, *args, page_size=ps)(*args)
         B, H, _, D = k_buf.shape
+        if kmin.shape[2] == 0:  # every prompt shorter than a page: one empty page (n_pages 0 masks it), as a
+            # short prompt has beside a longer one in a batch; the step's selection needs a page axis
+            kmin, kmax = (jnp.zeros((B, H, 1, D), a.dtype) for a in (kmin, kmax))
         self.itemsize = k_buf.dtype.itemsize
         n_sel = max(1, int(self.k_sel.max()))
         # fresh arrays per layer: the decode step donates every cache leaf separately
