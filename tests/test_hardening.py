@@ -273,11 +273,11 @@ def test_heterocache_names_the_exact_smallest_rho():
     """The named rho runs; 0.0001 below it is refused (the old message named the rho with L_base = 1 while
     any L_base > 0 ran, each compressed head then kept 1 token: more than the request)."""
     for L in (20, 77, 150, 200):
-        with pytest.raises(BudgetError, match=r"smallest rho that works is (\d\.\d{4})") as ei:
+        with pytest.raises(BudgetError, match=r"smallest rho that works is (\d\.\d{4})\b") as ei:
             HeteroCache(profile=PROFILE, budget=0.3).check_budget(L)
         rho = float(re.search(r"smallest rho that works is (\d\.\d{4})", str(ei.value)).group(1))
         HeteroCache(profile=PROFILE, budget=rho).check_budget(L)  # runs
-        with pytest.raises(BudgetError, match="smallest rho that works is " + re.escape(f"{rho:.4f}")):
+        with pytest.raises(BudgetError, match="smallest rho that works is " + re.escape(f"{rho:.4f}") + r"\b"):
             HeteroCache(profile=PROFILE, budget=round(rho - 1e-4, 4)).check_budget(L)
     # and it runs end to end at the boundary, within its budget (+ at most one token per head)
     L = 77

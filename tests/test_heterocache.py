@@ -1,5 +1,7 @@
 """HeteroCache runtime: role budgets, host copies, re-selection per turn, drift checks and recall, sessions."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,8 +63,8 @@ def test_rho_one_and_all_volatile_give_full_kv():
     got, eng = greedy(HeteroCache(profile=volatile, budget=1.0), ids)
     assert got == full and eng.state.host_bytes() == 0
     # with nothing to compress a budget below 1 would run at rho = 1: refused, naming the rho that works
-    with pytest.raises(BudgetError, match=r"rho=0.5 cannot be kept: the profile has no compressed heads.*"
-                                          r"smallest rho that works is 1"):
+    with pytest.raises(BudgetError, match=re.escape("rho=0.5 cannot be kept: the profile has no compressed heads")
+                       + ".*" + re.escape("the smallest rho that works is 1 (use budget=1.0")):
         greedy(HeteroCache(profile=volatile, budget=0.5), ids)
 
 
@@ -140,12 +142,13 @@ def test_prefill_layout_budgets_reservoir_and_bytes():
 
 
 def test_budget_too_small_and_missing_profile():
-    with pytest.raises(BudgetError, match="smallest rho that works is 0.3"):
+    with pytest.raises(BudgetError, match=re.escape("the smallest rho that works is 0.3400 (L_base = 1 token)")):
         Engine(MODEL, [random_prompt(100)], HeteroCache(profile=PROFILE, budget=0.2), tail_capacity=4)
     with pytest.raises(ProfileError, match="ships none"):
         HeteroCache(budget=0.5).bind(MODEL)
     other = make_profile([[A, A]] * 3, ((), (), ()))
-    with pytest.raises(ProfileError, match="3 KV heads"):
+    with pytest.raises(ProfileError, match=re.escape("profile is for llama 3 layers x 2 KV heads x head_dim 16, but "
+                                                     "the model is llama 3 layers x 3 KV heads")):
         HeteroCache(profile=other).bind(MODEL)
 
 
@@ -232,17 +235,20 @@ def test_drift_thresholds_and_recall_contents(tau):
             np.testing.assert_array_equal(v_rows[0, h, :l_s], res_v[s_pos, got])
 
 
-@pytest.mark.parametrize("policy", [FullKV(), HeteroCache(profile=PROFILE, budget=0.6)])
+@pytest.mark.parametrize("policy", [FullKV(), HeteroCache(profile=PROFILE, budget=1.0, window=2, tau_drift=1.5)])
 def test_session_single_turn_equals_generate(policy):
+    """A session's single turn (the question appended after prefill, chunked) answers as ``generate`` over
+    the whole token stream with full KV: for full KV, and for HeteroCache at rho 1 (every head keeps the
+    whole prompt, so its re-selection after the turn and its recalls, every check drifting, keep it too)."""
     ids = random_prompt(100, 5)
     q = random_prompt(6, 6)
     sess = Session(MODEL, ids, policy, chat=False)
     a = sess.ask(q, max_new_tokens=5)
-    # the same tokens through generate: the question is appended after prefill in the session,
-    # so compare against a session-free run of the same token stream with full KV
-    if isinstance(policy, FullKV):
-        g = hetero_jax.generate(MODEL, ids + q, max_new_tokens=5, chat=False)
-        assert a.token_ids == g.token_ids
+    g = hetero_jax.generate(MODEL, ids + q, max_new_tokens=5, chat=False)
+    assert a.token_ids == g.token_ids and len(a.token_ids) == 5
+    if isinstance(policy, HeteroCache):  # the turn did re-select and recall (over the whole prompt)
+        st = sess.turns[-1].stats.policy_stats
+        assert st["reselections"] == 1 and st["recalls"] > 0
 
 
 @pytest.mark.parametrize("select_window", [1, 8, 16])
@@ -291,7 +297,7 @@ def test_compressed_heads_keep_their_top_tokens_and_pivots_their_last_token_k_ba
 
 def test_select_window_must_be_a_positive_int():
     for bad in (0, -3, 2.5):
-        with pytest.raises(ValueError, match="select_window must be an int >= 1"):
+        with pytest.raises(ValueError, match=r"select_window must be an int >= 1\b"):
             HeteroCache(profile=PROFILE, select_window=bad)
 
 
@@ -510,17 +516,17 @@ def test_reselection_lands_before_the_answer_and_drops_a_stale_check():
     dispatched = []
     orig = ctl._dispatch_check
     ctl._dispatch_check = lambda step, cache: (dispatched.append(step), orig(step, cache))
-    first = sess.ask(random_prompt(8, 8), max_new_tokens=W + 1, stop=None)
+    # W steps (the question's last token and W - 1 more): the check dispatched after the last one is pending
+    first = sess.ask(random_prompt(8, 8), max_new_tokens=W, stop=None)
     assert [e[0] for e in log[:2]] == ["extend", "step"]  # re-selected, then the question's last token
-    assert ctl.pending is not None or dispatched  # the answer ran W steps: a check was dispatched
-    pending_before = ctl.pending
-    recalls = ctl.recalls
+    assert ctl.pending is not None and dispatched == [W - 1]
+    assert ctl.recalls == 0  # tau 1.5: applied, the pending check would recall every satellite
+    # two steps into the next answer (fewer than W: no check of its own)
     sess.ask(random_prompt(5, 9), max_new_tokens=2)
-    if pending_before is not None:  # dropped by the re-selection: no recall from it
-        assert ctl.recalls == recalls
+    assert ctl.pending is None and ctl.recalls == 0  # dropped by the re-selection: no recall from it
     steps = [e[1] for e in log if e[0] == "step"]
     assert dispatched[0] == steps[0] + W - 1  # W decode steps after the re-selection: the first check
-    assert len(first.token_ids) >= 1
+    assert len(first.token_ids) == W
 
 
 def test_a_turn_is_encoded_again_over_its_reselected_rows():
