@@ -212,7 +212,8 @@ def test_device_bytes_are_real(cls):
 
 def test_budget_errors_name_the_smallest_budget_that_works():
     L = 100
-    with pytest.raises(BudgetError, match=r"needs at least 32 .*smallest budget that works for this prompt is rho=0\.315$"):
+    with pytest.raises(BudgetError,
+                       match=r"needs at least 32 .*smallest budget that works for this prompt is rho=0\.315$"):
         SnapKV(budget=0.2).check_budget(L)
     assert SnapKV(budget=0.315).check_budget(L) == 32  # the named rho works
     assert smallest_rho(32, L) == 0.315

@@ -332,7 +332,8 @@ def test_budget_below_the_r_heads_names_the_smallest_rho():
     L = 160
     need = smallest_working_rho(9, N_R, N_NR, L)
     assert need == pytest.approx((N_R + N_NR / L) / 9, abs=1e-4) and need > 1 / 3
-    with pytest.raises(BudgetError, match=re.escape("SyncKV: rho=0.3 is too small") + ".*" + re.escape(f"smallest rho that works is {need:.4f} ")):
+    with pytest.raises(BudgetError, match=re.escape("SyncKV: rho=0.3 is too small") + ".*"
+                       + re.escape(f"smallest rho that works is {need:.4f} ")):
         Engine(MODEL, [prompt(L)], SyncKV(profile=PROFILE, budget=0.3), tail_capacity=4)
     eng = Engine(MODEL, [prompt(L)], SyncKV(profile=PROFILE, budget=need), tail_capacity=4)
     assert eng.state.prefilled.k.tolist() == [1] and eng.state.prefilled.k_dyn.tolist() == [0]

@@ -159,7 +159,8 @@ def drift_check(shares, lengths, k_base, set_sizes, l_base: int, tau: float, cap
 
     Returns, per pivot layer, (drift [B, Np_l] bool: median_t o'_t < tau (Eq. 10, normalised), new K_base
     [B, Np_l, l_base] (the top-L_base of the latest step's pooled scores, each pivot's own L_base, ascending,
-    -1 past it or where masked; the old K_base when no pivot of the model drifted), top sets [B, Np_l, K, cap] of the latest pooled scores
+    -1 past it or where masked; the old K_base when no pivot of the model drifted), top sets [B, Np_l, K, cap]
+    of the latest pooled scores
     (``pallas_kernels.topk_sets``: ascending positions, -1 past each size; -1 everywhere when none
     drifted), o'_t [B, Np_l, W]).
     """
