@@ -101,12 +101,10 @@ def test_host_copy_peers_on_a_mesh(policy):
     got_toks, got_logits, eng = greedy_with_logits(place(MODEL, make_mesh(3, 2)), policy, PROMPTS, steps=8)
     np.testing.assert_array_equal(got_toks, toks)
     np.testing.assert_allclose(got_logits, logits, atol=1e-4, rtol=0)
+    # every leaf, the policy state's included, as its record declares (state that does not lead with the batch
+    # stays whole: a check of those alone asserted nothing here, neither policy's state has one)
     for leaf, w in zip(jax.tree.leaves(eng.cache), jax.tree.leaves(cache_shardings(eng.cache, eng.model.mesh))):
         assert leaf.sharding.is_equivalent_to(w, leaf.ndim)
-    for lc in eng.cache.layers:  # policy state that does not lead with the batch stays whole
-        for leaf in jax.tree.leaves(lc.state):
-            if leaf.ndim and leaf.shape[0] != len(PROMPTS):
-                assert all(a is None for a in spec_of(leaf))
 
 
 @pytest.mark.parametrize("tp,dp", [(3, 1), (3, 2)])
