@@ -35,6 +35,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -388,7 +389,17 @@ def topk_membership(
   every entry equal to kth is a member (no tie crosses the cut, the usual
   case) membership is s_t >= kth and the running count of ties is skipped.
   """
-  key, kkey, _, n_ge = _threshold_counts(scores, k)
+  return _membership(scores, k, idx)
+
+
+def _membership(scores, k, idx):
+  """:func:`topk_membership`'s body; k: an int, or int [...] (one size per row, each in [1, T]), traced."""
+  if isinstance(k, int):
+    key, kkey, _, n_ge = _threshold_counts(scores, k)
+  else:  # a size per row: the same bisection (it reads k per row)
+    k = jnp.asarray(k, jnp.int32)
+    key = _sortable_bits(scores)
+    kkey, n_ge = _kth_key(key, k)
   kkey = kkey[..., None]
   T = scores.shape[-1]
   ok = (idx >= 0) & (idx < T)
@@ -530,20 +541,26 @@ def _drift_check(q_buffer, prompt_keys, k_base_idx, tau_drift, lengths, *,
 
 def base_overlap(
     scores,        # [B, Hp, W, T] float32 pooled scores of W queries (MASK_VALUE beyond lengths)
-    k_base_idx,    # [B, Hp, L_base] int  K_base
-    L_base: int,   # static top-k size
+    k_base_idx,    # [B, Hp, K] int  K_base (-1: none)
+    L_base,        # static top-k size, or int [B, Hp]: each row's own (a batch of prompts of other lengths)
     lengths,       # [B, Hp] int32  valid prompt tokens
 ):
   """o'_t = (|top-L_base(scores_t) ∩ K_base| / L_base - c) / (1 - c) per query: [B, Hp, W] float32.
 
   The per-query part of :func:`drift_check` (Eq. 9, normalised), without sorting: membership of
-  K_base's entries by :func:`topk_membership`; entries at -1 or beyond L are not members.
+  K_base's entries by :func:`topk_membership`; entries at -1 or beyond L are not members. With L_base per
+  row (each in [1, T]) every row is what it would be alone with its own static L_base.
   """
   B, H, W, T = scores.shape
   base = jnp.where(k_base_idx < lengths[..., None], k_base_idx, -1)
-  member = topk_membership(scores, min(L_base, T),
-                           jnp.broadcast_to(base[:, :, None, :], (B, H, W, base.shape[-1])))
-  return normalised_overlap(member.sum(axis=-1), L_base, lengths[..., None])
+  idx = jnp.broadcast_to(base[:, :, None, :], (B, H, W, base.shape[-1]))
+  if isinstance(L_base, (int, np.integer)):
+    member = topk_membership(scores, min(int(L_base), T), idx)
+    size = L_base
+  else:
+    size = jnp.asarray(L_base, jnp.int32)[..., None]  # [B, Hp, 1]
+    member = _membership(scores, jnp.broadcast_to(jnp.minimum(size, T), (B, H, W)), idx)
+  return normalised_overlap(member.sum(axis=-1), size, lengths[..., None])
 
 
 def attention_and_pooled_scores(

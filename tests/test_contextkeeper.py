@@ -184,13 +184,13 @@ def test_budget_error_names_the_smallest_rho():
     with pytest.raises(BudgetError, match=r"rho=1\b"):
         Engine(MODEL, [random_prompt(10, 11)], ck(0.9), tail_capacity=2)
     # the paper's defaults (128 + 256) on a short prompt name rho = 384 / L
-    with pytest.raises(BudgetError, match=r"rho=0.96\b"):
+    with pytest.raises(BudgetError, match=r"rho=0\.96\b"):
         Engine(MODEL, [random_prompt(400, 12)], ContextKeeper(ranking=RANKING, budget=0.5), tail_capacity=2)
 
 
 def test_ranking_for_another_model_is_refused(tmp_path):
     other = CARanking(scores=np.zeros((30, 3)), votes=np.zeros((30, 3), int), model="smollm2-135m")
-    with pytest.raises(ProfileError, match=r"30 layers x 3 KV heads.*model has 3 layers.*another model.*Calibrate"):
+    with pytest.raises(ProfileError, match=r"\b30 layers x 3 KV heads.*model has 3 layers.*another model.*Calibrate"):
         Engine(MODEL, [random_prompt(50)], ContextKeeper(ranking=other, budget=0.5, sink=S_, recent=R_), tail_capacity=2)
     # no ranking shipped for the tiny model: the default refuses and says how to get one
     with pytest.raises(ProfileError, match=r"ships none for tiny.*calibrate"):

@@ -1,5 +1,7 @@
 """HeteroCache runtime: role budgets, host copies, re-selection per turn, drift checks and recall, sessions."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,31 +63,45 @@ def test_rho_one_and_all_volatile_give_full_kv():
     got, eng = greedy(HeteroCache(profile=volatile, budget=1.0), ids)
     assert got == full and eng.state.host_bytes() == 0
     # with nothing to compress a budget below 1 would run at rho = 1: refused, naming the rho that works
-    with pytest.raises(BudgetError, match=r"rho=0.5 cannot be kept: the profile has no compressed heads.*"
-                                          r"smallest rho that works is 1"):
+    with pytest.raises(BudgetError, match=re.escape("rho=0.5 cannot be kept: the profile has no compressed heads")
+                       + ".*" + re.escape("the smallest rho that works is 1 (use budget=1.0")):
         greedy(HeteroCache(profile=volatile, budget=0.5), ids)
 
 
 def test_batch_equals_one_by_one():
-    """Three prompts of different lengths in one batch: each sequence's logits at every step and its
-    achieved rho equal those of the same prompt alone (per-sequence budgets, checks and recalls; tau 1.5
-    drifts at every check, so the recalls are in it too)."""
-    policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5)
-    prompts = [random_prompt(n, seed) for n, seed in ((120, 5), (80, 6), (101, 7))]
+    """Three prompts of different lengths (L_base 15, 50, 25) in one batch: each sequence's logits at every
+    step, its achieved rho, its K_base and each of its drift decisions equal those of the same prompt alone.
+    tau 0.3 sits among the checks' median overlaps, so some checks drift and some do not, in one sequence
+    and not another (issue 37: K_base and the check used the batch's largest L_base for every sequence)."""
+    policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=0.3)
+    prompts = [random_prompt(n, seed) for n, seed in ((60, 5), (200, 6), (101, 7))]
+    forced = np.random.default_rng(3).integers(3, CFG.vocab_size, size=(3, 6))
 
-    def run(batch, steps=5):
-        eng = Engine(MODEL, batch, policy, tail_capacity=8)
-        logits, tok = [np.asarray(eng.logits, np.float32)], np.argmax(np.asarray(eng.logits), -1)
-        for _ in range(steps):
-            tok, lg = eng.step_with_logits(tok)
-            logits.append(lg)
-        return np.stack(logits, 1), eng  # [B, steps + 1, V]
+    def run(idx):
+        eng = Engine(MODEL, [prompts[i] for i in idx], policy, tail_capacity=8, is_batch=len(idx) > 1)
+        drifts = []  # per check: [B, Np] drift decisions (the median o'_t against tau)
+        eng.state.check_observers.append(lambda li, ov, lens, l_base: drifts.append(
+            np.median(np.asarray(ov), axis=-1) < policy.drift_threshold))
+        k_base = [np.asarray(lc.state.k_base) for lc in eng.cache.layers if lc.state is not None]
+        logits = [np.asarray(eng.logits, np.float32)]
+        for s in range(forced.shape[1]):
+            logits.append(eng.step_with_logits(forced[idx, s])[1])
+        return np.stack(logits, 1), np.stack(drifts, 1), k_base, eng  # [B, steps + 1, V], [B, checks, Np]
 
-    batch, beng = run(prompts)
-    for i, p in enumerate(prompts):
-        alone, aeng = run([p])
-        np.testing.assert_allclose(alone[0], batch[i], atol=5e-5, rtol=0)
+    batch, bdrift, bbase, beng = run([0, 1, 2])
+    assert beng.state.prefilled.l_base.tolist() == [15, 50, 25]
+    assert bdrift.any() and not bdrift.all()
+    assert any(bdrift[b].any() != bdrift[b].all() for b in range(3))  # a sequence with both outcomes
+    assert any((bdrift[:, c] != bdrift[0, c]).any() for c in range(bdrift.shape[1]))  # a check that splits
+    for i in range(3):
+        alone, adrift, abase, aeng = run([i])
+        np.testing.assert_allclose(batch[i], alone[0], atol=5e-5, rtol=0)
+        np.testing.assert_array_equal(bdrift[i], adrift[0])
         assert aeng.achieved_rho[0] == pytest.approx(beng.achieved_rho[i])
+        for kb, ka in zip(bbase, abase):  # its own L_base positions, then -1 to the batch's width
+            lb = ka.shape[-1]
+            np.testing.assert_array_equal(kb[i, :, :lb], ka[0])
+            assert (kb[i, :, lb:] == -1).all()
     assert beng.state.recalls > 0
 
 
@@ -126,12 +142,13 @@ def test_prefill_layout_budgets_reservoir_and_bytes():
 
 
 def test_budget_too_small_and_missing_profile():
-    with pytest.raises(BudgetError, match="smallest rho that works is 0.3"):
+    with pytest.raises(BudgetError, match=re.escape("the smallest rho that works is 0.3400 (L_base = 1 token)")):
         Engine(MODEL, [random_prompt(100)], HeteroCache(profile=PROFILE, budget=0.2), tail_capacity=4)
     with pytest.raises(ProfileError, match="ships none"):
         HeteroCache(budget=0.5).bind(MODEL)
     other = make_profile([[A, A]] * 3, ((), (), ()))
-    with pytest.raises(ProfileError, match="3 KV heads"):
+    with pytest.raises(ProfileError, match=re.escape("profile is for llama 3 layers x 2 KV heads x head_dim 16, but "
+                                                     "the model is llama 3 layers x 3 KV heads")):
         HeteroCache(profile=other).bind(MODEL)
 
 
@@ -218,17 +235,20 @@ def test_drift_thresholds_and_recall_contents(tau):
             np.testing.assert_array_equal(v_rows[0, h, :l_s], res_v[s_pos, got])
 
 
-@pytest.mark.parametrize("policy", [FullKV(), HeteroCache(profile=PROFILE, budget=0.6)])
+@pytest.mark.parametrize("policy", [FullKV(), HeteroCache(profile=PROFILE, budget=1.0, window=2, tau_drift=1.5)])
 def test_session_single_turn_equals_generate(policy):
+    """A session's single turn (the question appended after prefill, chunked) answers as ``generate`` over
+    the whole token stream with full KV: for full KV, and for HeteroCache at rho 1 (every head keeps the
+    whole prompt, so its re-selection after the turn and its recalls, every check drifting, keep it too)."""
     ids = random_prompt(100, 5)
     q = random_prompt(6, 6)
     sess = Session(MODEL, ids, policy, chat=False)
     a = sess.ask(q, max_new_tokens=5)
-    # the same tokens through generate: the question is appended after prefill in the session,
-    # so compare against a session-free run of the same token stream with full KV
-    if isinstance(policy, FullKV):
-        g = hetero_jax.generate(MODEL, ids + q, max_new_tokens=5, chat=False)
-        assert a.token_ids == g.token_ids
+    g = hetero_jax.generate(MODEL, ids + q, max_new_tokens=5, chat=False)
+    assert a.token_ids == g.token_ids and len(a.token_ids) == 5
+    if isinstance(policy, HeteroCache):  # the turn did re-select and recall (over the whole prompt)
+        st = sess.turns[-1].stats.policy_stats
+        assert st["reselections"] == 1 and st["recalls"] > 0
 
 
 @pytest.mark.parametrize("select_window", [1, 8, 16])
@@ -277,7 +297,7 @@ def test_compressed_heads_keep_their_top_tokens_and_pivots_their_last_token_k_ba
 
 def test_select_window_must_be_a_positive_int():
     for bad in (0, -3, 2.5):
-        with pytest.raises(ValueError, match="select_window must be an int >= 1"):
+        with pytest.raises(ValueError, match=r"select_window must be an int >= 1\b"):
             HeteroCache(profile=PROFILE, select_window=bad)
 
 
@@ -302,8 +322,10 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     the CPU's) or all at the check (the buffered logits, a GPU's), over two layers at once (``drift_check``).
     Both give its median o'_t equal to the check by the definition over the buffered queries and the pivots'
     keys (``drift_check_reference``: lax.top_k of every step); drift iff below tau; the recall sets and new
-    K_base are the top-size / top-l_base positions of the latest query's pooled scores (numpy, ascending) when
-    some pivot drifted; -1 and the old K_base when none did, no sets when the recall reads none (n_top 0)."""
+    K_base are the top-size / top-L_base positions of the latest query's pooled scores (numpy, ascending) when
+    some pivot drifted; -1 and the old K_base when none did, no sets when the recall reads none (n_top 0).
+    The two sequences have their own L_base (6 and 4, the second's K_base padded with -1): each is checked
+    and re-based as it would be alone."""
     from hetero_jax.policies.heterocache import drift_check
     from hetero_jax.policies.heterocache.decode import PivotBase, pivot_statistics
 
@@ -312,6 +334,8 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     q_buf = rng.standard_normal((B, Np, W, G, D)).astype(np.float32)
     keys = rng.standard_normal((B, Np, T, D)).astype(np.float32)
     k_base = np.stack([rng.permutation(T)[:l_base] for _ in range(B * Np)]).reshape(B, Np, l_base).astype(np.int32)
+    own = [l_base, 4]  # each sequence's L_base
+    k_base[1, :, own[1]:] = -1
     lengths = np.array([[T, T], [T - 9, T - 9]], np.int32)
     # the pivots as a layer's full heads in the pool, values and a one-token tail beside them
     vals = rng.standard_normal((B, Np, T, D)).astype(np.float32)
@@ -319,7 +343,7 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     step = step_from_dense(keys, vals, lengths, tail_k, tail_v, np.ones(B, np.int32),
                            state=PivotBase(k_base=jnp.asarray(k_base)))
     logits = tuple(_pivot_logits(jnp.asarray(q_buf[:, :, w]), step, (0, 1)) for w in range(W))
-    stats = tuple(pivot_statistics(lg, jnp.asarray(lengths), jnp.asarray(k_base), l_base) for lg in logits)
+    stats = tuple(pivot_statistics(lg, jnp.asarray(lengths), jnp.asarray(k_base)) for lg in logits)
     # per pivot two sets (a satellite's l_s and l_s - w, as with a copy window), differing per sequence
     sizes = np.array([[[n_top, n_top - 2]] * Np, [[n_top - 1, 4]] * Np], np.int32)[..., : 2 if n_top else 0]
     runs = []
@@ -333,7 +357,10 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(new_base))
         np.testing.assert_array_equal(np.asarray(got[2])[..., : sizes.shape[-1], :], np.asarray(top))
         np.testing.assert_allclose(np.asarray(got[3]), np.asarray(overlaps), atol=1e-6)
-    _, ref_overlap, _ = pallas_kernels.drift_check_reference(q_buf, keys, k_base, l_base, tau, lengths)
+    # the definition, each sequence alone with its own L_base
+    ref_overlap = np.concatenate([np.asarray(pallas_kernels.drift_check_reference(
+        q_buf[b : b + 1], keys[b : b + 1], k_base[b : b + 1, :, : own[b]], own[b], tau, lengths[b : b + 1])[1])
+        for b in range(B)])
     np.testing.assert_allclose(np.median(np.asarray(overlaps), axis=-1), np.asarray(ref_overlap), atol=1e-6)
     drift, top, new_base = np.asarray(drift), np.asarray(top), np.asarray(new_base)
     np.testing.assert_array_equal(drift, np.asarray(ref_overlap) < tau)
@@ -348,7 +375,8 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
             np.testing.assert_allclose(np.asarray(stats[-1][0][b, p, : lengths[b, p]]), scores, rtol=1e-5, atol=1e-7)
             order = np.argsort(-scores, kind="stable")
             if drift.any():
-                np.testing.assert_array_equal(new_base[b, p], np.sort(order[:l_base]))
+                np.testing.assert_array_equal(new_base[b, p], np.r_[np.sort(order[: own[b]]),
+                                                                     np.full(l_base - own[b], -1)])
             else:
                 np.testing.assert_array_equal(new_base[b, p], k_base[b, p])
             for j, size in enumerate(sizes[b, p]):
@@ -392,8 +420,7 @@ def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend, monkeypat
     valid = np.arange(T)[None, None, None, :] < lengths[:, :2, None, None]
     np.testing.assert_array_equal(np.where(valid, np.asarray(gpu_share), 0), np.where(valid, np.asarray(logits), 0))
     scores = pallas_kernels.pivot_pooled_scores(logits, jnp.asarray(lengths[:, :2]))
-    want_scores, want_overlap = decode.pivot_statistics(logits, jnp.asarray(lengths[:, :2]), jnp.asarray(k_base),
-                                                        l_base)
+    want_scores, want_overlap = decode.pivot_statistics(logits, jnp.asarray(lengths[:, :2]), jnp.asarray(k_base))
     np.testing.assert_allclose(np.asarray(share[0]), np.asarray(want_scores), rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(np.asarray(share[1]), np.asarray(want_overlap), atol=1e-6)
     for b in range(B):
@@ -489,17 +516,17 @@ def test_reselection_lands_before_the_answer_and_drops_a_stale_check():
     dispatched = []
     orig = ctl._dispatch_check
     ctl._dispatch_check = lambda step, cache: (dispatched.append(step), orig(step, cache))
-    first = sess.ask(random_prompt(8, 8), max_new_tokens=W + 1, stop=None)
+    # W steps (the question's last token and W - 1 more): the check dispatched after the last one is pending
+    first = sess.ask(random_prompt(8, 8), max_new_tokens=W, stop=None)
     assert [e[0] for e in log[:2]] == ["extend", "step"]  # re-selected, then the question's last token
-    assert ctl.pending is not None or dispatched  # the answer ran W steps: a check was dispatched
-    pending_before = ctl.pending
-    recalls = ctl.recalls
+    assert ctl.pending is not None and dispatched == [W - 1]
+    assert ctl.recalls == 0  # tau 1.5: applied, the pending check would recall every satellite
+    # two steps into the next answer (fewer than W: no check of its own)
     sess.ask(random_prompt(5, 9), max_new_tokens=2)
-    if pending_before is not None:  # dropped by the re-selection: no recall from it
-        assert ctl.recalls == recalls
+    assert ctl.pending is None and ctl.recalls == 0  # dropped by the re-selection: no recall from it
     steps = [e[1] for e in log if e[0] == "step"]
     assert dispatched[0] == steps[0] + W - 1  # W decode steps after the re-selection: the first check
-    assert len(first.token_ids) >= 1
+    assert len(first.token_ids) == W
 
 
 def test_a_turn_is_encoded_again_over_its_reselected_rows():

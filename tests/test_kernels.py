@@ -357,6 +357,31 @@ def test_topk_membership_matches_lax_top_k(kth_path, data):
     _membership_case(data)
 
 
+def test_base_overlap_with_an_l_base_per_row_equals_each_row_alone(kth_path):
+  """base_overlap with L_base per row (a batch of prompts with their own L_base, K_base padded with -1 to the
+  largest) gives each row what it gives alone with its static L_base: rows with ties across the cut and
+  without, L_base 1 to the whole prompt."""
+  rng = np.random.default_rng(4)
+  B, H, W, T, K = 2, 3, 4, 24, 9
+  scores = rng.standard_normal((B, H, W, T)).astype(np.float32)
+  scores[0, 1] = np.round(scores[0, 1])  # ties at most cuts
+  lengths = np.array([[T, T, T], [T - 5, T - 5, T - 5]], np.int32)
+  scores = np.where(np.arange(T) < lengths[..., None, None], scores, MASK_VALUE).astype(np.float32)
+  sizes = np.array([[K, 4, 1], [7, T - 5, 2]])  # T - 5 > K: the whole prompt, K_base capped at K
+  k_base = np.full((B, H, K), -1, np.int32)
+  for b, h in np.ndindex(B, H):
+    n = min(sizes[b, h], K)
+    k_base[b, h, :n] = rng.permutation(lengths[b, h])[:n]
+  with kth_path():
+    got = np.asarray(pk.base_overlap(jnp.asarray(scores), jnp.asarray(k_base), jnp.asarray(sizes),
+                                     jnp.asarray(lengths)))
+    for b, h in np.ndindex(B, H):
+      n = int(sizes[b, h])
+      want = pk.base_overlap(jnp.asarray(scores[b : b + 1, h : h + 1]), jnp.asarray(k_base[b : b + 1, h : h + 1]),
+                             n, jnp.asarray(lengths[b : b + 1, h : h + 1]))
+      np.testing.assert_allclose(got[b, h], np.asarray(want)[0, 0], atol=1e-6, err_msg=f"row {b, h}, L_base {n}")
+
+
 def _membership_case(data):
   rows, n_idx = 2, 12
   scores = _draw_scores(data, rows)

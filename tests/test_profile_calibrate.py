@@ -201,7 +201,7 @@ def test_clear_errors(tiny_params, tiny_samples):
         calibrate_tokens(TINY, tiny_params, [], progress=False)
     with pytest.raises(ProfileError, match="too short for top_k"):
         calibrate_tokens(TINY, tiny_params, tiny_samples, top_k=48, decode_steps=1, progress=False)
-    with pytest.raises(ProfileError, match="fewer than tokens=100"):
+    with pytest.raises(ProfileError, match=r"fewer than tokens=100\b"):
         calibrate_tokens(TINY, tiny_params, tiny_samples, tokens=100, decode_steps=1, progress=False)
     with pytest.raises(ProfileError, match="exceeds the model's context"):
         calibrate_tokens(TINY, tiny_params, tiny_samples, decode_steps=250, progress=False)
@@ -257,7 +257,7 @@ def test_shipped_profile_refuses_other_shapes():
     prof = load_profile(path)
     assert prof.roles.shape == (30, 3) and prof.head_dim == 64 and prof.architecture == "llama"
     prof.check_compatible({"architecture": "llama", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64})
-    with pytest.raises(ProfileError, match="30 layers x 3 KV heads"):
+    with pytest.raises(ProfileError, match=r"\b30 layers x 3 KV heads"):
         prof.check_compatible(TINY)
     with pytest.raises(ProfileError):
         prof.check_compatible(dataclasses.replace(TINY, num_layers=30, num_kv_heads=3, head_dim=128))

@@ -171,6 +171,23 @@ def test_batch_equals_one_by_one(offload):
         np.testing.assert_allclose(logits[i], l1[0], atol=1e-4, rtol=1e-4)
 
 
+def test_prompts_shorter_than_a_page_run_alone_as_in_a_batch():
+    """Prompts shorter than a page have no page to select: alone (the page axis empty: the step's selection
+    failed with "n_select must be in [1, 0]" after prefill) they attend their partial page and the tail,
+    as full KV does and as they do beside a longer prompt in a batch."""
+    short, other, longer = prompt(5, 7), prompt(3, 8), prompt(60, 9)
+    pol = Quest(budget=0.4, page_size=PS, full_layers=1)
+    t_full, l_full, _ = greedy(FullKV(), [short])
+    t_one, l_one, _ = greedy(pol, [short])
+    np.testing.assert_allclose(l_one, l_full, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(t_one, t_full)
+    t_b, l_b, _ = greedy(pol, [short, other])  # a batch of short prompts: the same empty page axis
+    t_m, l_m, _ = greedy(pol, [longer, short])  # beside a prompt with pages
+    for t, lg in ((t_b[0], l_b[0]), (t_m[1], l_m[1])):
+        np.testing.assert_allclose(lg, l_one[0], atol=1e-4, rtol=0)
+        np.testing.assert_array_equal(t, t_one[0])
+
+
 def test_offloaded_budget_too_small_names_the_smallest_rho_that_runs():
     ids = prompt(150, 5)
     with pytest.raises(BudgetError, match=r"smallest budget that works for this prompt is rho=([0-9.]+)") as e:

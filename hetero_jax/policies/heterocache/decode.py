@@ -70,9 +70,24 @@ class HeteroPrefilled:
 
 @struct.dataclass
 class PivotBase:
-    """A pivot layer's decode state: each pivot's K_base (Eq. 9's reference set)."""
+    """A pivot layer's decode state: each pivot's K_base (Eq. 9's reference set).
 
-    k_base: jax.Array = axes_field("batch", "pivots", "slots")  # [B, Np, L_base] int32 positions; -1 = none
+    In a batch the width is the largest L_base; sequence b's rows hold its own L_base[b] positions and -1
+    after them, so the count of positions (``base_sizes``) is its L_base and it is checked as if alone."""
+
+    k_base: jax.Array = axes_field("batch", "pivots", "slots")  # [B, Np, max L_base] int32 positions; -1 = none
+
+
+def base_sizes(k_base):
+    """Each pivot's own L_base [B, Np] int32: the positions its K_base holds (the rest of the row is -1)."""
+    return (k_base >= 0).sum(axis=-1, dtype=jnp.int32)
+
+
+def mask_base(idx, l_base):
+    """A K_base of each sequence's own size from the top-(largest L_base) positions idx [B, Np, K] (best first,
+    ``lax.top_k``, whose first n are the top-n): -1 past l_base[b] ([B] int)."""
+    keep = jnp.arange(idx.shape[-1], dtype=jnp.int32)[None, None, :] < jnp.asarray(l_base, jnp.int32)[:, None, None]
+    return jnp.where(keep, idx, -1).astype(jnp.int32)
 
 
 def spread_checks() -> bool:
@@ -83,17 +98,18 @@ def spread_checks() -> bool:
     return pallas_kernels.resolve_backend(native=True) != "pallas"
 
 
-def pivot_statistics(logits, lengths, k_base, l_base: int):
+def pivot_statistics(logits, lengths, k_base):
     """A pivot's pooled scores and o'_t from its logits over its prompt rows: logits [B, Np, ..., G, T] (any
-    steps between), lengths [B, Np], k_base [B, Np, l_base]. Returns (scores [B, Np, ..., T]: softmax over
-    the prompt rows, 5-tap pooling, GQA max, ``pallas_kernels.pivot_pooled_scores``; o'_t [B, Np, ...]: the
-    chance-normalised overlap of their top-L_base with K_base, Eq. 9, ``pallas_kernels.base_overlap``)."""
+    steps between), lengths [B, Np], k_base [B, Np, K] (each row its own L_base positions, ``PivotBase``).
+    Returns (scores [B, Np, ..., T]: softmax over the prompt rows, 5-tap pooling, GQA max,
+    ``pallas_kernels.pivot_pooled_scores``; o'_t [B, Np, ...]: the chance-normalised overlap of their
+    top-L_base with K_base, Eq. 9, ``pallas_kernels.base_overlap``, with each pivot's own L_base)."""
     B, Np = logits.shape[:2]
     mid, (G, T) = logits.shape[2:-2], logits.shape[-2:]
     n = int(np.prod(mid, dtype=np.int64))
     scores = pallas_kernels.pivot_pooled_scores(logits.reshape(B, Np * n, G, T), jnp.repeat(lengths, n, axis=1))
     scores = scores.reshape(B, Np, n, T)
-    overlaps = pallas_kernels.base_overlap(scores, k_base, l_base, lengths)  # [B, Np, n]
+    overlaps = pallas_kernels.base_overlap(scores, k_base, base_sizes(k_base), lengths)  # [B, Np, n]
     return scores.reshape((B, Np) + mid + (T,)), overlaps.reshape((B, Np) + mid)
 
 
@@ -120,7 +136,7 @@ def attend_step(q, step, pivot_slots, copy_slots=()):
         pivot = take_slots(logits, pivot_slots)
         if spread_checks():
             k_base = step.layer.state.k_base
-            pivot = pivot_statistics(pivot, take_slots(step.layer.lengths, pivot_slots), k_base, k_base.shape[-1])
+            pivot = pivot_statistics(pivot, take_slots(step.layer.lengths, pivot_slots), k_base)
     pointer = None
     if copy_slots:
         scores = pallas_kernels.pivot_pooled_scores(take_slots(logits, copy_slots),
@@ -135,14 +151,16 @@ def drift_check(shares, lengths, k_base, set_sizes, l_base: int, tau: float, cap
 
     shares: per pivot layer, per buffered step, what ``attend_step`` returned for its pivots: their logits
     [B, Np_l, G, T], or (pooled scores [B, Np_l, T], o'_t [B, Np_l]) where the steps computed them;
-    lengths: per pivot layer [B, Np_l] the pivots' prompt rows; k_base: per pivot layer [B, Np_l, l_base];
+    lengths: per pivot layer [B, Np_l] the pivots' prompt rows; k_base: per pivot layer [B, Np_l, l_base]
+    (``l_base`` the batch's largest L_base; each row holds its own, ``PivotBase``);
     set_sizes: per pivot layer [B, Np_l, K_l] int, the sizes of the top sets a recall reads per pivot (its
     satellites' l_s; with a copy window also l_s - w), 0 for none, each at most ``cap``. The layers' pivots
     are checked as one batch [B, Np, W, ...]: one executable and a few kernels, whatever the layers.
 
     Returns, per pivot layer, (drift [B, Np_l] bool: median_t o'_t < tau (Eq. 10, normalised), new K_base
-    [B, Np_l, l_base] (the top-l_base of the latest step's pooled scores, ascending, -1 where masked; the old
-    K_base when no pivot of the model drifted), top sets [B, Np_l, K, cap] of the latest pooled scores
+    [B, Np_l, l_base] (the top-L_base of the latest step's pooled scores, each pivot's own L_base, ascending,
+    -1 past it or where masked; the old K_base when no pivot of the model drifted), top sets [B, Np_l, K, cap]
+    of the latest pooled scores
     (``pallas_kernels.topk_sets``: ascending positions, -1 past each size; -1 everywhere when none
     drifted), o'_t [B, Np_l, W]).
     """
@@ -157,14 +175,15 @@ def drift_check(shares, lengths, k_base, set_sizes, l_base: int, tau: float, cap
         overlaps = jnp.concatenate([jnp.stack([st[1] for st in sh], axis=-1) for sh in shares], axis=1)
     else:
         x = jnp.concatenate([jnp.stack(sh, axis=2) for sh in shares], axis=1)  # [B, Np, W, G, T]
-        scores, overlaps = pivot_statistics(x, lens, base, l_base)
+        scores, overlaps = pivot_statistics(x, lens, base)
         latest = scores[:, :, -1]
     B, Np, T = latest.shape
     drift = jnp.median(overlaps, axis=-1) < tau
     n_base = min(l_base, T)
+    own = jnp.minimum(base_sizes(base), n_base)  # each pivot's own L_base: its new K_base is that large
 
     def ranked(s):
-        want = jnp.concatenate([jnp.full((B, Np, 1), n_base, jnp.int32), sizes], -1)
+        want = jnp.concatenate([own[..., None], sizes], -1)
         sets = pallas_kernels.topk_sets(s, want, max(cap, n_base))
         top = sets[..., 0, :n_base]
         hit = jnp.take_along_axis(s, jnp.maximum(top, 0), axis=-1) > pallas_kernels.MASK_VALUE * 0.5
@@ -297,8 +316,8 @@ class HeteroDecode(DecodeState):
         self.copy_failures = 0  # window fills dropped (filled again at the next step)
         self.copy_moves = 0  # times a sequence's window moved to a copied span
         self.bytes_copied = 0
-        # called as f(layer, overlaps [B, Np, W], lengths [B, Np], l_base=...) with each pivot layer's o'_t of
-        # every check (benchmarks/bench_drift_metric.py records them this way)
+        # called as f(layer, overlaps [B, Np, W], lengths [B, Np], l_base=[B] each sequence's L_base) with each
+        # pivot layer's o'_t of every check (benchmarks/bench_drift_metric.py records them this way)
         self.check_observers: list = []
 
     def fresh(self) -> "HeteroDecode":
@@ -345,7 +364,7 @@ class HeteroDecode(DecodeState):
         block = 16
         n_pad = -(-n // block) * block
         row_valid = jnp.arange(n_pad) < n
-        l_base = int(self.prefilled.l_base.max())
+        l_base = int(self.prefilled.l_base.max())  # K_base's width; each sequence keeps its own (mask_base)
         lens = jnp.asarray(self.prefilled.lens, jnp.int32)
         layers = list(cache.layers)
         items = []  # (layer, b, compressed head j, slots [n], prompt rows [n]) into the pool
@@ -355,7 +374,8 @@ class HeteroDecode(DecodeState):
             if r.pivots:
                 keys, lengths = pivot_keys(cache, li, r.pivot_slots())
                 args = (take_slots(q, r.pivot_slots())[:, :, -1:], keys, lengths)
-                layers[li] = lc.replace(state=PivotBase(k_base=self.compile_fn(turn_k_base, *args, l_base=l_base)(*args)))
+                idx = self.compile_fn(turn_k_base, *args, l_base=l_base)(*args)
+                layers[li] = lc.replace(state=PivotBase(k_base=mask_base(idx, self.prefilled.l_base)))
             counts = self.prefilled.counts[li]  # [B, Hc]
             if counts.shape[1]:
                 host_k, _ = self.prefilled.store.view(li)  # [B, Hc (H under tp), T, D]
@@ -424,7 +444,7 @@ class HeteroDecode(DecodeState):
         """Dispatch the drift check of every pivot layer on the buffered steps' shares, as one executable;
         its outputs are copied to the host asynchronously and read before the next step."""
         layers = self.pivot_layers
-        l_base = int(self.prefilled.l_base.max())
+        l_base = int(self.prefilled.l_base.max())  # K_base's width (static); each row is checked with its own
         args = (tuple(tuple(b[li] for b in self.buffer) for li in layers),
                 tuple(take_slots(cache.layers[li].lengths, self.prefilled.roles[li].pivot_slots()) for li in layers),
                 tuple(cache.layers[li].state.k_base for li in layers),
@@ -438,7 +458,7 @@ class HeteroDecode(DecodeState):
                 a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
             outs[li] = out[:3]
             for observe in self.check_observers:
-                observe(li, out[3], args[1][layers.index(li)], l_base=l_base)
+                observe(li, out[3], args[1][layers.index(li)], l_base=self.prefilled.l_base)
         self.pending = (step, outs)
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:

@@ -20,7 +20,7 @@ from hetero_jax.model.sharding import to_host
 from hetero_jax.policies.protocol import PrefillPlan
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, take_slots
 from hetero_jax.policies.selection import select_group
-from hetero_jax.policies.heterocache.decode import HeteroDecode, HeteroPrefilled, PivotBase, window_slots
+from hetero_jax.policies.heterocache.decode import HeteroDecode, HeteroPrefilled, PivotBase, mask_base, window_slots
 from hetero_jax.policies.heterocache.scores import last_token_scores, window_scores
 
 
@@ -79,8 +79,9 @@ class HeteroPrefill(PrefillPlan):
             scores = self.compile_fn(last_token_scores, *args, cfg=cfg)(*args)
         state = None
         if r.pivots:
+            # the batch's largest L_base wide; each sequence keeps its own top-L_base (``PivotBase``)
             _, idx = jax.lax.top_k(take_slots(scores, r.pivot_slots()), int(self.l_base.max()))
-            state = PivotBase(k_base=idx.astype(jnp.int32))
+            state = PivotBase(k_base=mask_base(idx, self.l_base))
         blocks = []
         B, H, T, _ = k_buf.shape
         if r.full_slots:
