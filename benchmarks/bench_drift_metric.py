@@ -41,15 +41,17 @@ class Recorder:
     def __init__(self):
         self.label, self.rows = "", []
 
-    def __call__(self, layer, overlaps, lengths, l_base: int) -> None:
+    def __call__(self, layer, overlaps, lengths, l_base) -> None:
         import numpy as np
 
         o_norm = np.asarray(overlaps, np.float64)  # [B, Np, W]
         lengths = np.asarray(lengths)  # [B, Np]
+        l_base = np.broadcast_to(np.asarray(l_base), lengths.shape[:1])  # [B]: each sequence's own L_base
         for b, p in np.ndindex(lengths.shape):
-            c = min(1.0, l_base / max(int(lengths[b, p]), 1))
+            lb = int(l_base[b])
+            c = min(1.0, lb / max(int(lengths[b, p]), 1))
             o = o_norm[b, p] * (1.0 - c) + c if c < 1.0 else np.ones_like(o_norm[b, p])
-            self.rows.append({"label": self.label, "o": o.tolist(), "L": int(lengths[b, p]), "l_base": l_base})
+            self.rows.append({"label": self.label, "o": o.tolist(), "L": int(lengths[b, p]), "l_base": lb})
 
 
 def run(args) -> dict:
