@@ -97,3 +97,15 @@ def lower_cuda(f, *args) -> str:
     import jax
 
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Fail if any model compute starts (prefill, decode step, session extend): bad input must be refused
+    before."""
+    from hetero_jax.model import transformer as M
+
+    def boom(*a, **k):
+        raise AssertionError("compute started for input that should have been refused")
+    for name in ("prefill", "decode_step", "extend"):
+        monkeypatch.setattr(M, name, boom)

@@ -18,7 +18,6 @@ import pytest
 import hetero_jax
 from hetero_jax.errors import ConfigError, PromptError, SessionBusyError, SessionError, env_flag
 from hetero_jax.io.tokenizer import Tokenizer
-from hetero_jax.model import transformer as M
 from hetero_jax.policies import FullKV, HeteroCache
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import HeadProfile
@@ -62,15 +61,6 @@ def state(sess):
 def chat_model(tiny_checkpoint):
     pytest.importorskip("transformers")
     return hetero_jax.load(tiny_checkpoint("llama")[1])
-
-
-@pytest.fixture
-def no_compute(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("compute started for input that should have been refused")
-    monkeypatch.setattr(M, "prefill", boom)
-    monkeypatch.setattr(M, "decode_step", boom)
-    monkeypatch.setattr(M, "extend", boom)
 
 
 # ------------------------------------------------------------------ a failed turn changes nothing
