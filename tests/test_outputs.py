@@ -301,6 +301,14 @@ def no_conversion(monkeypatch):
                         hub.KnownModel(description="test", source=_boom("conversion started")))
 
 
+def _load_refused_unchanged(folder: Path, message: str) -> None:
+    """Loading smollm2-135m raises CheckpointError with exactly ``message`` and leaves ``folder`` byte for byte."""
+    before = _snapshot(folder)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        hetero_jax.load("smollm2-135m")
+    assert _snapshot(folder) == before
+
+
 def test_a_user_directory_in_the_cache_is_never_deleted(tmp_path, monkeypatch, no_conversion):
     monkeypatch.setenv("HETERO_JAX_CACHE", str(tmp_path))
     mine = tmp_path / "smollm2-135m"
@@ -308,13 +316,10 @@ def test_a_user_directory_in_the_cache_is_never_deleted(tmp_path, monkeypatch, n
     (mine / "thesis.txt").write_text("three years of work")
     (mine / "data").mkdir()
     (mine / "data" / "a.bin").write_bytes(b"\x00\x01")
-    before = _snapshot(tmp_path)
-    with pytest.raises(CheckpointError, match=re.escape(
-            f"{mine} exists but is not a converted smollm2-135m checkpoint (it has no hetero_jax.json); hetero-jax "
-            f"converts smollm2-135m there and will not delete files it did not write. Move {mine} away, or point "
-            "HETERO_JAX_CACHE at another directory")):
-        hetero_jax.load("smollm2-135m")
-    assert _snapshot(tmp_path) == before
+    _load_refused_unchanged(tmp_path, (
+        f"{mine} exists but is not a converted smollm2-135m checkpoint (it has no hetero_jax.json); hetero-jax "
+        f"converts smollm2-135m there and will not delete files it did not write. Move {mine} away, or point "
+        "HETERO_JAX_CACHE at another directory"))
 
 
 def test_a_cache_entry_that_is_a_file_is_refused(tmp_path, monkeypatch, no_conversion):
@@ -355,12 +360,9 @@ def test_an_unusable_cache_is_refused_before_converting(tmp_path, monkeypatch, n
         _deny_write(monkeypatch, root)
         problem = "it is not writable"
     monkeypatch.setenv("HETERO_JAX_CACHE", str(root))
-    before = _snapshot(tmp_path)
-    with pytest.raises(CheckpointError, match=re.escape(
-            f"the model cache {root} cannot hold a converted model ({problem}); point HETERO_JAX_CACHE at a "
-            "writable directory (it is created if missing)")):
-        hetero_jax.load("smollm2-135m")
-    assert _snapshot(tmp_path) == before
+    _load_refused_unchanged(tmp_path, (
+        f"the model cache {root} cannot hold a converted model ({problem}); point HETERO_JAX_CACHE at a "
+        "writable directory (it is created if missing)"))
 
 
 def test_a_read_only_cache_holding_the_model_still_loads_it(tmp_path, monkeypatch, no_conversion):

@@ -27,6 +27,7 @@ import numpy as np
 
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError, read_json
+from hetero_jax.io.files import path_inside
 
 FORMAT_VERSION = 1
 META_FILE = "hetero_jax.json"
@@ -73,10 +74,6 @@ def check_output_dir(out_dir: str | os.PathLike, force: bool) -> str:
     return out_dir
 
 
-def _inside(path: str, root: str) -> bool:
-    return path != root and os.path.commonpath([path, root]) == root
-
-
 def check_output_apart(source: str | os.PathLike, out_dir: str | os.PathLike) -> None:
     """Refuse an OUT_DIR that is, contains or is inside the conversion's input (before anything is read
     or written): replacing OUT_DIR (--force) would delete the input, and writing inside it would mix a
@@ -86,10 +83,10 @@ def check_output_apart(source: str | os.PathLike, out_dir: str | os.PathLike) ->
     if out == src:
         raise CheckpointError(f"output directory {shown} is the input {src}; converting in place would delete the "
                               "input weights. Choose an OUT_DIR outside the input")
-    if _inside(out, src):
+    if path_inside(out, src):
         raise CheckpointError(f"output directory {shown} is inside the input directory {src}; the checkpoint "
                               "would be mixed into the model files. Choose an OUT_DIR outside the input")
-    if _inside(src, out):
+    if path_inside(src, out):
         raise CheckpointError(f"output directory {shown} contains the input {src}; replacing it would delete the "
                               "input. Choose an OUT_DIR outside the input")
 

@@ -39,7 +39,7 @@ def same_file(a: PathLike, b: PathLike) -> bool:
         return False
 
 
-def _inside(path: str, folder: str) -> bool:
+def path_inside(path: PathLike, folder: PathLike) -> bool:
     """Whether ``path`` lies (after resolving symlinks) under the directory ``folder``."""
     real, root = os.path.realpath(path), os.path.realpath(folder)
     return real != root and os.path.commonpath([real, root]) == root
@@ -95,7 +95,7 @@ def check_outputs(outputs: Mapping[str, PathLike | None],
                 if same_file(path, src):
                     raise OutputError(f"{flag} {path} is also the {in_flag} input; writing it would overwrite "
                                       f"your input. Choose another {flag}")
-                if os.path.isdir(src) and os.path.lexists(path) and _inside(path, src):
+                if os.path.isdir(src) and os.path.lexists(path) and path_inside(path, src):
                     raise OutputError(f"{flag} {path} is a file of the {in_flag} input {src}; writing it would "
                                       f"overwrite part of your input. Choose another {flag}")
         for other_flag, other in seen:
