@@ -101,26 +101,24 @@ def resolve_backend(backend: str | None = None, native: bool = False, head_dim: 
   'interpret' into 'reference' (with a warning, once per head_dim).
   """
   mode = _check_backend(backend) if backend is not None else requested_backend()
-  if mode in ("auto", "pallas", "interpret") and head_dim is not None and not kernel_head_dim_ok(head_dim):
-    resolved = resolve_backend(backend, native)
-    if resolved not in ("pallas", "interpret"):
-      return resolved
+  if mode == "auto":
+    if gpu_available():
+      mode = "pallas"
+    elif native:
+      from pallas_kernels import native as native_kernels
+      mode = "native" if native_kernels.available() else "reference"
+    else:
+      mode = "reference"
+  elif mode == "native" and not native:
+    mode = "reference"
+  if mode in ("pallas", "interpret") and head_dim is not None and not kernel_head_dim_ok(head_dim):
     if head_dim not in _warned_head_dims:
       import warnings
       _warned_head_dims.add(head_dim)
       warnings.warn(f"head_dim {head_dim} is not a power of two >= 16, which the Pallas kernels need: the "
                     "plain-JAX reference attention runs instead (correct, slower on a GPU)", RuntimeWarning,
                     stacklevel=2)
-    return "reference"
-  if mode == "auto":
-    if gpu_available():
-      return "pallas"
-    if native:
-      from pallas_kernels import native as native_kernels
-      return "native" if native_kernels.available() else "reference"
-    return "reference"
-  if mode == "native" and not native:
-    return "reference"
+    mode = "reference"
   return mode
 
 
