@@ -169,11 +169,12 @@ def git_info(repo: Path = REPO_ROOT) -> dict[str, Any]:
             return None
         return out.stdout if out.returncode == 0 else None
 
+    if os.environ.get("HETERO_JAX_COMMIT"):
+        # a copied tree (a lent GPU machine), whose .git may be missing or name an older commit than the files
+        # it holds: the commit its caller says it was copied from
+        return {"commit": os.environ["HETERO_JAX_COMMIT"], "dirty": None, "changed_files": []}
     commit = git("rev-parse", "--short", "HEAD")
     commit = commit.strip() if commit else None
-    if commit is None and os.environ.get("HETERO_JAX_COMMIT"):
-        # a copy of the tree without .git (a lent GPU machine): the commit its caller says it was copied from
-        return {"commit": os.environ["HETERO_JAX_COMMIT"], "dirty": None, "changed_files": []}
     status = git("status", "--porcelain")  # not stripped: " M path" starts with a space
     changed = [line[3:] for line in status.splitlines() if line.strip()] if status else []
     # RESULTS.md and the docs/bench-*.png plots are what benchmarks write: a run queued after another

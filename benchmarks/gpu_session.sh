@@ -11,7 +11,8 @@
 # is left (128K did not fit a lease's six minutes); join them afterwards with
 #   python benchmarks/bench_latency.py --preset llama8b-gpu --merge $OUT/lat-*.json --write-results
 # The other stages' JSON (kernels.json, kernels-sweep.json, offload.json) carry their markdown ("markdown"
-# key) for RESULTS.md. At most 8 files come back from a lent machine: this writes at most 8.
+# key) for RESULTS.md. At most 8 files come back from a lent machine: this writes at most 8
+# (log, kernels, offload, two latency lengths, profile, sweep).
 set -u
 OUT=${OUT:?set OUT to the output folder}
 BUDGET_S=${BUDGET_S:-480}
@@ -55,6 +56,9 @@ print('compiled kernels run')"; then
     stage "latency $L" 400 $PY benchmarks/bench_latency.py --preset llama8b-gpu --synthetic-lengths "$L" \
       --ttft-warmup "$warm" --no-progress --out "$OUT/lat-$L.json" --plot "/tmp/lat-$L.png"
   done
+  # Kernel by kernel: where the step's device time goes, and how much of the wall time is host time
+  stage profile 150 $PY benchmarks/profile_step.py --shape llama-3.1-8b --dtype bfloat16 --length 32768 \
+    --warmup 6 --steps 10 --top 30 --policies full heterocache:tau_drift=-1 heterocache --out "$OUT/profile-32k.json"
   # The launch-parameter sweep of the older per-group kernel last: the row pool's kernel is what decodes now
   stage sweep 150 $PY benchmarks/bench_kernels.py --sweep --no-progress --out "$OUT/kernels.json"
   echo "=== done, $(left)s of ${BUDGET_S}s left"
