@@ -34,7 +34,7 @@ Dispatching entry points: :func:`decode_attention`, :func:`drift_check`
 from __future__ import annotations
 
 from pallas_kernels._util import (BACKENDS, ENV_VAR, MASK_VALUE, KernelBackendError, gpu_available,
-                                  kernel_head_dim_ok, resolve_backend, use_kernels)
+                                  kernel_head_dim_ok, resolve_backend, traced_for_gpu, use_kernels)
 from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce, masked_softmax,
                                           attention_and_pooled_scores, base_overlap,
                                           drift_check, drift_check_reference,
@@ -50,7 +50,7 @@ from pallas_kernels.sparse_decode_attention import (
 
 __all__ = [
     "BACKENDS", "ENV_VAR", "MASK_VALUE", "POOL_KERNEL_SIZE", "KernelBackendError", "kernel_head_dim_ok",
-    "use_kernels", "resolve_backend", "gpu_available", "avg_pool", "gqa_reduce", "masked_softmax",
+    "use_kernels", "resolve_backend", "traced_for_gpu", "gpu_available", "avg_pool", "gqa_reduce", "masked_softmax",
     "decode_attention", "sparse_decode_attention",
     "sparse_decode_attention_reference", "merge_attention",
     "default_num_splits",

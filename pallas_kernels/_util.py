@@ -122,6 +122,12 @@ def resolve_backend(backend: str | None = None, native: bool = False, head_dim: 
   return mode
 
 
+def traced_for_gpu() -> bool:
+  """Whether the computation being traced targets a GPU: the Pallas kernels are what ``resolve_backend``
+  picks (auto on a GPU, or ``use_kernels('pallas')`` when lowering for CUDA on a machine without one)."""
+  return resolve_backend(native=True) == "pallas"
+
+
 class _Restore(contextlib.AbstractContextManager):
 
   def __init__(self, previous):

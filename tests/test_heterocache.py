@@ -2,6 +2,7 @@
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -309,7 +310,7 @@ def test_drain_waits_for_the_dispatched_drift_check():
         tok, _ = eng.step(tok, 0.0, 1.0)
     _, outs = eng.state.pending  # dispatched after the second step, not yet applied
     assert eng.drain() >= 0.0
-    assert all(a.is_ready() for out in outs if out is not None for a in out)
+    assert len(outs) == 3 and all(a.is_ready() for a in outs)
     assert eng.state.pending is not None  # drain waits; the recall still lands before the next step
     full = Engine(MODEL, [random_prompt(100, 11)], FullKV(), tail_capacity=8)
     assert full.drain() >= 0.0  # no controller: nothing to wait for
@@ -347,12 +348,25 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     # per pivot two sets (a satellite's l_s and l_s - w, as with a copy window), differing per sequence
     sizes = np.array([[[n_top, n_top - 2]] * Np, [[n_top - 1, 4]] * Np], np.int32)[..., : 2 if n_top else 0]
     runs = []
-    for shares in (logits, stats):  # two layers of the same pivots, the second's sets padded to more
-        runs.append(drift_check((shares, shares), (jnp.asarray(lengths),) * 2, (jnp.asarray(k_base),) * 2,
-                                (jnp.asarray(sizes), jnp.pad(jnp.asarray(sizes), ((0, 0), (0, 0), (0, 1)))),
-                                l_base=l_base, tau=tau, cap=max(1, n_top)))
+
+    def check(shares):  # two layers of the same pivots, the second's sets padded to more
+        return drift_check((shares, shares), (jnp.asarray(lengths),) * 2, (jnp.asarray(k_base),) * 2,
+                           (jnp.asarray(sizes), jnp.pad(jnp.asarray(sizes), ((0, 0), (0, 0), (0, 1)))),
+                           l_base=l_base, tau=tau, cap=max(1, n_top))
+
+    runs = [check(logits), check(stats)]
+    jax.clear_caches()  # how the sets are ranked is chosen at trace time
+    try:
+        with pallas_kernels.use_kernels("pallas"):  # a GPU's: ranked whether or not a pivot drifted, no cond
+            runs.append(check(stats))
+            txt = drift_check.trace((stats, stats), (jnp.asarray(lengths),) * 2, (jnp.asarray(k_base),) * 2,
+                                    (jnp.asarray(sizes),) * 2, l_base=l_base, tau=tau, cap=max(1, n_top)).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert "stablehlo.case" not in txt and "stablehlo.if" not in txt
+    finally:
+        jax.clear_caches()
     (drift, new_base, top, overlaps), again = runs[0]
-    for got in (again, runs[1][0], runs[1][1]):  # the same check, whatever the schedule or the layer
+    for got in (again, *runs[1], *runs[2]):  # the same check, whatever the schedule, the target or the layer
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(drift))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(new_base))
         np.testing.assert_array_equal(np.asarray(got[2])[..., : sizes.shape[-1], :], np.asarray(top))

@@ -161,3 +161,18 @@ def test_bfloat16_close_to_float32():
     assert l16.dtype == jnp.float32  # logits always float32
     err = np.abs(np.asarray(l16) - np.asarray(l32)).max()
     assert err < 0.05 * np.abs(np.asarray(l32)).max()
+
+
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (2, 3)])
+def test_matmul_for_a_gpu_equals_numpy(lead):
+    """The products traced for a GPU (one token's as a two-row GEMM) equal numpy's, one row or several."""
+    import pallas_kernels
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(lead + (48,)).astype(np.float32)
+    w = rng.standard_normal((48, 20)).astype(np.float32)
+    with pallas_kernels.use_kernels("pallas"):
+        assert pallas_kernels.traced_for_gpu()
+        got = jax.jit(M._matmul)(jnp.asarray(x), jnp.asarray(w))
+    assert got.shape == lead + (20,)
+    np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-5, atol=1e-5)

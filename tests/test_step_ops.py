@@ -243,7 +243,7 @@ def test_gpu_step_is_one_pool_kernel_call_per_layer_and_no_control_flow(name):
     one call of the pool kernel, whatever its heads' lengths, and the step has no loop or conditional (a GPU
     runs a loop's trips as launches and reads a conditional's predicate on the host) and no sort: HeteroCache's
     pivots only hand their logits to the check, which ranks them every W steps. The same structure the H100
-    compile of `bench_step_ops` counts."""
+    compile of `bench_step_ops` counts; and each weight's product is a GEMM there."""
     import re
 
     import pallas_kernels
@@ -261,5 +261,10 @@ def test_gpu_step_is_one_pool_kernel_call_per_layer_and_no_control_flow(name):
         jax.clear_caches()
     assert len(re.findall(r"call @pool_attention\w*\(", txt)) == CFG.num_layers
     assert "__gpu$xla.gpu.triton" in txt
+    # one token's projections reach XLA as two-row products: a one-row product with a small weight is
+    # rewritten by XLA's GPU compiler into a multiply and a reduce (RESULTS `profile-step-gpu`)
+    weight_dots = re.findall(r"stablehlo\.dot_general .*: \(tensor<(\d+)x\d+x\w+>, tensor<\d+x\d+x\w+>\)", txt)
+    assert len(weight_dots) == 7 * CFG.num_layers + 1  # q, k, v, o, gate, up, down per layer; the lm_head
+    assert set(weight_dots) == {"2"}, weight_dots
     for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if", "stablehlo.sort"):
         assert op not in txt, op

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import MASK_VALUE  # the one finite mask value (scores beyond a prompt, masked attention)
+from pallas_kernels import traced_for_gpu
 
 from hetero_jax.model.cache import KVCache, LayerPrefill, PoolBuilder, RowBlock
 from hetero_jax.model.config import ModelConfig
@@ -64,8 +65,27 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
+def _one_row_as_gemm(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [1, ..., 1, K] @ w [K, N] computed as a two-row product whose first row is kept.
+
+    XLA's GPU compiler rewrites a vector-matrix product whose weight is small (below about 10M elements:
+    k_proj and v_proj of a 7-8B model, every projection of a small one) into a multiply and a reduce that
+    write the weight-sized product to memory and read it back, and may fuse the reduce into the cache write
+    (RESULTS `profile-step-gpu`: 70 us where the weight's bytes take 2). Two identical rows keep it a GEMM."""
+    rows = jnp.broadcast_to(x.reshape(1, x.shape[-1]), (2, x.shape[-1]))
+    return (rows @ w)[:1].reshape(x.shape[:-1] + w.shape[-1:])
+
+
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N]; one token's product (a batch-1 decode step) stays a GEMM when the step is traced
+    for a GPU (``pallas_kernels.traced_for_gpu``; a CPU's vector-matrix product is already its fastest form)."""
+    if math.prod(x.shape[:-1]) == 1 and traced_for_gpu():
+        return _one_row_as_gemm(x, w)
+    return x @ w
+
+
 def _linear(x, layer, name, bias_name=None):
-    y = x @ layer[name]
+    y = _matmul(x, layer[name])
     if bias_name is not None and bias_name in layer:
         y = y + layer[bias_name]
     return y
@@ -103,7 +123,7 @@ def output_projection(layer: dict, attn: jax.Array) -> jax.Array:
 def lm_logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """h: [..., H] after the final norm -> logits [..., V] in float32."""
     w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return (h @ w).astype(jnp.float32)
+    return _matmul(h, w).astype(jnp.float32)
 
 
 # ------------------------------------------------------------------ prefill

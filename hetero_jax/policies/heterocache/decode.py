@@ -95,7 +95,7 @@ def spread_checks() -> bool:
     CPU; the check then takes the median of the buffered o'_t, so no step does W steps' work) or all at once
     at the check from the buffered logits (False: a GPU, where a layer's statistics in the step cost a dozen
     launches and the check's are a few kernels for every pivot of the model). Same numbers either way."""
-    return pallas_kernels.resolve_backend(native=True) != "pallas"
+    return not pallas_kernels.traced_for_gpu()
 
 
 def pivot_statistics(logits, lengths, k_base):
@@ -145,26 +145,9 @@ def attend_step(q, step, pivot_slots, copy_slots=()):
     return out, pivot, pointer
 
 
-@functools.partial(jax.jit, static_argnames=("l_base", "tau", "cap"))
-def drift_check(shares, lengths, k_base, set_sizes, l_base: int, tau: float, cap: int):
-    """The drift check of every pivot of the model at once, from the ``window`` buffered decode steps.
-
-    shares: per pivot layer, per buffered step, what ``attend_step`` returned for its pivots: their logits
-    [B, Np_l, G, T], or (pooled scores [B, Np_l, T], o'_t [B, Np_l]) where the steps computed them;
-    lengths: per pivot layer [B, Np_l] the pivots' prompt rows; k_base: per pivot layer [B, Np_l, l_base]
-    (``l_base`` the batch's largest L_base; each row holds its own, ``PivotBase``);
-    set_sizes: per pivot layer [B, Np_l, K_l] int, the sizes of the top sets a recall reads per pivot (its
-    satellites' l_s; with a copy window also l_s - w), 0 for none, each at most ``cap``. The layers' pivots
-    are checked as one batch [B, Np, W, ...]: one executable and a few kernels, whatever the layers.
-
-    Returns, per pivot layer, (drift [B, Np_l] bool: median_t o'_t < tau (Eq. 10, normalised), new K_base
-    [B, Np_l, l_base] (the top-L_base of the latest step's pooled scores, each pivot's own L_base, ascending,
-    -1 past it or where masked; the old K_base when no pivot of the model drifted), top sets [B, Np_l, K, cap]
-    of the latest pooled scores
-    (``pallas_kernels.topk_sets``: ascending positions, -1 past each size; -1 everywhere when none
-    drifted), o'_t [B, Np_l, W]).
-    """
-    n = [jax.tree.leaves(sh[0])[0].shape[1] for sh in shares]  # pivots per layer
+def _check_pivots(shares, lengths, k_base, set_sizes, l_base: int, tau: float, cap: int):
+    """``drift_check``'s computation, its outputs over every pivot of the model: (drift [B, Np], new K_base
+    [B, Np, l_base], top sets [B, Np, K, cap] (K the layers' largest), o'_t [B, Np, W])."""
     K = max(s.shape[-1] for s in set_sizes)
     lens = jnp.concatenate(lengths, axis=1)
     base = jnp.concatenate(k_base, axis=1).astype(jnp.int32)
@@ -194,11 +177,50 @@ def drift_check(shares, lengths, k_base, set_sizes, l_base: int, tau: float, cap
     def unchanged(s):
         return base, jnp.full((B, Np, K, cap), -1, jnp.int32)
 
-    # read only for a drifted pivot: skip the selection (lax.cond runs one branch) otherwise
-    new_base, sets = jax.lax.cond(drift.any(), ranked, unchanged, latest)
+    if pallas_kernels.traced_for_gpu():
+        # a GPU reads a conditional's predicate on the host, which would hold the host until the step ran:
+        # rank always (a few kernels every W steps) and keep the old K_base where none drifted
+        top, sets = ranked(latest)
+        new_base = jnp.where(drift.any(), top, base)
+        sets = jnp.where(drift.any(), sets, -1)
+    else:  # read only for a drifted pivot: skip the selection (lax.cond runs one branch) otherwise
+        new_base, sets = jax.lax.cond(drift.any(), ranked, unchanged, latest)
+    return drift, new_base, sets, overlaps
+
+
+@functools.partial(jax.jit, static_argnames=("l_base", "tau", "cap"))
+def drift_check(shares, lengths, k_base, set_sizes, l_base: int, tau: float, cap: int):
+    """The drift check of every pivot of the model at once, from the ``window`` buffered decode steps.
+
+    shares: per pivot layer, per buffered step, what ``attend_step`` returned for its pivots: their logits
+    [B, Np_l, G, T], or (pooled scores [B, Np_l, T], o'_t [B, Np_l]) where the steps computed them;
+    lengths: per pivot layer [B, Np_l] the pivots' prompt rows; k_base: per pivot layer [B, Np_l, l_base]
+    (``l_base`` the batch's largest L_base; each row holds its own, ``PivotBase``);
+    set_sizes: per pivot layer [B, Np_l, K_l] int, the sizes of the top sets a recall reads per pivot (its
+    satellites' l_s; with a copy window also l_s - w), 0 for none, each at most ``cap``. The layers' pivots
+    are checked as one batch [B, Np, W, ...]: one executable and a few kernels, whatever the layers.
+
+    Returns, per pivot layer, (drift [B, Np_l] bool: median_t o'_t < tau (Eq. 10, normalised), new K_base
+    [B, Np_l, l_base] (the top-L_base of the latest step's pooled scores, each pivot's own L_base, ascending,
+    -1 past it or where masked; the old K_base when no pivot of the model drifted), top sets [B, Np_l, K, cap]
+    of the latest pooled scores
+    (``pallas_kernels.topk_sets``: ascending positions, -1 past each size; -1 everywhere when none
+    drifted), o'_t [B, Np_l, W]).
+    """
+    n = [jax.tree.leaves(sh[0])[0].shape[1] for sh in shares]  # pivots per layer
+    drift, new_base, sets, overlaps = _check_pivots(shares, lengths, k_base, set_sizes, l_base, tau, cap)
     cuts = np.cumsum([0] + n)
     return tuple((drift[:, a:b], new_base[:, a:b], sets[:, a:b, : set_sizes[i].shape[-1]], overlaps[:, a:b])
                  for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])))
+
+
+@functools.partial(jax.jit, static_argnames=("pivot_slots", "l_base", "tau", "cap"))
+def check_pivot_layers(shares, layer_lengths, k_base, set_sizes, pivot_slots, l_base: int, tau: float, cap: int):
+    """``drift_check`` as a decode runs it: each pivot layer's lengths [B, H] with its pivots' ``pivot_slots``
+    (static), outputs over every pivot of the model in one array each (``_check_pivots``), so the host reads
+    one flag array per check and the rest only when a pivot drifted."""
+    lengths = tuple(take_slots(l, s) for l, s in zip(layer_lengths, pivot_slots))
+    return _check_pivots(shares, lengths, k_base, set_sizes, l_base, tau, cap)
 
 
 def recall_set_sizes(members: dict, n_pivots: int, counts: np.ndarray, window: np.ndarray | None):
@@ -276,7 +298,8 @@ class HeteroDecode(DecodeState):
         # the last `window` steps: tuples over layers of the pivots' share of the check (device; ``attend_step``)
         self.buffer: collections.deque = collections.deque(maxlen=prefilled.policy.window)
         self.pivot_layers = [li for li, r in enumerate(prefilled.roles) if r.pivots]
-        self.pending = None  # (step, per layer check outputs) of a dispatched check
+        self.pending = None  # (step, (drift, new K_base, top sets) over every pivot) of a dispatched check
+        self._check_fn = None  # (argument shapes, the check's executable)
         self.checks = 0  # pivot checks run (pivots x checks)
         self.triggers = 0  # pivot checks that drifted
         self.recalls = 0  # satellite heads refreshed by a drift
@@ -441,25 +464,33 @@ class HeteroDecode(DecodeState):
         self.offsets = [to_host(l.offsets).astype(np.int64) for l in cache.layers]
 
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
-        """Dispatch the drift check of every pivot layer on the buffered steps' shares, as one executable;
-        its outputs are copied to the host asynchronously and read before the next step."""
+        """Dispatch the drift check of every pivot layer on the buffered steps' shares, as one executable
+        (``check_pivot_layers``); its flags are copied to the host asynchronously and read before the next
+        step, the new K_base and top sets only when a pivot drifted."""
         layers = self.pivot_layers
-        l_base = int(self.prefilled.l_base.max())  # K_base's width (static); each row is checked with its own
         args = (tuple(tuple(b[li] for b in self.buffer) for li in layers),
-                tuple(take_slots(cache.layers[li].lengths, self.prefilled.roles[li].pivot_slots()) for li in layers),
+                tuple(cache.layers[li].lengths for li in layers),
                 tuple(cache.layers[li].state.k_base for li in layers),
                 tuple(self.set_sizes[li][0] for li in layers))
-        cap = max(1, max(self.set_sizes[li][1] for li in layers))
+        slots = tuple(tuple(self.prefilled.roles[li].pivot_slots()) for li in layers)
         T = jax.tree.leaves(args[0][0][0])[0].shape[-1]
-        fn = self.compile_fn(drift_check, *args, l_base=l_base, tau=self.policy.drift_threshold, cap=min(cap, T))
-        outs = [None] * len(self.prefilled.roles)
-        for li, out in zip(layers, fn(*args)):
-            for a in out[:3]:
-                a.copy_to_host_async()  # read before the next step is dispatched, never waited on now
-            outs[li] = out[:3]
-            for observe in self.check_observers:
-                observe(li, out[3], args[1][layers.index(li)], l_base=self.prefilled.l_base)
-        self.pending = (step, outs)
+        static = dict(pivot_slots=slots, l_base=int(self.prefilled.l_base.max()),  # K_base's width
+                      tau=self.policy.drift_threshold,
+                      cap=min(max(1, max(self.set_sizes[li][1] for li in layers)), T))
+        # the executable is looked up by its arguments' shapes alone: hashing every leaf's dtype and sharding
+        # (``compiled``'s key) for the hundreds of buffered arrays cost milliseconds per check
+        key = (tuple(x.shape for x in jax.tree.leaves(args)), tuple(sorted(static.items())))
+        if self._check_fn is None or self._check_fn[0] != key:
+            self._check_fn = (key, self.compile_fn(check_pivot_layers, *args, **static))
+        drift, new_base, sets, overlaps = self._check_fn[1](*args)
+        drift.copy_to_host_async()  # read before the next step is dispatched, never waited on now
+        if self.check_observers:
+            cuts = np.cumsum([0] + [len(sl) for sl in slots])
+            for i, li in enumerate(layers):
+                lengths = take_slots(args[1][i], slots[i])
+                for observe in self.check_observers:
+                    observe(li, overlaps[:, cuts[i]:cuts[i + 1]], lengths, l_base=self.prefilled.l_base)
+        self.pending = (step, (drift, new_base, sets))
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
         """Apply the previous check's recalls (one step after it ran), all or nothing; then move the copy
@@ -498,20 +529,26 @@ class HeteroDecode(DecodeState):
         Only those rows cross to the device and are written in place, every layer's through one scatter
         executable, in chunks of ``recall_chunk`` rows (``_write_rows``): the pool is never read back.
         """
-        _, outs = self.pending
+        _, (drift_all, new_base_all, sets_all) = self.pending
         self.pending = None
+        drift_all = np.asarray(drift_all)  # [B, Np] over every pivot layer
+        self.checks += drift_all.size
+        self.triggers += int(drift_all.sum())
+        if not drift_all.any():
+            return cache
+        new_base_all, sets_all = np.asarray(new_base_all), np.asarray(sets_all)
         layers = list(cache.layers)
         items = []  # (layer, b, satellite j, slots, rows) into the pool
         held_updates = []  # copy window: (layer, b, satellite, its new positions, its new window slots)
-        for li, out in enumerate(outs):
-            if out is None:
-                continue
-            drift, new_base, sets = (np.asarray(a) for a in out)
+        start = 0
+        for li in self.pivot_layers:
             r = self.prefilled.roles[li]
-            self.checks += drift.size
-            self.triggers += int(drift.sum())
+            a, start = start, start + len(r.pivots)
+            drift = drift_all[:, a:start]
             if not drift.any():
                 continue
+            new_base = new_base_all[:, a:start]
+            sets = sets_all[:, a:start, : self.set_sizes[li][0].shape[-1]]
             counts = self.prefilled.counts[li]  # [B, Hc]
             n_sat = sets.shape[2] // 2 if self.held and self.held[li] is not None else sets.shape[2]
             for b, p in zip(*np.nonzero(drift)):
