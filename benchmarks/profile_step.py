@@ -76,7 +76,13 @@ def device_events(trace_dir: Path):
                         kernels[line.name] = [(e.name, e.duration_ns) for e in line.events
                                               if not e.name.startswith(("ThreadpoolListener", "end: "))]
     names = [p.name for p in planes] + [f"{p.name} {ln.name}" for p in gpu for ln in p.lines]
-    return kernels, ops, names
+    host = {}  # the host's events (Python functions, JAX dispatch, PJRT) on a GPU run, where kernels run apart
+    if gpu:
+        for p in planes:
+            if p.name.startswith("/host:CPU"):
+                for line in p.lines:
+                    host[f"{p.name} {line.name}"] = [(e.name, e.duration_ns) for e in line.events]
+    return kernels, ops, names, host
 
 
 def summarise(lines: dict, n_steps: int, top: int) -> dict:
@@ -126,7 +132,7 @@ def profile_policy(model, ids, name, rho, prof, args) -> dict:
         wall[-1] += e.drain()
         total_wall = time.perf_counter() - t0
         jax.profiler.stop_trace()
-        kernel_lines, op_lines, plane_names = device_events(Path(d))
+        kernel_lines, op_lines, plane_names, host_lines = device_events(Path(d))
     stats = common.engine_kv_stats(e)
     del e
     gc.collect()
@@ -137,6 +143,8 @@ def profile_policy(model, ids, name, rho, prof, args) -> dict:
         "device_busy_ms_per_step": k["busy_ms_per_step"], "kernels_per_step": k["events_per_step"],
         "by_kind": k["by_kind"], "top": k["top"], "kernel_lines": k["lines"],
         "xla_ops": summarise(op_lines, args.steps, args.top) if op_lines else None,
+        # nested events (a Python function and what it calls) each count their whole time
+        "host": summarise(host_lines, args.steps, args.top) if host_lines else None,
         "planes": plane_names, "recall": stats.get("recall"), "kv_bytes_device": stats.get("kv_bytes_device"),
     }
 
@@ -158,6 +166,11 @@ def render(rows: list[dict]) -> str:
                 "| :--- | :--- | ---: | ---: | ---: |"]
         out += [f"| `{t['name'][:90]}` | {t['kind']} | {t['calls_per_step']:.1f} | {t['ms_per_step']:.3f} | "
                 f"{t['us_per_call']:.1f} |" for t in r["top"]]
+        if r.get("host"):
+            out += ["", f"Host events, {r['label']} (nested events each count their whole time):", "",
+                    "| event | calls/step | ms/step | µs/call |", "| :--- | ---: | ---: | ---: |"]
+            out += [f"| `{t['name'][:90]}` | {t['calls_per_step']:.1f} | {t['ms_per_step']:.3f} | "
+                    f"{t['us_per_call']:.1f} |" for t in r["host"]["top"]]
     return "\n".join(out)
 
 
