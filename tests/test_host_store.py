@@ -1,6 +1,5 @@
-"""The pinned-host store's row gather (``gather_rows`` / ``HostKVStore.rows``) against numpy fancy indexing,
-and ``put_rows`` + ``scatter_rows`` writing host rows into the row pool (rows padded already, or sent in
-chunks)."""
+"""The pinned-host store's row gather (``gather_rows``) against numpy fancy indexing, and ``send_host_rows`` +
+``scatter_rows`` writing host rows into the row pool (one part or several)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +8,7 @@ import numpy as np
 import pytest
 
 from hetero_jax.model.cache import KVPool
-from hetero_jax.model.host_store import HostKVStore, gather_rows, put_rows, row_bucket, scatter_rows
+from hetero_jax.model.host_store import HostKVStore, gather_rows, scatter_rows, send_host_rows
 
 
 def _store_array(shape, dtype, seed=0):
@@ -25,12 +24,14 @@ def test_gather_rows_equals_fancy_indexing(dtype, D):
     want = a[b, h, p]
     assert got.shape == want.shape == (4, 7, D) and got.dtype == a.dtype
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))   # bit for bit (NaN-safe)
-    # 1-D indices padded to `total` rows: the rows, then zeros
+    # into rows of a larger buffer: those rows written, the others untouched
     n = 9
-    got = gather_rows(a, b.reshape(-1)[:n], h.reshape(-1)[:n], p.reshape(-1)[:n], total=16)
-    assert got.shape == (16, D)
-    assert np.array_equal(got[:n].view(np.uint8), a[b.reshape(-1)[:n], h.reshape(-1)[:n], p.reshape(-1)[:n]].view(np.uint8))
-    assert not got[n:].astype(np.float32).any()
+    buf = np.full((16, D), 3, dtype)
+    got = gather_rows(a, b.reshape(-1)[:n], h.reshape(-1)[:n], p.reshape(-1)[:n], out=buf[4 : 4 + n])
+    assert np.shares_memory(got, buf)
+    assert np.array_equal(buf[4 : 4 + n].view(np.uint8),
+                          a[b.reshape(-1)[:n], h.reshape(-1)[:n], p.reshape(-1)[:n]].view(np.uint8))
+    assert (buf[:4].astype(np.float32) == 3).all() and (buf[4 + n :].astype(np.float32) == 3).all()
 
 
 def test_gather_rows_strided_view_and_bad_indices():
@@ -40,8 +41,10 @@ def test_gather_rows_strided_view_and_bad_indices():
     assert np.array_equal(gather_rows(strided, b, h, p), strided[b, h, p])
     with pytest.raises(IndexError, match="out of range"):
         gather_rows(a, b, h, np.array([0, 1, 2, 3, 20]))
-    with pytest.raises(ValueError, match="total"):
-        gather_rows(a, b, h, p, total=4)
+    with pytest.raises(ValueError, match="out must be"):
+        gather_rows(a, b, h, p, out=np.empty((4, 16), np.float32))
+    out = np.empty((5, 16), np.float32)
+    assert np.array_equal(gather_rows(strided, b, h, p, out=out), strided[b, h, p])
 
 
 def _pool(B, S, P, D, k_fill=0.0, v_fill=0.0):
@@ -49,38 +52,40 @@ def _pool(B, S, P, D, k_fill=0.0, v_fill=0.0):
                   positions=jnp.full((B, S, P), -1, jnp.int32))
 
 
-def test_store_rows_and_padded_put_rows_scatter():
-    """rows(..., total=row_bucket(n)) -> put_rows -> scatter_rows writes the same pool as unpadded rows: each row
-    at (b, shard, pool row), with its position."""
+def test_send_host_rows_from_two_layers_then_scatter():
+    """Rows of two layers of a store, each to (b, shard, pool row): the pool equals numpy's assignment of the
+    store's rows (K, V and positions); the padding past the 11 rows writes nothing; rows and bytes counted."""
     B, H, T, D, P = 1, 2, 40, 16, 16
     k = jnp.asarray(_store_array((B, H, T, D), np.float32, 3))
-    store = HostKVStore(1)
+    store = HostKVStore(2)
     store.put(0, k, k * 2)
+    store.put(1, k + 10, k * 3)
     rng = np.random.default_rng(4)
-    n = 11
-    b_idx, h_idx, pos = np.zeros(n, int), rng.integers(0, H, n), rng.integers(0, T, n)
-    slots = np.arange(n)  # head h's region of the pool: shard h (one head per shard), rows from 0
-    kp, vp = store.rows(0, b_idx, h_idx, pos, total=row_bucket(n))
-    ku, vu = store.rows(0, b_idx, h_idx, pos)
-    assert kp.shape == (row_bucket(n), D) and ku.shape == (n, D)
-    np.testing.assert_array_equal(ku, np.asarray(k)[b_idx, h_idx, pos])
-    np.testing.assert_array_equal(vu, 2 * np.asarray(k)[b_idx, h_idx, pos])
-
-    p_pad = scatter_rows(_pool(B, H, P, D), put_rows(b_idx, h_idx, slots, kp, vp, pos, P))
-    p_unpad = scatter_rows(_pool(B, H, P, D), put_rows(b_idx, h_idx, slots, ku, vu, pos, P))
-    for x, y in zip(jax.tree.leaves(p_pad), jax.tree.leaves(p_unpad)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    n0, n1 = 7, 4
+    b0, h0, pos0 = np.zeros(n0, int), rng.integers(0, H, n0), rng.integers(0, T, n0)
+    b1, h1, pos1 = np.zeros(n1, int), rng.integers(0, H, n1), rng.integers(0, T, n1)
+    r0 = rng.choice(P, n0, replace=False)  # pool rows: layer 0 on shard h, layer 1 on shard 1 - h
+    r1 = rng.choice(P, n1, replace=False)
+    timings = {}
+    parts, n = send_host_rows(store, [(0, b0, h0, pos0, h0, r0), (1, b1, h1, pos1, 1 - h1, r1)], P,
+                              timings=timings)
+    assert n == n0 + n1 and set(timings) == {"gather", "send"}
+    assert [tuple(x.shape) for x in parts[0]] == [(4, 16), (16, D), (16, D)]  # padded to row_bucket(11)
+    got = scatter_rows(_pool(B, H, P, D), parts)
+    kh = np.asarray(k)
     want_k = np.zeros((B, H, P, D), np.float32)
+    want_v = np.zeros((B, H, P, D), np.float32)
     want_pos = np.full((B, H, P), -1, np.int32)
-    want_k[b_idx, h_idx, slots] = np.asarray(k)[b_idx, h_idx, pos]   # later duplicates win, as in the scatter
-    want_pos[b_idx, h_idx, slots] = pos
-    np.testing.assert_array_equal(np.asarray(p_pad.k), want_k)
-    np.testing.assert_array_equal(np.asarray(p_pad.v), 2 * want_k)
-    np.testing.assert_array_equal(np.asarray(p_pad.positions), want_pos)
+    want_k[b0, h0, r0], want_v[b0, h0, r0], want_pos[b0, h0, r0] = kh[b0, h0, pos0], 2 * kh[b0, h0, pos0], pos0
+    want_k[b1, 1 - h1, r1], want_v[b1, 1 - h1, r1] = kh[b1, h1, pos1] + 10, 3 * kh[b1, h1, pos1]
+    want_pos[b1, 1 - h1, r1] = pos1
+    np.testing.assert_allclose(np.asarray(got.k), want_k, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got.v), want_v, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got.positions), want_pos)
 
 
 @pytest.mark.parametrize("chunk", [None, 8, 64])
-def test_put_rows_in_chunks_writes_each_row_into_its_place(monkeypatch, chunk):
+def test_send_host_rows_in_chunks_writes_each_row_into_its_place(monkeypatch, chunk):
     """37 rows bound to every shard of a [2, 3, 20] pool, in one part (padded to 64) or five parts of 8: the
     pool equals numpy's assignment of the rows (K, V and positions); the padding writes nothing."""
     from hetero_jax.model import host_store as HS
@@ -91,17 +96,47 @@ def test_put_rows_in_chunks_writes_each_row_into_its_place(monkeypatch, chunk):
     targets = [(b, s, r) for b in range(B) for s in range(S) for r in range(P)]
     pick = [targets[i] for i in rng.choice(len(targets), 37, replace=False)]
     b_idx, s_idx, rows = (np.array(c) for c in zip(*pick))
-    k_rows, v_rows = rng.standard_normal((37, D), np.float32), rng.standard_normal((37, D), np.float32)
-    pos = rng.integers(0, 1000, 37).astype(np.int32)
+    T = 1000
+    k_store, v_store = (rng.standard_normal((B, 1, T, D), np.float32) for _ in range(2))
+    store = HostKVStore(1)
+    store.put(0, jnp.asarray(k_store), jnp.asarray(v_store))
+    pos = rng.integers(0, T, 37).astype(np.int32)
+    k_rows, v_rows = k_store[b_idx, 0, pos], v_store[b_idx, 0, pos]
     want_k, want_v = np.full((B, S, P, D), 7.0, np.float32), np.full((B, S, P, D), -7.0, np.float32)
     want_pos = np.full((B, S, P), -1, np.int32)
     want_k[b_idx, s_idx, rows], want_v[b_idx, s_idx, rows], want_pos[b_idx, s_idx, rows] = k_rows, v_rows, pos
     calls = []
     real = HS._scatter
     monkeypatch.setattr(HS, "_scatter", lambda *a: calls.append(a[1].shape) or real(*a))
-    parts = put_rows(b_idx, s_idx, rows, k_rows, v_rows, pos, P, chunk=chunk)
+    parts, _ = send_host_rows(store, [(0, b_idx, np.zeros(37, int), pos, s_idx, rows)], P, chunk=chunk)
     out = scatter_rows(_pool(B, S, P, D, 7.0, -7.0), parts)
     assert calls == ([(4, 8)] * 5 if chunk == 8 else [(4, 64)])
     np.testing.assert_array_equal(np.asarray(out.k), want_k)
     np.testing.assert_array_equal(np.asarray(out.v), want_v)
     np.testing.assert_array_equal(np.asarray(out.positions), want_pos)
+
+
+def test_recalls_reuse_the_staging_rows_one_after_another():
+    """Three recalls in a row from one store (the second larger, so the staging grows; the third reuses it),
+    each scattered before the next is sent, as the policies do: every pool row holds its own recall's store
+    row (numpy), none a later recall's, though they passed through the same host rows."""
+    B, H, T, D, P = 1, 2, 64, 8, 256
+    k = jnp.asarray(_store_array((B, H, T, D), np.float32, 7))
+    store = HostKVStore(1)
+    store.put(0, k, -k)
+    pool = _pool(B, H, P, D)
+    kh = np.asarray(k)
+    rng = np.random.default_rng(8)
+    want = np.zeros((B, H, P, D), np.float32)
+    start = 0
+    for n in (5, 40, 12):
+        h, pos = rng.integers(0, H, n), rng.integers(0, T, n)
+        rows = start + np.arange(n)
+        start += n
+        parts, sent = send_host_rows(store, [(0, np.zeros(n, int), h, pos, h, rows)], P)
+        assert sent == n
+        pool = scatter_rows(pool, parts, staging=store.staging)
+        want[0, h, rows] = kh[0, h, pos]
+    assert store.staging.nbytes() == 2 * 64 * D * 4  # grown once, to row_bucket(40) rows of K and of V
+    np.testing.assert_array_equal(np.asarray(pool.k), want)
+    np.testing.assert_array_equal(np.asarray(pool.v), -want)

@@ -3,8 +3,8 @@
 A policy that offloads (HeteroCache's compressed heads, Quest offloaded, FreeKV)
 puts a layer's full prompt K/V in pinned host memory at prefill
 (``HostKVStore.put``: asynchronous, never waited on while prefill dispatches),
-reads rows from numpy views of it on the host thread, moves only those rows to
-the device (``jax.device_put``, asynchronous, :func:`put_rows`) and writes them
+gathers rows from numpy views of it into one staging buffer, moves only those rows
+to the device (``jax.device_put``, asynchronous, :func:`send_host_rows`) and writes them
 into the row pool with :func:`scatter_rows`, a jitted, donating update: the pool
 is never read back or re-uploaded whole, and one executable serves every layer.
 
@@ -16,8 +16,11 @@ the cache, so one compiled step serves every request) and gathers with numpy onl
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
+import os
+import threading
 import time
 import weakref
 
@@ -57,6 +60,7 @@ class HostKVStore:
         self.k: list[jax.Array | None] = [None] * num_layers
         self.v: list[jax.Array | None] = [None] * num_layers
         self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.staging = Staging()  # host rows the recalls are sent from (send_host_rows)
         self.handle = next(_HANDLES)  # what a traced step carries to find this store (host_gather)
         _STORES[self.handle] = self
         # host_weighted_sum's counters, per kind of call ("decode", "turn"): calls, seconds, rows read
@@ -88,17 +92,6 @@ class HostKVStore:
             self._views[li] = (None if k is None else np.asarray(k), np.asarray(self.v[li]))
         return self._views[li]
 
-    def rows(self, li: int, b: np.ndarray, h: np.ndarray, positions: np.ndarray,
-             total: int | None = None) -> tuple[np.ndarray | None, np.ndarray]:
-        """K and V rows of layer ``li`` at (b, h, positions) (broadcast together): [..., D] each, new arrays.
-
-        ``total``: the indices must be 1-D (n rows); the result has ``total`` >= n rows, zero past n (the
-        padded operands of :func:`put_rows`, without a second copy). K is None in a values-only store.
-        """
-        k, v = self.view(li)
-        idx = np.broadcast_arrays(np.asarray(b), np.asarray(h), np.asarray(positions))
-        return (None if k is None else gather_rows(k, *idx, total=total)), gather_rows(v, *idx, total=total)
-
     def arrays(self) -> tuple[jax.Array, ...]:
         """Every pinned array (to wait on, or to check its memory kind)."""
         return tuple(a for a in (*self.k, *self.v) if a is not None)
@@ -112,13 +105,14 @@ class HostKVStore:
 
 
 def gather_rows(a: np.ndarray, b: np.ndarray, h: np.ndarray, positions: np.ndarray,
-                total: int | None = None) -> np.ndarray:
-    """``a[b, h, positions]`` for a [B, H, T, D] host array (indices of one shape): [..., D], a new array.
+                out: np.ndarray | None = None) -> np.ndarray:
+    """``a[b, h, positions]`` for a [B, H, T, D] host array (indices of one shape): [..., D], a new array,
+    or written into ``out`` [n, D] (n indices; C-contiguous, ``a``'s dtype), which is returned.
 
     Each row is moved as one item of 8-byte words (``np.take`` on a [B*H*T, row words] view) rather than
     D elements of ``a``'s dtype: numpy's fancy indexing of bfloat16 (an ml_dtypes type) goes element by
     element (1.4 GB/s in the H200 run, RESULTS.md ``offload-gpu``; 4.8x slower than this on the CPU for a
-    32K-row gather, padding included). With ``total`` (1-D indices, n <= total): ``total`` rows, zero past n.
+    32K-row gather).
     """
     B, H, T, D = a.shape
     row_bytes = D * a.itemsize
@@ -127,35 +121,36 @@ def gather_rows(a: np.ndarray, b: np.ndarray, h: np.ndarray, positions: np.ndarr
     for x, size, name in ((b, B, "batch"), (h, H, "head"), (positions, T, "position")):
         if x.size and (x.min() < 0 or x.max() >= size):   # np.take(mode="clip") below would not say
             raise IndexError(f"{name} index out of range for a [{B}, {H}, {T}, {D}] store")
+    if out is not None and (out.shape != (positions.size, D) or out.dtype != a.dtype or not out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous [{positions.size}, {D}] {a.dtype} array, got {out.shape} "
+                         f"{out.dtype}")
     if word is None:   # odd row sizes or a strided view: plain indexing
-        out = a[b, h, positions]
-        if total is not None:
-            out = np.concatenate([out, np.zeros((total - len(out), D), a.dtype)])
+        if out is None:
+            return a[b, h, positions]
+        out[...] = a[b.reshape(-1), h.reshape(-1), positions.reshape(-1)]
         return out
-    flat = (b * H + h) * T + positions
+    flat = ((b * H + h) * T + positions).reshape(-1)
     rows = a.reshape(B * H * T, D).view(word)
-    if total is None:
-        return np.take(rows, flat.reshape(-1), axis=0).view(a.dtype).reshape(*flat.shape, D)
-    n = flat.size
-    if flat.ndim != 1 or total < n:
-        raise ValueError(f"total needs 1-D indices and total >= n rows (n {n}, total {total}, shape {flat.shape})")
-    out = np.empty((total, rows.shape[1]), word)
+    if out is None:
+        return np.take(rows, flat, axis=0).view(a.dtype).reshape(*positions.shape, D)
     # mode="clip": the indices are in range, and mode="raise" with ``out`` would gather into a buffer first
-    np.take(rows, flat, axis=0, out=out[:n], mode="clip")
-    out[n:] = 0
-    return out.view(a.dtype)
+    np.take(rows, flat, axis=0, out=out.view(word), mode="clip")
+    return out
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter(pool: KVPool, ints, k_rows, v_rows) -> KVPool:
+def _scatter(pool: KVPool, ints, k_rows, v_rows) -> tuple[KVPool, jax.Array]:
     """Rows into the pool: ints [4, n] = (b, shard, slot, position) of each row (split here: an eager slice
-    would compile per row bucket); a padding row carries slot == P, out of range, and is dropped."""
+    would compile per row bucket); a padding row carries slot == P, out of range, and is dropped. Also returns
+    a scalar, ready (as every output of an execution) once this executable has run: it read the rows
+    (``Staging``), and unlike the pool it is never donated to a later step."""
     b_idx, s_idx, slots, pos_rows = ints
-    return pool.replace(
+    pool = pool.replace(
         k=pool.k.at[b_idx, s_idx, slots].set(k_rows.astype(pool.k.dtype), mode="drop"),
         v=pool.v.at[b_idx, s_idx, slots].set(v_rows.astype(pool.v.dtype), mode="drop"),
         positions=pool.positions.at[b_idx, s_idx, slots].set(pos_rows, mode="drop"),
     )
+    return pool, ints[0, 0]
 
 
 def kv_rows_nbytes(n: int, like: np.ndarray) -> int:
@@ -168,29 +163,121 @@ def row_bucket(n: int) -> int:
     return max(8, 1 << max(0, n - 1).bit_length())
 
 
-def put_rows(b_idx, s_idx, slots, k_rows, v_rows, pos_rows, rows: int, chunk: int | None = None) -> list[tuple]:
-    """Start the host -> device copies of n rows bound for the pool (``rows`` = its P): b_idx, s_idx (the
-    head's shard), slots (pool row), pos_rows: [n] ints; k_rows, v_rows: [n, D] numpy. The rows are padded to
-    ``row_bucket(n)`` and sent as one part, or with ``chunk`` to a multiple of it and sent ``chunk`` rows per
-    part (a caller whose row counts vary widely compiles, and warms, one scatter executable). Returns the
-    parts' device operands for :func:`scatter_rows`; raises whatever ``jax.device_put`` raises, before
-    anything is written."""
-    n = len(slots)
-    chunk = chunk or row_bucket(n)
-    pad = max(1, -(-n // chunk)) * chunk - n
-    ints = np.stack([np.pad(np.asarray(a, np.int32), (0, pad), constant_values=fill)
-                     for a, fill in ((b_idx, 0), (s_idx, 0), (slots, rows), (pos_rows, -1))])
-    k_pad, v_pad = (np.pad(np.asarray(a), ((0, pad), (0, 0))) for a in (k_rows, v_rows))
+def _send(ints: np.ndarray, k_pad: np.ndarray, v_pad: np.ndarray, chunk: int) -> list[tuple]:
+    """Device copies of padded rows, ``chunk`` rows per part (asynchronous): ints [4, N], k_pad, v_pad [N, D].
+    On a CPU device these may be the host rows themselves (jax does not copy a numpy view)."""
     return [(jax.device_put(ints[:, i : i + chunk]), jax.device_put(k_pad[i : i + chunk]),
-             jax.device_put(v_pad[i : i + chunk])) for i in range(0, n + pad, chunk)]
+             jax.device_put(v_pad[i : i + chunk])) for i in range(0, ints.shape[1], chunk)]
 
 
-def scatter_rows(pool: KVPool, parts: list[tuple], compile_fn=None) -> KVPool:
-    """``pool`` (donated) with the rows of :func:`put_rows` written in place: only the new rows cross to the
-    device (bytes moved = rows x 2 x D x itemsize)."""
+class Staging:
+    """The host rows a store's transfers are sent from (``send_host_rows``), kept between recalls: a fresh
+    buffer of a recall's size costs a page fault per 4 KiB while it is filled (the gather at a third of a
+    memcpy's speed on a 2-core machine). Holds the largest recall's rows (power-of-two rows) until the store
+    goes. ``take`` waits until the previous rows were read: their transfers (``sent``, set by
+    ``send_host_rows``), or the scatter that wrote them (set by ``scatter_rows``: on a CPU device the
+    transferred arrays can be views of these rows, read only when the scatter runs). One user at a time:
+    a caller sends every row of a recall with one ``send_host_rows``."""
+
+    def __init__(self):
+        self.k: np.ndarray | None = None
+        self.v: np.ndarray | None = None
+        self.sent: list = []  # the device arrays of the last transfers from these rows
+
+    def take(self, n: int, k_like: np.ndarray, v_like: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [n, D] for K and V with the dtypes of ``k_like``, ``v_like`` [..., D] (contents undefined)."""
+        jax.block_until_ready(self.sent)
+        self.sent = []
+        if (self.k is None or self.k.shape[0] < n or self.k.shape[1:] != k_like.shape[-1:]
+                or self.k.dtype != k_like.dtype or self.v.dtype != v_like.dtype):
+            cap = row_bucket(n)
+            self.k, self.v = (np.empty((cap, x.shape[-1]), x.dtype) for x in (k_like, v_like))
+        return self.k[:n], self.v[:n]
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+
+
+# A recall's rows are random rows of a store of hundreds of MiB: one thread waits on memory (a TLB and cache
+# miss a row) and reached a third of a memcpy's bandwidth on a 2-core machine, two threads 0.6-0.8 (numpy's
+# take releases the GIL). Pieces of GATHER_PIECE rows; a gather of fewer rows than that stays on the caller.
+GATHER_PIECE = 8192
+GATHER_THREADS = min(8, os.cpu_count() or 1)
+_pool_lock = threading.Lock()
+_gather_pool: list = []
+
+
+def _gather_pieces(pieces: list[tuple]) -> None:
+    """Each (source, b, h, positions, destination) gathered (``gather_rows``), on threads when there are several."""
+    if len(pieces) <= 2 or GATHER_THREADS == 1:
+        for src, b, h, p, out in pieces:
+            gather_rows(src, b, h, p, out=out)
+        return
+    with _pool_lock:
+        if not _gather_pool:
+            _gather_pool.append(concurrent.futures.ThreadPoolExecutor(GATHER_THREADS, thread_name_prefix="gather"))
+    for f in [_gather_pool[0].submit(gather_rows, src, b, h, p, out=out) for src, b, h, p, out in pieces]:
+        f.result()  # re-raises a piece's error
+
+
+def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk: int | None = None,
+                   timings: dict | None = None) -> tuple[list[tuple], int]:
+    """Start the host -> device copies of the store rows that ``requests`` name, bound for the pool.
+
+    requests: (layer, b, store head, prompt positions, pool shard, pool row), each but the layer [n] ints;
+    ``rows``: the pool's P (a padding row's target, dropped by the scatter). Every row is gathered straight
+    into one staging buffer per K and V, already padded to the parts' size (``chunk`` rows per part, default
+    one part of ``row_bucket(n)``), and the parts are sent from slices of it: one host copy of each row
+    before its transfer. Returns (the parts for :func:`scatter_rows`, rows sent); ``timings`` (a dict) gets
+    the host seconds of the gather ("gather") and of starting the transfers ("send"). Raises whatever
+    ``jax.device_put`` raises, before anything is written."""
+    t0 = time.perf_counter()
+    n = sum(len(r[3]) for r in requests)
+    if not n:
+        return [], 0
+    chunk = chunk or row_bucket(n)
+    total = max(1, -(-n // chunk)) * chunk
+    ints = np.empty((4, total), np.int32)
+    ints[:, n:] = np.array([[0], [0], [rows], [-1]], np.int32)  # padding: slot P, dropped
+    k0, v0 = store.view(requests[0][0])
+    k_pad, v_pad = store.staging.take(total, k0, v0)
+    k_pad[n:] = 0
+    v_pad[n:] = 0
+    at = 0
+    pieces = []  # (source [B, H, T, D], b, h, positions, destination rows): gathered on GATHER_THREADS threads
+    for li, b, h, positions, shard, pool_rows in requests:
+        m = len(positions)
+        k, v = store.view(li)
+        idx = np.broadcast_arrays(np.asarray(b), np.asarray(h), np.asarray(positions))
+        for lo in range(0, m, GATHER_PIECE):
+            hi = min(m, lo + GATHER_PIECE)
+            part = [x[lo:hi] for x in idx]
+            pieces += [(k, *part, k_pad[at + lo : at + hi]), (v, *part, v_pad[at + lo : at + hi])]
+        for i, x in enumerate((b, shard, pool_rows, positions)):
+            ints[i, at : at + m] = x
+        at += m
+    _gather_pieces(pieces)
+    t1 = time.perf_counter()
+    parts = _send(ints, k_pad, v_pad, chunk)
+    store.staging.sent = parts
+    if timings is not None:
+        timings["gather"] = timings.get("gather", 0.0) + t1 - t0
+        timings["send"] = timings.get("send", 0.0) + time.perf_counter() - t1
+    return parts, n
+
+
+def scatter_rows(pool: KVPool, parts: list[tuple], compile_fn=None, staging: "Staging | None" = None) -> KVPool:
+    """``pool`` (donated) with the rows of :func:`send_host_rows` written in place: only the new rows cross to the
+    device (bytes moved = rows x 2 x D x itemsize). ``staging``: the store's ``Staging`` the rows were sent from,
+    told when they have been read (a CPU device may use the staging rows themselves as its copy)."""
+    read = []
     for op in parts:
         args = (pool, *op)
-        pool = (_scatter if compile_fn is None else compile_fn(_scatter, *args))(*args)
+        pool, done = (_scatter if compile_fn is None else compile_fn(_scatter, *args))(*args)
+        read.append(done)
+    if staging is not None:
+        staging.sent = read
     return pool
 
 

@@ -21,7 +21,7 @@ Decode, step i (compressed layers):
 - speculative retrieval (§3.2): the page slots hold Sel(q_{i-1}); the host
   recalled it between steps i-1 and i, moving only the pages that were not
   resident into the page slots of the pool (``FreeKVDecode.before_step``:
-  ``put_rows`` + ``scatter_rows``, by each head's offset);
+  ``send_host_rows`` + ``scatter_rows``, by each head's offset);
 - fine-grained correction (§3.3): a KV head whose group-mean cosine
   cos(q_i, q_{i-1}) is below ``tau`` (App. B.3) fetches Sel(q_i) inside the
   step, before its attention, and writes them into its page slots of the pool
@@ -63,7 +63,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import (HostKVStore, attend_chunk_over_host_prompt, host_gather, kv_rows_nbytes,
-                                         put_rows, row_bucket, scatter_rows)
+                                         scatter_rows, send_host_rows)
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param, real_param
@@ -422,7 +422,7 @@ class FreeKVDecode(DecodeState):
         ps = self.policy.page_size
         layers = list(cache.layers)
         n_local = self.cfg.num_kv_heads // cache.pool.num_shards
-        writes, mirrors, moved = [], {}, 0
+        requests, mirrors, moved = [], {}, 0
         for li, sel in sels.items():
             mirror = self.resident[li]
             missing = _not_resident(sel, mirror, self.k_sel)  # [B, H, k] selected, not resident
@@ -441,20 +441,20 @@ class FreeKVDecode(DecodeState):
             tok = (self.sinks[mb, None] + pages[:, None] * ps + offs).reshape(-1)
             slots = (self.sinks[mb, None] + fj[:, None] * ps + offs).reshape(-1)  # region rows of the page slots
             b_idx, h_idx = np.repeat(mb, ps), np.repeat(mh, ps)
-            k_rows, v_rows = self.store.rows(li, b_idx, h_idx, tok, total=row_bucket(len(tok)))
-            rows = self.offsets[li][b_idx, h_idx] + slots
-            ops = put_rows(b_idx, h_idx // n_local, rows, k_rows, v_rows, tok, cache.pool.num_rows)
-            writes.append((li, ops, kv_rows_nbytes(len(tok), k_rows)))
+            requests.append((li, b_idx, h_idx, tok, h_idx // n_local, self.offsets[li][b_idx, h_idx] + slots))
             moved += len(pages)
-        pool = cache.pool
-        for li, ops, _ in writes:  # every transfer went out: write in place
-            pool = scatter_rows(pool, ops, self.compile_fn)
+        if not requests:
+            return cache
+        # every layer's rows in one transfer set, all of it out before anything is written
+        ops, n = send_host_rows(self.store, requests, cache.pool.num_rows)
+        pool = scatter_rows(cache.pool, ops, self.compile_fn, staging=self.store.staging)
+        for li in mirrors:
             st = layers[li].state
             resident = jax.device_put(mirrors[li].copy(), st.resident.sharding)  # a fresh array, never mutated
             layers[li] = layers[li].replace(state=st.replace(resident=resident))
         self.resident.update(mirrors)
         self.pages_recalled += moved
-        self.bytes_recalled += sum(b for *_, b in writes)
+        self.bytes_recalled += kv_rows_nbytes(n, self.store.view(requests[0][0])[1])
         return cache.replace(pool=pool, layers=tuple(layers))
 
     def in_flight(self):

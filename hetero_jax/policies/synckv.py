@@ -43,7 +43,7 @@ from flax import struct
 
 from hetero_jax.model.cache import KVCache, KVPool, LayerPrefill, RowBlock
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, put_rows, scatter_rows
+from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, scatter_rows, send_host_rows
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.model.transformer import prompt_queries
@@ -362,11 +362,11 @@ class SyncDecode(DecodeState):
     def _apply(self, outs: dict, cache: KVCache) -> KVCache:
         """Per sequence and cluster, the new dynamic positions that are not resident replace, row by row,
         the resident ones no longer chosen, in every NR head of the cluster. Only those rows cross to the
-        device (every transfer started before any write, ``put_rows``) and are scattered in place into the
+        device (every transfer started before any write, ``send_host_rows``) and are scattered in place into the
         heads' regions of the pool (``scatter_rows``: pool row = the head's offset + k_s + the row)."""
         p = self.prefilled
         n_local = cache.layers[0].num_heads // cache.pool.num_shards
-        mirrors, parts, k_all, v_all = {}, [], [], []
+        mirrors, parts = {}, []
         for li, top in outs.items():
             top = np.asarray(top)
             mirror = self.dyn[li].copy()
@@ -397,17 +397,12 @@ class SyncDecode(DecodeState):
             if not b_l or not sum(len(x) for x in b_l):
                 continue
             b_idx, h_idx, s_idx, rows, positions = (np.concatenate(x) for x in (b_l, h_l, s_l, r_l, pos_l))
-            k_rows, v_rows = p.store.rows(li, b_idx, h_idx, positions)
-            parts.append((b_idx, s_idx, rows, positions))
-            k_all.append(k_rows)
-            v_all.append(v_rows)
+            parts.append((li, b_idx, h_idx, positions, s_idx, rows))
         if parts:  # every layer's rows in one transfer set: all of them leave before anything is written
-            cat = lambda i: np.concatenate([x[i] for x in parts])  # noqa: E731
-            k_rows, v_rows = np.concatenate(k_all), np.concatenate(v_all)
-            ops = put_rows(cat(0), cat(1), cat(2), k_rows, v_rows, cat(3), rows=cache.pool.num_rows)
-            cache = cache.replace(pool=scatter_rows(cache.pool, ops, self.compile_fn))
-            self.rows_recalled += len(k_rows)
-            self.bytes_recalled += kv_rows_nbytes(len(k_rows), k_rows)
+            ops, n = send_host_rows(p.store, parts, cache.pool.num_rows)
+            cache = cache.replace(pool=scatter_rows(cache.pool, ops, self.compile_fn, staging=p.store.staging))
+            self.rows_recalled += n
+            self.bytes_recalled += kv_rows_nbytes(n, p.store.view(parts[0][0])[1])
         self.dyn.update(mirrors)
         return cache
 

@@ -16,7 +16,7 @@ import pallas_kernels
 from flax import struct
 
 from hetero_jax.model.cache import KVCache, layer_rows
-from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, put_rows, row_bucket, scatter_rows
+from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, row_bucket, scatter_rows, send_host_rows
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.protocol import DecodeState
@@ -432,32 +432,24 @@ class HeteroDecode(DecodeState):
 
     def _write_rows(self, cache: KVCache, items: list, chunk: int | None = None) -> tuple[KVCache, int]:
         """Rows of compressed heads from the host copy into their regions of the pool: one transfer set and
-        one scatter executable for all of them, whatever the layers (``host_store.put_rows``: every transfer
+        one scatter executable for all of them, whatever the layers (``host_store.send_host_rows``: every transfer
         starts before anything is written, so a failed transfer leaves the pool as it was). items: (layer,
         b, compressed head j, slots in its region [n], prompt rows [n]). Returns (the cache, K/V bytes moved)."""
         if not items:
             return cache, 0
         H = cache.layers[0].num_heads
         n_local = H // cache.pool.num_shards
-        parts = []
+        by_layer = collections.defaultdict(list)
         for li, b, j, slots, rows in items:
             h = self.prefilled.roles[li].comp_slots[j]
             n = len(rows)
-            parts.append((li, np.full(n, b), np.full(n, self.prefilled.store_heads(li)[j]), rows,
-                          np.full(n, h // n_local), self.offsets[li][b, h] + np.asarray(slots, np.int64)))
-        k_all, v_all = [], []
-        for li in sorted({p[0] for p in parts}):
-            mine = [p for p in parts if p[0] == li]
-            k_rows, v_rows = self.prefilled.store.rows(li, np.concatenate([p[1] for p in mine]),
-                                                       np.concatenate([p[2] for p in mine]),
-                                                       np.concatenate([p[3] for p in mine]))
-            k_all.append(k_rows)
-            v_all.append(v_rows)
-        parts.sort(key=lambda p: p[0])
-        cat = lambda i: np.concatenate([p[i] for p in parts])  # noqa: E731
-        k_rows, v_rows = np.concatenate(k_all), np.concatenate(v_all)
-        ops = put_rows(cat(1), cat(4), cat(5), k_rows, v_rows, cat(3), rows=cache.pool.num_rows, chunk=chunk)
-        return cache.replace(pool=scatter_rows(cache.pool, ops, self.compile_fn)), kv_rows_nbytes(len(k_rows), k_rows)
+            by_layer[li].append((np.full(n, b), np.full(n, self.prefilled.store_heads(li)[j]), np.asarray(rows),
+                                 np.full(n, h // n_local), self.offsets[li][b, h] + np.asarray(slots, np.int64)))
+        requests = [(li, *(np.concatenate([p[i] for p in by_layer[li]]) for i in range(5))) for li in sorted(by_layer)]
+        ops, n = send_host_rows(self.prefilled.store, requests, cache.pool.num_rows, chunk=chunk)
+        nbytes = kv_rows_nbytes(n, self.prefilled.store.view(requests[0][0])[1])
+        pool = scatter_rows(cache.pool, ops, self.compile_fn, staging=self.prefilled.store.staging)
+        return cache.replace(pool=pool), nbytes
 
     def pool_moved(self, cache: KVCache) -> None:
         """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
