@@ -85,11 +85,20 @@ def run(args) -> dict:
     rng = np.random.default_rng(0)
     rows = []
     pool = None
-    for R in args.rows:
+    def positions(kind, R):
+        """[H, R] sorted prompt positions per head: uniform at random, or a top set as a recall takes it (the
+        top-R of 5-tap pooled scores, here of random logits), whose rows come in runs."""
+        if kind == "uniform":
+            return np.sort(rng.choice(T, size=(H, R), replace=False), axis=1)
+        logits = rng.standard_normal((H, T)).astype(np.float32)
+        pooled = sum(np.roll(logits, s, axis=1) for s in range(-2, 3)) / 5
+        return np.sort(np.argpartition(-pooled, R - 1, axis=1)[:, :R], axis=1)
+
+    for R, kind in [(R, kind) for kind in ("pooled", "uniform") for R in args.rows]:
         # each head's recalled rows: R prompt positions (sorted, as a top set is) into its own pool region
         cap = max(R, 8)
         pool = new_pool(1, 1, n_rec * H * cap, D, dt)
-        pos = [np.sort(rng.choice(T, size=(H, R), replace=False), axis=1) for _ in range(n_rec)]
+        pos = [positions(kind, R) for _ in range(n_rec)]
         h_idx = np.repeat(np.arange(H), R)
         zeros = np.zeros(H * R, np.int64)
         requests = [(li, zeros, h_idx, pos[li].reshape(-1), zeros,
@@ -122,7 +131,9 @@ def run(args) -> dict:
         memcpy = _median_time(lambda: np.copyto(dst, src), args.iters)
         h2d = _median_time(lambda: jax.block_until_ready(jax.device_put(src)), args.iters)
         t_all, t_gather = statistics.median(total), statistics.median(gather)
-        rows.append(dict(rows_per_head=R, rows=n_rec * H * R, bytes=nbytes, rows_correct=ok,
+        runs = float(np.mean([1 + np.count_nonzero(np.diff(p_, axis=1) != 1, axis=1) for p_ in pos])) / R
+        rows.append(dict(rows_per_head=R, rows=n_rec * H * R, positions=kind, runs_per_row=runs, bytes=nbytes,
+                         rows_correct=ok,
                          recall_seconds=t_all, gather_seconds=t_gather, transfer_seconds=t_all - t_gather,
                          memcpy_seconds=memcpy, contiguous_h2d_seconds=h2d,
                          gather_gbps=nbytes / t_gather / 1e9, memcpy_gbps=nbytes / memcpy / 1e9,
@@ -177,17 +188,19 @@ def markdown(payload: dict) -> str:
         f"Device {r['device']}; store memory kind `{r['pinned_memory_kind']}`, {r['prompt_tokens']:,} tokens per "
         f"head x {shp['kv_heads']} KV heads (D {shp['head_dim']}, bf16, K and V) x {r['recall_layers']} layers "
         f"({r['host_store_bytes'] / GiB:.2f} GiB). Each recall: `send_host_rows` (gather into one padded staging "
-        "buffer per K and V, start the copies) + `scatter_rows` into the row pool, waited on; each head's rows "
-        "sorted random prompt positions. Medians of "
+        "buffer per K and V, start the copies) + `scatter_rows` into the row pool, waited on. Each head's rows: "
+        "'pooled' = the top-R positions of 5-tap pooled random logits (a recall's top set: rows in runs), "
+        "'uniform' = R positions at random; 'runs / row' = contiguous runs per recalled row. Medians of "
         f"{payload['config']['iters']} repeats. 'gather' = the gather's host time, beside `np.copyto` of the same "
         "bytes; 'transfer' = the rest of the recall (copies started, scatter, wait), beside one contiguous "
         "`jax.device_put` of the same bytes.", "",
-        "| rows | MiB (K+V) | recall ms | gather GB/s | memcpy GB/s | gather / memcpy | transfer GB/s | "
-        "contiguous GB/s | transfer / contiguous | rows correct |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+        "| positions | runs / row | rows | MiB (K+V) | recall ms | gather GB/s | memcpy GB/s | gather / memcpy | "
+        "transfer GB/s | contiguous GB/s | transfer / contiguous | rows correct |",
+        "| :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
     ]
     for x in r["rows"]:
-        lines.append(f"| {x['rows']:,} | {x['bytes'] / 2**20:,.1f} | {x['recall_seconds'] * 1e3:,.2f} | "
+        lines.append(f"| {x['positions']} | {x['runs_per_row']:.2f} | {x['rows']:,} | {x['bytes'] / 2**20:,.1f} | "
+                     f"{x['recall_seconds'] * 1e3:,.2f} | "
                      f"{x['gather_gbps']:.2f} | {x['memcpy_gbps']:.2f} | {x['gather_gbps'] / x['memcpy_gbps']:.2f} | "
                      f"{x['transfer_gbps']:.2f} | {x['h2d_gbps']:.2f} | {x['transfer_gbps'] / x['h2d_gbps']:.2f} | "
                      f"{'yes' if x['rows_correct'] else 'NO'} |")
