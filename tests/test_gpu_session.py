@@ -1,0 +1,41 @@
+"""benchmarks/gpu_session.sh: its dry run on this CPU (every stage at tiny shapes, each writing its JSON), and
+its refusal to start a GPU run without the authors' profile it needs."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
+
+
+def _run(tmp_path, *args, **env):
+    full = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "BUDGET_S": "400", **env}
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=full, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_dry_run_writes_each_stage_json(tmp_path):
+    r = _run(tmp_path, "--dry-run")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "out"
+    log = (out / "log.txt").read_text()
+    assert "=== done" in log and "rc=0" in log and "rc=1" not in log
+    lat = json.loads((out / "lat-32768.json").read_text())
+    assert [r["policy"] for r in lat["runs"]] == ["full", "heterocache"]
+    assert all(r["decode"]["n"] == 4 and "decode_plain" in r for r in lat["runs"])
+    off = json.loads((out / "offload.json").read_text())["result"]
+    assert off["rows"] and all(x["rows_correct"] for x in off["rows"]) and off["overlap"] is not None
+    prof = json.loads((out / "profile-32k.json").read_text())
+    assert [r["policy"] for r in prof["rows"]] == ["full", "heterocache"]
+    assert all(r["steps"] == 2 and r["kernels_per_step"] > 0 for r in prof["rows"])
+    assert sorted(p.name for p in out.iterdir()) == ["lat-32768.json", "log.txt", "offload.json", "profile-32k.json"]
+
+
+def test_gpu_run_without_the_profile_stops_before_any_stage(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = _run(tmp_path, HETERO_JAX_REFERENCE_DIR=str(tmp_path / "empty"))
+    assert r.returncode == 2
+    assert "make gpu-bundle" in r.stderr and "carry .gpuref" in r.stderr
+    assert not (tmp_path / "out").exists()
