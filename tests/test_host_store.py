@@ -1,7 +1,6 @@
 """The pinned-host store's row gather (``gather_rows``) against numpy fancy indexing, and ``send_host_rows`` +
 ``scatter_rows`` writing host rows into the row pool (one part or several)."""
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
