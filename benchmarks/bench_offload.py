@@ -12,6 +12,8 @@ x ``--recall-layers``) from a store of ``--prompt`` tokens per head:
 - **transfer**: starting the copies, the scatter and waiting for it, as GB/s, beside one contiguous
   ``jax.device_put`` of the same bytes;
 - **recall**: both, end to end;
+- **prefill's offload**: one layer's K and V to pinned host memory (``HostKVStore.put``), device -> host
+  GB/s at ``--d2h-tokens`` per head;
 - with ``--overlap`` (meant for a GPU): a decode-shaped device workload (the 32 layers' MLP weights applied
   to one token) dispatched first, the largest recall on the host thread meanwhile; overlap = (compute +
   recall - both) / min(compute, recall) (1: hidden, 0: serialised).
@@ -139,9 +141,28 @@ def run(args) -> dict:
                          gather_gbps=nbytes / t_gather / 1e9, memcpy_gbps=nbytes / memcpy / 1e9,
                          transfer_gbps=nbytes / (t_all - t_gather) / 1e9, h2d_gbps=nbytes / h2d / 1e9,
                          recall_gbps=nbytes / t_all / 1e9, samples=total))
+    # prefill's offload: one layer's K and V [1, H, T, D] to pinned host memory (``HostKVStore.put``, as
+    # HeteroCache's prefill calls it for every layer), device -> host GB/s
+    d2h = []
+    for n_tok in args.d2h_tokens:
+        kd = draw(next(ks), (1, H, n_tok, D))
+        vd = kd + 1
+        jax.block_until_ready((kd, vd))
+        sink = HostKVStore(1)
+
+        def put(sink=sink, kd=kd, vd=vd):
+            sink.put(0, kd, vd)
+            jax.block_until_ready(sink.arrays())
+
+        for _ in range(args.warmup):
+            put()
+        t = _median_time(put, args.iters)
+        d2h.append(dict(tokens=n_tok, bytes=2 * kd.nbytes, seconds=t, gbps=2 * kd.nbytes / t / 1e9,
+                        memory_kind=str(sink.v[0].sharding.memory_kind)))
+        del kd, vd, sink
     out = dict(shapes=shp, prompt_tokens=T, recall_layers=n_rec, dtype="bfloat16", device=str(jax.devices()[0]),
                host_store_bytes=store.nbytes(), pinned_memory_kind=str(store.k[0].sharding.memory_kind),
-               rows=rows, overlap=None)
+               rows=rows, d2h=d2h, overlap=None)
     if args.overlap:
         out["overlap"] = measure_overlap(args, shp, draw, ks, recall)
     return out
@@ -204,6 +225,12 @@ def markdown(payload: dict) -> str:
                      f"{x['gather_gbps']:.2f} | {x['memcpy_gbps']:.2f} | {x['gather_gbps'] / x['memcpy_gbps']:.2f} | "
                      f"{x['transfer_gbps']:.2f} | {x['h2d_gbps']:.2f} | {x['transfer_gbps'] / x['h2d_gbps']:.2f} | "
                      f"{'yes' if x['rows_correct'] else 'NO'} |")
+    if r.get("d2h"):
+        lines += ["", f"Prefill's offload: one layer's K and V ({shp['kv_heads']} KV heads x D {shp['head_dim']}, "
+                      "bf16) to pinned host memory with `HostKVStore.put`, waited on (device -> host):", "",
+                      "| tokens per head | MiB | ms | GB/s |", "| ---: | ---: | ---: | ---: |"]
+        lines += [f"| {x['tokens']:,} | {x['bytes'] / 2**20:,.0f} | {x['seconds'] * 1e3:.2f} | {x['gbps']:.2f} |"
+                  for x in r["d2h"]]
     ov = r.get("overlap")
     if ov:
         s = ov["seconds"]
@@ -220,6 +247,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[256, 1024, 4096],
                    help="rows recalled per head and layer (x 8 heads x --recall-layers: 8K, 32K, 128K rows)")
     p.add_argument("--recall-layers", type=int, default=4, help="layers recalled at once")
+    p.add_argument("--d2h-tokens", type=int, nargs="*", default=[8192, 16384, 32768],
+                   help="tokens per head of the layers offloaded to pinned host memory (prefill's copy)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--overlap", action="store_true",
@@ -230,7 +259,7 @@ def main(argv=None) -> int:
                    help="rewrite the 'offload' section of RESULTS.md ('offload-gpu' on a GPU)")
     args = p.parse_args(argv)
     if args.small and args.prompt == 131072:
-        args.prompt, args.rows = 1024, [16, 64]
+        args.prompt, args.rows, args.d2h_tokens = 1024, [16, 64], [256]
     import jax
 
     machine = common.machine_info()
