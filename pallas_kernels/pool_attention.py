@@ -137,14 +137,15 @@ def pivot_pooled_scores(
 MAX_TILE_ROWS = 64
 # Fewest pool rows a key split covers by default (a work unit of a program).
 MIN_SPLIT_ROWS = 512
-# Most key splits per (head, row tile) by default.
-MAX_SPLITS = 64
+# Most key splits per (head, row tile) by default. 128: on an H200 a 128K pool of two full heads and six at
+# 0.1x took 61 us with 128 splits against 85 with 64 (RESULTS `kernels-gpu-pool`); at 32K both give 64.
+MAX_SPLITS = 128
 
 
 def default_pool_num_splits(max_len: int, block_k: int = 64, row_tiles: int = 1) -> int:
   """Number of key splits used when ``num_splits`` is None.
 
-  One split per ``MIN_SPLIT_ROWS`` (512) rows of ``max_len``, at most ``MAX_SPLITS`` (64) / ``row_tiles``
+  One split per ``MIN_SPLIT_ROWS`` (512) rows of ``max_len``, at most ``MAX_SPLITS`` (128) / ``row_tiles``
   and never more splits than key blocks. Heads of a pool differ in length, so a split is a fixed-size unit
   of work (split_len = max_len / num_splits): a full head runs many busy programs, a 0.1x head a few, and
   the rest exit before any load. More splits than :func:`default_num_splits`'s 16 because with 8 KV heads

@@ -165,8 +165,9 @@ def test_default_num_splits():
   assert default_pool_num_splits(1) == 1
   assert default_pool_num_splits(512) == 1
   assert default_pool_num_splits(32 * 1024) == 64          # 512 rows per split
-  assert default_pool_num_splits(128 * 1024) == 64         # capped: 2048 rows per split
-  assert default_pool_num_splits(128 * 1024, row_tiles=8) == 8
+  assert default_pool_num_splits(64 * 1024) == 128         # 512 rows per split
+  assert default_pool_num_splits(128 * 1024) == 128        # capped: 1024 rows per split
+  assert default_pool_num_splits(128 * 1024, row_tiles=8) == 16
   assert default_pool_num_splits(100, block_k=16) == 1
 
 
