@@ -2,12 +2,12 @@
 """Host offload: the recall path the policies call, its gather and transfer speed, and its overlap with compute.
 
 A HeteroCache recall (and SyncKV's and FreeKV's fetches) gathers rows of the pinned-host store straight into
-one padded staging buffer per K and V, starts their host -> device copies (``host_store.send_host_rows``)
-and writes them into the device row pool (``scatter_rows``). This script times that function, at
+one padded staging buffer per K and V, starts their host -> device copies and writes them into the device
+row pool (``host_store.write_host_rows``). This script times that function, at
 Llama-3.1-8B head shapes (8 KV heads of 128, bfloat16), for 8K to 128K rows (``--rows`` per head, x 8 heads
 x ``--recall-layers``) from a store of ``--prompt`` tokens per head:
 
-- **gather**: the host seconds ``send_host_rows`` spends gathering, as GB/s, beside a plain memcpy
+- **gather**: the host seconds it spends gathering, as GB/s, beside a plain memcpy
   (``np.copyto``) of the same bytes on this machine;
 - **transfer**: starting the copies, the scatter and waiting for it, as GB/s, beside one contiguous
   ``jax.device_put`` of the same bytes;
@@ -65,7 +65,7 @@ def run(args) -> dict:
     import numpy as np
 
     from hetero_jax.model.cache import new_pool
-    from hetero_jax.model.host_store import HostKVStore, scatter_rows, send_host_rows
+    from hetero_jax.model.host_store import HostKVStore, write_host_rows
 
     shp = SMALL if args.small else LLAMA
     H, D, T = shp["kv_heads"], shp["head_dim"], args.prompt
@@ -109,8 +109,7 @@ def run(args) -> dict:
 
         def recall(timings=timings, requests=requests):
             nonlocal pool
-            parts, _ = send_host_rows(store, requests, pool.num_rows, timings=timings)
-            pool = scatter_rows(pool, parts, staging=store.staging)
+            pool, _, _ = write_host_rows(pool, store, requests, timings=timings)
             return pool
 
         for _ in range(args.warmup):
@@ -208,8 +207,8 @@ def markdown(payload: dict) -> str:
         common.section_header("Host offload: the recall path's gather and transfer (bench_offload.py)", payload), "",
         f"Device {r['device']}; store memory kind `{r['pinned_memory_kind']}`, {r['prompt_tokens']:,} tokens per "
         f"head x {shp['kv_heads']} KV heads (D {shp['head_dim']}, bf16, K and V) x {r['recall_layers']} layers "
-        f"({r['host_store_bytes'] / GiB:.2f} GiB). Each recall: `send_host_rows` (gather into one padded staging "
-        "buffer per K and V, start the copies) + `scatter_rows` into the row pool, waited on. Each head's rows: "
+        f"({r['host_store_bytes'] / GiB:.2f} GiB). Each recall: `write_host_rows` (gather into one padded staging "
+        "buffer per K and V, start the copies, scatter into the row pool), waited on. Each head's rows: "
         "'pooled' = the top-R positions of 5-tap pooled random logits (a recall's top set: rows in runs), "
         "'uniform' = R positions at random; 'runs / row' = contiguous runs per recalled row. Medians of "
         f"{payload['config']['iters']} repeats. 'gather' = the gather's host time, beside `np.copyto` of the same "

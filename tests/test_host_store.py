@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hetero_jax.model.cache import KVPool
-from hetero_jax.model.host_store import HostKVStore, gather_rows, scatter_rows, send_host_rows
+from hetero_jax.model.host_store import HostKVStore, gather_rows, scatter_rows, send_host_rows, write_host_rows
 
 
 def _store_array(shape, dtype, seed=0):
@@ -117,7 +117,7 @@ def test_send_host_rows_in_chunks_writes_each_row_into_its_place(monkeypatch, ch
 
 def test_recalls_reuse_the_staging_rows_one_after_another():
     """Three recalls in a row from one store (the second larger, so the staging grows; the third reuses it),
-    each scattered before the next is sent, as the policies do: every pool row holds its own recall's store
+    through ``write_host_rows`` as the policies make them: every pool row holds its own recall's store
     row (numpy), none a later recall's, though they passed through the same host rows."""
     B, H, T, D, P = 1, 2, 64, 8, 256
     k = jnp.asarray(_store_array((B, H, T, D), np.float32, 7))
@@ -132,9 +132,8 @@ def test_recalls_reuse_the_staging_rows_one_after_another():
         h, pos = rng.integers(0, H, n), rng.integers(0, T, n)
         rows = start + np.arange(n)
         start += n
-        parts, sent = send_host_rows(store, [(0, np.zeros(n, int), h, pos, h, rows)], P)
-        assert sent == n
-        pool = scatter_rows(pool, parts, staging=store.staging)
+        pool, sent, nbytes = write_host_rows(pool, store, [(0, np.zeros(n, int), h, pos, h, rows)])
+        assert sent == n and nbytes == 2 * n * D * 4
         want[0, h, rows] = kh[0, h, pos]
     assert store.staging.nbytes() == 2 * 64 * D * 4  # grown once, to row_bucket(40) rows of K and of V
     np.testing.assert_array_equal(np.asarray(pool.k), want)

@@ -4,8 +4,8 @@ A policy that offloads (HeteroCache's compressed heads, Quest offloaded, FreeKV)
 puts a layer's full prompt K/V in pinned host memory at prefill
 (``HostKVStore.put``: asynchronous, never waited on while prefill dispatches),
 gathers rows from numpy views of it into one staging buffer, moves only those rows
-to the device (``jax.device_put``, asynchronous, :func:`send_host_rows`) and writes them
-into the row pool with :func:`scatter_rows`, a jitted, donating update: the pool
+to the device (``jax.device_put``, asynchronous) and writes them into the row pool
+with a jitted, donating scatter (:func:`write_host_rows`): the pool
 is never read back or re-uploaded whole, and one executable serves every layer.
 
 A policy that must fetch inside the jitted decode step (Quest offloaded, FreeKV's
@@ -198,7 +198,6 @@ class Staging:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 
 
-
 # A recall's rows are random rows of a store of hundreds of MiB: one thread waits on memory (a TLB and cache
 # miss a row) and reached a third of a memcpy's bandwidth on a 2-core machine, two threads 0.6-0.8 (numpy's
 # take releases the GIL). Pieces of GATHER_PIECE rows; a gather of fewer rows than that stays on the caller.
@@ -265,6 +264,19 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
         timings["gather"] = timings.get("gather", 0.0) + t1 - t0
         timings["send"] = timings.get("send", 0.0) + time.perf_counter() - t1
     return parts, n
+
+
+def write_host_rows(pool: KVPool, store: "HostKVStore", requests: list[tuple], compile_fn=None,
+                    chunk: int | None = None, timings: dict | None = None) -> tuple[KVPool, int, int]:
+    """``pool`` (donated) with the store rows that ``requests`` name written in place: every transfer started
+    (:func:`send_host_rows`, its arguments) before anything is written, so a failed one leaves the pool as it
+    was, then one scatter executable per part (:func:`scatter_rows`), which releases the store's staging rows.
+    Returns (the pool, rows written, K/V bytes moved: rows x 2 x D x itemsize, padding not counted)."""
+    parts, n = send_host_rows(store, requests, pool.num_rows, chunk=chunk, timings=timings)
+    if not n:
+        return pool, 0, 0
+    pool = scatter_rows(pool, parts, compile_fn, staging=store.staging)
+    return pool, n, kv_rows_nbytes(n, store.view(requests[0][0])[1])
 
 
 def scatter_rows(pool: KVPool, parts: list[tuple], compile_fn=None, staging: "Staging | None" = None) -> KVPool:

@@ -21,7 +21,7 @@ Decode, step i (compressed layers):
 - speculative retrieval (§3.2): the page slots hold Sel(q_{i-1}); the host
   recalled it between steps i-1 and i, moving only the pages that were not
   resident into the page slots of the pool (``FreeKVDecode.before_step``:
-  ``send_host_rows`` + ``scatter_rows``, by each head's offset);
+  ``write_host_rows``, by each head's offset);
 - fine-grained correction (§3.3): a KV head whose group-mean cosine
   cos(q_i, q_{i-1}) is below ``tau`` (App. B.3) fetches Sel(q_i) inside the
   step, before its attention, and writes them into its page slots of the pool
@@ -62,8 +62,8 @@ from flax import struct
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import (HostKVStore, attend_chunk_over_host_prompt, host_gather, kv_rows_nbytes,
-                                         scatter_rows, send_host_rows)
+from hetero_jax.model.host_store import (HostKVStore, attend_chunk_over_host_prompt, host_gather,
+                                         write_host_rows)
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param, real_param
@@ -446,15 +446,14 @@ class FreeKVDecode(DecodeState):
         if not requests:
             return cache
         # every layer's rows in one transfer set, all of it out before anything is written
-        ops, n = send_host_rows(self.store, requests, cache.pool.num_rows)
-        pool = scatter_rows(cache.pool, ops, self.compile_fn, staging=self.store.staging)
+        pool, _, nbytes = write_host_rows(cache.pool, self.store, requests, self.compile_fn)
         for li in mirrors:
             st = layers[li].state
             resident = jax.device_put(mirrors[li].copy(), st.resident.sharding)  # a fresh array, never mutated
             layers[li] = layers[li].replace(state=st.replace(resident=resident))
         self.resident.update(mirrors)
         self.pages_recalled += moved
-        self.bytes_recalled += kv_rows_nbytes(n, self.store.view(requests[0][0])[1])
+        self.bytes_recalled += nbytes
         return cache.replace(pool=pool, layers=tuple(layers))
 
     def in_flight(self):

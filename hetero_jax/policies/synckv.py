@@ -43,7 +43,7 @@ from flax import struct
 
 from hetero_jax.model.cache import KVCache, KVPool, LayerPrefill, RowBlock
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, scatter_rows, send_host_rows
+from hetero_jax.model.host_store import HostKVStore, write_host_rows
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.model.transformer import prompt_queries
@@ -362,8 +362,8 @@ class SyncDecode(DecodeState):
     def _apply(self, outs: dict, cache: KVCache) -> KVCache:
         """Per sequence and cluster, the new dynamic positions that are not resident replace, row by row,
         the resident ones no longer chosen, in every NR head of the cluster. Only those rows cross to the
-        device (every transfer started before any write, ``send_host_rows``) and are scattered in place into the
-        heads' regions of the pool (``scatter_rows``: pool row = the head's offset + k_s + the row)."""
+        device (every transfer started before any write) and are scattered in place into the
+        heads' regions of the pool (``write_host_rows``: pool row = the head's offset + k_s + the row)."""
         p = self.prefilled
         n_local = cache.layers[0].num_heads // cache.pool.num_shards
         mirrors, parts = {}, []
@@ -399,10 +399,10 @@ class SyncDecode(DecodeState):
             b_idx, h_idx, s_idx, rows, positions = (np.concatenate(x) for x in (b_l, h_l, s_l, r_l, pos_l))
             parts.append((li, b_idx, h_idx, positions, s_idx, rows))
         if parts:  # every layer's rows in one transfer set: all of them leave before anything is written
-            ops, n = send_host_rows(p.store, parts, cache.pool.num_rows)
-            cache = cache.replace(pool=scatter_rows(cache.pool, ops, self.compile_fn, staging=p.store.staging))
+            pool, n, nbytes = write_host_rows(cache.pool, p.store, parts, self.compile_fn)
+            cache = cache.replace(pool=pool)
             self.rows_recalled += n
-            self.bytes_recalled += kv_rows_nbytes(n, p.store.view(parts[0][0])[1])
+            self.bytes_recalled += nbytes
         self.dyn.update(mirrors)
         return cache
 

@@ -16,7 +16,7 @@ import pallas_kernels
 from flax import struct
 
 from hetero_jax.model.cache import KVCache, layer_rows
-from hetero_jax.model.host_store import HostKVStore, kv_rows_nbytes, row_bucket, scatter_rows, send_host_rows
+from hetero_jax.model.host_store import HostKVStore, row_bucket, write_host_rows
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.protocol import DecodeState
@@ -432,7 +432,7 @@ class HeteroDecode(DecodeState):
 
     def _write_rows(self, cache: KVCache, items: list, chunk: int | None = None) -> tuple[KVCache, int]:
         """Rows of compressed heads from the host copy into their regions of the pool: one transfer set and
-        one scatter executable for all of them, whatever the layers (``host_store.send_host_rows``: every transfer
+        one scatter executable for all of them, whatever the layers (``host_store.write_host_rows``: every transfer
         starts before anything is written, so a failed transfer leaves the pool as it was). items: (layer,
         b, compressed head j, slots in its region [n], prompt rows [n]). Returns (the cache, K/V bytes moved)."""
         if not items:
@@ -446,9 +446,7 @@ class HeteroDecode(DecodeState):
             by_layer[li].append((np.full(n, b), np.full(n, self.prefilled.store_heads(li)[j]), np.asarray(rows),
                                  np.full(n, h // n_local), self.offsets[li][b, h] + np.asarray(slots, np.int64)))
         requests = [(li, *(np.concatenate([p[i] for p in by_layer[li]]) for i in range(5))) for li in sorted(by_layer)]
-        ops, n = send_host_rows(self.prefilled.store, requests, cache.pool.num_rows, chunk=chunk)
-        nbytes = kv_rows_nbytes(n, self.prefilled.store.view(requests[0][0])[1])
-        pool = scatter_rows(cache.pool, ops, self.compile_fn, staging=self.prefilled.store.staging)
+        pool, _, nbytes = write_host_rows(cache.pool, self.prefilled.store, requests, self.compile_fn, chunk=chunk)
         return cache.replace(pool=pool), nbytes
 
     def pool_moved(self, cache: KVCache) -> None:
