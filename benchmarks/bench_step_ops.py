@@ -448,14 +448,15 @@ def compile_check(state, cache, mesh, kernels: str, group_size: int):
     T = {li: cache.layers[li].capacity for li in layers}
     args = (tuple(tuple(sds((B, len(roles[li].pivots), group_size, T[li]), jnp.float32)
                         for _ in range(policy.window)) for li in layers),
-            tuple(sds((B, len(roles[li].pivots)), jnp.int32) for li in layers),
+            tuple(sds((B, cache.layers[li].num_heads), jnp.int32) for li in layers),
             tuple(sds(cache.layers[li].state.k_base.shape, jnp.int32) for li in layers),
             tuple(sds(state.set_sizes[li][0].shape, jnp.int32) for li in layers))
     cap = max(1, max(state.set_sizes[li][1] for li in layers))
     jax.clear_caches()
     try:
         with pallas_kernels.use_kernels(kernels):
-            exe = drift_check.lower(*args, l_base=int(state.prefilled.l_base.max()), tau=policy.drift_threshold,
+            exe = drift_check.lower(*args, pivot_slots=tuple(tuple(roles[li].pivot_slots()) for li in layers),
+                                    l_base=int(state.prefilled.l_base.max()), tau=policy.drift_threshold,
                                     cap=min(cap, min(T.values()))).compile()
     finally:
         jax.clear_caches()

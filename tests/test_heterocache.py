@@ -347,21 +347,22 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     stats = tuple(pivot_statistics(lg, jnp.asarray(lengths), jnp.asarray(k_base)) for lg in logits)
     # per pivot two sets (a satellite's l_s and l_s - w, as with a copy window), differing per sequence
     sizes = np.array([[[n_top, n_top - 2]] * Np, [[n_top - 1, 4]] * Np], np.int32)[..., : 2 if n_top else 0]
-    runs = []
+    K0 = sizes.shape[-1]
+    args = lambda shares: ((shares, shares), (jnp.asarray(lengths),) * 2, (jnp.asarray(k_base),) * 2,  # noqa: E731
+                           (jnp.asarray(sizes), jnp.pad(jnp.asarray(sizes), ((0, 0), (0, 0), (0, 1)))))
+    static = dict(pivot_slots=((0, 1), (0, 1)), l_base=l_base, tau=tau, cap=max(1, n_top))
 
-    def check(shares):  # two layers of the same pivots, the second's sets padded to more
-        return drift_check((shares, shares), (jnp.asarray(lengths),) * 2, (jnp.asarray(k_base),) * 2,
-                           (jnp.asarray(sizes), jnp.pad(jnp.asarray(sizes), ((0, 0), (0, 0), (0, 1)))),
-                           l_base=l_base, tau=tau, cap=max(1, n_top))
+    def check(shares):  # two layers of the same pivots, the second's sets padded to more: per layer
+        drift_all, base_all, sets_all, over_all = drift_check(*args(shares), **static)
+        return tuple((drift_all[:, a:a + Np], base_all[:, a:a + Np], sets_all[:, a:a + Np, :K], over_all[:, a:a + Np])
+                     for a, K in ((0, K0), (Np, K0 + 1)))
 
     runs = [check(logits), check(stats)]
     jax.clear_caches()  # how the sets are ranked is chosen at trace time
     try:
         with pallas_kernels.use_kernels("pallas"):  # a GPU's: ranked whether or not a pivot drifted, no cond
             runs.append(check(stats))
-            txt = drift_check.trace((stats, stats), (jnp.asarray(lengths),) * 2, (jnp.asarray(k_base),) * 2,
-                                    (jnp.asarray(sizes),) * 2, l_base=l_base, tau=tau, cap=max(1, n_top)).lower(
-                lowering_platforms=("cuda",)).as_text()
+            txt = drift_check.trace(*args(stats), **static).lower(lowering_platforms=("cuda",)).as_text()
             assert "stablehlo.case" not in txt and "stablehlo.if" not in txt
     finally:
         jax.clear_caches()
@@ -369,7 +370,7 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     for got in (again, *runs[1], *runs[2]):  # the same check, whatever the schedule, the target or the layer
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(drift))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(new_base))
-        np.testing.assert_array_equal(np.asarray(got[2])[..., : sizes.shape[-1], :], np.asarray(top))
+        np.testing.assert_array_equal(np.asarray(got[2])[..., :K0, :], np.asarray(top))
         np.testing.assert_allclose(np.asarray(got[3]), np.asarray(overlaps), atol=1e-6)
     # the definition, each sequence alone with its own L_base
     ref_overlap = np.concatenate([np.asarray(pallas_kernels.drift_check_reference(

@@ -145,9 +145,28 @@ def attend_step(q, step, pivot_slots, copy_slots=()):
     return out, pivot, pointer
 
 
-def _check_pivots(shares, lengths, k_base, set_sizes, l_base: int, tau: float, cap: int):
-    """``drift_check``'s computation, its outputs over every pivot of the model: (drift [B, Np], new K_base
-    [B, Np, l_base], top sets [B, Np, K, cap] (K the layers' largest), o'_t [B, Np, W])."""
+@functools.partial(jax.jit, static_argnames=("pivot_slots", "l_base", "tau", "cap"))
+def drift_check(shares, layer_lengths, k_base, set_sizes, pivot_slots, l_base: int, tau: float, cap: int):
+    """The drift check of every pivot of the model at once, from the ``window`` buffered decode steps.
+
+    shares: per pivot layer, per buffered step, what ``attend_step`` returned for its pivots: their logits
+    [B, Np_l, G, T], or (pooled scores [B, Np_l, T], o'_t [B, Np_l]) where the steps computed them;
+    layer_lengths: per pivot layer [B, H] every head's prompt rows, of which ``pivot_slots`` (static, per
+    layer) are the pivots'; k_base: per pivot layer [B, Np_l, l_base] (``l_base`` the batch's largest L_base;
+    each row holds its own, ``PivotBase``); set_sizes: per pivot layer [B, Np_l, K_l] int, the sizes of the
+    top sets a recall reads per pivot (its satellites' l_s; with a copy window also l_s - w), 0 for none, each
+    at most ``cap``. The layers' pivots are checked as one batch [B, Np, W, ...]: one executable and a few
+    kernels, whatever the layers.
+
+    Returns, over every pivot of the model (Np, layer after layer) in one array each, so that a decode reads
+    one flag array per check and the rest only when a pivot drifted: drift [B, Np] bool (median_t o'_t < tau,
+    Eq. 10, normalised); new K_base [B, Np, l_base] (the top-L_base of the latest step's pooled scores, each
+    pivot's own L_base, ascending, -1 past it or where masked; the old K_base when no pivot of the model
+    drifted); top sets [B, Np, K, cap] of the latest pooled scores, K the layers' largest K_l
+    (``pallas_kernels.topk_sets``: ascending positions, -1 past each size; -1 everywhere when none drifted);
+    o'_t [B, Np, W].
+    """
+    lengths = tuple(take_slots(l, s) for l, s in zip(layer_lengths, pivot_slots))
     K = max(s.shape[-1] for s in set_sizes)
     lens = jnp.concatenate(lengths, axis=1)
     base = jnp.concatenate(k_base, axis=1).astype(jnp.int32)
@@ -186,41 +205,6 @@ def _check_pivots(shares, lengths, k_base, set_sizes, l_base: int, tau: float, c
     else:  # read only for a drifted pivot: skip the selection (lax.cond runs one branch) otherwise
         new_base, sets = jax.lax.cond(drift.any(), ranked, unchanged, latest)
     return drift, new_base, sets, overlaps
-
-
-@functools.partial(jax.jit, static_argnames=("l_base", "tau", "cap"))
-def drift_check(shares, lengths, k_base, set_sizes, l_base: int, tau: float, cap: int):
-    """The drift check of every pivot of the model at once, from the ``window`` buffered decode steps.
-
-    shares: per pivot layer, per buffered step, what ``attend_step`` returned for its pivots: their logits
-    [B, Np_l, G, T], or (pooled scores [B, Np_l, T], o'_t [B, Np_l]) where the steps computed them;
-    lengths: per pivot layer [B, Np_l] the pivots' prompt rows; k_base: per pivot layer [B, Np_l, l_base]
-    (``l_base`` the batch's largest L_base; each row holds its own, ``PivotBase``);
-    set_sizes: per pivot layer [B, Np_l, K_l] int, the sizes of the top sets a recall reads per pivot (its
-    satellites' l_s; with a copy window also l_s - w), 0 for none, each at most ``cap``. The layers' pivots
-    are checked as one batch [B, Np, W, ...]: one executable and a few kernels, whatever the layers.
-
-    Returns, per pivot layer, (drift [B, Np_l] bool: median_t o'_t < tau (Eq. 10, normalised), new K_base
-    [B, Np_l, l_base] (the top-L_base of the latest step's pooled scores, each pivot's own L_base, ascending,
-    -1 past it or where masked; the old K_base when no pivot of the model drifted), top sets [B, Np_l, K, cap]
-    of the latest pooled scores
-    (``pallas_kernels.topk_sets``: ascending positions, -1 past each size; -1 everywhere when none
-    drifted), o'_t [B, Np_l, W]).
-    """
-    n = [jax.tree.leaves(sh[0])[0].shape[1] for sh in shares]  # pivots per layer
-    drift, new_base, sets, overlaps = _check_pivots(shares, lengths, k_base, set_sizes, l_base, tau, cap)
-    cuts = np.cumsum([0] + n)
-    return tuple((drift[:, a:b], new_base[:, a:b], sets[:, a:b, : set_sizes[i].shape[-1]], overlaps[:, a:b])
-                 for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])))
-
-
-@functools.partial(jax.jit, static_argnames=("pivot_slots", "l_base", "tau", "cap"))
-def check_pivot_layers(shares, layer_lengths, k_base, set_sizes, pivot_slots, l_base: int, tau: float, cap: int):
-    """``drift_check`` as a decode runs it: each pivot layer's lengths [B, H] with its pivots' ``pivot_slots``
-    (static), outputs over every pivot of the model in one array each (``_check_pivots``), so the host reads
-    one flag array per check and the rest only when a pivot drifted."""
-    lengths = tuple(take_slots(l, s) for l, s in zip(layer_lengths, pivot_slots))
-    return _check_pivots(shares, lengths, k_base, set_sizes, l_base, tau, cap)
 
 
 def recall_set_sizes(members: dict, n_pivots: int, counts: np.ndarray, window: np.ndarray | None):
@@ -298,6 +282,8 @@ class HeteroDecode(DecodeState):
         # the last `window` steps: tuples over layers of the pivots' share of the check (device; ``attend_step``)
         self.buffer: collections.deque = collections.deque(maxlen=prefilled.policy.window)
         self.pivot_layers = [li for li, r in enumerate(prefilled.roles) if r.pivots]
+        # where each pivot layer's pivots sit in the check's outputs (``drift_check``: layer after layer)
+        self.pivot_cuts = np.cumsum([0] + [len(prefilled.roles[li].pivots) for li in self.pivot_layers])
         self.pending = None  # (step, (drift, new K_base, top sets) over every pivot) of a dispatched check
         self._check_fn = None  # (argument shapes, the check's executable)
         self.checks = 0  # pivot checks run (pivots x checks)
@@ -455,8 +441,8 @@ class HeteroDecode(DecodeState):
 
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
         """Dispatch the drift check of every pivot layer on the buffered steps' shares, as one executable
-        (``check_pivot_layers``); its flags are copied to the host asynchronously and read before the next
-        step, the new K_base and top sets only when a pivot drifted."""
+        (``drift_check``); its flags are copied to the host asynchronously and read before the next step, the
+        new K_base and top sets only when a pivot drifted."""
         layers = self.pivot_layers
         args = (tuple(tuple(b[li] for b in self.buffer) for li in layers),
                 tuple(cache.layers[li].lengths for li in layers),
@@ -471,11 +457,11 @@ class HeteroDecode(DecodeState):
         # (``compiled``'s key) for the hundreds of buffered arrays cost milliseconds per check
         key = (tuple(x.shape for x in jax.tree.leaves(args)), tuple(sorted(static.items())))
         if self._check_fn is None or self._check_fn[0] != key:
-            self._check_fn = (key, self.compile_fn(check_pivot_layers, *args, **static))
+            self._check_fn = (key, self.compile_fn(drift_check, *args, **static))
         drift, new_base, sets, overlaps = self._check_fn[1](*args)
         drift.copy_to_host_async()  # read before the next step is dispatched, never waited on now
         if self.check_observers:
-            cuts = np.cumsum([0] + [len(sl) for sl in slots])
+            cuts = self.pivot_cuts
             for i, li in enumerate(layers):
                 lengths = take_slots(args[1][i], slots[i])
                 for observe in self.check_observers:
@@ -530,15 +516,13 @@ class HeteroDecode(DecodeState):
         layers = list(cache.layers)
         items = []  # (layer, b, satellite j, slots, rows) into the pool
         held_updates = []  # copy window: (layer, b, satellite, its new positions, its new window slots)
-        start = 0
-        for li in self.pivot_layers:
+        for li, a, z in zip(self.pivot_layers, self.pivot_cuts[:-1], self.pivot_cuts[1:]):
             r = self.prefilled.roles[li]
-            a, start = start, start + len(r.pivots)
-            drift = drift_all[:, a:start]
+            drift = drift_all[:, a:z]
             if not drift.any():
                 continue
-            new_base = new_base_all[:, a:start]
-            sets = sets_all[:, a:start, : self.set_sizes[li][0].shape[-1]]
+            new_base = new_base_all[:, a:z]
+            sets = sets_all[:, a:z, : self.set_sizes[li][0].shape[-1]]
             counts = self.prefilled.counts[li]  # [B, Hc]
             n_sat = sets.shape[2] // 2 if self.held and self.held[li] is not None else sets.shape[2]
             for b, p in zip(*np.nonzero(drift)):
