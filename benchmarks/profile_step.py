@@ -14,7 +14,6 @@ On a CPU the trace holds XLA's host ops instead of kernels (for testing the scri
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import gc
 import sys
@@ -175,8 +174,7 @@ def render(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.argument_parser(__doc__.split("\n\n")[0])  # refuses an --out it cannot write, before any work
     ap.add_argument("--shape", choices=sorted(BL.SYNTHETIC_SHAPES), default=BL.MODEL)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--length", type=int, default=32768, help="prompt tokens (random ids)")
@@ -189,9 +187,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile-cache", action="store_true", help="no persistent XLA compilation cache")
     ap.add_argument("--out", type=Path, required=True, help="JSON written (temporary file, then renamed)")
     args = ap.parse_args(argv)
-    from hetero_jax.io.files import check_outputs
-
-    check_outputs({"--out": args.out}, parents=True)
     import numpy as np
 
     import hetero_jax
