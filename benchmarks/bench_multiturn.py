@@ -553,7 +553,6 @@ def retrieval_table(payload: dict) -> str | None:
             rmean = lambda key: sum(r.get(key, 0) for r in last.values()) / len(last)  # noqa: E731
             rows.append([
                 label, common.fmt_num(L), f"{mean('attended_fraction'):.2f}",
-                f"{mean('correction_rate'):.0%}" if "correction_rate" in st[0] else "—",
                 common.fmt_num(mean("recalled_pages_per_step"), 1) if "recalled_pages_per_step" in st[0] else "—",
                 common.fmt_num(rmean("kv_bytes_prompt") / MiB, 1), common.fmt_num(rmean("kv_bytes_index") / MiB, 2),
                 common.fmt_num(rmean("kv_bytes_host") / MiB, 1),
@@ -562,9 +561,9 @@ def retrieval_table(payload: dict) -> str | None:
     if not rows:
         return None
     return common.markdown_table(
-        ["policy", "context tok", "attended fraction", "correction rate", "pages recalled / step",
-         "prompt KV on device MiB", "index MiB (summaries, ids, q_prev)", "host KV MiB", "KV read / step MiB"],
-        rows, align="lr" + "r" * 7)
+        ["policy", "context tok", "attended fraction", "pages recalled / step",
+         "prompt KV on device MiB", "index MiB (summaries, page ids)", "host KV MiB", "KV read / step MiB"],
+        rows, align="lr" + "r" * 6)
 
 
 def criteria_lines(payload: dict) -> list[str]:

@@ -465,7 +465,7 @@ def compile_check(state, cache, mesh, kernels: str, group_size: int):
 
 @contextlib.contextmanager
 def callbacks_without_a_device():
-    """Let host callbacks (``jax.pure_callback``: Quest offloaded, FreeKV, HCAttention) lower and compile for a GPU
+    """Let host callbacks (``jax.pure_callback``: HCAttention's value sums) lower and compile for a GPU
     that this process has no client for. Two jax internals are patched for one lowering and compile (the
     executable is only read, never run):
 

@@ -4,7 +4,7 @@ odd GQA), the same forced tokens fed to the batch and to each prompt alone; each
 and at every decode step equal those of its prompt alone within 1e-4 (float32), and a prompt refused alone
 refuses the batch too. The issue's case (60 and 200 tokens) is an explicit example for every policy.
 
-Where a policy has decode-time decisions (HeteroCache's drift checks and recalls, FreeKV's corrections and
+Where a policy has decode-time decisions (HeteroCache's drift checks and recalls, FreeKV's page
 recalls, HCAttention's mass cut, SyncKV's anticipation, Quest's page choice) the drawn settings include
 thresholds at which they fire for some sequences and steps and not others.
 
@@ -95,8 +95,9 @@ VARIANTS = {
                                                     copy_window=8) for t in (0.3, 0.6)],
     "quest": [lambda lens, r=r, o=o: Quest(budget=r, page_size=8, full_layers=1, offload=o)
               for r in (0.4, 0.7) for o in (False, True)],
-    # tau 0.25: corrections at some steps and heads, not all (tests/test_freekv.py); 0.9 nearly always
-    "freekv": [lambda lens, r=r, t=t: FreeKV(budget=r, page_size=8, tau=t) for r in (0.6, 0.8) for t in (0.25, 0.9)],
+    # default sinks and window (B_c / 16: per sequence) and explicit ones
+    "freekv": [lambda lens, r=r, kw=kw: FreeKV(budget=r, page_size=8, **kw) for r in (0.6, 0.8)
+               for kw in (dict(), dict(sinks=4, window=8))],
     "contextkeeper": [lambda lens, r=r: ContextKeeper(ranking=RANKING, budget=r, sink=4, recent=8) for r in (0.3, 0.6)],
     "synckv": [lambda lens, r=r: SyncKV(profile=SYNC_PROFILE, budget=r, m=3) for r in (0.6, 0.8)],
     # the mass cut at tau: k* per sequence, head and step

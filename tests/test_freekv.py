@@ -1,5 +1,5 @@
-"""FreeKV: pages and corrections against a float64 numpy recomputation, logits against a reference cache holding
-exactly the pages the paper's rule attends, memory and bytes moved, batches, budget errors."""
+"""FreeKV: pages against a float64 numpy recomputation, logits against a reference cache holding exactly the pages
+the previous step's query chose, memory and bytes moved, batches, budget errors."""
 
 import functools
 import re
@@ -45,12 +45,6 @@ def np_select(q, keys, L, k):
     return [np.sort(np.argsort(-score[h], kind="stable")[:k]) for h in range(H)], score
 
 
-def np_cos(q, q_prev):
-    """[H] group-mean cosine of consecutive queries (float64)."""
-    a, b = q.astype(np.float64), q_prev.astype(np.float64)
-    return ((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).mean(-1)
-
-
 def same_pages(got, want, score, k):
     """Equal page sets, or different only on float near-ties at the k-th score."""
     if set(got) == set(want):
@@ -82,8 +76,8 @@ def full_run(seed=0):
 
 
 def spy(eng):
-    """Record per step: the resident pages before and after the host recall (before_step), the extras and
-    the resident pages the step left (after its correction). Copies, taken before the next step donates."""
+    """Record per step: the resident pages before and after the host recall (before_step), the extras (Sel(q_t))
+    and the resident pages the step left. Copies, taken before the next step donates."""
     rec = {"before": [], "recalled": [], "extras": [], "after": []}
     comp = [li for li, lc in enumerate(eng.cache.layers) if lc.state is not None]
     res = lambda cache: {li: np.array(cache.layers[li].state.resident) for li in comp}  # noqa: E731
@@ -96,7 +90,7 @@ def spy(eng):
         return cache
 
     def after_step(step, extras, cache):
-        rec["extras"].append({li: tuple(np.array(a) for a in extras[li]) for li in comp})
+        rec["extras"].append({li: np.array(extras[li]) for li in comp})
         rec["after"].append(res(cache))
         after(step, extras, cache)
 
@@ -105,10 +99,10 @@ def spy(eng):
 
 
 @functools.lru_cache(maxsize=None)
-def sparse_run(tau):
+def sparse_run():
     """FreeKV (layer 2 compressed) teacher-forced on the full run's tokens: (engine, record, logits per step)."""
     ids, toks, *_ = full_run()
-    pol = FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE, tau=tau)
+    pol = FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE)
     eng = Engine(MODEL, [ids], pol, tail_capacity=STEPS + 2)
     prefilled = np.array(eng.cache.layers[SPARSE].state.resident[0])
     rec = spy(eng)
@@ -120,57 +114,23 @@ def k_pages():
     return FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE).plan_pages(CFG, L)[3]
 
 
-def mid_tau():
-    """A threshold 5e-4 above the median cosine of the run (the next cosine at least 1e-3 further), so a rule
-    that is off by more than 5e-4, or compares the other way, flips at least one head-step."""
-    _, _, _, queries, q_last, _ = full_run()
-    c = np.sort(np.concatenate([np_cos(q, p) for q, p in zip(queries, [q_last] + queries[:-1])]))
-    i = next(j for j in range(len(c) // 2, len(c) - 1) if c[j + 1] - c[j] > 1e-3)
-    return round(float(c[i]) + 5e-4, 6)
-
-
 def test_pages_equal_a_numpy_meanS_selection_at_prefill_and_every_step():
     """After prefill the page slots hold Sel(q_last); each step's Sel(q_t) (the extra) equals the float64
-    numpy MeanS top-k of the same query over the same keys, whatever tau."""
+    numpy MeanS top-k of the same query over the same keys."""
     _, _, _, queries, q_last, keys = full_run()
     k = k_pages()
     assert 1 < k < layout(L)[2]  # a real choice among the pages
-    for tau in (2.0, mid_tau()):
-        _, rec, _, prefilled = sparse_run(tau)
-        want, score = np_select(q_last, keys, L, k)
-        for h in range(H):
-            same_pages(prefilled[h, :k], want[h], score[h], k)
-        exact = 0
-        for t, q in enumerate(queries):
-            sel, valid, _ = rec["extras"][t][SPARSE]
-            assert sel.shape == (1, H, k) and valid.all()
-            want, score = np_select(q, keys, L, k)
-            exact += all(same_pages(sel[0, h], want[h], score[h], k) for h in range(H))
-        assert exact >= STEPS - 1
-
-
-@pytest.mark.parametrize("which", ["mid", "always", "never"])
-def test_correction_fires_exactly_where_the_group_mean_cosine_is_below_tau(which):
-    """corr (the extra) equals numpy cos(q_t, q_{t-1}) < tau, with q_{-1} the last prompt token's query;
-    tau > 1 corrects every head, tau < -1 none."""
-    tau = {"mid": mid_tau(), "always": 2.0, "never": -2.0}[which]
-    eng, rec, _, _ = sparse_run(tau)
-    _, _, _, queries, q_last, _ = full_run()
-    prev, fired = q_last, []
+    _, rec, _, prefilled = sparse_run()
+    want, score = np_select(q_last, keys, L, k)
+    for h in range(H):
+        same_pages(prefilled[h, :k], want[h], score[h], k)
+    exact = 0
     for t, q in enumerate(queries):
-        cos = np_cos(q, prev)
-        corr = rec["extras"][t][SPARSE][2][0]
-        assert np.abs(cos - tau).min() > 1e-4  # no float near-tie (mid_tau keeps 5e-4 away)
-        np.testing.assert_array_equal(corr, cos < tau)
-        fired.append(corr)
-        prev = q
-    fired = np.stack(fired)
-    if which == "mid":
-        assert 0 < fired.sum() < fired.size
-    else:
-        assert fired.all() if which == "always" else not fired.any()
-    st = eng.stats_fields()["policy_stats"]
-    assert st["corrections"] == fired.sum() and st["correction_rate"] == pytest.approx(fired.mean())
+        sel = rec["extras"][t][SPARSE]
+        assert sel.shape == (1, H, k)
+        want, score = np_select(q, keys, L, k)
+        exact += all(same_pages(sel[0, h], want[h], score[h], k) for h in range(H))
+    assert exact >= STEPS - 1
 
 
 def reference_logits(cache, tok, pages):
@@ -183,33 +143,24 @@ def reference_logits(cache, tok, pages):
     return np.asarray(M.decode_step_jit(PARAMS, ref, jnp.asarray(tok), CFG)[0])
 
 
-@pytest.mark.parametrize("which", ["always", "never", "mid"])
-def test_each_step_attends_the_pages_of_the_paper_rule(which):
-    """Step t attends Sel(q_t) where the head is corrected, else Sel(q_{t-1}) (speculative, recalled by the host
-    before the step). tau > 1: always Sel(q_t); tau < -1: the recalled pages are Sel(q_{t-1}). The logits equal
+def test_each_step_attends_the_pages_the_previous_query_chose():
+    """Step t attends Sel(q_{t-1}) (Sel(q_last) at step 0), recalled by the host before the step: the logits equal
     a plain decode step over a cache holding exactly sinks + those pages + window."""
-    tau = {"mid": mid_tau(), "always": 2.0, "never": -2.0}[which]
-    eng, rec, logits, _ = sparse_run(tau)
+    eng, rec, logits, _ = sparse_run()
     _, toks, caches, queries, q_last, keys = full_run()
     k = k_pages()
     prev, compared = np_select(q_last, keys, L, k), 0
     for t, q in enumerate(queries):
-        now = np_select(q, keys, L, k)
-        corr = rec["extras"][t][SPARSE][2][0]
-        if which == "never":  # the host recall (before the step) already holds the previous query's pages
-            assert not corr.any()
-            for h in range(H):
-                same_pages(rec["recalled"][t][SPARSE][0, h, :k], prev[0][h], prev[1][h], k)
-        want = [(now if corr[h] else prev)[0][h] for h in range(H)]
-        scores = [(now if corr[h] else prev)[1][h] for h in range(H)]
         held = rec["after"][t][SPARSE][0]  # the page slots the step attended
-        if all(same_pages(held[h, :k], want[h], scores[h], k) for h in range(H)):
-            np.testing.assert_allclose(logits[t], reference_logits(caches[t], toks[t], want), atol=1e-4,
+        np.testing.assert_array_equal(held, rec["recalled"][t][SPARSE][0])  # the step itself moves no page
+        if all(same_pages(held[h, :k], prev[0][h], prev[1][h], k) for h in range(H)):
+            np.testing.assert_allclose(logits[t], reference_logits(caches[t], toks[t], prev[0]), atol=1e-4,
                                        rtol=1e-4)
             compared += 1
-        prev = now
+        prev = np_select(q, keys, L, k)
     assert compared >= STEPS - 1
-    check_group(eng, SPARSE, k)  # what the corrections and recalls wrote
+    assert eng.state.stats()["pages_recalled"] > 0
+    check_group(eng, SPARSE, k)  # what the recalls wrote
 
 
 def check_group(eng, li, k):
@@ -231,12 +182,12 @@ def check_group(eng, li, k):
 
 
 def test_memory_and_bytes_moved():
-    """Device: the prompt rows in the pool (sinks + k pages + window per compressed head) plus summaries, page ids
-    and q_prev stay within rho of the full prompt KV (5% slack for q_prev and the ids); host: the compressed
+    """Device: the prompt rows in the pool (sinks + k pages + window per compressed head) plus summaries and page
+    ids stay within rho of the full prompt KV (5% slack for the ids); host: the compressed
     layers' whole prompt, pinned; the pool's rows are the host rows of their positions; bytes_recalled counts
     the rows that moved."""
     ids, rho = random_prompt(L, 1), 0.6
-    pol = FreeKV(budget=rho, page_size=PS, sinks=SINKS, window=WINDOW, tau=-2.0)  # every change is a recall
+    pol = FreeKV(budget=rho, page_size=PS, sinks=SINKS, window=WINDOW)
     S, w, P, k = pol.plan_pages(CFG, L)
     eng = Engine(MODEL, [ids], pol, tail_capacity=STEPS + 2)
     rec = spy(eng)
@@ -270,15 +221,6 @@ def test_memory_and_bytes_moved():
     st = s["policy_stats"]
     assert moved > 0 and st["pages_recalled"] == moved
     assert st["bytes_recalled"] == moved * PS * 2 * D * 4
-    assert st["bytes_fetched_in_step"] == 0 and st["corrections"] == 0
-    # always correcting: the callback moves every head's k pages each step; pages_corrected are the new ones
-    eng2, rec2, _, _ = sparse_run(2.0)
-    st2 = eng2.stats_fields()["policy_stats"]
-    k2 = k_pages()
-    assert st2["bytes_fetched_in_step"] == STEPS * H * k2 * PS * 2 * D * 4 and st2["pages_recalled"] == 0
-    new = sum(len(set(e[SPARSE][0][0, h]) - set(r[SPARSE][0, h, :k2]))
-              for e, r in zip(rec2["extras"], rec2["recalled"]) for h in range(H))
-    assert st2["pages_corrected"] == new > 0
     # a twin state starts from the prefill's pages with zero counters
     twin = eng.state.fresh()
     assert twin.stats()["steps"] == twin.stats()["pages_recalled"] == 0
@@ -290,8 +232,8 @@ def greedy(policy, prompts, steps=5):
 
 
 @pytest.mark.parametrize("lens, kw", [
-    ((200, 150), dict(sinks=SINKS, window=WINDOW, tau=-2.0)),  # speculative recalls only
-    ((400, 150), dict(tau=0.25)),  # default sinks/window differ per sequence; corrections and recalls
+    ((200, 150), dict(sinks=SINKS, window=WINDOW)),
+    ((400, 150), dict()),  # default sinks/window differ per sequence
 ])
 def test_batch_equals_one_by_one(lens, kw):
     a, b = random_prompt(lens[0], 3), random_prompt(lens[1], 4)
@@ -302,7 +244,7 @@ def test_batch_equals_one_by_one(lens, kw):
         assert plans[0][0] != plans[1][0]  # different sinks per sequence
     toks, logits, eng = greedy(pol, [a, b])
     st = eng.stats_fields()["policy_stats"]
-    assert st["pages_recalled"] > 0 and (st["corrections"] == 0 if "sinks" in kw else 0 < st["correction_rate"] < 1)
+    assert st["pages_recalled"] > 0
     for i, ids in enumerate((a, b)):
         t1, l1, _ = greedy(pol, [ids])
         np.testing.assert_array_equal(toks[i], t1[0])
@@ -337,8 +279,10 @@ def test_smallest_rho_with_default_sinks_and_window_that_grow_with_it():
 
 
 def test_registry_and_options():
-    assert make_policy("freekv", 0.3, tau=0.9) == FreeKV(budget=0.3, tau=0.9)
-    for bad, name in [(dict(tau=float("nan")), "tau"), (dict(page_size=0), "page_size"), (dict(sinks=-1), "sinks"),
+    assert make_policy("freekv:page_size=16", 0.3) == FreeKV(budget=0.3, page_size=16)
+    with pytest.raises(PolicyError, match="tau"):  # the in-step correction's threshold is gone (module docstring)
+        make_policy("freekv", 0.3, tau=0.9)
+    for bad, name in [(dict(page_size=0), "page_size"), (dict(sinks=-1), "sinks"),
                       (dict(window=1.5), "window"), (dict(skip_layers=True), "skip_layers")]:
         with pytest.raises(PolicyError, match=name):
             FreeKV(**bad)
@@ -350,12 +294,12 @@ def test_registry_and_options():
 
 def test_a_session_turn_reselects_from_its_last_query_and_attends_the_prompt_densely():
     """After a turn is appended (its chunks attend the whole prompt from the host, as prefill), the page slots
-    hold Sel(q) of the turn's last query (numpy MeanS), the page slots of each head's region in the pool hold
-    those pages' tokens (the host rows), and q_prev is that query."""
+    hold Sel(q) of the turn's last query (numpy MeanS) and the page slots of each head's region in the pool hold
+    those pages' tokens (the host rows)."""
     from hetero_jax.runtime import Session
 
     ctx, question = random_prompt(L, 11), random_prompt(12, 12)
-    pol = FreeKV(budget=0.85, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE, tau=-2.0)
+    pol = FreeKV(budget=0.85, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE)
     sess = Session(MODEL, ctx, pol, chat=False, reserve_tokens=8)
     state, seen = sess.engine.state, []
     orig = state.after_extend
@@ -363,20 +307,18 @@ def test_a_session_turn_reselects_from_its_last_query_and_attends_the_prompt_den
     def spy(turn_queries, cache):
         out = orig(turn_queries, cache)
         rk, _, rpos, _ = layer_rows(out, SPARSE)
-        seen.append((np.asarray(turn_queries[SPARSE][0, :, -1]), np.asarray(out.layers[SPARSE].state.resident[0]),
-                     np.asarray(out.layers[SPARSE].state.q_prev[0]), np.asarray(rpos[0]),
-                     np.asarray(rk[0])))  # copies: the next step donates the cache
+        seen.append((np.array(turn_queries[SPARSE][0, :, -1]), np.array(out.layers[SPARSE].state.resident[0]),
+                     np.array(rpos[0]), np.array(rk[0])))  # copies: the next step donates the cache
         return out
 
     state.after_extend = spy
     sess.ask(question, max_new_tokens=3)
-    (q_last, resident, q_prev, pos, rows), = seen
+    (q_last, resident, pos, rows), = seen
     k = resident.shape[-1]
     keys = np.asarray(layer_rows(prefill(PARAMS, CFG, [ctx], tail_capacity=2)[1], SPARSE)[0][0])
     want, score = np_select(q_last, keys, L, k)
     for h in range(H):
         same_pages(resident[h], want[h], score[h], k)
-    np.testing.assert_array_equal(q_prev, q_last)
     S, _, _ = layout(L)
     # the page slots hold exactly the resident pages' tokens, slot by slot, and their rows are the host's
     hk, _ = sess.engine.state.store.view(SPARSE)
@@ -396,7 +338,7 @@ def test_a_session_whose_tail_outgrows_its_rows_recalls_into_the_moved_regions()
     from hetero_jax.runtime import Session
 
     ctx, q1, q2 = random_prompt(L, 21), random_prompt(150, 22), random_prompt(20, 23)
-    pol = FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW, tau=-2.0)  # recalls only
+    pol = FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW)
     answers = []
     for reserve in (8, 600):
         sess = Session(MODEL, ctx, pol, chat=False, reserve_tokens=reserve)
@@ -411,3 +353,23 @@ def test_a_session_whose_tail_outgrows_its_rows_recalls_into_the_moved_regions()
     k = pol.plan_pages(CFG, L)[3]
     for li in (1, 2):
         check_group(grown.engine, li, k)
+
+
+@pytest.mark.parametrize("policy, host_call", [
+    (FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW), False),
+    ("quest-offload", False),
+    ("hcattention", True),  # its value sums are host reads by design: the check can see a callback
+])
+def test_no_host_round_trip_inside_the_decode_step(policy, host_call):
+    """FreeKV's and offloaded Quest's page fetches happen between steps: the jitted decode step they run holds no
+    host callback (HCAttention's, which reads values on the host by design, does)."""
+    import jax
+
+    from hetero_jax.policies import HCAttention, Quest
+
+    policy = {"quest-offload": Quest(budget=0.7, page_size=PS, full_layers=1, offload=True),
+              "hcattention": HCAttention(budget=0.5)}.get(policy, policy)
+    eng = Engine(MODEL, [random_prompt(L, 31)], policy, tail_capacity=4)
+    tok = jnp.zeros((1,), jnp.int32)
+    jaxpr = jax.make_jaxpr(functools.partial(M.decode_step, cfg=CFG, policy=eng.policy))(PARAMS, eng.cache, tok)
+    assert ("pure_callback" in str(jaxpr)) == host_call  # the printed jaxpr holds every nested one

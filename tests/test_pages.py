@@ -1,6 +1,5 @@
 """Page primitives (Quest / FreeKV) against independent float64 numpy references, traced under jit; the rows of
-a head's region of the row pool that a decode step reads and writes (``region_rows``, ``write_region_rows``)
-against numpy indexing."""
+a head's region of the row pool that a decode step reads (``region_rows``) against numpy indexing."""
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from hetero_jax.model.cache import KVPool
 from hetero_jax.policies.pages import (
-    group_page_scores, page_summaries, page_token_index, query_cosine, quest_page_scores, region_rows, top_pages,
-    write_region_rows,
+    group_page_scores, page_summaries, page_token_index, quest_page_scores, region_rows, top_pages,
 )
 from pallas_kernels import MASK_VALUE
 
@@ -23,7 +21,6 @@ quest_jit = jax.jit(quest_page_scores)
 group_jit = jax.jit(group_page_scores, static_argnames=("how",))
 top_jit = jax.jit(top_pages, static_argnames=("n_select",))
 index_jit = jax.jit(page_token_index, static_argnames=("page_size", "start"))
-cosine_jit = jax.jit(query_cosine)
 
 B, H, G, T, D, PS = 3, 2, 3, 40, 8, 4
 
@@ -238,30 +235,6 @@ def test_page_token_index_matches_numpy():
         np.testing.assert_array_equal(got, ref)
 
 
-# ----------------------------------------------------------------------------- query cosine
-
-
-def test_query_cosine_matches_numpy_and_zero_query():
-    rng = np.random.default_rng(6)
-    q, qp = rand(rng, B, H, G, D), rand(rng, B, H, G, D)
-    q[0, 1, 2] = 0.0  # zero current query
-    qp[2, 0, 0] = 0.0  # zero previous query
-    qp[1, 1] = 2.5 * q[1, 1]  # same direction: cosine 1
-    got = np.asarray(cosine_jit(jnp.asarray(q), jnp.asarray(qp)))
-    ref = np.zeros((B, H))
-    for b in range(B):
-        for h in range(H):
-            cs = []
-            for g in range(G):
-                a, c = q[b, h, g].astype(np.float64), qp[b, h, g].astype(np.float64)
-                na, nc = np.linalg.norm(a), np.linalg.norm(c)
-                cs.append(0.0 if na == 0 or nc == 0 else a @ c / (na * nc))
-            ref[b, h] = np.mean(cs)
-    assert got.shape == (B, H) and got.dtype == np.float32 and np.all(np.isfinite(got))
-    np.testing.assert_allclose(got, ref, atol=1e-6)
-    assert got[1, 1] == pytest.approx(1.0, abs=1e-6)
-
-
 # ----------------------------------------------------------------------------- the bound is a bound
 
 
@@ -324,31 +297,3 @@ def test_region_rows_reads_each_heads_own_region(shards):
             rows = offsets[b, h] + idx[b, h]
             np.testing.assert_array_equal(np.asarray(got_k[b, h]), k[b, h // per, rows])
             np.testing.assert_array_equal(np.asarray(got_v[b, h]), v[b, h // per, rows])
-
-
-@pytest.mark.parametrize("shards", [1, 3])
-def test_write_region_rows_writes_only_the_rows_asked_for(shards):
-    """Rows with dst >= 0 land at offsets + dst of their head's shard (K, V, position); dst < 0 writes nothing;
-    every other row of the pool is unchanged."""
-    pool, (k, v, pos), offsets, dst, per = _region_case(shards=shards, seed=8)
-    rng = np.random.default_rng(9)
-    Bq, Hh, n = dst.shape
-    # distinct rows per head (a duplicate's winner is not the point), some dropped
-    dst = np.stack([np.stack([rng.permutation(10)[:n] for _ in range(Hh)]) for _ in range(Bq)]).astype(np.int32)
-    dst[0, 1, :2] = -1
-    dst[1, :, -1] = -1
-    nk, nv = rand(rng, Bq, Hh, n, D), rand(rng, Bq, Hh, n, D)
-    npos = rng.integers(0, 1000, (Bq, Hh, n)).astype(np.int32)
-    out = jax.jit(write_region_rows)(pool, jnp.asarray(offsets), jnp.asarray(dst), jnp.asarray(nk), jnp.asarray(nv),
-                                     jnp.asarray(npos))
-    want_k, want_v, want_pos = k.copy(), v.copy(), pos.copy()
-    for b in range(Bq):
-        for h in range(Hh):
-            for j in range(n):
-                if dst[b, h, j] >= 0:
-                    r = offsets[b, h] + dst[b, h, j]
-                    want_k[b, h // per, r], want_v[b, h // per, r] = nk[b, h, j], nv[b, h, j]
-                    want_pos[b, h // per, r] = npos[b, h, j]
-    np.testing.assert_array_equal(np.asarray(out.k), want_k)
-    np.testing.assert_array_equal(np.asarray(out.v), want_v)
-    np.testing.assert_array_equal(np.asarray(out.positions), want_pos)

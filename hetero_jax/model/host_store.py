@@ -1,17 +1,20 @@
 """Pinned-host KV store, and the device row scatter that decode-time policies write through.
 
-A policy that offloads (HeteroCache's compressed heads, Quest offloaded, FreeKV)
+A policy that offloads (HeteroCache's compressed heads, FreeKV, Quest offloaded)
 puts a layer's full prompt K/V in pinned host memory at prefill
 (``HostKVStore.put``: asynchronous, never waited on while prefill dispatches),
-gathers rows from numpy views of it into one staging buffer, moves only those rows
-to the device (``jax.device_put``, asynchronous) and writes them into the row pool
-with a jitted, donating scatter (:func:`write_host_rows`): the pool
-is never read back or re-uploaded whole, and one executable serves every layer.
+and between decode steps gathers rows from numpy views of it into one staging
+buffer, moves only those rows to the device (``jax.device_put``, asynchronous)
+and writes them into the row pool with a jitted, donating scatter
+(:func:`write_host_rows`): the pool is never read back or re-uploaded whole,
+and one executable serves every layer.
 
-A policy that must fetch inside the jitted decode step (Quest offloaded, FreeKV's
-correction: the rows depend on this step's query) calls :func:`host_gather`, a
-``jax.pure_callback`` that finds the store by its ``handle`` (an int32 carried in
-the cache, so one compiled step serves every request) and gathers with numpy only.
+Two reads happen inside a jitted function, through a ``jax.pure_callback`` that
+finds the store by its ``handle`` (an int32 carried in the cache, so one
+compiled step serves every request) and uses numpy only: a session turn's chunk
+attending a whole offloaded prompt (:func:`attend_chunk_over_host_prompt`) and
+HCAttention's value sums (:func:`host_weighted_sum`). No decode step of FreeKV
+or Quest fetches from the host.
 """
 
 from __future__ import annotations

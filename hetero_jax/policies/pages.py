@@ -7,10 +7,9 @@ float32 and pages beyond a sequence's count score MASK_VALUE (finite, never -inf
 Everything here is pure and jittable with ``page_size``, ``n_select`` and
 ``how`` static; ``start`` is static when it is a python int.
 
-``region_rows`` and ``write_region_rows`` read and write, inside a decode step,
-rows of each KV head's region of the row pool (``model.cache``): what Quest's
-page gather, Quest offloaded's buffer refill and FreeKV's in-step correction
-touch (on a mesh inside ``shard_map``, each device its own heads' rows).
+``region_rows`` reads, inside a decode step, rows of each KV head's region of
+the row pool (``model.cache``): in-device Quest's page gather (on a mesh inside
+``shard_map``, each device its own heads' rows).
 """
 
 from __future__ import annotations
@@ -20,9 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import MASK_VALUE
-
-# Guards the norm product of query_cosine: a zero query gives cosine 0, not NaN.
-COSINE_EPS = 1e-12
 
 
 def _per_seq(start, batch: int) -> jax.Array:
@@ -146,19 +142,6 @@ def page_token_index(pages: jax.Array, page_size: int, start: int | jax.Array = 
     return (base + jnp.arange(page_size, dtype=jnp.int32)).reshape(B, H, n * page_size)
 
 
-def query_cosine(q: jax.Array, q_prev: jax.Array) -> jax.Array:
-    """FreeKV's correction statistic: cos(q, q_prev) per query head, mean over the group.
-
-    q, q_prev: [B, H, G, D]. Returns [B, H] float32; a zero query counts as
-    cosine 0.
-    """
-    a = q.astype(jnp.float32)
-    b = q_prev.astype(jnp.float32)
-    dot = (a * b).sum(axis=-1)
-    norms = jnp.sqrt((a * a).sum(axis=-1)) * jnp.sqrt((b * b).sum(axis=-1))
-    return (dot / jnp.maximum(norms, COSINE_EPS)).mean(axis=-1)
-
-
 def pages_for_budget(rho: float, prompt_len: int, num_layers: int, full_layers: int, page_size: int, *,
                      fixed_tokens: int, summary_pages: int) -> int:
     """Pages per head of a sparse layer that fit budget rho (may be < 1: the budget is too small).
@@ -187,7 +170,7 @@ def smallest_page_rho(prompt_len: int, num_layers: int, full_layers: int, page_s
 
 
 # ----------------------------------------------------------------------------- rows of a head's pool region
-# Inside a decode step (traced): read or write rows of every head's region of the row pool
+# Inside a decode step (traced): read rows of every head's region of the row pool
 # (``model.cache``: head h of a layer owns pool[b, h // (H / S), offsets[b, h] + j]). On a mesh both run inside
 # ``jax.shard_map`` over the pool's shards, as ``model.pool.append`` does: each device touches its own heads'
 # rows only, so no pool shard is gathered or replicated.
@@ -201,19 +184,6 @@ def _local_gather(pool, offsets, idx):
     b = jnp.arange(B)[:, None, None]
     s = (jnp.arange(h) // n_local)[None, :, None]
     return pool.k[b, s, rows], pool.v[b, s, rows]
-
-
-def _local_write(pool, offsets, dst, k, v, pos):
-    """One shard: k, v [B, h, n, D] and positions [B, h, n] at rows offsets + dst of each head's region; rows
-    whose dst is negative are dropped."""
-    B, h, _ = dst.shape
-    n_local = h // pool.num_shards
-    rows = jnp.where(dst >= 0, offsets[..., None] + dst, pool.num_rows)
-    b = jnp.arange(B)[:, None, None]
-    s = (jnp.arange(h) // n_local)[None, :, None]
-    return pool.replace(k=pool.k.at[b, s, rows].set(k.astype(pool.k.dtype), mode="drop"),
-                        v=pool.v.at[b, s, rows].set(v.astype(pool.v.dtype), mode="drop"),
-                        positions=pool.positions.at[b, s, rows].set(pos.astype(jnp.int32), mode="drop"))
 
 
 def _pool_specs(mesh, pool):
@@ -237,20 +207,3 @@ def region_rows(pool, offsets, idx, mesh=None):
     out = partition_spec(("batch", "kv_heads", "slots", "head_dim"), idx.shape + (pool.k.shape[-1],), mesh)
     return jax.shard_map(_local_gather, mesh=mesh, in_specs=(_pool_specs(mesh, pool), bh, i_spec),
                          out_specs=(out, out), check_vma=False)(pool, offsets, idx)
-
-
-def write_region_rows(pool, offsets, dst, k, v, positions, mesh=None):
-    """Traced: ``pool`` with k, v [B, H, n, D] and their prompt positions [B, H, n] written at rows ``dst``
-    [B, H, n] int32 of every head's region (region-relative, the region starting at ``offsets`` [B, H]); a
-    negative ``dst`` is not written. The caller keeps ``dst`` inside each head's prompt rows (a fetch never
-    reaches the tail or a neighbouring region)."""
-    if mesh is None:
-        return _local_write(pool, offsets, dst, k, v, positions)
-    from hetero_jax.model.sharding import partition_spec
-
-    spec = _pool_specs(mesh, pool)
-    bh = partition_spec(("batch", "kv_heads"), offsets.shape, mesh)
-    i_spec = partition_spec(("batch", "kv_heads", "slots"), dst.shape, mesh)
-    r_spec = partition_spec(("batch", "kv_heads", "slots", "head_dim"), k.shape, mesh)
-    return jax.shard_map(_local_write, mesh=mesh, in_specs=(spec, bh, i_spec, r_spec, r_spec, i_spec),
-                         out_specs=spec, check_vma=False)(pool, offsets, dst, k, v, positions)

@@ -18,17 +18,22 @@ Two modes, one budget definition:
   merged by log-sum-exp with the tail (``LayerStep.attend_tail``). No memory
   saving (achieved rho 1).
 - offloaded (``offload=True``): the sparse layers' prompt K/V lives in the host
-  store; the prompt part of each head's region is its page buffer (the k
-  selected pages and the partial page: what a step attends), which the step
-  refills with the rows it selects (fetched inside the step with
-  ``host_gather``, written into the pool with ``pages.write_region_rows``) and
-  then attends with the tail in one call (``LayerStep.attend``). Device bytes,
-  summaries counted (one page's kmin + kmax = one token's K + V), are at most
-  rho of the prompt's full KV: ``pages.pages_for_budget``.
+  store; the prompt part of each head's region holds k pages and the partial
+  last page (what a step attends). A step attends the pages the previous
+  step's query chose, recalled by the host between steps (only the pages that
+  changed), and returns its own selection for the next recall: FreeKV's
+  speculative retrieval (``policies/speculative.py``), with Quest's selection
+  and budget. Device bytes, summaries counted (one page's kmin + kmax = one
+  token's K + V), are at most rho of the prompt's full KV:
+  ``pages.pages_for_budget``.
 
-Our departure: selection is per KV head (group max of the G query heads'
+Our departures: selection is per KV head (group max of the G query heads'
 bounds, FreeKV's "maxS" Quest baseline) rather than per query head, so one
 gather serves the whole group (per-head selection moves G times the rows).
+Offloaded, step i attends the pages chosen by q_{i-1}, not q_i: fetching q_i's
+pages would be a host round trip inside the jitted step, one per layer, which a
+GPU serialises; the in-device mode (same selection, current query) is the
+reference for what the lag costs (RESULTS ``fidelity-freekv-correction``).
 """
 
 from __future__ import annotations
@@ -44,20 +49,22 @@ from flax import struct
 
 import pallas_kernels
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, row_nbytes, tail_kv_bytes
+from hetero_jax.model.cache import KVCache, LayerPrefill, row_nbytes, tail_kv_bytes
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import HostKVStore, attend_chunk_over_host_prompt, host_gather
+from hetero_jax.model.host_store import attend_chunk_over_host_prompt
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.base import BudgetError, Policy, bool_param, int_param, tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
-                                       region_rows, smallest_page_rho, top_pages, write_region_rows)
+                                       region_rows, smallest_page_rho, top_pages)
+from hetero_jax.policies.speculative import PageRecallPrefill, select
 
 
 @struct.dataclass
 class QuestPages:
-    """A sparse layer's decode state: the page summaries, the selection's bounds and the last selection."""
+    """An in-device sparse layer's decode state: the page summaries, the selection's bounds and the last
+    selection (offloaded layers hold a ``speculative.PageSlots``)."""
 
     kmin: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel min key
     kmax: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel max key
@@ -65,8 +72,6 @@ class QuestPages:
     prompt_lens: jax.Array = axes_field("batch")  # [B] int32
     k_sel: jax.Array = axes_field("batch")  # [B] int32 pages each sequence selects per step
     pages: jax.Array = axes_field("batch", "kv_heads", "slots")  # [B, H, k] int32 the last step's selection
-    # offloaded: the handle of the host store holding the layer's prompt K/V (``host_gather``); else None
-    store: jax.Array | None = axes_field(default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +85,7 @@ class Quest(Policy):
 
     name: ClassVar[str] = "quest"
     summary: ClassVar[str] = ("query-aware pages at every decode step (min/max key bounds, 16-token pages); "
-                              "offload=True: prompt KV on the host, selected pages fetched each step")
+                              "offload=True: prompt KV on the host, the previous step's pages recalled between steps")
 
     def sparse_layers(self, cfg: ModelConfig) -> list[int]:
         return list(range(min(self.full_layers, cfg.num_layers), cfg.num_layers))
@@ -115,35 +120,24 @@ class Quest(Policy):
         return QuestPrefill(self, cfg, prompt_lens, compile_fn)
 
     def attend(self, li, q, step):
-        """Layers below ``full_layers``: every row. Others: the selected pages + partial page + tail.
-        Extra: the selected pages [B, H, k] and their validity (None in full layers)."""
+        """Layers below ``full_layers``: every row. Others: the selected pages + partial page + tail (offloaded:
+        the pages the previous step chose). Extra: the selected pages [B, H, k] (None in full layers)."""
         st = step.layer.state
         if st is None:
             return step.attend(q)[0], step, None
+        if self.offload:
+            return step.attend(q)[0], step, select(q, st, "max")
         ps = self.page_size
         scores = group_page_scores(q, st.kmin, st.kmax, st.n_pages, "max")  # [B, H, P]
         pages, valid = top_pages(scores, st.pages.shape[-1], st.k_sel)
         idx, lengths = _attended_slots(pages, valid, st.n_pages, st.prompt_lens, ps)  # [B, H, S]
-        S = idx.shape[-1]
-        slot = jnp.arange(S, dtype=jnp.int32)[None, None, :]
-        layer = step.layer.replace(state=st.replace(pages=pages))
-        if self.offload:
-            # the page buffer is the prompt part of each head's region (its count is what a step attends, so
-            # the attended rows form its valid prefix): refill it with this step's rows, then attend it and
-            # the tail in one call
-            k_rows, v_rows = host_gather(st.store, li, idx, step.pool.k)
-            dst = jnp.where(slot < lengths[..., None], slot, -1)
-            pool = write_region_rows(step.pool, step.layer.offsets, dst, k_rows, v_rows,
-                                     jnp.where(dst >= 0, idx, -1), step.mesh)
-            step = step.replace(pool=pool, layer=layer)
-            return step.attend(q)[0], step, (pages, valid)
-        # in-device: the head's region holds its whole prompt in position order (row j = position j); the
-        # gathered rows are temporaries, merged with the tail by log-sum-exp
+        # the head's region holds its whole prompt in position order (row j = position j); the gathered rows
+        # are temporaries, merged with the tail by log-sum-exp
         k_rows, v_rows = region_rows(step.pool, step.layer.offsets, idx, step.mesh)
         out_p, lse_p = pallas_kernels.decode_attention(q, k_rows, v_rows, lengths, finite_padding=True)
         out_t, lse_t = step.attend_tail(q[:, :, None])
         out, _ = pallas_kernels.merge_attention(out_p, lse_p, out_t[:, :, 0], lse_t[:, :, 0])
-        return out, step.replace(layer=layer), (pages, valid)
+        return out, step.replace(layer=step.layer.replace(state=st.replace(pages=pages))), pages
 
     def attend_chunk(self, li, q, step):
         """A session's turn attends the whole prompt, as Quest's prefill does (dense); offloaded, a sparse
@@ -176,8 +170,8 @@ def _summaries(k_buf, lens, page_size: int):
 
 
 class QuestPrefill(PrefillPlan):
-    """Full layers keep their prompt; sparse layers keep it too (in-device) or put it in the host store and
-    keep a page buffer (offloaded); sparse layers' page summaries go to their state record."""
+    """Full layers keep their prompt; sparse layers keep it too with their page summaries (in-device), or put it
+    in the host store and keep k pages + the partial page (offloaded, ``speculative.PageRecallPrefill``)."""
 
     def __init__(self, policy: Quest, cfg: ModelConfig, prompt_lens, compile_fn=None):
         self.policy, self.cfg = policy, cfg
@@ -186,107 +180,82 @@ class QuestPrefill(PrefillPlan):
         plans = np.array([policy.plan_pages(cfg, int(L)) for L in self.lens])  # validates every prompt first
         self.n_pages, self.partial, self.k_sel = plans[:, 0], plans[:, 1], plans[:, 2]
         self.sparse = set(policy.sparse_layers(cfg))
-        self.store = HostKVStore(cfg.num_layers) if policy.offload else None
-        self.itemsize = 0  # of the KV dtype, for the bytes-moved stats (set by the first sparse layer)
+        self.pages = (PageRecallPrefill(cfg, policy.page_size, "max", self.lens, np.zeros_like(self.lens),
+                                        self.partial, self.n_pages, self.k_sel, compile_fn)
+                      if policy.offload else None)
 
-    def held(self) -> np.ndarray:
-        """[B] rows a head of a sparse layer attends (and, offloaded, holds) per step: k pages + partial."""
+    def attended(self) -> np.ndarray:
+        """[B] prompt rows a head of a sparse layer attends per step: k pages + the partial page."""
         return np.minimum(self.k_sel, self.n_pages) * self.policy.page_size + self.partial
 
     def prompt_counts(self) -> np.ndarray:
-        """Every head its prompt; offloaded, a sparse layer's heads their page buffer."""
+        """Every head its prompt; offloaded, a sparse layer's heads the rows they attend."""
         counts = np.broadcast_to(self.lens[None, :, None], (self.cfg.num_layers, len(self.lens),
                                                             self.cfg.num_kv_heads)).copy()
         if self.policy.offload:
             for li in self.sparse:
-                counts[li] = self.held()[:, None]
+                counts[li] = self.attended()[:, None]
         return counts
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
         t_max = int(self.lens.max())
         if li not in self.sparse:
             return M.full_rows(k_buf, v_buf, lens, t_max)
-        ps = self.policy.page_size
+        if self.policy.offload:
+            rows, state = self.pages.build_layer(li, layer, x_in, k_buf, v_buf, lens)
+            return LayerPrefill(blocks=(rows,), state=state)
         args = (k_buf[:, :, :t_max], lens)  # no summaries of the chunk padding
-        kmin, kmax, n_pages = self.compile_fn(_summaries, *args, page_size=ps)(*args)
-        B, H, _, D = k_buf.shape
-        self.itemsize = k_buf.dtype.itemsize
-        n_sel = max(1, int(self.k_sel.max()))
+        kmin, kmax, n_pages = self.compile_fn(_summaries, *args, page_size=self.policy.page_size)(*args)
+        B, H = k_buf.shape[:2]
         # fresh arrays per layer: the decode step donates every cache leaf separately
         state = QuestPages(kmin=kmin, kmax=kmax, n_pages=n_pages, prompt_lens=jnp.array(lens),
-                           k_sel=jnp.asarray(self.k_sel, jnp.int32), pages=jnp.zeros((B, H, n_sel), jnp.int32))
-        if not self.policy.offload:
-            return M.full_rows(k_buf, v_buf, lens, t_max).replace(state=state)
-        self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
-        # the page buffer's rows are written by every step before it attends them: none at prefill
-        held = jnp.asarray(np.broadcast_to(self.held()[:, None], (B, H)), jnp.int32)
-        empty = RowBlock(k=jnp.zeros((B, H, 0, D), k_buf.dtype), v=jnp.zeros((B, H, 0, D), v_buf.dtype),
-                         positions=jnp.zeros((B, H, 0), jnp.int32), lengths=held, heads=tuple(range(H)))
-        return LayerPrefill(blocks=(empty,), state=state.replace(store=self.store.handle_array()))
+                           k_sel=jnp.asarray(self.k_sel, jnp.int32),
+                           pages=jnp.zeros((B, H, max(1, int(self.k_sel.max()))), jnp.int32))
+        return M.full_rows(k_buf, v_buf, lens, t_max).replace(state=state)
 
-    def finish(self, cache: KVCache) -> tuple[KVCache, "QuestDecode"]:
-        if self.store is not None:
-            self.store.materialize()  # the in-step callbacks read numpy views only (waits for the copies)
-        state = QuestDecode(self.policy, self.cfg, self.lens, self.partial, self.k_sel, self.n_pages, self.store,
-                            self.itemsize)
-        return cache, state
+    def finish(self, cache: KVCache):
+        n_sparse, n = len(self.sparse), self.cfg.num_layers
+        attended = ((n - n_sparse) * self.lens + n_sparse * self.attended()) / (n * self.lens)
+        if self.pages is not None:
+            return cache, self.pages.finish(cache, attended)
+        return cache, QuestDecode(self.policy, self.cfg, self.attended(), attended, self.k_sel, self.n_pages)
 
 
 class QuestDecode(DecodeState):
-    """Quest's decode counters; the selection itself runs inside the step (``Quest.attend``)."""
+    """In-device Quest's decode counters; the selection itself runs inside the step (``Quest.attend``), over the
+    prompt rows the pool already holds (no hook rewrites them)."""
 
-    @property
-    def writes_prompt_rows(self) -> bool:
-        return self.store is not None  # offload refills each head's page buffer with the fetched rows
+    writes_prompt_rows = False
 
-    def __init__(self, policy: Quest, cfg: ModelConfig, lens, partial, k_sel, n_pages, store: HostKVStore | None,
-                 itemsize: int):
-        self.policy, self.cfg, self.store, self.itemsize = policy, cfg, store, itemsize
-        self.lens, self.partial, self.k_sel, self.n_pages = lens, partial, k_sel, n_pages
+    def __init__(self, policy: Quest, cfg: ModelConfig, rows, attended, k_sel, n_pages):
+        """rows: [B] prompt rows a sparse head attends per step; attended: [B] the prompt fraction a step attends."""
+        self.policy, self.cfg = policy, cfg
+        self.rows, self.attended, self.k_sel, self.n_pages = rows, attended, k_sel, n_pages
         self.steps = 0
 
     def fresh(self) -> "QuestDecode":
-        return QuestDecode(self.policy, self.cfg, self.lens, self.partial, self.k_sel, self.n_pages, self.store,
-                           self.itemsize)
+        return QuestDecode(self.policy, self.cfg, self.rows, self.attended, self.k_sel, self.n_pages)
 
     def after_step(self, step, extras, cache) -> None:
         self.steps += 1
 
-    def host_arrays(self) -> tuple:
-        return () if self.store is None else self.store.arrays()
-
     def kv_bytes_read(self, cache) -> int:
-        """Full layers' prompt rows, each sparse layer's attended rows (read on the device; offloaded, fetched
-        from the host first, counted again), the state records (summaries, ...) and the rest of the pool (the
-        tails, ``cache.tail_kv_bytes``)."""
+        """Full layers' prompt rows, each sparse layer's attended rows, the state records (summaries, ...) and
+        the rest of the pool (the tails, ``cache.tail_kv_bytes``)."""
         sparse = self.policy.sparse_layers(self.cfg)
-        rows = int(self._attended().sum()) * self.cfg.num_kv_heads * len(sparse)
-        per_row = 2 * self.cfg.head_dim * self.itemsize * (2 if self.policy.offload else 1)
+        rows = int(self.rows.sum()) * self.cfg.num_kv_heads * len(sparse)
         full = sum(int(to_host(lc.lengths).astype(np.int64).sum()) for li, lc in enumerate(cache.layers)
                    if li not in sparse) * row_nbytes(cache)
-        return int(full + rows * per_row + tail_kv_bytes(cache) + self.index_bytes(cache))
-
-    def _attended(self) -> np.ndarray:
-        """[B] prompt tokens a head of a sparse layer attends per step (selected pages + partial page)."""
-        return np.minimum(self.k_sel, self.n_pages) * self.policy.page_size + self.partial
+        return int(full + rows * row_nbytes(cache) + tail_kv_bytes(cache) + self.index_bytes(cache))
 
     def stats(self) -> dict:
-        cfg, p = self.cfg, self.policy
-        n_sparse = len(p.sparse_layers(cfg))
-        pages = np.minimum(self.k_sel, self.n_pages)  # [B] pages per head of a sparse layer
-        attended = self._attended()
-        frac = ((cfg.num_layers - n_sparse) * self.lens + n_sparse * attended) / (cfg.num_layers * self.lens)
-        per_step_rows = int(attended.sum()) * n_sparse * cfg.num_kv_heads if p.offload else 0
+        n_sparse = len(self.policy.sparse_layers(self.cfg))
         return {
             "steps": self.steps,
-            "pages_per_step": int(pages.sum()) * n_sparse * cfg.num_kv_heads,
-            "attended_fraction": float(frac.mean()),
-            "bytes_fetched_per_step": per_step_rows * 2 * cfg.head_dim * self.itemsize,
+            "pages_per_step": int(np.minimum(self.k_sel, self.n_pages).sum()) * n_sparse * self.cfg.num_kv_heads,
+            "attended_fraction": float(np.mean(self.attended)),
         }
 
     def summary(self) -> str:
         s = self.stats()
-        text = f"attended {s['attended_fraction']:.0%} of the prompt, {s['pages_per_step']} pages/step"
-        if self.policy.offload:
-            text += f", fetched {s['bytes_fetched_per_step'] / 2**20:.2f} MiB/step"
-        return text
+        return f"attended {s['attended_fraction']:.0%} of the prompt, {s['pages_per_step']} pages/step"

@@ -1,0 +1,292 @@
+"""Speculative page retrieval from pinned host memory, shared by FreeKV and offloaded Quest.
+
+A compressed layer keeps its whole prompt K/V in the host store and, as the
+prompt part of each KV head's region of the row pool, ``[start | k page slots |
+window]``: ``start`` leading tokens (FreeKV's sinks, none for Quest), k pages of
+``page_size`` tokens and the prompt's last tokens (FreeKV's window, Quest's
+partial page). Decode step i attends the region as it is: its page slots hold
+Sel(q_{i-1}), the pages the previous step's query chose. The step returns
+Sel(q_i) (``select``); between steps the host recalls the pages of Sel(q_i)
+that are not resident into the slots of the pages no longer selected
+(``PageRecallDecode.before_step`` -> ``host_store.write_host_rows``, the path
+HeteroCache's recall takes): only those rows cross to the device, and the
+jitted step never waits on the host.
+
+Selection: per KV head, the group's Quest bounds over the page summaries
+(``pages.group_page_scores``, "max" for Quest, "mean_softmax" for FreeKV), the
+top ``k_sel`` pages. After prefill the slots hold Sel(q_last) of the prompt's
+last query; after a session turn, Sel of the turn's last query.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from hetero_jax.model import transformer as M
+from hetero_jax.model.cache import KVCache, RowBlock
+from hetero_jax.model.host_store import HostKVStore, write_host_rows
+from hetero_jax.model.sharding import to_host
+from hetero_jax.model.spec import axes_field
+from hetero_jax.policies.pages import group_page_scores, page_summaries, top_pages
+from hetero_jax.policies.protocol import DecodeState
+
+
+@struct.dataclass
+class PageSlots:
+    """A compressed layer's decode state (its K/V rows are in the pool: [start | page slots | window])."""
+
+    kmin: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel min key
+    kmax: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel max key
+    n_pages: jax.Array = axes_field("batch")  # [B] int32 selectable pages of each prompt
+    k_sel: jax.Array = axes_field("batch")  # [B] int32 page slots of each sequence
+    resident: jax.Array = axes_field("batch", "kv_heads", "slots")  # [B, H, k] int32 page id in each page slot
+    prompt_lens: jax.Array = axes_field("batch")  # [B] int32
+    store: jax.Array = axes_field()  # int32 handle of the host store (a session turn's dense chunk reads it)
+
+
+def select(q: jax.Array, st: PageSlots, how: str) -> jax.Array:
+    """Traced Sel(q): the top ``k_sel`` pages [B, H, k] int32 of each KV head for q [B, H, G, D]."""
+    return top_pages(group_page_scores(q, st.kmin, st.kmax, st.n_pages, how), st.resident.shape[-1], st.k_sel)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("how",))
+def _select_jit(q, st: PageSlots, how: str):
+    return select(q, st, how)
+
+
+def slot_index(pages, start, k_sel, win_start, prompt_lens, ps: int, cap: int):
+    """Token position of every prompt row of a head, per sequence [start | k_sel page slots | window]; rows past a
+    sequence's length point at token 0 (finite, masked by the lengths). pages [B, H, k]; the rest [B].
+    Returns (idx [B, H, cap], positions (-1 past the length), lengths [B] int32)."""
+    B, H, n = pages.shape
+    s = jnp.arange(cap, dtype=jnp.int32)[None, None, :]
+    S, kp = start[:, None, None], (k_sel * ps)[:, None, None]
+    rel = s - S
+    j = jnp.clip(rel // ps, 0, n - 1)
+    page_tok = S + jnp.take_along_axis(pages, jnp.broadcast_to(j, (B, H, cap)), axis=-1) * ps + rel % ps
+    win_tok = win_start[:, None, None] + rel - kp
+    tok = jnp.where(s < S, s, jnp.where(rel < kp, page_tok, win_tok))
+    lengths = (start + k_sel * ps + prompt_lens - win_start).astype(jnp.int32)
+    ok = s < lengths[:, None, None]
+    return jnp.where(ok, tok, 0).astype(jnp.int32), jnp.where(ok, tok, -1).astype(jnp.int32), lengths
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "n_pages", "n_select", "cap", "how"))
+def _prefill_layer(layer, x_in, k_buf, v_buf, lens, start, win_start, k_sel, prompt_lens, store, cfg, page_size: int,
+                   n_pages: int, n_select: int, cap: int, how: str):
+    """One compressed layer: summaries of the pages [start, win_start), Sel(q_last) of the last prompt query and
+    each head's rows [start | selected pages | window]. Returns (rows, PageSlots); the record's int arrays are the
+    arguments (k_sel, prompt_lens, store: fresh per layer, as the decode step donates every cache leaf)."""
+    kmin, kmax, counts = page_summaries(k_buf, win_start, page_size, start=start)
+    kmin, kmax = kmin[:, :, :n_pages], kmax[:, :, :n_pages]  # the longest sequence's pages
+    q_last = M.prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)[:, :, 0]  # [B, H, G, D]
+    B, H = k_buf.shape[:2]
+    st = PageSlots(kmin=kmin, kmax=kmax, n_pages=counts, k_sel=k_sel, resident=jnp.zeros((B, H, n_select), jnp.int32),
+                   prompt_lens=prompt_lens, store=store)
+    pages = select(q_last, st, how)
+    idx, pos, lengths = slot_index(pages, start, k_sel, win_start, lens, page_size, cap)
+    take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=2)  # noqa: E731
+    rows = RowBlock(k=take(k_buf), v=take(v_buf), positions=pos,
+                    lengths=jnp.broadcast_to(lengths[:, None], pos.shape[:2]), heads=tuple(range(H)))
+    return rows, st.replace(resident=pages)
+
+
+class PageRecallPrefill:
+    """The compressed layers' share of a prefill plan: put the prompt in the host store, keep [start | Sel(q_last)
+    | window] in the pool and the summaries in a ``PageSlots`` record; ``finish`` hands on a ``PageRecallDecode``.
+
+    start, window, n_pages, k_sel: [B] ints per sequence (window tokens = prompt_len - n_pages*ps - start)."""
+
+    def __init__(self, cfg, page_size: int, how: str, lens, start, window, n_pages, k_sel, compile_fn=None):
+        self.cfg, self.page_size, self.how = cfg, page_size, how
+        self.lens = np.asarray(lens, np.int64)
+        self.start, self.window, self.n_pages, self.k_sel = (np.asarray(a, np.int64)
+                                                             for a in (start, window, n_pages, k_sel))
+        self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+        self.store = HostKVStore(cfg.num_layers)
+        self.resident: dict[int, jax.Array] = {}
+        self.itemsize = 0
+
+    def held(self) -> np.ndarray:
+        """[B] prompt rows a head of a compressed layer holds and attends: start + k pages + window."""
+        return self.start + self.k_sel * self.page_size + self.window
+
+    def build_layer(self, li, layer, x_in, k_buf, v_buf, lens):
+        t_max = int(self.lens.max())
+        self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
+        self.itemsize = k_buf.dtype.itemsize
+        # fresh arrays per layer: the decode step donates every cache leaf separately
+        arr = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
+        args = (layer, x_in, k_buf, v_buf, lens, arr(self.start), arr(self.lens - self.window), arr(self.k_sel),
+                arr(self.lens), self.store.handle_array())
+        rows, state = self.compile_fn(
+            _prefill_layer, *args, cfg=self.cfg, page_size=self.page_size, n_pages=max(1, int(self.n_pages.max())),
+            n_select=max(1, int(self.k_sel.max())), cap=int(self.held().max()), how=self.how)(*args)
+        self.resident[li] = state.resident
+        return rows, state
+
+    def finish(self, cache: KVCache, attended: np.ndarray) -> "PageRecallDecode":
+        """``attended``: [B] the prompt fraction a step attends, for the stats."""
+        # copies (np.array), never views of device buffers the decode step will donate
+        resident = {li: np.array(p, np.int32, copy=True) for li, p in self.resident.items()}
+        self.store.materialize()  # a session turn's chunk reads numpy views only (waits for the copies)
+        offsets = [to_host(l.offsets).astype(np.int64) for l in cache.layers]
+        return PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, resident,
+                                self.itemsize, offsets, attended, self.compile_fn)
+
+
+class PageRecallDecode(DecodeState):
+    """Between steps: reads step i's selections (copied to the host asynchronously) before step i + 1 and
+    recalls the pages that changed; keeps a host mirror of each compressed layer's ``resident`` (the page id in
+    every page slot), each head's first pool row (``offsets``) and the counters."""
+
+    wants_turn_queries = True
+
+    def __init__(self, cfg, page_size: int, how: str, start, k_sel, store: HostKVStore,
+                 resident: dict[int, np.ndarray], itemsize: int, offsets: list[np.ndarray], attended: np.ndarray,
+                 compile_fn=None):
+        self.cfg, self.page_size, self.how, self.store, self.itemsize = cfg, page_size, how, store, itemsize
+        self.start, self.k_sel, self.attended = start, k_sel, attended
+        self.offsets = offsets  # per layer [B, H] each head's first pool row (``pool_moved`` reads new ones)
+        self.initial = resident  # as prefill left it (fresh() starts from it; never mutated)
+        self.resident = dict(resident)  # host mirror; replaced, never written in place
+        self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
+        self.pending = None  # the device selections of the last dispatched step
+        self.ready = None  # {layer: Sel numpy}: read, recall not yet applied
+        self.steps = 0
+        self.pages_recalled = 0  # pages that entered a slot (between steps and after turns)
+        self.bytes_recalled = 0
+        self.recall_failures = 0
+        self.turn_reselections = 0  # session turns after which the pages were re-selected
+
+    def fresh(self) -> "PageRecallDecode":
+        return PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, self.initial,
+                                self.itemsize, self.offsets, self.attended, self.compile_fn)
+
+    def pool_moved(self, cache) -> None:
+        """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
+        self.offsets = [to_host(l.offsets).astype(np.int64) for l in cache.layers]
+
+    def after_step(self, step, extras, cache) -> None:
+        self.steps += 1
+        sels = {li: e for li, e in enumerate(extras) if e is not None}
+        for sel in sels.values():
+            sel.copy_to_host_async()  # read before the next step, never waited on now
+        self.pending = sels
+
+    def _collect(self) -> None:
+        """Read the pending step's selections (they are what the next step should attend)."""
+        if self.pending is not None:
+            self.ready, self.pending = {li: np.array(s, np.int32) for li, s in self.pending.items()}, None
+
+    def before_step(self, step, cache):
+        self._collect()
+        return self._apply(cache, f"the speculative recall before decode step {step}",
+                           "the device keeps its pages (a step late)")
+
+    def after_extend(self, turn_queries, cache):
+        """A session's turn re-selects as prefill did: each compressed layer's page slots take Sel(q) of the
+        turn's last query, recalled now, before the answer's first step (the last answer step's selection is
+        superseded). All or nothing: a failed transfer keeps the cache."""
+        self.pending = None
+        sels = {}
+        for li in self.resident:
+            st = cache.layers[li].state
+            q = turn_queries[li][:, :, -1]  # [B, H, G, D]
+            sels[li] = np.array(self.compile_fn(_select_jit, q, st, how=self.how)(q, st), np.int32)
+        self.ready = sels
+        failures = self.recall_failures
+        out = self._apply(cache, "the re-selection after a turn", "the device keeps its pages")
+        self.turn_reselections += self.recall_failures == failures
+        return out
+
+    def _apply(self, cache, what: str, fallback: str):
+        if self.ready is None:
+            return cache
+        try:
+            return self._recall(cache)
+        except (RuntimeError, MemoryError) as e:
+            self.recall_failures += 1
+            warnings.warn(f"{what} failed ({type(e).__name__}: {e}); {fallback}", RuntimeWarning, stacklevel=3)
+            return cache
+        finally:
+            self.ready = None
+
+    def _recall(self, cache: KVCache) -> KVCache:
+        """Per head, the pages of the new selection that are not resident replace, slot by slot, the resident
+        pages no longer selected. Only those rows cross to the device (every transfer started before any write)
+        and are scattered in place into the page slots of each head's region of the pool (pool row = its offset
+        + start + slot * ps + i, its shard = head // (H / S)); the pool is never read back."""
+        ps = self.page_size
+        layers = list(cache.layers)
+        n_local = self.cfg.num_kv_heads // cache.pool.num_shards
+        requests, mirrors, moved = [], {}, 0
+        for li, sel in self.ready.items():
+            mirror = self.resident[li]
+            missing = not_resident(sel, mirror, self.k_sel)  # [B, H, k] selected, not resident
+            free = not_resident(mirror, sel, self.k_sel)  # [B, H, k] resident, no longer selected
+            mb, mh, mj = np.nonzero(missing)
+            fb, fh, fj = np.nonzero(free)
+            # each head has as many of one as of the other, and nonzero lists both row-major: zip pairs them
+            assert np.array_equal(mb, fb) and np.array_equal(mh, fh)
+            if not len(mb):
+                continue
+            pages = sel[mb, mh, mj]
+            new = mirror.copy()
+            new[fb, fh, fj] = pages
+            mirrors[li] = new
+            offs = np.arange(ps)[None, :]
+            tok = (self.start[mb, None] + pages[:, None] * ps + offs).reshape(-1)
+            slots = (self.start[mb, None] + fj[:, None] * ps + offs).reshape(-1)  # region rows of the page slots
+            b_idx, h_idx = np.repeat(mb, ps), np.repeat(mh, ps)
+            requests.append((li, b_idx, h_idx, tok, h_idx // n_local, self.offsets[li][b_idx, h_idx] + slots))
+            moved += len(pages)
+        if not requests:
+            return cache
+        # every layer's rows in one transfer set, all of it out before anything is written
+        pool, _, nbytes = write_host_rows(cache.pool, self.store, requests, self.compile_fn)
+        for li in mirrors:
+            st = layers[li].state
+            resident = jax.device_put(mirrors[li].copy(), st.resident.sharding)  # a fresh array, never mutated
+            layers[li] = layers[li].replace(state=st.replace(resident=resident))
+        self.resident.update(mirrors)
+        self.pages_recalled += moved
+        self.bytes_recalled += nbytes
+        return cache.replace(pool=pool, layers=tuple(layers))
+
+    def in_flight(self):
+        return tuple(self.pending.values()) if self.pending else ()
+
+    def host_arrays(self) -> tuple:
+        return self.store.arrays()
+
+    def stats(self) -> dict:
+        n_comp, H = len(self.resident), self.cfg.num_kv_heads
+        return {
+            "steps": self.steps,
+            "pages_recalled": self.pages_recalled,
+            "bytes_recalled": self.bytes_recalled,
+            "recalled_pages_per_step": self.pages_recalled / self.steps if self.steps else 0.0,
+            "pages_per_step": int(self.k_sel.sum()) * n_comp * H,  # attended, whole batch
+            "attended_fraction": float(np.mean(self.attended)),
+            "recall_failures": self.recall_failures,
+            "turn_reselections": self.turn_reselections,
+        }
+
+    def summary(self) -> str:
+        s = self.stats()
+        return (f"attended {s['attended_fraction']:.0%} of the prompt, recalled {s['pages_recalled']} pages "
+                f"({s['bytes_recalled'] / 2**20:.2f} MiB) between steps")
+
+
+def not_resident(pages: np.ndarray, held: np.ndarray, k_sel: np.ndarray) -> np.ndarray:
+    """[B, H, k] True where ``pages`` (within each sequence's first k_sel slots) is not among ``held``'s."""
+    ok = np.arange(pages.shape[-1])[None, None, :] < np.asarray(k_sel)[:, None, None]  # [B, 1, k]
+    same = (pages[..., :, None] == held[..., None, :]) & ok[..., None, :]
+    return np.broadcast_to(ok, pages.shape) & ~same.any(axis=-1)
