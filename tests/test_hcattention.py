@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from hetero_jax.model.cache import PoolBuilder, layer_rows
 from hetero_jax.model.pool import LayerStep, append
@@ -355,3 +356,39 @@ def test_shipped_smollm2_codebooks_fit_its_shape():
     pts = pol.operating_points(cfg, 4096)
     assert [round(p.rho, 3) for p in pts] == [0.5, 0.063, 0.125]
     assert [p.codebook.groups(64) for p in pts[1:]] == [16, 32]
+
+
+# ------------------------------------------------------------------ the mass set without a sort
+def np_mass_set(a, tau, k_cap):
+    """float64 numpy Eq. 4 by a stable sort: the k* largest (ties to the lower index), k* = min(k_cap, min{k :
+    sum of the k largest >= tau}); tau >= 1 keeps k_cap."""
+    keep = np.zeros(a.shape, bool)
+    for r in np.ndindex(a.shape[:-1]):
+        order = np.argsort(-a[r], kind="stable")
+        before = np.concatenate([[0.0], np.cumsum(a[r][order].astype(np.float64))[:-1]])
+        k = len(order) if tau >= 1 else int((before < tau).sum())
+        keep[r][order[: min(k, k_cap)]] = True
+    return keep
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**16), T=st.integers(1, 70), tau=st.sampled_from([0.3, 0.5, 0.9, 0.99, 1.0]),
+       cap_frac=st.sampled_from([1.0, 0.5, 0.1]), ties=st.booleans())
+def test_mass_set_equals_a_sorted_cut(seed, T, tau, cap_frac, ties):
+    """``mass_set`` (two bisections over the float bits, no sort) keeps exactly the tokens a stable sort and an
+    exclusive prefix sum keep, ties (values drawn from a few levels) and zeros included; the float64 prefix is
+    compared only where no prefix lies within 1e-6 of tau (a float32 sum may fall on the other side)."""
+    from hetero_jax.policies.hcattention import mass_set
+
+    rng = np.random.default_rng(seed)
+    x = rng.choice([0.0, 1.0, 2.0, 4.0], size=(2, 3, T)) if ties else rng.exponential(size=(2, 3, T)) ** 3
+    a = (x / np.maximum(x.sum(-1, keepdims=True), 1e-30)).astype(np.float32)
+    k_cap = max(1, min(T, int(np.ceil(cap_frac * T))))
+    got = np.asarray(jax.jit(mass_set, static_argnums=(1, 2))(jnp.asarray(a), tau, k_cap))
+    want = np_mass_set(a, tau, k_cap)
+    for r in np.ndindex(a.shape[:-1]):
+        prefix = np.cumsum(np.sort(a[r].astype(np.float64))[::-1])
+        if tau < 1 and np.abs(prefix - tau).min() < 1e-6:
+            continue
+        np.testing.assert_array_equal(got[r], want[r], err_msg=f"row {r}: a={a[r]}")
+    assert got.sum(-1).max() <= k_cap

@@ -337,36 +337,40 @@ def attend_chunk_over_host_prompt(li: int, q: jax.Array, step, handle: jax.Array
     return out.reshape(B, H, G, C, D)
 
 
-def host_weighted_sum(handle: jax.Array, li: int, idx: jax.Array, w: jax.Array, head_dim: int,
-                      kind: str = "decode") -> jax.Array:
-    """Traced: sum_k w[b, h, q, k] * V[b, h, idx[b, h, q, k]] of layer ``li``'s values in the store ``handle``.
+def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, kind: str = "decode") -> jax.Array:
+    """Traced: sum_t w[b, h, q, t] * V[b, h, t] of layer ``li``'s values in the store ``handle``.
 
-    idx, w: [B, H, Q, K] (a query row's K token positions, distinct, and their weights; a weight of 0 adds
-    nothing). Returns [B, H, Q, head_dim] float32. A host callback, numpy only (views made by
-    ``HostKVStore.materialize`` before the step): per KV head the rows any of its Q queries selected are
-    read once, so a step moves idx and w to the host and Q x D floats back, never the values. Counts
-    calls, seconds and rows read in ``store.counters[kind]``.
+    w: [B, H, Q, T] float32, zero off each query row's mass set (T: the store's prompt axis). Returns
+    [B, H, Q, head_dim] float32. A host callback, numpy only (views made by ``HostKVStore.materialize``
+    before the step): per KV head only the rows any of its Q queries weighs are read (all of them, as one
+    product, when they are most of the prompt: one pass over memory costs less than a gather), so a step
+    moves w to the host and Q x D floats back, never the values. Counts calls, seconds and rows read in
+    ``store.counters[kind]``.
     """
-    B, H, Q, K = idx.shape
+    B, H, Q, T = w.shape
     out = jax.ShapeDtypeStruct((B, H, Q, head_dim), jnp.float32)
 
-    def weighted_sum(h, positions, weights):
+    def weighted_sum(h, weights):
         t0 = time.perf_counter()
         store = _STORES[int(h)]
         _, v = store._views[li]
-        y = np.zeros(out.shape, np.float32)
+        weights = np.asarray(weights)  # a callback may get jax arrays: index numpy, never dispatch per head
+        y = np.empty(out.shape, np.float32)
         rows = 0
         for b in range(B):
             for hh in range(H):
-                dense = np.zeros((Q, v.shape[2]), np.float32)
-                np.put_along_axis(dense, positions[b, hh], weights[b, hh], axis=1)
-                used = np.flatnonzero(dense.any(axis=0))  # the union of the Q queries' kept rows
-                rows += len(used)
-                y[b, hh] = dense[:, used] @ v[b, hh, used].astype(np.float32)
+                wb, vb = weights[b, hh], v[b, hh, :T]
+                used = np.flatnonzero(wb.any(axis=0))  # the union of the Q queries' kept rows
+                if 4 * len(used) > T:
+                    rows += T
+                    y[b, hh] = wb @ vb.astype(np.float32, copy=False)
+                else:
+                    rows += len(used)
+                    y[b, hh] = wb[:, used] @ vb[used].astype(np.float32, copy=False)
         c = store.counters.setdefault(kind, [0, 0.0, 0])
         c[0] += 1
         c[1] += time.perf_counter() - t0
         c[2] += rows
         return y
 
-    return jax.pure_callback(weighted_sum, out, handle, idx, w)
+    return jax.pure_callback(weighted_sum, out, handle, w)

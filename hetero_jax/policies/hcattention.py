@@ -26,7 +26,7 @@ fp32 SmolLM2 (D 64): g 16 -> 0.0625 + the codebook's share. ``budget`` must lie 
 point's rho for every prompt, else BudgetError lists the points.
 
 Departures: the tail stays exact on the device (the paper quantizes generated keys too); the device
-sends every query row's top ``k_cap`` candidates with zero weights past k* (a static callback shape)
+sends every query row's weights over the whole prompt, zero off the mass set (a static callback shape),
 where the paper sends only the k* kept ones; the codebook is per layer, shared by heads and groups.
 """
 
@@ -199,14 +199,9 @@ class HCAttention(Policy):
         l = p.sum(-1)
         a = p / l[..., None]
         k_cap = max(1, min(T, math.ceil(self.k_cap_fraction * T)))
-        vals, idx = jax.lax.top_k(a, k_cap)  # descending; ties to the lower index
-        # mass of the higher-ranked tokens (an exclusive prefix sum, not cumsum - vals: exact at 0)
-        before = jnp.concatenate([jnp.zeros_like(vals[..., :1]), jnp.cumsum(vals, axis=-1)[..., :-1]], axis=-1)
-        keep = idx < st.prompt_lens[:, None, None, None]
-        if self.tau < 1.0:  # tau >= 1 keeps every token (a float32 cumsum may never reach 1)
-            keep &= before < self.tau
-        w = jnp.where(keep, vals, 0.0)
-        y = host_weighted_sum(st.store, li, idx.astype(jnp.int32), w, D, kind)
+        keep = mass_set(a, self.tau, k_cap) & valid[:, None, None, :]
+        w = jnp.where(keep, a, 0.0)
+        y = host_weighted_sum(st.store, li, w, D, kind)
         mass = w.sum(-1)
         lse = m + jnp.log(l)
         if self.renormalize:  # softmax over the kept tokens (and, merged, the tail)
@@ -231,6 +226,47 @@ class HCAttention(Policy):
         out, _ = pallas_kernels.merge_attention(y.reshape(B, H, G, C, D), lse.reshape(B, H, G, C),
                                                 out_t.transpose(0, 1, 3, 2, 4), lse_t.transpose(0, 1, 3, 2))
         return out.astype(q.dtype)
+
+
+MASS_BISECTION_STEPS = 31  # the bits of a non-negative float32 below +inf: the search ends on a value present
+
+
+def mass_set(a, tau: float, k_cap: int):
+    """Traced: the mass set Pi of every row of probabilities a [..., T] float32 (>= 0), as a [..., T] bool mask:
+    the k* most probable tokens, k* = min(k_cap, min{k : sum of the k largest >= tau}) (Eq. 4), ties to the
+    lower index; tau >= 1 keeps every token (up to k_cap).
+
+    No sort: a non-negative float's int32 bits order as its value, so two bisections over the bits find the
+    k*-th largest value of the mass rule (the largest x with sum_{a >= x} a >= tau) and of the cap (the largest
+    x with #{a >= x} >= k_cap) in 31 masked reductions each; tokens above the higher one are kept, and of the
+    tokens equal to it the first ones by index while the rule still holds."""
+    bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+    zero = jnp.zeros(a.shape[:-1] + (1,), jnp.int32)
+    top = bits.max(-1, keepdims=True) + 1  # no token reaches it: both rules fail there
+
+    def search(holds):
+        def body(_, lo_hi):
+            lo, hi = lo_hi
+            mid = lo + (hi - lo) // 2
+            ok = holds(mid)
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+        return jax.lax.fori_loop(0, MASS_BISECTION_STEPS, body, (zero, top))[0]
+
+    cap = search(lambda x: (bits >= x).sum(-1, keepdims=True) >= k_cap)
+    if tau >= 1.0:
+        cut = zero
+    else:
+        cut = search(lambda x: jnp.where(bits >= x, a, 0.0).sum(-1, keepdims=True) >= tau)
+    thr = jnp.maximum(cut, cap)
+    above = bits > thr
+    tie = bits == thr
+    rank = jnp.cumsum(tie, axis=-1, dtype=jnp.int32)  # 1-based among the ties, by index
+    value = jax.lax.bitcast_convert_type(thr, jnp.float32)
+    mass_above = jnp.where(above, a, 0.0).sum(-1, keepdims=True)
+    by_mass = (thr != cut) | (mass_above + (rank - 1).astype(jnp.float32) * value < tau) | (tau >= 1.0)
+    by_cap = (thr != cap) | (rank <= k_cap - above.sum(-1, keepdims=True, dtype=jnp.int32))
+    return above | (tie & by_mass & by_cap)
 
 
 def prompt_scores(q, st: HCState):
@@ -400,7 +436,6 @@ class HCDecode(DecodeState):
         per_layer = self.kstar_sum / self.rows if self.rows else np.zeros(NL)
         calls, seconds, rows = self._counter("decode")
         T = int(self.lens.max())
-        k_cap = max(1, min(T, math.ceil(self.policy.k_cap_fraction * T)))
         q_rows = B * cfg.num_heads * NL  # query rows per step
         cb = self.point.codebook
         return {
@@ -409,7 +444,7 @@ class HCDecode(DecodeState):
             "selection_ratio": float(per_layer.mean()),  # mean k*/L (paper Fig. 3)
             "selection_ratio_by_layer": [float(x) for x in per_layer],
             "truncations": self.truncations,
-            "bytes_to_host_per_step": q_rows * k_cap * 8,  # candidate ids (int32) + weights (float32)
+            "bytes_to_host_per_step": q_rows * T * 4,  # each row's weights over the prompt (float32, 0 off Pi)
             "bytes_from_host_per_step": q_rows * cfg.head_dim * 4,  # y, float32
             "host_value_bytes_read_per_step": rows * cfg.head_dim * self.itemsize / n if n else 0.0,
             "callback_ms_per_step": 1e3 * seconds / n if n else 0.0,
