@@ -130,6 +130,11 @@ PRESETS = {
     "issue17": dict(real_lengths=[2048, 4096], synthetic_lengths=[],
                     policies=["full", "snapkv", "heterocache", "quest", "quest:offload=true", "freekv"],
                     budgets=[0.3], decode_steps=32, warmup_steps=6, ttft_warmup=1, ttft_repeats=1),
+    # issue 36: decode-time retrieval without a host round trip in the step (FreeKV, offloaded Quest) and
+    # HCAttention's host sums, beside in-device Quest and full KV; HCAttention runs at 0.5 only (its operating point)
+    "issue36": dict(real_lengths=[2048, 4096], synthetic_lengths=[],
+                    policies=["full", "quest", "quest:offload=true", "freekv", "hcattention"],
+                    budgets=[0.3, 0.5], decode_steps=32, warmup_steps=6, ttft_warmup=1, ttft_repeats=1),
     # Llama-3.1-8B shapes to 128K, for one GPU (bfloat16: 16 GB of weights, 16 GB of full KV at 128K)
     "llama8b-gpu": dict(real_lengths=[], synthetic_lengths=[16384, 32768, 65536, 131072], synthetic_shape="llama-3.1-8b",
                         policies=["full", "snapkv", "heterocache"], budgets=[0.3], decode_steps=64, warmup_steps=8,
