@@ -561,6 +561,7 @@ def run(args) -> dict:
     payload["load_seconds"] = load_s
     payload["lengths"] = []
     payload["runs"] = runs = []
+    payload["refused"] = {}  # label -> {length: the budget error}: a policy that cannot run a length is left out
 
     points = [(L, "real") for L in args.real_lengths] + [(L, "synthetic") for L in args.synthetic_lengths]
     bar = tqdm(total=len(points), desc="latency", unit="length", dynamic_ncols=True, disable=args.no_progress)
@@ -577,9 +578,18 @@ def run(args) -> dict:
             ids = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, L).tolist()
         bar.set_description(f"{L} tok ({weights})")
         policies = make_policies(combos, synth_prof if weights == "synthetic" else None)
+        keep = []
+        for i, pol in enumerate(policies):
+            err = common.budget_problem(model, pol, [L])
+            if err:
+                payload["refused"].setdefault(common.combo_label(*combos[i]), {})[str(L)] = err
+                tqdm.write(f"skipping {common.combo_label(*combos[i])} at {L} tokens: {err}")
+            else:
+                keep.append(i)
         wb = model_weight_bytes(model.params, model.config)
         t0 = time.perf_counter()
-        res, meta = measure_length(model, ids, combos, policies, args, bar=bar, note=f"{L} {weights}")
+        res, meta = measure_length(model, ids, [combos[i] for i in keep], [policies[i] for i in keep], args,
+                                   bar=bar, note=f"{L} {weights}")
         for r in res:
             r.update(length=L, weights=weights)
         add_ratios(res, wb)
@@ -745,6 +755,9 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         lines += [f"- {ctx_label(r['length'], r['weights'])}, {r['label']}: plain {r['decode_plain']['p50_ms']:.1f} ms "
                   f"({r['decode_plain']['n']}), recall {r['decode_recall']['p50_ms']:.1f} ms "
                   f"({r['decode_recall']['n']}); drift checks {_trigger_text(r)}" for r in apart]
+    if payload.get("refused"):
+        lines += ["", "Refused (a budget the policy cannot keep, left out): " + "; ".join(
+            f"{lab} at {', '.join(common.fmt_num(int(L)) for L in errs)} tokens" for lab, errs in payload["refused"].items())]
     if cfg.get("preset") == "cpu":
         lines += ["", "(`--preset cpu` is a small configuration: at these contexts the weights dominate "
                       "the bytes a decode step reads and one TTFT round per policy is noisy; the targets are meant "
@@ -883,6 +896,10 @@ def merge(args) -> dict:
     order = sorted(range(len(parts)), key=lambda i: min(x["length"] for x in parts[i]["lengths"]))
     payload["lengths"] = [x for i in order for x in parts[i]["lengths"]]
     payload["runs"] = [r for i in order for r in parts[i]["runs"]]
+    payload["refused"] = {}
+    for p in parts:
+        for lab, errs in p.get("refused", {}).items():
+            payload["refused"].setdefault(lab, {}).update(errs)
     cfg = dict(parts[0]["config"])
     for k in ("synthetic_lengths", "real_lengths"):
         cfg[k] = sorted({L for p in parts for L in p["config"][k]})
