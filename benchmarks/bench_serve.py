@@ -160,7 +160,8 @@ def run(args) -> dict:
                 rows.append(row)
                 print(f"H={row['history_tokens']} {row['policy']}: TTFT resumed {row['ttft_resumed_s']:.3f} s, "
                       f"first turn (history prefilled) {row['ttft_first_turn_s']:.3f} s"
-                      + ("" if row["ttft_fresh_s"] is None else f", fresh (history + turn) {row['ttft_fresh_s']:.3f} s"),
+                      + ("" if row["ttft_fresh_s"] is None
+                         else f", fresh (history + turn) {row['ttft_fresh_s']:.3f} s"),
                       flush=True)
     finally:
         server.close()

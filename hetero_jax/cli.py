@@ -55,11 +55,14 @@ def _add_serve(sub) -> None:
         "/v1/completions, GET /health, GET /metrics). A chat request that extends a conversation the server holds "
         "continues its Session instead of prefilling the history again (docs/serve.md).",
     )
-    p.add_argument("--model", default="smollm2-135m", help="known model name or converted checkpoint dir (default: smollm2-135m)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="known model name or converted checkpoint dir (default: smollm2-135m)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: --model, or a checkpoint dir's name)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: checkpoint's)")
-    p.add_argument("--policy", default="full", help="default KV-cache policy, with options as in generate (default: full)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype (default: checkpoint's)")
+    p.add_argument("--policy", default="full",
+                   help="default KV-cache policy, with options as in generate (default: full)")
     p.add_argument("--budget", type=float, default=None, help="rho of the default policy (default: the policy's)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a policy option, repeatable")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")

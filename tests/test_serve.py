@@ -339,9 +339,11 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine_and_leaves_its_convers
     first = [{"role": "user", "content": QUESTION}]
     a1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=NEW, temperature=0,
                                         user="leaver").choices[0].message.content
-    second = first + [{"role": "assistant", "content": a1}, {"role": "user", "content": "And of Spain?"}]
+    # a question whose answer runs far past the few tokens read before leaving
+    second = first + [{"role": "assistant", "content": a1},
+                      {"role": "user", "content": "Now write a long story about Paris, in ten paragraphs."}]
     gone_before = live.metric("client_disconnects_total")
-    body = {"model": MODEL, "messages": second, "max_tokens": 400, "temperature": 0, "stream": True,
+    body = {"model": MODEL, "messages": second, "max_tokens": 80, "temperature": 0, "stream": True,
             "user": "leaver"}
     with httpx.stream("POST", live.base + "/v1/chat/completions", json=body, timeout=120) as resp:
         assert resp.status_code == 200
@@ -382,6 +384,9 @@ def test_every_error_case_gets_its_status_and_message(live):
         ({"model": MODEL, "messages": msgs, "policy": "nope"}, 400, "invalid_policy", "unknown policy 'nope'"),
         ({"model": MODEL, "messages": msgs, "policy": "full", "budget": 0.5}, 400, "invalid_budget",
          "the full policy keeps the whole prompt"),
+        # refused by the policy's plan on the engine thread, before any compute
+        ({"model": MODEL, "messages": msgs, "policy": "contextkeeper", "budget": 0.5}, 400, "invalid_budget",
+         "ContextKeeper: budget rho=0.5 cannot be kept"),
         ({"model": MODEL, "messages": [{"role": "user"}]}, 400, None, "messages[0].content must be a string"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, None, "messages[0].role"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400, "context_length_exceeded",
@@ -405,3 +410,28 @@ def test_every_error_case_gets_its_status_and_message(live):
     assert httpx.get(live.base + "/health", timeout=30).json()["status"] == "ok"
     assert live.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
                                                  max_tokens=2, temperature=0).choices[0].message.content
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", [{"max_sessions": 1}, {"max_device_bytes": 1}])
+def test_held_conversations_are_evicted_within_the_bounds(smollm2, bound):
+    import httpx
+
+    srv = LiveServer(smollm2, **bound)
+    try:
+        client = srv.client()
+        msgs = [{"role": "user", "content": QUESTION}]
+        answers = [client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=NEW, temperature=0,
+                                                  user=u).choices[0].message.content for u in ("a", "b")]
+        h = httpx.get(srv.base + "/health", timeout=30).json()
+        if "max_sessions" in bound:  # a, the least recently used, went; b is held with its KV bytes
+            assert (h["sessions"], h["evictions"]) == (1, 1) and h["kv_bytes_device"] > 0
+            more = msgs + [{"role": "assistant", "content": answers[1]}, {"role": "user", "content": "And of Spain?"}]
+            r = client.chat.completions.create(model=MODEL, messages=more, max_tokens=NEW, temperature=0, user="b")
+            assert r.usage.prompt_tokens_details.cached_tokens > 0
+        else:  # every conversation's device KV passes a 1-byte bound: none is held
+            assert (h["sessions"], h["evictions"], h["kv_bytes_device"]) == (0, 2, 0)
+        assert srv.metric("session_evictions_total") == h["evictions"]
+    finally:
+        srv.close()

@@ -176,9 +176,14 @@ def error_response(e: BaseException) -> JSONResponse:
         return JSONResponse(error_body(str(e), type=e.type, param=e.param, code=e.code), status_code=e.status)
     if isinstance(e, QueueFull):
         return JSONResponse(error_body(str(e), type="server_error", code="queue_full"), status_code=503)
-    if isinstance(e, HeteroJaxError):
-        param = "policy" if isinstance(e, PolicyError) else "budget" if isinstance(e, BudgetError) else None
-        return JSONResponse(error_body(str(e), param=param, code=type(e).__name__), status_code=400)
+    if isinstance(e, HeteroJaxError):  # raised on the engine thread (before any compute: the checks come first)
+        if isinstance(e, PolicyError):
+            param, code = "policy", "invalid_policy"
+        elif isinstance(e, BudgetError):
+            param, code = "budget", "invalid_budget"
+        else:
+            param, code = None, type(e).__name__
+        return JSONResponse(error_body(str(e), param=param, code=code), status_code=400)
     if isinstance(e, ClientGone):
         return JSONResponse(error_body(str(e), code="client_disconnected"), status_code=499)
     log.error("request failed", exc_info=e)

@@ -64,7 +64,8 @@ class Metrics:
         with self._lock:
             metric("requests_total", "counter", "HTTP requests by endpoint and status",
                    [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
-            metric("prompt_tokens_total", "counter", "prompt tokens of answered requests", [({}, self.tokens["prompt"])])
+            metric("prompt_tokens_total", "counter", "prompt tokens of answered requests",
+                   [({}, self.tokens["prompt"])])
             metric("cached_prompt_tokens_total", "counter", "prompt tokens reused from a held conversation's cache",
                    [({}, self.tokens["cached"])])
             metric("prefill_tokens_total", "counter", "prompt tokens computed (prefilled or appended)",
@@ -87,7 +88,8 @@ class Metrics:
         metric("sessions_held", "gauge", "conversations held between requests", [({}, store["sessions"])])
         metric("session_evictions_total", "counter", "held conversations evicted (least recently used)",
                [({}, store["evictions"])])
-        metric("kv_bytes_device", "gauge", "device KV bytes of the held conversations", [({}, store["kv_bytes_device"])])
+        metric("kv_bytes_device", "gauge", "device KV bytes of the held conversations",
+               [({}, store["kv_bytes_device"])])
         metric("kv_bytes_host", "gauge", "host KV bytes of the held conversations", [({}, store["kv_bytes_host"])])
         metric("queue_depth", "gauge", "requests waiting for the engine", [({}, queue_depth)])
         metric("engine_busy", "gauge", "1 while the engine runs a request", [({}, int(running))])

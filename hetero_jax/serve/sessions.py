@@ -28,6 +28,7 @@ import re
 import threading
 
 from hetero_jax.errors import ConfigError, SessionError
+from hetero_jax.runtime.compile_cache import tail_capacity_for
 from hetero_jax.runtime.session import Session
 from hetero_jax.serve.schema import RequestError
 
@@ -189,7 +190,10 @@ class Conversations:
         if len(ids) < 2:
             raise RequestError("the chat template renders these messages to fewer than two tokens; send more text",
                                param="messages")
-        sess = Session(self.model, ids[:-1], policy, chat=False, seed=sampling.seed)
+        # the tail the first answer needs, in TAIL_QUANTUM steps as generate allocates it (Session's default of
+        # 512 would grow, and recompile, on the first turn of a 512-token answer)
+        reserve = min(tail_capacity_for(max_tokens + 2), self.context - (len(ids) - 1))
+        sess = Session(self.model, ids[:-1], policy, chat=False, seed=sampling.seed, reserve_tokens=reserve)
         conv = Conversation(sess, owner, (), "", 0, 0, 0)
         return self._turn(conv, messages, rendered, ids[-1:], sampling, max_tokens, on_token, resumed=False,
                           fresh_prefill=sess.engine.prefill_seconds)
