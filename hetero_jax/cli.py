@@ -1,4 +1,4 @@
-"""``hetero-jax`` command line: ``hetero-jax generate ...``, ``hetero-jax models``."""
+"""``hetero-jax`` command line: ``hetero-jax generate ...``, ``hetero-jax serve ...``, ``hetero-jax models``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,79 @@ def _add_generate(sub) -> None:
     p.add_argument("--dp", type=int, default=1, help="data parallel: split the batch over this many devices")
     p.add_argument("--turns", default=None,
                    help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (conversations keep their KV cache)",
+        description="Serve one model over OpenAI's HTTP API (GET /v1/models, POST /v1/chat/completions, POST "
+        "/v1/completions, GET /health, GET /metrics). A chat request that extends a conversation the server holds "
+        "continues its Session instead of prefilling the history again (docs/serve.md).",
+    )
+    p.add_argument("--model", default="smollm2-135m",
+                   help="known model name or converted checkpoint dir (default: smollm2-135m)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: --model, or a checkpoint dir's name)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype (default: checkpoint's)")
+    p.add_argument("--policy", default="full",
+                   help="default KV-cache policy, with options as in generate (default: full)")
+    p.add_argument("--budget", type=float, default=None, help="rho of the default policy (default: the policy's)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a policy option, repeatable")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--max-sessions", type=int, default=16,
+                   help="conversations held between requests, least recently used evicted first (default: 16; 0: "
+                        "none)")
+    p.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="bound on the host KV bytes of held conversations, e.g. 8GiB (default: none)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="bound on the device KV bytes of held conversations, e.g. 20GiB (default: none)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for the engine (default: 64)")
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="a chat answer's length when the request gives no max_tokens (default: 512)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _cmd_serve(args) -> int:
+    """Check every flag and build the policy before loading the model; then serve until interrupted."""
+    import os
+
+    from hetero_jax.errors import ConfigError
+    from hetero_jax.policies import make_policy, parse_options
+
+    for flag, value, lo in (("--port", args.port, 0), ("--max-sessions", args.max_sessions, 0),
+                            ("--max-queue", args.max_queue, 1), ("--max-tokens", args.max_tokens, 1)):
+        if value < lo or (flag == "--port" and value > 65535):
+            raise ConfigError(f"{flag} {value} is out of range: give " + (
+                "a port in [0, 65535]" if flag == "--port" else f"an integer >= {lo}"))
+    options = parse_options(args.option)
+    policy = make_policy(args.policy, args.budget, **options)  # a bad name or option: exit 2, nothing loaded
+    import importlib.util
+
+    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"hetero-jax serve needs {' and '.join(missing)}, which are not installed; install the "
+                          "server's stack with pip install 'hetero-jax[serve]'")
+    import uvicorn
+
+    from hetero_jax.serve import ServeConfig, create_app, parse_size
+
+    host_bytes = None if args.host_memory is None else parse_size(args.host_memory, "--host-memory")
+    device_bytes = None if args.device_memory is None else parse_size(args.device_memory, "--device-memory")
+    enable_compilation_cache()
+    import hetero_jax
+
+    model = hetero_jax.load(args.model, dtype=args.dtype)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
+                                      else args.model)
+    config = ServeConfig(model_id=name, policy=policy, policy_name=args.policy, policy_options=tuple(options.items()),
+                         max_sessions=args.max_sessions, max_device_bytes=device_bytes, max_host_bytes=host_bytes,
+                         max_queue=args.max_queue, max_tokens=args.max_tokens)
+    print(f"serving {name} ({policy!r}) on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(create_app(model, config), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
 
 
 def _read_prompt(args) -> str:
@@ -224,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
+    _add_serve(sub)
     sub.add_parser("models", help="list the known model names")
     from hetero_jax.profile.cli import add_profile_parser
 
@@ -247,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "models":
             return _cmd_models(args)
+        if args.command == "serve":
+            return _cmd_serve(args)
         if args.command == "profile":
             enable_compilation_cache()
             return args.func(args)

@@ -14,7 +14,7 @@ def test_help_lists_subcommands(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for cmd in ("generate", "models"):
+    for cmd in ("generate", "serve", "models"):
         assert cmd in out
 
 

@@ -131,3 +131,16 @@ def test_library_never_imports_benchmarks_or_tests(package):
         for mod, _ in _imports(tree):
             assert mod.split(".")[0] not in ("benchmarks", "tests", "bench_needle", "bench_policies", "common",
                                              "haystack"), f"{m} imports {mod}"
+
+
+def test_only_the_cli_imports_the_server():
+    """hetero_jax/serve is the top floor beside the CLI: it imports the runtime, io and policies, and nothing of
+    the library imports it back (the library must not need the web stack)."""
+    bad = []
+    for m, tree in _sources(PACKAGES).items():
+        if m == "hetero_jax.cli" or m == "hetero_jax.serve" or m.startswith("hetero_jax.serve."):
+            continue
+        bad += [f"{m} imports {mod}" for mod, _ in _imports(tree)
+                if mod == "hetero_jax.serve" or mod.startswith("hetero_jax.serve.")]
+    assert not bad, bad
+    assert "hetero_jax.serve.app" in _sources(PACKAGES)  # the check sees the server's modules

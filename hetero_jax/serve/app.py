@@ -1,0 +1,387 @@
+"""The ASGI application: OpenAI's routes over one model, its held conversations and one engine worker.
+
+``create_app(model, config)`` builds it; ``hetero-jax serve`` runs it with uvicorn. The event loop parses and
+checks requests, queues them for the engine worker (``worker.EngineWorker``) and streams what the worker emits;
+the worker runs every model call, one request at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import queue
+import time
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from hetero_jax.errors import HeteroJaxError
+from hetero_jax.policies import BudgetError, PolicyError, make_policy
+from hetero_jax.runtime import generate
+from hetero_jax.serve import schema
+from hetero_jax.serve.metrics import Metrics
+from hetero_jax.serve.schema import RequestError, error_body
+from hetero_jax.serve.sessions import Conversations, SessionStore, Turn
+from hetero_jax.serve.worker import ClientGone, EngineWorker, Job, QueueFull
+
+log = logging.getLogger("hetero_jax.serve")
+POLL_S = 0.5  # how often a waiting request checks that its client is still there
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """What ``hetero-jax serve`` was started with.
+
+    ``policy``: the default policy (a ``Policy``; None: full KV); ``policy_name`` / ``policy_options``: its spec,
+    for a request that gives only a ``budget``; ``max_sessions``: conversations held between requests;
+    ``max_device_bytes`` / ``max_host_bytes``: bounds on their KV bytes (None: none); ``max_queue``: requests
+    that may wait; ``max_tokens``: a chat answer's cap when the request gives none."""
+
+    model_id: str
+    policy: object = None
+    policy_name: str = "full"
+    policy_options: tuple = ()
+    max_sessions: int = 16
+    max_device_bytes: int | None = None
+    max_host_bytes: int | None = None
+    max_queue: int = 64
+    max_tokens: int = 512
+
+
+class StopHoldback:
+    """Streamed text held back while it could still be the start of a stop string, so a client never receives
+    text that the final answer cuts (the library's ``on_token`` sends every token's text before the stop check)."""
+
+    def __init__(self, stops):
+        self.stops, self.keep = tuple(stops), max((len(s) for s in stops), default=1) - 1
+        self.text, self.sent = "", 0
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        safe = len(self.text) - self.keep
+        cuts = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            safe = min(cuts)
+        out = self.text[self.sent: max(safe, self.sent)]
+        self.sent += len(out)
+        return out
+
+
+class Channel:
+    """Events from the worker thread to one request's coroutine: a thread-safe queue and a loop-side wake-up."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.wake = loop, queue.SimpleQueue(), asyncio.Event()
+
+    def put(self, item) -> None:  # worker thread
+        self.items.put(item)
+        self.loop.call_soon_threadsafe(self.wake.set)
+
+    def drain(self) -> list:
+        out = []
+        while True:
+            try:
+                out.append(self.items.get_nowait())
+            except queue.Empty:
+                return out
+
+
+class Server:
+    """The model, its held conversations, the engine worker and the metrics behind the routes."""
+
+    def __init__(self, model, config: ServeConfig):
+        self.model, self.config = model, config
+        self.store = SessionStore(config.max_sessions, config.max_device_bytes, config.max_host_bytes)
+        self.conversations = Conversations(model, self.store)
+        self.worker = EngineWorker(config.max_queue)
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------------------------------------ checks
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_id:
+            raise RequestError(f"the model {name!r} does not exist on this server; it serves "
+                               f"{self.config.model_id!r} (GET /v1/models)", status=404, param="model",
+                               code="model_not_found")
+
+    def policy_for(self, policy: str | None, budget: float | None):
+        """The request's policy: the server's, its own (``policy``), or the server's at another ``budget``."""
+        if policy is None and budget is None:
+            return self.config.policy
+        try:
+            if policy is None:
+                return make_policy(self.config.policy_name, budget, **dict(self.config.policy_options))
+            return make_policy(policy, budget)
+        except PolicyError as e:
+            raise RequestError(str(e), param="policy", code="invalid_policy") from None
+        except BudgetError as e:
+            raise RequestError(str(e), param="budget", code="invalid_budget") from None
+
+    # ------------------------------------------------------------------------------------------------ jobs
+    def chat_job(self, req: schema.ChatRequest, policy, emit):
+        s = req.sampling
+        max_tokens = s.max_tokens or self.config.max_tokens
+
+        def run(job: Job) -> Turn:
+            on_token = _token_sink(job, emit, s.stop)
+            return self.conversations.answer(req.messages, policy, s, req.user, max_tokens, on_token=on_token)
+        return run
+
+    def completion_job(self, req: schema.CompletionRequest, policy, emit):
+        s = req.sampling
+
+        def run(job: Job) -> Turn:
+            res = generate(self.model, list(req.prompt) if isinstance(req.prompt, tuple) else req.prompt, policy,
+                           max_new_tokens=s.max_tokens or COMPLETIONS_MAX_TOKENS, temperature=s.temperature,
+                           top_p=s.top_p, seed=s.seed, stop=list(s.stop) or None, chat=False,
+                           on_token=_token_sink(job, emit, s.stop))
+            st = res.stats
+            return Turn(text=res.text, token_ids=tuple(res.token_ids), stop_reason=st.stop_reason,
+                        prompt_tokens=st.prompt_tokens, cached_tokens=0, resumed=False,
+                        prefill_seconds=st.prefill_seconds, decode_seconds=float(sum(st.decode_seconds)),
+                        decode_steps=len(st.decode_seconds), recalls=int(st.policy_stats.get("recalls", 0)))
+        return run
+
+    def record(self, turn: Turn) -> None:
+        self.metrics.turn(prompt_tokens=turn.prompt_tokens, cached_tokens=turn.cached_tokens,
+                          completion_tokens=len(turn.token_ids), prefill_seconds=turn.prefill_seconds,
+                          decode_seconds=turn.decode_seconds, decode_steps=turn.decode_steps, resumed=turn.resumed,
+                          recalls=turn.recalls)
+
+
+def _token_sink(job: Job, emit, stops):
+    """The ``on_token`` of a job: stop at a disconnect; when streaming, send the text no stop string can cut."""
+    hold = StopHoldback(stops) if emit is not None else None
+
+    def on_token(delta: str) -> None:
+        job.check()
+        if hold is not None:
+            out = hold.feed(delta)
+            if out:
+                emit(out)
+    return on_token
+
+
+def error_response(e: BaseException) -> JSONResponse:
+    """OpenAI's error body for ``e``: the request's own status for a RequestError, 400 for the library's
+    refusals (they name the value and the fix), 503 when the queue is full, 500 for anything else."""
+    if isinstance(e, RequestError):
+        return JSONResponse(error_body(str(e), type=e.type, param=e.param, code=e.code), status_code=e.status)
+    if isinstance(e, QueueFull):
+        return JSONResponse(error_body(str(e), type="server_error", code="queue_full"), status_code=503)
+    if isinstance(e, HeteroJaxError):  # raised on the engine thread (before any compute: the checks come first)
+        if isinstance(e, PolicyError):
+            param, code = "policy", "invalid_policy"
+        elif isinstance(e, BudgetError):
+            param, code = "budget", "invalid_budget"
+        else:
+            param, code = None, type(e).__name__
+        return JSONResponse(error_body(str(e), param=param, code=code), status_code=400)
+    if isinstance(e, ClientGone):
+        return JSONResponse(error_body(str(e), code="client_disconnected"), status_code=499)
+    log.error("request failed", exc_info=e)
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"), status_code=500)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark a job's exception as seen: a request whose client left never reads it."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def create_app(model, config: ServeConfig) -> Starlette:
+    """The ASGI app serving ``model`` (a ``hetero_jax.load`` bundle) as ``config.model_id``."""
+    server = Server(model, config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        server.worker.start()
+        try:
+            yield
+        finally:
+            server.worker.stop()
+
+    def counted(endpoint: str):
+        def wrap(handler):
+            async def route(request: Request) -> Response:
+                try:
+                    resp = await handler(request)
+                except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
+                    resp = error_response(e)
+                    if isinstance(e, ClientGone):
+                        server.metrics.disconnect()
+                server.metrics.request(endpoint, resp.status_code)
+                return resp
+            return route
+        return wrap
+
+    async def wait_done(fut: asyncio.Future, request: Request, job: Job, wake: asyncio.Event | None = None) -> None:
+        """Wait for ``fut`` (or ``wake``), cancelling the job when the client disconnects meanwhile."""
+        while not fut.done() and not (wake is not None and wake.is_set()):
+            waiters = {fut} if wake is None else {fut, asyncio.ensure_future(wake.wait())}
+            done, pending = await asyncio.wait(waiters, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            for p in pending:
+                if p is not fut:
+                    p.cancel()
+            if not done and await request.is_disconnected():
+                job.cancel()
+                raise ClientGone("the client disconnected")
+
+    async def run_request(request: Request, req, job_fn, respond, stream_chunk, final_chunks):
+        """Queue the job; answer with ``respond(turn)``, or stream (``stream_chunk(text)`` per piece of text, then
+        ``final_chunks(turn)``) when the request asks. Errors before the first streamed text get their status."""
+        policy = server.policy_for(req.policy, req.budget)
+        if not req.stream:
+            job = server.worker.submit(job_fn(req, policy, None))
+            fut = asyncio.wrap_future(job.future)
+            fut.add_done_callback(_retrieve)
+            await wait_done(fut, request, job)
+            turn = fut.result()
+            server.record(turn)
+            return JSONResponse(respond(turn))
+        chan = Channel(asyncio.get_running_loop())
+        job = server.worker.submit(job_fn(req, policy, chan.put))
+        fut = asyncio.wrap_future(job.future)
+        fut.add_done_callback(_retrieve)
+        fut.add_done_callback(lambda _f: chan.wake.set())
+        await wait_done(fut, request, job, chan.wake)  # headers wait for the first text, or the outcome
+        if fut.done() and fut.exception() is not None:
+            raise fut.exception()
+
+        async def body():
+            try:
+                yield stream_chunk(None)
+                while True:
+                    chan.wake.clear()
+                    for text in chan.drain():
+                        yield stream_chunk(text)
+                    if fut.done():
+                        for text in chan.drain():
+                            yield stream_chunk(text)
+                        break
+                    await chan.wake.wait()
+                e = fut.exception()
+                if e is not None:  # after text was sent: the error as an event (OpenAI clients raise it)
+                    yield _sse(json.loads(error_response(e).body))
+                    return
+                turn = fut.result()
+                server.record(turn)
+                for chunk in final_chunks(turn):
+                    yield chunk
+                yield "data: [DONE]\n\n"
+            finally:
+                if not fut.done():  # the client went away mid-stream: free the engine at the next token
+                    job.cancel()
+                    server.metrics.disconnect()
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @counted("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = schema.parse_chat(schema.parse_json(await request.body()))
+        server.check_model(req.model)
+        rid, name = schema.new_id("chatcmpl"), config.model_id
+
+        def use(t: Turn) -> dict:
+            return schema.usage(t.prompt_tokens, len(t.token_ids), t.cached_tokens)
+
+        def respond(t: Turn) -> dict:
+            return schema.chat_response(rid, name, t.text, schema.FINISH[t.stop_reason], use(t))
+
+        sent = []  # the streamed pieces of text, to find what the final answer adds to them
+
+        def stream_chunk(text):
+            if text is not None:
+                sent.append(text)
+            delta = {"role": "assistant", "content": ""} if text is None else {"content": text}
+            return _sse(schema.chat_chunk(rid, name, delta))
+
+        def final_chunks(t: Turn):
+            rest = t.text[sum(len(x) for x in sent):]
+            out = [_sse(schema.chat_chunk(rid, name, {"content": rest}))] if rest else []
+            out.append(_sse(schema.chat_chunk(rid, name, {}, schema.FINISH[t.stop_reason])))
+            if req.include_usage:
+                out.append(_sse(schema.chat_chunk(rid, name, None, use=use(t))))
+            return out
+
+        return await run_request(request, req, server.chat_job, respond, stream_chunk, final_chunks)
+
+    @counted("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = schema.parse_completion(schema.parse_json(await request.body()))
+        server.check_model(req.model)
+        rid, name = schema.new_id("cmpl"), config.model_id
+        sent = []
+
+        def use(t: Turn) -> dict:
+            return schema.usage(t.prompt_tokens, len(t.token_ids), 0)
+
+        def respond(t: Turn) -> dict:
+            return schema.completion_response(rid, name, t.text, schema.FINISH[t.stop_reason], use(t))
+
+        def stream_chunk(text):
+            if text is None:
+                return ""  # completions have no role chunk
+            sent.append(text)
+            return _sse(schema.completion_response(rid, name, text, None, None))
+
+        def final_chunks(t: Turn):
+            rest = t.text[sum(len(x) for x in sent):]
+            out = [_sse(schema.completion_response(rid, name, rest, schema.FINISH[t.stop_reason], None))]
+            if req.include_usage:
+                out.append(_sse(schema.completion_response(rid, name, None, None, use(t))))
+            return out
+
+        return await run_request(request, req, server.completion_job, respond, stream_chunk, final_chunks)
+
+    @counted("/v1/models")
+    async def models(request: Request) -> Response:
+        return JSONResponse(schema.models_response(config.model_id, server.created))
+
+    @counted("/v1/models/{id}")
+    async def model_info(request: Request) -> Response:
+        server.check_model(request.path_params["model_id"])
+        return JSONResponse(schema.model_entry(config.model_id, server.created))
+
+    @counted("/health")
+    async def health(request: Request) -> Response:
+        ok = server.worker.alive
+        body = {"status": "ok" if ok else "engine worker stopped", "model": config.model_id,
+                "queue_depth": server.worker.depth, "busy": server.worker.running, **server.store.totals()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @counted("/metrics")
+    async def metrics(request: Request) -> Response:
+        text = server.metrics.render(server.store.totals(), server.worker.depth, server.worker.running)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        server.metrics.request(request.url.path if exc.status_code != 404 else "other", exc.status_code)
+        msg = (f"no route {request.method} {request.url.path}; the server has GET /v1/models, POST "
+               "/v1/chat/completions, POST /v1/completions, GET /health, GET /metrics") if exc.status_code in (
+                   404, 405) else str(exc.detail)
+        return JSONResponse(error_body(msg, code="not_found" if exc.status_code == 404 else None),
+                            status_code=exc.status_code)
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model_info, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.state.server = server
+    return app

@@ -1,0 +1,114 @@
+"""One engine worker: a thread that runs the model for one request at a time, in arrival order.
+
+The model's caches are donated to every jitted call and a ``Session`` answers one question at a time, so one
+thread owns all compute; the web server's event loop only parses, queues and streams. A request whose client
+went away is cancelled: skipped if still queued, stopped at its next token if running (the turn then fails, and
+its ``Session`` restores itself).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+log = logging.getLogger("hetero_jax.serve")
+
+
+class ClientGone(Exception):
+    """The request's client disconnected; its job stops (a failed turn: the session is left as it was)."""
+
+
+class QueueFull(Exception):
+    """More requests are waiting than ``max_queue``."""
+
+
+class Job:
+    """A queued request: ``run(job)`` is called on the worker thread; its result or exception lands in
+    ``future``. ``cancel()`` (any thread) stops it at the next ``check()``."""
+
+    def __init__(self, run: Callable[["Job"], Any]):
+        self.run = run
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def check(self) -> None:
+        """Raise ClientGone if the job was cancelled (called between tokens)."""
+        if self._cancelled.is_set():
+            raise ClientGone("the client disconnected")
+
+
+class EngineWorker:
+    """The thread that runs jobs in order; at most ``max_queue`` jobs wait (running one not counted)."""
+
+    def __init__(self, max_queue: int):
+        self.max_queue = max_queue
+        self._q: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.running = False  # a job is on the engine now
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="hetero-jax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the running job, cancel the queued ones, and end the thread."""
+        while True:
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                job.future.set_exception(ClientGone("the server is shutting down"))
+        self._q.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def depth(self) -> int:
+        """Jobs waiting (the running one not counted)."""
+        return self._q.qsize()
+
+    def submit(self, run: Callable[[Job], Any]) -> Job:
+        job = Job(run)
+        with self._lock:
+            if self._q.qsize() >= self.max_queue:
+                raise QueueFull(f"{self._q.qsize()} requests are already waiting (--max-queue {self.max_queue}); "
+                                "retry later")
+            self._q.put(job)
+        return job
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if job.cancelled:  # its client left while it waited
+                job.future.set_exception(ClientGone("the client disconnected before its turn"))
+                continue
+            self.running = True
+            try:
+                result = job.run(job)
+            except BaseException as e:  # noqa: BLE001 - handed to the request; the worker goes on
+                if not isinstance(e, (ClientGone, Exception)):
+                    log.error("engine job ended by %r", e)
+                job.future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            else:
+                job.future.set_result(result)
+            finally:
+                self.running = False

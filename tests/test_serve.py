@@ -1,0 +1,438 @@
+"""``hetero-jax serve``: the OpenAI-compatible server (hetero_jax/serve).
+
+The real-model tests run a live uvicorn server on 127.0.0.1 (a free port, a background thread) over the embedded
+SmolLM2-135M and talk to it with the official ``openai`` client and httpx; their references are ``generate`` and
+``Session`` run in this process. The others check the parts without a model: request parsing, the session store,
+the stop-string holdback, the CLI's refusals.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from hetero_jax.errors import ConfigError
+from hetero_jax.serve import schema
+from hetero_jax.serve.app import StopHoldback
+from hetero_jax.serve.schema import RequestError
+from hetero_jax.serve.sessions import Conversation, SessionStore, digests, parse_size
+
+MODEL = "smollm2-135m"
+NEW = 12  # answer tokens per request: short, the tests are about the plumbing
+
+
+# ------------------------------------------------------------------------------------------- without a model
+def _chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    (_chat(temperature=-0.5), "temperature", "temperature must be a number in [0, 2]"),
+    (_chat(temperature=float("nan")), "temperature", "temperature must be"),
+    (_chat(top_p=0), "top_p", "top_p must be a number in (0, 1]"),
+    (_chat(max_tokens=0), "max_tokens", "max_tokens must be an integer >= 1"),
+    (_chat(max_completion_tokens=2.5), "max_completion_tokens", "max_completion_tokens must be an integer"),
+    (_chat(seed="1"), "seed", "seed must be an integer"),
+    (_chat(stop=["a", ""]), "stop", "non-empty"),
+    (_chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+    (_chat(n=2), "n", "n must be 1"),
+    (_chat(stream="yes"), "stream", "stream must be true or false"),
+    (_chat(stream_options={"include_usage": True}), "stream_options", "only allowed with stream"),
+    (_chat(logprobs=True), "logprobs", "not supported"),
+    (_chat(presence_penalty=0.5), "presence_penalty", "not supported"),
+    (_chat(budget=1.5), "budget", "budget must be a number in (0, 1]"),
+    (_chat(user=3), "user", "user must be a string"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "model", "model is required"),
+    (_chat(messages=[]), "messages", "non-empty list"),
+    (_chat(messages="hi"), "messages", "non-empty list"),
+    (_chat(messages=["hi"]), "messages[0]", "must be an object"),
+    (_chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role", "must be one of"),
+    (_chat(messages=[{"role": "user"}]), "messages[0].content", "must be a string or a list of text parts"),
+    (_chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content", "text parts"),
+    (_chat(messages=[{"role": "user", "content": "  "}]), "messages[0].content", "no text"),
+    (_chat(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]), "messages",
+     "the last message must be the user's"),
+])
+def test_bad_chat_requests_are_refused_naming_the_field(body, param, needle):
+    with pytest.raises(RequestError) as e:
+        schema.parse_chat(body)
+    assert e.value.status == 400 and e.value.param == param and needle in str(e.value)
+
+
+def test_chat_request_parsing_defaults_and_forms():
+    r = schema.parse_chat(_chat(messages=[{"role": "developer", "content": "be brief"},
+                                          {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                       {"type": "text", "text": "b"}]}],
+                                max_tokens=5, max_completion_tokens=7, stop="x", seed=3))
+    assert r.messages == (("system", "be brief"), ("user", "ab"))
+    assert r.sampling == schema.Sampling(7, 1.0, 1.0, 3, ("x",))  # max_completion_tokens wins; OpenAI's defaults
+    assert (r.stream, r.include_usage, r.user, r.policy, r.budget) == (False, False, "", None, None)
+    c = schema.parse_completion({"model": MODEL, "prompt": [[1, 2, 3]]})
+    assert c.prompt == (1, 2, 3)
+    with pytest.raises(RequestError, match="prompt must be"):
+        schema.parse_completion({"model": MODEL, "prompt": ["a", "b"]})
+    for body in (b"{bad", b"[1]", b"\xff"):
+        with pytest.raises(RequestError) as e:
+            schema.parse_json(body)
+        assert e.value.code == "invalid_json"
+
+
+def test_parse_size():
+    assert parse_size("8GiB", "--host-memory") == 8 * 2**30
+    assert parse_size("1.5 MB", "--x") == 1_500_000
+    assert parse_size("4096", "--x") == 4096
+    with pytest.raises(ConfigError, match="--host-memory '8 apples' is not a size"):
+        parse_size("8 apples", "--host-memory")
+
+
+def _conv(owner, messages, dev=0, host=0):
+    return Conversation(session=object(), owner=owner, messages=tuple(messages), rendered="", unfed=0,
+                        kv_device=dev, kv_host=host)
+
+
+def test_session_store_finds_the_longest_held_prefix_per_owner():
+    store = SessionStore(max_sessions=8)
+    u, a = ("user", "q1"), ("assistant", "a1")
+    c1 = _conv(("alice", None), [u, a])
+    store.put(c1)
+    assert store.take(("bob", None), [u, a, ("user", "q2")]) is None  # another user's conversation
+    assert store.take(("alice", None), [u, ("user", "q2")]) is None  # not a continuation
+    assert store.take(("alice", None), [u, a]) is None  # the same messages: nothing new to answer
+    assert store.take(("alice", None), [u, a, ("user", "q2")]) is c1
+    assert store.totals()["sessions"] == 0  # taken out while it answers
+    longer = _conv(("alice", None), [u, a, ("user", "q2"), ("assistant", "a2")])
+    store.put(c1)
+    store.put(longer)
+    assert store.take(("alice", None), list(longer.messages) + [("user", "q3")]) is longer
+    assert digests(("x",), [u])[-1] != digests(("y",), [u])[-1]
+
+
+def test_session_store_evicts_least_recently_used_within_its_bounds():
+    store = SessionStore(max_sessions=2, max_device_bytes=100, max_host_bytes=1000)
+    a, b, c = (_conv(("u",), [("user", q), ("assistant", "x")], dev=40, host=10) for q in "abc")
+    store.put(a)
+    store.put(b)
+    assert store.take(("u",), list(a.messages) + [("user", "more")]) is a
+    store.put(a)  # a is now the most recent
+    assert store.put(c) == 1  # b, the least recent, goes
+    assert store.take(("u",), list(b.messages) + [("user", "more")]) is None
+    assert store.totals() == {"sessions": 2, "kv_bytes_device": 80, "kv_bytes_host": 20, "evictions": 1}
+    big = _conv(("u",), [("user", "big"), ("assistant", "x")], dev=10, host=1001)
+    assert store.put(big) == 3  # over the host bound: a and c go, then big itself (alone it exceeds the bound)
+    assert store.totals()["sessions"] == 0
+    none = SessionStore(max_sessions=0)
+    assert none.put(_conv(("u",), [("user", "q"), ("assistant", "x")])) == 1
+
+
+@pytest.mark.parametrize("stops, deltas, final", [
+    ((), ["Hel", "lo"], "Hello"),
+    (("END",), ["The ", "answer E", "N", "D more"], "The answer "),
+    (("\n\n", "##"), ["a\n", "b#", "#c"], "a\nb"),
+])
+def test_stop_holdback_never_sends_text_the_answer_cuts(stops, deltas, final):
+    hold = StopHoldback(stops)
+    sent = "".join(hold.feed(d) for d in deltas)
+    assert final.startswith(sent)
+    if not stops:
+        assert sent == final
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    import hetero_jax
+
+    def boom(*a, **k):
+        raise AssertionError("model loaded for flags that should have been refused")
+    monkeypatch.setattr(hetero_jax, "load", boom)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--policy", "snapkv", "--option", "bogus=1"], "SnapKV has no option 'bogus'"),
+    (["--policy", "nope"], "unknown policy 'nope'"),
+    (["--host-memory", "lots"], "--host-memory 'lots' is not a size"),
+    (["--port", "70000"], "--port 70000 is out of range"),
+    (["--max-sessions", "-1"], "--max-sessions -1 is out of range"),
+])
+def test_serve_flags_are_refused_before_loading(capsys, no_load, flags, needle):
+    from hetero_jax.cli import main
+
+    assert main(["serve", *flags]) == 2
+    assert needle in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------- a live server
+class LiveServer:
+    def __init__(self, model, **config):
+        import uvicorn
+
+        from hetero_jax.serve import ServeConfig, create_app
+
+        self.app = create_app(model, ServeConfig(model_id=MODEL, **config))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.uv = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uv.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    @property
+    def server(self):
+        return self.app.state.server
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def post(self, path, body, **kw):
+        import httpx
+
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(self.base + path, content=data, headers={"Content-Type": "application/json"},
+                          timeout=300, **kw)
+
+    def metric(self, name: str) -> float:
+        import httpx
+
+        text = httpx.get(self.base + "/metrics", timeout=30).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"hetero_jax_{name}"))
+
+    def close(self):
+        self.uv.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def live(smollm2):
+    srv = LiveServer(smollm2, max_sessions=8)
+    yield srv
+    srv.close()
+
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def _stream_text(stream):
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            delta = getattr(ch, "delta", None)  # chat chunks carry a delta, completion chunks their text
+            parts.append((delta.content if delta is not None else ch.text) or "")
+            finish = ch.finish_reason or finish
+    return "".join(parts), usage, finish
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_openai_client_gets_the_text_of_generate(live, smollm2):
+    import hetero_jax
+
+    ref = hetero_jax.generate(smollm2, QUESTION, max_new_tokens=NEW)
+    client = live.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    msgs = [{"role": "user", "content": QUESTION}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=NEW, temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ("stop" if ref.stats.stop_reason == "eos" else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.stats.prompt_tokens, len(ref.token_ids))
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    text, usage, finish = _stream_text(client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=NEW, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert text == ref.text and finish == r.choices[0].finish_reason
+    assert usage.prompt_tokens == ref.stats.prompt_tokens and usage.prompt_tokens_details.cached_tokens == 0
+
+    # /v1/completions continues raw tokens: the chat prompt's own ids give generate's answer again (and share
+    # its compiled shapes)
+    ids = smollm2.tokenizer.encode_prompt(QUESTION)
+    c = client.completions.create(model=MODEL, prompt=ids, max_tokens=NEW, temperature=0)
+    assert c.choices[0].text == ref.text and c.usage.prompt_tokens == len(ids)
+    text, _, _ = _stream_text(client.completions.create(model=MODEL, prompt=ids, max_tokens=NEW, temperature=0,
+                                                        stream=True))
+    assert text == ref.text
+
+
+# short, so that the first request renders to as many tokens as QUESTION and shares its compiled shapes
+CONTEXT = "Anna stayed in Lisbon."
+QUESTIONS = ["Which city was it?", "Who stayed there?", "Name the city once more."]
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_three_turn_conversation_resumes_and_equals_a_session(live, smollm2):
+    from hetero_jax import Session
+
+    ref = Session(smollm2, CONTEXT)
+    answers, held = [], []  # held: positions the reference session's cache holds after each turn
+    for q in QUESTIONS:
+        answers.append(ref.ask(q, max_new_tokens=NEW).text)
+        held.append(smollm2.config.max_position_embeddings - ref.engine.positions_left)
+    msgs = ref.messages  # the first user message is the context and the first question, as a Session renders it
+    assert msgs[0]["content"] == CONTEXT + "\n\n" + QUESTIONS[0] and len(msgs) == 6
+    assert len(smollm2.tokenizer.encode_prompt(msgs[0]["content"])) == len(smollm2.tokenizer.encode_prompt(QUESTION))
+    client = live.client()
+    resumed_before = live.metric("turns_total{kind=\"resumed\"")
+    for k in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=msgs[: 2 * k + 1], max_tokens=NEW, temperature=0,
+                                           user="trip")
+        assert r.choices[0].message.content == answers[k], f"turn {k + 1}"
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert cached == (0 if k == 0 else held[k - 1]), f"turn {k + 1} reuses what the cache held after turn {k}"
+        assert r.usage.prompt_tokens > cached
+    assert live.metric("turns_total{kind=\"resumed\"") == resumed_before + 2
+
+
+COUNTRIES = ["France", "Spain", "Italy", "Japan"]
+
+
+def _conversation(client, country, timeout=240):
+    """Two turns: a capital, then a follow-up that resumes the conversation. Returns both answers."""
+    msgs = [{"role": "user", "content": QUESTION.replace("France", country)}]  # all as long as QUESTION
+    out = []
+    for follow in ("And its population, roughly?", None):
+        r = client.with_options(timeout=timeout).chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=8, temperature=0, user=country)
+        out.append((r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens > 0))
+        if follow:
+            msgs = msgs + [{"role": "assistant", "content": out[-1][0]}, {"role": "user", "content": follow}]
+    return out
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_concurrent_clients_get_their_sequential_answers(live):
+    import httpx
+
+    client = live.client()
+    sequential = {c: _conversation(client, c) for c in COUNTRIES}
+    assert all(not first[1] and second[1] for first, second in sequential.values())  # turn 2 resumed
+    start = threading.Barrier(len(COUNTRIES))
+
+    def one(country):
+        start.wait(timeout=30)
+        return _conversation(live.client(), country)
+
+    with concurrent.futures.ThreadPoolExecutor(len(COUNTRIES)) as pool:
+        futures = {c: pool.submit(one, c) for c in COUNTRIES}
+        together = {c: f.result(timeout=300) for c, f in futures.items()}
+    assert together == sequential
+    h = httpx.get(live.base + "/health", timeout=30)
+    assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["queue_depth"] == 0
+    assert live.metric("requests_total{endpoint=\"/v1/chat/completions\",status=\"500\"") == 0
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_a_client_that_leaves_mid_stream_frees_the_engine_and_leaves_its_conversation(live):
+    import httpx
+
+    client = live.client()
+    first = [{"role": "user", "content": QUESTION}]
+    a1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=NEW, temperature=0,
+                                        user="leaver").choices[0].message.content
+    # a question whose answer runs far past the few tokens read before leaving
+    second = first + [{"role": "assistant", "content": a1},
+                      {"role": "user", "content": "Now write a long story about Paris, in ten paragraphs."}]
+    gone_before = live.metric("client_disconnects_total")
+    body = {"model": MODEL, "messages": second, "max_tokens": 80, "temperature": 0, "stream": True,
+            "user": "leaver"}
+    with httpx.stream("POST", live.base + "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # the role chunk
+        assert json.loads(next(line for line in lines if line.startswith("data:"))[5:])["choices"]  # first text
+    deadline = time.monotonic() + 60
+    while live.metric("client_disconnects_total") == gone_before or live.server.worker.running:
+        assert time.monotonic() < deadline, "the engine kept answering a client that left"
+        time.sleep(0.1)
+    # the interrupted turn left the conversation as it was: turn 2 resumes it and answers as a conversation
+    # that was never interrupted does
+    resumed = client.chat.completions.create(model=MODEL, messages=second, max_tokens=NEW, temperature=0,
+                                             user="leaver")
+    assert resumed.usage.prompt_tokens_details.cached_tokens > 0
+    client.chat.completions.create(model=MODEL, messages=first, max_tokens=NEW, temperature=0, user="fresh")
+    fresh = client.chat.completions.create(model=MODEL, messages=second, max_tokens=NEW, temperature=0, user="fresh")
+    assert resumed.choices[0].message.content == fresh.choices[0].message.content
+    assert resumed.usage.prompt_tokens_details.cached_tokens == fresh.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_every_error_case_gets_its_status_and_message(live):
+    import httpx
+    import openai
+
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [
+        (b"{not json", 400, "invalid_json", "not valid JSON"),
+        (b"[1, 2]", 400, "invalid_json", "must be a JSON object"),
+        ({"model": "gpt-9", "messages": msgs}, 404, "model_not_found", "'gpt-9' does not exist"),
+        ({"model": MODEL, "messages": msgs, "temperature": 3}, 400, None, "temperature must be a number in [0, 2]"),
+        ({"model": MODEL, "messages": msgs, "top_p": 1.5}, 400, None, "top_p must be a number in (0, 1]"),
+        ({"model": MODEL, "messages": msgs, "max_tokens": -1}, 400, None, "max_tokens must be an integer >= 1"),
+        ({"model": MODEL, "messages": msgs, "policy": "snapkv:bogus=1"}, 400, "invalid_policy",
+         "SnapKV has no option 'bogus'"),
+        ({"model": MODEL, "messages": msgs, "policy": "nope"}, 400, "invalid_policy", "unknown policy 'nope'"),
+        ({"model": MODEL, "messages": msgs, "policy": "full", "budget": 0.5}, 400, "invalid_budget",
+         "the full policy keeps the whole prompt"),
+        # refused by the policy's plan on the engine thread, before any compute
+        ({"model": MODEL, "messages": msgs, "policy": "contextkeeper", "budget": 0.5}, 400, "invalid_budget",
+         "ContextKeeper: budget rho=0.5 cannot be kept"),
+        ({"model": MODEL, "messages": [{"role": "user"}]}, 400, None, "messages[0].content must be a string"),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, None, "messages[0].role"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400, "context_length_exceeded",
+         "the model's context is 8192 tokens"),
+    ]
+    for body, status, code, needle in cases:
+        r = live.post("/v1/chat/completions", body)
+        err = r.json()["error"]
+        assert (r.status_code, err["code"]) == (status, code), (body if isinstance(body, bytes) else body.keys(), err)
+        assert needle in err["message"] and set(err) == {"message", "type", "param", "code"}
+    r = live.post("/v1/completions", {"model": MODEL, "prompt": "word " * 9000})
+    assert r.status_code == 400 and "the model's context is 8192 tokens" in r.json()["error"]["message"]
+    r = live.post("/v1/completions", {"model": MODEL, "prompt": [10**9]})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    assert httpx.get(live.base + "/v2/nothing", timeout=30).status_code == 404
+    with pytest.raises(openai.NotFoundError, match="does not exist"):  # the client raises its own error type
+        live.client().chat.completions.create(model="gpt-9", messages=msgs)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        live.client().chat.completions.create(model=MODEL, messages=msgs, temperature=-1)
+    # nothing crashed: still healthy, still answering
+    assert httpx.get(live.base + "/health", timeout=30).json()["status"] == "ok"
+    assert live.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                                 max_tokens=2, temperature=0).choices[0].message.content
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", [{"max_sessions": 1}, {"max_device_bytes": 1}])
+def test_held_conversations_are_evicted_within_the_bounds(smollm2, bound):
+    import httpx
+
+    srv = LiveServer(smollm2, **bound)
+    try:
+        client = srv.client()
+        msgs = [{"role": "user", "content": QUESTION}]
+        answers = [client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=NEW, temperature=0,
+                                                  user=u).choices[0].message.content for u in ("a", "b")]
+        h = httpx.get(srv.base + "/health", timeout=30).json()
+        if "max_sessions" in bound:  # a, the least recently used, went; b is held with its KV bytes
+            assert (h["sessions"], h["evictions"]) == (1, 1) and h["kv_bytes_device"] > 0
+            more = msgs + [{"role": "assistant", "content": answers[1]}, {"role": "user", "content": "And of Spain?"}]
+            r = client.chat.completions.create(model=MODEL, messages=more, max_tokens=NEW, temperature=0, user="b")
+            assert r.usage.prompt_tokens_details.cached_tokens > 0
+        else:  # every conversation's device KV passes a 1-byte bound: none is held
+            assert (h["sessions"], h["evictions"], h["kv_bytes_device"]) == (0, 2, 0)
+        assert srv.metric("session_evictions_total") == h["evictions"]
+    finally:
+        srv.close()
