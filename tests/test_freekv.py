@@ -80,7 +80,7 @@ def spy(eng):
     and the resident pages the step left. Copies, taken before the next step donates."""
     rec = {"before": [], "recalled": [], "extras": [], "after": []}
     comp = [li for li, lc in enumerate(eng.cache.layers) if lc.state is not None]
-    res = lambda cache: {li: np.array(cache.layers[li].state.resident) for li in comp}  # noqa: E731
+    res = lambda cache: {li: eng.state.resident[li].copy() for li in comp}  # noqa: E731  (the host's, the only copy)
     before, after = eng.state.before_step, eng.state.after_step
 
     def before_step(step, cache):
@@ -104,7 +104,7 @@ def sparse_run():
     ids, toks, *_ = full_run()
     pol = FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW, skip_layers=SPARSE)
     eng = Engine(MODEL, [ids], pol, tail_capacity=STEPS + 2)
-    prefilled = np.array(eng.cache.layers[SPARSE].state.resident[0])
+    prefilled = eng.state.resident[SPARSE][0].copy()
     rec = spy(eng)
     logits = [eng.step_with_logits(t)[1] for t in toks]
     return eng, rec, logits, prefilled
@@ -169,7 +169,7 @@ def check_group(eng, li, k):
     S, w, _ = layout(L)
     rk, rv, rpos, lengths = (np.asarray(a) for a in layer_rows(eng.cache, li))
     hk, hv = eng.state.store.view(li)
-    res = np.asarray(eng.cache.layers[li].state.resident[0])
+    res = eng.state.resident[li][0]
     assert (lengths == S + k * PS + w).all()
     for h in range(H):
         length = int(lengths[0, h])
@@ -307,7 +307,7 @@ def test_a_session_turn_reselects_from_its_last_query_and_attends_the_prompt_den
     def spy(turn_queries, cache):
         out = orig(turn_queries, cache)
         rk, _, rpos, _ = layer_rows(out, SPARSE)
-        seen.append((np.array(turn_queries[SPARSE][0, :, -1]), np.array(out.layers[SPARSE].state.resident[0]),
+        seen.append((np.array(turn_queries[SPARSE][0, :, -1]), state.resident[SPARSE][0].copy(),
                      np.array(rpos[0]), np.array(rk[0])))  # copies: the next step donates the cache
         return out
 

@@ -125,7 +125,7 @@ def test_offloaded_step_attends_the_pages_the_previous_query_chose():
         idx = np.stack([attended_tokens(p, L) for p in prev[0]])[None]
         want_logits, _ = M.decode_step_jit(PARAMS, keep_rows(full, 2, idx), jax.numpy.asarray(tok), CFG)
         tok, logits = eng.step_with_logits(tok)
-        resident = np.array(eng.cache.layers[2].state.resident[0])  # what the step attended (recalled before it)
+        resident = eng.state.resident[2][0].copy()  # what the step attended (recalled before it)
         sel = seen[-1][2][0]
         exact = all(sorted(sel[h]) == sorted(now[0][h]) for h in range(CFG.num_kv_heads))
         held = all(sorted(resident[h]) == sorted(prev[0][h]) for h in range(CFG.num_kv_heads))
@@ -156,7 +156,7 @@ def test_offloaded_memory_rows_and_bytes():
     for li in (1, 2):
         bk, bv, bpos, _ = (np.asarray(a) for a in layer_rows(e_off.cache, li))
         hk, hv = e_off.state.store.view(li)
-        resident = np.asarray(e_off.cache.layers[li].state.resident[0])
+        resident = e_off.state.resident[li][0]
         for h in range(CFG.num_kv_heads):
             p = bpos[0, h, :held]
             want = np.concatenate([r * PS + np.arange(PS) for r in resident[h]] + [np.arange(L // PS * PS, L)])
@@ -246,7 +246,7 @@ def test_session_turn_offloaded_reselects_from_its_last_query():
 
     def spy(turn_queries, cache):
         out = orig(turn_queries, cache)
-        seen.append((np.array(turn_queries[2][0, :, -1]), np.array(out.layers[2].state.resident[0])))
+        seen.append((np.array(turn_queries[2][0, :, -1]), state.resident[2][0].copy()))
         return out
 
     state.after_extend = spy

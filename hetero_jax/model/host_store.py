@@ -211,16 +211,28 @@ _gather_pool: list = []
 
 
 def _gather_pieces(pieces: list[tuple]) -> None:
-    """Each (source, b, h, positions, destination) gathered (``gather_rows``), on threads when there are several."""
+    """Each (source, b, h, positions, destination) gathered (``gather_rows``), on threads when there are several:
+    the pieces are dealt into one task per thread, balanced by rows (a recall of many small layers' rows would
+    otherwise spend more on submitting tasks than on copying)."""
     if len(pieces) <= 2 or GATHER_THREADS == 1:
-        for src, b, h, p, out in pieces:
-            gather_rows(src, b, h, p, out=out)
+        _gather_all(pieces)
         return
     with _pool_lock:
         if not _gather_pool:
             _gather_pool.append(concurrent.futures.ThreadPoolExecutor(GATHER_THREADS, thread_name_prefix="gather"))
-    for f in [_gather_pool[0].submit(gather_rows, src, b, h, p, out=out) for src, b, h, p, out in pieces]:
+    tasks: list[list] = [[] for _ in range(min(GATHER_THREADS, len(pieces)))]
+    load = [0] * len(tasks)
+    for piece in sorted(pieces, key=lambda x: -len(x[3])):  # largest first onto the least loaded task
+        i = load.index(min(load))
+        tasks[i].append(piece)
+        load[i] += len(piece[3])
+    for f in [_gather_pool[0].submit(_gather_all, t) for t in tasks]:
         f.result()  # re-raises a piece's error
+
+
+def _gather_all(pieces: list[tuple]) -> None:
+    for src, b, h, p, out in pieces:
+        gather_rows(src, b, h, p, out=out)
 
 
 def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk: int | None = None,

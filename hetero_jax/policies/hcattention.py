@@ -253,7 +253,8 @@ def mass_set(a, tau: float, k_cap: int):
 
         return jax.lax.fori_loop(0, MASS_BISECTION_STEPS, body, (zero, top))[0]
 
-    cap = search(lambda x: (bits >= x).sum(-1, keepdims=True) >= k_cap)
+    # k_cap >= T (the default) never binds: the k_cap-th largest value is then the smallest, 0 or above
+    cap = zero if k_cap >= a.shape[-1] else search(lambda x: (bits >= x).sum(-1, keepdims=True) >= k_cap)
     if tau >= 1.0:
         cut = zero
     else:

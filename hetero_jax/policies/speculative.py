@@ -39,20 +39,22 @@ from hetero_jax.policies.protocol import DecodeState
 
 @struct.dataclass
 class PageSlots:
-    """A compressed layer's decode state (its K/V rows are in the pool: [start | page slots | window])."""
+    """A compressed layer's decode state (its K/V rows are in the pool: [start | page slots | window]). Which page
+    each slot holds lives on the host only (``PageRecallDecode.resident``): no step reads it, and a device copy
+    would cost a transfer per layer and recall."""
 
     kmin: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel min key
     kmax: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel max key
     n_pages: jax.Array = axes_field("batch")  # [B] int32 selectable pages of each prompt
     k_sel: jax.Array = axes_field("batch")  # [B] int32 page slots of each sequence
-    resident: jax.Array = axes_field("batch", "kv_heads", "slots")  # [B, H, k] int32 page id in each page slot
     prompt_lens: jax.Array = axes_field("batch")  # [B] int32
     store: jax.Array = axes_field()  # int32 handle of the host store (a session turn's dense chunk reads it)
+    n_select: int = struct.field(pytree_node=False, default=1)  # page slots k per head (the longest sequence's)
 
 
 def select(q: jax.Array, st: PageSlots, how: str) -> jax.Array:
     """Traced Sel(q): the top ``k_sel`` pages [B, H, k] int32 of each KV head for q [B, H, G, D]."""
-    return top_pages(group_page_scores(q, st.kmin, st.kmax, st.n_pages, how), st.resident.shape[-1], st.k_sel)[0]
+    return top_pages(group_page_scores(q, st.kmin, st.kmax, st.n_pages, how), st.n_select, st.k_sel)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("how",))
@@ -81,20 +83,21 @@ def slot_index(pages, start, k_sel, win_start, prompt_lens, ps: int, cap: int):
 def _prefill_layer(layer, x_in, k_buf, v_buf, lens, start, win_start, k_sel, prompt_lens, store, cfg, page_size: int,
                    n_pages: int, n_select: int, cap: int, how: str):
     """One compressed layer: summaries of the pages [start, win_start), Sel(q_last) of the last prompt query and
-    each head's rows [start | selected pages | window]. Returns (rows, PageSlots); the record's int arrays are the
+    each head's rows [start | selected pages | window]. Returns (rows, PageSlots, pages [B, H, k]); the record's int
+    arrays are the
     arguments (k_sel, prompt_lens, store: fresh per layer, as the decode step donates every cache leaf)."""
     kmin, kmax, counts = page_summaries(k_buf, win_start, page_size, start=start)
     kmin, kmax = kmin[:, :, :n_pages], kmax[:, :, :n_pages]  # the longest sequence's pages
     q_last = M.prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)[:, :, 0]  # [B, H, G, D]
-    B, H = k_buf.shape[:2]
-    st = PageSlots(kmin=kmin, kmax=kmax, n_pages=counts, k_sel=k_sel, resident=jnp.zeros((B, H, n_select), jnp.int32),
-                   prompt_lens=prompt_lens, store=store)
+    H = k_buf.shape[1]
+    st = PageSlots(kmin=kmin, kmax=kmax, n_pages=counts, k_sel=k_sel, prompt_lens=prompt_lens, store=store,
+                   n_select=n_select)
     pages = select(q_last, st, how)
     idx, pos, lengths = slot_index(pages, start, k_sel, win_start, lens, page_size, cap)
     take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=2)  # noqa: E731
     rows = RowBlock(k=take(k_buf), v=take(v_buf), positions=pos,
                     lengths=jnp.broadcast_to(lengths[:, None], pos.shape[:2]), heads=tuple(range(H)))
-    return rows, st.replace(resident=pages)
+    return rows, st, pages
 
 
 class PageRecallPrefill:
@@ -125,10 +128,10 @@ class PageRecallPrefill:
         arr = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
         args = (layer, x_in, k_buf, v_buf, lens, arr(self.start), arr(self.lens - self.window), arr(self.k_sel),
                 arr(self.lens), self.store.handle_array())
-        rows, state = self.compile_fn(
+        rows, state, pages = self.compile_fn(
             _prefill_layer, *args, cfg=self.cfg, page_size=self.page_size, n_pages=max(1, int(self.n_pages.max())),
             n_select=max(1, int(self.k_sel.max())), cap=int(self.held().max()), how=self.how)(*args)
-        self.resident[li] = state.resident
+        self.resident[li] = pages
         return rows, state
 
     def finish(self, cache: KVCache, attended: np.ndarray) -> "PageRecallDecode":
@@ -144,7 +147,7 @@ class PageRecallPrefill:
 class PageRecallDecode(DecodeState):
     """Between steps: reads step i's selections (copied to the host asynchronously) before step i + 1 and
     recalls the pages that changed; keeps a host mirror of each compressed layer's ``resident`` (the page id in
-    every page slot), each head's first pool row (``offsets``) and the counters."""
+    every page slot, the only copy), each head's first pool row (``offsets``) and the counters."""
 
     wants_turn_queries = True
 
@@ -224,7 +227,6 @@ class PageRecallDecode(DecodeState):
         and are scattered in place into the page slots of each head's region of the pool (pool row = its offset
         + start + slot * ps + i, its shard = head // (H / S)); the pool is never read back."""
         ps = self.page_size
-        layers = list(cache.layers)
         n_local = self.cfg.num_kv_heads // cache.pool.num_shards
         requests, mirrors, moved = [], {}, 0
         for li, sel in self.ready.items():
@@ -251,14 +253,10 @@ class PageRecallDecode(DecodeState):
             return cache
         # every layer's rows in one transfer set, all of it out before anything is written
         pool, _, nbytes = write_host_rows(cache.pool, self.store, requests, self.compile_fn)
-        for li in mirrors:
-            st = layers[li].state
-            resident = jax.device_put(mirrors[li].copy(), st.resident.sharding)  # a fresh array, never mutated
-            layers[li] = layers[li].replace(state=st.replace(resident=resident))
         self.resident.update(mirrors)
         self.pages_recalled += moved
         self.bytes_recalled += nbytes
-        return cache.replace(pool=pool, layers=tuple(layers))
+        return cache.replace(pool=pool)
 
     def in_flight(self):
         return tuple(self.pending.values()) if self.pending else ()
