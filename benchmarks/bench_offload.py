@@ -70,7 +70,7 @@ def run(args) -> dict:
     shp = SMALL if args.small else LLAMA
     H, D, T = shp["kv_heads"], shp["head_dim"], args.prompt
     n_rec = args.recall_layers
-    dt = jnp.bfloat16
+    dt = jnp.dtype(args.dtype)
     key = jax.random.key(0)
 
     @functools.partial(jax.jit, static_argnums=(1,))
@@ -126,7 +126,7 @@ def run(args) -> dict:
             jax.block_until_ready(recall())
             total.append(time.perf_counter() - t0)
             gather.append(timings["gather"])
-        nbytes = n_rec * H * R * 2 * D * 2  # K and V rows, bf16
+        nbytes = n_rec * H * R * 2 * D * dt.itemsize  # K and V rows
         src = np.ones(nbytes // 8, np.uint64)
         dst = np.empty_like(src)
         memcpy = _median_time(lambda: np.copyto(dst, src), args.iters)
@@ -159,7 +159,7 @@ def run(args) -> dict:
         d2h.append(dict(tokens=n_tok, bytes=2 * kd.nbytes, seconds=t, gbps=2 * kd.nbytes / t / 1e9,
                         memory_kind=str(sink.v[0].sharding.memory_kind)))
         del kd, vd, sink
-    out = dict(shapes=shp, prompt_tokens=T, recall_layers=n_rec, dtype="bfloat16", device=str(jax.devices()[0]),
+    out = dict(shapes=shp, prompt_tokens=T, recall_layers=n_rec, dtype=args.dtype, device=str(jax.devices()[0]),
                host_store_bytes=store.nbytes(), pinned_memory_kind=str(store.k[0].sharding.memory_kind),
                rows=rows, d2h=d2h, overlap=None)
     if args.overlap:
@@ -172,7 +172,7 @@ def measure_overlap(args, shp, draw, ks, recall) -> dict:
     import jax
     import jax.numpy as jnp
 
-    dt = jnp.bfloat16
+    dt = jnp.dtype(args.dtype)
     weights = [(draw(next(ks), (shp["hidden"], shp["inter"])), draw(next(ks), (shp["hidden"], shp["inter"])),
                 draw(next(ks), (shp["inter"], shp["hidden"]))) for _ in range(shp["layers"])]
 
@@ -206,7 +206,7 @@ def markdown(payload: dict) -> str:
     lines = [
         common.section_header("Host offload: the recall path's gather and transfer (bench_offload.py)", payload), "",
         f"Device {r['device']}; store memory kind `{r['pinned_memory_kind']}`, {r['prompt_tokens']:,} tokens per "
-        f"head x {shp['kv_heads']} KV heads (D {shp['head_dim']}, bf16, K and V) x {r['recall_layers']} layers "
+        f"head x {shp['kv_heads']} KV heads (D {shp['head_dim']}, {r['dtype']}, K and V) x {r['recall_layers']} layers "
         f"({r['host_store_bytes'] / GiB:.2f} GiB). Each recall: `write_host_rows` (gather into one padded staging "
         "buffer per K and V, start the copies, scatter into the row pool), waited on. Each head's rows: "
         "'pooled' = the top-R positions of 5-tap pooled random logits (a recall's top set: rows in runs), "
@@ -226,7 +226,7 @@ def markdown(payload: dict) -> str:
                      f"{'yes' if x['rows_correct'] else 'NO'} |")
     if r.get("d2h"):
         lines += ["", f"Prefill's offload: one layer's K and V ({shp['kv_heads']} KV heads x D {shp['head_dim']}, "
-                      "bf16) to pinned host memory with `HostKVStore.put`, waited on (device -> host):", "",
+                      f"{r['dtype']}) to pinned host memory with `HostKVStore.put`, waited on (device -> host):", "",
                       "| tokens per head | MiB | ms | GB/s |", "| ---: | ---: | ---: | ---: |"]
         lines += [f"| {x['tokens']:,} | {x['bytes'] / 2**20:,.0f} | {x['seconds'] * 1e3:.2f} | {x['gbps']:.2f} |"
                   for x in r["d2h"]]
@@ -252,6 +252,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--overlap", action="store_true",
                    help="also time the largest recall beside a decode-shaped compute (11 GiB of weights: a GPU)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="K/V dtype (bfloat16: Llama's on a GPU; on a CPU XLA widens a bfloat16 scatter to float32 and "
+                        "copies the whole pool, so the CPU's transfer column means the float32 run)")
     p.add_argument("--small", action="store_true", help="tiny shapes (smoke test; numbers mean nothing)")
     p.add_argument("--out", type=Path, default=common.OUT_DIR / "offload.json")
     p.add_argument("--write-results", action="store_true",

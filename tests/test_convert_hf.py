@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import warnings
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -146,7 +147,11 @@ def test_cli_subprocess(hf_dirs, tmp_path):
 def test_hub_load_path_and_unknown(hf_dirs, tmp_path):
     out = tmp_path / "hubck"
     assert convert_main([str(hf_dirs["qwen3"]), str(out), "--no-progress"]) == 0
-    m = hub.load(str(out), dtype="bfloat16")
+    with pytest.warns(RuntimeWarning, match="bfloat16 on a CPU decodes tens of times slower"):
+        m = hub.load(str(out), dtype="bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # float32 on a CPU: no warning
+        hub.load(str(out), dtype="float32")
     assert m.config.architecture == "qwen3" and m.path == str(out) and m.name == "hubck"
     assert m.params["embed"].dtype == ml_dtypes.bfloat16
     assert isinstance(m.tokenizer, Tokenizer)
