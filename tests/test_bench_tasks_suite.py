@@ -319,3 +319,24 @@ def test_results_table_and_section_render_from_records():
     assert "| multi-key | snapkv | 0.3 |" in table and "| 1/1 (100 %) |" in table
     assert bt.fidelity_table(payload) is None
     assert math.isclose(payload["summary"][1]["score_mean"], 0.0)
+
+
+def test_fidelity_summary_counts_tokens():
+    def fid(label, seed, agree, true_top1, kl):
+        r = _rec("fidelity", label, seed, 0.0, n=len(agree))
+        hits = sum(true_top1) if label == "full" else sum(agree)
+        r.update(score=hits / len(agree), found=hits, solved=hits == len(agree),
+                 true_top1_rate=sum(true_top1) / len(agree),
+                 steps={"agree": agree, "true_top1": true_top1, "kl": kl, "value": [0] * len(agree)})
+        return r
+
+    recs = [fid("full", 0, [True] * 4, [True, True, False, True], [0.0] * 4),
+            fid("full", 1, [True] * 2, [True, True], [0.0] * 2),
+            fid("snapkv@0.3", 0, [True, False, True, True], [True, False, False, True], [0.0, 1.0, 0.5, 0.5]),
+            fid("snapkv@0.3", 1, [True, True], [True, True], [0.0, 0.0])]
+    full, snap = bt.summarize(recs, ["full", "snapkv@0.3"], ["fidelity"])
+    assert (full["full_solved"], full["full_cases"]) == (5, 6)  # quoted tokens full KV predicts / quoted tokens
+    assert (snap["units_right"], snap["units"], snap["tokens"]) == (5, 6, 6)
+    assert snap["agreement"] == pytest.approx(5 / 6) and snap["kl_mean"] == pytest.approx(2.0 / 6)
+    # per case, true-token rates: seed 0 2/4 vs full KV's 3/4 (below), seed 1 2/2 vs 2/2
+    assert (snap["below_full"], snap["above_full"]) == (1, 0)
