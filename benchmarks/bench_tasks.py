@@ -734,7 +734,8 @@ def make_plot(payload: dict, path: Path) -> Path | None:
         ss = [s for s in summary if s["task"] == task]
         for s in ss:
             if s["policy"] == "full":
-                ax.axhline(s["score_mean"], color="k", ls="--", lw=1, label="full KV")
+                ax.axhline(s["score_mean"], color="k", ls="--", lw=1,
+                           label="full KV" + (" (fidelity: top-1 = true token)" if task == "fidelity" else ""))
         for mi, m in enumerate(methods):
             pts = sorted((s["rho"], s["score_mean"]) for s in ss if s["policy"] == m)
             if pts:
