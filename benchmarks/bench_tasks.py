@@ -8,13 +8,14 @@ real-text haystack of ``benchmarks/haystack.py`` (each of ``--haystacks``:
 starts), followed by the question in the chat template, exactly N tokens
 (``haystack.build_needle_prompt``). The tasks (:data:`TASKS`; docs/tasks.md):
 
-- ``multi-fact``: 3 numbered facts at depths 0.15 .. 0.85, one question asking for
-  all of them; graded per value and in order (:func:`grade_in_order`);
-- ``variable-tracking``: a chain of assignments ``VAR A = 48213`` ... ``VAR B = VAR A``
-  ... spread over the context, beside a second chain bound to another value; the
-  answer names every variable bound to the asked value (:func:`grade_names`);
-- ``multi-key``: several needles of the same form under similar keys; one key is
-  asked for, and naming a distractor's value fails the case (:func:`grade_key`);
+- ``multi-fact``: 4 ticket numbers of different things at depths 0.1 .. 0.9, one
+  question naming the things in depth order; graded per value and in order
+  (:func:`grade_in_order`);
+- ``variable-tracking``: a chain of assignments ``VAR A = 4821`` ... ``VAR B = VAR A``
+  ... spread over the context, interleaved with a second chain bound to another
+  value; the answer names every variable bound to the asked value (:func:`grade_names`);
+- ``multi-key``: 4 needles of one form under different names; one is asked for, and
+  naming a distractor's value fails the case (:func:`grade_key`);
 - ``span-copy``: a generated sentence after a marker; the answer must repeat it word
   for word (:func:`grade_span`);
 - ``fidelity``: the multi-fact prompt with 3-5 facts, and a teacher-forced answer
@@ -22,6 +23,10 @@ starts), followed by the question in the chat template, exactly N tokens
   next-token distribution on the quoted value tokens (``bench_fidelity``'s
   ``next_token_metrics``). It needs no skill from the model: it measures whether a
   policy's cache gives the distribution full KV gives when attention moves.
+
+The phrasing (answer prefixes, four-digit values, names as keys, seven-word
+sentences) is the one full KV answered most often on trial cases; docs/tasks.md
+says what was tried.
 
 How one prompt is run: the shared prefill of ``bench_needle.build_engines`` (one
 forward pass; every policy's selection sees each layer's KV, HeteroCache's in its
