@@ -44,7 +44,6 @@ import contextlib
 import dataclasses
 import os
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -158,11 +157,7 @@ FACT_KINDS = ("number", "favourite", "day", "city")
 
 def _ticket_number(rng: random.Random, haystack_name: str = haystack.DEFAULT_HAYSTACK) -> str:
     """A 4-digit number that does not occur in the haystack's corpus."""
-    corpus = haystack.haystack_corpus(haystack_name)
-    while True:
-        n = str(rng.randint(1000, 9999))
-        if not re.search(rf"(?<!\d){n}(?!\d)", corpus):
-            return n
+    return haystack.absent_number(rng, 1000, 9999, (haystack_name,))
 
 
 def _make_fact(kind: str, rng: random.Random, used: set, haystack_name: str = haystack.DEFAULT_HAYSTACK) -> Fact:

@@ -195,20 +195,29 @@ def normalize_text(text: str) -> str:
     return " ".join(re.sub(r"[^a-z0-9]+", " ", text).split())
 
 
-def answer_correct(generated: str, answer: str) -> bool:
-    """Whether ``generated`` states ``answer``.
+def find_answer(generated: str, answer: str) -> list[int]:
+    """Where ``generated`` states ``answer``: the start of each occurrence, in order (empty when it does not).
 
     A number must appear as one number (digit groups written 48,213 or 48 213
-    count; 482130 does not). Words must appear as whole words, ignoring case,
-    accents and punctuation, with an optional plural ``s``/``es``.
+    count; 482130 does not); offsets are in ``generated`` with such groups joined.
+    Words must appear as whole words, ignoring case, accents and punctuation, with
+    an optional plural ``s``/``es``; offsets are in ``normalize_text(generated)``.
+    So offsets of two answers compare (their order in the text) when both are
+    numbers or both are words.
     """
     ans = normalize_text(answer)
     if not ans:
         raise ValueError("empty answer")
     if ans.isdigit():
         joined = re.sub(r"(?<=\d)[,\u202f\u00a0 ](?=\d{3}(?!\d))", "", generated)
-        return re.search(rf"(?<!\d){ans}(?!\d)", joined) is not None
-    return re.search(rf"(?<![a-z0-9]){re.escape(ans)}(?:e?s)?(?![a-z0-9])", normalize_text(generated)) is not None
+        return [m.start() for m in re.finditer(rf"(?<!\d){ans}(?!\d)", joined)]
+    return [m.start() for m in re.finditer(rf"(?<![a-z0-9]){re.escape(ans)}(?:e?s)?(?![a-z0-9])",
+                                           normalize_text(generated))]
+
+
+def answer_correct(generated: str, answer: str) -> bool:
+    """Whether ``generated`` states ``answer`` (:func:`find_answer` finds it at least once)."""
+    return bool(find_answer(generated, answer))
 
 
 # --------------------------------------------------------- grid bookkeeping

@@ -231,6 +231,16 @@ def haystack_info(name: str, tokenizer=None) -> dict:
     return info
 
 
+def absent_number(rng: random.Random, lo: int, hi: int, haystacks: Sequence[str] = (DEFAULT_HAYSTACK,)) -> str:
+    """A number drawn by ``rng.randint(lo, hi)`` (redrawn until) that occurs as one number in none of the corpora
+    of ``haystacks``, so an answer stating it can only come from a needle."""
+    corpora = [haystack_corpus(h) for h in haystacks]
+    while True:
+        n = str(rng.randint(lo, hi))
+        if not any(re.search(rf"(?<!\d){n}(?!\d)", c) for c in corpora):
+            return n
+
+
 @dataclasses.dataclass
 class NeedlePrompt:
     """A fitted needle prompt and where its parts landed."""

@@ -109,3 +109,16 @@ def no_compute(monkeypatch):
         raise AssertionError("compute started for input that should have been refused")
     for name in ("prefill", "decode_step", "extend"):
         monkeypatch.setattr(M, name, boom)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(request):
+    """SmolLM2's tokenizer alone (no weights): from the converted cache, or the suite's conversion."""
+    from hetero_jax.io import hub
+    from hetero_jax.io.checkpoint import is_checkpoint
+    from hetero_jax.io.tokenizer import Tokenizer
+
+    path = os.path.join(hub.cache_dir(), "smollm2-135m")
+    if not is_checkpoint(path):
+        path = request.getfixturevalue("smollm2_dir")
+    return Tokenizer.from_dir(path)

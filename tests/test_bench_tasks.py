@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -206,19 +205,6 @@ def test_multiturn_policies_and_results_sections():
 
 
 # ------------------------------------------------ prompts with the real tokenizer
-@pytest.fixture(scope="module")
-def tokenizer(request):
-    """SmolLM2's tokenizer alone (no weights): from the converted cache, or the suite's conversion."""
-    from hetero_jax.io import hub
-    from hetero_jax.io.checkpoint import is_checkpoint
-    from hetero_jax.io.tokenizer import Tokenizer
-
-    path = os.path.join(hub.cache_dir(), "smollm2-135m")
-    if not is_checkpoint(path):
-        path = request.getfixturevalue("smollm2_dir")
-    return Tokenizer.from_dir(path)
-
-
 @pytest.mark.parametrize("n_tokens, depth", [(1000, 0.0), (2000, 0.5), (4000, 0.9)])
 def test_needle_prompt_has_the_token_count_and_the_needle_at_its_depth(tokenizer, n_tokens, depth):
     needle = bn.make_needle("magic-number", 1)

@@ -1,0 +1,798 @@
+#!/usr/bin/env python
+"""Generated tasks whose answers move through the context (RULER-like), graded automatically, per policy and budget.
+
+SmolLM2-135M (``hetero_jax.load("smollm2-135m")``), batch 1, greedy. Every case
+is generated from its seed (values, names, keys, sentences) and placed in a
+real-text haystack of ``benchmarks/haystack.py`` (each of ``--haystacks``:
+``pydoc``, ``stdlib-docs``, ``licenses``; the seed also picks where the haystack
+starts), followed by the question in the chat template, exactly N tokens
+(``haystack.build_needle_prompt``). The tasks (:data:`TASKS`; docs/tasks.md):
+
+- ``multi-fact``: 4 ticket numbers of different things at depths 0.1 .. 0.9, one
+  question naming the things in depth order; graded per value and in order
+  (:func:`grade_in_order`);
+- ``variable-tracking``: a chain of assignments ``VAR A = 4821`` ... ``VAR B = VAR A``
+  ... spread over the context, interleaved with a second chain bound to another
+  value; the answer names every variable bound to the asked value (:func:`grade_names`);
+- ``multi-key``: 4 needles of one form under different names; one is asked for, and
+  naming a distractor's value fails the case (:func:`grade_key`);
+- ``span-copy``: a generated sentence after a marker; the answer must repeat it word
+  for word (:func:`grade_span`);
+- ``fidelity``: the multi-fact prompt with 3-5 facts, and a teacher-forced answer
+  that quotes them in turn; per step, top-1 agreement and KL(full || policy) of the
+  next-token distribution on the quoted value tokens (``bench_fidelity``'s
+  ``next_token_metrics``). It needs no skill from the model: it measures whether a
+  policy's cache gives the distribution full KV gives when attention moves.
+
+The phrasing (answer prefixes, four-digit values, names as keys, seven-word
+sentences) is the one full KV answered most often on trial cases; docs/tasks.md
+says what was tried.
+
+How one prompt is run: the shared prefill of ``bench_needle.build_engines`` (one
+forward pass; every policy's selection sees each layer's KV, HeteroCache's in its
+own head order), then each policy decodes its answer greedily
+(``bench_needle.greedy_answer``), or, for ``fidelity``, is fed the forced answer one
+decode step at a time (``bench_fidelity.step_logits``: the policy's decode hooks run,
+so HeteroCache's drift checks and recalls happen). A combo whose budget a policy
+cannot keep at a length is skipped there and named.
+
+Reported per task, policy and rho: the mean graded score with counts and sample
+sizes, and full KV's solve rate beside it (cases full KV answers completely; for
+``fidelity``, quoted tokens whose true value is full KV's top-1), so a task full KV
+fails is reported as such. Every record keeps the prompt's token count and the
+SHA-256 of its token ids.
+
+Outputs: ``--out`` JSON (config, per-case records: task, haystack, seed, length,
+policy, rho, score, answer text), a PNG beside it (accuracy against rho per method,
+one panel per task), a markdown table on stdout, and with ``--write-results`` the
+``tasks`` section of ``benchmarks/RESULTS.md``.
+
+    .venv/bin/python benchmarks/bench_tasks.py --preset cpu        # 2K + 4K, pydoc, 2 seeds (--help: its estimate)
+    .venv/bin/python benchmarks/bench_tasks.py --write-results     # the full grid (2K, 4K, 7.9K, 3 haystacks, 3 seeds)
+    .venv/bin/python benchmarks/bench_tasks.py --lengths 2000 --seeds 0 --haystacks pydoc \\
+        --policies full snapkv --budgets 0.5                          # smoke test
+
+``--help`` prints every preset's estimated run time on 2 CPU cores (:func:`estimate_minutes`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (benchmarks/common.py)
+import haystack  # noqa: E402  (benchmarks/haystack.py)
+import bench_needle  # noqa: E402  (benchmarks/bench_needle.py: shared prefill, greedy decode, answer matching)
+from bench_needle import find_answer, normalize_text  # noqa: E402
+
+SECTION = "tasks"
+MODEL = "smollm2-135m"
+# digits of a generated value: SmolLM2-135M copies four digits from far away; with five it often drops one
+DIGITS = 4
+TASKS = ("multi-fact", "variable-tracking", "multi-key", "span-copy", "fidelity")
+
+
+# ------------------------------------------------------------------ cases
+@dataclasses.dataclass(frozen=True)
+class TaskCase:
+    """One generated case: what goes in the haystack, what is asked, what a correct answer states.
+
+    ``needles``: (depth in [0, 1] of the haystack, sentence), in depth order. ``values``: what a correct answer
+    states (in order for ``multi-fact``). ``distractors``: what it must not state. ``answer_prefix``: the start
+    of the assistant's reply, fed after the chat template's generation prompt (the model continues it).
+    ``forced``: the whole teacher-forced reply (``fidelity``; it continues ``answer_prefix``), quoting
+    ``values`` in turn."""
+
+    task: str
+    seed: int
+    needles: tuple[tuple[float, str], ...]
+    question: str
+    values: tuple[str, ...]
+    distractors: tuple[str, ...] = ()
+    answer_prefix: str = ""
+    instruction: str | None = None  # before the haystack (a worked example)
+    forced: str | None = None
+    max_new_tokens: int = 32
+
+
+def spread_depths(n: int, lo: float = 0.1, hi: float = 0.9) -> list[float]:
+    """``n`` depths evenly from ``lo`` to ``hi`` (the middle for one)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if n == 1:
+        return [round((lo + hi) / 2, 4)]
+    return [round(lo + (hi - lo) * i / (n - 1), 4) for i in range(n)]
+
+
+def _numbers(rng: random.Random, n: int, digits: int = DIGITS) -> list[str]:
+    """``n`` distinct ``digits``-digit numbers, none in any haystack's corpus and no two sharing their first two digits
+    (so an answer cannot be half of one value and half of another)."""
+    out: list[str] = []
+    while len(out) < n:
+        v = haystack.absent_number(rng, 10 ** (digits - 1), 10**digits - 1, tuple(haystack.HAYSTACKS))
+        if all(v[:2] != o[:2] for o in out):
+            out.append(v)
+    return out
+
+
+def _list_text(items) -> str:
+    """'a, b and c'."""
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+# subjects of the multi-fact tickets (none is a word of the added haystacks' answers; each names a different thing)
+_TICKETS = ("ferry", "museum", "opera", "night train", "cable car", "harbour tour")
+
+
+def make_multi_fact(seed: int, n: int = 4) -> TaskCase:
+    """``n`` ticket numbers of different things at spread depths; the question names the things in depth order
+    and the reply starts with the first ("The ticket number for the ferry is"), so every value after the first
+    is reached by moving attention to another depth."""
+    if not 1 <= n <= len(_TICKETS):
+        raise ValueError(f"n must be in 1..{len(_TICKETS)}, got {n}")
+    rng = random.Random(f"tasks-multi-fact-{seed}")
+    values = _numbers(rng, n)
+    things = rng.sample(_TICKETS, n)
+    needles = tuple((d, f"The ticket number for the {t} is {v}.")
+                    for d, t, v in zip(spread_depths(n), things, values))
+    return TaskCase("multi-fact", seed, needles,
+                    "What are the ticket numbers for " + _list_text([f"the {t}" for t in things]) + "?",
+                    tuple(values), answer_prefix=f"The ticket number for the {things[0]} is",
+                    max_new_tokens=12 * n)
+
+
+def make_fidelity(seed: int, n: int | None = None) -> TaskCase:
+    """The multi-fact prompt with ``n`` tickets (3-5 by the seed when None) and a forced reply quoting each in
+    turn, in depth order ("... ferry is 9302. The ticket number for the museum is 7720. ...")."""
+    n = 3 + seed % 3 if n is None else n
+    base = make_multi_fact(seed, n)
+    forced = " ".join(s for _, s in base.needles)
+    return dataclasses.replace(base, task="fidelity", forced=forced, max_new_tokens=0)
+
+
+# variable names: five capitals (RULER's form); a name is rejected if it is a word of any haystack
+def _var_names(rng: random.Random, n: int) -> list[str]:
+    out: list[str] = []
+    while len(out) < n:
+        name = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5))
+        if name not in out and not any(re.search(rf"\b{name}\b", haystack.haystack_corpus(h), re.I)
+                                       for h in haystack.HAYSTACKS):
+            out.append(name)
+    return out
+
+
+# RULER's variable tracking shows the model one worked chain first; its names and value are of another form than
+# the generated ones (which they can never equal: those are drawn from letters without Q, R, S repeated)
+VT_INSTRUCTION = ("Memorize and track the chains of variable assignments hidden in the following text. Example: in a "
+                  "text with VAR QQQQQ = 5555. ... VAR RRRRR = VAR QQQQQ. ... VAR SSSSS = VAR RRRRR. the variables "
+                  "assigned the value 5555 are VAR QQQQQ, VAR RRRRR and VAR SSSSS.")
+
+
+def make_variable_tracking(seed: int, hops: int = 3, distractor_hops: int = 1) -> TaskCase:
+    """A chain ``VAR A = v``, ``VAR B = VAR A``, ... of ``hops`` names over the context, interleaved with a
+    distractor chain of ``distractor_hops`` names bound to another value; the question asks for the names bound
+    to ``v`` (after :data:`VT_INSTRUCTION`'s worked example, before the haystack)."""
+    if hops < 1 or not 0 <= distractor_hops <= hops:
+        raise ValueError(f"hops must be >= 1 and distractor_hops in 0..hops, got {hops}, {distractor_hops}")
+    rng = random.Random(f"tasks-variable-tracking-{seed}")
+    value, other = _numbers(rng, 2)
+    names = _var_names(rng, hops + distractor_hops)
+    chain, dchain = names[:hops], names[hops:]
+
+    def assignments(ch, v):
+        if not ch:
+            return []
+        return [f"VAR {ch[0]} = {v}."] + [f"VAR {b} = VAR {a}." for a, b in zip(ch, ch[1:])]
+
+    depths = spread_depths(hops + distractor_hops)
+    # the distractor chain on slots 1, 3, ..., the asked one on the others: each chain keeps its order in depth
+    odd = list(range(1, 2 * distractor_hops, 2))
+    slots = [i for i in range(len(depths)) if i not in odd] + odd
+    sentences = assignments(chain, value) + assignments(dchain, other)
+    needles = tuple(sorted((depths[slots[i]], sentence) for i, sentence in enumerate(sentences)))
+    return TaskCase("variable-tracking", seed, needles, f"Which variables are assigned the value {value}?",
+                    tuple(chain), tuple(dchain), answer_prefix=f"The variables assigned the value {value} are VAR",
+                    instruction=VT_INSTRUCTION, max_new_tokens=8 * hops + 8)
+
+
+# multi-key keys: people's names (bench_multiturn's, among haystack.ANSWER_WORDS: no haystack contains them)
+KEY_NAMES = ("Tobias", "Ingrid", "Ravi", "Elena", "Kofi", "Hana", "Lucas", "Amara")
+
+
+def make_multi_key(seed: int, n_keys: int = 4) -> TaskCase:
+    """``n_keys`` needles "The special magic number for <name> is N." of one form under different names at spread
+    depths; one, at a seed-chosen depth, is asked for. The others' numbers are the distractors."""
+    if not 2 <= n_keys <= len(KEY_NAMES):
+        raise ValueError(f"n_keys must be in 2..{len(KEY_NAMES)}, got {n_keys}")
+    rng = random.Random(f"tasks-multi-key-{seed}")
+    keys = rng.sample(KEY_NAMES, n_keys)
+    values = _numbers(rng, n_keys)
+    ask = rng.randrange(n_keys)
+    needles = tuple((d, f"The special magic number for {k} is {v}.")
+                    for d, k, v in zip(spread_depths(n_keys), keys, values))
+    return TaskCase("multi-key", seed, needles, f"What is the special magic number for {keys[ask]}?", (values[ask],),
+                    tuple(v for i, v in enumerate(values) if i != ask),
+                    answer_prefix=f"The special magic number for {keys[ask]} is", max_new_tokens=12)
+
+
+_ADJ = ("silver", "quiet", "frozen", "wooden", "golden", "narrow", "ancient", "crooked", "velvet", "distant")
+_NOUN = ("lantern", "gardener", "harbour", "violin", "orchard", "lighthouse", "bakery", "glacier", "ferryman",
+         "telescope", "meadow", "caravan")
+_VERB = ("followed", "painted", "guarded", "repaired", "carried", "watched", "measured", "borrowed")
+SPAN_MARKER = "[QUOTE]"
+
+
+def make_span(rng: random.Random) -> str:
+    """A sentence of generated words: 'The <adj> <noun> <verb> the <adj> <noun>.' (SmolLM2-135M copies seven
+    words from far away more often than twelve)."""
+    a, n = rng.sample(_ADJ, 2), rng.sample(_NOUN, 2)
+    return f"The {a[0]} {n[0]} {rng.choice(_VERB)} the {a[1]} {n[1]}."
+
+
+def make_span_copy(seed: int, depth: float | None = None) -> TaskCase:
+    """A generated sentence after :data:`SPAN_MARKER` at a seed-chosen depth (or ``depth``); the reply starts
+    with the marker and must go on with the sentence."""
+    rng = random.Random(f"tasks-span-copy-{seed}")
+    d = rng.choice((0.2, 0.35, 0.5, 0.65, 0.8)) if depth is None else depth
+    span = make_span(rng)
+    return TaskCase("span-copy", seed, ((d, f"{SPAN_MARKER} {span}"),),
+                    f"Repeat the sentence that follows {SPAN_MARKER} in the text above, word for word.", (span,),
+                    answer_prefix=SPAN_MARKER, max_new_tokens=24)
+
+
+MAKERS = {"multi-fact": make_multi_fact, "variable-tracking": make_variable_tracking, "multi-key": make_multi_key,
+          "span-copy": make_span_copy, "fidelity": make_fidelity}
+
+
+def make_case(task: str, seed: int) -> TaskCase:
+    """The case of ``task`` for ``seed`` (deterministic; the same on every haystack)."""
+    try:
+        return MAKERS[task](seed)
+    except KeyError:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}") from None
+
+
+# ---------------------------------------------------------------- grading
+def grade_in_order(text: str, values) -> dict:
+    """Values of ``values`` stated in ``text`` (``find_answer``), and the most of them stated in their order.
+
+    ``in_order``: the longest subsequence of ``values`` whose occurrences can be picked at increasing offsets.
+    Returns {"found", "in_order", "n", "score" = in_order / n}."""
+    values = list(values)
+    kinds = {normalize_text(v).isdigit() for v in values}
+    if len(kinds) != 1:
+        raise ValueError("grade_in_order compares offsets of values of one kind: all numbers or all words")
+    pos = [find_answer(text, v) for v in values]
+    # best[k]: the smallest offset at which some k values in order can end
+    best = [-1]
+    for ps in pos:
+        for k in range(len(best) - 1, -1, -1):
+            nxt = next((p for p in ps if p > best[k]), None)
+            if nxt is None:
+                continue
+            if k + 1 == len(best):
+                best.append(nxt)
+            elif nxt < best[k + 1]:
+                best[k + 1] = nxt
+    in_order = len(best) - 1
+    return {"found": sum(bool(p) for p in pos), "in_order": in_order, "n": len(values),
+            "score": in_order / len(values)}
+
+
+def grade_names(text: str, names, wrong) -> dict:
+    """Names of ``names`` stated, less one per name of ``wrong`` stated (naming everything scores nothing);
+    order not graded. Returns {"found", "wrong", "n", "score" = max(0, found - wrong) / n}."""
+    names = list(names)
+    found = sum(bool(find_answer(text, v)) for v in names)
+    bad = sum(bool(find_answer(text, v)) for v in wrong)
+    return {"found": found, "wrong": bad, "n": len(names), "score": max(0, found - bad) / len(names)}
+
+
+def grade_key(text: str, value: str, distractors) -> dict:
+    """1 when ``text`` states ``value`` and none of ``distractors``. Returns {"found", "wrong", "n": 1, "score"}."""
+    found = bool(find_answer(text, value))
+    bad = sum(bool(find_answer(text, v)) for v in distractors)
+    return {"found": int(found), "wrong": bad, "n": 1, "score": float(found and not bad)}
+
+
+def grade_span(text: str, span: str) -> dict:
+    """1 when ``text`` contains ``span`` word for word (case, punctuation and spacing ignored: quotes or a
+    missing full stop do not matter; a changed, dropped or added word does). Returns {"found", "n": 1, "score"}."""
+    want = normalize_text(span)
+    if not want:
+        raise ValueError("empty span")
+    ok = re.search(rf"(?<![a-z0-9]){re.escape(want)}(?![a-z0-9])", normalize_text(text)) is not None
+    return {"found": int(ok), "n": 1, "score": float(ok)}
+
+
+def grade(case: TaskCase, text: str) -> dict:
+    """The graded answer of a generation task (not ``fidelity``, which is compared step by step)."""
+    if case.task == "multi-fact":
+        return grade_in_order(text, case.values)
+    if case.task == "variable-tracking":
+        return grade_names(text, case.values, case.distractors)
+    if case.task == "multi-key":
+        return grade_key(text, case.values[0], case.distractors)
+    if case.task == "span-copy":
+        return grade_span(text, case.values[0])
+    raise ValueError(f"task {case.task!r} is not graded on generated text")
+
+
+# ----------------------------------------------------------------- prompts
+@dataclasses.dataclass
+class CasePrompt:
+    """A case fitted to a prompt of ``n_tokens`` tokens: the chat prompt with the answer prefix after it."""
+
+    ids: list[int]  # chat prompt + answer prefix
+    n_tokens: int  # len(ids)
+    target_tokens: int
+    needle_token_starts: list[int]  # index in ``ids`` of each needle's first token, in depth order
+    actual_depths: list[float]  # needle token start / prompt tokens
+    skipped_chars: int
+    sha256: str  # of the token ids (:func:`ids_sha256`)
+    forced_ids: list[int]  # teacher-forced tokens after ``ids`` (fidelity; else empty)
+    quoted: list[tuple[int, int, int]]  # (value index, start, end) token spans of the quoted values in forced_ids
+
+
+def ids_sha256(ids) -> str:
+    """SHA-256 of token ids written as decimal numbers joined by commas (what a run records per prompt)."""
+    return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()
+
+
+def quoted_spans(tokenizer, text: str, values) -> list[tuple[int, int, int]]:
+    """(value index, start, end): the tokens of ``tokenizer.encode(text)`` that spell each of ``values``, taken
+    in turn left to right (each after the previous one). Raises ValueError when a value is not a whole run of
+    tokens (a merge across its edge), so a quoted token is never half a value."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    spans, at = [], 0
+    for i, v in enumerate(values):
+        c = text.find(v, at)
+        if c < 0:
+            raise ValueError(f"value {v!r} is not in {text[at:]!r}")
+        s = len(tokenizer.encode(text[:c], add_special_tokens=False))
+        e = len(tokenizer.encode(text[:c + len(v)], add_special_tokens=False))
+        if ids[:e] != tokenizer.encode(text[:c + len(v)], add_special_tokens=False) or \
+                tokenizer.decode(ids[s:e]).strip() != v:
+            raise ValueError(f"value {v!r} does not tokenize on its own in {text!r}")
+        spans.append((i, s, e))
+        at = c + len(v)
+    return spans
+
+
+def build_case_prompt(tokenizer, case: TaskCase, n_tokens: int, haystack_name: str) -> CasePrompt:
+    """``case`` in haystack ``haystack_name`` (its start chosen by the case's seed): ``[chat prompt][answer
+    prefix]`` of (exactly, where the tokenizer allows) ``n_tokens`` tokens, needles at their depths."""
+    prefix = tokenizer.encode(case.answer_prefix, add_special_tokens=False) if case.answer_prefix else []
+    p = haystack.build_needle_prompt(tokenizer, n_tokens - len(prefix), list(case.needles), case.question,
+                                     "; ".join(case.values), seed=case.seed, haystack=haystack_name,
+                                     instruction=case.instruction)
+    ids = p.ids + prefix
+    forced, quoted = [], []
+    if case.forced is not None:
+        whole = tokenizer.encode(case.forced, add_special_tokens=False)
+        if whole[:len(prefix)] != prefix or not case.forced.startswith(case.answer_prefix):
+            raise ValueError(f"the forced reply {case.forced!r} does not start with the answer prefix")
+        forced = whole[len(prefix):]
+        quoted = [(i, s - len(prefix), e - len(prefix)) for i, s, e in quoted_spans(tokenizer, case.forced,
+                                                                                     case.values)]
+        if min(s for _, s, _ in quoted) < 1:
+            raise ValueError("a quoted value starts the forced reply: prefill's prediction of it is not compared")
+    return CasePrompt(ids=ids, n_tokens=len(ids), target_tokens=n_tokens, needle_token_starts=p.needle_token_starts,
+                      actual_depths=[t / len(ids) for t in p.needle_token_starts], skipped_chars=p.skipped_chars,
+                      sha256=ids_sha256(ids), forced_ids=forced, quoted=quoted)
+
+
+# ------------------------------------------------------------------ presets
+_ISSUE38_POLICIES = ["full", "snapkv", "pyramidkv", "heterocache", "heterocache:tau_drift=-1", "quest", "freekv",
+                     "synckv", "contextkeeper", "hcattention"]
+PRESETS = {
+    # issue 38's grid: every task at 2K, 4K and 7.9K (SmolLM2's context is 8192) on every haystack, 3 seeds
+    "full": {"tasks": list(TASKS), "lengths": [2000, 4000, 7900], "seeds": [0, 1, 2],
+             "haystacks": list(haystack.HAYSTACKS), "policies": _ISSUE38_POLICIES, "budgets": [0.5, 0.3]},
+    # sized for 30 minutes on 2 shared cores: 2K and 4K (no 7.9K), one haystack, 2 seeds, full / SnapKV /
+    # HeteroCache with the drift check on and off at rho 0.3
+    "cpu": {"tasks": list(TASKS), "lengths": [2000, 4000], "seeds": [0, 1], "haystacks": ["pydoc"],
+            "policies": ["full", "snapkv", "heterocache", "heterocache:tau_drift=-1"], "budgets": [0.3]},
+}
+
+# Run-time model for the --preset help, in CPU seconds, from the smoke run (2-core Xeon shared with other jobs,
+# 2026-11-27: pydoc, 2000 tokens, seed 0, every task, full + snapkv at rho 0.5, 44 s wall; process_seconds of each
+# case in the JSON): a case's shared forward pass by length (beyond 2K scaled as bench_needle's prompt costs), each
+# policy's selection hook in it, and each decoded or teacher-forced token per policy (at most max_new_tokens; the
+# forced replies are 30-60 tokens). HeteroCache's hook and decode step (drift checks, recalls) are taken as
+# bench_multiturn measured them, about three times a baseline's; they were not in the smoke run. The first case
+# of a length compiles (cold XLA cache: ~40 s, and ~15 s per policy).
+_PREFILL_CPU_S = {2000: 6.0, 4000: 12.0, 7900: 30.0}
+_HOOK_CPU_S = {2000: 1.5, 4000: 3.0, 7900: 6.0}
+_TOKEN_CPU_S = {2000: 0.06, 4000: 0.09, 7900: 0.15}
+_HETERO_FACTOR = 3.0
+_COMPILE_CPU_S, _COMPILE_PER_POLICY_CPU_S = 40.0, 15.0
+LOAD_S = 10.0
+IDLE_CORES = 1.3
+_TOKENS_PER_CASE = {"multi-fact": 48, "variable-tracking": 32, "multi-key": 12, "span-copy": 24, "fidelity": 50}
+
+
+def estimate_minutes(preset: dict) -> float:
+    """Estimated wall minutes of a preset on an idle 2-core CPU (cold compilation cache)."""
+    interp = bench_needle.interp_cost
+    combos = common.make_combos(preset["policies"], preset["budgets"])
+    weight = [1.0 if name == "full" else _HETERO_FACTOR if name.startswith("heterocache") else 1.0
+              for name, _ in combos]
+    cpu = LOAD_S
+    for L in preset["lengths"]:
+        cpu += _COMPILE_CPU_S + _COMPILE_PER_POLICY_CPU_S * len(combos)
+        hooks = interp(_HOOK_CPU_S, L) * sum(weight[1:])
+        per_seed = sum(interp(_PREFILL_CPU_S, L) + hooks + _TOKENS_PER_CASE[t] * interp(_TOKEN_CPU_S, L) * sum(weight)
+                       for t in preset["tasks"])
+        cpu += per_seed * len(preset["seeds"]) * len(preset["haystacks"])
+    return cpu / IDLE_CORES / 60
+
+
+# ---------------------------------------------------------------------- run
+def forced_metrics(engines, forced: list[int], quoted) -> list[dict]:
+    """Teacher-force ``forced`` through every engine in lockstep (engine 0 is full KV, the reference).
+
+    Step t feeds ``forced[t]``; its logits predict ``forced[t + 1]``. At the step before each quoted token
+    (``quoted``: (value index, start, end) spans of ``forced``) it records, per engine: KL(full || engine),
+    whether its top-1 equals full KV's, and whether it equals the true token. Returns one dict per engine of lists
+    over the quoted tokens in order (``value``: which value, ``pos``: the token's place in it), and the engine's
+    top-1 token at every step."""
+    import numpy as np
+
+    from bench_fidelity import next_token_metrics, step_logits
+
+    at = {j - 1: (i, j - s) for i, s, e in quoted for j in range(s, e)}
+    out = [{"value": [], "pos": [], "kl": [], "agree": [], "true_top1": [], "top1": []} for _ in engines]
+    for t in range(len(forced) - 1):
+        logits = [step_logits(e, forced[t]) for e in engines]
+        for k, lg in enumerate(logits):
+            out[k]["top1"].append(int(np.argmax(lg)))
+        if t not in at:
+            continue
+        i, pos = at[t]
+        for k, lg in enumerate(logits):
+            m = next_token_metrics(logits[0], lg)
+            o = out[k]
+            o["value"].append(i)
+            o["pos"].append(pos)
+            o["kl"].append(float(m["kl"]))
+            o["agree"].append(bool(m["agree"]))
+            o["true_top1"].append(int(np.argmax(lg)) == forced[t + 1])
+    return out
+
+
+def run(args) -> dict:
+    import jax
+    from tqdm import tqdm
+
+    import hetero_jax
+    from hetero_jax.policies import make_policy
+
+    from hetero_jax import runtime as G
+    if not args.no_compile_cache:
+        from hetero_jax.cli import enable_compilation_cache
+
+        enable_compilation_cache()
+    combos = common.make_combos(args.policies, args.budgets)
+    labels = [common.combo_label(n, r) for n, r in combos]
+    policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
+
+    t_start = time.perf_counter()
+    model = hetero_jax.load(args.model, dtype=args.dtype, progress=False)
+    load_s = time.perf_counter() - t_start
+    cfg = model.config
+    tok = model.tokenizer
+    # a (combo, length) whose budget the policy cannot keep is left out there and named in the report
+    skipped: dict[str, dict[str, str]] = {}
+    for lab, pol in zip(labels, policies):
+        for L in args.lengths:
+            err = common.budget_problem(model, pol, [L])
+            if err:
+                skipped.setdefault(lab, {})[str(L)] = err
+                print(f"skipping {lab} at {L} tokens: {err}", file=sys.stderr)
+    eos = set(tok.eos_token_ids) | set(cfg.eos_token_ids)
+    config = {
+        "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
+        "tasks": args.tasks, "lengths": args.lengths, "seeds": args.seeds, "haystacks": args.haystacks,
+        "budgets": args.budgets, "policies": args.policies, "combos": labels,
+        "policy_reprs": [repr(p) for p in policies], "skipped": skipped, "digits": DIGITS,
+        "task_examples": {t: dataclasses.asdict(make_case(t, args.seeds[0])) for t in args.tasks},
+        "haystack_sources": {h: haystack.haystack_info(h, tok) for h in args.haystacks},
+        "temperature": 0.0, "batch": 1, "chat_template": True, "prefill": "shared (bench_needle.build_engines)",
+        "grading": GRADING, "compile_cache": not args.no_compile_cache, "out": str(args.out), "plot": str(args.plot),
+    }
+    payload = common.report_header(SECTION, config, common.machine_info())
+    payload.update(load_seconds=load_s, prompts=[], records=[])
+    records = payload["records"]
+
+    grid = [(h, L, s, t) for h in args.haystacks for L in args.lengths for s in args.seeds for t in args.tasks]
+    bar = tqdm(total=len(grid), desc="tasks", unit="case", dynamic_ncols=True)
+    for hay, L, seed, task in grid:
+        bar.set_description(f"{task}, {hay}, {L} tok, seed {seed}")
+        case = make_case(task, seed)
+        p = build_case_prompt(tok, case, L, hay)
+        n_after = len(p.forced_ids) if case.forced is not None else case.max_new_tokens
+        if p.n_tokens + n_after > cfg.max_position_embeddings:
+            raise SystemExit(f"{task}: prompt {p.n_tokens} + {n_after} answer tokens exceed the model's context of "
+                             f"{cfg.max_position_embeddings} tokens; use a shorter --lengths")
+        t_p, cpu_p, c0 = time.perf_counter(), time.process_time(), G.compile_seconds()
+        active = [i for i, lab in enumerate(labels) if str(L) not in skipped.get(lab, {})]
+        engines, info = bench_needle.build_engines(model, p.ids, [policies[i] for i in active],
+                                                   G.tail_capacity_for(n_after + 1), bar=bar)
+        prefill_s = time.perf_counter() - t_p
+        base = {"task": task, "haystack": hay, "length": L, "seed": seed, "prompt_tokens": p.n_tokens,
+                "prompt_sha256": p.sha256, "values": list(case.values), "distractors": list(case.distractors)}
+        row = []
+        if case.forced is not None:
+            bar.set_postfix_str(f"teacher-forcing {len(p.forced_ids)} tokens x {len(active)} caches")
+            t_d = time.perf_counter()
+            fm = forced_metrics(engines, p.forced_ids, p.quoted)
+            for k, j in enumerate(active):
+                m = fm[k]
+                n = len(m["agree"])
+                # full KV's score: its top-1 is the true token (would it quote the value?); a policy's: its top-1
+                # is full KV's
+                hits = sum(m["true_top1"]) if combos[j][0] == "full" else sum(m["agree"])
+                row.append({**base, "label": labels[j], "policy": combos[j][0], "rho": combos[j][1],
+                            "score": hits / n, "found": hits, "n": n, "solved": hits == n,
+                            "text": tok.decode(m.pop("top1")), "forced": case.forced,
+                            "kl_mean": sum(m["kl"]) / n, "agreement": sum(m["agree"]) / n,
+                            "true_top1_rate": sum(m["true_top1"]) / n, "steps": m,
+                            "decode_wall_seconds": time.perf_counter() - t_d,
+                            **common.engine_kv_stats(engines[k]), **info[k]})
+        else:
+            for k, j in enumerate(active):
+                bar.set_postfix_str(f"decode {labels[j]}")
+                t_d = time.perf_counter()
+                out_ids, stop = bench_needle.greedy_answer(engines[k], case.max_new_tokens, eos)
+                text = tok.decode(out_ids)
+                g = grade(case, text)
+                row.append({**base, "label": labels[j], "policy": combos[j][0], "rho": combos[j][1], **g,
+                            "solved": g["score"] == 1.0, "answer_prefix": case.answer_prefix, "text": text,
+                            "generated_ids": out_ids, "stop_reason": stop,
+                            "decode_wall_seconds": time.perf_counter() - t_d,
+                            **common.engine_kv_stats(engines[k]), **info[k]})
+                engines[k] = None  # free this policy's cache before the next decodes
+        del engines
+        records += row
+        payload["prompts"].append({
+            **{k: base[k] for k in ("task", "haystack", "length", "seed", "prompt_tokens", "prompt_sha256")},
+            "target_tokens": p.target_tokens, "exact": p.n_tokens == p.target_tokens,
+            "case": dataclasses.asdict(case), "needle_token_starts": p.needle_token_starts,
+            "actual_depths": p.actual_depths, "skipped_chars": p.skipped_chars, "forced_tokens": len(p.forced_ids),
+            "prefill_wall_seconds": prefill_s, "seconds": time.perf_counter() - t_p,
+            "process_seconds": time.process_time() - cpu_p, "compile_seconds": G.compile_seconds() - c0,
+        })
+        tqdm.write(f"[{task} {hay} {L} tok seed {seed}] full: {row[0]['text']!r} | "
+                   + " ".join(f"{r['label']}={r['score']:.2f}" for r in row))
+        bar.update(1)
+    bar.close()
+    payload["summary"] = summarize(records, labels, args.tasks)
+    payload["total_seconds"] = time.perf_counter() - t_start
+    payload["total_process_seconds"] = time.process_time()
+    payload["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    payload["peak_rss_bytes"] = common.peak_rss_bytes()
+    return payload
+
+
+GRADING = {
+    "multi-fact": "values stated in the order asked (the longest in-order run of find_answer offsets) / values",
+    "variable-tracking": "max(0, chain names stated - distractor-chain names stated) / chain names",
+    "multi-key": "1 iff the asked key's number is stated and no distractor's",
+    "span-copy": "1 iff the sentence is repeated word for word (case, punctuation, spacing ignored)",
+    "fidelity": "quoted value tokens whose top-1 equals full KV's (full KV: equals the true token) / quoted tokens",
+}
+
+
+# ------------------------------------------------------------------ summary
+def summarize(records: list[dict], labels, tasks) -> list[dict]:
+    """One row per (task, combo): cases, mean score, graded units (values, names, tokens) right of all, cases
+    solved, the comparison with full KV case by case, and full KV's solve rate on the task."""
+    rows = []
+    for task in tasks:
+        ref = {_case_key(r): r for r in records if r["task"] == task and r["policy"] == "full"}
+        # full KV's solve rate: cases it answers completely; for fidelity, quoted tokens it predicts (top-1 = true)
+        full_solved = sum(r["found"] if task == "fidelity" else r["solved"] for r in ref.values())
+        full_cases = sum(r["n"] for r in ref.values()) if task == "fidelity" else len(ref)
+        for label in labels:
+            rs = [r for r in records if r["task"] == task and r["label"] == label]
+            if not rs:
+                continue
+            # fidelity: a case is below full KV when the policy's top-1 is the true token less often than full KV's
+            key = "true_top1_rate" if task == "fidelity" else "score"
+            cmp = [(r[key], ref[_case_key(r)][key]) for r in rs if _case_key(r) in ref]
+            row = {
+                "task": task, "label": label, "policy": rs[0]["policy"], "rho": rs[0]["rho"], "cases": len(rs),
+                "score_mean": sum(r["score"] for r in rs) / len(rs),
+                "units_right": sum(r["found"] if task == "fidelity" else round(r["score"] * r["n"]) for r in rs),
+                "units": sum(r["n"] for r in rs), "solved": sum(r["solved"] for r in rs),
+                "below_full": sum(s < f for s, f in cmp), "above_full": sum(s > f for s, f in cmp),
+                "full_solved": full_solved, "full_cases": full_cases,
+                "achieved_rho": sum(r["achieved_rho"] for r in rs) / len(rs),
+                "per_length": {str(L): [sum(r["score"] for r in rs if r["length"] == L),
+                                        sum(r["length"] == L for r in rs)]
+                               for L in sorted({r["length"] for r in rs})},
+            }
+            if task == "fidelity":
+                kls = [k for r in rs for k in r["steps"]["kl"]]
+                row.update(kl_mean=sum(kls) / len(kls), tokens=len(kls),
+                           agreement=sum(a for r in rs for a in r["steps"]["agree"]) / len(kls),
+                           true_top1_rate=sum(a for r in rs for a in r["steps"]["true_top1"]) / len(kls))
+            checks = sum(r["recall"].get("drift_checks", 0) for r in rs)
+            row.update(drift_checks=checks, drift_triggers=sum(r["recall"].get("drift_triggers", 0) for r in rs),
+                       recalls=sum(r["recall"].get("recalls", 0) for r in rs))
+            rows.append(row)
+    return rows
+
+
+def _case_key(r: dict) -> tuple:
+    return r["haystack"], r["length"], r["seed"]
+
+
+# ------------------------------------------------------------------ report
+UNITS = {"multi-fact": "values", "variable-tracking": "names", "multi-key": "cases", "span-copy": "cases",
+         "fidelity": "tokens"}
+
+
+def results_table(payload: dict) -> str:
+    """Accuracy per task x policy x rho: mean score, units right, cases solved, cases below / above full KV, and
+    full KV's solve rate on the task beside."""
+    rows = []
+    for s in payload["summary"]:
+        full = s["policy"] == "full"
+        rows.append([
+            s["task"], s["policy"], "—" if full else f"{s['rho']:g}", common.fmt_num(s["achieved_rho"], 3),
+            f"{100 * s['score_mean']:.0f} %", f"{s['units_right']}/{s['units']} {UNITS[s['task']]}",
+            common.fraction_text(s["solved"], s["cases"]),
+            "(reference)" if full else f"{s['below_full']} / {s['above_full']}",
+            f"{common.fraction_text(s['full_solved'], s['full_cases'])}"
+            + (f" ({100 * s['full_solved'] / s['full_cases']:.0f} %)" if s["full_cases"] else ""),
+            f"{s['drift_triggers']}/{s['drift_checks']} ({s['recalls']})" if s["drift_checks"] else "—",
+        ])
+    return common.markdown_table(
+        ["task", "policy", "rho", "achieved rho", "accuracy", "right", "cases solved", "cases below / above full",
+         "full KV solves", "drift triggers / checks (recalls)"], rows, align="lllrrrrcrr")
+
+
+def fidelity_table(payload: dict) -> str | None:
+    """Moving-attention fidelity: per combo, top-1 agreement with full KV and KL on the quoted tokens, by the
+    quoted value's place in the reply (first, second, ...)."""
+    recs = [r for r in payload["records"] if r["task"] == "fidelity" and r["policy"] != "full"]
+    if not recs:
+        return None
+    n_vals = max(v for r in recs for v in r["steps"]["value"]) + 1
+    rows = []
+    for label in payload["config"]["combos"]:
+        rs = [r for r in recs if r["label"] == label]
+        if not rs:
+            continue
+        cells = []
+        for i in range(n_vals):
+            a = [x for r in rs for x, v in zip(r["steps"]["agree"], r["steps"]["value"]) if v == i]
+            k = [x for r in rs for x, v in zip(r["steps"]["kl"], r["steps"]["value"]) if v == i]
+            cells.append(f"{sum(a)}/{len(a)}, KL {sum(k) / len(k):.3f}" if a else "—")
+        a = [x for r in rs for x in r["steps"]["agree"]]
+        k = [x for r in rs for x in r["steps"]["kl"]]
+        rows.append([label, *cells, f"{sum(a)}/{len(a)} ({100 * sum(a) / len(a):.0f} %)", f"{sum(k) / len(k):.4f}"])
+    return common.markdown_table(["policy", *[f"value {i + 1}: top-1 = full, KL" for i in range(n_vals)],
+                                  "all quoted tokens", "KL mean"], rows, align="l" + "r" * (n_vals + 2))
+
+
+def answers_table(payload: dict, label: str = "full") -> str:
+    """Each case's reply by ``label`` (full KV, the reference), graded."""
+    rows = [[r["task"], r["haystack"], common.fmt_num(r["length"]), str(r["seed"]), " ".join(r["values"]),
+             repr(r["text"][:120]), f"{r['score']:.2f}"]
+            for r in payload["records"] if r["label"] == label]
+    return common.markdown_table(["task", "haystack", "tokens", "seed", "expected", f"{label} reply", "score"], rows,
+                                 align="llrrllr")
+
+
+def results_section(payload: dict, plot_rel: str | None) -> str:
+    cfg = payload["config"]
+    fid = fidelity_table(payload)
+    lines = [
+        common.section_header(f"Tasks with moving answers: {cfg['model']}, accuracy per task, policy and rho",
+                              payload),
+        "",
+        f"Generated cases (docs/tasks.md) in real-text haystacks ({', '.join(cfg['haystacks'])}), "
+        f"{', '.join(common.fmt_num(L) for L in cfg['lengths'])} tokens, seeds {', '.join(map(str, cfg['seeds']))}; "
+        f"one shared prefill per case, greedy replies (batch 1, {cfg['dtype']}) after an answer prefix. Accuracy: "
+        "the mean graded score; 'right': graded units (values in order, chain names, cases, quoted tokens); 'cases "
+        "below / above full': cases whose score is below / above full KV's (fidelity: whose quoted tokens the "
+        "policy's top-1 predicts less / more often than full KV's); 'full KV solves': cases full KV "
+        "answers completely (fidelity: quoted tokens whose true value is full KV's top-1), so a task full KV "
+        "fails shows as such. Grading: " + "; ".join(f"{t}: {g}" for t, g in cfg["grading"].items()
+                                                     if t in cfg["tasks"]) + "."
+        + "".join(f" Not run: {lab} at {', '.join(errs)} tokens ({next(iter(errs.values()))})."
+                  for lab, errs in cfg.get("skipped", {}).items()),
+        "",
+        *bench_needle.haystack_lines(cfg),
+        "",
+        results_table(payload),
+        "",
+    ]
+    if fid:
+        lines += ["Moving-attention fidelity on the quoted value tokens, by the value's place in the reply:", "",
+                  fid, ""]
+    lines += ["Full-KV replies (the reference):", "", answers_table(payload), "",
+              *common.closing_lines(payload, "tasks", plot_rel)]
+    return "\n".join(lines)
+
+
+def make_plot(payload: dict, path: Path) -> Path | None:
+    """Accuracy against rho, one panel per task, one line per method; full KV as a dashed line."""
+    summary = payload["summary"]
+    tasks = list(dict.fromkeys(s["task"] for s in summary))
+    fig, axes = common.subplots(1, len(tasks), squeeze=False, figsize=(3.4 * len(tasks) + 1.5, 3.6))
+    methods = list(dict.fromkeys(s["policy"] for s in summary if s["policy"] != "full"))
+    for ax, task in zip(axes[0], tasks):
+        ss = [s for s in summary if s["task"] == task]
+        for s in ss:
+            if s["policy"] == "full":
+                ax.axhline(s["score_mean"], color="k", ls="--", lw=1,
+                           label="full KV" + (" (fidelity: top-1 = true token)" if task == "fidelity" else ""))
+        for mi, m in enumerate(methods):
+            pts = sorted((s["rho"], s["score_mean"]) for s in ss if s["policy"] == m)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=f"C{mi}", label=m)
+        ax.set_title(task + (" (top-1 = full KV)" if task == "fidelity" else ""), fontsize=9)
+        ax.set_xlabel("budget rho")
+        ax.set_ylim(-0.03, 1.03)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("accuracy (mean graded score)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    cfg = payload["config"]
+    return common.save_figure(fig, path, f"Tasks with moving answers — {cfg['model']}, "
+                                         f"{len(cfg['seeds'])} seed(s) x {len(cfg['haystacks'])} haystack(s), "
+                                         f"{common.git_summary(payload['git'])}", crop=True)
+
+
+# --------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    ph = lambda key: common.preset_help(PRESETS, key)  # noqa: E731
+    S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
+    p = common.argument_parser("Generated tasks whose answers move through the context (multi-fact, variable "
+                               "tracking, multi-key, span copy, teacher-forced fidelity), graded automatically, per "
+                               "KV-cache policy and budget on SmolLM2-135M.")
+    common.add_grid_preset_argument(
+        p, PRESETS, estimate_minutes, "'full' (used when no preset is given): issue 38's grid (every task, 2K / 4K / "
+        "7.9K, 3 haystacks, 3 seeds, every method at rho 0.5 and 0.3); 'cpu': 2K, pydoc, 2 seeds, full / SnapKV / "
+        "HeteroCache with the drift check on and off at rho 0.3 (2K and 4K, pydoc, seeds 0 and 1: fewer lengths, "
+        "haystacks and seeds than the full grid).")
+    p.add_argument("--tasks", nargs="+", default=S, choices=list(TASKS), metavar="TASK",
+                   help=f"tasks ({', '.join(TASKS)})" + ph("tasks"))
+    p.add_argument("--lengths", type=int, nargs="+", default=S,
+                   help="prompt lengths in tokens (the context is 8192)" + ph("lengths"))
+    p.add_argument("--seeds", type=int, nargs="+", default=S, help="one case per task and seed" + ph("seeds"))
+    common.add_policy_arguments(p, PRESETS)
+    common.add_haystacks_argument(p, PRESETS, "every case runs on each")
+    common.add_model_arguments(p, MODEL)
+    common.add_output_arguments(p, SECTION, SECTION, out_per_preset=True)
+    args = common.parse_grid_args(p, PRESETS, SECTION, argv)
+    args.tasks = list(dict.fromkeys(args.tasks))
+    args.seeds = list(dict.fromkeys(args.seeds))
+    if any(n < 1 for n in args.lengths):
+        p.error("--lengths must be positive")
+    if any(s < 0 for s in args.seeds):
+        p.error("--seeds must be >= 0")
+    return args
+
+
+def main(argv=None) -> int:
+    common.run_task(parse_args(argv), run, section=SECTION, make_plot=make_plot, results_section=results_section,
+                    tables=lambda payload: [t for t in (results_table(payload), fidelity_table(payload)) if t])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
