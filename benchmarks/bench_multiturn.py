@@ -377,32 +377,16 @@ def run(args) -> dict:
     import jax
     from tqdm import tqdm
 
-    import hetero_jax
-    from hetero_jax.policies import make_policy
-
     from hetero_jax import runtime as G
-    if not args.no_compile_cache:
-        from hetero_jax.cli import enable_compilation_cache
 
-        enable_compilation_cache()
-    combos = common.make_combos(args.policies, args.budgets)
-    labels = [common.combo_label(n, r) for n, r in combos]
     depths = args.fact_depths or fact_depths(args.n_facts)
-
     t_start = time.perf_counter()
-    model = hetero_jax.load(args.model, dtype=args.dtype, progress=False)
-    load_s = time.perf_counter() - t_start
-    policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
+    model, combos, labels, policies, load_s = common.load_grid(args)
     # a combo whose budget its profile cannot meet at some length is left out and named in the report
-    skipped = {}
-    for lab, pol in zip(labels, policies):
-        err = common.budget_problem(model, pol, args.lengths)
-        if err:
-            skipped[lab] = err
+    skipped = {lab: "; ".join(errs.values())
+               for lab, errs in common.refused_by_length(model, labels, policies, args.lengths).items()}
     keep = [i for i, lab in enumerate(labels) if lab not in skipped]
     combos, labels, policies = [combos[i] for i in keep], [labels[i] for i in keep], [policies[i] for i in keep]
-    for lab, err in skipped.items():
-        print(f"skipping {lab}: {err}", file=sys.stderr)
     config = {
         "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
         "lengths": args.lengths, "seeds": args.seeds, "budgets": args.budgets, "policies": args.policies,

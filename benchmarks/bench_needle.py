@@ -424,30 +424,13 @@ def run(args) -> dict:
     import jax
     from tqdm import tqdm
 
-    import hetero_jax
-    from hetero_jax.policies import make_policy
-
     from hetero_jax import runtime as G
-    if not args.no_compile_cache:
-        from hetero_jax.cli import enable_compilation_cache
-
-        enable_compilation_cache()
-    combos = common.make_combos(args.policies, args.budgets)
-    labels = [common.combo_label(n, r) for n, r in combos]
-    policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
 
     t_start = time.perf_counter()
-    model = hetero_jax.load(args.model, dtype=args.dtype, progress=False)
-    load_s = time.perf_counter() - t_start
+    model, combos, labels, policies, load_s = common.load_grid(args)
     cfg = model.config
     # a (combo, length) whose budget cannot be met is left out and named in the report: its cells show "—"
-    skipped = {}
-    for lab, pol in zip(labels, policies):
-        for L in args.lengths:
-            err = common.budget_problem(model, pol, [L])
-            if err:
-                skipped.setdefault(lab, {})[str(L)] = err
-                print(f"skipping {lab} at {L} tokens: {err}", file=sys.stderr)
+    skipped = common.refused_by_length(model, labels, policies, args.lengths)
     keep = [i for i, lab in enumerate(labels) if len(skipped.get(lab, {})) < len(args.lengths)]
     combos, labels, policies = [combos[i] for i in keep], [labels[i] for i in keep], [policies[i] for i in keep]
     for L in args.lengths:

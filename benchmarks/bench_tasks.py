@@ -475,31 +475,14 @@ def run(args) -> dict:
     import jax
     from tqdm import tqdm
 
-    import hetero_jax
-    from hetero_jax.policies import make_policy
-
     from hetero_jax import runtime as G
-    if not args.no_compile_cache:
-        from hetero_jax.cli import enable_compilation_cache
-
-        enable_compilation_cache()
-    combos = common.make_combos(args.policies, args.budgets)
-    labels = [common.combo_label(n, r) for n, r in combos]
-    policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
 
     t_start = time.perf_counter()
-    model = hetero_jax.load(args.model, dtype=args.dtype, progress=False)
-    load_s = time.perf_counter() - t_start
+    model, combos, labels, policies, load_s = common.load_grid(args)
     cfg = model.config
     tok = model.tokenizer
     # a (combo, length) whose budget the policy cannot keep is left out there and named in the report
-    skipped: dict[str, dict[str, str]] = {}
-    for lab, pol in zip(labels, policies):
-        for L in args.lengths:
-            err = common.budget_problem(model, pol, [L])
-            if err:
-                skipped.setdefault(lab, {})[str(L)] = err
-                print(f"skipping {lab} at {L} tokens: {err}", file=sys.stderr)
+    skipped = common.refused_by_length(model, labels, policies, args.lengths)
     eos = set(tok.eos_token_ids) | set(cfg.eos_token_ids)
     config = {
         "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,

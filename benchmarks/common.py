@@ -38,6 +38,7 @@ import resource
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -443,6 +444,38 @@ def policy_spec(text: str) -> str:
     except HeteroJaxError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def load_grid(args):
+    """What a grid script's run starts with: the persistent compilation cache (unless ``--no-compile-cache``), the
+    policy x budget combos of ``--policies`` / ``--budgets``, their labels and policies, and the model (``--model``,
+    ``--dtype``). Returns (model, combos, labels, policies, seconds the load took)."""
+    import hetero_jax
+    from hetero_jax.policies import make_policy
+
+    if not args.no_compile_cache:
+        from hetero_jax.cli import enable_compilation_cache
+
+        enable_compilation_cache()
+    combos = make_combos(args.policies, args.budgets)
+    labels = [combo_label(n, r) for n, r in combos]
+    policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
+    t0 = time.perf_counter()
+    model = hetero_jax.load(args.model, dtype=getattr(args, "dtype", None), progress=False)
+    return model, combos, labels, policies, time.perf_counter() - t0
+
+
+def refused_by_length(model, labels, policies, lengths) -> dict[str, dict[str, str]]:
+    """{label: {length: the budget error}} for every (combo, length) whose budget the policy cannot keep, each
+    also named on stderr: a grid leaves those out and names them in its report."""
+    refused: dict[str, dict[str, str]] = {}
+    for lab, pol in zip(labels, policies):
+        for L in lengths:
+            err = budget_problem(model, pol, [L])
+            if err:
+                refused.setdefault(lab, {})[str(L)] = err
+                print(f"skipping {lab} at {L} tokens: {err}", file=sys.stderr)
+    return refused
 
 
 def budget_problem(model, policy, lengths) -> str | None:
