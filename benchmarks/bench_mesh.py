@@ -146,7 +146,8 @@ def render_processes(payload: dict) -> str:
     out = [common.section_header("Mesh across processes: device and host bytes per process, Llama-3.1-8B", payload),
            "",
            f"Computed from the layout, not measured: no weights are loaded and nothing runs. HeteroCache at rho "
-           f"{cfg['rho']} on the authors' Llama-3.1-8B-Instruct profile (`../shared/reference`) beside full KV, "
+           f"{cfg['rho']} on the authors' Llama-3.1-8B-Instruct profile (`{Path(cfg['reference']).name}/"
+           f"{PROFILES['Llama-3.1-8B-Instruct']}`) beside full KV, "
            "tensor parallel over P processes of one device each (the usual one GPU per process), one sequence, "
            f"bf16 K and V, a tail for {cfg['new_tokens']} new tokens. *device*: the row pool of the process's "
            "heads (K, V, positions; rows from `cache.pool_offsets` over `HeteroCache.bind`'s role-balanced "
@@ -279,7 +280,8 @@ def main(argv=None) -> int:
 
 def main_processes(args) -> int:
     config = dict(rho=float(args.rhos.split(",")[0]), lengths=[int(x) for x in args.lengths.split(",")],
-                  processes=[int(x) for x in args.processes.split(",")], new_tokens=args.new_tokens)
+                  processes=[int(x) for x in args.processes.split(",")], new_tokens=args.new_tokens,
+                  reference=str(args.reference))
     payload = common.report_header(PROCESS_SECTION, config)
     payload["processes"] = process_rows(config["rho"], config["lengths"], config["processes"], args.new_tokens,
                                         reference=args.reference)
