@@ -16,6 +16,14 @@ Two parts:
 
     .venv/bin/python benchmarks/bench_mesh.py --write-results
 
+3. **Bytes per process** (``--per-process``, its own section ``mesh-processes``; no model run, no weights):
+   HeteroCache at rho on the authors' Llama-3.1-8B-Instruct profile beside full KV, tensor parallel over P
+   processes of one device each, at each prompt length: the device and host bytes each process holds, from
+   the layout the runtime builds (``HeteroCache.bind``'s role-balanced rows, ``cache.pool_offsets``' pool
+   rows, the host copy's heads).
+
+    .venv/bin/python benchmarks/bench_mesh.py --per-process --write-results
+
 The planned GPU run (8 devices, Llama-3.1-8B shapes) is named in the section it writes.
 """
 
@@ -37,6 +45,7 @@ import common  # noqa: E402  (benchmarks/common.py)
 import haystack  # noqa: E402  (benchmarks/haystack.py)
 
 SECTION = "mesh"
+PROCESS_SECTION = "mesh-processes"
 REFERENCE = common.REPO_ROOT.parent / "shared" / "reference"
 PROFILES = {"Llama-3.1-8B-Instruct": "official_profile_llama-3.1-8b-instruct.json",
             "Qwen2.5-14B-Instruct": "official_profile_qwen2.5-14b-instruct.json"}
@@ -67,6 +76,94 @@ def placement_rows(rhos, lengths, tps, itemsize: int = 2) -> list[dict]:
                                          full_per_shard=profile.num_layers * profile.num_kv_heads // tp * L
                                          * bytes_per_token))
     return rows
+
+
+def layout_bytes(policy, cfg, tp: int, prompt_len: int, tail: int, itemsize: int = 2) -> dict:
+    """Bytes one device holds for one sequence of ``prompt_len`` tokens on a tp x 1 mesh, from the layout of
+    ``policy`` (a HeteroCache bound for tp shards) and ``cache.pool_offsets``, beside full KV's:
+
+    - ``*_pool``: the row pool [S, P, D] K and V plus its positions [S, P] int32, P the largest shard's kept
+      rows plus ``tail`` rows per head (rounded to the pool quantum);
+    - ``small``: each layer's offsets and lengths [H] int32 (split over "model");
+    - ``k_base``: HeteroCache's K_base [pivots, L_base] int32 per pivot layer (its "pivots" axis is not split,
+      so every device holds all of it);
+    - ``host``: HeteroCache's pinned prompt copy: on one device the compressed heads of each layer, under
+      tensor parallelism every head of each layer that has a compressed head, split over "model" as the
+      heads are (``heterocache.prefill``)."""
+    import numpy as np
+
+    from hetero_jax.model.cache import pool_offsets
+
+    D, H, L = cfg.head_dim, cfg.num_kv_heads, prompt_len
+    layout, roles = policy.layout(cfg), policy.layer_roles(cfg)
+    grid, l_base = policy.budget_grid(L)
+    counts = np.stack([grid[li, np.asarray(perm)] for li, perm in enumerate(layout.perms)])[:, None, :]  # [L, 1, H]
+    row = 2 * D * itemsize + 4
+    out = {"small": cfg.num_layers * 2 * (H // tp) * 4}
+    for name, c in (("full", np.full_like(counts, L)), ("heterocache", counts)):
+        _, rows = pool_offsets(c, tail, tp)
+        out[f"{name}_pool_rows"], out[f"{name}_pool"] = rows, rows * row
+    out["k_base"] = sum(len(r.pivot_slots()) for r in roles if r.pivot_slots()) * l_base * 4
+    heads = [(H // tp if tp > 1 else len(r.comp_slots)) for r in roles if r.comp_slots]
+    out["host"] = sum(heads) * L * 2 * D * itemsize
+    return out
+
+
+def process_rows(rho: float, lengths, processes, new_tokens: int, itemsize: int = 2,
+                 reference: Path = REFERENCE) -> list[dict]:
+    """Bytes per process of full KV and HeteroCache(rho) on Llama-3.1-8B (the authors' profile), tensor parallel
+    over each count of ``processes`` (one device each, batch 1, a tail for ``new_tokens``): ``layout_bytes``
+    of the layout ``HeteroCache.bind`` builds for that mesh (bind reads the config and the mesh's shape only:
+    no weights)."""
+    from types import SimpleNamespace
+
+    from bench_latency import SYNTHETIC_SHAPES
+    from hetero_jax.model.config import ModelConfig
+    from hetero_jax.policies import HeteroCache
+    from hetero_jax.profile.format import load_profile
+    from hetero_jax.runtime.compile_cache import tail_capacity_for
+
+    cfg = ModelConfig.from_hf_dict(SYNTHETIC_SHAPES["llama-3.1-8b"])
+    profile = load_profile(str(Path(reference) / PROFILES["Llama-3.1-8B-Instruct"]))
+    tail = tail_capacity_for(new_tokens)
+    rows = []
+    for n in processes:
+        mesh = SimpleNamespace(size=n, shape={"model": n, "data": 1})
+        policy = HeteroCache(budget=rho, profile=profile).bind(
+            SimpleNamespace(config=cfg, params=None, mesh=mesh, name="llama-3.1-8b"))
+        for L in lengths:
+            b = layout_bytes(policy, cfg, n, L, tail, itemsize)
+            rows.append(dict(processes=n, prompt_tokens=L, rho=rho, tail_rows=tail, **b,
+                             full_device=b["full_pool"] + b["small"], full_host=0,
+                             heterocache_device=b["heterocache_pool"] + b["small"] + b["k_base"],
+                             heterocache_host=b["host"]))
+    return rows
+
+
+def render_processes(payload: dict) -> str:
+    mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
+    cfg = payload["config"]
+    out = [common.section_header("Mesh across processes: device and host bytes per process, Llama-3.1-8B", payload),
+           "",
+           f"Computed from the layout, not measured: no weights are loaded and nothing runs. HeteroCache at rho "
+           f"{cfg['rho']} on the authors' Llama-3.1-8B-Instruct profile (`{Path(cfg['reference']).name}/"
+           f"{PROFILES['Llama-3.1-8B-Instruct']}`) beside full KV, "
+           "tensor parallel over P processes of one device each (the usual one GPU per process), one sequence, "
+           f"bf16 K and V, a tail for {cfg['new_tokens']} new tokens. *device*: the row pool of the process's "
+           "heads (K, V, positions; rows from `cache.pool_offsets` over `HeteroCache.bind`'s role-balanced "
+           "layout), every layer's offsets and lengths, and K_base (not split: every process holds all pivots'). "
+           "*host*: HeteroCache's pinned prompt copy of the process's heads (every head of a layer with a "
+           "compressed head under tensor parallelism). HeteroCache across processes is still refused at run time "
+           "(issue 40, items 1-2): the host column is what each process holds once its own host keeps its "
+           "heads' rows. With K devices per process, multiply by K (tp = P x K).", ""]
+    rows = [[r["prompt_tokens"], r["processes"], mib(r["full_device"]), mib(r["heterocache_device"]),
+             f"{r['heterocache_device'] / r['full_device']:.3f}", mib(r["heterocache_host"]),
+             mib(r["heterocache_device"] + r["heterocache_host"])] for r in payload["processes"]]
+    out.append(common.markdown_table(["L", "processes", "full KV device MiB", "HeteroCache device MiB",
+                                      "device ratio", "HeteroCache host MiB", "HeteroCache device + host MiB"],
+                                     rows, align="rrrrrrr"))
+    out.append("")
+    return "\n".join(out)
 
 
 def sharded_runs(model_name: str, meshes, policies, prompt_tokens: int, steps: int) -> list[dict]:
@@ -150,6 +247,13 @@ def parse_args(argv=None):
     p.add_argument("--lengths", default="32768")
     p.add_argument("--tps", default="2,4,8")
     p.add_argument("--skip-runs", action="store_true", help="only the placement tables")
+    p.add_argument("--per-process", action="store_true",
+                   help=f"only the bytes per process (section {PROCESS_SECTION}): --rhos' first, --lengths, "
+                        "--processes")
+    p.add_argument("--processes", default="2,4,8", help="process counts for --per-process")
+    p.add_argument("--new-tokens", type=int, default=256, help="--per-process: tokens the tail holds")
+    p.add_argument("--reference", type=Path, default=REFERENCE,
+                   help=f"--per-process: the folder of the authors' profiles (default {REFERENCE})")
     p.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "out" / "mesh.json")
     common.add_results_arguments(p, SECTION, presets=False)
     return p.parse_args(argv)
@@ -157,6 +261,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.per_process:
+        return main_processes(args)
     meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
     config = dict(model=args.model, meshes=meshes, policies=args.policies.split(","),
                   prompt_tokens=args.prompt_tokens, steps=args.steps, rhos=[float(x) for x in args.rhos.split(",")],
@@ -169,6 +275,21 @@ def main(argv=None) -> int:
     print(render(payload))
     if args.write_results:
         common.write_results_section(SECTION, lambda _plot: render(payload), None, args.results_file)
+    return 0
+
+
+def main_processes(args) -> int:
+    config = dict(rho=float(args.rhos.split(",")[0]), lengths=[int(x) for x in args.lengths.split(",")],
+                  processes=[int(x) for x in args.processes.split(",")], new_tokens=args.new_tokens,
+                  reference=str(args.reference))
+    payload = common.report_header(PROCESS_SECTION, config)
+    payload["processes"] = process_rows(config["rho"], config["lengths"], config["processes"], args.new_tokens,
+                                        reference=args.reference)
+    common.write_json(args.json.with_name("mesh-processes.json"), payload)
+    print(render_processes(payload))
+    if args.write_results:
+        common.write_results_section(PROCESS_SECTION, lambda _plot: render_processes(payload), None,
+                                     args.results_file)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""``hetero-jax`` command line: ``hetero-jax generate ...``, ``hetero-jax serve ...``, ``hetero-jax models``."""
+"""``hetero-jax`` command line: ``hetero-jax generate ...``, ``hetero-jax serve ...``, ``hetero-jax models``,
+``hetero-jax launch -n N -- generate ...``."""
 
 from __future__ import annotations
 
@@ -45,6 +46,22 @@ def _add_generate(sub) -> None:
     p.add_argument("--dp", type=int, default=1, help="data parallel: split the batch over this many devices")
     p.add_argument("--turns", default=None,
                    help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
+
+
+def _add_launch(sub) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run generate in N processes on this machine, joined into one JAX job",
+        description="Start N processes of a hetero-jax command on this machine with JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES and JAX_PROCESS_ID set (what a cluster's launcher sets on several hosts); the model "
+        "is split over all their devices. Process 0 prints; when a process fails, the others are stopped and "
+        "launch exits with its code. Example: hetero-jax launch -n 2 -- generate --model DIR --prompt TEXT",
+    )
+    p.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
+    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
+                   help="K simulated CPU devices per process (on a GPU host: GPUs iK..iK+K-1 for process i)")
+    p.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- generate ...",
+                   help="the command every process runs, after --")
 
 
 def _add_serve(sub) -> None:
@@ -196,7 +213,27 @@ def enable_compilation_cache() -> bool:
     return True
 
 
-def _cmd_generate(args) -> int:
+def _generate_mesh(args, setup):
+    """The mesh of ``--tp`` x ``--dp`` (None for one device); in a multi-process job it must span every
+    process's devices (default: tensor parallel over all of them)."""
+    from hetero_jax.model.sharding import make_mesh
+
+    if not setup.distributed:
+        return make_mesh(args.tp, args.dp) if args.tp * args.dp > 1 else None
+    import jax
+
+    from hetero_jax.runtime.distributed import LaunchError
+
+    n = jax.device_count()
+    tp, dp = (n, 1) if args.tp * args.dp == 1 else (args.tp, args.dp)
+    if tp * dp != n:
+        raise LaunchError(f"--tp {tp} x --dp {dp} = {tp * dp} devices, but the {jax.process_count()} processes "
+                          f"hold {n}: a multi-process run's mesh spans every device; give --tp and --dp whose "
+                          f"product is {n} (or neither: tensor parallel over all {n})")
+    return make_mesh(tp, dp)
+
+
+def _cmd_generate(args, setup) -> int:
     import hetero_jax
     from hetero_jax.policies import describe_policies, make_policy, parse_options
 
@@ -236,12 +273,8 @@ def _cmd_generate(args) -> int:
         raise PromptError("empty prompt: the prompt text has no content; give --prompt TEXT or a --prompt-file "
                           "that holds text")
     enable_compilation_cache()
-    mesh = None
-    if args.tp * args.dp > 1:
-        from hetero_jax.model.sharding import make_mesh
-
-        mesh = make_mesh(args.tp, args.dp)
-    model = hetero_jax.load(args.model, dtype=args.dtype, mesh=mesh)
+    mesh = _generate_mesh(args, setup)
+    model = hetero_jax.load(args.model, dtype=args.dtype, mesh=mesh, progress=setup.process_id == 0)
     stream = not args.no_stream
     if args.turns:
         return _run_turns(args, model, prompt, policy, stream, questions)
@@ -298,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)
+    _add_launch(sub)
     sub.add_parser("models", help="list the known model names")
     from hetero_jax.profile.cli import add_profile_parser
 
@@ -307,18 +341,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from hetero_jax.errors import HeteroJaxError
+    from hetero_jax.runtime.distributed import SINGLE, initialize_distributed, process_setup
 
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "tp", 1) < 1 or getattr(args, "dp", 1) < 1:
         parser.error("--tp and --dp take a positive number of devices")
-    simulate_cpu_devices(getattr(args, "tp", 1) * getattr(args, "dp", 1))
     if args.command is None:
         parser.print_help()
         return 2
+    setup = SINGLE
     try:
         if args.command == "generate":
-            return _cmd_generate(args)
+            # the job's variables before anything else: a bad one is refused before JAX starts; in a job the
+            # devices are the processes' own (hetero-jax launch --devices-per-process simulates CPU ones)
+            setup = process_setup()
+            if not setup.distributed:
+                simulate_cpu_devices(args.tp * args.dp)
+            setup = initialize_distributed()
+            if setup.process_id != 0:  # every process runs the same command; process 0 prints
+                import contextlib
+                import os
+
+                with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+                    return _cmd_generate(args, setup)
+            return _cmd_generate(args, setup)
+        if args.command == "launch":
+            from hetero_jax.launch import launch
+
+            return launch(args.processes, args.launched,
+                          devices_per_process=args.devices_per_process)
         if args.command == "models":
             return _cmd_models(args)
         if args.command == "serve":
@@ -327,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             enable_compilation_cache()
             return args.func(args)
     except (HeteroJaxError, NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        where = f" (process {setup.process_id} of {setup.num_processes or '?'})" if setup.distributed else ""
+        print(f"error{where}: {e}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {args.command}")
     return 2

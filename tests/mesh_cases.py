@@ -267,3 +267,34 @@ def test_engine_rejects_nothing_on_a_one_device_mesh():
     got, _, eng = greedy_with_logits(place(MODEL, make_mesh(1, 1)), FullKV(), PROMPTS, steps=8)
     np.testing.assert_array_equal(got, toks)
     assert isinstance(eng, Engine)
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_bytes_computed_from_the_layout_equal_the_measured_shards(tp):
+    """benchmarks/bench_mesh.py's per-process table computes each device's bytes from the layout alone (no
+    weights, nothing run); here the same computation for the tiny model equals what a run's arrays hold."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_mesh
+
+    prompt = PROMPTS[:1]
+    model = place(MODEL, make_mesh(tp, 1)) if tp > 1 else MODEL
+    _, _, eng = greedy_with_logits(model, POLICIES["heterocache"], prompt, steps=2)
+    _, _, full = greedy_with_logits(model, FullKV(), prompt, steps=2)
+    cfg, cache = MODEL.config, eng.cache
+    want = bench_mesh.layout_bytes(eng.policy, cfg, tp, len(prompt[0]), cache.tail_capacity,
+                                   itemsize=cache.pool.k.dtype.itemsize)
+
+    def one_device(arrays):
+        got = per_device_bytes(arrays) if tp > 1 else {"one": sum(a.nbytes for a in arrays)}
+        assert len(set(got.values())) == 1, got  # every device holds the same
+        return next(iter(got.values()))
+
+    pool = lambda c: [c.pool.k, c.pool.v, c.pool.positions]  # noqa: E731
+    assert cache.pool.num_rows == want["heterocache_pool_rows"] and full.cache.pool.num_rows == want["full_pool_rows"]
+    assert one_device(pool(cache)) == want["heterocache_pool"] and one_device(pool(full.cache)) == want["full_pool"]
+    assert one_device([a for l in cache.layers for a in (l.offsets, l.lengths)]) == want["small"]
+    assert one_device([l.state.k_base for l in cache.layers if l.state is not None]) == want["k_base"] > 0
+    assert one_device(eng.state.host_arrays()) == want["host"] > 0

@@ -1,19 +1,18 @@
-"""One process of tests/test_multihost.py: joins a 2-process jax.distributed job on CPU (gloo), places
-a tiny 2-KV-head model tensor-parallel over both processes' devices and prints its greedy run as JSON."""
+"""One process of tests/test_multihost.py: joins a 2-process jax.distributed job on CPU (gloo) from the
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID the test sets (hetero_jax.initialize_distributed),
+places a tiny 2-KV-head model tensor-parallel over both processes' devices and prints its greedy run as JSON."""
 
 import json
-import sys
 
 import jax
 
-process_id, port = int(sys.argv[1]), sys.argv[2]
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
+import hetero_jax
+from hetero_jax.policies import HeteroCache, make_policy
+from multihost_model import POLICIES, PROMPTS, two_head_model
+from tiny_model import greedy_with_logits
 
-import hetero_jax  # noqa: E402
-from hetero_jax.policies import HeteroCache, make_policy  # noqa: E402
-from multihost_model import POLICIES, PROMPTS, two_head_model  # noqa: E402
-from tiny_model import greedy_with_logits  # noqa: E402
+setup = hetero_jax.initialize_distributed()
+assert setup.distributed and setup.process_id == jax.process_index()
 
 model = hetero_jax.place(two_head_model(), hetero_jax.make_mesh(tp=2, dp=1))
 out = {"process_count": jax.process_count(), "device_count": jax.device_count(), "runs": {}}

@@ -3,13 +3,13 @@ logits (1e-4) as one process alone; a policy with host copies is refused with th
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from hetero_jax.launch import free_port as _free_port, process_env
 from hetero_jax.policies import make_policy
 from multihost_model import POLICIES, PROMPTS, two_head_model
 from tiny_model import greedy_with_logits
@@ -17,18 +17,14 @@ from tiny_model import greedy_with_logits
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_equal_one():
-    port = str(_free_port())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE,
+                                                       os.environ.get("PYTHONPATH", "")]))
     env.pop("XLA_FLAGS", None)  # one CPU device per process: the mesh spans both processes
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py"), str(i), port], env=env,
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py")],
+                              env=process_env(env, 2, i, port, None),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = []
     for p in procs:

@@ -1,0 +1,127 @@
+"""``hetero-jax launch -n N [--devices-per-process K] -- generate ...``: N processes of one command on this
+machine, joined into one JAX job through the variables :mod:`hetero_jax.runtime.distributed` reads.
+
+Each process gets ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAX_NUM_PROCESSES`` and its
+``JAX_PROCESS_ID``; with K, ``XLA_FLAGS=--xla_force_host_platform_device_count=K`` (K CPU devices each) and
+``JAX_LOCAL_DEVICE_IDS`` (on a GPU host, process i takes GPUs iK..iK+K-1). Process 0's output is forwarded;
+the others' stdout is dropped (they print nothing) and their stderr shared. When a process fails, the others
+are stopped (SIGTERM, then SIGKILL after ``grace_s``) and the launcher exits with the first failure's code:
+a peer blocked in a collective would otherwise wait for jax's heartbeat timeout (100 s) or forever.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Mapping, Sequence
+
+from hetero_jax.runtime.distributed import ADDRESS, COUNT, RANK, LaunchError
+
+LAUNCHABLE = ("generate",)
+_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS's pick; the coordinator binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(base: Mapping[str, str], n: int, rank: int, port: int, devices_per_process: int | None) -> dict:
+    """The environment of process ``rank`` of ``n``: ``base`` plus the job's variables."""
+    env = dict(base)
+    env.update({ADDRESS: f"127.0.0.1:{port}", COUNT: str(n), RANK: str(rank)})
+    if devices_per_process is not None:
+        k = devices_per_process
+        flags = _COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={k}".strip()
+        env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(rank * k + j) for j in range(k))
+    return env
+
+
+def check_command(command: Sequence[str]) -> list[str]:
+    """The hetero-jax command to launch (a leading ``--`` dropped); LaunchError unless it is launchable."""
+    command = list(command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command or command[0] not in LAUNCHABLE:
+        got = f"got {command[0]!r}" if command else "got nothing"
+        raise LaunchError(f"hetero-jax launch runs {' or '.join(LAUNCHABLE)} in every process ({got}); write "
+                          "hetero-jax launch -n 2 -- generate --model ... --prompt ...")
+    return command
+
+
+def _exit_code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc  # killed by signal s: the shell's 128 + s
+
+
+def run_processes(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *, grace_s: float = 5.0,
+                  poll_s: float = 0.05, log=sys.stderr) -> int:
+    """Run one process per command (process i with ``envs[i]``) until all exit; 0 when all exit 0.
+
+    When one exits non-zero the others get SIGTERM, then SIGKILL after ``grace_s``; the return value is the
+    first failure's exit code (a signal s as 128 + s). Process 0 writes to this process's stdout and stderr,
+    the others to its stderr only."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for i, (cmd, env) in enumerate(zip(commands, envs)):
+            procs.append(subprocess.Popen(list(cmd), env=dict(env), stdin=subprocess.DEVNULL,
+                                          stdout=None if i == 0 else subprocess.DEVNULL))
+        first = None
+        while first is None and any(p.returncode is None for p in procs):
+            time.sleep(poll_s)
+            for i, p in enumerate(procs):
+                if p.poll() is not None and p.returncode != 0:
+                    first = (i, p.returncode)
+                    break
+        if first is None:
+            return 0
+        i, rc = first
+        alive = [j for j, p in enumerate(procs) if p.poll() is None]
+        how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        print(f"error: process {i} of {len(procs)} {how}" + (
+            f"; stopping process{'es' if len(alive) > 1 else ''} {', '.join(map(str, alive))}" if alive else ""),
+            file=log, flush=True)
+        _stop([procs[j] for j in alive], grace_s)
+        return _exit_code(rc)
+    except KeyboardInterrupt:
+        _stop([p for p in procs if p.poll() is None], grace_s)
+        return 130
+    finally:
+        _stop([p for p in procs if p.poll() is None], grace_s)
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(n: int, command: Sequence[str], *, devices_per_process: int | None = None, grace_s: float = 5.0,
+           python: str = sys.executable) -> int:
+    """``hetero-jax COMMAND...`` in ``n`` processes on this machine, joined into one job (module docstring)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise LaunchError(f"-n {n!r}: give the number of processes, an integer >= 1")
+    if devices_per_process is not None and (isinstance(devices_per_process, bool) or
+                                            not isinstance(devices_per_process, int) or devices_per_process < 1):
+        raise LaunchError(f"--devices-per-process {devices_per_process!r}: give an integer >= 1")
+    command = check_command(command)
+    port = free_port()
+    argv = [python, "-m", "hetero_jax.cli", *command]
+    # the children import the hetero_jax this launcher runs, wherever they start
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    envs = [process_env(base, n, i, port, devices_per_process) for i in range(n)]
+    return run_processes([argv] * n, envs, grace_s=grace_s)

@@ -1,0 +1,140 @@
+"""Launching like the ecosystem launches: the job's variables (JAX's own, SLURM, Open MPI, Kubernetes) read and
+checked before JAX starts, ``hetero-jax launch`` starting N processes of ``generate`` on this machine (the text
+of one process), and a process that fails stopping the others within a bounded time."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hetero_jax.cli import main
+from hetero_jax.launch import check_command, process_env, run_processes
+from hetero_jax.runtime.distributed import SINGLE, LaunchError, ProcessSetup, initialize_distributed, process_setup
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+SLURM = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "node[001-004]", "SLURM_NTASKS": "4", "SLURM_PROCID": "2",
+         "SLURM_LOCALID": "0"}
+
+
+def test_the_job_is_read_from_jax_slurm_and_open_mpi_variables():
+    assert process_setup({}) == SINGLE and not SINGLE.distributed
+    assert process_setup(JOB) == ProcessSetup(4, 3, "10.0.0.1:1234", "jax")
+    assert process_setup({"JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}) == SINGLE  # no coordinator needed
+    assert process_setup(SLURM) == ProcessSetup(4, 2, None, "slurm")
+    assert process_setup(dict(SLURM, JAX_COORDINATOR_ADDRESS="n1:99")) == ProcessSetup(4, 2, "n1:99", "slurm")
+    assert process_setup(dict(SLURM, SLURM_NTASKS="1", SLURM_PROCID="0")) == SINGLE
+    assert process_setup({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4"}) == SINGLE  # a batch script outside srun
+    assert process_setup(dict(SLURM, **JOB)) == ProcessSetup(4, 3, "10.0.0.1:1234", "jax")  # explicit wins
+    ompi = {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1:34911", "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    assert process_setup(ompi) == ProcessSetup(8, 5, None, "ompi")
+
+
+@pytest.mark.parametrize("env, names", [
+    ({"JAX_NUM_PROCESSES": "2"}, ["JAX_NUM_PROCESSES is set but JAX_PROCESS_ID is not"]),
+    ({"JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "h:1"}, ["JAX_NUM_PROCESSES is not"]),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}, ["JAX_COORDINATOR_ADDRESS is not"]),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1"}, ["JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES and JAX_PROCESS_ID"]),
+    (dict(JOB, JAX_PROCESS_ID="4"), ["JAX_PROCESS_ID='4' is not an integer in [0, 3]"]),
+    (dict(JOB, JAX_NUM_PROCESSES="two"), ["JAX_NUM_PROCESSES='two' is not an integer >= 1"]),
+    (dict(JOB, JAX_COORDINATOR_ADDRESS="10.0.0.1"), ["JAX_COORDINATOR_ADDRESS='10.0.0.1' is not HOST:PORT"]),
+    (dict(JOB, JAX_COORDINATOR_ADDRESS="h:70000"), ["JAX_COORDINATOR_ADDRESS='h:70000' is not HOST:PORT"]),
+    (dict(JOB, JAX_LOCAL_DEVICE_IDS="0;1"), ["JAX_LOCAL_DEVICE_IDS='0;1'"]),
+    (dict(SLURM, SLURM_PROCID="x"), ["SLURM_PROCID='x'", "srun"]),
+    ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://h:1", "OMPI_COMM_WORLD_SIZE": "2"},
+     ["OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_LOCAL_RANK are not", "mpirun"]),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
+     ["OMPI_MCA_orte_hnp_uri", "JAX_NUM_PROCESSES=$OMPI_COMM_WORLD_SIZE"]),
+    ({"KUBERNETES_SERVICE_HOST": "10.1.0.1", "JOB_COMPLETION_INDEX": "1"}, ["pip install 'jax[k8s]'"]),
+])
+def test_bad_or_partial_variables_are_refused_naming_the_variable_and_the_fix(env, names):
+    with pytest.raises(LaunchError) as e:
+        process_setup(env)
+    for name in names:
+        assert name in str(e.value)
+    assert "JAX_COORDINATOR_ADDRESS" in str(e.value) or "unset" in str(e.value) or "mpirun" in str(e.value)
+
+
+def test_one_process_joins_nothing():
+    import jax
+
+    assert initialize_distributed({}) == SINGLE
+    assert not jax.distributed.is_initialized()
+
+
+def test_generate_refuses_a_partial_job_before_loading_anything(monkeypatch, capsys):
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.delenv("JAX_PROCESS_ID", raising=False)
+    assert main(["generate", "--model", "/no/such/model", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "JAX_NUM_PROCESSES is set but JAX_PROCESS_ID is not" in err and "no/such/model" not in err
+
+
+def test_launch_runs_generate_only_and_sets_the_job_per_process(capsys):
+    with pytest.raises(LaunchError, match="runs generate in every process"):
+        check_command(["--", "serve"])
+    assert check_command(["--", "generate", "--prompt", "x"]) == ["generate", "--prompt", "x"]
+    assert main(["launch", "-n", "2", "--", "models"]) == 2
+    assert "hetero-jax launch runs generate" in capsys.readouterr().err
+    assert main(["launch", "-n", "0", "--", "generate"]) == 2
+    env = process_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=6 --a=1"}, 3, 2, 555, 2)
+    assert process_setup(env) == ProcessSetup(3, 2, "127.0.0.1:555", "jax")
+    assert env["XLA_FLAGS"] == "--a=1 --xla_force_host_platform_device_count=2" and env["JAX_LOCAL_DEVICE_IDS"] == "4,5"
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize("failing, code", [("import sys; sys.exit(3)", 3),
+                                           ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 128 + 9)])
+def test_a_failing_process_stops_the_others_within_a_bounded_time(tmp_path, failing, code):
+    """Process 0 would wait for ten minutes (as one blocked in a collective waits), and ignores SIGTERM;
+    process 1 fails: launch returns the failure's code within the grace time, and process 0 is gone."""
+    pid_file = tmp_path / "pid"
+    waiter = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)")
+    failer = f"import time; time.sleep(1.0); {failing}"
+    start = time.monotonic()
+    rc = run_processes([_py(waiter), _py(failer)], [dict(os.environ)] * 2, grace_s=2.0)
+    assert rc == code and time.monotonic() - start < 30
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_all_processes_succeeding_return_zero():
+    assert run_processes([_py("pass"), _py("import time; time.sleep(0.5)")], [dict(os.environ)] * 2) == 0
+
+
+def _answer(stdout: str) -> list[str]:
+    """The lines generate printed, less gloo's connection notes (its C++ code writes them to stdout)."""
+    return [line for line in stdout.splitlines() if not line.startswith("[Gloo]")]
+
+
+@pytest.mark.slow
+def test_launch_two_processes_of_generate_gives_the_one_process_text(tiny_checkpoint, tmp_path, capsys):
+    """The tiny Llama (2 KV heads) tensor-parallel over two processes of one CPU device each: the same
+    greedy text and session turns as one process, printed once (by process 0)."""
+    _, ck = tiny_checkpoint("llama")
+    capsys.readouterr()  # the conversion's report
+    turns = tmp_path / "turns.txt"
+    turns.write_text("what comes next?\nand after that?\n")
+    prompt = "the quick brown fox jumps over the lazy dog and the lazy dog sleeps"
+    env = dict(os.environ, HETERO_JAX_CACHE=str(tmp_path / "cache"))
+    env.pop("XLA_FLAGS", None)  # one CPU device per process: the mesh spans both
+    for extra in ([], ["--turns", str(turns)]):
+        args = ["generate", "--model", ck, "--prompt", prompt, "--no-chat", "--max-new-tokens", "6", "--no-stream",
+                *extra]
+        assert main(args) == 0
+        one = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("[stats]")]
+        run = subprocess.run([sys.executable, "-m", "hetero_jax.cli", "launch", "-n", "2", "--", *args], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        lines = _answer(run.stdout)
+        stats = [line for line in lines if line.startswith("[stats]")]
+        assert len(stats) == (2 if extra else 1)  # only process 0 printed
+        assert [line for line in lines if not line.startswith("[stats]")] == one
