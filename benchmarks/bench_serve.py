@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -46,31 +44,6 @@ PRESETS = {
     "full": dict(lengths=[2048, 7900], policies=["full", "snapkv", "heterocache"], repeats=3, max_tokens=16,
                  exact_fresh=True),
 }
-
-
-class Server:
-    """The app on 127.0.0.1 in a background thread."""
-
-    def __init__(self, model, config):
-        import uvicorn
-
-        from hetero_jax.serve import create_app
-
-        self.app = create_app(model, config)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.uv = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.uv.started:
-            if not self.thread.is_alive():
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-
-    def close(self):
-        self.uv.should_exit = True
-        self.thread.join(60)
 
 
 def stream_chat(base: str, body: dict) -> dict:
@@ -128,13 +101,13 @@ def conversation(base: str, policy: dict, first: str, user: str, max_tokens: int
 
 def run(args) -> dict:
     import hetero_jax
-    from hetero_jax.serve import ServeConfig
+    from hetero_jax.serve import BackgroundServer, ServeConfig
 
     t_start = time.perf_counter()
     model = hetero_jax.load(args.model)
     tok = model.tokenizer
     corpus = tok.encode(haystack.pydoc_corpus())
-    server = Server(model, ServeConfig(model_id=MODEL, max_sessions=4 * len(args.policies) * len(args.lengths)))
+    server = BackgroundServer(model, ServeConfig(model_id=MODEL, max_sessions=4 * len(args.policies) * len(args.lengths)))
     rows = []
     try:
         for H in args.lengths:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 import threading
 import time
 
@@ -168,21 +167,10 @@ def test_serve_flags_are_refused_before_loading(capsys, no_load, flags, needle):
 # --------------------------------------------------------------------------------------- a live server
 class LiveServer:
     def __init__(self, model, **config):
-        import uvicorn
+        from hetero_jax.serve import BackgroundServer, ServeConfig
 
-        from hetero_jax.serve import ServeConfig, create_app
-
-        self.app = create_app(model, ServeConfig(model_id=MODEL, **config))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.uv = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.uv.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
+        self.running = BackgroundServer(model, ServeConfig(model_id=MODEL, **config))
+        self.app, self.base = self.running.app, self.running.base
 
     @property
     def server(self):
@@ -207,8 +195,7 @@ class LiveServer:
         return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"hetero_jax_{name}"))
 
     def close(self):
-        self.uv.should_exit = True
-        self.thread.join(60)
+        self.running.close()
 
 
 @pytest.fixture(scope="module")

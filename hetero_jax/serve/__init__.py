@@ -3,6 +3,7 @@ between requests (docs/serve.md). The top floor beside the CLI: it imports the r
 nothing in the library imports it."""
 
 from hetero_jax.serve.app import ServeConfig, create_app
+from hetero_jax.serve.background import BackgroundServer
 from hetero_jax.serve.sessions import parse_size
 
-__all__ = ["ServeConfig", "create_app", "parse_size"]
+__all__ = ["BackgroundServer", "ServeConfig", "create_app", "parse_size"]
