@@ -578,14 +578,11 @@ def run(args) -> dict:
             ids = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, L).tolist()
         bar.set_description(f"{L} tok ({weights})")
         policies = make_policies(combos, synth_prof if weights == "synthetic" else None)
-        keep = []
-        for i, pol in enumerate(policies):
-            err = common.budget_problem(model, pol, [L])
-            if err:
-                payload["refused"].setdefault(common.combo_label(*combos[i]), {})[str(L)] = err
-                tqdm.write(f"skipping {common.combo_label(*combos[i])} at {L} tokens: {err}")
-            else:
-                keep.append(i)
+        labels = [common.combo_label(*c) for c in combos]
+        refused = common.refused_by_length(model, labels, policies, [L])
+        for lab, errs in refused.items():
+            payload["refused"].setdefault(lab, {}).update(errs)
+        keep = [i for i, lab in enumerate(labels) if lab not in refused]
         wb = model_weight_bytes(model.params, model.config)
         t0 = time.perf_counter()
         res, meta = measure_length(model, ids, [combos[i] for i in keep], [policies[i] for i in keep], args,

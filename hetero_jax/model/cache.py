@@ -269,6 +269,11 @@ def row_nbytes(cache: KVCache) -> int:
     return 2 * cache.pool.k.shape[-1] * cache.pool.k.dtype.itemsize
 
 
+def head_offsets(cache: KVCache) -> list[np.ndarray]:
+    """Per layer [B, H] int64 each head's first pool row, on the host (what a row write from the host indexes by)."""
+    return [to_host(l.offsets).astype(np.int64) for l in cache.layers]
+
+
 def kept_prompt_tokens(cache: KVCache) -> np.ndarray:
     """[B] prompt rows kept on the device, summed over every head of every layer."""
     return sum(to_host(l.lengths).astype(np.int64).sum(axis=1) for l in cache.layers)

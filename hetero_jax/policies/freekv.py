@@ -180,8 +180,7 @@ class FreeKVPrefill(PrefillPlan):
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
         if li not in self.compressed:
             return M.full_rows(k_buf, v_buf, lens, int(self.lens.max()))
-        rows, state = self.pages.build_layer(li, layer, x_in, k_buf, v_buf, lens)
-        return LayerPrefill(blocks=(rows,), state=state)
+        return self.pages.build_layer(li, layer, x_in, k_buf, v_buf, lens)
 
     def finish(self, cache: KVCache) -> tuple[KVCache, PageRecallDecode]:
         # the prompt fraction a step attends: skipped layers whole, compressed ones their rows

@@ -202,8 +202,7 @@ class QuestPrefill(PrefillPlan):
         if li not in self.sparse:
             return M.full_rows(k_buf, v_buf, lens, t_max)
         if self.policy.offload:
-            rows, state = self.pages.build_layer(li, layer, x_in, k_buf, v_buf, lens)
-            return LayerPrefill(blocks=(rows,), state=state)
+            return self.pages.build_layer(li, layer, x_in, k_buf, v_buf, lens)
         args = (k_buf[:, :, :t_max], lens)  # no summaries of the chunk padding
         kmin, kmax, n_pages = self.compile_fn(_summaries, *args, page_size=self.policy.page_size)(*args)
         B, H = k_buf.shape[:2]

@@ -29,9 +29,8 @@ import numpy as np
 from flax import struct
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import KVCache, RowBlock
+from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
 from hetero_jax.model.host_store import HostKVStore, write_host_rows
-from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.pages import group_page_scores, page_summaries, top_pages
 from hetero_jax.policies.protocol import DecodeState
@@ -132,16 +131,15 @@ class PageRecallPrefill:
             _prefill_layer, *args, cfg=self.cfg, page_size=self.page_size, n_pages=max(1, int(self.n_pages.max())),
             n_select=max(1, int(self.k_sel.max())), cap=int(self.held().max()), how=self.how)(*args)
         self.resident[li] = pages
-        return rows, state
+        return LayerPrefill(blocks=(rows,), state=state)
 
     def finish(self, cache: KVCache, attended: np.ndarray) -> "PageRecallDecode":
         """``attended``: [B] the prompt fraction a step attends, for the stats."""
         # copies (np.array), never views of device buffers the decode step will donate
         resident = {li: np.array(p, np.int32, copy=True) for li, p in self.resident.items()}
         self.store.materialize()  # a session turn's chunk reads numpy views only (waits for the copies)
-        offsets = [to_host(l.offsets).astype(np.int64) for l in cache.layers]
         return PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, resident,
-                                self.itemsize, offsets, attended, self.compile_fn)
+                                self.itemsize, head_offsets(cache), attended, self.compile_fn)
 
 
 class PageRecallDecode(DecodeState):
@@ -174,7 +172,7 @@ class PageRecallDecode(DecodeState):
 
     def pool_moved(self, cache) -> None:
         """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
-        self.offsets = [to_host(l.offsets).astype(np.int64) for l in cache.layers]
+        self.offsets = head_offsets(cache)
 
     def after_step(self, step, extras, cache) -> None:
         self.steps += 1

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from hetero_jax.model.cache import KVCache, KVPool, LayerPrefill, RowBlock
+from hetero_jax.model.cache import KVCache, KVPool, LayerPrefill, RowBlock, head_offsets
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore, write_host_rows
 from hetero_jax.model.sharding import to_host
@@ -261,7 +261,7 @@ class SyncPrefill(PrefillPlan):
             "k_dynamic": self.k_dyn.tolist(),
             "bytes_rho": bytes_rho(cache, self.cfg) + index / full_bytes,
         }
-        offsets = [to_host(lc.offsets).astype(np.int64) for lc in cache.layers]
+        offsets = head_offsets(cache)
         prefilled = SyncPrefilled(self.policy, self.roles, self.k, self.k_s, self.k_dyn, dyn, self.store, offsets,
                                   info)
         return cache, SyncDecode(prefilled, compile_fn=self.compile_fn)
@@ -408,7 +408,7 @@ class SyncDecode(DecodeState):
 
     def pool_moved(self, cache: KVCache) -> None:
         """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
-        self.offsets = [to_host(lc.offsets).astype(np.int64) for lc in cache.layers]
+        self.offsets = head_offsets(cache)
 
     def in_flight(self):
         return None if self.pending is None else self.pending[1]

@@ -15,9 +15,8 @@ import numpy as np
 import pallas_kernels
 from flax import struct
 
-from hetero_jax.model.cache import KVCache, layer_rows
+from hetero_jax.model.cache import KVCache, head_offsets, layer_rows
 from hetero_jax.model.host_store import HostKVStore, row_bucket, write_host_rows
-from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.protocol import DecodeState
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, take_slots
@@ -437,7 +436,7 @@ class HeteroDecode(DecodeState):
 
     def pool_moved(self, cache: KVCache) -> None:
         """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
-        self.offsets = [to_host(l.offsets).astype(np.int64) for l in cache.layers]
+        self.offsets = head_offsets(cache)
 
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
         """Dispatch the drift check of every pivot layer on the buffered steps' shares, as one executable

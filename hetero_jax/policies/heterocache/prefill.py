@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock
+from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore
-from hetero_jax.model.sharding import to_host
 from hetero_jax.policies.protocol import PrefillPlan
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, take_slots
 from hetero_jax.policies.selection import select_group
@@ -123,7 +122,7 @@ class HeteroPrefill(PrefillPlan):
             win.append(window_slots(score, counts, self.policy.copy_window))
         prefilled = HeteroPrefilled(
             policy=self.policy, roles=self.roles, counts=comp_counts, l_base=self.l_base, lens=self.lens,
-            store=self.store, offsets=[to_host(l.offsets).astype(np.int64) for l in cache.layers],
+            store=self.store, offsets=head_offsets(cache),
             tp=self.layout.tp, placement=self._placement(cache.pool.num_rows) if self.layout.tp > 1 else None,
             held=held, window_slots=win)
         return cache, HeteroDecode(prefilled, compile_fn=self.compile_fn)
