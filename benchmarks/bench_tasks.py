@@ -749,9 +749,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                "KV-cache policy and budget on SmolLM2-135M.")
     common.add_grid_preset_argument(
         p, PRESETS, estimate_minutes, "'full' (used when no preset is given): issue 38's grid (every task, 2K / 4K / "
-        "7.9K, 3 haystacks, 3 seeds, every method at rho 0.5 and 0.3); 'cpu': 2K, pydoc, 2 seeds, full / SnapKV / "
-        "HeteroCache with the drift check on and off at rho 0.3 (2K and 4K, pydoc, seeds 0 and 1: fewer lengths, "
-        "haystacks and seeds than the full grid).")
+        "7.9K, 3 haystacks, 3 seeds, every method at rho 0.5 and 0.3); 'cpu': 2K and 4K, pydoc, seeds 0 and 1, "
+        "full / SnapKV / HeteroCache with the drift check on and off at rho 0.3 (fewer lengths, haystacks and seeds "
+        "than the full grid).")
     p.add_argument("--tasks", nargs="+", default=S, choices=list(TASKS), metavar="TASK",
                    help=f"tasks ({', '.join(TASKS)})" + ph("tasks"))
     p.add_argument("--lengths", type=int, nargs="+", default=S,
