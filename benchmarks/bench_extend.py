@@ -181,14 +181,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    payload = run(args)
-    out = common.write_json(args.out, payload)
-    print(f"wrote {out}")
-    print(results_table(payload["rows"]))
-    if args.write_results:
-        common.write_results_section(SECTION, lambda _plot: results_section(payload), None, args.results_file,
-                                     preset=args.preset)
+    common.run_task(parse_args(argv), run, section=SECTION, make_plot=None,
+                    results_section=lambda payload, _plot: results_section(payload),
+                    tables=lambda payload: [results_table(payload["rows"])])
     return 0
 
 

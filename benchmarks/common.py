@@ -802,11 +802,11 @@ def save_figure(fig, path: Path, title: str, dpi: int = 110, *, crop: bool = Fal
 
 def run_task(args, run, *, section: str, make_plot, results_section, tables, plot_rows: str = "summary") -> dict:
     """A task script after its arguments: ``run(args)``, then the JSON (``args.out``), the plot (``args.plot``; none
-    when the payload's ``plot_rows`` are empty), ``tables(payload)`` on stdout, the total time, and with
-    ``args.write_results`` the script's section of RESULTS.md. Returns the payload."""
+    when ``make_plot`` is None or the payload's ``plot_rows`` are empty), ``tables(payload)`` on stdout, the total
+    time, and with ``args.write_results`` the script's section of RESULTS.md. Returns the payload."""
     payload = run(args)
     out = write_json(args.out, payload)
-    png = make_plot(payload, args.plot) if payload[plot_rows] else None
+    png = make_plot(payload, args.plot) if make_plot is not None and payload[plot_rows] else None
     print(f"wrote {out}" + (f" and {png}" if png else ""))
     print("\n\n".join(tables(payload)))
     print(f"total {payload['total_seconds'] / 60:.1f} min")
