@@ -56,13 +56,11 @@ class Sampling:
 
 
 @dataclasses.dataclass(frozen=True)
-class ChatRequest:
-    """``POST /v1/chat/completions``. ``messages``: ((role, content), ...), roles in ``ROLES``, the last a user's.
-    ``policy`` / ``budget``: this server's extension (a policy spec as ``--policy`` takes, and its rho); None:
-    the server's."""
+class Request:
+    """What chat and completions requests share (``_common`` checks it). ``policy`` / ``budget``: this server's
+    extension (a policy spec as ``--policy`` takes, and its rho); None: the server's."""
 
     model: str
-    messages: tuple[tuple[str, str], ...]
     sampling: Sampling
     stream: bool
     include_usage: bool
@@ -72,17 +70,17 @@ class ChatRequest:
 
 
 @dataclasses.dataclass(frozen=True)
-class CompletionRequest:
+class ChatRequest(Request):
+    """``POST /v1/chat/completions``. ``messages``: ((role, content), ...), roles in ``ROLES``, the last a user's."""
+
+    messages: tuple[tuple[str, str], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest(Request):
     """``POST /v1/completions``: a raw-text (or token-id) prompt, continued without the chat template."""
 
-    model: str
     prompt: str | tuple[int, ...]
-    sampling: Sampling
-    stream: bool
-    include_usage: bool
-    user: str
-    policy: str | None
-    budget: float | None
 
 
 def parse_json(body: bytes) -> dict:
