@@ -1,7 +1,7 @@
 """Baseline KV-cache policies on the shared budget definition (see "KV-cache policies" in README.md).
 
 Each is a scoring function plus a budget rule; selection is shared
-(``primitives.select_topk`` / ``gather_group``).
+(``model.scoring.select_topk`` / ``gather_group``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hetero_jax.model.transformer import prompt_queries
 from hetero_jax.policies.base import (BudgetError, Policy, PolicyError, choice_param, distribute, int_param,
                                       real_param)
 from hetero_jax.policies.selection import FullPrefill
-from hetero_jax.policies.primitives import attention_probs, finalize_scores, observation_window_probs
+from hetero_jax.model.scoring import attention_probs, finalize_scores, observation_window_probs
 from pallas_kernels import avg_pool, gqa_reduce
 
 

@@ -34,7 +34,7 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import HeadLayout
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
-from hetero_jax.policies.primitives import gather_group
+from hetero_jax.model.scoring import gather_group
 from hetero_jax.policies.selection import bytes_rho
 from hetero_jax.profile.contextkeeper import (DEFAULT_RECENT, DEFAULT_SINK, CARanking, default_ranking,
                                               load_ranking, model_fingerprint)

@@ -13,7 +13,7 @@ from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, prompt_kv_by
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan, TailOnlyDecode
 from pallas_kernels import MASK_VALUE
-from hetero_jax.policies.primitives import gather_group, select_topk
+from hetero_jax.model.scoring import gather_group, select_topk
 from hetero_jax.model.sharding import to_host
 
 

@@ -50,7 +50,7 @@ from hetero_jax.model.transformer import prompt_queries
 from hetero_jax.policies.base import PolicyError, int_param, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from pallas_kernels import MASK_VALUE
-from hetero_jax.policies.primitives import gather_group, query_probs_max
+from hetero_jax.model.scoring import gather_group, query_probs_max
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key, take_slots
 from hetero_jax.policies.selection import bytes_rho, cap_bucket
 from hetero_jax.profile.clustering import Role

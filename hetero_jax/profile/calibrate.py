@@ -69,7 +69,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import gather_rows
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.runtime.compile_cache import chunk_bucket, compiled
-from hetero_jax.policies.primitives import query_probs_max
+from hetero_jax.model.scoring import query_probs_max
 from hetero_jax.profile.clustering import default_n_r
 from hetero_jax.profile.format import (
     ProfileError,

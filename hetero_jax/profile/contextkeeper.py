@@ -178,7 +178,7 @@ def default_ranking(model) -> CARanking | None:
 def middle_mass(layer, x_in, keys, prompt_lens, cfg, window: int, sink: int, recent: int):
     """[B, Hkv] float32: attention mass of the last ``window`` prompt queries on ``[sink, T - recent)``,
     averaged over the valid rows and the G query heads of each KV head (paper Eq. 1, prefill rows)."""
-    from hetero_jax.policies.primitives import observation_window_probs
+    from hetero_jax.model.scoring import observation_window_probs
 
     probs, valid = observation_window_probs(layer, x_in, keys, prompt_lens, window, cfg)  # [B, H, W, G, Tp]
     t = jnp.arange(keys.shape[2], dtype=jnp.int32)

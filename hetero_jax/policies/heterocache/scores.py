@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from pallas_kernels import avg_pool, gqa_reduce
 from hetero_jax.model.transformer import prompt_queries
-from hetero_jax.policies.primitives import attention_probs, finalize_scores, observation_window_probs, select_topk
+from hetero_jax.model.scoring import attention_probs, finalize_scores, observation_window_probs, select_topk
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

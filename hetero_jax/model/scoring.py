@@ -1,4 +1,5 @@
-"""Shared building blocks of every KV-cache policy, written once.
+"""Token-scoring building blocks shared by the KV-cache policies and the offline profiling, written once
+(below both, so that profile/ and policies/ import them downwards).
 
 Scores are float32; masks use finite values (never -inf); a head never keeps
 zero tokens (budget rules guarantee at least one).
