@@ -24,10 +24,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 # Two runs: the tiny-model tests spend their time compiling, not running, so they compile without LLVM
-# optimisation (a third less CPU time, same results); the real-model tests run as users run them.
+# optimisation (a third less CPU time, same results); the real-model tests run as users run them. Each run
+# lists its slowest tests, so CI's log shows where the suite's 20-minute budget goes.
 test: $(STAMP)
-	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0" $(BIN)/python -m pytest -q -m "not real_model" tests
-	$(BIN)/python -m pytest -q -m real_model tests
+	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0" $(BIN)/python -m pytest -q --durations=15 -m "not real_model" tests
+	$(BIN)/python -m pytest -q --durations=10 -m real_model tests
 
 demo: $(STAMP)
 	$(BIN)/hetero-jax generate --model smollm2-135m --prompt "What is the capital of France? Answer in one sentence." --max-new-tokens 48
