@@ -1,4 +1,5 @@
-"""benchmarks/bench_step_ops.py on the CPU: the HLO-text counter, the synthetic prefill and the step compile.
+"""benchmarks/bench_step_ops.py on the CPU: the HLO-text counter, the synthetic prefill and the step compile
+(its modules step_ops_hlo, step_ops_compile, step_ops_policies and step_ops_report).
 
 No CUDA plugin here: the step is compiled for XLA:CPU on a tiny model; the H100 compile is the benchmark's
 (``make step-ops``).
@@ -17,7 +18,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import bench_step_ops as B  # noqa: E402
+import step_ops_compile as C  # noqa: E402
+import step_ops_hlo as H  # noqa: E402
+import step_ops_policies as Pol  # noqa: E402
+import step_ops_report as R  # noqa: E402
 from hetero_jax.policies import FullKV, HeteroCache, SnapKV  # noqa: E402
 from hetero_jax.profile.clustering import Role  # noqa: E402
 from hetero_jax.profile.format import HeadProfile  # noqa: E402
@@ -25,7 +29,7 @@ from tiny_model import random_prompt, tiny_model  # noqa: E402
 
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE
 
-# A hand-written GPU module: what the counter must find (``B.COUNTING_RULE``).
+# A hand-written GPU module: what the counter must find (``H.COUNTING_RULE``).
 HLO = """HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
 
 %fused_add (p0: f32[8]) -> f32[8] {
@@ -111,9 +115,9 @@ ENTRY %main (a: f32[8], m: f32[8,8], p: pred[]) -> f32[8] {
 
 
 def test_counter_on_a_hand_written_module():
-    comps, entry = B.parse_hlo(HLO)
+    comps, entry = H.parse_hlo(HLO)
     assert entry == "main" and "gemm_computation" in comps and len(comps) == 10
-    c = B.count_step_ops(HLO)
+    c = H.count_step_ops(HLO)
     # ENTRY: loop + gemm; known-trip loop: 3 body fusions x 5; unknown loop: 3 body + 1 condition; big branch: 2
     assert c["fusions"] == 2 + 15 + 4 + 2
     # body per trip: 2 kLoop + 1 kInput; the condition and both branch fusions kLoop
@@ -137,15 +141,15 @@ def test_counter_on_a_hand_written_module():
 
 def test_counter_refuses_text_without_entry():
     with pytest.raises(ValueError, match="ENTRY"):
-        B.count_step_ops("HloModule m\n")
+        H.count_step_ops("HloModule m\n")
 
 
 def test_custom_call_kinds():
-    assert B.custom_call_kind("__cublas$lt$matmul") == "cublas"
-    assert B.custom_call_kind("__gpu$xla.gpu.triton") == "pallas_triton"
-    assert B.custom_call_kind("xla_python_gpu_callback") == "host_callback"
-    assert B.custom_call_kind("__cudnn$fmha") == "cudnn"
-    assert B.custom_call_kind("Sharding") == "other"
+    assert H.custom_call_kind("__cublas$lt$matmul") == "cublas"
+    assert H.custom_call_kind("__gpu$xla.gpu.triton") == "pallas_triton"
+    assert H.custom_call_kind("xla_python_gpu_callback") == "host_callback"
+    assert H.custom_call_kind("__cudnn$fmha") == "cudnn"
+    assert H.custom_call_kind("Sharding") == "other"
 
 
 # ----------------------------------------------------------------------------- the tiny model's step
@@ -177,7 +181,7 @@ def test_synthetic_prefill_has_the_real_prefill_structure(name):
     from hetero_jax.runtime.engine import bind_policy, prefill
 
     policy = bind_policy(MODEL, POLICIES[name])
-    syn, _ = B.synthetic_prefill(policy, MODEL, LENGTH, tail_capacity=128)
+    syn, _ = C.synthetic_prefill(policy, MODEL, LENGTH, tail_capacity=128)
     plan = policy.make_prefill(CFG, [LENGTH])
     _, cache = prefill(MODEL.params, CFG, [random_prompt(LENGTH)], tail_capacity=128, plan=plan)
     real, _ = plan.finish(cache)
@@ -185,16 +189,16 @@ def test_synthetic_prefill_has_the_real_prefill_structure(name):
 
 
 def test_cpu_step_counts_for_full_kv_and_heterocache():
-    mesh = B.cpu_mesh()
-    params_abs = B.abstract_params(CFG, "float32", mesh)
+    mesh = C.cpu_mesh()
+    params_abs = C.abstract_params(CFG, "float32", mesh)
     counts = {}
     for name in ("full", "heterocache"):
         policy = POLICIES[name].bind(MODEL)
-        cache, _ = B.synthetic_prefill(policy, MODEL, LENGTH, tail_capacity=128)
-        cache_abs = B.abstract(cache, mesh)
+        cache, _ = C.synthetic_prefill(policy, MODEL, LENGTH, tail_capacity=128)
+        cache_abs = C.abstract(cache, mesh)
         assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(cache_abs))
-        exe, lower_s, compile_s = B.compile_step(params_abs, cache_abs, CFG, policy, mesh, "reference")
-        counts[name] = B.count_step_ops(exe.as_text())
+        exe, lower_s, compile_s = C.compile_step(params_abs, cache_abs, CFG, policy, mesh, "reference")
+        counts[name] = H.count_step_ops(exe.as_text())
         assert lower_s > 0 and compile_s > 0
     for c in counts.values():
         assert c["fusions"] > CFG.num_layers and c["kernels_per_step"] >= c["fusions"]
@@ -202,10 +206,10 @@ def test_cpu_step_counts_for_full_kv_and_heterocache():
     # HeteroCache's pivots score every step (their pooled scores and overlaps): more launches than full KV
     assert counts["heterocache"]["kernels_per_step"] > counts["full"]["kernels_per_step"]
     rows = [{"policy": n, "length": LENGTH, **c} for n, c in counts.items()]
-    B.add_ratios(rows)
+    R.add_ratios(rows)
     assert rows[0]["kernels_vs_full"] == 1.0 and rows[1]["kernels_vs_full"] > 1.0
-    t = B.target_check(rows)
-    assert list(t) == [f"heterocache@{LENGTH}"] and t[f"heterocache@{LENGTH}"]["limit"] == B.HETERO_TARGET
+    t = R.target_check(rows)
+    assert list(t) == [f"heterocache@{LENGTH}"] and t[f"heterocache@{LENGTH}"]["limit"] == R.HETERO_TARGET
 
 
 def test_peer_stand_ins_fit_llama_shapes():
@@ -215,23 +219,23 @@ def test_peer_stand_ins_fit_llama_shapes():
     from hetero_jax.policies.synckv import check_synckv_profile
 
     try:
-        prof = B.authors_profile()
+        prof = Pol.authors_profile()
     except SystemExit as e:  # the authors' profile lives in shared/reference, beside the checkout
         pytest.skip(str(e))
-    cfg = bench_latency.synthetic_config(None, B.SHAPE, 4096)
-    sync = B.synckv_profile_from(prof)
+    cfg = bench_latency.synthetic_config(None, Pol.SHAPE, 4096)
+    sync = Pol.synckv_profile_from(prof)
     check_synckv_profile(sync)
     assert sync.roles.shape == (32, 8) and not (sync.roles == Role.ANCHOR).any()
     assert int((sync.roles == Role.SATELLITE).sum()) == int((prof.roles == Role.SATELLITE).sum())
-    rank = B.contextkeeper_ranking_from(prof)
+    rank = Pol.contextkeeper_ranking_from(prof)
     rank.check_compatible(cfg)
     first = rank.order()[: int(((prof.roles == Role.PIVOT) | (prof.roles == Role.VOLATILE)).sum())]
     assert all(prof.roles[l, h] in (Role.PIVOT, Role.VOLATILE) for l, h in first)
-    cb = B.random_codebook(cfg)
+    cb = Pol.random_codebook(cfg)
     cb.check_compatible(cfg)
     assert cb.groups(cfg.head_dim) == 32
     for spec in ("synckv", "contextkeeper", "hcattention@0.125", "hcattention@0.5", "quest:offload=true"):
-        policy, _ = B.make_policy(spec, 0.3, prof, cfg)
+        policy, _ = Pol.make_policy(spec, 0.3, prof, cfg)
         if hasattr(policy, "kv_itemsize"):  # what bind sets from the bfloat16 weights
             policy = dataclasses.replace(policy, kv_itemsize=2)
         policy.make_prefill(cfg, [4096])  # budgets check out at these shapes
