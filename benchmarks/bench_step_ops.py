@@ -44,7 +44,7 @@ one kernel either way.
 Targets (the project's): HeteroCache at most 1.2x full KV's kernels per step; no compressed policy above 1.5x.
 
 Environment: the CUDA plugin must not go into the project's .venv (it changes how jax starts). ``make step-ops``
-builds ``/work/venv-gpucompile`` (or ``$GPUCOMPILE_VENV``) with ``pip install -e ".[gpu-compile]"`` and runs
+builds ``.venv-gpucompile`` (or ``$GPUCOMPILE_VENV``) with ``pip install -e ".[gpu-compile]"`` and runs
 
     CUDA_VISIBLE_DEVICES=-1 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 HETERO_JAX_KERNELS=pallas \\
         $VENV/bin/python benchmarks/bench_step_ops.py --lengths 32768 2048 --write-results
