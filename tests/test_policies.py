@@ -1,5 +1,8 @@
-"""KV-cache policies: budgets, selection against independent numpy scores, rho = 1, batching, layouts."""
+"""KV-cache policies: budgets, selection against independent numpy scores, rho = 1, batching, layouts; every
+token scorer composed with every budget allocator."""
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -16,9 +19,13 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.runtime import compiled, prefill
 from hetero_jax.model.layout import HeadLayout, permute_params
 from hetero_jax.policies import (
-    CAKE, H2O, REGISTRY, BudgetError, FullKV, PyramidKV, SnapKV, StreamingLLM,
+    CAKE, H2O, REGISTRY, BudgetError, Composed, FullKV, PolicyError, ProfiledSnapKV, PyramidKV, SnapKV, StreamingLLM,
     achieved_rho, describe_policies, make_policy, smallest_rho, tokens_for,
 )
+from hetero_jax.policies.allocators import Cascade, ProfileBudgets, Pyramid, Uniform
+from hetero_jax.policies.scorers import HeavyHitters, SinksRecent, WindowMeanVar, WindowVotes
+from hetero_jax.profile.clustering import Role
+from hetero_jax.profile.format import HeadProfile, ProfileError
 from tiny_model import random_prompts
 
 COMPRESSING = [StreamingLLM, SnapKV, PyramidKV, H2O, CAKE]
@@ -93,23 +100,44 @@ def np_pool(x, k=5):
 
 def np_policy_scores(policy, layer, x_in, k_buf, L, cfg):
     """(scores [Hkv, L] float64, forced mask [L]) for one sequence, computed from scratch."""
+    return np_scorer_scores(policy.scorer, layer, x_in, k_buf, L, cfg)
+
+
+def np_window_probs(scorer, layer, x_in, keys, L, cfg):
+    """The last W prompt queries' attention [Hkv, W, G, L], zero on the window, and the window mask [L]."""
+    W = min(scorer.window, L)
+    forced = np.arange(L) >= L - W
+    rows = np.arange(L - W, L)
+    p = np_probs(np_queries(layer, x_in[rows], rows, cfg), keys, rows, L)
+    return np.where(forced[None, None, None, :], 0.0, p), forced
+
+
+def np_scorer_scores(scorer, layer, x_in, k_buf, L, cfg):
+    """(scores [Hkv, L] float64, forced mask [L]) of one sequence under a token scorer, from scratch."""
     keys = np.asarray(k_buf, np.float64)
     t = np.arange(L)
-    if isinstance(policy, StreamingLLM):
-        return np.broadcast_to(t.astype(float), (cfg.num_kv_heads, L)), t < policy.sinks
-    W = min(policy.window, L)
-    forced = t >= L - W
-    if isinstance(policy, H2O):
+    if isinstance(scorer, SinksRecent):
+        return np.broadcast_to(t.astype(float), (cfg.num_kv_heads, L)), t < scorer.sinks
+    if isinstance(scorer, HeavyHitters):
         q = np_queries(layer, x_in[:L], t, cfg)
         votes = np_probs(q, keys, t, L).sum(1)  # [Hkv, G, L]
-        return votes.max(1), forced
-    rows = np.arange(L - W, L)
-    p = np_probs(np_queries(layer, x_in[rows], rows, cfg), keys, rows, L)  # [Hkv, W, G, L]
-    p = np.where(forced[None, None, None, :], 0.0, p)
-    if isinstance(policy, CAKE):
+        return votes.max(1), t >= L - min(scorer.window, L)
+    p, forced = np_window_probs(scorer, layer, x_in, keys, L, cfg)
+    if isinstance(scorer, WindowMeanVar):
         mean, var = p.mean(1), p.var(1)
-        return np_pool(mean + policy.gamma * var).max(1), forced
-    return np_pool(p.sum(1)).max(1), forced  # SnapKV, PyramidKV
+        return np_pool(mean + scorer.gamma * var).max(1), forced
+    assert type(scorer) is WindowVotes
+    return np_pool(p.sum(1)).max(1), forced
+
+
+def np_cake_preference(cascade, layer, x_in, k_buf, L, cfg):
+    """CAKE's layer preference of one sequence: entropy x variance of the window's mean attention, per head and
+    query, averaged (tau1 = tau2 = 1)."""
+    p, _ = np_window_probs(cascade, layer, x_in, np.asarray(k_buf, np.float64), L, cfg)
+    mean, var = p.mean(1), p.var(1)  # [Hkv, G, L]
+    dist = mean / mean.sum(-1, keepdims=True)
+    entropy = -(dist * np.log(np.maximum(dist, 1e-300))).sum(-1)
+    return float((entropy * var.sum(-1)).mean())
 
 
 def assert_top_set(kept, scores, forced, count):
@@ -298,3 +326,110 @@ def test_budget_properties(kv, group, L, frac, which):
             assert L - 1 in kept  # the last prompt token (inside every window) is always kept
         total += int(lengths.sum())
     assert total == n * kv * cfg.num_layers
+
+
+# ------------------------------------------------------ scorers x allocators
+S, P, A, V = Role.SATELLITE, Role.PIVOT, Role.ANCHOR, Role.VOLATILE
+# CFG's 3 layers x 2 KV heads: 2 full heads (a pivot, a volatile), 4 compressed ones of mean-1 weights
+PROF = HeadProfile(roles=np.array([[P, S], [A, A], [A, V]], np.int8), clusters=(((0, (1,)),), (), ()),
+                   weights=np.array([[np.nan, 0.8], [1.2, 0.9], [1.1, np.nan]]), architecture="llama",
+                   head_dim=CFG.head_dim)
+SCORERS = [SinksRecent(), WindowVotes(window=8), WindowMeanVar(window=8), HeavyHitters(window=8)]
+ALLOCATORS = [Uniform(), Pyramid(beta=2.0), Cascade(window=8), ProfileBudgets(PROF)]
+
+
+def np_budgets(allocator, rho, L, floor, prefs=None):
+    """Tokens per head [layers, Hkv] from the allocators' definitions (no capping at these budgets)."""
+    n_layers, H = CFG.num_layers, CFG.num_kv_heads
+    n = int(np.floor(rho * L + 0.5))
+    if isinstance(allocator, Uniform):
+        return np.full((n_layers, H), n)
+    if isinstance(allocator, Pyramid):  # linear from top to bottom share, rounded by largest remainder
+        sel = n - floor
+        lo, hi = sel / allocator.beta, 2 * sel - sel / allocator.beta
+        t = floor + hi - (hi - lo) * np.arange(n_layers) / (n_layers - 1)
+        assert t.max() <= L and abs(t.sum() - n * n_layers) < 1e-9  # no cap: the targets keep the total
+        out = np.floor(t).astype(int)
+        rem = t - out
+        for j in sorted(range(n_layers), key=lambda j: (-rem[j], j))[: n * n_layers - out.sum()]:
+            out[j] += 1
+        return np.repeat(out[:, None], H, axis=1)
+    if isinstance(allocator, Cascade):  # the smallest share each layer is given (shares: by hand above)
+        return np.repeat(allocator.shares(prefs, n, L, floor)[1][:, None], H, axis=1)
+    comp = np.isin(PROF.roles, [S, A])  # Eq. 7: L_base = (rho N - N_full) L / N_comp; Eq. 8: floor(L_base w)
+    l_base = (rho * comp.size - (~comp).sum()) * L / comp.sum()
+    return np.where(comp, np.floor(l_base * np.nan_to_num(PROF.weights)), L).astype(int)
+
+
+@functools.lru_cache(maxsize=None)
+def full_prompt_kv(L: int = 90):
+    """Each layer's (params, x_in, k_buf, v_buf, lens) of one L-token prompt, captured from a full-KV prefill,
+    so that every composition below runs only its own plan on them."""
+    captured = []
+
+    def observe(li, layer, x_in, k_buf, v_buf, lens):
+        captured.append((layer, x_in, k_buf, v_buf, lens))
+
+    prefill(PARAMS, CFG, random_prompts([L], seed=3), tail_capacity=1, plan=FullKV().make_prefill(CFG, [L]),
+            observe=observe)
+    return captured
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda a: type(a).__name__)
+@pytest.mark.parametrize("scorer", SCORERS, ids=lambda s: type(s).__name__)
+def test_every_scorer_with_every_allocator(scorer, allocator):
+    """Each head keeps exactly its allocator's budget, and its scorer's top tokens (numpy references)."""
+    rho, L = 0.6, 90
+    policy = Composed(budget=rho, scorer=scorer, allocator=allocator)
+    assert hash(policy) == hash(Composed(budget=rho, scorer=scorer, allocator=allocator))  # a static jit argument
+    layers = full_prompt_kv(L)
+    plan = policy.make_prefill(CFG, [L], compile_fn=compiled)
+    blocks = [plan.build_layer(li, *layer) for li, layer in enumerate(layers)]
+    prefs = None
+    if isinstance(allocator, Cascade):
+        blocks, _ = plan.cut(blocks)
+        prefs = np.array([float(p[0]) for p in plan.prefs])
+        want = [np_cake_preference(allocator, layer, x[0], k[0], L, CFG) for layer, x, k, _, _ in layers]
+        np.testing.assert_allclose(prefs, want, rtol=1e-3)
+    budgets = np_budgets(allocator, rho, L, scorer.min_tokens().tokens, prefs)
+    for li, ((layer, x_in, k_buf, _, _), out) in enumerate(zip(layers, blocks)):
+        (block,) = out.blocks
+        lengths, pos = np.asarray(block.lengths)[0], np.asarray(block.positions)[0]
+        np.testing.assert_array_equal(lengths, budgets[li])
+        scores, forced = np_scorer_scores(scorer, layer, np.asarray(x_in)[0], np.asarray(k_buf)[0], L, CFG)
+        for h in range(CFG.num_kv_heads):
+            assert_top_set(pos[h, : budgets[li, h]], scores[h], forced, budgets[li, h])
+            np.testing.assert_array_equal(np.asarray(block.k)[0, h, : budgets[li, h]],
+                                          np.asarray(k_buf)[0, h, pos[h, : budgets[li, h]]])
+
+
+def test_named_policies_are_their_compositions():
+    """PyramidKV, CAKE and ProfiledSnapKV are SnapKV's options with another allocator (CAKE: and its own
+    scorer); their options and registry names stay as they were."""
+    p = make_policy("pyramidkv:window=8,beta=2", 0.6)
+    assert p.scorer == WindowVotes(window=8) and p.allocator == Pyramid(beta=2.0)
+    c = CAKE(budget=0.6, window=8, gamma=50.0, tau1=2.0)
+    assert c.scorer == WindowMeanVar(window=8, gamma=50.0) and c.allocator == Cascade(window=8, tau1=2.0)
+    a = make_policy("profiledsnapkv", 0.6, window=8, profile=PROF)
+    assert type(a) is ProfiledSnapKV and a.scorer == WindowVotes(window=8)
+    assert a.allocator == ProfileBudgets(PROF) and "profiledsnapkv" in describe_policies()
+    np.testing.assert_array_equal(a.head_budgets(CFG, 90), np_budgets(ProfileBudgets(PROF), 0.6, 90, 8))
+    with pytest.raises(ProfileError, match="no profile yet"):
+        ProfiledSnapKV(budget=0.6).make_prefill(CFG, [90])
+    with pytest.raises(PolicyError, match="scorer must be a Scorer"):
+        Composed(budget=0.5, scorer="snapkv")
+    with pytest.raises(PolicyError, match="WindowVotes: pool_kernel must be odd"):
+        WindowVotes(pool_kernel=4)
+
+
+def test_profile_budgets_below_the_scorers_floor_name_the_smallest_rho():
+    L = 90
+    policy = ProfiledSnapKV(budget=0.4, profile=PROF)  # a 32-token window: L_base = 9, too few
+    with pytest.raises(BudgetError, match=r"needs at least 32 .*observation window.*rho=(0\.\d+)$") as e:
+        policy.make_prefill(CFG, [L])  # before any compute
+    rho = float(str(e.value).rsplit("rho=", 1)[1])
+    # the lightest compressed head (weight 0.8) reaches 32 tokens: floor(0.8 * (6 rho - 2) * 90 / 4) >= 32
+    assert rho == math.ceil((40 / 22.5 + 2) / 6 * 1e4) / 1e4
+    assert dataclasses.replace(policy, budget=rho).head_budgets(CFG, L).min() == 32
+    with pytest.raises(BudgetError):
+        dataclasses.replace(policy, budget=round(rho - 1e-4, 4)).head_budgets(CFG, L)
