@@ -5,8 +5,9 @@ policy's budget rho and the floor of the scorer it is composed with (``scorers.F
 ``head_budgets(owner, rho, cfg, prompt_len, floor)`` returns int64 [num_layers, Hkv] tokens per head for one
 sequence, raising BudgetError (naming ``owner``, the policy) before any compute; or None when the budgets
 follow the prefill (``Cascade``, whose ``shares`` the plan calls layer by layer with the preferences its
-traced ``preference`` hook returned). Every allocator keeps the model-wide total of rho (tokens x heads x
-layers), except the cascade, which can only cut a layer's candidates and so keeps at most it.
+traced ``preference`` hook returned). Uniform and pyramid keep exactly round(rho L) tokens per head on
+average; the profile's budgets keep rho's model-wide total up to Eq. 8's rounding, and the cascade at most it
+(it can only cut a layer's candidates).
 """
 
 from __future__ import annotations
