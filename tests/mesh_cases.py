@@ -15,7 +15,7 @@ import hetero_jax
 from hetero_jax.runtime import Engine, Session
 from hetero_jax.io.hub import place
 from hetero_jax.policies import (CAKE, H2O, REGISTRY, ContextKeeper, FreeKV, FullKV, HCAttention, HeteroCache,
-                                 PolicyError, PyramidKV, Quest, SnapKV, StreamingLLM, SyncKV)
+                                 PolicyError, ProfiledSnapKV, PyramidKV, Quest, SnapKV, StreamingLLM, SyncKV)
 from hetero_jax.model.cache import POOL_QUANTUM, prompt_arrays
 from hetero_jax.model.sharding import MeshError, cache_shardings, keep_placed, make_mesh, per_device_bytes
 from hetero_jax.runtime.compile_cache import cached_executables
@@ -109,6 +109,8 @@ PEERS = {
     "quest-offload": Quest(budget=0.6, page_size=8, full_layers=1, offload=True),
     "freekv": FreeKV(budget=0.6, page_size=8),
     "synckv": SyncKV(profile=SYNC_PROFILE, budget=0.6, m=3), "hcattention": HCAttention(budget=0.5),
+    # per-head budgets from a profile, each head's own row count in its shard
+    "profiledsnapkv": ProfiledSnapKV(profile=PROFILE, budget=0.5, window=8),
 }
 # what each peer's stats must show, so that the mesh run is known to have exercised it
 EXERCISED = {"quest-offload": ("pages_recalled",), "freekv": ("pages_recalled",),

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, event, example, given, note, settings
 
 from hetero_jax.errors import HeteroJaxError
 from hetero_jax.policies import (CAKE, H2O, REGISTRY, ContextKeeper, FreeKV, FullKV, HCAttention, HeteroCache,
-                                 PyramidKV, Quest, SnapKV, StreamingLLM, SyncKV)
+                                 ProfiledSnapKV, PyramidKV, Quest, SnapKV, StreamingLLM, SyncKV)
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.contextkeeper import CARanking
 from hetero_jax.profile.format import HeadProfile, ProfileSettings
@@ -86,6 +86,9 @@ VARIANTS = {
     # an 8-query window, so prompts from 8 / rho tokens up run (a window of 32 refuses every shorter one)
     **{name: [lambda lens, r=r, cls=cls: cls(budget=r, window=8) for r in (0.3, 0.6)]
        for name, cls in (("snapkv", SnapKV), ("pyramidkv", PyramidKV), ("h2o", H2O), ("cake", CAKE))},
+    # per-head budgets from HeteroCache's profile: a prompt whose lightest head gets under the window is refused
+    "profiledsnapkv": [lambda lens, r=r: ProfiledSnapKV(profile=HETERO_PROFILE, budget=r, window=8)
+                       for r in (0.5, 0.7)],
     # tau 0.3-0.6 on the normalised overlap: some checks drift and recall, some do not (the tiny model's
     # medians spread over -0.15 to 0.5); window 3: checks after steps 2 and 5, the first's recall inside
     "heterocache": [lambda lens, r=r, t=t: HeteroCache(profile=HETERO_PROFILE, budget=r, window=3, tau_drift=t)

@@ -1,5 +1,8 @@
-"""KV-cache policies: budgets, selection against independent numpy scores, rho = 1, batching, layouts."""
+"""KV-cache policies: budgets, selection against independent numpy scores, rho = 1, batching, layouts; every
+token scorer composed with every budget allocator."""
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -16,9 +19,13 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.runtime import compiled, prefill
 from hetero_jax.model.layout import HeadLayout, permute_params
 from hetero_jax.policies import (
-    CAKE, H2O, REGISTRY, BudgetError, FullKV, PyramidKV, SnapKV, StreamingLLM,
+    CAKE, H2O, REGISTRY, BudgetError, Composed, FullKV, PolicyError, ProfiledSnapKV, PyramidKV, SnapKV, StreamingLLM,
     achieved_rho, describe_policies, make_policy, smallest_rho, tokens_for,
 )
+from hetero_jax.policies.allocators import Cascade, ProfileBudgets, Pyramid, Uniform
+from hetero_jax.policies.scorers import HeavyHitters, SinksRecent, WindowMeanVar, WindowVotes
+from hetero_jax.profile.clustering import Role
+from hetero_jax.profile.format import HeadProfile, ProfileError
 from tiny_model import random_prompts
 
 COMPRESSING = [StreamingLLM, SnapKV, PyramidKV, H2O, CAKE]
@@ -93,23 +100,44 @@ def np_pool(x, k=5):
 
 def np_policy_scores(policy, layer, x_in, k_buf, L, cfg):
     """(scores [Hkv, L] float64, forced mask [L]) for one sequence, computed from scratch."""
+    return np_scorer_scores(policy.scorer, layer, x_in, k_buf, L, cfg)
+
+
+def np_window_probs(scorer, layer, x_in, keys, L, cfg):
+    """The last W prompt queries' attention [Hkv, W, G, L], zero on the window, and the window mask [L]."""
+    W = min(scorer.window, L)
+    forced = np.arange(L) >= L - W
+    rows = np.arange(L - W, L)
+    p = np_probs(np_queries(layer, x_in[rows], rows, cfg), keys, rows, L)
+    return np.where(forced[None, None, None, :], 0.0, p), forced
+
+
+def np_scorer_scores(scorer, layer, x_in, k_buf, L, cfg):
+    """(scores [Hkv, L] float64, forced mask [L]) of one sequence under a token scorer, from scratch."""
     keys = np.asarray(k_buf, np.float64)
     t = np.arange(L)
-    if isinstance(policy, StreamingLLM):
-        return np.broadcast_to(t.astype(float), (cfg.num_kv_heads, L)), t < policy.sinks
-    W = min(policy.window, L)
-    forced = t >= L - W
-    if isinstance(policy, H2O):
+    if isinstance(scorer, SinksRecent):
+        return np.broadcast_to(t.astype(float), (cfg.num_kv_heads, L)), t < scorer.sinks
+    if isinstance(scorer, HeavyHitters):
         q = np_queries(layer, x_in[:L], t, cfg)
         votes = np_probs(q, keys, t, L).sum(1)  # [Hkv, G, L]
-        return votes.max(1), forced
-    rows = np.arange(L - W, L)
-    p = np_probs(np_queries(layer, x_in[rows], rows, cfg), keys, rows, L)  # [Hkv, W, G, L]
-    p = np.where(forced[None, None, None, :], 0.0, p)
-    if isinstance(policy, CAKE):
+        return votes.max(1), t >= L - min(scorer.window, L)
+    p, forced = np_window_probs(scorer, layer, x_in, keys, L, cfg)
+    if isinstance(scorer, WindowMeanVar):
         mean, var = p.mean(1), p.var(1)
-        return np_pool(mean + policy.gamma * var).max(1), forced
-    return np_pool(p.sum(1)).max(1), forced  # SnapKV, PyramidKV
+        return np_pool(mean + scorer.gamma * var).max(1), forced
+    assert type(scorer) is WindowVotes
+    return np_pool(p.sum(1)).max(1), forced
+
+
+def np_cake_preference(cascade, layer, x_in, k_buf, L, cfg):
+    """CAKE's layer preference of one sequence: entropy x variance of the window's mean attention, per head and
+    query, averaged (tau1 = tau2 = 1)."""
+    p, _ = np_window_probs(cascade, layer, x_in, np.asarray(k_buf, np.float64), L, cfg)
+    mean, var = p.mean(1), p.var(1)  # [Hkv, G, L]
+    dist = mean / mean.sum(-1, keepdims=True)
+    entropy = -(dist * np.log(np.maximum(dist, 1e-300))).sum(-1)
+    return float((entropy * var.sum(-1)).mean())
 
 
 def assert_top_set(kept, scores, forced, count):
@@ -150,8 +178,8 @@ def test_kept_tokens_are_the_top_scored_under_the_policys_own_score(cls):
     for li, (lc, (x_in, k_buf)) in enumerate(zip(cache.layers, captured)):
         k_kept, _, pos, lengths = (np.asarray(a) for a in layer_rows(cache, li))
         lengths = lengths[0]
-        count = int(plan.counts[li][0])
-        assert np.all(lengths == count) and count >= 1  # per-head budget exact, never zero
+        count = int(plan.counts[li][0][0])
+        assert np.all(lengths == count) and count >= 1  # per-head budget exact, the same for every head, never zero
         scores, forced = np_policy_scores(policy, PARAMS["layers"][li], x_in[0], k_buf[0], L, CFG)
         pos = pos[0]
         for h in range(CFG.num_kv_heads):
@@ -169,7 +197,9 @@ def test_kept_tokens_are_the_top_scored_under_the_policys_own_score(cls):
 
 def test_pyramid_budgets_fall_with_depth_and_keep_the_total():
     cfg = tiny_cfg(layers=8)
-    counts = PyramidKV(budget=0.3).layer_counts(cfg, 1000)
+    grid = PyramidKV(budget=0.3).head_budgets(cfg, 1000)  # [layers, Hkv]
+    assert np.all(grid == grid[:, :1])  # every head of a layer alike
+    counts = grid[:, 0]
     n = tokens_for(0.3, 1000)
     assert counts.sum() == n * 8
     assert np.all(np.diff(counts) <= 0) and counts[0] > counts[-1] >= 32
@@ -179,14 +209,14 @@ def test_pyramid_budgets_fall_with_depth_and_keep_the_total():
 
 
 def test_cake_cascade_hand_computed():
-    cake = CAKE(budget=0.5, window=2)
+    cascade = CAKE(budget=0.5, window=2).allocator  # floor: the 2-token window
     # 3 layers, n = 10 per layer on average, prompt 40: step shares by preference
-    own, final = cake.cascade([1.0, 3.0, 1.0], n=10, prompt_len=40, num_layers=3)
+    own, final = cascade.shares([1.0, 3.0, 1.0], n=10, prompt_len=40, floor=2)
     # step 0: layer0 gets 10; step 1: 20 split 1:3 -> 5, 15; step 2: 30 split 1:3:1 -> 6, 18, 6
     assert own.tolist() == [10, 15, 6]
     assert final.tolist() == [5, 15, 6]
     # rho = 1: everything everywhere
-    own, final = cake.cascade([1.0, 5.0, 0.1], n=40, prompt_len=40, num_layers=3)
+    own, final = cascade.shares([1.0, 5.0, 0.1], n=40, prompt_len=40, floor=2)
     assert own.tolist() == final.tolist() == [40, 40, 40]
 
 
@@ -214,11 +244,11 @@ def test_budget_errors_name_the_smallest_budget_that_works():
     L = 100
     with pytest.raises(BudgetError,
                        match=r"needs at least 32 .*smallest budget that works for this prompt is rho=0\.315$"):
-        SnapKV(budget=0.2).check_budget(L)
-    assert SnapKV(budget=0.315).check_budget(L) == 32  # the named rho works
+        SnapKV(budget=0.2).head_budgets(CFG, L)
+    assert np.all(SnapKV(budget=0.315).head_budgets(CFG, L) == 32)  # the named rho works
     assert smallest_rho(32, L) == 0.315
     with pytest.raises(BudgetError, match=r"at least 5 .*\b4 sinks"):
-        StreamingLLM(budget=0.01).check_budget(L)
+        StreamingLLM(budget=0.01).head_budgets(CFG, L)
     with pytest.raises(BudgetError, match="smallest budget that works"):
         run(H2O(budget=0.05), random_prompts([100]), steps=0)  # before any compute
     for bad in (0.0, -0.1, 1.5, float("nan")):
@@ -233,8 +263,8 @@ def test_generate_with_policies_and_registry(tiny_checkpoint):
     prompt = random_prompts([120], seed=9, vocab=bundle.config.vocab_size)[0]
     full = hetero_jax.generate(bundle, prompt, max_new_tokens=4, chat=False)
     for name in REGISTRY:
-        if name in ("heterocache", "contextkeeper", "synckv"):  # need an offline profile / ranking for this model:
-            continue  # tests/test_heterocache.py, tests/test_contextkeeper.py, tests/test_synckv.py
+        if name in ("heterocache", "contextkeeper", "synckv", "profiledsnapkv"):  # need an offline profile /
+            continue  # ranking for this model: tests/test_heterocache.py, test_contextkeeper.py, test_synckv.py, below
         if name in ("quest", "freekv"):  # decode-time retrieval, other budget rules: tests/test_<name>.py
             continue
         pol = make_policy(name, None if name == "full" else 0.5)
@@ -280,7 +310,7 @@ def test_budget_properties(kv, group, L, frac, which):
     cfg = tiny_cfg(num_heads=kv * group, num_kv_heads=kv, layers=2)
     params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=kv + group, scale=0.3))
     cls = REGISTRY[which]
-    lo = smallest_rho(min(cls(budget=1.0).min_tokens()[0], L), L)
+    lo = smallest_rho(min(cls(budget=1.0).scorer.min_tokens().tokens, L), L)
     rho = round(lo + (1.0 - lo) * frac, 4)
     policy = cls(budget=rho)
     _, cache, plan = run(policy, random_prompts([L], seed=L), params=params, cfg=cfg, steps=1)
@@ -289,10 +319,117 @@ def test_budget_properties(kv, group, L, frac, which):
     for li, lc in enumerate(cache.layers):
         _, _, pos, lengths = (np.asarray(a) for a in layer_rows(cache, li))
         lengths, pos = lengths[0], pos[0]
-        assert np.all(lengths == plan.counts[li][0]) and lengths.min() >= 1
+        assert np.all(lengths == plan.counts[li][0]) and lengths.min() >= 1  # [Hkv] each
         for h in range(kv):
             kept = pos[h, : lengths[h]]
             assert np.all(np.diff(kept) > 0) and kept.min() >= 0 and kept.max() < L
             assert L - 1 in kept  # the last prompt token (inside every window) is always kept
         total += int(lengths.sum())
     assert total == n * kv * cfg.num_layers
+
+
+# ------------------------------------------------------ scorers x allocators
+S, P, A, V = Role.SATELLITE, Role.PIVOT, Role.ANCHOR, Role.VOLATILE
+# CFG's 3 layers x 2 KV heads: 2 full heads (a pivot, a volatile), 4 compressed ones of mean-1 weights
+PROF = HeadProfile(roles=np.array([[P, S], [A, A], [A, V]], np.int8), clusters=(((0, (1,)),), (), ()),
+                   weights=np.array([[np.nan, 0.8], [1.2, 0.9], [1.1, np.nan]]), architecture="llama",
+                   head_dim=CFG.head_dim)
+SCORERS = [SinksRecent(), WindowVotes(window=8), WindowMeanVar(window=8), HeavyHitters(window=8)]
+ALLOCATORS = [Uniform(), Pyramid(beta=2.0), Cascade(window=8), ProfileBudgets(PROF)]
+
+
+def np_budgets(allocator, rho, L, floor, prefs=None):
+    """Tokens per head [layers, Hkv] from the allocators' definitions (no capping at these budgets)."""
+    n_layers, H = CFG.num_layers, CFG.num_kv_heads
+    n = int(np.floor(rho * L + 0.5))
+    if isinstance(allocator, Uniform):
+        return np.full((n_layers, H), n)
+    if isinstance(allocator, Pyramid):  # linear from top to bottom share, rounded by largest remainder
+        sel = n - floor
+        lo, hi = sel / allocator.beta, 2 * sel - sel / allocator.beta
+        t = floor + hi - (hi - lo) * np.arange(n_layers) / (n_layers - 1)
+        assert t.max() <= L and abs(t.sum() - n * n_layers) < 1e-9  # no cap: the targets keep the total
+        out = np.floor(t).astype(int)
+        rem = t - out
+        for j in sorted(range(n_layers), key=lambda j: (-rem[j], j))[: n * n_layers - out.sum()]:
+            out[j] += 1
+        return np.repeat(out[:, None], H, axis=1)
+    if isinstance(allocator, Cascade):  # the smallest share each layer is given (shares: by hand above)
+        return np.repeat(allocator.shares(prefs, n, L, floor)[1][:, None], H, axis=1)
+    comp = np.isin(PROF.roles, [S, A])  # Eq. 7: L_base = (rho N - N_full) L / N_comp; Eq. 8: floor(L_base w)
+    l_base = (rho * comp.size - (~comp).sum()) * L / comp.sum()
+    return np.where(comp, np.floor(l_base * np.nan_to_num(PROF.weights)), L).astype(int)
+
+
+@functools.lru_cache(maxsize=None)
+def full_prompt_kv(L: int = 90):
+    """Each layer's (params, x_in, k_buf, v_buf, lens) of one L-token prompt, captured from a full-KV prefill,
+    so that every composition below runs only its own plan on them."""
+    captured = []
+
+    def observe(li, layer, x_in, k_buf, v_buf, lens):
+        captured.append((layer, x_in, k_buf, v_buf, lens))
+
+    prefill(PARAMS, CFG, random_prompts([L], seed=3), tail_capacity=1, plan=FullKV().make_prefill(CFG, [L]),
+            observe=observe)
+    return captured
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS, ids=lambda a: type(a).__name__)
+@pytest.mark.parametrize("scorer", SCORERS, ids=lambda s: type(s).__name__)
+def test_every_scorer_with_every_allocator(scorer, allocator):
+    """Each head keeps exactly its allocator's budget, and its scorer's top tokens (numpy references)."""
+    rho, L = 0.6, 90
+    policy = Composed(budget=rho, scorer=scorer, allocator=allocator)
+    assert hash(policy) == hash(Composed(budget=rho, scorer=scorer, allocator=allocator))  # a static jit argument
+    layers = full_prompt_kv(L)
+    plan = policy.make_prefill(CFG, [L], compile_fn=compiled)
+    blocks = [plan.build_layer(li, *layer) for li, layer in enumerate(layers)]
+    prefs = None
+    if isinstance(allocator, Cascade):
+        blocks, _ = plan.cut(blocks)
+        prefs = np.array([float(p[0]) for p in plan.prefs])
+        want = [np_cake_preference(allocator, layer, x[0], k[0], L, CFG) for layer, x, k, _, _ in layers]
+        np.testing.assert_allclose(prefs, want, rtol=1e-3)
+    budgets = np_budgets(allocator, rho, L, scorer.min_tokens().tokens, prefs)
+    for li, ((layer, x_in, k_buf, _, _), out) in enumerate(zip(layers, blocks)):
+        (block,) = out.blocks
+        lengths, pos = np.asarray(block.lengths)[0], np.asarray(block.positions)[0]
+        np.testing.assert_array_equal(lengths, budgets[li])
+        scores, forced = np_scorer_scores(scorer, layer, np.asarray(x_in)[0], np.asarray(k_buf)[0], L, CFG)
+        for h in range(CFG.num_kv_heads):
+            assert_top_set(pos[h, : budgets[li, h]], scores[h], forced, budgets[li, h])
+            np.testing.assert_array_equal(np.asarray(block.k)[0, h, : budgets[li, h]],
+                                          np.asarray(k_buf)[0, h, pos[h, : budgets[li, h]]])
+
+
+def test_named_policies_are_their_compositions():
+    """PyramidKV, CAKE and ProfiledSnapKV are SnapKV's options with another allocator (CAKE: and its own
+    scorer); their options and registry names stay as they were."""
+    p = make_policy("pyramidkv:window=8,beta=2", 0.6)
+    assert p.scorer == WindowVotes(window=8) and p.allocator == Pyramid(beta=2.0)
+    c = CAKE(budget=0.6, window=8, gamma=50.0, tau1=2.0)
+    assert c.scorer == WindowMeanVar(window=8, gamma=50.0) and c.allocator == Cascade(window=8, tau1=2.0)
+    a = make_policy("profiledsnapkv", 0.6, window=8, profile=PROF)
+    assert type(a) is ProfiledSnapKV and a.scorer == WindowVotes(window=8)
+    assert a.allocator == ProfileBudgets(PROF) and "profiledsnapkv" in describe_policies()
+    np.testing.assert_array_equal(a.head_budgets(CFG, 90), np_budgets(ProfileBudgets(PROF), 0.6, 90, 8))
+    with pytest.raises(ProfileError, match="no profile yet"):
+        ProfiledSnapKV(budget=0.6).make_prefill(CFG, [90])
+    with pytest.raises(PolicyError, match="scorer must be a Scorer"):
+        Composed(budget=0.5, scorer="snapkv")
+    with pytest.raises(PolicyError, match="WindowVotes: pool_kernel must be odd"):
+        WindowVotes(pool_kernel=4)
+
+
+def test_profile_budgets_below_the_scorers_floor_name_the_smallest_rho():
+    L = 90
+    policy = ProfiledSnapKV(budget=0.4, profile=PROF)  # a 32-token window: L_base = 9, too few
+    with pytest.raises(BudgetError, match=r"needs at least 32 .*observation window.*rho=(0\.\d+)$") as e:
+        policy.make_prefill(CFG, [L])  # before any compute
+    rho = float(str(e.value).rsplit("rho=", 1)[1])
+    # the lightest compressed head (weight 0.8) reaches 32 tokens: floor(0.8 * (6 rho - 2) * 90 / 4) >= 32
+    assert rho == math.ceil((40 / 22.5 + 2) / 6 * 1e4) / 1e4
+    assert dataclasses.replace(policy, budget=rho).head_budgets(CFG, L).min() == 32
+    with pytest.raises(BudgetError):
+        dataclasses.replace(policy, budget=round(rho - 1e-4, 4)).head_budgets(CFG, L)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hetero_jax.policies.base import distribute
+from hetero_jax.policies.allocators import distribute
 from hetero_jax.water_filling import water_level
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from hetero_jax.policies.base import (
     BudgetError, Policy, PolicyError, UnknownOptionError, UnknownPolicyError, check_options, smallest_rho, tokens_for,
 )
-from hetero_jax.policies.baselines import CAKE, H2O, FullKV, PyramidKV, SnapKV, StreamingLLM
+from hetero_jax.policies.baselines import CAKE, H2O, FullKV, ProfiledSnapKV, PyramidKV, SnapKV, StreamingLLM
+from hetero_jax.policies.composed import Composed, ScoredPolicy
 from hetero_jax.policies.contextkeeper import ContextKeeper
 from hetero_jax.policies.freekv import FreeKV
 from hetero_jax.policies.hcattention import HCAttention
@@ -22,7 +23,7 @@ from hetero_jax.policies.synckv import SyncKV
 
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls for cls in (FullKV, StreamingLLM, SnapKV, PyramidKV, H2O, CAKE, HeteroCache, Quest, FreeKV,
-                      ContextKeeper, SyncKV, HCAttention)
+                      ContextKeeper, SyncKV, HCAttention, ProfiledSnapKV)
 }
 
 
@@ -83,6 +84,6 @@ def describe_policies() -> str:
 __all__ = [
     "BudgetError", "Policy", "PolicyError", "UnknownOptionError", "UnknownPolicyError", "smallest_rho", "tokens_for",
     "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache", "Quest", "FreeKV", "ContextKeeper",
-    "SyncKV", "HCAttention",
+    "SyncKV", "HCAttention", "ProfiledSnapKV", "Composed", "ScoredPolicy",
     "PolicyPrefill", "PrefillPlan", "DecodeState", "achieved_rho", "REGISTRY", "make_policy", "parse_options", "describe_policies",
 ]

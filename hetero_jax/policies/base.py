@@ -13,19 +13,13 @@ A policy provides
   turns each layer's full prompt KV into that layer's head groups and whose
   ``finish(cache)`` returns ``(cache, DecodeState)``: the per-request state the
   engine hands to the decode hooks (data flows one way: prefill -> state -> decode);
+  the plan checks the policy's budget rules in its constructor, before any compute;
 - ``attend(li, q, layer_cache, tail_lens, seq_lens)`` (traced inside the jitted
   decode step, the policy being a static argument): one layer's attention,
-  returning ``(out, layer_cache, extra)``; the default attends every kept slot;
-and, for the default plan (``selection.PolicyPrefill``: score, top-k,
-position order, gather into a group, shared by the static baselines):
-- ``token_scores(layer, x_in, keys, prompt_lens, cfg)`` (traced): per-head
-  float32 scores [B, Hkv, Tp] (FORCE on tokens it must keep, MASK_VALUE beyond
-  the prompt) and a per-sequence auxiliary value (CAKE's layer preference);
-- ``layer_counts(cfg, prompt_len)`` (host): tokens kept per head in each
-  layer for one sequence, or ``None`` for policies that plan while prefilling
-  (CAKE overrides ``plan``).
-A policy with its own plan (HeteroCache, the peers) checks its budget rules
-in that plan's constructor, before any compute, and needs neither hook.
+  returning ``(out, layer_cache, extra)``; the default attends every kept slot.
+The policies that score tokens and keep each head's top ones (the static baselines)
+compose a token scorer with a budget allocator (``composed.ScoredPolicy``); a policy
+with its own plan (HeteroCache, the peers) has no scorer and no allocator hook to switch off.
 
 A ``DecodeState`` declares the host-side hooks the engine runs around every
 jitted step (``before_step``, ``after_step`` with the layers' ``extra``
@@ -43,8 +37,6 @@ import numpy as np
 
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError
-from hetero_jax.policies.selection import PolicyPrefill
-from hetero_jax.water_filling import water_level
 
 
 class BudgetError(HeteroJaxError, ValueError):
@@ -146,6 +138,22 @@ def choice_param(default: str, choices: tuple[str, ...]):
     return dataclasses.field(default=default, metadata={"check": lambda o, n, v: check_choice(o, n, v, choices)})
 
 
+def odd_param(default: int):
+    """A dataclass field holding an odd int >= 1 (a centred pooling window)."""
+    def check(owner, name, value):
+        check_int(owner, name, value, 1)
+        if value % 2 == 0:
+            raise PolicyError(f"{owner}: {name} must be odd (a centred pooling window), got {value}")
+    return dataclasses.field(default=default, metadata={"check": check})
+
+
+def check_fields(obj) -> None:
+    """Run every declared field check of dataclass ``obj`` (``int_param`` & co.), naming its class."""
+    for f in dataclasses.fields(obj):
+        if "check" in f.metadata:
+            f.metadata["check"](type(obj).__name__, f.name, getattr(obj, f.name))
+
+
 def bool_param(default: bool):
     """A dataclass field holding True or False."""
     return dataclasses.field(default=default, metadata={"check": check_bool})
@@ -184,36 +192,7 @@ class Policy(metaclass=_PolicyType):
                 "prompt's KV kept on the device and must be in (0, 1]"
             )
         object.__setattr__(self, "budget", float(b))  # a numpy scalar becomes the float it stands for
-        for f in dataclasses.fields(self):
-            if "check" in f.metadata:
-                f.metadata["check"](type(self).__name__, f.name, getattr(self, f.name))
-
-    # ---------------------------------------------------------------- budgets
-    def min_tokens(self) -> tuple[int, str]:
-        """Fewest tokens a head may keep (sinks + window, at least 1) and why, for the budget error."""
-        return 1, "every head keeps at least one token"
-
-    def check_budget(self, prompt_len: int) -> int:
-        """Tokens per head for this prompt at this budget; BudgetError if too small."""
-        n = tokens_for(self.budget, prompt_len)
-        need, reason = self.min_tokens()
-        need = min(need, prompt_len)
-        if n < need:
-            raise BudgetError(
-                f"{type(self).__name__}: budget rho={self.budget:g} keeps {n} token(s) per head of a "
-                f"{prompt_len}-token prompt, but it needs at least {need} ({reason}); "
-                f"the smallest budget that works for this prompt is rho={smallest_rho(need, prompt_len):g}"
-            )
-        return n
-
-    def layer_counts(self, cfg: ModelConfig, prompt_len: int) -> np.ndarray:
-        """[num_layers] tokens kept per head in each layer (uniform by default)."""
-        return np.full(cfg.num_layers, self.check_budget(prompt_len), np.int64)
-
-    # ----------------------------------------------------------------- scores
-    def token_scores(self, layer, x_in, keys, prompt_lens, cfg: ModelConfig):
-        """Traced: (scores [B, Hkv, Tp] float32, aux [B] float32 or None)."""
-        raise NotImplementedError
+        check_fields(self)
 
     def bind(self, model) -> "Policy":
         """This policy resolved against a loaded model (HeteroCache picks its profile); default: itself."""
@@ -221,7 +200,7 @@ class Policy(metaclass=_PolicyType):
 
     def make_prefill(self, cfg: ModelConfig, prompt_lens, compile_fn=None):
         """The prefill plan (``build_layer``, ``finish(cache) -> (cache, DecodeState)``); checks budgets first."""
-        return PolicyPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)
+        raise NotImplementedError(f"{type(self).__name__} defines no prefill plan")
 
     # ----------------------------------------------------------------- decode
     def attend(self, li: int, q, step):
@@ -244,30 +223,3 @@ class Policy(metaclass=_PolicyType):
     def layout(self, cfg: ModelConfig):
         """The head layout this policy needs (a ``HeadLayout``: the order of each layer's heads), or None."""
         return None
-
-
-def distribute(weights: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
-    """Integer budgets proportional to ``weights`` with an exact ``total``, each within [lo, hi].
-
-    Water-filling: find c with sum(clip(c * w_j, lo, hi)) = total (bisection;
-    the sum is monotone in c), then round by largest remainder (ties to the
-    lower index) without leaving [lo, hi].
-    """
-    w = np.maximum(np.asarray(weights, np.float64), 0.0)
-    n = len(w)
-    if not lo * n <= total <= hi * n:
-        raise ValueError(f"cannot split {total} into {n} parts within [{lo}, {hi}]")
-    if w.sum() == 0:
-        w = np.ones(n)
-    _, c_hi = water_level(w, total, lo, hi)
-    t = np.clip(c_hi * w, lo, hi)
-    base = np.clip(np.floor(t + 1e-9), lo, hi).astype(np.int64)
-    order = np.lexsort((np.arange(n), -(t - base)))  # largest remainder first, then lower index
-    short = total - int(base.sum())
-    while short != 0:
-        step = 1 if short > 0 else -1
-        for j in order if step > 0 else order[::-1]:
-            if short != 0 and lo <= base[j] + step <= hi:
-                base[j] += step
-                short -= step
-    return base

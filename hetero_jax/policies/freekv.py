@@ -131,9 +131,6 @@ class FreeKV(Policy):
             rho = max(r, round(rho + 1e-4, 4))
         return rho
 
-    def check_budget(self, prompt_len: int) -> int:
-        return prompt_len  # checked per model in make_prefill (the skipped layers count)
-
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return FreeKVPrefill(self, cfg, prompt_lens, compile_fn)
 

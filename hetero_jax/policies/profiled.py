@@ -2,34 +2,28 @@
 
 A profile gives every KV head a role (``profile.clustering.Role``): pivots and volatile heads keep their
 full prompt KV on the device, satellites (and HeteroCache's anchors) a budget of it; each pivot leads
-the satellites of its cluster. :class:`ProfiledPolicy` holds the profile-dependent parts of such a
-policy: binding the profile to a model, the head layout [full heads] [compressed heads] of each layer,
+the satellites of its cluster. :class:`ProfileBound` binds the profile to a model (also for a scored
+policy with the profile's budgets, ``baselines.ProfiledSnapKV``); :class:`ProfiledPolicy` adds the
+profile-dependent parts of HeteroCache and SyncKV: the head layout [full heads] [compressed heads] of each layer,
 the per-head budgets (Eq. 7-8, the B1 rule for uniform weights) and the pivots' decode queries.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import ClassVar
 
 import numpy as np
 
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import HeadLayout
-from hetero_jax.policies.base import BudgetError, Policy
+from hetero_jax.policies.allocators import profile_grid, profile_key
+from hetero_jax.policies.base import Policy
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.format import SHIPPED_PROFILES, HeadProfile, ProfileError
 
-
-def profile_key(profile: HeadProfile | None) -> str:
-    """A short hash of the roles, weights and clusters: what makes two bound policies compile differently."""
-    if profile is None:
-        return ""
-    h = hashlib.sha256(np.ascontiguousarray(profile.roles).tobytes())
-    h.update(np.nan_to_num(np.asarray(profile.weights, np.float64), nan=-1.0).tobytes())
-    h.update(repr(profile.clusters).encode())
-    return h.hexdigest()[:16]
+# profile_key lives with the profile's budgets (allocators.py); HeteroCache and SyncKV import it from here
+__all__ = ["LayerRoles", "ProfileBound", "ProfiledPolicy", "profile_key", "take_slots"]
 
 
 @dataclasses.dataclass
@@ -46,11 +40,9 @@ class LayerRoles:
         return self.full_slots[: len(self.pivots)]
 
 
-class ProfiledPolicy(Policy):
-    """Mix-in of a frozen policy dataclass with a ``profile: HeadProfile | None`` field (None: the shipped one)."""
-
-    head_tp = 1  # tensor-parallel shards the layout is cut for (HeteroCache: a field that ``bind`` sets)
-    row_pivot_slots = ()  # with head_tp > 1: per layer, the pivots' layout slots (set with head_tp)
+class ProfileBound(Policy):
+    """Mix-in of a frozen policy dataclass with a ``profile: HeadProfile | None`` field (None: the shipped one):
+    binding the profile to a model."""
 
     profile_table: ClassVar[dict[str, str]] = SHIPPED_PROFILES  # shipped profiles bind() looks in
     calibrate_hint: ClassVar[str] = ("calibrate one with `hetero-jax profile --model M --data FILE --out "
@@ -78,6 +70,14 @@ class ProfiledPolicy(Policy):
             raise ProfileError(f"{type(self).__name__} has no profile yet: call policy.bind(model) (generate "
                                "does this)")
         return self.profile
+
+
+class ProfiledPolicy(ProfileBound):
+    """A profile-driven policy (HeteroCache, SyncKV): the head layout [full heads] [compressed heads] of each
+    layer, the per-head budgets (Eq. 7-8) and the pivots' decode queries."""
+
+    head_tp = 1  # tensor-parallel shards the layout is cut for (HeteroCache: a field that ``bind`` sets)
+    row_pivot_slots = ()  # with head_tp > 1: per layer, the pivots' layout slots (set with head_tp)
 
     # ---------------------------------------------------------------- layout
     def roles_in_layout(self, layer: int) -> dict[str, list[int]]:
@@ -126,32 +126,15 @@ class ProfiledPolicy(Policy):
 
     # --------------------------------------------------------------- budgets
     def budget_grid(self, prompt_len: int) -> tuple[np.ndarray, int]:
-        """(tokens per KV head [L, H] in original order, L_base as an int) for one prompt (Eq. 7-8)."""
-        from hetero_jax.profile.clustering import base_budget
-
-        prof = self._need_profile()
-        cls = type(self).__name__
-        if prof.n_compressed == 0:  # every head keeps its full KV: nothing to budget
-            if self.budget < 1.0:  # it would keep rho = 1, far above the request
-                raise BudgetError(
-                    f"{cls}: budget rho={self.budget:g} cannot be kept: the profile has no compressed heads "
-                    "(every head is a pivot or volatile and keeps its full KV); the smallest rho that works "
-                    "is 1 (use budget=1.0, or a profile with compressed heads)")
-            return np.full(prof.roles.shape, prompt_len, np.int64), prompt_len
-        try:
-            grid = prof.budgets(self.budget, prompt_len)
-            n_comp = prof.n_compressed
-            l_base = base_budget(self.budget, prof.roles.size, prof.roles.size - n_comp, n_comp, prompt_len)
-        except ValueError as e:
-            raise BudgetError(f"{cls}: {e}") from None
-        return grid, int(max(1, min(prompt_len, np.floor(l_base))))
+        """(tokens per KV head [L, H] in original order, L_base as an int) for one prompt (Eq. 7-8,
+        ``allocators.profile_grid``)."""
+        return profile_grid(type(self).__name__, self._need_profile(), self.budget, prompt_len)
 
     def check_budget(self, prompt_len: int) -> int:
+        """BudgetError unless the profile's budgets work for this prompt; the prompt length (the longest a head
+        keeps). Not a base-class hook: HeteroCache's and SyncKV's callers ask it before planning."""
         self.budget_grid(prompt_len)
         return prompt_len
-
-    def token_scores(self, layer, x_in, keys, prompt_lens, cfg):
-        raise NotImplementedError(f"{type(self).__name__} selects per role in its own prefill plan")
 
     # ----------------------------------------------------------------- decode
     def attend(self, li, q, step):

@@ -113,9 +113,6 @@ class Quest(Policy):
                 f"the smallest budget that works for this prompt is rho={rho:g}")
         return P, r, min(P, k)
 
-    def check_budget(self, prompt_len: int) -> int:
-        return prompt_len  # checked per model in make_prefill (the full layers count)
-
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return QuestPrefill(self, cfg, prompt_lens, compile_fn)
 

@@ -11,6 +11,7 @@ import numpy as np
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, prompt_kv_bytes
 from hetero_jax.model.config import ModelConfig
+from hetero_jax.policies.base import tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan, TailOnlyDecode
 from pallas_kernels import MASK_VALUE
 from hetero_jax.model.scoring import gather_group, select_topk
@@ -61,30 +62,31 @@ def select_group(scores, k, v, positions, counts, cap: int, heads=(), compile_fn
 
 
 class PolicyPrefill(PrefillPlan):
-    """The prefill plan of a policy that scores tokens (``token_scores``) and keeps each head's top ones.
+    """The prefill plan of a scored policy (``composed.ScoredPolicy``): its scorer scores tokens, its allocator
+    says how many each head keeps, and each head keeps its top ones.
 
-    Budgets are checked on the host before any compute (``__init__``). For policies that plan while
-    prefilling (CAKE) the kept candidates are cut to their final budgets in :meth:`cut`.
+    Budgets are checked on the host before any compute (``__init__``). For an allocator that plans while
+    prefilling (CAKE's cascade) the kept candidates are cut to their final budgets in :meth:`cut`.
     """
 
     def __init__(self, policy, cfg: ModelConfig, prompt_lens, compile_fn=None):
         self.policy, self.cfg = policy, cfg
         self.lens = np.asarray(prompt_lens, np.int64)
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
-        per_seq = [policy.layer_counts(cfg, int(L)) for L in self.lens]  # each [num_layers] or None
+        per_seq = [policy.head_budgets(cfg, int(L)) for L in self.lens]  # each [num_layers, Hkv] or None
         self.planned = per_seq[0] is not None
         if self.planned:
-            self.counts = np.stack(per_seq, axis=1)  # [num_layers, B]
+            self.counts = np.stack(per_seq, axis=1)  # [num_layers, B, Hkv]
         else:
-            self.n = np.array([policy.check_budget(int(L)) for L in self.lens])  # also validates
+            self.n = np.array([tokens_for(policy.budget, int(L)) for L in self.lens])  # checked above
+            self.floor = policy.scorer.min_tokens().tokens
             self.prefs: list[np.ndarray] = []
             self.kept_scores: list[jax.Array] = []
 
     def prompt_counts(self):
         if not self.planned:
             return None
-        L, B = self.counts.shape
-        return np.broadcast_to(self.counts[:, :, None], (L, B, self.cfg.num_kv_heads))
+        return self.counts
 
     def _call(self, fn, *args, **static):
         return self.compile_fn(fn, *args, **static)(*args)
@@ -92,19 +94,18 @@ class PolicyPrefill(PrefillPlan):
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
         cfg = self.cfg
         scores, aux = self._call(layer_scores, layer, x_in, k_buf, lens, policy=self.policy, cfg=cfg)
+        B, H, T, _ = k_buf.shape
         if self.planned:
-            per_b = self.counts[li]
+            per_bh = self.counts[li]  # [B, H]
         else:  # CAKE: this layer's share at its own step, given the preferences so far
             self.prefs.append(to_host(aux).astype(np.float64))
             prefs = np.stack(self.prefs, axis=1)  # [B, li + 1]
-            per_b = np.array([
-                self.policy.cascade(prefs[b], int(self.n[b]), int(self.lens[b]), cfg.num_layers)[0][li]
-                for b in range(len(self.lens))
-            ])
-        B, H, T, _ = k_buf.shape
-        counts = jnp.asarray(np.broadcast_to(per_b[:, None], (B, H)), jnp.int32)
+            per_b = np.array([self.policy.allocator.shares(prefs[b], int(self.n[b]), int(self.lens[b]),
+                                                           self.floor)[0][li] for b in range(len(self.lens))])
+            per_bh = np.broadcast_to(per_b[:, None], (B, H))
+        counts = jnp.asarray(per_bh, jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, H, T))
-        block, kept = select_group(scores, k_buf, v_buf, positions, counts, int(per_b.max()), range(H),
+        block, kept = select_group(scores, k_buf, v_buf, positions, counts, int(per_bh.max()), range(H),
                                    self.compile_fn)
         if not self.planned:
             self.kept_scores.append(kept)
@@ -114,10 +115,8 @@ class PolicyPrefill(PrefillPlan):
         """CAKE: each layer's candidates cut to the smallest share the cascade gave it; (outputs, counts
         [L, B, H])."""
         prefs = np.stack(self.prefs, axis=1)  # [B, num_layers]
-        finals = np.stack([
-            self.policy.cascade(prefs[b], int(self.n[b]), int(self.lens[b]), self.cfg.num_layers)[1]
-            for b in range(len(self.lens))
-        ], axis=1)  # [num_layers, B]
+        finals = np.stack([self.policy.allocator.shares(prefs[b], int(self.n[b]), int(self.lens[b]), self.floor)[1]
+                           for b in range(len(self.lens))], axis=1)  # [num_layers, B]
         out = []
         for li, (prev, kept) in enumerate(zip(outputs, self.kept_scores)):
             (g,) = prev.blocks
@@ -127,8 +126,8 @@ class PolicyPrefill(PrefillPlan):
                                     self.compile_fn)
             out.append(LayerPrefill(blocks=(block,)))
         self.kept_scores = []
-        self.counts = finals
-        return out, np.broadcast_to(finals[:, :, None], finals.shape + (self.cfg.num_kv_heads,))
+        self.counts = np.repeat(finals[:, :, None], self.cfg.num_kv_heads, axis=2)  # [num_layers, B, Hkv]
+        return out, self.counts
 
     def finish(self, cache: KVCache) -> tuple[KVCache, DecodeState]:
         """(the cache, its decode state): a static policy's decode has no hooks."""

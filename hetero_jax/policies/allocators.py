@@ -1,0 +1,229 @@
+"""Budget allocators: how many prompt tokens each KV head keeps, apart from which ones (``scorers.py``).
+
+An allocator is a frozen, hashable dataclass (a static jit argument, like the policy holding it). Given the
+policy's budget rho and the floor of the scorer it is composed with (``scorers.Floor``: no head keeps fewer),
+``head_budgets(owner, rho, cfg, prompt_len, floor)`` returns int64 [num_layers, Hkv] tokens per head for one
+sequence, raising BudgetError (naming ``owner``, the policy) before any compute; or None when the budgets
+follow the prefill (``Cascade``, whose ``shares`` the plan calls layer by layer with the preferences its
+traced ``preference`` hook returned). Uniform and pyramid keep exactly round(rho L) tokens per head on
+average; the profile's budgets keep rho's model-wide total up to Eq. 8's rounding, and the cascade at most it
+(it can only cut a layer's candidates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import jax.numpy as jnp
+import numpy as np
+
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.scoring import observation_window_probs
+from hetero_jax.policies.base import BudgetError, check_fields, int_param, real_param, smallest_rho, tokens_for
+from hetero_jax.policies.scorers import Floor, window_forced, window_moments
+from hetero_jax.profile.format import HeadProfile, ProfileError
+from hetero_jax.water_filling import water_level
+
+
+def distribute(weights: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
+    """Integer budgets proportional to ``weights`` with an exact ``total``, each within [lo, hi].
+
+    Water-filling: find c with sum(clip(c * w_j, lo, hi)) = total (bisection;
+    the sum is monotone in c), then round by largest remainder (ties to the
+    lower index) without leaving [lo, hi].
+    """
+    w = np.maximum(np.asarray(weights, np.float64), 0.0)
+    n = len(w)
+    if not lo * n <= total <= hi * n:
+        raise ValueError(f"cannot split {total} into {n} parts within [{lo}, {hi}]")
+    if w.sum() == 0:
+        w = np.ones(n)
+    _, c_hi = water_level(w, total, lo, hi)
+    t = np.clip(c_hi * w, lo, hi)
+    base = np.clip(np.floor(t + 1e-9), lo, hi).astype(np.int64)
+    order = np.lexsort((np.arange(n), -(t - base)))  # largest remainder first, then lower index
+    short = total - int(base.sum())
+    while short != 0:
+        step = 1 if short > 0 else -1
+        for j in order if step > 0 else order[::-1]:
+            if short != 0 and lo <= base[j] + step <= hi:
+                base[j] += step
+                short -= step
+    return base
+
+
+def uniform_tokens(owner: str, rho: float, prompt_len: int, floor: Floor) -> int:
+    """Tokens per head at budget rho (``tokens_for``); BudgetError naming the smallest rho when under the floor."""
+    n = tokens_for(rho, prompt_len)
+    need = min(floor.tokens, prompt_len)
+    if n < need:
+        raise BudgetError(
+            f"{owner}: budget rho={rho:g} keeps {n} token(s) per head of a {prompt_len}-token prompt, but it needs "
+            f"at least {need} ({floor.reason}); the smallest budget that works for this prompt is "
+            f"rho={smallest_rho(need, prompt_len):g}")
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocator:
+    """Base of the allocators: checks the declared fields; no layer preference."""
+
+    def __post_init__(self):
+        check_fields(self)
+
+    def head_budgets(self, owner: str, rho: float, cfg: ModelConfig, prompt_len: int,
+                     floor: Floor) -> np.ndarray | None:
+        """int64 [num_layers, Hkv] tokens per head for one sequence, or None (decided while prefilling)."""
+        raise NotImplementedError
+
+    def preference(self, layer, x_in, keys, prompt_lens, cfg: ModelConfig):
+        """Traced: a per-sequence preference of this layer [B] float32 that ``shares`` reads, or None."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Uniform(Allocator):
+    """Every head of every layer keeps round(rho * L) tokens."""
+
+    def head_budgets(self, owner, rho, cfg, prompt_len, floor):
+        n = uniform_tokens(owner, rho, prompt_len, floor)
+        return np.full((cfg.num_layers, cfg.num_kv_heads), n, np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pyramid(Allocator):
+    """PyramidKV: per-layer budgets falling linearly with depth, the top layer's share beyond the floor
+    ``beta`` times the bottom one's, the uniform total kept (every head of a layer alike)."""
+
+    beta: float = real_param(20.0, 1.0, lo_open=False)  # top / bottom layer share; 1 = flat
+
+    def head_budgets(self, owner, rho, cfg, prompt_len, floor):
+        n = uniform_tokens(owner, rho, prompt_len, floor)
+        L = cfg.num_layers
+        w = min(floor.tokens, prompt_len)
+        sel = n - w  # selectable tokens per head beyond the floor, on average
+        lo_sel = sel / self.beta
+        hi_sel = 2 * sel - lo_sel
+        steps = np.arange(L) / max(L - 1, 1)
+        per_layer = distribute(w + hi_sel - (hi_sel - lo_sel) * steps, n * L, lo=w, hi=prompt_len)
+        return np.repeat(per_layer[:, None], cfg.num_kv_heads, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cascade(Allocator):
+    """CAKE: layer budgets from a preference P_l = entropy^(1/tau1) x variance^(1/tau2) of the last ``window``
+    prompt queries' mean attention over the prefix (per head, averaged), decided while prefilling layer by
+    layer (``shares``)."""
+
+    window: int = int_param(32, 1, " (prompt queries in the observation window)")
+    tau1: float = real_param(1.0, 0.0)
+    tau2: float = real_param(1.0, 0.0)
+
+    def head_budgets(self, owner, rho, cfg, prompt_len, floor):
+        uniform_tokens(owner, rho, prompt_len, floor)  # the mean it shares out must clear the floor
+        return None
+
+    def preference(self, layer, x_in, keys, prompt_lens, cfg):
+        probs, _ = observation_window_probs(layer, x_in, keys, prompt_lens, self.window, cfg)
+        prefix = ~window_forced(prompt_lens, keys.shape[2], self.window)
+        mean, var = window_moments(probs, prefix, prompt_lens, self.window)
+        dist = mean / jnp.maximum(mean.sum(axis=-1, keepdims=True), 1e-30)
+        entropy = -(dist * jnp.log(jnp.maximum(dist, 1e-30))).sum(axis=-1)  # [B, Hkv, G]
+        variance = var.sum(axis=-1)
+        pref = (jnp.maximum(entropy, 1e-12) ** (1.0 / self.tau1) * jnp.maximum(variance, 1e-12) ** (1.0 / self.tau2))
+        return pref.mean(axis=(1, 2))
+
+    def shares(self, prefs, n: int, prompt_len: int, floor: int) -> tuple[np.ndarray, np.ndarray]:
+        """The cascade for one sequence keeping n tokens per head on average.
+
+        prefs: [k] preferences of the layers prefilled so far. After step l the total n * (l + 1) is split
+        among layers 0..l in proportion to P_0..P_l, each share within [min(floor, L), L] (excess water-filled
+        into the others, integers by largest remainder). Returns (own [k]: candidates layer j keeps at its own
+        step j, final [k]: the smallest share layer j was given over steps j..k-1).
+        """
+        prefs = np.maximum(np.asarray(prefs, np.float64), 1e-12)
+        k = len(prefs)
+        w = min(floor, prompt_len)
+        own = np.zeros(k, np.int64)
+        final = np.full(k, np.iinfo(np.int64).max)
+        for l in range(k):
+            alloc = distribute(prefs[: l + 1], n * (l + 1), lo=w, hi=prompt_len)
+            own[l] = alloc[l]
+            final[: l + 1] = np.minimum(final[: l + 1], alloc)
+        return own, final
+
+
+def profile_key(profile: HeadProfile | None) -> str:
+    """A short hash of the roles, weights and clusters: what makes two bound policies compile differently."""
+    if profile is None:
+        return ""
+    h = hashlib.sha256(np.ascontiguousarray(profile.roles).tobytes())
+    h.update(np.nan_to_num(np.asarray(profile.weights, np.float64), nan=-1.0).tobytes())
+    h.update(repr(profile.clusters).encode())
+    return h.hexdigest()[:16]
+
+
+def profile_grid(owner: str, profile: HeadProfile, rho: float, prompt_len: int) -> tuple[np.ndarray, int]:
+    """(tokens per KV head [L, H] in original order, L_base as an int) for one prompt (Eq. 7-8): full heads
+    (pivots, volatiles) keep the prompt, compressed heads a weighted share; BudgetError naming ``owner``."""
+    from hetero_jax.profile.clustering import base_budget
+
+    if profile.n_compressed == 0:  # every head keeps its full KV: nothing to budget
+        if rho < 1.0:  # it would keep rho = 1, far above the request
+            raise BudgetError(
+                f"{owner}: budget rho={rho:g} cannot be kept: the profile has no compressed heads "
+                "(every head is a pivot or volatile and keeps its full KV); the smallest rho that works "
+                "is 1 (use budget=1.0, or a profile with compressed heads)")
+        return np.full(profile.roles.shape, prompt_len, np.int64), prompt_len
+    try:
+        grid = profile.budgets(rho, prompt_len)
+        n_comp = profile.n_compressed
+        l_base = base_budget(rho, profile.roles.size, profile.roles.size - n_comp, n_comp, prompt_len)
+    except ValueError as e:
+        raise BudgetError(f"{owner}: {e}") from None
+    return grid, int(max(1, min(prompt_len, np.floor(l_base))))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileBudgets(Allocator):
+    """The profile's per-head budgets (Eq. 7-8): full heads keep the prompt, compressed heads a share of the
+    rest in proportion to their weights; every head at least the scorer's floor."""
+
+    profile: HeadProfile = dataclasses.field(compare=False, hash=False, repr=False)
+    key: str = dataclasses.field(default="", init=False)  # the profile's hash: what jit compares
+
+    def __post_init__(self):
+        if not isinstance(self.profile, HeadProfile):
+            raise ProfileError(f"ProfileBudgets: profile must be a HeadProfile (load_profile('profile.json')), "
+                               f"got {type(self.profile).__name__}")
+        object.__setattr__(self, "key", profile_key(self.profile))
+
+    def head_budgets(self, owner, rho, cfg, prompt_len, floor):
+        self.profile.check_compatible(cfg)
+        grid, _ = profile_grid(owner, self.profile, rho, prompt_len)
+        need = min(floor.tokens, prompt_len)
+        if grid.min() < need:
+            raise BudgetError(
+                f"{owner}: budget rho={rho:g} gives a compressed head {int(grid.min())} token(s) of a "
+                f"{prompt_len}-token prompt, but every head needs at least {need} ({floor.reason}); the smallest "
+                f"budget that works for this prompt is rho={self.smallest_rho(rho, prompt_len, need):g}")
+        return grid
+
+    def smallest_rho(self, rho: float, prompt_len: int, need: int) -> float:
+        """Smallest rho (4 decimals) above ``rho`` whose smallest head budget reaches ``need`` (bisection: the
+        Eq. 7-8 budgets grow with rho; rho = 1 keeps every token)."""
+        def ok(k: int) -> bool:
+            try:
+                return int(profile_grid("", self.profile, k / 1e4, prompt_len)[0].min()) >= need
+            except BudgetError:
+                return False
+
+        lo, hi = int(round(rho * 1e4)), 10_000  # lo fails, hi works
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+        return hi / 1e4
+
+
+ALLOCATORS = (Uniform, Pyramid, Cascade, ProfileBudgets)
