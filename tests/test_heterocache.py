@@ -103,7 +103,7 @@ def test_batch_equals_one_by_one():
             lb = ka.shape[-1]
             np.testing.assert_array_equal(kb[i, :, :lb], ka[0])
             assert (kb[i, :, lb:] == -1).all()
-    assert beng.state.recalls > 0
+    assert beng.state.stats()["recalls"] > 0
 
 
 def test_prefill_layout_budgets_reservoir_and_bytes():
@@ -155,7 +155,7 @@ def test_budget_too_small_and_missing_profile():
 
 def _pivot_step(q, step, slots):
     """``attend_step`` of a layer with pivots at ``slots`` and no copy head: (out, the pivots' share)."""
-    from hetero_jax.policies.heterocache.decode import attend_step
+    from hetero_jax.policies.heterocache.step import attend_step
 
     out, share, pointer = attend_step(q, step, slots)
     assert pointer is None
@@ -205,6 +205,8 @@ def test_drift_thresholds_and_recall_contents(tau):
     for _ in range(W + 2):
         tok, _ = eng.step(tok, 0.0, 1.0)
     after_recall = ctl.stats()
+    assert list(after_recall) == STAT_KEYS  # what GenerationStats and the benchmarks read, in this order
+    assert after_recall["trigger_rate"] == after_recall["drift_triggers"] / after_recall["drift_checks"]
     n_pivots = 2
     assert after_recall["drift_checks"] == n_pivots
     if tau < 0:
@@ -328,7 +330,7 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     The two sequences have their own L_base (6 and 4, the second's K_base padded with -1): each is checked
     and re-based as it would be alone."""
     from hetero_jax.policies.heterocache import drift_check
-    from hetero_jax.policies.heterocache.decode import PivotBase, pivot_statistics
+    from hetero_jax.policies.heterocache.step import PivotBase, pivot_statistics
 
     rng = np.random.default_rng(5)
     B, Np, W, G, D, T, l_base = 2, 2, 3, 2, 8, 40, 6
@@ -410,7 +412,7 @@ def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend, monkeypat
     each head over its own rows and the tail (numpy), and the scores are the pivots' own pooled scores
     (numpy, masked beyond each pivot's length) with their chance-normalised overlaps against K_base by the
     definition, from the same pass: the logits the check pools are each pivot's own q.k over its prompt rows."""
-    from hetero_jax.policies.heterocache.decode import PivotBase
+    from hetero_jax.policies.heterocache.step import PivotBase
 
     rng = np.random.default_rng(11)
     B, G, D, T, R, l_base = 2, 3, 16, 48, 6, 7
@@ -422,12 +424,12 @@ def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend, monkeypat
     step = step_from_dense(k, v, lengths, tail_k, tail_v, tail_lens,
                            state=PivotBase(k_base=jnp.asarray(k_base, jnp.int32)))
     q = jnp.asarray(_np_f32(rng, B, 5, G, D))
-    from hetero_jax.policies.heterocache import decode
+    from hetero_jax.policies.heterocache import step as traced
 
     with pallas_kernels.use_kernels(backend):
         out, share = _pivot_step(q, step, (0, 1))
         logits = _pivot_logits(q, step, (0, 1))
-        monkeypatch.setattr(decode, "spread_checks", lambda: False)  # a GPU's schedule: the logits themselves
+        monkeypatch.setattr(traced, "spread_checks", lambda: False)  # a GPU's schedule: the logits themselves
         _, gpu_share = _pivot_step(q, step, (0, 1))
     want = dense_attention(q, k, v, lengths, tail_k, tail_v, tail_lens)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
@@ -435,7 +437,7 @@ def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend, monkeypat
     valid = np.arange(T)[None, None, None, :] < lengths[:, :2, None, None]
     np.testing.assert_array_equal(np.where(valid, np.asarray(gpu_share), 0), np.where(valid, np.asarray(logits), 0))
     scores = pallas_kernels.pivot_pooled_scores(logits, jnp.asarray(lengths[:, :2]))
-    want_scores, want_overlap = decode.pivot_statistics(logits, jnp.asarray(lengths[:, :2]), jnp.asarray(k_base))
+    want_scores, want_overlap = traced.pivot_statistics(logits, jnp.asarray(lengths[:, :2]), jnp.asarray(k_base))
     np.testing.assert_allclose(np.asarray(share[0]), np.asarray(want_scores), rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(np.asarray(share[1]), np.asarray(want_overlap), atol=1e-6)
     for b in range(B):
@@ -535,10 +537,10 @@ def test_reselection_lands_before_the_answer_and_drops_a_stale_check():
     first = sess.ask(random_prompt(8, 8), max_new_tokens=W, stop=None)
     assert [e[0] for e in log[:2]] == ["extend", "step"]  # re-selected, then the question's last token
     assert ctl.pending is not None and dispatched == [W - 1]
-    assert ctl.recalls == 0  # tau 1.5: applied, the pending check would recall every satellite
+    assert ctl.stats()["recalls"] == 0  # tau 1.5: applied, the pending check would recall every satellite
     # two steps into the next answer (fewer than W: no check of its own)
     sess.ask(random_prompt(5, 9), max_new_tokens=2)
-    assert ctl.pending is None and ctl.recalls == 0  # dropped by the re-selection: no recall from it
+    assert ctl.pending is None and ctl.stats()["recalls"] == 0  # dropped by the re-selection: no recall from it
     steps = [e[1] for e in log if e[0] == "step"]
     assert dispatched[0] == steps[0] + W - 1  # W decode steps after the re-selection: the first check
     assert len(first.token_ids) == W
@@ -565,7 +567,7 @@ def test_a_turn_is_encoded_again_over_its_reselected_rows():
     eng.state.after_extend = spy
     logits = eng.extend(turn)
     assert int(eng.cache.seq_lens[0]) == 150 + n and int(eng.cache.tail_lens[0]) == n
-    assert eng.state.reselections == 1
+    assert eng.state.stats()["reselections"] == 1
     # reference: the re-selected cache with the turn taken back, then one decode step per token
     ref = eng.cache.replace(seq_lens=eng.cache.seq_lens - n, tail_lens=eng.cache.tail_lens - n)
     for t in turn:
@@ -633,7 +635,7 @@ COPY_PROFILE = _copy_profile()
 
 
 def test_window_slots_and_copy_rows_by_hand():
-    from hetero_jax.policies.heterocache.decode import copy_rows, window_slots
+    from hetero_jax.policies.heterocache.copy_window import copy_rows, window_slots
 
     kept = np.array([[[0.5, 0.1, 0.9, 0.1, 0.3, 0.7, 0.2, 0.8, -9.0]]])  # slot 8 is past the head's count
     # w = min(4, 8 // 4) = 2: the two least-scored kept rows, ties to the lower slot
@@ -649,7 +651,7 @@ def test_window_slots_and_copy_rows_by_hand():
 @given(st.data())
 def test_copy_rows_are_the_nearest_free_rows(data):
     """copy_rows (two-stage numpy search) equals the set-difference definition on random cases."""
-    from hetero_jax.policies.heterocache.decode import copy_rows
+    from hetero_jax.policies.heterocache.copy_window import copy_rows
 
     T = data.draw(st.integers(1, 80))
     held = np.asarray(data.draw(st.lists(st.integers(0, T - 1), unique=True, max_size=T - 1)), np.int64)
@@ -672,7 +674,7 @@ def test_attend_reports_the_copy_heads_pointer(backend):
     """Layer 2 of COPY_PROFILE (pivot, copy head, one satellite): ``HeteroCache.attend`` gives plain attention,
     the pivot's logits as ``attend_step`` without copy heads, and as the pointer the copy head's most attended
     prompt position by numpy's pooled scores (GQA max)."""
-    from hetero_jax.policies.heterocache.decode import PivotBase
+    from hetero_jax.policies.heterocache.step import PivotBase
 
     p = HeteroCache(profile=COPY_PROFILE, copy_window=16).bind(MODEL)
     rng = np.random.default_rng(5)
@@ -749,10 +751,10 @@ def test_copy_window_follows_a_copy_pointer():
     ptr = 100
     st.pointer_prev, st.pointer_pending = np.array([[40]]), np.array([[ptr]])  # jumped: no copy
     eng.cache = st.before_step(0, eng.cache)
-    assert st.copy_moves == 0 and st.window_start[0] == -1
+    assert st.counters.copy_moves == 0 and st.window_start[0] == -1
     st.pointer_prev, st.pointer_pending = np.array([[ptr - 1]]), np.array([[ptr]])  # one token on: a copy
     eng.cache = st.before_step(0, eng.cache)
-    assert st.copy_moves == 1 and st.window_start[0] == ptr - 2 and st.bytes_copied > 0
+    assert st.counters.copy_moves == 1 and st.window_start[0] == ptr - 2 and st.counters.bytes_copied > 0
     after = _assert_rows_are_the_host_copy(eng)
     assert [np.shape(a) for a in jax_leaves(eng.cache)] == shapes
     for li, j, c, slots in _each_window(st):
@@ -763,10 +765,10 @@ def test_copy_window_follows_a_copy_pointer():
     # the pointer stays inside the window's first half: no move; past it: the window moves on
     st.pointer_prev, st.pointer_pending = np.array([[ptr]]), np.array([[ptr + 1]])
     eng.cache = st.before_step(0, eng.cache)
-    assert st.copy_moves == 1
+    assert st.counters.copy_moves == 1
     st.pointer_prev, st.pointer_pending = np.array([[ptr + W // 2]]), np.array([[ptr + W // 2 + 1]])
     eng.cache = st.before_step(0, eng.cache)
-    assert st.copy_moves == 2 and st.window_start[0] == ptr + W // 2 - 1
+    assert st.counters.copy_moves == 2 and st.window_start[0] == ptr + W // 2 - 1
     # decode on: drift checks recall satellites every 2 steps and the open window is refilled after them
     tok = eng.first_tokens(0.0, 1.0)
     for _ in range(5):
@@ -793,3 +795,43 @@ def jax_leaves(tree):
     import jax
 
     return jax.tree.leaves(tree)
+
+
+STAT_KEYS = ["drift_checks", "drift_triggers", "trigger_rate", "recalls", "bytes_recalled", "reselections",
+             "bytes_reselected", "recall_failures", "copy_moves", "bytes_copied", "copy_failures", "reselect_failures"]
+
+
+def test_counters_are_a_frozen_record_whose_asdict_is_the_stats():
+    """``Counters.add`` returns a new record (the old one, kept by a failed hook or a session checkpoint, is
+    unchanged); its ``asdict`` has the stats' keys in order, the trigger rate following the counts."""
+    import dataclasses
+
+    from hetero_jax.policies.heterocache import Counters
+
+    zero = Counters()
+    assert dataclasses.asdict(zero) == dict.fromkeys(STAT_KEYS, 0) and zero.trigger_rate == 0.0
+    c = zero.add(drift_checks=8, drift_triggers=2).add(drift_checks=4, recalls=3, bytes_recalled=96)
+    assert list(dataclasses.asdict(c)) == STAT_KEYS
+    assert (c.drift_checks, c.drift_triggers, c.trigger_rate, c.recalls, c.bytes_recalled) == (12, 2, 2 / 12, 3, 96)
+    assert dataclasses.asdict(zero) == dict.fromkeys(STAT_KEYS, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.recalls = 0
+
+
+def test_the_wing_imports_run_one_way_in_the_order_its_docstring_writes():
+    """Each module of policies/heterocache/ imports only wing modules listed before it in the package docstring
+    (the order docs/architecture.md describes), and no module of it is missing from that list."""
+    import ast
+    import pathlib
+
+    import hetero_jax.policies.heterocache as wing
+
+    order = re.findall(r"^- ``(\w+)``", wing.__doc__, flags=re.M)
+    folder = pathlib.Path(wing.__file__).parent
+    assert sorted(order) == sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    prefix = "hetero_jax.policies.heterocache."
+    for i, name in enumerate(order):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        used = {n.module[len(prefix):] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                and (n.module or "").startswith(prefix)}
+        assert used <= set(order[:i]), (name, used - set(order[:i]))

@@ -1,5 +1,6 @@
 """The pinned-host store's row gather (``gather_rows``) against numpy fancy indexing, and ``send_host_rows`` +
-``scatter_rows`` writing host rows into the row pool (one part or several)."""
+``scatter_rows`` writing host rows into the row pool (one part or several), and a store of some heads written
+by layout slot (``put_heads``, ``write_head_rows``)."""
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -7,7 +8,8 @@ import numpy as np
 import pytest
 
 from hetero_jax.model.cache import KVPool
-from hetero_jax.model.host_store import HostKVStore, gather_rows, scatter_rows, send_host_rows, write_host_rows
+from hetero_jax.model.host_store import (HostKVStore, gather_rows, scatter_rows, send_host_rows, write_head_rows,
+                                         write_host_rows)
 
 
 def _store_array(shape, dtype, seed=0):
@@ -138,3 +140,38 @@ def test_recalls_reuse_the_staging_rows_one_after_another():
     assert store.staging.nbytes() == 2 * 64 * D * 4  # grown once, to row_bucket(40) rows of K and of V
     np.testing.assert_array_equal(np.asarray(pool.k), want)
     np.testing.assert_array_equal(np.asarray(pool.v), -want)
+
+
+def test_put_heads_then_write_head_rows_by_layout_slot():
+    """A store that holds some heads of a layer (``put_heads``, one device: those heads alone, in the given
+    order) is read and written by layout slot: ``head_index`` / ``head_keys`` equal numpy's indexing of the
+    heads kept, a head it lacks is refused, and ``write_head_rows`` puts each row at its head's offset + slot
+    in the shard that holds the head (H / S consecutive heads a shard), as numpy's assignment does."""
+    B, H, T, D, S, P = 2, 4, 24, 8, 2, 64
+    k = _store_array((B, H, T, D), np.float32, 11)
+    store = HostKVStore(2)
+    store.put_heads(0, jnp.asarray(k), jnp.asarray(-k), [3, 1])  # not consecutive: a gather, in this order
+    store.put_heads(1, jnp.asarray(k + 5), jnp.asarray(k * 2), [2, 3])  # consecutive: a slice
+    assert store.k[0].shape == (B, 2, T, D) and store.k[1].shape == (B, 2, T, D)
+    np.testing.assert_array_equal(store.head_index(0, [[1, 3], [3, 3]]), [[1, 0], [0, 0]])
+    np.testing.assert_array_equal(store.head_keys(0, [1]), k[:, [1]])
+    np.testing.assert_array_equal(store.head_keys(1, [2, 3]), k[:, 2:4] + 5)
+    with pytest.raises(ValueError, match=r"holds heads \[3, 1\], not all of \[0, 1\]"):
+        store.head_index(0, [1, 0])
+    offsets = [np.array([[0, 8, 0, 20], [4, 12, 2, 30]]), np.array([[0, 0, 40, 50], [0, 0, 40, 50]])]  # disjoint
+    rng = np.random.default_rng(12)
+    requests, want_k, want_v = [], np.zeros((B, S, P, D), np.float32), np.zeros((B, S, P, D), np.float32)
+    want_pos = np.full((B, S, P), -1, np.int32)
+    for li, heads, kk, vv in ((0, [3, 1], k, -k), (1, [2, 3], k + 5, k * 2)):
+        n = 6
+        b, h, pos = rng.integers(0, B, n), rng.choice(heads, n), rng.integers(0, T, n)
+        slots = np.arange(n)  # distinct (b, head, slot): every row its own target
+        requests.append((li, b, h, pos, slots))
+        rows = offsets[li][b, h] + slots
+        want_k[b, h // (H // S), rows], want_v[b, h // (H // S), rows] = kk[b, h, pos], vv[b, h, pos]
+        want_pos[b, h // (H // S), rows] = pos
+    pool, n, nbytes = write_head_rows(_pool(B, S, P, D), store, offsets, requests)
+    assert n == 12 and nbytes == 2 * 12 * D * 4
+    np.testing.assert_array_equal(np.asarray(pool.k), want_k)
+    np.testing.assert_array_equal(np.asarray(pool.v), want_v)
+    np.testing.assert_array_equal(np.asarray(pool.positions), want_pos)

@@ -62,6 +62,9 @@ class HostKVStore:
     def __init__(self, num_layers: int):
         self.k: list[jax.Array | None] = [None] * num_layers
         self.v: list[jax.Array | None] = [None] * num_layers
+        # per layer, the layout slot of each head the store holds, in store order (``put_heads``); None: the
+        # store's heads are the layer's heads (``put``)
+        self.heads: list[np.ndarray | None] = [None] * num_layers
         self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.staging = Staging()  # host rows the recalls are sent from (send_host_rows)
         self.handle = next(_HANDLES)  # what a traced step carries to find this store (host_gather)
@@ -83,7 +86,50 @@ class HostKVStore:
         """Copy layer ``li``'s k, v [B, H, T, D] to pinned host memory (asynchronous); k None: values only."""
         self.k[li] = None if k is None else jax.device_put(k, pinned_like(k))
         self.v[li] = jax.device_put(v, pinned_like(v))
+        self.heads[li] = None
         self._views.pop(li, None)
+
+    def put_heads(self, li: int, k: jax.Array, v: jax.Array, heads) -> None:
+        """Copy the prompt K/V of layer ``li``'s layout heads ``heads`` to pinned host memory (asynchronous).
+
+        k, v: [B, H, T, D] every head of the layer, in layout order. Where one device holds every head (one
+        device, or a mesh that splits only the batch), the store holds ``heads`` alone, in that order. Where the
+        heads are split over devices (a "model" mesh axis), it holds every head, split as the devices hold
+        them: a gather of some heads would leave the partitioner a layout it replicates on every device's
+        host. Rows are then named by layout slot either way (``head_index``, :func:`write_head_rows`)."""
+        if _heads_split(k):
+            self.put(li, k, v)
+            self.heads[li] = np.arange(k.shape[1], dtype=np.int64)
+            return
+        heads = [int(h) for h in heads]
+        if heads == list(range(heads[0], heads[0] + len(heads))):  # consecutive: a slice, no gather
+            k, v = k[:, heads[0] : heads[0] + len(heads)], v[:, heads[0] : heads[0] + len(heads)]
+        else:
+            k, v = k[:, np.asarray(heads)], v[:, np.asarray(heads)]
+        self.put(li, k, v)
+        self.heads[li] = np.asarray(heads, np.int64)
+
+    def head_index(self, li: int, heads) -> np.ndarray:
+        """The store's index of each layout head in ``heads`` (any shape of ints) of layer ``li``: int64, the
+        same shape. Raises ValueError for a head the store does not hold."""
+        heads = np.asarray(heads, np.int64)
+        held = self.heads[li]
+        if held is None:
+            return heads
+        order = np.argsort(held, kind="stable")
+        at = np.minimum(np.searchsorted(held[order], heads), len(held) - 1)
+        idx = order[at]
+        if heads.size and not np.array_equal(held[idx], heads):
+            raise ValueError(f"layer {li}'s host store holds heads {held.tolist()}, not all of "
+                             f"{np.unique(heads).tolist()}")
+        return idx
+
+    def head_keys(self, li: int, heads) -> np.ndarray:
+        """Numpy keys [B, len(heads), T, D] of layer ``li``'s layout heads ``heads``: the view itself when they
+        are every head the store holds, in its order, else a gather."""
+        k, _ = self.view(li)
+        idx = self.head_index(li, heads)
+        return k if np.array_equal(idx, np.arange(k.shape[1])) else k[:, idx]
 
     def has(self, li: int) -> bool:
         return self.v[li] is not None
@@ -105,6 +151,12 @@ class HostKVStore:
 
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.arrays()))
+
+
+def _heads_split(x: jax.Array) -> bool:
+    """Whether the devices holding ``x`` [B, H, ...] each hold only some of its heads (axis 1)."""
+    sharding = getattr(x, "sharding", None)
+    return sharding is not None and sharding.shard_shape(x.shape)[1] < x.shape[1]
 
 
 def gather_rows(a: np.ndarray, b: np.ndarray, h: np.ndarray, positions: np.ndarray,
@@ -292,6 +344,25 @@ def write_host_rows(pool: KVPool, store: "HostKVStore", requests: list[tuple], c
         return pool, 0, 0
     pool = scatter_rows(pool, parts, compile_fn, staging=store.staging)
     return pool, n, kv_rows_nbytes(n, store.view(requests[0][0])[1])
+
+
+def write_head_rows(pool: KVPool, store: "HostKVStore", offsets, requests: list[tuple], compile_fn=None,
+                    chunk: int | None = None) -> tuple[KVPool, int, int]:
+    """``pool`` (donated) with store rows written into heads' regions, the same call on one device and on a
+    mesh: heads are named by layout slot, and the pool shard that holds each (the pool splits the layout's
+    heads into ``pool.num_shards`` consecutive groups) and its index in the store (``HostKVStore.head_index``)
+    are found here.
+
+    requests: (layer, b, layout head, prompt positions, slots within the head's region), each but the layer
+    [n] ints; offsets: per layer [B, H] each head's first pool row. Returns what :func:`write_host_rows`
+    returns (every transfer starts before anything is written)."""
+    rows = []
+    for li, b, h, positions, slots in requests:
+        b, h = np.asarray(b, np.int64), np.asarray(h, np.int64)
+        n_local = offsets[li].shape[1] // pool.num_shards
+        rows.append((li, b, store.head_index(li, h), positions, h // n_local,
+                     offsets[li][b, h] + np.asarray(slots, np.int64)))
+    return write_host_rows(pool, store, rows, compile_fn, chunk=chunk)
 
 
 def scatter_rows(pool: KVPool, parts: list[tuple], compile_fn=None, staging: "Staging | None" = None) -> KVPool:

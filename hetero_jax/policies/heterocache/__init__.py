@@ -44,10 +44,28 @@ they are read before step t + 1 is dispatched, and recalled rows are written
 then, so a recall takes effect exactly one step after the check. The
 gather runs on the host (numpy view of the pinned array) and the rows go to
 the device with an asynchronous ``device_put``.
+
+Modules, by concern; imports run one way, each only from those listed before it (and below the wing):
+
+- ``counters``: the decode counters, one frozen record whose ``dataclasses.asdict`` is the stats;
+- ``scores``: token scores of prefill's window, of a turn's queries, a pivot's K_base from one query;
+- ``prefilled``: the record prefill hands decode, and the one call that writes compressed heads' rows from
+  the host copy into the pool (``host_store.write_head_rows``: one device and a mesh alike);
+- ``step``: the traced decode step (attention that also scores the pivots and copy heads, the pivots'
+  statistics) and the drift check of every pivot at once;
+- ``copy_window``: window slots, the rows a window takes, when a pointer moves it;
+- ``recall``: the check's inputs, the top-set sizes a recall reads, the recall plan from a check's outputs;
+- ``reselect``: the per-turn re-selection's scores and rows;
+- ``decode``: ``HeteroDecode``, the per-request decode state that runs the hooks and holds the counters;
+- ``prefill``: ``HeteroPrefill``, the prefill plan, whose ``finish`` makes the decode state;
+- ``policy``: ``HeteroCache``, the frozen policy (its ``attend`` is ``step.attend_step``).
 """
 
-from hetero_jax.policies.heterocache.decode import HeteroDecode, HeteroPrefilled, drift_check
+from hetero_jax.policies.heterocache.counters import Counters
+from hetero_jax.policies.heterocache.decode import HeteroDecode
 from hetero_jax.policies.heterocache.policy import HeteroCache
 from hetero_jax.policies.heterocache.prefill import HeteroPrefill
+from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled
+from hetero_jax.policies.heterocache.step import drift_check
 
-__all__ = ["HeteroCache", "HeteroDecode", "HeteroPrefill", "HeteroPrefilled", "drift_check"]
+__all__ = ["Counters", "HeteroCache", "HeteroDecode", "HeteroPrefill", "HeteroPrefilled", "drift_check"]

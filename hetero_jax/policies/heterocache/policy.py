@@ -10,8 +10,9 @@ import numpy as np
 from hetero_jax.policies.base import BudgetError, PolicyError, int_param
 from hetero_jax.policies.profiled import ProfiledPolicy, profile_key
 from hetero_jax.profile.format import HeadProfile
-from hetero_jax.policies.heterocache.decode import attend_step
 from hetero_jax.policies.heterocache.prefill import HeteroPrefill
+from hetero_jax.policies.heterocache.step import attend_step
+
 
 def _check_hetero_args(p: "HeteroCache") -> None:
     """Types and ranges of HeteroCache's arguments that are not declared with ``int_param`` & co. (the profile,
@@ -101,9 +102,9 @@ class HeteroCache(ProfiledPolicy):
 
     def copy_slots(self, li: int) -> tuple[int, ...]:
         """Layout slots of layer ``li``'s copy heads (the profile's ``copy_heads()`` among its full heads),
-        which lead its volatiles right after the pivots; () with ``copy_window=0`` or under tensor parallelism
-        (the copy window is built for one device)."""
-        if not self.copy_window or self.head_tp != 1:
+        which lead its volatiles right after the pivots; () with ``copy_window=0`` (the default, and the only
+        value ``bind`` accepts on a mesh)."""
+        if not self.copy_window:
             return ()
         r = self.roles_in_layout(li)
         copy = self.profile.copy_heads()[li]

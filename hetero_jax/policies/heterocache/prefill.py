@@ -19,8 +19,11 @@ from hetero_jax.model.host_store import HostKVStore
 from hetero_jax.policies.protocol import PrefillPlan
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, take_slots
 from hetero_jax.policies.selection import select_group
-from hetero_jax.policies.heterocache.decode import HeteroDecode, HeteroPrefilled, PivotBase, mask_base, window_slots
+from hetero_jax.policies.heterocache.copy_window import window_slots
+from hetero_jax.policies.heterocache.decode import HeteroDecode
+from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled
 from hetero_jax.policies.heterocache.scores import last_token_scores, window_scores
+from hetero_jax.policies.heterocache.step import PivotBase, mask_base
 
 
 class HeteroPrefill(PrefillPlan):
@@ -35,13 +38,14 @@ class HeteroPrefill(PrefillPlan):
         self.l_base = np.array([lb for _, lb in grids])  # [B]
         self.layout = policy.layout(cfg)
         self.roles: list[LayerRoles] = policy.layer_roles(cfg)
-        # per layer: pinned-host [B, Hc, T, D] prompt KV of every compressed head (layout order; under tensor
-        # parallelism every head's, so the host copy splits like the pool)
+        # per layer: pinned-host prompt KV of every compressed head, named by layout slot (``put_heads``: where
+        # the heads are split over devices, every head's, so the host copy splits like the pool)
         self.store = HostKVStore(cfg.num_layers)
         # [L, B, H] rows each head keeps, layout order: full heads their prompt, compressed heads l_i (Eq. 8)
         self.counts = np.stack([self.grid[:, li, np.asarray(perm)] for li, perm in enumerate(self.layout.perms)])
-        # per layer on one device with a copy window: the compressed heads' kept positions and their selection
-        # scores, both [B, Hc, cap] (device), from which ``finish`` picks each head's window slots; else None
+        # per layer with a copy window (one device: ``HeteroCache.bind``): the compressed heads' kept positions
+        # and their selection scores, both [B, Hc, cap] (device), from which ``finish`` picks each head's window
+        # slots; else None
         self.kept: list = []
 
     def prompt_counts(self) -> np.ndarray:
@@ -50,7 +54,8 @@ class HeteroPrefill(PrefillPlan):
     def _placement(self, pool_rows: int) -> dict:
         """Tokens each shard's heads keep (the whole batch) and what the shard allocates (pool rows x batch),
         beside the naive contiguous split of the role-grouped layout (full heads first)."""
-        from hetero_jax.policies.placement import contiguous_placement, pooled_tokens_per_shard, role_grouped_order, shard_tokens
+        from hetero_jax.policies.placement import (contiguous_placement, pooled_tokens_per_shard, role_grouped_order,
+                                                   shard_tokens)
 
         tp, H = self.layout.tp, self.cfg.num_kv_heads
         n_local = H // tp
@@ -60,11 +65,12 @@ class HeteroPrefill(PrefillPlan):
         total = self.grid.sum(axis=0)  # [L, H] original order
         naive = contiguous_placement(self.cfg.num_layers, H, tp, role_grouped_order(total))
         naive_kept = shard_tokens(total, naive, tp)
+        naive_alloc = int(pooled_tokens_per_shard(total, naive, tp))
         return {"tp": tp, "kept_tokens_per_shard": kept.tolist(), "kept_max_over_mean": float(kept.max() / kept.mean()),
                 "allocated_tokens_per_shard": int(pool_rows) * len(self.lens),
                 "contiguous_kept_tokens_per_shard": naive_kept.tolist(),
                 "contiguous_kept_max_over_mean": float(naive_kept.max() / naive_kept.mean()),
-                "contiguous_allocated_tokens_per_shard": int(pooled_tokens_per_shard(total, naive, tp)) * len(self.lens)}
+                "contiguous_allocated_tokens_per_shard": naive_alloc * len(self.lens)}
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
         cfg, r = self.cfg, self.roles[li]
@@ -85,9 +91,10 @@ class HeteroPrefill(PrefillPlan):
         B, H, T, _ = k_buf.shape
         if r.full_slots:
             full = r.full_slots
+            positions = jnp.broadcast_to(jnp.arange(t_max, dtype=jnp.int32), (B, len(full), t_max))
             blocks.append(RowBlock(k=take_slots(k_buf, full)[:, :, :t_max], v=take_slots(v_buf, full)[:, :, :t_max],
-                                   positions=jnp.broadcast_to(jnp.arange(t_max, dtype=jnp.int32), (B, len(full), t_max)),
-                                   lengths=jnp.asarray(counts[:, full], jnp.int32), heads=tuple(full)))
+                                   positions=positions, lengths=jnp.asarray(counts[:, full], jnp.int32),
+                                   heads=tuple(full)))
         self.kept.append(None)
         if n_comp:
             comp = r.comp_slots
@@ -98,14 +105,9 @@ class HeteroPrefill(PrefillPlan):
             block, kept = select_group(take_slots(scores, comp), take_slots(k_buf, comp), take_slots(v_buf, comp),
                                        positions, jnp.asarray(c, jnp.int32), int(c.max()), comp, self.compile_fn)
             blocks.append(block)
-            if self.policy.copy_window and self.layout.tp == 1:
+            if self.policy.copy_window:
                 self.kept[-1] = (block.positions, kept)
-            if self.layout.tp == 1:
-                self.store.put(li, take_slots(k_buf, comp)[:, :, :t_max], take_slots(v_buf, comp)[:, :, :t_max])
-            else:
-                # every head of the layer, as the device holds them (split over "model"): a gather of the
-                # compressed heads would leave the partitioner a layout it replicates on every device's host
-                self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
+            self.store.put_heads(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max], comp)
         return LayerPrefill(blocks=tuple(blocks), state=state)
 
     def finish(self, cache: KVCache) -> tuple[KVCache, "HeteroDecode"]:
@@ -123,6 +125,6 @@ class HeteroPrefill(PrefillPlan):
         prefilled = HeteroPrefilled(
             policy=self.policy, roles=self.roles, counts=comp_counts, l_base=self.l_base, lens=self.lens,
             store=self.store, offsets=head_offsets(cache),
-            tp=self.layout.tp, placement=self._placement(cache.pool.num_rows) if self.layout.tp > 1 else None,
+            placement=self._placement(cache.pool.num_rows) if self.layout.tp > 1 else None,
             held=held, window_slots=win)
         return cache, HeteroDecode(prefilled, compile_fn=self.compile_fn)
