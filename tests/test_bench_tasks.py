@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import bench_multiturn as bm  # noqa: E402
 import common  # noqa: E402
 import bench_needle as bn  # noqa: E402
 import haystack  # noqa: E402
-from harness import facts as hf, needles as hn  # noqa: E402  (the multi-turn facts; what the two scripts share)
+from harness import facts as hf, grid, needles as hn  # noqa: E402  (the multi-turn facts; what the two scripts share)
 
 
 # ---------------------------------------------------------- answer matching
@@ -112,6 +113,42 @@ def test_presets_fill_only_missing_arguments():
     assert default.lengths == bm.PRESETS["full"]["lengths"] and default.out.name == "multiturn.json"
     assert max(bn.PRESETS["full"]["lengths"]) <= 8192 - 32
 
+
+
+def test_grid_runner_combos_refusals_points_and_payload(monkeypatch):
+    """harness/grid.py: which combos each length runs, the order of the points, what the progress bar is told, and
+    the totals a payload closes with (hand-written expectations; no model)."""
+    refused = {"snapkv@0.3": {"1000": "e1", "2000": "e2"}, "h2o@0.3": {"2000": "e3"}}
+    C = grid.Combos([("full", 1.0), ("snapkv", 0.3), ("h2o", 0.3)], ["full", "snapkv@0.3", "h2o@0.3"],
+                    ["P0", "P1", "P2"], refused)
+    assert C.active(1000) == [0, 2] and C.active(2000) == [0] and C.active(4000) == [0, 1, 2]
+    some = C.runnable_somewhere([1000, 2000])  # snapkv is refused at both lengths, h2o at one
+    assert some.labels == ["full", "h2o@0.3"] and some.policies == ["P0", "P2"] and some.refused is refused
+    assert C.never_refused().combos == [("full", 1.0)]
+    assert grid.points([1, 2], "ab") == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    seen = []
+
+    class Bar:  # what drive tells the progress bar, in order
+        def __init__(self, **kw):
+            seen.append(("total", kw["total"]))
+
+        def set_description(self, d):
+            seen.append(d)
+
+        def update(self, n):
+            seen.append(n)
+
+        def close(self):
+            seen.append("closed")
+
+    monkeypatch.setattr("tqdm.tqdm", Bar)
+    grid.drive([(1, "a"), (2, "b")], lambda n, t, bar: seen.append((n, t)), desc="x", unit="u",
+               describe=lambda n, t: f"{t}{n}")
+    assert seen == [("total", 2), "a1", (1, "a"), 1, "b2", (2, "b"), 1, "closed"]
+    payload = grid.close_payload({"records": []}, time.perf_counter() - 5.0, cpu=False)
+    assert list(payload) == ["records", "total_seconds", "peak_rss_bytes"] and 5.0 <= payload["total_seconds"] < 60
+    assert list(grid.close_payload({}, time.perf_counter())) == ["total_seconds", "total_process_seconds",
+                                                                  "load_avg_end", "peak_rss_bytes"]
 
 # ------------------------------------------------------- multi-turn helpers
 def test_facts_are_deterministic_unrelated_and_single_word():
