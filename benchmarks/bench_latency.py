@@ -143,7 +143,8 @@ PRESETS = {
                     policies=["full", "quest", "quest:offload=true", "freekv", "hcattention"],
                     budgets=[0.3, 0.5], decode_steps=32, warmup_steps=6, ttft_warmup=1, ttft_repeats=1),
     # Llama-3.1-8B shapes to 128K, for one GPU (bfloat16: 16 GB of weights, 16 GB of full KV at 128K)
-    "llama8b-gpu": dict(real_lengths=[], synthetic_lengths=[16384, 32768, 65536, 131072], synthetic_shape="llama-3.1-8b",
+    "llama8b-gpu": dict(real_lengths=[], synthetic_lengths=[16384, 32768, 65536, 131072],
+                        synthetic_shape="llama-3.1-8b",
                         policies=["full", "snapkv", "heterocache"], budgets=[0.3], decode_steps=64, warmup_steps=8,
                         ttft_warmup=1, ttft_repeats=1),
     # Llama-3.1-8B's heads and the authors' profile on a CPU (narrow MLP): HeteroCache's per-head structure
@@ -391,7 +392,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "for smollm2-135m; the authors' published one from ../shared/reference or "
                         "$HETERO_JAX_REFERENCE_DIR for llama-3.1-8b)")
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), type=common.policy_spec,
-                   help="registered policies, optionally with options (quest:offload=true; full KV always runs, as the reference)")
+                   help="registered policies, optionally with options (quest:offload=true; full KV always runs, as "
+                        "the reference)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS),
                    help="budgets rho in (0, 1] for every compressed policy")
     p.add_argument("--decode-steps", type=int, default=128, help="timed decode steps per policy and length")

@@ -12,7 +12,7 @@ exactly N tokens). Every registered policy runs on it at every budget rho
 
 How one prompt is run (all policies in one process, side by side):
 
-1. **One shared prefill per head layout.** Prefill's forward pass does not
+1. **One shared prefill per head layout** (``harness.prefill.make_engines``). Prefill's forward pass does not
    depend on the policy (each layer's full prompt KV is built first; a policy
    only chooses what of it to keep), so the layer-major prefill runs once and
    every policy's ``build_layer`` hook runs on each layer's KV in turn
@@ -269,7 +269,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS),
                    help="prompt lengths in tokens (the context is 8192: '8K' is 7900)")
     p.add_argument("--policies", nargs="+", default=names, type=common.policy_spec,
-                   help="registered policies, optionally with options (quest:offload=true; full KV always runs once, as the reference)")
+                   help="registered policies, optionally with options (quest:offload=true; full KV always runs once, "
+                        "as the reference)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(DEFAULT_BUDGETS), help="budgets rho in (0, 1]")
     p.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS),
                    help="needle depths (fraction of the haystack)")

@@ -6,18 +6,18 @@ is generated from its seed (values, names, keys, sentences) and placed in a
 real-text haystack of ``benchmarks/haystack.py`` (each of ``--haystacks``:
 ``pydoc``, ``stdlib-docs``, ``licenses``; the seed also picks where the haystack
 starts), followed by the question in the chat template, exactly N tokens
-(``haystack.build_needle_prompt``). The tasks (:data:`TASKS`; docs/tasks.md):
+(``haystack.build_needle_prompt``). The tasks (``harness/task_cases.py``: ``TASKS``; docs/tasks.md):
 
 - ``multi-fact``: 4 ticket numbers of different things at depths 0.1 .. 0.9, one
   question naming the things in depth order; graded per value and in order
-  (:func:`grade_in_order`);
+  (``grade_in_order``);
 - ``variable-tracking``: a chain of assignments ``VAR A = 4821`` ... ``VAR B = VAR A``
   ... spread over the context, interleaved with a second chain bound to another
-  value; the answer names every variable bound to the asked value (:func:`grade_names`);
+  value; the answer names every variable bound to the asked value (``grade_names``);
 - ``multi-key``: 4 needles of one form under different names; one is asked for, and
-  naming a distractor's value fails the case (:func:`grade_key`);
+  naming a distractor's value fails the case (``grade_key``);
 - ``span-copy``: a generated sentence after a marker; the answer must repeat it word
-  for word (:func:`grade_span`);
+  for word (``grade_span``);
 - ``fidelity``: the multi-fact prompt with 3-5 facts, and a teacher-forced answer
   that quotes them in turn; per step, top-1 agreement and KL(full || policy) of the
   next-token distribution on the quoted value tokens (``bench_fidelity``'s
