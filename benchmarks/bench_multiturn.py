@@ -11,10 +11,10 @@ seed also picks where the haystack starts). The
 context (no question) is prefilled once into a ``hetero_jax.Session`` per
 policy; then one question per fact is asked, one per turn, in depth order, with
 ``--max-new-tokens`` (20) new tokens per answer. A turn is correct iff the
-answer (a single word or number) appears in it (``bench_needle.answer_correct``:
+answer (a single word or number) appears in it (``harness.needles.answer_correct``:
 case-insensitive, whole words; numbers as one number).
 
-One forward pass per context serves every policy (``bench_needle.build_engines``:
+One forward pass per context serves every policy (``harness.prefill.build_engines``:
 each policy's selection hook sees every layer's KV, HeteroCache's in its own
 head order), and each policy's ``Session`` is built around its engine: the
 ``Engine(...)`` call in ``Session.__init__`` is answered with the prebuilt
@@ -40,22 +40,24 @@ the tables also give facts recalled per haystack and in total ("7/9").
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import os
-import random
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_needle  # noqa: E402  (benchmarks/bench_needle.py: answer matching, shared prefill)
 import common  # noqa: E402  (benchmarks/common.py)
 import haystack  # noqa: E402  (benchmarks/haystack.py)
-from bench_needle import (  # noqa: E402
-    answer_correct, config_haystacks, haystacks_of, record_haystack,
+from harness import grid  # noqa: E402  (benchmarks/harness/grid.py: the grid runner)
+from harness.facts import (  # noqa: E402  (facts, contexts, sessions around engines, aggregation)
+    build_context, fact_depths, hetero_vs_snapkv, make_facts, retrieval_table, session_around, summarize,
+    within_one_of_full,
 )
+from harness.needles import (  # noqa: E402
+    IDLE_CORES, LOAD_S, answer_correct, config_haystacks, haystack_lines, interp_cost, record_haystack,
+)
+from harness.prefill import build_engines  # noqa: E402  (the shared prefill)
 
 SECTION = "multiturn"
 MODEL = "smollm2-135m"
@@ -105,13 +107,18 @@ PRESETS = {
        for name, comparison in common.ISSUE_COMPARISONS.items()},
 }
 
+DESCRIPTION = ("Multi-turn recall on SmolLM2-135M: facts far apart in one long real-text context, prefilled once "
+               "into a Session, asked one per turn; accuracy per turn per policy and budget.")
+PRESETS_HELP = ("'cpu': the make-bench configuration on pydoc; 'issue15': issue 15's evaluation (3 haystacks x 3 "
+                "seeds x 2K/4K/7K, full/snapkv/heterocache at rho 0.5 and 0.3); 'full' (used when no preset is "
+                "given): the complete one on every haystack; 'seeds': 3 seeds at 4K on every haystack.")
 
 # Run-time model for the --preset help, in CPU seconds, from a small measured run (2-core Xeon, 2026-11-25:
 # licenses and stdlib-docs at 2000 and 7000 tokens, seed 0, full + snapkv + heterocache at rho 0.5 and 0.3;
 # process_seconds and compile_seconds of each context in the JSON): one context with those five combos after
 # compilation, by length; the first context of a length compiles (~130 s), later ones still compile a little
 # for new question shapes (~20 s). Each further combo: ~8 s a session (a baseline), ~25 s (HeteroCache).
-# Wall time on an idle 2-core machine ~ CPU seconds / bench_needle.IDLE_CORES. The Session rework in progress
+# Wall time on an idle 2-core machine ~ CPU seconds / IDLE_CORES. The Session rework in progress
 # (chunked turn prefill, HeteroCache re-selecting at each question) will change these; re-measure after it.
 _CONTEXT_CPU_S = {2000: 56.0, 4000: 75.0, 7000: 105.0}
 _FIRST_COMPILE_CPU_S, _MORE_COMPILE_CPU_S = 130.0, 20.0
@@ -123,253 +130,11 @@ def estimate_minutes(preset: dict) -> float:
     n_het = sum(name == "heterocache" for name, _ in combos)
     n_base = len(combos) - n_het
     n = len(preset["seeds"]) * len(preset["haystacks"])
-    cpu = bench_needle.LOAD_S
+    cpu = LOAD_S
     for L in preset["lengths"]:
-        per_ctx = bench_needle.interp_cost(_CONTEXT_CPU_S, L) + 8.0 * (n_base - 3) + 25.0 * (n_het - 2)
+        per_ctx = interp_cost(_CONTEXT_CPU_S, L) + 8.0 * (n_base - 3) + 25.0 * (n_het - 2)
         cpu += n * max(per_ctx, 10.0) + _FIRST_COMPILE_CPU_S + _MORE_COMPILE_CPU_S * (n - 1)
-    return cpu / bench_needle.IDLE_CORES / 60
-
-
-# -------------------------------------------------------------------- facts
-@dataclasses.dataclass(frozen=True)
-class Fact:
-    """One fact: the sentence placed in the context, the question asked later, the one-word answer."""
-
-    kind: str
-    sentence: str
-    question: str
-    answer: str
-
-
-_TICKETS = ["ferry", "museum", "night train", "cable car", "opera", "harbour tour"]
-_NAMES = ["Tobias", "Ingrid", "Ravi", "Elena", "Kofi", "Hana", "Lucas", "Amara"]
-_FAVOURITES = {
-    "colour": ["purple", "turquoise", "crimson", "amber"],
-    "animal": ["otter", "giraffe", "badger", "walrus"],
-    "instrument": ["cello", "trumpet", "harp", "banjo"],
-}
-_DAY_EVENTS = ["piano recital", "team dinner", "boat trip", "book club"]
-_DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Saturday", "Sunday"]
-_CITY_EVENTS = ["chess final", "science fair", "jazz festival", "robot contest"]
-_CITIES = ["Lisbon", "Oslo", "Nairobi", "Montevideo", "Reykjavik", "Kyoto", "Antwerp", "Cusco"]
-FACT_KINDS = ("number", "favourite", "day", "city")
-
-
-def _ticket_number(rng: random.Random, haystack_name: str = haystack.DEFAULT_HAYSTACK) -> str:
-    """A 4-digit number that does not occur in the haystack's corpus."""
-    return haystack.absent_number(rng, 1000, 9999, (haystack_name,))
-
-
-def _make_fact(kind: str, rng: random.Random, used: set, haystack_name: str = haystack.DEFAULT_HAYSTACK) -> Fact:
-    def pick(pool):
-        left = [x for x in pool if x not in used] or list(pool)
-        x = rng.choice(left)
-        used.add(x)
-        return x
-
-    if kind == "number":  # not "code": next to Python's documentation the model starts writing code
-        thing = pick(_TICKETS)
-        n = _ticket_number(rng, haystack_name)
-        return Fact(kind, f"The ticket number for the {thing} is {n}.", f"What is the ticket number for the {thing}?",
-                    n)
-    if kind == "favourite":
-        name, cat = pick(_NAMES), pick(sorted(_FAVOURITES))
-        v = pick(_FAVOURITES[cat])
-        return Fact(kind, f"{name}'s favourite {cat} is the {v}." if cat != "colour"
-                    else f"{name}'s favourite colour is {v}.", f"What is {name}'s favourite {cat}?", v)
-    if kind == "day":
-        event, day = pick(_DAY_EVENTS), pick(_DAYS)
-        return Fact(kind, f"The {event} is on {day}.", f"On which day is the {event}?", day)
-    if kind == "city":
-        event, city = pick(_CITY_EVENTS), pick(_CITIES)
-        return Fact(kind, f"The {event} will be held in {city}.", f"In which city will the {event} be held?", city)
-    raise ValueError(f"unknown fact kind {kind!r}; known: {', '.join(FACT_KINDS)}")
-
-
-def make_facts(seed: int, n: int = 3, haystack_name: str = haystack.DEFAULT_HAYSTACK) -> list[Fact]:
-    """``n`` unrelated facts for ``seed``: kinds rotated by the seed, subjects and values drawn from it.
-
-    The ticket number is one that ``haystack_name``'s corpus does not contain (so, rarely, the facts of a seed
-    differ between haystacks); no other answer word occurs in any haystack (``haystack.ANSWER_WORDS``)."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    rng = random.Random(f"multiturn-facts-{seed}")
-    kinds = [FACT_KINDS[(seed + i) % len(FACT_KINDS)] for i in range(n)]
-    used: set = set()
-    return [_make_fact(k, rng, used, haystack_name) for k in kinds]
-
-
-def fact_depths(n: int) -> list[float]:
-    """Depths of ``n`` facts: evenly from 0.15 to 0.85 (0.15 / 0.5 / 0.85 for three; 0.5 for one)."""
-    if n == 1:
-        return [0.5]
-    return [round(0.15 + 0.7 * i / (n - 1), 4) for i in range(n)]
-
-
-@dataclasses.dataclass
-class Context:
-    """A fitted multi-fact context and where its facts landed, in the session's tokens."""
-
-    text: str  # the context (user message without a question)
-    ids: list[int]  # what Session(model, text) prefills
-    tail_capacity: int  # the tail Session reserves
-    facts: list[Fact]
-    depths: list[float]  # requested
-    fact_token_starts: list[int]  # index of each fact's first token in ``ids``
-    actual_depths: list[float]
-
-
-def build_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[float], seed: int,
-                  haystack_name: str = haystack.DEFAULT_HAYSTACK) -> Context:
-    """The context with ``facts`` at ``depths`` whose session prefill is about ``n_tokens`` tokens.
-
-    ``haystack.build_needle_prompt`` counts the chat template's generation
-    suffix, which a ``Session`` context does not prefill, so the target is
-    raised by the suffix's length.
-    """
-    if len(facts) != len(depths):
-        raise ValueError(f"{len(facts)} facts but {len(depths)} depths")
-    suffix = haystack.suffix_len(tokenizer, True)
-    p = haystack.build_needle_prompt(tokenizer, n_tokens + suffix, list(zip(depths, [f.sentence for f in facts])),
-                                     None, "", seed=seed, haystack=haystack_name)
-    ids, tail = session_context_ids(tokenizer, p.text)
-    # needle_token_starts index the chat prompt; its prefix is the session's ids
-    return Context(text=p.text, ids=ids, tail_capacity=tail, facts=list(facts), depths=list(depths),
-                   fact_token_starts=list(p.needle_token_starts),
-                   actual_depths=[t / len(ids) for t in p.needle_token_starts])
-
-
-# ------------------------------------------------- sessions around engines
-def _session_cls():
-    from hetero_jax.runtime import Session
-
-    return Session
-
-
-@contextlib.contextmanager
-def session_engine(factory):
-    """While active, the ``Engine(...)`` call in ``Session.__init__`` is answered by ``factory``."""
-    mod = sys.modules[_session_cls().__module__]
-    original = mod.Engine
-    mod.Engine = factory
-    try:
-        yield
-    finally:
-        mod.Engine = original
-
-
-class _Probe(Exception):
-    pass
-
-
-def session_context_ids(tokenizer, context: str) -> tuple[list[int], int]:
-    """(token ids, tail capacity) that ``Session(model, context)`` would prefill; no model or compute needed."""
-    got: dict = {}
-
-    def probe(model, batch, policy, *, tail_capacity, **_):
-        got.update(ids=[int(t) for t in batch[0]], tail_capacity=tail_capacity)
-        raise _Probe
-
-    with session_engine(probe):
-        try:
-            _session_cls()(_TokenizerOnly(tokenizer), context)
-        except _Probe:
-            return got["ids"], got["tail_capacity"]
-    raise RuntimeError("Session(...) built no Engine; the shared prefill cannot be used (try --prefill separate)")
-
-
-@dataclasses.dataclass(frozen=True)
-class _TokenizerOnly:
-    tokenizer: object
-
-
-def session_around(model, context: str, engine, ids: list[int]):
-    """``Session(model, context, policy)`` whose prefilled engine is ``engine`` (built for ``ids``)."""
-
-    def reuse(model_, batch, policy, **_):
-        if [int(t) for t in batch[0]] != ids:
-            raise RuntimeError("the session's context tokens differ from the prefilled ones")
-        return engine
-
-    with session_engine(reuse):
-        return _session_cls()(model, context, engine.policy)
-
-
-# ------------------------------------------------------------ aggregation
-def _session_key(r: dict) -> tuple[str, int]:
-    return record_haystack(r), r["seed"]
-
-
-def summarize(records: list[dict], combos, lengths, n_facts: int) -> list[dict]:
-    """One row per (length, combo), every haystack pooled: per-turn accuracy, facts recalled (in total and per
-    haystack), recall stats."""
-    rows = []
-    for L in lengths:
-        for name, rho in combos:
-            label = common.combo_label(name, rho)
-            rs = [r for r in records if r["length"] == L and r["label"] == label]
-            if not rs:
-                continue
-            sessions = sorted({_session_key(r) for r in rs})
-            per_turn = [[r["correct"] for r in rs if r["turn"] == t] for t in range(n_facts)]
-            last = {s: max((r for r in rs if _session_key(r) == s), key=lambda r: r["turn"]) for s in sessions}
-            per_hay = {}
-            for h in haystacks_of(rs):
-                c = [r["correct"] for r in rs if record_haystack(r) == h]
-                per_hay[h] = (sum(c), len(c))
-            recall = [last[s]["recall"] for s in sessions]
-            checks = sum(x.get("drift_checks", 0) for x in recall)
-            triggers = sum(x.get("drift_triggers", 0) for x in recall)
-            rows.append({
-                "length": L, "label": label, "policy": name, "rho": rho, "sessions": len(sessions),
-                "turn_correct": [sum(c) for c in per_turn], "turn_total": [len(c) for c in per_turn],
-                "turn_accuracy": [sum(c) / len(c) if c else None for c in per_turn],
-                "recalled": sum(r["correct"] for r in rs), "facts": len(rs), "per_haystack": per_hay,
-                "achieved_rho": sum(r["achieved_rho"] for r in rs) / len(rs),
-                "drift_checks": checks, "drift_triggers": triggers,
-                "trigger_rate": triggers / checks if checks else None,
-                "recalls": sum(x.get("recalls", 0) for x in recall),
-                "bytes_recalled": sum(x.get("bytes_recalled", 0) for x in recall),
-                "kv_bytes_host": max(last[s]["kv_bytes_host"] for s in sessions),
-                "kv_bytes_device": max(last[s]["kv_bytes_device"] for s in sessions),
-            })
-    return rows
-
-
-def recalled_per_session(records: list[dict], label: str) -> dict[tuple[str, int, int], int]:
-    """{(haystack, length, seed): facts recalled} of one combo."""
-    out: dict[tuple[str, int, int], int] = {}
-    for r in records:
-        if r["label"] == label:
-            k = (record_haystack(r), r["length"], r["seed"])
-            out[k] = out.get(k, 0) + int(r["correct"])
-    return out
-
-
-def within_one_of_full(records: list[dict], label: str) -> dict:
-    """Whether ``label`` recalls at most one fact fewer than full KV in every context (haystack, length, seed)."""
-    ref, mine = recalled_per_session(records, "full"), recalled_per_session(records, label)
-    keys = sorted(set(ref) & set(mine))
-    worst = [k for k in keys if mine[k] < ref[k] - 1]
-    return {"met": bool(keys) and not worst, "contexts": len(keys),
-            "failing": [{"haystack": h, "length": L, "seed": s, "full": ref[(h, L, s)], "recalled": mine[(h, L, s)]}
-                        for h, L, s in worst],
-            "max_shortfall": max((ref[k] - mine[k] for k in keys), default=0)}
-
-
-def hetero_vs_snapkv(records: list[dict], budgets) -> list[dict]:
-    """Per budget: facts recalled by HeteroCache and by SnapKV over every context, in total and per haystack;
-    met iff HeteroCache's total is higher."""
-    out = []
-    for b in budgets:
-        labels = [common.combo_label(n, b) for n in ("heterocache", "snapkv")]
-        if not all(any(r["label"] == lab for r in records) for lab in labels):
-            continue
-        counts = [recalled_per_session(records, lab) for lab in labels]
-        h, s = (sum(c.values()) for c in counts)
-        per_hay = {hay: [sum(v for k, v in c.items() if k[0] == hay) for c in counts] for hay in haystacks_of(records)}
-        out.append({"rho": b, "heterocache": h, "snapkv": s, "met": h > s, "per_haystack": per_hay})
-    return out
+    return cpu / IDLE_CORES / 60
 
 
 # ------------------------------------------------------------------- run
@@ -381,12 +146,11 @@ def run(args) -> dict:
 
     depths = args.fact_depths or fact_depths(args.n_facts)
     t_start = time.perf_counter()
-    model, combos, labels, policies, load_s = common.load_grid(args)
+    model, C, load_s = grid.load(args, args.lengths)
     # a combo whose budget its profile cannot meet at some length is left out and named in the report
-    skipped = {lab: "; ".join(errs.values())
-               for lab, errs in common.refused_by_length(model, labels, policies, args.lengths).items()}
-    keep = [i for i, lab in enumerate(labels) if lab not in skipped]
-    combos, labels, policies = [combos[i] for i in keep], [labels[i] for i in keep], [policies[i] for i in keep]
+    skipped = {lab: "; ".join(errs.values()) for lab, errs in C.refused.items()}
+    C = C.never_refused()
+    combos, labels, policies = C.combos, C.labels, C.policies
     config = {
         "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
         "lengths": args.lengths, "seeds": args.seeds, "budgets": args.budgets, "policies": args.policies,
@@ -398,22 +162,18 @@ def run(args) -> dict:
         "matching": "bench_needle.answer_correct: case-insensitive whole words; numbers as one number",
         "out": str(args.out), "plot": str(args.plot), "skipped": skipped,
     }
-    payload = common.report_header(SECTION, config, common.machine_info())
-    payload.update(load_seconds=load_s, contexts=[], records=[])
+    payload = grid.open_payload(SECTION, config, load_s, contexts=[], records=[])
     records = payload["records"]
 
-    grid = [(h, L, s) for h in args.haystacks for L in args.lengths for s in args.seeds]
-    bar = tqdm(total=len(grid) * len(combos), desc="multiturn", unit="session", dynamic_ncols=True)
-    for hay, L, seed in grid:
+    def run_context(hay, L, seed, bar):
         facts = make_facts(seed, args.n_facts, hay)
         ctx = build_context(model.tokenizer, L, facts, depths, seed, hay)
         turns_room = model.config.max_position_embeddings - len(ctx.ids)
         t_c = time.perf_counter()
         cpu_t_c = time.process_time()
         c0 = G.compile_seconds()
-        bar.set_description(f"{hay}, {L} tok, seed {seed}")
         if args.prefill == "shared":
-            engines, info = bench_needle.build_engines(model, ctx.ids, policies, ctx.tail_capacity, bar=bar)
+            engines, info = build_engines(model, ctx.ids, policies, ctx.tail_capacity, bar=bar)
         else:
             engines, info = [None] * len(policies), [{"prefill": "separate"}] * len(policies)
         prefill_s = time.perf_counter() - t_c
@@ -427,10 +187,11 @@ def run(args) -> dict:
             engines[i] = None
             if sess.context_tokens != len(ctx.ids):
                 raise RuntimeError(f"session context {sess.context_tokens} tokens, expected {len(ctx.ids)}")
+            row = []
             for t, fact in enumerate(facts):
                 res = sess.ask(fact.question, max_new_tokens=args.max_new_tokens)
                 st = res.stats
-                records.append({
+                row.append({
                     "haystack": hay, "length": L, "seed": seed, "label": label, "policy": name, "rho": rho, "turn": t,
                     "kind": fact.kind, "depth": depths[t], "actual_depth": ctx.actual_depths[t],
                     "question": fact.question, "answer": fact.answer, "text": res.text,
@@ -445,29 +206,28 @@ def run(args) -> dict:
                     **info[i],
                 })
             del sess
-            row = [r for r in records if r["haystack"] == hay and r["length"] == L and r["seed"] == seed
-                   and r["label"] == label]
+            records.extend(row)
             tqdm.write(f"[{hay} {L} tok seed {seed}] {label}: " + " | ".join(
                 f"{'Y' if r['correct'] else 'n'} {r['text']!r}" for r in row)
                 + f"  ({time.perf_counter() - t_s:.0f} s)")
             bar.update(1)
         payload["contexts"].append({
-            "haystack": hay, "length": L, "seed": seed, "context_tokens": len(ctx.ids), "room_after_context": turns_room,
+            "haystack": hay, "length": L, "seed": seed, "context_tokens": len(ctx.ids),
+            "room_after_context": turns_room,
             "facts": [dataclasses.asdict(f) for f in facts], "depths": depths,
             "fact_token_starts": ctx.fact_token_starts, "actual_depths": ctx.actual_depths,
             "prefill_wall_seconds": prefill_s, "seconds": time.perf_counter() - t_c,
             "process_seconds": time.process_time() - cpu_t_c,
             "compile_seconds": G.compile_seconds() - c0,
         })
-    bar.close()
+
+    contexts = grid.points(args.haystacks, args.lengths, args.seeds)
+    grid.drive(contexts, run_context, desc="multiturn", unit="session", total=len(contexts) * len(combos),
+               update=False, describe=lambda hay, L, seed: f"{hay}, {L} tok, seed {seed}")
     payload["summary"] = summarize(records, combos, args.lengths, args.n_facts)
     payload["within_one_of_full"] = {lab: within_one_of_full(records, lab) for lab in labels if lab != "full"}
     payload["heterocache_vs_snapkv"] = hetero_vs_snapkv(records, args.budgets)
-    payload["total_seconds"] = time.perf_counter() - t_start
-    payload["total_process_seconds"] = time.process_time()  # CPU seconds of every thread, since start
-    payload["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    payload["peak_rss_bytes"] = common.peak_rss_bytes()
-    return payload
+    return grid.close_payload(payload, t_start)
 
 
 # ------------------------------------------------------------------ report
@@ -509,40 +269,9 @@ def totals_table(payload: dict) -> str:
             continue
         per = [[sum(s.get("per_haystack", {}).get(h, (0, 0))[i] for s in rs) for i in (0, 1)] for h in hays]
         rec, tot = sum(s["recalled"] for s in rs), sum(s["facts"] for s in rs)
-        rows.append([label, *[common.fraction_text(*p) for p in per], f"{common.fraction_text(rec, tot)} ({100 * rec / tot:.0f} %)"])
+        rows.append([label, *[common.fraction_text(*p) for p in per],
+                     f"{common.fraction_text(rec, tot)} ({100 * rec / tot:.0f} %)"])
     return common.markdown_table(["policy", *hays, "total"], rows, align="l" + "r" * (len(hays) + 1))
-
-
-def retrieval_table(payload: dict) -> str | None:
-    """Decode-time retrieval policies (Quest, FreeKV): per combo and context length, the means over contexts of
-    the last turn's session totals; None when no such policy ran."""
-    rows = []
-    for label in payload["config"]["combos"]:
-        for L in payload["config"]["lengths"]:
-            rs = [r for r in payload["records"] if r["label"] == label and r["length"] == L]
-            last = {}
-            for r in rs:  # the last turn of each context holds the session's totals
-                k = (record_haystack(r), r["seed"])
-                if k not in last or r["turn"] > last[k]["turn"]:
-                    last[k] = r
-            st = [r["recall"] for r in last.values()]
-            if not st or "attended_fraction" not in st[0]:
-                continue
-            mean = lambda key: sum(x.get(key, 0) for x in st) / len(st)  # noqa: E731
-            rmean = lambda key: sum(r.get(key, 0) for r in last.values()) / len(last)  # noqa: E731
-            rows.append([
-                label, common.fmt_num(L), f"{mean('attended_fraction'):.2f}",
-                common.fmt_num(mean("recalled_pages_per_step"), 1) if "recalled_pages_per_step" in st[0] else "—",
-                common.fmt_num(rmean("kv_bytes_prompt") / MiB, 1), common.fmt_num(rmean("kv_bytes_index") / MiB, 2),
-                common.fmt_num(rmean("kv_bytes_host") / MiB, 1),
-                common.fmt_num(rmean("kv_bytes_read_per_step") / MiB, 1),
-            ])
-    if not rows:
-        return None
-    return common.markdown_table(
-        ["policy", "context tok", "attended fraction", "pages recalled / step",
-         "prompt KV on device MiB", "index MiB (summaries, page ids)", "host KV MiB", "KV read / step MiB"],
-        rows, align="lr" + "r" * 6)
 
 
 def criteria_lines(payload: dict) -> list[str]:
@@ -602,7 +331,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "(the largest context's)."
         + "".join(f" Not run: {lab} ({err})." for lab, err in cfg.get("skipped", {}).items()),
         "",
-        *bench_needle.haystack_lines(cfg),
+        *haystack_lines(cfg),
         *([""] if cfg.get("haystack_sources") else []),
         results_table(payload),
         "",
@@ -661,18 +390,9 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 
 # --------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
-    ph = lambda key: common.preset_help(PRESETS, key)  # noqa: E731
-    S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
-    p = common.argument_parser("Multi-turn recall on SmolLM2-135M: facts far apart in one long real-text context, "
-                               "prefilled once into a Session, asked one per turn; accuracy per turn per policy and "
-                               "budget.")
-    common.add_grid_preset_argument(
-        p, PRESETS, estimate_minutes, "'cpu': the make-bench configuration on pydoc; 'issue15': issue 15's evaluation "
-        "(3 haystacks x 3 seeds x 2K/4K/7K, full/snapkv/heterocache at rho 0.5 and 0.3); 'full' (used when no preset "
-        "is given): the complete one on every haystack; 'seeds': 3 seeds at 4K on every haystack.")
-    p.add_argument("--lengths", type=int, nargs="+", default=S,
-                   help="context lengths in tokens (the context is 8192)" + ph("lengths"))
-    p.add_argument("--seeds", type=int, nargs="+", default=S, help="one context (fact set) per seed" + ph("seeds"))
+    p = grid.parser(DESCRIPTION, PRESETS, estimate_minutes, PRESETS_HELP)
+    grid.add_preset_list(p, PRESETS, "--lengths", "context lengths in tokens (the context is 8192)", type=int)
+    grid.add_preset_list(p, PRESETS, "--seeds", "one context (fact set) per seed", type=int)
     common.add_policy_arguments(p, PRESETS)
     common.add_haystacks_argument(p, PRESETS, "every (length, seed) context is built on each")
     p.add_argument("--n-facts", type=int, default=3, help="facts per context (= turns)")

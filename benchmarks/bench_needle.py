@@ -22,7 +22,7 @@ shared; HeteroCache therefore differs from its own prefill only by float
 rounding). Each policy then gets the cache and decode ``Engine`` that
 ``generate(model, ids, policy)`` builds, and decodes its answer greedily (up to
 ``--max-new-tokens`` or EOS). ``--prefill per-layout`` runs one forward pass per
-head layout instead (``bench_policies.make_engines``), ``--prefill separate``
+head layout instead (``harness.prefill.make_engines``), ``--prefill separate``
 one ``Engine`` per policy (exactly ``generate``); ``--check-generate`` re-runs
 ``generate`` per policy on the first prompt and compares the tokens.
 
@@ -51,19 +51,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import random
-import re
 import sys
 import time
-import unicodedata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_policies  # noqa: E402  (benchmarks/bench_policies.py: the shared prefill)
 import common  # noqa: E402  (benchmarks/common.py)
 import haystack  # noqa: E402  (benchmarks/haystack.py)
+from harness import grid  # noqa: E402  (benchmarks/harness/grid.py: the grid runner)
+from harness.needles import (  # noqa: E402
+    IDLE_CORES, LOAD_S, NEEDLE_KINDS, answer_correct, config_haystacks, haystack_lines, interp_cost, make_needle,
+    record_haystack, score_grid, summarize,
+)
+from harness.prefill import build_engines, greedy_answer  # noqa: E402  (the shared prefill)
 
 SECTION = "needle"
 MODEL = "smollm2-135m"
@@ -112,6 +113,11 @@ PRESETS = {
               "haystacks": list(haystack.HAYSTACKS)} for name, comparison in common.ISSUE_COMPARISONS.items()},
 }
 
+DESCRIPTION = ("Needle-in-a-haystack grid (context length x depth) per KV-cache policy and budget on SmolLM2-135M, "
+               "real-text haystack, one needle per prompt.")
+PRESETS_HELP = ("'cpu': the make-bench grid on pydoc; 'issue15': issue 15's grid (3 haystacks x 1K-7K x 3 depths, "
+                "full/snapkv/heterocache at rho 0.3); 'full' (used when no preset is given): the complete grid on "
+                "every haystack; 'short': its 1K-4K part.")
 
 # Run-time model for the --preset help, in CPU seconds, from small measured runs (2-core Xeon, 2026-11-25,
 # --haystacks pydoc/licenses/stdlib-docs at 1K-7K, full + snapkv + heterocache at rho 0.3; process_seconds of
@@ -123,16 +129,6 @@ PRESETS = {
 _PROMPT_CPU_S = {1000: 6.2, 2000: 10.0, 4000: 19.4, 7000: 42.0}
 _COMPILE_CPU_S = 40.0
 _SCORING_POLICIES = ("h2o", "cake", "pyramidkv")
-LOAD_S = 10.0
-IDLE_CORES = 1.3
-
-
-def interp_cost(table: dict[int, float], n: int) -> float:
-    """Piecewise-linear interpolation in ``table`` (length -> seconds), extrapolated from the last two points."""
-    xs = sorted(table)
-    i = max(1, min(len(xs) - 1, next((k for k, x in enumerate(xs) if x >= n), len(xs) - 1)))
-    x0, x1 = xs[i - 1], xs[i]
-    return max(0.0, table[x0] + (table[x1] - table[x0]) * (n - x0) / (x1 - x0))
 
 
 def estimate_minutes(preset: dict) -> float:
@@ -148,277 +144,6 @@ def estimate_minutes(preset: dict) -> float:
     return cpu / IDLE_CORES / 60
 
 
-# ------------------------------------------------------------------ needles
-@dataclasses.dataclass(frozen=True)
-class Needle:
-    """One fact to find: the sentence put in the haystack, the question after it, the expected answer."""
-
-    kind: str
-    sentence: str
-    question: str
-    answer: str
-
-
-_CITIES = ["Lisbon", "Oslo", "Nairobi", "Montevideo", "Reykjavik", "Kyoto", "Antwerp", "Cusco"]
-
-
-def _magic_number(seed: int) -> Needle:
-    key = haystack.make_passkey(seed)
-    return Needle("magic-number", f"The special magic number is {key}.",
-                  "What is the special magic number mentioned in the text?", key)
-
-
-def _passkey(seed: int) -> Needle:
-    key = haystack.make_passkey(seed)
-    return Needle("passkey", haystack.PASSKEY_NEEDLE.format(key=key), haystack.PASSKEY_QUESTION, key)
-
-
-def _city(seed: int) -> Needle:
-    city = random.Random(f"city-{seed}").choice(_CITIES)
-    return Needle("city", f"The annual sailing festival takes place in {city}.",
-                  "In which city does the annual sailing festival take place?", city)
-
-
-NEEDLE_KINDS = {"magic-number": _magic_number, "passkey": _passkey, "city": _city}
-
-
-def make_needle(kind: str, seed: int) -> Needle:
-    """The needle of ``kind`` for ``seed`` (deterministic)."""
-    return NEEDLE_KINDS[kind](seed)
-
-
-# ---------------------------------------------------------- answer matching
-def normalize_text(text: str) -> str:
-    """Lower case, accents and punctuation folded to spaces, whitespace collapsed."""
-    text = unicodedata.normalize("NFKD", text)
-    text = "".join(c for c in text if not unicodedata.combining(c)).lower()
-    return " ".join(re.sub(r"[^a-z0-9]+", " ", text).split())
-
-
-def find_answer(generated: str, answer: str) -> list[int]:
-    """Where ``generated`` states ``answer``: the start of each occurrence, in order (empty when it does not).
-
-    A number must appear as one number (digit groups written 48,213 or 48 213
-    count; 482130 does not); offsets are in ``generated`` with such groups joined.
-    Words must appear as whole words, ignoring case, accents and punctuation, with
-    an optional plural ``s``/``es``; offsets are in ``normalize_text(generated)``.
-    So offsets of two answers compare (their order in the text) when both are
-    numbers or both are words.
-    """
-    ans = normalize_text(answer)
-    if not ans:
-        raise ValueError("empty answer")
-    if ans.isdigit():
-        joined = re.sub(r"(?<=\d)[,\u202f\u00a0 ](?=\d{3}(?!\d))", "", generated)
-        return [m.start() for m in re.finditer(rf"(?<!\d){ans}(?!\d)", joined)]
-    return [m.start() for m in re.finditer(rf"(?<![a-z0-9]){re.escape(ans)}(?:e?s)?(?![a-z0-9])",
-                                           normalize_text(generated))]
-
-
-def answer_correct(generated: str, answer: str) -> bool:
-    """Whether ``generated`` states ``answer`` (:func:`find_answer` finds it at least once)."""
-    return bool(find_answer(generated, answer))
-
-
-# --------------------------------------------------------- grid bookkeeping
-def record_haystack(r: dict) -> str:
-    """The haystack of a record (records written before haystacks were recorded used pydoc)."""
-    return r.get("haystack", haystack.DEFAULT_HAYSTACK)
-
-
-def haystacks_of(records: list[dict]) -> list[str]:
-    """The haystacks the records ran on, in first-seen order."""
-    return list(dict.fromkeys(record_haystack(r) for r in records))
-
-
-def cell_scores(records: list[dict], label: str, haystack_name: str | None = None) -> dict[tuple[int, float], float]:
-    """{(length, depth): fraction of the cell's prompts answered correctly} for one combo: the cell's seeds on
-    ``haystack_name``, or on every haystack pooled when None."""
-    cells: dict[tuple[int, float], list[bool]] = {}
-    for r in records:
-        if r["label"] == label and haystack_name in (None, record_haystack(r)):
-            cells.setdefault((r["length"], r["depth"]), []).append(bool(r["correct"]))
-    return {k: sum(v) / len(v) for k, v in cells.items()}
-
-
-def score_grid(records: list[dict], label: str, lengths, depths) -> list[list[float | None]]:
-    """[depth][length] cell scores of one combo (None where the grid has no record)."""
-    cells = cell_scores(records, label)
-    return [[cells.get((L, d)) for L in lengths] for d in depths]
-
-
-def compare_with_full(records: list[dict], label: str) -> dict:
-    """How a combo's (haystack, length, depth) cells compare with full KV's: equal cells, cells above/below, and
-    which differ."""
-    n_cells, differ = 0, []
-    for h in haystacks_of(records):
-        ref, mine = cell_scores(records, "full", h), cell_scores(records, label, h)
-        common_cells = sorted(set(ref) & set(mine))
-        n_cells += len(common_cells)
-        differ += [{"haystack": h, "length": L, "depth": d, "full": ref[(L, d)], "score": mine[(L, d)]}
-                   for L, d in common_cells if mine[(L, d)] != ref[(L, d)]]
-    return {
-        "cells": n_cells,
-        "equal": n_cells - len(differ),
-        "above": sum(1 for c in differ if c["score"] > c["full"]),
-        "below": sum(1 for c in differ if c["score"] < c["full"]),
-        "differ": differ,
-    }
-
-
-def summarize(records: list[dict], combos, lengths) -> list[dict]:
-    """One row per combo: accuracy overall and per length, achieved rho, comparison with full KV."""
-    rows = []
-    for name, rho in combos:
-        label = common.combo_label(name, rho)
-        rs = [r for r in records if r["label"] == label]
-        if not rs:
-            continue
-        per_len, per_hay = {}, {}
-        for L in lengths:
-            c = [r["correct"] for r in rs if r["length"] == L]
-            per_len[str(L)] = (sum(c), len(c))
-        for h in haystacks_of(rs):
-            c = [r["correct"] for r in rs if record_haystack(r) == h]
-            per_hay[h] = (sum(c), len(c))
-        rows.append({
-            "label": label, "policy": name, "rho": rho,
-            "correct": sum(r["correct"] for r in rs), "total": len(rs),
-            "accuracy": sum(r["correct"] for r in rs) / len(rs),
-            "per_length": per_len, "per_haystack": per_hay,
-            "achieved_rho": sum(r["achieved_rho"] for r in rs) / len(rs),
-            "kv_bytes_prompt_mean": sum(r["kv_bytes_prompt"] for r in rs) / len(rs),
-            "vs_full": compare_with_full(records, label),
-        })
-    return rows
-
-
-# ------------------------------------------------------ one forward pass
-class OneForwardPrefill:
-    """One layer-major prefill feeding every policy's prefill plan, whatever its head layout.
-
-    ``hetero_jax.model.transformer.prefill`` (run with the identity-layout params and ``DropKVPlan``) calls
-    the ``observe(li, layer, x_in, k_buf, v_buf, lens)`` hook once per layer; a policy with a head layout
-    gets ``layer`` from its permuted params and the KV heads of ``k_buf``/``v_buf`` in its layout order (a
-    permuted model computes the same function, so ``x_in`` is shared). Each plan's ``build_layer`` output
-    goes into its own ``cache.PoolBuilder`` (``bench_policies.SharedPrefill``: ``start`` before the
-    prefill, ``caches`` after it).
-    """
-
-    def __init__(self, plans, perms, layer_params, compile_fn, on_layer=None):
-        self._shared = bench_policies.SharedPrefill(plans, compile_fn, on_layer)
-        self.perms = perms  # per policy: per layer, an int array of KV heads in layout order, or None
-        self.layer_params = layer_params  # per policy: its params["layers"]
-
-    def __getattr__(self, name):  # plans, builders, hook_seconds, start, drop_plan, caches, compile_fn_sharing_scores
-        return getattr(self._shared, name)
-
-    def observe(self, li, layer, x_in, k_buf, v_buf, lens):
-        import jax
-        import jax.numpy as jnp
-
-        s = self._shared
-        jax.block_until_ready((x_in, k_buf, v_buf))  # the layer's forward pass is not the hooks' time
-        s._scores.clear()
-        permuted: dict = {}
-        for i in range(len(s.plans)):
-            if self.perms[i] is None:
-                s.add(i, li, layer, x_in, k_buf, v_buf, lens)
-                continue
-            t0 = time.perf_counter()
-            perm = self.perms[i][li]
-            key = perm.tobytes()
-            if key not in permuted:
-                idx = jnp.asarray(perm)
-                permuted[key] = jax.block_until_ready((jnp.take(k_buf, idx, axis=1), jnp.take(v_buf, idx, axis=1)))
-            s.hook_seconds[i] += time.perf_counter() - t0
-            k_p, v_p = permuted[key]
-            s.add(i, li, self.layer_params[i][li], x_in, k_p, v_p, lens)
-        if s.on_layer is not None:
-            s.on_layer(li)
-
-
-def build_engines(model, ids: list[int], policies, tail_capacity: int, *, prefill: str = "shared", bar=None,
-                  share_scores: bool = True):
-    """One decode ``Engine`` per policy for prompt ``ids``, as ``generate`` would build it.
-
-    ``prefill``: ``"shared"`` (one forward pass for every policy and layout),
-    ``"per-layout"`` (one per head layout: ``bench_policies.make_engines``) or
-    ``"separate"`` (``Engine`` per policy). Returns (engines, info per policy).
-    """
-    from hetero_jax import runtime as G
-    if prefill == "separate":
-        engines, info = [], []
-        for p in policies:
-            t0 = time.perf_counter()
-            engines.append(G.Engine(model, [list(ids)], p, tail_capacity=tail_capacity))
-            info.append({"prefill": "separate", "prefill_group_wall_seconds": time.perf_counter() - t0})
-        return engines, info
-    if prefill == "per-layout":
-        engines, info = bench_policies.make_engines(model, list(ids), policies, tail_capacity, bar, share_scores)
-        for i in info:
-            i["prefill"] = "per-layout"
-        return engines, info
-    if prefill != "shared":
-        raise ValueError(f"prefill: 'shared', 'per-layout' or 'separate', got {prefill!r}")
-
-    import jax
-    import numpy as np
-
-    from hetero_jax.model import layout as LY
-
-    cfg = model.config
-    bound = [G.bind_policy(model, p) for p in policies]
-    layouts = [bench_policies.layout_key(p.layout(cfg)) for p in bound]
-    params = [LY.params_for(model, lay) for lay in layouts]
-    perms = [None if lay is None else [np.asarray(p, np.int32) for p in lay.perms] for lay in layouts]
-
-    def on_layer(li):
-        if bar is not None:
-            bar.set_postfix_str(f"prefill ({len(bound)} policies, one forward pass): layer {li + 1}/{cfg.num_layers}")
-
-    c0 = G.compile_seconds()
-    t0 = time.perf_counter()
-    shared = OneForwardPrefill([None] * len(bound), perms,
-                               [p["layers"] for p in params], G.compiled, on_layer)
-    fn = shared.compile_fn_sharing_scores() if share_scores else G.compiled
-    plans = [p.make_prefill(cfg, [len(ids)], compile_fn=fn) for p in bound]  # checks budgets first
-    shared._shared.plans = plans
-    lens = [len(ids)]
-    shared.start(cfg, lens, tail_capacity, model.params["embed"].dtype)
-    logits, _ = G.prefill(model.params, cfg, [list(ids)], tail_capacity=1, plan=shared.drop_plan(cfg, lens),
-                          observe=shared.observe)
-    caches = shared.caches(np.asarray(lens, np.int32))
-    jax.block_until_ready(logits)
-    wall = time.perf_counter() - t0
-    hooks = sum(shared.hook_seconds)
-    engines, info = [], []
-    for i, p in enumerate(bound):
-        cache, state = caches[i]
-        engines.append(G.Engine.from_prefilled(model, p, [len(ids)], params[i], logits, cache, state,
-                                               prefill_seconds=wall - hooks + shared.hook_seconds[i]))
-        info.append({"prefill": "shared", "layout": "identity" if layouts[i] is None else "permuted",
-                     "prefill_forward_seconds": wall - hooks, "policy_prefill_seconds": shared.hook_seconds[i],
-                     "prefill_group_wall_seconds": wall, "prefill_group_compile_seconds": G.compile_seconds() - c0})
-    return engines, info
-
-
-def greedy_answer(engine, max_new: int, eos) -> tuple[list[int], str]:
-    """Greedy tokens after the prefilled prompt, as ``generate(max_new_tokens=max_new)`` decodes them."""
-    tok = int(engine.first_tokens(0.0, 1.0)[0])
-    out: list[int] = []
-    while True:
-        if tok in eos:
-            return out, "eos"
-        out.append(tok)
-        if len(out) >= max_new:
-            return out, "max_new_tokens"
-        nxt, _ = engine.step([tok], 0.0, 1.0)
-        tok = int(nxt[0])
-
-
-
-
 # ------------------------------------------------------------------- run
 def run(args) -> dict:
     import jax
@@ -427,12 +152,11 @@ def run(args) -> dict:
     from hetero_jax import runtime as G
 
     t_start = time.perf_counter()
-    model, combos, labels, policies, load_s = common.load_grid(args)
-    cfg = model.config
+    model, C, load_s = grid.load(args, args.lengths)
     # a (combo, length) whose budget cannot be met is left out and named in the report: its cells show "—"
-    skipped = common.refused_by_length(model, labels, policies, args.lengths)
-    keep = [i for i, lab in enumerate(labels) if len(skipped.get(lab, {})) < len(args.lengths)]
-    combos, labels, policies = [combos[i] for i in keep], [labels[i] for i in keep], [policies[i] for i in keep]
+    skipped = C.refused
+    C = C.runnable_somewhere(args.lengths)
+    cfg = model.config
     for L in args.lengths:
         if L + args.max_new_tokens > cfg.max_position_embeddings:
             raise SystemExit(f"prompt {L} + {args.max_new_tokens} new tokens exceeds the model's context of "
@@ -443,7 +167,7 @@ def run(args) -> dict:
     config = {
         "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
         "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds, "budgets": args.budgets,
-        "policies": args.policies, "combos": labels, "policy_reprs": [repr(p) for p in policies],
+        "policies": args.policies, "combos": C.labels, "policy_reprs": [repr(p) for p in C.policies],
         "needle_kind": args.needle, "needle_example": dataclasses.asdict(make_needle(args.needle, args.seeds[0])),
         "max_new_tokens": args.max_new_tokens, "prefill": args.prefill, "share_scores": not args.no_share_scores,
         "compile_cache": not args.no_compile_cache, "check_generate": args.check_generate,
@@ -453,27 +177,23 @@ def run(args) -> dict:
         "matching": "answer_correct: numbers as one number; words as whole words, case/punctuation-insensitive",
         "out": str(args.out), "plot": str(args.plot),
     }
-    payload = common.report_header(SECTION, config, common.machine_info())
-    payload.update(load_seconds=load_s, prompts=[], records=[], checks=[])
+    payload = grid.open_payload(SECTION, config, load_s, prompts=[], records=[], checks=[])
     records = payload["records"]
 
-    grid = [(h, L, d, s) for h in args.haystacks for L in args.lengths for d in args.depths for s in args.seeds]
-    bar = tqdm(total=len(grid), desc="needle", unit="prompt", dynamic_ncols=True)
-    for hay, L, d, seed in grid:
-        bar.set_description(f"{hay}, {L} tok, depth {d:g}, seed {seed}")
+    def run_prompt(hay, L, d, seed, bar):
         needle = make_needle(args.needle, seed)
         p = haystack.build_needle_prompt(model.tokenizer, L, [(d, needle.sentence)], needle.question, needle.answer,
                                          seed=seed, instruction=args.instruction, haystack=hay)
         t_p = time.perf_counter()
         cpu_t_p = time.process_time()
         c0 = G.compile_seconds()
-        active = [i for i, lab in enumerate(labels) if str(L) not in skipped.get(lab, {})]
-        engines, info = build_engines(model, p.ids, [policies[i] for i in active], tail_capacity,
+        active = C.active(L)
+        engines, info = build_engines(model, p.ids, [C.policies[i] for i in active], tail_capacity,
                                       prefill=args.prefill, bar=bar, share_scores=not args.no_share_scores)
         prefill_s = time.perf_counter() - t_p
         row = []
         for i, j in enumerate(active):
-            (name, rho), label = combos[j], labels[j]
+            (name, rho), label = C.combos[j], C.labels[j]
             bar.set_postfix_str(f"decode {label}")
             t_d = time.perf_counter()
             out_ids, stop = greedy_answer(engines[i], args.max_new_tokens, eos)
@@ -499,18 +219,15 @@ def run(args) -> dict:
         tqdm.write(f"[{hay} {L} tok d={d:g} seed {seed} answer {needle.answer}] prefill {prefill_s:.0f} s | full: "
                    f"{row[0]['text']!r} | " + " ".join(f"{r['label']}={'Y' if r['correct'] else 'n'}" for r in row))
         if args.check_generate and not payload["checks"]:
-            payload["checks"].append(check_against_generate(model, p.ids, [combos[j] for j in active],
-                                                            [policies[j] for j in active], row, args.max_new_tokens))
+            payload["checks"].append(check_against_generate(model, p.ids, [C.combos[j] for j in active],
+                                                            [C.policies[j] for j in active], row, args.max_new_tokens))
             c = payload["checks"][0]
             tqdm.write("check vs generate(): " + ("OK" if not c["problems"] else "; ".join(c["problems"])))
-        bar.update(1)
-    bar.close()
-    payload["summary"] = summarize(records, combos, args.lengths)
-    payload["total_seconds"] = time.perf_counter() - t_start
-    payload["total_process_seconds"] = time.process_time()  # CPU seconds of every thread, since start
-    payload["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    payload["peak_rss_bytes"] = common.peak_rss_bytes()
-    return payload
+
+    grid.drive(grid.points(args.haystacks, args.lengths, args.depths, args.seeds), run_prompt, desc="needle",
+               unit="prompt", describe=lambda hay, L, d, seed: f"{hay}, {L} tok, depth {d:g}, seed {seed}")
+    payload["summary"] = summarize(records, C.combos, args.lengths)
+    return grid.close_payload(payload, t_start)
 
 
 def check_against_generate(model, ids, combos, policies, row, max_new) -> dict:
@@ -530,22 +247,6 @@ def check_against_generate(model, ids, combos, policies, row, max_new) -> dict:
 
 
 # ------------------------------------------------------------------ report
-def config_haystacks(cfg: dict) -> list[str]:
-    """The haystacks of a run's config (["pydoc"] for runs from before haystacks were configurable)."""
-    return list(cfg.get("haystacks") or [haystack.DEFAULT_HAYSTACK])
-
-
-def haystack_lines(cfg: dict) -> list[str]:
-    """One markdown bullet per haystack: its source, size and the versions it depends on."""
-    lines = []
-    for h, info in (cfg.get("haystack_sources") or {}).items():
-        deps = ", ".join(f"{d} {v['version']}" for d, v in info.get("distributions", {}).items())
-        size = f"{info['tokens']:,} tokens" if "tokens" in info else f"{info['chars']:,} characters"
-        lines.append(f"- Haystack `{h}`: {info['source']}; {size}, Python {info['python']}"
-                     + (f", {deps}" if deps else "") + f"; sha256 {info['sha256'][:12]}.")
-    return lines
-
-
 def results_table(payload: dict) -> str:
     cfg = payload["config"]
     hays = config_haystacks(cfg)
@@ -621,7 +322,8 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         results_table(payload),
         "",
     ]
-    lines += ([f"Cells that differ from full KV ({'haystack/' if many else ''}length/depth: full→policy):", ""] + [f"- {d}" for d in diffs] + [""]
+    lines += ([f"Cells that differ from full KV ({'haystack/' if many else ''}length/depth: full→policy):", ""]
+              + [f"- {d}" for d in diffs] + [""]
               if diffs else ["Every policy scores the same as full KV in every cell.", ""])
     lines += ["Full-KV answers (the reference):", "", full_answers_table(payload), ""]
     if payload.get("checks"):
@@ -674,21 +376,12 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 
 # --------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
-    p = common.argument_parser("Needle-in-a-haystack grid (context length x depth) per KV-cache policy and budget "
-                               "on SmolLM2-135M, real-text haystack, one needle per prompt.")
-    S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
-    common.add_grid_preset_argument(
-        p, PRESETS, estimate_minutes, "'cpu': the make-bench grid on pydoc; 'issue15': issue 15's grid (3 haystacks x "
-        "1K-7K x 3 depths, full/snapkv/heterocache at rho 0.3); 'full' (used when no preset is given): the complete "
-        "grid on every haystack; 'short': its 1K-4K part.")
-    p.add_argument("--lengths", type=int, nargs="+", default=S,
-                   help="prompt lengths in tokens (the context is 8192)" + common.preset_help(PRESETS, "lengths"))
-    p.add_argument("--depths", type=float, nargs="+", default=S,
-                   help="needle depths (fraction of the haystack)" + common.preset_help(PRESETS, "depths"))
+    p = grid.parser(DESCRIPTION, PRESETS, estimate_minutes, PRESETS_HELP)
+    grid.add_preset_list(p, PRESETS, "--lengths", "prompt lengths in tokens (the context is 8192)", type=int)
+    grid.add_preset_list(p, PRESETS, "--depths", "needle depths (fraction of the haystack)", type=float)
     common.add_policy_arguments(p, PRESETS)
-    p.add_argument("--seeds", type=int, nargs="+", default=S,
-                   help="one prompt per seed and cell; a cell's score is the fraction answered"
-                        + common.preset_help(PRESETS, "seeds"))
+    grid.add_preset_list(p, PRESETS, "--seeds", "one prompt per seed and cell; a cell's score is the fraction "
+                             "answered", type=int)
     common.add_haystacks_argument(p, PRESETS, "every cell runs on each")
     p.add_argument("--needle", default="magic-number", choices=sorted(NEEDLE_KINDS), help="needle kind")
     p.add_argument("--max-new-tokens", type=int, default=24,

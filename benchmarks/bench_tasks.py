@@ -6,18 +6,18 @@ is generated from its seed (values, names, keys, sentences) and placed in a
 real-text haystack of ``benchmarks/haystack.py`` (each of ``--haystacks``:
 ``pydoc``, ``stdlib-docs``, ``licenses``; the seed also picks where the haystack
 starts), followed by the question in the chat template, exactly N tokens
-(``haystack.build_needle_prompt``). The tasks (:data:`TASKS`; docs/tasks.md):
+(``haystack.build_needle_prompt``). The tasks (``harness/task_cases.py``: ``TASKS``; docs/tasks.md):
 
 - ``multi-fact``: 4 ticket numbers of different things at depths 0.1 .. 0.9, one
   question naming the things in depth order; graded per value and in order
-  (:func:`grade_in_order`);
+  (``grade_in_order``);
 - ``variable-tracking``: a chain of assignments ``VAR A = 4821`` ... ``VAR B = VAR A``
   ... spread over the context, interleaved with a second chain bound to another
-  value; the answer names every variable bound to the asked value (:func:`grade_names`);
+  value; the answer names every variable bound to the asked value (``grade_names``);
 - ``multi-key``: 4 needles of one form under different names; one is asked for, and
-  naming a distractor's value fails the case (:func:`grade_key`);
+  naming a distractor's value fails the case (``grade_key``);
 - ``span-copy``: a generated sentence after a marker; the answer must repeat it word
-  for word (:func:`grade_span`);
+  for word (``grade_span``);
 - ``fidelity``: the multi-fact prompt with 3-5 facts, and a teacher-forced answer
   that quotes them in turn; per step, top-1 agreement and KL(full || policy) of the
   next-token distribution on the quoted value tokens (``bench_fidelity``'s
@@ -28,10 +28,10 @@ The phrasing (answer prefixes, four-digit values, names as keys, seven-word
 sentences) is the one full KV answered most often on trial cases; docs/tasks.md
 says what was tried.
 
-How one prompt is run: the shared prefill of ``bench_needle.build_engines`` (one
+How one prompt is run: the shared prefill of ``harness.prefill.build_engines`` (one
 forward pass; every policy's selection sees each layer's KV, HeteroCache's in its
 own head order), then each policy decodes its answer greedily
-(``bench_needle.greedy_answer``), or, for ``fidelity``, is fed the forced answer one
+(``harness.prefill.greedy_answer``), or, for ``fidelity``, is fed the forced answer one
 decode step at a time (``bench_fidelity.step_logits``: the policy's decode hooks run,
 so HeteroCache's drift checks and recalls happen). A combo whose budget a policy
 cannot keep at a length is skipped there and named.
@@ -59,10 +59,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import os
-import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -71,325 +67,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402  (benchmarks/common.py)
 import haystack  # noqa: E402  (benchmarks/haystack.py)
-import bench_needle  # noqa: E402  (benchmarks/bench_needle.py: shared prefill, greedy decode, answer matching)
-from bench_needle import find_answer, normalize_text  # noqa: E402
+from harness import grid  # noqa: E402  (benchmarks/harness/grid.py: the grid runner)
+from harness.needles import IDLE_CORES, LOAD_S, haystack_lines, interp_cost  # noqa: E402
+from harness.prefill import build_engines, greedy_answer  # noqa: E402  (the shared prefill, greedy decode)
+from harness.task_cases import (  # noqa: E402  (cases, grading, prompts, teacher forcing)
+    DIGITS, TASKS, build_case_prompt, forced_metrics, grade, make_case,
+)
 
 SECTION = "tasks"
 MODEL = "smollm2-135m"
-# digits of a generated value: SmolLM2-135M copies four digits from far away; with five it often drops one
-DIGITS = 4
-TASKS = ("multi-fact", "variable-tracking", "multi-key", "span-copy", "fidelity")
-
-
-# ------------------------------------------------------------------ cases
-@dataclasses.dataclass(frozen=True)
-class TaskCase:
-    """One generated case: what goes in the haystack, what is asked, what a correct answer states.
-
-    ``needles``: (depth in [0, 1] of the haystack, sentence), in depth order. ``values``: what a correct answer
-    states (in order for ``multi-fact``). ``distractors``: what it must not state. ``answer_prefix``: the start
-    of the assistant's reply, fed after the chat template's generation prompt (the model continues it).
-    ``forced``: the whole teacher-forced reply (``fidelity``; it continues ``answer_prefix``), quoting
-    ``values`` in turn."""
-
-    task: str
-    seed: int
-    needles: tuple[tuple[float, str], ...]
-    question: str
-    values: tuple[str, ...]
-    distractors: tuple[str, ...] = ()
-    answer_prefix: str = ""
-    instruction: str | None = None  # before the haystack (a worked example)
-    forced: str | None = None
-    max_new_tokens: int = 32
-
-
-def spread_depths(n: int, lo: float = 0.1, hi: float = 0.9) -> list[float]:
-    """``n`` depths evenly from ``lo`` to ``hi`` (the middle for one)."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if n == 1:
-        return [round((lo + hi) / 2, 4)]
-    return [round(lo + (hi - lo) * i / (n - 1), 4) for i in range(n)]
-
-
-def _numbers(rng: random.Random, n: int, digits: int = DIGITS) -> list[str]:
-    """``n`` distinct ``digits``-digit numbers, none in any haystack's corpus and no two sharing their first two digits
-    (so an answer cannot be half of one value and half of another)."""
-    out: list[str] = []
-    while len(out) < n:
-        v = haystack.absent_number(rng, 10 ** (digits - 1), 10**digits - 1, tuple(haystack.HAYSTACKS))
-        if all(v[:2] != o[:2] for o in out):
-            out.append(v)
-    return out
-
-
-def _list_text(items) -> str:
-    """'a, b and c'."""
-    items = list(items)
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
-# subjects of the multi-fact tickets (none is a word of the added haystacks' answers; each names a different thing)
-_TICKETS = ("ferry", "museum", "opera", "night train", "cable car", "harbour tour")
-
-
-def make_multi_fact(seed: int, n: int = 4) -> TaskCase:
-    """``n`` ticket numbers of different things at spread depths; the question names the things in depth order
-    and the reply starts with the first ("The ticket number for the ferry is"), so every value after the first
-    is reached by moving attention to another depth."""
-    if not 1 <= n <= len(_TICKETS):
-        raise ValueError(f"n must be in 1..{len(_TICKETS)}, got {n}")
-    rng = random.Random(f"tasks-multi-fact-{seed}")
-    values = _numbers(rng, n)
-    things = rng.sample(_TICKETS, n)
-    needles = tuple((d, f"The ticket number for the {t} is {v}.")
-                    for d, t, v in zip(spread_depths(n), things, values))
-    return TaskCase("multi-fact", seed, needles,
-                    "What are the ticket numbers for " + _list_text([f"the {t}" for t in things]) + "?",
-                    tuple(values), answer_prefix=f"The ticket number for the {things[0]} is",
-                    max_new_tokens=12 * n)
-
-
-def make_fidelity(seed: int, n: int | None = None) -> TaskCase:
-    """The multi-fact prompt with ``n`` tickets (3-5 by the seed when None) and a forced reply quoting each in
-    turn, in depth order ("... ferry is 9302. The ticket number for the museum is 7720. ...")."""
-    n = 3 + seed % 3 if n is None else n
-    base = make_multi_fact(seed, n)
-    forced = " ".join(s for _, s in base.needles)
-    return dataclasses.replace(base, task="fidelity", forced=forced, max_new_tokens=0)
-
-
-# variable names: five capitals (RULER's form); a name is rejected if it is a word of any haystack
-def _var_names(rng: random.Random, n: int) -> list[str]:
-    out: list[str] = []
-    while len(out) < n:
-        name = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5))
-        if name not in out and not any(re.search(rf"\b{name}\b", haystack.haystack_corpus(h), re.I)
-                                       for h in haystack.HAYSTACKS):
-            out.append(name)
-    return out
-
-
-# RULER's variable tracking shows the model one worked chain first; its names and value are of another form than
-# the generated ones (which they can never equal: those are drawn from letters without Q, R, S repeated)
-VT_INSTRUCTION = ("Memorize and track the chains of variable assignments hidden in the following text. Example: in a "
-                  "text with VAR QQQQQ = 5555. ... VAR RRRRR = VAR QQQQQ. ... VAR SSSSS = VAR RRRRR. the variables "
-                  "assigned the value 5555 are VAR QQQQQ, VAR RRRRR and VAR SSSSS.")
-
-
-def make_variable_tracking(seed: int, hops: int = 3, distractor_hops: int = 1) -> TaskCase:
-    """A chain ``VAR A = v``, ``VAR B = VAR A``, ... of ``hops`` names over the context, interleaved with a
-    distractor chain of ``distractor_hops`` names bound to another value; the question asks for the names bound
-    to ``v`` (after :data:`VT_INSTRUCTION`'s worked example, before the haystack)."""
-    if hops < 1 or not 0 <= distractor_hops <= hops:
-        raise ValueError(f"hops must be >= 1 and distractor_hops in 0..hops, got {hops}, {distractor_hops}")
-    rng = random.Random(f"tasks-variable-tracking-{seed}")
-    value, other = _numbers(rng, 2)
-    names = _var_names(rng, hops + distractor_hops)
-    chain, dchain = names[:hops], names[hops:]
-
-    def assignments(ch, v):
-        if not ch:
-            return []
-        return [f"VAR {ch[0]} = {v}."] + [f"VAR {b} = VAR {a}." for a, b in zip(ch, ch[1:])]
-
-    depths = spread_depths(hops + distractor_hops)
-    # the distractor chain on slots 1, 3, ..., the asked one on the others: each chain keeps its order in depth
-    odd = list(range(1, 2 * distractor_hops, 2))
-    slots = [i for i in range(len(depths)) if i not in odd] + odd
-    sentences = assignments(chain, value) + assignments(dchain, other)
-    needles = tuple(sorted((depths[slots[i]], sentence) for i, sentence in enumerate(sentences)))
-    return TaskCase("variable-tracking", seed, needles, f"Which variables are assigned the value {value}?",
-                    tuple(chain), tuple(dchain), answer_prefix=f"The variables assigned the value {value} are VAR",
-                    instruction=VT_INSTRUCTION, max_new_tokens=8 * hops + 8)
-
-
-# multi-key keys: people's names (bench_multiturn's, among haystack.ANSWER_WORDS: no haystack contains them)
-KEY_NAMES = ("Tobias", "Ingrid", "Ravi", "Elena", "Kofi", "Hana", "Lucas", "Amara")
-
-
-def make_multi_key(seed: int, n_keys: int = 4) -> TaskCase:
-    """``n_keys`` needles "The special magic number for <name> is N." of one form under different names at spread
-    depths; one, at a seed-chosen depth, is asked for. The others' numbers are the distractors."""
-    if not 2 <= n_keys <= len(KEY_NAMES):
-        raise ValueError(f"n_keys must be in 2..{len(KEY_NAMES)}, got {n_keys}")
-    rng = random.Random(f"tasks-multi-key-{seed}")
-    keys = rng.sample(KEY_NAMES, n_keys)
-    values = _numbers(rng, n_keys)
-    ask = rng.randrange(n_keys)
-    needles = tuple((d, f"The special magic number for {k} is {v}.")
-                    for d, k, v in zip(spread_depths(n_keys), keys, values))
-    return TaskCase("multi-key", seed, needles, f"What is the special magic number for {keys[ask]}?", (values[ask],),
-                    tuple(v for i, v in enumerate(values) if i != ask),
-                    answer_prefix=f"The special magic number for {keys[ask]} is", max_new_tokens=12)
-
-
-_ADJ = ("silver", "quiet", "frozen", "wooden", "golden", "narrow", "ancient", "crooked", "velvet", "distant")
-_NOUN = ("lantern", "gardener", "harbour", "violin", "orchard", "lighthouse", "bakery", "glacier", "ferryman",
-         "telescope", "meadow", "caravan")
-_VERB = ("followed", "painted", "guarded", "repaired", "carried", "watched", "measured", "borrowed")
-SPAN_MARKER = "[QUOTE]"
-
-
-def make_span(rng: random.Random) -> str:
-    """A sentence of generated words: 'The <adj> <noun> <verb> the <adj> <noun>.' (SmolLM2-135M copies seven
-    words from far away more often than twelve)."""
-    a, n = rng.sample(_ADJ, 2), rng.sample(_NOUN, 2)
-    return f"The {a[0]} {n[0]} {rng.choice(_VERB)} the {a[1]} {n[1]}."
-
-
-def make_span_copy(seed: int, depth: float | None = None) -> TaskCase:
-    """A generated sentence after :data:`SPAN_MARKER` at a seed-chosen depth (or ``depth``); the reply starts
-    with the marker and must go on with the sentence."""
-    rng = random.Random(f"tasks-span-copy-{seed}")
-    d = rng.choice((0.2, 0.35, 0.5, 0.65, 0.8)) if depth is None else depth
-    span = make_span(rng)
-    return TaskCase("span-copy", seed, ((d, f"{SPAN_MARKER} {span}"),),
-                    f"Repeat the sentence that follows {SPAN_MARKER} in the text above, word for word.", (span,),
-                    answer_prefix=SPAN_MARKER, max_new_tokens=24)
-
-
-MAKERS = {"multi-fact": make_multi_fact, "variable-tracking": make_variable_tracking, "multi-key": make_multi_key,
-          "span-copy": make_span_copy, "fidelity": make_fidelity}
-
-
-def make_case(task: str, seed: int) -> TaskCase:
-    """The case of ``task`` for ``seed`` (deterministic; the same on every haystack)."""
-    try:
-        return MAKERS[task](seed)
-    except KeyError:
-        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}") from None
-
-
-# ---------------------------------------------------------------- grading
-def grade_in_order(text: str, values) -> dict:
-    """Values of ``values`` stated in ``text`` (``find_answer``), and the most of them stated in their order.
-
-    ``in_order``: the longest subsequence of ``values`` whose occurrences can be picked at increasing offsets.
-    Returns {"found", "in_order", "n", "score" = in_order / n}."""
-    values = list(values)
-    kinds = {normalize_text(v).isdigit() for v in values}
-    if len(kinds) != 1:
-        raise ValueError("grade_in_order compares offsets of values of one kind: all numbers or all words")
-    pos = [find_answer(text, v) for v in values]
-    # best[k]: the smallest offset at which some k values in order can end
-    best = [-1]
-    for ps in pos:
-        for k in range(len(best) - 1, -1, -1):
-            nxt = next((p for p in ps if p > best[k]), None)
-            if nxt is None:
-                continue
-            if k + 1 == len(best):
-                best.append(nxt)
-            elif nxt < best[k + 1]:
-                best[k + 1] = nxt
-    in_order = len(best) - 1
-    return {"found": sum(bool(p) for p in pos), "in_order": in_order, "n": len(values),
-            "score": in_order / len(values)}
-
-
-def grade_names(text: str, names, wrong) -> dict:
-    """Names of ``names`` stated, less one per name of ``wrong`` stated (naming everything scores nothing);
-    order not graded. Returns {"found", "wrong", "n", "score" = max(0, found - wrong) / n}."""
-    names = list(names)
-    found = sum(bool(find_answer(text, v)) for v in names)
-    bad = sum(bool(find_answer(text, v)) for v in wrong)
-    return {"found": found, "wrong": bad, "n": len(names), "score": max(0, found - bad) / len(names)}
-
-
-def grade_key(text: str, value: str, distractors) -> dict:
-    """1 when ``text`` states ``value`` and none of ``distractors``. Returns {"found", "wrong", "n": 1, "score"}."""
-    found = bool(find_answer(text, value))
-    bad = sum(bool(find_answer(text, v)) for v in distractors)
-    return {"found": int(found), "wrong": bad, "n": 1, "score": float(found and not bad)}
-
-
-def grade_span(text: str, span: str) -> dict:
-    """1 when ``text`` contains ``span`` word for word (case, punctuation and spacing ignored: quotes or a
-    missing full stop do not matter; a changed, dropped or added word does). Returns {"found", "n": 1, "score"}."""
-    want = normalize_text(span)
-    if not want:
-        raise ValueError("empty span")
-    ok = re.search(rf"(?<![a-z0-9]){re.escape(want)}(?![a-z0-9])", normalize_text(text)) is not None
-    return {"found": int(ok), "n": 1, "score": float(ok)}
-
-
-def grade(case: TaskCase, text: str) -> dict:
-    """The graded answer of a generation task (not ``fidelity``, which is compared step by step)."""
-    if case.task == "multi-fact":
-        return grade_in_order(text, case.values)
-    if case.task == "variable-tracking":
-        return grade_names(text, case.values, case.distractors)
-    if case.task == "multi-key":
-        return grade_key(text, case.values[0], case.distractors)
-    if case.task == "span-copy":
-        return grade_span(text, case.values[0])
-    raise ValueError(f"task {case.task!r} is not graded on generated text")
-
-
-# ----------------------------------------------------------------- prompts
-@dataclasses.dataclass
-class CasePrompt:
-    """A case fitted to a prompt of ``n_tokens`` tokens: the chat prompt with the answer prefix after it."""
-
-    ids: list[int]  # chat prompt + answer prefix
-    n_tokens: int  # len(ids)
-    target_tokens: int
-    needle_token_starts: list[int]  # index in ``ids`` of each needle's first token, in depth order
-    actual_depths: list[float]  # needle token start / prompt tokens
-    skipped_chars: int
-    sha256: str  # of the token ids (:func:`ids_sha256`)
-    forced_ids: list[int]  # teacher-forced tokens after ``ids`` (fidelity; else empty)
-    quoted: list[tuple[int, int, int]]  # (value index, start, end) token spans of the quoted values in forced_ids
-
-
-def ids_sha256(ids) -> str:
-    """SHA-256 of token ids written as decimal numbers joined by commas (what a run records per prompt)."""
-    return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()
-
-
-def quoted_spans(tokenizer, text: str, values) -> list[tuple[int, int, int]]:
-    """(value index, start, end): the tokens of ``tokenizer.encode(text)`` that spell each of ``values``, taken
-    in turn left to right (each after the previous one). Raises ValueError when a value is not a whole run of
-    tokens (a merge across its edge), so a quoted token is never half a value."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    spans, at = [], 0
-    for i, v in enumerate(values):
-        c = text.find(v, at)
-        if c < 0:
-            raise ValueError(f"value {v!r} is not in {text[at:]!r}")
-        s = len(tokenizer.encode(text[:c], add_special_tokens=False))
-        e = len(tokenizer.encode(text[:c + len(v)], add_special_tokens=False))
-        if ids[:e] != tokenizer.encode(text[:c + len(v)], add_special_tokens=False) or \
-                tokenizer.decode(ids[s:e]).strip() != v:
-            raise ValueError(f"value {v!r} does not tokenize on its own in {text!r}")
-        spans.append((i, s, e))
-        at = c + len(v)
-    return spans
-
-
-def build_case_prompt(tokenizer, case: TaskCase, n_tokens: int, haystack_name: str) -> CasePrompt:
-    """``case`` in haystack ``haystack_name`` (its start chosen by the case's seed): ``[chat prompt][answer
-    prefix]`` of (exactly, where the tokenizer allows) ``n_tokens`` tokens, needles at their depths."""
-    prefix = tokenizer.encode(case.answer_prefix, add_special_tokens=False) if case.answer_prefix else []
-    p = haystack.build_needle_prompt(tokenizer, n_tokens - len(prefix), list(case.needles), case.question,
-                                     "; ".join(case.values), seed=case.seed, haystack=haystack_name,
-                                     instruction=case.instruction)
-    ids = p.ids + prefix
-    forced, quoted = [], []
-    if case.forced is not None:
-        whole = tokenizer.encode(case.forced, add_special_tokens=False)
-        if whole[:len(prefix)] != prefix or not case.forced.startswith(case.answer_prefix):
-            raise ValueError(f"the forced reply {case.forced!r} does not start with the answer prefix")
-        forced = whole[len(prefix):]
-        quoted = [(i, s - len(prefix), e - len(prefix)) for i, s, e in quoted_spans(tokenizer, case.forced,
-                                                                                     case.values)]
-        if min(s for _, s, _ in quoted) < 1:
-            raise ValueError("a quoted value starts the forced reply: prefill's prediction of it is not compared")
-    return CasePrompt(ids=ids, n_tokens=len(ids), target_tokens=n_tokens, needle_token_starts=p.needle_token_starts,
-                      actual_depths=[t / len(ids) for t in p.needle_token_starts], skipped_chars=p.skipped_chars,
-                      sha256=ids_sha256(ids), forced_ids=forced, quoted=quoted)
 
 
 # ------------------------------------------------------------------ presets
@@ -404,6 +90,13 @@ PRESETS = {
     "cpu": {"tasks": list(TASKS), "lengths": [2000, 4000], "seeds": [0, 1], "haystacks": ["pydoc"],
             "policies": ["full", "snapkv", "heterocache", "heterocache:tau_drift=-1"], "budgets": [0.3]},
 }
+DESCRIPTION = ("Generated tasks whose answers move through the context (multi-fact, variable tracking, multi-key, "
+               "span copy, teacher-forced fidelity), graded automatically, per KV-cache policy and budget on "
+               "SmolLM2-135M.")
+PRESETS_HELP = ("'full' (used when no preset is given): issue 38's grid (every task, 2K / 4K / 7.9K, 3 haystacks, 3 "
+                "seeds, every method at rho 0.5 and 0.3); 'cpu': 2K and 4K, pydoc, seeds 0 and 1, full / SnapKV / "
+                "HeteroCache with the drift check on and off at rho 0.3 (fewer lengths, haystacks and seeds than the"
+                " full grid).")
 
 # Run-time model for the --preset help, in CPU seconds, from the smoke run (2-core Xeon shared with other jobs,
 # 2026-11-27: pydoc, 2000 tokens, seed 0, every task, full + snapkv at rho 0.5, 44 s wall; process_seconds of each
@@ -417,14 +110,12 @@ _HOOK_CPU_S = {2000: 1.5, 4000: 3.0, 7900: 6.0}
 _TOKEN_CPU_S = {2000: 0.06, 4000: 0.09, 7900: 0.15}
 _HETERO_FACTOR = 3.0
 _COMPILE_CPU_S, _COMPILE_PER_POLICY_CPU_S = 40.0, 15.0
-LOAD_S = 10.0
-IDLE_CORES = 1.3
 _TOKENS_PER_CASE = {"multi-fact": 48, "variable-tracking": 32, "multi-key": 12, "span-copy": 24, "fidelity": 50}
 
 
 def estimate_minutes(preset: dict) -> float:
     """Estimated wall minutes of a preset on an idle 2-core CPU (cold compilation cache)."""
-    interp = bench_needle.interp_cost
+    interp = interp_cost
     combos = common.make_combos(preset["policies"], preset["budgets"])
     weight = [1.0 if name == "full" else _HETERO_FACTOR if name.startswith("heterocache") else 1.0
               for name, _ in combos]
@@ -439,38 +130,6 @@ def estimate_minutes(preset: dict) -> float:
 
 
 # ---------------------------------------------------------------------- run
-def forced_metrics(engines, forced: list[int], quoted) -> list[dict]:
-    """Teacher-force ``forced`` through every engine in lockstep (engine 0 is full KV, the reference).
-
-    Step t feeds ``forced[t]``; its logits predict ``forced[t + 1]``. At the step before each quoted token
-    (``quoted``: (value index, start, end) spans of ``forced``) it records, per engine: KL(full || engine),
-    whether its top-1 equals full KV's, and whether it equals the true token. Returns one dict per engine of lists
-    over the quoted tokens in order (``value``: which value, ``pos``: the token's place in it), and the engine's
-    top-1 token at every step."""
-    import numpy as np
-
-    from bench_fidelity import next_token_metrics, step_logits
-
-    at = {j - 1: (i, j - s) for i, s, e in quoted for j in range(s, e)}
-    out = [{"value": [], "pos": [], "kl": [], "agree": [], "true_top1": [], "top1": []} for _ in engines]
-    for t in range(len(forced) - 1):
-        logits = [step_logits(e, forced[t]) for e in engines]
-        for k, lg in enumerate(logits):
-            out[k]["top1"].append(int(np.argmax(lg)))
-        if t not in at:
-            continue
-        i, pos = at[t]
-        for k, lg in enumerate(logits):
-            m = next_token_metrics(logits[0], lg)
-            o = out[k]
-            o["value"].append(i)
-            o["pos"].append(pos)
-            o["kl"].append(float(m["kl"]))
-            o["agree"].append(bool(m["agree"]))
-            o["true_top1"].append(int(np.argmax(lg)) == forced[t + 1])
-    return out
-
-
 def run(args) -> dict:
     import jax
     from tqdm import tqdm
@@ -478,30 +137,26 @@ def run(args) -> dict:
     from hetero_jax import runtime as G
 
     t_start = time.perf_counter()
-    model, combos, labels, policies, load_s = common.load_grid(args)
+    # a (combo, length) whose budget the policy cannot keep is left out there and named in the report
+    model, C, load_s = grid.load(args, args.lengths)
+    combos, labels, policies = C.combos, C.labels, C.policies
     cfg = model.config
     tok = model.tokenizer
-    # a (combo, length) whose budget the policy cannot keep is left out there and named in the report
-    skipped = common.refused_by_length(model, labels, policies, args.lengths)
     eos = set(tok.eos_token_ids) | set(cfg.eos_token_ids)
     config = {
         "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
         "tasks": args.tasks, "lengths": args.lengths, "seeds": args.seeds, "haystacks": args.haystacks,
         "budgets": args.budgets, "policies": args.policies, "combos": labels,
-        "policy_reprs": [repr(p) for p in policies], "skipped": skipped, "digits": DIGITS,
+        "policy_reprs": [repr(p) for p in policies], "skipped": C.refused, "digits": DIGITS,
         "task_examples": {t: dataclasses.asdict(make_case(t, args.seeds[0])) for t in args.tasks},
         "haystack_sources": {h: haystack.haystack_info(h, tok) for h in args.haystacks},
         "temperature": 0.0, "batch": 1, "chat_template": True, "prefill": "shared (bench_needle.build_engines)",
         "grading": GRADING, "compile_cache": not args.no_compile_cache, "out": str(args.out), "plot": str(args.plot),
     }
-    payload = common.report_header(SECTION, config, common.machine_info())
-    payload.update(load_seconds=load_s, prompts=[], records=[])
+    payload = grid.open_payload(SECTION, config, load_s, prompts=[], records=[])
     records = payload["records"]
 
-    grid = [(h, L, s, t) for h in args.haystacks for L in args.lengths for s in args.seeds for t in args.tasks]
-    bar = tqdm(total=len(grid), desc="tasks", unit="case", dynamic_ncols=True)
-    for hay, L, seed, task in grid:
-        bar.set_description(f"{task}, {hay}, {L} tok, seed {seed}")
+    def run_case(hay, L, seed, task, bar):
         case = make_case(task, seed)
         p = build_case_prompt(tok, case, L, hay)
         n_after = len(p.forced_ids) if case.forced is not None else case.max_new_tokens
@@ -509,9 +164,9 @@ def run(args) -> dict:
             raise SystemExit(f"{task}: prompt {p.n_tokens} + {n_after} answer tokens exceed the model's context of "
                              f"{cfg.max_position_embeddings} tokens; use a shorter --lengths")
         t_p, cpu_p, c0 = time.perf_counter(), time.process_time(), G.compile_seconds()
-        active = [i for i, lab in enumerate(labels) if str(L) not in skipped.get(lab, {})]
-        engines, info = bench_needle.build_engines(model, p.ids, [policies[i] for i in active],
-                                                   G.tail_capacity_for(n_after + 1), bar=bar)
+        active = C.active(L)
+        engines, info = build_engines(model, p.ids, [policies[i] for i in active], G.tail_capacity_for(n_after + 1),
+                                      bar=bar)
         prefill_s = time.perf_counter() - t_p
         base = {"task": task, "haystack": hay, "length": L, "seed": seed, "prompt_tokens": p.n_tokens,
                 "prompt_sha256": p.sha256, "values": list(case.values), "distractors": list(case.distractors)}
@@ -537,7 +192,7 @@ def run(args) -> dict:
             for k, j in enumerate(active):
                 bar.set_postfix_str(f"decode {labels[j]}")
                 t_d = time.perf_counter()
-                out_ids, stop = bench_needle.greedy_answer(engines[k], case.max_new_tokens, eos)
+                out_ids, stop = greedy_answer(engines[k], case.max_new_tokens, eos)
                 text = tok.decode(out_ids)
                 g = grade(case, text)
                 row.append({**base, "label": labels[j], "policy": combos[j][0], "rho": combos[j][1], **g,
@@ -547,7 +202,7 @@ def run(args) -> dict:
                             **common.engine_kv_stats(engines[k]), **info[k]})
                 engines[k] = None  # free this policy's cache before the next decodes
         del engines
-        records += row
+        records.extend(row)
         payload["prompts"].append({
             **{k: base[k] for k in ("task", "haystack", "length", "seed", "prompt_tokens", "prompt_sha256")},
             "target_tokens": p.target_tokens, "exact": p.n_tokens == p.target_tokens,
@@ -558,14 +213,11 @@ def run(args) -> dict:
         })
         tqdm.write(f"[{task} {hay} {L} tok seed {seed}] full: {row[0]['text']!r} | "
                    + " ".join(f"{r['label']}={r['score']:.2f}" for r in row))
-        bar.update(1)
-    bar.close()
+
+    grid.drive(grid.points(args.haystacks, args.lengths, args.seeds, args.tasks), run_case, desc="tasks", unit="case",
+               describe=lambda hay, L, seed, task: f"{task}, {hay}, {L} tok, seed {seed}")
     payload["summary"] = summarize(records, labels, args.tasks)
-    payload["total_seconds"] = time.perf_counter() - t_start
-    payload["total_process_seconds"] = time.process_time()
-    payload["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    payload["peak_rss_bytes"] = common.peak_rss_bytes()
-    return payload
+    return grid.close_payload(payload, t_start)
 
 
 GRADING = {
@@ -699,7 +351,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         + "".join(f" Not run: {lab} at {', '.join(errs)} tokens ({next(iter(errs.values()))})."
                   for lab, errs in cfg.get("skipped", {}).items()),
         "",
-        *bench_needle.haystack_lines(cfg),
+        *haystack_lines(cfg),
         "",
         results_table(payload),
         "",
@@ -742,21 +394,11 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 
 # --------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
-    ph = lambda key: common.preset_help(PRESETS, key)  # noqa: E731
-    S = argparse.SUPPRESS  # preset arguments: absent unless given, then filled from the preset
-    p = common.argument_parser("Generated tasks whose answers move through the context (multi-fact, variable "
-                               "tracking, multi-key, span copy, teacher-forced fidelity), graded automatically, per "
-                               "KV-cache policy and budget on SmolLM2-135M.")
-    common.add_grid_preset_argument(
-        p, PRESETS, estimate_minutes, "'full' (used when no preset is given): issue 38's grid (every task, 2K / 4K / "
-        "7.9K, 3 haystacks, 3 seeds, every method at rho 0.5 and 0.3); 'cpu': 2K and 4K, pydoc, seeds 0 and 1, "
-        "full / SnapKV / HeteroCache with the drift check on and off at rho 0.3 (fewer lengths, haystacks and seeds "
-        "than the full grid).")
-    p.add_argument("--tasks", nargs="+", default=S, choices=list(TASKS), metavar="TASK",
-                   help=f"tasks ({', '.join(TASKS)})" + ph("tasks"))
-    p.add_argument("--lengths", type=int, nargs="+", default=S,
-                   help="prompt lengths in tokens (the context is 8192)" + ph("lengths"))
-    p.add_argument("--seeds", type=int, nargs="+", default=S, help="one case per task and seed" + ph("seeds"))
+    p = grid.parser(DESCRIPTION, PRESETS, estimate_minutes, PRESETS_HELP)
+    grid.add_preset_list(p, PRESETS, "--tasks", f"tasks ({', '.join(TASKS)})", choices=list(TASKS),
+                             metavar="TASK")
+    grid.add_preset_list(p, PRESETS, "--lengths", "prompt lengths in tokens (the context is 8192)", type=int)
+    grid.add_preset_list(p, PRESETS, "--seeds", "one case per task and seed", type=int)
     common.add_policy_arguments(p, PRESETS)
     common.add_haystacks_argument(p, PRESETS, "every case runs on each")
     common.add_model_arguments(p, MODEL)

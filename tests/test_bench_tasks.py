@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import bench_multiturn as bm  # noqa: E402
 import common  # noqa: E402
 import bench_needle as bn  # noqa: E402
 import haystack  # noqa: E402
+from harness import facts as hf, grid, needles as hn  # noqa: E402  (the multi-turn facts; what the two scripts share)
 
 
 # ---------------------------------------------------------- answer matching
@@ -45,7 +47,7 @@ def test_answer_correct_refuses_an_empty_answer():
 
 
 def test_normalize_text():
-    assert bn.normalize_text("  Reykjavík,\n  LISBON!  ") == "reykjavik lisbon"
+    assert hn.normalize_text("  Reykjavík,\n  LISBON!  ") == "reykjavik lisbon"
 
 
 # --------------------------------------------------------- needle bookkeeping
@@ -69,16 +71,16 @@ def _grid_records():
 
 def test_cell_scores_and_grid_hand_computed():
     recs = _grid_records()
-    assert bn.cell_scores(recs, "full") == {(1000, 0.5): 1.0, (1000, 0.9): 0.5, (2000, 0.5): 0.0, (2000, 0.9): 1.0}
+    assert hn.cell_scores(recs, "full") == {(1000, 0.5): 1.0, (1000, 0.9): 0.5, (2000, 0.5): 0.0, (2000, 0.9): 1.0}
     # rows = depths, columns = lengths; missing cells are None
     assert bn.score_grid(recs, "snapkv@0.3", [1000, 2000, 4000], [0.5, 0.9]) == [[1.0, 0.5, None], [0.0, 1.0, None]]
 
 
 def test_compare_with_full_hand_computed():
-    c = bn.compare_with_full(_grid_records(), "snapkv@0.3")
+    c = hn.compare_with_full(_grid_records(), "snapkv@0.3")
     assert (c["cells"], c["equal"], c["above"], c["below"]) == (4, 2, 1, 1)
     assert {(x["length"], x["depth"]) for x in c["differ"]} == {(1000, 0.9), (2000, 0.5)}
-    same = bn.compare_with_full(_grid_records(), "full")
+    same = hn.compare_with_full(_grid_records(), "full")
     assert same["equal"] == same["cells"] == 4 and not same["differ"]
 
 
@@ -112,6 +114,42 @@ def test_presets_fill_only_missing_arguments():
     assert max(bn.PRESETS["full"]["lengths"]) <= 8192 - 32
 
 
+
+def test_grid_runner_combos_refusals_points_and_payload(monkeypatch):
+    """harness/grid.py: which combos each length runs, the order of the points, what the progress bar is told, and
+    the totals a payload closes with (hand-written expectations; no model)."""
+    refused = {"snapkv@0.3": {"1000": "e1", "2000": "e2"}, "h2o@0.3": {"2000": "e3"}}
+    C = grid.Combos([("full", 1.0), ("snapkv", 0.3), ("h2o", 0.3)], ["full", "snapkv@0.3", "h2o@0.3"],
+                    ["P0", "P1", "P2"], refused)
+    assert C.active(1000) == [0, 2] and C.active(2000) == [0] and C.active(4000) == [0, 1, 2]
+    some = C.runnable_somewhere([1000, 2000])  # snapkv is refused at both lengths, h2o at one
+    assert some.labels == ["full", "h2o@0.3"] and some.policies == ["P0", "P2"] and some.refused is refused
+    assert C.never_refused().combos == [("full", 1.0)]
+    assert grid.points([1, 2], "ab") == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    seen = []
+
+    class Bar:  # what drive tells the progress bar, in order
+        def __init__(self, **kw):
+            seen.append(("total", kw["total"]))
+
+        def set_description(self, d):
+            seen.append(d)
+
+        def update(self, n):
+            seen.append(n)
+
+        def close(self):
+            seen.append("closed")
+
+    monkeypatch.setattr("tqdm.tqdm", Bar)
+    grid.drive([(1, "a"), (2, "b")], lambda n, t, bar: seen.append((n, t)), desc="x", unit="u",
+               describe=lambda n, t: f"{t}{n}")
+    assert seen == [("total", 2), "a1", (1, "a"), 1, "b2", (2, "b"), 1, "closed"]
+    payload = grid.close_payload({"records": []}, time.perf_counter() - 5.0, cpu=False)
+    assert list(payload) == ["records", "total_seconds", "peak_rss_bytes"] and 5.0 <= payload["total_seconds"] < 60
+    assert list(grid.close_payload({}, time.perf_counter())) == ["total_seconds", "total_process_seconds",
+                                                                  "load_avg_end", "peak_rss_bytes"]
+
 # ------------------------------------------------------- multi-turn helpers
 def test_facts_are_deterministic_unrelated_and_single_word():
     corpus = haystack.pydoc_corpus().lower()
@@ -126,7 +164,7 @@ def test_facts_are_deterministic_unrelated_and_single_word():
             # the answer never occurs in the haystack corpus, so only the fact can supply it
             assert not re.search(rf"(?<![a-z0-9]){f.answer.lower()}(?![a-z0-9])", corpus)
     # kinds rotate with the seed, so every kind visits every depth over four seeds
-    assert {bm.make_facts(s)[0].kind for s in range(4)} == set(bm.FACT_KINDS)
+    assert {bm.make_facts(s)[0].kind for s in range(4)} == set(hf.FACT_KINDS)
     assert bm.make_facts(0) != bm.make_facts(1)
 
 
@@ -230,7 +268,7 @@ def test_multiturn_context_places_every_fact_near_its_depth(tokenizer, n_tokens,
 
 
 def test_session_context_ids_are_the_chat_prefix(tokenizer):
-    ids, tail = bm.session_context_ids(tokenizer, "Some context.")
+    ids, tail = hf.session_context_ids(tokenizer, "Some context.")
     full = tokenizer.encode_prompt("Some context.", chat=True)
     assert ids == full[: len(ids)] and len(full) > len(ids) and tail > 0
 
@@ -274,7 +312,7 @@ def test_haystack_is_deterministic_prose_without_answers(name):
         assert all(d["files"] >= 1 and d["version"] for d in info["distributions"].values())
     low = text.lower()
     # no answer a benchmark can expect: needle cities, multi-turn values, passkeys of the seeds presets use
-    words = {*bn._CITIES, *bm._NAMES, *bm._DAYS, *bm._CITIES, *(v for vs in bm._FAVOURITES.values() for v in vs)}
+    words = {*hn._CITIES, *hf._NAMES, *hf._DAYS, *hf._CITIES, *(v for vs in hf._FAVOURITES.values() for v in vs)}
     assert words <= set(haystack.ANSWER_WORDS)
     for w in (haystack.ANSWER_WORDS if name != "pydoc" else words):
         assert not re.search(rf"(?<![a-z0-9]){w.lower()}(?:e?s)?(?![a-z0-9])", low), w

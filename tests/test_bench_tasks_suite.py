@@ -1,4 +1,4 @@
-"""Pure parts of benchmarks/bench_tasks.py (the generated task suite): generators, prompts, graders, summaries.
+"""Pure parts of benchmarks/bench_tasks.py and benchmarks/harness/task_cases.py (the generated task suite): generators, prompts, graders, summaries.
 
 No model weights: the prompt tests use SmolLM2's tokenizer alone (conftest's ``tokenizer`` fixture)."""
 
@@ -16,16 +16,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import bench_tasks as bt  # noqa: E402
+from harness import task_cases as tc  # noqa: E402  (bench_tasks' cases, graders, prompts)
 import haystack  # noqa: E402
 
 SEEDS = [0, 1, 2, 7]
 
 
 # ---------------------------------------------------------------- generators
-@pytest.mark.parametrize("task", bt.TASKS)
+@pytest.mark.parametrize("task", tc.TASKS)
 def test_cases_are_deterministic_per_seed_and_differ_between_seeds(task):
-    cases = [bt.make_case(task, s) for s in SEEDS]
-    assert cases == [bt.make_case(task, s) for s in SEEDS]
+    cases = [tc.make_case(task, s) for s in SEEDS]
+    assert cases == [tc.make_case(task, s) for s in SEEDS]
     assert len({c.values for c in cases}) == len(SEEDS)
     for c in cases:
         assert c.task == task and c.needles == tuple(sorted(c.needles))
@@ -34,17 +35,17 @@ def test_cases_are_deterministic_per_seed_and_differ_between_seeds(task):
 
 def test_unknown_task_is_refused():
     with pytest.raises(ValueError, match="unknown task"):
-        bt.make_case("summary", 0)
+        tc.make_case("summary", 0)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_multi_fact_places_each_value_once_in_depth_order(seed):
-    c = bt.make_case("multi-fact", seed)
+    c = tc.make_case("multi-fact", seed)
     assert 3 <= len(c.values) <= 5 and len(set(c.values)) == len(c.values)
-    assert [d for d, _ in c.needles] == bt.spread_depths(len(c.values))
+    assert [d for d, _ in c.needles] == tc.spread_depths(len(c.values))
     for (_, sentence), v in zip(c.needles, c.values):
         assert sentence.endswith(f" is {v}.")
-        assert re.fullmatch(r"\d{%d}" % bt.DIGITS, v)
+        assert re.fullmatch(r"\d{%d}" % tc.DIGITS, v)
     # the question names the things in depth order; the reply prefix names the first
     things = [s.split("for the ")[1].split(" is ")[0] for _, s in c.needles]
     assert [c.question.index(t) for t in things] == sorted(c.question.index(t) for t in things)
@@ -53,17 +54,17 @@ def test_multi_fact_places_each_value_once_in_depth_order(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_fidelity_quotes_3_to_5_facts_in_depth_order(seed):
-    c = bt.make_case("fidelity", seed)
+    c = tc.make_case("fidelity", seed)
     assert 3 <= len(c.values) <= 5
     assert c.forced.startswith(c.answer_prefix)
     offsets = [c.forced.index(v) for v in c.values]
     assert offsets == sorted(offsets)
-    assert {bt.make_fidelity(s).values.__len__() for s in range(3)} == {3, 4, 5}
+    assert {tc.make_fidelity(s).values.__len__() for s in range(3)} == {3, 4, 5}
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_variable_tracking_chains(seed):
-    c = bt.make_case("variable-tracking", seed)
+    c = tc.make_case("variable-tracking", seed)
     value = re.search(r"value (\d+)", c.question).group(1)
     sentences = [s for _, s in c.needles]
     chain, wrong = list(c.values), list(c.distractors)
@@ -80,13 +81,13 @@ def test_variable_tracking_chains(seed):
     assert other != value
     # no name is a word of any haystack, nor one of the worked example's
     for n in chain + wrong:
-        assert n not in bt.VT_INSTRUCTION
+        assert n not in tc.VT_INSTRUCTION
         assert not any(re.search(rf"\b{n}\b", haystack.haystack_corpus(h), re.I) for h in haystack.HAYSTACKS)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_multi_key_distractors_differ_from_the_asked_key(seed):
-    c = bt.make_case("multi-key", seed)
+    c = tc.make_case("multi-key", seed)
     asked = re.search(r"number for (\w+)\?", c.question).group(1)
     keys = [re.search(r"number for (\w+) is", s).group(1) for _, s in c.needles]
     assert len(keys) == len(set(keys)) >= 3 and keys.count(asked) == 1
@@ -101,16 +102,16 @@ def test_multi_key_distractors_differ_from_the_asked_key(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_span_copy_sentence_follows_the_marker(seed):
-    c = bt.make_case("span-copy", seed)
+    c = tc.make_case("span-copy", seed)
     ((depth, sentence),) = c.needles
-    assert sentence == f"{bt.SPAN_MARKER} {c.values[0]}" and bt.SPAN_MARKER in c.question
-    assert c.answer_prefix == bt.SPAN_MARKER and 0.0 < depth < 1.0
+    assert sentence == f"{tc.SPAN_MARKER} {c.values[0]}" and tc.SPAN_MARKER in c.question
+    assert c.answer_prefix == tc.SPAN_MARKER and 0.0 < depth < 1.0
 
 
 def test_generated_numbers_are_absent_from_every_haystack():
-    for task in bt.TASKS:
+    for task in tc.TASKS:
         for s in SEEDS:
-            c = bt.make_case(task, s)
+            c = tc.make_case(task, s)
             for v in [*c.values, *c.distractors]:
                 if v.isdigit():
                     assert not any(re.search(rf"(?<!\d){v}(?!\d)", haystack.haystack_corpus(h))
@@ -118,18 +119,18 @@ def test_generated_numbers_are_absent_from_every_haystack():
 
 
 def test_spread_depths():
-    assert bt.spread_depths(1) == [0.5]
-    assert bt.spread_depths(3) == [0.1, 0.5, 0.9]
+    assert tc.spread_depths(1) == [0.5]
+    assert tc.spread_depths(3) == [0.1, 0.5, 0.9]
     with pytest.raises(ValueError):
-        bt.spread_depths(0)
+        tc.spread_depths(0)
 
 
 # ------------------------------------------------------------------ prompts
-@pytest.mark.parametrize("task", bt.TASKS)
+@pytest.mark.parametrize("task", tc.TASKS)
 @pytest.mark.parametrize("hay", list(haystack.HAYSTACKS))
 def test_prompt_has_the_length_and_the_needles_at_their_depths(tokenizer, task, hay):
-    case = bt.make_case(task, 1)
-    p = bt.build_case_prompt(tokenizer, case, 2000, hay)
+    case = tc.make_case(task, 1)
+    p = tc.build_case_prompt(tokenizer, case, 2000, hay)
     assert p.n_tokens == len(p.ids) == 2000
     assert p.sha256 == hashlib.sha256(",".join(map(str, p.ids)).encode()).hexdigest()
     prefix = tokenizer.encode(case.answer_prefix, add_special_tokens=False)
@@ -149,14 +150,14 @@ def test_prompt_has_the_length_and_the_needles_at_their_depths(tokenizer, task, 
 
 
 def test_forced_reply_quotes_each_value_as_its_own_tokens(tokenizer):
-    case = bt.make_case("fidelity", 2)
-    p = bt.build_case_prompt(tokenizer, case, 2000, "pydoc")
+    case = tc.make_case("fidelity", 2)
+    p = tc.build_case_prompt(tokenizer, case, 2000, "pydoc")
     assert tokenizer.decode(p.ids[-8:] + p.forced_ids).endswith(case.forced)
     assert [i for i, _, _ in p.quoted] == list(range(len(case.values)))
     for i, s, e in p.quoted:
         assert s >= 1 and tokenizer.decode(p.forced_ids[s:e]).strip() == case.values[i]
-    assert bt.make_case("multi-key", 2) != case  # other tasks have no forced reply
-    assert bt.build_case_prompt(tokenizer, bt.make_case("multi-key", 2), 2000, "pydoc").forced_ids == []
+    assert tc.make_case("multi-key", 2) != case  # other tasks have no forced reply
+    assert tc.build_case_prompt(tokenizer, tc.make_case("multi-key", 2), 2000, "pydoc").forced_ids == []
 
 
 # ------------------------------------------------------------------ graders
@@ -177,14 +178,14 @@ VALS = ("9302", "7720", "1732")
     ("", 0, 0),
 ])
 def test_grade_in_order(text, in_order, found):
-    g = bt.grade_in_order(text, VALS)
+    g = tc.grade_in_order(text, VALS)
     assert (g["in_order"], g["found"], g["n"]) == (in_order, found, 3)
     assert g["score"] == pytest.approx(in_order / 3)
 
 
 def test_grade_in_order_refuses_mixed_kinds():
     with pytest.raises(ValueError):
-        bt.grade_in_order("x", ("1234", "Oslo"))
+        tc.grade_in_order("x", ("1234", "Oslo"))
 
 
 @pytest.mark.parametrize("text, score", [
@@ -199,7 +200,7 @@ def test_grade_in_order_refuses_mixed_kinds():
     (" QQQQQ, VAR RRRRR", 0.0),
 ])
 def test_grade_names(text, score):
-    assert bt.grade_names(text, ("NTPXX", "VRFLF", "RQWWP"), ("CVWVW", "NKUFP"))["score"] == pytest.approx(score)
+    assert tc.grade_names(text, ("NTPXX", "VRFLF", "RQWWP"), ("CVWVW", "NKUFP"))["score"] == pytest.approx(score)
 
 
 @pytest.mark.parametrize("text, score", [
@@ -208,7 +209,7 @@ def test_grade_names(text, score):
     (" 6456.", 0.0), (" 47610", 0.0), (" 476", 0.0), ("", 0.0),
 ])
 def test_grade_key(text, score):
-    assert bt.grade_key(text, "4761", ("6456", "4527", "9579"))["score"] == score
+    assert tc.grade_key(text, "4761", ("6456", "4527", "9579"))["score"] == score
 
 
 SPAN = "The golden gardener repaired the ancient lantern."
@@ -226,15 +227,15 @@ SPAN = "The golden gardener repaired the ancient lantern."
     (" XThe golden gardener repaired the ancient lantern.", 0.0),
 ])
 def test_grade_span(text, score):
-    assert bt.grade_span(text, SPAN)["score"] == score
+    assert tc.grade_span(text, SPAN)["score"] == score
 
 
 def test_grade_dispatches_per_task():
-    c = bt.make_case("multi-key", 3)
-    assert bt.grade(c, f" {c.values[0]}.")["score"] == 1.0
-    assert bt.grade(c, f" {c.distractors[0]}.")["score"] == 0.0
+    c = tc.make_case("multi-key", 3)
+    assert tc.grade(c, f" {c.values[0]}.")["score"] == 1.0
+    assert tc.grade(c, f" {c.distractors[0]}.")["score"] == 0.0
     with pytest.raises(ValueError):
-        bt.grade(bt.make_case("fidelity", 0), "anything")
+        tc.grade(tc.make_case("fidelity", 0), "anything")
 
 
 # ----------------------------------------------------------- teacher forcing
@@ -259,7 +260,7 @@ def test_forced_metrics_compare_only_quoted_tokens():
     other[1] = np.eye(V)[0] * 4.0  # wrong top-1 at the step predicting token 2
     other[3] = full[3] * 0.5  # same top-1, flatter
     e0, e1 = _FakeEngine(full), _FakeEngine(other)
-    m0, m1 = bt.forced_metrics([e0, e1], forced, quoted)
+    m0, m1 = tc.forced_metrics([e0, e1], forced, quoted)
     assert e0.fed == e1.fed == forced[:-1]
     assert m1["value"] == [0, 0, 1] and m1["pos"] == [0, 1, 0]
     assert m1["agree"] == [True, False, True] and m1["true_top1"] == [True, False, True]
@@ -295,7 +296,7 @@ def test_summarize_hand_computed():
 def test_presets():
     full = bt.parse_args([])
     assert full.lengths == [2000, 4000, 7900] and len(full.seeds) >= 3
-    assert full.haystacks == list(haystack.HAYSTACKS) and full.tasks == list(bt.TASKS)
+    assert full.haystacks == list(haystack.HAYSTACKS) and full.tasks == list(tc.TASKS)
     assert {"heterocache", "heterocache:tau_drift=-1", "snapkv"} <= set(full.policies)
     assert full.policies[0] == "full" and full.out.name == "tasks.json"
     cpu = bt.parse_args(["--preset", "cpu"])

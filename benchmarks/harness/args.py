@@ -1,0 +1,210 @@
+"""The command lines of the benchmark scripts: a parser that refuses an output clashing with another path, the
+output and RESULTS.md flags, and the presets (a script's named configurations; a grid script's name its whole grid).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Sequence
+
+from harness.results import OUT_DIR, RESULTS_MD
+
+
+def policy_spec(text: str) -> str:
+    """argparse type of ``--policies``: a registered name, optionally with options (``quest:offload=true``)."""
+    from hetero_jax.errors import HeteroJaxError
+    from hetero_jax.policies import make_policy
+
+    try:
+        make_policy(text)
+    except HeteroJaxError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_results_arguments(parser, section: str, presets: bool = True) -> None:
+    """``--write-results`` and ``--results-file`` of a benchmark script whose RESULTS.md section is ``section``
+    (named per preset by :func:`results_section_name` where the script has ``presets``)."""
+    parser.add_argument("--write-results", action="store_true",
+                        help=f"rewrite the '{section}' section of --results-file with --preset cpu, "
+                             f"'{section}-full' with no preset or 'full', '{section}-NAME' with any other --preset NAME"
+                        if presets else f"rewrite the '{section}' section of --results-file")
+    parser.add_argument("--results-file", type=Path, default=RESULTS_MD, help="markdown results file")
+
+
+# The destinations of the files a script writes (--out, --plot, --json; --results-file only with --write-results);
+# every other argument of type Path is an input it reads (--merge, --text, --profile, --render, ...), except the
+# folders it writes into.
+OUTPUT_DESTS = ("out", "plot", "json", "results_file")
+
+
+OUTPUT_FOLDER_DESTS = ("dump_hlo",)
+
+
+class BenchParser(argparse.ArgumentParser):
+    """A benchmark script's parser: ``parse_args`` also refuses (a usage error, exit 2, before any work) an output
+    that is the same file as another output or as a Path-typed input (:meth:`check_paths`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plot_beside_out = False  # --plot defaults to --out with .png (add_output_arguments)
+        self.unwritten: dict[str, str] = {}  # output dest -> the dest that, when given, means it is not written
+
+    def not_written_with(self, output: str, given: str) -> None:
+        """Declare that output ``output`` (a dest) is not written when argument ``given`` is set."""
+        self.unwritten[output] = given
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        self.check_paths(ns)
+        return ns
+
+    def check_paths(self, ns: argparse.Namespace) -> None:
+        """``hetero_jax.io.files.check_outputs`` over ``ns``'s outputs (OUTPUT_DESTS, those of type Path) and
+        its other Path-typed arguments as inputs; ``parser.error`` on a clash. Call it again after filling in
+        an output's default (``parse_grid_args`` does)."""
+        outputs, inputs = {}, {}
+        for action in self._actions:
+            value = getattr(ns, action.dest, None)
+            if action.type is not Path or value is None or action.dest in OUTPUT_FOLDER_DESTS:
+                continue
+            flag = action.option_strings[-1] if action.option_strings else action.dest
+            if action.dest not in OUTPUT_DESTS:
+                inputs[flag] = value
+            elif action.dest == "results_file" and not getattr(ns, "write_results", False):
+                continue
+            elif getattr(ns, self.unwritten.get(action.dest, ""), None) is None:
+                outputs[flag] = value
+        if self.plot_beside_out and getattr(ns, "plot", None) is None and "--out" in outputs:
+            outputs["--plot"] = Path(outputs["--out"]).with_suffix(".png")
+        from hetero_jax.errors import OutputError
+        from hetero_jax.io.files import check_outputs
+
+        try:
+            check_outputs(outputs, inputs, parents=True)
+        except OutputError as e:
+            self.error(str(e))
+
+
+def argument_parser(description: str, **kwargs) -> BenchParser:
+    """A benchmark script's parser (:class:`BenchParser`); its --help shows every argument's default unless
+    ``kwargs`` name another ``formatter_class``."""
+    kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+    return BenchParser(description=description, **kwargs)
+
+
+def add_output_arguments(parser, name: str, section: str, plot_help: str = "PNG plot", *, presets: bool = True,
+                         out_per_preset: bool = False) -> None:
+    """--out / --plot (beside the JSON by default) and the RESULTS.md flags of a task script writing
+    benchmarks/out/NAME.json (NAME-PRESET.json with ``out_per_preset``: :func:`parse_grid_args` fills it in)."""
+    if out_per_preset:
+        parser.add_argument("--out", type=Path, default=None,
+                            help=f"JSON output (default: benchmarks/out/{name}[-PRESET].json)")
+    else:
+        parser.add_argument("--out", type=Path, default=OUT_DIR / f"{name}.json", help="JSON output")
+    parser.add_argument("--plot", type=Path, default=None, help=f"{plot_help} (default: --out with .png)")
+    parser.plot_beside_out = True
+    add_results_arguments(parser, section, presets)
+
+
+def add_preset_argument(parser, presets: dict) -> None:
+    """--preset of a script whose presets are argument defaults (:func:`parse_with_preset`); the help lists them."""
+    parser.add_argument("--preset", choices=sorted(presets),
+                        help="a named configuration; explicit flags override it. "
+                             + "; ".join(f"{k}: {v}" for k, v in presets.items()))
+
+
+def parse_with_preset(parser, presets: dict, argv=None, fallback: str | None = None) -> argparse.Namespace:
+    """Parse ``argv`` with the values of its --preset (of preset ``fallback`` when none is given) as the parser's
+    defaults, so explicit flags override them (and ``--preset NAME --help`` shows them)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(presets))
+    preset = pre.parse_known_args(argv)[0].preset or fallback
+    if preset:
+        parser.set_defaults(**presets[preset])
+    return parser.parse_args(argv)
+
+
+# A grid script's presets (bench_needle, bench_multiturn) each name the whole grid: its preset arguments are absent
+# unless given (argparse.SUPPRESS) and :func:`parse_grid_args` fills the others from --preset.
+def preset_help(presets: dict, key: str) -> str:
+    """' (full: ...; cpu: ...)' for one preset argument's help."""
+    def show(v):
+        return " ".join(map(str, v)) if isinstance(v, list) else str(v)
+
+    return " (" + "; ".join(f"{name}: {show(p[key])}" for name, p in presets.items()) + ")"
+
+
+def preset_minutes_help(presets: dict, estimate) -> str:
+    """'cpu ~4 min, issue15 ~11 min, ...' for the --preset help."""
+    return (", ".join(f"{k} ~{estimate(v):.0f} min" for k, v in presets.items())
+            + " on an idle machine (longer on a shared one).")
+
+
+def apply_preset(args, presets: dict) -> None:
+    """Fill every preset argument not given on the command line from ``--preset`` (or the full preset)."""
+    preset = presets[getattr(args, "preset", None) or "full"]
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+
+
+def add_grid_preset_argument(parser, presets: dict, estimate_minutes, described: str) -> None:
+    """--preset of a grid script; ``described`` says what the presets are, the help adds each one's run time."""
+    parser.add_argument("--preset", choices=sorted(presets), default=argparse.SUPPRESS,
+                        help=f"{described} Explicit arguments override the preset. Estimated time on 2 CPU cores: "
+                             + preset_minutes_help(presets, estimate_minutes))
+
+
+def add_policy_arguments(parser, presets: dict) -> None:
+    """--policies and --budgets of a grid script."""
+    parser.add_argument("--policies", nargs="+", default=argparse.SUPPRESS, type=policy_spec,
+                        help="registered policies, optionally with options (quest:offload=true); full KV always runs, "
+                             "as the reference" + preset_help(presets, "policies"))
+    parser.add_argument("--budgets", type=float, nargs="+", default=argparse.SUPPRESS,
+                        help="budgets rho in (0, 1]" + preset_help(presets, "budgets"))
+
+
+def add_haystacks_argument(parser, presets: dict, each: str) -> None:
+    """--haystacks of a grid script; ``each`` says what runs on every haystack."""
+    import haystack
+
+    parser.add_argument("--haystacks", nargs="+", default=argparse.SUPPRESS, choices=list(haystack.HAYSTACKS),
+                        metavar="NAME", help="haystacks (benchmarks/haystack.py HAYSTACKS: "
+                                             + ", ".join(haystack.HAYSTACKS) + f"); {each}"
+                                             + preset_help(presets, "haystacks"))
+
+
+def add_model_arguments(parser, model: str) -> None:
+    """--no-compile-cache, --dtype and the hidden --model of a script that loads one model."""
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use the persistent XLA compilation cache")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="model dtype (default: the loader's)")
+    parser.add_argument("--model", default=model, help=argparse.SUPPRESS)
+
+
+def parse_grid_args(parser, presets: dict, name: str, argv=None) -> argparse.Namespace:
+    """Parse a grid script's ``argv``: the preset arguments not given from --preset (the 'full' preset without
+    one), --out benchmarks/out/NAME[-PRESET].json and --plot beside it by default, full KV first among the policies
+    (the reference), --budgets checked, repeated --haystacks dropped."""
+    args = parser.parse_args(argv)
+    args.preset = getattr(args, "preset", None)
+    apply_preset(args, presets)
+    suffix = "" if args.preset in (None, "full") else f"-{args.preset}"
+    args.out = args.out or OUT_DIR / f"{name}{suffix}.json"
+    args.plot = args.plot or args.out.with_suffix(".png")
+    parser.check_paths(args)  # the outputs just filled in
+    if "full" not in args.policies:
+        args.policies = ["full", *args.policies]
+    args.budgets = checked_budgets(parser, args.budgets)
+    args.haystacks = list(dict.fromkeys(args.haystacks))
+    return args
+
+
+def checked_budgets(parser, budgets: Sequence[float]) -> list[float]:
+    """``--budgets`` in (0, 1], duplicates dropped in order (``parser.error`` otherwise)."""
+    if any(not 0.0 < b <= 1.0 for b in budgets):
+        parser.error("--budgets must be in (0, 1]")
+    return list(dict.fromkeys(budgets))

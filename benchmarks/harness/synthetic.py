@@ -1,0 +1,126 @@
+"""Synthetic weights for the latency points beyond a real model's context: a shape's exact config, random weights
+drawn on the device, and the head profile that gives HeteroCache its roles there.
+
+- :data:`SYNTHETIC_SHAPES`: the loaded SmolLM2's own shapes, Llama-3.1-8B's, or its attention with a narrow MLP.
+- :func:`synthetic_config`, :func:`synthetic_model`: the config and random weights of a shape.
+- :func:`reference_dir`, :func:`synthetic_profile`: the roles HeteroCache uses on synthetic weights.
+- :func:`make_policies`: one policy per combo, HeteroCache's with that profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from pathlib import Path
+
+MODEL = "smollm2-135m"
+
+# ------------------------------------------------------------------- models
+# Shapes the synthetic points can take: the loaded SmolLM2's own, or Llama-3.1-8B's (its published
+# config.json fields that fix the cost of a step; meant for a GPU: 16 GB of weights in bfloat16).
+SYNTHETIC_SHAPES = {
+    MODEL: None,
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    },
+}
+# Roles for HeteroCache on a synthetic shape: SmolLM2's shipped profile, or the HeteroCache authors'
+# published Llama-3.1-8B-Instruct profile (read from --synthetic-profile or the reference folder).
+# Llama-3.1-8B's attention (32 layers, 32 query / 8 KV heads of 128) with a narrow residual stream, MLP and
+# vocabulary: what a CPU can run of the per-head structure (HeteroCache's head groups, the authors' roles) that
+# sets the step's kernel count on a GPU; the weights' bytes are not Llama's, so the roofline is not either.
+SYNTHETIC_SHAPES["llama-3.1-8b-narrow"] = dict(SYNTHETIC_SHAPES["llama-3.1-8b"], hidden_size=256,
+                                               intermediate_size=512, vocab_size=1024)
+OFFICIAL_PROFILES = {"llama-3.1-8b": "official_profile_llama-3.1-8b-instruct.json",
+                     "llama-3.1-8b-narrow": "official_profile_llama-3.1-8b-instruct.json"}
+SYNTHETIC_DEFAULT_DTYPE = {MODEL: "float32", "llama-3.1-8b": "bfloat16", "llama-3.1-8b-narrow": "float32"}
+
+
+def synthetic_config(real_cfg, shape: str, max_positions: int):
+    """ModelConfig of a synthetic shape with ``max_position_embeddings`` raised to ``max_positions``."""
+    from hetero_jax.model.config import ModelConfig
+
+    cfg = real_cfg if SYNTHETIC_SHAPES[shape] is None else ModelConfig.from_hf_dict(SYNTHETIC_SHAPES[shape])
+    return dataclasses.replace(cfg, max_position_embeddings=max(max_positions, cfg.max_position_embeddings))
+
+
+def synthetic_model(real_model, max_positions: int, seed: int, shape: str = MODEL, dtype: str = "float32"):
+    """Random weights with a shape's exact config (``synthetic_config``), made on the default device.
+
+    Each tensor is drawn with ``jax.random`` where it lives (an 8B model never passes through host
+    memory): N(0, 0.02^2), norms 1 + N(0, 0.1^2), as ``spec.init_params`` draws them.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from hetero_jax.model import spec
+    from hetero_jax.io.hub import Model
+
+    cfg = synthetic_config(real_model.config if real_model is not None else None, shape, max_positions)
+    dt = jnp.dtype(dtype)
+    keys = iter(jax.random.split(jax.random.key(seed), 1 + 16 * (cfg.num_layers + 1)))
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def draw(key, shape_, norm):
+        x = jax.random.normal(key, shape_, jnp.float32)
+        return ((1.0 + 0.1 * x) if norm else 0.02 * x).astype(dt)
+
+    make = lambda name, shp: draw(next(keys), tuple(shp), name.endswith("norm"))  # noqa: E731
+    shapes = spec.param_shapes(cfg)
+    params = {k: make(k, v) for k, v in shapes.items() if k != "layers"}
+    params["layers"] = [{k: make(k, v) for k, v in layer.items()} for layer in shapes["layers"]]
+    name = real_model.name if shape == MODEL else shape
+    # no tokenizer for another shape's weights drawn without the real model (the timing feeds token ids)
+    return Model(config=cfg, params=params, tokenizer=real_model.tokenizer if real_model is not None else None,
+                 path="<synthetic>", name=f"{name}-synthetic")
+
+
+def reference_dir() -> Path | None:
+    """Folder with the HeteroCache authors' published profiles: $HETERO_JAX_REFERENCE_DIR or ../shared/reference."""
+    root = Path(__file__).resolve().parents[2]  # the repository (this file: benchmarks/harness/)
+    for c in (os.environ.get("HETERO_JAX_REFERENCE_DIR"), root.parent / "shared" / "reference"):
+        if c and Path(c).is_dir():
+            return Path(c)
+    return None
+
+
+def synthetic_profile(shape: str = MODEL, path: Path | None = None):
+    """Roles for HeteroCache on synthetic weights of ``shape``, with no weights fingerprint (they fit any weights).
+
+    SmolLM2: the shipped profile. Llama-3.1-8B: the authors' published profile, from ``path`` or
+    ``reference_dir()``.
+    """
+    from hetero_jax.profile.format import load_profile, shipped_profile_path
+
+    if path is None:
+        if shape == MODEL:
+            path = Path(shipped_profile_path(MODEL))
+        else:
+            ref = reference_dir()
+            path = ref / OFFICIAL_PROFILES[shape] if ref else None
+            if path is None or not path.is_file():
+                raise SystemExit(
+                    f"HeteroCache on synthetic {shape} weights needs a head profile for that shape: "
+                    f"{OFFICIAL_PROFILES[shape]} was not found (looked in $HETERO_JAX_REFERENCE_DIR and "
+                    "../shared/reference); pass --synthetic-profile PATH or leave heterocache out of --policies")
+    prof = load_profile(path)
+    return dataclasses.replace(prof, weights_fingerprint=None)
+
+
+def make_policies(combos, synthetic_prof=None):
+    """One policy per combo; HeteroCache (and its variants) use ``synthetic_prof`` when given (synthetic weights)."""
+    from hetero_jax.policies import make_policy
+
+    out = []
+    for name, rho in combos:
+        # the spec's options (``heterocache:copy_window=16``) are kept: they were once dropped here, so a
+        # copy-window run timed the default policy under the variant's label
+        extra = {"profile": synthetic_prof} if synthetic_prof is not None and name.startswith("heterocache") else {}
+        out.append(make_policy(name, None if name == "full" else rho, **extra))
+    return out
