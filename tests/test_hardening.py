@@ -20,7 +20,7 @@ import hetero_jax
 from hetero_jax.model.cache import layer_rows
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError, PromptError
-from hetero_jax.runtime import Session
+from hetero_jax import Session
 from hetero_jax.policies import (
     CAKE, H2O, REGISTRY, BudgetError, ContextKeeper, FreeKV, FullKV, HCAttention, HeteroCache, PolicyError, PyramidKV,
     Quest, SnapKV, StreamingLLM, SyncKV, UnknownPolicyError, make_policy, smallest_rho, tokens_for,
