@@ -31,7 +31,8 @@ import numpy as np
 
 from hetero_jax.dims import axis_size
 from hetero_jax.io.files import atomic_path
-from hetero_jax.profile.format import ProfileError, shipped_data_path
+from hetero_jax.profile.format import ProfileError
+from hetero_jax.profile.format import shipped_data_path
 
 FORMAT_NAME = "hetero-jax-hcattention-codebook"
 SCHEMA_VERSION = 1

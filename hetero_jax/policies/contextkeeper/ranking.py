@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.io.files import write_text
-from hetero_jax.profile.format import ProfileError, shipped_data_path
+from hetero_jax.profile.format import ProfileError
+from hetero_jax.profile.format import shipped_data_path
 
 FORMAT_NAME = "hetero-jax-contextkeeper-ranking"
 SCHEMA_VERSION = 1
@@ -99,7 +100,7 @@ class CARanking:
                 f"ContextKeeper ranking for {self.model or 'an unnamed model'} has {self.shape[0]} layers x "
                 f"{self.shape[1]} KV heads (head_dim {self.head_dim}), but the model has {want[0]} layers x "
                 f"{want[1]} KV heads (head_dim {hd}): it was calibrated for another model. Calibrate one for "
-                "this model (hetero_jax.profile.contextkeeper.calibrate_ranking, or "
+                "this model (hetero_jax.policies.contextkeeper.calibrate_ranking, or "
                 "`hetero-jax profile --method contextkeeper`) and pass ContextKeeper(ranking=...)")
         if weights_fingerprint and self.weights_fingerprint and weights_fingerprint != self.weights_fingerprint:
             raise ProfileError(

@@ -1,0 +1,41 @@
+"""``hetero-jax profile --method hcattention``: HCAttention's key codebook for a model (the flags are
+``hetero-jax profile``'s; ``hetero_jax/cli.py`` sends this method here)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def run_profile(args) -> int:
+    """Train a key codebook (the flags of ``hetero_jax.profile.cli.add_profile_parser``), write it to ``--out``
+    (``.npz`` added as numpy does) and print its summary; 2 after printing the error of bad flags, data or
+    output."""
+    from hetero_jax.errors import HeteroJaxError
+    from hetero_jax.io.hub import load
+    from hetero_jax.policies.hcattention.codebook import npz_path, train_codebook
+    from hetero_jax.profile.calibrate import calibration_windows, read_texts
+    from hetero_jax.profile.cli import check_model_args, check_profile_args
+    from hetero_jax.profile.format import ProfileError
+
+    try:
+        check_profile_args(args, out=npz_path(args.out))
+        for flag in ("sub_dim", "codebook_size", "kmeans_steps", "kmeans_batch"):
+            if getattr(args, flag) < 1:
+                raise ProfileError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        text, source = read_texts(args.data)
+        model = load(args.model, dtype=args.dtype, progress=not args.no_progress)
+        check_model_args(args, model.config)
+        windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
+        cb = train_codebook(model, windows, sub_dim=args.sub_dim, size=args.codebook_size, batch=args.kmeans_batch,
+                            steps=args.kmeans_steps, seed=args.seed, progress=not args.no_progress,
+                            source=f"{source}; {args.samples} window(s) of {args.tokens} tokens chosen with seed "
+                            f"{args.seed}")
+        out = cb.save(args.out)
+    except HeteroJaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    g = model.config.head_dim // cb.sub_dim
+    print(f"HCAttention codebook of {model.name}: {cb.num_layers} layers x {cb.size} centroids of {cb.sub_dim} dims "
+          f"(g={g} codes per key), {args.samples} x {args.tokens} tokens")
+    print(f"wrote {out}")
+    return 0
