@@ -605,7 +605,7 @@ def synckv_profile_from(profile):
     import numpy as np
 
     from hetero_jax.profile.clustering import Role
-    from hetero_jax.profile.format import HeadProfile, ProfileSettings
+    from hetero_jax.profile import HeadProfile, ProfileSettings
 
     roles = np.asarray(profile.roles).copy()
     roles[roles == Role.ANCHOR] = Role.VOLATILE

@@ -247,7 +247,7 @@ def _cmd_generate(args, setup) -> int:
         extra["profile"] = args.profile  # SyncKV loads a path itself
     if base == "heterocache":
         if args.profile:
-            from hetero_jax.profile.format import load_profile
+            from hetero_jax.profile.official import load_profile
 
             extra["profile"] = load_profile(args.profile)
         if args.window is not None:

@@ -28,7 +28,7 @@ from hetero_jax.policies import (CAKE, H2O, REGISTRY, ContextKeeper, FreeKV, Ful
                                  PyramidKV, Quest, SnapKV, StreamingLLM, SyncKV)
 from hetero_jax.profile.clustering import Role
 from hetero_jax.policies.contextkeeper.ranking import CARanking
-from hetero_jax.profile.format import HeadProfile, ProfileSettings
+from hetero_jax.profile import HeadProfile, ProfileSettings
 from hetero_jax.runtime import Engine
 from tiny_model import random_prompts, tiny_model
 

@@ -15,7 +15,7 @@ from hetero_jax.model.cache import LayerPrefill, RowBlock, layer_rows, prompt_kv
 from hetero_jax.runtime import Engine, Session, prefill
 from hetero_jax.policies import BudgetError, ContextKeeper, FullKV, make_policy
 from hetero_jax.policies.contextkeeper.ranking import CARanking, calibrate_ranking, load_ranking
-from hetero_jax.profile.format import ProfileError
+from hetero_jax.profile import ProfileError
 from test_policies import np_queries
 from tiny_model import tiny_model, random_prompt
 

@@ -26,7 +26,7 @@ from hetero_jax.policies import (
     Quest, SnapKV, StreamingLLM, SyncKV, UnknownPolicyError, make_policy, smallest_rho, tokens_for,
 )
 from hetero_jax.profile.clustering import Role, budget_grid, smallest_working_rho
-from hetero_jax.profile.format import HeadProfile
+from hetero_jax.profile import HeadProfile
 from tiny_model import tiny_model, random_prompt
 
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE

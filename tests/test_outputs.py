@@ -264,7 +264,7 @@ def test_profile_writes_each_output_whole_and_leaves_no_temporary(tiny_checkpoin
     """The writers behind the command (profile JSON, figure, codebook) replace their files through a temporary
     sibling; a codebook --out without .npz is written (and reported) with it."""
     from hetero_jax.policies.hcattention.codebook import load_codebook
-    from hetero_jax.profile.format import load_profile
+    from hetero_jax.profile import load_profile
 
     _, ours = tiny_checkpoint("llama")
     text = tmp_path / "t.txt"
@@ -284,7 +284,7 @@ def test_profile_writes_each_output_whole_and_leaves_no_temporary(tiny_checkpoin
 
 def test_calibrate_tokens_refuses_more_r_heads_than_kv_heads(monkeypatch):
     from hetero_jax.model import transformer
-    from hetero_jax.profile.format import ProfileError
+    from hetero_jax.profile import ProfileError
 
     monkeypatch.setattr(transformer, "prefill", _boom("prefill ran"))
     model = tiny_model(256)

@@ -19,7 +19,7 @@ from hetero_jax.policies import (
     UnknownOptionError, make_policy,
 )
 from hetero_jax.policies.contextkeeper.ranking import CARanking, load_ranking
-from hetero_jax.profile.format import HeadProfile, ProfileError
+from hetero_jax.profile import HeadProfile, ProfileError
 from tiny_model import random_prompt, tiny_model
 
 MODEL = tiny_model(256)

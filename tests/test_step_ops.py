@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_step_ops as B  # noqa: E402
 from hetero_jax.policies import FullKV, HeteroCache, SnapKV  # noqa: E402
 from hetero_jax.profile.clustering import Role  # noqa: E402
-from hetero_jax.profile.format import HeadProfile  # noqa: E402
+from hetero_jax.profile import HeadProfile  # noqa: E402
 from tiny_model import random_prompt, tiny_model  # noqa: E402
 
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE

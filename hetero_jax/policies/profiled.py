@@ -19,7 +19,9 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import HeadLayout
 from hetero_jax.policies.base import BudgetError, Policy
 from hetero_jax.profile.clustering import Role
-from hetero_jax.profile.format import SHIPPED_PROFILES, HeadProfile, ProfileError
+from hetero_jax.profile.head_profile import HeadProfile
+from hetero_jax.profile.schema import ProfileError
+from hetero_jax.profile.shipped import SHIPPED_PROFILES
 
 
 def profile_key(profile: HeadProfile | None) -> str:
@@ -59,7 +61,7 @@ class ProfiledPolicy(Policy):
     # -------------------------------------------------------------- binding
     def bind(self, model):
         """This policy with its profile resolved (the shipped one when None) and checked against ``model``."""
-        from hetero_jax.profile.format import default_profile, weights_fingerprint
+        from hetero_jax.profile.shipped import default_profile, weights_fingerprint
 
         cls = type(self).__name__
         prof = self.profile

@@ -97,7 +97,7 @@ def check_profile_args(args, out: str | None = None) -> None:
     import math
 
     from hetero_jax.io.files import check_outputs
-    from hetero_jax.profile.format import ProfileError
+    from hetero_jax.profile.schema import ProfileError
 
     method = getattr(args, "method", "heterocache")
     if args.plot is not None and method != "heterocache":
@@ -133,7 +133,7 @@ def check_model_args(args, config) -> None:
     """ProfileError, right after the model is loaded and before any window is cut or calibrated, for a
     ``--tokens`` (plus the decode steps of the methods that decode) past the model's context, or an ``--n-r``
     larger than its KV heads."""
-    from hetero_jax.profile.format import ProfileError
+    from hetero_jax.profile.schema import ProfileError
 
     method = getattr(args, "method", "heterocache")
     context = config.max_position_embeddings
@@ -154,7 +154,7 @@ def run_profile(args) -> int:
     from hetero_jax.errors import HeteroJaxError
     from hetero_jax.io.hub import load
     from hetero_jax.profile.calibrate import DEFAULT_TAU_COPY, calibrate_tokens, calibration_windows, read_texts
-    from hetero_jax.profile.format import ProfileError
+    from hetero_jax.profile.schema import ProfileError
 
     method = getattr(args, "method", "heterocache")
     if method not in ("heterocache", "synckv"):  # a programming error: hetero_jax/cli.py routes the others

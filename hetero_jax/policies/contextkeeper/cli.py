@@ -18,7 +18,7 @@ def run_profile(args) -> int:
     from hetero_jax.policies.contextkeeper.ranking import calibrate_ranking
     from hetero_jax.profile.calibrate import calibration_windows, read_texts
     from hetero_jax.profile.cli import check_model_args, check_profile_args
-    from hetero_jax.profile.format import ProfileError
+    from hetero_jax.profile.schema import ProfileError
 
     try:
         check_profile_args(args)

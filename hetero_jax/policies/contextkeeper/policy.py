@@ -38,7 +38,7 @@ from hetero_jax.model.scoring import gather_group
 from hetero_jax.policies.selection import bytes_rho
 from hetero_jax.policies.contextkeeper.ranking import (DEFAULT_RECENT, DEFAULT_SINK, CARanking, default_ranking,
                                                        load_ranking, model_fingerprint)
-from hetero_jax.profile.format import ProfileError
+from hetero_jax.profile.schema import ProfileError
 
 _gather = jax.jit(gather_group)
 

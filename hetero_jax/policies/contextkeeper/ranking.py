@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.io.files import write_text
-from hetero_jax.profile.format import ProfileError
-from hetero_jax.profile.format import shipped_data_path
+from hetero_jax.profile.schema import ProfileError
+from hetero_jax.profile.shipped import shipped_data_path
 
 FORMAT_NAME = "hetero-jax-contextkeeper-ranking"
 SCHEMA_VERSION = 1
@@ -146,7 +146,7 @@ def load_ranking(path: str | os.PathLike) -> CARanking:
 
 def model_fingerprint(model) -> str | None:
     """``format.weights_fingerprint`` of a loaded model's params (None for an object without params)."""
-    from hetero_jax.profile.format import weights_fingerprint
+    from hetero_jax.profile.shipped import weights_fingerprint
 
     params = getattr(model, "params", None)
     return weights_fingerprint(params) if params is not None else None

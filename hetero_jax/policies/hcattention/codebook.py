@@ -31,8 +31,8 @@ import numpy as np
 
 from hetero_jax.dims import axis_size
 from hetero_jax.io.files import atomic_path
-from hetero_jax.profile.format import ProfileError
-from hetero_jax.profile.format import shipped_data_path
+from hetero_jax.profile.schema import ProfileError
+from hetero_jax.profile.shipped import shipped_data_path
 
 FORMAT_NAME = "hetero-jax-hcattention-codebook"
 SCHEMA_VERSION = 1
@@ -166,7 +166,7 @@ def load_codebook(path: str | os.PathLike) -> KeyCodebook:
 def shipped_codebooks(model) -> tuple[KeyCodebook, ...]:
     """The shipped codebooks that fit ``model`` (a loaded ``hetero_jax.io.hub.Model``; its name first, then any
     shipped model whose shape and fingerprint fit), fewest codes first; () when none does."""
-    from hetero_jax.profile.format import weights_fingerprint
+    from hetero_jax.profile.shipped import weights_fingerprint
 
     fp = weights_fingerprint(model.params) if getattr(model, "params", None) is not None else None
     names = [getattr(model, "name", None)] + list(SHIPPED_CODEBOOKS)
@@ -268,7 +268,7 @@ def train_codebook(model, token_samples: Sequence[Sequence[int]], *, sub_dim: in
                    source: str = "", progress: bool = False) -> KeyCodebook:
     """HCAttention's codebook of ``model`` from token samples (no chat template): per layer, mini-batch
     k-means of the sub-vectors of every prompt key of the samples (shared by the layer's heads and groups)."""
-    from hetero_jax.profile.format import weights_fingerprint
+    from hetero_jax.profile.shipped import weights_fingerprint
 
     cfg = model.config
     D = int(cfg.head_dim)

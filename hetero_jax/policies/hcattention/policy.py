@@ -124,7 +124,7 @@ class HCAttention(Policy):
     def bind(self, model) -> "HCAttention":
         """This policy with its codebooks resolved (None: the model's shipped ones) and checked against
         ``model`` (shape and weights fingerprint), and the KV dtype's size recorded."""
-        from hetero_jax.profile.format import weights_fingerprint
+        from hetero_jax.profile.shipped import weights_fingerprint
 
         itemsize = int(np.dtype(model.params["embed"].dtype).itemsize)
         if self.codebook is None:
