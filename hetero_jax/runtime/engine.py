@@ -75,8 +75,9 @@ def check_kernel_backend() -> None:
                           "or choose native, reference or interpret")
 
 
-# what the engine calls on a policy (policies/base.py's ``Policy`` has them all); the runtime sits below
-# policies/ (docs/architecture.md, "Layering"), so it checks the shape rather than importing the class
+# what the engine calls on a policy instance (policies/base.py's ``Policy`` has them all); the runtime sits below
+# policies/ (docs/architecture.md, "Layering"), so it checks the shape rather than importing the class (a class
+# itself has the methods too, unbound: refused like any other non-policy)
 POLICY_METHODS = ("bind", "make_prefill", "layout", "attend", "attend_chunk")
 
 
@@ -87,7 +88,7 @@ def bind_policy(model, policy):
     if policy is None:
         raise PromptError("policy is None: the runtime needs a policy object; pass hetero_jax.policies.FullKV() for "
                           "full KV, or call hetero_jax.generate / hetero_jax.Session, which take None for it")
-    if not all(callable(getattr(policy, m, None)) for m in POLICY_METHODS):
+    if isinstance(policy, type) or not all(callable(getattr(policy, m, None)) for m in POLICY_METHODS):
         raise PromptError(
             f"policy must be a hetero_jax.policies.Policy (e.g. SnapKV(budget=0.3)) or None, got {policy!r}"
         )
