@@ -182,7 +182,8 @@ class HeadProfile:
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-                if a is None or b is None or a.shape != b.shape or not np.array_equal(a, b, equal_nan=a.dtype.kind == "f"):
+                if (a is None or b is None or a.shape != b.shape
+                        or not np.array_equal(a, b, equal_nan=a.dtype.kind == "f")):
                     return False
             elif a != b:
                 return False
@@ -236,8 +237,8 @@ def build_profile(
     ``similarity`` [L, H] is the per-head score stored for the plot
     (default: max overlap at the graph step; pass Eq. 3's median over steps
     if you have it). ``copy_score`` [L, H] with ``tau_copy``: compressed heads scoring >= tau_copy are
-    kept whole (``clustering.assign_roles``). ``settings.tau_*`` are filled from the arguments. ``identity``: the profile's
-    ``architecture``, ``head_dim``, ``model_name`` and ``weights_fingerprint`` (see :class:`HeadProfile`).
+    kept whole (``clustering.assign_roles``). ``settings.tau_*`` are filled from the arguments. ``identity``: the
+    profile's ``architecture``, ``head_dim``, ``model_name`` and ``weights_fingerprint`` (see :class:`HeadProfile`).
     """
     stab = np.asarray(stability, dtype=np.float64)
     simm = np.asarray(similarity_matrix, dtype=np.float64)
