@@ -148,12 +148,27 @@ def check_model_args(args, config) -> None:
                            f"KV heads into R-head clusters); use --n-r {heads} or fewer")
 
 
+def load_windows(args, out: str | None = None, check=None):
+    """What every method does before calibrating, in this order: the flags (``check_profile_args`` with
+    ``out``, then ``check(args)``, the method's own), the data, the model (``io.hub.load``), the flags against
+    the model (``check_model_args``), the calibration windows. Returns (model, windows, the data's source)."""
+    from hetero_jax.io.hub import load
+    from hetero_jax.profile.calibrate import calibration_windows, read_texts
+
+    check_profile_args(args, out)  # before reading data, loading the model or calibrating
+    if check is not None:
+        check(args)
+    text, source = read_texts(args.data)
+    model = load(args.model, dtype=args.dtype, progress=not args.no_progress)
+    check_model_args(args, model.config)
+    return model, calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed), source
+
+
 def run_profile(args) -> int:
     """``--method heterocache`` or ``synckv``: calibrate, write the profile (and ``--plot``'s figure) and print
     its summary; 2 after printing the error of bad flags, data or output."""
     from hetero_jax.errors import HeteroJaxError
-    from hetero_jax.io.hub import load
-    from hetero_jax.profile.calibrate import DEFAULT_TAU_COPY, calibrate_tokens, calibration_windows, read_texts
+    from hetero_jax.profile.calibrate import DEFAULT_TAU_COPY, calibrate_tokens
     from hetero_jax.profile.schema import ProfileError
 
     method = getattr(args, "method", "heterocache")
@@ -161,11 +176,7 @@ def run_profile(args) -> int:
         raise ProfileError(f"--method {method} is calibrated beside its policy "
                            f"(hetero_jax/policies/{method}/cli.py), not by hetero_jax.profile.cli.run_profile")
     try:
-        check_profile_args(args)  # before reading data, loading the model or calibrating
-        text, source = read_texts(args.data)
-        model = load(args.model, dtype=args.dtype, progress=not args.no_progress)
-        check_model_args(args, model.config)
-        windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
+        model, windows, source = load_windows(args)
         desc = (f"{source}: {args.samples} window(s) of {args.tokens} tokens chosen with seed {args.seed} "
                 f"among consecutive non-overlapping windows; batch_size {args.batch_size}")
         profile = calibrate_tokens(

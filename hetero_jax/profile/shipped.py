@@ -58,6 +58,22 @@ def shipped_data_path(table: dict[str, str], model_name: str) -> str | None:
     return path if os.path.isfile(path) else None
 
 
+def shipped_fitting(paths, load, config, fingerprint: str | None) -> list:
+    """What ``load`` reads from each shipped file in ``paths`` (None: not shipped, skipped) that fits the model
+    (its ``check_compatible(config, fingerprint)`` passes), in order: a peer's rankings or codebooks."""
+    found = []
+    for path in paths:
+        if path is None:
+            continue
+        x = load(path)
+        try:
+            x.check_compatible(config, fingerprint)
+        except ProfileError:
+            continue
+        found.append(x)
+    return found
+
+
 def shipped_profile_path(model_name: str) -> str | None:
     """Path of the profile shipped for known model ``model_name``, or None."""
     return shipped_data_path(SHIPPED_PROFILES, model_name)

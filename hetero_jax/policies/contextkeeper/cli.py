@@ -14,22 +14,18 @@ def run_profile(args) -> int:
     import numpy as np
 
     from hetero_jax.errors import HeteroJaxError
-    from hetero_jax.io.hub import load
     from hetero_jax.policies.contextkeeper.ranking import calibrate_ranking
-    from hetero_jax.profile.calibrate import calibration_windows, read_texts
-    from hetero_jax.profile.cli import check_model_args, check_profile_args
+    from hetero_jax.profile.cli import load_windows
     from hetero_jax.profile.schema import ProfileError
 
-    try:
-        check_profile_args(args)
+    def check(args):
         if args.sink < 0 or args.recent < 1 or args.ck_window < 1:
             raise ProfileError("--sink must be >= 0, --recent and --ck-window >= 1")
         if not (math.isfinite(args.top_p) and 0.0 < args.top_p <= 1.0):
             raise ProfileError(f"--top-p must be in (0, 1], got {args.top_p}")
-        text, source = read_texts(args.data)
-        model = load(args.model, dtype=args.dtype, progress=not args.no_progress)
-        check_model_args(args, model.config)
-        windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
+
+    try:
+        model, windows, source = load_windows(args, check=check)
         ranking = calibrate_ranking(model, windows, window=args.ck_window, sink=args.sink, recent=args.recent,
                                     top_p=args.top_p, source=f"{source}; {args.samples} window(s) of "
                                     f"{args.tokens} tokens chosen with seed {args.seed}")

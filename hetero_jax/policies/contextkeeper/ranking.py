@@ -31,7 +31,7 @@ import numpy as np
 
 from hetero_jax.io.files import write_text
 from hetero_jax.profile.schema import ProfileError
-from hetero_jax.profile.shipped import shipped_data_path
+from hetero_jax.profile.shipped import shipped_data_path, shipped_fitting
 
 FORMAT_NAME = "hetero-jax-contextkeeper-ranking"
 SCHEMA_VERSION = 1
@@ -162,15 +162,9 @@ def default_ranking(model) -> CARanking | None:
     names = [getattr(model, "name", None)] + list(SHIPPED_RANKINGS)
     fp = model_fingerprint(model)
     for name in names:
-        path = shipped_ranking_path(name) if name else None
-        if path is None:
-            continue
-        r = load_ranking(path)
-        try:
-            r.check_compatible(model.config, fp)
-        except ProfileError:
-            continue
-        return r
+        found = shipped_fitting([shipped_ranking_path(name) if name else None], load_ranking, model.config, fp)
+        if found:
+            return found[0]
     return None
 
 

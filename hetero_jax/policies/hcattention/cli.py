@@ -11,21 +11,17 @@ def run_profile(args) -> int:
     (``.npz`` added as numpy does) and print its summary; 2 after printing the error of bad flags, data or
     output."""
     from hetero_jax.errors import HeteroJaxError
-    from hetero_jax.io.hub import load
     from hetero_jax.policies.hcattention.codebook import npz_path, train_codebook
-    from hetero_jax.profile.calibrate import calibration_windows, read_texts
-    from hetero_jax.profile.cli import check_model_args, check_profile_args
+    from hetero_jax.profile.cli import load_windows
     from hetero_jax.profile.schema import ProfileError
 
-    try:
-        check_profile_args(args, out=npz_path(args.out))
+    def check(args):
         for flag in ("sub_dim", "codebook_size", "kmeans_steps", "kmeans_batch"):
             if getattr(args, flag) < 1:
                 raise ProfileError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-        text, source = read_texts(args.data)
-        model = load(args.model, dtype=args.dtype, progress=not args.no_progress)
-        check_model_args(args, model.config)
-        windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
+
+    try:
+        model, windows, source = load_windows(args, out=npz_path(args.out), check=check)
         cb = train_codebook(model, windows, sub_dim=args.sub_dim, size=args.codebook_size, batch=args.kmeans_batch,
                             steps=args.kmeans_steps, seed=args.seed, progress=not args.no_progress,
                             source=f"{source}; {args.samples} window(s) of {args.tokens} tokens chosen with seed "

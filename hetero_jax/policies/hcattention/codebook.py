@@ -32,7 +32,7 @@ import numpy as np
 from hetero_jax.dims import axis_size
 from hetero_jax.io.files import atomic_path
 from hetero_jax.profile.schema import ProfileError
-from hetero_jax.profile.shipped import shipped_data_path
+from hetero_jax.profile.shipped import shipped_data_path, shipped_fitting
 
 FORMAT_NAME = "hetero-jax-hcattention-codebook"
 SCHEMA_VERSION = 1
@@ -171,17 +171,8 @@ def shipped_codebooks(model) -> tuple[KeyCodebook, ...]:
     fp = weights_fingerprint(model.params) if getattr(model, "params", None) is not None else None
     names = [getattr(model, "name", None)] + list(SHIPPED_CODEBOOKS)
     for name in names:
-        found = []
-        for fname in SHIPPED_CODEBOOKS.get(name, ()):
-            path = shipped_data_path({name: fname}, name)
-            if path is None:
-                continue
-            cb = load_codebook(path)
-            try:
-                cb.check_compatible(model.config, fp)
-            except ProfileError:
-                continue
-            found.append(cb)
+        paths = [shipped_data_path({name: fname}, name) for fname in SHIPPED_CODEBOOKS.get(name, ())]
+        found = shipped_fitting(paths, load_codebook, model.config, fp)
         if found:
             return tuple(sorted(found, key=lambda c: c.groups(model.config.head_dim)))
     return ()
