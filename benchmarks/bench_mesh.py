@@ -55,7 +55,7 @@ GPU_COMMAND = ("python benchmarks/bench_mesh.py --model <converted Llama-3.1-8B 
 
 def placement_rows(rhos, lengths, tps, itemsize: int = 2) -> list[dict]:
     from hetero_jax.policies.placement import placement_report
-    from hetero_jax.profile.format import load_profile
+    from hetero_jax.profile import load_profile
 
     rows = []
     for model_name, fname in PROFILES.items():
@@ -120,7 +120,7 @@ def process_rows(rho: float, lengths, processes, new_tokens: int, itemsize: int 
     from bench_latency import SYNTHETIC_SHAPES
     from hetero_jax.model.config import ModelConfig
     from hetero_jax.policies import HeteroCache
-    from hetero_jax.profile.format import load_profile
+    from hetero_jax.profile import load_profile
     from hetero_jax.runtime.compile_cache import tail_capacity_for
 
     cfg = ModelConfig.from_hf_dict(SYNTHETIC_SHAPES["llama-3.1-8b"])

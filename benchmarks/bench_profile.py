@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     import hetero_jax
     from hetero_jax.profile import load_profile
     from hetero_jax.profile.calibrate import calibrate_tokens, calibration_windows, pydoc_text
-    from hetero_jax.profile.format import shipped_profile_path
+    from hetero_jax.profile import shipped_profile_path
 
     from hetero_jax.runtime import compile_seconds
     path = shipped_profile_path(args.model)

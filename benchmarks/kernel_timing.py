@@ -266,7 +266,7 @@ def drift_timing(*, iters: int = 7, lengths=DRIFT_TIMING_T, rhos=DRIFT_TIMING_RH
 
     import pallas_kernels as pk
     from hetero_jax.profile.clustering import base_budget
-    from hetero_jax.profile.format import load_profile, shipped_profile_path
+    from hetero_jax.profile import load_profile, shipped_profile_path
 
     prof = load_profile(shipped_profile_path("smollm2-135m"))
     n = prof.roles.size

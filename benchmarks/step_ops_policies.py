@@ -32,7 +32,7 @@ def synckv_profile_from(profile):
     import numpy as np
 
     from hetero_jax.profile.clustering import Role
-    from hetero_jax.profile.format import HeadProfile, ProfileSettings
+    from hetero_jax.profile import HeadProfile, ProfileSettings
 
     roles = np.asarray(profile.roles).copy()
     roles[roles == Role.ANCHOR] = Role.VOLATILE
@@ -49,7 +49,7 @@ def contextkeeper_ranking_from(profile):
     import numpy as np
 
     from hetero_jax.profile.clustering import Role
-    from hetero_jax.profile.contextkeeper import CARanking
+    from hetero_jax.policies.contextkeeper.ranking import CARanking
 
     roles = np.asarray(profile.roles)
     full = (roles == Role.PIVOT) | (roles == Role.VOLATILE)
@@ -65,7 +65,7 @@ def random_codebook(cfg, sub_dim: int = HCATTENTION_SUB_DIM, size: int = HCATTEN
     """A random key codebook [layers, c, d] of the shape HCAttention needs (N(0, 1) float32, seed ``seed``)."""
     import numpy as np
 
-    from hetero_jax.profile.codebook import KeyCodebook
+    from hetero_jax.policies.hcattention.codebook import KeyCodebook
 
     cents = np.random.default_rng(seed).standard_normal((cfg.num_layers, size, sub_dim)).astype(np.float32)
     return KeyCodebook(centroids=cents, model="llama-3.1-8b (random stand-in codebook)", architecture="llama",

@@ -5,10 +5,32 @@ __version__ = "0.1.0"
 from hetero_jax.model.config import ModelConfig, SUPPORTED_ARCHITECTURES  # noqa: E402
 from hetero_jax.errors import (CheckpointError, ConfigError, HeteroJaxError, OutputError, PromptError,  # noqa: E402
                                SessionBusyError, SessionError)
-from hetero_jax.runtime import (GenerationResult, GenerationStats, LaunchError, Session, generate,  # noqa: E402
-                                initialize_distributed)
+from hetero_jax import runtime  # noqa: E402
+from hetero_jax.runtime import GenerationResult, GenerationStats, LaunchError, initialize_distributed  # noqa: E402
 from hetero_jax.io.hub import load, place  # noqa: E402
 from hetero_jax.model.sharding import make_mesh  # noqa: E402
+
+
+def _default_policy(policy):
+    from hetero_jax.policies import default_policy  # on first use: ``import hetero_jax`` stays light
+
+    return default_policy(policy)
+
+
+def generate(model, prompt, policy=None, **options):
+    """:func:`hetero_jax.runtime.generate` (its ``options``: max_new_tokens, temperature, top_p, seed, stop,
+    chat, on_token) with ``policy=None`` meaning full KV. The runtime takes a policy object; the default is
+    filled here, at the top floor, since the runtime sits below policies/ (docs/architecture.md, "Layering")."""
+    return runtime.generate(model, prompt, _default_policy(policy), **options)
+
+
+class Session(runtime.Session):
+    """:class:`hetero_jax.runtime.Session` (its ``options``: chat, seed, reserve_tokens) with ``policy=None``
+    meaning full KV."""
+
+    def __init__(self, model, context, policy=None, **options):
+        super().__init__(model, context, _default_policy(policy), **options)
+
 
 __all__ = [
     "ModelConfig",

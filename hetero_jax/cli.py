@@ -247,7 +247,7 @@ def _cmd_generate(args, setup) -> int:
         extra["profile"] = args.profile  # SyncKV loads a path itself
     if base == "heterocache":
         if args.profile:
-            from hetero_jax.profile.format import load_profile
+            from hetero_jax.profile.official import load_profile
 
             extra["profile"] = load_profile(args.profile)
         if args.window is not None:
@@ -323,6 +323,18 @@ def _cmd_models(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    """HeteroCache's profile and SyncKV's grouping are calibrated in profile/; each peer's own calibration lives
+    beside its policy, which profile/ sits below (docs/architecture.md, "Layering")."""
+    if args.method == "contextkeeper":
+        from hetero_jax.policies.contextkeeper.cli import run_profile
+    elif args.method == "hcattention":
+        from hetero_jax.policies.hcattention.cli import run_profile
+    else:
+        from hetero_jax.profile.cli import run_profile
+    return run_profile(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero-jax",
@@ -377,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_serve(args)
         if args.command == "profile":
             enable_compilation_cache()
-            return args.func(args)
+            return _cmd_profile(args)
     except (HeteroJaxError, NotImplementedError) as e:
         where = f" (process {setup.process_id} of {setup.num_processes or '?'})" if setup.distributed else ""
         print(f"error{where}: {e}", file=sys.stderr)

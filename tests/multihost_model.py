@@ -8,7 +8,7 @@ from hetero_jax.model import spec
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.io.hub import Model
 from hetero_jax.profile.clustering import Role
-from hetero_jax.profile.format import HeadProfile
+from hetero_jax.profile import HeadProfile
 from tiny_model import TinyTokenizer
 
 CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, intermediate_size=64, num_layers=2,

@@ -27,8 +27,8 @@ from hetero_jax.errors import HeteroJaxError
 from hetero_jax.policies import (CAKE, H2O, REGISTRY, ContextKeeper, FreeKV, FullKV, HCAttention, HeteroCache,
                                  ProfiledSnapKV, PyramidKV, Quest, SnapKV, StreamingLLM, SyncKV)
 from hetero_jax.profile.clustering import Role
-from hetero_jax.profile.contextkeeper import CARanking
-from hetero_jax.profile.format import HeadProfile, ProfileSettings
+from hetero_jax.policies.contextkeeper.ranking import CARanking
+from hetero_jax.profile import HeadProfile, ProfileSettings
 from hetero_jax.runtime import Engine
 from tiny_model import random_prompts, tiny_model
 
@@ -64,7 +64,7 @@ RANKING = CARanking(scores=np.array([[0.5, 0.1, 0.2], [0.4, 0.3, 0.9], [0.1, 0.2
 
 @functools.lru_cache(maxsize=None)
 def _codebook():
-    from hetero_jax.profile.codebook import train_codebook
+    from hetero_jax.policies.hcattention.codebook import train_codebook
 
     samples = random_prompts([100, 100], seed=11)
     return train_codebook(MODEL, samples, sub_dim=4, size=32, batch=500, steps=20)

@@ -142,9 +142,9 @@ def test_profile_out_is_checked_before_calibrating(tmp_path, capsys, monkeypatch
     calibrate = importlib.import_module("hetero_jax.profile.calibrate")
     monkeypatch.setattr(calibrate, "calibrate_tokens", lambda *a, **k: (_ for _ in ()).throw(
         AssertionError("calibrated")))
-    import hetero_jax
+    from hetero_jax.io import hub  # where the profile command loads from
 
-    monkeypatch.setattr(hetero_jax, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    monkeypatch.setattr(hub, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     before = sorted(os.listdir(tmp_path))
     _refused(capsys, ["profile", "--data", "pydoc", "--out", str(tmp_path / out)], *needles)
     assert sorted(os.listdir(tmp_path)) == before
@@ -158,17 +158,17 @@ def test_profile_out_is_checked_before_calibrating(tmp_path, capsys, monkeypatch
     (["--tau-copy", "1.5"], "--tau-copy must be in [0, 1], got 1.5"),
 ])
 def test_profile_numbers_are_checked_before_loading(tmp_path, capsys, monkeypatch, flags, needle):
-    import hetero_jax
+    from hetero_jax.io import hub  # where the profile command loads from
 
-    monkeypatch.setattr(hetero_jax, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    monkeypatch.setattr(hub, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     _refused(capsys, ["profile", "--data", "pydoc", "--out", str(tmp_path / "p.json"), *flags], needle)
     assert os.listdir(tmp_path) == []
 
 
 def test_profile_data_that_is_a_directory(tmp_path, capsys, monkeypatch):
-    import hetero_jax
+    from hetero_jax.io import hub  # where the profile command loads from
 
-    monkeypatch.setattr(hetero_jax, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    monkeypatch.setattr(hub, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     _refused(capsys, ["profile", "--data", str(tmp_path), "--out", str(tmp_path / "p.json")],
              f"cannot read calibration data file {tmp_path}")
     assert os.listdir(tmp_path) == []

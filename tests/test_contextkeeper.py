@@ -14,8 +14,8 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import LayerPrefill, RowBlock, layer_rows, prompt_kv_bytes
 from hetero_jax.runtime import Engine, Session, prefill
 from hetero_jax.policies import BudgetError, ContextKeeper, FullKV, make_policy
-from hetero_jax.profile.contextkeeper import CARanking, calibrate_ranking, load_ranking
-from hetero_jax.profile.format import ProfileError
+from hetero_jax.policies.contextkeeper.ranking import CARanking, calibrate_ranking, load_ranking
+from hetero_jax.profile import ProfileError
 from test_policies import np_queries
 from tiny_model import tiny_model, random_prompt
 
@@ -232,7 +232,7 @@ def test_shipped_smollm2_ranking_is_resolved_by_shape_and_name():
     (a config stand-in: no weights are loaded); another shape gets none."""
     from types import SimpleNamespace
 
-    from hetero_jax.profile.contextkeeper import default_ranking, shipped_ranking_path
+    from hetero_jax.policies.contextkeeper.ranking import default_ranking, shipped_ranking_path
 
     r = load_ranking(shipped_ranking_path("smollm2-135m"))
     assert r.shape == (30, 3) and r.model == "smollm2-135m" and r.head_dim == 64
@@ -247,7 +247,7 @@ def test_shipped_smollm2_ranking_is_resolved_by_shape_and_name():
 def test_profile_cli_writes_a_ranking(tiny_checkpoint, tmp_path, capsys):
     """`hetero-jax profile --method contextkeeper` on a converted checkpoint writes a ranking of its shape;
     a bad --top-p is refused before any work."""
-    from hetero_jax.profile.cli import main
+    from hetero_jax.cli import main
 
     _, ours = tiny_checkpoint("llama")
     text = tmp_path / "t.txt"

@@ -71,6 +71,22 @@ def test_engine_step_with_logits_matches_decode_step_and_step(tiny):
     assert eng.steps == other.steps == 4
 
 
+def test_no_policy_means_full_kv_at_the_front_doors_and_is_refused_below(tiny):
+    """``hetero_jax.generate`` / ``hetero_jax.Session`` fill ``policy=None`` with ``FullKV()``; the runtime, below
+    policies/, runs the policy object it is given and refuses None (with the fix) before any compute."""
+    from hetero_jax import runtime
+    from hetero_jax.policies import FullKV
+
+    p = _prompts(np.random.default_rng(7), 1, tiny.config.vocab_size)[0]
+    default = hetero_jax.generate(tiny, p, max_new_tokens=4, chat=False)
+    full = runtime.generate(tiny, p, FullKV(), max_new_tokens=4, chat=False)
+    assert default.token_ids == full.token_ids and default.stats.policy == full.stats.policy == "FullKV(budget=1.0)"
+    assert hetero_jax.Session(tiny, p, chat=False, reserve_tokens=8).engine.policy == FullKV()
+    for call in (lambda: runtime.generate(tiny, p, None, chat=False), lambda: runtime.Session(tiny, p, chat=False)):
+        with pytest.raises(PromptError, match=r"policy is None: .* pass hetero_jax.policies.FullKV\(\)"):
+            call()
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), n=st.integers(2, 3))
 def test_generate_batch_equals_one_by_one_tokens(tiny, seed, n):

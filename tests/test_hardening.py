@@ -20,13 +20,13 @@ import hetero_jax
 from hetero_jax.model.cache import layer_rows
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import HeteroJaxError, PromptError
-from hetero_jax.runtime import Session
+from hetero_jax import Session
 from hetero_jax.policies import (
     CAKE, H2O, REGISTRY, BudgetError, ContextKeeper, FreeKV, FullKV, HCAttention, HeteroCache, PolicyError, PyramidKV,
     Quest, SnapKV, StreamingLLM, SyncKV, UnknownPolicyError, make_policy, smallest_rho, tokens_for,
 )
 from hetero_jax.profile.clustering import Role, budget_grid, smallest_working_rho
-from hetero_jax.profile.format import HeadProfile
+from hetero_jax.profile import HeadProfile
 from tiny_model import tiny_model, random_prompt
 
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE

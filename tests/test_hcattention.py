@@ -16,9 +16,9 @@ from hetero_jax.model.cache import PoolBuilder, layer_rows
 from hetero_jax.model.pool import LayerStep, append
 from hetero_jax.runtime import Engine, Session, prefill
 from hetero_jax.policies import BudgetError, FullKV, HCAttention, make_policy
-from hetero_jax.profile.codebook import (KeyCodebook, kmeans_pp, load_codebook, minibatch_kmeans, nearest,
-                                         train_codebook)
-from hetero_jax.profile.format import ProfileError
+from hetero_jax.policies.hcattention.codebook import (KeyCodebook, kmeans_pp, load_codebook, minibatch_kmeans,
+                                                     nearest, train_codebook)
+from hetero_jax.profile import ProfileError
 from tiny_model import greedy_with_logits, tiny_model, random_prompt
 
 MODEL = tiny_model()
@@ -346,8 +346,8 @@ def test_registry_and_options():
 def test_shipped_smollm2_codebooks_fit_its_shape():
     """The shipped codebooks load, fit SmolLM2-135M's shape and give the documented points at 4K tokens (fp32)."""
     from hetero_jax.model.config import ModelConfig
-    from hetero_jax.profile.codebook import SHIPPED_CODEBOOKS
-    from hetero_jax.profile.format import shipped_data_path
+    from hetero_jax.policies.hcattention.codebook import SHIPPED_CODEBOOKS
+    from hetero_jax.profile import shipped_data_path
 
     cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192)

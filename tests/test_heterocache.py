@@ -15,7 +15,7 @@ from hetero_jax.runtime import Engine, Session
 from hetero_jax.policies import BudgetError, FullKV, HeteroCache
 from hetero_jax.model.cache import layer_rows
 from hetero_jax.profile.clustering import Role
-from hetero_jax.profile.format import HeadProfile, ProfileError
+from hetero_jax.profile import HeadProfile, ProfileError
 from pool_utils import dense_attention, step_from_dense
 from tiny_model import tiny_model, random_prompt
 
@@ -622,7 +622,7 @@ def test_layout_orders_each_layer_by_role():
 def _copy_profile():
     """PROFILE's roles with copy heads: layer 1's volatile (head 1) and, in layer 2, a volatile head 1
     beside pivot 2 (copy scores 0.5 >= tau_copy 0.3); every other head scores 0."""
-    from hetero_jax.profile.format import ProfileSettings
+    from hetero_jax.profile import ProfileSettings
 
     base = make_profile([[S, P, S], [A, V, A], [S, V, P]], (((1, (0, 2)),), (), ((2, (0,)),)))
     copy = np.zeros((3, 3))

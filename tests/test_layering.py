@@ -1,6 +1,7 @@
-"""The code's layering: imports run one way (no cycles between modules of the library, the kernels and the
-converter), and no module reaches into another's private names. Read from the source with ``ast``, so a
-violation fails here before it confuses a reader."""
+"""The code's layering: imports run one way, down the floors docs/architecture.md names ("Layering"), with no
+cycles between modules of the library, the kernels and the converter, and no module reaches into another's
+private names. Read from the source with ``ast`` (imports inside functions included), so a violation fails
+here before it confuses a reader."""
 
 from __future__ import annotations
 
@@ -12,6 +13,20 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("hetero_jax", "pallas_kernels", "convert")
 CHECKED = PACKAGES + ("benchmarks",)
+
+# Bottom to top: a module may import its own floor and the floors below it, never one above. The names are
+# packages or modules; a module belongs to the longest name it starts with ("hetero_jax" alone is the package's
+# __init__). docs/architecture.md ("Layering") writes the same order.
+FLOORS = (
+    ("hetero_jax.errors", "hetero_jax.dims", "hetero_jax.water_filling"),
+    ("pallas_kernels",),
+    ("hetero_jax.model",),
+    ("hetero_jax.io",),
+    ("hetero_jax.runtime",),
+    ("hetero_jax.profile",),
+    ("hetero_jax.policies",),
+    ("hetero_jax.serve", "hetero_jax.cli", "hetero_jax.launch", "hetero_jax", "convert"),
+)
 
 
 def _module_name(path: Path) -> str:
@@ -60,6 +75,33 @@ def import_graph(sources) -> dict[str, set[str]]:
     return graph
 
 
+def floor_of(module: str, floors=FLOORS) -> int | None:
+    """Index of the floor ``module`` belongs to (0 = bottom), None when no floor names it."""
+    best, found = -1, None
+    for i, names in enumerate(floors):
+        for n in names:
+            inside = module == n or (module.startswith(n + ".") and n != "hetero_jax")
+            if inside and len(n) > best:
+                best, found = len(n), i
+    return found
+
+
+def upward_imports(sources, floors=FLOORS) -> list[str]:
+    """Every import (lazy ones inside functions included) of a module on a higher floor than the importer's.
+    ``import hetero_jax`` counts as importing the package's __init__, the top floor."""
+    bad = []
+    for m, tree in sources.items():
+        own = floor_of(m, floors)
+        for mod, name in _imports(tree):
+            target = _resolve(f"{mod}.{name}" if name else mod, sources)
+            if target is None or target == m:
+                continue
+            there = floor_of(target, floors)
+            if own is not None and there is not None and there > own:
+                bad.append(f"{m} (floor {own}) imports {target} (floor {there})")
+    return list(dict.fromkeys(bad))  # one line per pair, in the order found
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index, low, stack, on_stack, out = {}, {}, [], set(), []
@@ -95,6 +137,47 @@ def test_cycle_finder_on_a_hand_made_graph():
     g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": set()}
     assert cycles(g) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_module_has_a_floor():
+    lost = [m for m in _sources(PACKAGES) if floor_of(m) is None]
+    assert not lost, f"modules on no floor (add their package to FLOORS and to docs/architecture.md): {lost}"
+
+
+def test_floor_check_on_a_hand_made_graph():
+    """A lazy import from the runtime up to policies, and one from the model up to io, are found; imports down
+    the floors and within one are not."""
+    src = {
+        "hetero_jax.runtime.engine": ast.parse("import numpy\nfrom hetero_jax.model.cache import kv_bytes\n"
+                                               "def bind(p):\n    from hetero_jax.policies import FullKV\n"),
+        "hetero_jax.model.cache": ast.parse("import hetero_jax.io.files\nfrom hetero_jax.model import spec\n"),
+        "hetero_jax.model.spec": ast.parse("from hetero_jax.errors import ConfigError\n"),
+        "hetero_jax.io.files": ast.parse("from hetero_jax.errors import OutputError\n"),
+        "hetero_jax.errors": ast.parse(""),
+        "hetero_jax.policies": ast.parse("from hetero_jax.runtime.engine import bind\n"),
+        "hetero_jax.profile.cli": ast.parse("def run():\n    import hetero_jax\n"),
+        "hetero_jax": ast.parse("from hetero_jax.policies import FullKV\n"),
+    }
+    assert upward_imports(src) == [
+        "hetero_jax.runtime.engine (floor 4) imports hetero_jax.policies (floor 6)",
+        "hetero_jax.model.cache (floor 2) imports hetero_jax.io.files (floor 3)",
+        "hetero_jax.profile.cli (floor 5) imports hetero_jax (floor 7)",
+    ]
+    assert floor_of("hetero_jax.cli") == floor_of("hetero_jax") == floor_of("convert.cli") == len(FLOORS) - 1
+    assert floor_of("hetero_jax.model") == 2 and floor_of("hetero_jax.modelx") is None
+
+
+def test_imports_run_down_the_floors():
+    bad = upward_imports(_sources(PACKAGES))
+    assert not bad, ("imports from a lower floor to a higher one (move the shared part down, or let the higher "
+                     "floor pass it in):\n" + "\n".join(bad))
+
+
+def test_architecture_names_the_same_floors():
+    short = [", ".join("hetero_jax/__init__" if n == "hetero_jax" else n.replace("hetero_jax.", "")
+                       for n in names) for names in FLOORS]
+    line = "Floors, bottom to top: " + " -> ".join(short) + "."
+    assert line in " ".join((REPO / "docs" / "architecture.md").read_text().split()), line
 
 
 def test_no_import_cycles():

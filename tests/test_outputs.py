@@ -40,15 +40,16 @@ def _boom(what):
 @pytest.fixture
 def no_work(monkeypatch):
     """Fail if the profile command loads a model, cuts windows or calibrates."""
-    monkeypatch.setattr(hetero_jax, "load", _boom("model loaded"))
+    monkeypatch.setattr(hub, "load", _boom("model loaded"))
     monkeypatch.setattr(calibrate, "calibration_windows", _boom("windows cut"))
     monkeypatch.setattr(calibrate, "calibrate_tokens", _boom("calibrated"))
 
 
 @pytest.fixture
 def tiny_loaded(monkeypatch):
-    """``hetero_jax.load`` gives a tiny model (3 KV heads, 256-token context); nothing is calibrated."""
-    monkeypatch.setattr(hetero_jax, "load", lambda *a, **k: tiny_model(256))
+    """``hub.load`` (the profile command's) gives a tiny model (3 KV heads, 256-token context); nothing is
+    calibrated."""
+    monkeypatch.setattr(hub, "load", lambda *a, **k: tiny_model(256))
     monkeypatch.setattr(calibrate, "calibration_windows", _boom("windows cut"))
     monkeypatch.setattr(calibrate, "calibrate_tokens", _boom("calibrated"))
 
@@ -262,8 +263,8 @@ def test_profile_flags_past_the_model_are_refused_before_calibrating(tmp_path, c
 def test_profile_writes_each_output_whole_and_leaves_no_temporary(tiny_checkpoint, tmp_path, capsys):
     """The writers behind the command (profile JSON, figure, codebook) replace their files through a temporary
     sibling; a codebook --out without .npz is written (and reported) with it."""
-    from hetero_jax.profile.codebook import load_codebook
-    from hetero_jax.profile.format import load_profile
+    from hetero_jax.policies.hcattention.codebook import load_codebook
+    from hetero_jax.profile import load_profile
 
     _, ours = tiny_checkpoint("llama")
     text = tmp_path / "t.txt"
@@ -283,7 +284,7 @@ def test_profile_writes_each_output_whole_and_leaves_no_temporary(tiny_checkpoin
 
 def test_calibrate_tokens_refuses_more_r_heads_than_kv_heads(monkeypatch):
     from hetero_jax.model import transformer
-    from hetero_jax.profile.format import ProfileError
+    from hetero_jax.profile import ProfileError
 
     monkeypatch.setattr(transformer, "prefill", _boom("prefill ran"))
     model = tiny_model(256)

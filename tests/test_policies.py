@@ -25,7 +25,7 @@ from hetero_jax.policies import (
 from hetero_jax.policies.allocators import Cascade, ProfileBudgets, Pyramid, Uniform
 from hetero_jax.policies.scorers import HeavyHitters, SinksRecent, WindowMeanVar, WindowVotes
 from hetero_jax.profile.clustering import Role
-from hetero_jax.profile.format import HeadProfile, ProfileError
+from hetero_jax.profile import HeadProfile, ProfileError
 from tiny_model import random_prompts
 
 COMPRESSING = [StreamingLLM, SnapKV, PyramidKV, H2O, CAKE]

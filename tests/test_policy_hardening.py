@@ -18,8 +18,8 @@ from hetero_jax.policies import (
     REGISTRY, BudgetError, ContextKeeper, FreeKV, HCAttention, HeteroCache, PolicyError, Quest, SnapKV,
     UnknownOptionError, make_policy,
 )
-from hetero_jax.profile.contextkeeper import CARanking, load_ranking
-from hetero_jax.profile.format import HeadProfile, ProfileError
+from hetero_jax.policies.contextkeeper.ranking import CARanking, load_ranking
+from hetero_jax.profile import HeadProfile, ProfileError
 from tiny_model import random_prompt, tiny_model
 
 MODEL = tiny_model(256)
@@ -119,7 +119,7 @@ def test_contextkeeper_ranking_of_other_weights_is_refused(no_compute):
 
 
 def test_contextkeeper_ranking_fingerprint_round_trip(tmp_path):
-    from hetero_jax.profile.contextkeeper import model_fingerprint
+    from hetero_jax.policies.contextkeeper.ranking import model_fingerprint
 
     fp = model_fingerprint(MODEL)
     r = _ranking(fp)

@@ -20,11 +20,7 @@ from hetero_jax.profile.calibrate import (
     default_top_k,
     pydoc_text,
 )
-from hetero_jax.profile.format import (
-    default_profile,
-    shipped_profile_path,
-    weights_fingerprint,
-)
+from hetero_jax.profile import default_profile, shipped_profile_path, weights_fingerprint
 from hetero_jax.profile.metrics import overlap_masks, similarity_matrix, topk_mask
 from hetero_jax.model.spec import init_params
 

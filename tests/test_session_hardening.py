@@ -20,8 +20,8 @@ from hetero_jax.errors import ConfigError, PromptError, SessionBusyError, Sessio
 from hetero_jax.io.tokenizer import Tokenizer
 from hetero_jax.policies import FullKV, HeteroCache
 from hetero_jax.profile.clustering import Role
-from hetero_jax.profile.format import HeadProfile
-from hetero_jax.runtime import Session
+from hetero_jax.profile import HeadProfile
+from hetero_jax import Session
 from hetero_jax.runtime.session import check_turns_fit
 from tiny_model import random_prompt, tiny_model
 

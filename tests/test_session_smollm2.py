@@ -4,7 +4,7 @@ import pydoc_data.topics
 import pytest
 
 import hetero_jax
-from hetero_jax.runtime import Session
+from hetero_jax import Session
 from hetero_jax.policies import HeteroCache
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]

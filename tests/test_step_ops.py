@@ -24,7 +24,7 @@ import step_ops_policies as Pol  # noqa: E402
 import step_ops_report as R  # noqa: E402
 from hetero_jax.policies import FullKV, HeteroCache, SnapKV  # noqa: E402
 from hetero_jax.profile.clustering import Role  # noqa: E402
-from hetero_jax.profile.format import HeadProfile  # noqa: E402
+from hetero_jax.profile import HeadProfile  # noqa: E402
 from tiny_model import random_prompt, tiny_model  # noqa: E402
 
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE

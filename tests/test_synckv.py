@@ -18,7 +18,7 @@ from hetero_jax.policies import BudgetError, FullKV, HeteroCache, SyncKV, make_p
 from hetero_jax.policies.synckv import SyncPrefill
 from hetero_jax.profile.calibrate import calibrate_tokens
 from hetero_jax.profile.clustering import Role, kmeans_rows, smallest_working_rho, synckv_roles
-from hetero_jax.profile.format import HeadProfile, ProfileError, build_synckv_profile, load_profile
+from hetero_jax.profile import HeadProfile, ProfileError, build_synckv_profile, load_profile
 from tiny_model import greedy_with_logits, tiny_model
 
 V, P, S, A = Role.VOLATILE, Role.PIVOT, Role.SATELLITE, Role.ANCHOR
@@ -433,7 +433,7 @@ def test_synckv_calibration_averages_per_step_top_k_overlaps_and_clusters_them()
 
 
 def test_shipped_smollm2_profile_is_a_synckv_grouping_of_its_own_similarities():
-    from hetero_jax.profile.format import SHIPPED_SYNCKV_PROFILES, shipped_data_path
+    from hetero_jax.profile import SHIPPED_SYNCKV_PROFILES, shipped_data_path
 
     prof = load_profile(shipped_data_path(SHIPPED_SYNCKV_PROFILES, "smollm2-135m"))
     assert prof.settings.method == "synckv" and prof.roles.shape == (30, 3)

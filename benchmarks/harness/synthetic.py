@@ -96,7 +96,7 @@ def synthetic_profile(shape: str = MODEL, path: Path | None = None):
     SmolLM2: the shipped profile. Llama-3.1-8B: the authors' published profile, from ``path`` or
     ``reference_dir()``.
     """
-    from hetero_jax.profile.format import load_profile, shipped_profile_path
+    from hetero_jax.profile import load_profile, shipped_profile_path
 
     if path is None:
         if shape == MODEL:

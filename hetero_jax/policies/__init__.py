@@ -27,6 +27,12 @@ REGISTRY: dict[str, type[Policy]] = {
 }
 
 
+def default_policy(policy) -> Policy:
+    """``policy``, or full KV (``FullKV()``) for None: the default of the package's front doors
+    (``hetero_jax.generate``, ``hetero_jax.Session``) and of the server; the runtime takes a policy object."""
+    return FullKV() if policy is None else policy
+
+
 def parse_options(items) -> dict:
     """``KEY=VALUE`` strings as keyword arguments: true/false, int, float, else the text."""
     out = {}
@@ -85,5 +91,6 @@ __all__ = [
     "BudgetError", "Policy", "PolicyError", "UnknownOptionError", "UnknownPolicyError", "smallest_rho", "tokens_for",
     "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache", "Quest", "FreeKV", "ContextKeeper",
     "SyncKV", "HCAttention", "ProfiledSnapKV", "Composed", "ScoredPolicy",
-    "PolicyPrefill", "PrefillPlan", "DecodeState", "achieved_rho", "REGISTRY", "make_policy", "parse_options", "describe_policies",
+    "PolicyPrefill", "PrefillPlan", "DecodeState", "achieved_rho", "REGISTRY", "default_policy", "make_policy",
+    "parse_options", "describe_policies",
 ]

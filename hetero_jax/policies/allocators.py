@@ -22,7 +22,8 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.scoring import observation_window_probs
 from hetero_jax.policies.base import BudgetError, check_fields, int_param, real_param, smallest_rho, tokens_for
 from hetero_jax.policies.scorers import Floor, window_forced, window_moments
-from hetero_jax.profile.format import HeadProfile, ProfileError
+from hetero_jax.profile.head_profile import HeadProfile
+from hetero_jax.profile.schema import ProfileError
 from hetero_jax.water_filling import water_level
 
 

@@ -15,7 +15,7 @@ from hetero_jax.policies.composed import ScoredPolicy
 from hetero_jax.policies.profiled import ProfileBound, profile_key
 from hetero_jax.policies.scorers import HeavyHitters, SinksRecent, WindowMeanVar, WindowVotes
 from hetero_jax.policies.selection import FullPrefill
-from hetero_jax.profile.format import HeadProfile
+from hetero_jax.profile.head_profile import HeadProfile
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,9 @@ from hetero_jax.model.layout import HeadLayout
 from hetero_jax.policies.allocators import profile_grid, profile_key
 from hetero_jax.policies.base import Policy
 from hetero_jax.profile.clustering import Role
-from hetero_jax.profile.format import SHIPPED_PROFILES, HeadProfile, ProfileError
+from hetero_jax.profile.head_profile import HeadProfile
+from hetero_jax.profile.schema import ProfileError
+from hetero_jax.profile.shipped import SHIPPED_PROFILES
 
 # profile_key lives with the profile's budgets (allocators.py); HeteroCache and SyncKV import it from here
 __all__ = ["LayerRoles", "ProfileBound", "ProfiledPolicy", "profile_key", "take_slots"]
@@ -51,7 +53,7 @@ class ProfileBound(Policy):
     # -------------------------------------------------------------- binding
     def bind(self, model):
         """This policy with its profile resolved (the shipped one when None) and checked against ``model``."""
-        from hetero_jax.profile.format import default_profile, weights_fingerprint
+        from hetero_jax.profile.shipped import default_profile, weights_fingerprint
 
         cls = type(self).__name__
         prof = self.profile

@@ -54,7 +54,10 @@ from hetero_jax.model.scoring import gather_group, query_probs_max
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key, take_slots
 from hetero_jax.policies.selection import bytes_rho, cap_bucket
 from hetero_jax.profile.clustering import Role
-from hetero_jax.profile.format import SHIPPED_SYNCKV_PROFILES, HeadProfile, ProfileError, load_profile
+from hetero_jax.profile.head_profile import HeadProfile
+from hetero_jax.profile.official import load_profile
+from hetero_jax.profile.schema import ProfileError
+from hetero_jax.profile.shipped import SHIPPED_SYNCKV_PROFILES
 
 # static_idx padding: an out-of-range position, dropped by the scatter that masks the static set
 _NO_POS = 2**30

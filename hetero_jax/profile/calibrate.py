@@ -71,13 +71,9 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.runtime.compile_cache import chunk_bucket, compiled
 from hetero_jax.model.scoring import query_probs_max
 from hetero_jax.profile.clustering import default_n_r
-from hetero_jax.profile.format import (
-    ProfileError,
-    ProfileSettings,
-    build_profile,
-    build_synckv_profile,
-    weights_fingerprint,
-)
+from hetero_jax.profile.head_profile import build_profile, build_synckv_profile
+from hetero_jax.profile.schema import ProfileError, ProfileSettings
+from hetero_jax.profile.shipped import weights_fingerprint
 from hetero_jax.profile.metrics import max_similarity
 
 __all__ = [

@@ -1,9 +1,11 @@
-"""``hetero-jax profile``: calibrate a HeteroCache head profile (or, ``--method contextkeeper``, a
-ContextKeeper head ranking; ``--method synckv``, a SyncKV head grouping; ``--method hcattention``, an
-HCAttention key codebook) for a model.
+"""``hetero-jax profile``: calibrate a HeteroCache head profile (or, ``--method synckv``, a SyncKV head grouping)
+for a model; the flags of every method, and the checks they share.
 
-``add_profile_parser(subparsers)`` adds the sub-command to the main CLI;
-``run_profile(args)`` runs it and returns the exit status.
+``add_profile_parser(subparsers)`` adds the sub-command to the main CLI; ``run_profile(args)`` runs the two
+methods calibrated here and returns the exit status. ``--method contextkeeper`` (a ContextKeeper head ranking)
+and ``--method hcattention`` (an HCAttention key codebook) are calibrated beside their policies
+(``policies/contextkeeper/cli.py``, ``policies/hcattention/cli.py``), which sit above this package:
+``hetero_jax/cli.py`` sends each method to its handler.
 """
 
 from __future__ import annotations
@@ -73,7 +75,6 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kmeans-steps", type=int, default=200, help="hcattention: mini-batch steps (default 200)")
     p.add_argument("--kmeans-batch", type=int, default=10000,
                    help="hcattention: sub-vectors per mini-batch (default 10000)")
-    p.set_defaults(func=run_profile)
     return p
 
 
@@ -88,23 +89,15 @@ def _model_files(model: str) -> str | None:
     return os.path.join(cache_dir(), model) if model in KNOWN_MODELS else None
 
 
-def out_path(args) -> str:
-    """The file ``--out`` names: the codebook of ``--method hcattention`` gets ``.npz`` added, as numpy does."""
-    if getattr(args, "method", "heterocache") == "hcattention":
-        from hetero_jax.profile.codebook import npz_path
-
-        return npz_path(args.out)
-    return args.out
-
-
-def check_profile_args(args) -> None:
+def check_profile_args(args, out: str | None = None) -> None:
     """Before any work: ProfileError for a bad number or a ``--plot`` that draws nothing; OutputError for an
     ``--out`` / ``--plot`` that would overwrite an input (``--data``, ``--model``) or each other, or that cannot
-    be written (``hetero_jax.io.files.check_outputs``)."""
+    be written (``hetero_jax.io.files.check_outputs``). ``out``: the file ``--out`` names, when the writer
+    changes it (the codebook's ``.npz``); None: ``args.out``."""
     import math
 
     from hetero_jax.io.files import check_outputs
-    from hetero_jax.profile.format import ProfileError
+    from hetero_jax.profile.schema import ProfileError
 
     method = getattr(args, "method", "heterocache")
     if args.plot is not None and method != "heterocache":
@@ -128,7 +121,7 @@ def check_profile_args(args) -> None:
         v = getattr(args, flag)
         if not (math.isfinite(v) and 0.0 <= v <= 1.0):
             raise ProfileError(f"--{flag.replace('_', '-')} must be in [0, 1], got {v}")
-    check_outputs({"--out": out_path(args), "--plot": args.plot},
+    check_outputs({"--out": args.out if out is None else out, "--plot": args.plot},
                   {"--data": [d for d in args.data if d != "pydoc"], "--model": _model_files(args.model)})
     if args.plot is not None:
         from hetero_jax.profile.plot import plot_format
@@ -140,7 +133,7 @@ def check_model_args(args, config) -> None:
     """ProfileError, right after the model is loaded and before any window is cut or calibrated, for a
     ``--tokens`` (plus the decode steps of the methods that decode) past the model's context, or an ``--n-r``
     larger than its KV heads."""
-    from hetero_jax.profile.format import ProfileError
+    from hetero_jax.profile.schema import ProfileError
 
     method = getattr(args, "method", "heterocache")
     context = config.max_position_embeddings
@@ -155,22 +148,35 @@ def check_model_args(args, config) -> None:
                            f"KV heads into R-head clusters); use --n-r {heads} or fewer")
 
 
+def load_windows(args, out: str | None = None, check=None):
+    """What every method does before calibrating, in this order: the flags (``check_profile_args`` with
+    ``out``, then ``check(args)``, the method's own), the data, the model (``io.hub.load``), the flags against
+    the model (``check_model_args``), the calibration windows. Returns (model, windows, the data's source)."""
+    from hetero_jax.io.hub import load
+    from hetero_jax.profile.calibrate import calibration_windows, read_texts
+
+    check_profile_args(args, out)  # before reading data, loading the model or calibrating
+    if check is not None:
+        check(args)
+    text, source = read_texts(args.data)
+    model = load(args.model, dtype=args.dtype, progress=not args.no_progress)
+    check_model_args(args, model.config)
+    return model, calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed), source
+
+
 def run_profile(args) -> int:
-    import hetero_jax
+    """``--method heterocache`` or ``synckv``: calibrate, write the profile (and ``--plot``'s figure) and print
+    its summary; 2 after printing the error of bad flags, data or output."""
     from hetero_jax.errors import HeteroJaxError
-    from hetero_jax.profile.calibrate import DEFAULT_TAU_COPY, calibrate_tokens, calibration_windows, read_texts
+    from hetero_jax.profile.calibrate import DEFAULT_TAU_COPY, calibrate_tokens
+    from hetero_jax.profile.schema import ProfileError
 
     method = getattr(args, "method", "heterocache")
-    if method == "contextkeeper":
-        return _run_contextkeeper(args)
-    if method == "hcattention":
-        return _run_hcattention(args)
+    if method not in ("heterocache", "synckv"):  # a programming error: hetero_jax/cli.py routes the others
+        raise ProfileError(f"--method {method} is calibrated beside its policy "
+                           f"(hetero_jax/policies/{method}/cli.py), not by hetero_jax.profile.cli.run_profile")
     try:
-        check_profile_args(args)  # before reading data, loading the model or calibrating
-        text, source = read_texts(args.data)
-        model = hetero_jax.load(args.model, dtype=args.dtype, progress=not args.no_progress)
-        check_model_args(args, model.config)
-        windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
+        model, windows, source = load_windows(args)
         desc = (f"{source}: {args.samples} window(s) of {args.tokens} tokens chosen with seed {args.seed} "
                 f"among consecutive non-overlapping windows; batch_size {args.batch_size}")
         profile = calibrate_tokens(
@@ -216,83 +222,3 @@ def run_profile(args) -> int:
             return 2
         print(f"wrote {args.plot}")
     return 0
-
-
-def _run_contextkeeper(args) -> int:
-    import math
-
-    import numpy as np
-
-    import hetero_jax
-    from hetero_jax.errors import HeteroJaxError
-    from hetero_jax.profile.calibrate import calibration_windows, read_texts
-    from hetero_jax.profile.contextkeeper import calibrate_ranking
-    from hetero_jax.profile.format import ProfileError
-
-    try:
-        check_profile_args(args)
-        if args.sink < 0 or args.recent < 1 or args.ck_window < 1:
-            raise ProfileError("--sink must be >= 0, --recent and --ck-window >= 1")
-        if not (math.isfinite(args.top_p) and 0.0 < args.top_p <= 1.0):
-            raise ProfileError(f"--top-p must be in (0, 1], got {args.top_p}")
-        text, source = read_texts(args.data)
-        model = hetero_jax.load(args.model, dtype=args.dtype, progress=not args.no_progress)
-        check_model_args(args, model.config)
-        windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
-        ranking = calibrate_ranking(model, windows, window=args.ck_window, sink=args.sink, recent=args.recent,
-                                    top_p=args.top_p, source=f"{source}; {args.samples} window(s) of "
-                                    f"{args.tokens} tokens chosen with seed {args.seed}")
-        ranking.save(args.out)
-    except HeteroJaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    values, counts = np.unique(ranking.votes, return_counts=True)
-    print(f"ContextKeeper ranking of {model.name}: {ranking.shape[0]} layers x {ranking.shape[1]} KV heads, "
-          f"{args.samples} x {args.tokens} tokens; heads per vote count: "
-          + ", ".join(f"{int(v)}: {int(c)}" for v, c in zip(values, counts)))
-    print(f"wrote {args.out}")
-    return 0
-
-
-def _run_hcattention(args) -> int:
-    import hetero_jax
-    from hetero_jax.errors import HeteroJaxError
-    from hetero_jax.profile.calibrate import calibration_windows, read_texts
-    from hetero_jax.profile.codebook import train_codebook
-    from hetero_jax.profile.format import ProfileError
-
-    try:
-        check_profile_args(args)
-        for flag in ("sub_dim", "codebook_size", "kmeans_steps", "kmeans_batch"):
-            if getattr(args, flag) < 1:
-                raise ProfileError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-        text, source = read_texts(args.data)
-        model = hetero_jax.load(args.model, dtype=args.dtype, progress=not args.no_progress)
-        check_model_args(args, model.config)
-        windows = calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed)
-        cb = train_codebook(model, windows, sub_dim=args.sub_dim, size=args.codebook_size, batch=args.kmeans_batch,
-                            steps=args.kmeans_steps, seed=args.seed, progress=not args.no_progress,
-                            source=f"{source}; {args.samples} window(s) of {args.tokens} tokens chosen with seed "
-                            f"{args.seed}")
-        out = cb.save(args.out)
-    except HeteroJaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    g = model.config.head_dim // cb.sub_dim
-    print(f"HCAttention codebook of {model.name}: {cb.num_layers} layers x {cb.size} centroids of {cb.sub_dim} dims "
-          f"(g={g} codes per key), {args.samples} x {args.tokens} tokens")
-    print(f"wrote {out}")
-    return 0
-
-
-def main(argv=None) -> int:
-    """Stand-alone entry (``python -m hetero_jax.profile.cli profile ...``) until the main CLI wires it."""
-    parser = argparse.ArgumentParser(prog="hetero-jax")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_profile_parser(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

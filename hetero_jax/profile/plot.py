@@ -24,7 +24,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from hetero_jax.io.files import atomic_path  # noqa: E402
 from hetero_jax.profile.clustering import ROLE_NAMES, Role  # noqa: E402
-from hetero_jax.profile.format import ProfileError  # noqa: E402
+from hetero_jax.profile.schema import ProfileError  # noqa: E402
 
 # Colour-blind-safe (Okabe-Ito) colours; full heads warm, compressed cool.
 ROLE_COLORS = {

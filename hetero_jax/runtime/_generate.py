@@ -26,7 +26,8 @@ def generate(
     """Generate a continuation for one prompt or a batch.
 
     ``prompt``: a string, a list of strings (a batch), token ids, or a list of
-    token-id lists. ``policy=None`` means full KV. Greedy at temperature 0.
+    token-id lists. ``policy``: a policy object (the engine refuses None; ``hetero_jax.generate``, above
+    policies/, fills in full KV for it). Greedy at temperature 0.
     Stops at EOS, at any ``stop`` string, or after ``max_new_tokens``.
     ``on_token(text_delta)`` streams a single prompt's new text.
     Returns a :class:`GenerationResult` (a list of them for a batch).

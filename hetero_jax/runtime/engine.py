@@ -75,12 +75,20 @@ def check_kernel_backend() -> None:
                           "or choose native, reference or interpret")
 
 
-def bind_policy(model, policy):
-    """``policy`` (None = full KV) checked and bound to ``model`` (HeteroCache picks its profile)."""
-    from hetero_jax.policies import FullKV, Policy
+# what the engine calls on a policy instance (policies/base.py's ``Policy`` has them all); the runtime sits below
+# policies/ (docs/architecture.md, "Layering"), so it checks the shape rather than importing the class (a class
+# itself has the methods too, unbound: refused like any other non-policy)
+POLICY_METHODS = ("bind", "make_prefill", "layout", "attend", "attend_chunk")
 
-    policy = FullKV() if policy is None else policy
-    if not isinstance(policy, Policy):
+
+def bind_policy(model, policy):
+    """``policy`` checked and bound to ``model`` (HeteroCache picks its profile). The runtime runs the policy
+    it is given: None (full KV) is filled in by the package's front doors (``hetero_jax.generate``,
+    ``hetero_jax.Session``, the server), which sit above policies/."""
+    if policy is None:
+        raise PromptError("policy is None: the runtime needs a policy object; pass hetero_jax.policies.FullKV() for "
+                          "full KV, or call hetero_jax.generate / hetero_jax.Session, which take None for it")
+    if isinstance(policy, type) or not all(callable(getattr(policy, m, None)) for m in POLICY_METHODS):
         raise PromptError(
             f"policy must be a hetero_jax.policies.Policy (e.g. SnapKV(budget=0.3)) or None, got {policy!r}"
         )

@@ -133,8 +133,9 @@ class Session:
 
     def __init__(self, model, context: str | Sequence[int], policy=None, *, chat: bool = True, seed: int = 0,
                  reserve_tokens: int | None = None):
-        """``reserve_tokens``: tail rows allocated up front for turns and answers (the tail grows when they
-        outgrow it); None: 512, or the positions the context leaves if fewer."""
+        """``policy``: a policy object (the engine refuses None; ``hetero_jax.Session``, above policies/, fills
+        in full KV for it). ``reserve_tokens``: tail rows allocated up front for turns and answers (the tail
+        grows when they outgrow it); None: 512, or the positions the context leaves if fewer."""
         check_session_args(model, context, chat, seed, reserve_tokens)
         self.model, self.chat = model, chat
         ids, self._t = open_context(model.tokenizer, context, chat)

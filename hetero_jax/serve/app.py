@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from hetero_jax.errors import HeteroJaxError
-from hetero_jax.policies import BudgetError, PolicyError, make_policy
+from hetero_jax.policies import BudgetError, PolicyError, default_policy, make_policy
 from hetero_jax.runtime import generate
 from hetero_jax.serve import schema
 from hetero_jax.serve.metrics import Metrics
@@ -114,7 +114,7 @@ class Server:
     def policy_for(self, policy: str | None, budget: float | None):
         """The request's policy: the server's, its own (``policy``), or the server's at another ``budget``."""
         if policy is None and budget is None:
-            return self.config.policy
+            return default_policy(self.config.policy)
         try:
             if policy is None:
                 return make_policy(self.config.policy_name, budget, **dict(self.config.policy_options))

@@ -9,7 +9,7 @@ import numpy as np
 
 from hetero_jax.policies.base import BudgetError, PolicyError, int_param
 from hetero_jax.policies.profiled import ProfiledPolicy, profile_key
-from hetero_jax.profile.format import HeadProfile
+from hetero_jax.profile.head_profile import HeadProfile
 from hetero_jax.policies.heterocache.prefill import HeteroPrefill
 from hetero_jax.policies.heterocache.step import attend_step
 

@@ -2,7 +2,7 @@
 
 Paper §3.2-3.3 (heads that read the middle of the context keep their full KV, "locality" heads keep
 ``sink`` first and ``recent`` last prompt tokens and every generated token) and §4.2 (the fraction
-of full heads is a knob). The ranking is computed offline (``hetero_jax.profile.contextkeeper``).
+of full heads is a knob). The ranking is computed offline (``ranking.py`` beside this module).
 
 Budget mode (ours, the spec's B1 rule solved for the number of full heads): for a prompt of L tokens,
 N = layers x KV heads and c = min(L, sink + recent), the largest N_full with
@@ -36,9 +36,9 @@ from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.model.scoring import gather_group
 from hetero_jax.policies.selection import bytes_rho
-from hetero_jax.profile.contextkeeper import (DEFAULT_RECENT, DEFAULT_SINK, CARanking, default_ranking,
-                                              load_ranking, model_fingerprint)
-from hetero_jax.profile.format import ProfileError
+from hetero_jax.policies.contextkeeper.ranking import (DEFAULT_RECENT, DEFAULT_SINK, CARanking, default_ranking,
+                                                       load_ranking, model_fingerprint)
+from hetero_jax.profile.schema import ProfileError
 
 _gather = jax.jit(gather_group)
 

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.io.files import write_text
-from hetero_jax.profile.format import ProfileError, shipped_data_path
+from hetero_jax.profile.schema import ProfileError
+from hetero_jax.profile.shipped import shipped_data_path, shipped_fitting
 
 FORMAT_NAME = "hetero-jax-contextkeeper-ranking"
 SCHEMA_VERSION = 1
@@ -99,7 +100,7 @@ class CARanking:
                 f"ContextKeeper ranking for {self.model or 'an unnamed model'} has {self.shape[0]} layers x "
                 f"{self.shape[1]} KV heads (head_dim {self.head_dim}), but the model has {want[0]} layers x "
                 f"{want[1]} KV heads (head_dim {hd}): it was calibrated for another model. Calibrate one for "
-                "this model (hetero_jax.profile.contextkeeper.calibrate_ranking, or "
+                "this model (hetero_jax.policies.contextkeeper.calibrate_ranking, or "
                 "`hetero-jax profile --method contextkeeper`) and pass ContextKeeper(ranking=...)")
         if weights_fingerprint and self.weights_fingerprint and weights_fingerprint != self.weights_fingerprint:
             raise ProfileError(
@@ -145,7 +146,7 @@ def load_ranking(path: str | os.PathLike) -> CARanking:
 
 def model_fingerprint(model) -> str | None:
     """``format.weights_fingerprint`` of a loaded model's params (None for an object without params)."""
-    from hetero_jax.profile.format import weights_fingerprint
+    from hetero_jax.profile.shipped import weights_fingerprint
 
     params = getattr(model, "params", None)
     return weights_fingerprint(params) if params is not None else None
@@ -161,15 +162,9 @@ def default_ranking(model) -> CARanking | None:
     names = [getattr(model, "name", None)] + list(SHIPPED_RANKINGS)
     fp = model_fingerprint(model)
     for name in names:
-        path = shipped_ranking_path(name) if name else None
-        if path is None:
-            continue
-        r = load_ranking(path)
-        try:
-            r.check_compatible(model.config, fp)
-        except ProfileError:
-            continue
-        return r
+        found = shipped_fitting([shipped_ranking_path(name) if name else None], load_ranking, model.config, fp)
+        if found:
+            return found[0]
     return None
 
 

@@ -3,7 +3,7 @@
 After prefill no prompt value stays on the device: every layer's prompt V [B, Hkv, L, D] goes to the
 pinned host store. The device keeps, per layer, in its state record (``HCState``), either the exact
 post-RoPE keys ("values on host", the paper's 50% point) or, with a key codebook
-(``hetero_jax.profile.codebook``), only each key's g int16 codes plus the layer's codebook [c, d]
+(``codebook.py`` beside this module), only each key's g int16 codes plus the layer's codebook [c, d]
 (paper §3.1). Every head keeps 0 prompt rows in the row pool: its region holds only the tail.
 
 Decode, per layer, per query head q (paper §3.2), inside the jitted step:
@@ -51,7 +51,7 @@ from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, bool_param, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from pallas_kernels import MASK_VALUE
-from hetero_jax.profile.codebook import KeyCodebook, load_codebook, shipped_codebooks
+from hetero_jax.policies.hcattention.codebook import KeyCodebook, load_codebook, shipped_codebooks
 
 MATCH = 0.05  # a budget picks the operating point whose rho is within 5% of it
 CODE_BYTES = 2  # int16 codes
@@ -124,7 +124,7 @@ class HCAttention(Policy):
     def bind(self, model) -> "HCAttention":
         """This policy with its codebooks resolved (None: the model's shipped ones) and checked against
         ``model`` (shape and weights fingerprint), and the KV dtype's size recorded."""
-        from hetero_jax.profile.format import weights_fingerprint
+        from hetero_jax.profile.shipped import weights_fingerprint
 
         itemsize = int(np.dtype(model.params["embed"].dtype).itemsize)
         if self.codebook is None:

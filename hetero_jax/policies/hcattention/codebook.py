@@ -31,7 +31,8 @@ import numpy as np
 
 from hetero_jax.dims import axis_size
 from hetero_jax.io.files import atomic_path
-from hetero_jax.profile.format import ProfileError, shipped_data_path
+from hetero_jax.profile.schema import ProfileError
+from hetero_jax.profile.shipped import shipped_data_path, shipped_fitting
 
 FORMAT_NAME = "hetero-jax-hcattention-codebook"
 SCHEMA_VERSION = 1
@@ -165,22 +166,13 @@ def load_codebook(path: str | os.PathLike) -> KeyCodebook:
 def shipped_codebooks(model) -> tuple[KeyCodebook, ...]:
     """The shipped codebooks that fit ``model`` (a loaded ``hetero_jax.io.hub.Model``; its name first, then any
     shipped model whose shape and fingerprint fit), fewest codes first; () when none does."""
-    from hetero_jax.profile.format import weights_fingerprint
+    from hetero_jax.profile.shipped import weights_fingerprint
 
     fp = weights_fingerprint(model.params) if getattr(model, "params", None) is not None else None
     names = [getattr(model, "name", None)] + list(SHIPPED_CODEBOOKS)
     for name in names:
-        found = []
-        for fname in SHIPPED_CODEBOOKS.get(name, ()):
-            path = shipped_data_path({name: fname}, name)
-            if path is None:
-                continue
-            cb = load_codebook(path)
-            try:
-                cb.check_compatible(model.config, fp)
-            except ProfileError:
-                continue
-            found.append(cb)
+        paths = [shipped_data_path({name: fname}, name) for fname in SHIPPED_CODEBOOKS.get(name, ())]
+        found = shipped_fitting(paths, load_codebook, model.config, fp)
         if found:
             return tuple(sorted(found, key=lambda c: c.groups(model.config.head_dim)))
     return ()
@@ -267,7 +259,7 @@ def train_codebook(model, token_samples: Sequence[Sequence[int]], *, sub_dim: in
                    source: str = "", progress: bool = False) -> KeyCodebook:
     """HCAttention's codebook of ``model`` from token samples (no chat template): per layer, mini-batch
     k-means of the sub-vectors of every prompt key of the samples (shared by the layer's heads and groups)."""
-    from hetero_jax.profile.format import weights_fingerprint
+    from hetero_jax.profile.shipped import weights_fingerprint
 
     cfg = model.config
     D = int(cfg.head_dim)
