@@ -164,9 +164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Explicit flags override it")
     p.add_argument("--lengths", type=int, nargs="+", help="context lengths (tokens)")
     p.add_argument("--turn-tokens", type=int, nargs="+", help="turn lengths (tokens)")
-    p.add_argument("--policies", nargs="+", type=common.policy_spec,
-                   help="registered policies, optionally with options (quest:offload=true)")
-    p.add_argument("--budget", type=float, default=0.3, help="rho of the compressed policies")
+    common.add_compressed_policy_arguments(p)
     p.add_argument("--repeats", type=int, help="timed runs per measurement (median)")
     p.add_argument("--max-step-tokens", type=int, help="longest turn also timed one decode step per token")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
@@ -181,9 +179,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    common.run_task(parse_args(argv), run, section=SECTION, make_plot=None,
-                    results_section=lambda payload, _plot: results_section(payload),
-                    tables=lambda payload: [results_table(payload["rows"])])
+    common.run_table_task(parse_args(argv), run, section=SECTION, results_section=results_section,
+                          results_table=results_table)
     return 0
 
 

@@ -188,9 +188,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="'cpu': 2K and 7.9K histories, full and heterocache, 1 timed conversation each (about 5 min "
                         "on 2 cores); 'full' (used when none is given): snapkv too, 3 each. Explicit flags override it")
     p.add_argument("--lengths", type=int, nargs="+", help="history lengths (tokens of the rendered first turn)")
-    p.add_argument("--policies", nargs="+", type=common.policy_spec,
-                   help="registered policies, optionally with options (quest:offload=true)")
-    p.add_argument("--budget", type=float, default=0.3, help="rho of the compressed policies")
+    common.add_compressed_policy_arguments(p)
     p.add_argument("--repeats", type=int, help="timed conversations per configuration (median)")
     p.add_argument("--max-tokens", type=int, help="answer tokens per turn")
     p.add_argument("--exact-fresh", action=argparse.BooleanOptionalAction,
@@ -209,9 +207,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    common.run_task(parse_args(argv), run, section=SECTION, make_plot=None,
-                    results_section=lambda payload, _plot: results_section(payload),
-                    tables=lambda payload: [results_table(payload["rows"])])
+    common.run_table_task(parse_args(argv), run, section=SECTION, results_section=results_section,
+                          results_table=results_table)
     return 0
 
 

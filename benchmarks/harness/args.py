@@ -166,6 +166,13 @@ def add_policy_arguments(parser, presets: dict) -> None:
                         help="budgets rho in (0, 1]" + preset_help(presets, "budgets"))
 
 
+def add_compressed_policy_arguments(parser) -> None:
+    """--policies and --budget of a script that times a few policies at one rho (extend, serve)."""
+    parser.add_argument("--policies", nargs="+", type=policy_spec,
+                        help="registered policies, optionally with options (quest:offload=true)")
+    parser.add_argument("--budget", type=float, default=0.3, help="rho of the compressed policies")
+
+
 def add_haystacks_argument(parser, presets: dict, each: str) -> None:
     """--haystacks of a grid script; ``each`` says what runs on every haystack."""
     import haystack

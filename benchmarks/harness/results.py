@@ -318,3 +318,10 @@ def run_task(args, run, *, section: str, make_plot, results_section, tables, plo
         write_results_section(section, lambda plot_rel: results_section(payload, plot_rel), png,
                               args.results_file, preset=preset)
     return payload
+
+
+def run_table_task(args, run, *, section: str, results_section, results_table) -> dict:
+    """``run_task`` for a script with one table of ``payload["rows"]`` and no figure (extend, serve)."""
+    return run_task(args, run, section=section, make_plot=None,
+                    results_section=lambda payload, _plot: results_section(payload),
+                    tables=lambda payload: [results_table(payload["rows"])])
