@@ -170,9 +170,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=common.OUT_DIR / "extend.json", help="JSON output")
     common.add_results_arguments(p, SECTION)
-    args = common.parse_with_preset(p, PRESETS, argv, fallback="full")
-    if not 0.0 < args.budget <= 1.0:
-        p.error("--budget must be in (0, 1]")
+    args = common.parse_compressed_policy_args(p, PRESETS, argv)
     if min(args.lengths) < 16 or min(args.turn_tokens) < 1 or args.repeats < 1:
         p.error("--lengths must be >= 16, --turn-tokens and --repeats >= 1")
     return args

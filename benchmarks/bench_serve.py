@@ -197,9 +197,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=common.OUT_DIR / "serve.json", help="JSON output")
     common.add_results_arguments(p, SECTION)
-    args = common.parse_with_preset(p, PRESETS, argv, fallback="full")
-    if not 0.0 < args.budget <= 1.0:
-        p.error("--budget must be in (0, 1]")
+    args = common.parse_compressed_policy_args(p, PRESETS, argv)
     if min(args.lengths) < 64 or max(args.lengths) > 8192 - 128 or args.repeats < 1 or args.max_tokens < 1:
         p.error("--lengths must be in [64, 8064] (the turns and answers need room in the 8192-token context), "
                 "--repeats and --max-tokens >= 1")

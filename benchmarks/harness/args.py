@@ -173,6 +173,14 @@ def add_compressed_policy_arguments(parser) -> None:
     parser.add_argument("--budget", type=float, default=0.3, help="rho of the compressed policies")
 
 
+def parse_compressed_policy_args(parser, presets: dict, argv=None) -> argparse.Namespace:
+    """``parse_with_preset`` ('full' when no preset is given) with ``--budget`` checked to lie in (0, 1]."""
+    args = parse_with_preset(parser, presets, argv, fallback="full")
+    if not 0.0 < args.budget <= 1.0:
+        parser.error("--budget must be in (0, 1]")
+    return args
+
+
 def add_haystacks_argument(parser, presets: dict, each: str) -> None:
     """--haystacks of a grid script; ``each`` says what runs on every haystack."""
     import haystack
