@@ -13,7 +13,9 @@ import pytest
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import LayerPrefill, RowBlock, layer_rows, prompt_kv_bytes
 from hetero_jax.runtime import Engine, Session, prefill
-from hetero_jax.policies import BudgetError, ContextKeeper, FullKV, make_policy
+from hetero_jax.policies import BudgetError, Composed, ContextKeeper, FullKV, PolicyError, make_policy
+from hetero_jax.policies.allocators import RankedFull
+from hetero_jax.policies.scorers import WindowVotes
 from hetero_jax.policies.contextkeeper.ranking import CARanking, calibrate_ranking, load_ranking
 from hetero_jax.profile import ProfileError
 from test_policies import np_queries
@@ -99,8 +101,12 @@ def test_each_head_keeps_what_numpy_says_with_the_full_kv_rows():
     L, rho = 120, 0.5
     ids = random_prompt(L, 5)
     nf = np_n_full(rho, L)
-    assert nf == 4 and ck(rho).n_full(CFG, L) == nf
+    assert nf == 4 and ck(rho).allocator.n_full("ContextKeeper", rho, CFG, L) == nf
     full_heads = set(ORDER[:nf])
+    want = np.full((CFG.num_layers, CFG.num_kv_heads), S_ + R_)  # layout order: a layer's full heads first
+    for li in range(CFG.num_layers):
+        want[li, : sum(l == li for l, _ in ORDER[:nf])] = L
+    np.testing.assert_array_equal(ck(rho).head_budgets(CFG, L), want)  # the allocator's grid
     eng = Engine(MODEL, [ids], ck(rho), tail_capacity=4)
     _, ref = prefill(PARAMS, CFG, [ids], tail_capacity=4)
     perms = ck(rho).layout(CFG).perms
@@ -186,6 +192,11 @@ def test_budget_error_names_the_smallest_rho():
     # the paper's defaults (128 + 256) on a short prompt name rho = 384 / L
     with pytest.raises(BudgetError, match=r"rho=0\.96\b"):
         Engine(MODEL, [random_prompt(400, 12)], ContextKeeper(ranking=RANKING, budget=0.5), tail_capacity=2)
+    # the allocator composed with a scorer needing more than sink + recent refuses before any compute
+    with pytest.raises(PolicyError, match=r"sink \+ recent = 4\+8 token\(s\), but the scorer needs 32"):
+        Composed(0.5, WindowVotes(window=32), RankedFull(RANKING, S_, R_)).make_prefill(CFG, [L])
+    with pytest.raises(PolicyError, match=r"RankedFull: ranking must be a CARanking.*got dict"):
+        RankedFull({}, S_, R_)
 
 
 def test_ranking_for_another_model_is_refused(tmp_path):

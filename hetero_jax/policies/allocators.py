@@ -6,21 +6,24 @@ policy's budget rho and the floor of the scorer it is composed with (``scorers.F
 sequence, raising BudgetError (naming ``owner``, the policy) before any compute; or None when the budgets
 follow the prefill (``Cascade``, whose ``shares`` the plan calls layer by layer with the preferences its
 traced ``preference`` hook returned). Uniform and pyramid keep exactly round(rho L) tokens per head on
-average; the profile's budgets keep rho's model-wide total up to Eq. 8's rounding, and the cascade at most it
-(it can only cut a layer's candidates).
+average; the profile's budgets keep rho's model-wide total up to Eq. 8's rounding, the cascade at most it
+(it can only cut a layer's candidates), and the ranking of full heads at most rho's total (whole heads).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 
 import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.layout import HeadLayout
 from hetero_jax.model.scoring import observation_window_probs
-from hetero_jax.policies.base import BudgetError, check_fields, int_param, real_param, smallest_rho, tokens_for
+from hetero_jax.policies.base import (BudgetError, PolicyError, check_fields, int_param, real_param, smallest_rho,
+                                     tokens_for)
 from hetero_jax.policies.scorers import Floor, window_forced, window_moments
 from hetero_jax.profile.head_profile import HeadProfile
 from hetero_jax.profile.schema import ProfileError
@@ -227,4 +230,88 @@ class ProfileBudgets(Allocator):
         return hi / 1e4
 
 
-ALLOCATORS = (Uniform, Pyramid, Cascade, ProfileBudgets)
+@dataclasses.dataclass(frozen=True)
+class RankedFull(Allocator):
+    """ContextKeeper's rule: the first N_full heads of a global ranking keep the whole prompt, every other head
+    c = min(L, sink + recent) tokens (StreamingLLM's sinks + recent), N_full the largest count with
+    ``N_full L + (N - N_full) c <= rho N L`` (N = layers x KV heads: the B1 rule solved for whole heads).
+
+    ``ranking``: a ``contextkeeper.CARanking`` (``order()``, ``rank()``, ``key()``, ``check_compatible``).
+    Budgets are in the order of :meth:`layout`, each layer's heads in ranking order, so the full heads of a
+    layer are a prefix of it for every prompt length.
+    """
+
+    ranking: object = dataclasses.field(compare=False, hash=False, repr=False)
+    sink: int = int_param(128, 0)  # the paper's Table 1 (ContextKeeper's defaults)
+    recent: int = int_param(256, 1)
+    key: str = dataclasses.field(default="", init=False)  # the ranking's order hash: what jit compares
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not all(callable(getattr(self.ranking, m, None)) for m in ("order", "rank", "key", "check_compatible")):
+            raise PolicyError(f"RankedFull: ranking must be a CARanking (policies.contextkeeper.load_ranking("
+                              f"'ranking.json')), got {type(self.ranking).__name__}")
+        object.__setattr__(self, "key", self.ranking.key())
+
+    def compressed(self, prompt_len: int) -> int:
+        """Tokens a head outside the full ones keeps: sink + recent, or the whole of a shorter prompt."""
+        return min(prompt_len, self.sink + self.recent)
+
+    def _fits(self, rho: float, n_full: int, n: int, prompt_len: int) -> bool:
+        c = self.compressed(prompt_len)
+        return n_full * prompt_len + (n - n_full) * c <= rho * n * prompt_len * (1 + 1e-12)
+
+    def min_rho(self, prompt_len: int, n: int = 1) -> float:
+        """Smallest rho (4 decimals, rounded up) at which no head keeps everything: min(L, s + r) / L."""
+        c = self.compressed(prompt_len)
+        rho = math.ceil(c / prompt_len * 1e4 - 1e-6) / 1e4
+        while not self._fits(rho, 0, n, prompt_len):
+            rho = round(rho + 1e-4, 4)
+        return min(rho, 1.0)
+
+    def _message(self, owner: str, rho: float, prompt_len: int, rho_min: float) -> str:
+        return (f"{owner}: budget rho={rho:g} cannot be kept for a {prompt_len}-token prompt: every head keeps at "
+                f"least sink + recent = {self.sink}+{self.recent} tokens (or the whole prompt when shorter); the "
+                f"smallest rho that works for this prompt is rho={rho_min:g}")
+
+    def n_full(self, owner: str, rho: float, cfg: ModelConfig, prompt_len: int) -> int:
+        """Heads (model-wide, in ranking order) that keep the whole prompt at budget rho; BudgetError naming
+        ``owner`` and the smallest rho if even none fits."""
+        n = cfg.num_layers * cfg.num_kv_heads
+        c = self.compressed(prompt_len)
+        if c == prompt_len:  # a compressed head would keep the whole prompt too
+            if not self._fits(rho, n, n, prompt_len):
+                raise BudgetError(self._message(owner, rho, prompt_len, 1.0))
+            return n
+        if not self._fits(rho, 0, n, prompt_len):
+            raise BudgetError(self._message(owner, rho, prompt_len, self.min_rho(prompt_len, n)))
+        nf = int(math.floor((rho * n * prompt_len - n * c) / (prompt_len - c) + 1e-9))
+        nf = max(0, min(n, nf))
+        while nf < n and self._fits(rho, nf + 1, n, prompt_len):
+            nf += 1
+        while nf > 0 and not self._fits(rho, nf, n, prompt_len):
+            nf -= 1
+        return nf
+
+    def full_per_layer(self, n_full: int, cfg: ModelConfig) -> np.ndarray:
+        """[layers] int64: how many of each layer's heads are among the first ``n_full`` of the ranking."""
+        top = self.ranking.order()[:n_full]
+        return np.bincount(top[:, 0], minlength=cfg.num_layers).astype(np.int64)
+
+    def layout(self, cfg: ModelConfig) -> HeadLayout:
+        """Each layer's KV heads in ranking order (the split into full and compressed heads is per prompt)."""
+        rank = self.ranking.rank()
+        return HeadLayout.from_orders(np.argsort(rank[l], kind="stable") for l in range(cfg.num_layers))
+
+    def head_budgets(self, owner, rho, cfg, prompt_len, floor):
+        self.ranking.check_compatible(cfg)
+        c, need = self.compressed(prompt_len), min(floor.tokens, prompt_len)
+        if c < need:  # a scorer needing more than sink + recent (SinksRecent(sink) never does)
+            raise PolicyError(f"{owner}: a compressed head keeps sink + recent = {self.sink}+{self.recent} "
+                              f"token(s), but the scorer needs {need} ({floor.reason}); raise recent")
+        per_layer = self.full_per_layer(self.n_full(owner, rho, cfg, prompt_len), cfg)
+        slots = np.arange(cfg.num_kv_heads)
+        return np.where(slots[None, :] < per_layer[:, None], prompt_len, c).astype(np.int64)
+
+
+ALLOCATORS = (Uniform, Pyramid, Cascade, ProfileBudgets, RankedFull)

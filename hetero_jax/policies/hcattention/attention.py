@@ -1,0 +1,118 @@
+"""HCAttention's decode-time attention over the prompt, traced inside the step: scores (exact or by the look-up
+table), the mass set, and the host's weighted sum of the values over it (``host_store.host_weighted_sum``)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from hetero_jax.model.host_store import host_weighted_sum
+from hetero_jax.model.spec import axes_field
+from pallas_kernels import MASK_VALUE
+
+
+@struct.dataclass
+class HCState:
+    """A layer's decode state: the prompt's keys, or their codes and the layer's codebook (the values are on
+    the host, in the store ``store``)."""
+
+    prompt_lens: jax.Array = axes_field("batch")  # [B] int32
+    store: jax.Array = axes_field()  # int32 handle of the values-only host store (``host_weighted_sum``)
+    keys: jax.Array | None = axes_field("batch", "kv_heads", "tokens", "head_dim", default=None)  # [B, H, T, D]
+    codes: jax.Array | None = axes_field("batch", "kv_heads", "tokens", "subvectors", default=None)  # [B, H, T, g]
+    codebook: jax.Array | None = axes_field("centroids", "sub_dim", default=None)  # [c, d], shared by the layer
+
+
+def prompt_part(li: int, q, st: HCState, kind: str, tau: float, k_cap_fraction: float, renormalize: bool):
+    """Traced: the prompt's share of attention for query rows q [B, H, Q, D] (``policy.py``'s docstring).
+
+    Returns (y [B, H, Q, D] float32, lse [B, H, Q] float32 of what y stands for, k* [B, H, Q] int32,
+    truncated [B, H, Q] bool: the k_cap candidates held less than tau)."""
+    B, H, Q, D = q.shape
+    s = prompt_scores(q, st) * (1.0 / math.sqrt(D))
+    T = s.shape[-1]
+    valid = jnp.arange(T, dtype=jnp.int32)[None, :] < st.prompt_lens[:, None]  # [B, T]
+    s = jnp.where(valid[:, None, None, :], s, MASK_VALUE)
+    m = s.max(-1)
+    p = jnp.exp(s - m[..., None])
+    l = p.sum(-1)
+    a = p / l[..., None]
+    k_cap = max(1, min(T, math.ceil(k_cap_fraction * T)))
+    keep = mass_set(a, tau, k_cap) & valid[:, None, None, :]
+    w = jnp.where(keep, a, 0.0)
+    y = host_weighted_sum(st.store, li, w, D, kind)
+    mass = w.sum(-1)
+    lse = m + jnp.log(l)
+    if renormalize:  # softmax over the kept tokens (and, merged, the tail)
+        y, lse = y / mass[..., None], lse + jnp.log(mass)
+    kstar = keep.sum(-1, dtype=jnp.int32)
+    truncated = (kstar == k_cap) & (mass < tau) & (k_cap < st.prompt_lens[:, None, None])
+    return y, lse, kstar, truncated
+
+
+MASS_BISECTION_STEPS = 31  # the bits of a non-negative float32 below +inf: the search ends on a value present
+
+
+def mass_set(a, tau: float, k_cap: int):
+    """Traced: the mass set Pi of every row of probabilities a [..., T] float32 (>= 0), as a [..., T] bool mask:
+    the k* most probable tokens, k* = min(k_cap, min{k : sum of the k largest >= tau}) (Eq. 4), ties to the
+    lower index; tau >= 1 keeps every token (up to k_cap).
+
+    No sort: a non-negative float's int32 bits order as its value, so two bisections over the bits find the
+    k*-th largest value of the mass rule (the largest x with sum_{a >= x} a >= tau) and of the cap (the largest
+    x with #{a >= x} >= k_cap) in 31 masked reductions each; tokens above the higher one are kept, and of the
+    tokens equal to it the first ones by index while the rule still holds."""
+    bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+    zero = jnp.zeros(a.shape[:-1] + (1,), jnp.int32)
+    top = bits.max(-1, keepdims=True) + 1  # no token reaches it: both rules fail there
+
+    def search(holds):
+        def body(_, lo_hi):
+            lo, hi = lo_hi
+            mid = lo + (hi - lo) // 2
+            ok = holds(mid)
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+        return jax.lax.fori_loop(0, MASS_BISECTION_STEPS, body, (zero, top))[0]
+
+    # k_cap >= T (the default) never binds: the k_cap-th largest value is then the smallest, 0 or above
+    cap = zero if k_cap >= a.shape[-1] else search(lambda x: (bits >= x).sum(-1, keepdims=True) >= k_cap)
+    if tau >= 1.0:
+        cut = zero
+    else:
+        cut = search(lambda x: jnp.where(bits >= x, a, 0.0).sum(-1, keepdims=True) >= tau)
+    thr = jnp.maximum(cut, cap)
+    above = bits > thr
+    tie = bits == thr
+    rank = jnp.cumsum(tie, axis=-1, dtype=jnp.int32)  # 1-based among the ties, by index
+    value = jax.lax.bitcast_convert_type(thr, jnp.float32)
+    mass_above = jnp.where(above, a, 0.0).sum(-1, keepdims=True)
+    by_mass = (thr != cut) | (mass_above + (rank - 1).astype(jnp.float32) * value < tau) | (tau >= 1.0)
+    by_cap = (thr != cap) | (rank <= k_cap - above.sum(-1, keepdims=True, dtype=jnp.int32))
+    return above | (tie & by_mass & by_cap)
+
+
+def prompt_scores(q, st: HCState):
+    """Traced: raw scores [B, H, Q, T] float32 of query rows q [B, H, Q, D] against the prompt: exact
+    (``st.keys`` [B, H, T, D]) or by the look-up table (``st.codes`` [B, H, T, g] int16, ``st.codebook``
+    [c, d]): z_t = sum_i (q_i . C[P[t, i]]) (paper Eq. 3)."""
+    B, H, Q, D = q.shape
+    qf = q.astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    if st.keys is not None:
+        return jnp.einsum("bhqd,bhtd->bhqt", qf, st.keys.astype(jnp.float32), precision=hi)
+    cb = st.codebook.astype(jnp.float32)  # [c, d]
+    codes = st.codes
+    T, g = codes.shape[2], codes.shape[3]
+    lut = jnp.einsum("bhqid,cd->ibhqc", qf.reshape(B, H, Q, g, D // g), cb, precision=hi)  # [g, B, H, Q, c]
+
+    def add_group(z, xs):  # one group at a time: never a [.., g, T] intermediate
+        table, code = xs  # [B, H, Q, c], [B, H, T]
+        idx = jnp.broadcast_to(code.astype(jnp.int32)[:, :, None, :], (B, H, Q, T))
+        return z + jnp.take_along_axis(table, idx, axis=-1), None
+
+    z, _ = jax.lax.scan(add_group, jnp.zeros((B, H, Q, T), jnp.float32), (lut, jnp.moveaxis(codes, -1, 0)))
+    return z

@@ -1,0 +1,106 @@
+"""HCAttention's decode state: the counters of the in-step selection and host sums, and its bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hetero_jax.model.cache import kv_bytes
+from hetero_jax.model.config import ModelConfig
+from hetero_jax.model.host_store import HostKVStore
+from hetero_jax.policies.protocol import DecodeState
+
+
+class HCDecode(DecodeState):
+    """HCAttention's counters; selection and the host sums run inside the step (``HCAttention.attend``).
+
+    ``policy``: the HCAttention, ``point``: its ``OperatingPoint`` for this batch (``policy.py``)."""
+
+    writes_prompt_rows = False  # its attend reads the codes and the host; only the tail grows
+
+    def __init__(self, policy, cfg: ModelConfig, lens, point, store: HostKVStore, itemsize: int):
+        self.policy, self.cfg, self.lens, self.point, self.store, self.itemsize = (policy, cfg, lens, point, store,
+                                                                                   itemsize)
+        self.steps = 0
+        self.pending = []  # device extras of dispatched steps, read lazily
+        self.kstar_sum = np.zeros(cfg.num_layers)  # sum over steps, sequences and query heads of k*/L
+        self.rows = 0  # (step, layer, sequence, query head) rows counted
+        self.truncations = 0
+        self.base = {k: list(v) for k, v in store.counters.items()}  # callback counters at this state's start
+
+    def fresh(self) -> "HCDecode":
+        return HCDecode(self.policy, self.cfg, self.lens, self.point, self.store, self.itemsize)
+
+    def before_step(self, step, cache):
+        self._collect()  # the last step's token was read back: its extras are ready, reading them never waits
+        return cache
+
+    def after_step(self, step, extras, cache) -> None:
+        self.steps += 1
+        for e in extras:
+            for a in e:
+                a.copy_to_host_async()
+        self.pending.append(extras)
+
+    def _collect(self) -> None:
+        L = self.lens.astype(np.float64)[:, None, None]
+        for extras in self.pending:
+            for li, (kstar, trunc) in enumerate(extras):
+                k = np.asarray(kstar)
+                self.kstar_sum[li] += float((k / L).sum())
+                self.truncations += int(np.asarray(trunc).sum())
+            self.rows += extras[0][0].size
+        self.pending = []
+
+    def in_flight(self):
+        return self.pending
+
+    def host_arrays(self) -> tuple:
+        return self.store.arrays()
+
+    def host_bytes_by_role(self) -> dict:
+        return {"value": self.store.nbytes()}
+
+    def achieved_rho(self, cache, cfg) -> np.ndarray:
+        """[B] bytes: each sequence's keys (or codes + the codebook) / its full prompt K+V bytes."""
+        return np.array([next(p.rho for p in self.policy.operating_points(cfg, int(L))
+                              if p.codebook is self.point.codebook) for L in self.lens])
+
+    def _counter(self, kind: str) -> tuple[int, float, int]:
+        now = self.store.counters.get(kind, [0, 0.0, 0])
+        base = self.base.get(kind, [0, 0.0, 0])
+        return now[0] - base[0], now[1] - base[1], now[2] - base[2]
+
+    def kv_bytes_read(self, cache) -> int:
+        """Keys or codes + codebooks (the state records) and the pool (device: every head's region holds only
+        its tail), plus the value rows a step reads on the host (mean)."""
+        _, _, rows = self._counter("decode")
+        host = rows * self.cfg.head_dim * self.itemsize / self.steps if self.steps else 0
+        return int(kv_bytes(cache) + self.index_bytes(cache) + host)
+
+    def stats(self) -> dict:
+        self._collect()
+        cfg, n = self.cfg, self.steps
+        B, NL = len(self.lens), cfg.num_layers
+        per_layer = self.kstar_sum / self.rows if self.rows else np.zeros(NL)
+        calls, seconds, rows = self._counter("decode")
+        T = int(self.lens.max())
+        q_rows = B * cfg.num_heads * NL  # query rows per step
+        cb = self.point.codebook
+        return {
+            "steps": n,
+            "mode": "values_on_host" if cb is None else f"codebook_g{cb.groups(cfg.head_dim)}",
+            "selection_ratio": float(per_layer.mean()),  # mean k*/L (paper Fig. 3)
+            "selection_ratio_by_layer": [float(x) for x in per_layer],
+            "truncations": self.truncations,
+            "bytes_to_host_per_step": q_rows * T * 4,  # each row's weights over the prompt (float32, 0 off Pi)
+            "bytes_from_host_per_step": q_rows * cfg.head_dim * 4,  # y, float32
+            "host_value_bytes_read_per_step": rows * cfg.head_dim * self.itemsize / n if n else 0.0,
+            "callback_ms_per_step": 1e3 * seconds / n if n else 0.0,
+            "host_bytes": self.store.nbytes(),
+            "turn_callbacks": self._counter("turn")[0],
+        }
+
+    def summary(self) -> str:
+        s = self.stats()
+        return (f"{s['mode']}, kept {s['selection_ratio']:.1%} of the prompt per query (tau {self.policy.tau:g}), "
+                f"host sums {s['callback_ms_per_step']:.1f} ms/step")
