@@ -230,3 +230,21 @@ def test_only_the_cli_imports_the_server():
                 if mod == "hetero_jax.serve" or mod.startswith("hetero_jax.serve.")]
     assert not bad, bad
     assert "hetero_jax.serve.app" in _sources(PACKAGES)  # the check sees the server's modules
+
+
+def test_size_limits():
+    """docs/architecture.md's limits, so that the house keeps the shape it was given (issue 39): no file of the
+    HeteroCache wing over 300 lines and no class there over 150; no benchmark script or harness module over 450."""
+    too_long = []
+    for p in sorted((REPO / "hetero_jax/policies/heterocache").glob("*.py")):
+        text = p.read_text()
+        if len(text.splitlines()) > 300:
+            too_long.append(f"{p.relative_to(REPO)}: {len(text.splitlines())} lines > 300")
+        for c in ast.walk(ast.parse(text)):
+            if isinstance(c, ast.ClassDef) and c.end_lineno - c.lineno + 1 > 150:
+                too_long.append(f"{p.relative_to(REPO)}: class {c.name} {c.end_lineno - c.lineno + 1} lines > 150")
+    for p in sorted((REPO / "benchmarks").rglob("*.py")):
+        n = len(p.read_text().splitlines())
+        if n > 450:
+            too_long.append(f"{p.relative_to(REPO)}: {n} lines > 450")
+    assert not too_long, "split by concern:\n" + "\n".join(too_long)
