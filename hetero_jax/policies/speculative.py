@@ -8,7 +8,7 @@ partial page). Decode step i attends the region as it is: its page slots hold
 Sel(q_{i-1}), the pages the previous step's query chose. The step returns
 Sel(q_i) (``select``); between steps the host recalls the pages of Sel(q_i)
 that are not resident into the slots of the pages no longer selected
-(``PageRecallDecode.before_step`` -> ``host_store.write_host_rows``, the path
+(``PageRecallDecode.before_step`` -> ``host_store.write_head_rows``, the path
 HeteroCache's recall takes): only those rows cross to the device, and the
 jitted step never waits on the host.
 
@@ -30,7 +30,7 @@ from flax import struct
 
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
-from hetero_jax.model.host_store import HostKVStore, write_host_rows
+from hetero_jax.model.host_store import HostKVStore, write_head_rows
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.pages import group_page_scores, page_summaries, top_pages
 from hetero_jax.policies.protocol import DecodeState
@@ -223,9 +223,8 @@ class PageRecallDecode(DecodeState):
         """Per head, the pages of the new selection that are not resident replace, slot by slot, the resident
         pages no longer selected. Only those rows cross to the device (every transfer started before any write)
         and are scattered in place into the page slots of each head's region of the pool (pool row = its offset
-        + start + slot * ps + i, its shard = head // (H / S)); the pool is never read back."""
+        + start + slot * ps + i; ``write_head_rows`` finds its shard); the pool is never read back."""
         ps = self.page_size
-        n_local = self.cfg.num_kv_heads // cache.pool.num_shards
         requests, mirrors, moved = [], {}, 0
         for li, sel in self.ready.items():
             mirror = self.resident[li]
@@ -245,12 +244,12 @@ class PageRecallDecode(DecodeState):
             tok = (self.start[mb, None] + pages[:, None] * ps + offs).reshape(-1)
             slots = (self.start[mb, None] + fj[:, None] * ps + offs).reshape(-1)  # region rows of the page slots
             b_idx, h_idx = np.repeat(mb, ps), np.repeat(mh, ps)
-            requests.append((li, b_idx, h_idx, tok, h_idx // n_local, self.offsets[li][b_idx, h_idx] + slots))
+            requests.append((li, b_idx, h_idx, tok, slots))
             moved += len(pages)
         if not requests:
             return cache
         # every layer's rows in one transfer set, all of it out before anything is written
-        pool, _, nbytes = write_host_rows(cache.pool, self.store, requests, self.compile_fn)
+        pool, _, nbytes = write_head_rows(cache.pool, self.store, self.offsets, requests, self.compile_fn)
         self.resident.update(mirrors)
         self.pages_recalled += moved
         self.bytes_recalled += nbytes
