@@ -2,7 +2,7 @@
 """Host offload: the recall path the policies call, its gather and transfer speed, and its overlap with compute.
 
 A HeteroCache recall (and SyncKV's and FreeKV's fetches) gathers rows of the pinned-host store straight into
-one padded staging buffer per K and V, starts their host -> device copies and writes them into the device
+the store's staging rows (pinned host arrays on a GPU), starts their host -> device copies and writes them into the device
 row pool (``host_store.write_host_rows``). This script times that function, at
 Llama-3.1-8B head shapes (8 KV heads of 128, bfloat16), for 8K to 128K rows (``--rows`` per head, x 8 heads
 x ``--recall-layers``) from a store of ``--prompt`` tokens per head:
@@ -65,7 +65,7 @@ def run(args) -> dict:
     import numpy as np
 
     from hetero_jax.model.cache import new_pool
-    from hetero_jax.model.host_store import HostKVStore, write_host_rows
+    from hetero_jax.model.host_store import HostKVStore, pinned_host, write_host_rows
 
     shp = SMALL if args.small else LLAMA
     H, D, T = shp["kv_heads"], shp["head_dim"], args.prompt
@@ -131,14 +131,19 @@ def run(args) -> dict:
         dst = np.empty_like(src)
         memcpy = _median_time(lambda: np.copyto(dst, src), args.iters)
         h2d = _median_time(lambda: jax.block_until_ready(jax.device_put(src)), args.iters)
+        # the bound a recall's transfer can reach: one contiguous DMA of the same bytes from pinned host memory
+        src_pinned = jax.block_until_ready(jax.device_put(src, pinned_host()))
+        on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+        h2d_pinned = _median_time(lambda: jax.block_until_ready(jax.device_put(src_pinned, on_device)), args.iters)
         t_all, t_gather = statistics.median(total), statistics.median(gather)
         runs = float(np.mean([1 + np.count_nonzero(np.diff(p_, axis=1) != 1, axis=1) for p_ in pos])) / R
         rows.append(dict(rows_per_head=R, rows=n_rec * H * R, positions=kind, runs_per_row=runs, bytes=nbytes,
                          rows_correct=ok,
                          recall_seconds=t_all, gather_seconds=t_gather, transfer_seconds=t_all - t_gather,
-                         memcpy_seconds=memcpy, contiguous_h2d_seconds=h2d,
+                         memcpy_seconds=memcpy, contiguous_h2d_seconds=h2d, pinned_h2d_seconds=h2d_pinned,
                          gather_gbps=nbytes / t_gather / 1e9, memcpy_gbps=nbytes / memcpy / 1e9,
                          transfer_gbps=nbytes / (t_all - t_gather) / 1e9, h2d_gbps=nbytes / h2d / 1e9,
+                         pinned_h2d_gbps=nbytes / h2d_pinned / 1e9,
                          recall_gbps=nbytes / t_all / 1e9, samples=total))
     # prefill's offload: one layer's K and V [1, H, T, D] to pinned host memory (``HostKVStore.put``, as
     # HeteroCache's prefill calls it for every layer), device -> host GB/s
@@ -160,7 +165,8 @@ def run(args) -> dict:
                         memory_kind=str(sink.v[0].sharding.memory_kind)))
         del kd, vd, sink
     out = dict(shapes=shp, prompt_tokens=T, recall_layers=n_rec, dtype=args.dtype, device=str(jax.devices()[0]),
-               host_store_bytes=store.nbytes(), pinned_memory_kind=str(store.k[0].sharding.memory_kind),
+               host_store_bytes=store.nbytes(), staging_pinned=store.staging.pinned,
+               pinned_memory_kind=str(store.k[0].sharding.memory_kind),
                rows=rows, d2h=d2h, overlap=None)
     if args.overlap:
         out["overlap"] = measure_overlap(args, shp, draw, ks, recall)
@@ -207,22 +213,25 @@ def markdown(payload: dict) -> str:
         common.section_header("Host offload: the recall path's gather and transfer (bench_offload.py)", payload), "",
         f"Device {r['device']}; store memory kind `{r['pinned_memory_kind']}`, {r['prompt_tokens']:,} tokens per "
         f"head x {shp['kv_heads']} KV heads (D {shp['head_dim']}, {r['dtype']}, K and V) x {r['recall_layers']} layers "
-        f"({r['host_store_bytes'] / GiB:.2f} GiB). Each recall: `write_host_rows` (gather into one padded staging "
-        "buffer per K and V, start the copies, scatter into the row pool), waited on. Each head's rows: "
+        f"({r['host_store_bytes'] / GiB:.2f} GiB). Each recall: `write_host_rows` (gather into the store's staging "
+        f"rows, {'pinned' if r.get('staging_pinned') else 'pageable'} here, start the copies, scatter into the row pool), "
+        "waited on. Each head's rows: "
         "'pooled' = the top-R positions of 5-tap pooled random logits (a recall's top set: rows in runs), "
         "'uniform' = R positions at random; 'runs / row' = contiguous runs per recalled row. Medians of "
         f"{payload['config']['iters']} repeats. 'gather' = the gather's host time, beside `np.copyto` of the same "
         "bytes; 'transfer' = the rest of the recall (copies started, scatter, wait), beside one contiguous "
-        "`jax.device_put` of the same bytes.", "",
+        "`jax.device_put` of the same bytes from a numpy array ('contiguous'); 'recall / pinned' = the whole "
+        "recall's GB/s over one contiguous copy of the same bytes from pinned host memory ('pinned H2D').", "",
         "| positions | runs / row | rows | MiB (K+V) | recall ms | gather GB/s | memcpy GB/s | gather / memcpy | "
-        "transfer GB/s | contiguous GB/s | transfer / contiguous | rows correct |",
-        "| :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+        "transfer GB/s | contiguous GB/s | transfer / contiguous | pinned H2D GB/s | recall / pinned | rows correct |",
+        "| :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
     ]
     for x in r["rows"]:
         lines.append(f"| {x['positions']} | {x['runs_per_row']:.2f} | {x['rows']:,} | {x['bytes'] / 2**20:,.1f} | "
                      f"{x['recall_seconds'] * 1e3:,.2f} | "
                      f"{x['gather_gbps']:.2f} | {x['memcpy_gbps']:.2f} | {x['gather_gbps'] / x['memcpy_gbps']:.2f} | "
                      f"{x['transfer_gbps']:.2f} | {x['h2d_gbps']:.2f} | {x['transfer_gbps'] / x['h2d_gbps']:.2f} | "
+                     f"{x['pinned_h2d_gbps']:.2f} | {x['recall_gbps'] / x['pinned_h2d_gbps']:.2f} | "
                      f"{'yes' if x['rows_correct'] else 'NO'} |")
     if r.get("d2h"):
         lines += ["", f"Prefill's offload: one layer's K and V ({shp['kv_heads']} KV heads x D {shp['head_dim']}, "

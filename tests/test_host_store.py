@@ -85,10 +85,12 @@ def test_send_host_rows_from_two_layers_then_scatter():
     np.testing.assert_array_equal(np.asarray(got.positions), want_pos)
 
 
+@pytest.mark.parametrize("pinned", [False, True])
 @pytest.mark.parametrize("chunk", [None, 8, 64])
-def test_send_host_rows_in_chunks_writes_each_row_into_its_place(monkeypatch, chunk):
-    """37 rows bound to every shard of a [2, 3, 20] pool, in one part (padded to 64) or five parts of 8: the
-    pool equals numpy's assignment of the rows (K, V and positions); the padding writes nothing."""
+def test_send_host_rows_in_chunks_writes_each_row_into_its_place(monkeypatch, chunk, pinned):
+    """37 rows bound to every shard of a [2, 3, 20] pool, in one part (padded to 64) or five parts of 8, from
+    pageable staging rows or pinned host arrays written in place (a GPU's staging; here forced on the CPU):
+    the pool equals numpy's assignment of the rows (K, V and positions); the padding writes nothing."""
     from hetero_jax.model import host_store as HS
 
     rng = np.random.default_rng(5)
@@ -100,6 +102,7 @@ def test_send_host_rows_in_chunks_writes_each_row_into_its_place(monkeypatch, ch
     T = 1000
     k_store, v_store = (rng.standard_normal((B, 1, T, D), np.float32) for _ in range(2))
     store = HostKVStore(1)
+    store.staging = HS.Staging(pinned=pinned)
     store.put(0, jnp.asarray(k_store), jnp.asarray(v_store))
     pos = rng.integers(0, T, 37).astype(np.int32)
     k_rows, v_rows = k_store[b_idx, 0, pos], v_store[b_idx, 0, pos]
@@ -112,18 +115,24 @@ def test_send_host_rows_in_chunks_writes_each_row_into_its_place(monkeypatch, ch
     parts, _ = send_host_rows(store, [(0, b_idx, np.zeros(37, int), pos, s_idx, rows)], P, chunk=chunk)
     out = scatter_rows(_pool(B, S, P, D, 7.0, -7.0), parts)
     assert calls == ([(4, 8)] * 5 if chunk == 8 else [(4, 64)])
+    assert store.staging.pinned == pinned and len(store.staging.held) == (0 if not pinned else 5 if chunk == 8 else 1)
     np.testing.assert_array_equal(np.asarray(out.k), want_k)
     np.testing.assert_array_equal(np.asarray(out.v), want_v)
     np.testing.assert_array_equal(np.asarray(out.positions), want_pos)
 
 
-def test_recalls_reuse_the_staging_rows_one_after_another():
+@pytest.mark.parametrize("pinned", [False, True])
+def test_recalls_reuse_the_staging_rows_one_after_another(pinned):
     """Three recalls in a row from one store (the second larger, so the staging grows; the third reuses it),
-    through ``write_host_rows`` as the policies make them: every pool row holds its own recall's store
-    row (numpy), none a later recall's, though they passed through the same host rows."""
+    through ``write_host_rows`` as the policies make them, from pageable or pinned staging rows: every pool
+    row holds its own recall's store row (numpy), none a later recall's, though they passed through the same
+    host rows."""
+    from hetero_jax.model.host_store import Staging
+
     B, H, T, D, P = 1, 2, 64, 8, 256
     k = jnp.asarray(_store_array((B, H, T, D), np.float32, 7))
     store = HostKVStore(1)
+    store.staging = Staging(pinned=pinned)
     store.put(0, k, -k)
     pool = _pool(B, H, P, D)
     kh = np.asarray(k)
@@ -134,10 +143,11 @@ def test_recalls_reuse_the_staging_rows_one_after_another():
         h, pos = rng.integers(0, H, n), rng.integers(0, T, n)
         rows = start + np.arange(n)
         start += n
-        pool, sent, nbytes = write_host_rows(pool, store, [(0, np.zeros(n, int), h, pos, h, rows)])
+        pool, sent, nbytes = write_host_rows(pool, store, [(0, np.zeros(n, int), h, pos, h, rows)], chunk=16)
         assert sent == n and nbytes == 2 * n * D * 4
         want[0, h, rows] = kh[0, h, pos]
-    assert store.staging.nbytes() == 2 * 64 * D * 4  # grown once, to row_bucket(40) rows of K and of V
+    # grown once, to the largest recall's 3 parts of 16 rows of K and of V (pageable: row_bucket(48) rows)
+    assert store.staging.nbytes() == 2 * (48 if pinned else 64) * D * 4
     np.testing.assert_array_equal(np.asarray(pool.k), want)
     np.testing.assert_array_equal(np.asarray(pool.v), -want)
 
@@ -175,3 +185,13 @@ def test_put_heads_then_write_head_rows_by_layout_slot():
     np.testing.assert_array_equal(np.asarray(pool.k), want_k)
     np.testing.assert_array_equal(np.asarray(pool.v), want_v)
     np.testing.assert_array_equal(np.asarray(pool.positions), want_pos)
+
+
+def test_part_spans_split_a_range_at_each_part_end():
+    """[lo, hi) cut at every multiple of the part size inside it (hand-computed cases)."""
+    from hetero_jax.model.host_store import _part_spans
+
+    assert _part_spans(0, 8, 8) == [(0, 8)]
+    assert _part_spans(3, 20, 8) == [(3, 8), (8, 16), (16, 20)]
+    assert _part_spans(8, 9, 8) == [(8, 9)]
+    assert _part_spans(5, 7, 64) == [(5, 7)]

@@ -3,8 +3,8 @@
 A policy that offloads (HeteroCache's compressed heads, FreeKV, Quest offloaded)
 puts a layer's full prompt K/V in pinned host memory at prefill
 (``HostKVStore.put``: asynchronous, never waited on while prefill dispatches),
-and between decode steps gathers rows from numpy views of it into one staging
-buffer, moves only those rows to the device (``jax.device_put``, asynchronous)
+and between decode steps gathers rows from numpy views of it into staging
+rows (pinned on a GPU: ``Staging``), moves only those rows to the device (``jax.device_put``, asynchronous)
 and writes them into the row pool with a jitted, donating scatter
 (:func:`write_host_rows`): the pool is never read back or re-uploaded whole,
 and one executable serves every layer.
@@ -20,6 +20,8 @@ or Quest fetches from the host.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import dataclasses
 import functools
 import itertools
 import os
@@ -218,39 +220,94 @@ def row_bucket(n: int) -> int:
     return max(8, 1 << max(0, n - 1).bit_length())
 
 
-def _send(ints: np.ndarray, k_pad: np.ndarray, v_pad: np.ndarray, chunk: int) -> list[tuple]:
-    """Device copies of padded rows, ``chunk`` rows per part (asynchronous): ints [4, N], k_pad, v_pad [N, D].
-    On a CPU device these may be the host rows themselves (jax does not copy a numpy view)."""
-    return [(jax.device_put(ints[:, i : i + chunk]), jax.device_put(k_pad[i : i + chunk]),
-             jax.device_put(v_pad[i : i + chunk])) for i in range(0, ints.shape[1], chunk)]
+def _send(ints: np.ndarray, parts: list["StagedPart"], chunk: int) -> list[tuple]:
+    """Device copies of the staged rows, one (ints, k, v) per part (asynchronous): ints [4, N], ``chunk`` rows a
+    part. On a CPU device a pageable part may be the host rows themselves (jax does not copy a numpy view)."""
+    target = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+    return [(jax.device_put(ints[:, i * chunk : (i + 1) * chunk]), *(
+        jax.device_put(src) if isinstance(src, np.ndarray) else jax.device_put(src, target)
+        for src in (p.k_src, p.v_src))) for i, p in enumerate(parts)]
+
+
+def _writable_view(x: jax.Array) -> np.ndarray:
+    """A writable numpy view of the pinned host buffer of ``x`` (one device's array), or None where the
+    runtime hands out a copy (``np.asarray`` would then not show a write): checked with a written value."""
+    try:
+        ptr = x.unsafe_buffer_pointer()
+    except (RuntimeError, NotImplementedError, ValueError):
+        return None
+    flat = np.ctypeslib.as_array((ctypes.c_uint8 * x.nbytes).from_address(ptr))
+    view = flat.view(x.dtype).reshape(x.shape)
+    view.reshape(-1).view(np.uint8)[:1] = 0xA5
+    seen = np.asarray(x).reshape(-1).view(np.uint8)[0]
+    return view if seen == 0xA5 else None
+
+
+@dataclasses.dataclass
+class StagedPart:
+    """One part's host rows: numpy views [chunk, D] to gather into (``k``, ``v``) and what ``jax.device_put``
+    sends (``k_src``, ``v_src``): the views themselves (pageable memory), or the pinned host arrays they view,
+    which the device reads by DMA with no bounce copy through the runtime's own pinned buffers."""
+
+    k: np.ndarray
+    v: np.ndarray
+    k_src: np.ndarray | jax.Array
+    v_src: np.ndarray | jax.Array
 
 
 class Staging:
     """The host rows a store's transfers are sent from (``send_host_rows``), kept between recalls: a fresh
-    buffer of a recall's size costs a page fault per 4 KiB while it is filled (the gather at a third of a
-    memcpy's speed on a 2-core machine). Holds the largest recall's rows (power-of-two rows) until the store
-    goes. ``take`` waits until the previous rows were read: their transfers (``sent``, set by
-    ``send_host_rows``), or the scatter that wrote them (set by ``scatter_rows``: on a CPU device the
-    transferred arrays can be views of these rows, read only when the scatter runs). One user at a time:
-    a caller sends every row of a recall with one ``send_host_rows``."""
+    buffer costs a page fault per 4 KiB while it is filled, and a fresh pinned one a driver allocation.
 
-    def __init__(self):
-        self.k: np.ndarray | None = None
+    Rows are held in parts of ``chunk`` rows (one scatter executable per part). On a GPU (``pinned``, the
+    default where the first device is not a CPU) each part is a pinned host array written in place, so
+    its transfer is a DMA; elsewhere the parts are slices of one pageable numpy buffer. Holds the largest
+    recall's parts until the store goes. ``take`` waits until the previous rows were read: their transfers
+    (``sent``, set by ``send_host_rows``), or the scatter that wrote them (set by ``scatter_rows``: on a CPU
+    device the transferred arrays can be views of these rows, read only when the scatter runs). One user at
+    a time: a caller sends every row of a recall with one ``send_host_rows``."""
+
+    def __init__(self, pinned: bool | None = None):
+        self.pinned = jax.devices()[0].platform != "cpu" if pinned is None else pinned
+        self.k: np.ndarray | None = None  # pageable rows [cap, D] (not ``pinned``)
         self.v: np.ndarray | None = None
+        self.held: list[StagedPart] = []  # pinned parts, all of ``held_key``'s chunk, D and dtypes
+        self.held_key: tuple | None = None
         self.sent: list = []  # the device arrays of the last transfers from these rows
 
-    def take(self, n: int, k_like: np.ndarray, v_like: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows [n, D] for K and V with the dtypes of ``k_like``, ``v_like`` [..., D] (contents undefined)."""
+    def take(self, n_parts: int, chunk: int, k_like: np.ndarray, v_like: np.ndarray) -> list[StagedPart]:
+        """``n_parts`` parts of ``chunk`` rows [chunk, D] for K and V with the dtypes of ``k_like``, ``v_like``
+        [..., D] (contents undefined)."""
         jax.block_until_ready(self.sent)
         self.sent = []
-        if (self.k is None or self.k.shape[0] < n or self.k.shape[1:] != k_like.shape[-1:]
+        D = k_like.shape[-1]
+        if self.pinned:
+            key = (chunk, D, k_like.dtype, v_like.dtype)
+            if key != self.held_key:
+                self.held, self.held_key = [], key
+            while len(self.held) < n_parts and self.pinned:
+                self._add_pinned_part(chunk, k_like, v_like)
+            if self.pinned:
+                return self.held[:n_parts]
+        n = n_parts * chunk
+        if (self.k is None or self.k.shape[0] < n or self.k.shape[1:] != (D,)
                 or self.k.dtype != k_like.dtype or self.v.dtype != v_like.dtype):
             cap = row_bucket(n)
             self.k, self.v = (np.empty((cap, x.shape[-1]), x.dtype) for x in (k_like, v_like))
-        return self.k[:n], self.v[:n]
+        return [StagedPart(k, v, k, v) for k, v in ((self.k[i : i + chunk], self.v[i : i + chunk])
+                                                    for i in range(0, n, chunk))]
+
+    def _add_pinned_part(self, chunk: int, k_like: np.ndarray, v_like: np.ndarray) -> None:
+        arrays = [jax.device_put(np.zeros((chunk, x.shape[-1]), x.dtype), pinned_host()) for x in (k_like, v_like)]
+        views = [_writable_view(a) for a in arrays]
+        if any(v is None for v in views):  # this runtime copies pinned arrays out: send pageable rows instead
+            self.pinned, self.held, self.held_key = False, [], None
+            return
+        self.held.append(StagedPart(*views, *arrays))
 
     def nbytes(self) -> int:
-        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+        pageable = 0 if self.k is None else self.k.nbytes + self.v.nbytes
+        return pageable + sum(p.k.nbytes + p.v.nbytes for p in self.held)
 
 
 # A recall's rows are random rows of a store of hundreds of MiB: one thread waits on memory (a TLB and cache
@@ -287,15 +344,21 @@ def _gather_all(pieces: list[tuple]) -> None:
         gather_rows(src, b, h, p, out=out)
 
 
+def _part_spans(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
+    """[lo, hi) split where it crosses a multiple of ``chunk`` (a staging part's end)."""
+    cuts = list(range((lo // chunk + 1) * chunk, hi, chunk))
+    return list(zip([lo, *cuts], [*cuts, hi]))
+
+
 def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk: int | None = None,
                    timings: dict | None = None) -> tuple[list[tuple], int]:
     """Start the host -> device copies of the store rows that ``requests`` name, bound for the pool.
 
     requests: (layer, b, store head, prompt positions, pool shard, pool row), each but the layer [n] ints;
     ``rows``: the pool's P (a padding row's target, dropped by the scatter). Every row is gathered straight
-    into one staging buffer per K and V, already padded to the parts' size (``chunk`` rows per part, default
-    one part of ``row_bucket(n)``), and the parts are sent from slices of it: one host copy of each row
-    before its transfer. Returns (the parts for :func:`scatter_rows`, rows sent); ``timings`` (a dict) gets
+    into the store's ``Staging`` parts (``chunk`` rows per part, default one part of ``row_bucket(n)``; the
+    last padded), which are sent as they are: one host copy of each row before its transfer (on a GPU the
+    parts are pinned, so the transfer is a DMA from them). Returns (the parts for :func:`scatter_rows`, rows sent); ``timings`` (a dict) gets
     the host seconds of the gather ("gather") and of starting the transfers ("send"). Raises whatever
     ``jax.device_put`` raises, before anything is written."""
     t0 = time.perf_counter()
@@ -303,13 +366,14 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
     if not n:
         return [], 0
     chunk = chunk or row_bucket(n)
-    total = max(1, -(-n // chunk)) * chunk
-    ints = np.empty((4, total), np.int32)
+    n_parts = max(1, -(-n // chunk))
+    ints = np.empty((4, n_parts * chunk), np.int32)
     ints[:, n:] = np.array([[0], [0], [rows], [-1]], np.int32)  # padding: slot P, dropped
     k0, v0 = store.view(requests[0][0])
-    k_pad, v_pad = store.staging.take(total, k0, v0)
-    k_pad[n:] = 0
-    v_pad[n:] = 0
+    staged = store.staging.take(n_parts, chunk, k0, v0)
+    for i in range(n // chunk, n_parts):  # the padding rows of the last part
+        staged[i].k[n - i * chunk :] = 0
+        staged[i].v[n - i * chunk :] = 0
     at = 0
     pieces = []  # (source [B, H, T, D], b, h, positions, destination rows): gathered on GATHER_THREADS threads
     for li, b, h, positions, shard, pool_rows in requests:
@@ -318,14 +382,16 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
         idx = np.broadcast_arrays(np.asarray(b), np.asarray(h), np.asarray(positions))
         for lo in range(0, m, GATHER_PIECE):
             hi = min(m, lo + GATHER_PIECE)
-            part = [x[lo:hi] for x in idx]
-            pieces += [(k, *part, k_pad[at + lo : at + hi]), (v, *part, v_pad[at + lo : at + hi])]
+            for a, z in _part_spans(at + lo, at + hi, chunk):  # a piece never crosses a part
+                part, r = staged[a // chunk], a % chunk
+                sel = [x[a - at : z - at] for x in idx]
+                pieces += [(k, *sel, part.k[r : r + z - a]), (v, *sel, part.v[r : r + z - a])]
         for i, x in enumerate((b, shard, pool_rows, positions)):
             ints[i, at : at + m] = x
         at += m
     _gather_pieces(pieces)
     t1 = time.perf_counter()
-    parts = _send(ints, k_pad, v_pad, chunk)
+    parts = _send(ints, staged, chunk)
     store.staging.sent = parts
     if timings is not None:
         timings["gather"] = timings.get("gather", 0.0) + t1 - t0
