@@ -299,6 +299,8 @@ class Staging:
 
     def _add_pinned_part(self, chunk: int, k_like: np.ndarray, v_like: np.ndarray) -> None:
         arrays = [jax.device_put(np.zeros((chunk, x.shape[-1]), x.dtype), pinned_host()) for x in (k_like, v_like)]
+        # the zeros land asynchronously on a GPU: a write before they have would be overwritten
+        jax.block_until_ready(arrays)
         views = [_writable_view(a) for a in arrays]
         if any(v is None for v in views):  # this runtime copies pinned arrays out: send pageable rows instead
             self.pinned, self.held, self.held_key = False, [], None
