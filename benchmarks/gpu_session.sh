@@ -2,10 +2,11 @@
 # The GPU half of the benchmarks in one call of a lent machine (see benchmarks/RESULTS.md, "GPU runs"), most
 # important figure first, inside six minutes on a fresh machine:
 #   1. Llama-3.1-8B-shaped decode at 32K, HeteroCache against full KV (recall steps apart, trigger rate)
-#   2. the recall path (bench_offload: gather, transfer, overlap with compute)
-#   3. the decode kernels (numerics compiled on the GPU, the pool kernel's timing)
+#   2. the same steps one at a time and pipelined (bench_pipeline: what generate's overlap of host and device gives)
+#   3. the recall path (bench_offload: gather, transfer, overlap with compute)
 #   4. the decode step kernel by kernel, host events beside (profile_step)
-#   5. 128K latency, then the per-group kernel's launch sweep, while time is left
+#   5. the decode kernels (numerics compiled on the GPU, the pool kernel's timing)
+#   6. 128K latency, then the per-group kernel's launch sweep, while time is left
 #
 #   make gpu-bundle          # once, here: the authors' Llama profile into .gpuref/ (git-ignored)
 #   device run, carry [".gpuref"]:
@@ -16,7 +17,7 @@
 # that fails or runs out of time loses only itself. Join latency lengths afterwards with
 #   python benchmarks/bench_latency.py --preset llama8b-gpu --merge $OUT/lat-*.json --write-results
 # The other stages' JSON carry their markdown ("markdown" key) for RESULTS.md. At most 8 files come back
-# from a lent machine: this writes at most 7 (log, two latency lengths, offload, kernels, profile, sweep).
+# from a lent machine: this writes at most 7 (log, two latency lengths, pipeline, offload, kernels, profile).
 set -u
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
@@ -51,11 +52,14 @@ if (( DRY )); then  # the same stages at tiny shapes (SmolLM2, its shipped profi
          --warmup-steps 2 --ttft-warmup 0 --ttft-repeats 1)
   OFFLOAD=(--small --iters 3 --warmup 1 --overlap)
   PROFILE=(--length 256 --warmup 1 --steps 2 --policies full heterocache)
+  PIPELINE=(--length 256 --warmup 1 --block 2 --rounds 1 --policies full heterocache)
 else
   LAT32=(--preset llama8b-gpu --synthetic-lengths 32768 --policies full heterocache --ttft-warmup 1)
   OFFLOAD=(--overlap)
   PROFILE=(--shape llama-3.1-8b --dtype bfloat16 --length 32768 --warmup 6 --steps 10 --top 30
            --policies full heterocache:tau_drift=-1 heterocache)
+  PIPELINE=(--shape llama-3.1-8b --dtype bfloat16 --length 32768 --warmup 4 --block 10 --rounds 4
+            --policies full heterocache:tau_drift=-1 heterocache)
 fi
 
 {
@@ -63,13 +67,14 @@ fi
   $PY -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, jax.devices())"
   stage "latency 32768" 170 $PY benchmarks/bench_latency.py "${LAT32[@]}" --no-progress \
     --out "$OUT/lat-32768.json" --plot "$PLOTS/lat-32768.png"
+  stage pipeline 90 $PY benchmarks/bench_pipeline.py "${PIPELINE[@]}" --out "$OUT/pipeline.json"
   stage offload 50 $PY benchmarks/bench_offload.py "${OFFLOAD[@]}" --out "$OUT/offload.json"
+  stage profile 100 $PY benchmarks/profile_step.py "${PROFILE[@]}" --out "$OUT/profile-32k.json"
   if (( DRY )); then
     echo "=== kernels: not in a dry run (compiled kernels need a GPU; tests/test_kernels.py checks them here)"
   else
     stage kernels 100 $PY benchmarks/bench_kernels.py --no-progress --out "$OUT/kernels.json"
   fi
-  stage profile 100 $PY benchmarks/profile_step.py "${PROFILE[@]}" --out "$OUT/profile-32k.json"
   if (( ! DRY )); then
     stage "latency 131072" 300 $PY benchmarks/bench_latency.py --preset llama8b-gpu --synthetic-lengths 131072 \
       --policies full heterocache --ttft-warmup 0 --decode-steps 32 --no-progress \

@@ -30,7 +30,11 @@ def test_dry_run_writes_each_stage_json(tmp_path):
     prof = json.loads((out / "profile-32k.json").read_text())
     assert [r["policy"] for r in prof["rows"]] == ["full", "heterocache"]
     assert all(r["steps"] == 2 and r["kernels_per_step"] > 0 for r in prof["rows"])
-    assert sorted(p.name for p in out.iterdir()) == ["lat-32768.json", "log.txt", "offload.json", "profile-32k.json"]
+    pipe = json.loads((out / "pipeline.json").read_text())
+    assert [r["policy"] for r in pipe["rows"]] == ["full", "heterocache"]
+    assert all(r["summary"][m]["n"] == 2 for r in pipe["rows"] for m in ("one at a time", "pipelined"))
+    assert sorted(p.name for p in out.iterdir()) == ["lat-32768.json", "log.txt", "offload.json", "pipeline.json",
+                                                     "profile-32k.json"]
 
 
 def test_gpu_run_without_the_profile_stops_before_any_stage(tmp_path):

@@ -43,8 +43,9 @@ def generate(
     engine = Engine(model, batch, policy, tail_capacity=tail_capacity_for(budget), seed=seed,
                     is_batch=is_batch)
     first = engine.first_tokens(temperature, top_p)
+    # pipelined: the engine is not used after this answer, so a step dispatched past its end costs nothing else
     out_ids, texts, reasons, decode_s = decode_loop(engine, first, budget, temperature=temperature, top_p=top_p,
-                                                     stops=stops, on_token=on_token)
+                                                     stops=stops, on_token=on_token, pipelined=True)
     if budget < max_new_tokens:
         reasons = ["context" if r == "max_new_tokens" else r for r in reasons]
     results = make_results(engine, out_ids, texts, reasons, decode_s, [len(b) for b in batch])

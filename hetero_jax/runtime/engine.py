@@ -183,6 +183,12 @@ class Engine:
         nxt = to_host(out[0])  # the read-back is part of the step's cost
         return nxt, time.perf_counter() - t1 - (compile_seconds() - before)
 
+    def dispatch(self, tokens, temperature: float, top_p: float) -> jax.Array:
+        """Dispatch one decode step on ``tokens`` [B] (host ints, or the device tokens an earlier ``dispatch``
+        returned) without waiting for it: the next tokens [B] on the device. The policy's hooks run as in
+        ``step``."""
+        return self._advance(tokens, temperature, top_p)[0]
+
     def step_with_logits(self, tokens, temperature: float = 0.0, top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """``step`` that also returns the logits it sampled from: (next tokens [B], logits [B, V] float32)."""
         out = self._advance(tokens, temperature, top_p)
@@ -338,8 +344,15 @@ def _copy_state(value):
     return value
 
 
-def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperature, top_p, stops, on_token):
-    """Accept sampled tokens and step until EOS / stop string / budget. Returns per-sequence outputs."""
+def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperature, top_p, stops, on_token,
+                pipelined: bool = False):
+    """Accept sampled tokens and step until EOS / stop string / budget. Returns per-sequence outputs.
+
+    ``pipelined``: each step is dispatched before the previous step's tokens are read back (it takes them on
+    the device), so the host's work for a step (hooks, dispatch, a GPU's launch) overlaps the device's work
+    for the one before. The step dispatched after the answer's last token is then computed and discarded:
+    only for an engine used once (``generate``), since it appends a token the answer does not hold.
+    ``decode_s``: per step, the wall seconds until its tokens were on the host (compiles excluded)."""
     tok = engine.model.tokenizer
     eos = set(tok.eos_token_ids) | set(engine.cfg.eos_token_ids)
     B = len(next_tok)
@@ -367,12 +380,21 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperatur
                 done[i], reasons[i] = True, "stop"
                 return
 
+    ahead = None  # pipelined: the device tokens of the step dispatched ahead
     for step in range(budget):
         for i in range(B):
             accept(i, int(next_tok[i]))
         if all(done) or step == budget - 1:
             break
-        next_tok, seconds = engine.step(next_tok, temperature, top_p)
+        t1, before = time.perf_counter(), compile_seconds()
+        if not pipelined:
+            next_tok, seconds = engine.step(next_tok, temperature, top_p)
+        else:
+            this = engine.dispatch(next_tok, temperature, top_p) if ahead is None else ahead
+            # the step after this one, while this one computes (never past the budget)
+            ahead = engine.dispatch(this, temperature, top_p) if step + 2 < budget else None
+            next_tok = to_host(this)
+            seconds = time.perf_counter() - t1 - (compile_seconds() - before)
         decode_s.append(seconds)
     return out_ids, texts, reasons, decode_s
 
