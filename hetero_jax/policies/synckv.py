@@ -43,7 +43,7 @@ from flax import struct
 
 from hetero_jax.model.cache import KVCache, KVPool, LayerPrefill, RowBlock, head_offsets
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import HostKVStore, write_host_rows
+from hetero_jax.model.host_store import HostKVStore, write_head_rows
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.model.transformer import prompt_queries
@@ -236,7 +236,7 @@ class SyncPrefill(PrefillPlan):
         block = block.replace(k=block.k[:, :, :kmax], v=block.v[:, :, :kmax], positions=block.positions[:, :, :kmax],
                               heads=tuple(r.comp_slots))
         blocks.append(block)
-        self.store.put(li, take_slots(k_buf, r.comp_slots)[:, :, :t_max], take_slots(v_buf, r.comp_slots)[:, :, :t_max])
+        self.store.put_heads(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max], r.comp_slots)
         ks_max, kd_max = int(self.k_s.max()), int(self.k_dyn.max())
         slot = np.arange(max(ks_max, 1))[None, None, :]
         state = SyncState(static_idx=jnp.where(jnp.asarray(slot < self.k_s[:, None, None]),
@@ -366,15 +366,14 @@ class SyncDecode(DecodeState):
         """Per sequence and cluster, the new dynamic positions that are not resident replace, row by row,
         the resident ones no longer chosen, in every NR head of the cluster. Only those rows cross to the
         device (every transfer started before any write) and are scattered in place into the
-        heads' regions of the pool (``write_host_rows``: pool row = the head's offset + k_s + the row)."""
+        heads' regions of the pool (``write_head_rows``: slot k_s + the row of the head's region)."""
         p = self.prefilled
-        n_local = cache.layers[0].num_heads // cache.pool.num_shards
         mirrors, parts = {}, []
         for li, top in outs.items():
             top = np.asarray(top)
             mirror = self.dyn[li].copy()
             comp = p.roles[li].comp_slots
-            b_l, h_l, s_l, r_l, pos_l = [], [], [], [], []
+            b_l, h_l, slot_l, pos_l = [], [], [], []
             for b in range(len(p.k)):
                 ks, kd = int(p.k_s[b]), int(p.k_dyn[b])
                 if kd == 0:
@@ -388,21 +387,19 @@ class SyncDecode(DecodeState):
                     self.overlap_n += 1
                     self.rows_requested += kd * len(sats)
                     self.recalls += len(sats) if len(missing) else 0
-                    for j in sats:  # NR head j of the layer's store, layout slot comp[j]
+                    for j in sats:  # NR head j of the layer, layout slot comp[j]
                         n = len(missing)
                         b_l.append(np.full(n, b))
-                        h_l.append(np.full(n, j))
-                        s_l.append(np.full(n, comp[j] // n_local))
-                        r_l.append(self.offsets[li][b, comp[j]] + ks + free)
+                        h_l.append(np.full(n, comp[j]))
+                        slot_l.append(ks + free)
                         pos_l.append(missing)
             self.layer_anticipations += 1
             mirrors[li] = mirror
             if not b_l or not sum(len(x) for x in b_l):
                 continue
-            b_idx, h_idx, s_idx, rows, positions = (np.concatenate(x) for x in (b_l, h_l, s_l, r_l, pos_l))
-            parts.append((li, b_idx, h_idx, positions, s_idx, rows))
+            parts.append((li, *(np.concatenate(x) for x in (b_l, h_l, pos_l, slot_l))))
         if parts:  # every layer's rows in one transfer set: all of them leave before anything is written
-            pool, n, nbytes = write_host_rows(cache.pool, p.store, parts, self.compile_fn)
+            pool, n, nbytes = write_head_rows(cache.pool, p.store, self.offsets, parts, self.compile_fn)
             cache = cache.replace(pool=pool)
             self.rows_recalled += n
             self.bytes_recalled += nbytes
