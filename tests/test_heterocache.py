@@ -331,7 +331,9 @@ def test_a_recall_lands_two_steps_after_its_check_with_the_host_rows_it_planned(
     """A check after step t (tau 1.5: every pivot drifts) is planned before step t + 1, K_base moving on at
     once, while the satellites keep their rows through step t + 1; before step t + 2 each planned row is in
     its slot: the host copy's K/V at the planned prompt position (numpy views of the pinned store), and
-    ``recall_steps`` says t + 2. Same setting as test_drift_thresholds_and_recall_contents (its compiles)."""
+    ``recall_steps`` says t + 2. ``fresh()`` waits for the send and starts without it. A session checkpoint
+    taken with the recall in flight, restored after it landed, lands it again (sent anew: its lane moved
+    on) with the same rows and token. Same setting as test_drift_thresholds_and_recall_contents (its compiles)."""
     from hetero_jax.policies.heterocache import inflight
 
     L, W, rho = 160, 3, 0.5
@@ -352,7 +354,10 @@ def test_a_recall_lands_two_steps_after_its_check_with_the_host_rows_it_planned(
     for got, want in zip(rows_at(), prefill_rows):  # no row landed yet
         for a, b in zip(got[:3], want[:3]):
             np.testing.assert_array_equal(a, b)
-    eng.step(tok, 0.0, 1.0)  # step W + 1: landed before it
+    rec, ck = ctl.recall, eng.checkpoint()
+    twin = ctl.fresh()
+    assert rec.future.done() and twin.recall is None and twin.lane is not ctl.lane and ctl.recall is rec
+    nxt, _ = eng.step(tok, 0.0, 1.0)  # step W + 1: landed before it
     assert ctl.recall is None and ctl.recall_steps == [W + 1, W + 1] and ctl.stats()["recall_wait_s"] >= 0.0
     items = sent[0][1]
     assert len(items) == ctl.stats()["recalls"] == 3  # satellites 0, 2 of layer 0 and 0 of layer 2
@@ -367,6 +372,13 @@ def test_a_recall_lands_two_steps_after_its_check_with_the_host_rows_it_planned(
         np.testing.assert_array_equal(k_rows[b, h, slots], host_k[b, idx, positions])
         np.testing.assert_array_equal(v_rows[b, h, slots], host_v[b, idx, positions])
     assert ctl.stats()["bytes_recalled"] == sum(2 * len(it[4]) * host_k.shape[-1] * host_k.itemsize for it in items)
+    assert eng.restore(ck) and ctl.recall is rec and ctl.recall_steps == []
+    again, _ = eng.step(tok, 0.0, 1.0)
+    np.testing.assert_array_equal(again, nxt)
+    assert ctl.recall_steps == [W + 1, W + 1] and len(sent) == 1  # sent again by write_rows, not in the background
+    for got, want in zip(rows_at(), rows):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("tau,n_top", [(1.5, 7), (-1.0, 7), (1.5, 0), (0.05, 7)])

@@ -65,7 +65,11 @@ class HeteroDecode(AsyncRecalls, DecodeState):
         self.check_observers: list = []  # given each check's o'_t (``recall.observe_check``; bench_drift_metric)
 
     def fresh(self) -> "HeteroDecode":
-        self._drop_recall()  # its background send is not left running under the new state
+        """A state as prefill left it, with its own lane and no recall in flight. A send of this state's still
+        running is waited for (it would be timed as the new state's work); this state keeps that recall, its
+        rows landing on its own cache at the step they were due."""
+        if self.recall is not None:
+            self.recall.block_until_ready()
         return HeteroDecode(self.prefilled, compile_fn=self.compile_fn)
 
     def after_step(self, step: int, extras, cache: KVCache) -> None:
