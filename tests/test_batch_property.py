@@ -35,7 +35,7 @@ from tiny_model import random_prompts, tiny_model
 A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE
 MODEL = tiny_model(512)
 CFG = MODEL.config
-STEPS = 8  # decode steps: two HeteroCache checks at window 3 (the second's recall lands inside), FreeKV recalls
+STEPS = 8  # decode steps: two HeteroCache checks at window 3 (their recalls land before steps 4 and 7), FreeKV recalls
 
 
 def _profile(roles, clusters, weights=None):
@@ -90,7 +90,7 @@ VARIANTS = {
     "profiledsnapkv": [lambda lens, r=r: ProfiledSnapKV(profile=HETERO_PROFILE, budget=r, window=8)
                        for r in (0.5, 0.7)],
     # tau 0.3-0.6 on the normalised overlap: some checks drift and recall, some do not (the tiny model's
-    # medians spread over -0.15 to 0.5); window 3: checks after steps 2 and 5, the first's recall inside
+    # medians spread over -0.15 to 0.5); window 3: checks after steps 2 and 5, their recalls landing at 4 and 7
     "heterocache": [lambda lens, r=r, t=t: HeteroCache(profile=HETERO_PROFILE, budget=r, window=3, tau_drift=t)
                     for r in (0.5, 0.7) for t in (0.3, 0.45, 0.6)]
                    # a copy window per sequence, following its copy heads over the forced prompt span

@@ -200,11 +200,12 @@ def test_drift_thresholds_and_recall_contents(tau):
         orig_after(step, extras, cache)
 
     ctl.after_step = spy
-    # every pivot layer is checked after step W - 1; its recall lands before the step that follows
+    # every pivot layer is checked after step W - 1; its recall is planned before step W and lands before W + 1
     check_step = {0: W - 1, 2: W - 1}
     for _ in range(W + 2):
         tok, _ = eng.step(tok, 0.0, 1.0)
     after_recall = ctl.stats()
+    assert ctl.recall_steps == ([] if tau < 0 else [W + 1, W + 1])  # one per drifted layer: check step + 2
     assert list(after_recall) == STAT_KEYS  # what GenerationStats and the benchmarks read, in this order
     assert after_recall["trigger_rate"] == after_recall["drift_triggers"] / after_recall["drift_checks"]
     n_pivots = 2
@@ -304,7 +305,7 @@ def test_select_window_must_be_a_positive_int():
             HeteroCache(profile=PROFILE, select_window=bad)
 
 
-def test_drain_waits_for_the_dispatched_drift_check():
+def test_drain_waits_for_the_dispatched_drift_check_and_the_recall_in_flight():
     policy = HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5)
     eng = Engine(MODEL, [random_prompt(100, 11)], policy, tail_capacity=8)
     tok = eng.first_tokens(0.0, 1.0)
@@ -313,9 +314,71 @@ def test_drain_waits_for_the_dispatched_drift_check():
     _, outs = eng.state.pending  # dispatched after the second step, not yet applied
     assert eng.drain() >= 0.0
     assert len(outs) == 3 and all(a.is_ready() for a in outs)
-    assert eng.state.pending is not None  # drain waits; the recall still lands before the next step
+    assert eng.state.pending is not None  # drain waits; the recall is still planned before the next step
+    tok, _ = eng.step(tok, 0.0, 1.0)  # planned (tau 1.5: it drifted), its rows sent in the background
+    rec = eng.state.recall
+    assert eng.state.in_flight()[1] is rec and rec.future is not None
+    assert eng.drain() >= 0.0 and rec.future.done()
+    assert all(a.is_ready() for a in jax.tree.leaves(rec.future.result()[0]))  # the transfers too
+    assert eng.state.recall is rec and eng.state.recall_steps == []  # drained, not landed: that is the next step's
+    eng.step(tok, 0.0, 1.0)
+    assert eng.state.recall is None and eng.state.recall_steps == [3, 3] and eng.state.stats()["recalls"] > 0
     full = Engine(MODEL, [random_prompt(100, 11)], FullKV(), tail_capacity=8)
     assert full.drain() >= 0.0  # no controller: nothing to wait for
+
+
+def test_a_recall_lands_two_steps_after_its_check_with_the_host_rows_it_planned(monkeypatch):
+    """A check after step t (tau 1.5: every pivot drifts) is planned before step t + 1, K_base moving on at
+    once, while the satellites keep their rows through step t + 1; before step t + 2 each planned row is in
+    its slot: the host copy's K/V at the planned prompt position (numpy views of the pinned store), and
+    ``recall_steps`` says t + 2. ``fresh()`` waits for the send and starts without it. A session checkpoint
+    taken with the recall in flight, restored after it landed, lands it again (sent anew: its lane moved
+    on) with the same rows and token. Same setting as test_drift_thresholds_and_recall_contents (its compiles)."""
+    from hetero_jax.policies.heterocache import inflight
+
+    L, W, rho = 160, 3, 0.5
+    eng = Engine(MODEL, [random_prompt(L, 2)], HeteroCache(profile=PROFILE, budget=rho, window=W, tau_drift=1.5),
+                 tail_capacity=16)
+    ctl, sent, real_send = eng.state, [], inflight.send
+    monkeypatch.setattr(inflight, "send", lambda *a, **k: sent.append((k["step"], a[4])) or real_send(*a, **k))
+    rows_at = lambda: [tuple(map(np.asarray, layer_rows(eng.cache, li))) for li in range(CFG.num_layers)]  # noqa: E731
+    base_at = lambda: {li: np.asarray(eng.cache.layers[li].state.k_base) for li in (0, 2)}  # noqa: E731
+    prefill_rows, prefill_base = rows_at(), base_at()
+    tok = eng.first_tokens(0.0, 1.0)
+    for _ in range(W):  # steps 0 .. W - 1: the check is dispatched after step W - 1
+        tok, _ = eng.step(tok, 0.0, 1.0)
+    assert ctl.pending[0] == W - 1 and not sent
+    tok, _ = eng.step(tok, 0.0, 1.0)  # step W: planned before it, sent while it runs, not landed
+    assert [s for s, _ in sent] == [W] and ctl.recall is not None and ctl.recall_steps == []
+    assert all(not np.array_equal(base_at()[li], prefill_base[li]) for li in (0, 2))  # K_base moved on at once
+    for got, want in zip(rows_at(), prefill_rows):  # no row landed yet
+        for a, b in zip(got[:3], want[:3]):
+            np.testing.assert_array_equal(a, b)
+    rec, ck = ctl.recall, eng.checkpoint()
+    twin = ctl.fresh()
+    assert rec.future.done() and twin.recall is None and twin.lane is not ctl.lane and ctl.recall is rec
+    nxt, _ = eng.step(tok, 0.0, 1.0)  # step W + 1: landed before it
+    assert ctl.recall is None and ctl.recall_steps == [W + 1, W + 1] and ctl.stats()["recall_wait_s"] >= 0.0
+    items = sent[0][1]
+    assert len(items) == ctl.stats()["recalls"] == 3  # satellites 0, 2 of layer 0 and 0 of layer 2
+    rows = rows_at()
+    for li, b, j, slots, positions in items:
+        host_k, host_v = ctl.prefilled.store.view(li)
+        k_rows, v_rows, pos_rows, _ = rows[li]
+        h = ctl.prefilled.roles[li].comp_slots[j]
+        idx = ctl.prefilled.store.head_index(li, [h])[0]
+        assert len(slots) == int(ctl.prefilled.counts[li][b, j]) and len(set(positions.tolist())) == len(slots)
+        np.testing.assert_array_equal(pos_rows[b, h, slots], positions)
+        np.testing.assert_array_equal(k_rows[b, h, slots], host_k[b, idx, positions])
+        np.testing.assert_array_equal(v_rows[b, h, slots], host_v[b, idx, positions])
+    assert ctl.stats()["bytes_recalled"] == sum(2 * len(it[4]) * host_k.shape[-1] * host_k.itemsize for it in items)
+    assert eng.restore(ck) and ctl.recall is rec and ctl.recall_steps == []
+    again, _ = eng.step(tok, 0.0, 1.0)
+    np.testing.assert_array_equal(again, nxt)
+    assert ctl.recall_steps == [W + 1, W + 1] and len(sent) == 1  # sent again by write_rows, not in the background
+    for got, want in zip(rows_at(), rows):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("tau,n_top", [(1.5, 7), (-1.0, 7), (1.5, 0), (0.05, 7)])
@@ -524,7 +587,8 @@ def test_each_turn_reselects_every_compressed_head_from_the_turn_queries():
 def test_reselection_lands_before_the_answer_and_drops_a_stale_check():
     """The turn's re-selection runs before the decode step of its last token (whose logits give the
     answer's first token); a drift check pending from the previous answer is dropped, not applied over
-    the new rows; the next check comes W steps into the answer, on the answer's queries."""
+    the new rows, and so is a recall in flight (planned, not landed); the next check comes W steps into the
+    answer, on the answer's queries."""
     W = 3
     policy = HeteroCache(profile=PROFILE, budget=0.5, window=W, tau_drift=1.5)
     sess = Session(MODEL, random_prompt(120, 7), policy, chat=False, reserve_tokens=32)
@@ -538,12 +602,15 @@ def test_reselection_lands_before_the_answer_and_drops_a_stale_check():
     assert [e[0] for e in log[:2]] == ["extend", "step"]  # re-selected, then the question's last token
     assert ctl.pending is not None and dispatched == [W - 1]
     assert ctl.stats()["recalls"] == 0  # tau 1.5: applied, the pending check would recall every satellite
-    # two steps into the next answer (fewer than W: no check of its own)
-    sess.ask(random_prompt(5, 9), max_new_tokens=2)
+    # W + 1 steps into the next answer: its own check, planned before the last step, is in flight
+    second = sess.ask(random_prompt(5, 9), max_new_tokens=W + 1, stop=None)
     assert ctl.pending is None and ctl.stats()["recalls"] == 0  # dropped by the re-selection: no recall from it
     steps = [e[1] for e in log if e[0] == "step"]
     assert dispatched[0] == steps[0] + W - 1  # W decode steps after the re-selection: the first check
-    assert len(first.token_ids) == W
+    assert dispatched[1] == steps[W] + W - 1 and ctl.recall is not None and ctl.recall.step == steps[W] + W
+    sess.ask(random_prompt(4, 10), max_new_tokens=1)
+    assert ctl.recall is None and ctl.stats()["recalls"] == 0 and ctl.recall_steps == []  # dropped, never landed
+    assert len(first.token_ids) == W and len(second.token_ids) == W + 1
 
 
 def test_a_turn_is_encoded_again_over_its_reselected_rows():
@@ -798,7 +865,8 @@ def jax_leaves(tree):
 
 
 STAT_KEYS = ["drift_checks", "drift_triggers", "trigger_rate", "recalls", "bytes_recalled", "reselections",
-             "bytes_reselected", "recall_failures", "copy_moves", "bytes_copied", "copy_failures", "reselect_failures"]
+             "bytes_reselected", "recall_failures", "recall_wait_s", "copy_moves", "bytes_copied", "copy_failures",
+             "reselect_failures"]
 
 
 def test_counters_are_a_frozen_record_whose_asdict_is_the_stats():

@@ -353,16 +353,18 @@ def _part_spans(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk: int | None = None,
-                   timings: dict | None = None) -> tuple[list[tuple], int]:
+                   timings: dict | None = None, staging: "Staging | None" = None) -> tuple[list[tuple], int]:
     """Start the host -> device copies of the store rows that ``requests`` name, bound for the pool.
 
     requests: (layer, b, store head, prompt positions, pool shard, pool row), each but the layer [n] ints;
     ``rows``: the pool's P (a padding row's target, dropped by the scatter). Every row is gathered straight
-    into the store's ``Staging`` parts (``chunk`` rows per part, default one part of ``row_bucket(n)``; the
-    last padded), which are sent as they are: one host copy of each row before its transfer (on a GPU the
-    parts are pinned, so the transfer is a DMA from them). Returns (the parts for :func:`scatter_rows`, rows sent); ``timings`` (a dict) gets
-    the host seconds of the gather ("gather") and of starting the transfers ("send"). Raises whatever
-    ``jax.device_put`` raises, before anything is written."""
+    into the ``Staging`` parts (``chunk`` rows per part, default one part of ``row_bucket(n)``; the last
+    padded), which are sent as they are: one host copy of each row before its transfer (on a GPU the parts
+    are pinned, so the transfer is a DMA from them). Returns (the parts for :func:`scatter_rows`, rows sent);
+    ``timings`` (a dict) gets the host seconds of the gather ("gather") and of starting the transfers
+    ("send"). ``staging``: the rows to gather into (default the store's own; a caller that sends from another
+    thread brings its own, so that two sends never fill one buffer). Raises whatever ``jax.device_put``
+    raises, before anything is written."""
     t0 = time.perf_counter()
     n = sum(len(r[3]) for r in requests)
     if not n:
@@ -372,7 +374,8 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
     ints = np.empty((4, n_parts * chunk), np.int32)
     ints[:, n:] = np.array([[0], [0], [rows], [-1]], np.int32)  # padding: slot P, dropped
     k0, v0 = store.view(requests[0][0])
-    staged = store.staging.take(n_parts, chunk, k0, v0)
+    staging = store.staging if staging is None else staging
+    staged = staging.take(n_parts, chunk, k0, v0)
     for i in range(n // chunk, n_parts):  # the padding rows of the last part
         staged[i].k[n - i * chunk :] = 0
         staged[i].v[n - i * chunk :] = 0
@@ -394,7 +397,7 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
     _gather_pieces(pieces)
     t1 = time.perf_counter()
     parts = _send(ints, staged, chunk)
-    store.staging.sent = parts
+    staging.sent = parts
     if timings is not None:
         timings["gather"] = timings.get("gather", 0.0) + t1 - t0
         timings["send"] = timings.get("send", 0.0) + time.perf_counter() - t1
@@ -402,35 +405,45 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
 
 
 def write_host_rows(pool: KVPool, store: "HostKVStore", requests: list[tuple], compile_fn=None,
-                    chunk: int | None = None, timings: dict | None = None) -> tuple[KVPool, int, int]:
+                    chunk: int | None = None, timings: dict | None = None,
+                    staging: "Staging | None" = None) -> tuple[KVPool, int, int]:
     """``pool`` (donated) with the store rows that ``requests`` name written in place: every transfer started
     (:func:`send_host_rows`, its arguments) before anything is written, so a failed one leaves the pool as it
-    was, then one scatter executable per part (:func:`scatter_rows`), which releases the store's staging rows.
-    Returns (the pool, rows written, K/V bytes moved: rows x 2 x D x itemsize, padding not counted)."""
-    parts, n = send_host_rows(store, requests, pool.num_rows, chunk=chunk, timings=timings)
+    was, then one scatter executable per part (:func:`scatter_rows`), which releases the staging rows
+    (``staging``, default the store's own). Returns (the pool, rows written, K/V bytes moved: rows x 2 x D x
+    itemsize, padding not counted)."""
+    staging = store.staging if staging is None else staging
+    parts, n = send_host_rows(store, requests, pool.num_rows, chunk=chunk, timings=timings, staging=staging)
     if not n:
         return pool, 0, 0
-    pool = scatter_rows(pool, parts, compile_fn, staging=store.staging)
+    pool = scatter_rows(pool, parts, compile_fn, staging=staging)
     return pool, n, kv_rows_nbytes(n, store.view(requests[0][0])[1])
 
 
-def write_head_rows(pool: KVPool, store: "HostKVStore", offsets, requests: list[tuple], compile_fn=None,
-                    chunk: int | None = None) -> tuple[KVPool, int, int]:
-    """``pool`` (donated) with store rows written into heads' regions, the same call on one device and on a
-    mesh: heads are named by layout slot, and the pool shard that holds each (the pool splits the layout's
-    heads into ``pool.num_shards`` consecutive groups) and its index in the store (``HostKVStore.head_index``)
-    are found here.
+def head_row_requests(store: "HostKVStore", offsets, num_shards: int, requests: list[tuple]) -> list[tuple]:
+    """:func:`send_host_rows`'s requests for rows named by layout head, the same on one device and on a mesh:
+    the pool shard that holds each head (the pool splits the layout's heads into ``num_shards`` consecutive
+    groups), its index in the store (``HostKVStore.head_index``) and its pool row are found here.
 
     requests: (layer, b, layout head, prompt positions, slots within the head's region), each but the layer
-    [n] ints; offsets: per layer [B, H] each head's first pool row. Returns what :func:`write_host_rows`
-    returns (every transfer starts before anything is written)."""
+    [n] ints; offsets: per layer [B, H] each head's first pool row. Returns (layer, b, store head, positions,
+    pool shard, pool row) per request."""
     rows = []
     for li, b, h, positions, slots in requests:
         b, h = np.asarray(b, np.int64), np.asarray(h, np.int64)
-        n_local = offsets[li].shape[1] // pool.num_shards
+        n_local = offsets[li].shape[1] // num_shards
         rows.append((li, b, store.head_index(li, h), positions, h // n_local,
                      offsets[li][b, h] + np.asarray(slots, np.int64)))
-    return write_host_rows(pool, store, rows, compile_fn, chunk=chunk)
+    return rows
+
+
+def write_head_rows(pool: KVPool, store: "HostKVStore", offsets, requests: list[tuple], compile_fn=None,
+                    chunk: int | None = None, staging: "Staging | None" = None) -> tuple[KVPool, int, int]:
+    """``pool`` (donated) with store rows written into heads' regions (requests and offsets as in
+    :func:`head_row_requests`, which translates them). Returns what :func:`write_host_rows` returns (every
+    transfer starts before anything is written); ``staging`` as there."""
+    rows = head_row_requests(store, offsets, pool.num_shards, requests)
+    return write_host_rows(pool, store, rows, compile_fn, chunk=chunk, staging=staging)
 
 
 def scatter_rows(pool: KVPool, parts: list[tuple], compile_fn=None, staging: "Staging | None" = None) -> KVPool:

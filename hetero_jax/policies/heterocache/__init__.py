@@ -40,10 +40,13 @@ never moves it.
 
 Asynchrony and lag: the check is dispatched right after step t's decode and
 its small outputs (flags, indices) are copied to the host asynchronously;
-they are read before step t + 1 is dispatched, and recalled rows are written
-then, so a recall takes effect exactly one step after the check. The
-gather runs on the host (numpy view of the pinned array) and the rows go to
-the device with an asynchronous ``device_put``.
+they are read before step t + 1 is dispatched, where the recall is planned
+and K_base moves on. Its rows are gathered on the host (numpy view of the
+pinned array) and sent with ``device_put`` on a background thread while step
+t + 1 runs, and written into the pool before step t + 2, which waits only
+for transfers not yet done (the paper's AsyncUpdate: the transfers hidden
+behind one decode step). So a recall takes effect exactly two steps after
+its check, whatever the timing.
 
 Modules, by concern; imports run one way, each only from those listed before it (and below the wing):
 
@@ -56,6 +59,8 @@ Modules, by concern; imports run one way, each only from those listed before it 
 - ``copy_window``: window slots, the rows a window takes, when a pointer moves it;
 - ``recall``: the check's inputs, the top-set sizes a recall reads, the recall plan from a check's outputs;
 - ``reselect``: the per-turn re-selection's scores and rows;
+- ``inflight``: the recall in flight: its background send, its landing a step later, the decode state's
+  recall hooks;
 - ``decode``: ``HeteroDecode``, the per-request decode state that runs the hooks and holds the counters;
 - ``prefill``: ``HeteroPrefill``, the prefill plan, whose ``finish`` makes the decode state;
 - ``policy``: ``HeteroCache``, the frozen policy (its ``attend`` is ``step.attend_step``).

@@ -22,6 +22,7 @@ class Counters:
     reselections: int = 0  # turns after which the compressed heads re-selected
     bytes_reselected: int = 0  # K/V bytes written to the device by those re-selections
     recall_failures: int = 0  # recalls dropped because their transfer failed
+    recall_wait_s: float = 0.0  # host seconds the steps that landed recalls waited for their transfers
     copy_moves: int = 0  # times a sequence's copy window moved to a copied span
     bytes_copied: int = 0
     copy_failures: int = 0  # window fills dropped (filled again at the next step)

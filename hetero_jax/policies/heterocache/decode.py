@@ -1,10 +1,13 @@
 """HeteroCache's decode state: what one request keeps between decode steps and the hooks the engine runs around
 them. It buffers the pivots' shares of each step and dispatches the drift check every ``window`` steps
-(``step.drift_check``), applies its recalls one step later (``recall``), re-selects after a session's turn
+(``step.drift_check``), plans its recalls before the next step and lands their rows one step after that, their
+transfers run while that step computes (``recall``, ``inflight``), re-selects after a session's turn
 (``reselect``) and moves the copy window (``copy_window``); every row goes through one host_store call.
 
-Every attribute a turn may change is a number, a container, a numpy array or a frozen record (``Counters``):
-a session's checkpoint copies those (``runtime.engine``) and a failed turn is undone by putting them back.
+Every attribute a turn may change is a number, a container, a numpy array or a frozen record (``Counters``,
+``inflight.InFlight``): a session's checkpoint copies those (``runtime.engine``) and a failed turn is undone by
+putting them back. The recall in flight and its ``inflight.Lane`` are shared, not copied: a recall put back
+after the turn dropped it finds its lane moved on and sends its rows again where it lands.
 """
 
 from __future__ import annotations
@@ -12,17 +15,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.model.cache import KVCache, head_offsets
-from hetero_jax.policies.heterocache.copy_window import moved_windows, update_held, window_rows
+from hetero_jax.policies.heterocache.copy_window import moved_windows, window_rows
 from hetero_jax.policies.heterocache.counters import Counters, summary
+from hetero_jax.policies.heterocache.inflight import AsyncRecalls, Lane, warn_failed
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled, write_rows
-from hetero_jax.policies.heterocache.recall import (check_executable, check_inputs, observe_check, plan_recall,
-                                                    recall_chunk, set_sizes_by_layer)
+from hetero_jax.policies.heterocache.recall import (check_executable, check_inputs, observe_check, recall_chunk,
+                                                    set_sizes_by_layer)
 from hetero_jax.policies.heterocache.reselect import reselect
 from hetero_jax.policies.heterocache.step import drift_check
 from hetero_jax.policies.protocol import DecodeState
@@ -31,11 +34,7 @@ from hetero_jax.policies.protocol import DecodeState
 __all__ = ["HeteroDecode", "HeteroPrefilled", "drift_check"]
 
 
-def _warn(what: str, e: Exception, then: str) -> None:
-    warnings.warn(f"HeteroCache: {what} failed ({type(e).__name__}: {e}); {then}", RuntimeWarning, stacklevel=3)
-
-
-class HeteroDecode(DecodeState):
+class HeteroDecode(AsyncRecalls, DecodeState):
     """Per-request decode-time state of HeteroCache: query buffer, pending checks, copy windows, counters."""
 
     wants_turn_queries = True
@@ -50,6 +49,7 @@ class HeteroDecode(DecodeState):
         # where each pivot layer's pivots sit in the check's outputs (``drift_check``: layer after layer)
         self.pivot_cuts = np.cumsum([0] + [len(prefilled.roles[li].pivots) for li in self.pivot_layers])
         self.pending, self._check_fn = None, None  # a dispatched check (step, outputs); its (key, executable)
+        self.recall, self.lane = None, Lane()  # the recall in flight (``inflight.InFlight``), its channel
         self.counters, self.recall_steps = Counters(), []
         # copy window: per layer each compressed head's held positions and window slots (own copies, rewritten
         # here), the copy heads' pointers at the last step (device) and the step before (host)
@@ -65,6 +65,11 @@ class HeteroDecode(DecodeState):
         self.check_observers: list = []  # given each check's o'_t (``recall.observe_check``; bench_drift_metric)
 
     def fresh(self) -> "HeteroDecode":
+        """A state as prefill left it, with its own lane and no recall in flight. A send of this state's still
+        running is waited for (it would be timed as the new state's work); this state keeps that recall, its
+        rows landing on its own cache at the step they were due."""
+        if self.recall is not None:
+            self.recall.block_until_ready()
         return HeteroDecode(self.prefilled, compile_fn=self.compile_fn)
 
     def after_step(self, step: int, extras, cache: KVCache) -> None:
@@ -81,7 +86,9 @@ class HeteroDecode(DecodeState):
 
     def after_extend(self, turn_queries, cache: KVCache) -> KVCache:
         """Re-select after a turn (``reselect``); a check pending from the previous answer is dropped (it would
-        recall over the new rows). All or nothing: a failed transfer returns the input cache, with a warning."""
+        recall over the new rows), and so is a recall in flight. All or nothing: a failed transfer returns the
+        input cache, with a warning."""
+        self._drop_recall()
         self.pending = self.pointer_pending = self.pointer_prev = None
         self.buffer.clear()
         self.window_start[:] = -1
@@ -89,7 +96,7 @@ class HeteroDecode(DecodeState):
             return self._reselect(turn_queries, cache)
         except (RuntimeError, MemoryError) as e:
             self.counters = self.counters.add(reselect_failures=1)
-            _warn("the re-selection after a turn", e, "the device cache keeps its previous rows")
+            warn_failed("the re-selection after a turn", e, "the device cache keeps its previous rows")
             return cache
 
     def _reselect(self, turn_queries, cache: KVCache) -> KVCache:
@@ -102,6 +109,7 @@ class HeteroDecode(DecodeState):
 
     def pool_moved(self, cache: KVCache) -> None:
         self.offsets = head_offsets(cache)  # repacked (a session outgrew its tail rows): the heads' new offsets
+        self.lane.settle()  # a recall in flight was bound for the old rows: sent again where it lands
 
     def _dispatch_check(self, step: int, cache: KVCache) -> None:
         """Dispatch the check of every pivot as one executable; its flags are read before the next step."""
@@ -115,40 +123,24 @@ class HeteroDecode(DecodeState):
         self.pending = (step, (drift, new_base, sets))
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
-        """Apply the last check's recalls, then move the copy windows. A failed transfer (``jax.device_put``'s
-        RuntimeError) changes nothing but a warning and a failure count: the next check or step tries again."""
+        """Land the recall sent before the last step, plan the last check's (its rows are sent while this step
+        runs), then move the copy windows. A failed transfer changes nothing but a warning and a failure count
+        (the pool and K_base as before the plan): the next check or step tries again."""
+        if self.recall is not None:
+            cache = self._land(step, cache)
         if self.pending is not None:
-            saved, n = self.counters, len(self.recall_steps)
+            saved = self.counters
             try:
-                cache = self._apply_recalls(step, cache)
+                cache = self._plan_recalls(step, cache)
             except (RuntimeError, MemoryError) as e:
-                self.counters = saved.add(recall_failures=1)
-                del self.recall_steps[n:]
-                _warn(f"the recall at decode step {step}", e, "the device cache is unchanged and the drift will be "
-                      "checked again")
+                self.counters = saved
+                self._failed(step, e)
         if self.pointer_pending is not None or self.window_dirty:
             try:
                 cache = self._follow_copy(cache)
             except (RuntimeError, MemoryError) as e:  # the windows stay dirty: filled at the next step
                 self.counters = self.counters.add(copy_failures=1)
-                _warn(f"the copy window at decode step {step}", e, "it is filled again before the next step")
-        return cache
-
-    def _apply_recalls(self, step: int, cache: KVCache) -> KVCache:
-        """The pending check's recalls (``recall.plan_recall``), ``recall_chunk`` rows per scatter."""
-        (_, (drift, new_base, sets)), self.pending = self.pending, None
-        drift = np.asarray(drift)  # [B, Np] over every pivot layer
-        self.counters = self.counters.add(drift_checks=drift.size, drift_triggers=int(drift.sum()))
-        if not drift.any():
-            return cache
-        cache, recalled, items, held_updates = plan_recall(self.prefilled, cache, self.pivot_layers, self.pivot_cuts,
-                                                           self.set_sizes, self.held, drift, new_base, sets)
-        self.recall_steps += [step] * len(recalled)
-        cache, nbytes = write_rows(self.prefilled, cache, self.offsets, items, self.compile_fn, chunk=self.recall_chunk)
-        self.counters = self.counters.add(recalls=len(items), bytes_recalled=nbytes)
-        for b in update_held(self.held, self.win, held_updates):
-            if self.window_start[b] >= 0:  # a copy window is open: fill the satellite's again
-                self.window_dirty.add(b)
+                warn_failed(f"the copy window at decode step {step}", e, "it is filled again before the next step")
         return cache
 
     def _follow_copy(self, cache: KVCache) -> KVCache:
@@ -170,7 +162,7 @@ class HeteroDecode(DecodeState):
         return cache
 
     def in_flight(self):
-        return self.pending
+        return self.pending, self.recall
 
     def host_arrays(self) -> tuple:
         return self.prefilled.store.arrays()

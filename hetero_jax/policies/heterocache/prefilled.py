@@ -51,20 +51,27 @@ class HeteroPrefilled:
         return out
 
 
-def write_rows(prefilled: HeteroPrefilled, cache: KVCache, offsets: list, items: list, compile_fn=None,
-               chunk: int | None = None) -> tuple[KVCache, int]:
-    """Rows of compressed heads from the host copy into their regions of the pool, every layer's through one
-    transfer set and one scatter executable (``host_store.write_head_rows``: every transfer starts before
-    anything is written, so a failed one leaves the pool as it was). items: (layer, b, compressed head j,
-    slots in its region [n], prompt rows [n]); offsets: per layer [B, H] each head's first pool row.
-    Returns (the cache, K/V bytes moved)."""
-    if not items:
-        return cache, 0
+def head_requests(prefilled: HeteroPrefilled, items: list) -> list[tuple]:
+    """``host_store.write_head_rows``'s requests, one per layer, for rows of compressed heads: items (layer, b,
+    compressed head j, slots in its region [n], prompt rows [n]) -> (layer, b, layout head, prompt rows, slots),
+    each but the layer the layer's items concatenated."""
     by_layer = collections.defaultdict(list)
     for li, b, j, slots, rows in items:
         n = len(rows)
         by_layer[li].append((np.full(n, b), np.full(n, prefilled.roles[li].comp_slots[j]), np.asarray(rows),
                              np.asarray(slots, np.int64)))
-    requests = [(li, *(np.concatenate([p[i] for p in by_layer[li]]) for i in range(4))) for li in sorted(by_layer)]
-    pool, _, nbytes = write_head_rows(cache.pool, prefilled.store, offsets, requests, compile_fn, chunk=chunk)
+    return [(li, *(np.concatenate([p[i] for p in by_layer[li]]) for i in range(4))) for li in sorted(by_layer)]
+
+
+def write_rows(prefilled: HeteroPrefilled, cache: KVCache, offsets: list, items: list, compile_fn=None,
+               chunk: int | None = None, staging=None) -> tuple[KVCache, int]:
+    """Rows of compressed heads from the host copy into their regions of the pool, every layer's through one
+    transfer set and one scatter executable (``host_store.write_head_rows``: every transfer starts before
+    anything is written, so a failed one leaves the pool as it was). items: as ``head_requests``'; offsets: per
+    layer [B, H] each head's first pool row; staging: the ``host_store.Staging`` sent from (None: the store's).
+    Returns (the cache, K/V bytes moved)."""
+    if not items:
+        return cache, 0
+    pool, _, nbytes = write_head_rows(cache.pool, prefilled.store, offsets, head_requests(prefilled, items),
+                                      compile_fn, chunk=chunk, staging=staging)
     return cache.replace(pool=pool), nbytes

@@ -2,8 +2,9 @@
 steps, the top-set sizes it selects for each pivot's satellites, and the recall plan once it has run (each
 drifted pivot's satellites take the top-l_s rows of its latest scores from the host copy; K_base moves on).
 
-Planning only: the decode state (``decode.HeteroDecode``) dispatches the check, writes the rows named here
-one step later and counts them.
+Planning only: the decode state (``decode.HeteroDecode``) dispatches the check, plans its recall before the
+next step and writes the rows named here one step after that (``inflight``: sent while that step runs), and
+counts them.
 """
 
 from __future__ import annotations
