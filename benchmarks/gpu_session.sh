@@ -5,8 +5,9 @@
 #   2. the same steps one at a time and pipelined (bench_pipeline: what generate's overlap of host and device gives)
 #   3. the recall path (bench_offload: gather, transfer, overlap with compute)
 #   4. the decode step kernel by kernel, host events beside (profile_step)
-#   5. the decode kernels (numerics compiled on the GPU, the pool kernel's timing)
-#   6. 128K latency, then the per-group kernel's launch sweep, while time is left
+#   5. stage 2 again with XLA's command buffers (CUDA graphs) off: their per-step update was 2.7 ms of host time
+#   6. the decode kernels (numerics compiled on the GPU, the pool kernel's timing)
+#   7. 128K latency, then the per-group kernel's launch sweep, while time is left
 #
 #   make gpu-bundle          # once, here: the authors' Llama profile into .gpuref/ (git-ignored)
 #   device run, carry [".gpuref"]:
@@ -17,7 +18,7 @@
 # that fails or runs out of time loses only itself. Join latency lengths afterwards with
 #   python benchmarks/bench_latency.py --preset llama8b-gpu --merge $OUT/lat-*.json --write-results
 # The other stages' JSON carry their markdown ("markdown" key) for RESULTS.md. At most 8 files come back
-# from a lent machine: this writes at most 7 (log, two latency lengths, pipeline, offload, kernels, profile).
+# from a lent machine: this writes 8 at most (log, two latency lengths, two pipeline runs, offload, kernels, profile).
 set -u
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
@@ -70,6 +71,10 @@ fi
   stage pipeline 90 $PY benchmarks/bench_pipeline.py "${PIPELINE[@]}" --out "$OUT/pipeline.json"
   stage offload 50 $PY benchmarks/bench_offload.py "${OFFLOAD[@]}" --out "$OUT/offload.json"
   stage profile 100 $PY benchmarks/profile_step.py "${PROFILE[@]}" --out "$OUT/profile-32k.json"
+  if (( ! DRY )); then
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" stage "pipeline, no command buffers" 90 \
+      $PY benchmarks/bench_pipeline.py "${PIPELINE[@]}" --out "$OUT/pipeline-nocmdbuf.json"
+  fi
   if (( DRY )); then
     echo "=== kernels: not in a dry run (compiled kernels need a GPU; tests/test_kernels.py checks them here)"
   else
