@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_latency as BL  # noqa: E402
 import common  # noqa: E402
+from harness.synthetic import add_step_arguments, step_setup  # noqa: E402
 
 KINDS = (  # (kind, substrings of a kernel name), first match wins
     ("attention (Pallas/Triton)", ("pool_attention", "sparse_decode", "drift_check", "pooled_scores", "triton")),
@@ -175,33 +176,15 @@ def render(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = common.argument_parser(__doc__.split("\n\n")[0])  # refuses an --out it cannot write, before any work
-    ap.add_argument("--shape", choices=sorted(BL.SYNTHETIC_SHAPES), default=BL.MODEL)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--length", type=int, default=32768, help="prompt tokens (random ids)")
-    ap.add_argument("--policies", nargs="+", default=["full", "heterocache"], type=common.policy_spec)
-    ap.add_argument("--rho", type=float, default=0.3)
+    add_step_arguments(ap)
     ap.add_argument("--warmup", type=int, default=6, help="untimed steps before the trace (compiles)")
     ap.add_argument("--steps", type=int, default=10, help="traced steps per policy")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per policy")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-compile-cache", action="store_true", help="no persistent XLA compilation cache")
-    ap.add_argument("--out", type=Path, required=True, help="JSON written (temporary file, then renamed)")
     args = ap.parse_args(argv)
-    import numpy as np
-
-    import hetero_jax
-
-    real = hetero_jax.load(BL.MODEL, dtype="float32", progress=False) if args.shape == BL.MODEL else None
-    model = BL.synthetic_model(real, args.length + args.warmup + args.steps + 8, args.seed, args.shape, args.dtype)
-    prof = BL.synthetic_profile(args.shape) if any(p.startswith("heterocache") for p in args.policies) else None
-    ids = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, args.length).tolist()
+    model, prof, ids = step_setup(args, args.warmup + args.steps + 8)
     header = common.report_header("profile-step", vars(args), common.machine_info())
     machine, git = header["machine"], header["git"]
     rows = []
-    if not args.no_compile_cache:
-        from hetero_jax.cli import enable_compilation_cache
-
-        enable_compilation_cache()
     for p in args.policies:
         r = profile_policy(model, ids, p, None if p == "full" else args.rho, prof, args)
         rows.append(r)

@@ -124,3 +124,37 @@ def make_policies(combos, synthetic_prof=None):
         extra = {"profile": synthetic_prof} if synthetic_prof is not None and name.startswith("heterocache") else {}
         out.append(make_policy(name, None if name == "full" else rho, **extra))
     return out
+
+
+def add_step_arguments(ap, default_length: int = 32768) -> None:
+    """The options of a script that decodes a few steps per policy on one synthetic prompt (profile_step.py,
+    bench_pipeline.py): --shape, --dtype, --length, --policies, --rho, --seed, --no-compile-cache, --out."""
+    from harness.args import policy_spec
+
+    ap.add_argument("--shape", choices=sorted(SYNTHETIC_SHAPES), default=MODEL)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--length", type=int, default=default_length, help="prompt tokens (random ids)")
+    ap.add_argument("--policies", nargs="+", default=["full", "heterocache"], type=policy_spec)
+    ap.add_argument("--rho", type=float, default=0.3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-compile-cache", action="store_true", help="no persistent XLA compilation cache")
+    ap.add_argument("--out", type=Path, required=True, help="JSON written (temporary file, then renamed)")
+
+
+def step_setup(args, extra_positions: int):
+    """(model, HeteroCache's profile or None, prompt ids) for ``add_step_arguments``' options: random weights
+    of ``--shape`` with room for ``--length`` + ``extra_positions`` tokens, random prompt ids; turns on the
+    persistent compilation cache unless ``--no-compile-cache``."""
+    import numpy as np
+
+    import hetero_jax
+
+    if not args.no_compile_cache:
+        from hetero_jax.cli import enable_compilation_cache
+
+        enable_compilation_cache()
+    real = hetero_jax.load(MODEL, dtype="float32", progress=False) if args.shape == MODEL else None
+    model = synthetic_model(real, args.length + extra_positions, args.seed, args.shape, args.dtype)
+    prof = synthetic_profile(args.shape) if any(p.startswith("heterocache") for p in args.policies) else None
+    ids = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, args.length).tolist()
+    return model, prof, ids
