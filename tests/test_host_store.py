@@ -115,7 +115,8 @@ def test_send_host_rows_in_chunks_writes_each_row_into_its_place(monkeypatch, ch
     parts, _ = send_host_rows(store, [(0, b_idx, np.zeros(37, int), pos, s_idx, rows)], P, chunk=chunk)
     out = scatter_rows(_pool(B, S, P, D, 7.0, -7.0), parts)
     assert calls == ([(4, 8)] * 5 if chunk == 8 else [(4, 64)])
-    assert store.staging.pinned == pinned and len(store.staging.held) == (0 if not pinned else 5 if chunk == 8 else 1)
+    held = [len(parts) for parts in store.staging.held.values()]
+    assert store.staging.pinned == pinned and held == ([] if not pinned else [5] if chunk == 8 else [1])
     np.testing.assert_array_equal(np.asarray(out.k), want_k)
     np.testing.assert_array_equal(np.asarray(out.v), want_v)
     np.testing.assert_array_equal(np.asarray(out.positions), want_pos)
@@ -148,6 +149,11 @@ def test_recalls_reuse_the_staging_rows_one_after_another(pinned):
         want[0, h, rows] = kh[0, h, pos]
     # grown once, to the largest recall's 3 parts of 16 rows of K and of V (pageable: row_bucket(48) rows)
     assert store.staging.nbytes() == 2 * (48 if pinned else 64) * D * 4
+    # another part size keeps its own pinned parts beside these (no re-allocation when sizes alternate)
+    pool, _, _ = write_host_rows(pool, store, [(0, np.zeros(3, int), np.zeros(3, int), np.arange(3), np.zeros(3, int),
+                                                P - 3 + np.arange(3))], chunk=8)
+    want[0, 0, P - 3 :] = kh[0, 0, :3]
+    assert store.staging.nbytes() == 2 * ((48 + 8) if pinned else 64) * D * 4
     np.testing.assert_array_equal(np.asarray(pool.k), want)
     np.testing.assert_array_equal(np.asarray(pool.v), -want)
 

@@ -261,8 +261,8 @@ class Staging:
 
     Rows are held in parts of ``chunk`` rows (one scatter executable per part). On a GPU (``pinned``, the
     default where the first device is not a CPU) each part is a pinned host array written in place, so
-    its transfer is a DMA; elsewhere the parts are slices of one pageable numpy buffer. Holds the largest
-    recall's parts until the store goes. ``take`` waits until the previous rows were read: their transfers
+    its transfer is a DMA; elsewhere the parts are slices of one pageable numpy buffer. Holds, until it goes,
+    the most parts a send needed (pinned: of each part size; pageable: the largest send's rows). ``take`` waits until the previous rows were read: their transfers
     (``sent``, set by ``send_host_rows``), or the scatter that wrote them (set by ``scatter_rows``: on a CPU
     device the transferred arrays can be views of these rows, read only when the scatter runs). One user at
     a time: a caller sends every row of a recall with one ``send_host_rows``."""
@@ -271,8 +271,9 @@ class Staging:
         self.pinned = jax.devices()[0].platform != "cpu" if pinned is None else pinned
         self.k: np.ndarray | None = None  # pageable rows [cap, D] (not ``pinned``)
         self.v: np.ndarray | None = None
-        self.held: list[StagedPart] = []  # pinned parts, all of ``held_key``'s chunk, D and dtypes
-        self.held_key: tuple | None = None
+        # pinned parts by (chunk, D, K dtype, V dtype): callers whose part size varies (the copy window,
+        # SyncKV) each keep theirs, instead of a driver allocation whenever the size changes
+        self.held: dict[tuple, list[StagedPart]] = {}
         self.sent: list = []  # the device arrays of the last transfers from these rows
 
     def take(self, n_parts: int, chunk: int, k_like: np.ndarray, v_like: np.ndarray) -> list[StagedPart]:
@@ -282,13 +283,11 @@ class Staging:
         self.sent = []
         D = k_like.shape[-1]
         if self.pinned:
-            key = (chunk, D, k_like.dtype, v_like.dtype)
-            if key != self.held_key:
-                self.held, self.held_key = [], key
-            while len(self.held) < n_parts and self.pinned:
-                self._add_pinned_part(chunk, k_like, v_like)
+            parts = self.held.setdefault((chunk, D, k_like.dtype, v_like.dtype), [])
+            while len(parts) < n_parts and self.pinned:
+                self._add_pinned_part(parts, chunk, k_like, v_like)
             if self.pinned:
-                return self.held[:n_parts]
+                return parts[:n_parts]
         n = n_parts * chunk
         if (self.k is None or self.k.shape[0] < n or self.k.shape[1:] != (D,)
                 or self.k.dtype != k_like.dtype or self.v.dtype != v_like.dtype):
@@ -297,19 +296,19 @@ class Staging:
         return [StagedPart(k, v, k, v) for k, v in ((self.k[i : i + chunk], self.v[i : i + chunk])
                                                     for i in range(0, n, chunk))]
 
-    def _add_pinned_part(self, chunk: int, k_like: np.ndarray, v_like: np.ndarray) -> None:
+    def _add_pinned_part(self, parts: list, chunk: int, k_like: np.ndarray, v_like: np.ndarray) -> None:
         arrays = [jax.device_put(np.zeros((chunk, x.shape[-1]), x.dtype), pinned_host()) for x in (k_like, v_like)]
         # the zeros land asynchronously on a GPU: a write before they have would be overwritten
         jax.block_until_ready(arrays)
         views = [_writable_view(a) for a in arrays]
         if any(v is None for v in views):  # this runtime copies pinned arrays out: send pageable rows instead
-            self.pinned, self.held, self.held_key = False, [], None
+            self.pinned, self.held = False, {}
             return
-        self.held.append(StagedPart(*views, *arrays))
+        parts.append(StagedPart(*views, *arrays))
 
     def nbytes(self) -> int:
         pageable = 0 if self.k is None else self.k.nbytes + self.v.nbytes
-        return pageable + sum(p.k.nbytes + p.v.nbytes for p in self.held)
+        return pageable + sum(p.k.nbytes + p.v.nbytes for parts in self.held.values() for p in parts)
 
 
 # A recall's rows are random rows of a store of hundreds of MiB: one thread waits on memory (a TLB and cache
