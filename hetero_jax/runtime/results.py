@@ -14,7 +14,7 @@ class GenerationStats:
     prompt_tokens: int
     generated_tokens: int
     prefill_seconds: float
-    decode_seconds: list[float]  # one entry per decode step (wall time, token read back)
+    decode_seconds: list[float]  # per decode step, wall time until its tokens were on the host (generate pipelines)
     kv_bytes_device: int  # bytes of K/V arrays allocated on the device (whole batch)
     kv_bytes_used: int  # bytes of K/V holding valid tokens at the end (whole batch)
     kv_bytes_host: int  # bytes of K/V kept in host memory (0 without offload)
