@@ -2,8 +2,8 @@
 """Host offload: the recall path the policies call, its gather and transfer speed, and its overlap with compute.
 
 A HeteroCache recall (and SyncKV's and FreeKV's fetches) gathers rows of the pinned-host store straight into
-the store's staging rows (pinned host arrays on a GPU), starts their host -> device copies and writes them into the device
-row pool (``host_store.write_host_rows``). This script times that function, at
+the store's staging rows (pinned host arrays on a GPU), starts their host -> device copies and writes them into
+the device row pool (``host_store.write_host_rows``). This script times that function, at
 Llama-3.1-8B head shapes (8 KV heads of 128, bfloat16), for 8K to 128K rows (``--rows`` per head, x 8 heads
 x ``--recall-layers``) from a store of ``--prompt`` tokens per head:
 
@@ -214,8 +214,8 @@ def markdown(payload: dict) -> str:
         f"Device {r['device']}; store memory kind `{r['pinned_memory_kind']}`, {r['prompt_tokens']:,} tokens per "
         f"head x {shp['kv_heads']} KV heads (D {shp['head_dim']}, {r['dtype']}, K and V) x {r['recall_layers']} layers "
         f"({r['host_store_bytes'] / GiB:.2f} GiB). Each recall: `write_host_rows` (gather into the store's staging "
-        f"rows, {'pinned' if r.get('staging_pinned') else 'pageable'} here, start the copies, scatter into the row pool), "
-        "waited on. Each head's rows: "
+        f"rows, {'pinned' if r.get('staging_pinned') else 'pageable'} here, start the copies, scatter into the row "
+        "pool), waited on. Each head's rows: "
         "'pooled' = the top-R positions of 5-tap pooled random logits (a recall's top set: rows in runs), "
         "'uniform' = R positions at random; 'runs / row' = contiguous runs per recalled row. Medians of "
         f"{payload['config']['iters']} repeats. 'gather' = the gather's host time, beside `np.copyto` of the same "

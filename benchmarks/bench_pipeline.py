@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_latency as BL  # noqa: E402
 import common  # noqa: E402
 from harness.roofline import timing_summary  # noqa: E402
-from harness.synthetic import add_step_arguments, step_setup  # noqa: E402
+from harness.synthetic import add_step_arguments, run_per_policy, step_setup  # noqa: E402
 
 MODES = ("one at a time", "pipelined")
 
@@ -80,6 +80,11 @@ def measure_policy(model, ids, name, rho, prof, args) -> dict:
             "summary": {m: timing_summary(times[m]) for m in MODES}, "recall": recall}
 
 
+def summary_line(r: dict) -> str:
+    a, b = (r["summary"][m]["p50_ms"] for m in MODES)
+    return f"{r['label']}: one at a time P50 {a:.2f} ms, pipelined {b:.2f} ms ({b / a:.2f}x)"
+
+
 def render(rows: list[dict]) -> str:
     full = next((r for r in rows if r["policy"] == "full"), None)
     out = ["| policy | one at a time P50 ms | pipelined P50 ms | pipelined / one at a time | one at a time vs full "
@@ -105,19 +110,11 @@ def main(argv=None) -> int:
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     model, prof, ids = step_setup(args, 2 * args.warmup + 2 * args.rounds * args.block + 8)
-    header = common.report_header("pipeline", vars(args), common.machine_info())
-    rows = []
-    for p in args.policies:
-        r = measure_policy(model, ids, p, None if p == "full" else args.rho, prof, args)
-        rows.append(r)
-        a, b = (r["summary"][m]["p50_ms"] for m in MODES)
-        print(f"{r['label']}: one at a time P50 {a:.2f} ms, pipelined {b:.2f} ms ({b / a:.2f}x)", flush=True)
-        md = "\n".join([common.results_header(f"Decode steps one at a time and pipelined: {args.shape} at "
-                                               f"{args.length:,} tokens (bench_pipeline.py)", header["machine"],
-                                               header["git"], common.command_line(argv)), "", render(rows)])
-        common.write_json(args.out, {**header, "rows": rows, "markdown": md})
-    print(md)
-    return 0
+    return run_per_policy(
+        args, argv, "pipeline",
+        f"Decode steps one at a time and pipelined: {args.shape} at {args.length:,} tokens (bench_pipeline.py)",
+        lambda p, rho: measure_policy(model, ids, p, rho, prof, args), render,
+        summary_line)
 
 
 if __name__ == "__main__":

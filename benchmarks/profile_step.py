@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_latency as BL  # noqa: E402
 import common  # noqa: E402
-from harness.synthetic import add_step_arguments, step_setup  # noqa: E402
+from harness.synthetic import add_step_arguments, run_per_policy, step_setup  # noqa: E402
 
 KINDS = (  # (kind, substrings of a kernel name), first match wins
     ("attention (Pallas/Triton)", ("pool_attention", "sparse_decode", "drift_check", "pooled_scores", "triton")),
@@ -184,26 +184,18 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25, help="kernels listed per policy")
     args = ap.parse_args(argv)
     model, prof, ids = step_setup(args, args.warmup + args.steps + 8)
-    header = common.report_header("profile-step", vars(args), common.machine_info())
-    machine, git = header["machine"], header["git"]
-    rows = []
     # A process's first trace carries a hundred times more Python events than the next ones (on this CPU:
     # 20,577 against 187 for the same work), and on the H200 the first policy's trace came back without
     # any: a throwaway trace first, so every policy's is a later one
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         jax.profiler.stop_trace()
-    for p in args.policies:
-        r = profile_policy(model, ids, p, None if p == "full" else args.rho, prof, args)
-        rows.append(r)
-        print(f"{r['label']}: wall {r['wall_ms_per_step']:.2f} ms/step, device busy "
-              f"{r['device_busy_ms_per_step']:.2f} ms/step, {r['kernels_per_step']:.0f} kernels/step", flush=True)
-        md = "\n".join([common.results_header(f"Decode step kernel by kernel: {args.shape} at {args.length:,} tokens "
-                                               f"(profile_step.py)", machine, git, common.command_line(argv)),
-                        "", render(rows)])
-        common.write_json(args.out, {**header, "rows": rows, "markdown": md})
-    print(md)
-    return 0
+    return run_per_policy(
+        args, argv, "profile-step",
+        f"Decode step kernel by kernel: {args.shape} at {args.length:,} tokens (profile_step.py)",
+        lambda p, rho: profile_policy(model, ids, p, rho, prof, args), render,
+        lambda r: f"{r['label']}: wall {r['wall_ms_per_step']:.2f} ms/step, device busy "
+                  f"{r['device_busy_ms_per_step']:.2f} ms/step, {r['kernels_per_step']:.0f} kernels/step")
 
 
 if __name__ == "__main__":

@@ -158,3 +158,22 @@ def step_setup(args, extra_positions: int):
     prof = synthetic_profile(args.shape) if any(p.startswith("heterocache") for p in args.policies) else None
     ids = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, args.length).tolist()
     return model, prof, ids
+
+
+def run_per_policy(args, argv, name: str, title: str, measure, render, line) -> int:
+    """Every ``--policies`` entry in turn: ``measure(policy name, rho)`` -> a row dict; after each, print
+    ``line(row)`` and rewrite ``--out`` (JSON: the report header, the rows so far and their markdown under
+    ``title`` from ``render(rows)``), so a run cut short keeps what it measured. Prints the markdown at the end."""
+    from harness.machine import command_line, machine_info, report_header
+    from harness.results import results_header, write_json
+
+    header = report_header(name, vars(args), machine_info())
+    rows, md = [], ""
+    for p in args.policies:
+        rows.append(measure(p, None if p == "full" else args.rho))
+        print(line(rows[-1]), flush=True)
+        md = "\n".join([results_header(title, header["machine"], header["git"], command_line(argv)), "",
+                        render(rows)])
+        write_json(args.out, {**header, "rows": rows, "markdown": md})
+    print(md)
+    return 0

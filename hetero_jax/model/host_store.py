@@ -229,7 +229,7 @@ def _send(ints: np.ndarray, parts: list["StagedPart"], chunk: int) -> list[tuple
         for src in (p.k_src, p.v_src))) for i, p in enumerate(parts)]
 
 
-def _writable_view(x: jax.Array) -> np.ndarray:
+def _writable_view(x: jax.Array) -> np.ndarray | None:
     """A writable numpy view of the pinned host buffer of ``x`` (one device's array), or None where the
     runtime hands out a copy (``np.asarray`` would then not show a write): checked with a written value."""
     try:
@@ -262,10 +262,11 @@ class Staging:
     Rows are held in parts of ``chunk`` rows (one scatter executable per part). On a GPU (``pinned``, the
     default where the first device is not a CPU) each part is a pinned host array written in place, so
     its transfer is a DMA; elsewhere the parts are slices of one pageable numpy buffer. Holds, until it goes,
-    the most parts a send needed (pinned: of each part size; pageable: the largest send's rows). ``take`` waits until the previous rows were read: their transfers
-    (``sent``, set by ``send_host_rows``), or the scatter that wrote them (set by ``scatter_rows``: on a CPU
-    device the transferred arrays can be views of these rows, read only when the scatter runs). One user at
-    a time: a caller sends every row of a recall with one ``send_host_rows``."""
+    the most parts a send needed (pinned: of each part size; pageable: the largest send's rows). ``take``
+    waits until the previous rows were read: their transfers (``sent``, set by ``send_host_rows``), or the
+    scatter that wrote them (set by ``scatter_rows``: on a CPU device the transferred arrays can be views of
+    these rows, read only when the scatter runs). One user at a time: a caller sends every row of a recall
+    with one ``send_host_rows``."""
 
     def __init__(self, pinned: bool | None = None):
         self.pinned = jax.devices()[0].platform != "cpu" if pinned is None else pinned
