@@ -35,9 +35,14 @@ from hetero_jax.runtime.sampling import sample
     jax.jit, static_argnames=("cfg", "policy", "temperature", "top_p"), donate_argnames=("cache",)
 )
 def decode_step_jit(params, cache, tokens, key, cfg, policy, temperature, top_p):
-    """One decode step with the policy's ``attend`` in every layer: (tokens, logits, cache, extras)."""
+    """One decode step with the policy's ``attend`` in every layer: (cache, tokens, logits, extras).
+
+    The cache comes first because jax pairs each donated input buffer with the first unclaimed output of the same
+    shape and dtype, in output order: a [B] int32 output ahead of the cache (the sampled tokens) would claim the
+    cache's first [B] int32 leaf, shift every later pairing by one, and XLA would then copy each unchanged small
+    leaf (lengths, counters) into the buffer of its neighbour, one kernel each per step."""
     logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy)
-    return sample(logits, key, temperature, top_p), logits, keep_placed(cache), extras
+    return keep_placed(cache), sample(logits, key, temperature, top_p), logits, extras
 
 
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
@@ -204,11 +209,10 @@ class Engine:
         if fn is None:  # shapes are fixed until the tail grows: look the executable up once
             fn = self._fns[fn_key] = compiled(decode_step_jit, *args, cfg=self.cfg, policy=self.policy,
                                               temperature=float(temperature), top_p=float(top_p))
-        out = fn(*args)
-        self.cache = out[2]
-        self.state.after_step(self.steps, out[3], self.cache)
+        self.cache, nxt, logits, extras = fn(*args)
+        self.state.after_step(self.steps, extras, self.cache)
         self.steps += 1
-        return out
+        return nxt, logits, self.cache, extras
 
     def extend(self, ids: Sequence[int], *, max_chunk: int = MAX_CHUNK) -> np.ndarray:
         """Append ``ids`` (a session's turn) through chunked passes over the cache as it is; returns the
