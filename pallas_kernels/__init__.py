@@ -33,7 +33,7 @@ Dispatching entry points: :func:`decode_attention`, :func:`drift_check`
 
 from __future__ import annotations
 
-from pallas_kernels._util import (BACKENDS, ENV_VAR, MASK_VALUE, KernelBackendError, gpu_available,
+from pallas_kernels._util import (BACKENDS, ENV_VAR, MASK_VALUE, KernelBackendError, gpu_available, is_pow2,
                                   kernel_head_dim_ok, resolve_backend, traced_for_gpu, use_kernels)
 from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce, masked_softmax,
                                           attention_and_pooled_scores, base_overlap,
@@ -61,25 +61,40 @@ __all__ = [
 ]
 
 
-def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, *, max_len: int, score_len: int = 0,
-                   sm_scale: float | None = None, backend: str | None = None):
+_warned_block_sizes: set[int] = set()
+
+
+def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, block_rows=None, *, max_len: int,
+                   score_len: int = 0, sm_scale: float | None = None, block_size: int = 0,
+                   backend: str | None = None):
   """Every KV head of a layer over one row pool (``pallas_kernels.pool_attention``'s contract), dispatched
   by the backend switch.
 
   q [B, H, T, G, D]; k_pool, v_pool [B, P, D]; offsets, lengths [B, H] int32; score_heads [H] int32 flags or
-  None. Returns (out [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, logits [B, H, G, score_len]
-  float32 or None).
+  None; block_rows [B, H, NB] int32 (paged heads, blocks of ``block_size`` rows) or None. Returns (out
+  [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, logits [B, H, G, score_len] float32 or None).
+  The native CPU kernel reads contiguous regions only: paged calls take the reference there, as they do
+  where the Pallas kernel cannot read blocks of ``block_size`` rows (not a power of two >= 16; a warning).
   """
   mode = resolve_backend(backend, native=True, head_dim=q.shape[-1])
-  if mode == "reference":
-    return pool_attention_reference(q, k_pool, v_pool, offsets, lengths, score_heads, max_len=max_len,
-                                    score_len=score_len, sm_scale=sm_scale)
+  if block_rows is not None and mode in ("pallas", "interpret") and not (is_pow2(block_size) and block_size >= 16):
+    if block_size not in _warned_block_sizes:
+      import warnings
+      _warned_block_sizes.add(block_size)
+      warnings.warn(f"paged attention with blocks of {block_size} rows: the Pallas kernel reads blocks of a power "
+                    "of two >= 16 rows (use a page size of 16, 32 or 64); the plain-JAX reference runs instead "
+                    "(correct, slower on a GPU)", RuntimeWarning, stacklevel=2)
+    mode = "reference"
+  if mode == "reference" or (mode == "native" and block_rows is not None):
+    return pool_attention_reference(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows, max_len=max_len,
+                                    score_len=score_len, sm_scale=sm_scale, block_size=block_size)
   if mode == "native":
     from pallas_kernels.native import pool_attention_native
     return pool_attention_native(q, k_pool, v_pool, offsets, lengths, score_heads, score_len=score_len,
                                  sm_scale=sm_scale)
-  return pool_attention_pallas(q, k_pool, v_pool, offsets, lengths, score_heads, max_len=max_len,
-                               score_len=score_len, sm_scale=sm_scale, interpret=(mode == "interpret"))
+  return pool_attention_pallas(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows, max_len=max_len,
+                               score_len=score_len, sm_scale=sm_scale, block_size=block_size,
+                               interpret=(mode == "interpret"))
 
 
 def decode_attention(q, k, v, lengths, *, sm_scale: float | None = None, backend: str | None = None,

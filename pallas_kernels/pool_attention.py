@@ -15,6 +15,11 @@ decode step is T = 1) and o = offsets[b, h]:
 
 n <= 0 gives out = 0 and lse = MASK_VALUE (an empty head, which merges as nothing).
 
+Paged heads (``block_rows`` [B, H, NB], ``block_size`` rows a block): logical key j of head h is region row
+block_rows[b, h, j // block_size] + j % block_size instead of row j, so a head attends chosen blocks of its
+region (Quest's selected pages, then its partial page and tail as consecutive blocks) in place, with no
+gather copy; the visible count n and the causal rule apply to the logical keys.
+
 With ``score_len`` > 0 (T = 1 only) the call also returns each scored head's logits s_j over its first
 ``score_len`` rows ([B, H, G, score_len] float32): HeteroCache's pivots keep their whole prompt first in their
 region, and the drift check pools those logits (``pivot_pooled_scores``) instead of reading the keys again.
@@ -58,7 +63,7 @@ from pallas_kernels.sparse_decode_attention import combine_splits
 __all__ = ["pool_attention", "pool_attention_reference", "pivot_pooled_scores", "default_pool_num_splits"]
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "score_len", "sm_scale"))
+@functools.partial(jax.jit, static_argnames=("max_len", "score_len", "sm_scale", "block_size"))
 def pool_attention_reference(
     q,                 # [B, H, T, G, D]  T query positions per KV head, G query heads each (after RoPE, unscaled)
     k_pool,            # [B, P, D]        the pool's keys (after RoPE); head h's rows start at offsets[b, h]
@@ -66,10 +71,12 @@ def pool_attention_reference(
     offsets,           # [B, H] int32     first pool row of each head's region
     lengths,           # [B, H] int32     rows query position 0 sees; position t sees lengths + t
     score_heads=None,  # [H] int32        1: the kernels also write this head's logits (ignored here)
+    block_rows=None,   # [B, H, NB] int32 first region row of each logical key block (None: contiguous)
     *,
     max_len: int,      # static: the most rows any query position sees (>= max(lengths) + T - 1)
     score_len: int = 0,
     sm_scale: float | None = None,
+    block_size: int = 0,  # static: rows of one logical key block of ``block_rows``
 ):
   """Plain-jnp reference of the pool attention (module docstring): a gather of every head's rows, then masked
   float32 attention. Returns (out [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, logits
@@ -77,17 +84,13 @@ def pool_attention_reference(
   del score_heads
   B, H, T, G, D = q.shape
   P = k_pool.shape[1]
-  if k_pool.shape != (B, P, D) or v_pool.shape != (B, P, D):
-    raise ValueError(f"shape mismatch: q {q.shape} k_pool {k_pool.shape} v_pool {v_pool.shape}")
-  if offsets.shape != (B, H) or lengths.shape != (B, H):
-    raise ValueError(f"offsets and lengths must be [B, H] = {(B, H)}, got {offsets.shape} and {lengths.shape}")
-  if score_len and T != 1:
-    raise ValueError(f"logits are returned for one query position only, got T={T}")
+  _check_shapes(q, k_pool, v_pool, offsets, lengths, block_rows, block_size, max_len, score_len)
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(D)
   S = max(1, int(max_len))
   slot = jnp.arange(S, dtype=jnp.int32)
-  rows = jnp.clip(offsets.astype(jnp.int32)[..., None] + slot, 0, P - 1)          # [B, H, S]
+  rel = slot[None, None, :] if block_rows is None else _block_row(block_rows, slot, block_size)  # [B|1, H|1, S]
+  rows = jnp.clip(offsets.astype(jnp.int32)[..., None] + rel, 0, P - 1)           # [B, H, S]
   seen = lengths.astype(jnp.int32)[:, :, None] + jnp.arange(T, dtype=jnp.int32)    # [B, H, T]
   visible = slot[None, None, None, :] < seen[..., None]                            # [B, H, T, S]
   # rows no query of the head sees are zeroed: they belong to other heads or are free (any value, NaN too)
@@ -112,6 +115,31 @@ def pool_attention_reference(
     if n < score_len:
       logits = jnp.pad(logits, ((0, 0), (0, 0), (0, 0), (0, score_len - n)), constant_values=MASK_VALUE)
   return out.astype(q.dtype), lse, logits
+
+
+def _check_shapes(q, k_pool, v_pool, offsets, lengths, block_rows, block_size, max_len, score_len):
+  """ValueError naming the first argument whose shape does not fit the others (both implementations)."""
+  B, H, T, G, D = q.shape
+  P = k_pool.shape[1]
+  if k_pool.shape != (B, P, D) or v_pool.shape != (B, P, D):
+    raise ValueError(f"shape mismatch: q {q.shape} k_pool {k_pool.shape} v_pool {v_pool.shape}")
+  if offsets.shape != (B, H) or lengths.shape != (B, H):
+    raise ValueError(f"offsets and lengths must be [B, H] = {(B, H)}, got {offsets.shape} and {lengths.shape}")
+  if score_len and T != 1:
+    raise ValueError(f"logits are returned for one query position only, got T={T}")
+  if block_rows is not None:
+    if block_rows.ndim != 3 or block_rows.shape[:2] != (B, H):
+      raise ValueError(f"block_rows must be [B, H, NB] = [{B}, {H}, NB], got {block_rows.shape}")
+    if block_size < 1 or block_rows.shape[2] * block_size < max_len:
+      raise ValueError(f"block_rows' {block_rows.shape[2]} blocks of block_size={block_size} rows must cover "
+                       f"max_len={max_len}: pass the rows of one block and enough blocks")
+
+
+def _block_row(block_rows, slot, block_size: int):
+  """Region row of logical key ``slot`` [S]: the first row of its block plus its place in the block; [B, H, S]."""
+  nb = block_rows.shape[-1]
+  blk = jnp.minimum(slot // block_size, nb - 1)
+  return jnp.take(block_rows.astype(jnp.int32), blk, axis=-1) + slot % block_size
 
 
 def pivot_pooled_scores(
@@ -162,8 +190,9 @@ def _pool_kernel(
     v_ref,      # [P, D]             the whole value pool of batch element r // H
     off_ref,    # []                 int32 first pool row of head r
     len_ref,    # []                 int32 rows query position t = 0 of head r sees
-    *rest,      # [flag_ref [] int32 (score_len > 0 only)], o_ref [block_r, D] f32, m_ref [block_r] f32,
-                # l_ref [block_r] f32, [logits_ref [G, score_len] f32 (score_len > 0 only)]
+    *rest,      # [flag_ref [] int32 (score_len > 0 only)], [table_ref [NB] int32 (paged only)],
+                # o_ref [block_r, D] f32, m_ref [block_r] f32, l_ref [block_r] f32,
+                # [logits_ref [G, score_len] f32 (score_len > 0 only)]
     sm_scale: float,
     block_k: int,
     split_len: int,
@@ -172,15 +201,17 @@ def _pool_kernel(
     max_len: int,    # clip of every visible count (static, >= 1)
     pool_rows: int,  # P
     score_len: int,
+    paged: bool,     # key block b of head r starts at region row table_ref[b] (else at b * block_k)
 ):
   """One (head r, row tile i, key split j): online-softmax attention of the tile's rows over the split's
   keys, s = sm_scale * q k^T (float32), masked per row at lengths + t; writes the split's unnormalised
   o = sum_j exp(s_j - m) v_j, m = max_j s_j and l = sum_j exp(s_j - m) for the real rows, and (score_len > 0,
   scored heads) the logits s_j, j < min(score_len, n), of the split's keys."""
-  if score_len:
-    flag_ref, o_ref, m_ref, l_ref, logits_ref = rest
-  else:
-    o_ref, m_ref, l_ref = rest
+  rest = list(rest)
+  flag_ref = rest.pop(0) if score_len else None
+  table_ref = rest.pop(0) if paged else None
+  o_ref, m_ref, l_ref = rest[:3]
+  logits_ref = rest[3] if score_len else None
   block_r, head_dim = q_ref.shape
   tile = pl.program_id(1)
   split = pl.program_id(2)
@@ -207,11 +238,13 @@ def _pool_kernel(
   def body(it, carry):
     o, m, l = carry
     off = start + it * block_k
-    key = off + lane                                                      # [block_k] rows of the head
-    prow = base + key                                                     # [block_k] rows of the pool
+    key = off + lane                                                      # [block_k] logical keys of the head
+    # off is a multiple of block_k (split_len is): key block off // block_k starts at region row `first`
+    first = table_ref[off // block_k] if paged else off
+    prow = base + first + lane                                            # [block_k] rows of the pool
     # Rows read: below the tile's bound, and inside the pool whatever the offsets.
     read = (key < end) & (prow >= 0) & (prow < pool_rows)                 # [block_k]
-    k = plgpu.load(k_ref.at[pl.ds(base + off, block_k), :],
+    k = plgpu.load(k_ref.at[pl.ds(base + first, block_k), :],
                    mask=read[:, None], other=0.0)                         # [block_k, D]
     s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale     # [block_r, block_k] f32
     vis = read[None, :] & (key[None, :] < n_row[:, None])                 # [block_r, block_k]
@@ -228,7 +261,7 @@ def _pool_kernel(
     alpha = jnp.exp(m - m_new)
     p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
     l_new = alpha * l + p.sum(axis=-1)
-    v = plgpu.load(v_ref.at[pl.ds(base + off, block_k), :],
+    v = plgpu.load(v_ref.at[pl.ds(base + first, block_k), :],
                    mask=read[:, None], other=0.0)                         # [block_k, D]
     pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)            # [block_r, D] f32
     return alpha[:, None] * o + pv, m_new, l_new
@@ -246,7 +279,7 @@ def _pool_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("max_len", "score_len", "sm_scale", "block_k", "num_splits", "num_warps",
-                     "num_stages", "interpret"))
+                     "num_stages", "interpret", "block_size"))
 def pool_attention(
     q,                 # [B, H, T, G, D]  T query positions per KV head, G query heads each (after RoPE, unscaled)
     k_pool,            # [B, P, D]        the pool's keys (after RoPE); head h's rows start at offsets[b, h]
@@ -254,10 +287,12 @@ def pool_attention(
     offsets,           # [B, H] int32     first pool row of each head's region
     lengths,           # [B, H] int32     rows query position 0 sees; position t sees lengths + t
     score_heads=None,  # [H] int32        1: also write this head's logits (None: every head)
+    block_rows=None,   # [B, H, NB] int32 first region row of each logical key block (None: contiguous)
     *,
     max_len: int,      # static: the most rows any query position sees (>= max(lengths) + T - 1)
     score_len: int = 0,
     sm_scale: float | None = None,
+    block_size: int = 0,  # static: rows of one block of ``block_rows`` (the kernel's block_k then)
     block_k: int = 64,
     num_splits: int | None = None,
     num_warps: int = 4,
@@ -275,7 +310,12 @@ def pool_attention(
     offsets, lengths: [B, H] int32. n = clip(lengths + t, 0, max_len); n = 0 gives out = 0 and
       lse = MASK_VALUE. Rows outside [0, P) are never read (they count as zero keys: bad offsets).
     score_heads: [H] int32 flags of the heads whose logits are written (score_len > 0); None: all.
+    block_rows: [B, H, NB] int32, paged heads: logical key j of head h is region row
+      block_rows[b, h, j // block_size] + j % block_size (Quest's selected pages, then its contiguous rest),
+      read in place block by block; None: key j is region row j.
     max_len: static bound of n (sets the key splits); score_len: logits per scored head (T = 1 only).
+    block_size: rows of a block of ``block_rows`` (power of two >= 16); the kernel reads blocks of that
+      many rows (it replaces block_k).
     sm_scale: logit scale, default 1 / sqrt(D).
     block_k: pool rows per inner block (power of two >= 16).
     num_splits: key splits per (head, row tile); default :func:`default_pool_num_splits`.
@@ -288,14 +328,15 @@ def pool_attention(
   """
   B, H, T, G, D = q.shape
   P = k_pool.shape[1]
-  if k_pool.shape != (B, P, D) or v_pool.shape != (B, P, D):
-    raise ValueError(f"shape mismatch: q {q.shape} k_pool {k_pool.shape} v_pool {v_pool.shape}")
-  if offsets.shape != (B, H) or lengths.shape != (B, H):
-    raise ValueError(f"offsets and lengths must be [B, H] = {(B, H)}, got {offsets.shape} and {lengths.shape}")
+  _check_shapes(q, k_pool, v_pool, offsets, lengths, block_rows, block_size, max_len, score_len)
   if score_heads is not None and score_heads.shape != (H,):
     raise ValueError(f"score_heads must be [H] = {(H,)}, got {score_heads.shape}")
-  if score_len and T != 1:
-    raise ValueError(f"logits are returned for one query position only, got T={T}")
+  paged = block_rows is not None
+  if paged:
+    if not is_pow2(block_size) or block_size < 16:
+      raise ValueError(f"the kernel reads a paged head block by block: block_size must be a power of two >= 16, "
+                       f"got {block_size} (a page size such as 16, 32 or 64)")
+    block_k = block_size
   if not is_pow2(D) or D < 16:
     raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
   if not is_pow2(block_k) or block_k < 16:
@@ -346,10 +387,14 @@ def pool_attention(
     # Every program of head r writes its own keys' columns of the one [G, score_len] block.
     out_specs.append(pl.BlockSpec((None, G, score_len), lambda r, i, j: (r, 0, 0)))
     out_shape.append(jax.ShapeDtypeStruct((BH, G, score_len), jnp.float32))
+  if paged:
+    NB = block_rows.shape[2]
+    in_specs.append(pl.BlockSpec((None, NB), lambda r, i, j: (r, 0)))
+    args.append(block_rows.astype(jnp.int32).reshape(BH, NB))
 
   kernel = functools.partial(
       _pool_kernel, sm_scale=float(sm_scale), block_k=block_k, split_len=split_len, num_rows=R,
-      group=G, max_len=S, pool_rows=P, score_len=score_len)
+      group=G, max_len=S, pool_rows=P, score_len=score_len, paged=paged)
   res = pl.pallas_call(
       kernel,
       grid=(BH, row_tiles, num_splits),

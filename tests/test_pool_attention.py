@@ -161,6 +161,96 @@ def test_property_matches_reference(data):
                           score_heads=flags if T == 1 else None)
 
 
+# ---------------------------------------------------------------------------
+# Paged heads: each head attends chosen blocks of its region (Quest's pages), read in place
+
+
+def make_paged_pool(rng, lengths, n_blocks, region_blocks, bs, D, dtype):
+  """A pool whose heads each own ``region_blocks`` blocks of ``bs`` rows (regions at shuffled offsets with
+  gaps) and a block table [B, H, n_blocks] naming distinct blocks of the region in a random order. Rows of
+  the blocks a head sees (its first ``lengths`` logical keys) are finite, every other row is NaN; returns
+  (k_nan, v_nan, offsets, table) and the numpy [B, H] list of each head's visible pool rows in logical order."""
+  lengths = np.asarray(lengths, np.int32)
+  B, H = lengths.shape
+  cap = region_blocks * bs
+  P = H * (cap + 5) + 3
+  offsets = np.zeros((B, H), np.int32)
+  table = np.zeros((B, H, n_blocks), np.int32)
+  k = rng.standard_normal((B, P, D)).astype(np.float32)
+  v = rng.standard_normal((B, P, D)).astype(np.float32)
+  seen = np.zeros((B, P), bool)
+  rows = {}
+  for b in range(B):
+    pos = 2
+    for h in rng.permutation(H):
+      offsets[b, h] = pos
+      table[b, h] = rng.permutation(region_blocks)[:n_blocks] * bs
+      r = (pos + table[b, h][:, None] + np.arange(bs)).reshape(-1)[: lengths[b, h]]
+      rows[b, h] = r
+      seen[b, r] = True
+      pos += cap + int(rng.integers(1, 6))
+  k, v = np.where(seen[..., None], k, np.nan), np.where(seen[..., None], v, np.nan)
+  cast = lambda x: jnp.asarray(x, jnp.float32).astype(dtype)       # noqa: E731
+  return cast(k), cast(v), jnp.asarray(offsets), jnp.asarray(table), rows
+
+
+PAGED_CASES = [
+    # id, lengths [B, H], G, D, dtype, blocks in the table, blocks in a region, num_splits
+    ("g1-d64", [[0, 1, BK - 1], [BK + 1, 5 * BK, 3], [2 * BK, 0, 4 * BK - 2]], 1, 64, jnp.float32, 5, 9, 2),
+    ("g4-d128-bf16", [[BK, 3 * BK + 1], [1, 5 * BK]], 4, 128, jnp.bfloat16, 5, 7, None),
+    ("g7-d64", [[BK + 1, BK - 1, 0]], 7, 64, jnp.float32, 3, 4, 3),
+]
+
+
+@pytest.mark.parametrize("name,lengths,G,D,dtype,n_blocks,region_blocks,num_splits", PAGED_CASES,
+                         ids=[c[0] for c in PAGED_CASES])
+def test_paged_heads_match_reference_and_numpy(name, lengths, G, D, dtype, n_blocks, region_blocks, num_splits):
+  """A paged call reads exactly the blocks its table names, in logical order: the kernel (interpret) equals
+  the reference, and the reference equals numpy softmax attention over the rows the table names (every
+  other row of the pool is NaN, so a stray read would show)."""
+  rng = np.random.default_rng(zlib.crc32(name.encode()))
+  lengths = np.asarray(lengths, np.int32)
+  B, H = lengths.shape
+  k, v, offsets, table, rows = make_paged_pool(rng, lengths, n_blocks, region_blocks, BK, D, dtype)
+  q = jnp.asarray(2.0 * rng.standard_normal((B, H, 1, G, D)), jnp.float32).astype(dtype)
+  max_len = n_blocks * BK
+  lens = jnp.asarray(lengths)
+  out, lse, _ = pool_attention(q, k, v, offsets, lens, None, table, max_len=max_len, block_size=BK,
+                               num_splits=num_splits, interpret=True)
+  k0, v0 = jnp.nan_to_num(k), jnp.nan_to_num(v)   # the reference gathers whole blocks, then masks
+  r_out, r_lse, _ = pool_attention_reference(q, k0, v0, offsets, lens, None, table, max_len=max_len,
+                                             block_size=BK)
+  tol = TOL[dtype]
+  out32, r32 = np.asarray(out, np.float32), np.asarray(r_out, np.float32)
+  assert np.isfinite(out32).all() and np.isfinite(np.asarray(lse)).all()
+  np.testing.assert_allclose(out32, r32, atol=tol["out"], rtol=tol["out"])
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(r_lse), atol=tol["lse"], rtol=tol["lse"])
+  kf, vf, qf = (np.asarray(x, np.float64) for x in (k, v, q))
+  for (b, h), r in rows.items():
+    if not len(r):
+      assert (out32[b, h] == 0).all() and (np.asarray(lse)[b, h] == np.float32(MASK_VALUE)).all()
+      continue
+    s = qf[b, h, 0] @ kf[b, r].T / np.sqrt(D)                              # [G, n]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ vf[b, r]
+    np.testing.assert_allclose(r32[b, h, 0], want, atol=max(tol["out"], 1e-5), rtol=max(tol["out"], 1e-5))
+
+
+def test_paged_argument_errors():
+  q = jnp.zeros((1, 2, 1, 1, 16), jnp.float32)
+  pool = jnp.zeros((1, 64, 16), jnp.float32)
+  idx = jnp.zeros((1, 2), jnp.int32)
+  with pytest.raises(ValueError, match="block_rows must be"):
+    pool_attention(q, pool, pool, idx, idx, None, jnp.zeros((1, 3, 2), jnp.int32), max_len=32, block_size=16,
+                   interpret=True)
+  with pytest.raises(ValueError, match="must cover"):
+    pool_attention(q, pool, pool, idx, idx, None, jnp.zeros((1, 2, 1), jnp.int32), max_len=32, block_size=16,
+                   interpret=True)
+  with pytest.raises(ValueError, match="power of two >= 16"):
+    pool_attention(q, pool, pool, idx, idx, None, jnp.zeros((1, 2, 4), jnp.int32), max_len=32, block_size=8,
+                   interpret=True)
+
+
 def test_default_num_splits():
   assert default_pool_num_splits(1) == 1
   assert default_pool_num_splits(512) == 1
@@ -206,4 +296,18 @@ def test_lowers_to_triton_for_cuda(verified_triton_modules, name, B, H, G, D, ca
             sds((B, H), jnp.int32), sds((B, H), jnp.int32), sds((H,), jnp.int32))
     txt = lower_cuda(lambda *a: pool_attention(*a, max_len=max_len, score_len=score_len), *args)
     assert txt.count(TRITON_CALL) == 1, name      # one launch for all the heads of the layer
+  assert verified_triton_modules and all(verified_triton_modules)
+
+
+def test_paged_lowers_to_triton_for_cuda(verified_triton_modules):
+  """Quest's in-device step at Llama-3.1-8B shapes, 32K: 614 selected 16-row pages plus the partial page and
+  a 128-row tail as 9 more blocks, one launch for the layer."""
+  sds = jax.ShapeDtypeStruct
+  B, H, G, D, bs, nb = 1, 8, 4, 128, 16, 614 + 9
+  P = H * (32768 + 128)
+  args = (sds((B, H, 1, G, D), jnp.bfloat16), sds((B, P, D), jnp.bfloat16), sds((B, P, D), jnp.bfloat16),
+          sds((B, H), jnp.int32), sds((B, H), jnp.int32), None, sds((B, H, nb), jnp.int32))
+  txt = lower_cuda(lambda q, k, v, o, n, t: pool_attention(q, k, v, o, n, None, t, max_len=nb * bs, block_size=bs),
+                   *(a for a in args if a is not None))
+  assert txt.count(TRITON_CALL) == 1
   assert verified_triton_modules and all(verified_triton_modules)

@@ -60,27 +60,30 @@ def append(pool: KVPool, layer: LayerCache, tail_start: jax.Array, k_new: jax.Ar
     return fn(pool, layer.offsets, layer.lengths, tail_start, k_new, v_new)
 
 
-def _local_attend(q, pool: KVPool, offsets, lengths, score_heads, max_len, score_len):
+def _local_attend(q, pool: KVPool, offsets, lengths, score_heads, block_rows, max_len, score_len, block_size):
     """One shard: q [B, h, T, G, D] over its pool [B, 1, P, D] (heads of this shard)."""
-    return pallas_kernels.pool_attention(q, pool.k[:, 0], pool.v[:, 0], offsets, lengths, score_heads,
-                                         max_len=max_len, score_len=score_len)
+    return pallas_kernels.pool_attention(q, pool.k[:, 0], pool.v[:, 0], offsets, lengths, score_heads, block_rows,
+                                         max_len=max_len, score_len=score_len, block_size=block_size)
 
 
 def attend(q: jax.Array, pool: KVPool, offsets: jax.Array, lengths: jax.Array, *, max_len: int, mesh=None,
-           score_heads=None, score_len: int = 0):
+           score_heads=None, score_len: int = 0, block_rows=None, block_size: int = 0):
     """Every head of a layer in one call: q [B, H, T, G, D], query position t of head h seeing the first
     lengths[b, h] + t rows of its region at offsets[b, h]. ``max_len`` (static) bounds lengths + T - 1.
     With ``score_len`` (T = 1) the heads flagged in ``score_heads`` [H] also return their logits over their
-    first ``score_len`` rows. Returns (out [B, H, T, G, D], lse [B, H, T, G] float32, logits [B, H, G,
-    score_len] or None): ``pallas_kernels.pool_attention``, which picks the kernel for the platform."""
+    first ``score_len`` rows. With ``block_rows`` [B, H, NB] the heads are paged: their logical row j is
+    region row block_rows[..., j // block_size] + j % block_size. Returns (out [B, H, T, G, D], lse
+    [B, H, T, G] float32, logits [B, H, G, score_len] or None): ``pallas_kernels.pool_attention``, which
+    picks the kernel for the platform."""
     if mesh is None:
         if pool.num_shards == 1:
-            return _local_attend(q, pool, offsets, lengths, score_heads, max_len, score_len)
+            return _local_attend(q, pool, offsets, lengths, score_heads, block_rows, max_len, score_len, block_size)
         # shards on one device (tests of the layout): each shard's heads over its own pool, in turn
         n = q.shape[1] // pool.num_shards
-        parts = [_local_attend(q[:, s * n:(s + 1) * n], jax.tree.map(lambda a: a[:, s:s + 1], pool),
-                               offsets[:, s * n:(s + 1) * n], lengths[:, s * n:(s + 1) * n],
-                               None if score_heads is None else score_heads[s * n:(s + 1) * n], max_len, score_len)
+        part = lambda a, s: None if a is None else a[:, s * n:(s + 1) * n]  # noqa: E731
+        parts = [_local_attend(part(q, s), jax.tree.map(lambda a: a[:, s:s + 1], pool), part(offsets, s),
+                               part(lengths, s), None if score_heads is None else score_heads[s * n:(s + 1) * n],
+                               part(block_rows, s), max_len, score_len, block_size)
                  for s in range(pool.num_shards)]
         return tuple(None if p[0] is None else jnp.concatenate(p, axis=1) for p in zip(*parts))
     pool_spec, bh = _pool_and_head_specs(mesh, pool, offsets.shape)
@@ -89,14 +92,17 @@ def attend(q: jax.Array, pool: KVPool, offsets: jax.Array, lengths: jax.Array, *
     flags = score_heads if score_heads is not None else jnp.ones((q.shape[1],), jnp.int32)
     flag_spec = _spec(mesh, ("kv_heads",), flags.shape)
     logit_spec = _spec(mesh, ("batch", "kv_heads", "group", "slots"), q.shape[:2] + (q.shape[3], max(score_len, 1)))
+    args, in_specs = [q, pool, offsets, lengths, flags], [q_spec, pool_spec, bh, bh, flag_spec]
+    if block_rows is not None:
+        args.append(block_rows)
+        in_specs.append(_spec(mesh, ("batch", "kv_heads", "slots"), block_rows.shape))
 
-    def local(q_, p_, o_, l_, f_):
-        out, lse, logits = _local_attend(q_, p_, o_, l_, f_, max_len, score_len)
+    def local(q_, p_, o_, l_, f_, t_=None):
+        out, lse, logits = _local_attend(q_, p_, o_, l_, f_, t_, max_len, score_len, block_size)
         return (out, lse) + ((logits,) if score_len else ())
 
     outs = (q_spec, lse_spec) + ((logit_spec,) if score_len else ())
-    res = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, pool_spec, bh, bh, flag_spec), out_specs=outs,
-                        check_vma=False)(q, pool, offsets, lengths, flags)
+    res = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=outs, check_vma=False)(*args)
     return res[0], res[1], (res[2] if score_len else None)
 
 
@@ -126,6 +132,16 @@ class LayerStep:
                                   self.layer.lengths + self.tail_lens[:, None], max_len=self.max_len,
                                   mesh=self.mesh, score_heads=score_heads, score_len=score_len)
         return out[:, :, 0], lse[:, :, 0], logits
+
+    def attend_blocks(self, q: jax.Array, block_rows: jax.Array, lengths: jax.Array, block_size: int) -> jax.Array:
+        """One query per head, q [B, H, G, D], over chosen blocks of its region read in place: logical row j is
+        region row block_rows[b, h, j // block_size] + j % block_size (block_rows [B, H, NB] int32), the first
+        ``lengths`` [B, H] of them visible (a paged policy lists its selected pages, then its prompt's last
+        rows and the tail as consecutive blocks). Returns out [B, H, G, D]."""
+        out, _, _ = attend(q[:, :, None], self.pool, self.layer.offsets, lengths,
+                           max_len=block_rows.shape[-1] * block_size, mesh=self.mesh, block_rows=block_rows,
+                           block_size=block_size)
+        return out[:, :, 0]
 
     def attend_tail(self, q: jax.Array):
         """Queries q [B, H, T, G, D] over each head's tail rows only (query t sees tail_lens + t of them),
