@@ -1,5 +1,4 @@
-"""Page primitives (Quest / FreeKV) against independent float64 numpy references, traced under jit; the rows of
-a head's region of the row pool that a decode step reads (``region_rows``) against numpy indexing."""
+"""Page primitives (Quest / FreeKV) against independent float64 numpy references, traced under jit."""
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from hetero_jax.model.cache import KVPool
 from hetero_jax.policies.pages import (
-    group_page_scores, page_summaries, page_token_index, quest_page_scores, region_rows, top_pages,
+    group_page_scores, page_summaries, quest_page_scores, top_pages,
 )
 from pallas_kernels import MASK_VALUE
 
@@ -20,7 +18,6 @@ summaries_arr = jax.jit(page_summaries, static_argnames=("page_size",))  # start
 quest_jit = jax.jit(quest_page_scores)
 group_jit = jax.jit(group_page_scores, static_argnames=("how",))
 top_jit = jax.jit(top_pages, static_argnames=("n_select",))
-index_jit = jax.jit(page_token_index, static_argnames=("page_size", "start"))
 
 B, H, G, T, D, PS = 3, 2, 3, 40, 8, 4
 
@@ -73,12 +70,12 @@ def np_group(u, n, how):
 
 
 def np_top(scores, n_sel):
-    """Stable top-n (ties to the lower page), valid ones ascending; returns (pages list, n_valid) per head."""
+    """Stable top-n (ties to the lower page), valid ones best first; {(b, h): pages list} per head."""
     res = {}
     for b in range(scores.shape[0]):
         for h in range(scores.shape[1]):
             order = np.argsort(-scores[b, h], kind="stable")[:n_sel]
-            res[b, h] = sorted(int(p) for p in order if scores[b, h, p] > MASK_VALUE)
+            res[b, h] = [int(p) for p in order if scores[b, h, p] > MASK_VALUE]
     return res
 
 
@@ -192,7 +189,7 @@ def test_group_scores_reject_unknown_rule():
 # ----------------------------------------------------------------------------- top pages
 
 
-def test_top_pages_stable_ascending_and_valid_mask():
+def test_top_pages_stable_best_first_and_valid_mask():
     rng = np.random.default_rng(4)
     P, n_sel = 9, 4
     scores = rng.integers(0, 3, size=(B, H, P)).astype(np.float32)  # many ties
@@ -206,33 +203,15 @@ def test_top_pages_stable_ascending_and_valid_mask():
     for (b, h), want in ref.items():
         nv = len(want)
         assert valid[b, h].tolist() == [True] * nv + [False] * (n_sel - nv)
-        assert pages[b, h, :nv].tolist() == want  # same set, ascending
-        assert set(pages[b, h, nv:].tolist()) <= (set(want) if want else {0})
+        assert pages[b, h, :nv].tolist() == want  # best first, ties to the lower page
+        filler = {want[0]} if want else {0}  # the best page, or page 0 where none is valid
+        assert set(pages[b, h, nv:].tolist()) <= filler
     assert [len(ref[1, h]) for h in range(H)] == [2, 2] and ref[2, 0] == []
 
 
 def test_top_pages_rejects_oversized_selection():
     with pytest.raises(ValueError, match="n_select"):
         top_pages(jnp.zeros((1, 1, 3)), 4)
-
-
-# ----------------------------------------------------------------------------- token index
-
-
-def test_page_token_index_matches_numpy():
-    rng = np.random.default_rng(5)
-    pages = rng.integers(0, 7, size=(B, H, 3)).astype(np.int32)
-    for start, jitted in ((0, True), (6, True), (np.array([0, 4, 9], np.int32), False)):
-        if jitted:
-            got = np.asarray(index_jit(jnp.asarray(pages), page_size=PS, start=start))
-        else:
-            got = np.asarray(jax.jit(page_token_index, static_argnames=("page_size",))(
-                jnp.asarray(pages), page_size=PS, start=jnp.asarray(start)))
-        starts = np.broadcast_to(start, (B,))
-        ref = np.array([[[starts[b] + p * PS + i for p in pages[b, h] for i in range(PS)]
-                         for h in range(H)] for b in range(B)])
-        assert got.dtype == np.int32
-        np.testing.assert_array_equal(got, ref)
 
 
 # ----------------------------------------------------------------------------- the bound is a bound
@@ -268,32 +247,3 @@ def test_quest_bound_upper_bounds_every_key_in_page(case):
         true = (q64 @ page.T).max(axis=1)  # [G]: the best real q.k in the page
         tol = 1e-5 * (np.abs(q64) @ np.abs(page).max(axis=0)) + 1e-6
         assert np.all(u[0, 0, :, p] >= true - tol)
-
-
-# ----------------------------------------------------------------------------- rows of a head's pool region
-
-
-def _region_case(seed=7, shards=3, heads=6, P=64, n=5):
-    """A [2, shards, P, D] pool of distinct rows and per-head regions of 10 rows (head h on shard h // (H / S))."""
-    rng = np.random.default_rng(seed)
-    Bq = 2
-    k = rand(rng, Bq, shards, P, D)
-    v = rand(rng, Bq, shards, P, D)
-    pos = rng.integers(0, 1000, (Bq, shards, P)).astype(np.int32)
-    pool = KVPool(k=jnp.asarray(k), v=jnp.asarray(v), positions=jnp.asarray(pos))
-    per = heads // shards
-    offsets = np.array([[(h % per) * 10 + 3 * b for h in range(heads)] for b in range(Bq)], np.int32)  # [B, H]
-    idx = rng.integers(0, 10, (Bq, heads, n)).astype(np.int32)
-    return pool, (k, v, pos), offsets, idx, per
-
-
-@pytest.mark.parametrize("shards", [1, 3])
-def test_region_rows_reads_each_heads_own_region(shards):
-    pool, (k, v, _), offsets, idx, per = _region_case(shards=shards)
-    got_k, got_v = jax.jit(region_rows)(pool, jnp.asarray(offsets), jnp.asarray(idx))
-    Bq, Hh, n = idx.shape
-    for b in range(Bq):
-        for h in range(Hh):
-            rows = offsets[b, h] + idx[b, h]
-            np.testing.assert_array_equal(np.asarray(got_k[b, h]), k[b, h // per, rows])
-            np.testing.assert_array_equal(np.asarray(got_v[b, h]), v[b, h // per, rows])

@@ -6,10 +6,6 @@ heads), queries ``[B, H, G, D]`` (G = query heads per KV head). Scores are
 float32 and pages beyond a sequence's count score MASK_VALUE (finite, never -inf).
 Everything here is pure and jittable with ``page_size``, ``n_select`` and
 ``how`` static; ``start`` is static when it is a python int.
-
-``region_rows`` reads, inside a decode step, rows of each KV head's region of
-the row pool (``model.cache``): in-device Quest's page gather (on a mesh inside
-``shard_map``, each device its own heads' rows).
 """
 
 from __future__ import annotations
@@ -107,15 +103,17 @@ def group_page_scores(
 
 
 def top_pages(scores: jax.Array, n_select: int, counts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """The ``n_select`` best pages of each head, in ascending page order.
+    """The ``n_select`` best pages of each head, best first.
 
     scores: [B, H, P] float32 (MASK_VALUE on unusable pages); n_select <= P,
     static; counts: optional [B] pages each sequence may keep (<= n_select; the
     best ``counts[b]`` are kept). Ties go to the lower page (``lax.top_k`` is
     stable). Returns pages [B, H, n_select] int32 and valid [B, H, n_select]
-    bool; slots that could only pick an MASK_VALUE page (or are past the count)
-    come last, are marked False and repeat the last valid page (page 0 when a
-    head has none), so every id is in range.
+    bool, valid a prefix (scores come best first and ``counts`` cuts a prefix):
+    slots that could only pick an MASK_VALUE page (or are past the count) are
+    marked False and hold the head's best page (page 0 when it has none), so
+    every id is in range. No sort after ``top_k``: which slot a page takes does
+    not matter to attention (a set of rows) nor to the recall (a set of pages).
     """
     if not 0 < n_select <= scores.shape[-1]:
         raise ValueError(f"n_select must be in [1, {scores.shape[-1]}] (the page axis), got {n_select}")
@@ -123,23 +121,8 @@ def top_pages(scores: jax.Array, n_select: int, counts: jax.Array | None = None)
     ok = vals > MASK_VALUE
     if counts is not None:
         ok &= jnp.arange(n_select)[None, None, :] < counts[:, None, None]
-    big = jnp.iinfo(jnp.int32).max
-    kept = jnp.sort(jnp.where(ok, idx, big), axis=-1)  # ascending, invalid last
-    n_valid = (kept != big).sum(axis=-1, keepdims=True)
-    last = jnp.take_along_axis(kept, jnp.maximum(n_valid - 1, 0), axis=-1)
-    last = jnp.where(n_valid > 0, last, 0)
-    return jnp.where(kept == big, last, kept).astype(jnp.int32), kept != big
-
-
-def page_token_index(pages: jax.Array, page_size: int, start: int | jax.Array = 0) -> jax.Array:
-    """Token positions of the given pages, page-major.
-
-    pages: [B, H, n] int32; start: int or [B]. Returns [B, H, n*page_size]
-    int32 with entry ``start + page*page_size + i``.
-    """
-    B, H, n = pages.shape
-    base = _per_seq(start, B)[:, None, None, None] + pages.astype(jnp.int32)[..., None] * page_size
-    return (base + jnp.arange(page_size, dtype=jnp.int32)).reshape(B, H, n * page_size)
+    filler = jnp.where(ok[..., :1], idx[..., :1], 0)
+    return jnp.where(ok, idx, filler).astype(jnp.int32), ok
 
 
 def pages_for_budget(rho: float, prompt_len: int, num_layers: int, full_layers: int, page_size: int, *,
@@ -167,43 +150,3 @@ def smallest_page_rho(prompt_len: int, num_layers: int, full_layers: int, page_s
     while pages_for_budget(rho, prompt_len, num_layers, full_layers, page_size, **kw) < 1:
         rho = round(rho + 1e-4, 4)
     return float(rho)
-
-
-# ----------------------------------------------------------------------------- rows of a head's pool region
-# Inside a decode step (traced): read rows of every head's region of the row pool
-# (``model.cache``: head h of a layer owns pool[b, h // (H / S), offsets[b, h] + j]). On a mesh both run inside
-# ``jax.shard_map`` over the pool's shards, as ``model.pool.append`` does: each device touches its own heads'
-# rows only, so no pool shard is gathered or replicated.
-
-
-def _local_gather(pool, offsets, idx):
-    """One shard: rows offsets + idx of each head's region, k, v [B, h, n, D] (idx clipped into the pool)."""
-    B, h, _ = idx.shape
-    n_local = h // pool.num_shards
-    rows = jnp.clip(offsets[..., None] + idx, 0, pool.num_rows - 1)
-    b = jnp.arange(B)[:, None, None]
-    s = (jnp.arange(h) // n_local)[None, :, None]
-    return pool.k[b, s, rows], pool.v[b, s, rows]
-
-
-def _pool_specs(mesh, pool):
-    from hetero_jax.model.sharding import partition_spec
-
-    kv = partition_spec(("batch", "kv_heads", "pool_rows", "head_dim"), pool.k.shape, mesh)
-    return type(pool)(k=kv, v=kv, positions=partition_spec(("batch", "kv_heads", "pool_rows"), pool.positions.shape,
-                                                           mesh))
-
-
-def region_rows(pool, offsets, idx, mesh=None):
-    """Traced: rows ``idx`` [B, H, n] int32 (region-relative; clipped into the pool, so any finite index is
-    safe) of every head's region of ``pool``, whose first rows are at ``offsets`` [B, H]. Returns k, v
-    [B, H, n, D] (the pool's dtype)."""
-    if mesh is None:
-        return _local_gather(pool, offsets, idx)
-    from hetero_jax.model.sharding import partition_spec
-
-    bh = partition_spec(("batch", "kv_heads"), offsets.shape, mesh)
-    i_spec = partition_spec(("batch", "kv_heads", "slots"), idx.shape, mesh)
-    out = partition_spec(("batch", "kv_heads", "slots", "head_dim"), idx.shape + (pool.k.shape[-1],), mesh)
-    return jax.shard_map(_local_gather, mesh=mesh, in_specs=(_pool_specs(mesh, pool), bh, i_spec),
-                         out_specs=(out, out), check_vma=False)(pool, offsets, idx)

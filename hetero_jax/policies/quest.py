@@ -13,10 +13,12 @@ Two modes, one budget definition:
 
 - in-device (``offload=False``, the paper): every head keeps its whole prompt
   in its region of the row pool and ``budget`` is the fraction attended per
-  step: round(rho L) tokens per head of a sparse layer. A step gathers its
-  selected rows from the head's region (``pages.region_rows``) and attends them
-  merged by log-sum-exp with the tail (``LayerStep.attend_tail``). No memory
-  saving (achieved rho 1).
+  step: round(rho L) tokens per head of a sparse layer. A step attends its
+  selected pages, then its partial page and the tail, as page-sized blocks of
+  the head's region read in place (``LayerStep.attend_blocks``: one pool
+  attention call per layer, no gather copy; the Pallas kernel reads pages of a
+  power of two >= 16 rows, the paper's 16 included, others take the plain-JAX
+  reference). No memory saving (achieved rho 1).
 - offloaded (``offload=True``): the sparse layers' prompt K/V lives in the host
   store; the prompt part of each head's region holds k pages and the partial
   last page (what a step attends). A step attends the pages the previous
@@ -47,7 +49,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-import pallas_kernels
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, row_nbytes, tail_kv_bytes
 from hetero_jax.model.config import ModelConfig
@@ -56,22 +57,23 @@ from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.base import BudgetError, Policy, bool_param, int_param, tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
-from hetero_jax.policies.pages import (group_page_scores, page_summaries, page_token_index, pages_for_budget,
-                                       region_rows, smallest_page_rho, top_pages)
+from hetero_jax.policies.pages import (group_page_scores, page_summaries, pages_for_budget, smallest_page_rho,
+                                       top_pages)
 from hetero_jax.policies.speculative import PageRecallPrefill, select
 
 
 @struct.dataclass
 class QuestPages:
-    """An in-device sparse layer's decode state: the page summaries, the selection's bounds and the last
-    selection (offloaded layers hold a ``speculative.PageSlots``)."""
+    """An in-device sparse layer's decode state: the page summaries and the selection's bounds (offloaded layers
+    hold a ``speculative.PageSlots``). A step's selection is its extra output only: kept here too, it would be
+    one output twice and XLA would copy it, a kernel per layer and step."""
 
     kmin: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel min key
     kmax: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel max key
     n_pages: jax.Array = axes_field("batch")  # [B] int32 full pages of each prompt
     prompt_lens: jax.Array = axes_field("batch")  # [B] int32
     k_sel: jax.Array = axes_field("batch")  # [B] int32 pages each sequence selects per step
-    pages: jax.Array = axes_field("batch", "kv_heads", "slots")  # [B, H, k] int32 the last step's selection
+    n_select: int = struct.field(pytree_node=False, default=1)  # page slots k per head (the longest sequence's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,17 +126,12 @@ class Quest(Policy):
             return step.attend(q)[0], step, None
         if self.offload:
             return step.attend(q)[0], step, select(q, st, "max")
-        ps = self.page_size
         scores = group_page_scores(q, st.kmin, st.kmax, st.n_pages, "max")  # [B, H, P]
-        pages, valid = top_pages(scores, st.pages.shape[-1], st.k_sel)
-        idx, lengths = _attended_slots(pages, valid, st.n_pages, st.prompt_lens, ps)  # [B, H, S]
-        # the head's region holds its whole prompt in position order (row j = position j); the gathered rows
-        # are temporaries, merged with the tail by log-sum-exp
-        k_rows, v_rows = region_rows(step.pool, step.layer.offsets, idx, step.mesh)
-        out_p, lse_p = pallas_kernels.decode_attention(q, k_rows, v_rows, lengths, finite_padding=True)
-        out_t, lse_t = step.attend_tail(q[:, :, None])
-        out, _ = pallas_kernels.merge_attention(out_p, lse_p, out_t[:, :, 0], lse_t[:, :, 0])
-        return out, step.replace(layer=step.layer.replace(state=st.replace(pages=pages))), pages
+        pages, valid = top_pages(scores, st.n_select, st.k_sel)
+        block_rows, lengths = _page_blocks(pages, valid, st.n_pages, st.prompt_lens, step.tail_lens, self.page_size,
+                                           step.tail_capacity)
+        out = step.attend_blocks(q, block_rows, lengths, self.page_size)
+        return out, step, pages
 
     def attend_chunk(self, li, q, step):
         """A session's turn attends the whole prompt, as Quest's prefill does (dense); offloaded, a sparse
@@ -146,19 +143,22 @@ class Quest(Policy):
         return attend_chunk_over_host_prompt(li, q, step, st.store, st.prompt_lens, n_slots)
 
 
-def _attended_slots(pages, valid, n_pages, prompt_lens, ps: int):
-    """Token positions a head attends as a valid prefix: the selected pages (page order) then the partial
-    last page; (idx [B, H, (k + 1) * ps] int32, lengths [B, H] int32). ``top_pages`` puts invalid pages
-    last, so the partial page goes right after the valid ones; slots past the length point at token 0
-    (finite, masked by the lengths)."""
+def _page_blocks(pages, valid, n_pages, prompt_lens, tail_lens, ps: int, tail_capacity: int):
+    """What a head attends, as page-sized blocks of its region (row j = position j, the tail right after the
+    prompt): its valid selected pages, then the rows from its last full page's end on (the partial page and
+    the tail), which are consecutive. pages, valid [B, H, k] (valid a prefix, ``top_pages``); n_pages,
+    prompt_lens, tail_lens [B]. Returns (block_rows [B, H, k + n_rest] int32, the first region row of each
+    block; lengths [B, H] int32, the rows visible), n_rest = ceil((ps + tail_capacity) / ps) blocks covering
+    the partial page (< ps rows) and the tail."""
     B, H, k = pages.shape
-    page_idx = jnp.pad(page_token_index(pages, ps), ((0, 0), (0, 0), (0, ps)))  # [B, H, (k + 1) * ps]
-    n_page_tok = valid.sum(axis=-1, dtype=jnp.int32)[..., None] * ps  # [B, H, 1]
-    partial = (prompt_lens - n_pages * ps)[:, None, None]  # [B, 1, 1] tokens of the partial page
-    slot = jnp.arange((k + 1) * ps, dtype=jnp.int32)
-    part_idx = (n_pages * ps)[:, None, None] + slot - n_page_tok
-    idx = jnp.where(slot < n_page_tok, page_idx, jnp.where(slot < n_page_tok + partial, part_idx, 0))
-    return idx.astype(jnp.int32), (n_page_tok + partial)[..., 0].astype(jnp.int32)
+    n_rest = -(-(ps + tail_capacity) // ps)
+    n_valid = valid.sum(axis=-1, dtype=jnp.int32)[..., None]  # [B, H, 1]
+    i = jnp.arange(k + n_rest, dtype=jnp.int32)
+    chosen = jnp.take(pages, jnp.minimum(i, k - 1), axis=-1) * ps  # [B, H, k + n_rest]
+    rest = (n_pages * ps)[:, None, None] + (i - n_valid) * ps
+    block_rows = jnp.where(i < n_valid, chosen, rest)
+    lengths = n_valid[..., 0] * ps + (prompt_lens - n_pages * ps + tail_lens)[:, None]
+    return block_rows.astype(jnp.int32), lengths.astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size",))
@@ -202,11 +202,9 @@ class QuestPrefill(PrefillPlan):
             return self.pages.build_layer(li, layer, x_in, k_buf, v_buf, lens)
         args = (k_buf[:, :, :t_max], lens)  # no summaries of the chunk padding
         kmin, kmax, n_pages = self.compile_fn(_summaries, *args, page_size=self.policy.page_size)(*args)
-        B, H = k_buf.shape[:2]
         # fresh arrays per layer: the decode step donates every cache leaf separately
         state = QuestPages(kmin=kmin, kmax=kmax, n_pages=n_pages, prompt_lens=jnp.array(lens),
-                           k_sel=jnp.asarray(self.k_sel, jnp.int32),
-                           pages=jnp.zeros((B, H, max(1, int(self.k_sel.max()))), jnp.int32))
+                           k_sel=jnp.asarray(self.k_sel, jnp.int32), n_select=max(1, int(self.k_sel.max())))
         return M.full_rows(k_buf, v_buf, lens, t_max).replace(state=state)
 
     def finish(self, cache: KVCache):
