@@ -373,18 +373,19 @@ def np_mass_set(a, tau, k_cap):
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**16), T=st.integers(1, 70), tau=st.sampled_from([0.3, 0.5, 0.9, 0.99, 1.0]),
-       cap_frac=st.sampled_from([1.0, 0.5, 0.1]), ties=st.booleans())
-def test_mass_set_equals_a_sorted_cut(seed, T, tau, cap_frac, ties):
-    """``mass_set`` (two bisections over the float bits, no sort) keeps exactly the tokens a stable sort and an
-    exclusive prefix sum keep, ties (values drawn from a few levels) and zeros included; the float64 prefix is
-    compared only where no prefix lies within 1e-6 of tau (a float32 sum may fall on the other side)."""
+       cap_frac=st.sampled_from([1.0, 0.5, 0.1]), ties=st.booleans(), by_sort=st.booleans())
+def test_mass_set_equals_a_sorted_cut(seed, T, tau, cap_frac, ties, by_sort):
+    """``mass_set`` (the CPU's two bisections over the float bits, or the GPU's sort) keeps exactly the tokens a
+    stable numpy sort and an exclusive float64 prefix sum keep, ties (values drawn from a few levels) and zeros
+    included; compared only where no prefix lies within 1e-6 of tau (a float32 sum may fall on the other
+    side)."""
     from hetero_jax.policies.hcattention import mass_set
 
     rng = np.random.default_rng(seed)
     x = rng.choice([0.0, 1.0, 2.0, 4.0], size=(2, 3, T)) if ties else rng.exponential(size=(2, 3, T)) ** 3
     a = (x / np.maximum(x.sum(-1, keepdims=True), 1e-30)).astype(np.float32)
     k_cap = max(1, min(T, int(np.ceil(cap_frac * T))))
-    got = np.asarray(jax.jit(mass_set, static_argnums=(1, 2))(jnp.asarray(a), tau, k_cap))
+    got = np.asarray(jax.jit(mass_set, static_argnums=(1, 2, 3))(jnp.asarray(a), tau, k_cap, by_sort))
     want = np_mass_set(a, tau, k_cap)
     for r in np.ndindex(a.shape[:-1]):
         prefix = np.cumsum(np.sort(a[r].astype(np.float64))[::-1])

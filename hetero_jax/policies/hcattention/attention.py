@@ -11,7 +11,7 @@ from flax import struct
 
 from hetero_jax.model.host_store import host_weighted_sum
 from hetero_jax.model.spec import axes_field
-from pallas_kernels import MASK_VALUE
+from pallas_kernels import MASK_VALUE, traced_for_gpu
 
 
 @struct.dataclass
@@ -56,15 +56,22 @@ def prompt_part(li: int, q, st: HCState, kind: str, tau: float, k_cap_fraction: 
 MASS_BISECTION_STEPS = 31  # the bits of a non-negative float32 below +inf: the search ends on a value present
 
 
-def mass_set(a, tau: float, k_cap: int):
+def mass_set(a, tau: float, k_cap: int, by_sort: bool | None = None):
     """Traced: the mass set Pi of every row of probabilities a [..., T] float32 (>= 0), as a [..., T] bool mask:
     the k* most probable tokens, k* = min(k_cap, min{k : sum of the k largest >= tau}) (Eq. 4), ties to the
     lower index; tau >= 1 keeps every token (up to k_cap).
 
-    No sort: a non-negative float's int32 bits order as its value, so two bisections over the bits find the
-    k*-th largest value of the mass rule (the largest x with sum_{a >= x} a >= tau) and of the cap (the largest
-    x with #{a >= x} >= k_cap) in 31 masked reductions each; tokens above the higher one are kept, and of the
-    tokens equal to it the first ones by index while the rule still holds."""
+    ``by_sort`` (None: when tracing for a GPU, ``pallas_kernels.traced_for_gpu``): one sort per row and an
+    exclusive prefix sum (a GPU sorts in one kernel, where the bisection below is a loop of 31 trips of
+    several kernels each, in every layer); else no sort (XLA:CPU sorts slowly): a non-negative float's int32
+    bits order as its value, so two bisections over the bits find the k*-th largest value of the mass rule
+    (the largest x with sum_{a >= x} a >= tau) and of the cap (the largest x with #{a >= x} >= k_cap) in 31
+    masked reductions each; tokens above the higher one are kept, and of the tokens equal to it the first
+    ones by index while the rule still holds."""
+    if by_sort is None:
+        by_sort = traced_for_gpu()
+    if by_sort:
+        return _mass_set_sorted(a, tau, k_cap)
     bits = jax.lax.bitcast_convert_type(a, jnp.int32)
     zero = jnp.zeros(a.shape[:-1] + (1,), jnp.int32)
     top = bits.max(-1, keepdims=True) + 1  # no token reaches it: both rules fail there
@@ -93,6 +100,24 @@ def mass_set(a, tau: float, k_cap: int):
     by_mass = (thr != cut) | (mass_above + (rank - 1).astype(jnp.float32) * value < tau) | (tau >= 1.0)
     by_cap = (thr != cap) | (rank <= k_cap - above.sum(-1, keepdims=True, dtype=jnp.int32))
     return above | (tie & by_mass & by_cap)
+
+
+def _mass_set_sorted(a, tau: float, k_cap: int):
+    """``mass_set`` by a sort: k* from the exclusive prefix sums of each row sorted in descending order, then
+    the tokens above the k*-th largest value and the first ties at it by index."""
+    T = a.shape[-1]
+    desc = jnp.flip(jnp.sort(a, axis=-1), axis=-1)
+    if tau >= 1.0:
+        k = jnp.full(a.shape[:-1] + (1,), T, jnp.int32)
+    else:
+        before = jnp.cumsum(desc, axis=-1) - desc  # mass of the larger tokens
+        k = (before < tau).sum(-1, keepdims=True, dtype=jnp.int32)
+    k = jnp.minimum(k, k_cap)
+    value = jnp.take_along_axis(desc, jnp.maximum(k - 1, 0), axis=-1)  # k = 0 (tau <= 0) keeps nothing below
+    above = a > value
+    tie = a == value
+    rank = jnp.cumsum(tie, axis=-1, dtype=jnp.int32)
+    return above | (tie & (rank <= k - above.sum(-1, keepdims=True, dtype=jnp.int32)))
 
 
 def prompt_scores(q, st: HCState):
