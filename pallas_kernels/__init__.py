@@ -73,8 +73,10 @@ def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, block_
   q [B, H, T, G, D]; k_pool, v_pool [B, P, D]; offsets, lengths [B, H] int32; score_heads [H] int32 flags or
   None; block_rows [B, H, NB] int32 (paged heads, blocks of ``block_size`` rows) or None. Returns (out
   [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, logits [B, H, G, score_len] float32 or None).
-  The native CPU kernel reads contiguous regions only: paged calls take the reference there, as they do
-  where the Pallas kernel cannot read blocks of ``block_size`` rows (not a power of two >= 16; a warning).
+  The native CPU kernel reads contiguous regions only: a paged call there gathers each head's blocks into a
+  contiguous temporary first (the CPU's memory bandwidth is not what its decode step waits on). Where the
+  Pallas kernel cannot read blocks of ``block_size`` rows (not a power of two >= 16) the reference runs (a
+  warning).
   """
   mode = resolve_backend(backend, native=True, head_dim=q.shape[-1])
   if block_rows is not None and mode in ("pallas", "interpret") and not (is_pow2(block_size) and block_size >= 16):
@@ -85,16 +87,33 @@ def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, block_
                     "of two >= 16 rows (use a page size of 16, 32 or 64); the plain-JAX reference runs instead "
                     "(correct, slower on a GPU)", RuntimeWarning, stacklevel=2)
     mode = "reference"
-  if mode == "reference" or (mode == "native" and block_rows is not None):
+  if mode == "reference":
     return pool_attention_reference(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows, max_len=max_len,
                                     score_len=score_len, sm_scale=sm_scale, block_size=block_size)
   if mode == "native":
     from pallas_kernels.native import pool_attention_native
+    if block_rows is not None:
+      k_pool, v_pool, offsets = _gather_blocks(k_pool, v_pool, offsets, block_rows, block_size, max_len)
     return pool_attention_native(q, k_pool, v_pool, offsets, lengths, score_heads, score_len=score_len,
                                  sm_scale=sm_scale)
   return pool_attention_pallas(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows, max_len=max_len,
                                score_len=score_len, sm_scale=sm_scale, block_size=block_size,
                                interpret=(mode == "interpret"))
+
+
+def _gather_blocks(k_pool, v_pool, offsets, block_rows, block_size: int, max_len: int):
+  """Paged heads as contiguous regions: ([B, H * S, D] keys and values of each head's S = max_len logical rows,
+  head h's at h * S, and those offsets [B, H]); logical row j of head h is pool row offsets + block_rows[...,
+  j // block_size] + j % block_size (clipped into the pool: rows past a head's length are never read)."""
+  import jax.numpy as jnp
+  from pallas_kernels.pool_attention import _block_row
+  B, H, _ = block_rows.shape
+  P = k_pool.shape[1]
+  S = max(1, int(max_len))
+  rows = jnp.clip(offsets.astype(jnp.int32)[..., None] + _block_row(block_rows, jnp.arange(S, dtype=jnp.int32),
+                                                                    block_size), 0, P - 1).reshape(B, H * S, 1)
+  take = lambda pool: jnp.take_along_axis(pool, rows, axis=1)  # noqa: E731
+  return take(k_pool), take(v_pool), jnp.broadcast_to(jnp.arange(H, dtype=jnp.int32) * S, (B, H))
 
 
 def decode_attention(q, k, v, lengths, *, sm_scale: float | None = None, backend: str | None = None,

@@ -1,6 +1,7 @@
 """Test helpers on the row pool, built with the cache module's own primitives (never a policy's code): a layer's
-view of the pool from dense per-head arrays (attention tests), and a copy of a cache whose one layer keeps given
-rows (reference caches for the decode-time retrieval tests: Quest, FreeKV)."""
+view of the pool from dense per-head arrays (attention tests), a copy of a cache whose one layer keeps given
+rows (reference caches for the decode-time retrieval tests: Quest, FreeKV), and a pool of paged heads (the
+kernels' block tables)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,32 @@ def keep_rows(cache: KVCache, li: int, idx) -> KVCache:
         pool = append(pool, new, jnp.zeros((B,), jnp.int32), tk, tv, R)
         layers.append(new)
     return cache.replace(pool=pool, layers=tuple(layers))
+
+
+def make_paged_pool(rng, lengths, n_blocks, region_blocks, bs, D, dtype):
+    """A pool whose heads each own ``region_blocks`` blocks of ``bs`` rows (regions at shuffled offsets with
+    gaps) and a block table [B, H, n_blocks] naming distinct blocks of the region in a random order. Rows of
+    the blocks a head sees (its first ``lengths`` logical keys) are finite, every other row is NaN; returns
+    (k_nan, v_nan, offsets, table) and the numpy [B, H] list of each head's visible pool rows in logical order."""
+    lengths = np.asarray(lengths, np.int32)
+    B, H = lengths.shape
+    cap = region_blocks * bs
+    P = H * (cap + 5) + 3
+    offsets = np.zeros((B, H), np.int32)
+    table = np.zeros((B, H, n_blocks), np.int32)
+    k = rng.standard_normal((B, P, D)).astype(np.float32)
+    v = rng.standard_normal((B, P, D)).astype(np.float32)
+    seen = np.zeros((B, P), bool)
+    rows = {}
+    for b in range(B):
+        pos = 2
+        for h in rng.permutation(H):
+            offsets[b, h] = pos
+            table[b, h] = rng.permutation(region_blocks)[:n_blocks] * bs
+            r = (pos + table[b, h][:, None] + np.arange(bs)).reshape(-1)[: lengths[b, h]]
+            rows[b, h] = r
+            seen[b, r] = True
+            pos += cap + int(rng.integers(1, 6))
+    k, v = np.where(seen[..., None], k, np.nan), np.where(seen[..., None], v, np.nan)
+    cast = lambda x: jnp.asarray(x, jnp.float32).astype(dtype)       # noqa: E731
+    return cast(k), cast(v), jnp.asarray(offsets), jnp.asarray(table), rows

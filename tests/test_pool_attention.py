@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels._util import MASK_VALUE
+from pool_utils import make_paged_pool
 from pallas_kernels.pool_attention import (default_pool_num_splits, pool_attention,
                                            pool_attention_reference)
 
@@ -163,35 +164,6 @@ def test_property_matches_reference(data):
 
 # ---------------------------------------------------------------------------
 # Paged heads: each head attends chosen blocks of its region (Quest's pages), read in place
-
-
-def make_paged_pool(rng, lengths, n_blocks, region_blocks, bs, D, dtype):
-  """A pool whose heads each own ``region_blocks`` blocks of ``bs`` rows (regions at shuffled offsets with
-  gaps) and a block table [B, H, n_blocks] naming distinct blocks of the region in a random order. Rows of
-  the blocks a head sees (its first ``lengths`` logical keys) are finite, every other row is NaN; returns
-  (k_nan, v_nan, offsets, table) and the numpy [B, H] list of each head's visible pool rows in logical order."""
-  lengths = np.asarray(lengths, np.int32)
-  B, H = lengths.shape
-  cap = region_blocks * bs
-  P = H * (cap + 5) + 3
-  offsets = np.zeros((B, H), np.int32)
-  table = np.zeros((B, H, n_blocks), np.int32)
-  k = rng.standard_normal((B, P, D)).astype(np.float32)
-  v = rng.standard_normal((B, P, D)).astype(np.float32)
-  seen = np.zeros((B, P), bool)
-  rows = {}
-  for b in range(B):
-    pos = 2
-    for h in rng.permutation(H):
-      offsets[b, h] = pos
-      table[b, h] = rng.permutation(region_blocks)[:n_blocks] * bs
-      r = (pos + table[b, h][:, None] + np.arange(bs)).reshape(-1)[: lengths[b, h]]
-      rows[b, h] = r
-      seen[b, r] = True
-      pos += cap + int(rng.integers(1, 6))
-  k, v = np.where(seen[..., None], k, np.nan), np.where(seen[..., None], v, np.nan)
-  cast = lambda x: jnp.asarray(x, jnp.float32).astype(dtype)       # noqa: E731
-  return cast(k), cast(v), jnp.asarray(offsets), jnp.asarray(table), rows
 
 
 PAGED_CASES = [
