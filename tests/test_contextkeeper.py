@@ -129,6 +129,33 @@ def test_each_head_keeps_what_numpy_says_with_the_full_kv_rows():
     assert eng.state.stats()["full_heads"] == [[list(x) for x in ORDER[:nf]]]
 
 
+def test_every_layer_keeps_a_full_head_before_any_layer_keeps_a_second():
+    """A ranking whose best three heads are all in layer 0: at the budget of three full heads the global prefix
+    would leave layers 1 and 2 with sinks and recent tokens only; the allocator keeps each layer's best head
+    whole instead (its layer floor), in a numpy-built order, and the cache holds exactly those heads whole."""
+    scores = np.array([[0.9, 0.8, 0.7], [0.6, 0.5, 0.2], [0.4, 0.1, 0.05]])
+    ranking = CARanking(scores=scores, votes=np.zeros((3, 3), np.int64), model="tiny", head_dim=CFG.head_dim)
+    assert [tuple(x) for x in ranking.order()[:3]] == [(0, 0), (0, 1), (0, 2)]
+    seen, first, rest = set(), [], []
+    for l, h in ranking.order():  # numpy oracle: each layer's first appearance, then the rest
+        (rest if l in seen else first).append((int(l), int(h)))
+        seen.add(l)
+    pol = ContextKeeper(ranking=ranking, budget=0.5, sink=S_, recent=R_)
+    assert [tuple(x) for x in pol.allocator.order()] == first + rest == [(0, 0), (1, 0), (2, 0), (0, 1), (0, 2),
+                                                                        (1, 1), (1, 2), (2, 1), (2, 2)]
+    L = 120
+    nf = pol.allocator.n_full("ContextKeeper", 0.5, CFG, L)
+    assert nf == np_n_full(0.5, L) == 4
+    np.testing.assert_array_equal(pol.allocator.full_per_layer(3, CFG), [1, 1, 1])
+    np.testing.assert_array_equal(pol.allocator.full_per_layer(nf, CFG), [2, 1, 1])
+    eng = Engine(MODEL, [random_prompt(L, 9)], pol, tail_capacity=4)
+    perms = pol.layout(CFG).perms
+    whole = {(li, int(perms[li][slot])) for li in range(CFG.num_layers)
+             for slot, n in enumerate(np.asarray(layer_rows(eng.cache, li)[3][0])) if n == L}
+    assert whole == set((first + rest)[:nf])
+    assert eng.state.stats()["full_heads"] == [[list(x) for x in (first + rest)[:nf]]]
+
+
 def logits_run(policy, batch, steps=4):
     eng = Engine(MODEL, batch, policy, tail_capacity=steps + 2, is_batch=len(batch) > 1)
     out = [np.asarray(eng.logits)]

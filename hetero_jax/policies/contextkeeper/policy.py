@@ -8,7 +8,9 @@ A scored policy: StreamingLLM's token scorer (``scorers.SinksRecent``: the sinks
 tokens) composed with the ranking's allocator (``allocators.RankedFull``: the budget rule, ours, the spec's B1
 rule solved for the number of full heads; a BudgetError names the smallest rho when even no full head fits).
 Defaults are the paper's s = 128, r = 256 (Table 1), not scaled for short prompts: a prompt of at most
-384 tokens keeps everything, so only rho = 1 is accepted there.
+384 tokens keeps everything, so only rho = 1 is accepted there. Ours: heads become full with a layer floor,
+each layer's best-ranked head before any layer's second (``RankedFull.order``), where the paper takes a global
+prefix of the ranking (RESULTS ``contextkeeper-layer-floor``).
 
 Layout: one fixed permutation per (model, ranking): each layer's KV heads in ranking order, so for
 every prompt length the full heads of a layer are a prefix and no weights are re-permuted. In the row
@@ -109,7 +111,7 @@ class ContextKeeperDecode(DecodeState):
             alloc, n = policy.allocator, cfg.num_layers * cfg.num_kv_heads
             n_full = [alloc.n_full(type(policy).__name__, policy.budget, cfg, int(L)) for L in plan.lens]
             kept = [int(plan.counts[:, b].sum()) for b in range(len(plan.lens))]  # [layers, B, H] rows per head
-            rank = policy.ranking.order()
+            rank = alloc.order()
             info = {
                 "n_full": n_full,
                 "n_full_per_layer": [alloc.full_per_layer(nf, cfg).tolist() for nf in n_full],
