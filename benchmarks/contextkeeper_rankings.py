@@ -48,13 +48,14 @@ def main(argv=None) -> int:
     variants = {"reversed": order[::-1].copy(),
                 "random": order[np.random.default_rng(args.seed).permutation(len(order))],
                 "copy": np.stack(np.divmod(by_copy, n_h), axis=1)}
+    paths = {name: args.out_dir / f"ck-{name}.json" for name in variants}
+    taken = [str(p) for p in paths.values() if p.exists()]
+    if taken:  # before writing any
+        raise SystemExit(f"error: {', '.join(taken)} exist(s); choose another --out-dir (nothing is overwritten)")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, o in variants.items():
-        path = args.out_dir / f"ck-{name}.json"
-        if path.exists():
-            raise SystemExit(f"error: {path} exists; choose another --out-dir (nothing is overwritten)")
-        with_order(base, o, name).save(path)
-        print(f"wrote {path}")
+        with_order(base, o, name).save(paths[name])
+        print(f"wrote {paths[name]}")
     return 0
 
 

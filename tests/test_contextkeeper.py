@@ -342,3 +342,26 @@ def test_decode_logits_equal_a_full_kv_cache_reduced_to_the_kept_rows():
         tok, got = eng.step_with_logits(tok)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
         assert int(tok[0]) == int(np.asarray(want)[0].argmax())
+
+
+def test_ranking_variants_script_writes_orders_and_never_overwrites(tmp_path):
+    """benchmarks/contextkeeper_rankings.py (the trace of RESULTS contextkeeper-layer-floor): each file loads as
+    a ranking whose order is the shipped one reversed, a permutation of it, or the profile's copy score falling;
+    a second run into the same folder is refused before writing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import contextkeeper_rankings as cr
+
+    assert cr.main(["--out-dir", str(tmp_path)]) == 0
+    shipped = load_ranking(cr.DATA / "smollm2-135m.contextkeeper.json").order()
+    rev, rnd, cp = (load_ranking(tmp_path / f"ck-{n}.json").order() for n in ("reversed", "random", "copy"))
+    np.testing.assert_array_equal(rev, shipped[::-1])
+    assert sorted(map(tuple, rnd)) == sorted(map(tuple, shipped)) and not np.array_equal(rnd, shipped)
+    copy = np.asarray(json.loads((cr.DATA / "smollm2-135m.profile.json").read_text())["copy_score"], float)
+    assert np.all(np.diff(copy[cp[:, 0], cp[:, 1]]) <= 0)
+    before = (tmp_path / "ck-copy.json").read_bytes()
+    with pytest.raises(SystemExit, match="nothing is overwritten"):
+        cr.main(["--out-dir", str(tmp_path)])
+    assert (tmp_path / "ck-copy.json").read_bytes() == before
