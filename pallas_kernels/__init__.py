@@ -42,7 +42,7 @@ from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce
                                           pooled_scores,
                                           pooled_scores_reference,
                                           topk_membership, topk_sets, topk_threshold)
-from pallas_kernels.pool_attention import pivot_pooled_scores, pool_attention_reference
+from pallas_kernels.pool_attention import gather_blocks, pivot_pooled_scores, pool_attention_reference
 from pallas_kernels.pool_attention import pool_attention as pool_attention_pallas
 from pallas_kernels.sparse_decode_attention import (
     default_num_splits, merge_attention, sparse_decode_attention,
@@ -93,27 +93,13 @@ def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, block_
   if mode == "native":
     from pallas_kernels.native import pool_attention_native
     if block_rows is not None:
-      k_pool, v_pool, offsets = _gather_blocks(k_pool, v_pool, offsets, block_rows, block_size, max_len)
+      k_pool, v_pool, offsets = gather_blocks(k_pool, v_pool, offsets, block_rows, block_size=block_size,
+                                              max_len=max_len)
     return pool_attention_native(q, k_pool, v_pool, offsets, lengths, score_heads, score_len=score_len,
                                  sm_scale=sm_scale)
   return pool_attention_pallas(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows, max_len=max_len,
                                score_len=score_len, sm_scale=sm_scale, block_size=block_size,
                                interpret=(mode == "interpret"))
-
-
-def _gather_blocks(k_pool, v_pool, offsets, block_rows, block_size: int, max_len: int):
-  """Paged heads as contiguous regions: ([B, H * S, D] keys and values of each head's S = max_len logical rows,
-  head h's at h * S, and those offsets [B, H]); logical row j of head h is pool row offsets + block_rows[...,
-  j // block_size] + j % block_size (clipped into the pool: rows past a head's length are never read)."""
-  import jax.numpy as jnp
-  from pallas_kernels.pool_attention import _block_row
-  B, H, _ = block_rows.shape
-  P = k_pool.shape[1]
-  S = max(1, int(max_len))
-  rows = jnp.clip(offsets.astype(jnp.int32)[..., None] + _block_row(block_rows, jnp.arange(S, dtype=jnp.int32),
-                                                                    block_size), 0, P - 1).reshape(B, H * S, 1)
-  take = lambda pool: jnp.take_along_axis(pool, rows, axis=1)  # noqa: E731
-  return take(k_pool), take(v_pool), jnp.broadcast_to(jnp.arange(H, dtype=jnp.int32) * S, (B, H))
 
 
 def decode_attention(q, k, v, lengths, *, sm_scale: float | None = None, backend: str | None = None,

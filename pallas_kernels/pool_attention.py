@@ -60,7 +60,8 @@ from pallas_kernels._util import MASK_VALUE, MIN_DOT_ROWS, cdiv, dot_precision, 
 from pallas_kernels.pooled_scores import POOL_KERNEL_SIZE, avg_pool, gqa_reduce, masked_softmax
 from pallas_kernels.sparse_decode_attention import combine_splits
 
-__all__ = ["pool_attention", "pool_attention_reference", "pivot_pooled_scores", "default_pool_num_splits"]
+__all__ = ["pool_attention", "pool_attention_reference", "pivot_pooled_scores", "default_pool_num_splits",
+           "gather_blocks"]
 
 
 @functools.partial(jax.jit, static_argnames=("max_len", "score_len", "sm_scale", "block_size"))
@@ -140,6 +141,27 @@ def _block_row(block_rows, slot, block_size: int):
   nb = block_rows.shape[-1]
   blk = jnp.minimum(slot // block_size, nb - 1)
   return jnp.take(block_rows.astype(jnp.int32), blk, axis=-1) + slot % block_size
+
+
+def gather_blocks(
+    k_pool,       # [B, P, D]        the pool's keys
+    v_pool,       # [B, P, D]        the pool's values
+    offsets,      # [B, H] int32     first pool row of each head's region
+    block_rows,   # [B, H, NB] int32 first region row of each logical key block
+    *,
+    block_size: int,  # rows of one block
+    max_len: int,     # logical rows gathered per head (<= NB * block_size)
+):
+  """Paged heads as contiguous regions, for a kernel that reads contiguous rows only (the native CPU one):
+  ([B, H * S, D] keys and values of each head's S = max_len logical rows, head h's at h * S; those offsets
+  [B, H]). Rows are clipped into the pool: a row past a head's visible length is gathered but never read."""
+  B, H, _ = block_rows.shape
+  P = k_pool.shape[1]
+  S = max(1, int(max_len))
+  rows = jnp.clip(offsets.astype(jnp.int32)[..., None] + _block_row(block_rows, jnp.arange(S, dtype=jnp.int32),
+                                                                    block_size), 0, P - 1).reshape(B, H * S, 1)
+  take = lambda pool: jnp.take_along_axis(pool, rows, axis=1)  # noqa: E731
+  return take(k_pool), take(v_pool), jnp.broadcast_to(jnp.arange(H, dtype=jnp.int32) * S, (B, H))
 
 
 def pivot_pooled_scores(
