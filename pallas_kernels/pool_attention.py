@@ -90,8 +90,7 @@ def pool_attention_reference(
     sm_scale = 1.0 / math.sqrt(D)
   S = max(1, int(max_len))
   slot = jnp.arange(S, dtype=jnp.int32)
-  rel = slot[None, None, :] if block_rows is None else _block_row(block_rows, slot, block_size)  # [B|1, H|1, S]
-  rows = jnp.clip(offsets.astype(jnp.int32)[..., None] + rel, 0, P - 1)           # [B, H, S]
+  rows = _pool_rows(offsets, block_rows, block_size, S, P)                         # [B, H, S]
   seen = lengths.astype(jnp.int32)[:, :, None] + jnp.arange(T, dtype=jnp.int32)    # [B, H, T]
   visible = slot[None, None, None, :] < seen[..., None]                            # [B, H, T, S]
   # rows no query of the head sees are zeroed: they belong to other heads or are free (any value, NaN too)
@@ -136,11 +135,16 @@ def _check_shapes(q, k_pool, v_pool, offsets, lengths, block_rows, block_size, m
                        f"max_len={max_len}: pass the rows of one block and enough blocks")
 
 
-def _block_row(block_rows, slot, block_size: int):
-  """Region row of logical key ``slot`` [S]: the first row of its block plus its place in the block; [B, H, S]."""
-  nb = block_rows.shape[-1]
-  blk = jnp.minimum(slot // block_size, nb - 1)
-  return jnp.take(block_rows.astype(jnp.int32), blk, axis=-1) + slot % block_size
+def _pool_rows(offsets, block_rows, block_size: int, S: int, P: int):
+  """[B, H, S] int32 pool row of each head's logical keys 0..S-1, clipped into [0, P): region row j (contiguous
+  heads, ``block_rows`` None), or the first row of key j's block plus its place in the block (paged heads)."""
+  slot = jnp.arange(S, dtype=jnp.int32)
+  if block_rows is None:
+    rel = slot[None, None, :]
+  else:
+    blk = jnp.minimum(slot // block_size, block_rows.shape[-1] - 1)
+    rel = jnp.take(block_rows.astype(jnp.int32), blk, axis=-1) + slot % block_size
+  return jnp.clip(offsets.astype(jnp.int32)[..., None] + rel, 0, P - 1)
 
 
 def gather_blocks(
@@ -158,8 +162,7 @@ def gather_blocks(
   B, H, _ = block_rows.shape
   P = k_pool.shape[1]
   S = max(1, int(max_len))
-  rows = jnp.clip(offsets.astype(jnp.int32)[..., None] + _block_row(block_rows, jnp.arange(S, dtype=jnp.int32),
-                                                                    block_size), 0, P - 1).reshape(B, H * S, 1)
+  rows = _pool_rows(offsets, block_rows, block_size, S, P).reshape(B, H * S, 1)
   take = lambda pool: jnp.take_along_axis(pool, rows, axis=1)  # noqa: E731
   return take(k_pool), take(v_pool), jnp.broadcast_to(jnp.arange(H, dtype=jnp.int32) * S, (B, H))
 

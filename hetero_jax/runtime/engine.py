@@ -184,8 +184,7 @@ class Engine:
         """Append ``tokens`` [B] and sample the next ones. Returns (next tokens [B], seconds)."""
         t1 = time.perf_counter()
         before = compile_seconds()
-        out = self._advance(tokens, temperature, top_p)
-        nxt = to_host(out[0])  # the read-back is part of the step's cost
+        nxt = to_host(self._advance(tokens, temperature, top_p)[0])  # the read-back is part of the step's cost
         return nxt, time.perf_counter() - t1 - (compile_seconds() - before)
 
     def dispatch(self, tokens, temperature: float, top_p: float) -> jax.Array:
@@ -196,11 +195,11 @@ class Engine:
 
     def step_with_logits(self, tokens, temperature: float = 0.0, top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """``step`` that also returns the logits it sampled from: (next tokens [B], logits [B, V] float32)."""
-        out = self._advance(tokens, temperature, top_p)
-        return to_host(out[0]), to_host(out[1]).astype(np.float32)
+        nxt, logits = self._advance(tokens, temperature, top_p)
+        return to_host(nxt), to_host(logits).astype(np.float32)
 
     def _advance(self, tokens, temperature: float, top_p: float):
-        """One decode step with the policy's hooks; the jitted outputs (tokens, logits, cache, extras)."""
+        """One decode step with the policy's hooks: (next tokens [B], logits [B, V]) on the device."""
         self.cache = self.state.before_step(self.steps, self.cache)
         self.key, sub = jax.random.split(self.key)
         args = (self.params, self.cache, jnp.asarray(tokens, jnp.int32), sub)
@@ -212,7 +211,7 @@ class Engine:
         self.cache, nxt, logits, extras = fn(*args)
         self.state.after_step(self.steps, extras, self.cache)
         self.steps += 1
-        return nxt, logits, self.cache, extras
+        return nxt, logits
 
     def extend(self, ids: Sequence[int], *, max_chunk: int = MAX_CHUNK) -> np.ndarray:
         """Append ``ids`` (a session's turn) through chunked passes over the cache as it is; returns the
