@@ -6,7 +6,8 @@ from hetero_jax.model.config import ModelConfig, SUPPORTED_ARCHITECTURES  # noqa
 from hetero_jax.errors import (CheckpointError, ConfigError, HeteroJaxError, OutputError, PromptError,  # noqa: E402
                                SessionBusyError, SessionError)
 from hetero_jax import runtime  # noqa: E402
-from hetero_jax.runtime import GenerationResult, GenerationStats, LaunchError, initialize_distributed  # noqa: E402
+from hetero_jax.runtime import (GenerationResult, GenerationStats, LaunchError, exit_on_failure,  # noqa: E402
+                                initialize_distributed)
 from hetero_jax.io.hub import load, place  # noqa: E402
 from hetero_jax.model.sharding import make_mesh  # noqa: E402
 
@@ -50,5 +51,6 @@ __all__ = [
     "load",
     "place",
     "make_mesh",
+    "exit_on_failure",
     "initialize_distributed",
 ]

@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from hetero_jax.errors import HeteroJaxError
-    from hetero_jax.runtime.distributed import SINGLE, initialize_distributed, process_setup
+    from hetero_jax.runtime.distributed import SINGLE, exit_on_failure, initialize_distributed, process_setup
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -371,13 +371,14 @@ def main(argv: list[str] | None = None) -> int:
             if not setup.distributed:
                 simulate_cpu_devices(args.tp * args.dp)
             setup = initialize_distributed()
-            if setup.process_id != 0:  # every process runs the same command; process 0 prints
-                import contextlib
-                import os
+            with exit_on_failure(setup):
+                if setup.process_id != 0:  # every process runs the same command; process 0 prints
+                    import contextlib
+                    import os
 
-                with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-                    return _cmd_generate(args, setup)
-            return _cmd_generate(args, setup)
+                    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+                        return _cmd_generate(args, setup)
+                return _cmd_generate(args, setup)
         if args.command == "launch":
             from hetero_jax.launch import launch
 

@@ -1,28 +1,54 @@
-"""One process of tests/test_multihost.py: joins a 2-process jax.distributed job on CPU (gloo) from the
+"""One process of tests/test_multihost.py: joins an N-process jax.distributed job on CPU (gloo) from the
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID the test sets (hetero_jax.initialize_distributed),
-places a tiny 2-KV-head model tensor-parallel over both processes' devices and prints its greedy run as JSON."""
+with K simulated CPU devices, places the tiny model on a mesh that is tensor parallel over the processes and
+data parallel within each, runs every policy named in HETERO_JAX_TEST_POLICIES greedy (and a session's turns
+for the session policies) and writes what it saw as JSON to HETERO_JAX_TEST_OUT (a file per process: a
+record this size on a pipe the test reads one process at a time would block the others at shutdown).
+
+With HETERO_JAX_TEST_DIE_AT=k, process 1 dies (os._exit) before decode step k of a HeteroCache run inside
+``hetero_jax.exit_on_failure``, and the others report how they ended."""
 
 import json
+import os
 
 import jax
+import numpy as np
+from jax.sharding import Mesh
 
 import hetero_jax
-from hetero_jax.policies import HeteroCache, make_policy
-from multihost_model import POLICIES, PROMPTS, two_head_model
+from hetero_jax.model.sharding import per_device_bytes
+from multihost_model import POLICIES, PROMPTS, SESSION_POLICIES, STEPS, counters, session_answers, tiny_model
 from tiny_model import greedy_with_logits
 
 setup = hetero_jax.initialize_distributed()
 assert setup.distributed and setup.process_id == jax.process_index()
 
-model = hetero_jax.place(two_head_model(), hetero_jax.make_mesh(tp=2, dp=1))
+# devices [data, model]: model axis = the processes, data axis = each process's own devices
+by_process = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+model = hetero_jax.place(tiny_model(), Mesh(np.array(by_process).T, ("data", "model")))
+if os.environ.get("HETERO_JAX_TEST_DIE_AT"):
+    from hetero_jax.runtime import Engine
+
+    die_at = int(os.environ["HETERO_JAX_TEST_DIE_AT"])
+    with hetero_jax.exit_on_failure(setup):
+        eng = Engine(model, PROMPTS, POLICIES["heterocache"], tail_capacity=40, is_batch=True)
+        tok = eng.first_tokens(0.0, 1.0)
+        for step in range(32):
+            if step == die_at and jax.process_index() == 1:
+                os._exit(7)
+            tok, _ = eng.step_with_logits(tok)
+    raise SystemExit("decoded every step although a process died")
 out = {"process_count": jax.process_count(), "device_count": jax.device_count(), "runs": {}}
-for spec in POLICIES:
-    toks, logits, eng = greedy_with_logits(model, make_policy(*spec), PROMPTS, steps=4)
-    out["runs"][spec[0]] = {"tokens": toks.tolist(), "logits": logits.tolist(),
-                            "k_proj_shards": [str(s.index) for s in model.params["layers"][0]["k_proj"].addressable_shards]}
-try:
-    greedy_with_logits(model, HeteroCache(budget=0.8, profile=__import__("multihost_model").PROFILE), PROMPTS)
-    out["host_policy_error"] = None
-except hetero_jax.HeteroJaxError as e:
-    out["host_policy_error"] = str(e)
-print("RESULT " + json.dumps(out), flush=True)
+for name in os.environ["HETERO_JAX_TEST_POLICIES"].split(","):
+    toks, logits, eng = greedy_with_logits(model, POLICIES[name], PROMPTS, steps=STEPS)
+    host = eng.state.host_arrays()
+    run = {"tokens": toks.tolist(), "logits": logits.tolist(), "counters": counters(eng),
+           "host_bytes_here": sum(per_device_bytes(host).values()), "host_bytes": sum(a.nbytes for a in host),
+           "k_proj_shards": [str(s.index) for s in model.params["layers"][0]["k_proj"].addressable_shards]}
+    if name == "heterocache":
+        run["recall_steps"] = list(eng.state.recall_steps)
+    if name in SESSION_POLICIES:
+        run["answers"] = session_answers(model, name)
+    out["runs"][name] = run
+with open(os.environ["HETERO_JAX_TEST_OUT"].format(rank=jax.process_index()), "w") as f:
+    json.dump(out, f)

@@ -1,50 +1,114 @@
-"""Two processes joined by jax.distributed on CPU run one tensor-parallel model: same greedy tokens and
-logits (1e-4) as one process alone; a policy with host copies is refused with the fix named."""
+"""Two and three processes joined by jax.distributed on CPU, each with two simulated devices, run one model
+tensor parallel over the processes and data parallel within each: every policy, those with host copies
+included, gives one process's greedy tokens, logits (1e-4) and counters; each process holds in its host memory
+only its own heads' share of the host copy; HeteroCache's forced recalls fire at the same steps in every
+process; sessions answer as on one device."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from hetero_jax.launch import free_port as _free_port, process_env
-from hetero_jax.policies import make_policy
-from multihost_model import POLICIES, PROMPTS, two_head_model
+from hetero_jax.launch import free_port, process_env
+from multihost_model import EXERCISED, POLICIES, PROMPTS, SESSION_POLICIES, STEPS, counters, session_answers, tiny_model
 from tiny_model import greedy_with_logits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+_ONE: dict = {}
+
+
+def one_process(name):
+    """(tokens, logits, counters, recall steps, session answers) of ``name`` on one device."""
+    if name not in _ONE:
+        model = tiny_model()
+        toks, logits, eng = greedy_with_logits(model, POLICIES[name], PROMPTS, steps=STEPS)
+        _ONE[name] = (toks, logits, counters(eng), list(getattr(eng.state, "recall_steps", [])),
+                      session_answers(model, name) if name in SESSION_POLICIES else None)
+    return _ONE[name]
+
+
+def run_job(tmp_path, n: int, devices_per_process: int, policies) -> list[dict]:
+    """Start ``n`` worker processes of ``devices_per_process`` CPU devices each; their records. Output goes to
+    files: a process blocked on a full pipe would hold the others at the job's shutdown barrier."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]),
+               HETERO_JAX_TEST_POLICIES=",".join(policies), HETERO_JAX_TEST_OUT=str(tmp_path / "run-{rank}.json"))
+    logs = [open(tmp_path / f"log-{i}.txt", "w") for i in range(n)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py")],
+                              env=process_env(env, n, i, port, devices_per_process), stdout=log, stderr=log)
+             for i, log in enumerate(logs)]
+    try:
+        for i, p in enumerate(procs):
+            p.wait(timeout=600)
+            logs[i].close()
+            assert p.returncode == 0, (tmp_path / f"log-{i}.txt").read_text()[-4000:]
+    finally:
+        for p in procs:
+            p.kill()
+    return [json.loads((tmp_path / f"run-{i}.json").read_text()) for i in range(n)]
+
+
+def check_job(outs, n: int, policies) -> None:
+    for out in outs:
+        assert out["process_count"] == n and out["device_count"] == 2 * n
+    for name in policies:
+        toks, logits, want_counters, recall_steps, answers = one_process(name)
+        for rank, out in enumerate(outs):
+            run = out["runs"][name]
+            np.testing.assert_array_equal(np.array(run["tokens"]), toks, err_msg=f"{name}, process {rank}")
+            np.testing.assert_allclose(np.array(run["logits"]), logits, atol=1e-4, rtol=0, err_msg=name)
+            assert run["counters"] == want_counters, (name, rank)
+            assert len(run["k_proj_shards"]) == 2  # the process's two devices hold one shard of the heads
+            # each process's host memory holds its own heads' share of the host copy, never the whole
+            assert run["host_bytes_here"] * n == run["host_bytes"], (name, rank, run["host_bytes_here"])
+            if name == "heterocache":
+                assert run["recall_steps"] == recall_steps  # the same recalls, at the same steps, everywhere
+            if answers is not None:
+                assert run["answers"] == answers, (name, rank)
+        for key in EXERCISED.get(name, ()):
+            assert want_counters[key] > 0, (name, key, want_counters)
+        assert bool(outs[0]["runs"][name]["host_bytes"]) == (name in EXERCISED), name
+    assert len({tuple(out["runs"][policies[0]]["k_proj_shards"]) for out in outs}) == n
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one():
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE,
-                                                       os.environ.get("PYTHONPATH", "")]))
-    env.pop("XLA_FLAGS", None)  # one CPU device per process: the mesh spans both processes
+def test_two_processes_equal_one(tmp_path):
+    """Every policy over two processes (tp 2 over the processes x dp 2 within each)."""
+    policies = list(POLICIES)
+    check_job(run_job(tmp_path, 2, 2, policies), 2, policies)
+
+
+@pytest.mark.slow
+def test_three_processes_equal_one(tmp_path):
+    """HeteroCache (forced recalls, a session's turns) and FreeKV (pages recalled, a session) over three
+    processes (tp 3 x dp 2: two heads a process)."""
+    policies = ["heterocache", "freekv"]
+    check_job(run_job(tmp_path, 3, 2, policies), 3, policies)
+
+
+@pytest.mark.slow
+def test_a_dying_process_ends_the_others_with_a_clear_error(tmp_path):
+    """Process 1 of two dies mid-decode (HeteroCache, recalls in flight): process 0's next collective fails and
+    ``exit_on_failure`` ends it at once with an error naming it, well before jax's 100 s heartbeat timeout,
+    where a plain exit would wait at the shutdown barrier for the dead process."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]),
+               HETERO_JAX_TEST_DIE_AT="3")
+    logs = [tmp_path / f"log-{i}.txt" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py")],
-                              env=process_env(env, 2, i, port, None),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert p.returncode == 0, text[-4000:]
-        outs.append(json.loads([line for line in text.splitlines() if line.startswith("RESULT ")][-1][7:]))
-    model = two_head_model()
-    for out in outs:
-        assert out["process_count"] == 2 and out["device_count"] == 2
-        for spec in POLICIES:
-            toks, logits, _ = greedy_with_logits(model, make_policy(*spec), PROMPTS, steps=4)
-            run = out["runs"][spec[0]]
-            np.testing.assert_array_equal(np.array(run["tokens"]), toks)
-            np.testing.assert_allclose(np.array(run["logits"]), logits, atol=1e-4, rtol=0)
-            assert len(run["k_proj_shards"]) == 1  # each process holds one of the two KV-head shards
-        assert "keeps host copies" in out["host_policy_error"] and "one process with several devices" in \
-            out["host_policy_error"]
-    assert outs[0]["runs"]["full"]["k_proj_shards"] != outs[1]["runs"]["full"]["k_proj_shards"]
+                              env=process_env(env, 2, i, port, 2), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+             for i, log in enumerate(logs)]
+    try:
+        assert procs[1].wait(timeout=300) == 7
+        died = time.monotonic()
+        assert procs[0].wait(timeout=60) == 1, logs[0].read_text()[-3000:]
+        assert time.monotonic() - died < 30
+    finally:
+        for p in procs:
+            p.kill()
+    assert "error (process 0 of 2): JaxRuntimeError" in logs[0].read_text()
+    assert "another process of the job has most likely stopped" in logs[0].read_text()

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.model.cache import KVPool
+from hetero_jax.model.sharding import partition_spec, tree_specs
 
 
 def pinned_host(device=None) -> jax.sharding.Sharding:
@@ -68,6 +69,7 @@ class HostKVStore:
         # store's heads are the layer's heads (``put``)
         self.heads: list[np.ndarray | None] = [None] * num_layers
         self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._blocks: dict[int, dict] = {}
         self.staging = Staging()  # host rows the recalls are sent from (send_host_rows)
         self.handle = next(_HANDLES)  # what a traced step carries to find this store (host_gather)
         _STORES[self.handle] = self
@@ -79,10 +81,11 @@ class HostKVStore:
         return jnp.asarray(self.handle, jnp.int32)
 
     def materialize(self) -> None:
-        """Make every layer's numpy views now (host side, outside any traced step)."""
+        """Make every layer's numpy views now (host side, outside any traced step): of the whole arrays on one
+        device, of this process's shards where they are split over devices (``local_blocks``)."""
         for li in range(len(self.k)):
             if self.has(li):
-                self.view(li)
+                self.local_blocks(li) if len(self.v[li].sharding.device_set) > 1 else self.view(li)
 
     def put(self, li: int, k: jax.Array | None, v: jax.Array) -> None:
         """Copy layer ``li``'s k, v [B, H, T, D] to pinned host memory (asynchronous); k None: values only."""
@@ -90,6 +93,7 @@ class HostKVStore:
         self.v[li] = jax.device_put(v, pinned_like(v))
         self.heads[li] = None
         self._views.pop(li, None)
+        self._blocks.pop(li, None)
 
     def put_heads(self, li: int, k: jax.Array, v: jax.Array, heads) -> None:
         """Copy the prompt K/V of layer ``li``'s layout heads ``heads`` to pinned host memory (asynchronous).
@@ -133,6 +137,17 @@ class HostKVStore:
         idx = self.head_index(li, heads)
         return k if np.array_equal(idx, np.arange(k.shape[1])) else k[:, idx]
 
+    def device_keys(self, li: int, heads) -> jax.Array:
+        """Keys [B, len(heads), T, D] of layer ``li``'s layout heads ``heads`` on the device(s): from the numpy
+        view on one device (``head_keys``); on a mesh each device copies its own shard of the pinned array
+        (a host-to-device copy per device, no process reads another's rows), then the heads are taken."""
+        k = self.k[li]
+        if len(k.sharding.device_set) == 1:
+            return jnp.asarray(self.head_keys(li, heads))
+        idx = self.head_index(li, heads)
+        keys = jax.device_put(k, k.sharding.with_memory_kind("device"))
+        return keys if np.array_equal(idx, np.arange(k.shape[1])) else keys[:, idx]
+
     def has(self, li: int) -> bool:
         return self.v[li] is not None
 
@@ -142,6 +157,23 @@ class HostKVStore:
             k = self.k[li]
             self._views[li] = (None if k is None else np.asarray(k), np.asarray(self.v[li]))
         return self._views[li]
+
+    def local_blocks(self, li: int) -> dict:
+        """Layer ``li``'s rows this process holds, per device of this process: ``LocalBlock`` (numpy views of
+        that device's shard of the pinned arrays, and where the shard starts). The only host rows a process
+        reads when the store is split over devices (a mesh, one process or several): a view of the whole
+        array would gather every device's shard, and under ``jax.distributed`` other processes' shards are
+        not in this host's memory."""
+        if li not in self._blocks:
+            k, v = self.k[li], self.v[li]
+            k_shards = {} if k is None else {sh.device: sh for sh in k.addressable_shards}
+            blocks = {}
+            for sh in v.addressable_shards:
+                b, h = (sh.index[i].start or 0 for i in (0, 1))
+                ks = k_shards.get(sh.device)
+                blocks[sh.device] = LocalBlock(b, h, None if ks is None else np.asarray(ks.data), np.asarray(sh.data))
+            self._blocks[li] = blocks
+        return self._blocks[li]
 
     def arrays(self) -> tuple[jax.Array, ...]:
         """Every pinned array (to wait on, or to check its memory kind)."""
@@ -153,6 +185,24 @@ class HostKVStore:
 
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.arrays()))
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalBlock:
+    """One device's shard of a layer's host copy, as this process holds it: k, v [b, h, T, D] numpy views (k
+    None in a values-only store) of batch rows b0.. and store heads h0.."""
+
+    b0: int
+    h0: int
+    k: np.ndarray | None
+    v: np.ndarray
+
+
+def on_devices(pool: KVPool) -> jax.sharding.NamedSharding | None:
+    """The pool's placement when it is split over several devices (a mesh: the host rows then go to each
+    device from its own shard of the store, ``send_host_rows``), else None."""
+    sharding = getattr(pool.k, "sharding", None)
+    return sharding if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1 else None
 
 
 def _heads_split(x: jax.Array) -> bool:
@@ -195,8 +245,7 @@ def gather_rows(a: np.ndarray, b: np.ndarray, h: np.ndarray, positions: np.ndarr
     return out
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter(pool: KVPool, ints, k_rows, v_rows) -> tuple[KVPool, jax.Array]:
+def _scatter_rows(pool: KVPool, ints, k_rows, v_rows) -> tuple[KVPool, jax.Array]:
     """Rows into the pool: ints [4, n] = (b, shard, slot, position) of each row (split here: an eager slice
     would compile per row bucket); a padding row carries slot == P, out of range, and is dropped. Also returns
     a scalar, ready (as every output of an execution) once this executable has run: it read the rows
@@ -208,6 +257,9 @@ def _scatter(pool: KVPool, ints, k_rows, v_rows) -> tuple[KVPool, jax.Array]:
         positions=pool.positions.at[b_idx, s_idx, slots].set(pos_rows, mode="drop"),
     )
     return pool, ints[0, 0]
+
+
+_scatter = jax.jit(_scatter_rows, donate_argnums=(0,))
 
 
 def kv_rows_nbytes(n: int, like: np.ndarray) -> int:
@@ -353,7 +405,8 @@ def _part_spans(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk: int | None = None,
-                   timings: dict | None = None, staging: "Staging | None" = None) -> tuple[list[tuple], int]:
+                   timings: dict | None = None, staging: "Staging | None" = None,
+                   pool: KVPool | None = None) -> tuple[list[tuple], int]:
     """Start the host -> device copies of the store rows that ``requests`` name, bound for the pool.
 
     requests: (layer, b, store head, prompt positions, pool shard, pool row), each but the layer [n] ints;
@@ -363,8 +416,12 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
     are pinned, so the transfer is a DMA from them). Returns (the parts for :func:`scatter_rows`, rows sent);
     ``timings`` (a dict) gets the host seconds of the gather ("gather") and of starting the transfers
     ("send"). ``staging``: the rows to gather into (default the store's own; a caller that sends from another
-    thread brings its own, so that two sends never fill one buffer). Raises whatever ``jax.device_put``
-    raises, before anything is written."""
+    thread brings its own, so that two sends never fill one buffer). ``pool``: the pool the rows go to; where
+    it is split over devices (``on_devices``) each device is sent the rows of its own shard, gathered from
+    its own shard of the store (:func:`_send_by_device`). Raises whatever ``jax.device_put`` raises, before
+    anything is written."""
+    if pool is not None and on_devices(pool) is not None:
+        return _send_by_device(store, requests, pool, chunk, timings)
     t0 = time.perf_counter()
     n = sum(len(r[3]) for r in requests)
     if not n:
@@ -404,6 +461,92 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
     return parts, n
 
 
+def _send_by_device(store: "HostKVStore", requests: list[tuple], pool: KVPool, chunk: int | None,
+                    timings: dict | None) -> tuple[list[tuple], int]:
+    """:func:`send_host_rows` into a pool split over the devices of a mesh: each device of this process is sent
+    the rows bound for its block of the pool (by batch row and pool shard), gathered from its own shard of the
+    store (``HostKVStore.local_blocks``), so that no process reads another's host memory. Every process runs
+    this with the same requests and finds the same row count per device (the largest, bucketed, is each
+    part's row count: one executable for every device). Parts are (ints, k, v) global arrays [*mesh, 4, chunk]
+    and [*mesh, chunk, D], one block per device, with (b, shard) relative to the device's block."""
+    t0 = time.perf_counter()
+    placement = on_devices(pool)
+    mesh, B, S = placement.mesh, pool.k.shape[0], pool.k.shape[1]
+    blocks = placement.devices_indices_map(pool.k.shape)
+    grid = {d: at for at, d in np.ndenumerate(mesh.devices)}
+    rows_of = {d: [] for d in grid}  # per device: (layer, b, store head, positions, shard, pool row) of its block
+    n = 0
+    for li, b, h, positions, shard, pool_rows in requests:
+        b, h, positions, shard, pool_rows = np.broadcast_arrays(*(np.asarray(x, np.int64).reshape(-1) for x in
+                                                                  (b, h, positions, shard, pool_rows)))
+        n += len(positions)
+        for d in grid:
+            sb, ss = blocks[d][0], blocks[d][1]
+            mine = ((b >= (sb.start or 0)) & (b < (sb.stop or B)) & (shard >= (ss.start or 0))
+                    & (shard < (ss.stop or S)))
+            if mine.any():
+                rows_of[d].append((li, b[mine], h[mine], positions[mine], shard[mine], pool_rows[mine]))
+    if not n:
+        return [], 0
+    most = max(sum(len(r[3]) for r in rs) for rs in rows_of.values())
+    chunk = chunk or row_bucket(most)
+    width = max(1, -(-most // chunk)) * chunk
+    first = store.v[requests[0][0]]
+    D = first.shape[-1]
+    k_dtype = (store.k[requests[0][0]] if store.k[requests[0][0]] is not None else first).dtype
+    staged = {}
+    for d in grid:
+        if d.process_index != jax.process_index():
+            continue
+        sb, ss = blocks[d][0], blocks[d][1]
+        ints = np.empty((4, width), np.int32)
+        ints[:] = np.array([[0], [0], [pool.num_rows], [-1]], np.int32)  # padding: slot P, dropped
+        k_rows, v_rows = np.zeros((width, D), k_dtype), np.zeros((width, D), first.dtype)
+        at = 0
+        for li, b, h, positions, shard, pool_rows in rows_of[d]:
+            block = store.local_blocks(li)[d]
+            m = len(positions)
+            bl, hl = b - block.b0, h - block.h0
+            if bl.min() < 0 or bl.max() >= block.v.shape[0] or hl.min() < 0 or hl.max() >= block.v.shape[1]:
+                raise ValueError(f"layer {li}'s host rows for {d} are not in that device's shard of the store")
+            gather_rows(block.k, bl, hl, positions, out=k_rows[at : at + m])
+            gather_rows(block.v, bl, hl, positions, out=v_rows[at : at + m])
+            ints[:, at : at + m] = (b - (sb.start or 0), shard - (ss.start or 0), pool_rows, positions)
+            at += m
+        staged[d] = (ints, k_rows, v_rows)
+    t1 = time.perf_counter()
+    lead = (1,) * mesh.devices.ndim
+    on_grid = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*mesh.axis_names))
+    parts = []
+    for lo in range(0, width, chunk):
+        part = []
+        for i, tail in enumerate(((4, chunk), (chunk, D), (chunk, D))):
+            pieces = [jax.device_put((x[:, lo : lo + chunk] if i == 0 else x[lo : lo + chunk]).reshape(lead + tail), d)
+                      for d, x in ((d, staged[d][i]) for d in staged)]
+            part.append(jax.make_array_from_single_device_arrays(mesh.devices.shape + tail, on_grid, pieces))
+        parts.append(tuple(part))
+    if timings is not None:
+        timings["gather"] = timings.get("gather", 0.0) + t1 - t0
+        timings["send"] = timings.get("send", 0.0) + time.perf_counter() - t1
+    return parts, n
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("mesh", "pool_specs"))
+def _scatter_by_device(pool: KVPool, ints, k_rows, v_rows, *, mesh, pool_specs) -> tuple[KVPool, jax.Array]:
+    """:func:`_scatter` on every device of ``mesh`` at once, each into its own block of the pool from its own
+    block of the rows (``_send_by_device``'s parts)."""
+    grid = jax.sharding.PartitionSpec(*mesh.axis_names)
+    lead = mesh.devices.ndim
+
+    def local(pool, ints, k, v):
+        ints, k, v = (x.reshape(x.shape[lead:]) for x in (ints, k, v))
+        pool, done = _scatter_rows(pool, ints, k, v)
+        return pool, done.reshape((1,) * lead)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(pool_specs, grid, grid, grid), out_specs=(pool_specs, grid),
+                         check_vma=False)(pool, ints, k_rows, v_rows)
+
+
 def write_host_rows(pool: KVPool, store: "HostKVStore", requests: list[tuple], compile_fn=None,
                     chunk: int | None = None, timings: dict | None = None,
                     staging: "Staging | None" = None) -> tuple[KVPool, int, int]:
@@ -413,11 +556,12 @@ def write_host_rows(pool: KVPool, store: "HostKVStore", requests: list[tuple], c
     (``staging``, default the store's own). Returns (the pool, rows written, K/V bytes moved: rows x 2 x D x
     itemsize, padding not counted)."""
     staging = store.staging if staging is None else staging
-    parts, n = send_host_rows(store, requests, pool.num_rows, chunk=chunk, timings=timings, staging=staging)
+    parts, n = send_host_rows(store, requests, pool.num_rows, chunk=chunk, timings=timings, staging=staging,
+                              pool=pool)
     if not n:
         return pool, 0, 0
     pool = scatter_rows(pool, parts, compile_fn, staging=staging)
-    return pool, n, kv_rows_nbytes(n, store.view(requests[0][0])[1])
+    return pool, n, kv_rows_nbytes(n, store.v[requests[0][0]])
 
 
 def head_row_requests(store: "HostKVStore", offsets, num_shards: int, requests: list[tuple]) -> list[tuple]:
@@ -452,30 +596,75 @@ def scatter_rows(pool: KVPool, parts: list[tuple], compile_fn=None, staging: "St
     told when they have been read (a CPU device may use the staging rows themselves as its copy)."""
     read = []
     for op in parts:
-        args = (pool, *op)
-        pool, done = (_scatter if compile_fn is None else compile_fn(_scatter, *args))(*args)
+        args, static, fn = (pool, *op), {}, _scatter
+        if op[0].ndim > 2:  # one block per device (``_send_by_device``)
+            mesh = op[0].sharding.mesh
+            fn, static = _scatter_by_device, dict(mesh=mesh, pool_specs=tree_specs(pool, mesh))
+        pool, done = (functools.partial(fn, **static) if compile_fn is None else compile_fn(fn, *args, **static))(*args)
         read.append(done)
     if staging is not None:
         staging.sent = read
     return pool
 
 
-def host_gather(handle: jax.Array, li: int, idx: jax.Array, like: jax.Array) -> tuple[jax.Array, jax.Array]:
+def host_gather(handle: jax.Array, li: int, idx: jax.Array, like: jax.Array, mesh=None) -> tuple[jax.Array, jax.Array]:
     """Traced: K and V of layer ``li`` of the store ``handle`` at token positions ``idx`` [B, H, S].
 
     Returns two [B, H, S, D] arrays with the head dim and dtype of ``like`` (the group they fill). Runs
     as a host callback with numpy only (the store's views must exist: ``HostKVStore.materialize``
-    before the step); on a GPU the rows, not the store, cross to the device.
+    before the step); on a GPU the rows, not the store, cross to the device. On a ``mesh`` every device runs
+    its own callback on its block of ``idx`` from its own shard of the store (:func:`_per_device`).
     """
     B, H, S = idx.shape
-    out = jax.ShapeDtypeStruct((B, H, S, like.shape[-1]), like.dtype)
+    dtype, D = like.dtype, like.shape[-1]
 
-    def gather(h, positions):
-        k, v = _STORES[int(h)]._views[li]
-        b, hh, p = np.broadcast_arrays(np.arange(B)[:, None, None], np.arange(H)[None, :, None], positions)
-        return gather_rows(k, b, hh, p).astype(out.dtype), gather_rows(v, b, hh, p).astype(out.dtype)
+    def gather(h, origin, positions):
+        k, v = _block_of(int(h), li, origin)
+        b, hh, p = np.broadcast_arrays(np.arange(positions.shape[0])[:, None, None],
+                                       np.arange(positions.shape[1])[None, :, None], positions)
+        return gather_rows(k, b, hh, p).astype(dtype), gather_rows(v, b, hh, p).astype(dtype)
 
-    return jax.pure_callback(gather, (out, out), handle, idx)
+    def call(h, origin, positions):
+        out = jax.ShapeDtypeStruct(positions.shape + (D,), dtype)
+        return jax.pure_callback(gather, (out, out), h, origin, positions)
+
+    return _per_device(call, mesh, handle, idx, 2)
+
+
+def _block_of(handle: int, li: int, origin) -> tuple[np.ndarray | None, np.ndarray]:
+    """(k, v) numpy of layer ``li`` in the store ``handle``, starting at ``origin`` (batch row, head): the
+    whole views where they were made (one device), else this process's block that holds that origin."""
+    store = _STORES[handle]
+    b0, h0 = (int(x) for x in np.asarray(origin))
+    if li in store._views:
+        k, v = store._views[li]
+        return None if k is None else k[b0:, h0:], v[b0:, h0:]
+    for block in store._blocks[li].values():
+        if block.b0 <= b0 < block.b0 + block.v.shape[0] and block.h0 <= h0 < block.h0 + block.v.shape[1]:
+            sl = (slice(b0 - block.b0, None), slice(h0 - block.h0, None))
+            return None if block.k is None else block.k[sl], block.v[sl]
+    raise ValueError(f"no shard of layer {li}'s host store in this process starts at batch row {b0}, head {h0}")
+
+
+def _per_device(call, mesh, handle: jax.Array, x: jax.Array, n_out: int):
+    """Traced: ``call(handle, origin, x)`` (a host callback over x [B, H, ...]) on one device with origin (0, 0),
+    or on a ``mesh`` by every device on its own block of x (batch on "data", heads on "model", where they
+    divide), given the block's origin (its first batch row and head): each device's callback runs in the
+    process that holds the device, and reads that process's shard of the store (``HostKVStore.local_blocks``).
+    Returns ``call``'s ``n_out`` outputs [B, H, ...] (split as x)."""
+    if mesh is None:
+        return call(handle, jnp.zeros((2,), jnp.int32), x)
+    spec = partition_spec(("batch", "kv_heads"), x.shape[:2], mesh)
+    axes = tuple(spec) + (None,) * (2 - len(tuple(spec)))
+
+    def local(h, xl):
+        origin = jnp.stack([jnp.int32(0) if a is None else jax.lax.axis_index(a) * xl.shape[i]
+                            for i, a in enumerate(axes)]).astype(jnp.int32)
+        return call(h, origin, xl)
+
+    outs = spec if n_out == 1 else (spec,) * n_out
+    return jax.shard_map(local, mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), spec), out_specs=outs,
+                         check_vma=False)(handle, x)
 
 
 def attend_chunk_over_host_prompt(li: int, q: jax.Array, step, handle: jax.Array, prompt_lens: jax.Array,
@@ -492,7 +681,7 @@ def attend_chunk_over_host_prompt(li: int, q: jax.Array, step, handle: jax.Array
     B, H, G, C, D = q.shape
     slots = jnp.arange(n_slots, dtype=jnp.int32)
     idx = jnp.broadcast_to(jnp.minimum(slots[None, :], prompt_lens[:, None] - 1)[:, None, :], (B, H, n_slots))
-    k, v = host_gather(handle, li, idx, step.pool.k)
+    k, v = host_gather(handle, li, idx, step.pool.k, mesh=step.mesh)
     lengths = jnp.broadcast_to(prompt_lens[:, None], (B, H)).astype(jnp.int32)
     out_p, lse_p = pallas_kernels.decode_attention(q.reshape(B, H, G * C, D), k, v, lengths, finite_padding=True)
     out_t, lse_t = step.attend_tail(q.transpose(0, 1, 3, 2, 4))  # [B, H, C, G, D], [B, H, C, G]
@@ -501,25 +690,26 @@ def attend_chunk_over_host_prompt(li: int, q: jax.Array, step, handle: jax.Array
     return out.reshape(B, H, G, C, D)
 
 
-def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, kind: str = "decode") -> jax.Array:
+def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, kind: str = "decode",
+                      mesh=None) -> jax.Array:
     """Traced: sum_t w[b, h, q, t] * V[b, h, t] of layer ``li``'s values in the store ``handle``.
 
     w: [B, H, Q, T] float32, zero off each query row's mass set (T: the store's prompt axis). Returns
     [B, H, Q, head_dim] float32. A host callback, numpy only (views made by ``HostKVStore.materialize``
     before the step): per KV head only the rows any of its Q queries weighs are read (all of them, as one
     product, when they are most of the prompt: one pass over memory costs less than a gather), so a step
-    moves w to the host and Q x D floats back, never the values. Counts calls, seconds and rows read in
-    ``store.counters[kind]``.
+    moves w to the host and Q x D floats back, never the values. On a ``mesh`` each device sums its own
+    heads from its process's shard of the store (:func:`_per_device`). Counts calls, seconds and rows read
+    in ``store.counters[kind]`` (each device's call counts).
     """
-    B, H, Q, T = w.shape
-    out = jax.ShapeDtypeStruct((B, H, Q, head_dim), jnp.float32)
 
-    def weighted_sum(h, weights):
+    def weighted_sum(h, origin, weights):
         t0 = time.perf_counter()
         store = _STORES[int(h)]
-        _, v = store._views[li]
+        _, v = _block_of(int(h), li, origin)
         weights = np.asarray(weights)  # a callback may get jax arrays: index numpy, never dispatch per head
-        y = np.empty(out.shape, np.float32)
+        B, H, Q, T = weights.shape
+        y = np.empty((B, H, Q, head_dim), np.float32)
         rows = 0
         for b in range(B):
             for hh in range(H):
@@ -537,4 +727,8 @@ def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, k
         c[2] += rows
         return y
 
-    return jax.pure_callback(weighted_sum, out, handle, w)
+    def call(h, origin, weights):
+        out = jax.ShapeDtypeStruct(weights.shape[:3] + (head_dim,), jnp.float32)
+        return jax.pure_callback(weighted_sum, out, h, origin, weights)
+
+    return _per_device(call, mesh, handle, w, 1)

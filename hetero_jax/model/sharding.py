@@ -168,6 +168,27 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def across_processes(x, reduce=np.sum) -> np.ndarray:
+    """``reduce`` over the processes of a ``jax.distributed`` job of each process's host values ``x`` (a
+    collective: every process makes the same call); ``x`` itself in a single process."""
+    x = np.asarray(x)
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils
+
+    return reduce(np.asarray(multihost_utils.process_allgather(x)), axis=0)
+
+
+def place_like(x, like: jax.Array) -> jax.Array:
+    """Host values ``x`` (the same in every process) placed as ``like`` is: on a mesh each device takes its
+    block (under ``jax.distributed`` each process builds only its own devices' blocks), else where ``like`` is."""
+    x = np.asarray(x)
+    sharding = getattr(like, "sharding", None)
+    if sharding is None or len(sharding.device_set) == 1:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def imbalance(by_device: dict[str, int]) -> float:
     """max / mean of per-device bytes (1.0 = perfectly balanced)."""
     vals = np.asarray(list(by_device.values()), np.float64)

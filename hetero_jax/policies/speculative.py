@@ -31,6 +31,7 @@ from flax import struct
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
 from hetero_jax.model.host_store import HostKVStore, write_head_rows
+from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.pages import group_page_scores, page_summaries, top_pages
 from hetero_jax.policies.protocol import DecodeState
@@ -136,7 +137,7 @@ class PageRecallPrefill:
     def finish(self, cache: KVCache, attended: np.ndarray) -> "PageRecallDecode":
         """``attended``: [B] the prompt fraction a step attends, for the stats."""
         # copies (np.array), never views of device buffers the decode step will donate
-        resident = {li: np.array(p, np.int32, copy=True) for li, p in self.resident.items()}
+        resident = {li: to_host(p).astype(np.int32, copy=True) for li, p in self.resident.items()}
         self.store.materialize()  # a session turn's chunk reads numpy views only (waits for the copies)
         return PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, resident,
                                 self.itemsize, head_offsets(cache), attended, self.compile_fn)
@@ -184,7 +185,7 @@ class PageRecallDecode(DecodeState):
     def _collect(self) -> None:
         """Read the pending step's selections (they are what the next step should attend)."""
         if self.pending is not None:
-            self.ready, self.pending = {li: np.array(s, np.int32) for li, s in self.pending.items()}, None
+            self.ready, self.pending = {li: to_host(s).astype(np.int32) for li, s in self.pending.items()}, None
 
     def before_step(self, step, cache):
         self._collect()
@@ -200,7 +201,7 @@ class PageRecallDecode(DecodeState):
         for li in self.resident:
             st = cache.layers[li].state
             q = turn_queries[li][:, :, -1]  # [B, H, G, D]
-            sels[li] = np.array(self.compile_fn(_select_jit, q, st, how=self.how)(q, st), np.int32)
+            sels[li] = to_host(self.compile_fn(_select_jit, q, st, how=self.how)(q, st)).astype(np.int32)
         self.ready = sels
         failures = self.recall_failures
         out = self._apply(cache, "the re-selection after a turn", "the device keeps its pages")

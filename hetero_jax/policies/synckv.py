@@ -370,7 +370,7 @@ class SyncDecode(DecodeState):
         p = self.prefilled
         mirrors, parts = {}, []
         for li, top in outs.items():
-            top = np.asarray(top)
+            top = to_host(top)
             mirror = self.dyn[li].copy()
             comp = p.roles[li].comp_slots
             b_l, h_l, slot_l, pos_l = [], [], [], []

@@ -16,16 +16,23 @@ touches a JAX backend; in a single process it does nothing. Sources, first match
 
 ``JAX_COORDINATOR_ADDRESS`` may also override a cluster's coordinator, and ``JAX_COORDINATOR_PORT`` its port,
 as in jax. A variable that is malformed or set without its partners is a :class:`LaunchError` naming it and
-the fix, raised before JAX starts.
+the fix, raised before JAX starts. ``HETERO_JAX_HEARTBEAT_S`` (seconds, default jax's 100) bounds how long the
+job waits for a process that stopped answering before every process is stopped.
+
+A process that dies leaves the others in a collective: on a CPU the collective fails at once (the peer's
+connection closes), on a GPU it waits until the heartbeat timeout. :func:`exit_on_failure` then ends the
+process at once with an error naming it, instead of waiting again at jax's shutdown barrier for the dead peer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 from typing import Mapping
 
-from hetero_jax.errors import ConfigError
+from hetero_jax.errors import ConfigError, HeteroJaxError
 
 ADDRESS, COUNT, RANK = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 JAX_VARIABLES = (ADDRESS, COUNT, RANK)
@@ -33,6 +40,7 @@ SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM
 OMPI_URI = "OMPI_MCA_orte_hnp_uri"
 OMPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
 K8S_VARIABLES = ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX")
+HEARTBEAT = "HETERO_JAX_HEARTBEAT_S"
 
 _FIX = (f"set all three of {ADDRESS}=HOST:PORT (process 0's host and a free port), {COUNT}=N and "
         f"{RANK}=0..N-1 in every process, or unset them to run in one process (hetero-jax launch sets them "
@@ -175,6 +183,42 @@ def process_setup(environ: Mapping[str, str] | None = None) -> ProcessSetup:
     return SINGLE
 
 
+def heartbeat_options(environ: Mapping[str, str] | None = None) -> dict:
+    """``jax.distributed.initialize``'s heartbeat timeout from ``HETERO_JAX_HEARTBEAT_S`` (none: jax's default).
+    Raises :class:`LaunchError` unless it is a whole number of seconds >= 1."""
+    raw = (os.environ if environ is None else environ).get(HEARTBEAT, "").strip()
+    if not raw:
+        return {}
+    if not raw.isdigit() or int(raw) < 1:
+        raise LaunchError(f"{HEARTBEAT}={raw!r} is not a whole number of seconds >= 1; set it to how long the "
+                          "job may wait for a process that stopped answering (e.g. 30), or unset it for jax's 100")
+    return {"heartbeat_timeout_seconds": int(raw)}
+
+
+@contextlib.contextmanager
+def exit_on_failure(setup: "ProcessSetup"):
+    """In a job of several processes, an error escaping the block ends this process at once (``os._exit(1)``)
+    after printing which process failed and why: a collective's failure most likely means another process
+    died, and a normal exit would wait at jax's shutdown barrier for that process until the heartbeat timeout.
+    The project's own errors (``HeteroJaxError``: about the input, found alike by every process) go on to the
+    caller. In one process: nothing."""
+    if not setup.distributed:
+        yield
+        return
+    try:
+        yield
+    except (HeteroJaxError, NotImplementedError):
+        raise  # the project's own errors about the input: every process finds them alike, before any compute
+    except BaseException as e:  # noqa: B036 (KeyboardInterrupt too: the peers would wait for this process)
+        first = (str(e).strip().splitlines() or [""])[0][:500]
+        hint = ("another process of the job has most likely stopped: see its log" if "Jax" in type(e).__name__
+                else "the other processes stop when they next need this one")
+        print(f"error (process {setup.process_id} of {setup.num_processes}): {type(e).__name__}: {first}; "
+              f"{hint}. This process exits now.", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
 def initialize_distributed(environ: Mapping[str, str] | None = None) -> ProcessSetup:
     """Join the job ``environ`` describes (:func:`process_setup`): ``jax.distributed.initialize`` when it has
     more than one process, nothing in a single process. Call it first, before any JAX computation; calling it
@@ -193,5 +237,6 @@ def initialize_distributed(environ: Mapping[str, str] | None = None) -> ProcessS
                           "any JAX computation or jax.devices()")
     jax.distributed.initialize(coordinator_address=setup.coordinator, num_processes=setup.num_processes,
                                process_id=setup.process_id,
-                               cluster_detection_method="deactivate" if setup.source == "jax" else setup.source)
+                               cluster_detection_method="deactivate" if setup.source == "jax" else setup.source,
+                               **heartbeat_options(environ))
     return dataclasses.replace(setup, num_processes=jax.process_count(), process_id=jax.process_index())

@@ -22,7 +22,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import grow_tail, kv_bytes, prompt_arrays, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import params_for
-from hetero_jax.model.sharding import (MeshError, batch_sharding, keep_placed, per_device_bytes, shard_cache,
+from hetero_jax.model.sharding import (batch_sharding, keep_placed, per_device_bytes, shard_cache,
                                        to_host)
 from hetero_jax.runtime import heap
 from hetero_jax.runtime.compile_cache import MAX_CHUNK, TAIL_QUANTUM, chunk_bucket, compile_seconds, compiled, round_up
@@ -132,11 +132,6 @@ class Engine:
         cache, state = plan.finish(cache)  # the decode sees only the state the prefill hands on
         if mesh is not None:  # KV heads on "model", batch on "data", wherever the partitioner put them
             cache = shard_cache(cache, mesh)
-            if jax.process_count() > 1 and state.host_arrays():
-                raise MeshError(f"{policy!r} keeps host copies, which its decode reads in one process; across "
-                                f"{jax.process_count()} processes run a policy without host copies (full, snapkv, "
-                                "pyramidkv, h2o, cake, streamingllm, quest, contextkeeper) or one process with "
-                                "several devices")
         # the compressed caches and host reservoirs are off the logits' critical path: wait for them too,
         # so prefill_seconds (TTFT) is the time until decode can start, not until the logits exist
         jax.block_until_ready((logits, cache, state.host_arrays()))

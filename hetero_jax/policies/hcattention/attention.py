@@ -26,7 +26,8 @@ class HCState:
     codebook: jax.Array | None = axes_field("centroids", "sub_dim", default=None)  # [c, d], shared by the layer
 
 
-def prompt_part(li: int, q, st: HCState, kind: str, tau: float, k_cap_fraction: float, renormalize: bool):
+def prompt_part(li: int, q, st: HCState, kind: str, tau: float, k_cap_fraction: float, renormalize: bool,
+                mesh=None):
     """Traced: the prompt's share of attention for query rows q [B, H, Q, D] (``policy.py``'s docstring).
 
     Returns (y [B, H, Q, D] float32, lse [B, H, Q] float32 of what y stands for, k* [B, H, Q] int32,
@@ -43,7 +44,7 @@ def prompt_part(li: int, q, st: HCState, kind: str, tau: float, k_cap_fraction: 
     k_cap = max(1, min(T, math.ceil(k_cap_fraction * T)))
     keep = mass_set(a, tau, k_cap) & valid[:, None, None, :]
     w = jnp.where(keep, a, 0.0)
-    y = host_weighted_sum(st.store, li, w, D, kind)
+    y = host_weighted_sum(st.store, li, w, D, kind, mesh=mesh)
     mass = w.sum(-1)
     lse = m + jnp.log(l)
     if renormalize:  # softmax over the kept tokens (and, merged, the tail)

@@ -7,6 +7,7 @@ import numpy as np
 from hetero_jax.model.cache import kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore
+from hetero_jax.model.sharding import across_processes, to_host
 from hetero_jax.policies.protocol import DecodeState
 
 
@@ -45,9 +46,9 @@ class HCDecode(DecodeState):
         L = self.lens.astype(np.float64)[:, None, None]
         for extras in self.pending:
             for li, (kstar, trunc) in enumerate(extras):
-                k = np.asarray(kstar)
+                k = to_host(kstar)  # under jax.distributed a gather: every process reads at the same step
                 self.kstar_sum[li] += float((k / L).sum())
-                self.truncations += int(np.asarray(trunc).sum())
+                self.truncations += int(to_host(trunc).sum())
             self.rows += extras[0][0].size
         self.pending = []
 
@@ -66,9 +67,12 @@ class HCDecode(DecodeState):
                               if p.codebook is self.point.codebook) for L in self.lens])
 
     def _counter(self, kind: str) -> tuple[int, float, int]:
+        """(calls, seconds, rows) of the host sums of ``kind`` since this state began: calls and rows summed over
+        the processes of a ``jax.distributed`` job (each sums its own heads), seconds the slowest process's."""
         now = self.store.counters.get(kind, [0, 0.0, 0])
         base = self.base.get(kind, [0, 0.0, 0])
-        return now[0] - base[0], now[1] - base[1], now[2] - base[2]
+        calls, rows = across_processes(np.array([now[0] - base[0], now[2] - base[2]], np.int64))
+        return int(calls), float(across_processes(now[1] - base[1], np.max)), int(rows)
 
     def kv_bytes_read(self, cache) -> int:
         """Keys or codes + codebooks (the state records) and the pool (device: every head's region holds only

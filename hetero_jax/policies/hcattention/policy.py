@@ -166,7 +166,7 @@ class HCAttention(Policy):
         """The prompt part (host sum over the mass set) merged with the exact tail; extra: (k* [B, H, G] int32,
         truncated [B, H, G] bool)."""
         y, lse, kstar, trunc = prompt_part(li, q, step.layer.state, "decode", self.tau, self.k_cap_fraction,
-                                           self.renormalize)
+                                           self.renormalize, mesh=step.mesh)
         out_t, lse_t = step.attend_tail(q[:, :, None])  # [B, H, 1, G, D], [B, H, 1, G]
         out, _ = pallas_kernels.merge_attention(y.astype(out_t.dtype), lse, out_t[:, :, 0], lse_t[:, :, 0])
         return out, step, (kstar, trunc)
@@ -175,7 +175,7 @@ class HCAttention(Policy):
         """A session turn's C queries [B, H, G, C, D], each as one decode step would: its own mass set."""
         B, H, G, C, D = q.shape
         y, lse, _, _ = prompt_part(li, q.reshape(B, H, G * C, D), step.layer.state, "turn", self.tau,
-                                   self.k_cap_fraction, self.renormalize)
+                                   self.k_cap_fraction, self.renormalize, mesh=step.mesh)
         out_t, lse_t = step.attend_tail(q.transpose(0, 1, 3, 2, 4))  # [B, H, C, G, D], [B, H, C, G]
         out, _ = pallas_kernels.merge_attention(y.reshape(B, H, G, C, D), lse.reshape(B, H, G, C),
                                                 out_t.transpose(0, 1, 3, 2, 4), lse_t.transpose(0, 1, 3, 2))

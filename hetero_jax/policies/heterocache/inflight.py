@@ -20,10 +20,11 @@ import time
 import warnings
 
 import jax
-import numpy as np
 
 from hetero_jax.model.cache import KVCache
-from hetero_jax.model.host_store import Staging, head_row_requests, kv_rows_nbytes, scatter_rows, send_host_rows
+from hetero_jax.model.host_store import (Staging, head_row_requests, kv_rows_nbytes, on_devices, scatter_rows,
+                                         send_host_rows)
+from hetero_jax.model.sharding import to_host
 from hetero_jax.policies.heterocache.copy_window import update_held
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled, head_requests, write_rows
 from hetero_jax.policies.heterocache.recall import plan_recall
@@ -94,10 +95,11 @@ def send(lane: Lane, prefilled: HeteroPrefilled, cache: KVCache, offsets: list, 
     if items:
         store = prefilled.store
         rows = head_row_requests(store, offsets, cache.pool.num_shards, head_requests(prefilled, items))
-        for li in {r[0] for r in rows}:
-            store.view(li)  # the numpy views are made here: the worker only reads them
+        split = on_devices(cache.pool) is not None
+        for li in {r[0] for r in rows}:  # the numpy views are made here: the worker only reads them
+            store.local_blocks(li) if split else store.view(li)
         future = lane.future = _worker().submit(send_host_rows, store, rows, cache.pool.num_rows, chunk=chunk,
-                                                staging=lane.staging)
+                                                staging=lane.staging, pool=cache.pool)
     return InFlight(step, layers, tuple(items), tuple(held_updates), dict(old_base), lane, lane.epoch, future)
 
 
@@ -120,7 +122,7 @@ def land(rec: InFlight, prefilled: HeteroPrefilled, cache: KVCache, offsets: lis
         lane.settle()  # whatever the outcome, these transfers are used once
     waited = time.perf_counter() - t0
     pool = scatter_rows(cache.pool, parts, compile_fn, staging=lane.staging)
-    return cache.replace(pool=pool), kv_rows_nbytes(n, prefilled.store.view(rec.items[0][0])[1]), waited
+    return cache.replace(pool=pool), kv_rows_nbytes(n, prefilled.store.v[rec.items[0][0]]), waited
 
 
 def put_back_base(cache: KVCache, rec: InFlight) -> KVCache:
@@ -150,7 +152,7 @@ class AsyncRecalls:
         """The pending check's recalls (``recall.plan_recall``): K_base now, the rows sent in the background
         (``send``), ``recall_chunk`` rows per part, to land before the next step."""
         (_, (drift, new_base, sets)), self.pending = self.pending, None
-        drift = np.asarray(drift)  # [B, Np] over every pivot layer
+        drift = to_host(drift)  # [B, Np] over every pivot layer (every process: the same recall)
         self.counters = self.counters.add(drift_checks=drift.size, drift_triggers=int(drift.sum()))
         if not drift.any():
             return cache

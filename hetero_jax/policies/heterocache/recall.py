@@ -14,6 +14,7 @@ import numpy as np
 
 from hetero_jax.model.cache import KVCache
 from hetero_jax.model.host_store import row_bucket
+from hetero_jax.model.sharding import place_like, to_host
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled
 from hetero_jax.policies.heterocache.step import PivotBase, drift_check
 from hetero_jax.policies.profiled import take_slots
@@ -103,7 +104,7 @@ def plan_recall(prefilled: HeteroPrefilled, cache: KVCache, pivot_layers: list[i
     ``held[layer]`` is not None)."""
     layers = list(cache.layers)
     items, recalled, held_updates = [], [], []
-    new_base_all, sets_all = np.asarray(new_base_all), np.asarray(sets_all)
+    new_base_all, sets_all = to_host(new_base_all), to_host(sets_all)
     for li, a, z in zip(pivot_layers, pivot_cuts[:-1], pivot_cuts[1:]):
         r = prefilled.roles[li]
         drift = drift_all[:, a:z]
@@ -122,7 +123,8 @@ def plan_recall(prefilled: HeteroPrefilled, cache: KVCache, pivot_layers: list[i
                 if windowed:
                     low = pos[~np.isin(pos, sets[b, p, n_sat + j])]
                     held_updates.append((li, b, sat, pos, np.searchsorted(pos, low)))
-        base = np.where(drift[..., None], new_base, np.asarray(layers[li].state.k_base))
-        layers[li] = layers[li].replace(state=PivotBase(k_base=jax.device_put(base.astype(np.int32))))
+        old = layers[li].state.k_base
+        base = np.where(drift[..., None], new_base, to_host(old))
+        layers[li] = layers[li].replace(state=PivotBase(k_base=place_like(base.astype(np.int32), old)))
         recalled.append(li)
     return cache.replace(layers=tuple(layers)), recalled, items, held_updates

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.model.cache import KVCache, layer_rows
+from hetero_jax.model.sharding import to_host
 from hetero_jax.policies.heterocache.copy_window import window_slots
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled
 from hetero_jax.policies.heterocache.scores import select_rows, turn_k_base, turn_scores
@@ -59,17 +60,17 @@ def reselect(prefilled: HeteroPrefilled, turn_queries, cache: KVCache, held: lis
         qc = take_slots(q, r.comp_slots)
         qc = jnp.pad(qc, ((0, 0), (0, 0), (0, n_pad - n), (0, 0), (0, 0)))
         # one layer's compressed keys on the device, for this scoring only
-        keys = jnp.asarray(prefilled.store.head_keys(li, r.comp_slots))
+        keys = prefilled.store.device_keys(li, r.comp_slots)
         args = (qc, row_valid, keys, lens)
         scores = compile_fn(turn_scores, *args, block=BLOCK)(*args)
         # compiled per 64-slot bucket, not per layer's largest budget (as ``select_group``)
         cap = cap_bucket(int(counts.max()), scores.shape[-1])
         args = (scores, jnp.asarray(counts, jnp.int32))
-        idx = np.asarray(compile_fn(select_rows, *args, cap=cap)(*args))  # [B, Hc, cap]
+        idx = to_host(compile_fn(select_rows, *args, cap=cap)(*args))  # [B, Hc, cap]
         if held and held[li] is not None:  # the copy window's slots in the new rows
             hc = held[li].shape[2]
             valid = np.arange(hc)[None, None] < counts[:, :, None]
-            kept = np.take_along_axis(np.asarray(scores), idx[:, :, :hc], axis=2)
+            kept = np.take_along_axis(to_host(scores), idx[:, :, :hc], axis=2)
             held_new[li] = (np.where(valid, idx[:, :, :hc], -1),
                             window_slots(kept, counts, prefilled.policy.copy_window))
         for b in range(idx.shape[0]):
