@@ -11,7 +11,9 @@ import pytest
 
 from hetero_jax.cli import main
 from hetero_jax.launch import check_command, process_env, run_processes
-from hetero_jax.runtime.distributed import SINGLE, LaunchError, ProcessSetup, initialize_distributed, process_setup
+from hetero_jax.errors import PromptError
+from hetero_jax.runtime.distributed import (SINGLE, LaunchError, ProcessSetup, exit_on_failure, heartbeat_options,
+                                            initialize_distributed, process_setup)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
@@ -56,6 +58,25 @@ def test_bad_or_partial_variables_are_refused_naming_the_variable_and_the_fix(en
     for name in names:
         assert name in str(e.value)
     assert "JAX_COORDINATOR_ADDRESS" in str(e.value) or "unset" in str(e.value) or "mpirun" in str(e.value)
+
+
+@pytest.mark.parametrize("raw", ["0", "1.5", "abc", "-3"])
+def test_a_bad_heartbeat_is_refused_naming_the_variable(raw):
+    assert heartbeat_options({}) == {} and heartbeat_options({"HETERO_JAX_HEARTBEAT_S": " 30 "}) == {
+        "heartbeat_timeout_seconds": 30}
+    with pytest.raises(LaunchError, match=f"HETERO_JAX_HEARTBEAT_S='{raw}' is not a whole number of seconds >= 1"):
+        heartbeat_options({"HETERO_JAX_HEARTBEAT_S": raw})
+
+
+def test_exit_on_failure_passes_the_projects_errors_and_a_single_process_through():
+    """Only a job's other failures end the process at once (tests/test_multihost.py kills a peer for those)."""
+    job = ProcessSetup(2, 1, "10.0.0.1:1234", "jax")
+    with pytest.raises(PromptError):
+        with exit_on_failure(job):
+            raise PromptError("empty prompt")
+    with pytest.raises(RuntimeError):
+        with exit_on_failure(SINGLE):
+            raise RuntimeError("one process: raised as usual")
 
 
 def test_one_process_joins_nothing():
