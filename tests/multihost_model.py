@@ -23,8 +23,8 @@ CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, intermed
 RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(3, 100, 150).tolist(), RNG.integers(3, 100, 110).tolist()]
 STEPS = 6
-# a session: a context and two questions, asked one after the other
-CONTEXT, QUESTIONS = PROMPTS[0], (RNG.integers(3, 100, 9).tolist(), RNG.integers(3, 100, 21).tolist())
+# a session: a context and two questions, asked one after the other (one chunk size: one extend executable)
+CONTEXT, QUESTIONS = PROMPTS[0], (RNG.integers(3, 100, 9).tolist(), RNG.integers(3, 100, 14).tolist())
 
 A, V, S, P = Role.ANCHOR, Role.VOLATILE, Role.SATELLITE, Role.PIVOT
 
@@ -50,7 +50,6 @@ POLICIES = {
 # what each policy's stats must show, so that the run is known to have used its host copy
 EXERCISED = {"heterocache": ("recalls",), "synckv": ("recalls",), "freekv": ("pages_recalled",),
              "quest-offload": ("pages_recalled",), "hcattention": ("host_value_bytes_read_per_step",)}
-SESSION_POLICIES = ("heterocache", "freekv")
 
 
 def tiny_model() -> Model:

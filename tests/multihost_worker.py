@@ -2,7 +2,7 @@
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID the test sets (hetero_jax.initialize_distributed),
 with K simulated CPU devices, places the tiny model on a mesh that is tensor parallel over the processes and
 data parallel within each, runs every policy named in HETERO_JAX_TEST_POLICIES greedy (and a session's turns
-for the session policies) and writes what it saw as JSON to HETERO_JAX_TEST_OUT (a file per process: a
+for those in HETERO_JAX_TEST_SESSIONS) and writes what it saw as JSON to HETERO_JAX_TEST_OUT (a file per process: a
 record this size on a pipe the test reads one process at a time would block the others at shutdown).
 
 With HETERO_JAX_TEST_DIE_AT=k, process 1 dies (os._exit) before decode step k of a HeteroCache run inside
@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 import hetero_jax
 from hetero_jax.model.sharding import per_device_bytes
-from multihost_model import POLICIES, PROMPTS, SESSION_POLICIES, STEPS, counters, session_answers, tiny_model
+from multihost_model import POLICIES, PROMPTS, STEPS, counters, session_answers, tiny_model
 from tiny_model import greedy_with_logits
 
 setup = hetero_jax.initialize_distributed()
@@ -47,7 +47,7 @@ for name in os.environ["HETERO_JAX_TEST_POLICIES"].split(","):
            "k_proj_shards": [str(s.index) for s in model.params["layers"][0]["k_proj"].addressable_shards]}
     if name == "heterocache":
         run["recall_steps"] = list(eng.state.recall_steps)
-    if name in SESSION_POLICIES:
+    if name in os.environ.get("HETERO_JAX_TEST_SESSIONS", "").split(","):
         run["answers"] = session_answers(model, name)
     out["runs"][name] = run
 with open(os.environ["HETERO_JAX_TEST_OUT"].format(rank=jax.process_index()), "w") as f:

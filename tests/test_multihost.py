@@ -14,34 +14,39 @@ import numpy as np
 import pytest
 
 from hetero_jax.launch import free_port, process_env
-from multihost_model import EXERCISED, POLICIES, PROMPTS, SESSION_POLICIES, STEPS, counters, session_answers, tiny_model
+from multihost_model import EXERCISED, POLICIES, PROMPTS, STEPS, counters, session_answers, tiny_model
 from tiny_model import greedy_with_logits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _ONE: dict = {}
 
 
-def one_process(name):
-    """(tokens, logits, counters, recall steps, session answers) of ``name`` on one device."""
-    if name not in _ONE:
+def one_process(name, session: bool):
+    """(tokens, logits, counters, recall steps, session answers or None) of ``name`` on one device."""
+    key = (name, session)
+    if key not in _ONE:
         model = tiny_model()
         toks, logits, eng = greedy_with_logits(model, POLICIES[name], PROMPTS, steps=STEPS)
-        _ONE[name] = (toks, logits, counters(eng), list(getattr(eng.state, "recall_steps", [])),
-                      session_answers(model, name) if name in SESSION_POLICIES else None)
-    return _ONE[name]
+        _ONE[key] = (toks, logits, counters(eng), list(getattr(eng.state, "recall_steps", [])),
+                     session_answers(model, name) if session else None)
+    return _ONE[key]
 
 
-def run_job(tmp_path, n: int, devices_per_process: int, policies) -> list[dict]:
-    """Start ``n`` worker processes of ``devices_per_process`` CPU devices each; their records. Output goes to
-    files: a process blocked on a full pipe would hold the others at the job's shutdown barrier."""
+def run_job(tmp_path, n: int, devices_per_process: int, policies, sessions) -> list[dict]:
+    """Start ``n`` worker processes of ``devices_per_process`` CPU devices each, compute the one-process runs
+    while they work, and return their records. Output goes to files: a process blocked on a full pipe would
+    hold the others at the job's shutdown barrier. ``sessions``: the policies that also run a session."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]),
-               HETERO_JAX_TEST_POLICIES=",".join(policies), HETERO_JAX_TEST_OUT=str(tmp_path / "run-{rank}.json"))
+               HETERO_JAX_TEST_POLICIES=",".join(policies), HETERO_JAX_TEST_SESSIONS=",".join(sessions),
+               HETERO_JAX_TEST_OUT=str(tmp_path / "run-{rank}.json"))
     logs = [open(tmp_path / f"log-{i}.txt", "w") for i in range(n)]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py")],
                               env=process_env(env, n, i, port, devices_per_process), stdout=log, stderr=log)
              for i, log in enumerate(logs)]
     try:
+        for name in policies:
+            one_process(name, name in sessions)
         for i, p in enumerate(procs):
             p.wait(timeout=600)
             logs[i].close()
@@ -52,11 +57,11 @@ def run_job(tmp_path, n: int, devices_per_process: int, policies) -> list[dict]:
     return [json.loads((tmp_path / f"run-{i}.json").read_text()) for i in range(n)]
 
 
-def check_job(outs, n: int, policies) -> None:
+def check_job(outs, n: int, policies, sessions) -> None:
     for out in outs:
         assert out["process_count"] == n and out["device_count"] == 2 * n
     for name in policies:
-        toks, logits, want_counters, recall_steps, answers = one_process(name)
+        toks, logits, want_counters, recall_steps, answers = one_process(name, name in sessions)
         for rank, out in enumerate(outs):
             run = out["runs"][name]
             np.testing.assert_array_equal(np.array(run["tokens"]), toks, err_msg=f"{name}, process {rank}")
@@ -77,17 +82,18 @@ def check_job(outs, n: int, policies) -> None:
 
 @pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
-    """Every policy over two processes (tp 2 over the processes x dp 2 within each)."""
-    policies = list(POLICIES)
-    check_job(run_job(tmp_path, 2, 2, policies), 2, policies)
+    """Every policy over two processes (tp 2 over the processes x dp 2 within each); HeteroCache and FreeKV also
+    answer a session's two turns."""
+    policies, sessions = list(POLICIES), ("heterocache", "freekv")
+    check_job(run_job(tmp_path, 2, 2, policies, sessions), 2, policies, sessions)
 
 
 @pytest.mark.slow
 def test_three_processes_equal_one(tmp_path):
-    """HeteroCache (forced recalls, a session's turns) over three processes (tp 3 x dp 2: two heads a process;
-    the peers' host paths are the same functions, run over two processes above)."""
-    policies = ["heterocache"]
-    check_job(run_job(tmp_path, 3, 2, policies), 3, policies)
+    """The policies with host copies of rows over three processes (tp 3 x dp 2: two heads a process), HeteroCache
+    with a session's two turns (HCAttention's in-step sums are the per-device callbacks FreeKV's turns use)."""
+    policies, sessions = ["heterocache", "synckv", "freekv", "quest-offload"], ("heterocache",)
+    check_job(run_job(tmp_path, 3, 2, policies, sessions), 3, policies, sessions)
 
 
 @pytest.mark.slow
