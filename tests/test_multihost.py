@@ -32,25 +32,34 @@ def one_process(name, session: bool):
     return _ONE[key]
 
 
-def run_job(tmp_path, n: int, devices_per_process: int, policies, sessions) -> list[dict]:
-    """Start ``n`` worker processes of ``devices_per_process`` CPU devices each, compute the one-process runs
-    while they work, and return their records. Output goes to files: a process blocked on a full pipe would
-    hold the others at the job's shutdown barrier. ``sessions``: the policies that also run a session."""
+def start_workers(tmp_path, n: int, devices_per_process: int, **variables) -> tuple[list, list]:
+    """``n`` worker processes of ``devices_per_process`` CPU devices each, with ``variables`` in their
+    environment: (processes, their log files). Output goes to files: a process blocked on a full pipe would
+    hold the others at the job's shutdown barrier."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]),
-               HETERO_JAX_TEST_POLICIES=",".join(policies), HETERO_JAX_TEST_SESSIONS=",".join(sessions),
-               HETERO_JAX_TEST_OUT=str(tmp_path / "run-{rank}.json"))
-    logs = [open(tmp_path / f"log-{i}.txt", "w") for i in range(n)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py")],
-                              env=process_env(env, n, i, port, devices_per_process), stdout=log, stderr=log)
-             for i, log in enumerate(logs)]
+               **variables)
+    logs = [tmp_path / f"log-{i}.txt" for i in range(n)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as f:  # the child keeps its own copy of the descriptor
+            procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py")],
+                                          env=process_env(env, n, i, port, devices_per_process), stdout=f,
+                                          stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def run_job(tmp_path, n: int, devices_per_process: int, policies, sessions) -> list[dict]:
+    """Run ``policies`` over ``n`` worker processes (``sessions``: those that also run a session), compute the
+    one-process runs while they work, and return the workers' records."""
+    procs, logs = start_workers(tmp_path, n, devices_per_process, HETERO_JAX_TEST_POLICIES=",".join(policies),
+                                HETERO_JAX_TEST_SESSIONS=",".join(sessions),
+                                HETERO_JAX_TEST_OUT=str(tmp_path / "run-{rank}.json"))
     try:
         for name in policies:
             one_process(name, name in sessions)
-        for i, p in enumerate(procs):
-            p.wait(timeout=600)
-            logs[i].close()
-            assert p.returncode == 0, (tmp_path / f"log-{i}.txt").read_text()[-4000:]
+        for p, log in zip(procs, logs):
+            assert p.wait(timeout=600) == 0, log.read_text()[-4000:]
     finally:
         for p in procs:
             p.kill()
@@ -101,13 +110,7 @@ def test_a_dying_process_ends_the_others_with_a_clear_error(tmp_path):
     """Process 1 of two dies mid-decode (HeteroCache, recalls in flight): process 0's next collective fails and
     ``exit_on_failure`` ends it at once with an error naming it, well before jax's 100 s heartbeat timeout,
     where a plain exit would wait at the shutdown barrier for the dead process."""
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]),
-               HETERO_JAX_TEST_DIE_AT="3")
-    logs = [tmp_path / f"log-{i}.txt" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py")],
-                              env=process_env(env, 2, i, port, 2), stdout=open(log, "w"), stderr=subprocess.STDOUT)
-             for i, log in enumerate(logs)]
+    procs, logs = start_workers(tmp_path, 2, 2, HETERO_JAX_TEST_DIE_AT="3")
     try:
         assert procs[1].wait(timeout=300) == 7
         died = time.monotonic()

@@ -81,11 +81,16 @@ class HostKVStore:
         return jnp.asarray(self.handle, jnp.int32)
 
     def materialize(self) -> None:
-        """Make every layer's numpy views now (host side, outside any traced step): of the whole arrays on one
-        device, of this process's shards where they are split over devices (``local_blocks``)."""
+        """Make every layer's numpy views now (``prepare``, host side, outside any traced step)."""
         for li in range(len(self.k)):
             if self.has(li):
-                self.local_blocks(li) if len(self.v[li].sharding.device_set) > 1 else self.view(li)
+                self.prepare(li)
+
+    def prepare(self, li: int) -> None:
+        """Make the numpy views readers of layer ``li`` use: of the whole arrays on one device, of this process's
+        shards where they are split over devices (``local_blocks``). A reader on another thread or in a
+        callback only reads them."""
+        self.local_blocks(li) if _on_several_devices(self.v[li]) else self.view(li)
 
     def put(self, li: int, k: jax.Array | None, v: jax.Array) -> None:
         """Copy layer ``li``'s k, v [B, H, T, D] to pinned host memory (asynchronous); k None: values only."""
@@ -142,7 +147,7 @@ class HostKVStore:
         view on one device (``head_keys``); on a mesh each device copies its own shard of the pinned array
         (a host-to-device copy per device, no process reads another's rows), then the heads are taken."""
         k = self.k[li]
-        if len(k.sharding.device_set) == 1:
+        if not _on_several_devices(k):
             return jnp.asarray(self.head_keys(li, heads))
         idx = self.head_index(li, heads)
         keys = jax.device_put(k, k.sharding.with_memory_kind("device"))
@@ -198,11 +203,16 @@ class LocalBlock:
     v: np.ndarray
 
 
+def _on_several_devices(x) -> bool:
+    """Whether ``x`` (a jax.Array) is placed over more than one device (a mesh, in one process or several)."""
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1
+
+
 def on_devices(pool: KVPool) -> jax.sharding.NamedSharding | None:
     """The pool's placement when it is split over several devices (a mesh: the host rows then go to each
     device from its own shard of the store, ``send_host_rows``), else None."""
-    sharding = getattr(pool.k, "sharding", None)
-    return sharding if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1 else None
+    return pool.k.sharding if _on_several_devices(pool.k) else None
 
 
 def _heads_split(x: jax.Array) -> bool:
@@ -270,6 +280,12 @@ def kv_rows_nbytes(n: int, like: np.ndarray) -> int:
 def row_bucket(n: int) -> int:
     """Rows per scatter call, rounded up to a power of two (>= 8): one executable per bucket, not per count."""
     return max(8, 1 << max(0, n - 1).bit_length())
+
+
+def _padded_ints(width: int, rows: int) -> np.ndarray:
+    """[4, width] int32 (b, shard, slot, position) rows of a scatter, every one padding until written: slot
+    ``rows`` (the pool's P, out of range) is dropped by the scatter."""
+    return np.tile(np.array([[0], [0], [rows], [-1]], np.int32), (1, width))
 
 
 def _send(ints: np.ndarray, parts: list["StagedPart"], chunk: int) -> list[tuple]:
@@ -428,8 +444,7 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
         return [], 0
     chunk = chunk or row_bucket(n)
     n_parts = max(1, -(-n // chunk))
-    ints = np.empty((4, n_parts * chunk), np.int32)
-    ints[:, n:] = np.array([[0], [0], [rows], [-1]], np.int32)  # padding: slot P, dropped
+    ints = _padded_ints(n_parts * chunk, rows)
     k0, v0 = store.view(requests[0][0])
     staging = store.staging if staging is None else staging
     staged = staging.take(n_parts, chunk, k0, v0)
@@ -473,14 +488,14 @@ def _send_by_device(store: "HostKVStore", requests: list[tuple], pool: KVPool, c
     placement = on_devices(pool)
     mesh, B, S = placement.mesh, pool.k.shape[0], pool.k.shape[1]
     blocks = placement.devices_indices_map(pool.k.shape)
-    grid = {d: at for at, d in np.ndenumerate(mesh.devices)}
-    rows_of = {d: [] for d in grid}  # per device: (layer, b, store head, positions, shard, pool row) of its block
+    devices = list(mesh.devices.flat)
+    rows_of = {d: [] for d in devices}  # per device: (layer, b, store head, positions, shard, pool row) of its block
     n = 0
     for li, b, h, positions, shard, pool_rows in requests:
         b, h, positions, shard, pool_rows = np.broadcast_arrays(*(np.asarray(x, np.int64).reshape(-1) for x in
                                                                   (b, h, positions, shard, pool_rows)))
         n += len(positions)
-        for d in grid:
+        for d in devices:
             sb, ss = blocks[d][0], blocks[d][1]
             mine = ((b >= (sb.start or 0)) & (b < (sb.stop or B)) & (shard >= (ss.start or 0))
                     & (shard < (ss.stop or S)))
@@ -494,13 +509,12 @@ def _send_by_device(store: "HostKVStore", requests: list[tuple], pool: KVPool, c
     first = store.v[requests[0][0]]
     D = first.shape[-1]
     k_dtype = (store.k[requests[0][0]] if store.k[requests[0][0]] is not None else first).dtype
-    staged = {}
-    for d in grid:
+    staged, pieces = {}, []  # pieces: (source, b, h, positions, destination rows), gathered on GATHER_THREADS
+    for d in devices:
         if d.process_index != jax.process_index():
             continue
         sb, ss = blocks[d][0], blocks[d][1]
-        ints = np.empty((4, width), np.int32)
-        ints[:] = np.array([[0], [0], [pool.num_rows], [-1]], np.int32)  # padding: slot P, dropped
+        ints = _padded_ints(width, pool.num_rows)
         k_rows, v_rows = np.zeros((width, D), k_dtype), np.zeros((width, D), first.dtype)
         at = 0
         for li, b, h, positions, shard, pool_rows in rows_of[d]:
@@ -509,11 +523,12 @@ def _send_by_device(store: "HostKVStore", requests: list[tuple], pool: KVPool, c
             bl, hl = b - block.b0, h - block.h0
             if bl.min() < 0 or bl.max() >= block.v.shape[0] or hl.min() < 0 or hl.max() >= block.v.shape[1]:
                 raise ValueError(f"layer {li}'s host rows for {d} are not in that device's shard of the store")
-            gather_rows(block.k, bl, hl, positions, out=k_rows[at : at + m])
-            gather_rows(block.v, bl, hl, positions, out=v_rows[at : at + m])
+            pieces += [(block.k, bl, hl, positions, k_rows[at : at + m]),
+                       (block.v, bl, hl, positions, v_rows[at : at + m])]
             ints[:, at : at + m] = (b - (sb.start or 0), shard - (ss.start or 0), pool_rows, positions)
             at += m
         staged[d] = (ints, k_rows, v_rows)
+    _gather_pieces(pieces)
     t1 = time.perf_counter()
     lead = (1,) * mesh.devices.ndim
     on_grid = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*mesh.axis_names))

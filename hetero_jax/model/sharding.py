@@ -168,15 +168,15 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def across_processes(x, reduce=np.sum) -> np.ndarray:
-    """``reduce`` over the processes of a ``jax.distributed`` job of each process's host values ``x`` (a
-    collective: every process makes the same call); ``x`` itself in a single process."""
+def per_process(x) -> np.ndarray:
+    """Each process's host values ``x`` of a ``jax.distributed`` job, stacked: [processes, *x.shape] (a
+    collective: every process makes the same call); ``x[None]`` in a single process."""
     x = np.asarray(x)
     if jax.process_count() == 1:
-        return x
+        return x[None]
     from jax.experimental import multihost_utils
 
-    return reduce(np.asarray(multihost_utils.process_allgather(x)), axis=0)
+    return np.asarray(multihost_utils.process_allgather(x))
 
 
 def place_like(x, like: jax.Array) -> jax.Array:

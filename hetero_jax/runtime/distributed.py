@@ -211,7 +211,10 @@ def exit_on_failure(setup: "ProcessSetup"):
         raise  # the project's own errors about the input: every process finds them alike, before any compute
     except BaseException as e:  # noqa: B036 (KeyboardInterrupt too: the peers would wait for this process)
         first = (str(e).strip().splitlines() or [""])[0][:500]
-        hint = ("another process of the job has most likely stopped: see its log" if "Jax" in type(e).__name__
+        import jax
+
+        hint = ("another process of the job has most likely stopped: see its log"
+                if isinstance(e, jax.errors.JaxRuntimeError)
                 else "the other processes stop when they next need this one")
         print(f"error (process {setup.process_id} of {setup.num_processes}): {type(e).__name__}: {first}; "
               f"{hint}. This process exits now.", file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@ import numpy as np
 from hetero_jax.model.cache import kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore
-from hetero_jax.model.sharding import across_processes, to_host
+from hetero_jax.model.sharding import per_process, to_host
 from hetero_jax.policies.protocol import DecodeState
 
 
@@ -71,8 +71,8 @@ class HCDecode(DecodeState):
         the processes of a ``jax.distributed`` job (each sums its own heads), seconds the slowest process's."""
         now = self.store.counters.get(kind, [0, 0.0, 0])
         base = self.base.get(kind, [0, 0.0, 0])
-        calls, rows = across_processes(np.array([now[0] - base[0], now[2] - base[2]], np.int64))
-        return int(calls), float(across_processes(now[1] - base[1], np.max)), int(rows)
+        each = per_process(np.array([now[0] - base[0], now[2] - base[2], now[1] - base[1]], np.float64))
+        return int(each[:, 0].sum()), float(each[:, 2].max()), int(each[:, 1].sum())
 
     def kv_bytes_read(self, cache) -> int:
         """Keys or codes + codebooks (the state records) and the pool (device: every head's region holds only

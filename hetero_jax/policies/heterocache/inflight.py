@@ -22,8 +22,7 @@ import warnings
 import jax
 
 from hetero_jax.model.cache import KVCache
-from hetero_jax.model.host_store import (Staging, head_row_requests, kv_rows_nbytes, on_devices, scatter_rows,
-                                         send_host_rows)
+from hetero_jax.model.host_store import Staging, head_row_requests, kv_rows_nbytes, scatter_rows, send_host_rows
 from hetero_jax.model.sharding import to_host
 from hetero_jax.policies.heterocache.copy_window import update_held
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled, head_requests, write_rows
@@ -95,9 +94,8 @@ def send(lane: Lane, prefilled: HeteroPrefilled, cache: KVCache, offsets: list, 
     if items:
         store = prefilled.store
         rows = head_row_requests(store, offsets, cache.pool.num_shards, head_requests(prefilled, items))
-        split = on_devices(cache.pool) is not None
         for li in {r[0] for r in rows}:  # the numpy views are made here: the worker only reads them
-            store.local_blocks(li) if split else store.view(li)
+            store.prepare(li)
         future = lane.future = _worker().submit(send_host_rows, store, rows, cache.pool.num_rows, chunk=chunk,
                                                 staging=lane.staging, pool=cache.pool)
     return InFlight(step, layers, tuple(items), tuple(held_updates), dict(old_base), lane, lane.epoch, future)
