@@ -84,7 +84,7 @@ _ISSUE38_POLICIES = ["full", "snapkv", "pyramidkv", "heterocache", "heterocache:
 PRESETS = {
     # issue 38's grid: every task at 2K, 4K and 7.9K (SmolLM2's context is 8192) on every haystack, 3 seeds
     "full": {"tasks": list(TASKS), "lengths": [2000, 4000, 7900], "seeds": [0, 1, 2],
-             "haystacks": list(haystack.HAYSTACKS), "policies": _ISSUE38_POLICIES, "budgets": [0.5, 0.3]},
+             "haystacks": list(haystack.HAYSTACKS), "policies": _ISSUE38_POLICIES, "budgets": [0.5, 0.3, "min"]},
     # sized for 30 minutes on 2 shared cores: 2K and 4K (no 7.9K), one haystack, 2 seeds, full / SnapKV /
     # HeteroCache with the drift check on and off at rho 0.3
     "cpu": {"tasks": list(TASKS), "lengths": [2000, 4000], "seeds": [0, 1], "haystacks": ["pydoc"],
@@ -94,7 +94,7 @@ DESCRIPTION = ("Generated tasks whose answers move through the context (multi-fa
                "span copy, teacher-forced fidelity), graded automatically, per KV-cache policy and budget on "
                "SmolLM2-135M.")
 PRESETS_HELP = ("'full' (used when no preset is given): issue 38's grid (every task, 2K / 4K / 7.9K, 3 haystacks, 3 "
-                "seeds, every method at rho 0.5 and 0.3); 'cpu': 2K and 4K, pydoc, seeds 0 and 1, full / SnapKV / "
+                "seeds, every method at rho 0.5, 0.3 and its smallest budget at each length); 'cpu': 2K and 4K, pydoc, seeds 0 and 1, full / SnapKV / "
                 "HeteroCache with the drift check on and off at rho 0.3 (fewer lengths, haystacks and seeds than the"
                 " full grid).")
 
@@ -147,7 +147,8 @@ def run(args) -> dict:
         "model": args.model, "dtype": str(jax.tree.leaves(model.params)[0].dtype), "preset": args.preset,
         "tasks": args.tasks, "lengths": args.lengths, "seeds": args.seeds, "haystacks": args.haystacks,
         "budgets": args.budgets, "policies": args.policies, "combos": labels,
-        "policy_reprs": [repr(p) for p in policies], "skipped": C.refused, "digits": DIGITS,
+        "policy_reprs": [repr(p) for p in policies], "skipped": C.refused, "smallest_budgets": C.smallest,
+        "digits": DIGITS,
         "task_examples": {t: dataclasses.asdict(make_case(t, args.seeds[0])) for t in args.tasks},
         "haystack_sources": {h: haystack.haystack_info(h, tok) for h in args.haystacks},
         "temperature": 0.0, "batch": 1, "chat_template": True, "prefill": "shared (bench_needle.build_engines)",
@@ -165,7 +166,7 @@ def run(args) -> dict:
                              f"{cfg.max_position_embeddings} tokens; use a shorter --lengths")
         t_p, cpu_p, c0 = time.perf_counter(), time.process_time(), G.compile_seconds()
         active = C.active(L)
-        engines, info = build_engines(model, p.ids, [policies[i] for i in active], G.tail_capacity_for(n_after + 1),
+        engines, info = build_engines(model, p.ids, [C.policy(i, L) for i in active], G.tail_capacity_for(n_after + 1),
                                       bar=bar)
         prefill_s = time.perf_counter() - t_p
         base = {"task": task, "haystack": hay, "length": L, "seed": seed, "prompt_tokens": p.n_tokens,
@@ -181,7 +182,7 @@ def run(args) -> dict:
                 # full KV's score: its top-1 is the true token (would it quote the value?); a policy's: its top-1
                 # is full KV's
                 hits = sum(m["true_top1"]) if combos[j][0] == "full" else sum(m["agree"])
-                row.append({**base, "label": labels[j], "policy": combos[j][0], "rho": combos[j][1],
+                row.append({**base, "label": labels[j], "policy": combos[j][0], "rho": C.rho(j, L),
                             "score": hits / n, "found": hits, "n": n, "solved": hits == n,
                             "text": tok.decode(m.pop("top1")), "forced": case.forced,
                             "kl_mean": sum(m["kl"]) / n, "agreement": sum(m["agree"]) / n,
@@ -195,7 +196,7 @@ def run(args) -> dict:
                 out_ids, stop = greedy_answer(engines[k], case.max_new_tokens, eos)
                 text = tok.decode(out_ids)
                 g = grade(case, text)
-                row.append({**base, "label": labels[j], "policy": combos[j][0], "rho": combos[j][1], **g,
+                row.append({**base, "label": labels[j], "policy": combos[j][0], "rho": C.rho(j, L), **g,
                             "solved": g["score"] == 1.0, "answer_prefix": case.answer_prefix, "text": text,
                             "generated_ids": out_ids, "stop_reason": stop,
                             "decode_wall_seconds": time.perf_counter() - t_d,
@@ -247,7 +248,11 @@ def summarize(records: list[dict], labels, tasks) -> list[dict]:
             key = "true_top1_rate" if task == "fidelity" else "score"
             cmp = [(r[key], ref[_case_key(r)][key]) for r in rs if _case_key(r) in ref]
             row = {
-                "task": task, "label": label, "policy": rs[0]["policy"], "rho": rs[0]["rho"], "cases": len(rs),
+                # a 'min' combo's rho differs by length: the mean places it on the plot, the range in the table
+                "task": task, "label": label, "policy": rs[0]["policy"], "smallest": label.endswith("@min"),
+                "rho": sum(r["rho"] for r in rs) / len(rs), "rho_range": [min(r["rho"] for r in rs),
+                                                                          max(r["rho"] for r in rs)],
+                "cases": len(rs),
                 "score_mean": sum(r["score"] for r in rs) / len(rs),
                 "units_right": sum(r["found"] if task == "fidelity" else round(r["score"] * r["n"]) for r in rs),
                 "units": sum(r["n"] for r in rs), "solved": sum(r["solved"] for r in rs),
@@ -270,6 +275,14 @@ def summarize(records: list[dict], labels, tasks) -> list[dict]:
     return rows
 
 
+def _rho_text(s: dict) -> str:
+    """The table's rho: the combo's budget, or 'min' with the smallest budgets the lengths took."""
+    if not s.get("smallest"):
+        return f"{s['rho']:g}"
+    lo, hi = s["rho_range"]
+    return f"min ({lo:.3g})" if lo == hi else f"min ({lo:.3g}-{hi:.3g})"
+
+
 def _case_key(r: dict) -> tuple:
     return r["haystack"], r["length"], r["seed"]
 
@@ -286,7 +299,7 @@ def results_table(payload: dict) -> str:
     for s in payload["summary"]:
         full = s["policy"] == "full"
         rows.append([
-            s["task"], s["policy"], "—" if full else f"{s['rho']:g}", common.fmt_num(s["achieved_rho"], 3),
+            s["task"], s["policy"], "—" if full else _rho_text(s), common.fmt_num(s["achieved_rho"], 3),
             f"{100 * s['score_mean']:.0f} %", f"{s['units_right']}/{s['units']} {UNITS[s['task']]}",
             common.fraction_text(s["solved"], s["cases"]),
             "(reference)" if full else f"{s['below_full']} / {s['above_full']}",
@@ -399,7 +412,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              metavar="TASK")
     grid.add_preset_list(p, PRESETS, "--lengths", "prompt lengths in tokens (the context is 8192)", type=int)
     grid.add_preset_list(p, PRESETS, "--seeds", "one case per task and seed", type=int)
-    common.add_policy_arguments(p, PRESETS)
+    common.add_policy_arguments(p, PRESETS, smallest=True)
     common.add_haystacks_argument(p, PRESETS, "every case runs on each")
     common.add_model_arguments(p, MODEL)
     common.add_output_arguments(p, SECTION, SECTION, out_per_preset=True)

@@ -341,3 +341,38 @@ def test_fidelity_summary_counts_tokens():
     assert snap["agreement"] == pytest.approx(5 / 6) and snap["kl_mean"] == pytest.approx(2.0 / 6)
     # per case, true-token rates: seed 0 2/4 vs full KV's 3/4 (below), seed 1 2/2 vs 2/2
     assert (snap["below_full"], snap["above_full"]) == (1, 0)
+
+
+def test_smallest_budget_combos_resolve_per_length():
+    """--budgets min: each policy's smallest budget at each length (Policy.smallest_budget, hand-computed here),
+    refused where none fits; other scripts do not take it."""
+    from harness import grid
+    from hetero_jax.policies import make_policy
+    from tiny_model import tiny_model
+    import bench_needle as bn
+
+    args = bt.parse_args(["--budgets", "0.5", "min", "--policies", "snapkv", "freekv:page_size=64"])
+    assert args.budgets == [0.5, "min"]
+    for bad in (["--budgets", "minimum"], ["--budgets", "0"]):
+        with pytest.raises(SystemExit):
+            bt.parse_args(bad)
+    with pytest.raises(SystemExit):
+        bn.parse_args(["--budgets", "min"])
+    combos = grid.make_combos(args.policies, args.budgets)
+    labels = [grid.combo_label(*c) for c in combos]
+    assert labels == ["full", "snapkv@0.5", "snapkv@min", "freekv:page_size=64@0.5", "freekv:page_size=64@min"]
+    policies = [make_policy(n, None if n == "full" or r == "min" else r) for n, r in combos]
+    C = grid.refusals(tiny_model(256), combos, labels, policies, [100, 200])
+    # SnapKV keeps its 32-query window: round(rho * L) >= 32 from rho 0.315 at 100 tokens, 0.1575 at 200
+    assert C.smallest["snapkv@min"] == {"100": 0.315, "200": 0.1575}
+    assert C.rho(2, 200) == 0.1575 and C.policy(2, 200).budget == 0.1575 and C.policy(1, 200) is policies[1]
+    # FreeKV's 64-token page beside its sinks and window fits no budget at 100 tokens
+    assert "no budget up to rho=1" in C.refused["freekv:page_size=64@min"]["100"]
+    assert C.active(100) == [0, 1, 2] and C.active(200) == [0, 1, 2, 4]
+    recs = [_rec("multi-key", "full", 0, 1.0, n=1, length=100), _rec("multi-key", "full", 1, 1.0, n=1, length=200),
+            _rec("multi-key", "snapkv@0.315", 0, 0.0, n=1, length=100),
+            _rec("multi-key", "snapkv@0.1575", 1, 1.0, n=1, length=200)]
+    recs[2]["label"] = recs[3]["label"] = "snapkv@min"
+    s = bt.summarize(recs, ["full", "snapkv@min"], ["multi-key"])[1]
+    assert s["smallest"] and s["rho"] == pytest.approx((0.315 + 0.1575) / 2)
+    assert "| multi-key | snapkv | min (0.158-0.315) |" in bt.results_table({"summary": [s]})

@@ -157,13 +157,29 @@ def add_grid_preset_argument(parser, presets: dict, estimate_minutes, described:
                              + preset_minutes_help(presets, estimate_minutes))
 
 
-def add_policy_arguments(parser, presets: dict) -> None:
-    """--policies and --budgets of a grid script."""
+SMALLEST = "min"  # a --budgets value: each policy's smallest budget at each length (Policy.smallest_budget)
+
+
+def budget_value(text: str) -> float | str:
+    """A --budgets value: a number, or 'min' (each policy's smallest budget at each prompt length)."""
+    if text == SMALLEST:
+        return SMALLEST
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a budget: give a number in (0, 1] or '{SMALLEST}'") from None
+
+
+def add_policy_arguments(parser, presets: dict, *, smallest: bool = False) -> None:
+    """--policies and --budgets of a grid script; ``smallest``: the script runs --budgets min (its combos resolve
+    the budget per prompt length: ``harness.grid.Combos.policy``)."""
     parser.add_argument("--policies", nargs="+", default=argparse.SUPPRESS, type=policy_spec,
                         help="registered policies, optionally with options (quest:offload=true); full KV always runs, "
                              "as the reference" + preset_help(presets, "policies"))
-    parser.add_argument("--budgets", type=float, nargs="+", default=argparse.SUPPRESS,
-                        help="budgets rho in (0, 1]" + preset_help(presets, "budgets"))
+    parser.add_argument("--budgets", type=budget_value if smallest else float, nargs="+", default=argparse.SUPPRESS,
+                        help="budgets rho in (0, 1]" + (f", or '{SMALLEST}': each policy's smallest budget at each "
+                                                        "length" if smallest else "")
+                             + preset_help(presets, "budgets"))
 
 
 def add_compressed_policy_arguments(parser) -> None:
@@ -218,8 +234,9 @@ def parse_grid_args(parser, presets: dict, name: str, argv=None) -> argparse.Nam
     return args
 
 
-def checked_budgets(parser, budgets: Sequence[float]) -> list[float]:
-    """``--budgets`` in (0, 1], duplicates dropped in order (``parser.error`` otherwise)."""
-    if any(not 0.0 < b <= 1.0 for b in budgets):
+def checked_budgets(parser, budgets: Sequence[float | str]) -> list[float | str]:
+    """``--budgets`` in (0, 1] (or 'min' where the script takes it), duplicates dropped in order (``parser.error``
+    otherwise)."""
+    if any(b != SMALLEST and not 0.0 < b <= 1.0 for b in budgets):
         parser.error("--budgets must be in (0, 1]")
     return list(dict.fromkeys(budgets))

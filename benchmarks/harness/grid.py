@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from harness.args import add_grid_preset_argument, argument_parser, preset_help
+from harness.args import SMALLEST, add_grid_preset_argument, argument_parser, preset_help
 from harness.machine import machine_info, peak_rss_bytes, report_header
 
 
@@ -56,10 +56,30 @@ def load_grid(args):
         enable_compilation_cache()
     combos = make_combos(args.policies, args.budgets)
     labels = [combo_label(n, r) for n, r in combos]
-    policies = [make_policy(n, None if n == "full" else r) for n, r in combos]
+    # a smallest-budget combo's policy holds the default budget; Combos.policy gives it each length's own
+    policies = [make_policy(n, None if n == "full" or r == SMALLEST else r) for n, r in combos]
     t0 = time.perf_counter()
     model = hetero_jax.load(args.model, dtype=getattr(args, "dtype", None), progress=False)
     return model, combos, labels, policies, time.perf_counter() - t0
+
+
+def smallest_budgets(model, combos, labels, policies, lengths) -> tuple[dict, dict]:
+    """({label: {str(length): rho}} of every smallest-budget combo at each of ``lengths``
+    (``Policy.smallest_budget``), {label: {str(length): the budget error}} where no budget fits)."""
+    from hetero_jax.policies import BudgetError
+
+    found: dict[str, dict[str, float]] = {}
+    refused: dict[str, dict[str, str]] = {}
+    for (_, rho), lab, pol in zip(combos, labels, policies):
+        if rho != SMALLEST:
+            continue
+        for L in lengths:
+            try:
+                found.setdefault(lab, {})[str(L)] = pol.smallest_budget(model, int(L))
+            except BudgetError as e:
+                refused.setdefault(lab, {})[str(L)] = f"{L} tokens: {e}"
+                print(f"skipping {lab} at {L} tokens: {e}", file=sys.stderr)
+    return found, refused
 
 
 def refused_by_length(model, labels, policies, lengths) -> dict[str, dict[str, str]]:
@@ -68,6 +88,8 @@ def refused_by_length(model, labels, policies, lengths) -> dict[str, dict[str, s
     refused: dict[str, dict[str, str]] = {}
     for lab, pol in zip(labels, policies):
         for L in lengths:
+            if lab.endswith(f"@{SMALLEST}"):  # its budget is chosen per length (smallest_budgets)
+                continue
             err = budget_problem(model, pol, [L])
             if err:
                 refused.setdefault(lab, {})[str(L)] = err
@@ -105,34 +127,49 @@ ISSUE_COMPARISONS = {
 }
 
 
-def make_combos(policies: Sequence[str], budgets: Sequence[float]) -> list[tuple[str, float]]:
-    """(registry name, rho): full KV first and once (the reference), then every other policy x budget."""
+def make_combos(policies: Sequence[str], budgets: Sequence[float | str]) -> list[tuple[str, float | str]]:
+    """(registry name, rho or 'min'): full KV first and once (the reference), then every other policy x budget."""
     combos = [("full", 1.0)]
     for name in policies:
         if name != "full":
-            combos += [(name, float(b)) for b in budgets]
+            combos += [(name, b if b == SMALLEST else float(b)) for b in budgets]
     return combos
 
 
-def combo_label(name: str, rho: float) -> str:
-    return "full" if name == "full" else f"{name}@{rho:g}"
+def combo_label(name: str, rho: float | str) -> str:
+    return "full" if name == "full" else f"{name}@{rho}" if rho == SMALLEST else f"{name}@{rho:g}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Combos:
-    """A grid's policy x budget combos in order (full KV first): (registry name, rho), label and policy object of
-    each, and ``refused``: {label: {str(length): the budget error}} for the lengths a combo cannot run."""
+    """A grid's policy x budget combos in order (full KV first): (registry name, rho or 'min'), label and policy
+    object of each, ``refused``: {label: {str(length): the budget error}} for the lengths a combo cannot run, and
+    ``smallest``: {label: {str(length): rho}} of the 'min' combos (each policy's smallest budget at that length)."""
 
     combos: list
     labels: list
     policies: list
     refused: dict
+    smallest: dict = dataclasses.field(default_factory=dict)
 
     def keep(self, which: Callable[[str], bool]) -> "Combos":
         """The combos whose label ``which`` accepts (``refused`` unchanged: the report names every refusal)."""
         idx = [i for i, lab in enumerate(self.labels) if which(lab)]
         return Combos([self.combos[i] for i in idx], [self.labels[i] for i in idx], [self.policies[i] for i in idx],
-                      self.refused)
+                      self.refused, self.smallest)
+
+    def rho(self, i: int, length: int) -> float:
+        """Combo ``i``'s budget at ``length`` (a 'min' combo's: that length's smallest)."""
+        rho = self.combos[i][1]
+        return self.smallest[self.labels[i]][str(length)] if rho == SMALLEST else rho
+
+    def policy(self, i: int, length: int):
+        """Combo ``i``'s policy at ``length`` (a 'min' combo's with that length's smallest budget)."""
+        if self.combos[i][1] != SMALLEST:
+            return self.policies[i]
+        from hetero_jax.policies import make_policy
+
+        return make_policy(self.combos[i][0], self.rho(i, length))
 
     def runnable_somewhere(self, lengths: Sequence[int]) -> "Combos":
         """The combos that some length of ``lengths`` does not refuse."""
@@ -148,9 +185,11 @@ class Combos:
 
 
 def refusals(model, combos, labels, policies, lengths: Sequence[int]) -> Combos:
-    """:class:`Combos` of ``combos`` with the refusals of ``model`` at ``lengths`` (each also named on stderr)."""
-    return Combos(list(combos), list(labels), list(policies),
-                  refused_by_length(model, labels, policies, lengths) if lengths else {})
+    """:class:`Combos` of ``combos`` with the refusals of ``model`` at ``lengths`` (each also named on stderr) and
+    the 'min' combos' budgets there."""
+    refused = refused_by_length(model, labels, policies, lengths) if lengths else {}
+    smallest, none_fits = smallest_budgets(model, combos, labels, policies, lengths)
+    return Combos(list(combos), list(labels), list(policies), {**refused, **none_fits}, smallest)
 
 
 def load(args, lengths: Sequence[int] = ()) -> tuple[object, Combos, float]:

@@ -198,6 +198,23 @@ class Policy(metaclass=_PolicyType):
         """This policy resolved against a loaded model (HeteroCache picks its profile); default: itself."""
         return self
 
+    def smallest_budget(self, model, prompt_len: int) -> float:
+        """The smallest rho (4 decimals) this policy accepts for a ``prompt_len``-token prompt on ``model``.
+
+        The first budget up the 4-decimal grid of (0, 1] that the plan's budget check passes (``make_prefill``
+        checks every budget rule before any compute; well under a millisecond a try). A scan, not a bisection:
+        a budget above it may still be refused (FreeKV's default window grows with rho and can crowd out its
+        one page). BudgetError (the policy's own, at rho = 1) when no budget fits the prompt."""
+        bound = self.bind(model)  # once: a profile's checks against the model do not depend on the budget
+        for steps in range(1, 10_001):
+            try:
+                dataclasses.replace(bound, budget=steps / 1e4).bind(model).make_prefill(model.config, [prompt_len])
+            except BudgetError:
+                continue
+            return steps / 1e4
+        dataclasses.replace(bound, budget=1.0).bind(model).make_prefill(model.config, [prompt_len])
+        raise BudgetError(f"{type(self).__name__}: no budget fits a {prompt_len}-token prompt")  # not reached
+
     def make_prefill(self, cfg: ModelConfig, prompt_lens, compile_fn=None):
         """The prefill plan (``build_layer``, ``finish(cache) -> (cache, DecodeState)``); checks budgets first."""
         raise NotImplementedError(f"{type(self).__name__} defines no prefill plan")

@@ -55,7 +55,7 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import attend_chunk_over_host_prompt
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
-from hetero_jax.policies.base import BudgetError, Policy, bool_param, int_param, tokens_for
+from hetero_jax.policies.base import BudgetError, Policy, bool_param, int_param, smallest_rho, tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import (group_page_scores, page_summaries, pages_for_budget, smallest_page_rho,
                                        top_pages)
@@ -91,6 +91,14 @@ class Quest(Policy):
 
     def sparse_layers(self, cfg: ModelConfig) -> list[int]:
         return list(range(min(self.full_layers, cfg.num_layers), cfg.num_layers))
+
+    def smallest_budget(self, model, prompt_len: int) -> float:
+        """In device, every budget runs (one page at least): the smallest is the one whose pages hold exactly
+        one page beside the partial page; offloaded, the budget check's (``Policy.smallest_budget``)."""
+        P, r = divmod(prompt_len, self.page_size)
+        if self.offload or P == 0:
+            return super().smallest_budget(model, prompt_len)
+        return smallest_rho(self.page_size + r, prompt_len)
 
     def plan_pages(self, cfg: ModelConfig, prompt_len: int) -> tuple[int, int, int]:
         """(full pages P, partial-page tokens r, pages selected per step k) of one prompt; BudgetError when

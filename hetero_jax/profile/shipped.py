@@ -15,6 +15,11 @@ from hetero_jax.profile.schema import ProfileError
 _FINGERPRINT_SAMPLES = 64  # values hashed per parameter array (start and middle of it)
 
 
+# fingerprints of params whose leaves are all jax arrays (immutable), keyed by the leaves' ids and checked by
+# weak references: a profiled policy's every ``bind`` asks again, and the slices cost a dispatch per leaf
+_FINGERPRINTS: dict[tuple[int, ...], tuple[list, str]] = {}
+
+
 def weights_fingerprint(params: Any) -> str:
     """A cheap identity of a params pytree: ``"sha256:<16 hex>"``.
 
@@ -22,8 +27,27 @@ def weights_fingerprint(params: Any) -> str:
     ones and those from the middle of the flattened array), rounded to
     bfloat16 first so that the same checkpoint loaded in float32 or bfloat16
     gives the same fingerprint. Reads a few KB, not the weights: it tells
-    checkpoints apart, it is not a checksum of every value.
+    checkpoints apart, it is not a checksum of every value. Remembered for
+    params made of jax arrays while those arrays live.
     """
+    import weakref
+
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(params)
+    key = tuple(id(x) for x in leaves)
+    hit = _FINGERPRINTS.get(key)
+    if hit is not None and all(ref() is x for ref, x in zip(hit[0], leaves)):
+        return hit[1]
+    fp = _fingerprint(params)
+    if leaves and all(isinstance(x, jax.Array) for x in leaves):
+        for k in [k for k, (refs, _) in _FINGERPRINTS.items() if any(r() is None for r in refs)]:
+            del _FINGERPRINTS[k]
+        _FINGERPRINTS[key] = ([weakref.ref(x) for x in leaves], fp)
+    return fp
+
+
+def _fingerprint(params: Any) -> str:
     import hashlib
 
     import jax

@@ -135,6 +135,10 @@ class HCAttention(Policy):
             points.append(OperatingPoint(dev / full, cb))
         return points
 
+    def smallest_budget(self, model, prompt_len: int) -> float:
+        """The rho of the smallest operating point (budgets between the points are refused)."""
+        return min(p.rho for p in self.bind(model).operating_points(model.config, prompt_len))
+
     def plan(self, cfg: ModelConfig, prompt_lens) -> OperatingPoint:
         """The operating point every prompt of the batch runs at: the point nearest the budget, within 5% of it
         for every prompt; BudgetError listing the points otherwise."""

@@ -1,0 +1,110 @@
+"""``Policy.smallest_budget``: the smallest rho a policy accepts for a prompt, for every registered policy, checked
+against the plan's own budget check (it fits, 0.0001 less is refused, every budget above it fits) and hand-computed
+values; and the remembered weights fingerprint that makes a profiled policy's repeated ``bind`` cheap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetero_jax.policies import (REGISTRY, CAKE, H2O, BudgetError, ContextKeeper, FreeKV, FullKV, HCAttention,
+                                 HeteroCache, ProfiledSnapKV, PyramidKV, Quest, SnapKV, StreamingLLM, SyncKV)
+from hetero_jax.profile.shipped import weights_fingerprint
+from test_batch_property import HETERO_PROFILE, MODEL, RANKING, SYNC_PROFILE
+
+CFG = MODEL.config
+MAKE = {
+    "full": lambda r: FullKV(),
+    "streamingllm": lambda r: StreamingLLM(budget=r),
+    "snapkv": lambda r: SnapKV(budget=r, window=8),
+    "pyramidkv": lambda r: PyramidKV(budget=r, window=8),
+    "h2o": lambda r: H2O(budget=r, window=8),
+    "cake": lambda r: CAKE(budget=r, window=8),
+    "profiledsnapkv": lambda r: ProfiledSnapKV(profile=HETERO_PROFILE, budget=r, window=8),
+    "heterocache": lambda r: HeteroCache(profile=HETERO_PROFILE, budget=r, window=3),
+    "quest": lambda r: Quest(budget=r, page_size=8, full_layers=1),
+    "quest-offload": lambda r: Quest(budget=r, page_size=8, full_layers=1, offload=True),
+    "freekv": lambda r: FreeKV(budget=r, page_size=8),
+    "contextkeeper": lambda r: ContextKeeper(ranking=RANKING, budget=r, sink=4, recent=8),
+    "synckv": lambda r: SyncKV(profile=SYNC_PROFILE, budget=r, m=3),
+    "hcattention": lambda r: HCAttention(budget=r),
+}
+
+
+def fits(policy, rho: float, L: int) -> bool:
+    try:
+        type(policy)(**{**_init_fields(policy), "budget": rho}).bind(MODEL).make_prefill(CFG, [L])
+    except BudgetError:
+        return False
+    return True
+
+
+def _init_fields(policy) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init}
+
+
+def test_every_registered_policy_is_covered():
+    assert set(REGISTRY) <= set(MAKE)
+
+
+@pytest.mark.parametrize("name", sorted(MAKE))
+@pytest.mark.parametrize("L", [97, 256])
+def test_smallest_budget_is_the_edge_of_the_accepted_budgets(name, L, no_compute):
+    pol = MAKE[name](0.5)
+    r = pol.smallest_budget(MODEL, L)
+    assert 0.0 < r <= 1.0 and fits(pol, r, L)
+    rng = np.random.default_rng(L)
+    if name == "hcattention":  # discrete points: the smallest is its least point, exactly
+        assert r == min(p.rho for p in pol.bind(MODEL).operating_points(CFG, L))
+        return
+    if name != "quest":  # in-device Quest runs every budget as one page at least (hand-computed below)
+        below = {round(r - 1e-4, 4), *np.round(rng.uniform(1e-4, r - 1e-4, 12), 4)} if r > 1e-4 else set()
+        assert not any(fits(pol, float(x), L) for x in below)
+    if name != "freekv":  # an interval from there (FreeKV's default window grows with rho: below)
+        assert all(fits(pol, float(x), L) for x in np.round(rng.uniform(r, 1.0, 12), 4))
+
+
+def test_freekv_budgets_with_a_hole_give_the_first_that_fits(no_compute):
+    # 64-token pages, 200 tokens: the default window (B_c / 16) jumps from 4 to 64 tokens at rho 0.654 and crowds
+    # out the page until rho 0.794; the smallest is the first run's start, as FreeKV's own error names it
+    pol = FreeKV(budget=0.5, page_size=64)
+    ok = [x / 1000 for x in range(1, 1001) if fits(pol, x / 1000, 200)]
+    assert ok[0] == 0.584 and 0.654 not in ok and 0.794 in ok
+    assert pol.smallest_budget(MODEL, 200) == 0.5834
+    with pytest.raises(BudgetError, match=r"smallest budget that works for this prompt is rho=0\.5834"):
+        pol.make_prefill(CFG, [200])
+
+
+def test_smallest_budget_hand_computed(no_compute):
+    L = 100
+    # SnapKV keeps its 8-query window: round(rho * 100) >= 8 from rho 0.075
+    assert SnapKV(budget=0.5, window=8).smallest_budget(MODEL, L) == 0.075
+    # in-device Quest runs any budget as one page at least: its smallest is one 8-token page beside the
+    # 100 % 8 = 4-token partial page, 12 tokens: rho 0.115 (round(11.5) = 12)
+    assert Quest(budget=0.5, page_size=8).smallest_budget(MODEL, L) == 0.115
+    assert FullKV().smallest_budget(MODEL, L) == 1.0
+
+
+def test_no_budget_fits_raises_the_policys_own_error(no_compute):
+    # FreeKV's sinks and window with one 8-token page do not fit a 20-token prompt at any rho
+    with pytest.raises(BudgetError, match="too short"):
+        FreeKV(budget=0.5, page_size=8, sinks=8, window=8).smallest_budget(MODEL, 20)
+
+
+def test_weights_fingerprint_is_remembered_while_the_arrays_live():
+    import jax
+    import jax.numpy as jnp
+
+    fp = weights_fingerprint(MODEL.params)
+    assert weights_fingerprint(MODEL.params) == fp
+    # new arrays with one value changed: a new fingerprint, not the remembered one
+    other = jax.tree.map(lambda x: x, MODEL.params)
+    other["embed"] = jnp.asarray(MODEL.params["embed"]).at[0, 0].add(1.0)
+    assert weights_fingerprint(other) != fp
+    # numpy leaves can change in place: never remembered
+    host = jax.tree.map(np.array, MODEL.params)
+    before = weights_fingerprint(host)
+    host["embed"][0, 0] += 1.0
+    assert weights_fingerprint(host) != before
