@@ -327,7 +327,7 @@ def test_a_failed_recall_transfer_leaves_the_cache_and_the_session_usable(monkey
         if failing[0] and threading.current_thread().name.startswith("recall-send") and isinstance(x, np.ndarray):
             puts[0] += 1
             if puts[0] % 2 == 0:
-                raise RuntimeError("RESOURCE_EXHAUSTED: injected transfer failure")
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: injected transfer failure")
         return real_put(x, *a, **k)
 
     lands, real_before = [], ctl.before_step
@@ -343,7 +343,7 @@ def test_a_failed_recall_transfer_leaves_the_cache_and_the_session_usable(monkey
 
     monkeypatch.setattr(jax, "device_put", flaky)
     monkeypatch.setattr(ctl, "before_step", spy)
-    with pytest.warns(RuntimeWarning, match=r"recall at decode step \d+ failed \(RuntimeError: RESOURCE_EXHAUSTED: "
+    with pytest.warns(RuntimeWarning, match=r"recall at decode step \d+ failed \(JaxRuntimeError: RESOURCE_EXHAUSTED: "
                                             r"injected transfer failure\); the device cache is unchanged"):
         got = sess.ask(q1, max_new_tokens=6)
     assert len(got.token_ids) > 3 and puts[0] >= 2 and ctl.stats()["recall_failures"] >= 1
@@ -355,6 +355,39 @@ def test_a_failed_recall_transfer_leaves_the_cache_and_the_session_usable(monkey
         warnings.simplefilter("error")
         res = sess.ask(q2, max_new_tokens=5)
     assert len(res.token_ids) >= 1 and ctl.stats()["recalls"] > 0
+
+
+@pytest.mark.parametrize("policy", [FreeKV(budget=0.6, page_size=8),
+                                    HeteroCache(profile=PROFILE, budget=0.6, window=2, tau_drift=1.5)],
+                         ids=["freekv", "heterocache"])
+@pytest.mark.parametrize("transfer", [True, False], ids=["transfer-error", "defect"])
+def test_between_step_rows_survive_a_failed_transfer_and_let_a_defect_through(monkeypatch, policy, transfer):
+    """The rows a policy moves between steps (FreeKV's pages, HeteroCache's recall): a transfer's failure (the
+    runtime's error) is counted and warned about and decoding goes on; any other error is a defect and reaches
+    the caller (it was once counted as a failed transfer, which hid a multi-process defect)."""
+    from hetero_jax.runtime import Engine
+
+    eng = Engine(MODEL, [random_prompt(160, 3)], policy, tail_capacity=12)
+    tok = eng.first_tokens(0.0, 1.0)
+    real_put = jax.device_put
+    error = (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: injected transfer failure") if transfer
+             else RuntimeError("injected defect"))
+
+    def flaky(x, *a, **k):
+        if isinstance(x, np.ndarray):  # host rows on their way to the device
+            raise error
+        return real_put(x, *a, **k)
+
+    monkeypatch.setattr(jax, "device_put", flaky)
+    if transfer:
+        with pytest.warns(RuntimeWarning, match=r"failed \(JaxRuntimeError: RESOURCE_EXHAUSTED: injected"):
+            for _ in range(8):
+                tok, _ = eng.step(tok, 0.0, 1.0)
+        assert eng.state.stats()["recall_failures"] >= 1
+    else:
+        with pytest.raises(RuntimeError, match="injected defect"):
+            for _ in range(8):
+                tok, _ = eng.step(tok, 0.0, 1.0)
 
 
 def test_a_failed_reselection_transfer_keeps_the_previous_rows_and_the_session_usable(monkeypatch):
@@ -370,7 +403,7 @@ def test_a_failed_reselection_transfer_keeps_the_previous_rows_and_the_session_u
         if failing[0] and isinstance(x, np.ndarray):  # the re-selected rows; the 2nd transfer fails
             puts[0] += 1
             if puts[0] == 2:
-                raise RuntimeError("RESOURCE_EXHAUSTED: injected transfer failure")
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: injected transfer failure")
         return real_put(x, *a, **k)
 
     seen, real_reselect = [], ctl._reselect
@@ -384,7 +417,7 @@ def test_a_failed_reselection_transfer_keeps_the_previous_rows_and_the_session_u
     rows = lambda: [np.asarray(a) for li in range(len(sess.engine.cache.layers))  # noqa: E731
                     for a in layer_rows(sess.engine.cache, li)]  # every head's prompt rows and positions
     before = rows()
-    with pytest.warns(RuntimeWarning, match=r"re-selection after a turn failed \(RuntimeError: RESOURCE_EXHAUSTED"):
+    with pytest.warns(RuntimeWarning, match=r"re-selection after a turn failed \(JaxRuntimeError: RESOURCE_EXHAUSTED"):
         got = sess.ask(q1, max_new_tokens=3)
     assert len(got.token_ids) >= 1 and ctl.stats()["reselect_failures"] == 1
     assert ctl.stats()["reselections"] == 0 and ctl.stats()["bytes_reselected"] == 0

@@ -269,7 +269,7 @@ def test_a_failed_anticipation_keeps_the_rows_and_the_next_one_lands(monkeypatch
 
     def flaky(x, *a, **k):
         if failing[0] and isinstance(x, np.ndarray):
-            raise RuntimeError("RESOURCE_EXHAUSTED: injected transfer failure")
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: injected transfer failure")
         return real_put(x, *a, **k)
 
     monkeypatch.setattr(jax, "device_put", flaky)
@@ -280,7 +280,7 @@ def test_a_failed_anticipation_keeps_the_rows_and_the_next_one_lands(monkeypatch
     assert st.pending is not None  # dispatched after step m - 1, applied before step m
     before, mirror = rows(), {li: d.copy() for li, d in st.dyn.items()}
     failing[0] = True
-    with pytest.warns(RuntimeWarning, match=r"anticipation before decode step 2 failed \(RuntimeError: RESOURCE"):
+    with pytest.warns(RuntimeWarning, match=r"anticipation before decode step 2 failed \(JaxRuntimeError: RESOURCE"):
         eng.cache = st.before_step(m, eng.cache)
     failing[0] = False
     assert all(np.array_equal(a, b) for a, b in zip(before, rows()))

@@ -36,6 +36,11 @@ import numpy as np
 from hetero_jax.model.cache import KVPool
 from hetero_jax.model.sharding import partition_spec, tree_specs
 
+# What a failed host <-> device transfer raises: the runtime's errors (a device or pinned host memory running
+# out, a transfer aborted) and host memory running out. The hooks that recall or fetch rows between steps count
+# these and go on without the rows; any other error is a defect and propagates.
+TRANSFER_ERRORS = (jax.errors.JaxRuntimeError, MemoryError)
+
 
 def pinned_host(device=None) -> jax.sharding.Sharding:
     """Pinned host memory of ``device`` (default: the first device)."""

@@ -30,7 +30,7 @@ from flax import struct
 
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
-from hetero_jax.model.host_store import HostKVStore, write_head_rows
+from hetero_jax.model.host_store import TRANSFER_ERRORS, HostKVStore, write_head_rows
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.pages import group_page_scores, page_summaries, top_pages
@@ -213,7 +213,7 @@ class PageRecallDecode(DecodeState):
             return cache
         try:
             return self._recall(cache)
-        except (RuntimeError, MemoryError) as e:
+        except TRANSFER_ERRORS as e:
             self.recall_failures += 1
             warnings.warn(f"{what} failed ({type(e).__name__}: {e}); {fallback}", RuntimeWarning, stacklevel=3)
             return cache

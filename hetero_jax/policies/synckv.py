@@ -43,7 +43,7 @@ from flax import struct
 
 from hetero_jax.model.cache import KVCache, KVPool, LayerPrefill, RowBlock, head_offsets
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import HostKVStore, write_head_rows
+from hetero_jax.model.host_store import TRANSFER_ERRORS, HostKVStore, write_head_rows
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.model.transformer import prompt_queries
@@ -354,7 +354,7 @@ class SyncDecode(DecodeState):
                  self.overlap_sum, self.overlap_n, self.recalls)
         try:
             return self._apply(outs, cache), True
-        except (RuntimeError, MemoryError) as e:
+        except TRANSFER_ERRORS as e:
             (self.layer_anticipations, self.rows_requested, self.rows_recalled, self.bytes_recalled,
              self.overlap_sum, self.overlap_n, self.recalls) = saved
             self.recall_failures += 1

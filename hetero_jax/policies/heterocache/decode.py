@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetero_jax.model.cache import KVCache, head_offsets
+from hetero_jax.model.host_store import TRANSFER_ERRORS
 from hetero_jax.policies.heterocache.copy_window import moved_windows, window_rows
 from hetero_jax.policies.heterocache.counters import Counters, summary
 from hetero_jax.policies.heterocache.inflight import AsyncRecalls, Lane, warn_failed
@@ -94,7 +95,7 @@ class HeteroDecode(AsyncRecalls, DecodeState):
         self.window_start[:] = -1
         try:
             return self._reselect(turn_queries, cache)
-        except (RuntimeError, MemoryError) as e:
+        except TRANSFER_ERRORS as e:
             self.counters = self.counters.add(reselect_failures=1)
             warn_failed("the re-selection after a turn", e, "the device cache keeps its previous rows")
             return cache
@@ -132,13 +133,13 @@ class HeteroDecode(AsyncRecalls, DecodeState):
             saved = self.counters
             try:
                 cache = self._plan_recalls(step, cache)
-            except (RuntimeError, MemoryError) as e:
+            except TRANSFER_ERRORS as e:
                 self.counters = saved
                 self._failed(step, e)
         if self.pointer_pending is not None or self.window_dirty:
             try:
                 cache = self._follow_copy(cache)
-            except (RuntimeError, MemoryError) as e:  # the windows stay dirty: filled at the next step
+            except TRANSFER_ERRORS as e:  # the windows stay dirty: filled at the next step
                 self.counters = self.counters.add(copy_failures=1)
                 warn_failed(f"the copy window at decode step {step}", e, "it is filled again before the next step")
         return cache

@@ -22,7 +22,8 @@ import warnings
 import jax
 
 from hetero_jax.model.cache import KVCache
-from hetero_jax.model.host_store import Staging, head_row_requests, kv_rows_nbytes, scatter_rows, send_host_rows
+from hetero_jax.model.host_store import (TRANSFER_ERRORS, Staging, head_row_requests, kv_rows_nbytes, scatter_rows,
+                                        send_host_rows)
 from hetero_jax.model.sharding import to_host
 from hetero_jax.policies.heterocache.copy_window import update_held
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled, head_requests, write_rows
@@ -105,7 +106,7 @@ def land(rec: InFlight, prefilled: HeteroPrefilled, cache: KVCache, offsets: lis
          chunk: int) -> tuple[KVCache, int, float]:
     """Write ``rec``'s rows into the pool: from its own transfers (``scatter_rows``), or sent again now when its
     lane moved on since. Returns (the cache, K/V bytes moved, host seconds waited for the transfers). Raises
-    what the send raised (``jax.device_put``'s RuntimeError or MemoryError), the pool unchanged."""
+    what the send raised (one of ``TRANSFER_ERRORS``), the pool unchanged."""
     lane, t0 = rec.lane, time.perf_counter()
     if not rec.items:
         return cache, 0, 0.0
@@ -167,7 +168,7 @@ class AsyncRecalls:
         rec, self.recall = self.recall, None
         try:
             cache, nbytes, waited = land(rec, self.prefilled, cache, self.offsets, self.compile_fn, self.recall_chunk)
-        except (RuntimeError, MemoryError) as e:
+        except TRANSFER_ERRORS as e:
             self._failed(step, e)
             return put_back_base(cache, rec)
         self.recall_steps += [step] * rec.layers
