@@ -75,6 +75,8 @@ POOL_FULL_HEADS = (0, 5)        # KV heads of the layer that keep the full conte
 POOL_COMPRESSED = 0.1           # a compressed head keeps about 0.1 x the context (0.08x .. 0.12x, per head)
 POOL_TAIL = 256                 # rows of each head's region past its kept rows (room for generated tokens)
 POOL_SPLITS = (None, 16, 128)   # num_splits timed (None: default_pool_num_splits)
+POOL_PAGE = 16                  # paged case (in-device Quest): rows of a page; every head's region holds the context
+POOL_PAGED_RHO = 0.3            # and it attends this fraction of it, as pages scattered over the region
 
 
 # ------------------------------------------------------------------ helpers

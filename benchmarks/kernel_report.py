@@ -38,21 +38,24 @@ def render_pool_timing(p: dict[str, Any] | None) -> list[str]:
     lines += [f"Device: {p['device']}; copy bandwidth {p['copy']['bandwidth'] / 1e12:.2f} TB/s; heads "
               f"{', '.join(map(str, p['full_heads']))} full, the others about {p['compressed']:g}x the context, "
               f"{p['tail']} spare rows per region. Achieved = K+V bytes of the heads' lengths / kernel time. "
-              "'per group' = one `sparse_decode_attention` per head group (full, compressed) on the same lengths.",
+              "'per group' = one `sparse_decode_attention` per head group (full, compressed) on the same lengths; "
+              "'paged': in-device Quest's read, every head attending its pages (`block_rows`) of a region that "
+              "holds the whole context.",
               ""]
     rows = []
     for r in p["rows"]:
+        layout = r.get("layout", "row pool")
         if "kernel_s" in r:
-            rows.append([fmt_len(r["S"]), f"{r['mean_rho']:.3f}", _fmt_bytes(r["kv_bytes"]), str(r["num_splits"]),
+            rows.append([fmt_len(r["S"]), layout, f"{r['mean_rho']:.3f}", _fmt_bytes(r["kv_bytes"]), str(r["num_splits"]),
                          _fmt_us(r["kernel_s"]), f"{r['achieved_bandwidth'] / 1e12:.2f}",
                          f"{100 * r['fraction_of_copy_bandwidth']:.0f} %", _fmt_us(r.get("per_group_s")),
                          f"{r['max_abs_err_out']:.2e}", "yes" if r["ok"] else "NO"])
         else:
-            rows.append([fmt_len(r["S"]), f"{r['mean_rho']:.3f}", _fmt_bytes(r["kv_bytes"]), str(r["num_splits"]),
-                         "—", "—", "—", _fmt_us(r.get("per_group_s")), "—", f"NO: {r['error']}"])
-    return lines + [common.markdown_table(["context", "mean rho", "K+V bytes", "num_splits", "kernel µs",
+            rows.append([fmt_len(r["S"]), layout, f"{r['mean_rho']:.3f}", _fmt_bytes(r["kv_bytes"]),
+                         str(r["num_splits"]), "—", "—", "—", _fmt_us(r.get("per_group_s")), "—", f"NO: {r['error']}"])
+    return lines + [common.markdown_table(["context", "layout", "mean rho", "K+V bytes", "num_splits", "kernel µs",
                                            "achieved TB/s", "of copy BW", "per group µs", "max abs err", "ok"],
-                                          rows, "rrrrrrrrrl"), ""]
+                                          rows, "rlrrrrrrrrl"), ""]
 
 
 def render_sweep(sw: dict[str, Any]) -> str:

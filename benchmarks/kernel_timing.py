@@ -9,8 +9,8 @@ import statistics
 import time
 from typing import Any
 
-from kernel_cases import (DECODE_TOL, KIB, LLAMA, MODELS, POOL_COMPRESSED, POOL_CONTEXTS, POOL_FULL_HEADS,
-                          POOL_SPLITS, POOL_TAIL, RHOS, SCORE_W, decode_bytes, gpu_present)
+from kernel_cases import (DECODE_TOL, KIB, LLAMA, MODELS, POOL_COMPRESSED, POOL_CONTEXTS, POOL_FULL_HEADS, POOL_PAGE,
+                          POOL_PAGED_RHO, POOL_SPLITS, POOL_TAIL, RHOS, SCORE_W, decode_bytes, gpu_present)
 
 
 # ------------------------------------------------------------ GPU timing path
@@ -129,8 +129,9 @@ def pool_timing(shapes: dict[str, Any] = LLAMA, contexts=POOL_CONTEXTS, *, iters
     HeteroCache-like per-head lengths (:func:`pool_layout`); achieved bandwidth = the K+V bytes it must read
     (sum of the heads' lengths x D x 2 B, K and V) / time, against the measured copy bandwidth. Also times
     the layout it replaces: one ``sparse_decode_attention`` launch per head group (the full heads, then the
-    compressed heads at their capacity). Runs only on a GPU (``interpret=True`` smoke-tests the code path on
-    CPU at tiny ``shapes``/``contexts``; its numbers mean nothing)."""
+    compressed heads at their capacity), and paged heads (in-device Quest's read: :func:`paged_layout`). Runs
+    only on a GPU (``interpret=True`` smoke-tests the code path on CPU at tiny ``shapes``/``contexts``; its
+    numbers mean nothing)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -166,6 +167,7 @@ def pool_timing(shapes: dict[str, Any] = LLAMA, contexts=POOL_CONTEXTS, *, iters
             except Exception as e:  # noqa: BLE001 - a configuration Triton refuses is a result too
                 row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
             rows.append(row)
+        rows.append(_paged_row(S, shapes, bf16, rng, copy, interpret, iters))
         # The layout it replaces: one launch per head group (full heads at S, compressed heads at their capacity).
         full = [h for h in range(H) if h in POOL_FULL_HEADS]
         comp = [h for h in range(H) if h not in POOL_FULL_HEADS]
@@ -177,13 +179,54 @@ def pool_timing(shapes: dict[str, Any] = LLAMA, contexts=POOL_CONTEXTS, *, iters
         per_group = jax.jit(lambda gs: [pk.sparse_decode_attention(*g, interpret=interpret) for g in gs])
         t_groups = _time_fn(per_group, (groups,), iters)
         for r in rows:
-            if r["S"] == S:
+            if r["S"] == S and "layout" not in r:
                 r["per_group_s"] = t_groups
         del q, k_pool, v_pool, groups
         if progress is not None:
             progress.update(1)
     return dict(device=str(jax.devices()[0]), interpret=interpret, iters=iters, copy=copy, rows=rows,
                 full_heads=POOL_FULL_HEADS, compressed=POOL_COMPRESSED, tail=POOL_TAIL)
+
+
+def paged_layout(S: int, H: int, B: int, rng, page: int = POOL_PAGE, rho: float = POOL_PAGED_RHO):
+    """In-device Quest's decode read: every head's region holds the S-row context (regions back to back), and
+    the head attends round(rho S / page) of its pages, drawn at random and in no order (Quest's best first).
+    Returns (block_rows [B, H, NB] region rows of each attended page, lengths [B, H], offsets [B, H], P)."""
+    import numpy as np
+
+    nb = max(1, int(round(rho * S / page)))
+    pages = np.stack([np.stack([rng.permutation(S // page)[:nb] for _ in range(H)]) for _ in range(B)])
+    offs = np.tile(np.arange(H, dtype=np.int32) * S, (B, 1))
+    return (pages * page).astype(np.int32), np.full((B, H), nb * page, np.int32), offs, H * S
+
+
+def _paged_row(S: int, shapes, bf16, rng, copy, interpret: bool, iters: int) -> dict[str, Any]:
+    """One timing of ``pool_attention`` over paged heads (``block_rows``: :func:`paged_layout`), against the
+    reference; achieved bandwidth = the attended pages' K+V bytes / time."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.pool_attention import pool_attention, pool_attention_reference
+
+    B, H, G, D = shapes["B"], shapes["Hkv"], shapes["G"], shapes["D"]
+    blocks_np, lens_np, offs_np, P = paged_layout(S, H, B, rng)
+    blocks, lens, offs = jnp.asarray(blocks_np), jnp.asarray(lens_np), jnp.asarray(offs_np)
+    q, k_pool, v_pool = bf16((B, H, 1, G, D)), bf16((B, P, D)), bf16((B, P, D))
+    n = int(lens_np.max())
+    kv_bytes = int(lens_np.sum()) * 2 * D * 2
+    row = dict(S=S, layout=f"paged, {POOL_PAGE}-row pages", lengths=[n], pool_rows=P, num_splits="default",
+               kv_bytes=kv_bytes, mean_rho=float(lens_np.mean() / S))
+    kw = dict(max_len=n, block_size=POOL_PAGE)
+    want = pool_attention_reference(q, k_pool, v_pool, offs, lens, None, blocks, **kw)[0].astype(jnp.float32)
+    f = jax.jit(lambda q, k, v, o, l, b: pool_attention(q, k, v, o, l, None, b, interpret=interpret, **kw)[:2])
+    try:
+        err = float(jnp.max(jnp.abs(f(q, k_pool, v_pool, offs, lens, blocks)[0].astype(jnp.float32) - want)))
+        t = _time_fn(f, (q, k_pool, v_pool, offs, lens, blocks), iters)
+        row.update(ok=err <= DECODE_TOL["bfloat16"]["out"], max_abs_err_out=err, kernel_s=t,
+                   achieved_bandwidth=kv_bytes / t, fraction_of_copy_bandwidth=kv_bytes / t / copy["bandwidth"])
+    except Exception as e:  # noqa: BLE001 - a configuration Triton refuses is a result too
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
+    return row
 
 
 # ------------------------------------------------------------ launch-parameter sweep
