@@ -94,9 +94,9 @@ DESCRIPTION = ("Generated tasks whose answers move through the context (multi-fa
                "span copy, teacher-forced fidelity), graded automatically, per KV-cache policy and budget on "
                "SmolLM2-135M.")
 PRESETS_HELP = ("'full' (used when no preset is given): issue 38's grid (every task, 2K / 4K / 7.9K, 3 haystacks, 3 "
-                "seeds, every method at rho 0.5, 0.3 and its smallest budget at each length); 'cpu': 2K and 4K, pydoc, seeds 0 and 1, full / SnapKV / "
-                "HeteroCache with the drift check on and off at rho 0.3 (fewer lengths, haystacks and seeds than the"
-                " full grid).")
+                "seeds, every method at rho 0.5, 0.3 and its smallest budget at each length); 'cpu': 2K and 4K, "
+                "pydoc, seeds 0 and 1, full / SnapKV / HeteroCache with the drift check on and off at rho 0.3 (fewer "
+                "lengths, haystacks and seeds than the full grid).")
 
 # Run-time model for the --preset help, in CPU seconds, from the smoke run (2-core Xeon shared with other jobs,
 # 2026-11-27: pydoc, 2000 tokens, seed 0, every task, full + snapkv at rho 0.5, 44 s wall; process_seconds of each

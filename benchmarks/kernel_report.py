@@ -44,15 +44,14 @@ def render_pool_timing(p: dict[str, Any] | None) -> list[str]:
               ""]
     rows = []
     for r in p["rows"]:
-        layout = r.get("layout", "row pool")
+        row = [fmt_len(r["S"]), r.get("layout", "row pool"), f"{r['mean_rho']:.3f}", _fmt_bytes(r["kv_bytes"]),
+               str(r["num_splits"])]
         if "kernel_s" in r:
-            rows.append([fmt_len(r["S"]), layout, f"{r['mean_rho']:.3f}", _fmt_bytes(r["kv_bytes"]), str(r["num_splits"]),
-                         _fmt_us(r["kernel_s"]), f"{r['achieved_bandwidth'] / 1e12:.2f}",
-                         f"{100 * r['fraction_of_copy_bandwidth']:.0f} %", _fmt_us(r.get("per_group_s")),
-                         f"{r['max_abs_err_out']:.2e}", "yes" if r["ok"] else "NO"])
+            rows.append(row + [_fmt_us(r["kernel_s"]), f"{r['achieved_bandwidth'] / 1e12:.2f}",
+                               f"{100 * r['fraction_of_copy_bandwidth']:.0f} %", _fmt_us(r.get("per_group_s")),
+                               f"{r['max_abs_err_out']:.2e}", "yes" if r["ok"] else "NO"])
         else:
-            rows.append([fmt_len(r["S"]), layout, f"{r['mean_rho']:.3f}", _fmt_bytes(r["kv_bytes"]),
-                         str(r["num_splits"]), "—", "—", "—", _fmt_us(r.get("per_group_s")), "—", f"NO: {r['error']}"])
+            rows.append(row + ["—", "—", "—", _fmt_us(r.get("per_group_s")), "—", f"NO: {r['error']}"])
     return lines + [common.markdown_table(["context", "layout", "mean rho", "K+V bytes", "num_splits", "kernel µs",
                                            "achieved TB/s", "of copy BW", "per group µs", "max abs err", "ok"],
                                           rows, "rlrrrrrrrrl"), ""]
