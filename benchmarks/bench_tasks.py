@@ -221,6 +221,56 @@ def run(args) -> dict:
     return grid.close_payload(payload, t_start)
 
 
+def merge(args) -> dict:
+    """One payload from runs of slices of the grid (``--merge A.json B.json ...``: other lengths, seeds, haystacks,
+    tasks or budgets, each run when a session had the time): records and prompts joined, the summary made anew.
+    Refused (SystemExit): runs of another model, dtype or grading; a (combo, case) in two runs; full KV answering
+    one case differently in two runs (the prompts or the model changed: the runs do not compare)."""
+    import json
+
+    parts = [json.loads(Path(f).read_text()) for f in args.merge]
+    same = ("model", "dtype", "digits", "grading")
+    for f, p in zip(args.merge[1:], parts[1:]):
+        diff = [k for k in same if p["config"].get(k) != parts[0]["config"].get(k)]
+        if diff:
+            raise SystemExit(f"--merge: {f} was run with another {', '.join(diff)} than {args.merge[0]}")
+    records, prompts, seen = [], [], {}
+    for f, p in zip(args.merge, parts):
+        for r in p["records"]:
+            key = (r["label"], r["task"], *_case_key(r))
+            if key in seen:
+                first = seen[key]
+                if r["label"] != "full":
+                    raise SystemExit(f"--merge: {r['label']} on {r['task']} {key[2:]} is in {first[0]} and {f}")
+                if (r["prompt_sha256"], r["score"], r.get("text")) != first[1]:
+                    raise SystemExit(f"--merge: full KV answers {r['task']} {key[2:]} differently in {first[0]} "
+                                     f"and {f}: the runs do not compare")
+                continue
+            seen[key] = (f, (r["prompt_sha256"], r["score"], r.get("text")))
+            records.append(r)
+        known = {(q["task"], q["haystack"], q["length"], q["seed"]) for q in prompts}
+        prompts += [q for q in p["prompts"] if (q["task"], q["haystack"], q["length"], q["seed"]) not in known]
+    cfg = dict(parts[0]["config"])
+    for k in ("tasks", "lengths", "seeds", "haystacks", "combos"):
+        cfg[k] = list(dict.fromkeys(x for p in parts for x in p["config"][k]))
+    cfg["lengths"], cfg["seeds"] = sorted(cfg["lengths"]), sorted(cfg["seeds"])
+    for k in ("skipped", "smallest_budgets"):
+        cfg[k] = {}
+        for p in parts:
+            for lab, per in p["config"].get(k, {}).items():
+                cfg[k].setdefault(lab, {}).update(per)
+    cfg["merged_from"] = [{"file": str(f), "commit": p["git"].get("commit"), "command": p["command"],
+                           "timestamp": p.get("timestamp")} for f, p in zip(args.merge, parts)]
+    cfg["out"], cfg["plot"] = str(args.out), str(args.plot)
+    # the header is the merge's own (its command, commit, time); the machine is the first run's (each run's
+    # commit and command are listed in the section)
+    payload = {**grid.open_payload(SECTION, cfg, parts[0]["load_seconds"], prompts=prompts, records=records),
+               "machine": parts[0]["machine"], "total_seconds": sum(p["total_seconds"] for p in parts),
+               "peak_rss_bytes": max(p["peak_rss_bytes"] for p in parts)}
+    payload["summary"] = summarize(records, cfg["combos"], cfg["tasks"])
+    return payload
+
+
 GRADING = {
     "multi-fact": "values stated in the order asked (the longest in-order run of find_answer offsets) / values",
     "variable-tracking": "max(0, chain names stated - distractor-chain names stated) / chain names",
@@ -366,6 +416,9 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "",
         *haystack_lines(cfg),
         "",
+        *([f"Merged (`--merge`) from {len(cfg['merged_from'])} runs, each its own commit and command:", "",
+           *[f"- `{m['file']}`: {m['commit']}, `{m['command']}`" for m in cfg["merged_from"]], ""]
+          if cfg.get("merged_from") else []),
         results_table(payload),
         "",
     ]
@@ -416,6 +469,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_haystacks_argument(p, PRESETS, "every case runs on each")
     common.add_model_arguments(p, MODEL)
     common.add_output_arguments(p, SECTION, SECTION, out_per_preset=True)
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="join the JSON of runs of slices of the grid (other lengths, seeds, haystacks, tasks or "
+                        "budgets) into one table instead of running; refused when the model, dtype or grading "
+                        "differ, a combo's case is in two runs, or full KV answers a case differently")
     args = common.parse_grid_args(p, PRESETS, SECTION, argv)
     args.tasks = list(dict.fromkeys(args.tasks))
     args.seeds = list(dict.fromkeys(args.seeds))
@@ -427,7 +484,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    common.run_task(parse_args(argv), run, section=SECTION, make_plot=make_plot, results_section=results_section,
+    args = parse_args(argv)
+    common.run_task(args, merge if args.merge else run, section=SECTION, make_plot=make_plot,
+                    results_section=results_section,
                     tables=lambda payload: [t for t in (results_table(payload), fidelity_table(payload)) if t])
     return 0
 

@@ -277,7 +277,8 @@ def test_forced_metrics_compare_only_quoted_tokens():
 # ------------------------------------------------------------------ summary
 def _rec(task, label, seed, score, n=3, **kw):
     policy, _, rho = label.partition("@")
-    return {"task": task, "label": label, "policy": policy, "rho": float(rho or 1), "haystack": "pydoc",
+    return {"task": task, "label": label, "policy": policy, "rho": 0.2 if rho == "min" else float(rho or 1),
+            "haystack": "pydoc",
             "length": 2000, "seed": seed, "score": score, "n": n, "found": round(score * n),
             "solved": score == 1.0, "achieved_rho": 1.0 if policy == "full" else 0.3, "recall": {}, **kw}
 
@@ -376,3 +377,46 @@ def test_smallest_budget_combos_resolve_per_length():
     s = bt.summarize(recs, ["full", "snapkv@min"], ["multi-key"])[1]
     assert s["smallest"] and s["rho"] == pytest.approx((0.315 + 0.1575) / 2)
     assert "| multi-key | snapkv | min (0.158-0.315) |" in bt.results_table({"summary": [s]})
+
+
+def _part(tmp_path, name, recs, **cfg):
+    import json
+
+    config = {"model": "smollm2-135m", "dtype": "float32", "digits": 4, "grading": bt.GRADING, "tasks": ["multi-key"],
+              "lengths": sorted({r["length"] for r in recs}), "seeds": sorted({r["seed"] for r in recs}),
+              "haystacks": ["pydoc"], "combos": list(dict.fromkeys(r["label"] for r in recs)), "skipped": {},
+              "smallest_budgets": {}, **cfg}
+    prompts = [{"task": r["task"], "haystack": r["haystack"], "length": r["length"], "seed": r["seed"]}
+               for r in recs if r["label"] == "full"]
+    payload = {"config": config, "records": recs, "prompts": prompts, "git": {"commit": name}, "command": f"run {name}",
+               "timestamp": "t", "load_seconds": 1.0, "machine": {"cpu": "x"}, "total_seconds": 60.0,
+               "peak_rss_bytes": 1}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def test_merge_joins_slices_and_refuses_runs_that_do_not_compare(tmp_path):
+    import argparse
+
+    def rec(label, seed, score, text=" 4761."):
+        return _rec("multi-key", label, seed, score, n=1, text=text, prompt_sha256=f"sha{seed}", values=["4761"])
+
+    a = _part(tmp_path, "a", [rec("full", 0, 1.0), rec("snapkv@0.3", 0, 0.0)])
+    b = _part(tmp_path, "b", [rec("full", 0, 1.0), rec("full", 1, 1.0), rec("snapkv@0.3", 1, 1.0),
+                              rec("snapkv@min", 1, 0.0)])
+    args = argparse.Namespace(merge=[a, b], out=tmp_path / "m.json", plot=tmp_path / "m.png")
+    m = bt.merge(args)
+    assert len(m["records"]) == 5 and m["config"]["seeds"] == [0, 1]  # full at seed 0 once
+    assert m["config"]["combos"] == ["full", "snapkv@0.3", "snapkv@min"]
+    snap = next(s for s in m["summary"] if s["label"] == "snapkv@0.3")
+    assert (snap["cases"], snap["solved"], snap["below_full"]) == (2, 1, 1)
+    assert [x["commit"] for x in m["config"]["merged_from"]] == ["a", "b"] and m["total_seconds"] == 120.0
+    assert "Merged (`--merge`) from 2 runs" in bt.results_section(m, None)
+    for bad, needle in [
+        (_part(tmp_path, "c", [rec("full", 0, 0.0, text=" 1.")]), "full KV answers multi-key .* differently"),
+        (_part(tmp_path, "d", [rec("full", 0, 1.0), rec("snapkv@0.3", 0, 1.0)]), "snapkv@0.3 on multi-key .* is in"),
+        (_part(tmp_path, "e", [rec("full", 5, 1.0)], model="other"), "another model"),
+    ]:
+        with pytest.raises(SystemExit, match=needle):
+            bt.merge(argparse.Namespace(merge=[a, bad], out=tmp_path / "m.json", plot=tmp_path / "m.png"))
