@@ -70,6 +70,9 @@ import haystack  # noqa: E402  (benchmarks/haystack.py)
 from harness import grid  # noqa: E402  (benchmarks/harness/grid.py: the grid runner)
 from harness.needles import IDLE_CORES, LOAD_S, haystack_lines, interp_cost  # noqa: E402
 from harness.prefill import build_engines, greedy_answer  # noqa: E402  (the shared prefill, greedy decode)
+from harness.task_report import (  # noqa: E402  (summary, tables, --merge)
+    GRADING, answers_table, fidelity_table, merge, results_table, summarize,
+)
 from harness.task_cases import (  # noqa: E402  (cases, grading, prompts, teacher forcing)
     DIGITS, TASKS, build_case_prompt, forced_metrics, grade, make_case,
 )
@@ -221,180 +224,6 @@ def run(args) -> dict:
     return grid.close_payload(payload, t_start)
 
 
-def merge(args) -> dict:
-    """One payload from runs of slices of the grid (``--merge A.json B.json ...``: other lengths, seeds, haystacks,
-    tasks or budgets, each run when a session had the time): records and prompts joined, the summary made anew.
-    Refused (SystemExit): runs of another model, dtype or grading; a (combo, case) in two runs; full KV answering
-    one case differently in two runs (the prompts or the model changed: the runs do not compare)."""
-    import json
-
-    parts = [json.loads(Path(f).read_text()) for f in args.merge]
-    same = ("model", "dtype", "digits", "grading")
-    for f, p in zip(args.merge[1:], parts[1:]):
-        diff = [k for k in same if p["config"].get(k) != parts[0]["config"].get(k)]
-        if diff:
-            raise SystemExit(f"--merge: {f} was run with another {', '.join(diff)} than {args.merge[0]}")
-    records, prompts, seen = [], [], {}
-    for f, p in zip(args.merge, parts):
-        for r in p["records"]:
-            key = (r["label"], r["task"], *_case_key(r))
-            if key in seen:
-                first = seen[key]
-                if r["label"] != "full":
-                    raise SystemExit(f"--merge: {r['label']} on {r['task']} {key[2:]} is in {first[0]} and {f}")
-                if (r["prompt_sha256"], r["score"], r.get("text")) != first[1]:
-                    raise SystemExit(f"--merge: full KV answers {r['task']} {key[2:]} differently in {first[0]} "
-                                     f"and {f}: the runs do not compare")
-                continue
-            seen[key] = (f, (r["prompt_sha256"], r["score"], r.get("text")))
-            records.append(r)
-        known = {(q["task"], q["haystack"], q["length"], q["seed"]) for q in prompts}
-        prompts += [q for q in p["prompts"] if (q["task"], q["haystack"], q["length"], q["seed"]) not in known]
-    cfg = dict(parts[0]["config"])
-    for k in ("tasks", "lengths", "seeds", "haystacks", "combos"):
-        cfg[k] = list(dict.fromkeys(x for p in parts for x in p["config"][k]))
-    cfg["lengths"], cfg["seeds"] = sorted(cfg["lengths"]), sorted(cfg["seeds"])
-    for k in ("skipped", "smallest_budgets"):
-        cfg[k] = {}
-        for p in parts:
-            for lab, per in p["config"].get(k, {}).items():
-                cfg[k].setdefault(lab, {}).update(per)
-    cfg["merged_from"] = [{"file": str(f), "commit": p["git"].get("commit"), "command": p["command"],
-                           "timestamp": p.get("timestamp")} for f, p in zip(args.merge, parts)]
-    cfg["out"], cfg["plot"] = str(args.out), str(args.plot)
-    # the header is the merge's own (its command, commit, time); the machine is the first run's (each run's
-    # commit and command are listed in the section)
-    payload = {**grid.open_payload(SECTION, cfg, parts[0]["load_seconds"], prompts=prompts, records=records),
-               "machine": parts[0]["machine"], "total_seconds": sum(p["total_seconds"] for p in parts),
-               "peak_rss_bytes": max(p["peak_rss_bytes"] for p in parts)}
-    payload["summary"] = summarize(records, cfg["combos"], cfg["tasks"])
-    return payload
-
-
-GRADING = {
-    "multi-fact": "values stated in the order asked (the longest in-order run of find_answer offsets) / values",
-    "variable-tracking": "max(0, chain names stated - distractor-chain names stated) / chain names",
-    "multi-key": "1 iff the asked key's number is stated and no distractor's",
-    "span-copy": "1 iff the sentence is repeated word for word (case, punctuation, spacing ignored)",
-    "fidelity": "quoted value tokens whose top-1 equals full KV's (full KV: equals the true token) / quoted tokens",
-}
-
-
-# ------------------------------------------------------------------ summary
-def summarize(records: list[dict], labels, tasks) -> list[dict]:
-    """One row per (task, combo): cases, mean score, graded units (values, names, tokens) right of all, cases
-    solved, the comparison with full KV case by case, and full KV's solve rate on the task."""
-    rows = []
-    for task in tasks:
-        ref = {_case_key(r): r for r in records if r["task"] == task and r["policy"] == "full"}
-        # full KV's solve rate: cases it answers completely; for fidelity, quoted tokens it predicts (top-1 = true)
-        full_solved = sum(r["found"] if task == "fidelity" else r["solved"] for r in ref.values())
-        full_cases = sum(r["n"] for r in ref.values()) if task == "fidelity" else len(ref)
-        for label in labels:
-            rs = [r for r in records if r["task"] == task and r["label"] == label]
-            if not rs:
-                continue
-            # fidelity: a case is below full KV when the policy's top-1 is the true token less often than full KV's
-            key = "true_top1_rate" if task == "fidelity" else "score"
-            cmp = [(r[key], ref[_case_key(r)][key]) for r in rs if _case_key(r) in ref]
-            row = {
-                # a 'min' combo's rho differs by length: the mean places it on the plot, the range in the table
-                "task": task, "label": label, "policy": rs[0]["policy"], "smallest": label.endswith("@min"),
-                "rho": sum(r["rho"] for r in rs) / len(rs), "rho_range": [min(r["rho"] for r in rs),
-                                                                          max(r["rho"] for r in rs)],
-                "cases": len(rs),
-                "score_mean": sum(r["score"] for r in rs) / len(rs),
-                "units_right": sum(r["found"] if task == "fidelity" else round(r["score"] * r["n"]) for r in rs),
-                "units": sum(r["n"] for r in rs), "solved": sum(r["solved"] for r in rs),
-                "below_full": sum(s < f for s, f in cmp), "above_full": sum(s > f for s, f in cmp),
-                "full_solved": full_solved, "full_cases": full_cases,
-                "achieved_rho": sum(r["achieved_rho"] for r in rs) / len(rs),
-                "per_length": {str(L): [sum(r["score"] for r in rs if r["length"] == L),
-                                        sum(r["length"] == L for r in rs)]
-                               for L in sorted({r["length"] for r in rs})},
-            }
-            if task == "fidelity":
-                kls = [k for r in rs for k in r["steps"]["kl"]]
-                row.update(kl_mean=sum(kls) / len(kls), tokens=len(kls),
-                           agreement=sum(a for r in rs for a in r["steps"]["agree"]) / len(kls),
-                           true_top1_rate=sum(a for r in rs for a in r["steps"]["true_top1"]) / len(kls))
-            checks = sum(r["recall"].get("drift_checks", 0) for r in rs)
-            row.update(drift_checks=checks, drift_triggers=sum(r["recall"].get("drift_triggers", 0) for r in rs),
-                       recalls=sum(r["recall"].get("recalls", 0) for r in rs))
-            rows.append(row)
-    return rows
-
-
-def _rho_text(s: dict) -> str:
-    """The table's rho: the combo's budget, or 'min' with the smallest budgets the lengths took."""
-    if not s.get("smallest"):
-        return f"{s['rho']:g}"
-    lo, hi = s["rho_range"]
-    return f"min ({lo:.3g})" if lo == hi else f"min ({lo:.3g}-{hi:.3g})"
-
-
-def _case_key(r: dict) -> tuple:
-    return r["haystack"], r["length"], r["seed"]
-
-
-# ------------------------------------------------------------------ report
-UNITS = {"multi-fact": "values", "variable-tracking": "names", "multi-key": "cases", "span-copy": "cases",
-         "fidelity": "tokens"}
-
-
-def results_table(payload: dict) -> str:
-    """Accuracy per task x policy x rho: mean score, units right, cases solved, cases below / above full KV, and
-    full KV's solve rate on the task beside."""
-    rows = []
-    for s in payload["summary"]:
-        full = s["policy"] == "full"
-        rows.append([
-            s["task"], s["policy"], "—" if full else _rho_text(s), common.fmt_num(s["achieved_rho"], 3),
-            f"{100 * s['score_mean']:.0f} %", f"{s['units_right']}/{s['units']} {UNITS[s['task']]}",
-            common.fraction_text(s["solved"], s["cases"]),
-            "(reference)" if full else f"{s['below_full']} / {s['above_full']}",
-            f"{common.fraction_text(s['full_solved'], s['full_cases'])}"
-            + (f" ({100 * s['full_solved'] / s['full_cases']:.0f} %)" if s["full_cases"] else ""),
-            f"{s['drift_triggers']}/{s['drift_checks']} ({s['recalls']})" if s["drift_checks"] else "—",
-        ])
-    return common.markdown_table(
-        ["task", "policy", "rho", "achieved rho", "accuracy", "right", "cases solved", "cases below / above full",
-         "full KV solves", "drift triggers / checks (recalls)"], rows, align="lllrrrrcrr")
-
-
-def fidelity_table(payload: dict) -> str | None:
-    """Moving-attention fidelity: per combo, top-1 agreement with full KV and KL on the quoted tokens, by the
-    quoted value's place in the reply (first, second, ...)."""
-    recs = [r for r in payload["records"] if r["task"] == "fidelity" and r["policy"] != "full"]
-    if not recs:
-        return None
-    n_vals = max(v for r in recs for v in r["steps"]["value"]) + 1
-    rows = []
-    for label in payload["config"]["combos"]:
-        rs = [r for r in recs if r["label"] == label]
-        if not rs:
-            continue
-        cells = []
-        for i in range(n_vals):
-            a = [x for r in rs for x, v in zip(r["steps"]["agree"], r["steps"]["value"]) if v == i]
-            k = [x for r in rs for x, v in zip(r["steps"]["kl"], r["steps"]["value"]) if v == i]
-            cells.append(f"{sum(a)}/{len(a)}, KL {sum(k) / len(k):.3f}" if a else "—")
-        a = [x for r in rs for x in r["steps"]["agree"]]
-        k = [x for r in rs for x in r["steps"]["kl"]]
-        rows.append([label, *cells, f"{sum(a)}/{len(a)} ({100 * sum(a) / len(a):.0f} %)", f"{sum(k) / len(k):.4f}"])
-    return common.markdown_table(["policy", *[f"value {i + 1}: top-1 = full, KL" for i in range(n_vals)],
-                                  "all quoted tokens", "KL mean"], rows, align="l" + "r" * (n_vals + 2))
-
-
-def answers_table(payload: dict, label: str = "full") -> str:
-    """Each case's reply by ``label`` (full KV, the reference), graded."""
-    rows = [[r["task"], r["haystack"], common.fmt_num(r["length"]), str(r["seed"]), " ".join(r["values"]),
-             repr(r["text"][:120]), f"{r['score']:.2f}"]
-            for r in payload["records"] if r["label"] == label]
-    return common.markdown_table(["task", "haystack", "tokens", "seed", "expected", f"{label} reply", "score"], rows,
-                                 align="llrrllr")
-
-
 def results_section(payload: dict, plot_rel: str | None) -> str:
     cfg = payload["config"]
     fid = fidelity_table(payload)
@@ -485,7 +314,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    common.run_task(args, merge if args.merge else run, section=SECTION, make_plot=make_plot,
+    common.run_task(args, (lambda a: merge(a, SECTION)) if args.merge else run, section=SECTION, make_plot=make_plot,
                     results_section=results_section,
                     tables=lambda payload: [t for t in (results_table(payload), fidelity_table(payload)) if t])
     return 0

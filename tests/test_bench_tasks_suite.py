@@ -406,7 +406,7 @@ def test_merge_joins_slices_and_refuses_runs_that_do_not_compare(tmp_path):
     b = _part(tmp_path, "b", [rec("full", 0, 1.0), rec("full", 1, 1.0), rec("snapkv@0.3", 1, 1.0),
                               rec("snapkv@min", 1, 0.0)])
     args = argparse.Namespace(merge=[a, b], out=tmp_path / "m.json", plot=tmp_path / "m.png")
-    m = bt.merge(args)
+    m = bt.merge(args, "tasks")
     assert len(m["records"]) == 5 and m["config"]["seeds"] == [0, 1]  # full at seed 0 once
     assert m["config"]["combos"] == ["full", "snapkv@0.3", "snapkv@min"]
     snap = next(s for s in m["summary"] if s["label"] == "snapkv@0.3")
@@ -419,4 +419,4 @@ def test_merge_joins_slices_and_refuses_runs_that_do_not_compare(tmp_path):
         (_part(tmp_path, "e", [rec("full", 5, 1.0)], model="other"), "another model"),
     ]:
         with pytest.raises(SystemExit, match=needle):
-            bt.merge(argparse.Namespace(merge=[a, bad], out=tmp_path / "m.json", plot=tmp_path / "m.png"))
+            bt.merge(argparse.Namespace(merge=[a, bad], out=tmp_path / "m.json", plot=tmp_path / "m.png"), "tasks")

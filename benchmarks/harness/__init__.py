@@ -12,6 +12,7 @@ Shared, lowest first (each imports only those above it):
 - :mod:`harness.prefill`: one forward pass feeding every policy's selection; greedy decode after it.
 - :mod:`harness.needles`: needles, answer matching, haystack bookkeeping, the needle grid's scores.
 
-One script's own: :mod:`harness.facts` (multi-turn), :mod:`harness.task_cases` (tasks), :mod:`harness.synthetic`,
+One script's own: :mod:`harness.facts` (multi-turn), :mod:`harness.task_cases` and :mod:`harness.task_report`
+(tasks), :mod:`harness.synthetic`,
 :mod:`harness.roofline`, :mod:`harness.latency_report` (latency), :mod:`harness.policies_report` (policies).
 """
