@@ -13,6 +13,6 @@ Shared, lowest first (each imports only those above it):
 - :mod:`harness.needles`: needles, answer matching, haystack bookkeeping, the needle grid's scores.
 
 One script's own: :mod:`harness.facts` (multi-turn), :mod:`harness.task_cases` and :mod:`harness.task_report`
-(tasks), :mod:`harness.synthetic`,
-:mod:`harness.roofline`, :mod:`harness.latency_report` (latency), :mod:`harness.policies_report` (policies).
+(tasks), :mod:`harness.synthetic`, :mod:`harness.roofline`, :mod:`harness.latency_report` (latency),
+:mod:`harness.policies_report` (policies).
 """
