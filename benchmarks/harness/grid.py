@@ -88,8 +88,6 @@ def refused_by_length(model, labels, policies, lengths) -> dict[str, dict[str, s
     refused: dict[str, dict[str, str]] = {}
     for lab, pol in zip(labels, policies):
         for L in lengths:
-            if lab.endswith(f"@{SMALLEST}"):  # its budget is chosen per length (smallest_budgets)
-                continue
             err = budget_problem(model, pol, [L])
             if err:
                 refused.setdefault(lab, {})[str(L)] = err
@@ -187,7 +185,9 @@ class Combos:
 def refusals(model, combos, labels, policies, lengths: Sequence[int]) -> Combos:
     """:class:`Combos` of ``combos`` with the refusals of ``model`` at ``lengths`` (each also named on stderr) and
     the 'min' combos' budgets there."""
-    refused = refused_by_length(model, labels, policies, lengths) if lengths else {}
+    fixed = [i for i, (_, rho) in enumerate(combos) if rho != SMALLEST]  # 'min' combos: smallest_budgets
+    refused = refused_by_length(model, [labels[i] for i in fixed], [policies[i] for i in fixed],
+                                lengths) if lengths else {}
     smallest, none_fits = smallest_budgets(model, combos, labels, policies, lengths)
     return Combos(list(combos), list(labels), list(policies), {**refused, **none_fits}, smallest)
 
