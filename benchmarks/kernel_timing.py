@@ -158,15 +158,7 @@ def pool_timing(shapes: dict[str, Any] = LLAMA, contexts=POOL_CONTEXTS, *, iters
             row = dict(S=S, lengths=sorted({int(x) for x in lens_np.reshape(-1)}), pool_rows=P,
                        num_splits=ns if ns is not None else default_pool_num_splits(S), kv_bytes=kv_bytes,
                        mean_rho=float(lens_np.mean() / S))
-            try:
-                err = float(jnp.max(jnp.abs(f(q, k_pool, v_pool, offs, lens)[0].astype(jnp.float32) - want)))
-                t = _time_fn(f, (q, k_pool, v_pool, offs, lens), iters)
-                bw = kv_bytes / t
-                row.update(ok=err <= DECODE_TOL["bfloat16"]["out"], max_abs_err_out=err, kernel_s=t,
-                           achieved_bandwidth=bw, fraction_of_copy_bandwidth=bw / copy["bandwidth"])
-            except Exception as e:  # noqa: BLE001 - a configuration Triton refuses is a result too
-                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
-            rows.append(row)
+            rows.append(_pool_row(row, f, (q, k_pool, v_pool, offs, lens), want, copy, iters))
         rows.append(_paged_row(S, shapes, bf16, rng, copy, interpret, iters))
         # The layout it replaces: one launch per head group (full heads at S, compressed heads at their capacity).
         full = [h for h in range(H) if h in POOL_FULL_HEADS]
@@ -219,11 +211,20 @@ def _paged_row(S: int, shapes, bf16, rng, copy, interpret: bool, iters: int) -> 
     kw = dict(max_len=n, block_size=POOL_PAGE)
     want = pool_attention_reference(q, k_pool, v_pool, offs, lens, None, blocks, **kw)[0].astype(jnp.float32)
     f = jax.jit(lambda q, k, v, o, l, b: pool_attention(q, k, v, o, l, None, b, interpret=interpret, **kw)[:2])
+    return _pool_row(row, f, (q, k_pool, v_pool, offs, lens, blocks), want, copy, iters)
+
+
+def _pool_row(row: dict, f, args: tuple, want, copy, iters: int) -> dict[str, Any]:
+    """``row`` with ``f(*args)``'s output checked against ``want`` (bf16 tolerance), its time and bandwidth
+    (``row["kv_bytes"]`` / time, against the copy bandwidth), or the error a configuration raised."""
+    import jax.numpy as jnp
+
     try:
-        err = float(jnp.max(jnp.abs(f(q, k_pool, v_pool, offs, lens, blocks)[0].astype(jnp.float32) - want)))
-        t = _time_fn(f, (q, k_pool, v_pool, offs, lens, blocks), iters)
+        err = float(jnp.max(jnp.abs(f(*args)[0].astype(jnp.float32) - want)))
+        t = _time_fn(f, args, iters)
+        bw = row["kv_bytes"] / t
         row.update(ok=err <= DECODE_TOL["bfloat16"]["out"], max_abs_err_out=err, kernel_s=t,
-                   achieved_bandwidth=kv_bytes / t, fraction_of_copy_bandwidth=kv_bytes / t / copy["bandwidth"])
+                   achieved_bandwidth=bw, fraction_of_copy_bandwidth=bw / copy["bandwidth"])
     except Exception as e:  # noqa: BLE001 - a configuration Triton refuses is a result too
         row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
     return row
