@@ -206,14 +206,15 @@ class Policy(metaclass=_PolicyType):
         a budget above it may still be refused (FreeKV's default window grows with rho and can crowd out its
         one page). BudgetError (the policy's own, at rho = 1) when no budget fits the prompt."""
         bound = self.bind(model)  # once: a profile's checks against the model do not depend on the budget
-        for steps in range(1, 10_001):
+        for steps in range(1, 10_000):
             try:
                 dataclasses.replace(bound, budget=steps / 1e4).bind(model).make_prefill(model.config, [prompt_len])
             except BudgetError:
                 continue
             return steps / 1e4
+        # rho = 1 last, outside the scan: when it is refused too, the policy's own error says why
         dataclasses.replace(bound, budget=1.0).bind(model).make_prefill(model.config, [prompt_len])
-        raise BudgetError(f"{type(self).__name__}: no budget fits a {prompt_len}-token prompt")  # not reached
+        return 1.0
 
     def make_prefill(self, cfg: ModelConfig, prompt_lens, compile_fn=None):
         """The prefill plan (``build_layer``, ``finish(cache) -> (cache, DecodeState)``); checks budgets first."""
