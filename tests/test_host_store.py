@@ -1,6 +1,6 @@
 """The pinned-host store's row gather (``gather_rows``) against numpy fancy indexing, and ``send_host_rows`` +
 ``scatter_rows`` writing host rows into the row pool (one part or several), and a store of some heads written
-by layout slot (``put_heads``, ``write_head_rows``)."""
+by layout slot (``put_heads``, ``write_head_rows``); HCAttention's host weighted sum (``host_weighted_sum``)."""
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hetero_jax.model.cache import KVPool
-from hetero_jax.model.host_store import (HostKVStore, gather_rows, scatter_rows, send_host_rows, write_head_rows,
-                                         write_host_rows)
+from hetero_jax.model.host_store import (HostKVStore, gather_rows, host_weighted_sum, scatter_rows, send_host_rows,
+                                         write_head_rows, write_host_rows)
 
 
 def _store_array(shape, dtype, seed=0):
@@ -201,3 +201,31 @@ def test_part_spans_split_a_range_at_each_part_end():
     assert _part_spans(3, 20, 8) == [(3, 8), (8, 16), (16, 20)]
     assert _part_spans(8, 9, 8) == [(8, 9)]
     assert _part_spans(5, 7, 64) == [(5, 7)]
+
+
+def test_host_weighted_sum_on_a_cpu_backend_runs_blas_on_one_thread():
+    # the callback runs on one of XLA's CPU threads: BLAS threads of its own would fight XLA's for the cores
+    import jax
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    B, H, Q, T, D = 1, 2, 3, 64, 8
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    w = rng.random((B, H, Q, T)).astype(np.float32)
+    w[0, 1, :, 8:] = 0.0  # head 1 weighs 8 rows: the gathered product; head 0 every row: the whole one
+    store = HostKVStore(1)
+    store.put(0, None, jnp.asarray(v))
+    store.materialize()
+    blas_threads = []
+
+    class Spy(np.ndarray):  # the store's values, recording BLAS's thread count at each product
+        def __rmatmul__(self, other):
+            blas_threads.append([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"])
+            return np.asarray(other) @ np.asarray(self)
+
+    store._views[0] = (None, store._views[0][1].view(Spy))
+    with threadpool_limits(limits=2, user_api="blas"):  # two outside the callback, whatever this machine has
+        y = jax.jit(lambda h, w: host_weighted_sum(h, 0, w, D))(store.handle_array(), jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(y), np.einsum("bhqt,bhtd->bhqd", w, v), rtol=1e-5, atol=1e-5)
+    assert len(blas_threads) == B * H and all(n == [1] * len(n) and n for n in blas_threads), blas_threads
+    assert store.counters["decode"][0] == 1 and store.counters["decode"][2] == T + 8

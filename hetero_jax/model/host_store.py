@@ -20,6 +20,7 @@ or Quest fetches from the host.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -710,6 +711,18 @@ def attend_chunk_over_host_prompt(li: int, q: jax.Array, step, handle: jax.Array
     return out.reshape(B, H, G, C, D)
 
 
+@functools.cache
+def _blas_threads():
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()  # finds the loaded BLAS libraries once (milliseconds); a limit is then ~20 us
+
+
+def _one_blas_thread():
+    """A context in which numpy's BLAS runs on the calling thread only."""
+    return _blas_threads().limit(limits=1, user_api="blas")
+
+
 def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, kind: str = "decode",
                       mesh=None) -> jax.Array:
     """Traced: sum_t w[b, h, q, t] * V[b, h, t] of layer ``li``'s values in the store ``handle``.
@@ -723,6 +736,12 @@ def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, k
     in ``store.counters[kind]`` (each device's call counts).
     """
 
+    import pallas_kernels
+
+    # On a CPU backend the callback runs on one of XLA's busy threads: BLAS's own threads then fight XLA's for
+    # the same cores (a SmolLM2 4K step's host sums took 15x longer). On a GPU backend the cores are free.
+    blas = _one_blas_thread if not pallas_kernels.traced_for_gpu() else contextlib.nullcontext
+
     def weighted_sum(h, origin, weights):
         t0 = time.perf_counter()
         store = _STORES[int(h)]
@@ -731,16 +750,17 @@ def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, k
         B, H, Q, T = weights.shape
         y = np.empty((B, H, Q, head_dim), np.float32)
         rows = 0
-        for b in range(B):
-            for hh in range(H):
-                wb, vb = weights[b, hh], v[b, hh, :T]
-                used = np.flatnonzero(wb.any(axis=0))  # the union of the Q queries' kept rows
-                if 4 * len(used) > T:
-                    rows += T
-                    y[b, hh] = wb @ vb.astype(np.float32, copy=False)
-                else:
-                    rows += len(used)
-                    y[b, hh] = wb[:, used] @ vb[used].astype(np.float32, copy=False)
+        with blas():
+            for b in range(B):
+                for hh in range(H):
+                    wb, vb = weights[b, hh], v[b, hh, :T]
+                    used = np.flatnonzero(wb.any(axis=0))  # the union of the Q queries' kept rows
+                    if 4 * len(used) > T:
+                        rows += T
+                        y[b, hh] = wb @ vb.astype(np.float32, copy=False)
+                    else:
+                        rows += len(used)
+                        y[b, hh] = wb[:, used] @ vb[used].astype(np.float32, copy=False)
         c = store.counters.setdefault(kind, [0, 0.0, 0])
         c[0] += 1
         c[1] += time.perf_counter() - t0
