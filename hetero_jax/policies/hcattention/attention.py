@@ -67,8 +67,9 @@ def mass_set(a, tau: float, k_cap: int, by_sort: bool | None = None):
     several kernels each, in every layer); else no sort (XLA:CPU sorts slowly): a non-negative float's int32
     bits order as its value, so two bisections over the bits find the k*-th largest value of the mass rule
     (the largest x with sum_{a >= x} a >= tau) and of the cap (the largest x with #{a >= x} >= k_cap) in 31
-    masked reductions each; tokens above the higher one are kept, and of the tokens equal to it the first
-    ones by index while the rule still holds."""
+    masked reductions each (of a alone, compared as floats); tokens above the higher one are kept, and of the
+    tokens equal to it the first ones by index while the rule still holds (their ranks by a prefix sum, taken
+    only where some row has two such tokens: on a CPU it costs three reductions)."""
     if by_sort is None:
         by_sort = traced_for_gpu()
     if by_sort:
@@ -81,21 +82,23 @@ def mass_set(a, tau: float, k_cap: int, by_sort: bool | None = None):
         def body(_, lo_hi):
             lo, hi = lo_hi
             mid = lo + (hi - lo) // 2
-            ok = holds(mid)
+            ok = holds(jax.lax.bitcast_convert_type(mid, jnp.float32))  # a >= x as floats: one array read
             return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
         return jax.lax.fori_loop(0, MASS_BISECTION_STEPS, body, (zero, top))[0]
 
     # k_cap >= T (the default) never binds: the k_cap-th largest value is then the smallest, 0 or above
-    cap = zero if k_cap >= a.shape[-1] else search(lambda x: (bits >= x).sum(-1, keepdims=True) >= k_cap)
+    cap = zero if k_cap >= a.shape[-1] else search(lambda x: (a >= x).sum(-1, keepdims=True) >= k_cap)
     if tau >= 1.0:
         cut = zero
     else:
-        cut = search(lambda x: jnp.where(bits >= x, a, 0.0).sum(-1, keepdims=True) >= tau)
+        cut = search(lambda x: jnp.where(a >= x, a, 0.0).sum(-1, keepdims=True) >= tau)
     thr = jnp.maximum(cut, cap)
     above = bits > thr
     tie = bits == thr
-    rank = jnp.cumsum(tie, axis=-1, dtype=jnp.int32)  # 1-based among the ties, by index
+    # 1-based rank among the ties, by index; where no row has two ties, a tie's rank is 1
+    rank = jax.lax.cond((tie.sum(-1, dtype=jnp.int32) > 1).any(),
+                        lambda t: jnp.cumsum(t, axis=-1, dtype=jnp.int32), lambda t: t.astype(jnp.int32), tie)
     value = jax.lax.bitcast_convert_type(thr, jnp.float32)
     mass_above = jnp.where(above, a, 0.0).sum(-1, keepdims=True)
     by_mass = (thr != cut) | (mass_above + (rank - 1).astype(jnp.float32) * value < tau) | (tau >= 1.0)
