@@ -226,6 +226,28 @@ def test_host_weighted_sum_on_a_cpu_backend_runs_blas_on_one_thread():
     store._views[0] = (None, store._views[0][1].view(Spy))
     with threadpool_limits(limits=2, user_api="blas"):  # two outside the callback, whatever this machine has
         y = jax.jit(lambda h, w: host_weighted_sum(h, 0, w, D))(store.handle_array(), jnp.asarray(w))
+        y.block_until_ready()
+        after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
     np.testing.assert_allclose(np.asarray(y), np.einsum("bhqt,bhtd->bhqd", w, v), rtol=1e-5, atol=1e-5)
     assert len(blas_threads) == B * H and all(n == [1] * len(n) and n for n in blas_threads), blas_threads
+    assert after == [2] * len(after)  # restored after the callback
     assert store.counters["decode"][0] == 1 and store.counters["decode"][2] == T + 8
+
+
+def test_one_blas_thread_overlapping_callbacks_restore_the_count_once_the_last_leaves():
+    # a mesh's per-device callbacks may overlap: the first in sets one thread, the last out restores the count
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from hetero_jax.model.host_store import _one_blas_thread
+
+    def counts():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        first, second = _one_blas_thread(), _one_blas_thread()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)  # the first out while the second is still inside
+        inside = counts()
+        second.__exit__(None, None, None)
+        assert inside == [1] * len(inside) and inside and counts() == [2] * len(inside)

@@ -718,9 +718,25 @@ def _blas_threads():
     return ThreadpoolController()  # finds the loaded BLAS libraries once (milliseconds); a limit is then ~20 us
 
 
+_BLAS_LOCK = threading.Lock()
+_BLAS_LIMIT: list = [0, None]  # callbacks inside the limit now, and the limiter that restores BLAS's own count
+
+
+@contextlib.contextmanager
 def _one_blas_thread():
-    """A context in which numpy's BLAS runs on the calling thread only."""
-    return _blas_threads().limit(limits=1, user_api="blas")
+    """A context in which numpy's BLAS runs on the calling thread only. The limit is process-wide: callbacks of
+    several devices (a mesh) may overlap, so the first one in sets it and the last one out restores it."""
+    with _BLAS_LOCK:
+        if _BLAS_LIMIT[0] == 0:
+            _BLAS_LIMIT[1] = _blas_threads().limit(limits=1, user_api="blas")
+        _BLAS_LIMIT[0] += 1
+    try:
+        yield
+    finally:
+        with _BLAS_LOCK:
+            _BLAS_LIMIT[0] -= 1
+            if _BLAS_LIMIT[0] == 0:
+                _BLAS_LIMIT[1].restore_original_limits()
 
 
 def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, kind: str = "decode",
@@ -738,8 +754,8 @@ def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, k
 
     import pallas_kernels
 
-    # On a CPU backend the callback runs on one of XLA's busy threads: BLAS's own threads then fight XLA's for
-    # the same cores (a SmolLM2 4K step's host sums took 15x longer). On a GPU backend the cores are free.
+    # On a CPU backend the callback runs on one of XLA's busy threads, and BLAS threads of its own would fight
+    # XLA's for the same cores; on a GPU backend the host's cores are free for them.
     blas = _one_blas_thread if not pallas_kernels.traced_for_gpu() else contextlib.nullcontext
 
     def weighted_sum(h, origin, weights):
