@@ -203,9 +203,21 @@ def test_part_spans_split_a_range_at_each_part_end():
     assert _part_spans(5, 7, 64) == [(5, 7)]
 
 
-def test_host_weighted_sum_on_a_cpu_backend_runs_blas_on_one_thread():
+@pytest.fixture
+def fresh_blas_limit(monkeypatch):
+    """The one-BLAS-thread limit's process-wide state, fresh: in the whole suite's process these tests once saw the
+    limit not applied (cause not found: a controller found without the BLAS library, or a callback of an earlier
+    test still counted inside), so each starts from none."""
+    from hetero_jax.model import host_store
+
+    monkeypatch.setattr(host_store, "_BLAS_LIMIT", [0, None])
+    monkeypatch.setattr(host_store, "_BLAS_CONTROLLER", [None])
+
+
+def test_host_weighted_sum_on_a_cpu_backend_runs_blas_on_one_thread(fresh_blas_limit):
     # the callback runs on one of XLA's CPU threads: BLAS threads of its own would fight XLA's for the cores
     import jax
+    import pallas_kernels
     from threadpoolctl import threadpool_info, threadpool_limits
 
     B, H, Q, T, D = 1, 2, 3, 64, 8
@@ -224,7 +236,8 @@ def test_host_weighted_sum_on_a_cpu_backend_runs_blas_on_one_thread():
             return np.asarray(other) @ np.asarray(self)
 
     store._views[0] = (None, store._views[0][1].view(Spy))
-    with threadpool_limits(limits=2, user_api="blas"):  # two outside the callback, whatever this machine has
+    # traced for a CPU (the reference kernels), two BLAS threads outside the callback whatever this machine has
+    with pallas_kernels.use_kernels("reference"), threadpool_limits(limits=2, user_api="blas"):
         y = jax.jit(lambda h, w: host_weighted_sum(h, 0, w, D))(store.handle_array(), jnp.asarray(w))
         y.block_until_ready()
         after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
@@ -234,7 +247,7 @@ def test_host_weighted_sum_on_a_cpu_backend_runs_blas_on_one_thread():
     assert store.counters["decode"][0] == 1 and store.counters["decode"][2] == T + 8
 
 
-def test_one_blas_thread_overlapping_callbacks_restore_the_count_once_the_last_leaves():
+def test_one_blas_thread_overlapping_callbacks_restore_the_count_once_the_last_leaves(fresh_blas_limit):
     # a mesh's per-device callbacks may overlap: the first in sets one thread, the last out restores the count
     from threadpoolctl import threadpool_info, threadpool_limits
 

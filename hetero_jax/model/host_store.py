@@ -711,11 +711,18 @@ def attend_chunk_over_host_prompt(li: int, q: jax.Array, step, handle: jax.Array
     return out.reshape(B, H, G, C, D)
 
 
-@functools.cache
+_BLAS_CONTROLLER: list = [None]
+
+
 def _blas_threads():
+    """threadpoolctl's controller of the loaded BLAS libraries, found once (milliseconds; a limit is then ~20 us),
+    found again while it holds none."""
     from threadpoolctl import ThreadpoolController
 
-    return ThreadpoolController()  # finds the loaded BLAS libraries once (milliseconds); a limit is then ~20 us
+    c = _BLAS_CONTROLLER[0]
+    if c is None or not c.select(user_api="blas").lib_controllers:
+        c = _BLAS_CONTROLLER[0] = ThreadpoolController()
+    return c
 
 
 _BLAS_LOCK = threading.Lock()
