@@ -203,6 +203,12 @@ def test_part_spans_split_a_range_at_each_part_end():
     assert _part_spans(5, 7, 64) == [(5, 7)]
 
 
+def _blas_thread_counts() -> list[int]:
+    from threadpoolctl import threadpool_info
+
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
 @pytest.fixture
 def fresh_blas_limit(monkeypatch):
     """The one-BLAS-thread limit's process-wide state, fresh: in the whole suite's process these tests once saw the
@@ -218,7 +224,7 @@ def test_host_weighted_sum_on_a_cpu_backend_runs_blas_on_one_thread(fresh_blas_l
     # the callback runs on one of XLA's CPU threads: BLAS threads of its own would fight XLA's for the cores
     import jax
     import pallas_kernels
-    from threadpoolctl import threadpool_info, threadpool_limits
+    from threadpoolctl import threadpool_limits
 
     B, H, Q, T, D = 1, 2, 3, 64, 8
     rng = np.random.default_rng(0)
@@ -232,7 +238,7 @@ def test_host_weighted_sum_on_a_cpu_backend_runs_blas_on_one_thread(fresh_blas_l
 
     class Spy(np.ndarray):  # the store's values, recording BLAS's thread count at each product
         def __rmatmul__(self, other):
-            blas_threads.append([i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"])
+            blas_threads.append(_blas_thread_counts())
             return np.asarray(other) @ np.asarray(self)
 
     store._views[0] = (None, store._views[0][1].view(Spy))
@@ -240,7 +246,7 @@ def test_host_weighted_sum_on_a_cpu_backend_runs_blas_on_one_thread(fresh_blas_l
     with pallas_kernels.use_kernels("reference"), threadpool_limits(limits=2, user_api="blas"):
         y = jax.jit(lambda h, w: host_weighted_sum(h, 0, w, D))(store.handle_array(), jnp.asarray(w))
         y.block_until_ready()
-        after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        after = _blas_thread_counts()
     np.testing.assert_allclose(np.asarray(y), np.einsum("bhqt,bhtd->bhqd", w, v), rtol=1e-5, atol=1e-5)
     assert len(blas_threads) == B * H and all(n == [1] * len(n) and n for n in blas_threads), blas_threads
     assert after == [2] * len(after)  # restored after the callback
@@ -249,18 +255,15 @@ def test_host_weighted_sum_on_a_cpu_backend_runs_blas_on_one_thread(fresh_blas_l
 
 def test_one_blas_thread_overlapping_callbacks_restore_the_count_once_the_last_leaves(fresh_blas_limit):
     # a mesh's per-device callbacks may overlap: the first in sets one thread, the last out restores the count
-    from threadpoolctl import threadpool_info, threadpool_limits
+    from threadpoolctl import threadpool_limits
 
     from hetero_jax.model.host_store import _one_blas_thread
-
-    def counts():
-        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
 
     with threadpool_limits(limits=2, user_api="blas"):
         first, second = _one_blas_thread(), _one_blas_thread()
         first.__enter__()
         second.__enter__()
         first.__exit__(None, None, None)  # the first out while the second is still inside
-        inside = counts()
+        inside = _blas_thread_counts()
         second.__exit__(None, None, None)
-        assert inside == [1] * len(inside) and inside and counts() == [2] * len(inside)
+        assert inside == [1] * len(inside) and inside and _blas_thread_counts() == [2] * len(inside)

@@ -720,8 +720,10 @@ def _blas_threads():
     from threadpoolctl import ThreadpoolController
 
     c = _BLAS_CONTROLLER[0]
-    if c is None or not c.select(user_api="blas").lib_controllers:
-        c = _BLAS_CONTROLLER[0] = ThreadpoolController()
+    if c is None:  # kept once it holds a BLAS library: a callback then pays no search
+        c = ThreadpoolController()
+        if c.select(user_api="blas").lib_controllers:
+            _BLAS_CONTROLLER[0] = c
     return c
 
 
