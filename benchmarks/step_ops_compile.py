@@ -106,7 +106,8 @@ def compile_step(params_abs, cache_abs, cfg, policy, mesh, kernels: str):
     try:
         with pallas_kernels.use_kernels(kernels), callbacks_without_a_device():
             t0 = time.perf_counter()
-            lowered = decode_step_jit.lower(params_abs, cache_abs, tokens, key, cfg=cfg, policy=policy,
+            # no host operands: a GPU backend's policies read the host through callbacks (host_store.sums_in_step)
+            lowered = decode_step_jit.lower(params_abs, cache_abs, tokens, key, (), cfg=cfg, policy=policy,
                                         temperature=0.0, top_p=1.0)
             t1 = time.perf_counter()
             exe = lowered.compile()

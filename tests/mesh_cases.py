@@ -160,6 +160,24 @@ def test_every_policy_equals_one_device(name, tp, dp):
     assert not host or len(per_device_bytes(host)) == tp * dp
 
 
+def test_hcattention_callback_sums_equal_one_device(monkeypatch):
+    """HCAttention's host sums through the callback a GPU backend uses (``sums_in_step`` faked False; each device
+    sums its own heads from its shard of the store) give the tokens and logits of its in-step sums on one device."""
+    from hetero_jax.policies.hcattention import decode as hc_decode
+
+    name = "hcattention"
+    if name not in _PEER_SINGLE:
+        _PEER_SINGLE[name] = greedy_with_logits(MODEL, PEERS[name], PROMPTS, steps=PEER_STEPS)
+    toks, logits, one = _PEER_SINGLE[name]
+    assert one.state.stats()["host_sums"] == "in_step"
+    monkeypatch.setattr(hc_decode, "sums_in_step", lambda: False)
+    got_toks, got_logits, eng = greedy_with_logits(place(MODEL, make_mesh(3, 2)), PEERS[name], PROMPTS,
+                                                   steps=PEER_STEPS)
+    assert eng.state.stats()["host_sums"] == "callback" and eng.state.stats()["callback_ms_per_step"] > 0
+    np.testing.assert_array_equal(got_toks, toks)
+    np.testing.assert_allclose(got_logits, logits, atol=1e-4, rtol=0)
+
+
 def test_a_step_hands_the_cache_back_placed_as_it_took_it():
     """``keep_placed``, which the decode and extend steps end with: a field that a step's body leaves placed
     otherwise (here the lengths gathered whole) goes back where ``shard_cache`` put it, so the engine's one

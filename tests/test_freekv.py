@@ -358,18 +358,27 @@ def test_a_session_whose_tail_outgrows_its_rows_recalls_into_the_moved_regions()
 @pytest.mark.parametrize("policy, host_call", [
     (FreeKV(budget=0.8, page_size=PS, sinks=SINKS, window=WINDOW), False),
     ("quest-offload", False),
-    ("hcattention", True),  # its value sums are host reads by design: the check can see a callback
+    ("hcattention", False),  # on a CPU backend its host sums read the values in the step's own graph
+    ("hcattention-callback", True),  # elsewhere (a GPU) its value sums are host reads by design: a callback
 ])
-def test_no_host_round_trip_inside_the_decode_step(policy, host_call):
-    """FreeKV's and offloaded Quest's page fetches happen between steps: the jitted decode step they run holds no
-    host callback (HCAttention's, which reads values on the host by design, does)."""
+def test_no_host_round_trip_inside_the_decode_step(policy, host_call, monkeypatch):
+    """FreeKV's and offloaded Quest's page fetches happen between steps: the jitted decode step they run, with the
+    engine's host operands, holds no host callback; nor does HCAttention's on a CPU backend (its values are a step
+    operand there). Where the values stay behind the device (a GPU; faked here) its host sums are a callback."""
     import jax
 
     from hetero_jax.policies import HCAttention, Quest
 
+    from hetero_jax.policies.hcattention import decode as hc_decode
+
+    if policy == "hcattention-callback":
+        monkeypatch.setattr(hc_decode, "sums_in_step", lambda: False)
     policy = {"quest-offload": Quest(budget=0.7, page_size=PS, full_layers=1, offload=True),
-              "hcattention": HCAttention(budget=0.5)}.get(policy, policy)
+              "hcattention": HCAttention(budget=0.5), "hcattention-callback": HCAttention(budget=0.5)}.get(policy, policy)
     eng = Engine(MODEL, [random_prompt(L, 31)], policy, tail_capacity=4)
     tok = jnp.zeros((1,), jnp.int32)
-    jaxpr = jax.make_jaxpr(functools.partial(M.decode_step, cfg=CFG, policy=eng.policy))(PARAMS, eng.cache, tok)
+    host = eng.state.host_operands()
+    assert bool(host) == (isinstance(policy, HCAttention) and not host_call)
+    jaxpr = jax.make_jaxpr(functools.partial(M.decode_step, cfg=CFG, policy=eng.policy))(PARAMS, eng.cache, tok,
+                                                                                         host=host)
     assert ("pure_callback" in str(jaxpr)) == host_call  # the printed jaxpr holds every nested one

@@ -16,6 +16,7 @@ from hetero_jax.model.cache import PoolBuilder, layer_rows
 from hetero_jax.model.pool import LayerStep, append
 from hetero_jax.runtime import Engine, Session, prefill
 from hetero_jax.policies import BudgetError, FullKV, HCAttention, make_policy
+from hetero_jax.policies.hcattention import decode as hc_decode
 from hetero_jax.policies.hcattention.codebook import (KeyCodebook, kmeans_pp, load_codebook, minibatch_kmeans,
                                                      nearest, train_codebook)
 from hetero_jax.profile import ProfileError
@@ -108,17 +109,27 @@ def one_layer(policy, lens, Tp=64, R=8, seed=0):
     return cfg1, cache, state, (k, v, tk, tv)
 
 
-def layer_step(cache, tail_lens):
-    """Layer 0's ``LayerStep`` with ``tail_lens`` [B] tail rows visible (what the decode step hands ``attend``)."""
+def layer_step(cache, tail_lens, host=None):
+    """Layer 0's ``LayerStep`` with ``tail_lens`` [B] tail rows visible (what the decode step hands ``attend``) and
+    the layer's host operands ``host`` (None: the host sums are a callback)."""
     return LayerStep(pool=cache.pool, layer=cache.layers[0], tail_lens=jnp.asarray(tail_lens, jnp.int32),
-                     seq_lens=cache.seq_lens, tail_capacity=cache.tail_capacity)
+                     seq_lens=cache.seq_lens, host=host, tail_capacity=cache.tail_capacity)
+
+
+@pytest.fixture(params=["in_step", "callback"])
+def host_sums(request, monkeypatch):
+    """Where the host sums run: in the step's graph (a CPU backend's way, the default here) or through the host
+    callback a GPU backend uses (``host_store.sums_in_step`` faked False)."""
+    if request.param == "callback":
+        monkeypatch.setattr(hc_decode, "sums_in_step", lambda: False)
+    return request.param
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("mode", ["values", "codebook"])
-def test_attend_equals_a_numpy_float64_recomputation(mode, renormalize):
-    """Codes, look-up-table scores, the tau mass set (k*), the host weighted sum and its log-sum-exp merge with the
-    tail, for a batch of two lengths, against numpy float64 (c=16, g=4, D=16)."""
+def test_attend_equals_a_numpy_float64_recomputation(mode, renormalize, host_sums):
+    """Codes, look-up-table scores, the tau mass set (k*), the host weighted sum (in the step or by the callback)
+    and its log-sum-exp merge with the tail, for a batch of two lengths, against numpy float64 (c=16, g=4, D=16)."""
     lens, tail_lens = [50, 37], np.array([3, 6])
     rng = np.random.default_rng(1)
     cb = KeyCodebook(rng.normal(size=(1, 16, 4)).astype(np.float32)) if mode == "codebook" else None
@@ -132,7 +143,9 @@ def test_attend_equals_a_numpy_float64_recomputation(mode, renormalize):
     st = lc.state
     q = (2.0 * rng.normal(size=(2, H, G, D))).astype(np.float32)
     attend = jax.jit(functools.partial(pol.attend, 0))
-    out, _, (kstar, trunc) = attend(jnp.asarray(q), layer_step(cache, tail_lens))
+    host = state.host_operands()
+    assert len(host) == (1 if host_sums == "in_step" else 0)
+    out, _, (kstar, trunc) = attend(jnp.asarray(q), layer_step(cache, tail_lens, host[0] if host else None))
     out, kstar = np.asarray(out), np.asarray(kstar)
     assert not np.asarray(trunc).any()
     for b, L in enumerate(lens):
@@ -233,9 +246,10 @@ def tiny_codebook():
     return train_codebook(MODEL, samples, sub_dim=4, size=32, batch=500, steps=20)
 
 
-def test_batch_equals_one_by_one_and_stats():
-    """Two prompts of different lengths batched decode as each alone (trained codebook, tau 0.9); the stats'
-    selection ratio is the mean k*/L of the extras."""
+def test_batch_equals_one_by_one_and_stats(host_sums):
+    """Two prompts of different lengths batched decode as each alone (trained codebook, tau 0.9), with the host sums
+    in the step or by callback; the stats' selection ratio is the mean k*/L of the extras, and the host bytes are
+    every value row (in the step) or the kept ones (the callback)."""
     cb = tiny_codebook()
     a, b = random_prompt(150, 3), random_prompt(97, 4)
     pol = HCAttention(budget=matching_budget(HCAttention(codebook=cb, kv_itemsize=4), CFG, [150, 97], True),
@@ -260,13 +274,20 @@ def test_batch_equals_one_by_one_and_stats():
     ratio = np.mean([[(k / L).mean() for k in step] for step in seen], axis=0)  # per layer
     np.testing.assert_allclose(st["selection_ratio_by_layer"], ratio, rtol=1e-9)
     assert st["mode"] == "codebook_g4" and st["steps"] == 5 and st["truncations"] == 0
-    assert st["bytes_from_host_per_step"] == 2 * CFG.num_heads * CFG.num_layers * D * 4
-    assert 0 < st["host_value_bytes_read_per_step"] <= 2 * 150 * H * CFG.num_layers * D * 4
+    assert st["host_sums"] == host_sums
+    every_row = 2 * 150 * H * CFG.num_layers * D * 4  # the store: both prompts padded to 150 rows
+    if host_sums == "in_step":  # nothing crosses; one product over every stored row
+        assert st["bytes_from_host_per_step"] == st["bytes_to_host_per_step"] == st["callback_ms_per_step"] == 0
+        assert st["host_value_bytes_read_per_step"] == every_row
+    else:  # each query row's weights over the prompt out, its sum back; the kept rows read
+        assert st["bytes_from_host_per_step"] == 2 * CFG.num_heads * CFG.num_layers * D * 4
+        assert st["bytes_to_host_per_step"] == 2 * CFG.num_heads * CFG.num_layers * 150 * 4
+        assert 0 < st["host_value_bytes_read_per_step"] <= every_row and st["callback_ms_per_step"] > 0
 
 
-def test_a_turn_equals_decoding_its_tokens():
-    """A session turn (chunked, each query its own mass set) gives the logits of feeding the turn token by token;
-    with tau 1 and exact keys a two-turn session answers as full KV does."""
+def test_a_turn_equals_decoding_its_tokens(host_sums):
+    """A session turn (chunked, each query its own mass set) gives the logits of feeding the turn token by token
+    (host sums in the step or by callback); with tau 1 and exact keys a two-turn session answers as full KV does."""
     ctx, turn = random_prompt(80, 5), random_prompt(7, 6)
     pol = HCAttention(budget=0.5, tau=TAU)
     e1 = Engine(MODEL, [ctx], pol, tail_capacity=16)
@@ -275,7 +296,7 @@ def test_a_turn_equals_decoding_its_tokens():
     for t in turn:
         _, want = e2.step_with_logits(np.array([t]))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-    assert e1.state.stats()["turn_callbacks"] == CFG.num_layers
+    assert e1.state.stats()["turn_callbacks"] == (CFG.num_layers if host_sums == "callback" else 0)
     q1, q2 = random_prompt(12, 7), random_prompt(5, 8)
     answers = []
     for p in (FullKV(), HCAttention(budget=0.5, tau=1.0)):

@@ -255,7 +255,8 @@ def test_gpu_step_is_one_pool_kernel_call_per_layer_and_no_control_flow(name):
     from hetero_jax.runtime.engine import decode_step_jit
 
     eng = Engine(MODEL, [random_prompt(LENGTH)], POLICIES[name], tail_capacity=16)
-    args = (eng.params, eng.cache, jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0))
+    # no host operands: on a GPU backend the policies read the host through callbacks (host_store.sums_in_step)
+    args = (eng.params, eng.cache, jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0), ())
     jax.clear_caches()  # the kernel choice is read at trace time
     try:
         with pallas_kernels.use_kernels("pallas"):

@@ -748,6 +748,25 @@ def _one_blas_thread():
                 _BLAS_LIMIT[1].restore_original_limits()
 
 
+def sums_in_step() -> bool:
+    """Whether a step reads host-memory values in its own graph (:func:`weighted_sum_in_step`) rather than
+    through a callback (:func:`host_weighted_sum`): on a CPU backend, whose device memory is the host's, so the
+    graph reads the pinned arrays where they lie; on a GPU the values stay behind PCIe and only the host sums
+    them."""
+    return jax.default_backend() == "cpu"
+
+
+def weighted_sum_in_step(values: jax.Array, w: jax.Array) -> jax.Array:
+    """Traced: sum_t w[b, h, q, t] * values[b, h, t] (Eq. 5 of HCAttention) inside the step, for a CPU backend.
+
+    values: [B, H, T', D] a store's pinned-host array (T' >= T), passed to the step as an operand and never
+    donated (the store owns it); w: [B, H, Q, T] float32, zero off each query row's mass set. Returns
+    [B, H, Q, D] float32. One product over every row: on a CPU the move to device memory is no copy (both are
+    the host's RAM), and one pass over the values costs less than a gather of the kept rows would cost XLA."""
+    v = jax.device_put(values, jax.memory.Space.Device)[:, :, : w.shape[-1]]
+    return jnp.einsum("bhqt,bhtd->bhqd", w, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
 def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, kind: str = "decode",
                       mesh=None) -> jax.Array:
     """Traced: sum_t w[b, h, q, t] * V[b, h, t] of layer ``li``'s values in the store ``handle``.

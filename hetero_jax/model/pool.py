@@ -117,6 +117,7 @@ class LayerStep:
     layer: LayerCache
     tail_lens: jax.Array  # [B] rows after each head's prompt rows that the first query sees (itself included)
     seq_lens: jax.Array  # [B] position of the first new token
+    host: Any = None  # the layer's host operands (``DecodeState.host_operands``), read in the step, never donated
     tail_capacity: int = struct.field(pytree_node=False, default=0)
     mesh: Any = struct.field(pytree_node=False, default=None)
 

@@ -300,7 +300,7 @@ def prefill(
 # ------------------------------------------------------------------- decode
 def decode_step(
     params: dict, cache: KVCache, tokens: jax.Array, cfg: ModelConfig, return_queries: bool = False,
-    policy=None,
+    policy=None, host: tuple = (),
 ):
     """One new token per sequence. tokens: [B] int32. Returns logits [B, V] (float32) and the cache.
 
@@ -311,7 +311,8 @@ def decode_step(
     ``policy`` (static; None = attention over every kept row): an object whose
     ``attend(li, q, step) -> (out, step, extra)`` replaces ``step.attend`` in every layer (a decode-time
     policy selects or fetches there and may update the pool and its layer's state). Then the per-layer
-    ``extra`` outputs come back too, as a tuple over layers, last.
+    ``extra`` outputs come back too, as a tuple over layers, last. ``host``: per layer, the host operands the
+    policy's ``attend`` reads (``LayerStep.host``; () for none).
     """
     B = tokens.shape[0]
     pos = cache.seq_lens  # [B]
@@ -327,7 +328,8 @@ def decode_step(
         pool = append(pool, lc, slot, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), R, cache.mesh)
         qg = q[:, 0].reshape(B, cfg.num_kv_heads, cfg.group_size, cfg.head_dim)
         queries.append(qg)
-        step = LayerStep(pool=pool, layer=lc, tail_lens=slot + 1, seq_lens=pos, tail_capacity=R, mesh=cache.mesh)
+        step = LayerStep(pool=pool, layer=lc, tail_lens=slot + 1, seq_lens=pos, host=host[li] if host else None,
+                         tail_capacity=R, mesh=cache.mesh)
         if policy is None:
             attn = step.attend(qg)[0]
         else:
@@ -353,14 +355,16 @@ def decode_step(
     return out
 
 
-def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cfg: ModelConfig, policy=None):
+def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cfg: ModelConfig, policy=None,
+           host: tuple = ()):
     """Append a chunk of tokens to every head's region in one pass (a session's turn, chunked).
 
     tokens: [B, C] int32, of which the first ``n_new`` [B] are real (the rest is padding: its K/V lands in
     tail rows past the new length, never read, and rows past the tail's capacity are dropped).
     Equal, up to float summation order, to ``n_new`` calls of :func:`decode_step` (under the default
     attention); ``policy`` (static, None = that default) may replace ``step.attend_chunk`` through its
-    ``attend_chunk(li, q, step)`` (Quest offloaded attends the prompt it keeps on the host).
+    ``attend_chunk(li, q, step)`` (Quest offloaded attends the prompt it keeps on the host; ``host`` as in
+    :func:`decode_step`).
     Returns (logits of each sequence's last real token [B, V] float32, the cache, and each layer's
     queries (after RoPE) as a tuple of [B, Nkv, C, G, D] arrays, the layout of ``pallas_kernels.scores``).
     """
@@ -381,7 +385,8 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cf
         pool = append(pool, lc, slot0, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), R, cache.mesh)
         qg = q.reshape(B, C, cfg.num_kv_heads, cfg.group_size, cfg.head_dim).transpose(0, 2, 3, 1, 4)
         queries.append(qg.transpose(0, 1, 3, 2, 4))  # [B, Nkv, C, G, D]
-        step = LayerStep(pool=pool, layer=lc, tail_lens=slot0 + 1, seq_lens=pos0, tail_capacity=R, mesh=cache.mesh)
+        step = LayerStep(pool=pool, layer=lc, tail_lens=slot0 + 1, seq_lens=pos0, host=host[li] if host else None,
+                         tail_capacity=R, mesh=cache.mesh)
         if policy is None:
             attn = step.attend_chunk(qg)
         else:

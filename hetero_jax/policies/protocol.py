@@ -84,6 +84,12 @@ class DecodeState:
         """Arrays the prefill placed in host memory."""
         return ()
 
+    def host_operands(self) -> tuple:
+        """Per layer, host-memory arrays the policy's ``attend`` reads inside the step (``LayerStep.host``), or
+        () for none. The engine passes them to every step and turn chunk as an argument it never donates: the
+        state keeps owning them."""
+        return ()
+
     def host_bytes(self) -> int:
         return int(sum(a.nbytes for a in self.host_arrays()))
 

@@ -34,14 +34,15 @@ from hetero_jax.runtime.sampling import sample
 @functools.partial(
     jax.jit, static_argnames=("cfg", "policy", "temperature", "top_p"), donate_argnames=("cache",)
 )
-def decode_step_jit(params, cache, tokens, key, cfg, policy, temperature, top_p):
-    """One decode step with the policy's ``attend`` in every layer: (cache, tokens, logits, extras).
+def decode_step_jit(params, cache, tokens, key, host, cfg, policy, temperature, top_p):
+    """One decode step with the policy's ``attend`` in every layer: (cache, tokens, logits, extras). ``host``: the
+    decode state's host operands (``DecodeState.host_operands``), read and never donated.
 
     The cache comes first because jax pairs each donated input buffer with the first unclaimed output of the same
     shape and dtype, in output order: a [B] int32 output ahead of the cache (the sampled tokens) would claim the
     cache's first [B] int32 leaf, shift every later pairing by one, and XLA would then copy each unchanged small
     leaf (lengths, counters) into the buffer of its neighbour, one kernel each per step."""
-    logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy)
+    logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy, host=host)
     return keep_placed(cache), sample(logits, key, temperature, top_p), logits, extras
 
 
@@ -101,8 +102,8 @@ def bind_policy(model, policy):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("cache",))
-def _extend_jit(params, cache, tokens, n_new, cfg, policy):
-    logits, cache, queries = M.extend(params, cache, tokens, n_new, cfg, policy=policy)
+def _extend_jit(params, cache, tokens, n_new, host, cfg, policy):
+    logits, cache, queries = M.extend(params, cache, tokens, n_new, cfg, policy=policy, host=host)
     return logits, keep_placed(cache), queries
 
 
@@ -197,7 +198,7 @@ class Engine:
         """One decode step with the policy's hooks: (next tokens [B], logits [B, V]) on the device."""
         self.cache = self.state.before_step(self.steps, self.cache)
         self.key, sub = jax.random.split(self.key)
-        args = (self.params, self.cache, jnp.asarray(tokens, jnp.int32), sub)
+        args = (self.params, self.cache, jnp.asarray(tokens, jnp.int32), sub, self.state.host_operands())
         fn_key = (self.cache.tail_capacity, float(temperature), float(top_p))
         fn = self._fns.get(fn_key)
         if fn is None:  # shapes are fixed until the tail grows: look the executable up once
@@ -246,7 +247,7 @@ class Engine:
             tokens = np.zeros((len(self.lens), C), np.int32)
             tokens[:] = part + [0] * (C - len(part))
             n_new = np.full(len(self.lens), len(part), np.int32)
-            args = (self.params, self.cache, jnp.asarray(tokens), jnp.asarray(n_new))
+            args = (self.params, self.cache, jnp.asarray(tokens), jnp.asarray(n_new), self.state.host_operands())
             logits, self.cache, queries = compiled(_extend_jit, *args, cfg=self.cfg, policy=self.policy)(*args)
             if keep_q:
                 per_chunk.append(tuple(q[:, :, : len(part)] for q in queries))

@@ -1,5 +1,6 @@
 """HCAttention's decode-time attention over the prompt, traced inside the step: scores (exact or by the look-up
-table), the mass set, and the host's weighted sum of the values over it (``host_store.host_weighted_sum``)."""
+table), the mass set, and the host's weighted sum of the values over it (``host_store.weighted_sum_in_step`` on a
+CPU backend, ``host_store.host_weighted_sum``'s callback on a GPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from hetero_jax.model.host_store import host_weighted_sum
+from hetero_jax.model.host_store import host_weighted_sum, weighted_sum_in_step
 from hetero_jax.model.spec import axes_field
 from pallas_kernels import MASK_VALUE, traced_for_gpu
 
@@ -27,8 +28,10 @@ class HCState:
 
 
 def prompt_part(li: int, q, st: HCState, kind: str, tau: float, k_cap_fraction: float, renormalize: bool,
-                mesh=None):
+                mesh=None, values=None):
     """Traced: the prompt's share of attention for query rows q [B, H, Q, D] (``policy.py``'s docstring).
+    ``values``: the layer's host values [B, H, T, D] as a step operand (a CPU backend: summed in the step), or
+    None (summed by a host callback on the store ``st.store``).
 
     Returns (y [B, H, Q, D] float32, lse [B, H, Q] float32 of what y stands for, k* [B, H, Q] int32,
     truncated [B, H, Q] bool: the k_cap candidates held less than tau)."""
@@ -44,7 +47,10 @@ def prompt_part(li: int, q, st: HCState, kind: str, tau: float, k_cap_fraction: 
     k_cap = max(1, min(T, math.ceil(k_cap_fraction * T)))
     keep = mass_set(a, tau, k_cap) & valid[:, None, None, :]
     w = jnp.where(keep, a, 0.0)
-    y = host_weighted_sum(st.store, li, w, D, kind, mesh=mesh)
+    if values is None:
+        y = host_weighted_sum(st.store, li, w, D, kind, mesh=mesh)
+    else:
+        y = weighted_sum_in_step(values, w)
     mass = w.sum(-1)
     lse = m + jnp.log(l)
     if renormalize:  # softmax over the kept tokens (and, merged, the tail)

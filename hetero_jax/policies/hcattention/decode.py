@@ -6,7 +6,7 @@ import numpy as np
 
 from hetero_jax.model.cache import kv_bytes
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.model.host_store import HostKVStore
+from hetero_jax.model.host_store import HostKVStore, sums_in_step
 from hetero_jax.model.sharding import per_process, to_host
 from hetero_jax.policies.protocol import DecodeState
 
@@ -14,7 +14,9 @@ from hetero_jax.policies.protocol import DecodeState
 class HCDecode(DecodeState):
     """HCAttention's counters; selection and the host sums run inside the step (``HCAttention.attend``).
 
-    ``policy``: the HCAttention, ``point``: its ``OperatingPoint`` for this batch (``policy.py``)."""
+    ``policy``: the HCAttention, ``point``: its ``OperatingPoint`` for this batch (``policy.py``). On a CPU
+    backend the store's value arrays are the step's host operands, summed in the step's graph; elsewhere a
+    callback per layer sums them (``host_store.sums_in_step``)."""
 
     writes_prompt_rows = False  # its attend reads the codes and the host; only the tail grows
 
@@ -27,6 +29,7 @@ class HCDecode(DecodeState):
         self.rows = 0  # (step, layer, sequence, query head) rows counted
         self.truncations = 0
         self.base = {k: list(v) for k, v in store.counters.items()}  # callback counters at this state's start
+        self.operands = tuple(store.v) if sums_in_step() else ()
 
     def fresh(self) -> "HCDecode":
         return HCDecode(self.policy, self.cfg, self.lens, self.point, self.store, self.itemsize)
@@ -58,6 +61,16 @@ class HCDecode(DecodeState):
     def host_arrays(self) -> tuple:
         return self.store.arrays()
 
+    def host_operands(self) -> tuple:
+        return self.operands
+
+    def _host_rows_per_step(self) -> float:
+        """Value rows a step reads on the host: every row where the step sums in its graph (one product over
+        the store), else what the callbacks counted, per step."""
+        if self.operands:
+            return float(sum(a.size // a.shape[-1] for a in self.operands))
+        return self._counter("decode")[2] / self.steps if self.steps else 0.0
+
     def host_bytes_by_role(self) -> dict:
         return {"value": self.store.nbytes()}
 
@@ -77,8 +90,7 @@ class HCDecode(DecodeState):
     def kv_bytes_read(self, cache) -> int:
         """Keys or codes + codebooks (the state records) and the pool (device: every head's region holds only
         its tail), plus the value rows a step reads on the host (mean)."""
-        _, _, rows = self._counter("decode")
-        host = rows * self.cfg.head_dim * self.itemsize / self.steps if self.steps else 0
+        host = self._host_rows_per_step() * self.cfg.head_dim * self.itemsize if self.steps else 0
         return int(kv_bytes(cache) + self.index_bytes(cache) + host)
 
     def stats(self) -> dict:
@@ -86,19 +98,22 @@ class HCDecode(DecodeState):
         cfg, n = self.cfg, self.steps
         B, NL = len(self.lens), cfg.num_layers
         per_layer = self.kstar_sum / self.rows if self.rows else np.zeros(NL)
-        calls, seconds, rows = self._counter("decode")
+        _, seconds, _ = self._counter("decode")
         T = int(self.lens.max())
         q_rows = B * cfg.num_heads * NL  # query rows per step
         cb = self.point.codebook
+        crossing = 0 if self.operands else 1  # summed in the step, nothing crosses between device and host
         return {
             "steps": n,
             "mode": "values_on_host" if cb is None else f"codebook_g{cb.groups(cfg.head_dim)}",
+            "host_sums": "in_step" if self.operands else "callback",
             "selection_ratio": float(per_layer.mean()),  # mean k*/L (paper Fig. 3)
             "selection_ratio_by_layer": [float(x) for x in per_layer],
             "truncations": self.truncations,
-            "bytes_to_host_per_step": q_rows * T * 4,  # each row's weights over the prompt (float32, 0 off Pi)
-            "bytes_from_host_per_step": q_rows * cfg.head_dim * 4,  # y, float32
-            "host_value_bytes_read_per_step": rows * cfg.head_dim * self.itemsize / n if n else 0.0,
+            # each row's weights over the prompt (float32, 0 off Pi), and y back (float32)
+            "bytes_to_host_per_step": crossing * q_rows * T * 4,
+            "bytes_from_host_per_step": crossing * q_rows * cfg.head_dim * 4,
+            "host_value_bytes_read_per_step": self._host_rows_per_step() * cfg.head_dim * self.itemsize if n else 0.0,
             "callback_ms_per_step": 1e3 * seconds / n if n else 0.0,
             "host_bytes": self.store.nbytes(),
             "turn_callbacks": self._counter("turn")[0],
@@ -106,5 +121,5 @@ class HCDecode(DecodeState):
 
     def summary(self) -> str:
         s = self.stats()
-        return (f"{s['mode']}, kept {s['selection_ratio']:.1%} of the prompt per query (tau {self.policy.tau:g}), "
-                f"host sums {s['callback_ms_per_step']:.1f} ms/step")
+        sums = "host sums in the step" if self.operands else f"host sums {s['callback_ms_per_step']:.1f} ms/step"
+        return f"{s['mode']}, kept {s['selection_ratio']:.1%} of the prompt per query (tau {self.policy.tau:g}), {sums}"

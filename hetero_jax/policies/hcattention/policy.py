@@ -11,7 +11,10 @@ Decode, per layer, per query head q (paper §3.2), inside the jitted step:
   sub-vectors q_i of q: z~_t = sum_i T[i, P[t, i]] (Eq. 3);
 - a = softmax(z / sqrt(D)) over the prompt; the mass set Pi = the k* most probable tokens,
   k* = min{k : sum of the k largest a >= tau} (Eq. 4; tau >= 1 keeps every token);
-- a host callback (``host_store.host_weighted_sum``, numpy) returns y = sum_{t in Pi} a_t V_t (Eq. 5);
+- the host returns y = sum_{t in Pi} a_t V_t (Eq. 5): on a GPU through a callback
+  (``host_store.host_weighted_sum``, numpy, only the kept rows read); on a CPU backend, whose device memory
+  is the host's, the step reads the pinned values itself (``host_store.weighted_sum_in_step``: they come in
+  as an operand the step never donates, ``HCDecode.host_operands``), which spares the callback's round trip;
 - merged with the exact attention over the tail (tokens added after prefill, in the head's region of
   the pool, ``LayerStep.attend_tail``) by log-sum-exp. ``renormalize=True`` (the issue's default) divides y by its kept mass sum_Pi a_t: the
   result is softmax attention over Pi and the tail. ``renormalize=False`` is the paper's Eq. 5: the
@@ -170,7 +173,7 @@ class HCAttention(Policy):
         """The prompt part (host sum over the mass set) merged with the exact tail; extra: (k* [B, H, G] int32,
         truncated [B, H, G] bool)."""
         y, lse, kstar, trunc = prompt_part(li, q, step.layer.state, "decode", self.tau, self.k_cap_fraction,
-                                           self.renormalize, mesh=step.mesh)
+                                           self.renormalize, mesh=step.mesh, values=step.host)
         out_t, lse_t = step.attend_tail(q[:, :, None])  # [B, H, 1, G, D], [B, H, 1, G]
         out, _ = pallas_kernels.merge_attention(y.astype(out_t.dtype), lse, out_t[:, :, 0], lse_t[:, :, 0])
         return out, step, (kstar, trunc)
@@ -179,7 +182,7 @@ class HCAttention(Policy):
         """A session turn's C queries [B, H, G, C, D], each as one decode step would: its own mass set."""
         B, H, G, C, D = q.shape
         y, lse, _, _ = prompt_part(li, q.reshape(B, H, G * C, D), step.layer.state, "turn", self.tau,
-                                   self.k_cap_fraction, self.renormalize, mesh=step.mesh)
+                                   self.k_cap_fraction, self.renormalize, mesh=step.mesh, values=step.host)
         out_t, lse_t = step.attend_tail(q.transpose(0, 1, 3, 2, 4))  # [B, H, C, G, D], [B, H, C, G]
         out, _ = pallas_kernels.merge_attention(y.reshape(B, H, G, C, D), lse.reshape(B, H, G, C),
                                                 out_t.transpose(0, 1, 3, 2, 4), lse_t.transpose(0, 1, 3, 2))
