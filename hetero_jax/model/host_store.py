@@ -12,9 +12,10 @@ and one executable serves every layer.
 Two reads happen inside a jitted function, through a ``jax.pure_callback`` that
 finds the store by its ``handle`` (an int32 carried in the cache, so one
 compiled step serves every request) and uses numpy only: a session turn's chunk
-attending a whole offloaded prompt (:func:`attend_chunk_over_host_prompt`) and
-HCAttention's value sums (:func:`host_weighted_sum`). No decode step of FreeKV
-or Quest fetches from the host.
+attending a whole offloaded prompt (:func:`attend_chunk_over_host_prompt`) and,
+on a GPU backend, HCAttention's value sums (:func:`host_weighted_sum`; on a CPU
+backend the step reads the store's arrays itself, :func:`weighted_sum_in_step`).
+No decode step of FreeKV or Quest fetches from the host.
 """
 
 from __future__ import annotations
