@@ -45,12 +45,16 @@ SHA-256 of its token ids.
 Outputs: ``--out`` JSON (config, per-case records: task, haystack, seed, length,
 policy, rho, score, answer text), a PNG beside it (accuracy against rho per method,
 one panel per task), a markdown table on stdout, and with ``--write-results`` the
-``tasks`` section of ``benchmarks/RESULTS.md``.
+``tasks`` section of ``benchmarks/RESULTS.md``. While it runs, every finished case
+is also in ``OUT.partial.json`` (rewritten atomically after each case, removed when
+``--out`` is written): a run that is killed (a 7.9K grid takes hours) keeps its
+cases there, ``--resume`` finishes it, and ``--merge`` reads it as it is.
 
     .venv/bin/python benchmarks/bench_tasks.py --preset cpu        # 2K + 4K, pydoc, 2 seeds (--help: its estimate)
     .venv/bin/python benchmarks/bench_tasks.py --write-results     # the full grid (2K, 4K, 7.9K, 3 haystacks, 3 seeds)
     .venv/bin/python benchmarks/bench_tasks.py --lengths 2000 --seeds 0 --haystacks pydoc \\
         --policies full snapkv --budgets 0.5                          # smoke test
+    .venv/bin/python benchmarks/bench_tasks.py ... --resume           # finish a killed run (same flags)
 
 ``--help`` prints every preset's estimated run time on 2 CPU cores (:func:`estimate_minutes`).
 """
@@ -59,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -157,10 +162,28 @@ def run(args) -> dict:
         "temperature": 0.0, "batch": 1, "chat_template": True, "prefill": "shared (bench_needle.build_engines)",
         "grading": GRADING, "compile_cache": not args.no_compile_cache, "out": str(args.out), "plot": str(args.plot),
     }
+    partial = partial_path(args.out)
+    prior = resume_payload(partial, config) if args.resume else None
     payload = grid.open_payload(SECTION, config, load_s, prompts=[], records=[])
+    if prior is not None:
+        payload["records"], payload["prompts"] = prior["records"], prior["prompts"]
+        payload["resumed_from"] = prior.get("resumed_from", []) + [
+            {"commit": prior["git"].get("commit"), "command": prior["command"], "cases": len(prior["prompts"]),
+             "seconds": prior["total_seconds"]}]
+    prior_seconds = 0.0 if prior is None else prior["total_seconds"]
     records = payload["records"]
+    done = {(q["task"], q["haystack"], q["length"], q["seed"]) for q in payload["prompts"]}
+
+    def checkpoint():
+        """Every finished case in ``partial`` (atomically), as a payload ``--merge`` and ``--resume`` read."""
+        snap = grid.close_payload({**payload, "summary": summarize(records, labels, args.tasks)}, t_start)
+        snap["total_seconds"] += prior_seconds
+        snap["interrupted"] = True
+        common.write_json(partial, snap)
 
     def run_case(hay, L, seed, task, bar):
+        if (task, hay, L, seed) in done:
+            return
         case = make_case(task, seed)
         p = build_case_prompt(tok, case, L, hay)
         n_after = len(p.forced_ids) if case.forced is not None else case.max_new_tokens
@@ -217,11 +240,49 @@ def run(args) -> dict:
         })
         tqdm.write(f"[{task} {hay} {L} tok seed {seed}] full: {row[0]['text']!r} | "
                    + " ".join(f"{r['label']}={r['score']:.2f}" for r in row))
+        checkpoint()
 
     grid.drive(grid.points(args.haystacks, args.lengths, args.seeds, args.tasks), run_case, desc="tasks", unit="case",
                describe=lambda hay, L, seed, task: f"{task}, {hay}, {L} tok, seed {seed}")
     payload["summary"] = summarize(records, labels, args.tasks)
-    return grid.close_payload(payload, t_start)
+    payload = grid.close_payload(payload, t_start)
+    payload["total_seconds"] += prior_seconds
+    return payload
+
+
+# ------------------------------------------------------- checkpoint / resume
+# config keys a resumed run must share with the interrupted one (the rest, e.g. the command, may differ)
+RESUME_KEYS = ("model", "dtype", "tasks", "lengths", "seeds", "haystacks", "combos", "policy_reprs", "digits",
+               "grading", "chat_template")
+
+
+def partial_path(out: Path) -> Path:
+    """Where a run keeps its finished cases until ``out`` is written: OUT.partial.json beside it."""
+    out = Path(out)
+    return out.with_name(out.stem + ".partial.json")
+
+
+def check_no_partial(out: Path) -> None:
+    """Before a fresh run (no ``--resume``): refuse to overwrite another run's finished cases."""
+    partial = partial_path(out)
+    if partial.exists():
+        raise SystemExit(f"{partial} exists: the finished cases of an interrupted run with this --out. Add --resume "
+                         f"(and that run's flags) to finish it, pass it to --merge, or move it away to start afresh")
+
+
+def resume_payload(partial: Path, config: dict) -> dict:
+    """The interrupted run's payload in ``partial``; SystemExit when it is missing or was run with another grid."""
+    if not partial.exists():
+        raise SystemExit(f"--resume: {partial} does not exist (no interrupted run with this --out); drop --resume")
+    try:
+        prior = json.loads(partial.read_text())
+        diff = [k for k in RESUME_KEYS if prior["config"].get(k) != config.get(k)]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SystemExit(f"--resume: {partial} is not a bench_tasks checkpoint ({type(e).__name__}: {e})") from None
+    if diff:
+        raise SystemExit(f"--resume: {partial} was run with another {', '.join(diff)}; resume with that run's flags "
+                         f"(its command: {prior.get('command')})")
+    return prior
 
 
 def results_section(payload: dict, plot_rel: str | None) -> str:
@@ -302,7 +363,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="join the JSON of runs of slices of the grid (other lengths, seeds, haystacks, tasks or "
                         "budgets) into one table instead of running; refused when the model, dtype or grading "
                         "differ, a combo's case is in two runs, or full KV answers a case differently")
+    p.add_argument("--resume", action="store_true",
+                   help="finish the run whose finished cases are in OUT.partial.json (same grid flags): its cases "
+                        "are kept, the others run")
     args = common.parse_grid_args(p, PRESETS, SECTION, argv)
+    if args.resume and args.merge:
+        p.error("--resume finishes a run; --merge joins finished ones: give one of them")
     args.tasks = list(dict.fromkeys(args.tasks))
     args.seeds = list(dict.fromkeys(args.seeds))
     if any(n < 1 for n in args.lengths):
@@ -314,9 +380,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not args.merge and not args.resume:
+        check_no_partial(args.out)
     common.run_task(args, (lambda a: merge(a, SECTION)) if args.merge else run, section=SECTION, make_plot=make_plot,
                     results_section=results_section,
                     tables=lambda payload: [t for t in (results_table(payload), fidelity_table(payload)) if t])
+    if not args.merge:
+        partial_path(args.out).unlink(missing_ok=True)  # its cases are in --out now
     return 0
 
 

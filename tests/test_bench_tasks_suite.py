@@ -420,3 +420,49 @@ def test_merge_joins_slices_and_refuses_runs_that_do_not_compare(tmp_path):
     ]:
         with pytest.raises(SystemExit, match=needle):
             bt.merge(argparse.Namespace(merge=[a, bad], out=tmp_path / "m.json", plot=tmp_path / "m.png"), "tasks")
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_a_killed_run_keeps_its_cases_and_resume_finishes_it(smollm2_dir, tmp_path, monkeypatch):
+    """Each finished case is checkpointed in OUT.partial.json; a fresh run refuses to overwrite it; --resume runs
+    only the missing cases (one prefill here), writes --out with every case and removes the checkpoint."""
+    import json
+
+    out = tmp_path / "tasks.json"
+    flags = ["--tasks", "span-copy", "multi-key", "--lengths", "400", "--seeds", "0", "--haystacks", "pydoc",
+             "--policies", "full", "--model", smollm2_dir, "--out", str(out)]
+    real_build, calls = bt.build_engines, []
+
+    def dies_on_second_case(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        return real_build(*a, **k)
+
+    monkeypatch.setattr(bt, "build_engines", dies_on_second_case)
+    with pytest.raises(RuntimeError, match="killed"):
+        bt.main(flags)
+    partial = bt.partial_path(out)
+    assert partial == tmp_path / "tasks.partial.json" and not out.exists()
+    kept = json.loads(partial.read_text())
+    assert kept["interrupted"] and [p["task"] for p in kept["prompts"]] == ["span-copy"]
+    assert [r["task"] for r in kept["records"]] == ["span-copy"] and kept["summary"][0]["cases"] == 1
+
+    with pytest.raises(SystemExit, match="tasks.partial.json exists.*--resume"):
+        bt.main(flags)
+    with pytest.raises(SystemExit, match="another seeds"):
+        bt.main([*flags[:6], "1", *flags[7:], "--resume"])
+    assert json.loads(partial.read_text()) == kept  # refusals leave it as it was
+
+    calls.clear()
+    assert bt.main([*flags, "--resume"]) == 0
+    assert len(calls) == 1 and not partial.exists()
+    d = json.loads(out.read_text())
+    assert [p["task"] for p in d["prompts"]] == ["span-copy", "multi-key"]
+    assert [r["task"] for r in d["records"]] == ["span-copy", "multi-key"]
+    assert d["records"][0] == kept["records"][0] and d["resumed_from"][0]["cases"] == 1
+    assert {s["task"]: s["cases"] for s in d["summary"]} == {"span-copy": 1, "multi-key": 1}
+    assert d["total_seconds"] > kept["total_seconds"]
+    with pytest.raises(SystemExit, match="does not exist"):
+        bt.main([*flags, "--resume"])
