@@ -574,6 +574,33 @@ def test_property_session_constructor_raises_only_project_errors(context, policy
         Session(MODEL, context, policy if policy is not None else None, chat=False)
 
 
+@pytest.mark.parametrize("trim", [True, False])
+def test_the_last_engines_end_gives_the_c_heaps_free_memory_back(monkeypatch, trim):
+    """``runtime.heap``: when the last engine is freed, ``release_free_memory`` runs once (glibc's
+    ``malloc_trim``; a grid that drops its caches every case otherwise grows by the buffers glibc keeps), not
+    while another engine lives, and not with ``HETERO_JAX_MALLOC_TRIM`` off."""
+    import ctypes.util
+    import gc
+
+    from hetero_jax.runtime import Engine, heap
+
+    gc.collect()
+    monkeypatch.setattr(heap, "_live", [0])
+    monkeypatch.setattr(heap, "TRIM", trim)
+    calls = []
+    monkeypatch.setattr(heap, "release_free_memory", lambda: calls.append(1) or True)
+    a = Engine(MODEL, [random_prompt(40, 1)], FullKV(), tail_capacity=4)
+    b = Engine(MODEL, [random_prompt(40, 2)], FullKV(), tail_capacity=4)
+    del a
+    assert heap.live_engines() == 1 and calls == []
+    del b
+    assert heap.live_engines() == 0 and calls == ([1] if trim else [])
+    monkeypatch.undo()
+    # the real call: glibc here (Linux), which answers whether it released anything; elsewhere False
+    glibc = "libc.so" in (ctypes.util.find_library("c") or "libc.so")
+    assert isinstance(heap.release_free_memory(), bool) and (heap._LIBC[0] is not None) == glibc
+
+
 @pytest.mark.parametrize("policy", [FullKV(), HeteroCache(profile=PROFILE, budget=0.6, window=2, tau_drift=1.5)],
                          ids=["full", "heterocache-recalling"])
 def test_engines_freeze_the_heap_and_are_freed_without_the_collector(monkeypatch, policy):
