@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """Host offload: the recall path the policies call, its gather and transfer speed, and its overlap with compute.
 
-A HeteroCache recall (and SyncKV's fetches) gathers rows of the pinned-host store straight into the store's
-staging rows (pinned host arrays on a GPU), starts their host -> device copies and writes them into the device
-row pool (``host_store.write_host_rows``); FreeKV and offloaded Quest move whole pages the same way, a page as
-one run of rows (``host_store.write_head_runs``, row "pages"). This script times those functions, at
+A HeteroCache recall (and SyncKV's and FreeKV's fetches) gathers rows of the pinned-host store straight into
+the store's staging rows (pinned host arrays on a GPU), starts their host -> device copies and writes them into
+the device row pool (``host_store.write_host_rows``). This script times that function, at
 Llama-3.1-8B head shapes (8 KV heads of 128, bfloat16), for 8K to 128K rows (``--rows`` per head, x 8 heads
 x ``--recall-layers``) from a store of ``--prompt`` tokens per head:
 
@@ -45,11 +44,6 @@ SECTION = "offload"
 LLAMA = dict(layers=32, hidden=4096, inter=14336, kv_heads=8, head_dim=128)
 SMALL = dict(layers=2, hidden=256, inter=512, kv_heads=2, head_dim=64)
 GiB = 2**30
-PAGE = 32  # FreeKV's and Quest's page size
-# each head's recalled positions: a recall's top set ("pooled"), random rows ("uniform"), pages of PAGE rows
-# written as runs ("pages": write_head_runs, what FreeKV and offloaded Quest call) and the same kind of pages
-# written row by row ("pages-rows": write_host_rows, their path before the runs)
-KINDS = ("pooled", "uniform", "pages", "pages-rows")
 
 
 def _wall_times(fn, iters: int) -> list[float]:
@@ -71,7 +65,7 @@ def run(args) -> dict:
     import numpy as np
 
     from hetero_jax.model.cache import new_pool
-    from hetero_jax.model.host_store import HostKVStore, pinned_host, write_head_runs, write_host_rows
+    from hetero_jax.model.host_store import HostKVStore, pinned_host, write_host_rows
 
     shp = SMALL if args.small else LLAMA
     H, D, T = shp["kv_heads"], shp["head_dim"], args.prompt
@@ -98,16 +92,11 @@ def run(args) -> dict:
         top-R of 5-tap pooled scores, here of random logits), whose rows come in runs."""
         if kind == "uniform":
             return np.sort(rng.choice(T, size=(H, R), replace=False), axis=1)
-        if kind.startswith("pages"):  # R / PAGE distinct pages of PAGE consecutive positions (FreeKV, Quest)
-            pages = np.sort(np.stack([rng.choice(T // PAGE, R // PAGE, replace=False) for _ in range(H)]), axis=1)
-            return (pages[:, :, None] * PAGE + np.arange(PAGE)).reshape(H, R)
         logits = rng.standard_normal((H, T)).astype(np.float32)
         pooled = sum(np.roll(logits, s, axis=1) for s in range(-2, 3)) / 5
         return np.sort(np.argpartition(-pooled, R - 1, axis=1)[:, :R], axis=1)
 
-    # pages need whole pages: a --rows value that is not a multiple of PAGE runs the row kinds only
-    for R, kind in [(R, kind) for kind in args.kinds for R in args.rows
-                    if not kind.startswith("pages") or R % PAGE == 0]:
+    for R, kind in [(R, kind) for kind in ("pooled", "uniform") for R in args.rows]:
         # each head's recalled rows: R prompt positions (sorted, as a top set is) into its own pool region
         cap = max(R, 8)
         pool = new_pool(1, 1, n_rec * H * cap, D, dt)
@@ -118,18 +107,9 @@ def run(args) -> dict:
                      (li * H + h_idx) * cap + np.tile(np.arange(R), H)) for li in range(n_rec)]
         timings = {}
 
-        # the same rows as pages (runs of PAGE rows), by layout head: head h of layer li's region at (li*H + h)*cap
-        offsets = [((li * H + np.arange(H)) * cap)[None, :] for li in range(n_rec)]
-        n_pages = R // PAGE
-        page_requests = [(li, np.zeros(H * n_pages, np.int64), np.repeat(np.arange(H), n_pages),
-                          pos[li][:, ::PAGE].reshape(-1), np.tile(np.arange(n_pages) * PAGE, H)) for li in range(n_rec)]
-
-        def recall(timings=timings, requests=requests, kind=kind, page_requests=page_requests, offsets=offsets):
+        def recall(timings=timings, requests=requests):
             nonlocal pool
-            if kind == "pages":  # FreeKV's and Quest's path: a page is one run, one windowed scatter
-                pool, _, _ = write_head_runs(pool, store, offsets, page_requests, PAGE, timings=timings)
-            else:
-                pool, _, _ = write_host_rows(pool, store, requests, timings=timings)
+            pool, _, _ = write_host_rows(pool, store, requests, timings=timings)
             return pool
 
         for _ in range(args.warmup):
@@ -233,13 +213,11 @@ def markdown(payload: dict) -> str:
         common.section_header("Host offload: the recall path's gather and transfer (bench_offload.py)", payload), "",
         f"Device {r['device']}; store memory kind `{r['pinned_memory_kind']}`, {r['prompt_tokens']:,} tokens per "
         f"head x {shp['kv_heads']} KV heads (D {shp['head_dim']}, {r['dtype']}, K and V) x {r['recall_layers']} layers "
-        f"({r['host_store_bytes'] / GiB:.2f} GiB). Each recall: `write_host_rows` or `write_head_runs` (gather into the store's staging "
+        f"({r['host_store_bytes'] / GiB:.2f} GiB). Each recall: `write_host_rows` (gather into the store's staging "
         f"rows, {'pinned' if r.get('staging_pinned') else 'pageable'} here, start the copies, scatter into the row "
         "pool), waited on. Each head's rows: "
         "'pooled' = the top-R positions of 5-tap pooled random logits (a recall's top set: rows in runs), "
-        "'uniform' = R positions at random; 'pages' = R / 32 random pages of 32 rows, written as runs "
-        "(`write_head_runs`, FreeKV's and offloaded Quest's path); 'pages-rows' = such pages through "
-        "`write_host_rows`; 'runs / row' = contiguous runs per recalled row. Medians of "
+        "'uniform' = R positions at random; 'runs / row' = contiguous runs per recalled row. Medians of "
         f"{payload['config']['iters']} repeats. 'gather' = the gather's host time, beside `np.copyto` of the same "
         "bytes; 'transfer' = the rest of the recall (copies started, scatter, wait), beside one contiguous "
         "`jax.device_put` of the same bytes from a numpy array ('contiguous'); 'recall / pinned' = the whole "
@@ -277,8 +255,6 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[256, 1024, 4096],
                    help="rows recalled per head and layer (x 8 heads x --recall-layers: 8K, 32K, 128K rows)")
     p.add_argument("--recall-layers", type=int, default=4, help="layers recalled at once")
-    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
-                   help="which positions each head recalls (pages: only --rows that are multiples of 32)")
     p.add_argument("--d2h-tokens", type=int, nargs="*", default=[8192, 16384, 32768],
                    help="tokens per head of the layers offloaded to pinned host memory (prefill's copy)")
     p.add_argument("--iters", type=int, default=20)
@@ -294,7 +270,7 @@ def main(argv=None) -> int:
                    help="rewrite the 'offload' section of RESULTS.md ('offload-gpu' on a GPU)")
     args = p.parse_args(argv)
     if args.small and args.prompt == 131072:
-        args.prompt, args.rows, args.d2h_tokens = 1024, [32, 64], [256]
+        args.prompt, args.rows, args.d2h_tokens = 1024, [16, 64], [256]
     import jax
 
     machine = common.machine_info()

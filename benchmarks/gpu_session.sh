@@ -56,7 +56,7 @@ if (( DRY )); then  # the same stages at tiny shapes (SmolLM2, its shipped profi
   PIPELINE=(--length 256 --warmup 1 --block 2 --rounds 1 --policies full heterocache)
 else
   LAT32=(--preset llama8b-gpu --synthetic-lengths 32768 --policies full heterocache --ttft-warmup 1)
-  OFFLOAD=(--overlap --kinds pooled pages)  # HeteroCache's rows and FreeKV's / Quest's pages
+  OFFLOAD=(--overlap)
   PROFILE=(--shape llama-3.1-8b --dtype bfloat16 --length 32768 --warmup 6 --steps 10 --top 30
            --policies full heterocache:tau_drift=-1 heterocache)
   PIPELINE=(--shape llama-3.1-8b --dtype bfloat16 --length 32768 --warmup 4 --block 10 --rounds 4

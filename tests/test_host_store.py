@@ -1,7 +1,6 @@
-"""The pinned-host store's row gather (``gather_rows``) and run gather (``gather_runs``) against numpy fancy
-indexing, and ``send_host_rows`` + ``scatter_rows`` writing host rows into the row pool (one part or several),
-pages written as runs (``write_head_runs``), and a store of some heads written by layout slot (``put_heads``,
-``write_head_rows``); HCAttention's host weighted sum (``host_weighted_sum``)."""
+"""The pinned-host store's row gather (``gather_rows``) against numpy fancy indexing, and ``send_host_rows`` +
+``scatter_rows`` writing host rows into the row pool (one part or several), and a store of some heads written
+by layout slot (``put_heads``, ``write_head_rows``); HCAttention's host weighted sum (``host_weighted_sum``)."""
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -9,8 +8,8 @@ import numpy as np
 import pytest
 
 from hetero_jax.model.cache import KVPool
-from hetero_jax.model.host_store import (HostKVStore, gather_rows, gather_runs, host_weighted_sum, scatter_rows,
-                                         send_host_rows, write_head_rows, write_head_runs, write_host_rows)
+from hetero_jax.model.host_store import (HostKVStore, gather_rows, host_weighted_sum, scatter_rows, send_host_rows,
+                                         write_head_rows, write_host_rows)
 
 
 def _store_array(shape, dtype, seed=0):
@@ -47,35 +46,6 @@ def test_gather_rows_strided_view_and_bad_indices():
         gather_rows(a, b, h, p, out=np.empty((4, 16), np.float32))
     out = np.empty((5, 16), np.float32)
     assert np.array_equal(gather_rows(strided, b, h, p, out=out), strided[b, h, p])
-
-
-@pytest.mark.parametrize("dtype,D", [(ml_dtypes.bfloat16, 64), (np.float32, 64), (np.float16, 3)])
-def test_gather_runs_equals_fancy_indexing(dtype, D):
-    """Runs of 5 rows into a slice of a larger buffer: bit for bit numpy's indexing (overlapping runs, a run
-    ending at the last row), the rest of the buffer untouched; a strided store (plain indexing) likewise."""
-    a = _store_array((2, 3, 40, D), dtype, 2)
-    b, h, starts = np.array([0, 1, 1, 0]), np.array([2, 0, 0, 1]), np.array([0, 35, 33, 7])
-    want = a[b[:, None], h[:, None], starts[:, None] + np.arange(5)]
-    buf = np.full((6, 5, D), 3, dtype)
-    got = gather_runs(a, b, h, starts, 5, buf[1:5])
-    assert np.shares_memory(got, buf) and np.array_equal(buf[1:5].view(np.uint8), want.view(np.uint8))
-    assert (buf[0].astype(np.float32) == 3).all() and (buf[5].astype(np.float32) == 3).all()
-    strided = a[:, ::2]
-    out = np.empty((4, 5, D), dtype)
-    gather_runs(strided, b, h // 2, starts, 5, out)
-    assert np.array_equal(out.view(np.uint8), strided[b[:, None], h[:, None] // 2, starts[:, None] + np.arange(5)]
-                          .view(np.uint8))
-
-
-def test_gather_runs_refuses_runs_past_the_store_and_a_wrong_out():
-    a = _store_array((1, 2, 20, 8), np.float32)
-    out = np.empty((2, 4, 8), np.float32)
-    with pytest.raises(IndexError, match="run start index out of range"):
-        gather_runs(a, np.zeros(2, int), np.zeros(2, int), np.array([0, 17]), 4, out)  # rows 17..20: one past
-    with pytest.raises(IndexError, match="head index"):
-        gather_runs(a, np.zeros(2, int), np.array([0, 2]), np.array([0, 1]), 4, out)
-    with pytest.raises(ValueError, match="out must be"):
-        gather_runs(a, np.zeros(2, int), np.zeros(2, int), np.array([0, 1]), 4, np.empty((2, 3, 8), np.float32))
 
 
 def _pool(B, S, P, D, k_fill=0.0, v_fill=0.0):
@@ -221,40 +191,6 @@ def test_put_heads_then_write_head_rows_by_layout_slot():
     np.testing.assert_array_equal(np.asarray(pool.k), want_k)
     np.testing.assert_array_equal(np.asarray(pool.v), want_v)
     np.testing.assert_array_equal(np.asarray(pool.positions), want_pos)
-
-
-def test_write_head_runs_puts_each_page_at_its_heads_offset_plus_slot(monkeypatch):
-    """Pages of two layers (runs of 4 rows; 11 runs, padded to 16) written by layout head: each run lands at its
-    head's offset + first slot in the shard that holds the head, K, V and positions as numpy's assignment; the
-    padding writes nothing; one windowed scatter, no row scatter; rows and bytes counted."""
-    from hetero_jax.model import host_store as HS
-
-    B, H, T, D, S, P, run = 2, 4, 48, 8, 2, 96, 4
-    k = _store_array((B, H, T, D), np.float32, 13)
-    store = HostKVStore(2)
-    store.put(0, jnp.asarray(k), jnp.asarray(-k))
-    store.put_heads(1, jnp.asarray(k + 5), jnp.asarray(k * 2), [3, 1])
-    offsets = [np.array([[0, 24, 0, 48], [48, 72, 24, 0]]), np.array([[0, 0, 0, 24], [0, 48, 0, 72]])]
-    rng = np.random.default_rng(14)
-    requests, want_k, want_v = [], np.full((B, S, P, D), 9, np.float32), np.full((B, S, P, D), 9, np.float32)
-    want_pos = np.full((B, S, P), -1, np.int32)
-    for li, heads, n, kk, vv in ((0, [0, 1, 2, 3], 6, k, -k), (1, [3, 1], 5, k + 5, k * 2)):
-        b, h = rng.integers(0, B, n), rng.choice(heads, n)
-        starts, first = rng.integers(0, T - run + 1, n), np.arange(n) * run  # distinct slots per (b, head)
-        requests.append((li, b, h, starts, first))
-        for i in range(n):
-            rows = offsets[li][b[i], h[i]] + first[i] + np.arange(run)
-            src = starts[i] + np.arange(run)
-            want_k[b[i], h[i] // 2, rows], want_v[b[i], h[i] // 2, rows] = kk[b[i], h[i], src], vv[b[i], h[i], src]
-            want_pos[b[i], h[i] // 2, rows] = src
-    row_scatters = []
-    monkeypatch.setattr(HS, "_scatter", lambda *a: row_scatters.append(1))
-    pool, n, nbytes = write_head_runs(_pool(B, S, P, D, 9.0, 9.0), store, offsets, requests, run)
-    assert (n, nbytes, row_scatters) == (44, 2 * 44 * D * 4, [])
-    np.testing.assert_array_equal(np.asarray(pool.k), want_k)
-    np.testing.assert_array_equal(np.asarray(pool.v), want_v)
-    np.testing.assert_array_equal(np.asarray(pool.positions), want_pos)
-    assert write_head_runs(pool, store, offsets, [], run)[1:] == (0, 0)
 
 
 def test_part_spans_split_a_range_at_each_part_end():

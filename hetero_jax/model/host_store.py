@@ -262,34 +262,6 @@ def gather_rows(a: np.ndarray, b: np.ndarray, h: np.ndarray, positions: np.ndarr
     return out
 
 
-def gather_runs(a: np.ndarray, b: np.ndarray, h: np.ndarray, starts: np.ndarray, run: int,
-                out: np.ndarray) -> np.ndarray:
-    """Runs of ``run`` consecutive rows: ``out[i, j] = a[b[i], h[i], starts[i] + j]`` for a [B, H, T, D] host
-    array and [n] indices, written into ``out`` [n, run, D] (C-contiguous, ``a``'s dtype), which is returned.
-
-    Each run moves as one item of run x D elements (fancy indexing of an overlapping strided view of the rows'
-    8-byte words; ``np.take`` would first copy that view whole): a page of FreeKV or Quest is one copy, not
-    ``run`` row copies."""
-    B, H, T, D = a.shape
-    b, h, starts = (np.asarray(x, np.int64).reshape(-1) for x in (b, h, starts))
-    n = starts.size
-    for x, size, name in ((b, B, "batch"), (h, H, "head"), (starts, T - run + 1, "run start")):
-        if n and (x.min() < 0 or x.max() >= size):
-            raise IndexError(f"{name} index out of range for runs of {run} rows of a [{B}, {H}, {T}, {D}] store")
-    if out.shape != (n, run, D) or out.dtype != a.dtype or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous [{n}, {run}, {D}] {a.dtype} array, got {out.shape} {out.dtype}")
-    row_bytes = D * a.itemsize
-    if not (a.flags.c_contiguous and row_bytes % 8 == 0):  # odd row sizes or a strided view: plain indexing
-        out[...] = a[b[:, None], h[:, None], starts[:, None] + np.arange(run)]
-        return out
-    rows = a.reshape(B * H * T, D).view(np.uint64)
-    step = rows.strides[0]
-    runs = np.lib.stride_tricks.as_strided(rows, shape=(B * H * T - run + 1, run, rows.shape[1]),
-                                           strides=(step, step, rows.strides[1]), writeable=False)
-    out.view(np.uint64)[...] = runs[(b * H + h) * T + starts]
-    return out
-
-
 def _scatter_rows(pool: KVPool, ints, k_rows, v_rows) -> tuple[KVPool, jax.Array]:
     """Rows into the pool: ints [4, n] = (b, shard, slot, position) of each row (split here: an eager slice
     would compile per row bucket); a padding row carries slot == P, out of range, and is dropped. Also returns
@@ -425,10 +397,9 @@ _gather_pool: list = []
 
 
 def _gather_pieces(pieces: list[tuple]) -> None:
-    """Each piece gathered, on threads when there are several: (source, b, h, positions, destination) for
-    ``gather_rows``, or (rows, callable) for any other gather of that many rows. The pieces are dealt into one
-    task per thread, balanced by rows (a recall of many small layers' rows would otherwise spend more on
-    submitting tasks than on copying)."""
+    """Each (source, b, h, positions, destination) gathered (``gather_rows``), on threads when there are several:
+    the pieces are dealt into one task per thread, balanced by rows (a recall of many small layers' rows would
+    otherwise spend more on submitting tasks than on copying)."""
     if len(pieces) <= 2 or GATHER_THREADS == 1:
         _gather_all(pieces)
         return
@@ -437,25 +408,17 @@ def _gather_pieces(pieces: list[tuple]) -> None:
             _gather_pool.append(concurrent.futures.ThreadPoolExecutor(GATHER_THREADS, thread_name_prefix="gather"))
     tasks: list[list] = [[] for _ in range(min(GATHER_THREADS, len(pieces)))]
     load = [0] * len(tasks)
-    for piece in sorted(pieces, key=lambda x: -_piece_rows(x)):  # largest first onto the least loaded task
+    for piece in sorted(pieces, key=lambda x: -len(x[3])):  # largest first onto the least loaded task
         i = load.index(min(load))
         tasks[i].append(piece)
-        load[i] += _piece_rows(piece)
+        load[i] += len(piece[3])
     for f in [_gather_pool[0].submit(_gather_all, t) for t in tasks]:
         f.result()  # re-raises a piece's error
 
 
-def _piece_rows(piece: tuple) -> int:
-    return piece[0] if len(piece) == 2 else len(piece[3])
-
-
 def _gather_all(pieces: list[tuple]) -> None:
-    for piece in pieces:
-        if len(piece) == 2:
-            piece[1]()
-        else:
-            src, b, h, p, out = piece
-            gather_rows(src, b, h, p, out=out)
+    for src, b, h, p, out in pieces:
+        gather_rows(src, b, h, p, out=out)
 
 
 def _part_spans(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
@@ -649,98 +612,13 @@ def write_head_rows(pool: KVPool, store: "HostKVStore", offsets, requests: list[
     return write_host_rows(pool, store, rows, compile_fn, chunk=chunk, staging=staging)
 
 
-def _scatter_runs(pool: KVPool, ints, k_rows, v_rows) -> tuple[KVPool, jax.Array]:
-    """Runs of consecutive rows into the pool, one window each: ints [4, n] = (b, shard, first slot, first
-    position) of each run, k_rows / v_rows [n * run, D]; a padding run starts at slot P (wholly out of range)
-    and is dropped. One windowed scatter per array (a copy per run) rather than a row scatter of n * run rows.
-    Returns what :func:`_scatter_rows` returns."""
-    b_idx, s_idx, slots, pos0 = ints
-    n = slots.shape[0]
-    run, D = k_rows.shape[0] // n, k_rows.shape[-1]
-    idx = jnp.stack([b_idx, s_idx, slots], axis=1)  # [n, 3]
-    drop = jax.lax.GatherScatterMode.FILL_OR_DROP
-
-    def put(a, updates, window_dims):
-        dims = jax.lax.ScatterDimensionNumbers(update_window_dims=window_dims, inserted_window_dims=(0, 1),
-                                               scatter_dims_to_operand_dims=(0, 1, 2))
-        return jax.lax.scatter(a, idx, updates.astype(a.dtype), dims, mode=drop)
-
-    positions = pos0[:, None] + jnp.arange(run, dtype=pos0.dtype)[None, :]  # [n, run]
-    pool = pool.replace(k=put(pool.k, k_rows.reshape(n, run, D), (1, 2)),
-                        v=put(pool.v, v_rows.reshape(n, run, D), (1, 2)),
-                        positions=put(pool.positions, positions, (1,)))
-    return pool, ints[0, 0]
-
-
-_scatter_run_windows = jax.jit(_scatter_runs, donate_argnums=(0,))
-
-
-def send_host_runs(store: "HostKVStore", requests: list[tuple], rows: int, run: int,
-                   timings: dict | None = None, staging: "Staging | None" = None) -> tuple[list[tuple], int]:
-    """:func:`send_host_rows` for runs of ``run`` consecutive store rows bound for ``run`` consecutive pool rows
-    (a page of FreeKV or Quest), on one device: requests (layer, b, store head, first position, pool shard, first
-    pool row), each but the layer [n] ints. The runs are gathered (:func:`gather_runs`, on the gather threads)
-    into one staging part of ``row_bucket(runs)`` runs and sent; returns (the part for :func:`scatter_runs`,
-    rows sent). ``timings``, ``staging`` and the errors as there."""
-    t0 = time.perf_counter()
-    n = sum(len(r[3]) for r in requests)
-    if not n:
-        return [], 0
-    width = row_bucket(n)
-    ints = _padded_ints(width, rows)
-    k0, v0 = store.view(requests[0][0])
-    staging = store.staging if staging is None else staging
-    part = staging.take(1, width * run, k0, v0)[0]
-    k_runs, v_runs = (x.reshape(width, run, x.shape[-1]) for x in (part.k, part.v))
-    pieces, at = [], 0
-    for li, b, h, starts, shard, pool_rows in requests:
-        m = len(starts)
-        k, v = store.view(li)
-        for src, dst in ((k, k_runs), (v, v_runs)):
-            pieces.append((m * run, functools.partial(gather_runs, src, b, h, starts, run, dst[at : at + m])))
-        for i, x in enumerate((b, shard, pool_rows, starts)):
-            ints[i, at : at + m] = x
-        at += m
-    _gather_pieces(pieces)
-    t1 = time.perf_counter()
-    parts = _send(ints, [part], width)
-    staging.sent = parts
-    if timings is not None:
-        timings["gather"] = timings.get("gather", 0.0) + t1 - t0
-        timings["send"] = timings.get("send", 0.0) + time.perf_counter() - t1
-    return parts, n * run
-
-
-def write_head_runs(pool: KVPool, store: "HostKVStore", offsets, requests: list[tuple], run: int, compile_fn=None,
-                    staging: "Staging | None" = None, timings: dict | None = None) -> tuple[KVPool, int, int]:
-    """:func:`write_head_rows` for runs of ``run`` consecutive rows: requests (layer, b, layout head, first
-    position, first slot within the head's region), each but the layer [n] ints. On one device the runs are
-    gathered, sent and scattered whole (:func:`send_host_runs`, one windowed scatter); on a mesh they are
-    written row by row (:func:`write_head_rows`). Returns what :func:`write_host_rows` returns; ``timings`` as
-    :func:`send_host_rows` fills it (one device)."""
-    if on_devices(pool) is not None:
-        offs = np.arange(run)
-        rows = [(li, np.repeat(b, run), np.repeat(h, run), (np.asarray(p0)[:, None] + offs).reshape(-1),
-                 (np.asarray(s0)[:, None] + offs).reshape(-1)) for li, b, h, p0, s0 in requests]
-        return write_head_rows(pool, store, offsets, rows, compile_fn, staging=staging)
-    staging = store.staging if staging is None else staging
-    runs = head_row_requests(store, offsets, pool.num_shards, requests)
-    parts, n = send_host_runs(store, runs, pool.num_rows, run, timings=timings, staging=staging)
-    if not n:
-        return pool, 0, 0
-    pool = scatter_rows(pool, parts, compile_fn, staging=staging, fn=_scatter_run_windows)
-    return pool, n, kv_rows_nbytes(n, store.v[requests[0][0]])
-
-
-def scatter_rows(pool: KVPool, parts: list[tuple], compile_fn=None, staging: "Staging | None" = None,
-                 fn=None) -> KVPool:
+def scatter_rows(pool: KVPool, parts: list[tuple], compile_fn=None, staging: "Staging | None" = None) -> KVPool:
     """``pool`` (donated) with the rows of :func:`send_host_rows` written in place: only the new rows cross to the
     device (bytes moved = rows x 2 x D x itemsize). ``staging``: the store's ``Staging`` the rows were sent from,
-    told when they have been read (a CPU device may use the staging rows themselves as its copy). ``fn``: the
-    scatter of one device's part (default the row scatter; ``write_head_runs`` passes its windowed one)."""
-    read, one_device = [], fn or _scatter
+    told when they have been read (a CPU device may use the staging rows themselves as its copy)."""
+    read = []
     for op in parts:
-        args, static, fn = (pool, *op), {}, one_device
+        args, static, fn = (pool, *op), {}, _scatter
         if op[0].ndim > 2:  # one block per device (``_send_by_device``)
             mesh = op[0].sharding.mesh
             fn, static = _scatter_by_device, dict(mesh=mesh, pool_specs=tree_specs(pool, mesh))

@@ -18,7 +18,7 @@ consistent (§2.1).
 
 Decode, step i: the page slots hold Sel(q_{i-1}), recalled by the host between
 steps i-1 and i (only the pages that were not resident,
-``host_store.write_head_runs``, a page per run); the step attends them and returns Sel(q_i).
+``host_store.write_host_rows``); the step attends them and returns Sel(q_i).
 After prefill the slots hold Sel(q_last) of the prompt's last query, so step 0
 is speculative too, where the authors' system code blocks on a fresh selection.
 

@@ -8,9 +8,9 @@ partial page). Decode step i attends the region as it is: its page slots hold
 Sel(q_{i-1}), the pages the previous step's query chose. The step returns
 Sel(q_i) (``select``); between steps the host recalls the pages of Sel(q_i)
 that are not resident into the slots of the pages no longer selected
-(``PageRecallDecode.before_step`` -> ``host_store.write_head_runs``: each page
-one run of rows, gathered, sent and scattered whole): only those pages cross to
-the device, and the jitted step never waits on the host.
+(``PageRecallDecode.before_step`` -> ``host_store.write_head_rows``, the path
+HeteroCache's recall takes): only those rows cross to the device, and the
+jitted step never waits on the host.
 
 Selection: per KV head, the group's Quest bounds over the page summaries
 (``pages.group_page_scores``, "max" for Quest, "mean_softmax" for FreeKV), the
@@ -30,7 +30,7 @@ from flax import struct
 
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
-from hetero_jax.model.host_store import TRANSFER_ERRORS, HostKVStore, write_head_runs
+from hetero_jax.model.host_store import TRANSFER_ERRORS, HostKVStore, write_head_rows
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.pages import group_page_scores, page_summaries, top_pages
@@ -222,10 +222,9 @@ class PageRecallDecode(DecodeState):
 
     def _recall(self, cache: KVCache) -> KVCache:
         """Per head, the pages of the new selection that are not resident replace, slot by slot, the resident
-        pages no longer selected. Only those pages cross to the device (every transfer started before any write),
-        each as one run of ``page_size`` rows, and are scattered in place into the page slots of each head's
-        region of the pool (first pool row = its offset + start + slot * ps; ``write_head_runs`` finds its
-        shard); the pool is never read back."""
+        pages no longer selected. Only those rows cross to the device (every transfer started before any write)
+        and are scattered in place into the page slots of each head's region of the pool (pool row = its offset
+        + start + slot * ps + i; ``write_head_rows`` finds its shard); the pool is never read back."""
         ps = self.page_size
         requests, mirrors, moved = [], {}, 0
         for li, sel in self.ready.items():
@@ -242,12 +241,16 @@ class PageRecallDecode(DecodeState):
             new = mirror.copy()
             new[fb, fh, fj] = pages
             mirrors[li] = new
-            requests.append((li, mb, mh, self.start[mb] + pages * ps, self.start[mb] + fj * ps))
+            offs = np.arange(ps)[None, :]
+            tok = (self.start[mb, None] + pages[:, None] * ps + offs).reshape(-1)
+            slots = (self.start[mb, None] + fj[:, None] * ps + offs).reshape(-1)  # region rows of the page slots
+            b_idx, h_idx = np.repeat(mb, ps), np.repeat(mh, ps)
+            requests.append((li, b_idx, h_idx, tok, slots))
             moved += len(pages)
         if not requests:
             return cache
-        # every layer's pages in one transfer set, all of it out before anything is written
-        pool, _, nbytes = write_head_runs(cache.pool, self.store, self.offsets, requests, ps, self.compile_fn)
+        # every layer's rows in one transfer set, all of it out before anything is written
+        pool, _, nbytes = write_head_rows(cache.pool, self.store, self.offsets, requests, self.compile_fn)
         self.resident.update(mirrors)
         self.pages_recalled += moved
         self.bytes_recalled += nbytes
