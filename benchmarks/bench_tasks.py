@@ -171,6 +171,7 @@ def run(args) -> dict:
             {"commit": prior["git"].get("commit"), "command": prior["command"], "cases": len(prior["prompts"]),
              "seconds": prior["total_seconds"]}]
     prior_seconds = 0.0 if prior is None else prior["total_seconds"]
+    prior_peak = 0 if prior is None else prior.get("peak_rss_bytes", 0)  # the interrupted processes' peak
     records = payload["records"]
     done = {(q["task"], q["haystack"], q["length"], q["seed"]) for q in payload["prompts"]}
 
@@ -178,6 +179,7 @@ def run(args) -> dict:
         """Every finished case in ``partial`` (atomically), as a payload ``--merge`` and ``--resume`` read."""
         snap = grid.close_payload({**payload, "summary": summarize(records, labels, args.tasks)}, t_start)
         snap["total_seconds"] += prior_seconds
+        snap["peak_rss_bytes"] = max(snap["peak_rss_bytes"], prior_peak)
         snap["interrupted"] = True
         common.write_json(partial, snap)
 
@@ -247,6 +249,7 @@ def run(args) -> dict:
     payload["summary"] = summarize(records, labels, args.tasks)
     payload = grid.close_payload(payload, t_start)
     payload["total_seconds"] += prior_seconds
+    payload["peak_rss_bytes"] = max(payload["peak_rss_bytes"], prior_peak)
     return payload
 
 
@@ -307,8 +310,12 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         *haystack_lines(cfg),
         "",
         *([f"Merged (`--merge`) from {len(cfg['merged_from'])} runs, each its own commit and command:", "",
-           *[f"- `{m['file']}`: {m['commit']}, `{m['command']}`" for m in cfg["merged_from"]], ""]
+           *[f"- `{m['file']}`: {m['commit']}, `{m['command']}`" + "".join(
+               f" (resuming {r['cases']} cases run at {r['commit']} by `{r['command']}`)"
+               for r in m.get("resumed_from", [])) for m in cfg["merged_from"]], ""]
           if cfg.get("merged_from") else []),
+        *([f"Resumed (`--resume`): the first {r['cases']} cases ran at {r['commit']} (`{r['command']}`)."
+           for r in payload.get("resumed_from", [])] + [""] if payload.get("resumed_from") else []),
         results_table(payload),
         "",
     ]

@@ -464,5 +464,6 @@ def test_a_killed_run_keeps_its_cases_and_resume_finishes_it(smollm2_dir, tmp_pa
     assert d["records"][0] == kept["records"][0] and d["resumed_from"][0]["cases"] == 1
     assert {s["task"]: s["cases"] for s in d["summary"]} == {"span-copy": 1, "multi-key": 1}
     assert d["total_seconds"] > kept["total_seconds"]
+    assert "Resumed (`--resume`): the first 1 cases ran at" in bt.results_section(d, None)
     with pytest.raises(SystemExit, match="does not exist"):
         bt.main([*flags, "--resume"])

@@ -47,7 +47,8 @@ def merge(args, section: str) -> dict:
             for lab, per in p["config"].get(k, {}).items():
                 cfg[k].setdefault(lab, {}).update(per)
     cfg["merged_from"] = [{"file": str(f), "commit": p["git"].get("commit"), "command": p["command"],
-                           "timestamp": p.get("timestamp")} for f, p in zip(args.merge, parts)]
+                           "timestamp": p.get("timestamp"), "resumed_from": p.get("resumed_from", [])}
+                          for f, p in zip(args.merge, parts)]
     cfg["out"], cfg["plot"] = str(args.out), str(args.plot)
     # the header is the merge's own (its command, commit, time); the machine is the first run's (each run's
     # commit and command are listed in the section)
