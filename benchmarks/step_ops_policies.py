@@ -15,11 +15,12 @@ HCATTENTION_SUB_DIM, HCATTENTION_CODES = 4, 512  # g = 128 / 4 = 32 codes per ke
 def authors_profile(path: Path | None = None):
     """The HeteroCache authors' Llama-3.1-8B-Instruct profile (weights fingerprint dropped)."""
     import bench_latency
+    from harness.synthetic import OFFICIAL_PROFILES
 
     if path is None and bench_latency.reference_dir() is None:
         # a git worktree sits deeper than the main checkout: look for shared/reference above it too
         for parent in common.REPO_ROOT.parents:
-            cand = parent / "shared" / "reference" / bench_latency.OFFICIAL_PROFILES[SHAPE]
+            cand = parent / "shared" / "reference" / OFFICIAL_PROFILES[SHAPE]
             if cand.is_file():
                 path = cand
                 break
