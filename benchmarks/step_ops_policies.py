@@ -6,25 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import common  # benchmarks/common.py
 
 SHAPE = "llama-3.1-8b"
 HCATTENTION_SUB_DIM, HCATTENTION_CODES = 4, 512  # g = 128 / 4 = 32 codes per key (the paper's g for D = 128)
 
 
 def authors_profile(path: Path | None = None):
-    """The HeteroCache authors' Llama-3.1-8B-Instruct profile (weights fingerprint dropped)."""
-    import bench_latency
-    from harness.synthetic import OFFICIAL_PROFILES
+    """The HeteroCache authors' Llama-3.1-8B-Instruct profile (weights fingerprint dropped), from ``path`` or
+    ``harness.synthetic.reference_dir``."""
+    from harness.synthetic import synthetic_profile
 
-    if path is None and bench_latency.reference_dir() is None:
-        # a git worktree sits deeper than the main checkout: look for shared/reference above it too
-        for parent in common.REPO_ROOT.parents:
-            cand = parent / "shared" / "reference" / OFFICIAL_PROFILES[SHAPE]
-            if cand.is_file():
-                path = cand
-                break
-    return bench_latency.synthetic_profile(SHAPE, path)
+    return synthetic_profile(SHAPE, path)
 
 
 def synckv_profile_from(profile):

@@ -82,11 +82,13 @@ def synthetic_model(real_model, max_positions: int, seed: int, shape: str = MODE
 
 
 def reference_dir() -> Path | None:
-    """Folder with the HeteroCache authors' published profiles: $HETERO_JAX_REFERENCE_DIR or ../shared/reference."""
+    """Folder with the HeteroCache authors' published profiles: $HETERO_JAX_REFERENCE_DIR, else shared/reference
+    beside the repository or beside any folder above it (a git worktree sits deeper than the main checkout)."""
     root = Path(__file__).resolve().parents[2]  # the repository (this file: benchmarks/harness/)
-    for c in (os.environ.get("HETERO_JAX_REFERENCE_DIR"), root.parent / "shared" / "reference"):
-        if c and Path(c).is_dir():
-            return Path(c)
+    env = os.environ.get("HETERO_JAX_REFERENCE_DIR")
+    for c in ([Path(env)] if env else []) + [d / "shared" / "reference" for d in root.parents]:
+        if c.is_dir():
+            return c
     return None
 
 
