@@ -211,12 +211,27 @@ def _blas_thread_counts() -> list[int]:
 
 @pytest.fixture
 def fresh_blas_limit(monkeypatch):
-    """The one-BLAS-thread limit's process-wide state, fresh: in the whole suite's process these tests once saw the
-    limit not applied (cause not found: a controller found without the BLAS library, or a callback of an earlier
-    test still counted inside), so each starts from none."""
+    """No other callback inside the one-BLAS-thread limit, and its controller found afresh. The limit is
+    process-wide and counted, so a callback of an earlier test's computation still running (jax dispatches
+    asynchronously) would keep it set past this test's own ``threadpool_limits`` or, had the count been replaced
+    here, restore BLAS's count from under this test when it left: in the whole suite's process these tests twice
+    saw BLAS at two threads inside the limit. So wait for every live array, then for the count to reach zero."""
+    import time
+
+    import jax
+
     from hetero_jax.model import host_store
 
-    monkeypatch.setattr(host_store, "_BLAS_LIMIT", [0, None])
+    for a in jax.live_arrays():
+        a.block_until_ready()
+    deadline = time.monotonic() + 60
+    while True:
+        with host_store._BLAS_LOCK:
+            inside = host_store._BLAS_LIMIT[0]
+        if not inside:
+            break
+        assert time.monotonic() < deadline, f"{inside} host callback(s) still inside the one-BLAS-thread limit"
+        time.sleep(0.01)
     monkeypatch.setattr(host_store, "_BLAS_CONTROLLER", [None])
 
 
