@@ -382,3 +382,25 @@ def test_no_host_round_trip_inside_the_decode_step(policy, host_call, monkeypatc
     jaxpr = jax.make_jaxpr(functools.partial(M.decode_step, cfg=CFG, policy=eng.policy))(PARAMS, eng.cache, tok,
                                                                                          host=host)
     assert ("pure_callback" in str(jaxpr)) == host_call  # the printed jaxpr holds every nested one
+
+
+def test_not_resident_over_stacked_layers_is_each_heads_set_difference():
+    """The recall's membership test (every layer at once, by sorting) against a per-head python set difference,
+    within each sequence's k_sel slots: random selections with some slots replaced, page ids up to 3k."""
+    from hetero_jax.policies.speculative import not_resident
+
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        NL, B, Hh, k = (int(x) for x in rng.integers(1, 5, 3).tolist() + [rng.integers(1, 12)])
+        k_sel = rng.integers(1, k + 1, B)
+        perms = np.array([[[rng.permutation(3 * k) for _ in range(Hh)] for _ in range(B)] for _ in range(NL)])
+        sel, held = perms[..., :k], perms[..., :k].copy()
+        swap = rng.random(sel.shape) < 0.3
+        held[swap] = perms[..., k:2 * k][swap]
+        got = not_resident(sel, held, k_sel)
+        want = np.zeros_like(got)
+        for li, b, h in np.ndindex(NL, B, Hh):
+            kept = set(held[li, b, h, :k_sel[b]].tolist())
+            want[li, b, h, :k_sel[b]] = [p not in kept for p in sel[li, b, h, :k_sel[b]]]
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(not_resident(sel[0], held[0], k_sel), want[0])  # one layer, as before

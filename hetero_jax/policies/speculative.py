@@ -224,35 +224,32 @@ class PageRecallDecode(DecodeState):
         """Per head, the pages of the new selection that are not resident replace, slot by slot, the resident
         pages no longer selected. Only those rows cross to the device (every transfer started before any write)
         and are scattered in place into the page slots of each head's region of the pool (pool row = its offset
-        + start + slot * ps + i; ``write_head_rows`` finds its shard); the pool is never read back."""
+        + start + slot * ps + i; ``write_head_rows`` finds its shard); the pool is never read back. Planned for
+        every layer at once: the step's next dispatch waits on this host work."""
         ps = self.page_size
-        requests, mirrors, moved = [], {}, 0
-        for li, sel in self.ready.items():
-            mirror = self.resident[li]
-            missing = not_resident(sel, mirror, self.k_sel)  # [B, H, k] selected, not resident
-            free = not_resident(mirror, sel, self.k_sel)  # [B, H, k] resident, no longer selected
-            mb, mh, mj = np.nonzero(missing)
-            fb, fh, fj = np.nonzero(free)
-            # each head has as many of one as of the other, and nonzero lists both row-major: zip pairs them
-            assert np.array_equal(mb, fb) and np.array_equal(mh, fh)
-            if not len(mb):
-                continue
-            pages = sel[mb, mh, mj]
-            new = mirror.copy()
-            new[fb, fh, fj] = pages
-            mirrors[li] = new
-            offs = np.arange(ps)[None, :]
-            tok = (self.start[mb, None] + pages[:, None] * ps + offs).reshape(-1)
-            slots = (self.start[mb, None] + fj[:, None] * ps + offs).reshape(-1)  # region rows of the page slots
-            b_idx, h_idx = np.repeat(mb, ps), np.repeat(mh, ps)
-            requests.append((li, b_idx, h_idx, tok, slots))
-            moved += len(pages)
-        if not requests:
+        layers = list(self.ready)
+        sel = np.stack([self.ready[li] for li in layers])  # [NL, B, H, k]
+        held = np.stack([self.resident[li] for li in layers])
+        ml, mb, mh, mj = np.nonzero(not_resident(sel, held, self.k_sel))  # selected, not resident
+        fl, fb, fh, fj = np.nonzero(not_resident(held, sel, self.k_sel))  # resident, no longer selected
+        # each head has as many of one as of the other, and nonzero lists both row-major: zip pairs them
+        assert np.array_equal(ml, fl) and np.array_equal(mb, fb) and np.array_equal(mh, fh)
+        if not len(ml):
             return cache
+        pages = sel[ml, mb, mh, mj]
+        new = held.copy()
+        new[fl, fb, fh, fj] = pages
+        offs = np.arange(ps)[None, :]
+        tok = (self.start[mb, None] + pages[:, None] * ps + offs).reshape(-1)
+        slots = (self.start[mb, None] + fj[:, None] * ps + offs).reshape(-1)  # region rows of the page slots
+        b_idx, h_idx = np.repeat(mb, ps), np.repeat(mh, ps)
+        cuts = np.searchsorted(ml, np.arange(len(layers) + 1)) * ps  # each layer's rows (ml is sorted)
+        requests = [(li, b_idx[a:z], h_idx[a:z], tok[a:z], slots[a:z])
+                    for li, a, z in zip(layers, cuts[:-1], cuts[1:]) if z > a]
         # every layer's rows in one transfer set, all of it out before anything is written
         pool, _, nbytes = write_head_rows(cache.pool, self.store, self.offsets, requests, self.compile_fn)
-        self.resident.update(mirrors)
-        self.pages_recalled += moved
+        self.resident.update({li: new[i] for i, li in enumerate(layers)})
+        self.pages_recalled += len(pages)
         self.bytes_recalled += nbytes
         return cache.replace(pool=pool)
 
@@ -282,7 +279,13 @@ class PageRecallDecode(DecodeState):
 
 
 def not_resident(pages: np.ndarray, held: np.ndarray, k_sel: np.ndarray) -> np.ndarray:
-    """[B, H, k] True where ``pages`` (within each sequence's first k_sel slots) is not among ``held``'s."""
+    """[..., B, H, k] True where ``pages`` (within each sequence's first k_sel slots) is not among ``held``'s
+    (the same shape: any leading axes, e.g. layers). Page ids are >= 0. By one membership test over every head
+    at once (sorting, not a k x k comparison per head: k is hundreds of pages per head at long contexts)."""
+    pages, held = np.asarray(pages, np.int64), np.asarray(held, np.int64)
     ok = np.arange(pages.shape[-1])[None, None, :] < np.asarray(k_sel)[:, None, None]  # [B, 1, k]
-    same = (pages[..., :, None] == held[..., None, :]) & ok[..., None, :]
-    return np.broadcast_to(ok, pages.shape) & ~same.any(axis=-1)
+    ok = np.broadcast_to(ok, pages.shape)
+    span = int(max(pages.max(initial=0), held.max(initial=0))) + 2  # page ids of one head, and a free id
+    row = np.arange(pages.size // max(1, pages.shape[-1]), dtype=np.int64).reshape(pages.shape[:-1] + (1,)) * span
+    held_keys = np.where(ok, held, span - 1) + row  # slots past k_sel hold the free id: never a member
+    return ok & ~np.isin(pages + row, held_keys)
