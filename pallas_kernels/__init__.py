@@ -73,8 +73,7 @@ def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, block_
   q [B, H, T, G, D]; k_pool, v_pool [B, P, D]; offsets, lengths [B, H] int32; score_heads [H] int32 flags or
   None; block_rows [B, H, NB] int32 (paged heads, blocks of ``block_size`` rows) or None. Returns (out
   [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, logits [B, H, G, score_len] float32 or None).
-  The native CPU kernel reads contiguous regions only: a paged call there gathers each head's blocks into a
-  contiguous temporary first (the CPU's memory bandwidth is not what its decode step waits on). Where the
+  The native CPU kernel reads a paged head's blocks in place too (blocks of any power of two). Where the
   Pallas kernel cannot read blocks of ``block_size`` rows (not a power of two >= 16) the reference runs (a
   warning).
   """
@@ -92,11 +91,12 @@ def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, block_
                                     score_len=score_len, sm_scale=sm_scale, block_size=block_size)
   if mode == "native":
     from pallas_kernels.native import pool_attention_native
-    if block_rows is not None:
+    if block_rows is not None and not is_pow2(block_size):  # the kernel's blocks must divide a page
       k_pool, v_pool, offsets = gather_blocks(k_pool, v_pool, offsets, block_rows, block_size=block_size,
                                               max_len=max_len)
-    return pool_attention_native(q, k_pool, v_pool, offsets, lengths, score_heads, score_len=score_len,
-                                 sm_scale=sm_scale)
+      block_rows = None
+    return pool_attention_native(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows,
+                                 score_len=score_len, sm_scale=sm_scale, block_size=block_size)
   return pool_attention_pallas(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows, max_len=max_len,
                                score_len=score_len, sm_scale=sm_scale, block_size=block_size,
                                interpret=(mode == "interpret"))

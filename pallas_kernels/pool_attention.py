@@ -156,7 +156,8 @@ def gather_blocks(
     block_size: int,  # rows of one block
     max_len: int,     # logical rows gathered per head (<= NB * block_size)
 ):
-  """Paged heads as contiguous regions, for a kernel that reads contiguous rows only (the native CPU one):
+  """Paged heads as contiguous regions, for a kernel that cannot read their blocks (the native CPU one where a
+  block is not a power of two rows):
   ([B, H * S, D] keys and values of each head's S = max_len logical rows, head h's at h * S; those offsets
   [B, H]). Rows are clipped into the pool: a row past a head's visible length is gathered but never read."""
   B, H, _ = block_rows.shape

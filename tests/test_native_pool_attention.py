@@ -267,21 +267,55 @@ def test_under_shard_map_on_two_simulated_devices():
   assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (proc.stdout + proc.stderr)[-4000:]
 
 
-def test_paged_heads_gather_then_match_reference():
-  """A paged call (in-device Quest's block table) on the native backend gathers each head's blocks into a
-  contiguous temporary and runs the kernel there: equal to the reference, with NaN in every pool row outside
-  the rows the table makes visible."""
-  import pallas_kernels as pk
+@pytest.mark.parametrize("bs,G,dtype,chunk_rows", [(16, 4, jnp.float32, None), (8, 1, jnp.float32, None),
+                                                   (32, 7, jnp.float32, 32), (16, 3, jnp.bfloat16, None),
+                                                   (64, 4, jnp.float32, 64)])
+def test_paged_heads_read_in_place_match_reference(bs, G, dtype, chunk_rows):
+  """A paged call (Quest's and FreeKV's block tables) read in place by the native kernel, blocks of 8 to 64 rows
+  (below, at and above the kernel's own block of 64 rows at D = 64), float32 and bfloat16, a head cut into
+  chunks on threads: equal to the reference, with NaN in every pool row outside the rows the table makes
+  visible (so a row read out of turn shows)."""
   from pool_utils import make_paged_pool
 
-  rng = np.random.default_rng(11)
-  lengths = np.array([[0, 1, 15], [17, 80, 33]], np.int32)
-  k, v, offsets, table, _ = make_paged_pool(rng, lengths, 5, 9, 16, 64, jnp.float32)
-  q = jnp.asarray(rng.standard_normal((2, 3, 1, 4, 64)), jnp.float32)
+  rng = np.random.default_rng(11 + bs)
+  lengths = np.array([[0, 1, bs - 1], [bs + 1, 5 * bs, 2 * bs + 1]], np.int32)
+  k, v, offsets, table, _ = make_paged_pool(rng, lengths, 5, 9, bs, 64, dtype)
+  q = jnp.asarray(rng.standard_normal((2, 3, 1, G, 64)), dtype)
   lens = jnp.asarray(lengths)
-  out, lse, _ = pk.pool_attention(q, k, v, offsets, lens, None, table, max_len=80, block_size=16, backend="native")
+  out, lse, _ = native.pool_attention_native(q, k, v, offsets, lens, None, table, block_size=bs,
+                                             chunk_rows=chunk_rows)
   r_out, r_lse, _ = pool_attention_reference(q, jnp.nan_to_num(k), jnp.nan_to_num(v), offsets, lens, None, table,
-                                             max_len=80, block_size=16)
-  assert np.isfinite(np.asarray(out)).all()
-  np.testing.assert_allclose(np.asarray(out), np.asarray(r_out), atol=2e-5, rtol=2e-5)
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(r_lse), atol=2e-5, rtol=2e-5)
+                                             max_len=5 * bs, block_size=bs)
+  tol = 2e-5 if dtype == jnp.float32 else 2e-2
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(r_out, np.float32), atol=tol, rtol=tol)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(r_lse), atol=tol, rtol=tol)
+
+
+def test_paged_rows_past_the_pool_are_clipped_as_the_reference_clips_them():
+  """Block-table entries that point before the pool's start or past its end: each row is clipped into [0, P)
+  (the reference's rule), also through pallas_kernels.pool_attention's dispatch and with a page size that is
+  not a power of two (gathered first there)."""
+  import pallas_kernels as pk
+
+  rng = np.random.default_rng(5)
+  B, H, P, D, bs = 2, 3, 70, 64, 16
+  k = jnp.asarray(rng.standard_normal((B, P, D)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((B, P, D)), jnp.float32)
+  offsets = jnp.asarray([[0, 20, 40], [5, 30, 50]], jnp.int32)
+  table = jnp.asarray([[[-10, 0, 60], [0, 16, 45], [-40, 5, 100]], [[2, 60, -3], [10, 0, 30], [8, 9, 10]]], jnp.int32)
+  lens = jnp.asarray([[48, 40, 33], [3, 48, 47]], jnp.int32)
+  q = jnp.asarray(rng.standard_normal((B, H, 1, 2, D)), jnp.float32)
+  want = pool_attention_reference(q, k, v, offsets, lens, None, table, max_len=48, block_size=bs)
+  got = native.pool_attention_native(q, k, v, offsets, lens, None, table, block_size=bs)
+  via = pk.pool_attention(q, k, v, offsets, lens, None, table, max_len=48, block_size=bs, backend="native")
+  for g in (got, via):
+    np.testing.assert_allclose(np.asarray(g[0]), np.asarray(want[0]), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(g[1]), np.asarray(want[1]), atol=2e-5, rtol=2e-5)
+  got = pk.pool_attention(q, k, v, offsets, jnp.minimum(lens, 24), None, table[..., :2], max_len=24, block_size=12,
+                          backend="native")
+  want12 = pool_attention_reference(q, k, v, offsets, jnp.minimum(lens, 24), None, table[..., :2], max_len=24,
+                                    block_size=12)
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want12[0]), atol=2e-5, rtol=2e-5)
+  with pytest.raises(ValueError, match="power of two"):
+    native.pool_attention_native(q, k, v, offsets, lens, None, table, block_size=12)

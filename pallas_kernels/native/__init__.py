@@ -269,10 +269,12 @@ def pool_attention_native(
     offsets,           # [B, H] int32
     lengths,           # [B, H] int32
     score_heads=None,  # [H] int32 flags (None: every head)
+    block_rows=None,   # [B, H, NB] int32 first region row of each logical block (None: contiguous heads)
     *,
     max_len: int | None = None,  # accepted for the reference's signature; the kernel needs no bound
     score_len: int = 0,
     sm_scale: float | None = None,
+    block_size: int = 0,  # static: rows of a block of ``block_rows`` (a power of two)
     chunk_rows: int | None = None,
 ):
   """``pool_attention_reference``'s computation in the native CPU kernel: returns (out [B, H, T, G, D] in
@@ -280,6 +282,9 @@ def pool_attention_native(
   visible rows and those of unflagged heads are MASK_VALUE. Raises RuntimeError when the kernel is not
   available (:func:`unavailable_reason`). Works under jit, vmap (one call over the batched axes) and
   shard_map (each shard's local arrays).
+
+  ``block_rows``: paged heads, read in place: logical row j of head h is region row
+  block_rows[b, h, j // block_size] + j % block_size, each row clipped into [0, P) as the reference clips it.
 
   ``chunk_rows`` (tests): cut every head into work items of that many rows (rounded up to the kernel's
   block), merged by log-sum-exp, on several threads where the pool has them; None: the kernel's own split
@@ -301,6 +306,14 @@ def pool_attention_native(
   if jnp.shape(offsets) != (B, H) or jnp.shape(lengths) != (B, H):
     raise ValueError(f"offsets and lengths must be [B, H] = {(B, H)}, got {jnp.shape(offsets)} and "
                      f"{jnp.shape(lengths)}")
+  if block_rows is None:
+    block_size, block_rows = 0, jnp.zeros((B, H, 1), jnp.int32)
+  else:
+    block_size = int(block_size)
+    if block_size < 1 or block_size & (block_size - 1):
+      raise ValueError(f"block_size must be a power of two for paged heads, got {block_size}")
+    if jnp.ndim(block_rows) != 3 or jnp.shape(block_rows)[:2] != (B, H) or jnp.shape(block_rows)[2] < 1:
+      raise ValueError(f"block_rows must be [B, H, NB] = [{B}, {H}, NB >= 1], got {jnp.shape(block_rows)}")
   if chunk_rows is not None and int(chunk_rows) < 1:
     raise ValueError(f"chunk_rows must be None or >= 1, got {chunk_rows}")
   score_len = int(score_len)
@@ -320,7 +333,7 @@ def pool_attention_native(
   # broadcast_all: the kernel flattens leading batch axes into B, so a vmapped call is one call
   call = jax.ffi.ffi_call(TARGET, result, vmap_method="broadcast_all")
   out, lse, logits = call(q, k_pool, v_pool, jnp.asarray(offsets).astype(jnp.int32),
-                          jnp.asarray(lengths).astype(jnp.int32), flags,
+                          jnp.asarray(lengths).astype(jnp.int32), flags, jnp.asarray(block_rows).astype(jnp.int32),
                           sm_scale=np.float32(sm_scale), score_len=np.int64(score_len),
-                          chunk_rows=np.int64(chunk_rows or 0))
+                          chunk_rows=np.int64(chunk_rows or 0), block_size=np.int64(block_size))
   return out, lse, (logits if score_len else None)

@@ -10,7 +10,10 @@
 //   k_pool  [B, P, D]         float32 / bfloat16 / float16 (v_pool the same dtype)
 //   v_pool  [B, P, D]
 //   offsets [B, H] int32, lengths [B, H] int32, flags [B, H] int32 (1: write this head's logits)
-// Attributes: sm_scale (f32), score_len (i64), chunk_rows (i64; 0 = automatic, > 0 forces that split: tests).
+//   block_rows [B, H, NB] int32: with block_size > 0 a head is paged, its logical row j being region row
+//     block_rows[b, h, j / block_size] + j % block_size (Quest's and FreeKV's pages, read in place)
+// Attributes: sm_scale (f32), score_len (i64), chunk_rows (i64; 0 = automatic, > 0 forces that split: tests),
+//   block_size (i64; 0 = contiguous heads, else a power of two: the rows of one block of block_rows).
 // Results: out [B, H, T, G, D] in q's dtype, lse [B, H, T, G] f32, logits [B, H, G, score_len] f32.
 //
 // Work split: items are (b, h, key chunk). A long head is cut into chunks when a call is long enough for
@@ -28,7 +31,8 @@
 // about -87.3 returns exactly 0, never NaN. No row outside a head's range [o, o + lengths + T - 1) is read:
 // a chunk ends at the last row any query of the head sees, and each query's logits stop at its own end.
 // A head whose offset is outside [0, P) is empty, and a range past the pool's end is cut there (callers
-// keep ranges inside the pool; this only keeps a bad call from reading out of bounds).
+// keep ranges inside the pool; this only keeps a bad call from reading out of bounds). A paged head's rows
+// are clipped into [0, P) one by one, as the reference clips them.
 
 #include <algorithm>
 #include <atomic>
@@ -300,11 +304,14 @@ struct Problem {
   Elem out_elem;
   float* lse;                       // [B, H, T, G]
   float* logits;                    // [B, H, G, S]
-  int64_t block;                    // rows per block
+  int64_t block;                    // rows per block (divides `page` where heads are paged)
+  const int32_t* block_rows;        // [B, H, NB] first region row of each logical block of `page` rows
+  int64_t NB, page;                 // page = 0: contiguous heads
 };
 
 struct Head {
-  int64_t start;     // first pool row (b * P + offset)
+  int64_t start;     // first pool row (b * P + offset; a paged head: b * P)
+  int64_t off;       // a paged head's offset in its sequence's pool (region row r is pool row off + r)
   int64_t n0;        // rows query position 0 sees (may be <= 0)
   int64_t rows;      // rows any query of the head sees (clamped to the pool)
   int64_t first_part;
@@ -435,7 +442,27 @@ void run_chunk(const Problem& pb, const Head& hd, int64_t bh, int64_t c0, int64_
     const int64_t j1 = std::min(c1, j0 + pb.block);
     const int64_t nb = j1 - j0;
     const float *kb, *vb;
-    if (direct) {
+    if (pb.page > 0) {  // a paged head: the block lies in one page, at region row rel
+      const int64_t rel = pb.block_rows[bh * pb.NB + j0 / pb.page] + j0 % pb.page;
+      const int64_t row = hd.off + rel;
+      if (direct && row >= 0 && row + nb <= pb.P) {
+        kb = reinterpret_cast<const float*>(kp) + row * D;
+        vb = reinterpret_cast<const float*>(vp) + row * D;
+      } else if (row >= 0 && row + nb <= pb.P) {
+        rows_to_f32<KV>(kp + row * D, D, Dp, nb, kbuf);
+        rows_to_f32<KV>(vp + row * D, D, Dp, nb, vbuf);
+        kb = kbuf;
+        vb = vbuf;
+      } else {  // rows clipped into the pool one by one (the reference's rule; callers never ask for it)
+        for (int64_t r = 0; r < nb; ++r) {
+          const int64_t c = std::min<int64_t>(std::max<int64_t>(row + r, 0), pb.P - 1);
+          rows_to_f32<KV>(kp + c * D, D, Dp, 1, kbuf + r * Dp);
+          rows_to_f32<KV>(vp + c * D, D, Dp, 1, vbuf + r * Dp);
+        }
+        kb = kbuf;
+        vb = vbuf;
+      }
+    } else if (direct) {
       kb = reinterpret_cast<const float*>(kp) + j0 * D;
       vb = reinterpret_cast<const float*>(vp) + j0 * D;
     } else {
@@ -571,7 +598,8 @@ int64_t prod(ffi::AnyBuffer::Dimensions d, size_t from, size_t to) {
 
 ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> lengths,
-                             ffi::Buffer<ffi::S32> flags, float sm_scale, int64_t score_len, int64_t chunk_rows,
+                             ffi::Buffer<ffi::S32> flags, ffi::Buffer<ffi::S32> block_rows, float sm_scale,
+                             int64_t score_len, int64_t chunk_rows, int64_t block_size,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                              ffi::Result<ffi::Buffer<ffi::F32>> logits) {
   auto qd = q.dimensions();
@@ -590,6 +618,11 @@ ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
     return ffi::Error::InvalidArgument("pool_attention: offsets, lengths and flags must be [B, H]");
   if (score_len < 0 || (score_len > 0 && T != 1))
     return ffi::Error::InvalidArgument("pool_attention: score_len needs T == 1");
+  const auto bd = block_rows.dimensions();
+  const int64_t NB = bd.size() ? bd[bd.size() - 1] : 0;
+  if (block_size < 0 || (block_size & (block_size - 1)) != 0 || NB < 1 ||
+      block_rows.element_count() != static_cast<size_t>(B * H * NB))
+    return ffi::Error::InvalidArgument("pool_attention: block_rows must be [B, H, NB >= 1], block_size 0 or a power of two");
   if (logits->element_count() != static_cast<size_t>(B * H * G * score_len))
     return ffi::Error::InvalidArgument("pool_attention: logits must be [B, H, G, score_len]");
   Elem qe, ke, ve, oe;
@@ -616,6 +649,10 @@ ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
   pb.lse = lse->typed_data();
   pb.logits = logits->typed_data();
   pb.block = pb.Dp <= 64 ? kMaxBlock : (pb.Dp <= 128 ? 32 : 16);  // K and V blocks stay in L1
+  pb.block_rows = block_rows.typed_data();
+  pb.NB = NB;
+  pb.page = block_size;
+  if (block_size > 0) pb.block = std::min<int64_t>(pb.block, block_size);  // powers of two: a block in one page
 
   // q in float32, scaled, rows padded to Dp
   std::vector<float> qf(B * H * T * G * pb.Dp, 0.f);
@@ -634,9 +671,16 @@ ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
       Head& hd = sh->heads[b * H + h];
       const int64_t o = pb.offsets[b * H + h];
       hd.n0 = pb.lengths[b * H + h];
-      const int64_t avail = (o >= 0 && o < P) ? P - o : 0;
-      hd.rows = std::max<int64_t>(0, std::min(avail, hd.n0 + T - 1));
-      hd.start = b * P + (avail > 0 ? o : 0);
+      if (pb.page > 0) {  // paged: NB blocks of logical rows, each row clipped into the pool where it is read
+        hd.rows = std::max<int64_t>(0, std::min(NB * pb.page, hd.n0 + T - 1));
+        hd.start = b * P;
+        hd.off = o;
+      } else {
+        const int64_t avail = (o >= 0 && o < P) ? P - o : 0;
+        hd.rows = std::max<int64_t>(0, std::min(avail, hd.n0 + T - 1));
+        hd.start = b * P + (avail > 0 ? o : 0);
+        hd.off = 0;
+      }
       total += hd.rows;
     }
   }
@@ -712,9 +756,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HeteroJaxPoolAttention, PoolAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // offsets
                                   .Arg<ffi::Buffer<ffi::S32>>()   // lengths
                                   .Arg<ffi::Buffer<ffi::S32>>()   // flags
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_rows
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("score_len")
                                   .Attr<int64_t>("chunk_rows")    // 0: automatic
+                                  .Attr<int64_t>("block_size")    // 0: contiguous heads
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse
                                   .Ret<ffi::Buffer<ffi::F32>>()); // logits
