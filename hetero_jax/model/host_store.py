@@ -228,38 +228,48 @@ def _heads_split(x: jax.Array) -> bool:
     return sharding is not None and sharding.shard_shape(x.shape)[1] < x.shape[1]
 
 
-def gather_rows(a: np.ndarray, b: np.ndarray, h: np.ndarray, positions: np.ndarray,
-                out: np.ndarray | None = None) -> np.ndarray:
-    """``a[b, h, positions]`` for a [B, H, T, D] host array (indices of one shape): [..., D], a new array,
-    or written into ``out`` [n, D] (n indices; C-contiguous, ``a``'s dtype), which is returned.
+def checked_rows(shape: tuple, b, h, positions) -> np.ndarray:
+    """Flat row numbers (b * H + h) * T + positions (int64, the indices' broadcast shape) of a [B, H, T, D] store;
+    IndexError naming the axis of an index out of range (``np.take(mode="clip")`` would not say)."""
+    B, H, T = shape[:3]
+    b, h, positions = (np.asarray(x, np.int64) for x in (b, h, positions))
+    for x, size, name in ((b, B, "batch"), (h, H, "head"), (positions, T, "position")):
+        if x.size and (x.min() < 0 or x.max() >= size):
+            raise IndexError(f"{name} index out of range for a [{B}, {H}, {T}, {shape[3]}] store")
+    return (b * H + h) * T + positions
+
+
+def take_rows(a: np.ndarray, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Rows ``rows`` (flat row numbers in range, :func:`checked_rows`) of a [B, H, T, D] host array written into
+    ``out`` [n, D] (C-contiguous, ``a``'s dtype), which is returned.
 
     Each row is moved as one item of 8-byte words (``np.take`` on a [B*H*T, row words] view) rather than
     D elements of ``a``'s dtype: numpy's fancy indexing of bfloat16 (an ml_dtypes type) goes element by
     element (1.4 GB/s in the H200 run, RESULTS.md ``offload-gpu``; 4.8x slower than this on the CPU for a
-    32K-row gather).
-    """
+    32K-row gather)."""
     B, H, T, D = a.shape
-    row_bytes = D * a.itemsize
-    word = np.uint64 if row_bytes % 8 == 0 and a.flags.c_contiguous else None
-    b, h, positions = (np.asarray(x, np.int64) for x in (b, h, positions))
-    for x, size, name in ((b, B, "batch"), (h, H, "head"), (positions, T, "position")):
-        if x.size and (x.min() < 0 or x.max() >= size):   # np.take(mode="clip") below would not say
-            raise IndexError(f"{name} index out of range for a [{B}, {H}, {T}, {D}] store")
-    if out is not None and (out.shape != (positions.size, D) or out.dtype != a.dtype or not out.flags.c_contiguous):
-        raise ValueError(f"out must be a C-contiguous [{positions.size}, {D}] {a.dtype} array, got {out.shape} "
-                         f"{out.dtype}")
-    if word is None:   # odd row sizes or a strided view: plain indexing
-        if out is None:
-            return a[b, h, positions]
-        out[...] = a[b.reshape(-1), h.reshape(-1), positions.reshape(-1)]
+    rows = rows.reshape(-1)
+    if D * a.itemsize % 8 or not a.flags.c_contiguous:   # odd row sizes or a strided view: plain indexing
+        out[...] = a[np.unravel_index(rows, (B, H, T))]
         return out
-    flat = ((b * H + h) * T + positions).reshape(-1)
-    rows = a.reshape(B * H * T, D).view(word)
-    if out is None:
-        return np.take(rows, flat, axis=0).view(a.dtype).reshape(*positions.shape, D)
     # mode="clip": the indices are in range, and mode="raise" with ``out`` would gather into a buffer first
-    np.take(rows, flat, axis=0, out=out.view(word), mode="clip")
+    np.take(a.reshape(B * H * T, D).view(np.uint64), rows, axis=0, out=out.view(np.uint64), mode="clip")
     return out
+
+
+def gather_rows(a: np.ndarray, b: np.ndarray, h: np.ndarray, positions: np.ndarray,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """``a[b, h, positions]`` for a [B, H, T, D] host array (indices of one shape): [..., D], a new array,
+    or written into ``out`` [n, D] (n indices; C-contiguous, ``a``'s dtype), which is returned
+    (:func:`take_rows`; IndexError for an index out of range)."""
+    rows = checked_rows(a.shape, b, h, positions)
+    if out is not None and (out.shape != (rows.size, a.shape[-1]) or out.dtype != a.dtype
+                            or not out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous [{rows.size}, {a.shape[-1]}] {a.dtype} array, got {out.shape} "
+                         f"{out.dtype}")
+    if out is None:
+        return take_rows(a, rows, np.empty((rows.size, a.shape[-1]), a.dtype)).reshape(*rows.shape, a.shape[-1])
+    return take_rows(a, rows, out)
 
 
 def _scatter_rows(pool: KVPool, ints, k_rows, v_rows) -> tuple[KVPool, jax.Array]:
@@ -397,7 +407,8 @@ _gather_pool: list = []
 
 
 def _gather_pieces(pieces: list[tuple]) -> None:
-    """Each (source, b, h, positions, destination) gathered (``gather_rows``), on threads when there are several:
+    """Each (source, rows, destination) gathered (``take_rows``; rows checked by the caller, once for a K and V
+    pair), on threads when there are several:
     the pieces are dealt into one task per thread, balanced by rows (a recall of many small layers' rows would
     otherwise spend more on submitting tasks than on copying)."""
     if len(pieces) <= 2 or GATHER_THREADS == 1:
@@ -408,17 +419,17 @@ def _gather_pieces(pieces: list[tuple]) -> None:
             _gather_pool.append(concurrent.futures.ThreadPoolExecutor(GATHER_THREADS, thread_name_prefix="gather"))
     tasks: list[list] = [[] for _ in range(min(GATHER_THREADS, len(pieces)))]
     load = [0] * len(tasks)
-    for piece in sorted(pieces, key=lambda x: -len(x[3])):  # largest first onto the least loaded task
+    for piece in sorted(pieces, key=lambda x: -len(x[1])):  # largest first onto the least loaded task
         i = load.index(min(load))
         tasks[i].append(piece)
-        load[i] += len(piece[3])
+        load[i] += len(piece[1])
     for f in [_gather_pool[0].submit(_gather_all, t) for t in tasks]:
         f.result()  # re-raises a piece's error
 
 
 def _gather_all(pieces: list[tuple]) -> None:
-    for src, b, h, p, out in pieces:
-        gather_rows(src, b, h, p, out=out)
+    for src, rows, out in pieces:
+        take_rows(src, rows, out)
 
 
 def _part_spans(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
@@ -459,17 +470,17 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
         staged[i].k[n - i * chunk :] = 0
         staged[i].v[n - i * chunk :] = 0
     at = 0
-    pieces = []  # (source [B, H, T, D], b, h, positions, destination rows): gathered on GATHER_THREADS threads
+    pieces = []  # (source [B, H, T, D], rows, destination rows): gathered on GATHER_THREADS threads
     for li, b, h, positions, shard, pool_rows in requests:
         m = len(positions)
         k, v = store.view(li)
-        idx = np.broadcast_arrays(np.asarray(b), np.asarray(h), np.asarray(positions))
+        rows = np.broadcast_to(checked_rows(k.shape, b, h, positions), (m,))  # once for K and V
         for lo in range(0, m, GATHER_PIECE):
             hi = min(m, lo + GATHER_PIECE)
             for a, z in _part_spans(at + lo, at + hi, chunk):  # a piece never crosses a part
                 part, r = staged[a // chunk], a % chunk
-                sel = [x[a - at : z - at] for x in idx]
-                pieces += [(k, *sel, part.k[r : r + z - a]), (v, *sel, part.v[r : r + z - a])]
+                sel = rows[a - at : z - at]
+                pieces += [(k, sel, part.k[r : r + z - a]), (v, sel, part.v[r : r + z - a])]
         for i, x in enumerate((b, shard, pool_rows, positions)):
             ints[i, at : at + m] = x
         at += m
@@ -516,7 +527,7 @@ def _send_by_device(store: "HostKVStore", requests: list[tuple], pool: KVPool, c
     first = store.v[requests[0][0]]
     D = first.shape[-1]
     k_dtype = (store.k[requests[0][0]] if store.k[requests[0][0]] is not None else first).dtype
-    staged, pieces = {}, []  # pieces: (source, b, h, positions, destination rows), gathered on GATHER_THREADS
+    staged, pieces = {}, []  # pieces: (source, rows, destination rows), gathered on GATHER_THREADS
     for d in devices:
         if d.process_index != jax.process_index():
             continue
@@ -530,8 +541,8 @@ def _send_by_device(store: "HostKVStore", requests: list[tuple], pool: KVPool, c
             bl, hl = b - block.b0, h - block.h0
             if bl.min() < 0 or bl.max() >= block.v.shape[0] or hl.min() < 0 or hl.max() >= block.v.shape[1]:
                 raise ValueError(f"layer {li}'s host rows for {d} are not in that device's shard of the store")
-            pieces += [(block.k, bl, hl, positions, k_rows[at : at + m]),
-                       (block.v, bl, hl, positions, v_rows[at : at + m])]
+            rows = checked_rows(block.v.shape, bl, hl, positions)
+            pieces += [(block.k, rows, k_rows[at : at + m]), (block.v, rows, v_rows[at : at + m])]
             ints[:, at : at + m] = (b - (sb.start or 0), shard - (ss.start or 0), pool_rows, positions)
             at += m
         staged[d] = (ints, k_rows, v_rows)
