@@ -30,7 +30,7 @@ install: $(STAMP)
 test: $(STAMP)
 	@log=$$(mktemp); \
 	$(BIN)/python -m pytest -q --durations=10 -m real_model tests > $$log 2>&1 & real=$$!; \
-	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0" $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 -m "not real_model" tests; \
+	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0" $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=40 -m "not real_model" tests; \
 	tiny=$$?; wait $$real; rm_rc=$$?; echo "--- real-model tests (run beside the above)"; cat $$log; rm -f $$log; \
 	echo "tiny-model tests: exit $$tiny; real-model tests: exit $$rm_rc"; test $$tiny -eq 0 -a $$rm_rc -eq 0
 
