@@ -441,33 +441,24 @@ void run_chunk(const Problem& pb, const Head& hd, int64_t bh, int64_t c0, int64_
   for (int64_t j0 = c0; j0 < c1; j0 += pb.block) {
     const int64_t j1 = std::min(c1, j0 + pb.block);
     const int64_t nb = j1 - j0;
+    // the block's first row after hd.start: the head's own row j0, or where a paged head's block lies (in one page)
+    const int64_t row = pb.page > 0 ? hd.off + pb.block_rows[bh * pb.NB + j0 / pb.page] + j0 % pb.page : j0;
     const float *kb, *vb;
-    if (pb.page > 0) {  // a paged head: the block lies in one page, at region row rel
-      const int64_t rel = pb.block_rows[bh * pb.NB + j0 / pb.page] + j0 % pb.page;
-      const int64_t row = hd.off + rel;
-      if (direct && row >= 0 && row + nb <= pb.P) {
-        kb = reinterpret_cast<const float*>(kp) + row * D;
-        vb = reinterpret_cast<const float*>(vp) + row * D;
-      } else if (row >= 0 && row + nb <= pb.P) {
-        rows_to_f32<KV>(kp + row * D, D, Dp, nb, kbuf);
-        rows_to_f32<KV>(vp + row * D, D, Dp, nb, vbuf);
-        kb = kbuf;
-        vb = vbuf;
-      } else {  // rows clipped into the pool one by one (the reference's rule; callers never ask for it)
-        for (int64_t r = 0; r < nb; ++r) {
-          const int64_t c = std::min<int64_t>(std::max<int64_t>(row + r, 0), pb.P - 1);
-          rows_to_f32<KV>(kp + c * D, D, Dp, 1, kbuf + r * Dp);
-          rows_to_f32<KV>(vp + c * D, D, Dp, 1, vbuf + r * Dp);
-        }
-        kb = kbuf;
-        vb = vbuf;
+    if (pb.page > 0 && (row < 0 || row + nb > pb.P)) {
+      // rows clipped into the pool one by one (the reference's rule; callers never ask for it)
+      for (int64_t r = 0; r < nb; ++r) {
+        const int64_t c = std::min<int64_t>(std::max<int64_t>(row + r, 0), pb.P - 1);
+        rows_to_f32<KV>(kp + c * D, D, Dp, 1, kbuf + r * Dp);
+        rows_to_f32<KV>(vp + c * D, D, Dp, 1, vbuf + r * Dp);
       }
+      kb = kbuf;
+      vb = vbuf;
     } else if (direct) {
-      kb = reinterpret_cast<const float*>(kp) + j0 * D;
-      vb = reinterpret_cast<const float*>(vp) + j0 * D;
+      kb = reinterpret_cast<const float*>(kp) + row * D;
+      vb = reinterpret_cast<const float*>(vp) + row * D;
     } else {
-      rows_to_f32<KV>(kp + j0 * D, D, Dp, nb, kbuf);
-      rows_to_f32<KV>(vp + j0 * D, D, Dp, nb, vbuf);
+      rows_to_f32<KV>(kp + row * D, D, Dp, nb, kbuf);
+      rows_to_f32<KV>(vp + row * D, D, Dp, nb, vbuf);
       kb = kbuf;
       vb = vbuf;
     }
