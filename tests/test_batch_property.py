@@ -132,7 +132,7 @@ TOL = 1e-4
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REGISTRY))
-@settings(max_examples=4, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=2, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @example(lens=[60, 200], pick=0, seed=0)  # the case
 @given(lens=st.lists(st.integers(1, 300), min_size=2, max_size=4), pick=st.integers(0, 2**16),

@@ -10,13 +10,19 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# Two halves of about the same CPU time, each its own process, so that two pytest-xdist workers share them.
+HALVES = {"greedy, recalls and turns": "greedy_and_logits or heterocache_rows or host_fetching",
+          "peers, placement and loading": "not (greedy_and_logits or heterocache_rows or host_fetching)"}
+
+
 @pytest.mark.slow
-def test_mesh_cases_on_six_simulated_devices():
+@pytest.mark.parametrize("half", list(HALVES))
+def test_mesh_cases_on_six_simulated_devices(half):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=6").strip()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                           os.path.join(HERE, "mesh_cases.py")], cwd=os.path.dirname(HERE), env=env,
-                          capture_output=True, text=True, timeout=900)
+                           os.path.join(HERE, "mesh_cases.py"), "-k", HALVES[half]], cwd=os.path.dirname(HERE),
+                          env=env, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, tail
