@@ -7,7 +7,8 @@
 #   4. the decode step kernel by kernel, host events beside (profile_step)
 #   5. stage 2 again with XLA's command buffers (CUDA graphs) off: their per-step update was 2.7 ms of host time
 #   6. the decode kernels (numerics compiled on the GPU, the pool kernel's timing)
-#   7. 128K latency, then the per-group kernel's launch sweep, while time is left
+#   7. offloaded FreeKV against full KV at 32K (issue 36's FreeKV target; its table goes to the log)
+#   8. 128K latency, then the per-group kernel's launch sweep, while time is left
 #
 #   make gpu-bundle          # once, here: the authors' Llama profile into .gpuref/ (git-ignored)
 #   device run, carry [".gpuref"]:
@@ -18,7 +19,8 @@
 # that fails or runs out of time loses only itself. Join latency lengths afterwards with
 #   python benchmarks/bench_latency.py --preset llama8b-gpu --merge $OUT/lat-*.json --write-results
 # The other stages' JSON carry their markdown ("markdown" key) for RESULTS.md. At most 8 files come back
-# from a lent machine: this writes 8 at most (log, two latency lengths, two pipeline runs, offload, kernels, profile).
+# from a lent machine: this writes 8 at most (log, two latency lengths, two pipeline runs, offload, kernels, profile);
+# the FreeKV stage's JSON stays on the machine with the plots and its table (P50s, ratios, roofline) is in the log.
 set -u
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
@@ -51,11 +53,14 @@ stage() {   # stage NAME MAX_SECONDS CMD...: run CMD under min(MAX, time left - 
 if (( DRY )); then  # the same stages at tiny shapes (SmolLM2, its shipped profile): the plumbing, not numbers
   LAT32=(--real-lengths 256 --synthetic-lengths --policies full heterocache --budgets 0.5 --decode-steps 4
          --warmup-steps 2 --ttft-warmup 0 --ttft-repeats 1)
+  FREEKV32=(--real-lengths 256 --synthetic-lengths --policies full freekv --budgets 0.5 --decode-steps 4
+            --warmup-steps 2 --ttft-warmup 0 --ttft-repeats 1)
   OFFLOAD=(--small --iters 3 --warmup 1 --overlap)
   PROFILE=(--length 256 --warmup 1 --steps 2 --policies full heterocache)
   PIPELINE=(--length 256 --warmup 1 --block 2 --rounds 1 --policies full heterocache)
 else
   LAT32=(--preset llama8b-gpu --synthetic-lengths 32768 --policies full heterocache --ttft-warmup 1)
+  FREEKV32=(--preset llama8b-gpu --synthetic-lengths 32768 --policies full freekv --ttft-warmup 0)
   OFFLOAD=(--overlap)
   PROFILE=(--shape llama-3.1-8b --dtype bfloat16 --length 32768 --warmup 6 --steps 10 --top 30
            --policies full heterocache:tau_drift=-1 heterocache)
@@ -80,6 +85,8 @@ fi
   else
     stage kernels 100 $PY benchmarks/bench_kernels.py --no-progress --out "$OUT/kernels.json"
   fi
+  stage "latency 32768, FreeKV" 150 $PY benchmarks/bench_latency.py "${FREEKV32[@]}" --no-progress \
+    --out "$PLOTS/lat-32768-freekv.json" --plot "$PLOTS/lat-32768-freekv.png"
   if (( ! DRY )); then
     stage "latency 131072" 300 $PY benchmarks/bench_latency.py --preset llama8b-gpu --synthetic-lengths 131072 \
       --policies full heterocache --ttft-warmup 0 --decode-steps 32 --no-progress \
