@@ -4,10 +4,10 @@
 #   1. Llama-3.1-8B-shaped decode at 32K, HeteroCache against full KV (recall steps apart, trigger rate)
 #   2. the same steps one at a time and pipelined (bench_pipeline: what generate's overlap of host and device gives)
 #   3. the recall path (bench_offload: gather, transfer, overlap with compute)
-#   4. the decode step kernel by kernel, host events beside (profile_step)
-#   5. stage 2 again with XLA's command buffers (CUDA graphs) off: their per-step update was 2.7 ms of host time
-#   6. the decode kernels (numerics compiled on the GPU, the pool kernel's timing)
-#   7. offloaded FreeKV against full KV at 32K (issue 36's FreeKV target; its table goes to the log)
+#   4. the decode kernels (numerics compiled on the GPU, the pool kernel's timing)
+#   5. offloaded FreeKV against full KV at 32K (issue 36's FreeKV target; its table goes to the log)
+#   6. the decode step kernel by kernel, host events beside (profile_step)
+#   7. stage 2 again with XLA's command buffers (CUDA graphs) off: their per-step update was 2.7 ms of host time
 #   8. 128K latency, then the per-group kernel's launch sweep, while time is left
 #
 #   make gpu-bundle          # once, here: the authors' Llama profile into .gpuref/ (git-ignored)
@@ -75,11 +75,6 @@ fi
     --out "$OUT/lat-32768.json" --plot "$PLOTS/lat-32768.png"
   stage pipeline 90 $PY benchmarks/bench_pipeline.py "${PIPELINE[@]}" --out "$OUT/pipeline.json"
   stage offload 50 $PY benchmarks/bench_offload.py "${OFFLOAD[@]}" --out "$OUT/offload.json"
-  stage profile 100 $PY benchmarks/profile_step.py "${PROFILE[@]}" --out "$OUT/profile-32k.json"
-  if (( ! DRY )); then
-    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" stage "pipeline, no command buffers" 90 \
-      $PY benchmarks/bench_pipeline.py "${PIPELINE[@]}" --out "$OUT/pipeline-nocmdbuf.json"
-  fi
   if (( DRY )); then
     echo "=== kernels: not in a dry run (compiled kernels need a GPU; tests/test_kernels.py checks them here)"
   else
@@ -87,6 +82,11 @@ fi
   fi
   stage "latency 32768, FreeKV" 150 $PY benchmarks/bench_latency.py "${FREEKV32[@]}" --no-progress \
     --out "$PLOTS/lat-32768-freekv.json" --plot "$PLOTS/lat-32768-freekv.png"
+  stage profile 100 $PY benchmarks/profile_step.py "${PROFILE[@]}" --out "$OUT/profile-32k.json"
+  if (( ! DRY )); then
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" stage "pipeline, no command buffers" 90 \
+      $PY benchmarks/bench_pipeline.py "${PIPELINE[@]}" --out "$OUT/pipeline-nocmdbuf.json"
+  fi
   if (( ! DRY )); then
     stage "latency 131072" 300 $PY benchmarks/bench_latency.py --preset llama8b-gpu --synthetic-lengths 131072 \
       --policies full heterocache --ttft-warmup 0 --decode-steps 32 --no-progress \
