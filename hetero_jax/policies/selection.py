@@ -24,8 +24,8 @@ def layer_scores(layer, x_in, keys, prompt_lens, policy, cfg: ModelConfig):
     return policy.token_scores(layer, x_in, keys, prompt_lens, cfg)
 
 
-# Selection compiles per 64-slot bucket of the block size, then the block is sliced to its exact size, so
-# per-layer budgets (PyramidKV, CAKE) do not compile once per layer.
+# Selection compiles per 64-slot bucket of the block size, and the block keeps that size (its padding is dropped
+# when written into the pool), so per-layer budgets (PyramidKV, CAKE) do not compile once per layer.
 CAP_QUANTUM = 64
 
 
@@ -45,20 +45,18 @@ def _select_bucket(scores, k, v, positions, counts, cap: int):
 
 
 def select_group(scores, k, v, positions, counts, cap: int, heads=(), compile_fn=None) -> tuple[RowBlock, jax.Array]:
-    """Keep each head's top-``counts`` slots (position order) in a row block of exactly ``cap`` slots.
+    """Keep each head's top-``counts`` slots (position order) in a row block of ``cap_bucket(cap)`` slots, the
+    slots past each head's count padding (``RowBlock``), which the pool's write drops.
 
     scores: [B, H, T]; k, v: [B, H, T, D]; positions: [B, H, T]; counts: [B, H] (<= cap); ``heads``: the
-    block's layout slots. Returns the block and the kept slots' scores [B, H, cap].
+    block's layout slots. Returns the block and the kept slots' scores [B, H, bucket] (MASK_VALUE on padding).
+    The block is not cut to ``cap``: a cut is an eager slice of each array, compiled anew for every size, and
+    its size would key the pool write's compile too; at the bucket both are shared by layers and prompt lengths.
     """
     compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
-    bucket = cap_bucket(cap, scores.shape[-1])
     args = (scores, k, v, positions, counts)
-    block, kept = compile_fn(_select_bucket, *args, cap=bucket)(*args)
-    block = block.replace(heads=tuple(int(h) for h in heads))
-    if bucket == cap:
-        return block, kept
-    cut = lambda a: a[:, :, :cap]  # noqa: E731 - the slots past cap hold only padding
-    return block.replace(k=cut(block.k), v=cut(block.v), positions=cut(block.positions)), cut(kept)
+    block, kept = compile_fn(_select_bucket, *args, cap=cap_bucket(cap, scores.shape[-1]))(*args)
+    return block.replace(heads=tuple(int(h) for h in heads)), kept
 
 
 class PolicyPrefill(PrefillPlan):

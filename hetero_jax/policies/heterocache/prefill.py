@@ -119,7 +119,8 @@ class HeteroPrefill(PrefillPlan):
                 held.append(None)
                 win.append(None)
                 continue
-            pos, score = (np.asarray(a) for a in kept)
+            cap = int(counts.max(initial=0))  # the block's slots past every head's count are padding
+            pos, score = (np.asarray(a)[:, :, :cap] for a in kept)
             held.append(pos.astype(np.int64))
             win.append(window_slots(score, counts, self.policy.copy_window))
         prefilled = HeteroPrefilled(
