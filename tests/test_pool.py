@@ -114,3 +114,37 @@ def test_every_cache_array_declares_its_axes_and_sharding_reads_them():
 
     with pytest.raises(ValueError, match=r"Undeclared.x: an array without declared logical axes"):
         tree_axes(Undeclared(x=np.zeros((2, 3))))
+
+
+def test_selected_blocks_are_written_at_their_bucket_and_the_pool_keeps_only_counted_rows(monkeypatch):
+    """PyramidKV's three layers keep different budgets. Each layer's selected block reaches the pool write at
+    its 64-slot bucket (the smallest multiple of 64 at or above the layer's budget), not sliced to the budget
+    (an eager slice compiled per size); the padding past each head's count is dropped by the write, so every
+    head's region holds exactly its counted rows, each a distinct prompt position."""
+    from hetero_jax.model import cache as cache_mod
+    from hetero_jax.policies import PyramidKV
+    from hetero_jax.runtime import Engine
+    from tiny_model import random_prompts, tiny_model
+
+    model = tiny_model(1024)
+    seen = []
+    write = cache_mod.PoolBuilder._write
+
+    def spy(self, li, blocks):
+        seen.append(([b.k.shape[2] for b in blocks], int(self.counts[li].max())))
+        return write(self, li, blocks)
+
+    monkeypatch.setattr(cache_mod.PoolBuilder, "_write", spy)
+    eng = Engine(model, random_prompts([700], seed=3, vocab=model.config.vocab_size), PyramidKV(budget=0.5, window=8),
+                 tail_capacity=4)
+    assert len(seen) == 3 and len({cap for _, cap in seen}) == 3, seen  # three budgets
+    assert [sizes for sizes, _ in seen] == [[-(-cap // 64) * 64] for _, cap in seen]
+    assert any(sizes[0] != cap for sizes, cap in seen)  # some layer's block carries padding
+    cache = eng.cache
+    positions = np.asarray(cache.pool.positions)  # [B, shards, rows]
+    for layer, (_, cap) in zip(cache.layers, seen):
+        offsets, lengths = np.asarray(layer.offsets)[0], np.asarray(layer.lengths)[0]
+        assert lengths.max() == cap
+        for h in range(len(offsets)):
+            rows = positions[0, 0, offsets[h] : offsets[h] + lengths[h]]
+            assert len(set(rows.tolist())) == lengths[h] and rows.min() >= 0 and rows.max() < 700
