@@ -11,7 +11,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 
 
 def _run(tmp_path, *args, **env):
-    full = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "BUDGET_S": "400", **env}
+    full = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "BUDGET_S": "540", **env}
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=full, capture_output=True, text=True,
                           timeout=600)
 
