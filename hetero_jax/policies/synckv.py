@@ -229,13 +229,12 @@ class SyncPrefill(PrefillPlan):
         for p, sats in r.members.items():
             owner[sats] = p
         kmax = int(self.k.max())
-        cap = cap_bucket(kmax, k_buf.shape[2])  # compiled per 64-slot bucket, then cut to kmax
+        # compiled per 64-slot bucket, and written at it: the rows past each head's k are padding the write drops
+        cap = cap_bucket(kmax, k_buf.shape[2])
         arr = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
         args = (layer, x_in, k_buf, v_buf, lens, arr(owner), arr(self.k), arr(self.k_s))
         block, pos = self.compile_fn(_prefill_layer, *args, cfg=self.cfg, n_pivots=len(r.pivots), cap=cap)(*args)
-        block = block.replace(k=block.k[:, :, :kmax], v=block.v[:, :, :kmax], positions=block.positions[:, :, :kmax],
-                              heads=tuple(r.comp_slots))
-        blocks.append(block)
+        blocks.append(block.replace(heads=tuple(r.comp_slots)))
         self.store.put_heads(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max], r.comp_slots)
         ks_max, kd_max = int(self.k_s.max()), int(self.k_dyn.max())
         slot = np.arange(max(ks_max, 1))[None, None, :]
