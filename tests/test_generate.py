@@ -71,6 +71,33 @@ def test_engine_step_with_logits_matches_decode_step_and_step(tiny):
     assert eng.steps == other.steps == 4
 
 
+@pytest.mark.parametrize("temperature, top_p", [(1.5, 1.0), (0.8, 0.9)])
+def test_sampled_steps_follow_the_seeds_key_stream(tiny, temperature, top_p):
+    """The engine splits its key inside the decode step; the tokens are those of the host-side stream: key =
+    PRNGKey(seed), then ``key, sub = jax.random.split(key)`` before every token, ``sub`` sampling it."""
+    from hetero_jax.runtime import Engine
+    from hetero_jax.policies import FullKV
+
+    cfg = tiny.config
+    p = _prompts(np.random.default_rng(11), 1, cfg.vocab_size)[0]
+    lref, cref = prefill(tiny.params, cfg, [p], tail_capacity=16)
+    eng = Engine(tiny, [p], FullKV(), tail_capacity=16, seed=4)
+    key = jax.random.PRNGKey(4)
+    key, sub = jax.random.split(key)
+    tok = np.asarray(sample(lref, sub, temperature, top_p))
+    assert eng.first_tokens(temperature, top_p).tolist() == tok.tolist()
+    drawn = []
+    for _ in range(6):
+        logits, cref = M.decode_step_jit(tiny.params, cref, jnp.asarray(tok, jnp.int32), cfg)
+        key, sub = jax.random.split(key)
+        want = np.asarray(sample(logits, sub, temperature, top_p))
+        got, _ = eng.step(tok, temperature, top_p)
+        assert got.tolist() == want.tolist()
+        drawn.append(int(got[0]))
+        tok = got
+    assert len(set(drawn)) > 1  # sampled, not one repeated greedy token
+
+
 def test_no_policy_means_full_kv_at_the_front_doors_and_is_refused_below(tiny):
     """``hetero_jax.generate`` / ``hetero_jax.Session`` fill ``policy=None`` with ``FullKV()``; the runtime, below
     policies/, runs the policy object it is given and refuses None (with the fix) before any compute."""

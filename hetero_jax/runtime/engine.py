@@ -35,15 +35,18 @@ from hetero_jax.runtime.sampling import sample
     jax.jit, static_argnames=("cfg", "policy", "temperature", "top_p"), donate_argnames=("cache",)
 )
 def decode_step_jit(params, cache, tokens, key, host, cfg, policy, temperature, top_p):
-    """One decode step with the policy's ``attend`` in every layer: (cache, tokens, logits, extras). ``host``: the
-    decode state's host operands (``DecodeState.host_operands``), read and never donated.
+    """One decode step with the policy's ``attend`` in every layer: (cache, tokens, logits, extras, the next
+    key). ``host``: the decode state's host operands (``DecodeState.host_operands``), read and never donated.
+    The key is split here, as ``jax.random.split(key)`` on the host would (same stream): an eager split was a
+    dispatch of its own before every step.
 
     The cache comes first because jax pairs each donated input buffer with the first unclaimed output of the same
     shape and dtype, in output order: a [B] int32 output ahead of the cache (the sampled tokens) would claim the
     cache's first [B] int32 leaf, shift every later pairing by one, and XLA would then copy each unchanged small
     leaf (lengths, counters) into the buffer of its neighbour, one kernel each per step."""
     logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy, host=host)
-    return keep_placed(cache), sample(logits, key, temperature, top_p), logits, extras
+    key, sub = jax.random.split(key)
+    return keep_placed(cache), sample(logits, sub, temperature, top_p), logits, extras, key
 
 
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
@@ -197,14 +200,16 @@ class Engine:
     def _advance(self, tokens, temperature: float, top_p: float):
         """One decode step with the policy's hooks: (next tokens [B], logits [B, V]) on the device."""
         self.cache = self.state.before_step(self.steps, self.cache)
-        self.key, sub = jax.random.split(self.key)
-        args = (self.params, self.cache, jnp.asarray(tokens, jnp.int32), sub, self.state.host_operands())
+        # host ints go in as an int32 numpy array (jit's own transfer); an eager jnp conversion was an XLA
+        # dispatch per step. Device tokens (``dispatch``'s) stay where they are.
+        tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
+        args = (self.params, self.cache, tokens, self.key, self.state.host_operands())
         fn_key = (self.cache.tail_capacity, float(temperature), float(top_p))
         fn = self._fns.get(fn_key)
         if fn is None:  # shapes are fixed until the tail grows: look the executable up once
             fn = self._fns[fn_key] = compiled(decode_step_jit, *args, cfg=self.cfg, policy=self.policy,
                                               temperature=float(temperature), top_p=float(top_p))
-        self.cache, nxt, logits, extras = fn(*args)
+        self.cache, nxt, logits, extras, self.key = fn(*args)
         self.state.after_step(self.steps, extras, self.cache)
         self.steps += 1
         return nxt, logits
