@@ -680,10 +680,11 @@ ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
     const long cap = std::strtol(env, nullptr, 10);
     if (cap > 0) workers = std::min<int64_t>(workers, cap);
   }
-  // Threads only for calls of more than about 100 us on one core: waking a helper costs microseconds on a
-  // quiet machine, and tens when the cores are shared (the woken helper preempts the caller).
+  // Threads only for calls of more than about 150 us on one core (work units: a row's QG dot products and
+  // its K and V loads, per 64 lanes of Dp): waking a helper costs microseconds on a quiet machine and tens
+  // when the cores are shared (the woken helper preempts the caller). RESULTS `native-attention-threads`.
   // chunk_rows > 0 (tests) forces that split, and threads whenever there are several.
-  const bool parallel = workers > 1 && (chunk_rows > 0 || total * (pb.QG + 2) >= 48 * 1024);
+  const bool parallel = workers > 1 && (chunk_rows > 0 || total * (pb.QG + 2) * pb.Dp / 64 >= 20 * 1024);
   int64_t chunk = INT64_MAX;
   if (chunk_rows > 0) {
     chunk = chunk_rows;
