@@ -468,6 +468,57 @@ def _np_f32(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
+def _np_overlap(scores, k_base, length):
+    """o'_t of one pivot by the definition (Eq. 9, normalised): its own L_base (K_base's entries >= 0), the top-L_base
+    prompt positions of ``scores`` (distinct values here), chance c = L_base / L."""
+    base = {int(i) for i in k_base if 0 <= i < length}
+    l_base = int((np.asarray(k_base) >= 0).sum())
+    top = set(np.argsort(-np.asarray(scores[:length], np.float64), kind="stable")[:l_base].tolist())
+    c = l_base / length
+    return (len(top & base) / l_base - c) / (1 - c)
+
+
+def test_every_pivot_layers_overlap_at_once_equals_the_definition_layer_by_layer():
+    """``overlaps_at_once``: pivot layers of 2, 1 and 3 pivots, prompt widths 40, 40 and 33, K_base widths 6, 4 and 6
+    (padded rows -1), two sequences of their own lengths, and a layer without pivots between them: each layer's
+    o'_t is its own pivots' by the definition (numpy), the scores pass through, other entries are untouched."""
+    from hetero_jax.policies.heterocache.step import PivotScores, overlaps_at_once
+
+    rng = np.random.default_rng(3)
+    layers, want = [], []
+    for n_p, T, K, lens in ((2, 40, 6, (40, 31)), (1, 40, 4, (40, 25)), (3, 33, 6, (33, 20))):
+        lengths = np.tile(np.asarray(lens, np.int32)[:, None], (1, n_p))
+        scores = rng.permutation(2 * n_p * T).reshape(2, n_p, T).astype(np.float32) / (2 * n_p * T)
+        scores = np.where(np.arange(T) < lengths[..., None], scores, pallas_kernels.MASK_VALUE).astype(np.float32)
+        k_base = np.full((2, n_p, K), -1, np.int32)
+        for b in range(2):
+            for p in range(n_p):
+                own = K - b  # the second sequence's L_base one smaller: its row padded with -1
+                k_base[b, p, :own] = rng.permutation(lens[b])[:own]
+        layers.append(PivotScores(scores=jnp.asarray(scores), lengths=jnp.asarray(lengths), k_base=jnp.asarray(k_base)))
+        want.append(np.array([[_np_overlap(scores[b, p], k_base[b, p], lens[b]) for p in range(n_p)]
+                              for b in range(2)]))
+    other = jnp.arange(5, dtype=jnp.int32)  # another layer's extra: passed through
+    got = jax.jit(overlaps_at_once)((layers[0], None, layers[1], other, layers[2]))
+    assert got[1] is None and np.asarray(got[3]).tolist() == list(range(5))
+    for g, layer, w in zip((got[0], got[2], got[4]), layers, want):
+        np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(layer.scores))
+        np.testing.assert_allclose(np.asarray(g[1]), w, atol=1e-6)
+
+
+def test_cpu_decode_step_ranks_every_pivot_layer_in_one_loop():
+    """On a CPU the step computes its pivots' o'_t itself; the tiny profile's two pivot layers (one pivot each)
+    share one bisection loop over both pivots' sortable keys [B, 2, 1, T], not one loop each over [B, 1, 1, T]."""
+    eng = Engine(MODEL, [random_prompt(120, 4)], HeteroCache(profile=PROFILE, budget=0.5), tail_capacity=8)
+    assert sum(1 for r in eng.policy.layer_roles(CFG) if r.pivots) == 2
+    from hetero_jax.runtime.engine import decode_step_jit
+
+    args = (eng.params, eng.cache, jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0), eng.state.host_operands())
+    txt = decode_step_jit.trace(*args, cfg=CFG, policy=eng.policy, temperature=0.0, top_p=1.0).lower().as_text()
+    loops = re.findall(r"stablehlo\.while\(.*?\) : tensor<1x(\d+)x1x120xui32>", txt)  # the keys carried first
+    assert loops == ["2"], loops
+
+
 @pytest.mark.parametrize("backend", ["reference", "native", "interpret"])
 def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend, monkeypatch):
     """A pivot layer of 2 pivots, a volatile head and two compressed heads of ragged lengths, all in one pool
@@ -738,8 +789,9 @@ def test_copy_slots_follow_the_profile():
 
 @pytest.mark.parametrize("backend", ["reference", "native", "interpret"])
 def test_attend_reports_the_copy_heads_pointer(backend):
-    """Layer 2 of COPY_PROFILE (pivot, copy head, one satellite): ``HeteroCache.attend`` gives plain attention,
-    the pivot's logits as ``attend_step`` without copy heads, and as the pointer the copy head's most attended
+    """Layer 2 of COPY_PROFILE (pivot, copy head, one satellite): ``HeteroCache.attend`` (then ``finish_step``)
+    gives plain attention, the pivot's share as ``attend_step`` without copy heads, and as the pointer the copy
+    head's most attended
     prompt position by numpy's pooled scores (GQA max)."""
     from hetero_jax.policies.heterocache.step import PivotBase
 
@@ -754,7 +806,8 @@ def test_attend_reports_the_copy_heads_pointer(backend):
     step = step_from_dense(k, v, lengths, tail_k, tail_v, tail_lens, state=PivotBase(k_base=k_base))
     q = jnp.asarray(_np_f32(rng, B, 3, G, D))
     with pallas_kernels.use_kernels(backend):
-        out, _, (pivot, pointer) = p.attend(2, q, step)
+        out, _, extra = p.attend(2, q, step)
+        ((pivot, pointer),) = p.finish_step((extra,))  # the step's o'_t, every pivot layer's at once
         _, want_share = _pivot_step(q, step, (0,))
     want = dense_attention(q, k, v, lengths, tail_k, tail_v, tail_lens)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)

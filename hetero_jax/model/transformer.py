@@ -311,8 +311,8 @@ def decode_step(
     ``policy`` (static; None = attention over every kept row): an object whose
     ``attend(li, q, step) -> (out, step, extra)`` replaces ``step.attend`` in every layer (a decode-time
     policy selects or fetches there and may update the pool and its layer's state). Then the per-layer
-    ``extra`` outputs come back too, as a tuple over layers, last. ``host``: per layer, the host operands the
-    policy's ``attend`` reads (``LayerStep.host``; () for none).
+    ``extra`` outputs come back too, as a tuple over layers (through ``policy.finish_step``), last. ``host``:
+    per layer, the host operands the policy's ``attend`` reads (``LayerStep.host``; () for none).
     """
     B = tokens.shape[0]
     pos = cache.seq_lens  # [B]
@@ -351,7 +351,7 @@ def decode_step(
     if return_queries:
         out += (tuple(queries),)
     if policy is not None:
-        out += (tuple(extras),)
+        out += (policy.finish_step(tuple(extras)),)
     return out
 
 

@@ -232,6 +232,12 @@ class Policy(metaclass=_PolicyType):
         """
         return step.attend(q)[0], step, None
 
+    def finish_step(self, extras: tuple) -> tuple:
+        """Traced, once per decode step after the last layer: the layers' ``attend`` extras (a tuple over
+        layers) as ``DecodeState.after_step`` receives them. A policy batches here work its layers would each
+        do alone (HeteroCache's drift statistics). Default: unchanged."""
+        return extras
+
     def attend_chunk(self, li: int, q, step):
         """Traced, once per layer of a chunked turn (``model.extend``): C new queries [B, Hkv, G, C, D] over
         the layer's rows, causal over the tail (``step.tail_lens`` - 1 + c for query c). Default: every kept

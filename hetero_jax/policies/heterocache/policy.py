@@ -11,7 +11,7 @@ from hetero_jax.policies.base import BudgetError, PolicyError, int_param
 from hetero_jax.policies.profiled import ProfiledPolicy, profile_key
 from hetero_jax.profile.head_profile import HeadProfile
 from hetero_jax.policies.heterocache.prefill import HeteroPrefill
-from hetero_jax.policies.heterocache.step import attend_step
+from hetero_jax.policies.heterocache.step import attend_step, overlaps_at_once
 
 
 def _check_hetero_args(p: "HeteroCache") -> None:
@@ -118,8 +118,13 @@ class HeteroCache(ProfiledPolicy):
         slots, copy = self.pivot_slots(li), self.copy_slots(li)
         if not slots and not copy:
             return step.attend(q)[0], step, None
-        out, pivot, pointer = attend_step(q, step, slots, copy)
+        out, pivot, pointer = attend_step(q, step, slots, copy, defer_overlap=True)
         return out, step, (pivot, pointer)
+
+    def finish_step(self, extras: tuple) -> tuple:
+        """The pivots' o'_t of every layer at once (``overlaps_at_once``), where the step computes them."""
+        shares = overlaps_at_once(tuple(None if e is None else e[0] for e in extras))
+        return tuple(None if e is None else (sh, e[1]) for e, sh in zip(extras, shares))
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return HeteroPrefill(self, cfg, prompt_lens, compile_fn=compile_fn)

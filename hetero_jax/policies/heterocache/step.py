@@ -62,7 +62,38 @@ def pivot_statistics(logits, lengths, k_base):
     return scores.reshape((B, Np) + mid + (T,)), overlaps.reshape((B, Np) + mid)
 
 
-def attend_step(q, step, pivot_slots, copy_slots=()):
+@struct.dataclass
+class PivotScores:
+    """A pivot layer's share of one step before its o'_t: what :func:`overlaps_at_once` needs."""
+
+    scores: jax.Array  # [B, Np, T] float32 pooled scores (``pallas_kernels.pivot_pooled_scores``)
+    lengths: jax.Array  # [B, Np] int32 the pivots' prompt rows
+    k_base: jax.Array  # [B, Np, K] int32 K_base (``PivotBase``)
+
+
+def overlaps_at_once(shares: tuple) -> tuple:
+    """Every pivot layer's o'_t of one step in one ``pallas_kernels.base_overlap`` (Eq. 9): shares, per layer a
+    ``PivotScores`` or anything else (passed through). Returns the same tuple with each ``PivotScores`` as
+    ``pivot_statistics`` gives it, (scores [B, Np_l, T], o'_t [B, Np_l]). The membership's bisection is 32
+    passes of a few small kernels each; one over every pivot of the model, not one per layer, is what costs
+    little on a CPU, where those kernels cost more than their data (RESULTS `native-attention-threads`)."""
+    pending = [s for s in shares if isinstance(s, PivotScores)]
+    if not pending:
+        return shares
+    T = max(p.scores.shape[-1] for p in pending)
+    K = max(p.k_base.shape[-1] for p in pending)
+    scores = jnp.concatenate([jnp.pad(p.scores, ((0, 0), (0, 0), (0, T - p.scores.shape[-1])),
+                                      constant_values=pallas_kernels.MASK_VALUE) for p in pending], axis=1)
+    k_base = jnp.concatenate([jnp.pad(p.k_base, ((0, 0), (0, 0), (0, K - p.k_base.shape[-1])), constant_values=-1)
+                              for p in pending], axis=1)
+    lengths = jnp.concatenate([p.lengths for p in pending], axis=1)
+    overlaps = pallas_kernels.base_overlap(scores[:, :, None], k_base, base_sizes(k_base), lengths)[:, :, 0]
+    cuts = np.cumsum([0] + [p.scores.shape[1] for p in pending])
+    done = iter((p.scores, overlaps[:, a:b]) for p, a, b in zip(pending, cuts[:-1], cuts[1:]))
+    return tuple(next(done) if isinstance(s, PivotScores) else s for s in shares)
+
+
+def attend_step(q, step, pivot_slots, copy_slots=(), defer_overlap: bool = False):
     """A decode step's attention in one layer with what its pivots' drift check and its copy heads' pointer
     need (``HeteroCache.attend``), from one pass over the pool.
 
@@ -72,8 +103,9 @@ def attend_step(q, step, pivot_slots, copy_slots=()):
     prompt rows in the same pass, so the drift check never reads their keys again. The share: the pivots'
     logits [B, Np, G, T], buffered and checked all at once every ``window`` steps (:func:`drift_check`); or,
     where checks are spread (:func:`spread_checks`), this step's (pooled scores [B, Np, T], o'_t [B, Np])
-    (:func:`pivot_statistics`). The pointer: each copy head's most attended prompt position by its pooled
-    scores (``copy_window.moved_windows``).
+    (:func:`pivot_statistics`); with ``defer_overlap`` there a ``PivotScores`` whose o'_t
+    :func:`overlaps_at_once` computes with every other pivot layer's. The pointer: each copy head's most
+    attended prompt position by its pooled scores (``copy_window.moved_windows``).
     """
     pivot_slots, copy_slots = tuple(pivot_slots), tuple(copy_slots)
     scored = pivot_slots + copy_slots
@@ -84,8 +116,12 @@ def attend_step(q, step, pivot_slots, copy_slots=()):
     if pivot_slots:
         pivot = take_slots(logits, pivot_slots)
         if spread_checks():
-            k_base = step.layer.state.k_base
-            pivot = pivot_statistics(pivot, take_slots(step.layer.lengths, pivot_slots), k_base)
+            k_base, lengths = step.layer.state.k_base, take_slots(step.layer.lengths, pivot_slots)
+            if defer_overlap:
+                pivot = PivotScores(scores=pallas_kernels.pivot_pooled_scores(pivot, lengths), lengths=lengths,
+                                    k_base=k_base)
+            else:
+                pivot = pivot_statistics(pivot, lengths, k_base)
     pointer = None
     if copy_slots:
         scores = pallas_kernels.pivot_pooled_scores(take_slots(logits, copy_slots),
