@@ -76,7 +76,7 @@ def overlaps_at_once(shares: tuple) -> tuple:
     ``PivotScores`` or anything else (passed through). Returns the same tuple with each ``PivotScores`` as
     ``pivot_statistics`` gives it, (scores [B, Np_l, T], o'_t [B, Np_l]). The membership's bisection is 32
     passes of a few small kernels each; one over every pivot of the model, not one per layer, is what costs
-    little on a CPU, where those kernels cost more than their data (RESULTS `native-attention-threads`)."""
+    little on a CPU, where those kernels cost more than their data (RESULTS `drift-statistics-one-loop`)."""
     pending = [s for s in shares if isinstance(s, PivotScores)]
     if not pending:
         return shares
