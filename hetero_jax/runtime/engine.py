@@ -37,16 +37,19 @@ from hetero_jax.runtime.sampling import sample
 def decode_step_jit(params, cache, tokens, key, host, cfg, policy, temperature, top_p):
     """One decode step with the policy's ``attend`` in every layer: (cache, tokens, logits, extras, the next
     key). ``host``: the decode state's host operands (``DecodeState.host_operands``), read and never donated.
-    The key is split here, as ``jax.random.split(key)`` on the host would (same stream): an eager split was a
-    dispatch of its own before every step.
+    A sampled step (temperature > 0) splits the key here, as ``jax.random.split(key)`` on the host would (an
+    eager split was a dispatch of its own before every step); a greedy step draws nothing and returns the key
+    as it was (a split in the graph is a loop on a CPU, a quarter second more of every greedy step's compile).
 
     The cache comes first because jax pairs each donated input buffer with the first unclaimed output of the same
     shape and dtype, in output order: a [B] int32 output ahead of the cache (the sampled tokens) would claim the
     cache's first [B] int32 leaf, shift every later pairing by one, and XLA would then copy each unchanged small
     leaf (lengths, counters) into the buffer of its neighbour, one kernel each per step."""
     logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy, host=host)
-    key, sub = jax.random.split(key)
-    return keep_placed(cache), sample(logits, sub, temperature, top_p), logits, extras, key
+    if temperature > 0.0:
+        key, sub = jax.random.split(key)
+        return keep_placed(cache), sample(logits, sub, temperature, top_p), logits, extras, key
+    return keep_placed(cache), sample(logits, key, temperature, top_p), logits, extras, key
 
 
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
@@ -175,7 +178,10 @@ class Engine:
             self.state.pool_moved(self.cache)
 
     def first_tokens(self, temperature: float, top_p: float) -> np.ndarray:
-        """Sample the tokens that follow the prefilled prompt."""
+        """Sample the tokens that follow the prefilled prompt (the key advances only when sampling, as in
+        ``decode_step_jit``)."""
+        if temperature <= 0.0:
+            return to_host(sample(self.logits, self.key, temperature, top_p))
         self.key, sub = jax.random.split(self.key)
         return to_host(sample(self.logits, sub, temperature, top_p))
 
