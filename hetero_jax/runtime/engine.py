@@ -28,7 +28,7 @@ from hetero_jax.runtime import heap
 from hetero_jax.runtime.compile_cache import MAX_CHUNK, TAIL_QUANTUM, chunk_bucket, compile_seconds, compiled, round_up
 from hetero_jax.runtime.prompts import check_model, validate_ids
 from hetero_jax.runtime.results import GenerationResult, GenerationStats
-from hetero_jax.runtime.sampling import sample
+from hetero_jax.runtime.sampling import draw_key, sample
 
 
 @functools.partial(
@@ -37,19 +37,18 @@ from hetero_jax.runtime.sampling import sample
 def decode_step_jit(params, cache, tokens, key, host, cfg, policy, temperature, top_p):
     """One decode step with the policy's ``attend`` in every layer: (cache, tokens, logits, extras, the next
     key). ``host``: the decode state's host operands (``DecodeState.host_operands``), read and never donated.
-    A sampled step (temperature > 0) splits the key here, as ``jax.random.split(key)`` on the host would (an
-    eager split was a dispatch of its own before every step); a greedy step draws nothing and returns the key
-    as it was (a split in the graph is a loop on a CPU, a quarter second more of every greedy step's compile).
+    A sampled step (temperature > 0) splits the key here (``draw_key``), as ``jax.random.split(key)`` on the
+    host would (an eager split was a dispatch of its own before every step); a greedy step draws nothing and
+    returns the key as it was (a split in the graph is a loop on a CPU, a quarter second more of every greedy
+    step's compile).
 
     The cache comes first because jax pairs each donated input buffer with the first unclaimed output of the same
     shape and dtype, in output order: a [B] int32 output ahead of the cache (the sampled tokens) would claim the
     cache's first [B] int32 leaf, shift every later pairing by one, and XLA would then copy each unchanged small
     leaf (lengths, counters) into the buffer of its neighbour, one kernel each per step."""
     logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy, host=host)
-    if temperature > 0.0:
-        key, sub = jax.random.split(key)
-        return keep_placed(cache), sample(logits, sub, temperature, top_p), logits, extras, key
-    return keep_placed(cache), sample(logits, key, temperature, top_p), logits, extras, key
+    key, sub = draw_key(key, temperature)
+    return keep_placed(cache), sample(logits, sub, temperature, top_p), logits, extras, key
 
 
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
@@ -180,9 +179,7 @@ class Engine:
     def first_tokens(self, temperature: float, top_p: float) -> np.ndarray:
         """Sample the tokens that follow the prefilled prompt (the key advances only when sampling, as in
         ``decode_step_jit``)."""
-        if temperature <= 0.0:
-            return to_host(sample(self.logits, self.key, temperature, top_p))
-        self.key, sub = jax.random.split(self.key)
+        self.key, sub = draw_key(self.key, temperature)
         return to_host(sample(self.logits, sub, temperature, top_p))
 
     def step(self, tokens, temperature: float, top_p: float) -> tuple[np.ndarray, float]:

@@ -8,6 +8,13 @@ import jax.numpy as jnp
 from pallas_kernels import MASK_VALUE
 
 
+def draw_key(key: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """(the next key, the key this token samples with): ``jax.random.split(key)`` when sampling; a greedy
+    token draws nothing, so (key, key). Eager or traced (in a jitted step the split is a loop on a CPU, which
+    a greedy step's compile need not carry)."""
+    return tuple(jax.random.split(key)) if temperature > 0.0 else (key, key)
+
+
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
     """logits [B, V] float32 -> tokens [B]. Greedy at temperature 0; nucleus sampling otherwise."""
     if temperature <= 0.0:
