@@ -154,12 +154,13 @@ def test_budget_too_small_and_missing_profile():
 
 
 def _pivot_step(q, step, slots):
-    """``attend_step`` of a layer with pivots at ``slots`` and no copy head: (out, the pivots' share)."""
-    from hetero_jax.policies.heterocache.step import attend_step
+    """``attend_step`` of a layer with pivots at ``slots`` and no copy head, its o'_t computed as the step's end
+    computes them (``overlaps_at_once``): (out, the pivots' share)."""
+    from hetero_jax.policies.heterocache.step import attend_step, overlaps_at_once
 
     out, share, pointer = attend_step(q, step, slots)
     assert pointer is None
-    return out, share
+    return out, overlaps_at_once((share,))[0]
 
 
 def _pivot_logits(q, step, slots):

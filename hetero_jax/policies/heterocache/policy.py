@@ -118,7 +118,7 @@ class HeteroCache(ProfiledPolicy):
         slots, copy = self.pivot_slots(li), self.copy_slots(li)
         if not slots and not copy:
             return step.attend(q)[0], step, None
-        out, pivot, pointer = attend_step(q, step, slots, copy, defer_overlap=True)
+        out, pivot, pointer = attend_step(q, step, slots, copy)
         return out, step, (pivot, pointer)
 
     def finish_step(self, extras: tuple) -> tuple:

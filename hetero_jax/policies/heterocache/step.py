@@ -93,7 +93,7 @@ def overlaps_at_once(shares: tuple) -> tuple:
     return tuple(next(done) if isinstance(s, PivotScores) else s for s in shares)
 
 
-def attend_step(q, step, pivot_slots, copy_slots=(), defer_overlap: bool = False):
+def attend_step(q, step, pivot_slots, copy_slots=()):
     """A decode step's attention in one layer with what its pivots' drift check and its copy heads' pointer
     need (``HeteroCache.attend``), from one pass over the pool.
 
@@ -102,10 +102,9 @@ def attend_step(q, step, pivot_slots, copy_slots=(), defer_overlap: bool = False
     share or None, pointer [B, Nc] int32 or None). The kernel writes the scored heads' logits over their
     prompt rows in the same pass, so the drift check never reads their keys again. The share: the pivots'
     logits [B, Np, G, T], buffered and checked all at once every ``window`` steps (:func:`drift_check`); or,
-    where checks are spread (:func:`spread_checks`), this step's (pooled scores [B, Np, T], o'_t [B, Np])
-    (:func:`pivot_statistics`); with ``defer_overlap`` there a ``PivotScores`` whose o'_t
-    :func:`overlaps_at_once` computes with every other pivot layer's. The pointer: each copy head's most
-    attended prompt position by its pooled scores (``copy_window.moved_windows``).
+    where checks are spread (:func:`spread_checks`), this step's pooled scores as a ``PivotScores``, whose o'_t
+    :func:`overlaps_at_once` computes with every other pivot layer's at the step's end (``finish_step``). The
+    pointer: each copy head's most attended prompt position by its pooled scores (``copy_window.moved_windows``).
     """
     pivot_slots, copy_slots = tuple(pivot_slots), tuple(copy_slots)
     scored = pivot_slots + copy_slots
@@ -116,12 +115,9 @@ def attend_step(q, step, pivot_slots, copy_slots=(), defer_overlap: bool = False
     if pivot_slots:
         pivot = take_slots(logits, pivot_slots)
         if spread_checks():
-            k_base, lengths = step.layer.state.k_base, take_slots(step.layer.lengths, pivot_slots)
-            if defer_overlap:
-                pivot = PivotScores(scores=pallas_kernels.pivot_pooled_scores(pivot, lengths), lengths=lengths,
-                                    k_base=k_base)
-            else:
-                pivot = pivot_statistics(pivot, lengths, k_base)
+            lengths = take_slots(step.layer.lengths, pivot_slots)
+            pivot = PivotScores(scores=pallas_kernels.pivot_pooled_scores(pivot, lengths), lengths=lengths,
+                                k_base=step.layer.state.k_base)
     pointer = None
     if copy_slots:
         scores = pallas_kernels.pivot_pooled_scores(take_slots(logits, copy_slots),
