@@ -328,6 +328,29 @@ def test_drain_waits_for_the_dispatched_drift_check_and_the_recall_in_flight():
     assert full.drain() >= 0.0  # no controller: nothing to wait for
 
 
+def test_every_step_through_a_recall_passes_arguments_committed_alike():
+    """The step's executable keeps its fast path only while each argument's committedness is the same: across
+    a check, the plan that places new K_base rows and the landing that scatters the recalled rows, every
+    argument of every step is committed (the engine commits its inputs; before, K_base came back committed
+    and the rest was not, and each such step took the slow path)."""
+    eng = Engine(MODEL, [random_prompt(100, 11)], HeteroCache(profile=PROFILE, budget=0.5, window=2, tau_drift=1.5),
+                 tail_capacity=8)
+    seen, before = [], eng.state.before_step
+
+    def spy(step, cache):
+        cache = before(step, cache)
+        leaves = jax.tree.leaves((eng.params, cache, eng.key, eng.state.host_operands()))
+        seen.append({bool(x.committed) for x in leaves if isinstance(x, jax.Array)})
+        return cache
+
+    eng.state.before_step = spy
+    tok = eng.first_tokens(0.0, 1.0)
+    for _ in range(6):
+        tok, _ = eng.step(tok, 0.0, 1.0)
+    assert eng.state.stats()["recalls"] > 0 and eng.state.recall_steps  # a recall was planned and landed
+    assert seen == [{True}] * 6, seen
+
+
 def test_a_recall_lands_two_steps_after_its_check_with_the_host_rows_it_planned(monkeypatch):
     """A check after step t (tau 1.5: every pivot drifts) is planned before step t + 1, K_base moving on at
     once, while the satellites keep their rows through step t + 1; before step t + 2 each planned row is in

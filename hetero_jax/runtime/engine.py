@@ -22,7 +22,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import grow_tail, kv_bytes, prompt_arrays, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import params_for
-from hetero_jax.model.sharding import (batch_sharding, keep_placed, per_device_bytes, shard_cache,
+from hetero_jax.model.sharding import (batch_sharding, committed, keep_placed, per_device_bytes, shard_cache,
                                        to_host)
 from hetero_jax.runtime import heap
 from hetero_jax.runtime.compile_cache import MAX_CHUNK, TAIL_QUANTUM, chunk_bucket, compile_seconds, compiled, round_up
@@ -157,11 +157,12 @@ class Engine:
     def _start(self, model, policy, lens, params, logits, cache, state, prefill_seconds, seed, compile_start):
         heap.engine_started(self)  # its compiles freeze the heap (``runtime.heap``)
         self.model, self.cfg, self.policy, self.lens = model, model.config, policy, lens
+        params, cache = committed((params, cache))  # one fast-path signature for every step (``committed``)
         self.params, self.logits, self.cache, self.state = params, logits, cache, state
         self.achieved_rho = state.achieved_rho(cache, self.cfg)
         self.prefill_seconds = prefill_seconds
         self.compile_start = compile_start
-        self.key = jax.random.PRNGKey(seed)
+        self.key = committed(jax.random.PRNGKey(seed))
         self.steps = 0
         self._fns: dict = {}
 
