@@ -41,8 +41,10 @@ from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce
                                           normalised_overlap, overlap_bitmap,
                                           pooled_scores,
                                           pooled_scores_reference,
-                                          topk_membership, topk_sets, topk_threshold)
-from pallas_kernels.pool_attention import gather_blocks, pivot_pooled_scores, pool_attention_reference
+                                          topk_membership, topk_threshold)
+from pallas_kernels.pooled_scores import topk_sets as topk_sets_xla
+from pallas_kernels.pool_attention import (gather_blocks, pivot_pooled_scores, pivot_statistics_reference,
+                                           pool_attention_reference)
 from pallas_kernels.pool_attention import pool_attention as pool_attention_pallas
 from pallas_kernels.sparse_decode_attention import (
     default_num_splits, merge_attention, sparse_decode_attention,
@@ -58,6 +60,7 @@ __all__ = [
     "topk_threshold", "topk_membership", "topk_sets", "normalised_overlap",
     "drift_check", "drift_check_reference", "base_overlap", "attention_and_pooled_scores", "scores",
     "pool_attention", "pool_attention_pallas", "pool_attention_reference", "pivot_pooled_scores",
+    "pivot_statistics", "pivot_statistics_reference", "native_statistics", "topk_sets_xla",
 ]
 
 
@@ -100,6 +103,33 @@ def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, block_
   return pool_attention_pallas(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows, max_len=max_len,
                                score_len=score_len, sm_scale=sm_scale, block_size=block_size,
                                interpret=(mode == "interpret"))
+
+
+def native_statistics(backend: str | None = None) -> bool:
+  """Whether :func:`pivot_statistics` runs the native CPU kernel (read at trace time): where the pool attention
+  does (``resolve_backend(native=True)`` is 'native')."""
+  return resolve_backend(backend, native=True) == "native"
+
+
+def pivot_statistics(logits, lengths, k_base, *, backend: str | None = None):
+  """A pivot layer's drift statistics of one decode step (``pivot_statistics_reference``'s contract):
+  logits [B, Hp, G, T] float32, lengths [B, Hp] int32, k_base [B, Hp, K] int32 -> (scores [B, Hp, T],
+  o'_t [B, Hp]), both float32. The native CPU kernel where :func:`native_statistics`, else the reference."""
+  if native_statistics(backend):
+    from pallas_kernels.native import pivot_statistics_native
+    return pivot_statistics_native(logits, lengths, k_base)
+  return pivot_statistics_reference(logits, lengths, k_base)
+
+
+def topk_sets(scores, sizes, cap: int, *, backend: str | None = None):
+  """For each size k of ``sizes``, the positions ``lax.top_k(scores, k)`` picks, ascending, -1 past k
+  (``pooled_scores.topk_sets``' contract): scores [..., T] float32, sizes [..., K] int each in
+  [0, min(cap, T)] -> int32 [..., K, cap]. The native CPU kernel where :func:`native_statistics`, else
+  ``topk_sets_xla`` (bisections and prefix sums; sorts on a GPU)."""
+  if native_statistics(backend):
+    from pallas_kernels.native import topk_sets_native
+    return topk_sets_native(scores, sizes, cap)
+  return topk_sets_xla(scores, sizes, cap)
 
 
 def decode_attention(q, k, v, lengths, *, sm_scale: float | None = None, backend: str | None = None,

@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._util import MASK_VALUE, MIN_DOT_ROWS, cdiv, dot_precision, is_pow2, next_pow2
-from pallas_kernels.pooled_scores import POOL_KERNEL_SIZE, avg_pool, gqa_reduce, masked_softmax
+from pallas_kernels.pooled_scores import POOL_KERNEL_SIZE, avg_pool, base_overlap, gqa_reduce, masked_softmax
 from pallas_kernels.sparse_decode_attention import combine_splits
 
 __all__ = ["pool_attention", "pool_attention_reference", "pivot_pooled_scores", "default_pool_num_splits",
@@ -181,6 +181,20 @@ def pivot_pooled_scores(
   p = masked_softmax(logits, valid[:, :, None, :])
   agg = gqa_reduce(avg_pool(p, POOL_KERNEL_SIZE), gqa, axis=2)
   return jnp.where(valid, agg, MASK_VALUE)
+
+
+def pivot_statistics_reference(
+    logits,   # [B, Hp, G, T] float32  scaled logits of the pivots over their prompt rows
+    lengths,  # [B, Hp] int32          prompt rows of each
+    k_base,   # [B, Hp, K] int32       each pivot's K_base positions, -1 past its own L_base
+):
+  """A pivot layer's drift statistics of one decode step: (scores [B, Hp, T] float32, ``pivot_pooled_scores``
+  with GQA max; o'_t [B, Hp] float32, the normalised overlap of the top-L_base of the scores with K_base,
+  Eq. 9, each row with its own L_base = the count of its K_base entries >= 0, ``base_overlap``). The native
+  CPU kernel ``pallas_kernels.native.pivot_statistics_native`` computes the same."""
+  scores = pivot_pooled_scores(logits, lengths)
+  l_base = (k_base >= 0).sum(axis=-1, dtype=jnp.int32)
+  return scores, base_overlap(scores[:, :, None], k_base, l_base, lengths)[:, :, 0]
 
 
 # ---------------------------------------------------------------------------

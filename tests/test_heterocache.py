@@ -530,17 +530,34 @@ def test_every_pivot_layers_overlap_at_once_equals_the_definition_layer_by_layer
         np.testing.assert_allclose(np.asarray(g[1]), w, atol=1e-6)
 
 
-def test_cpu_decode_step_ranks_every_pivot_layer_in_one_loop():
-    """On a CPU the step computes its pivots' o'_t itself; the tiny profile's two pivot layers (one pivot each)
-    share one bisection loop over both pivots' sortable keys [B, 2, 1, T], not one loop each over [B, 1, 1, T]."""
+def _lowered_cpu_step(backend):
+    """The tiny profile's decode step (two pivot layers of one pivot each) lowered for the CPU with ``backend``."""
     eng = Engine(MODEL, [random_prompt(120, 4)], HeteroCache(profile=PROFILE, budget=0.5), tail_capacity=8)
     assert sum(1 for r in eng.policy.layer_roles(CFG) if r.pivots) == 2
     from hetero_jax.runtime.engine import decode_step_jit
 
     args = (eng.params, eng.cache, jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0), eng.state.host_operands())
-    txt = decode_step_jit.trace(*args, cfg=CFG, policy=eng.policy, temperature=0.0, top_p=1.0).lower().as_text()
+    jax.clear_caches()  # the backend is read at trace time: a trace cached under the other one would be reused
+    with pallas_kernels.use_kernels(backend):
+        return decode_step_jit.trace(*args, cfg=CFG, policy=eng.policy, temperature=0.0, top_p=1.0).lower().as_text()
+
+
+def test_cpu_decode_step_ranks_every_pivot_layer_in_one_loop():
+    """Without the native kernels the step computes its pivots' o'_t itself; the two pivot layers share one
+    bisection loop over both pivots' sortable keys [B, 2, 1, T], not one loop each over [B, 1, 1, T]."""
+    txt = _lowered_cpu_step("reference")
     loops = re.findall(r"stablehlo\.while\(.*?\) : tensor<1x(\d+)x1x120xui32>", txt)  # the keys carried first
     assert loops == ["2"], loops
+
+
+def test_native_cpu_decode_step_computes_statistics_in_one_call_per_pivot_layer():
+    """With the native kernels each pivot layer's scores and o'_t are one custom call and no bisection loop is left."""
+    from pallas_kernels import native
+
+    txt = _lowered_cpu_step("native")
+    assert len(re.findall(rf"custom_call @{native.STATISTICS_TARGET}\(", txt)) == 2
+    assert len(re.findall(rf"custom_call @{native.TARGET}\(", txt)) == CFG.num_layers
+    assert "stablehlo.while" not in txt
 
 
 @pytest.mark.parametrize("backend", ["reference", "native", "interpret"])

@@ -225,8 +225,8 @@ def test_unavailable_without_a_working_compiler(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = proc.stdout.splitlines()
   assert lines[0].startswith("False") and "no C++ compiler" in lines[0], proc.stdout
-  assert "native pool attention not built: no C++ compiler" in proc.stderr
-  assert lines[1].startswith("False") and "compiling the native pool attention failed" in lines[1], proc.stdout
+  assert "native CPU kernels not built: no C++ compiler" in proc.stderr
+  assert lines[1].startswith("False") and "compiling the native CPU kernels failed" in lines[1], proc.stdout
   assert lines[2].startswith("raised") and "compiling" in lines[2], proc.stdout
   assert not [f for f in os.listdir(tmp_path / "native") if f.endswith((".so", ".tmp"))]
 

@@ -1,19 +1,23 @@
-"""The pool attention as a native CPU kernel: a C++ XLA FFI custom call (``pool_attention.cc`` here).
+"""Native CPU kernels: C++ XLA FFI custom calls (the ``.cc`` sources here, one library).
 
-On the CPU, XLA cannot read a head's sub-range of a row pool without copying it (a slice before a dot, a
-gather, or a masked matmul over every row all cost more than the attention itself), so the pool attention
-of ``pallas_kernels.pool_attention`` gets its own kernel there. It computes what
-``pool_attention_reference`` documents, reading each head's rows in place, on XLA's intra-op thread pool.
+- ``pool_attention.cc``: the pool attention of ``pallas_kernels.pool_attention``. On the CPU, XLA cannot read
+  a head's sub-range of a row pool without copying it (a slice before a dot, a gather, or a masked matmul over
+  every row all cost more than the attention itself). It computes what ``pool_attention_reference``
+  documents, reading each head's rows in place, on XLA's intra-op thread pool.
+- ``pivot_statistics.cc``: HeteroCache's per-step drift statistics of a pivot layer (pooled scores and the
+  normalised overlap with K_base, ``pallas_kernels.pivot_statistics_reference``), which XLA:CPU runs as dozens
+  of small fusions and a 32-pass bisection a layer; and the drift check's top-k sets
+  (``pallas_kernels.topk_sets``), two bisections and scatters on XLA:CPU.
 
 The library is compiled on first use (or by ``python -m pallas_kernels.native build``, which ``make install``
 runs) into ``$HETERO_JAX_CACHE/native`` (default ``~/.cache/hetero_jax/native``), one file per hash of the
-source, the compiler and its flags, the jaxlib version and the CPU's features. With no C++ compiler, or a
+sources, the compiler and its flags, the jaxlib version and the CPU's features. With no C++ compiler, or a
 failed build or load, :func:`available` is False and :func:`unavailable_reason` says why; callers then use
-the jnp reference.
+the jnp references.
 
 Environment: ``CXX`` picks the compiler (default: the first of g++, c++, clang++ on PATH);
-``HETERO_JAX_NATIVE_THREADS`` caps the threads one call uses (default: XLA's intra-op pool, which a call
-only uses when it is long enough to gain from it).
+``HETERO_JAX_NATIVE_THREADS`` caps the threads one pool attention call uses (default: XLA's intra-op pool,
+which a call only uses when it is long enough to gain from it).
 """
 
 from __future__ import annotations
@@ -35,11 +39,17 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["available", "unavailable_reason", "build", "cache_dir", "library_path", "pool_attention_native",
-           "TARGET"]
+           "pivot_statistics_native", "topk_sets_native", "TARGET", "STATISTICS_TARGET", "TOPK_SETS_TARGET"]
 
 TARGET = "hetero_jax_pool_attention"
-_SYMBOL = "HeteroJaxPoolAttention"
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pool_attention.cc")
+STATISTICS_TARGET = "hetero_jax_pivot_statistics"
+TOPK_SETS_TARGET = "hetero_jax_topk_sets"
+_SYMBOLS = {TARGET: "HeteroJaxPoolAttention", STATISTICS_TARGET: "HeteroJaxPivotStatistics",
+            TOPK_SETS_TARGET: "HeteroJaxTopkSets"}
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = [os.path.join(_HERE, name) for name in ("pool_attention.cc", "pivot_statistics.cc")]
+_HEADERS = [os.path.join(_HERE, "simd.h")]
+_PREFIX = "kernels-"
 _ARCH_FLAGS = ["-march=native"]
 _BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing"]
 _MASK_VALUE = -1.0e30  # pallas_kernels._util.MASK_VALUE
@@ -88,8 +98,9 @@ def _compiler_version(cxx: str) -> str:
 def _key(cxx: str) -> str:
   import jaxlib
   h = hashlib.sha256()
-  with open(_SOURCE, "rb") as f:
-    h.update(f.read())
+  for path in _SOURCES + _HEADERS:
+    with open(path, "rb") as f:
+      h.update(f.read() + b"\0")
   for part in (" ".join(_BASE_FLAGS + _ARCH_FLAGS), cxx, _compiler_version(cxx), jaxlib.__version__,
                _cpu_features()):
     h.update(b"\0" + part.encode())
@@ -99,19 +110,19 @@ def _key(cxx: str) -> str:
 def library_path() -> str | None:
   """Where the library for this source, compiler, jaxlib and CPU is (or will be) built; None: no compiler."""
   cxx = _compiler()
-  return None if cxx is None else os.path.join(cache_dir(), f"pool_attention-{_key(cxx)}.so")
+  return None if cxx is None else os.path.join(cache_dir(), f"{_PREFIX}{_key(cxx)}.so")
 
 
 def _compile(cxx: str, out: str) -> None:
   """Compiles into a temporary file beside ``out`` and renames it; -march=native is dropped if the compiler
   refuses it. Raises RuntimeError with the compiler's message."""
   include = jax.ffi.include_dir()
-  fd, tmp = tempfile.mkstemp(prefix=".pool_attention-", suffix=".so.tmp", dir=os.path.dirname(out))
+  fd, tmp = tempfile.mkstemp(prefix="." + _PREFIX, suffix=".so.tmp", dir=os.path.dirname(out))
   os.close(fd)
   try:
     errors = []
     for arch in (_ARCH_FLAGS, []):
-      cmd = [cxx, *_BASE_FLAGS, *arch, "-I", include, _SOURCE, "-o", tmp]
+      cmd = [cxx, *_BASE_FLAGS, *arch, "-I", include, "-I", _HERE, *_SOURCES, "-o", tmp]
       try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
       except (OSError, subprocess.SubprocessError) as e:
@@ -121,7 +132,7 @@ def _compile(cxx: str, out: str) -> None:
         os.replace(tmp, out)
         return
       errors.append(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stderr or proc.stdout)[-3000:]}")
-    raise RuntimeError("compiling the native pool attention failed:\n" + "\n".join(errors))
+    raise RuntimeError("compiling the native CPU kernels failed:\n" + "\n".join(errors))
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
@@ -212,7 +223,7 @@ def _remove_stale_temporaries(folder: str, age_s: float = 3600.0) -> None:
   """Temporary files of builds that were killed (a live build holds the lock, so these are not in use)."""
   for name in os.listdir(folder):
     path = os.path.join(folder, name)
-    if name.startswith(".pool_attention-") and name.endswith(".tmp"):
+    if name.startswith("." + _PREFIX) and name.endswith(".tmp"):
       try:
         if time.time() - os.stat(path).st_mtime > age_s:
           os.unlink(path)
@@ -240,7 +251,8 @@ def _load_locked() -> str:
     except OSError:
       path = build(force=True)  # a truncated or stale file: build it again once
       lib = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+    for target, symbol in _SYMBOLS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
   except Exception as e:  # noqa: BLE001 - any failure makes the kernel unavailable, with the reason
     _state["error"] = f"{type(e).__name__}: {e}"
     raise RuntimeError(_state["error"]) from e
@@ -337,3 +349,42 @@ def pool_attention_native(
                           sm_scale=np.float32(sm_scale), score_len=np.int64(score_len),
                           chunk_rows=np.int64(chunk_rows or 0), block_size=np.int64(block_size))
   return out, lse, (logits if score_len else None)
+
+
+def pivot_statistics_native(
+    logits,   # [B, Hp, G, T] float32  scaled logits of the pivots over their prompt rows
+    lengths,  # [B, Hp] int32          prompt rows of each
+    k_base,   # [B, Hp, K] int32       each pivot's K_base positions, -1 past its own L_base
+):
+  """``pallas_kernels.pivot_statistics_reference``'s computation in the native CPU kernel: (scores
+  [B, Hp, T] float32, o'_t [B, Hp] float32). Raises RuntimeError when the kernel is not available. Works
+  under jit, vmap and shard_map like :func:`pool_attention_native`."""
+  _load()
+  logits = jnp.asarray(logits, jnp.float32)
+  if logits.ndim != 4:
+    raise ValueError(f"logits must be [B, Hp, G, T], got {logits.shape}")
+  B, Hp, _, T = logits.shape
+  if jnp.shape(lengths) != (B, Hp) or jnp.ndim(k_base) != 3 or jnp.shape(k_base)[:2] != (B, Hp):
+    raise ValueError(f"lengths must be [B, Hp] = {(B, Hp)} and k_base [B, Hp, K], got {jnp.shape(lengths)} and "
+                     f"{jnp.shape(k_base)}")
+  result = (jax.ShapeDtypeStruct((B, Hp, T), jnp.float32), jax.ShapeDtypeStruct((B, Hp), jnp.float32))
+  call = jax.ffi.ffi_call(STATISTICS_TARGET, result, vmap_method="broadcast_all")
+  return call(logits, jnp.asarray(lengths).astype(jnp.int32), jnp.asarray(k_base).astype(jnp.int32))
+
+
+def topk_sets_native(
+    scores,    # [..., T] float32
+    sizes,     # [..., K] int32  set sizes, each in [0, min(cap, T)]
+    cap: int,  # static, >= every size
+):
+  """``pallas_kernels.topk_sets``'s computation in the native CPU kernel: int32 [..., K, cap], for each size k
+  the positions ``lax.top_k(scores, k)`` picks, ascending, -1 past k."""
+  _load()
+  scores = jnp.asarray(scores, jnp.float32)
+  cap = int(cap)
+  if scores.ndim < 1 or jnp.ndim(sizes) != scores.ndim or jnp.shape(sizes)[:-1] != scores.shape[:-1] or cap < 1:
+    raise ValueError(f"scores must be [..., T] and sizes [..., K] with the same leading shape, cap >= 1; got "
+                     f"{scores.shape}, {jnp.shape(sizes)}, cap {cap}")
+  out = jax.ShapeDtypeStruct(tuple(jnp.shape(sizes)) + (cap,), jnp.int32)
+  call = jax.ffi.ffi_call(TOPK_SETS_TARGET, out, vmap_method="broadcast_all")
+  return call(scores, jnp.asarray(sizes).astype(jnp.int32), cap=np.int64(cap))

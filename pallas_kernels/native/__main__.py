@@ -1,4 +1,4 @@
-"""``python -m pallas_kernels.native build [--force]``: builds the native CPU kernel and prints its path
+"""``python -m pallas_kernels.native build [--force]``: builds the native CPU kernels and prints its path
 (exit 1 with the reason when it cannot be built)."""
 
 import argparse
@@ -18,7 +18,7 @@ def main(argv=None) -> int:
   try:
     print(native.build(force=args.force))
   except RuntimeError as e:
-    print(f"native pool attention not built: {e}", file=sys.stderr)
+    print(f"native CPU kernels not built: {e}", file=sys.stderr)
     return 1
   return 0
 

@@ -102,7 +102,8 @@ def attend_step(q, step, pivot_slots, copy_slots=()):
     share or None, pointer [B, Nc] int32 or None). The kernel writes the scored heads' logits over their
     prompt rows in the same pass, so the drift check never reads their keys again. The share: the pivots'
     logits [B, Np, G, T], buffered and checked all at once every ``window`` steps (:func:`drift_check`); or,
-    where checks are spread (:func:`spread_checks`), this step's pooled scores as a ``PivotScores``, whose o'_t
+    where checks are spread (:func:`spread_checks`), this step's (pooled scores, o'_t) from the native CPU kernel
+    (``pallas_kernels.pivot_statistics``) or, without it, the pooled scores as a ``PivotScores``, whose o'_t
     :func:`overlaps_at_once` computes with every other pivot layer's at the step's end (``finish_step``). The
     pointer: each copy head's most attended prompt position by its pooled scores (``copy_window.moved_windows``).
     """
@@ -116,8 +117,11 @@ def attend_step(q, step, pivot_slots, copy_slots=()):
         pivot = take_slots(logits, pivot_slots)
         if spread_checks():
             lengths = take_slots(step.layer.lengths, pivot_slots)
-            pivot = PivotScores(scores=pallas_kernels.pivot_pooled_scores(pivot, lengths), lengths=lengths,
-                                k_base=step.layer.state.k_base)
+            if pallas_kernels.native_statistics():  # scores and o'_t in one native call
+                pivot = pallas_kernels.pivot_statistics(pivot, lengths, step.layer.state.k_base)
+            else:
+                pivot = PivotScores(scores=pallas_kernels.pivot_pooled_scores(pivot, lengths), lengths=lengths,
+                                    k_base=step.layer.state.k_base)
     pointer = None
     if copy_slots:
         scores = pallas_kernels.pivot_pooled_scores(take_slots(logits, copy_slots),
