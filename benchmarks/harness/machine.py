@@ -106,8 +106,9 @@ def machine_info(with_jax: bool = True) -> dict[str, Any]:
 
             mode = pallas_kernels.use_kernels()
             pool = pallas_kernels.resolve_backend(native=True)
-            # the pool attention (every layer's decode attention) has a native CPU kernel besides Pallas
-            info["kernels"] = mode if pool == mode else f"{mode} (pool attention: {pool})"
+            # the pool attention (every layer's decode attention) and HeteroCache's drift statistics have
+            # native CPU kernels besides Pallas
+            info["kernels"] = mode if pool == mode else f"{mode} (pool attention, drift statistics: {pool})"
         except Exception:  # noqa: BLE001 - informational only
             info["kernels"] = None
     return info
