@@ -185,7 +185,8 @@ def committed(tree):
     fast path only while each argument's committedness is what it was; a computation with a committed input
     returns committed arrays, and a host array placed with ``place_like`` is committed, so an engine whose
     inputs start uncommitted would take the slow path (about 6 ms on a CPU for SmolLM2's arguments) at each
-    step after one was placed or written, and again at the step after."""
+    step after one was placed or written, and again at the step after. For one device only: committing to a
+    single device what a mesh computation must take on its devices (the sampling key) is an error there."""
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) and not x.committed
                         else x, tree)
 

@@ -157,12 +157,16 @@ class Engine:
     def _start(self, model, policy, lens, params, logits, cache, state, prefill_seconds, seed, compile_start):
         heap.engine_started(self)  # its compiles freeze the heap (``runtime.heap``)
         self.model, self.cfg, self.policy, self.lens = model, model.config, policy, lens
-        params, cache = committed((params, cache))  # one fast-path signature for every step (``committed``)
+        # one fast-path signature for every step (``committed``); on a mesh params and cache are placed, and
+        # the key must stay free to follow them onto the mesh's devices
+        single = getattr(model, "mesh", None) is None
+        if single:
+            params, cache = committed((params, cache))
         self.params, self.logits, self.cache, self.state = params, logits, cache, state
         self.achieved_rho = state.achieved_rho(cache, self.cfg)
         self.prefill_seconds = prefill_seconds
         self.compile_start = compile_start
-        self.key = committed(jax.random.PRNGKey(seed))
+        self.key = committed(jax.random.PRNGKey(seed)) if single else jax.random.PRNGKey(seed)
         self.steps = 0
         self._fns: dict = {}
 
