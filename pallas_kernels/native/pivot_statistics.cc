@@ -16,9 +16,9 @@
 // On XLA:CPU these are dozens of small fusions per pivot layer (the softmax, five shifted slices of the
 // pooling, the masks) and a 32-pass bisection for the top-L threshold, each pass a loop trip; here a row is
 // one pass for the softmax and pooling and a radix select (11, 11 and 10 bits; each pass after the first
-// reads only the entries whose higher bits matched) for the threshold. The top-L set is never formed: an
-// entry is a member iff its key is above the L-th largest, or equal to it and among the first L - n_greater
-// positions holding that key.
+// reads only the entries whose higher bits matched) for the threshold; the top-L set (keys above the L-th
+// largest, and of those equal to it the first L - n_greater positions) is the one the check's sets take
+// (top_positions), and K_base's entries are counted in it.
 //
 // hetero_jax_topk_sets (pallas_kernels.topk_sets): scores [..., T] f32, sizes [..., K] s32, attribute cap;
 // result [..., K, cap] s32: for each size k, the positions lax.top_k(scores, k) picks, ascending, -1 past k
@@ -40,7 +40,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr float kMaskValue = -1.0e30f;  // pallas_kernels._util.MASK_VALUE
 constexpr int kPool = 5;                // pallas_kernels.POOL_KERNEL_SIZE
 constexpr int kHalf = kPool / 2;
 
@@ -55,7 +54,8 @@ inline uint32_t sortable(float x) {
 struct Scratch {  // per thread, reused between calls: no page faults for fresh buffers every step
   std::vector<float> e, pooled;
   std::vector<uint32_t> key, cand;
-  std::vector<int32_t> tie_rank, top_pos;
+  std::vector<int32_t> top_pos;
+  std::vector<uint8_t> member;
 };
 
 // softmax over x[0, n) into e[kHalf, kHalf + n), zeros around it (the pooling's zero padding)
@@ -65,7 +65,7 @@ void softmax_padded(const float* x, int64_t n, float* e) {
   if (n == 0) return;
   float* out = e + kHalf;
   const int64_t nv = n / W * W;
-  vf mv = splat(kMaskValue);
+  vf mv = splat(kMask);
   for (int64_t i = 0; i < nv; i += W) mv = vmax(mv, loadv(x + i));
   float m = hmax(mv);
   for (int64_t i = nv; i < n; ++i) m = std::max(m, x[i]);
@@ -79,7 +79,7 @@ void softmax_padded(const float* x, int64_t n, float* e) {
   float s = hsum(sv);
   if (nv < n) {  // the tail through one padded vector (exp of the padding is exactly 0)
     alignas(64) float t[W];
-    for (int i = 0; i < W; ++i) t[i] = nv + i < n ? x[nv + i] - m : kMaskValue;
+    for (int i = 0; i < W; ++i) t[i] = nv + i < n ? x[nv + i] - m : kMask;
     const vf v = expv(loadv(t));
     for (int64_t i = nv; i < n; ++i) {
       out[i] = v[i - nv];
@@ -128,6 +128,23 @@ Kth kth_largest(const uint32_t* key, int64_t T, int64_t k, std::vector<uint32_t>
   return Kth{prefix, greater, equal};
 }
 
+// The positions (ascending) of the top k of keys[i] at positions pos[i], i < n (pos ascending, so ties go to
+// the lower position as in lax.top_k), written to out[0, k); their keys to out_key (may be null).
+void top_positions(const uint32_t* key, const int32_t* pos, int64_t n, int64_t k, std::vector<uint32_t>& cand,
+                   int32_t* out, uint32_t* out_key) {
+  if (k <= 0) return;
+  const Kth kth = kth_largest(key, n, k, cand);
+  int64_t ties_left = k - kth.greater, w = 0;
+  for (int64_t i = 0; i < n && w < k; ++i) {
+    const bool take = key[i] > kth.key || (key[i] == kth.key && ties_left-- > 0);
+    if (take) {
+      out[w] = pos ? pos[i] : static_cast<int32_t>(i);
+      if (out_key) out_key[w] = key[i];
+      ++w;
+    }
+  }
+}
+
 void row(const float* logits, int64_t G, int64_t T, int32_t length, const int32_t* k_base, int64_t K,
          float* scores, float* overlap, Scratch& sc) {
   const int64_t n = std::clamp<int64_t>(length, 0, T);
@@ -144,31 +161,23 @@ void row(const float* logits, int64_t G, int64_t T, int32_t length, const int32_
     }
   }
   for (int64_t t = 0; t < n; ++t) scores[t] = G > 0 ? agg[t] : 0.f;
-  for (int64_t t = n; t < T; ++t) scores[t] = kMaskValue;
+  for (int64_t t = n; t < T; ++t) scores[t] = kMask;
 
   int64_t L = 0;
   for (int64_t j = 0; j < K; ++j) L += k_base[j] >= 0;
   const int64_t k = std::min(L, T);
   int64_t inter = 0;
-  if (k > 0) {
+  if (k > 0) {  // K_base's entries in the top-k set, marked from the same selection as the check's sets
     sc.key.resize(T);
+    sc.top_pos.resize(k);
     uint32_t* key = sc.key.data();
     for (int64_t t = 0; t < T; ++t) key[t] = sortable(scores[t]);
-    const Kth kth = kth_largest(key, T, k, sc.cand);
-    const int64_t need = k - kth.greater;  // members among the keys equal to the k-th: the first `need`
-    const bool cut = kth.equal > need;     // a tie crosses the cut: ranks among the tied positions decide
-    if (cut) {
-      sc.tie_rank.resize(T);
-      int32_t r = 0;
-      for (int64_t t = 0; t < T; ++t) {
-        sc.tie_rank[t] = r;
-        r += key[t] == kth.key;
-      }
-    }
+    top_positions(key, nullptr, T, k, sc.cand, sc.top_pos.data(), nullptr);
+    sc.member.assign(T, 0);
+    for (int64_t i = 0; i < k; ++i) sc.member[sc.top_pos[i]] = 1;
     for (int64_t j = 0; j < K; ++j) {
       const int32_t p = k_base[j];
-      if (p < 0 || p >= length || p >= T) continue;
-      if (key[p] > kth.key || (key[p] == kth.key && (!cut || sc.tie_rank[p] < need))) ++inter;
+      if (p >= 0 && p < length && p < T) inter += sc.member[p];
     }
   }
   // pallas_kernels.normalised_overlap in float32
@@ -176,23 +185,6 @@ void row(const float* logits, int64_t G, int64_t T, int32_t length, const int32_
   const float c = lb / std::max(static_cast<float>(length), 1.f);
   const float o = static_cast<float>(inter) / std::max(lb, 1.f);
   *overlap = c < 1.f ? (o - c) / std::max(1.f - c, 1e-12f) : 1.f;
-}
-
-// The positions (ascending) of the top k of keys[i] at positions pos[i], i < n (pos ascending, so ties go to
-// the lower position as in lax.top_k), written to out[0, k); their keys to out_key (may be null).
-void top_positions(const uint32_t* key, const int32_t* pos, int64_t n, int64_t k, std::vector<uint32_t>& cand,
-                   int32_t* out, uint32_t* out_key) {
-  if (k <= 0) return;
-  const Kth kth = kth_largest(key, n, k, cand);
-  int64_t ties_left = k - kth.greater, w = 0;
-  for (int64_t i = 0; i < n && w < k; ++i) {
-    const bool take = key[i] > kth.key || (key[i] == kth.key && ties_left-- > 0);
-    if (take) {
-      out[w] = pos ? pos[i] : static_cast<int32_t>(i);
-      if (out_key) out_key[w] = key[i];
-      ++w;
-    }
-  }
 }
 
 void topk_sets_row(const float* scores, int64_t T, const int32_t* sizes, int64_t K, int64_t cap, int32_t* out,

@@ -52,8 +52,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr float kMask = -1.0e30f;  // pallas_kernels._util.MASK_VALUE
-
 // ---------------------------------------------------------------------------------------------------------
 // Element types.
 

@@ -1,11 +1,14 @@
-// Vector helpers shared by the native CPU kernels (GCC / clang vector extensions); each source that includes
-// this gets its own copies (an anonymous namespace), so the library exports nothing but the FFI handlers.
+// Vector helpers (GCC / clang vector extensions) and the mask value shared by the native CPU kernels; each
+// source that includes this gets its own copies (an anonymous namespace), so the library exports nothing but
+// the FFI handlers.
 
 #pragma once
 
 #include <cstdint>
 
 namespace {
+
+constexpr float kMask = -1.0e30f;  // pallas_kernels._util.MASK_VALUE
 
 // Vectors (GCC / clang vector extensions): W float lanes, 16 where AVX-512 is compiled in (-march=native on
 // such a CPU), else 8 (AVX registers on x86, two NEON registers on ARM).
