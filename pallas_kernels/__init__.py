@@ -44,7 +44,8 @@ from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce
                                           topk_membership, topk_threshold)
 from pallas_kernels.pooled_scores import topk_sets as topk_sets_xla
 from pallas_kernels.pool_attention import (gather_blocks, pivot_pooled_scores, pivot_statistics_reference,
-                                           pool_attention_reference)
+                                           pool_attention_reference, pool_attention_statistics_reference,
+                                           score_flags)
 from pallas_kernels.pool_attention import pool_attention as pool_attention_pallas
 from pallas_kernels.sparse_decode_attention import (
     default_num_splits, merge_attention, sparse_decode_attention,
@@ -61,6 +62,7 @@ __all__ = [
     "drift_check", "drift_check_reference", "base_overlap", "attention_and_pooled_scores", "scores",
     "pool_attention", "pool_attention_pallas", "pool_attention_reference", "pivot_pooled_scores",
     "pivot_statistics", "pivot_statistics_reference", "native_statistics", "topk_sets_xla",
+    "pool_attention_statistics", "pool_attention_statistics_reference", "score_flags",
 ]
 
 
@@ -119,6 +121,25 @@ def pivot_statistics(logits, lengths, k_base, *, backend: str | None = None):
     from pallas_kernels.native import pivot_statistics_native
     return pivot_statistics_native(logits, lengths, k_base)
   return pivot_statistics_reference(logits, lengths, k_base)
+
+
+def pool_attention_statistics(q, k_pool, v_pool, offsets, lengths, score_slots, stat_lengths, k_base, *,
+                              max_len: int, score_len: int, sm_scale: float | None = None,
+                              backend: str | None = None):
+  """A decode step's pool attention with the drift statistics of the heads ``score_slots`` (static tuple)
+  (``pool_attention_statistics_reference``'s contract): q [B, H, 1, G, D], k_pool / v_pool [B, P, D],
+  offsets, lengths [B, H], stat_lengths [B, Hs], k_base [B, Hs, K] -> (out [B, H, 1, G, D], lse [B, H, 1, G],
+  scores [B, Hs, score_len], o'_t [B, Hs]). One native call where :func:`native_statistics` (the statistics
+  are computed by the thread that merges each scored head, from logits that never leave the kernel); else
+  :func:`pool_attention` with the heads' logits, then :func:`pivot_statistics`."""
+  if native_statistics(backend):
+    from pallas_kernels.native import pool_attention_statistics_native
+    return pool_attention_statistics_native(q, k_pool, v_pool, offsets, lengths, score_slots, stat_lengths, k_base,
+                                            score_len=score_len, sm_scale=sm_scale)
+  out, lse, logits = pool_attention(q, k_pool, v_pool, offsets, lengths, score_flags(q.shape[1], score_slots),
+                                    max_len=max_len, score_len=score_len, sm_scale=sm_scale, backend=backend)
+  scores, overlap = pivot_statistics(logits[:, list(score_slots)], stat_lengths, k_base, backend=backend)
+  return out, lse, scores, overlap
 
 
 def topk_sets(scores, sizes, cap: int, *, backend: str | None = None):

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+import numpy as np
 
 from pallas_kernels._util import MASK_VALUE, MIN_DOT_ROWS, cdiv, dot_precision, is_pow2, next_pow2
 from pallas_kernels.pooled_scores import POOL_KERNEL_SIZE, avg_pool, base_overlap, gqa_reduce, masked_softmax
@@ -195,6 +196,42 @@ def pivot_statistics_reference(
   scores = pivot_pooled_scores(logits, lengths)
   l_base = (k_base >= 0).sum(axis=-1, dtype=jnp.int32)
   return scores, base_overlap(scores[:, :, None], k_base, l_base, lengths)[:, :, 0]
+
+
+def pool_attention_statistics_reference(
+    q,             # [B, H, 1, G, D]
+    k_pool,        # [B, P, D]
+    v_pool,        # [B, P, D]
+    offsets,       # [B, H] int32
+    lengths,       # [B, H] int32     rows the query sees
+    score_slots,   # static tuple of Hs distinct heads whose statistics are returned, in this order
+    stat_lengths,  # [B, Hs] int32    the rows each statistic is over (a pivot's prompt rows)
+    k_base,        # [B, Hs, K] int32 each scored head's K_base, -1 past its own L_base
+    *,
+    max_len: int,
+    score_len: int,
+    sm_scale: float | None = None,
+):
+  """A decode step's attention over the pool with the drift statistics of the heads ``score_slots``: the
+  attention of ``pool_attention_reference`` (their logits over the first ``score_len`` rows) followed by
+  ``pivot_statistics_reference`` on those logits. Returns (out [B, H, 1, G, D], lse [B, H, 1, G] float32,
+  scores [B, Hs, score_len] float32, o'_t [B, Hs] float32). The native CPU kernel
+  ``pallas_kernels.native.pool_attention_statistics_native`` computes the same in one call."""
+  out, lse, logits = pool_attention_reference(q, k_pool, v_pool, offsets, lengths,
+                                              score_flags(q.shape[1], score_slots), max_len=max_len,
+                                              score_len=score_len, sm_scale=sm_scale)
+  scores, overlap = pivot_statistics_reference(logits[:, list(score_slots)], stat_lengths, k_base)
+  return out, lse, scores, overlap
+
+
+def score_flags(H: int, score_slots) -> jax.Array:
+  """The [H] int32 ``score_heads`` flags of the heads ``score_slots`` (a static tuple of distinct heads)."""
+  slots = tuple(int(h) for h in score_slots)
+  if not slots or len(set(slots)) != len(slots) or not all(0 <= h < H for h in slots):
+    raise ValueError(f"score_slots must be distinct heads in [0, {H}), at least one, got {score_slots!r}")
+  flags = np.zeros((H,), np.int32)
+  flags[list(slots)] = 1
+  return jnp.asarray(flags)
 
 
 # ---------------------------------------------------------------------------

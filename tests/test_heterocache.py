@@ -550,13 +550,15 @@ def test_cpu_decode_step_ranks_every_pivot_layer_in_one_loop():
     assert loops == ["2"], loops
 
 
-def test_native_cpu_decode_step_computes_statistics_in_one_call_per_pivot_layer():
-    """With the native kernels each pivot layer's scores and o'_t are one custom call and no bisection loop is left."""
+def test_native_cpu_decode_step_computes_statistics_in_the_attention_call_of_each_pivot_layer():
+    """With the native kernels each pivot layer's attention, scores and o'_t are one custom call (the logits
+    never leave it), the other layers' attention one plain call each, and no bisection loop is left."""
     from pallas_kernels import native
 
     txt = _lowered_cpu_step("native")
-    assert len(re.findall(rf"custom_call @{native.STATISTICS_TARGET}\(", txt)) == 2
-    assert len(re.findall(rf"custom_call @{native.TARGET}\(", txt)) == CFG.num_layers
+    assert len(re.findall(rf"custom_call @{native.ATTENTION_STATISTICS_TARGET}\(", txt)) == 2
+    assert len(re.findall(rf"custom_call @{native.TARGET}\(", txt)) == CFG.num_layers - 2
+    assert len(re.findall(rf"custom_call @{native.STATISTICS_TARGET}\(", txt)) == 0
     assert "stablehlo.while" not in txt
 
 

@@ -134,6 +134,26 @@ class LayerStep:
                                   mesh=self.mesh, score_heads=score_heads, score_len=score_len)
         return out[:, :, 0], lse[:, :, 0], logits
 
+    @property
+    def local(self) -> bool:
+        """Whether the layer's heads are in one pool on one device (no mesh, one shard): what
+        :meth:`attend_statistics` needs."""
+        return self.mesh is None and self.pool.num_shards == 1
+
+    def attend_statistics(self, q: jax.Array, score_slots: tuple, stat_lengths: jax.Array, k_base: jax.Array):
+        """:meth:`attend` with the drift statistics of the heads ``score_slots`` (static) over their first
+        ``capacity`` rows instead of their logits (``pallas_kernels.pool_attention_statistics``; one native
+        call on a CPU). q [B, H, G, D], stat_lengths [B, Hs], k_base [B, Hs, K]. Returns (out [B, H, G, D],
+        scores [B, Hs, capacity] float32, o'_t [B, Hs] float32). Only where :attr:`local`."""
+        if not self.local:
+            raise ValueError("attend_statistics reads one pool on one device; on a mesh use attend with "
+                             "score_heads and pallas_kernels.pivot_statistics")
+        out, _, scores, overlap = pallas_kernels.pool_attention_statistics(
+            q[:, :, None], self.pool.k[:, 0], self.pool.v[:, 0], self.layer.offsets,
+            self.layer.lengths + self.tail_lens[:, None], score_slots, stat_lengths, k_base, max_len=self.max_len,
+            score_len=self.layer.capacity)
+        return out[:, :, 0], scores, overlap
+
     def attend_blocks(self, q: jax.Array, block_rows: jax.Array, lengths: jax.Array, block_size: int) -> jax.Array:
         """One query per head, q [B, H, G, D], over chosen blocks of its region read in place: logical row j is
         region row block_rows[b, h, j // block_size] + j % block_size (block_rows [B, H, NB] int32), the first

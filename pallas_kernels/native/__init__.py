@@ -3,7 +3,9 @@
 - ``pool_attention.cc``: the pool attention of ``pallas_kernels.pool_attention``. On the CPU, XLA cannot read
   a head's sub-range of a row pool without copying it (a slice before a dot, a gather, or a masked matmul over
   every row all cost more than the attention itself). It computes what ``pool_attention_reference``
-  documents, reading each head's rows in place, on XLA's intra-op thread pool.
+  documents, reading each head's rows in place, on XLA's intra-op thread pool. A second entry point returns,
+  instead of the scored heads' logits, their drift statistics, computed by the thread that merges each
+  scored head (``pool_attention_statistics_native``).
 - ``pivot_statistics.cc``: HeteroCache's per-step drift statistics of a pivot layer (pooled scores and the
   normalised overlap with K_base, ``pallas_kernels.pivot_statistics_reference``), which XLA:CPU runs as dozens
   of small fusions and a 32-pass bisection a layer; and the drift check's top-k sets
@@ -39,16 +41,18 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["available", "unavailable_reason", "build", "cache_dir", "library_path", "pool_attention_native",
-           "pivot_statistics_native", "topk_sets_native", "TARGET", "STATISTICS_TARGET", "TOPK_SETS_TARGET"]
+           "pool_attention_statistics_native", "pivot_statistics_native", "topk_sets_native", "TARGET",
+           "ATTENTION_STATISTICS_TARGET", "STATISTICS_TARGET", "TOPK_SETS_TARGET"]
 
 TARGET = "hetero_jax_pool_attention"
 STATISTICS_TARGET = "hetero_jax_pivot_statistics"
 TOPK_SETS_TARGET = "hetero_jax_topk_sets"
+ATTENTION_STATISTICS_TARGET = "hetero_jax_pool_attention_statistics"
 _SYMBOLS = {TARGET: "HeteroJaxPoolAttention", STATISTICS_TARGET: "HeteroJaxPivotStatistics",
-            TOPK_SETS_TARGET: "HeteroJaxTopkSets"}
+            TOPK_SETS_TARGET: "HeteroJaxTopkSets", ATTENTION_STATISTICS_TARGET: "HeteroJaxPoolAttentionStatistics"}
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name) for name in ("pool_attention.cc", "pivot_statistics.cc")]
-_HEADERS = [os.path.join(_HERE, "simd.h")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "statistics.h")]
 _PREFIX = "kernels-"
 _ARCH_FLAGS = ["-march=native"]
 _BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing"]
@@ -274,6 +278,24 @@ def unavailable_reason() -> str:
   return "" if available() else _state.get("error", "unknown")
 
 
+def _check_attention_operands(q, k_pool, v_pool, offsets, lengths, chunk_rows):
+  """The pool attention's shape and dtype rules (both native entry points): ValueError naming the operand."""
+  B, H, _, _, D = q.shape
+  P = k_pool.shape[1] if k_pool.ndim == 3 else None
+  if k_pool.shape != (B, P, D) or v_pool.shape != k_pool.shape:
+    raise ValueError(f"shape mismatch: q {q.shape} k_pool {k_pool.shape} v_pool {v_pool.shape}")
+  if k_pool.dtype != v_pool.dtype:
+    raise ValueError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")
+  for a in (q, k_pool):
+    if a.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+      raise ValueError(f"dtypes must be float32, bfloat16 or float16, got {a.dtype}")
+  if jnp.shape(offsets) != (B, H) or jnp.shape(lengths) != (B, H):
+    raise ValueError(f"offsets and lengths must be [B, H] = {(B, H)}, got {jnp.shape(offsets)} and "
+                     f"{jnp.shape(lengths)}")
+  if chunk_rows is not None and int(chunk_rows) < 1:
+    raise ValueError(f"chunk_rows must be None or >= 1, got {chunk_rows}")
+
+
 def pool_attention_native(
     q,                 # [B, H, T, G, D]  float32 / bfloat16 / float16
     k_pool,            # [B, P, D]
@@ -307,17 +329,7 @@ def pool_attention_native(
   if q.ndim != 5:
     raise ValueError(f"q must be [B, H, T, G, D], got {q.shape}")
   B, H, T, G, D = q.shape
-  P = k_pool.shape[1] if k_pool.ndim == 3 else None
-  if k_pool.shape != (B, P, D) or v_pool.shape != k_pool.shape:
-    raise ValueError(f"shape mismatch: q {q.shape} k_pool {k_pool.shape} v_pool {v_pool.shape}")
-  if k_pool.dtype != v_pool.dtype:
-    raise ValueError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")
-  for a in (q, k_pool):
-    if a.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-      raise ValueError(f"dtypes must be float32, bfloat16 or float16, got {a.dtype}")
-  if jnp.shape(offsets) != (B, H) or jnp.shape(lengths) != (B, H):
-    raise ValueError(f"offsets and lengths must be [B, H] = {(B, H)}, got {jnp.shape(offsets)} and "
-                     f"{jnp.shape(lengths)}")
+  _check_attention_operands(q, k_pool, v_pool, offsets, lengths, chunk_rows)
   if block_rows is None:
     block_size, block_rows = 0, jnp.zeros((B, H, 1), jnp.int32)
   else:
@@ -326,8 +338,6 @@ def pool_attention_native(
       raise ValueError(f"block_size must be a power of two for paged heads, got {block_size}")
     if jnp.ndim(block_rows) != 3 or jnp.shape(block_rows)[:2] != (B, H) or jnp.shape(block_rows)[2] < 1:
       raise ValueError(f"block_rows must be [B, H, NB] = [{B}, {H}, NB >= 1], got {jnp.shape(block_rows)}")
-  if chunk_rows is not None and int(chunk_rows) < 1:
-    raise ValueError(f"chunk_rows must be None or >= 1, got {chunk_rows}")
   score_len = int(score_len)
   if score_len < 0 or (score_len and T != 1):
     raise ValueError(f"logits are returned for one query position only (T={T}, score_len={score_len})")
@@ -349,6 +359,55 @@ def pool_attention_native(
                           sm_scale=np.float32(sm_scale), score_len=np.int64(score_len),
                           chunk_rows=np.int64(chunk_rows or 0), block_size=np.int64(block_size))
   return out, lse, (logits if score_len else None)
+
+
+def pool_attention_statistics_native(
+    q,             # [B, H, 1, G, D]  float32 / bfloat16 / float16
+    k_pool,        # [B, P, D]
+    v_pool,        # [B, P, D]        same dtype as k_pool
+    offsets,       # [B, H] int32
+    lengths,       # [B, H] int32     rows the query sees
+    score_slots,   # static tuple of Hs distinct heads in [0, H) whose statistics are returned, in this order
+    stat_lengths,  # [B, Hs] int32    the rows each statistic is over (a pivot's prompt rows)
+    k_base,        # [B, Hs, K] int32 each scored head's K_base positions, -1 past its own L_base
+    *,
+    score_len: int,
+    sm_scale: float | None = None,
+    chunk_rows: int | None = None,
+):
+  """:func:`pool_attention_native` with ``score_len`` for the heads ``score_slots``, and
+  :func:`pivot_statistics_native` on their logits, in one native call (``pallas_kernels.pool_attention_statistics``
+  documents the contract): returns (out [B, H, 1, G, D], lse [B, H, 1, G] float32, scores [B, Hs, score_len]
+  float32, o'_t [B, Hs] float32). The logits stay in a buffer of the kernel: the thread that merges a scored
+  head computes its statistics while the other threads go on with the call's other heads."""
+  _load()
+  q, k_pool, v_pool = jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool)
+  if q.ndim != 5 or q.shape[2] != 1:
+    raise ValueError(f"q must be [B, H, 1, G, D], got {q.shape}")
+  B, H, _, G, D = q.shape
+  slots = tuple(int(h) for h in score_slots)
+  if not slots or len(set(slots)) != len(slots) or not all(0 <= h < H for h in slots):
+    raise ValueError(f"score_slots must be distinct heads in [0, {H}), at least one, got {score_slots!r}")
+  Hs = len(slots)
+  if jnp.shape(stat_lengths) != (B, Hs) or jnp.ndim(k_base) != 3 or jnp.shape(k_base)[:2] != (B, Hs):
+    raise ValueError(f"stat_lengths must be [B, Hs] = {(B, Hs)} and k_base [B, Hs, K], got "
+                     f"{jnp.shape(stat_lengths)} and {jnp.shape(k_base)}")
+  score_len = int(score_len)
+  if score_len < 1:
+    raise ValueError(f"score_len must be >= 1, got {score_len}")
+  _check_attention_operands(q, k_pool, v_pool, offsets, lengths, chunk_rows)
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(D)
+  rows = np.full((H,), -1, np.int32)
+  rows[list(slots)] = np.arange(Hs, dtype=np.int32)
+  flags = jnp.broadcast_to(jnp.asarray(rows)[None, :], (B, H))
+  result = (jax.ShapeDtypeStruct((B, H, 1, G, D), q.dtype), jax.ShapeDtypeStruct((B, H, 1, G), jnp.float32),
+            jax.ShapeDtypeStruct((B, Hs, score_len), jnp.float32), jax.ShapeDtypeStruct((B, Hs), jnp.float32))
+  call = jax.ffi.ffi_call(ATTENTION_STATISTICS_TARGET, result, vmap_method="broadcast_all")
+  return call(q, k_pool, v_pool, jnp.asarray(offsets).astype(jnp.int32), jnp.asarray(lengths).astype(jnp.int32),
+              flags, jnp.zeros((B, H, 1), jnp.int32), jnp.asarray(stat_lengths).astype(jnp.int32),
+              jnp.asarray(k_base).astype(jnp.int32), sm_scale=np.float32(sm_scale), score_len=np.int64(score_len),
+              chunk_rows=np.int64(chunk_rows or 0), block_size=np.int64(0))
 
 
 def pivot_statistics_native(

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "statistics.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -253,6 +254,16 @@ ffi::Error TopkSetsImpl(ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> size
 }
 
 }  // namespace
+
+namespace hetero_jax_native {
+
+void pivot_row_statistics(const float* logits, int64_t G, int64_t T, int32_t length, const int32_t* k_base,
+                          int64_t K, float* scores, float* overlap) {
+  thread_local Scratch sc;
+  row(logits, G, T, length, k_base, K, scores, overlap, sc);
+}
+
+}  // namespace hetero_jax_native
 
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* HeteroJaxPivotStatistics(XLA_FFI_CallFrame*);
 

@@ -16,6 +16,14 @@
 //   block_size (i64; 0 = contiguous heads, else a power of two: the rows of one block of block_rows).
 // Results: out [B, H, T, G, D] in q's dtype, lse [B, H, T, G] f32, logits [B, H, G, score_len] f32.
 //
+// "hetero_jax_pool_attention_statistics" (T == 1, score_len > 0): the same attention, but flags[b, h] is the
+// row (0 .. Hs - 1, -1 for none) of a scored head among the Hs scored heads, and instead of their logits it
+// returns HeteroCache's drift statistics of each scored head (statistics.h): two more operands,
+// stat_lengths [B, Hs] s32 (the prompt rows a statistic is over) and k_base [B, Hs, K] s32, and the results
+// out, lse, scores [B, Hs, score_len] f32, overlap [B, Hs] f32. The logits go to a buffer of the calling
+// thread, and the thread that merges a scored head's last chunk computes its statistics while the others
+// go on with their items, so the statistics need no second call and no second read of logits from memory.
+//
 // Work split: items are (b, h, key chunk). A long head is cut into chunks when a call is long enough for
 // threads to pay (about 4 items a thread), and the chunks of a head are merged by log-sum-exp by whichever
 // thread finishes the head's last chunk. Threads: the caller plus helpers scheduled on XLA's intra-op pool
@@ -46,6 +54,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "statistics.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -195,11 +204,16 @@ struct Problem {
   const void* v;
   const int32_t* offsets;           // [B, H]
   const int32_t* lengths;
-  const int32_t* flags;
   void* out;                        // [B, H, T, G, D] in out_elem
   Elem out_elem;
   float* lse;                       // [B, H, T, G]
-  float* logits;                    // [B, H, G, S]
+  float* logits;                    // [rows, G, S], a head's row at Head::logit_row
+  // statistics of the scored heads' rows (hetero_jax_pool_attention_statistics), or stat_lengths == nullptr
+  const int32_t* stat_lengths;      // [rows]
+  const int32_t* k_base;            // [rows, K]
+  int64_t K;
+  float* scores;                    // [rows, S]
+  float* overlap;                   // [rows]
   int64_t block;                    // rows per block (divides `page` where heads are paged)
   const int32_t* block_rows;        // [B, H, NB] first region row of each logical block of `page` rows
   int64_t NB, page;                 // page = 0: contiguous heads
@@ -212,6 +226,8 @@ struct Head {
   int64_t rows;      // rows any query of the head sees (clamped to the pool)
   int64_t first_part;
   int32_t nparts;
+  int64_t logit_row; // its row of logits (-1: none)
+  bool scored;       // writes its logits (else its row is MASK_VALUE)
 };
 
 struct Item {
@@ -330,8 +346,8 @@ void run_chunk(const Problem& pb, const Head& hd, int64_t bh, int64_t c0, int64_
   const KV* kp = static_cast<const KV*>(pb.k) + hd.start * D;
   const KV* vp = static_cast<const KV*>(pb.v) + hd.start * D;
   const float* qh = pb.q + bh * QG * Dp;
-  const bool write_logits = pb.S > 0 && pb.flags[bh] != 0;  // S > 0 only with T == 1
-  float* lg = pb.logits + bh * G * pb.S;
+  const bool write_logits = pb.S > 0 && hd.scored;  // S > 0 only with T == 1
+  float* lg = pb.logits + hd.logit_row * G * pb.S;
   alignas(64) float s[kMaxBlock + W];
 
   for (int64_t j0 = c0; j0 < c1; j0 += pb.block) {
@@ -384,7 +400,8 @@ void run_chunk(const Problem& pb, const Head& hd, int64_t bh, int64_t c0, int64_
   }
 }
 
-// Merges a head's partials into out / lse, and fills its logits past the written rows with MASK_VALUE.
+// Merges a head's partials into out / lse, fills its logits past the written rows with MASK_VALUE, and
+// computes a scored head's statistics where the call asks for them.
 void finalize(const Problem& pb, const Head& hd, int64_t bh, const float* parts) {
   const int64_t QG = pb.QG, D = pb.D, Dp = pb.Dp, stride = 2 * QG + QG * Dp;
   std::vector<float> o(Dp);
@@ -412,11 +429,14 @@ void finalize(const Problem& pb, const Head& hd, int64_t bh, const float* parts)
       pb.lse[oi] = kMask;
     }
   }
-  if (pb.S > 0) {
-    const int64_t written = pb.flags[bh] != 0 ? std::max<int64_t>(0, std::min(pb.S, std::min(hd.rows, hd.n0))) : 0;
-    for (int64_t g = 0; g < pb.G; ++g) {
-      float* lg = pb.logits + (bh * pb.G + g) * pb.S;
-      std::fill(lg + written, lg + pb.S, kMask);
+  if (pb.S > 0 && hd.logit_row >= 0) {
+    const int64_t written = hd.scored ? std::max<int64_t>(0, std::min(pb.S, std::min(hd.rows, hd.n0))) : 0;
+    float* lg = pb.logits + hd.logit_row * pb.G * pb.S;
+    for (int64_t g = 0; g < pb.G; ++g) std::fill(lg + g * pb.S + written, lg + (g + 1) * pb.S, kMask);
+    if (pb.stat_lengths != nullptr) {
+      const int64_t r = hd.logit_row;
+      hetero_jax_native::pivot_row_statistics(lg, pb.G, pb.S, pb.stat_lengths[r], pb.k_base + r * pb.K, pb.K,
+                                              pb.scores + r * pb.S, pb.overlap + r);
     }
   }
 }
@@ -483,12 +503,22 @@ int64_t prod(ffi::AnyBuffer::Dimensions d, size_t from, size_t to) {
   return p;
 }
 
-ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                             ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> lengths,
-                             ffi::Buffer<ffi::S32> flags, ffi::Buffer<ffi::S32> block_rows, float sm_scale,
-                             int64_t score_len, int64_t chunk_rows, int64_t block_size,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                             ffi::Result<ffi::Buffer<ffi::F32>> logits) {
+// The scored heads' statistics asked of a call (hetero_jax_pool_attention_statistics); Hs rows per sequence.
+struct StatisticsArgs {
+  int64_t Hs, K;
+  const int32_t* stat_lengths;  // [B, Hs]
+  const int32_t* k_base;        // [B, Hs, K]
+  float* scores;                // [B, Hs, S]
+  float* overlap;               // [B, Hs]
+};
+
+// Both handlers: logits [B, H, G, S] (st == nullptr; flags 0 / 1) or the statistics of the heads whose
+// flags give their row (st; flags -1 / row).
+ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+               ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> flags,
+               ffi::Buffer<ffi::S32> block_rows, float sm_scale, int64_t score_len, int64_t chunk_rows,
+               int64_t block_size, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+               float* logits, size_t logits_count, const StatisticsArgs* st) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   if (qd.size() < 5 || kd.size() < 3 || v.dimensions().size() != kd.size())
@@ -510,8 +540,14 @@ ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
   if (block_size < 0 || (block_size & (block_size - 1)) != 0 || NB < 1 ||
       block_rows.element_count() != static_cast<size_t>(B * H * NB))
     return ffi::Error::InvalidArgument("pool_attention: block_rows must be [B, H, NB >= 1], block_size 0 or a power of two");
-  if (logits->element_count() != static_cast<size_t>(B * H * G * score_len))
+  if (st == nullptr && logits_count != static_cast<size_t>(B * H * G * score_len))
     return ffi::Error::InvalidArgument("pool_attention: logits must be [B, H, G, score_len]");
+  if (st != nullptr) {
+    if (score_len < 1) return ffi::Error::InvalidArgument("pool_attention_statistics: score_len must be >= 1");
+    for (int64_t i = 0; i < B * H; ++i)
+      if (flags.typed_data()[i] < -1 || flags.typed_data()[i] >= st->Hs)
+        return ffi::Error::InvalidArgument("pool_attention_statistics: flags must be -1 or a row below Hs");
+  }
   Elem qe, ke, ve, oe;
   if (!elem_of(q.element_type(), &qe) || !elem_of(k.element_type(), &ke) || !elem_of(v.element_type(), &ve) ||
       !elem_of(out->element_type(), &oe))
@@ -530,11 +566,24 @@ ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
   pb.v = v.untyped_data();
   pb.offsets = offsets.typed_data();
   pb.lengths = lengths.typed_data();
-  pb.flags = flags.typed_data();
   pb.out = out->untyped_data();
   pb.out_elem = oe;
   pb.lse = lse->typed_data();
-  pb.logits = logits->typed_data();
+  // the scored heads' logits: the caller's result, or a buffer of this thread that the statistics read
+  // (kept between calls: no page faults for a fresh one every step)
+  thread_local std::vector<float> logit_buf;
+  if (st != nullptr) {
+    logit_buf.resize(std::max<size_t>(logit_buf.size(), B * st->Hs * G * score_len));
+    pb.logits = logit_buf.data();
+    pb.stat_lengths = st->stat_lengths;
+    pb.k_base = st->k_base;
+    pb.K = st->K;
+    pb.scores = st->scores;
+    pb.overlap = st->overlap;
+  } else {
+    pb.logits = logits;
+    pb.stat_lengths = nullptr;
+  }
   pb.block = pb.Dp <= 64 ? kMaxBlock : (pb.Dp <= 128 ? 32 : 16);  // K and V blocks stay in L1
   pb.block_rows = block_rows.typed_data();
   pb.NB = NB;
@@ -556,6 +605,9 @@ ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
       Head& hd = sh->heads[b * H + h];
+      const int32_t f = flags.typed_data()[b * H + h];
+      hd.logit_row = st != nullptr ? (f >= 0 ? b * st->Hs + f : -1) : b * H + h;
+      hd.scored = st != nullptr ? f >= 0 : f != 0;
       const int64_t o = pb.offsets[b * H + h];
       hd.n0 = pb.lengths[b * H + h];
       if (pb.page > 0) {  // paged: NB blocks of logical rows, each row clipped into the pool where it is read
@@ -630,10 +682,46 @@ ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> lengths,
+                             ffi::Buffer<ffi::S32> flags, ffi::Buffer<ffi::S32> block_rows, float sm_scale,
+                             int64_t score_len, int64_t chunk_rows, int64_t block_size,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                             ffi::Result<ffi::Buffer<ffi::F32>> logits) {
+  return Run(pool, q, k, v, offsets, lengths, flags, block_rows, sm_scale, score_len, chunk_rows, block_size, out,
+             lse, logits->typed_data(), logits->element_count(), nullptr);
+}
+
+ffi::Error PoolAttentionStatisticsImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                       ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> lengths,
+                                       ffi::Buffer<ffi::S32> flags, ffi::Buffer<ffi::S32> block_rows,
+                                       ffi::Buffer<ffi::S32> stat_lengths, ffi::Buffer<ffi::S32> k_base,
+                                       float sm_scale, int64_t score_len, int64_t chunk_rows, int64_t block_size,
+                                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                       ffi::Result<ffi::Buffer<ffi::F32>> scores,
+                                       ffi::Result<ffi::Buffer<ffi::F32>> overlap) {
+  const auto qd = q.dimensions();
+  const auto kd = k_base.dimensions();
+  if (qd.size() < 5 || kd.size() < 2 || qd[qd.size() - 3] != 1)
+    return ffi::Error::InvalidArgument("pool_attention_statistics: q must be [..., H, 1, G, D], k_base [..., Hs, K]");
+  const int64_t B = prod(qd, 0, qd.size() - 4);
+  const int64_t Hs = kd[kd.size() - 2], K = kd[kd.size() - 1];
+  if (B * Hs == 0 || prod(kd, 0, kd.size() - 2) != B || stat_lengths.element_count() != static_cast<size_t>(B * Hs) ||
+      scores->element_count() != static_cast<size_t>(B * Hs * score_len) ||
+      overlap->element_count() != static_cast<size_t>(B * Hs))
+    return ffi::Error::InvalidArgument("pool_attention_statistics: stat_lengths must be [B, Hs >= 1], k_base "
+                                       "[B, Hs, K], scores [B, Hs, score_len], overlap [B, Hs]");
+  const StatisticsArgs st{Hs, K, stat_lengths.typed_data(), k_base.typed_data(), scores->typed_data(),
+                          overlap->typed_data()};
+  return Run(pool, q, k, v, offsets, lengths, flags, block_rows, sm_scale, score_len, chunk_rows, block_size, out,
+             lse, nullptr, 0, &st);
+}
+
 }  // namespace
 
-// The one exported symbol (the library is built with -fvisibility=hidden).
+// The exported symbols (the library is built with -fvisibility=hidden).
 extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* HeteroJaxPoolAttention(XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* HeteroJaxPoolAttentionStatistics(XLA_FFI_CallFrame*);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HeteroJaxPoolAttention, PoolAttentionImpl,
                               ffi::Ffi::Bind()
@@ -652,3 +740,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HeteroJaxPoolAttention, PoolAttentionImpl,
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse
                                   .Ret<ffi::Buffer<ffi::F32>>()); // logits
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HeteroJaxPoolAttentionStatistics, PoolAttentionStatisticsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k_pool
+                                  .Arg<ffi::AnyBuffer>()          // v_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // offsets
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // lengths
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // flags (row of a scored head, -1 none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_rows
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // stat_lengths
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // k_base
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("score_len")
+                                  .Attr<int64_t>("chunk_rows")
+                                  .Attr<int64_t>("block_size")
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // scores
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // overlap

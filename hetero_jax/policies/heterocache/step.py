@@ -102,13 +102,26 @@ def attend_step(q, step, pivot_slots, copy_slots=()):
     share or None, pointer [B, Nc] int32 or None). The kernel writes the scored heads' logits over their
     prompt rows in the same pass, so the drift check never reads their keys again. The share: the pivots'
     logits [B, Np, G, T], buffered and checked all at once every ``window`` steps (:func:`drift_check`); or,
-    where checks are spread (:func:`spread_checks`), this step's (pooled scores, o'_t) from the native CPU kernel
-    (``pallas_kernels.pivot_statistics``) or, without it, the pooled scores as a ``PivotScores``, whose o'_t
-    :func:`overlaps_at_once` computes with every other pivot layer's at the step's end (``finish_step``). The
+    where checks are spread (:func:`spread_checks`), this step's (pooled scores, o'_t): with the native CPU
+    kernels from the attention's own call on one device (``LayerStep.attend_statistics``; the logits never
+    leave the kernel), on a mesh from ``pallas_kernels.pivot_statistics`` on the logits; without native
+    kernels the pooled scores as a ``PivotScores``, whose o'_t :func:`overlaps_at_once` computes with every
+    other pivot layer's at the step's end (``finish_step``). The
     pointer: each copy head's most attended prompt position by its pooled scores (``copy_window.moved_windows``).
     """
     pivot_slots, copy_slots = tuple(pivot_slots), tuple(copy_slots)
     scored = pivot_slots + copy_slots
+    if spread_checks() and pallas_kernels.native_statistics() and step.local:
+        # one native call: the statistics of each scored head come from the thread that merged it
+        bases = [step.layer.state.k_base] if pivot_slots else []
+        if copy_slots:  # copy heads: their pooled scores only (an empty K_base)
+            bases.append(jnp.full((q.shape[0], len(copy_slots), bases[0].shape[-1] if bases else 1), -1, jnp.int32))
+        k_base = jnp.concatenate(bases, axis=1) if len(bases) > 1 else bases[0]
+        out, scores, overlap = step.attend_statistics(q, scored, take_slots(step.layer.lengths, scored), k_base)
+        n = len(pivot_slots)
+        pivot = (scores[:, :n], overlap[:, :n]) if pivot_slots else None
+        pointer = jnp.argmax(scores[:, n:], axis=-1).astype(jnp.int32) if copy_slots else None
+        return out, pivot, pointer
     flags = np.zeros(q.shape[1], np.int32)
     flags[list(scored)] = 1
     out, _, logits = step.attend(q, score_heads=jnp.asarray(flags), score_len=step.layer.capacity)
