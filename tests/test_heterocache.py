@@ -607,6 +607,35 @@ def test_attend_step_pivots_beside_volatiles_and_ragged_heads(backend, monkeypat
             assert (np.asarray(scores[b, p, n:]) == pallas_kernels.MASK_VALUE).all()
 
 
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_attend_step_copy_heads_point_at_their_most_attended_prompt_row(backend):
+    """A layer of pivots (0, 1) and a copy head (3): each copy head's pointer is the argmax of its own pooled
+    scores over its prompt rows (numpy, from its q.k), beside the pivots' statistics of the same call; the
+    native step computes them inside its attention call, the reference from the returned logits."""
+    from hetero_jax.policies.heterocache import step as traced
+
+    rng = np.random.default_rng(5)
+    B, G, D, T, R, l_base = 2, 3, 16, 40, 4, 6
+    lengths = np.array([[T, T, 11, T, 17], [T - 3, T - 3, 8, T - 9, 30]], np.int32)
+    k, v = _np_f32(rng, B, 5, T, D), _np_f32(rng, B, 5, T, D)
+    tail_k, tail_v = _np_f32(rng, B, 5, R, D), _np_f32(rng, B, 5, R, D)
+    k_base = np.stack([rng.permutation(T - 3)[:l_base] for _ in range(B * 2)]).reshape(B, 2, l_base)
+    step = step_from_dense(k, v, lengths, tail_k, tail_v, np.array([1, 3], np.int32),
+                           state=traced.PivotBase(k_base=jnp.asarray(k_base, jnp.int32)))
+    q = jnp.asarray(_np_f32(rng, B, 5, G, D))
+    with pallas_kernels.use_kernels(backend):
+        _, share, pointer = jax.jit(lambda q, s: traced.attend_step(q, s, (0, 1), (3,)))(q, step)
+    share = traced.overlaps_at_once((share,))[0]
+    for b in range(B):
+        n = lengths[b, 3]
+        want = _np_pooled_max(np.asarray(q[b, 3])[None], k[b, 3, :n])[0]
+        assert int(pointer[b, 0]) == int(np.argmax(want))
+        for p in range(2):
+            n = lengths[b, p]
+            want = _np_pooled_max(np.asarray(q[b, p])[None], k[b, p, :n])[0]
+            np.testing.assert_allclose(np.asarray(share[0][b, p, :n]), want, rtol=1e-5, atol=1e-7)
+
+
 def _spy_turns(sess):
     """Record (event, step, numpy turn queries) as the session's controller sees a turn."""
     ctl, log = sess.engine.state, []
