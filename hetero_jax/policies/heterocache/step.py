@@ -122,9 +122,8 @@ def attend_step(q, step, pivot_slots, copy_slots=()):
         pivot = (scores[:, :n], overlap[:, :n]) if pivot_slots else None
         pointer = jnp.argmax(scores[:, n:], axis=-1).astype(jnp.int32) if copy_slots else None
         return out, pivot, pointer
-    flags = np.zeros(q.shape[1], np.int32)
-    flags[list(scored)] = 1
-    out, _, logits = step.attend(q, score_heads=jnp.asarray(flags), score_len=step.layer.capacity)
+    out, _, logits = step.attend(q, score_heads=pallas_kernels.score_flags(q.shape[1], scored),
+                                 score_len=step.layer.capacity)
     pivot = None
     if pivot_slots:
         pivot = take_slots(logits, pivot_slots)
