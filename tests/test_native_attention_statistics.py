@@ -1,7 +1,9 @@
 """The native pool attention with the scored heads' drift statistics in the same call
 (``pallas_kernels.native.pool_attention_statistics_native``): out and lse against the plain-JAX pool attention,
-scores and o'_t against ``pivot_statistics_reference`` on the reference's logits, and exactly equal to the two
-native calls it replaces (the attention's logits, then ``pivot_statistics_native``), at odd GQA ratios, head
+scores and o'_t against ``pivot_statistics_reference`` on the reference's logits, and against the two native
+calls it replaces (the attention's logits, then ``pivot_statistics_native``): out and lse equal, scores within
+a few ulps (the fused call takes the softmax from the attention's own exponentials), and o'_t exactly what
+``pallas_kernels.base_overlap`` gives on the scores returned, at odd GQA ratios, head
 lengths around the kernel's block, heads of length 0 and 1, statistics over fewer rows than the query sees
 (the pivots' prompt rows, the generated tail after them), split heads merged on several threads, a bfloat16
 pool, vmap, and the errors. Nothing is skipped when the kernel is unavailable: `make install` builds it."""
@@ -53,6 +55,21 @@ def make_case(seed, B, H, G, D, cap, slots, dtype=np.float32, K=40):
           as_j(k_base))
 
 
+def assert_matches_two_calls(got, pair, stat_lengths, k_base):
+  """out and lse equal to the two calls', scores within a few ulps of theirs (a different but equally exact
+  softmax), MASK_VALUE at the same places, and o'_t exactly the overlap of the scores returned (Eq. 9 by
+  ``pallas_kernels.base_overlap``, lax.top_k's set)."""
+  for g, p in zip(got[:2], pair[:2]):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(p))
+  scores, want = np.asarray(got[2]), np.asarray(pair[2])
+  np.testing.assert_array_equal(scores == pallas_kernels.MASK_VALUE, want == pallas_kernels.MASK_VALUE)
+  np.testing.assert_allclose(scores, want, rtol=2e-6, atol=1e-30)
+  sizes = (np.asarray(k_base) >= 0).sum(-1).astype(np.int32)
+  ref = pallas_kernels.base_overlap(jnp.asarray(scores)[:, :, None], k_base, jnp.maximum(sizes, 1), stat_lengths)
+  ref = np.where(sizes == 0, np.asarray(pair[3]), np.asarray(ref)[:, :, 0])
+  np.testing.assert_array_equal(np.asarray(got[3]), ref)
+
+
 def two_calls(q, k, v, offsets, lengths, slots, stat_lengths, k_base, score_len, chunk_rows=None):
   """What the fused call replaces: the native attention with the scored heads' logits, then the native statistics."""
   flags = pallas_kernels.score_flags(q.shape[1], slots)
@@ -74,11 +91,10 @@ def test_matches_the_reference_and_the_two_native_calls(G, D, slots, chunk_rows)
   assert [g.shape for g in got] == [(B, H, 1, G, D), (B, H, 1, G), (B, len(slots), cap), (B, len(slots))]
   for g, r in zip(got[:3], ref[:3]):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5, atol=2e-5)
-  # o'_t counts set members: the scores' last ulps may move a tie, so the exact check is against the two calls
+  # o'_t counts set members: the scores' last ulps may move a tie, so the exact check is on the scores returned
   np.testing.assert_allclose(np.asarray(got[3]), np.asarray(ref[3]), atol=0.1)
   pair = two_calls(q, k, v, offsets, lengths, slots, stat_lengths, k_base, cap, chunk_rows)
-  for g, p in zip(got, pair):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(p))
+  assert_matches_two_calls(got, pair, stat_lengths, k_base)
   assert np.isfinite(np.asarray(got[0])).all()
 
 
@@ -94,8 +110,7 @@ def test_bfloat16_pool_and_a_head_scored_past_its_rows():
     sl = jnp.minimum(stat_lengths, score_len)
     got = native.pool_attention_statistics_native(q, k, v, offsets, lengths, slots, sl, k_base, score_len=score_len)
     pair = two_calls(q, k, v, offsets, lengths, slots, sl, k_base, score_len)
-    for g, p in zip(got, pair):
-      np.testing.assert_array_equal(np.asarray(g), np.asarray(p))
+    assert_matches_two_calls(got, pair, sl, k_base)
     assert (np.asarray(got[2])[0, 0] == pallas_kernels.MASK_VALUE).all()
 
 

@@ -18,7 +18,9 @@
 // one pass for the softmax and pooling and a radix select (11, 11 and 10 bits; each pass after the first
 // reads only the entries whose higher bits matched) for the threshold; the top-L set (keys above the L-th
 // largest, and of those equal to it the first L - n_greater positions) is the one the check's sets take
-// (top_positions), and K_base's entries are counted in it.
+// (top_positions), and K_base's entries are counted in it: where the L-th key is unique, as the keys at or above
+// it, without listing the set. The pool attention's fused call (statistics.h) takes each softmax from the
+// attention's own exponentials instead of the logits (softmax_from_exp).
 //
 // hetero_jax_topk_sets (pallas_kernels.topk_sets): scores [..., T] f32, sizes [..., K] s32, attribute cap;
 // result [..., K, cap] s32: for each size k, the positions lax.top_k(scores, k) picks, ascending, -1 past k
@@ -146,15 +148,60 @@ void top_positions(const uint32_t* key, const int32_t* pos, int64_t n, int64_t k
   }
 }
 
-void row(const float* logits, int64_t G, int64_t T, int32_t length, const int32_t* k_base, int64_t K,
-         float* scores, float* overlap, Scratch& sc) {
+// The softmax of one query's row from the pool attention's exponentials (the fused call): p[t] =
+// exp(x[t] - m[t / block]) with m[i] the attention's running max at block i (at least every x of the block), so
+// x's softmax over [0, n) is p[t] * exp(m[t / block] - M) / sum, M the largest m. Into e as softmax_padded
+// writes it. A product below the smallest normal float is 0, as exp(x - M) underflows to 0 there; no row at all
+// (every m MASK_VALUE: the logits were MASK_VALUE) is uniform, as the softmax of equal logits.
+void softmax_from_exp(const float* p, const float* m, int64_t block, int64_t n, float* e) {
+  std::fill(e, e + kHalf, 0.f);
+  std::fill(e + kHalf + n, e + kHalf + n + kHalf, 0.f);
+  if (n == 0) return;
+  float* out = e + kHalf;
+  const int64_t nb = (n + block - 1) / block;
+  float M = kMask;
+  for (int64_t i = 0; i < nb; ++i) M = std::max(M, m[i]);
+  if (M <= kMask) {
+    std::fill(out, out + n, 1.f / static_cast<float>(n));
+    return;
+  }
+  const vf tiny = splat(1.17549435e-38f);  // FLT_MIN
+  vf sv = splat(0.f);
+  float s = 0.f;
+  for (int64_t i = 0; i < nb; ++i) {
+    const float f = std::exp(m[i] - M);
+    const int64_t t0 = i * block, t1 = std::min(n, t0 + block);
+    const vf fv = splat(f);
+    int64_t t = t0;
+    for (; t + W <= t1; t += W) {
+      vf u = loadv(p + t) * fv;
+      u = u < tiny ? splat(0.f) : u;
+      storev(out + t, u);
+      sv += u;
+    }
+    for (; t < t1; ++t) {
+      float u = p[t] * f;
+      u = u < 1.17549435e-38f ? 0.f : u;
+      out[t] = u;
+      s += u;
+    }
+  }
+  const float d = std::max(s + hsum(sv), 1e-30f);
+  for (int64_t i = 0; i < n; ++i) out[i] = out[i] / d;
+}
+
+// scores and overlap of one row (the header's definition), each query's softmax over [0, n) put into e by
+// softmax(g, n, e).
+template <typename Softmax>
+void row(Softmax softmax, int64_t G, int64_t T, int32_t length, const int32_t* k_base, int64_t K, float* scores,
+         float* overlap, Scratch& sc) {
   const int64_t n = std::clamp<int64_t>(length, 0, T);
   sc.e.resize(T + 2 * kHalf);
   sc.pooled.resize(T);
   float* e = sc.e.data();
   float* agg = sc.pooled.data();
   for (int64_t g = 0; g < G; ++g) {
-    softmax_padded(logits + g * T, n, e);
+    softmax(g, n, e);
     // ((((x[t-2] + x[t-1]) + x[t]) + x[t+1]) + x[t+2]) / 5, the reference's order; max over the group
     for (int64_t t = 0; t < n; ++t) {
       const float v = ((((e[t] + e[t + 1]) + e[t + 2]) + e[t + 3]) + e[t + 4]) / static_cast<float>(kPool);
@@ -168,17 +215,25 @@ void row(const float* logits, int64_t G, int64_t T, int32_t length, const int32_
   for (int64_t j = 0; j < K; ++j) L += k_base[j] >= 0;
   const int64_t k = std::min(L, T);
   int64_t inter = 0;
-  if (k > 0) {  // K_base's entries in the top-k set, marked from the same selection as the check's sets
+  if (k > 0) {  // K_base's entries in the top-k set, the set the check's sets take (top_positions)
     sc.key.resize(T);
-    sc.top_pos.resize(k);
     uint32_t* key = sc.key.data();
     for (int64_t t = 0; t < T; ++t) key[t] = sortable(scores[t]);
-    top_positions(key, nullptr, T, k, sc.cand, sc.top_pos.data(), nullptr);
-    sc.member.assign(T, 0);
-    for (int64_t i = 0; i < k; ++i) sc.member[sc.top_pos[i]] = 1;
-    for (int64_t j = 0; j < K; ++j) {
-      const int32_t p = k_base[j];
-      if (p >= 0 && p < length && p < T) inter += sc.member[p];
+    const Kth kth = kth_largest(key, T, k, sc.cand);
+    if (kth.equal == 1) {  // no tie at the cut: the set is exactly the keys at or above the k-th
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t p = k_base[j];
+        if (p >= 0 && p < length && p < T) inter += key[p] >= kth.key;
+      }
+    } else {  // a tie at the cut: lax.top_k's rule (the lower positions first) decides, as top_positions applies it
+      sc.top_pos.resize(k);
+      top_positions(key, nullptr, T, k, sc.cand, sc.top_pos.data(), nullptr);
+      sc.member.assign(T, 0);
+      for (int64_t i = 0; i < k; ++i) sc.member[sc.top_pos[i]] = 1;
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t p = k_base[j];
+        if (p >= 0 && p < length && p < T) inter += sc.member[p];
+      }
     }
   }
   // pallas_kernels.normalised_overlap in float32
@@ -186,6 +241,13 @@ void row(const float* logits, int64_t G, int64_t T, int32_t length, const int32_
   const float c = lb / std::max(static_cast<float>(length), 1.f);
   const float o = static_cast<float>(inter) / std::max(lb, 1.f);
   *overlap = c < 1.f ? (o - c) / std::max(1.f - c, 1e-12f) : 1.f;
+}
+
+// row() from logits [G, T]
+void logits_row(const float* logits, int64_t G, int64_t T, int32_t length, const int32_t* k_base, int64_t K,
+                float* scores, float* overlap, Scratch& sc) {
+  row([&](int64_t g, int64_t n, float* e) { softmax_padded(logits + g * T, n, e); }, G, T, length, k_base, K, scores,
+      overlap, sc);
 }
 
 void topk_sets_row(const float* scores, int64_t T, const int32_t* sizes, int64_t K, int64_t cap, int32_t* out,
@@ -232,8 +294,8 @@ ffi::Error PivotStatisticsImpl(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S3
     return ffi::Error::InvalidArgument("pivot_statistics: output shapes");
   thread_local Scratch sc;
   for (int64_t r = 0; r < R; ++r)
-    row(logits.typed_data() + r * G * T, G, T, lengths.typed_data()[r], k_base.typed_data() + r * K, K,
-        scores->typed_data() + r * T, overlap->typed_data() + r, sc);
+    logits_row(logits.typed_data() + r * G * T, G, T, lengths.typed_data()[r], k_base.typed_data() + r * K, K,
+               scores->typed_data() + r * T, overlap->typed_data() + r, sc);
   return ffi::Error::Success();
 }
 
@@ -260,7 +322,15 @@ namespace hetero_jax_native {
 void pivot_row_statistics(const float* logits, int64_t G, int64_t T, int32_t length, const int32_t* k_base,
                           int64_t K, float* scores, float* overlap) {
   thread_local Scratch sc;
-  row(logits, G, T, length, k_base, K, scores, overlap, sc);
+  logits_row(logits, G, T, length, k_base, K, scores, overlap, sc);
+}
+
+void pivot_row_statistics_from_exp(const float* p, const float* block_max, int64_t block, int64_t G, int64_t T,
+                                   int32_t length, const int32_t* k_base, int64_t K, float* scores, float* overlap) {
+  thread_local Scratch sc;
+  const int64_t nb = (T + block - 1) / block;
+  row([&](int64_t g, int64_t n, float* e) { softmax_from_exp(p + g * T, block_max + g * nb, block, n, e); }, G, T,
+      length, k_base, K, scores, overlap, sc);
 }
 
 }  // namespace hetero_jax_native

@@ -20,9 +20,11 @@
 // row (0 .. Hs - 1, -1 for none) of a scored head among the Hs scored heads, and instead of their logits it
 // returns HeteroCache's drift statistics of each scored head (statistics.h): two more operands,
 // stat_lengths [B, Hs] s32 (the prompt rows a statistic is over) and k_base [B, Hs, K] s32, and the results
-// out, lse, scores [B, Hs, score_len] f32, overlap [B, Hs] f32. The logits go to a buffer of the calling
-// thread, and the thread that merges a scored head's last chunk computes its statistics while the others
-// go on with their items, so the statistics need no second call and no second read of logits from memory.
+// out, lse, scores [B, Hs, score_len] f32, overlap [B, Hs] f32. A scored head's exponentials (the online
+// softmax's exp(logit - running max), with the running max of each block) go to buffers of the calling thread,
+// and the thread that merges a scored head's last chunk computes its statistics from them while the others go
+// on with their items: no second call, no second read of logits from memory, and no second exp per row (the
+// statistics' softmax rescales the blocks' exponentials; scores within a few ulps of the logits' form).
 //
 // Work split: items are (b, h, key chunk). A long head is cut into chunks when a call is long enough for
 // threads to pay (about 4 items a thread), and the chunks of a head are merged by log-sum-exp by whichever
@@ -207,7 +209,9 @@ struct Problem {
   void* out;                        // [B, H, T, G, D] in out_elem
   Elem out_elem;
   float* lse;                       // [B, H, T, G]
-  float* logits;                    // [rows, G, S], a head's row at Head::logit_row
+  float* logits;                    // [rows, G, S], a head's row at Head::logit_row (statistics: exponentials)
+  float* block_max;                 // statistics: [rows, G, NBs] the running max each block's exponentials are from
+  int64_t NBs;                      // blocks of S rows
   // statistics of the scored heads' rows (hetero_jax_pool_attention_statistics), or stat_lengths == nullptr
   const int32_t* stat_lengths;      // [rows]
   const int32_t* k_base;            // [rows, K]
@@ -382,7 +386,9 @@ void run_chunk(const Problem& pb, const Head& hd, int64_t bh, int64_t c0, int64_
       for (int64_t g = 0; g < G; ++g) {
         const int64_t qi = t * G + g;
         const float bm = block_logits<ND>(qh + qi * Dp, kb, Dp, nd, cnt, s);
-        if (write_logits && j0 < pb.S) std::memcpy(lg + g * pb.S + j0, s, sizeof(float) * std::min(cnt, pb.S - j0));
+        const bool to_logits = write_logits && j0 < pb.S;
+        if (to_logits && pb.block_max == nullptr)
+          std::memcpy(lg + g * pb.S + j0, s, sizeof(float) * std::min(cnt, pb.S - j0));
         const float m_old = m[qi];
         const float m_new = bm > m_old ? bm : m_old;
         const float alpha = std::exp(m_old - m_new);  // 0 while m_old is MASK_VALUE
@@ -391,6 +397,10 @@ void run_chunk(const Problem& pb, const Head& hd, int64_t bh, int64_t c0, int64_
           const vf p = expv(loadv(s + j) - m_new);
           storev(s + j, p);
           lsum += p;
+        }
+        if (to_logits && pb.block_max != nullptr) {  // the statistics' softmax from these exponentials
+          std::memcpy(lg + g * pb.S + j0, s, sizeof(float) * std::min(cnt, pb.S - j0));
+          pb.block_max[(hd.logit_row * G + g) * pb.NBs + j0 / pb.block] = m_new;
         }
         m[qi] = m_new;
         l[qi] = l[qi] * alpha + hsum(lsum);
@@ -432,11 +442,19 @@ void finalize(const Problem& pb, const Head& hd, int64_t bh, const float* parts)
   if (pb.S > 0 && hd.logit_row >= 0) {
     const int64_t written = hd.scored ? std::max<int64_t>(0, std::min(pb.S, std::min(hd.rows, hd.n0))) : 0;
     float* lg = pb.logits + hd.logit_row * pb.G * pb.S;
-    for (int64_t g = 0; g < pb.G; ++g) std::fill(lg + g * pb.S + written, lg + (g + 1) * pb.S, kMask);
-    if (pb.stat_lengths != nullptr) {
+    if (pb.stat_lengths == nullptr) {
+      for (int64_t g = 0; g < pb.G; ++g) std::fill(lg + g * pb.S + written, lg + (g + 1) * pb.S, kMask);
+    } else {  // exponentials: none past the written rows, and no block max for a block without one
       const int64_t r = hd.logit_row;
-      hetero_jax_native::pivot_row_statistics(lg, pb.G, pb.S, pb.stat_lengths[r], pb.k_base + r * pb.K, pb.K,
-                                              pb.scores + r * pb.S, pb.overlap + r);
+      float* bm = pb.block_max + r * pb.G * pb.NBs;
+      const int64_t first_empty = (written + pb.block - 1) / pb.block;
+      for (int64_t g = 0; g < pb.G; ++g) {
+        std::fill(lg + g * pb.S + written, lg + (g + 1) * pb.S, 0.f);
+        std::fill(bm + g * pb.NBs + first_empty, bm + (g + 1) * pb.NBs, kMask);
+      }
+      hetero_jax_native::pivot_row_statistics_from_exp(lg, bm, pb.block, pb.G, pb.S, pb.stat_lengths[r],
+                                                       pb.k_base + r * pb.K, pb.K, pb.scores + r * pb.S,
+                                                       pb.overlap + r);
     }
   }
 }
@@ -571,10 +589,16 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   pb.lse = lse->typed_data();
   // the scored heads' logits: the caller's result, or a buffer of this thread that the statistics read
   // (kept between calls: no page faults for a fresh one every step)
-  thread_local std::vector<float> logit_buf;
+  thread_local std::vector<float> logit_buf, block_max_buf;
+  pb.block = pb.Dp <= 64 ? kMaxBlock : (pb.Dp <= 128 ? 32 : 16);  // K and V blocks stay in L1
+  if (block_size > 0) pb.block = std::min<int64_t>(pb.block, block_size);  // powers of two: a block in one page
+  pb.block_max = nullptr;
   if (st != nullptr) {
+    pb.NBs = (score_len + pb.block - 1) / pb.block;
     logit_buf.resize(std::max<size_t>(logit_buf.size(), B * st->Hs * G * score_len));
+    block_max_buf.resize(std::max<size_t>(block_max_buf.size(), B * st->Hs * G * pb.NBs));
     pb.logits = logit_buf.data();
+    pb.block_max = block_max_buf.data();
     pb.stat_lengths = st->stat_lengths;
     pb.k_base = st->k_base;
     pb.K = st->K;
@@ -584,11 +608,9 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
     pb.logits = logits;
     pb.stat_lengths = nullptr;
   }
-  pb.block = pb.Dp <= 64 ? kMaxBlock : (pb.Dp <= 128 ? 32 : 16);  // K and V blocks stay in L1
   pb.block_rows = block_rows.typed_data();
   pb.NB = NB;
   pb.page = block_size;
-  if (block_size > 0) pb.block = std::min<int64_t>(pb.block, block_size);  // powers of two: a block in one page
 
   // q in float32, scaled, rows padded to Dp
   std::vector<float> qf(B * H * T * G * pb.Dp, 0.f);

@@ -14,4 +14,11 @@ namespace hetero_jax_native {
 void pivot_row_statistics(const float* logits, int64_t G, int64_t T, int32_t length, const int32_t* k_base,
                           int64_t K, float* scores, float* overlap);
 
+// The same from the pool attention's exponentials instead of logits: p [G, T] with p[g, t] = exp(x[g, t] -
+// block_max[g, t / block]), block_max [G, ceil(T / block)] at least every logit x of its block (the attention's
+// running max there; MASK_VALUE where no row was written, p 0). Scores within a few ulps of the logits' form,
+// without a second exp per row; the overlap exact for the scores returned.
+void pivot_row_statistics_from_exp(const float* p, const float* block_max, int64_t block, int64_t G, int64_t T,
+                                   int32_t length, const int32_t* k_base, int64_t K, float* scores, float* overlap);
+
 }  // namespace hetero_jax_native
