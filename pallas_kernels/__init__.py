@@ -47,6 +47,7 @@ from pallas_kernels.pool_attention import (gather_blocks, pivot_pooled_scores, p
                                            pool_attention_reference, pool_attention_statistics_reference,
                                            score_flags)
 from pallas_kernels.pool_attention import pool_attention as pool_attention_pallas
+from pallas_kernels.page_select import page_select, page_select_reference
 from pallas_kernels.sparse_decode_attention import (
     default_num_splits, merge_attention, sparse_decode_attention,
     sparse_decode_attention_reference)
@@ -62,7 +63,8 @@ __all__ = [
     "drift_check", "drift_check_reference", "base_overlap", "attention_and_pooled_scores", "scores",
     "pool_attention", "pool_attention_pallas", "pool_attention_reference", "pivot_pooled_scores",
     "pivot_statistics", "pivot_statistics_reference", "native_statistics", "topk_sets_xla",
-    "pool_attention_statistics", "pool_attention_statistics_reference", "score_flags",
+    "pool_attention_statistics", "pool_attention_statistics_reference", "score_flags", "page_select",
+    "page_select_reference",
 ]
 
 

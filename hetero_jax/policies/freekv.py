@@ -142,7 +142,7 @@ class FreeKV(Policy):
         st = step.layer.state
         if st is None:
             return step.attend(q)[0], step, None
-        return step.attend(q)[0], step, select(q, st, "mean_softmax")
+        return step.attend(q)[0], step, select(q, st, "mean_softmax", local=step.local)
 
     def attend_chunk(self, li, q, step):
         """A session's turn attends the whole prompt, as prefill did (dense): a compressed layer reads it from

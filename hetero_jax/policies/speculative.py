@@ -28,12 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+import pallas_kernels
+
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
 from hetero_jax.model.host_store import TRANSFER_ERRORS, HostKVStore, write_head_rows
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
-from hetero_jax.policies.pages import group_page_scores, page_summaries, top_pages
+from hetero_jax.policies.pages import page_summaries
 from hetero_jax.policies.protocol import DecodeState
 
 
@@ -52,9 +54,12 @@ class PageSlots:
     n_select: int = struct.field(pytree_node=False, default=1)  # page slots k per head (the longest sequence's)
 
 
-def select(q: jax.Array, st: PageSlots, how: str) -> jax.Array:
-    """Traced Sel(q): the top ``k_sel`` pages [B, H, k] int32 of each KV head for q [B, H, G, D]."""
-    return top_pages(group_page_scores(q, st.kmin, st.kmax, st.n_pages, how), st.n_select, st.k_sel)[0]
+def select(q: jax.Array, st: PageSlots, how: str, local: bool = False) -> jax.Array:
+    """Traced Sel(q): the top ``k_sel`` pages [B, H, k] int32 of each KV head for q [B, H, G, D]. ``local`` (the
+    heads on one device, ``LayerStep.local``): ``pallas_kernels.page_select`` may run its native CPU kernel;
+    otherwise (a mesh's step, prefill, a turn) the plain-JAX reference."""
+    return pallas_kernels.page_select(q, st.kmin, st.kmax, st.n_pages, st.n_select, st.k_sel, how,
+                                      backend=None if local else "reference")[0]
 
 
 @functools.partial(jax.jit, static_argnames=("how",))

@@ -10,6 +10,8 @@
   normalised overlap with K_base, ``pallas_kernels.pivot_statistics_reference``), which XLA:CPU runs as dozens
   of small fusions and a 32-pass bisection a layer; and the drift check's top-k sets
   (``pallas_kernels.topk_sets``), two bisections and scatters on XLA:CPU.
+- ``page_select.cc``: Quest's and FreeKV's page selection of a decode step (``pallas_kernels.page_select``),
+  a handful of small fusions and a top_k a layer on XLA:CPU.
 
 The library is compiled on first use (or by ``python -m pallas_kernels.native build``, which ``make install``
 runs) into ``$HETERO_JAX_CACHE/native`` (default ``~/.cache/hetero_jax/native``), one file per hash of the
@@ -41,17 +43,19 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["available", "unavailable_reason", "build", "cache_dir", "library_path", "pool_attention_native",
-           "pool_attention_statistics_native", "pivot_statistics_native", "topk_sets_native", "TARGET",
-           "ATTENTION_STATISTICS_TARGET", "STATISTICS_TARGET", "TOPK_SETS_TARGET"]
+           "pool_attention_statistics_native", "pivot_statistics_native", "topk_sets_native", "page_select_native",
+           "TARGET", "ATTENTION_STATISTICS_TARGET", "STATISTICS_TARGET", "TOPK_SETS_TARGET", "PAGE_SELECT_TARGET"]
 
 TARGET = "hetero_jax_pool_attention"
 STATISTICS_TARGET = "hetero_jax_pivot_statistics"
 TOPK_SETS_TARGET = "hetero_jax_topk_sets"
 ATTENTION_STATISTICS_TARGET = "hetero_jax_pool_attention_statistics"
+PAGE_SELECT_TARGET = "hetero_jax_page_select"
 _SYMBOLS = {TARGET: "HeteroJaxPoolAttention", STATISTICS_TARGET: "HeteroJaxPivotStatistics",
-            TOPK_SETS_TARGET: "HeteroJaxTopkSets", ATTENTION_STATISTICS_TARGET: "HeteroJaxPoolAttentionStatistics"}
+            TOPK_SETS_TARGET: "HeteroJaxTopkSets", ATTENTION_STATISTICS_TARGET: "HeteroJaxPoolAttentionStatistics",
+            PAGE_SELECT_TARGET: "HeteroJaxPageSelect"}
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, name) for name in ("pool_attention.cc", "pivot_statistics.cc")]
+_SOURCES = [os.path.join(_HERE, name) for name in ("pool_attention.cc", "pivot_statistics.cc", "page_select.cc")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "statistics.h")]
 _PREFIX = "kernels-"
 _ARCH_FLAGS = ["-march=native"]
@@ -447,3 +451,34 @@ def topk_sets_native(
   out = jax.ShapeDtypeStruct(tuple(jnp.shape(sizes)) + (cap,), jnp.int32)
   call = jax.ffi.ffi_call(TOPK_SETS_TARGET, out, vmap_method="broadcast_all")
   return call(scores, jnp.asarray(sizes).astype(jnp.int32), cap=np.int64(cap))
+
+
+def page_select_native(
+    q,              # [B, H, G, D]  queries of each KV head's group
+    kmin,           # [B, H, P, D]  per-channel min key of each page
+    kmax,           # [B, H, P, D]
+    n_pages,        # [B] int32     selectable pages of each sequence
+    n_select: int,  # static, in [1, P]
+    counts=None,    # [B] int32 or None (every slot)
+    how: str = "max",
+):
+  """``pallas_kernels.page_select_reference``'s computation in the native CPU kernel: (pages [B, H, n_select]
+  int32, valid [B, H, n_select] bool). Works under jit and vmap (leading axes are looped by XLA)."""
+  _load()
+  if jnp.ndim(q) != 4 or jnp.ndim(kmin) != 4 or jnp.shape(kmin) != jnp.shape(kmax):
+    raise ValueError(f"q must be [B, H, G, D] and kmin / kmax [B, H, P, D], got {jnp.shape(q)}, {jnp.shape(kmin)}, "
+                     f"{jnp.shape(kmax)}")
+  B, H, _, D = jnp.shape(q)
+  P = jnp.shape(kmin)[2]
+  if jnp.shape(kmin)[:2] != (B, H) or jnp.shape(kmin)[3] != D:
+    raise ValueError(f"kmin / kmax must be [B, H, P, D] = [{B}, {H}, P, {D}], got {jnp.shape(kmin)}")
+  if not 0 < n_select <= P:
+    raise ValueError(f"n_select must be in [1, {P}] (the page axis), got {n_select}")
+  if how not in ("max", "mean_softmax"):
+    raise ValueError(f"group page rule must be 'max' or 'mean_softmax', got {how!r}")
+  counts = jnp.full((B,), n_select, jnp.int32) if counts is None else jnp.asarray(counts).astype(jnp.int32)
+  result = (jax.ShapeDtypeStruct((B, H, n_select), jnp.int32), jax.ShapeDtypeStruct((B, H, n_select), jnp.bool_))
+  call = jax.ffi.ffi_call(PAGE_SELECT_TARGET, result, vmap_method="sequential")
+  f32 = lambda x: jnp.asarray(x).astype(jnp.float32)  # noqa: E731
+  return call(f32(q), f32(kmin), f32(kmax), jnp.asarray(n_pages).astype(jnp.int32), counts,
+              rule=np.int64(0 if how == "max" else 1))

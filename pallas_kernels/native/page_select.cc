@@ -1,0 +1,121 @@
+// Page selection on the CPU: an XLA FFI custom call (target "hetero_jax_page_select") for Quest's and FreeKV's
+// decode steps, pallas_kernels.page_select_reference's computation:
+//   u[g, p]  = sum_d max(q[g, d] * kmin[p, d], q[g, d] * kmax[p, d])        (Quest's bound, float32)
+//   s[p]     = max_g u[g, p]                                  (rule 0, "max": group-consistent Quest)
+//            = mean_g softmax_p(u[g, :])[p]                   (rule 1, "mean_softmax": FreeKV's MeanS)
+//   s[p]     = MASK_VALUE for p >= n_pages[b]
+//   pages    = the n best pages, best first, ties to the lower page (lax.top_k); valid = score above MASK_VALUE
+//              and slot below counts[b]; an invalid slot holds the head's best page (page 0 when it has none).
+//
+// Operands: q [B, H, G, D] f32, kmin / kmax [B, H, P, D] f32, n_pages [B] s32, counts [B] s32. Attribute rule.
+// Results: pages [B, H, n] s32, valid [B, H, n] pred (n <= P).
+//
+// On XLA:CPU the reference is a handful of small fusions and a top_k per layer, each costing more than its data
+// (hundreds of pages); here one call per layer. Sums run in another order than XLA's, so scores may differ in
+// their last ulps and a near tie may go the other way (tests compare the selection against the reference's
+// scores with a tolerance).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "simd.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Quest's bound of query qv over page rows lo / hi [D].
+inline float bound(const float* qv, const float* lo, const float* hi, int64_t D) {
+  vf acc = splat(0.f);
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    const vf x = loadv(qv + d);
+    const vf a = x * loadv(lo + d), b = x * loadv(hi + d);
+    acc += a > b ? a : b;
+  }
+  float s = hsum(acc);
+  for (; d < D; ++d) s += std::max(qv[d] * lo[d], qv[d] * hi[d]);
+  return s;
+}
+
+ffi::Error PageSelectImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kmin, ffi::Buffer<ffi::F32> kmax,
+                          ffi::Buffer<ffi::S32> n_pages, ffi::Buffer<ffi::S32> counts, int64_t rule,
+                          ffi::Result<ffi::Buffer<ffi::S32>> pages, ffi::Result<ffi::Buffer<ffi::PRED>> valid) {
+  const auto qd = q.dimensions();
+  const auto kd = kmin.dimensions();
+  const auto pd = pages->dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || pd.size() != 3)
+    return ffi::Error::InvalidArgument("page_select: q must be [B, H, G, D], kmin/kmax [B, H, P, D], pages [B, H, n]");
+  const int64_t B = qd[0], H = qd[1], G = qd[2], D = qd[3], P = kd[2], n = pd[2];
+  if (kd[0] != B || kd[1] != H || kd[3] != D || kmax.element_count() != kmin.element_count())
+    return ffi::Error::InvalidArgument("page_select: kmin and kmax must be [B, H, P, D] matching q");
+  if (n_pages.element_count() != static_cast<size_t>(B) || counts.element_count() != static_cast<size_t>(B))
+    return ffi::Error::InvalidArgument("page_select: n_pages and counts must be [B]");
+  if (pd[0] != B || pd[1] != H || n < 1 || n > P || valid->element_count() != pages->element_count())
+    return ffi::Error::InvalidArgument("page_select: pages and valid must be [B, H, n], 1 <= n <= P");
+  if (rule != 0 && rule != 1) return ffi::Error::InvalidArgument("page_select: rule must be 0 (max) or 1 (mean_softmax)");
+
+  std::vector<float> u(G * P), s(P);
+  std::vector<int32_t> order(P);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t np = std::clamp<int64_t>(n_pages.typed_data()[b], 0, P);
+    const int64_t keep = counts.typed_data()[b];
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t bh = b * H + h;
+      const float* qh = q.typed_data() + bh * G * D;
+      const float* lo = kmin.typed_data() + bh * P * D;
+      const float* hi = kmax.typed_data() + bh * P * D;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t p = 0; p < P; ++p)
+          u[g * P + p] = p < np ? bound(qh + g * D, lo + p * D, hi + p * D, D) : kMask;
+      if (rule == 0) {
+        for (int64_t p = 0; p < P; ++p) {
+          float m = u[p];
+          for (int64_t g = 1; g < G; ++g) m = std::max(m, u[g * P + p]);
+          s[p] = m;
+        }
+      } else {
+        std::fill(s.begin(), s.end(), 0.f);
+        for (int64_t g = 0; g < G; ++g) {  // softmax over all P entries (MASK_VALUE ones get 0), then the mean
+          const float* ug = u.data() + g * P;
+          const float m = *std::max_element(ug, ug + P);
+          float z = 0.f;
+          for (int64_t p = 0; p < P; ++p) z += std::exp(ug[p] - m);
+          for (int64_t p = 0; p < P; ++p) s[p] += std::exp(ug[p] - m) / z;
+        }
+        for (int64_t p = 0; p < P; ++p) s[p] /= static_cast<float>(G);
+      }
+      for (int64_t p = np; p < P; ++p) s[p] = kMask;
+      // the n best, best first, ties to the lower page
+      std::iota(order.begin(), order.end(), 0);
+      auto better = [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); };
+      if (n < P) std::nth_element(order.begin(), order.begin() + n, order.end(), better);
+      std::sort(order.begin(), order.begin() + n, better);
+      int32_t* out = pages->typed_data() + bh * n;
+      bool* ok = valid->typed_data() + bh * n;
+      for (int64_t i = 0; i < n; ++i) ok[i] = s[order[i]] > kMask && i < keep;
+      const int32_t filler = ok[0] ? order[0] : 0;
+      for (int64_t i = 0; i < n; ++i) out[i] = ok[i] ? order[i] : filler;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* HeteroJaxPageSelect(XLA_FFI_CallFrame*);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HeteroJaxPageSelect, PageSelectImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // kmin
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // kmax
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // n_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // counts
+                                  .Attr<int64_t>("rule")
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // pages
+                                  .Ret<ffi::Buffer<ffi::PRED>>());  // valid
