@@ -54,7 +54,7 @@ def group_page_scores(
   elif how == "mean_softmax":
     s = jax.nn.softmax(u, axis=-1).mean(axis=2)  # MASK_VALUE pages get weight 0
   else:
-    raise ValueError(f"group page rule must be 'max' or 'mean_softmax', got {how!r}")
+    raise ValueError(f"group page rule must be one of {RULES}, got {how!r}")
   return jnp.where(_page_valid(n_pages, s.shape[-1])[:, None, :], s, MASK_VALUE)
 
 
@@ -97,9 +97,7 @@ def page_select_reference(
 def page_select(q, kmin, kmax, n_pages, n_select: int, counts=None, how: str = "max", *, backend: str | None = None):
   """Each KV head's ``n_select`` best pages (:func:`page_select_reference`'s contract), in the native CPU kernel
   where the pool attention is native (``resolve_backend(native=True)``), else the reference. Read at trace
-  time."""
-  if how not in RULES:
-    raise ValueError(f"group page rule must be one of {RULES}, got {how!r}")
+  time; either path refuses a rule not in ``RULES``."""
   if resolve_backend(backend, native=True) == "native":
     from pallas_kernels.native import page_select_native
     return page_select_native(q, kmin, kmax, n_pages, n_select, counts, how)

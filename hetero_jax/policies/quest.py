@@ -49,7 +49,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-import pallas_kernels
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, row_nbytes, tail_kv_bytes
 from hetero_jax.model.config import ModelConfig
@@ -59,7 +58,7 @@ from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.base import BudgetError, Policy, bool_param, int_param, smallest_rho, tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import page_summaries, pages_for_budget, smallest_page_rho
-from hetero_jax.policies.speculative import PageRecallPrefill, select
+from hetero_jax.policies.speculative import PageRecallPrefill, select, select_pages
 
 
 @struct.dataclass
@@ -134,8 +133,7 @@ class Quest(Policy):
             return step.attend(q)[0], step, None
         if self.offload:
             return step.attend(q)[0], step, select(q, st, "max", local=step.local)
-        pages, valid = pallas_kernels.page_select(q, st.kmin, st.kmax, st.n_pages, st.n_select, st.k_sel, "max",
-                                                  backend=None if step.local else "reference")
+        pages, valid = select_pages(q, st, "max", local=step.local)
         block_rows, lengths = _page_blocks(pages, valid, st.n_pages, st.prompt_lens, step.tail_lens, self.page_size,
                                            step.tail_capacity)
         out = step.attend_blocks(q, block_rows, lengths, self.page_size)

@@ -54,12 +54,17 @@ class PageSlots:
     n_select: int = struct.field(pytree_node=False, default=1)  # page slots k per head (the longest sequence's)
 
 
-def select(q: jax.Array, st: PageSlots, how: str, local: bool = False) -> jax.Array:
-    """Traced Sel(q): the top ``k_sel`` pages [B, H, k] int32 of each KV head for q [B, H, G, D]. ``local`` (the
-    heads on one device, ``LayerStep.local``): ``pallas_kernels.page_select`` may run its native CPU kernel;
-    otherwise (a mesh's step, prefill, a turn) the plain-JAX reference."""
+def select_pages(q: jax.Array, st: PageSlots, how: str, local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Traced: the top ``k_sel`` pages of each KV head for q [B, H, G, D] and which slots are valid, both
+    [B, H, k] (``pallas_kernels.page_select``). ``local`` (the heads on one device, ``LayerStep.local``): its
+    native CPU kernel may run; otherwise (a mesh's step, prefill, a turn) the plain-JAX reference."""
     return pallas_kernels.page_select(q, st.kmin, st.kmax, st.n_pages, st.n_select, st.k_sel, how,
-                                      backend=None if local else "reference")[0]
+                                      backend=None if local else "reference")
+
+
+def select(q: jax.Array, st: PageSlots, how: str, local: bool = False) -> jax.Array:
+    """Traced Sel(q): the top ``k_sel`` pages [B, H, k] int32 of each KV head (:func:`select_pages`' pages)."""
+    return select_pages(q, st, how, local)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("how",))

@@ -474,11 +474,12 @@ def page_select_native(
     raise ValueError(f"kmin / kmax must be [B, H, P, D] = [{B}, {H}, P, {D}], got {jnp.shape(kmin)}")
   if not 0 < n_select <= P:
     raise ValueError(f"n_select must be in [1, {P}] (the page axis), got {n_select}")
-  if how not in ("max", "mean_softmax"):
-    raise ValueError(f"group page rule must be 'max' or 'mean_softmax', got {how!r}")
+  from pallas_kernels.page_select import RULES
+  if how not in RULES:
+    raise ValueError(f"group page rule must be one of {RULES}, got {how!r}")
   counts = jnp.full((B,), n_select, jnp.int32) if counts is None else jnp.asarray(counts).astype(jnp.int32)
   result = (jax.ShapeDtypeStruct((B, H, n_select), jnp.int32), jax.ShapeDtypeStruct((B, H, n_select), jnp.bool_))
   call = jax.ffi.ffi_call(PAGE_SELECT_TARGET, result, vmap_method="sequential")
   f32 = lambda x: jnp.asarray(x).astype(jnp.float32)  # noqa: E731
   return call(f32(q), f32(kmin), f32(kmax), jnp.asarray(n_pages).astype(jnp.int32), counts,
-              rule=np.int64(0 if how == "max" else 1))
+              rule=np.int64(RULES.index(how)))

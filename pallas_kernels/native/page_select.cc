@@ -81,11 +81,11 @@ ffi::Error PageSelectImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kmin, f
       } else {
         std::fill(s.begin(), s.end(), 0.f);
         for (int64_t g = 0; g < G; ++g) {  // softmax over all P entries (MASK_VALUE ones get 0), then the mean
-          const float* ug = u.data() + g * P;
+          float* ug = u.data() + g * P;
           const float m = *std::max_element(ug, ug + P);
           float z = 0.f;
-          for (int64_t p = 0; p < P; ++p) z += std::exp(ug[p] - m);
-          for (int64_t p = 0; p < P; ++p) s[p] += std::exp(ug[p] - m) / z;
+          for (int64_t p = 0; p < P; ++p) z += (ug[p] = std::exp(ug[p] - m));
+          for (int64_t p = 0; p < P; ++p) s[p] += ug[p] / z;
         }
         for (int64_t p = 0; p < P; ++p) s[p] /= static_cast<float>(G);
       }
