@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._util import MASK_VALUE, resolve_backend
-
-RULES = ("max", "mean_softmax")
+from pallas_kernels.native import PAGE_SELECT_RULES as RULES
+from pallas_kernels.native import page_select_native
 
 
 def _page_valid(n_pages: jax.Array, n: int) -> jax.Array:
@@ -99,6 +99,5 @@ def page_select(q, kmin, kmax, n_pages, n_select: int, counts=None, how: str = "
   where the pool attention is native (``resolve_backend(native=True)``), else the reference. Read at trace
   time; either path refuses a rule not in ``RULES``."""
   if resolve_backend(backend, native=True) == "native":
-    from pallas_kernels.native import page_select_native
     return page_select_native(q, kmin, kmax, n_pages, n_select, counts, how)
   return page_select_reference(q, kmin, kmax, n_pages, n_select, counts, how)

@@ -44,13 +44,17 @@ import numpy as np
 
 __all__ = ["available", "unavailable_reason", "build", "cache_dir", "library_path", "pool_attention_native",
            "pool_attention_statistics_native", "pivot_statistics_native", "topk_sets_native", "page_select_native",
-           "TARGET", "ATTENTION_STATISTICS_TARGET", "STATISTICS_TARGET", "TOPK_SETS_TARGET", "PAGE_SELECT_TARGET"]
+           "TARGET", "ATTENTION_STATISTICS_TARGET", "STATISTICS_TARGET", "TOPK_SETS_TARGET", "PAGE_SELECT_TARGET",
+           "PAGE_SELECT_RULES"]
 
 TARGET = "hetero_jax_pool_attention"
 STATISTICS_TARGET = "hetero_jax_pivot_statistics"
 TOPK_SETS_TARGET = "hetero_jax_topk_sets"
 ATTENTION_STATISTICS_TARGET = "hetero_jax_pool_attention_statistics"
 PAGE_SELECT_TARGET = "hetero_jax_page_select"
+# page_select.cc's rule codes, in order; pallas_kernels.page_select takes its RULES from here so that this module
+# imports nothing of the package (pallas_kernels._util imports it to resolve the backend).
+PAGE_SELECT_RULES = ("max", "mean_softmax")
 _SYMBOLS = {TARGET: "HeteroJaxPoolAttention", STATISTICS_TARGET: "HeteroJaxPivotStatistics",
             TOPK_SETS_TARGET: "HeteroJaxTopkSets", ATTENTION_STATISTICS_TARGET: "HeteroJaxPoolAttentionStatistics",
             PAGE_SELECT_TARGET: "HeteroJaxPageSelect"}
@@ -474,12 +478,11 @@ def page_select_native(
     raise ValueError(f"kmin / kmax must be [B, H, P, D] = [{B}, {H}, P, {D}], got {jnp.shape(kmin)}")
   if not 0 < n_select <= P:
     raise ValueError(f"n_select must be in [1, {P}] (the page axis), got {n_select}")
-  from pallas_kernels.page_select import RULES
-  if how not in RULES:
-    raise ValueError(f"group page rule must be one of {RULES}, got {how!r}")
+  if how not in PAGE_SELECT_RULES:
+    raise ValueError(f"group page rule must be one of {PAGE_SELECT_RULES}, got {how!r}")
   counts = jnp.full((B,), n_select, jnp.int32) if counts is None else jnp.asarray(counts).astype(jnp.int32)
   result = (jax.ShapeDtypeStruct((B, H, n_select), jnp.int32), jax.ShapeDtypeStruct((B, H, n_select), jnp.bool_))
   call = jax.ffi.ffi_call(PAGE_SELECT_TARGET, result, vmap_method="sequential")
   f32 = lambda x: jnp.asarray(x).astype(jnp.float32)  # noqa: E731
   return call(f32(q), f32(kmin), f32(kmax), jnp.asarray(n_pages).astype(jnp.int32), counts,
-              rule=np.int64(RULES.index(how)))
+              rule=np.int64(PAGE_SELECT_RULES.index(how)))
