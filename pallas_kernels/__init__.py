@@ -47,6 +47,7 @@ from pallas_kernels.pool_attention import (gather_blocks, pivot_pooled_scores, p
                                            pool_attention_reference, pool_attention_statistics_reference,
                                            score_flags)
 from pallas_kernels.pool_attention import pool_attention as pool_attention_pallas
+from pallas_kernels.page_recall import page_recall, page_recall_reference
 from pallas_kernels.page_select import page_select, page_select_reference
 from pallas_kernels.sparse_decode_attention import (
     default_num_splits, merge_attention, sparse_decode_attention,
@@ -64,7 +65,7 @@ __all__ = [
     "pool_attention", "pool_attention_pallas", "pool_attention_reference", "pivot_pooled_scores",
     "pivot_statistics", "pivot_statistics_reference", "native_statistics", "topk_sets_xla",
     "pool_attention_statistics", "pool_attention_statistics_reference", "score_flags", "page_select",
-    "page_select_reference",
+    "page_select_reference", "page_recall", "page_recall_reference",
 ]
 
 

@@ -12,6 +12,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import layer_rows, prompt_kv_bytes
 from hetero_jax.runtime import Engine, prefill
 from hetero_jax.policies import BudgetError, FreeKV, PolicyError, make_policy
+from hetero_jax.policies import speculative
 from pool_utils import keep_rows
 from tiny_model import greedy_with_logits, tiny_model, random_prompt
 
@@ -21,6 +22,14 @@ H, D = CFG.num_kv_heads, CFG.head_dim
 PS, SINKS, WINDOW = 8, 4, 8
 L, STEPS = 200, 6
 SPARSE = 2  # skip_layers=2: the last layer is the only compressed one, so its queries equal a full-KV run's
+
+
+@pytest.fixture(autouse=True)
+def host_recall(monkeypatch):
+    """The host's recall between steps (a GPU's and a mesh's path), whose mirror of the slots (``resident``) and
+    hooks these tests read; on one CPU device the steps recall their own pages, held to this path by
+    tests/test_page_recall_in_step.py."""
+    monkeypatch.setattr(speculative, "recall_in_step", lambda cache: False)
 
 
 

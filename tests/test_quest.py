@@ -9,12 +9,21 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import layer_rows
 from hetero_jax.runtime import Engine, prefill
 from hetero_jax.policies import BudgetError, FullKV, Quest, make_policy
+from hetero_jax.policies import speculative
 from pool_utils import keep_rows
 from tiny_model import greedy_with_logits, tiny_model
 
 MODEL = tiny_model()
 CFG, PARAMS = MODEL.config, MODEL.params
 PS = 8
+
+
+@pytest.fixture(autouse=True)
+def host_recall(monkeypatch):
+    """The host's recall between steps (a GPU's and a mesh's path), whose mirror of the slots (``resident``) and
+    hooks these tests read; on one CPU device the steps recall their own pages, held to this path by
+    tests/test_page_recall_in_step.py."""
+    monkeypatch.setattr(speculative, "recall_in_step", lambda cache: False)
 
 
 def prompt(n, seed=0):

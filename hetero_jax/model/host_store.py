@@ -768,6 +768,13 @@ def sums_in_step() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def in_step_operand(a: jax.Array) -> jax.Array:
+    """Traced: a store's pinned-host array, passed to the step as an operand, as device memory for the step's
+    graph to read where it lies (a CPU backend only, :func:`sums_in_step`: there both are the host's RAM and the
+    move is no copy)."""
+    return jax.device_put(a, jax.memory.Space.Device)
+
+
 def weighted_sum_in_step(values: jax.Array, w: jax.Array) -> jax.Array:
     """Traced: sum_t w[b, h, q, t] * values[b, h, t] (Eq. 5 of HCAttention) inside the step, for a CPU backend.
 
@@ -775,7 +782,7 @@ def weighted_sum_in_step(values: jax.Array, w: jax.Array) -> jax.Array:
     donated (the store owns it); w: [B, H, Q, T] float32, zero off each query row's mass set. Returns
     [B, H, Q, D] float32. One product over every row: on a CPU the move to device memory is no copy (both are
     the host's RAM), and one pass over the values costs less than a gather of the kept rows would cost XLA."""
-    v = jax.device_put(values, jax.memory.Space.Device)[:, :, : w.shape[-1]]
+    v = in_step_operand(values)[:, :, : w.shape[-1]]
     return jnp.einsum("bhqt,bhtd->bhqd", w, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 

@@ -54,7 +54,7 @@ from hetero_jax.model.host_store import attend_chunk_over_host_prompt
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param
 from hetero_jax.policies.protocol import PrefillPlan
 from hetero_jax.policies.pages import pages_for_budget, smallest_page_rho
-from hetero_jax.policies.speculative import PageRecallDecode, PageRecallPrefill, select
+from hetero_jax.policies.speculative import PageRecallDecode, PageRecallPrefill, attend_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,12 +137,12 @@ class FreeKV(Policy):
     # ----------------------------------------------------------------- decode
     def attend(self, li, q, step):
         """Skipped layers: every row. Compressed layers: the page slots as recalled (Sel(q_{i-1})), the sinks,
-        the window and the tail. Extra: Sel(q_i) [B, H, k], which the host recalls for the next step (§3.2);
-        None in skipped layers."""
+        the window and the tail (``speculative.attend_slots``). Extra: Sel(q_i) [B, H, k], which the host
+        recalls for the next step (§3.2), or the pages the step recalled itself; None in skipped layers."""
         st = step.layer.state
         if st is None:
             return step.attend(q)[0], step, None
-        return step.attend(q)[0], step, select(q, st, "mean_softmax", local=step.local)
+        return attend_slots(q, step, "mean_softmax")
 
     def attend_chunk(self, li, q, step):
         """A session's turn attends the whole prompt, as prefill did (dense): a compressed layer reads it from
@@ -183,4 +183,4 @@ class FreeKVPrefill(PrefillPlan):
         # the prompt fraction a step attends: skipped layers whole, compressed ones their rows
         n_comp, n = len(self.compressed), self.cfg.num_layers
         attended = ((n - n_comp) * self.lens + n_comp * self.pages.held()) / (n * self.lens)
-        return cache, self.pages.finish(cache, attended)
+        return self.pages.finish(cache, attended)

@@ -58,7 +58,7 @@ from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.base import BudgetError, Policy, bool_param, int_param, smallest_rho, tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import page_summaries, pages_for_budget, smallest_page_rho
-from hetero_jax.policies.speculative import PageRecallPrefill, select, select_pages
+from hetero_jax.policies.speculative import PageRecallPrefill, attend_slots, select_pages
 
 
 @struct.dataclass
@@ -127,12 +127,13 @@ class Quest(Policy):
 
     def attend(self, li, q, step):
         """Layers below ``full_layers``: every row. Others: the selected pages + partial page + tail (offloaded:
-        the pages the previous step chose). Extra: the selected pages [B, H, k] (None in full layers)."""
+        the pages the previous step chose, ``speculative.attend_slots``). Extra: the selected pages [B, H, k]
+        (offloaded where the step recalls its own pages: the pages it moved [B]; None in full layers)."""
         st = step.layer.state
         if st is None:
             return step.attend(q)[0], step, None
         if self.offload:
-            return step.attend(q)[0], step, select(q, st, "max", local=step.local)
+            return attend_slots(q, step, "max")
         pages, valid = select_pages(q, st, "max", local=step.local)
         block_rows, lengths = _page_blocks(pages, valid, st.n_pages, st.prompt_lens, step.tail_lens, self.page_size,
                                            step.tail_capacity)
@@ -217,7 +218,7 @@ class QuestPrefill(PrefillPlan):
         n_sparse, n = len(self.sparse), self.cfg.num_layers
         attended = ((n - n_sparse) * self.lens + n_sparse * self.attended()) / (n * self.lens)
         if self.pages is not None:
-            return cache, self.pages.finish(cache, attended)
+            return self.pages.finish(cache, attended)
         return cache, QuestDecode(self.policy, self.cfg, self.attended(), attended, self.k_sel, self.n_pages)
 
 

@@ -4,13 +4,22 @@ A compressed layer keeps its whole prompt K/V in the host store and, as the
 prompt part of each KV head's region of the row pool, ``[start | k page slots |
 window]``: ``start`` leading tokens (FreeKV's sinks, none for Quest), k pages of
 ``page_size`` tokens and the prompt's last tokens (FreeKV's window, Quest's
-partial page). Decode step i attends the region as it is: its page slots hold
-Sel(q_{i-1}), the pages the previous step's query chose. The step returns
-Sel(q_i) (``select``); between steps the host recalls the pages of Sel(q_i)
-that are not resident into the slots of the pages no longer selected
-(``PageRecallDecode.before_step`` -> ``host_store.write_head_rows``, the path
-HeteroCache's recall takes): only those rows cross to the device, and the
-jitted step never waits on the host.
+partial page). Decode step i attends the region with its page slots holding
+Sel(q_{i-1}), the pages the previous step's query chose, and computes Sel(q_i)
+(``select``). Only the pages of a selection that are not resident move, each
+into the slot of a page no longer selected. Where they move from depends on the
+backend (``recall_in_step``):
+
+- a GPU, or a mesh: the step returns Sel(q_i) and, between steps, the host
+  recalls the pages that changed (``PageRecallDecode.before_step`` ->
+  ``host_store.write_head_rows``, the path HeteroCache's recall takes): only
+  those rows cross to the device, and the jitted step never waits on the host.
+- a CPU backend on one device, whose device memory is the host's: the store's
+  arrays are the step's operands and each layer moves Sel(q_{i-1})'s new pages
+  into its slots itself, before it attends them (``pallas_kernels.page_recall``,
+  a native call that copies only those rows); Sel(q_i) stays in the layer's
+  ``SlotRecall`` for the next step. No host work between steps, the same rows in
+  the same slots as the host recall.
 
 Selection: per KV head, the group's Quest bounds over the page summaries
 (``pages.group_page_scores``, "max" for Quest, "mean_softmax" for FreeKV), the
@@ -32,7 +41,7 @@ import pallas_kernels
 
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
-from hetero_jax.model.host_store import TRANSFER_ERRORS, HostKVStore, write_head_rows
+from hetero_jax.model.host_store import TRANSFER_ERRORS, HostKVStore, in_step_operand, sums_in_step, write_head_rows
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.pages import page_summaries
@@ -40,10 +49,21 @@ from hetero_jax.policies.protocol import DecodeState
 
 
 @struct.dataclass
+class SlotRecall:
+    """Where a step recalls its own pages (``recall_in_step``): which page each slot holds and which it should."""
+
+    resident: jax.Array = axes_field("batch", "kv_heads", "page_slots")  # [B, H, k] int32 the page in each slot
+    pending: jax.Array = axes_field("batch", "kv_heads", "page_slots")  # [B, H, k] int32 Sel(q_{i-1})
+    start: jax.Array = axes_field("batch")  # [B] int32 rows before a region's first page slot
+    page_size: int = struct.field(pytree_node=False, default=1)
+
+
+@struct.dataclass
 class PageSlots:
     """A compressed layer's decode state (its K/V rows are in the pool: [start | page slots | window]). Which page
-    each slot holds lives on the host only (``PageRecallDecode.resident``): no step reads it, and a device copy
-    would cost a transfer per layer and recall."""
+    each slot holds: ``recall`` where the step recalls its own pages, else on the host only
+    (``PageRecallDecode.resident``): no step reads it there, and a device copy would cost a transfer per layer
+    and recall."""
 
     kmin: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel min key
     kmax: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel max key
@@ -52,6 +72,34 @@ class PageSlots:
     prompt_lens: jax.Array = axes_field("batch")  # [B] int32
     store: jax.Array = axes_field()  # int32 handle of the host store (a session turn's dense chunk reads it)
     n_select: int = struct.field(pytree_node=False, default=1)  # page slots k per head (the longest sequence's)
+    recall: SlotRecall | None = None  # None: the host recalls between steps
+
+
+def recall_in_step(cache: KVCache) -> bool:
+    """Whether the steps recall their own pages: on a CPU backend with the pool on one device, where the store's
+    arrays are the device's memory (``host_store.sums_in_step``); elsewhere the host recalls between steps."""
+    return sums_in_step() and cache.mesh is None and cache.pool.num_shards == 1
+
+
+def attend_slots(q: jax.Array, step, how: str):
+    """A compressed layer's ``attend``: q [B, H, G, D] over [start | page slots | window] and the tail, the slots
+    holding Sel(q_{i-1}). Returns (out [B, H, G, D], step, extra): where the step recalls its own pages
+    (``PageSlots.recall``) it first moves them from the store (``step.host``: its K and V) and keeps Sel(q_i) in
+    the state, the extra being the pages it moved per sequence [B] int32; otherwise the extra is Sel(q_i)
+    [B, H, k], for the host's recall (also for a step traced without host operands, as a GPU's step is when its
+    structure is counted on a CPU, ``benchmarks/step_ops_compile.py``)."""
+    st = step.layer.state
+    if st.recall is None or step.host is None:
+        return step.attend(q)[0], step, select(q, st, how, local=step.local)
+    rec, pool = st.recall, step.pool
+    store_k, store_v = (in_step_operand(a) for a in step.host)
+    k, v, positions, resident, moved = pallas_kernels.page_recall(
+        pool.k, pool.v, pool.positions, store_k, store_v, step.layer.offsets, rec.pending, rec.resident, rec.start,
+        st.k_sel, rec.page_size)
+    step = step.replace(pool=pool.replace(k=k, v=v, positions=positions))
+    out = step.attend(q)[0]
+    st = st.replace(recall=rec.replace(resident=resident, pending=select(q, st, how, local=step.local)))
+    return out, step.replace(layer=step.layer.replace(state=st)), moved
 
 
 def select_pages(q: jax.Array, st: PageSlots, how: str, local: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -144,26 +192,41 @@ class PageRecallPrefill:
         self.resident[li] = pages
         return LayerPrefill(blocks=(rows,), state=state)
 
-    def finish(self, cache: KVCache, attended: np.ndarray) -> "PageRecallDecode":
-        """``attended``: [B] the prompt fraction a step attends, for the stats."""
+    def finish(self, cache: KVCache, attended: np.ndarray) -> tuple[KVCache, "PageRecallDecode"]:
+        """``attended``: [B] the prompt fraction a step attends, for the stats. Where the steps recall their own
+        pages (``recall_in_step``), each compressed layer's state gets its ``SlotRecall``."""
         # copies (np.array), never views of device buffers the decode step will donate
         resident = {li: to_host(p).astype(np.int32, copy=True) for li, p in self.resident.items()}
         self.store.materialize()  # a session turn's chunk reads numpy views only (waits for the copies)
-        return PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, resident,
-                                self.itemsize, head_offsets(cache), attended, self.compile_fn)
+        in_step = recall_in_step(cache)
+        if in_step:
+            layers = list(cache.layers)
+            for li, pages in resident.items():
+                # fresh arrays per leaf: the decode step donates every cache leaf separately
+                rec = SlotRecall(resident=jnp.asarray(pages), pending=jnp.asarray(pages),
+                                 start=jnp.asarray(self.start.astype(np.int32)), page_size=self.page_size)
+                layers[li] = layers[li].replace(state=layers[li].state.replace(recall=rec))
+            cache = cache.replace(layers=tuple(layers))
+        return cache, PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, resident,
+                                       self.itemsize, head_offsets(cache), attended, self.compile_fn, in_step)
 
 
 class PageRecallDecode(DecodeState):
     """Between steps: reads step i's selections (copied to the host asynchronously) before step i + 1 and
     recalls the pages that changed; keeps a host mirror of each compressed layer's ``resident`` (the page id in
-    every page slot, the only copy), each head's first pool row (``offsets``) and the counters."""
+    every page slot, the only copy), each head's first pool row (``offsets``) and the counters.
+
+    ``in_step`` (``recall_in_step``): the steps recall their own pages; this only counts the pages they moved
+    (their extras, read lazily), re-selects after a session turn, and ``resident`` stays as prefill left it."""
 
     wants_turn_queries = True
 
     def __init__(self, cfg, page_size: int, how: str, start, k_sel, store: HostKVStore,
                  resident: dict[int, np.ndarray], itemsize: int, offsets: list[np.ndarray], attended: np.ndarray,
-                 compile_fn=None):
+                 compile_fn=None, in_step: bool = False):
         self.cfg, self.page_size, self.how, self.store, self.itemsize = cfg, page_size, how, store, itemsize
+        self.in_step = in_step
+        self.unread = []  # in_step: the pages each step's layers moved [B] int32, not yet read
         self.start, self.k_sel, self.attended = start, k_sel, attended
         self.offsets = offsets  # per layer [B, H] each head's first pool row (``pool_moved`` reads new ones)
         self.initial = resident  # as prefill left it (fresh() starts from it; never mutated)
@@ -179,7 +242,7 @@ class PageRecallDecode(DecodeState):
 
     def fresh(self) -> "PageRecallDecode":
         return PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, self.initial,
-                                self.itemsize, self.offsets, self.attended, self.compile_fn)
+                                self.itemsize, self.offsets, self.attended, self.compile_fn, self.in_step)
 
     def pool_moved(self, cache) -> None:
         """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
@@ -190,7 +253,17 @@ class PageRecallDecode(DecodeState):
         sels = {li: e for li, e in enumerate(extras) if e is not None}
         for sel in sels.values():
             sel.copy_to_host_async()  # read before the next step, never waited on now
-        self.pending = sels
+        if self.in_step:
+            self.unread.append(tuple(sels.values()))  # the pages each layer moved, counted later
+        else:
+            self.pending = sels
+
+    def _count(self) -> None:
+        """Add the pages the steps moved themselves (``in_step``) to the counters."""
+        n = sum(int(to_host(m).sum()) for moved in self.unread for m in moved)
+        self.unread = []
+        self.pages_recalled += n
+        self.bytes_recalled += n * self.page_size * 2 * self.cfg.head_dim * self.itemsize
 
     def _collect(self) -> None:
         """Read the pending step's selections (they are what the next step should attend)."""
@@ -198,6 +271,9 @@ class PageRecallDecode(DecodeState):
             self.ready, self.pending = {li: to_host(s).astype(np.int32) for li, s in self.pending.items()}, None
 
     def before_step(self, step, cache):
+        if self.in_step:
+            self._count()  # the last step's token was read back: its extras are ready, reading them never waits
+            return cache
         self._collect()
         return self._apply(cache, f"the speculative recall before decode step {step}",
                            "the device keeps its pages (a step late)")
@@ -205,8 +281,18 @@ class PageRecallDecode(DecodeState):
     def after_extend(self, turn_queries, cache):
         """A session's turn re-selects as prefill did: each compressed layer's page slots take Sel(q) of the
         turn's last query, recalled now, before the answer's first step (the last answer step's selection is
-        superseded). All or nothing: a failed transfer keeps the cache."""
+        superseded). All or nothing: a failed transfer keeps the cache. Where the steps recall their own pages,
+        the answer's first step moves them."""
         self.pending = None
+        if self.in_step:
+            layers = list(cache.layers)
+            for li in self.resident:
+                st = layers[li].state
+                q = turn_queries[li][:, :, -1]  # [B, H, G, D]
+                sel = self.compile_fn(_select_jit, q, st, how=self.how)(q, st)
+                layers[li] = layers[li].replace(state=st.replace(recall=st.recall.replace(pending=sel)))
+            self.turn_reselections += 1
+            return cache.replace(layers=tuple(layers))
         sels = {}
         for li in self.resident:
             st = cache.layers[li].state
@@ -264,12 +350,23 @@ class PageRecallDecode(DecodeState):
         return cache.replace(pool=pool)
 
     def in_flight(self):
+        if self.in_step:
+            return tuple(m for moved in self.unread for m in moved)
         return tuple(self.pending.values()) if self.pending else ()
 
     def host_arrays(self) -> tuple:
         return self.store.arrays()
 
+    def host_operands(self) -> tuple:
+        """Where the steps recall their own pages: each compressed layer's store K and V (None elsewhere)."""
+        if not self.in_step:
+            return ()
+        return tuple((self.store.k[li], self.store.v[li]) if li in self.resident else None
+                     for li in range(self.cfg.num_layers))
+
     def stats(self) -> dict:
+        if self.in_step:
+            self._count()
         n_comp, H = len(self.resident), self.cfg.num_kv_heads
         return {
             "steps": self.steps,

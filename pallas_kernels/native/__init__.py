@@ -12,6 +12,9 @@
   (``pallas_kernels.topk_sets``), two bisections and scatters on XLA:CPU.
 - ``page_select.cc``: Quest's and FreeKV's page selection of a decode step (``pallas_kernels.page_select``),
   a handful of small fusions and a top_k a layer on XLA:CPU.
+- ``page_recall.cc``: their recall on a CPU backend (``pallas_kernels.page_recall``): the pages a step's slots
+  should hold moved from the host store into the pool in place, only those that changed (XLA can only
+  scatter every slot).
 
 The library is compiled on first use (or by ``python -m pallas_kernels.native build``, which ``make install``
 runs) into ``$HETERO_JAX_CACHE/native`` (default ``~/.cache/hetero_jax/native``), one file per hash of the
@@ -44,22 +47,25 @@ import numpy as np
 
 __all__ = ["available", "unavailable_reason", "build", "cache_dir", "library_path", "pool_attention_native",
            "pool_attention_statistics_native", "pivot_statistics_native", "topk_sets_native", "page_select_native",
+           "page_recall_native",
            "TARGET", "ATTENTION_STATISTICS_TARGET", "STATISTICS_TARGET", "TOPK_SETS_TARGET", "PAGE_SELECT_TARGET",
-           "PAGE_SELECT_RULES"]
+           "PAGE_RECALL_TARGET", "PAGE_SELECT_RULES"]
 
 TARGET = "hetero_jax_pool_attention"
 STATISTICS_TARGET = "hetero_jax_pivot_statistics"
 TOPK_SETS_TARGET = "hetero_jax_topk_sets"
 ATTENTION_STATISTICS_TARGET = "hetero_jax_pool_attention_statistics"
 PAGE_SELECT_TARGET = "hetero_jax_page_select"
+PAGE_RECALL_TARGET = "hetero_jax_page_recall"
 # page_select.cc's rule codes, in order; pallas_kernels.page_select takes its RULES from here so that this module
 # imports nothing of the package (pallas_kernels._util imports it to resolve the backend).
 PAGE_SELECT_RULES = ("max", "mean_softmax")
 _SYMBOLS = {TARGET: "HeteroJaxPoolAttention", STATISTICS_TARGET: "HeteroJaxPivotStatistics",
             TOPK_SETS_TARGET: "HeteroJaxTopkSets", ATTENTION_STATISTICS_TARGET: "HeteroJaxPoolAttentionStatistics",
-            PAGE_SELECT_TARGET: "HeteroJaxPageSelect"}
+            PAGE_SELECT_TARGET: "HeteroJaxPageSelect", PAGE_RECALL_TARGET: "HeteroJaxPageRecall"}
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, name) for name in ("pool_attention.cc", "pivot_statistics.cc", "page_select.cc")]
+_SOURCES = [os.path.join(_HERE, name) for name in ("pool_attention.cc", "pivot_statistics.cc", "page_select.cc",
+                                                   "page_recall.cc")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "statistics.h")]
 _PREFIX = "kernels-"
 _ARCH_FLAGS = ["-march=native"]
@@ -486,3 +492,42 @@ def page_select_native(
   f32 = lambda x: jnp.asarray(x).astype(jnp.float32)  # noqa: E731
   return call(f32(q), f32(kmin), f32(kmax), jnp.asarray(n_pages).astype(jnp.int32), counts,
               rule=np.int64(PAGE_SELECT_RULES.index(how)))
+
+
+def page_recall_native(
+    pool_k,          # [B, 1, R, D]  one device's pool (one shard)
+    pool_v,          # [B, 1, R, D]
+    pool_pos,        # [B, 1, R] int32  the original position of each pool row
+    store_k,         # [B, H, T, D]  the layer's host store, the pool's dtype
+    store_v,         # [B, H, T, D]
+    offsets,         # [B, H] int32  each head's first pool row
+    pending,         # [B, H, n] int32  the pages the slots should hold
+    resident,        # [B, H, n] int32  the pages they hold
+    start,           # [B] int32  rows before the first page slot of a region (FreeKV's sinks)
+    k_sel,           # [B] int32  slots of each sequence (<= n)
+    page_size: int,  # static
+):
+  """``pallas_kernels.page_recall_reference``'s computation in the native CPU kernel, the pool written in place
+  (only the moved pages' rows): (pool_k, pool_v, pool_pos, resident' [B, H, n] int32, moved [B] int32). Under
+  jit the pool should be donated, or XLA copies it first."""
+  _load()
+  if jnp.ndim(pool_k) != 4 or jnp.shape(pool_k)[1] != 1 or jnp.shape(pool_v) != jnp.shape(pool_k):
+    raise ValueError(f"page_recall_native reads one device's pool [B, 1, R, D], got {jnp.shape(pool_k)}")
+  if (jnp.ndim(store_k) != 4 or jnp.shape(store_v) != jnp.shape(store_k)
+      or jnp.dtype(store_k) != jnp.dtype(pool_k) or jnp.dtype(store_v) != jnp.dtype(pool_k)):
+    raise ValueError(f"the store must be [B, H, T, D] in the pool's dtype {jnp.dtype(pool_k)}, got "
+                     f"{jnp.shape(store_k)} {jnp.dtype(store_k)}")
+  if jnp.ndim(pending) != 3 or jnp.shape(resident) != jnp.shape(pending):
+    raise ValueError(f"pending / resident must be [B, H, n], got {jnp.shape(pending)}, {jnp.shape(resident)}")
+  if page_size < 1:
+    raise ValueError(f"page_size must be >= 1, got {page_size}")
+  i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+  B = jnp.shape(pool_k)[0]
+  result = (jax.ShapeDtypeStruct(jnp.shape(pool_k), jnp.dtype(pool_k)),
+            jax.ShapeDtypeStruct(jnp.shape(pool_v), jnp.dtype(pool_v)),
+            jax.ShapeDtypeStruct(jnp.shape(pool_pos), jnp.int32), jax.ShapeDtypeStruct(jnp.shape(pending), jnp.int32),
+            jax.ShapeDtypeStruct((B,), jnp.int32))
+  call = jax.ffi.ffi_call(PAGE_RECALL_TARGET, result, vmap_method="sequential",
+                          input_output_aliases={0: 0, 1: 1, 2: 2})
+  return call(pool_k, pool_v, i32(pool_pos), store_k, store_v, i32(offsets), i32(pending), i32(resident), i32(start),
+              i32(k_sel), page_size=np.int64(page_size))
