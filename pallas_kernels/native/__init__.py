@@ -514,17 +514,16 @@ def page_recall_native(
   if jnp.ndim(pool_k) != 4 or jnp.shape(pool_k)[1] != 1 or jnp.shape(pool_v) != jnp.shape(pool_k):
     raise ValueError(f"page_recall_native reads one device's pool [B, 1, R, D], got {jnp.shape(pool_k)}")
   if (jnp.ndim(store_k) != 4 or jnp.shape(store_v) != jnp.shape(store_k)
-      or jnp.dtype(store_k) != jnp.dtype(pool_k) or jnp.dtype(store_v) != jnp.dtype(pool_k)):
-    raise ValueError(f"the store must be [B, H, T, D] in the pool's dtype {jnp.dtype(pool_k)}, got "
-                     f"{jnp.shape(store_k)} {jnp.dtype(store_k)}")
+      or store_k.dtype != pool_k.dtype or store_v.dtype != pool_k.dtype):
+    raise ValueError(f"the store must be [B, H, T, D] in the pool's dtype {pool_k.dtype}, got "
+                     f"{jnp.shape(store_k)} {store_k.dtype}")
   if jnp.ndim(pending) != 3 or jnp.shape(resident) != jnp.shape(pending):
     raise ValueError(f"pending / resident must be [B, H, n], got {jnp.shape(pending)}, {jnp.shape(resident)}")
   if page_size < 1:
     raise ValueError(f"page_size must be >= 1, got {page_size}")
   i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
   B = jnp.shape(pool_k)[0]
-  result = (jax.ShapeDtypeStruct(jnp.shape(pool_k), jnp.dtype(pool_k)),
-            jax.ShapeDtypeStruct(jnp.shape(pool_v), jnp.dtype(pool_v)),
+  result = (jax.ShapeDtypeStruct(jnp.shape(pool_k), pool_k.dtype), jax.ShapeDtypeStruct(jnp.shape(pool_v), pool_v.dtype),
             jax.ShapeDtypeStruct(jnp.shape(pool_pos), jnp.int32), jax.ShapeDtypeStruct(jnp.shape(pending), jnp.int32),
             jax.ShapeDtypeStruct((B,), jnp.int32))
   call = jax.ffi.ffi_call(PAGE_RECALL_TARGET, result, vmap_method="sequential",
