@@ -284,21 +284,19 @@ class PageRecallDecode(DecodeState):
         superseded). All or nothing: a failed transfer keeps the cache. Where the steps recall their own pages,
         the answer's first step moves them."""
         self.pending = None
-        if self.in_step:
-            layers = list(cache.layers)
-            for li in self.resident:
-                st = layers[li].state
-                q = turn_queries[li][:, :, -1]  # [B, H, G, D]
-                sel = self.compile_fn(_select_jit, q, st, how=self.how)(q, st)
-                layers[li] = layers[li].replace(state=st.replace(recall=st.recall.replace(pending=sel)))
-            self.turn_reselections += 1
-            return cache.replace(layers=tuple(layers))
         sels = {}
         for li in self.resident:
             st = cache.layers[li].state
             q = turn_queries[li][:, :, -1]  # [B, H, G, D]
-            sels[li] = to_host(self.compile_fn(_select_jit, q, st, how=self.how)(q, st)).astype(np.int32)
-        self.ready = sels
+            sels[li] = self.compile_fn(_select_jit, q, st, how=self.how)(q, st)
+        if self.in_step:
+            layers = list(cache.layers)
+            for li, sel in sels.items():
+                st = layers[li].state
+                layers[li] = layers[li].replace(state=st.replace(recall=st.recall.replace(pending=sel)))
+            self.turn_reselections += 1
+            return cache.replace(layers=tuple(layers))
+        self.ready = {li: to_host(sel).astype(np.int32) for li, sel in sels.items()}
         failures = self.recall_failures
         out = self._apply(cache, "the re-selection after a turn", "the device keeps its pages")
         self.turn_reselections += self.recall_failures == failures
