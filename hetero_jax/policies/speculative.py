@@ -41,7 +41,8 @@ import pallas_kernels
 
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
-from hetero_jax.model.host_store import TRANSFER_ERRORS, HostKVStore, in_step_operand, sums_in_step, write_head_rows
+from hetero_jax.model.host_store import (TRANSFER_ERRORS, HostKVStore, in_step_operand, kv_rows_nbytes, sums_in_step,
+                                         write_head_rows)
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.pages import page_summaries
@@ -226,7 +227,7 @@ class PageRecallDecode(DecodeState):
                  compile_fn=None, in_step: bool = False):
         self.cfg, self.page_size, self.how, self.store, self.itemsize = cfg, page_size, how, store, itemsize
         self.in_step = in_step
-        self.unread = []  # in_step: the pages each step's layers moved [B] int32, not yet read
+        self.unread = []  # in_step: the pages each compressed layer of each step moved [B] int32, not yet read
         self.start, self.k_sel, self.attended = start, k_sel, attended
         self.offsets = offsets  # per layer [B, H] each head's first pool row (``pool_moved`` reads new ones)
         self.initial = resident  # as prefill left it (fresh() starts from it; never mutated)
@@ -254,16 +255,16 @@ class PageRecallDecode(DecodeState):
         for sel in sels.values():
             sel.copy_to_host_async()  # read before the next step, never waited on now
         if self.in_step:
-            self.unread.append(tuple(sels.values()))  # the pages each layer moved, counted later
+            self.unread.extend(sels.values())  # the pages each layer moved, counted later
         else:
             self.pending = sels
 
     def _count(self) -> None:
         """Add the pages the steps moved themselves (``in_step``) to the counters."""
-        n = sum(int(to_host(m).sum()) for moved in self.unread for m in moved)
+        n = sum(int(to_host(m).sum()) for m in self.unread)
         self.unread = []
         self.pages_recalled += n
-        self.bytes_recalled += n * self.page_size * 2 * self.cfg.head_dim * self.itemsize
+        self.bytes_recalled += kv_rows_nbytes(n * self.page_size, self.store.v[next(iter(self.resident))])
 
     def _collect(self) -> None:
         """Read the pending step's selections (they are what the next step should attend)."""
@@ -349,7 +350,7 @@ class PageRecallDecode(DecodeState):
 
     def in_flight(self):
         if self.in_step:
-            return tuple(m for moved in self.unread for m in moved)
+            return tuple(self.unread)
         return tuple(self.pending.values()) if self.pending else ()
 
     def host_arrays(self) -> tuple:
