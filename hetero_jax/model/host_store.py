@@ -243,12 +243,14 @@ def take_rows(a: np.ndarray, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Rows ``rows`` (flat row numbers in range, :func:`checked_rows`) of a [B, H, T, D] host array written into
     ``out`` [n, D] (C-contiguous, ``a``'s dtype), which is returned.
 
-    Each row is moved as one item of 8-byte words (``np.take`` on a [B*H*T, row words] view) rather than
-    D elements of ``a``'s dtype: numpy's fancy indexing of bfloat16 (an ml_dtypes type) goes element by
-    element (1.4 GB/s in the H200 run, RESULTS.md ``offload-gpu``; 4.8x slower than this on the CPU for a
-    32K-row gather)."""
+    Each row is copied whole: by the native gather (:func:`_native_gather`) where it is built, else as one
+    item of 8-byte words (``np.take`` on a [B*H*T, row words] view) rather than D elements of ``a``'s dtype:
+    numpy's fancy indexing of bfloat16 (an ml_dtypes type) goes element by element (1.4 GB/s in the H200
+    run, RESULTS.md ``offload-gpu``; 4.8x slower than this on the CPU for a 32K-row gather)."""
     B, H, T, D = a.shape
     rows = rows.reshape(-1)
+    if a.flags.c_contiguous and _native_gather([(a, rows, out)]):
+        return out
     if D * a.itemsize % 8 or not a.flags.c_contiguous:   # odd row sizes or a strided view: plain indexing
         out[...] = a[np.unravel_index(rows, (B, H, T))]
         return out
@@ -397,20 +399,39 @@ class Staging:
         return pageable + sum(p.k.nbytes + p.v.nbytes for parts in self.held.values() for p in parts)
 
 
-# A recall's rows are random rows of a store of hundreds of MiB: one thread waits on memory (a TLB and cache
-# miss a row) and reached a third of a memcpy's bandwidth on a 2-core machine, two threads 0.6-0.8 (numpy's
-# take releases the GIL). Pieces of GATHER_PIECE rows; a gather of fewer rows than that stays on the caller.
+# A recall's rows are random rows of a store of hundreds of MiB: each row is a TLB and cache miss. The native
+# gather (pallas_kernels/native/host_gather.cc) splits them over GATHER_THREADS threads and prefetches ahead;
+# without it, numpy's take on a thread pool (it releases the GIL): one thread reached a third of a memcpy's
+# bandwidth on a 2-core machine, two 0.6-0.8. Pieces of GATHER_PIECE rows; a gather of fewer rows than that
+# stays on the caller. A thread is only started for every NATIVE_BYTES_PER_THREAD bytes (starting one costs
+# tens of microseconds).
 GATHER_PIECE = 8192
 GATHER_THREADS = min(8, os.cpu_count() or 1)
+NATIVE_BYTES_PER_THREAD = 1 << 20
 _pool_lock = threading.Lock()
 _gather_pool: list = []
 
 
+def _native_gather(pieces: list[tuple]) -> bool:
+    """Each (source [B, H, T, D] C-contiguous, flat rows, destination [n, D]) gathered by the native gather in
+    one call; False (nothing written) where the native library is not available."""
+    from pallas_kernels import native
+
+    if not native.available():
+        return False
+    flat = [(src.reshape(-1, src.shape[-1]), rows, out) for src, rows, out in pieces]
+    nbytes = sum(out.nbytes for _, _, out in pieces)
+    native.gather_rows_native(flat, threads=min(GATHER_THREADS, max(1, nbytes // NATIVE_BYTES_PER_THREAD)))
+    return True
+
+
 def _gather_pieces(pieces: list[tuple]) -> None:
     """Each (source, rows, destination) gathered (``take_rows``; rows checked by the caller, once for a K and V
-    pair), on threads when there are several:
+    pair): in one native call where every source is C-contiguous, else on threads when there are several:
     the pieces are dealt into one task per thread, balanced by rows (a recall of many small layers' rows would
     otherwise spend more on submitting tasks than on copying)."""
+    if pieces and all(src.flags.c_contiguous for src, _, _ in pieces) and _native_gather(pieces):
+        return
     if len(pieces) <= 2 or GATHER_THREADS == 1:
         _gather_all(pieces)
         return

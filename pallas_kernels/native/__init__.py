@@ -15,6 +15,9 @@
 - ``page_recall.cc``: their recall on a CPU backend (``pallas_kernels.page_recall``): the pages a step's slots
   should hold moved from the host store into the pool in place, only those that changed (XLA can only
   scatter every slot).
+- ``host_gather.cc``: not a custom call but a plain C function (:func:`gather_rows_native`, through ctypes): the
+  host recall's row gather from the host store into its staging rows, on threads, each row prefetched ahead
+  of its copy (numpy's take waits on one cache miss at a time).
 
 The library is compiled on first use (or by ``python -m pallas_kernels.native build``, which ``make install``
 runs) into ``$HETERO_JAX_CACHE/native`` (default ``~/.cache/hetero_jax/native``), one file per hash of the
@@ -47,7 +50,7 @@ import numpy as np
 
 __all__ = ["available", "unavailable_reason", "build", "cache_dir", "library_path", "pool_attention_native",
            "pool_attention_statistics_native", "pivot_statistics_native", "topk_sets_native", "page_select_native",
-           "page_recall_native",
+           "page_recall_native", "gather_rows_native",
            "TARGET", "ATTENTION_STATISTICS_TARGET", "STATISTICS_TARGET", "TOPK_SETS_TARGET", "PAGE_SELECT_TARGET",
            "PAGE_RECALL_TARGET", "PAGE_SELECT_RULES"]
 
@@ -65,11 +68,11 @@ _SYMBOLS = {TARGET: "HeteroJaxPoolAttention", STATISTICS_TARGET: "HeteroJaxPivot
             PAGE_SELECT_TARGET: "HeteroJaxPageSelect", PAGE_RECALL_TARGET: "HeteroJaxPageRecall"}
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name) for name in ("pool_attention.cc", "pivot_statistics.cc", "page_select.cc",
-                                                   "page_recall.cc")]
+                                                   "page_recall.cc", "host_gather.cc")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "statistics.h")]
 _PREFIX = "kernels-"
 _ARCH_FLAGS = ["-march=native"]
-_BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing"]
+_BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden", "-fno-strict-aliasing"]
 _MASK_VALUE = -1.0e30  # pallas_kernels._util.MASK_VALUE
 
 _lock = threading.Lock()       # one build at a time in this process
@@ -530,3 +533,45 @@ def page_recall_native(
                           input_output_aliases={0: 0, 1: 1, 2: 2})
   return call(pool_k, pool_v, i32(pool_pos), store_k, store_v, i32(offsets), i32(pending), i32(resident), i32(start),
               i32(k_sel), page_size=np.int64(page_size))
+
+
+def gather_rows_native(
+    pieces,           # [(src [rows, ...] C-contiguous, rows [n] int64 C-contiguous, dst [n, ...] C-contiguous)]
+    threads: int = 1,  # threads to split the rows over (the caller's thread is one of them)
+) -> None:
+  """``dst[j] = src[rows[j]]`` for each piece, every row whole (``src[0]``'s bytes, the same dtype and row shape
+  in ``dst``), on up to ``threads`` threads (rows split by count over all pieces). The GIL is released for the
+  copy. ValueError for a piece whose layout the copy cannot take, IndexError for a row out of range (after the
+  copy stopped: ``dst`` is then partly written). RuntimeError when the library is not available."""
+  _load()
+  n = len(pieces)
+  if not n:
+    return
+  lib = _state["lib"]
+  fn = lib.HeteroJaxGatherRows
+  if fn.restype is not ctypes.c_int64:
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+  srcs, src_rows, rows_ptrs, counts, dsts, row_bytes = (np.empty(n, np.uint64), np.empty(n, np.int64),
+                                                        np.empty(n, np.uint64), np.empty(n, np.int64),
+                                                        np.empty(n, np.uint64), np.empty(n, np.int64))
+  keep = []  # the int64 row arrays made here, alive until the call returns
+  for i, (src, rows, dst) in enumerate(pieces):
+    if not (src.flags.c_contiguous and dst.flags.c_contiguous and dst.flags.writeable) or src.ndim < 1:
+      raise ValueError("gather_rows_native needs C-contiguous arrays (dst writable), got src "
+                       f"{src.shape} and dst {dst.shape}")
+    rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
+    if dst.dtype != src.dtype or dst.shape != (rows.size, *src.shape[1:]):
+      raise ValueError(f"dst must be [{rows.size}, {', '.join(map(str, src.shape[1:]))}] {src.dtype}, got "
+                       f"{dst.shape} {dst.dtype}")
+    keep.append(rows)
+    srcs[i], src_rows[i], rows_ptrs[i] = src.ctypes.data, src.shape[0], rows.ctypes.data
+    counts[i], dsts[i] = rows.size, dst.ctypes.data
+    row_bytes[i] = src.itemsize * math.prod(src.shape[1:])
+  bad = fn(n, srcs.ctypes.data, src_rows.ctypes.data, rows_ptrs.ctypes.data, counts.ctypes.data, dsts.ctypes.data,
+           row_bytes.ctypes.data, max(1, int(threads)))
+  if bad >= 0:
+    rows = keep[bad]
+    src_n = int(src_rows[bad])
+    raise IndexError(f"row {int(rows[(rows < 0) | (rows >= src_n)][0])} is out of range for a source of {src_n} rows")

@@ -1,0 +1,112 @@
+"""The host recall's native row gather (``native.gather_rows_native``, host_gather.cc) against numpy fancy indexing:
+several pieces of different dtypes and row sizes split over 1-8 threads (a thread's rows crossing pieces), empty
+pieces and pieces shorter than the prefetch distance; rows out of range and layouts it cannot take refused; and
+``send_host_rows`` giving the same staged rows through it as through numpy's take (its fallback)."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from hetero_jax.model import host_store
+from hetero_jax.model.host_store import HostKVStore, send_host_rows
+from pallas_kernels import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler for the native kernels")
+
+
+def _pieces(seed: int):
+    """(src, rows, dst) pieces: bfloat16 rows of 64, float32 of 5 (20 bytes), float16 of 3 (6 bytes), uint8
+    [4, 3] rows; row counts 0, 1, 7, 40 and 300 (numbers drawn with repeats, in no order)."""
+    rng = np.random.default_rng(seed)
+    specs = [(ml_dtypes.bfloat16, (64,), 300), (np.float32, (5,), 7), (np.float16, (3,), 0), (np.uint8, (4, 3), 40),
+             (np.float32, (64,), 1)]
+    pieces = []
+    for i, (dtype, row, n) in enumerate(specs):
+        n_src = 50 + 30 * i
+        src = (rng.standard_normal((n_src, *row)) * 40).astype(dtype)
+        rows = rng.integers(0, n_src, n)
+        pieces.append((src, rows, np.full((n, *row), 7, dtype)))
+    return pieces
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_pieces_equal_fancy_indexing(threads):
+    pieces = _pieces(threads)
+    native.gather_rows_native(pieces, threads=threads)
+    for src, rows, dst in pieces:
+        assert np.array_equal(dst.view(np.uint8), src[rows].view(np.uint8))  # bit for bit
+
+
+def test_rows_into_a_slice_of_a_larger_buffer_leave_the_rest():
+    src = np.arange(40 * 8, dtype=np.float32).reshape(40, 8)
+    buf = np.full((20, 8), -1, np.float32)
+    rows = np.array([39, 0, 5, 5, 17])
+    native.gather_rows_native([(src, rows, buf[6:11])], threads=2)
+    assert np.array_equal(buf[6:11], src[rows])
+    assert (buf[:6] == -1).all() and (buf[11:] == -1).all()
+
+
+@pytest.mark.parametrize("bad", [40, -1])
+def test_row_out_of_range_raises(bad):
+    src = np.zeros((40, 8), np.float32)
+    rows = np.array([1, 2, bad, 3])
+    with pytest.raises(IndexError, match=f"row {bad} is out of range for a source of 40 rows"):
+        native.gather_rows_native([(src, np.array([0]), np.empty((1, 8), np.float32)),
+                                   (src, rows, np.empty((4, 8), np.float32))], threads=2)
+
+
+def test_layouts_it_cannot_take_are_refused():
+    src = np.zeros((40, 8), np.float32)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        native.gather_rows_native([(src[:, ::2], np.array([0]), np.empty((1, 4), np.float32))])
+    with pytest.raises(ValueError, match="dst must be"):
+        native.gather_rows_native([(src, np.array([0, 1]), np.empty((1, 8), np.float32))])
+    with pytest.raises(ValueError, match="dst must be"):
+        native.gather_rows_native([(src, np.array([0]), np.empty((1, 8), np.float64))])
+
+
+def test_send_host_rows_same_rows_natively_and_with_numpy(monkeypatch):
+    """A recall of two layers' rows in parts of 64 rows (pieces cut at part ends), gathered by the native gather
+    and by numpy's take on the thread pool: the same staged rows and row ints."""
+    rng = np.random.default_rng(3)
+    store = HostKVStore(2)
+    for li in range(2):
+        k = rng.standard_normal((2, 3, 90, 16)).astype(np.float32)
+        store.put(li, k, k + 1)
+    store.materialize()
+    requests = [(li, rng.integers(0, 2, 70), rng.integers(0, 3, 70), rng.integers(0, 90, 70), np.zeros(70, int),
+                 rng.permutation(200)[:70]) for li in range(2)]
+
+    def staged(use_native):
+        if not use_native:
+            monkeypatch.setattr(native, "available", lambda: False)
+        monkeypatch.setattr(host_store, "GATHER_THREADS", 2)
+        parts, n = send_host_rows(store, requests, rows=200, chunk=64, staging=host_store.Staging(pinned=False))
+        monkeypatch.undo()
+        return n, [tuple(np.asarray(x) for x in part) for part in parts]
+
+    n_native, got = staged(True)
+    n_numpy, want = staged(False)
+    assert n_native == n_numpy == 140 and len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert np.array_equal(a, b)
+    k0 = np.asarray(store.k[0])
+    b, h, p = requests[0][1:4]
+    assert np.array_equal(got[0][1], k0[b[:64], h[:64], p[:64]])  # against numpy indexing of the store itself
+
+
+@pytest.mark.parametrize("shift", [0, 4, 8, 16, 32])
+@pytest.mark.parametrize("D", [18, 64])
+def test_destinations_at_any_alignment(shift, D):
+    """Rows of 72 and 256 bytes into destinations 4-32 bytes past a 64-byte boundary: the aligned rows take the
+    non-temporal stores (a 72-byte row its last 8 bytes by memcpy), the others memcpy; all equal numpy's."""
+    rng = np.random.default_rng(shift + D)
+    src = rng.standard_normal((100, D)).astype(np.float32)
+    rows = rng.integers(0, 100, 37)
+    raw = np.zeros(37 * D * 4 + 128, np.uint8)
+    at = (-raw.ctypes.data) % 64 + shift
+    dst = raw[at : at + 37 * D * 4].view(np.float32).reshape(37, D)
+    native.gather_rows_native([(src, rows, dst)], threads=2)
+    assert np.array_equal(dst, src[rows])
+    assert not raw[:at].any() and not raw[at + 37 * D * 4 :].any()
