@@ -74,6 +74,18 @@ def _cgroup_cpu_limit() -> float | None:
     return None
 
 
+def _thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (always / madvise / never), or None where it has none. Under
+    madvise, XLA's buffers (the host store on a CPU) get 4 KiB pages unless glibc's malloc asks for huge ones
+    (GLIBC_TUNABLES=glibc.malloc.hugetlb=1): the host gather's rows then cost a page walk each."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else text.strip()
+
+
 def machine_info(with_jax: bool = True) -> dict[str, Any]:
     """A JSON-able description of the machine and software stack."""
     info: dict[str, Any] = {
@@ -87,7 +99,9 @@ def machine_info(with_jax: bool = True) -> dict[str, Any]:
         "os": platform.platform(),
         "python": platform.python_version(),
         "env": {k: os.environ[k] for k in ("XLA_FLAGS", "JAX_PLATFORMS", "HETERO_JAX_KERNELS",
-                                          "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in os.environ},
+                                          "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "GLIBC_TUNABLES")
+                if k in os.environ},
+        "transparent_hugepage": _thp_mode(),
     }
     if with_jax:
         import jax
@@ -128,6 +142,9 @@ def machine_summary(info: dict[str, Any]) -> str:
         parts.append(f"jax {j['version']} ({j['backend']}: {', '.join(j['device_kinds'])})")
     if info.get("kernels"):
         parts.append(f"kernels: {info['kernels']}")
+    tunables = (info.get("env") or {}).get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb=1" in tunables or "glibc.malloc.hugetlb=2" in tunables:
+        parts.append("malloc huge pages (GLIBC_TUNABLES)")
     la = info.get("loadavg_1_5_15")
     if la:
         parts.append(f"load avg at start {la[0]:.2f}")
