@@ -56,6 +56,7 @@ class SlotRecall:
     resident: jax.Array = axes_field("batch", "kv_heads", "page_slots")  # [B, H, k] int32 the page in each slot
     pending: jax.Array = axes_field("batch", "kv_heads", "page_slots")  # [B, H, k] int32 Sel(q_{i-1})
     start: jax.Array = axes_field("batch")  # [B] int32 rows before a region's first page slot
+    moved: jax.Array = axes_field("batch")  # [B] int32 pages the steps moved into the slots since prefill
     page_size: int = struct.field(pytree_node=False, default=1)
 
 
@@ -86,7 +87,8 @@ def attend_slots(q: jax.Array, step, how: str):
     """A compressed layer's ``attend``: q [B, H, G, D] over [start | page slots | window] and the tail, the slots
     holding Sel(q_{i-1}). Returns (out [B, H, G, D], step, extra): where the step recalls its own pages
     (``PageSlots.recall``) it first moves them from the store (``step.host``: its K and V) and keeps Sel(q_i) in
-    the state, the extra being the pages it moved per sequence [B] int32; otherwise the extra is Sel(q_i)
+    the state, the extra being the pages the steps moved so far per sequence [B] int32 (a running count in the
+    state: the host reads only the latest, when it reports); otherwise the extra is Sel(q_i)
     [B, H, k], for the host's recall (also for a step traced without host operands, as a GPU's step is when its
     structure is counted on a CPU, ``benchmarks/step_ops_compile.py``)."""
     st = step.layer.state
@@ -99,8 +101,8 @@ def attend_slots(q: jax.Array, step, how: str):
         st.k_sel, rec.page_size)
     step = step.replace(pool=pool.replace(k=k, v=v, positions=positions))
     out = step.attend(q)[0]
-    st = st.replace(recall=rec.replace(resident=resident, pending=select(q, st, how, local=step.local)))
-    return out, step.replace(layer=step.layer.replace(state=st)), moved
+    rec = rec.replace(resident=resident, pending=select(q, st, how, local=step.local), moved=rec.moved + moved)
+    return out, step.replace(layer=step.layer.replace(state=st.replace(recall=rec))), rec.moved
 
 
 def select_pages(q: jax.Array, st: PageSlots, how: str, local: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -205,7 +207,8 @@ class PageRecallPrefill:
             for li, pages in resident.items():
                 # fresh arrays per leaf: the decode step donates every cache leaf separately
                 rec = SlotRecall(resident=jnp.asarray(pages), pending=jnp.asarray(pages),
-                                 start=jnp.asarray(self.start.astype(np.int32)), page_size=self.page_size)
+                                 start=jnp.asarray(self.start.astype(np.int32)),
+                                 moved=jnp.zeros(len(self.start), jnp.int32), page_size=self.page_size)
                 layers[li] = layers[li].replace(state=layers[li].state.replace(recall=rec))
             cache = cache.replace(layers=tuple(layers))
         return cache, PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, resident,
@@ -227,7 +230,10 @@ class PageRecallDecode(DecodeState):
                  compile_fn=None, in_step: bool = False):
         self.cfg, self.page_size, self.how, self.store, self.itemsize = cfg, page_size, how, store, itemsize
         self.in_step = in_step
-        self.unread = []  # in_step: the pages each compressed layer of each step moved [B] int32, not yet read
+        # in_step: the latest step's running counts of the pages moved, per compressed layer ([B] int32 on the
+        # device), and the total already counted (None until the first step reads the cache's own)
+        self.moved: tuple = ()
+        self.counted_moves: int | None = None
         self.start, self.k_sel, self.attended = start, k_sel, attended
         self.offsets = offsets  # per layer [B, H] each head's first pool row (``pool_moved`` reads new ones)
         self.initial = resident  # as prefill left it (fresh() starts from it; never mutated)
@@ -252,17 +258,19 @@ class PageRecallDecode(DecodeState):
     def after_step(self, step, extras, cache) -> None:
         self.steps += 1
         sels = {li: e for li, e in enumerate(extras) if e is not None}
+        if self.in_step:  # running counts: only the latest are kept, read when the counters are
+            self.moved = tuple(sels.values())
+            return
         for sel in sels.values():
             sel.copy_to_host_async()  # read before the next step, never waited on now
-        if self.in_step:
-            self.unread.extend(sels.values())  # the pages each layer moved, counted later
-        else:
-            self.pending = sels
+        self.pending = sels
 
     def _count(self) -> None:
         """Add the pages the steps moved themselves (``in_step``) to the counters."""
-        n = sum(int(to_host(m).sum()) for m in self.unread)
-        self.unread = []
+        if not self.moved:
+            return
+        total = sum(int(to_host(m).sum()) for m in self.moved)
+        n, self.counted_moves = total - self.counted_moves, total
         self.pages_recalled += n
         self.bytes_recalled += kv_rows_nbytes(n * self.page_size, self.store.v[next(iter(self.resident))])
 
@@ -273,7 +281,8 @@ class PageRecallDecode(DecodeState):
 
     def before_step(self, step, cache):
         if self.in_step:
-            self._count()  # the last step's token was read back: its extras are ready, reading them never waits
+            if self.counted_moves is None:  # where this state starts counting (zero after prefill)
+                self.counted_moves = sum(int(to_host(cache.layers[li].state.recall.moved).sum()) for li in self.resident)
             return cache
         self._collect()
         return self._apply(cache, f"the speculative recall before decode step {step}",
@@ -350,7 +359,7 @@ class PageRecallDecode(DecodeState):
 
     def in_flight(self):
         if self.in_step:
-            return tuple(self.unread)
+            return self.moved
         return tuple(self.pending.values()) if self.pending else ()
 
     def host_arrays(self) -> tuple:
