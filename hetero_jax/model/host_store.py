@@ -56,6 +56,27 @@ def pinned_like(x: jax.Array) -> jax.Sharding:
     return pinned_host() if sharding is None else sharding.with_memory_kind("pinned_host")
 
 
+HUGE_PAGE_BYTES = 1 << 21
+
+
+def to_pinned(x: jax.Array) -> jax.Array:
+    """``x`` copied to pinned host memory laid out as it is (:func:`pinned_like`; asynchronous). On one CPU
+    device a layer of at least a huge page goes through a numpy buffer that the jax array then uses in place:
+    numpy asks the kernel for huge pages for large buffers where transparent huge pages are in ``madvise``
+    mode, XLA's allocator does not, and a recall's rows from a store on 4 KiB pages cost a page walk each
+    (RESULTS ``offload-cpu-native-gather``). That copy waits for ``x``; a CPU's prefill computes it anyway."""
+    target = pinned_like(x)
+    devices = x.devices() if isinstance(x, jax.Array) else set()
+    if (len(devices) != 1 or next(iter(devices)).platform != "cpu" or x.nbytes < HUGE_PAGE_BYTES
+            or not isinstance(target, jax.sharding.SingleDeviceSharding)):
+        return jax.device_put(x, target)
+    raw = np.empty(x.nbytes + 64, np.uint8)  # numpy madvises buffers of 4 MiB and more for huge pages
+    at = (-raw.ctypes.data) % 64  # jax uses a 64-byte aligned numpy buffer without copying it
+    buf = raw[at : at + x.nbytes].view(x.dtype).reshape(x.shape)
+    np.copyto(buf, np.asarray(x))
+    return jax.device_put(buf, target)
+
+
 _STORES: "weakref.WeakValueDictionary[int, HostKVStore]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
 
@@ -101,8 +122,8 @@ class HostKVStore:
 
     def put(self, li: int, k: jax.Array | None, v: jax.Array) -> None:
         """Copy layer ``li``'s k, v [B, H, T, D] to pinned host memory (asynchronous); k None: values only."""
-        self.k[li] = None if k is None else jax.device_put(k, pinned_like(k))
-        self.v[li] = jax.device_put(v, pinned_like(v))
+        self.k[li] = None if k is None else to_pinned(k)
+        self.v[li] = to_pinned(v)
         self.heads[li] = None
         self._views.pop(li, None)
         self._blocks.pop(li, None)
