@@ -284,32 +284,57 @@ def test_one_blas_thread_overlapping_callbacks_restore_the_count_once_the_last_l
         assert inside == [1] * len(inside) and inside and _blas_thread_counts() == [2] * len(inside)
 
 
-def test_a_cpu_layer_is_copied_into_an_aligned_numpy_buffer_jax_uses_in_place():
-    """``to_pinned`` on one CPU device: a layer of at least a huge page lands in a 64-byte aligned numpy buffer
-    that the pinned-host jax array uses without a copy (numpy asks for huge pages; XLA's allocator would not);
-    the values are the layer's, bit for bit, in float32 and bfloat16; a smaller layer takes jax's own copy."""
+def test_a_cpu_store_settles_into_aligned_numpy_buffers_jax_uses_in_place():
+    """``settle_on_huge_pages`` on one CPU device: each layer of at least a huge page moves into a 64-byte aligned
+    numpy buffer that the pinned-host jax array uses without a copy (numpy asks for huge pages; XLA's allocator
+    would not), bit for bit, in float32 and bfloat16, K and values-only layers; the numpy views follow the new
+    arrays; a smaller layer stays as it was; a second call and a layer put again after it behave."""
     import jax
     from hetero_jax.model import host_store as hs
 
-    for dtype in (jnp.float32, jnp.bfloat16):
-        x = (jnp.arange(2 * 4 * 1024 * 128, dtype=jnp.float32).reshape(2, 4, 1024, 128) / 7).astype(dtype)
-        assert x.nbytes >= hs.HUGE_PAGE_BYTES
-        seen = []
-        real_copyto = np.copyto
-
-        def spy(dst, src, *a, **k):
-            seen.append(dst.ctypes.data)
-            return real_copyto(dst, src, *a, **k)
-
-        np.copyto = spy
-        try:
-            got = hs.to_pinned(x)
-        finally:
-            np.copyto = real_copyto
-        assert got.sharding.memory_kind == "pinned_host" and got.dtype == x.dtype
-        assert seen and got.unsafe_buffer_pointer() == seen[-1] and seen[-1] % 64 == 0
-        assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(x).view(np.uint8))
-    small = jnp.ones((1, 1, 8, 16), jnp.float32)
-    out = hs.to_pinned(small)
-    assert out.sharding.memory_kind == "pinned_host" and np.array_equal(np.asarray(out), np.asarray(small))
     assert jax.devices()[0].platform == "cpu"
+    store = hs.HostKVStore(4)
+    layers = {}
+    for li, dtype in enumerate((jnp.float32, jnp.bfloat16)):
+        k = (jnp.arange(2 * 4 * 1024 * 128, dtype=jnp.float32).reshape(2, 4, 1024, 128) / 7).astype(dtype)
+        layers[li] = (k, k + 1)
+        store.put(li, k, k + 1)
+    layers[2] = (None, jnp.ones((2, 4, 1024, 128), jnp.float32) * 3)
+    store.put(2, None, layers[2][1])
+    small = jnp.ones((1, 1, 8, 16), jnp.float32)
+    layers[3] = (small, small)
+    store.put(3, small, small)
+    before = store.v[3]
+    store.view(0)  # a view made before the move must not outlive it
+    seen = []
+    real_copyto = np.copyto
+
+    def spy(dst, src, *a, **k):
+        seen.append(dst.ctypes.data)
+        return real_copyto(dst, src, *a, **k)
+
+    np.copyto = spy
+    try:
+        store.materialize()
+        n = len(seen)
+        store.settle_on_huge_pages()  # nothing left to move
+        assert len(seen) == n == 5  # K and V of layers 0 and 1, V of layer 2
+    finally:
+        np.copyto = real_copyto
+    for li, (k, v) in layers.items():
+        for got, want in ((store.k[li], k), (store.v[li], v)):
+            if want is None:
+                assert got is None
+                continue
+            assert got.sharding.memory_kind == "pinned_host" and got.dtype == want.dtype
+            assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+            if li < 3:
+                assert got.unsafe_buffer_pointer() in seen and got.unsafe_buffer_pointer() % 64 == 0
+        kv, vv = store.view(li)
+        assert np.shares_memory(vv, np.asarray(store.v[li])) or li == 3
+        assert np.array_equal(vv.view(np.uint8), np.asarray(v).view(np.uint8))
+    assert store.v[3] is before
+    store.put(0, layers[0][0] * 2, layers[0][1])  # put again: moved again on the next settle
+    store.settle_on_huge_pages()
+    assert store.k[0].unsafe_buffer_pointer() % 64 == 0
+    assert np.array_equal(np.asarray(store.k[0]).astype(np.float32), np.asarray(layers[0][0] * 2).astype(np.float32))

@@ -59,18 +59,18 @@ def pinned_like(x: jax.Array) -> jax.Sharding:
 HUGE_PAGE_BYTES = 1 << 21
 
 
-def to_pinned(x: jax.Array) -> jax.Array:
-    """``x`` copied to pinned host memory laid out as it is (:func:`pinned_like`; asynchronous). On one CPU
-    device a layer of at least a huge page goes through a numpy buffer that the jax array then uses in place:
-    numpy asks the kernel for huge pages for large buffers where transparent huge pages are in ``madvise``
-    mode, XLA's allocator does not, and a recall's rows from a store on 4 KiB pages cost a page walk each
-    (RESULTS ``offload-cpu-native-gather``). That copy waits for ``x``; a CPU's prefill computes it anyway."""
-    target = pinned_like(x)
-    devices = x.devices() if isinstance(x, jax.Array) else set()
+def on_huge_pages(x: jax.Array) -> jax.Array:
+    """A pinned-host array ``x`` on one CPU device, of at least a huge page, copied into a 64-byte aligned numpy
+    buffer that the returned pinned-host array uses in place (waits for ``x``); any other array is returned as
+    it is. numpy asks the kernel for huge pages for buffers of 4 MiB and more where transparent huge pages are
+    in ``madvise`` mode, XLA's allocator does not, and a recall's rows from 4 KiB pages cost a page walk each
+    (RESULTS ``offload-cpu-native-gather``)."""
+    target = x.sharding
+    devices = x.devices()
     if (len(devices) != 1 or next(iter(devices)).platform != "cpu" or x.nbytes < HUGE_PAGE_BYTES
             or not isinstance(target, jax.sharding.SingleDeviceSharding)):
-        return jax.device_put(x, target)
-    raw = np.empty(x.nbytes + 64, np.uint8)  # numpy madvises buffers of 4 MiB and more for huge pages
+        return x
+    raw = np.empty(x.nbytes + 64, np.uint8)
     at = (-raw.ctypes.data) % 64  # jax uses a 64-byte aligned numpy buffer without copying it
     buf = raw[at : at + x.nbytes].view(x.dtype).reshape(x.shape)
     np.copyto(buf, np.asarray(x))
@@ -97,6 +97,7 @@ class HostKVStore:
         # store's heads are the layer's heads (``put``)
         self.heads: list[np.ndarray | None] = [None] * num_layers
         self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._huge: set[int] = set()  # layers settle_on_huge_pages has seen since their put
         self._blocks: dict[int, dict] = {}
         self.staging = Staging()  # host rows the recalls are sent from (send_host_rows)
         self.handle = next(_HANDLES)  # what a traced step carries to find this store (host_gather)
@@ -109,10 +110,27 @@ class HostKVStore:
         return jnp.asarray(self.handle, jnp.int32)
 
     def materialize(self) -> None:
-        """Make every layer's numpy views now (``prepare``, host side, outside any traced step)."""
+        """Make every layer's numpy views now (``prepare``, host side, outside any traced step), after
+        :meth:`settle_on_huge_pages`."""
+        self.settle_on_huge_pages()
         for li in range(len(self.k)):
             if self.has(li):
                 self.prepare(li)
+
+    def settle_on_huge_pages(self) -> None:
+        """On one CPU device: each layer moved into numpy buffers on huge pages (:func:`on_huge_pages`; waits
+        for the copies ``put`` started). Elsewhere nothing. Prefill's end calls it, once its copies are all
+        started: a copy per layer as each is put would hold the next layer's dispatch back (a CPU's TTFT rose
+        4-6 % that way), this one costs a memcpy of the store."""
+        for li in range(len(self.k)):
+            if not self.has(li) or li in self._huge:
+                continue
+            k, v = self.k[li], on_huge_pages(self.v[li])
+            if v is not self.v[li]:
+                self.k[li], self.v[li] = (None if k is None else on_huge_pages(k)), v
+                self._views.pop(li, None)
+                self._blocks.pop(li, None)
+            self._huge.add(li)
 
     def prepare(self, li: int) -> None:
         """Make the numpy views readers of layer ``li`` use: of the whole arrays on one device, of this process's
@@ -122,8 +140,9 @@ class HostKVStore:
 
     def put(self, li: int, k: jax.Array | None, v: jax.Array) -> None:
         """Copy layer ``li``'s k, v [B, H, T, D] to pinned host memory (asynchronous); k None: values only."""
-        self.k[li] = None if k is None else to_pinned(k)
-        self.v[li] = to_pinned(v)
+        self.k[li] = None if k is None else jax.device_put(k, pinned_like(k))
+        self.v[li] = jax.device_put(v, pinned_like(v))
+        self._huge.discard(li)
         self.heads[li] = None
         self._views.pop(li, None)
         self._blocks.pop(li, None)

@@ -244,6 +244,7 @@ class SyncPrefill(PrefillPlan):
         return LayerPrefill(blocks=tuple(blocks), state=state)
 
     def finish(self, cache: KVCache) -> tuple[KVCache, "SyncDecode"]:
+        self.store.settle_on_huge_pages()  # a CPU's recall gathers from huge pages
         dyn = {}
         for li, (pos, kd_max) in self.dyn.items():  # host mirror of the dynamic rows (copies, never views)
             pos = np.array(to_host(pos), np.int64)

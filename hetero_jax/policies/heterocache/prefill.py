@@ -112,6 +112,7 @@ class HeteroPrefill(PrefillPlan):
 
     def finish(self, cache: KVCache) -> tuple[KVCache, "HeteroDecode"]:
         """The cache as built, and the decode state (one way: the decode never sees this plan)."""
+        self.store.settle_on_huge_pages()  # a CPU's recall gathers from huge pages
         held, win = [], []
         comp_counts = [self.counts[li][:, r.comp_slots] for li, r in enumerate(self.roles)]
         for counts, kept in zip(comp_counts, self.kept):
