@@ -175,7 +175,6 @@ class PageRecallPrefill:
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
         self.store = HostKVStore(cfg.num_layers)
         self.resident: dict[int, jax.Array] = {}
-        self.itemsize = 0
 
     def held(self) -> np.ndarray:
         """[B] prompt rows a head of a compressed layer holds and attends: start + k pages + window."""
@@ -184,7 +183,6 @@ class PageRecallPrefill:
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens):
         t_max = int(self.lens.max())
         self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
-        self.itemsize = k_buf.dtype.itemsize
         # fresh arrays per layer: the decode step donates every cache leaf separately
         arr = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
         args = (layer, x_in, k_buf, v_buf, lens, arr(self.start), arr(self.lens - self.window), arr(self.k_sel),
@@ -212,7 +210,7 @@ class PageRecallPrefill:
                 layers[li] = layers[li].replace(state=layers[li].state.replace(recall=rec))
             cache = cache.replace(layers=tuple(layers))
         return cache, PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, resident,
-                                       self.itemsize, head_offsets(cache), attended, self.compile_fn, in_step)
+                                       head_offsets(cache), attended, self.compile_fn, in_step)
 
 
 class PageRecallDecode(DecodeState):
@@ -226,9 +224,9 @@ class PageRecallDecode(DecodeState):
     wants_turn_queries = True
 
     def __init__(self, cfg, page_size: int, how: str, start, k_sel, store: HostKVStore,
-                 resident: dict[int, np.ndarray], itemsize: int, offsets: list[np.ndarray], attended: np.ndarray,
+                 resident: dict[int, np.ndarray], offsets: list[np.ndarray], attended: np.ndarray,
                  compile_fn=None, in_step: bool = False):
-        self.cfg, self.page_size, self.how, self.store, self.itemsize = cfg, page_size, how, store, itemsize
+        self.cfg, self.page_size, self.how, self.store = cfg, page_size, how, store
         self.in_step = in_step
         # in_step: the latest step's running counts of the pages moved, per compressed layer ([B] int32 on the
         # device), and the total already counted (None until the first step reads the cache's own)
@@ -249,7 +247,7 @@ class PageRecallDecode(DecodeState):
 
     def fresh(self) -> "PageRecallDecode":
         return PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, self.initial,
-                                self.itemsize, self.offsets, self.attended, self.compile_fn, self.in_step)
+                                self.offsets, self.attended, self.compile_fn, self.in_step)
 
     def pool_moved(self, cache) -> None:
         """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
