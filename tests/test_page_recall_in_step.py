@@ -31,8 +31,8 @@ def host_recall(on: bool):
 
 def slots(eng, li):
     """[B, H, k] the page in each slot of layer li: the step's record, or the host's mirror."""
-    rec = eng.cache.layers[li].state.recall
-    return np.asarray(rec.resident) if rec is not None else eng.state.resident[li]
+    held = eng.cache.layers[li].state.slots
+    return np.asarray(held[:, :, 0]) if held is not None else eng.state.resident[li]
 
 
 def check_slots(eng, li):

@@ -47,32 +47,16 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import KVCache, LayerPrefill, row_nbytes, tail_kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import attend_chunk_over_host_prompt
 from hetero_jax.model.sharding import to_host
-from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.base import BudgetError, Policy, bool_param, int_param, smallest_rho, tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import page_summaries, pages_for_budget, smallest_page_rho
-from hetero_jax.policies.speculative import PageRecallPrefill, attend_slots, select_pages
-
-
-@struct.dataclass
-class QuestPages:
-    """An in-device sparse layer's decode state: the page summaries and the selection's bounds (offloaded layers
-    hold a ``speculative.PageSlots``). A step's selection is its extra output only: kept here too, it would be
-    one output twice and XLA would copy it, a kernel per layer and step."""
-
-    kmin: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel min key
-    kmax: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel max key
-    n_pages: jax.Array = axes_field("batch")  # [B] int32 full pages of each prompt
-    prompt_lens: jax.Array = axes_field("batch")  # [B] int32
-    k_sel: jax.Array = axes_field("batch")  # [B] int32 pages each sequence selects per step
-    n_select: int = struct.field(pytree_node=False, default=1)  # page slots k per head (the longest sequence's)
+from hetero_jax.policies.speculative import PageRecallPrefill, PageSlots, attend_slots, page_slots, select_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +152,14 @@ def _page_blocks(pages, valid, n_pages, prompt_lens, tail_lens, ps: int, tail_ca
     return block_rows.astype(jnp.int32), lengths.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("page_size",))
-def _summaries(k_buf, lens, page_size: int):
-    return page_summaries(k_buf, lens, page_size)
+@functools.partial(jax.jit, static_argnames=("page_size", "n_select"))
+def _summaries(k_buf, lens, k_sel, page_size: int, n_select: int) -> PageSlots:
+    """An in-device sparse layer's decode state: the page summaries of k_buf [B, H, T, D] (lens, k_sel [B] int32)
+    and no host store (a step's selection is its extra output only: kept in the state too, it would be one output
+    twice and XLA would copy it, a kernel per layer and step)."""
+    kmin, kmax, n_pages = page_summaries(k_buf, lens, page_size)
+    zero = jnp.zeros_like(lens)
+    return page_slots(kmin, kmax, n_pages, k_sel, lens, zero, jnp.int32(-1), n_select, page_size)
 
 
 class QuestPrefill(PrefillPlan):
@@ -207,11 +196,9 @@ class QuestPrefill(PrefillPlan):
             return M.full_rows(k_buf, v_buf, lens, t_max)
         if self.policy.offload:
             return self.pages.build_layer(li, layer, x_in, k_buf, v_buf, lens)
-        args = (k_buf[:, :, :t_max], lens)  # no summaries of the chunk padding
-        kmin, kmax, n_pages = self.compile_fn(_summaries, *args, page_size=self.policy.page_size)(*args)
-        # fresh arrays per layer: the decode step donates every cache leaf separately
-        state = QuestPages(kmin=kmin, kmax=kmax, n_pages=n_pages, prompt_lens=jnp.array(lens),
-                           k_sel=jnp.asarray(self.k_sel, jnp.int32), n_select=max(1, int(self.k_sel.max())))
+        args = (k_buf[:, :, :t_max], lens, jnp.asarray(self.k_sel, jnp.int32))  # no summaries of the chunk padding
+        state = self.compile_fn(_summaries, *args, page_size=self.policy.page_size,
+                                n_select=max(1, int(self.k_sel.max())))(*args)
         return M.full_rows(k_buf, v_buf, lens, t_max).replace(state=state)
 
     def finish(self, cache: KVCache):

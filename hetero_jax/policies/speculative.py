@@ -18,7 +18,7 @@ backend (``recall_in_step``):
   arrays are the step's operands and each layer moves Sel(q_{i-1})'s new pages
   into its slots itself, before it attends them (``pallas_kernels.page_recall``,
   a native call that copies only those rows); Sel(q_i) stays in the layer's
-  ``SlotRecall`` for the next step. No host work between steps, the same rows in
+  ``PageSlots.slots`` for the next step. No host work between steps, the same rows in
   the same slots as the host recall.
 
 Selection: per KV head, the group's Quest bounds over the page summaries
@@ -49,32 +49,44 @@ from hetero_jax.policies.pages import page_summaries
 from hetero_jax.policies.protocol import DecodeState
 
 
-@struct.dataclass
-class SlotRecall:
-    """Where a step recalls its own pages (``recall_in_step``): which page each slot holds and which it should."""
-
-    resident: jax.Array = axes_field("batch", "kv_heads", "page_slots")  # [B, H, k] int32 the page in each slot
-    pending: jax.Array = axes_field("batch", "kv_heads", "page_slots")  # [B, H, k] int32 Sel(q_{i-1})
-    start: jax.Array = axes_field("batch")  # [B] int32 rows before a region's first page slot
-    moved: jax.Array = axes_field("batch")  # [B] int32 pages the steps moved into the slots since prefill
-    page_size: int = struct.field(pytree_node=False, default=1)
+# Columns of ``PageSlots.seq``, one [B] int32 per sequence each. One array rather than six: every cache leaf is an
+# operand the decode step takes, donates and returns, a few microseconds of host time each per step and layer.
+N_PAGES, K_SEL, PROMPT_LEN, START, MOVED, STORE = range(6)
+SEQ_FIELDS = 6
 
 
 @struct.dataclass
 class PageSlots:
-    """A compressed layer's decode state (its K/V rows are in the pool: [start | page slots | window]). Which page
-    each slot holds: ``recall`` where the step recalls its own pages, else on the host only
-    (``PageRecallDecode.resident``): no step reads it there, and a device copy would cost a transfer per layer
-    and recall."""
+    """A compressed layer's decode state (its K/V rows are in the pool: [start | page slots | window], or the whole
+    prompt for in-device Quest). ``slots`` where the step recalls its own pages (``recall_in_step``); elsewhere
+    the page in each slot is kept on the host only (``PageRecallDecode.resident``): no step reads it there, and a
+    device copy would cost a transfer per layer and recall."""
 
     kmin: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel min key
     kmax: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel max key
-    n_pages: jax.Array = axes_field("batch")  # [B] int32 selectable pages of each prompt
-    k_sel: jax.Array = axes_field("batch")  # [B] int32 page slots of each sequence
-    prompt_lens: jax.Array = axes_field("batch")  # [B] int32
-    store: jax.Array = axes_field()  # int32 handle of the host store (a session turn's dense chunk reads it)
+    # [B, SEQ_FIELDS] int32 per sequence: selectable pages, page slots used, prompt length, rows before the first
+    # page slot, pages the steps moved into the slots since prefill (a running count), the host store's handle
+    seq: jax.Array = axes_field("batch", "seq_fields")
+    # [B, H, 2, k] int32 or None: [..., 0, :] the page each slot holds, [..., 1, :] Sel(q_{i-1}), the pages it
+    # should hold before the step attends them
+    slots: jax.Array | None = axes_field("batch", "kv_heads", "slot_pages", "page_slots", default=None)
     n_select: int = struct.field(pytree_node=False, default=1)  # page slots k per head (the longest sequence's)
-    recall: SlotRecall | None = None  # None: the host recalls between steps
+    page_size: int = struct.field(pytree_node=False, default=1)
+
+    n_pages = property(lambda self: self.seq[:, N_PAGES], doc="[B] int32 selectable pages of each prompt")
+    k_sel = property(lambda self: self.seq[:, K_SEL], doc="[B] int32 page slots of each sequence")
+    prompt_lens = property(lambda self: self.seq[:, PROMPT_LEN], doc="[B] int32")
+    start = property(lambda self: self.seq[:, START], doc="[B] int32 rows before a region's first page slot")
+    moved = property(lambda self: self.seq[:, MOVED], doc="[B] int32 pages the steps moved into the slots")
+    store = property(lambda self: self.seq[0, STORE], doc="int32 handle of the host store (-1: none)")
+
+
+def page_slots(kmin, kmax, n_pages, k_sel, prompt_lens, start, store, n_select: int, page_size: int) -> PageSlots:
+    """Traced: a ``PageSlots`` without slots; n_pages, k_sel, prompt_lens, start [B] int32, store a scalar."""
+    B = n_pages.shape[0]
+    cols = [n_pages, k_sel, prompt_lens, start, jnp.zeros((B,), jnp.int32), jnp.broadcast_to(store, (B,))]
+    return PageSlots(kmin=kmin, kmax=kmax, seq=jnp.stack([jnp.asarray(c, jnp.int32) for c in cols], axis=1),
+                     n_select=n_select, page_size=page_size)
 
 
 def recall_in_step(cache: KVCache) -> bool:
@@ -86,23 +98,24 @@ def recall_in_step(cache: KVCache) -> bool:
 def attend_slots(q: jax.Array, step, how: str):
     """A compressed layer's ``attend``: q [B, H, G, D] over [start | page slots | window] and the tail, the slots
     holding Sel(q_{i-1}). Returns (out [B, H, G, D], step, extra): where the step recalls its own pages
-    (``PageSlots.recall``) it first moves them from the store (``step.host``: its K and V) and keeps Sel(q_i) in
+    (``PageSlots.slots``) it first moves them from the store (``step.host``: its K and V) and keeps Sel(q_i) in
     the state, the extra being the pages the steps moved so far per sequence [B] int32 (a running count in the
     state: the host reads only the latest, when it reports); otherwise the extra is Sel(q_i)
     [B, H, k], for the host's recall (also for a step traced without host operands, as a GPU's step is when its
     structure is counted on a CPU, ``benchmarks/step_ops_compile.py``)."""
     st = step.layer.state
-    if st.recall is None or step.host is None:
+    if st.slots is None or step.host is None:
         return step.attend(q)[0], step, select(q, st, how, local=step.local)
-    rec, pool = st.recall, step.pool
+    pool = step.pool
     store_k, store_v = (in_step_operand(a) for a in step.host)
     k, v, positions, resident, moved = pallas_kernels.page_recall(
-        pool.k, pool.v, pool.positions, store_k, store_v, step.layer.offsets, rec.pending, rec.resident, rec.start,
-        st.k_sel, rec.page_size)
+        pool.k, pool.v, pool.positions, store_k, store_v, step.layer.offsets, st.slots[:, :, 1], st.slots[:, :, 0],
+        st.start, st.k_sel, st.page_size)
     step = step.replace(pool=pool.replace(k=k, v=v, positions=positions))
     out = step.attend(q)[0]
-    rec = rec.replace(resident=resident, pending=select(q, st, how, local=step.local), moved=rec.moved + moved)
-    return out, step.replace(layer=step.layer.replace(state=st.replace(recall=rec))), rec.moved
+    st = st.replace(slots=jnp.stack([resident, select(q, st, how, local=step.local)], axis=2),
+                    seq=st.seq.at[:, MOVED].add(moved))
+    return out, step.replace(layer=step.layer.replace(state=st)), st.moved
 
 
 def select_pages(q: jax.Array, st: PageSlots, how: str, local: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -144,15 +157,13 @@ def slot_index(pages, start, k_sel, win_start, prompt_lens, ps: int, cap: int):
 def _prefill_layer(layer, x_in, k_buf, v_buf, lens, start, win_start, k_sel, prompt_lens, store, cfg, page_size: int,
                    n_pages: int, n_select: int, cap: int, how: str):
     """One compressed layer: summaries of the pages [start, win_start), Sel(q_last) of the last prompt query and
-    each head's rows [start | selected pages | window]. Returns (rows, PageSlots, pages [B, H, k]); the record's int
-    arrays are the
-    arguments (k_sel, prompt_lens, store: fresh per layer, as the decode step donates every cache leaf)."""
+    each head's rows [start | selected pages | window]. Returns (rows, PageSlots, pages [B, H, k]); start,
+    win_start, k_sel, prompt_lens [B] int32, store the host store's handle."""
     kmin, kmax, counts = page_summaries(k_buf, win_start, page_size, start=start)
     kmin, kmax = kmin[:, :, :n_pages], kmax[:, :, :n_pages]  # the longest sequence's pages
     q_last = M.prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)[:, :, 0]  # [B, H, G, D]
     H = k_buf.shape[1]
-    st = PageSlots(kmin=kmin, kmax=kmax, n_pages=counts, k_sel=k_sel, prompt_lens=prompt_lens, store=store,
-                   n_select=n_select)
+    st = page_slots(kmin, kmax, counts, k_sel, prompt_lens, start, store, n_select, page_size)
     pages = select(q_last, st, how)
     idx, pos, lengths = slot_index(pages, start, k_sel, win_start, lens, page_size, cap)
     take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=2)  # noqa: E731
@@ -183,7 +194,6 @@ class PageRecallPrefill:
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens):
         t_max = int(self.lens.max())
         self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
-        # fresh arrays per layer: the decode step donates every cache leaf separately
         arr = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
         args = (layer, x_in, k_buf, v_buf, lens, arr(self.start), arr(self.lens - self.window), arr(self.k_sel),
                 arr(self.lens), self.store.handle_array())
@@ -195,7 +205,7 @@ class PageRecallPrefill:
 
     def finish(self, cache: KVCache, attended: np.ndarray) -> tuple[KVCache, "PageRecallDecode"]:
         """``attended``: [B] the prompt fraction a step attends, for the stats. Where the steps recall their own
-        pages (``recall_in_step``), each compressed layer's state gets its ``SlotRecall``."""
+        pages (``recall_in_step``), each compressed layer's state gets its ``slots``."""
         # copies (np.array), never views of device buffers the decode step will donate
         resident = {li: to_host(p).astype(np.int32, copy=True) for li, p in self.resident.items()}
         self.store.materialize()  # a session turn's chunk reads numpy views only (waits for the copies)
@@ -204,10 +214,8 @@ class PageRecallPrefill:
             layers = list(cache.layers)
             for li, pages in resident.items():
                 # fresh arrays per leaf: the decode step donates every cache leaf separately
-                rec = SlotRecall(resident=jnp.asarray(pages), pending=jnp.asarray(pages),
-                                 start=jnp.asarray(self.start.astype(np.int32)),
-                                 moved=jnp.zeros(len(self.start), jnp.int32), page_size=self.page_size)
-                layers[li] = layers[li].replace(state=layers[li].state.replace(recall=rec))
+                held = jnp.asarray(np.stack([pages, pages], axis=2))
+                layers[li] = layers[li].replace(state=layers[li].state.replace(slots=held))
             cache = cache.replace(layers=tuple(layers))
         return cache, PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, resident,
                                        head_offsets(cache), attended, self.compile_fn, in_step)
@@ -280,7 +288,7 @@ class PageRecallDecode(DecodeState):
     def before_step(self, step, cache):
         if self.in_step:
             if self.counted_moves is None:  # where this state starts counting (zero after prefill)
-                self.counted_moves = sum(int(to_host(cache.layers[li].state.recall.moved).sum()) for li in self.resident)
+                self.counted_moves = sum(int(to_host(cache.layers[li].state.moved).sum()) for li in self.resident)
             return cache
         self._collect()
         return self._apply(cache, f"the speculative recall before decode step {step}",
@@ -301,7 +309,7 @@ class PageRecallDecode(DecodeState):
             layers = list(cache.layers)
             for li, sel in sels.items():
                 st = layers[li].state
-                layers[li] = layers[li].replace(state=st.replace(recall=st.recall.replace(pending=sel)))
+                layers[li] = layers[li].replace(state=st.replace(slots=st.slots.at[:, :, 1].set(sel)))
             self.turn_reselections += 1
             return cache.replace(layers=tuple(layers))
         self.ready = {li: to_host(sel).astype(np.int32) for li, sel in sels.items()}
