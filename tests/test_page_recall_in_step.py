@@ -5,6 +5,7 @@ host store's rows, the same counters; over a batch of different lengths and over
 
 import contextlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -101,3 +102,28 @@ def test_session_turns_reselect_as_with_the_host_recall(name):
             np.testing.assert_array_equal(a[li], b[li])
     for key in ("pages_recalled", "bytes_recalled", "turn_reselections"):
         assert out[False][2][key] == out[True][2][key], key
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_a_compressed_layer_hands_the_step_four_arrays(name):
+    """Each cache leaf is an operand the CPU step takes, donates and returns (microseconds of dispatch each, per
+    layer and step): a compressed layer's state is the two page summaries, one [B, 6] array of per-sequence
+    counters and, where the step recalls, one [B, H, 2, k] array of resident and pending pages, whose columns are
+    the counters prefill planned."""
+    prompts = random_prompts([230, 170], seed=5)
+    for on in (True, False):
+        with host_recall(on):
+            _, _, eng = greedy_with_logits(MODEL, POLICIES[name], prompts, steps=6)
+        comp = [lc.state for lc in eng.cache.layers if lc.state is not None]
+        assert comp
+        for st in comp:
+            assert len(jax.tree.leaves(st)) == (3 if on else 4)
+            assert st.seq.shape == (2, speculative.SEQ_FIELDS) and st.seq.dtype == np.int32
+            np.testing.assert_array_equal(np.asarray(st.k_sel), eng.state.k_sel)
+            np.testing.assert_array_equal(np.asarray(st.start), eng.state.start)
+            np.testing.assert_array_equal(np.asarray(st.prompt_lens), [230, 170])
+            if not on:
+                assert st.slots.shape[:3] == (2, CFG.num_kv_heads, 2)
+        if not on:  # the running counts in the counters' column are what the stats report
+            moved = sum(int(np.asarray(st.moved).sum()) for st in comp)
+            assert moved == eng.state.stats()["pages_recalled"] > 0
