@@ -186,6 +186,7 @@ class PageRecallPrefill:
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
         self.store = HostKVStore(cfg.num_layers)
         self.resident: dict[int, jax.Array] = {}
+        self._ints: tuple | None = None  # _prefill_layer's [B] int32 operands, put on the device once
 
     def held(self) -> np.ndarray:
         """[B] prompt rows a head of a compressed layer holds and attends: start + k pages + window."""
@@ -194,9 +195,10 @@ class PageRecallPrefill:
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens):
         t_max = int(self.lens.max())
         self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
-        arr = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
-        args = (layer, x_in, k_buf, v_buf, lens, arr(self.start), arr(self.lens - self.window), arr(self.k_sel),
-                arr(self.lens), self.store.handle_array())
+        if self._ints is None:  # read, never donated: the record's counters are a new array per layer
+            self._ints = tuple(jnp.asarray(np.asarray(a, np.int32))
+                               for a in (self.start, self.lens - self.window, self.k_sel, self.lens))
+        args = (layer, x_in, k_buf, v_buf, lens, *self._ints, self.store.handle_array())
         rows, state, pages = self.compile_fn(
             _prefill_layer, *args, cfg=self.cfg, page_size=self.page_size, n_pages=max(1, int(self.n_pages.max())),
             n_select=max(1, int(self.k_sel.max())), cap=int(self.held().max()), how=self.how)(*args)
