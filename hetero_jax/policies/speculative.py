@@ -51,8 +51,8 @@ from hetero_jax.policies.protocol import DecodeState
 
 # Columns of ``PageSlots.seq``, one [B] int32 per sequence each. One array rather than six: every cache leaf is an
 # operand the decode step takes, donates and returns, a few microseconds of host time each per step and layer.
-N_PAGES, K_SEL, PROMPT_LEN, START, MOVED, STORE = range(6)
 SEQ_FIELDS = 6
+N_PAGES, K_SEL, PROMPT_LEN, START, MOVED, STORE = range(SEQ_FIELDS)
 
 
 @struct.dataclass
