@@ -136,6 +136,12 @@ def _select_jit(q, st: PageSlots, how: str):
     return select(q, st, how)
 
 
+@functools.partial(jax.jit, static_argnames=("how",))
+def _reselect_jit(q, st: PageSlots, how: str) -> PageSlots:
+    """``st`` with Sel(q) as its pending pages (where the steps recall in-step): one dispatch per layer."""
+    return st.replace(slots=st.slots.at[:, :, 1].set(select(q, st, how)))
+
+
 def slot_index(pages, start, k_sel, win_start, prompt_lens, ps: int, cap: int):
     """Token position of every prompt row of a head, per sequence [start | k_sel page slots | window]; rows past a
     sequence's length point at token 0 (finite, masked by the lengths). pages [B, H, k]; the rest [B].
@@ -302,18 +308,18 @@ class PageRecallDecode(DecodeState):
         superseded). All or nothing: a failed transfer keeps the cache. Where the steps recall their own pages,
         the answer's first step moves them."""
         self.pending = None
+        if self.in_step:
+            layers = list(cache.layers)
+            for li in self.resident:
+                st, q = layers[li].state, turn_queries[li][:, :, -1]  # q [B, H, G, D]
+                layers[li] = layers[li].replace(state=self.compile_fn(_reselect_jit, q, st, how=self.how)(q, st))
+            self.turn_reselections += 1
+            return cache.replace(layers=tuple(layers))
         sels = {}
         for li in self.resident:
             st = cache.layers[li].state
             q = turn_queries[li][:, :, -1]  # [B, H, G, D]
             sels[li] = self.compile_fn(_select_jit, q, st, how=self.how)(q, st)
-        if self.in_step:
-            layers = list(cache.layers)
-            for li, sel in sels.items():
-                st = layers[li].state
-                layers[li] = layers[li].replace(state=st.replace(slots=st.slots.at[:, :, 1].set(sel)))
-            self.turn_reselections += 1
-            return cache.replace(layers=tuple(layers))
         self.ready = {li: to_host(sel).astype(np.int32) for li, sel in sels.items()}
         failures = self.recall_failures
         out = self._apply(cache, "the re-selection after a turn", "the device keeps its pages")
