@@ -8,6 +8,7 @@ No CUDA plugin here: the step is compiled for XLA:CPU on a tiny model; the H100 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -200,6 +201,8 @@ def test_cpu_step_counts_for_full_kv_and_heterocache():
         exe, lower_s, compile_s = C.compile_step(params_abs, cache_abs, CFG, policy, mesh, "reference")
         counts[name] = H.count_step_ops(exe.as_text())
         assert lower_s > 0 and compile_s > 0
+        # a greedy step leaves the sampling key to the engine: returned unchanged, XLA would copy it every step
+        assert not re.search(r"= u32\[2\]\{0\} copy\(", exe.as_text())
     for c in counts.values():
         assert c["fusions"] > CFG.num_layers and c["kernels_per_step"] >= c["fusions"]
         assert c["pallas_calls"] == 0 and c["host_callbacks"] == 0  # reference kernels, no callback
@@ -248,8 +251,6 @@ def test_gpu_step_is_one_pool_kernel_call_per_layer_and_no_control_flow(name):
     runs a loop's trips as launches and reads a conditional's predicate on the host) and no sort: HeteroCache's
     pivots only hand their logits to the check, which ranks them every W steps. The same structure the H100
     compile of `bench_step_ops` counts; and each weight's product is a GEMM there."""
-    import re
-
     import pallas_kernels
     from hetero_jax.runtime import Engine
     from hetero_jax.runtime.engine import decode_step_jit

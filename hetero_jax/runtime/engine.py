@@ -39,16 +39,17 @@ def decode_step_jit(params, cache, tokens, key, host, cfg, policy, temperature, 
     key). ``host``: the decode state's host operands (``DecodeState.host_operands``), read and never donated.
     A sampled step (temperature > 0) splits the key here (``draw_key``), as ``jax.random.split(key)`` on the
     host would (an eager split was a dispatch of its own before every step); a greedy step draws nothing and
-    returns the key as it was (a split in the graph is a loop on a CPU, a quarter second more of every greedy
-    step's compile).
+    returns None for the key, which the caller keeps (a split in the graph is a loop on a CPU, a quarter second
+    more of every greedy step's compile; returning the key unchanged would copy it, one kernel per step on a GPU).
 
     The cache comes first because jax pairs each donated input buffer with the first unclaimed output of the same
     shape and dtype, in output order: a [B] int32 output ahead of the cache (the sampled tokens) would claim the
     cache's first [B] int32 leaf, shift every later pairing by one, and XLA would then copy each unchanged small
     leaf (lengths, counters) into the buffer of its neighbour, one kernel each per step."""
     logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy, host=host)
-    key, sub = draw_key(key, temperature)
-    return keep_placed(cache), sample(logits, sub, temperature, top_p), logits, extras, key
+    next_key, sub = draw_key(key, temperature)
+    return (keep_placed(cache), sample(logits, sub, temperature, top_p), logits, extras,
+            next_key if temperature > 0.0 else None)
 
 
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
@@ -217,7 +218,9 @@ class Engine:
         if fn is None:  # shapes are fixed until the tail grows: look the executable up once
             fn = self._fns[fn_key] = compiled(decode_step_jit, *args, cfg=self.cfg, policy=self.policy,
                                               temperature=float(temperature), top_p=float(top_p))
-        self.cache, nxt, logits, extras, self.key = fn(*args)
+        self.cache, nxt, logits, extras, next_key = fn(*args)
+        if next_key is not None:  # a greedy step leaves the key as it was
+            self.key = next_key
         self.state.after_step(self.steps, extras, self.cache)
         self.steps += 1
         return nxt, logits
