@@ -395,7 +395,12 @@ def test_a_recall_lands_two_steps_after_its_check_with_the_host_rows_it_planned(
         np.testing.assert_array_equal(pos_rows[b, h, slots], positions)
         np.testing.assert_array_equal(k_rows[b, h, slots], host_k[b, idx, positions])
         np.testing.assert_array_equal(v_rows[b, h, slots], host_v[b, idx, positions])
-    assert ctl.stats()["bytes_recalled"] == sum(2 * len(it[4]) * host_k.shape[-1] * host_k.itemsize for it in items)
+    recalled = sum(2 * len(it[4]) * host_k.shape[-1] * host_k.itemsize for it in items)
+    assert ctl.stats()["bytes_recalled"] == recalled and ctl.stats()["bytes_copied"] == 0
+    # the roofline's read per step: the pool, the state records and the recalled rows over the W + 2 steps,
+    # counted twice (read from the host, written into the pool)
+    f = eng.stats_fields()
+    assert f["kv_bytes_read_per_step"] == int(f["kv_bytes_device"] + f["kv_bytes_index"] + 2 * recalled / (W + 2))
     assert eng.restore(ck) and ctl.recall is rec and ctl.recall_steps == []
     again, _ = eng.step(tok, 0.0, 1.0)
     np.testing.assert_array_equal(again, nxt)

@@ -253,6 +253,11 @@ def test_anticipation_every_m_steps_lags_one_step_and_fetches_the_non_static_top
              for li in range(CFG.num_layers) for j in range(2)]
     assert s["rows_recalled"] == sum(len(x) for x in moved) // 2  # each moved row swaps one position for another
     assert s["recalls"] == sum(bool(x) for x in moved)
+    # the roofline's read per step: the pool, the state records and the moved rows over the 2m + 1 steps,
+    # counted twice (read from the host, written into the pool)
+    f = eng.stats_fields()
+    assert f["kv_bytes_read_per_step"] == int(f["kv_bytes_device"] + f["kv_bytes_index"]
+                                              + 2 * s["rows_recalled"] * 2 * D * 4 / (2 * m + 1))
 
 
 def test_a_failed_anticipation_keeps_the_rows_and_the_next_one_lands(monkeypatch):
