@@ -22,6 +22,11 @@ top_jit = jax.jit(top_pages, static_argnames=("n_select",))
 B, H, G, T, D, PS = 3, 2, 3, 40, 8, 4
 
 
+def split(bounds):
+    """[B, H, P, 2, D] page bounds -> kmin, kmax [B, H, P, D]."""
+    return bounds[..., 0, :], bounds[..., 1, :]
+
+
 # ----------------------------------------------------------------------------- numpy references
 
 
@@ -102,7 +107,9 @@ def test_summaries_int_start_ragged_with_garbage():
     lengths = np.array([40, 23, 3], np.int32)  # full, ragged (partial page), zero full pages
     k = with_garbage(rand(rng, B, H, T, D), lengths)
     for start in (0, 5):
-        kmin, kmax, n = summaries_int(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=start)
+        bounds, n = summaries_int(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=start)
+        assert bounds.shape == (B, H, (T - start) // PS, 2, D)
+        kmin, kmax = split(bounds)
         P = (T - start) // PS
         rmin, rmax, rn = np_summaries(k, lengths, PS, start, P)
         assert kmin.shape == kmax.shape == (B, H, P, D) and kmin.dtype == jnp.float32
@@ -118,7 +125,8 @@ def test_summaries_array_start_excludes_sinks_and_padding():
     lengths = np.array([40, 30, 9], np.int32)
     start = np.array([4, 7, 6], np.int32)  # the last sequence has no full page after its sinks
     k = with_garbage(rand(rng, B, H, T, D), lengths, start)
-    kmin, kmax, n = summaries_arr(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=jnp.asarray(start))
+    bounds, n = summaries_arr(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=jnp.asarray(start))
+    kmin, kmax = split(bounds)
     P = T // PS
     rmin, rmax, rn = np_summaries(k, lengths, PS, start, P)
     assert kmin.shape == (B, H, P, D)
@@ -132,7 +140,8 @@ def test_summaries_bf16_stay_finite():
     rng = np.random.default_rng(2)
     lengths = np.array([17, 0, 40], np.int32)
     k = jnp.asarray(rand(rng, B, H, T, D)).astype(jnp.bfloat16)
-    kmin, kmax, n = summaries_int(k, jnp.asarray(lengths), page_size=PS, start=0)
+    bounds, n = summaries_int(k, jnp.asarray(lengths), page_size=PS, start=0)
+    kmin, kmax = split(bounds)
     assert kmin.dtype == jnp.bfloat16
     rmin, rmax, rn = np_summaries(np.asarray(k.astype(jnp.float32)), lengths, PS, 0, T // PS)
     assert np.all(np.isfinite(np.asarray(kmin, np.float32))) and np.all(np.isfinite(np.asarray(kmax, np.float32)))
@@ -148,14 +157,14 @@ def _scored_case(seed=3):
     lengths = np.array([40, 13, 2], np.int32)  # 10, 3 and 0 pages
     k = with_garbage(rand(rng, B, H, T, D), lengths)
     q = rand(rng, B, H, G, D)
-    kmin, kmax, n = summaries_int(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=0)
-    return jnp.asarray(q), kmin, kmax, n
+    bounds, n = summaries_int(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=0)
+    return jnp.asarray(q), bounds, n
 
 
 def test_quest_scores_match_numpy():
-    q, kmin, kmax, n = _scored_case()
-    u = np.asarray(quest_jit(q, kmin, kmax, n))
-    ref = np_quest(q, kmin, kmax, np.asarray(n))
+    q, bounds, n = _scored_case()
+    u = np.asarray(quest_jit(q, bounds, n))
+    ref = np_quest(q, *split(bounds), np.asarray(n))
     assert u.shape == (B, H, G, T // PS) and u.dtype == np.float32
     assert np.all(np.isfinite(u))
     invalid = ref == MASK_VALUE
@@ -166,9 +175,9 @@ def test_quest_scores_match_numpy():
 
 @pytest.mark.parametrize("how", ["max", "mean_softmax"])
 def test_group_scores_match_numpy(how):
-    q, kmin, kmax, n = _scored_case()
-    s = np.asarray(group_jit(q, kmin, kmax, n, how=how))
-    ref = np_group(np_quest(q, kmin, kmax, np.asarray(n)), np.asarray(n), how)
+    q, bounds, n = _scored_case()
+    s = np.asarray(group_jit(q, bounds, n, how=how))
+    ref = np_group(np_quest(q, *split(bounds), np.asarray(n)), np.asarray(n), how)
     assert s.shape == (B, H, T // PS) and s.dtype == np.float32
     assert not np.isnan(s).any()
     invalid = ref == MASK_VALUE
@@ -181,9 +190,9 @@ def test_group_scores_match_numpy(how):
 
 
 def test_group_scores_reject_unknown_rule():
-    q, kmin, kmax, n = _scored_case()
+    q, bounds, n = _scored_case()
     with pytest.raises(ValueError, match="mean_softmax"):
-        group_page_scores(q, kmin, kmax, n, how="mean")
+        group_page_scores(q, bounds, n, how="mean")
 
 
 # ----------------------------------------------------------------------------- top pages
@@ -236,8 +245,8 @@ def bound_case(draw):
 def test_quest_bound_upper_bounds_every_key_in_page(case):
     """u(q, p) >= max over the page's tokens of q.k, for every valid page (so for the chosen one)."""
     ps, length, start, k, q = case
-    kmin, kmax, n = page_summaries(jnp.asarray(k), jnp.asarray([length], jnp.int32), ps, start)
-    u = np.asarray(quest_page_scores(jnp.asarray(q), kmin, kmax, n))
+    bounds, n = page_summaries(jnp.asarray(k), jnp.asarray([length], jnp.int32), ps, start)
+    u = np.asarray(quest_page_scores(jnp.asarray(q), bounds, n))
     n = int(n[0])
     assert n == max(0, (length - start) // ps) and np.all(np.isfinite(u))
     assert np.all(u[..., n:] == np.float32(MASK_VALUE))
