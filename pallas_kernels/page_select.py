@@ -4,8 +4,7 @@ reference beside the dispatcher. The native CPU kernel (``pallas_kernels.native.
 the same in one call per layer, where XLA:CPU runs a handful of small fusions and a top_k, each costing more than
 its data; on a GPU the reference runs (it compiles to a few fused kernels, RESULTS `step-ops-paged`).
 
-Shapes: q [B, H, G, D] (H KV heads, G query heads each), bounds [B, H, P, 2, D] (each page's per-channel min
-key, then its max key), n_pages [B] int32. Scores
+Shapes: q [B, H, G, D] (H KV heads, G query heads each), kmin / kmax [B, H, P, D], n_pages [B] int32. Scores
 are float32 and pages at or beyond a sequence's count score MASK_VALUE (finite, never -inf).
 """
 
@@ -24,22 +23,22 @@ def _page_valid(n_pages: jax.Array, n: int) -> jax.Array:
   return jnp.arange(n, dtype=jnp.int32)[None, :] < n_pages[:, None]
 
 
-def quest_page_scores(q: jax.Array, bounds: jax.Array, n_pages: jax.Array) -> jax.Array:
+def quest_page_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, n_pages: jax.Array) -> jax.Array:
   """Quest's upper bound of q·k over each page, per query head.
 
   ``u = sum_d max(q_d*kmin_d, q_d*kmax_d)`` in float32, no 1/sqrt(D).
-  q: [B, H, G, D]; bounds: [B, H, P, 2, D] (kmin = bounds[..., 0, :], kmax = bounds[..., 1, :]); n_pages: [B].
+  q: [B, H, G, D]; kmin, kmax: [B, H, P, D]; n_pages: [B].
   Returns [B, H, G, P], MASK_VALUE on pages >= n_pages.
   """
   qf = q.astype(jnp.float32)[:, :, :, None, :]
-  lo = bounds[..., 0, :].astype(jnp.float32)[:, :, None, :, :]
-  hi = bounds[..., 1, :].astype(jnp.float32)[:, :, None, :, :]
+  lo = kmin.astype(jnp.float32)[:, :, None, :, :]
+  hi = kmax.astype(jnp.float32)[:, :, None, :, :]
   u = jnp.maximum(qf * lo, qf * hi).sum(axis=-1)
   return jnp.where(_page_valid(n_pages, u.shape[-1])[:, None, None, :], u, MASK_VALUE)
 
 
 def group_page_scores(
-  q: jax.Array, bounds: jax.Array, n_pages: jax.Array, how: str
+  q: jax.Array, kmin: jax.Array, kmax: jax.Array, n_pages: jax.Array, how: str
 ) -> jax.Array:
   """One page score per KV head from its G query heads' Quest bounds.
 
@@ -49,7 +48,7 @@ def group_page_scores(
   Shapes as in quest_page_scores; returns [B, H, P] float32, MASK_VALUE on pages
   >= n_pages (all MASK_VALUE, no NaN, for a sequence without pages).
   """
-  u = quest_page_scores(q, bounds, n_pages)
+  u = quest_page_scores(q, kmin, kmax, n_pages)
   if how == "max":
     s = u.max(axis=2)
   elif how == "mean_softmax":
@@ -84,20 +83,21 @@ def top_pages(scores: jax.Array, n_select: int, counts: jax.Array | None = None)
 
 def page_select_reference(
     q,              # [B, H, G, D]   queries of each KV head's group
-    bounds,         # [B, H, P, 2, D] per-channel min key, then max key, of each page
+    kmin,           # [B, H, P, D]   per-channel min key of each page
+    kmax,           # [B, H, P, D]   per-channel max key of each page
     n_pages,        # [B] int32      selectable pages of each sequence
     n_select: int,  # static, in [1, P]: slots per head
     counts=None,    # [B] int32 or None: slots each sequence may keep (<= n_select)
     how: str = "max",
 ):
   """``top_pages(group_page_scores(...))``: (pages [B, H, n_select] int32, valid [B, H, n_select] bool)."""
-  return top_pages(group_page_scores(q, bounds, n_pages, how), n_select, counts)
+  return top_pages(group_page_scores(q, kmin, kmax, n_pages, how), n_select, counts)
 
 
-def page_select(q, bounds, n_pages, n_select: int, counts=None, how: str = "max", *, backend: str | None = None):
+def page_select(q, kmin, kmax, n_pages, n_select: int, counts=None, how: str = "max", *, backend: str | None = None):
   """Each KV head's ``n_select`` best pages (:func:`page_select_reference`'s contract), in the native CPU kernel
   where the pool attention is native (``resolve_backend(native=True)``), else the reference. Read at trace
   time; either path refuses a rule not in ``RULES``."""
   if resolve_backend(backend, native=True) == "native":
-    return page_select_native(q, bounds, n_pages, n_select, counts, how)
-  return page_select_reference(q, bounds, n_pages, n_select, counts, how)
+    return page_select_native(q, kmin, kmax, n_pages, n_select, counts, how)
+  return page_select_reference(q, kmin, kmax, n_pages, n_select, counts, how)

@@ -28,8 +28,7 @@ def make_case(seed, B, H, G, D, P, n_pages):
   q = rng.standard_normal((B, H, G, D)).astype(np.float32)
   a = rng.standard_normal((B, H, P, D)).astype(np.float32)
   b = a + np.abs(rng.standard_normal((B, H, P, D))).astype(np.float32)
-  bounds = np.stack([a, b], axis=3)  # [B, H, P, 2, D]: each page's min key, then its max key
-  return jnp.asarray(q), jnp.asarray(bounds), jnp.asarray(np.asarray(n_pages, np.int32))
+  return jnp.asarray(q), jnp.asarray(a), jnp.asarray(b), jnp.asarray(np.asarray(n_pages, np.int32))
 
 
 def assert_top_pages(pages, valid, ref_pages, ref_valid, scores, rtol=1e-5):
@@ -62,20 +61,20 @@ def assert_top_pages(pages, valid, ref_pages, ref_valid, scores, rtol=1e-5):
 @pytest.mark.parametrize("G, D", [(1, 64), (4, 128), (7, 64)])
 def test_matches_the_reference(how, G, D):
   B, H, P, n = 3, 3, 37, 9
-  q, bounds, n_pages = make_case(G * 100 + D, B, H, G, D, P, [P, 1, 5])  # 1 and 5 pages: fewer than slots
+  q, kmin, kmax, n_pages = make_case(G * 100 + D, B, H, G, D, P, [P, 1, 5])  # 1 and 5 pages: fewer than slots
   counts = jnp.asarray([n, 4, n], jnp.int32)
-  got = jax.jit(lambda *a: native.page_select_native(*a, n, counts, how))(q, bounds, n_pages)
-  ref = pallas_kernels.page_select_reference(q, bounds, n_pages, n, counts, how)
+  got = jax.jit(lambda *a: native.page_select_native(*a, n, counts, how))(q, kmin, kmax, n_pages)
+  ref = pallas_kernels.page_select_reference(q, kmin, kmax, n_pages, n, counts, how)
   assert got[0].shape == (B, H, n) and got[0].dtype == jnp.int32 and got[1].dtype == jnp.bool_
-  assert_top_pages(*got, *ref, group_page_scores(q, bounds, n_pages, how))
+  assert_top_pages(*got, *ref, group_page_scores(q, kmin, kmax, n_pages, how))
 
 
 def test_no_pages_and_every_slot():
   """A sequence without pages has no valid slot and page 0 everywhere; n_select = P takes every page."""
   B, H, G, D, P = 2, 2, 3, 64, 6
-  q, bounds, n_pages = make_case(5, B, H, G, D, P, [0, P])
+  q, kmin, kmax, n_pages = make_case(5, B, H, G, D, P, [0, P])
   for how in ("max", "mean_softmax"):
-    pages, valid = native.page_select_native(q, bounds, n_pages, P, None, how)
+    pages, valid = native.page_select_native(q, kmin, kmax, n_pages, P, None, how)
     assert not np.asarray(valid)[0].any() and (np.asarray(pages)[0] == 0).all()
     assert np.asarray(valid)[1].all()
     assert (np.sort(np.asarray(pages)[1], axis=-1) == np.arange(P)).all()
@@ -84,12 +83,13 @@ def test_no_pages_and_every_slot():
 def test_ties_go_to_the_lower_page():
   """Pages with the same summary tie exactly: lax.top_k's order (the lower page first), as the reference."""
   B, H, G, D, P = 1, 2, 2, 64, 8
-  q, bounds, n_pages = make_case(9, B, H, G, D, P, [P])
-  bounds = bounds.at[:, :, 5].set(bounds[:, :, 2]).at[:, :, 7].set(bounds[:, :, 2])
+  q, kmin, kmax, n_pages = make_case(9, B, H, G, D, P, [P])
+  kmin = kmin.at[:, :, 5].set(kmin[:, :, 2]).at[:, :, 7].set(kmin[:, :, 2])
+  kmax = kmax.at[:, :, 5].set(kmax[:, :, 2]).at[:, :, 7].set(kmax[:, :, 2])
   for how in ("max", "mean_softmax"):
-    scores = np.asarray(group_page_scores(q, bounds, n_pages, how))
+    scores = np.asarray(group_page_scores(q, kmin, kmax, n_pages, how))
     for n in range(1, P + 1):
-      pages = np.asarray(native.page_select_native(q, bounds, n_pages, n, None, how)[0])
+      pages = np.asarray(native.page_select_native(q, kmin, kmax, n_pages, n, None, how)[0])
       for h in range(H):
         chosen = pages[0, h]
         if 7 in chosen:
@@ -101,10 +101,10 @@ def test_ties_go_to_the_lower_page():
 
 def test_the_dispatcher_and_vmap():
   B, H, G, D, P, n = 2, 3, 3, 64, 20, 6
-  q, bounds, n_pages = make_case(11, B, H, G, D, P, [P, 13])
-  ref = pallas_kernels.page_select(q, bounds, n_pages, n, None, "max", backend="reference")
-  nat = pallas_kernels.page_select(q, bounds, n_pages, n, None, "max", backend="native")
-  assert_top_pages(*nat, *ref, group_page_scores(q, bounds, n_pages, "max"))
+  q, kmin, kmax, n_pages = make_case(11, B, H, G, D, P, [P, 13])
+  ref = pallas_kernels.page_select(q, kmin, kmax, n_pages, n, None, "max", backend="reference")
+  nat = pallas_kernels.page_select(q, kmin, kmax, n_pages, n, None, "max", backend="native")
+  assert_top_pages(*nat, *ref, group_page_scores(q, kmin, kmax, n_pages, "max"))
   cases = [make_case(s, B, H, G, D, P, [P, 13]) for s in (1, 2)]
   stacked = [jnp.stack(x) for x in zip(*cases)]
   got = jax.vmap(lambda *a: native.page_select_native(*a, n, None, "mean_softmax"))(*stacked)
@@ -114,12 +114,12 @@ def test_the_dispatcher_and_vmap():
 
 
 def test_errors_name_the_problem():
-  q, bounds, n_pages = make_case(0, 1, 2, 3, 64, 10, [10])
+  q, kmin, kmax, n_pages = make_case(0, 1, 2, 3, 64, 10, [10])
   with pytest.raises(ValueError, match="n_select"):
-    native.page_select_native(q, bounds, n_pages, 11)
+    native.page_select_native(q, kmin, kmax, n_pages, 11)
   with pytest.raises(ValueError, match="rule"):
-    native.page_select_native(q, bounds, n_pages, 3, None, "mean")
-  with pytest.raises(ValueError, match=r"\[B, H, P, 2, D\]"):
-    native.page_select_native(q, bounds[:, :1], n_pages, 3)
+    native.page_select_native(q, kmin, kmax, n_pages, 3, None, "mean")
+  with pytest.raises(ValueError, match=r"\[B, H, P, D\]"):
+    native.page_select_native(q, kmin[:, :1], kmax[:, :1], n_pages, 3)
   with pytest.raises(ValueError, match="rule"):
-    pallas_kernels.page_select(q, bounds, n_pages, 3, None, "min")
+    pallas_kernels.page_select(q, kmin, kmax, n_pages, 3, None, "min")

@@ -105,11 +105,11 @@ def test_session_turns_reselect_as_with_the_host_recall(name):
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_a_compressed_layer_hands_the_step_three_arrays(name):
+def test_a_compressed_layer_hands_the_step_four_arrays(name):
     """Each cache leaf is an operand the CPU step takes, donates and returns (microseconds of dispatch each, per
-    layer and step): a compressed layer's state is one [B, H, P, 2, D] array of page summaries (min and max key),
-    one [B, 6] array of per-sequence counters and, where the step recalls, one [B, H, 2, k] array of resident and
-    pending pages, whose columns are the counters prefill planned."""
+    layer and step): a compressed layer's state is the two page summaries, one [B, 6] array of per-sequence
+    counters and, where the step recalls, one [B, H, 2, k] array of resident and pending pages, whose columns are
+    the counters prefill planned."""
     prompts = random_prompts([230, 170], seed=5)
     for on in (True, False):
         with host_recall(on):
@@ -117,8 +117,7 @@ def test_a_compressed_layer_hands_the_step_three_arrays(name):
         comp = [lc.state for lc in eng.cache.layers if lc.state is not None]
         assert comp
         for st in comp:
-            assert len(jax.tree.leaves(st)) == (2 if on else 3)
-            assert st.bounds.shape[:2] == (2, CFG.num_kv_heads) and st.bounds.shape[3:] == (2, CFG.head_dim)
+            assert len(jax.tree.leaves(st)) == (3 if on else 4)
             assert st.seq.shape == (2, speculative.SEQ_FIELDS) and st.seq.dtype == np.int32
             np.testing.assert_array_equal(np.asarray(st.k_sel), eng.state.k_sel)
             np.testing.assert_array_equal(np.asarray(st.start), eng.state.start)

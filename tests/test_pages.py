@@ -22,11 +22,6 @@ top_jit = jax.jit(top_pages, static_argnames=("n_select",))
 B, H, G, T, D, PS = 3, 2, 3, 40, 8, 4
 
 
-def split(bounds):
-    """[B, H, P, 2, D] page bounds -> kmin, kmax [B, H, P, D]."""
-    return bounds[..., 0, :], bounds[..., 1, :]
-
-
 # ----------------------------------------------------------------------------- numpy references
 
 
@@ -107,9 +102,7 @@ def test_summaries_int_start_ragged_with_garbage():
     lengths = np.array([40, 23, 3], np.int32)  # full, ragged (partial page), zero full pages
     k = with_garbage(rand(rng, B, H, T, D), lengths)
     for start in (0, 5):
-        bounds, n = summaries_int(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=start)
-        assert bounds.shape == (B, H, (T - start) // PS, 2, D)
-        kmin, kmax = split(bounds)
+        kmin, kmax, n = summaries_int(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=start)
         P = (T - start) // PS
         rmin, rmax, rn = np_summaries(k, lengths, PS, start, P)
         assert kmin.shape == kmax.shape == (B, H, P, D) and kmin.dtype == jnp.float32
@@ -125,8 +118,7 @@ def test_summaries_array_start_excludes_sinks_and_padding():
     lengths = np.array([40, 30, 9], np.int32)
     start = np.array([4, 7, 6], np.int32)  # the last sequence has no full page after its sinks
     k = with_garbage(rand(rng, B, H, T, D), lengths, start)
-    bounds, n = summaries_arr(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=jnp.asarray(start))
-    kmin, kmax = split(bounds)
+    kmin, kmax, n = summaries_arr(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=jnp.asarray(start))
     P = T // PS
     rmin, rmax, rn = np_summaries(k, lengths, PS, start, P)
     assert kmin.shape == (B, H, P, D)
@@ -140,8 +132,7 @@ def test_summaries_bf16_stay_finite():
     rng = np.random.default_rng(2)
     lengths = np.array([17, 0, 40], np.int32)
     k = jnp.asarray(rand(rng, B, H, T, D)).astype(jnp.bfloat16)
-    bounds, n = summaries_int(k, jnp.asarray(lengths), page_size=PS, start=0)
-    kmin, kmax = split(bounds)
+    kmin, kmax, n = summaries_int(k, jnp.asarray(lengths), page_size=PS, start=0)
     assert kmin.dtype == jnp.bfloat16
     rmin, rmax, rn = np_summaries(np.asarray(k.astype(jnp.float32)), lengths, PS, 0, T // PS)
     assert np.all(np.isfinite(np.asarray(kmin, np.float32))) and np.all(np.isfinite(np.asarray(kmax, np.float32)))
@@ -157,14 +148,14 @@ def _scored_case(seed=3):
     lengths = np.array([40, 13, 2], np.int32)  # 10, 3 and 0 pages
     k = with_garbage(rand(rng, B, H, T, D), lengths)
     q = rand(rng, B, H, G, D)
-    bounds, n = summaries_int(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=0)
-    return jnp.asarray(q), bounds, n
+    kmin, kmax, n = summaries_int(jnp.asarray(k), jnp.asarray(lengths), page_size=PS, start=0)
+    return jnp.asarray(q), kmin, kmax, n
 
 
 def test_quest_scores_match_numpy():
-    q, bounds, n = _scored_case()
-    u = np.asarray(quest_jit(q, bounds, n))
-    ref = np_quest(q, *split(bounds), np.asarray(n))
+    q, kmin, kmax, n = _scored_case()
+    u = np.asarray(quest_jit(q, kmin, kmax, n))
+    ref = np_quest(q, kmin, kmax, np.asarray(n))
     assert u.shape == (B, H, G, T // PS) and u.dtype == np.float32
     assert np.all(np.isfinite(u))
     invalid = ref == MASK_VALUE
@@ -175,9 +166,9 @@ def test_quest_scores_match_numpy():
 
 @pytest.mark.parametrize("how", ["max", "mean_softmax"])
 def test_group_scores_match_numpy(how):
-    q, bounds, n = _scored_case()
-    s = np.asarray(group_jit(q, bounds, n, how=how))
-    ref = np_group(np_quest(q, *split(bounds), np.asarray(n)), np.asarray(n), how)
+    q, kmin, kmax, n = _scored_case()
+    s = np.asarray(group_jit(q, kmin, kmax, n, how=how))
+    ref = np_group(np_quest(q, kmin, kmax, np.asarray(n)), np.asarray(n), how)
     assert s.shape == (B, H, T // PS) and s.dtype == np.float32
     assert not np.isnan(s).any()
     invalid = ref == MASK_VALUE
@@ -190,9 +181,9 @@ def test_group_scores_match_numpy(how):
 
 
 def test_group_scores_reject_unknown_rule():
-    q, bounds, n = _scored_case()
+    q, kmin, kmax, n = _scored_case()
     with pytest.raises(ValueError, match="mean_softmax"):
-        group_page_scores(q, bounds, n, how="mean")
+        group_page_scores(q, kmin, kmax, n, how="mean")
 
 
 # ----------------------------------------------------------------------------- top pages
@@ -245,8 +236,8 @@ def bound_case(draw):
 def test_quest_bound_upper_bounds_every_key_in_page(case):
     """u(q, p) >= max over the page's tokens of q.k, for every valid page (so for the chosen one)."""
     ps, length, start, k, q = case
-    bounds, n = page_summaries(jnp.asarray(k), jnp.asarray([length], jnp.int32), ps, start)
-    u = np.asarray(quest_page_scores(jnp.asarray(q), bounds, n))
+    kmin, kmax, n = page_summaries(jnp.asarray(k), jnp.asarray([length], jnp.int32), ps, start)
+    u = np.asarray(quest_page_scores(jnp.asarray(q), kmin, kmax, n))
     n = int(n[0])
     assert n == max(0, (length - start) // ps) and np.all(np.isfinite(u))
     assert np.all(u[..., n:] == np.float32(MASK_VALUE))

@@ -173,7 +173,7 @@ def test_offloaded_memory_rows_and_bytes():
             np.testing.assert_array_equal(bk[0, h, :held], hk[0, h, p])
             np.testing.assert_array_equal(bv[0, h, :held], hv[0, h, p])
     full_prompt = 2 * L * CFG.num_kv_heads * CFG.num_layers * CFG.head_dim * 4
-    summaries = sum(lc.state.bounds.nbytes for lc in e_off.cache.layers if lc.state is not None)
+    summaries = sum(lc.state.kmin.nbytes + lc.state.kmax.nbytes for lc in e_off.cache.layers if lc.state is not None)
     kept = 2 * 4 * CFG.head_dim * int(sum(np.asarray(lc.lengths).sum() for lc in e_off.cache.layers))
     assert kept == s["kv_bytes_prompt"] and kept + summaries <= 0.5 * full_prompt
     assert s["kv_bytes_host"] == 2 * 2 * L * CFG.num_kv_heads * CFG.head_dim * 4  # two sparse layers

@@ -150,7 +150,7 @@ class FreeKV(Policy):
         st = step.layer.state
         if st is None:
             return step.attend_chunk(q)
-        n_slots = st.bounds.shape[2] * self.page_size + step.layer.capacity  # >= S + P*p + w
+        n_slots = st.kmin.shape[2] * self.page_size + step.layer.capacity  # >= S + P*p + w
         return attend_chunk_over_host_prompt(li, q, step, st.store, st.prompt_lens, n_slots)
 
 

@@ -35,9 +35,8 @@ def page_summaries(
 
     The static page axis is ``P = (T - start) // ps`` for an int start and
     ``T // ps`` for an array start (its values are unknown at trace time).
-    Returns the bounds [B, H, max(P, 1), 2, D] in k's dtype, each page's per-channel min
-    key then max key (one contiguous read per page; zeros on pages >= n_pages), and
-    n_pages [B] int32.
+    Returns kmin, kmax [B, H, max(P, 1), D] in k's dtype (zeros on pages >= n_pages)
+    and n_pages [B] int32.
     """
     B, H, T, D = k.shape
     ps = page_size
@@ -55,11 +54,12 @@ def page_summaries(
     n_pages = jnp.clip((jnp.minimum(lengths.astype(jnp.int32), T) - starts) // ps, 0, P).astype(jnp.int32)
     # Only full pages count, so a page is wholly inside [start, length) or wholly dropped: a select
     # after the reduction is the token mask, and garbage (even NaN/inf) in dropped pages cannot leak.
-    valid = (jnp.arange(P, dtype=jnp.int32)[None, :] < n_pages[:, None])[:, None, :, None, None]
-    bounds = jnp.where(valid, jnp.stack([pages.min(axis=3), pages.max(axis=3)], axis=3), jnp.zeros((), k.dtype))
+    valid = (jnp.arange(P, dtype=jnp.int32)[None, :] < n_pages[:, None])[:, None, :, None]
+    zero = jnp.zeros((), k.dtype)
+    kmin, kmax = jnp.where(valid, pages.min(axis=3), zero), jnp.where(valid, pages.max(axis=3), zero)
     if P == 0:  # every prompt shorter than a page: one unusable page, so a top-1 page selection is defined
-        bounds = jnp.zeros((B, H, 1, 2, D), k.dtype)
-    return bounds, n_pages
+        kmin = kmax = jnp.zeros((B, H, 1, D), k.dtype)
+    return kmin, kmax, n_pages
 
 
 def pages_for_budget(rho: float, prompt_len: int, num_layers: int, full_layers: int, page_size: int, *,

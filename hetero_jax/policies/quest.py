@@ -130,7 +130,7 @@ class Quest(Policy):
         st = step.layer.state
         if not self.offload or st is None:
             return step.attend_chunk(q)
-        n_slots = st.bounds.shape[2] * self.page_size + self.page_size  # >= the longest prompt
+        n_slots = st.kmin.shape[2] * self.page_size + self.page_size  # >= the longest prompt
         return attend_chunk_over_host_prompt(li, q, step, st.store, st.prompt_lens, n_slots)
 
 
@@ -157,9 +157,9 @@ def _summaries(k_buf, lens, k_sel, page_size: int, n_select: int) -> PageSlots:
     """An in-device sparse layer's decode state: the page summaries of k_buf [B, H, T, D] (lens, k_sel [B] int32)
     and no host store (a step's selection is its extra output only: kept in the state too, it would be one output
     twice and XLA would copy it, a kernel per layer and step)."""
-    bounds, n_pages = page_summaries(k_buf, lens, page_size)
+    kmin, kmax, n_pages = page_summaries(k_buf, lens, page_size)
     zero = jnp.zeros_like(lens)
-    return page_slots(bounds, n_pages, k_sel, lens, zero, jnp.int32(-1), n_select, page_size)
+    return page_slots(kmin, kmax, n_pages, k_sel, lens, zero, jnp.int32(-1), n_select, page_size)
 
 
 class QuestPrefill(PrefillPlan):

@@ -62,8 +62,8 @@ class PageSlots:
     the page in each slot is kept on the host only (``PageRecallDecode.resident``): no step reads it there, and a
     device copy would cost a transfer per layer and recall."""
 
-    # [B, H, P, 2, D] each page's per-channel min key, then max key (one array: each is a step's operand)
-    bounds: jax.Array = axes_field("batch", "kv_heads", "pages", "min_max", "head_dim")
+    kmin: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel min key
+    kmax: jax.Array = axes_field("batch", "kv_heads", "pages", "head_dim")  # [B, H, P, D] per-channel max key
     # [B, SEQ_FIELDS] int32 per sequence: selectable pages, page slots used, prompt length, rows before the first
     # page slot, pages the steps moved into the slots since prefill (a running count), the host store's handle
     seq: jax.Array = axes_field("batch", "seq_fields")
@@ -81,12 +81,11 @@ class PageSlots:
     store = property(lambda self: self.seq[0, STORE], doc="int32 handle of the host store (-1: none)")
 
 
-def page_slots(bounds, n_pages, k_sel, prompt_lens, start, store, n_select: int, page_size: int) -> PageSlots:
-    """Traced: a ``PageSlots`` without slots; bounds [B, H, P, 2, D]; n_pages, k_sel, prompt_lens, start [B] int32,
-    store a scalar."""
+def page_slots(kmin, kmax, n_pages, k_sel, prompt_lens, start, store, n_select: int, page_size: int) -> PageSlots:
+    """Traced: a ``PageSlots`` without slots; n_pages, k_sel, prompt_lens, start [B] int32, store a scalar."""
     B = n_pages.shape[0]
     cols = [n_pages, k_sel, prompt_lens, start, jnp.zeros((B,), jnp.int32), jnp.broadcast_to(store, (B,))]
-    return PageSlots(bounds=bounds, seq=jnp.stack([jnp.asarray(c, jnp.int32) for c in cols], axis=1),
+    return PageSlots(kmin=kmin, kmax=kmax, seq=jnp.stack([jnp.asarray(c, jnp.int32) for c in cols], axis=1),
                      n_select=n_select, page_size=page_size)
 
 
@@ -123,7 +122,7 @@ def select_pages(q: jax.Array, st: PageSlots, how: str, local: bool = False) -> 
     """Traced: the top ``k_sel`` pages of each KV head for q [B, H, G, D] and which slots are valid, both
     [B, H, k] (``pallas_kernels.page_select``). ``local`` (the heads on one device, ``LayerStep.local``): its
     native CPU kernel may run; otherwise (a mesh's step, prefill, a turn) the plain-JAX reference."""
-    return pallas_kernels.page_select(q, st.bounds, st.n_pages, st.n_select, st.k_sel, how,
+    return pallas_kernels.page_select(q, st.kmin, st.kmax, st.n_pages, st.n_select, st.k_sel, how,
                                       backend=None if local else "reference")
 
 
@@ -166,11 +165,11 @@ def _prefill_layer(layer, x_in, k_buf, v_buf, lens, start, win_start, k_sel, pro
     """One compressed layer: summaries of the pages [start, win_start), Sel(q_last) of the last prompt query and
     each head's rows [start | selected pages | window]. Returns (rows, PageSlots, pages [B, H, k]); start,
     win_start, k_sel, prompt_lens [B] int32, store the host store's handle."""
-    bounds, counts = page_summaries(k_buf, win_start, page_size, start=start)
-    bounds = bounds[:, :, :n_pages]  # the longest sequence's pages
+    kmin, kmax, counts = page_summaries(k_buf, win_start, page_size, start=start)
+    kmin, kmax = kmin[:, :, :n_pages], kmax[:, :, :n_pages]  # the longest sequence's pages
     q_last = M.prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)[:, :, 0]  # [B, H, G, D]
     H = k_buf.shape[1]
-    st = page_slots(bounds, counts, k_sel, prompt_lens, start, store, n_select, page_size)
+    st = page_slots(kmin, kmax, counts, k_sel, prompt_lens, start, store, n_select, page_size)
     pages = select(q_last, st, how)
     idx, pos, lengths = slot_index(pages, start, k_sel, win_start, lens, page_size, cap)
     take = lambda a: jnp.take_along_axis(a, idx[..., None], axis=2)  # noqa: E731

@@ -467,9 +467,10 @@ def topk_sets_native(
 
 
 def page_select_native(
-    q,              # [B, H, G, D]     queries of each KV head's group
-    bounds,         # [B, H, P, 2, D]  per-channel min key, then max key, of each page
-    n_pages,        # [B] int32        selectable pages of each sequence
+    q,              # [B, H, G, D]  queries of each KV head's group
+    kmin,           # [B, H, P, D]  per-channel min key of each page
+    kmax,           # [B, H, P, D]
+    n_pages,        # [B] int32     selectable pages of each sequence
     n_select: int,  # static, in [1, P]
     counts=None,    # [B] int32 or None (every slot)
     how: str = "max",
@@ -477,12 +478,13 @@ def page_select_native(
   """``pallas_kernels.page_select_reference``'s computation in the native CPU kernel: (pages [B, H, n_select]
   int32, valid [B, H, n_select] bool). Works under jit and vmap (leading axes are looped by XLA)."""
   _load()
-  if jnp.ndim(q) != 4 or jnp.ndim(bounds) != 5:
-    raise ValueError(f"q must be [B, H, G, D] and bounds [B, H, P, 2, D], got {jnp.shape(q)}, {jnp.shape(bounds)}")
+  if jnp.ndim(q) != 4 or jnp.ndim(kmin) != 4 or jnp.shape(kmin) != jnp.shape(kmax):
+    raise ValueError(f"q must be [B, H, G, D] and kmin / kmax [B, H, P, D], got {jnp.shape(q)}, {jnp.shape(kmin)}, "
+                     f"{jnp.shape(kmax)}")
   B, H, _, D = jnp.shape(q)
-  P = jnp.shape(bounds)[2]
-  if jnp.shape(bounds)[:2] != (B, H) or jnp.shape(bounds)[3:] != (2, D):
-    raise ValueError(f"bounds must be [B, H, P, 2, D] = [{B}, {H}, P, 2, {D}], got {jnp.shape(bounds)}")
+  P = jnp.shape(kmin)[2]
+  if jnp.shape(kmin)[:2] != (B, H) or jnp.shape(kmin)[3] != D:
+    raise ValueError(f"kmin / kmax must be [B, H, P, D] = [{B}, {H}, P, {D}], got {jnp.shape(kmin)}")
   if not 0 < n_select <= P:
     raise ValueError(f"n_select must be in [1, {P}] (the page axis), got {n_select}")
   if how not in PAGE_SELECT_RULES:
@@ -491,7 +493,7 @@ def page_select_native(
   result = (jax.ShapeDtypeStruct((B, H, n_select), jnp.int32), jax.ShapeDtypeStruct((B, H, n_select), jnp.bool_))
   call = jax.ffi.ffi_call(PAGE_SELECT_TARGET, result, vmap_method="sequential")
   f32 = lambda x: jnp.asarray(x).astype(jnp.float32)  # noqa: E731
-  return call(f32(q), f32(bounds), jnp.asarray(n_pages).astype(jnp.int32), counts,
+  return call(f32(q), f32(kmin), f32(kmax), jnp.asarray(n_pages).astype(jnp.int32), counts,
               rule=np.int64(PAGE_SELECT_RULES.index(how)))
 
 

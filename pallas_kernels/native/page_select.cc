@@ -1,14 +1,13 @@
 // Page selection on the CPU: an XLA FFI custom call (target "hetero_jax_page_select") for Quest's and FreeKV's
 // decode steps, pallas_kernels.page_select_reference's computation:
-//   u[g, p]  = sum_d max(q[g, d] * bounds[p, 0, d], q[g, d] * bounds[p, 1, d])   (Quest's bound, float32)
+//   u[g, p]  = sum_d max(q[g, d] * kmin[p, d], q[g, d] * kmax[p, d])        (Quest's bound, float32)
 //   s[p]     = max_g u[g, p]                                  (rule 0, "max": group-consistent Quest)
 //            = mean_g softmax_p(u[g, :])[p]                   (rule 1, "mean_softmax": FreeKV's MeanS)
 //   s[p]     = MASK_VALUE for p >= n_pages[b]
 //   pages    = the n best pages, best first, ties to the lower page (lax.top_k); valid = score above MASK_VALUE
 //              and slot below counts[b]; an invalid slot holds the head's best page (page 0 when it has none).
 //
-// Operands: q [B, H, G, D] f32, bounds [B, H, P, 2, D] f32 (each page's min key, then max key: one contiguous
-// read per page), n_pages [B] s32, counts [B] s32. Attribute rule.
+// Operands: q [B, H, G, D] f32, kmin / kmax [B, H, P, D] f32, n_pages [B] s32, counts [B] s32. Attribute rule.
 // Results: pages [B, H, n] s32, valid [B, H, n] pred (n <= P).
 //
 // On XLA:CPU the reference is a handful of small fusions and a top_k per layer, each costing more than its data
@@ -43,16 +42,15 @@ inline float bound(const float* qv, const float* lo, const float* hi, int64_t D)
   return s;
 }
 
-// Bounds of query qv over pages [p0, p0 + 8) into out[0:8] (lo, hi: page p0's min and max rows; a page's rows
-// are 2 * D apart): the page rows read once per query, the eight sums reduced together (one transposing
-// reduction instead of eight horizontal sums). D a multiple of W.
+// Bounds of query qv over pages [p0, p0 + 8) into out[0:8]: the page rows read once per query, the eight sums
+// reduced together (one transposing reduction instead of eight horizontal sums). D a multiple of W.
 inline void bound8(const float* qv, const float* lo, const float* hi, int64_t D, float* out) {
   vf acc[8];
   for (int k = 0; k < 8; ++k) acc[k] = splat(0.f);
   for (int64_t d = 0; d < D; d += W) {
     const vf x = loadv(qv + d);
     for (int k = 0; k < 8; ++k) {
-      const vf a = x * loadv(lo + 2 * k * D + d), b = x * loadv(hi + 2 * k * D + d);
+      const vf a = x * loadv(lo + k * D + d), b = x * loadv(hi + k * D + d);
       acc[k] += a > b ? a : b;
     }
   }
@@ -60,16 +58,17 @@ inline void bound8(const float* qv, const float* lo, const float* hi, int64_t D,
                       fold8(acc[6]), fold8(acc[7])));
 }
 
-ffi::Error PageSelectImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> bounds, ffi::Buffer<ffi::S32> n_pages, ffi::Buffer<ffi::S32> counts, int64_t rule,
+ffi::Error PageSelectImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kmin, ffi::Buffer<ffi::F32> kmax,
+                          ffi::Buffer<ffi::S32> n_pages, ffi::Buffer<ffi::S32> counts, int64_t rule,
                           ffi::Result<ffi::Buffer<ffi::S32>> pages, ffi::Result<ffi::Buffer<ffi::PRED>> valid) {
   const auto qd = q.dimensions();
-  const auto kd = bounds.dimensions();
+  const auto kd = kmin.dimensions();
   const auto pd = pages->dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || pd.size() != 3)
-    return ffi::Error::InvalidArgument("page_select: q must be [B, H, G, D], bounds [B, H, P, 2, D], pages [B, H, n]");
+  if (qd.size() != 4 || kd.size() != 4 || pd.size() != 3)
+    return ffi::Error::InvalidArgument("page_select: q must be [B, H, G, D], kmin/kmax [B, H, P, D], pages [B, H, n]");
   const int64_t B = qd[0], H = qd[1], G = qd[2], D = qd[3], P = kd[2], n = pd[2];
-  if (kd[0] != B || kd[1] != H || kd[3] != 2 || kd[4] != D)
-    return ffi::Error::InvalidArgument("page_select: bounds must be [B, H, P, 2, D] matching q");
+  if (kd[0] != B || kd[1] != H || kd[3] != D || kmax.element_count() != kmin.element_count())
+    return ffi::Error::InvalidArgument("page_select: kmin and kmax must be [B, H, P, D] matching q");
   if (n_pages.element_count() != static_cast<size_t>(B) || counts.element_count() != static_cast<size_t>(B))
     return ffi::Error::InvalidArgument("page_select: n_pages and counts must be [B]");
   if (pd[0] != B || pd[1] != H || n < 1 || n > P || valid->element_count() != pages->element_count())
@@ -84,15 +83,14 @@ ffi::Error PageSelectImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> bounds,
     for (int64_t h = 0; h < H; ++h) {
       const int64_t bh = b * H + h;
       const float* qh = q.typed_data() + bh * G * D;
-      const float* lo = bounds.typed_data() + bh * P * 2 * D;  // page p's min row at lo + 2 * p * D
-      const float* hi = lo + D;                                  // and its max row D later
+      const float* lo = kmin.typed_data() + bh * P * D;
+      const float* hi = kmax.typed_data() + bh * P * D;
       // pages in blocks of 8 (the block's rows stay in L1 across the group's queries), the rest one by one
       const int64_t blocked = D % W == 0 ? np / 8 * 8 : 0;
       for (int64_t p0 = 0; p0 < blocked; p0 += 8)
-        for (int64_t g = 0; g < G; ++g)
-          bound8(qh + g * D, lo + 2 * p0 * D, hi + 2 * p0 * D, D, u.data() + g * P + p0);
+        for (int64_t g = 0; g < G; ++g) bound8(qh + g * D, lo + p0 * D, hi + p0 * D, D, u.data() + g * P + p0);
       for (int64_t g = 0; g < G; ++g) {
-        for (int64_t p = blocked; p < np; ++p) u[g * P + p] = bound(qh + g * D, lo + 2 * p * D, hi + 2 * p * D, D);
+        for (int64_t p = blocked; p < np; ++p) u[g * P + p] = bound(qh + g * D, lo + p * D, hi + p * D, D);
         std::fill(u.begin() + g * P + np, u.begin() + (g + 1) * P, kMask);
       }
       if (rule == 0) {
@@ -145,7 +143,8 @@ extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* HeteroJaxPageSe
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HeteroJaxPageSelect, PageSelectImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // bounds
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // kmin
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // kmax
                                   .Arg<ffi::Buffer<ffi::S32>>()   // n_pages
                                   .Arg<ffi::Buffer<ffi::S32>>()   // counts
                                   .Attr<int64_t>("rule")
