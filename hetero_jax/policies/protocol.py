@@ -107,16 +107,18 @@ class DecodeState:
         the layers' state records."""
         return int(sum(a.nbytes for lc in cache.layers for a in jax.tree.leaves(lc.state)))
 
-    def recalled_bytes_per_step(self) -> float:
-        """Mean K/V bytes a decode step moved from host memory into the pool (recalls, page fetches) since
-        prefill; 0 for a state that never fetches."""
-        return 0.0
+    def recalled_bytes(self) -> int:
+        """K/V bytes moved from host memory into the pool (recalls, page fetches) since prefill; 0 for a state
+        that never fetches."""
+        return 0
 
-    def kv_bytes_read(self, cache) -> int:
+    def kv_bytes_read(self, cache, steps: int) -> int:
         """K/V and index bytes one decode step reads (device reads plus host fetches), the memory traffic a
-        roofline compares: by default the pool as allocated, the state arrays and the rows fetched from the
-        host (mean per step), counted twice: read from the host and written into the pool."""
-        return int(kv_bytes(cache) + self.index_bytes(cache) + 2 * self.recalled_bytes_per_step())
+        roofline compares, after ``steps`` decode steps: by default the pool as allocated, the state arrays and
+        the rows fetched from the host (mean per step), counted twice: read from the host and written into the
+        pool."""
+        fetched = 2 * self.recalled_bytes() / steps if steps else 0
+        return int(kv_bytes(cache) + self.index_bytes(cache) + fetched)
 
     def stats(self) -> dict:
         """The policy's decode counters (JSON-able)."""

@@ -227,7 +227,7 @@ class QuestDecode(DecodeState):
     def after_step(self, step, extras, cache) -> None:
         self.steps += 1
 
-    def kv_bytes_read(self, cache) -> int:
+    def kv_bytes_read(self, cache, steps: int) -> int:
         """Full layers' prompt rows, each sparse layer's attended rows, the state records (summaries, ...) and
         the rest of the pool (the tails, ``cache.tail_kv_bytes``)."""
         sparse = self.policy.sparse_layers(self.cfg)

@@ -386,10 +386,10 @@ class PageRecallDecode(DecodeState):
         return tuple((self.store.k[li], self.store.v[li]) if li in self.resident else None
                      for li in range(self.cfg.num_layers))
 
-    def recalled_bytes_per_step(self) -> float:
+    def recalled_bytes(self) -> int:
         if self.in_step:
             self._count()
-        return self.bytes_recalled / self.steps if self.steps else 0.0
+        return self.bytes_recalled
 
     def stats(self) -> dict:
         if self.in_step:

@@ -287,7 +287,6 @@ class SyncDecode(DecodeState):
         # step in flight); refreshed when the pool is repacked (``pool_moved``)
         self.offsets = [np.asarray(o, np.int64) for o in prefilled.offsets]
         self.since = 0  # decode steps since prefill, or since the last turn's anticipation
-        self.steps = 0  # decode steps since prefill
         self.pending = None  # (step, {layer: device indices}) of a dispatched anticipation
         self.anticipations = 0  # decode-time anticipations (every layer at once)
         self.turn_anticipations = 0  # anticipations right after a session turn
@@ -319,7 +318,6 @@ class SyncDecode(DecodeState):
 
     def after_step(self, step: int, extras, cache: KVCache) -> None:
         self.since += 1
-        self.steps += 1
         if self.layers and self.since % self.policy.m == 0:
             self.pending = (step, self._dispatch(extras, cache))
 
@@ -422,8 +420,8 @@ class SyncDecode(DecodeState):
         """Pinned-host KV bytes: the NR heads' (satellites') full prompt KV, the paper's context bank."""
         return {"satellite": self.prefilled.store.nbytes()}
 
-    def recalled_bytes_per_step(self) -> float:
-        return self.bytes_recalled / self.steps if self.steps else 0.0
+    def recalled_bytes(self) -> int:
+        return self.bytes_recalled
 
     def stats(self) -> dict:
         return {

@@ -315,7 +315,7 @@ class Engine:
             kv_bytes_host=self.state.host_bytes(),
             kv_bytes_host_by_role=self.state.host_bytes_by_role(),
             kv_bytes_index=self.state.index_bytes(self.cache),
-            kv_bytes_read_per_step=self.state.kv_bytes_read(self.cache),
+            kv_bytes_read_per_step=self.state.kv_bytes_read(self.cache, self.steps),
             kv_bytes_prompt=prompt_kv_bytes(self.cache),
             kv_bytes_tail=tail_kv_bytes(self.cache),
             policy=repr(self.policy),

@@ -87,7 +87,7 @@ class HCDecode(DecodeState):
         each = per_process(np.array([now[0] - base[0], now[2] - base[2], now[1] - base[1]], np.float64))
         return int(each[:, 0].sum()), float(each[:, 2].max()), int(each[:, 1].sum())
 
-    def kv_bytes_read(self, cache) -> int:
+    def kv_bytes_read(self, cache, steps: int) -> int:
         """Keys or codes + codebooks (the state records) and the pool (device: every head's region holds only
         its tail), plus the value rows a step reads on the host (mean)."""
         host = self._host_rows_per_step() * self.cfg.head_dim * self.itemsize if self.steps else 0

@@ -52,7 +52,6 @@ class HeteroDecode(AsyncRecalls, DecodeState):
         self.pending, self._check_fn = None, None  # a dispatched check (step, outputs); its (key, executable)
         self.recall, self.lane = None, Lane()  # the recall in flight (``inflight.InFlight``), its channel
         self.counters, self.recall_steps = Counters(), []
-        self.steps = 0  # decode steps since prefill (the roofline's recalled bytes per step)
         # copy window: per layer each compressed head's held positions and window slots (own copies, rewritten
         # here), the copy heads' pointers at the last step (device) and the step before (host)
         self.held = [None if h is None else h.copy() for h in (prefilled.held or [])]
@@ -77,7 +76,6 @@ class HeteroDecode(AsyncRecalls, DecodeState):
     def after_step(self, step: int, extras, cache: KVCache) -> None:
         """Buffer step ``step``'s pivot shares (``HeteroCache.attend``'s extras: (pivot share, copy pointer) per
         layer); every ``window`` steps dispatch the check. The pointers are read in ``before_step``."""
-        self.steps += 1
         pointers = [e[1] for e in extras if e is not None and e[1] is not None]
         if pointers:
             self.pointer_pending = jnp.concatenate(pointers, axis=1) if len(pointers) > 1 else pointers[0]
@@ -170,9 +168,9 @@ class HeteroDecode(AsyncRecalls, DecodeState):
     def host_arrays(self) -> tuple:
         return self.prefilled.store.arrays()
 
-    def recalled_bytes_per_step(self) -> float:
+    def recalled_bytes(self) -> int:
         c = self.counters
-        return (c.bytes_recalled + c.bytes_copied + c.bytes_reselected) / self.steps if self.steps else 0.0
+        return c.bytes_recalled + c.bytes_copied + c.bytes_reselected
 
     def host_bytes_by_role(self) -> dict[str, int]:
         return self.prefilled.host_bytes_by_role()
