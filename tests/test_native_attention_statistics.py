@@ -140,6 +140,26 @@ def test_vmap_is_one_call_over_the_batched_axes():
       np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
 
 
+def test_a_sequence_gives_the_same_bits_alone_in_a_batch_and_on_one_thread(monkeypatch):
+  """Heads of up to 1,600 rows, cut into work items on helper threads: each sequence of the batch gets the bits
+  it gets alone (out, lse, scores and o'_t), and the batch on one thread those on the pool's threads."""
+  B, H, G, D, cap = 2, 3, 3, 64, 1600
+  slots = (0, 2)
+  q, k, v, offsets, lengths, stat_lengths, k_base = make_case(5, B, H, G, D, cap, slots)
+  f = lambda *a: native.pool_attention_statistics_native(*a[:5], slots, *a[5:], score_len=cap)  # noqa: E731
+  both = f(q, k, v, offsets, lengths, stat_lengths, k_base)
+  assert_matches_two_calls(both, two_calls(q, k, v, offsets, lengths, slots, stat_lengths, k_base, cap),
+                           stat_lengths, k_base)
+  for b in range(B):
+    one = slice(b, b + 1)
+    alone = f(q[one], k[one], v[one], offsets[one], lengths[one], stat_lengths[one], k_base[one])
+    for x, y in zip(both, alone):
+      np.testing.assert_array_equal(np.asarray(x[one]), np.asarray(y))
+  monkeypatch.setenv("HETERO_JAX_NATIVE_THREADS", "1")
+  for x, y in zip(both, f(q, k, v, offsets, lengths, stat_lengths, k_base)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_errors_name_the_operand():
   B, H, G, D, cap = 1, 3, 2, 64, 40
   q, k, v, offsets, lengths, stat_lengths, k_base = make_case(0, B, H, G, D, cap, (0, 1))

@@ -183,6 +183,27 @@ def test_jit_vmap_and_errors():
     native.pool_attention_native(q, k, v.astype(jnp.bfloat16), offsets, lens)
 
 
+def test_a_sequence_gives_the_same_bits_alone_in_a_batch_and_on_one_thread(monkeypatch):
+  """Heads long enough that a call is cut into work items on helper threads (about 1,500 rows each, G = 3):
+  each sequence of a batch of two gets exactly the bits it gets alone, and the batch on one thread
+  (HETERO_JAX_NATIVE_THREADS=1) exactly those on the pool's threads: a head's items depend on its own rows only.
+  (When the split followed the call's total rows and threads, a batch and a lone sequence differed in the last
+  ulps, and a greedy decode could part at a near tie.) All of it matches the reference."""
+  lengths = [[1500, 1700, 1300], [1600, 900, 1800]]
+  q, (k, v), (kz, vz), offsets, lens = make_pool(21, lengths, 1, 3, 64)
+  both = native.pool_attention_native(q, k, v, offsets, lens, score_len=32)
+  want = pool_attention_reference(q, kz, vz, offsets, lens, max_len=1800, score_len=32)
+  assert_close(both, want, lengths, 1, atol=2e-5, rtol=2e-5, score_len=32)
+  for b in range(2):
+    alone = native.pool_attention_native(q[b:b + 1], k[b:b + 1], v[b:b + 1], offsets[b:b + 1], lens[b:b + 1],
+                                         score_len=32)
+    for x, y in zip(both, alone):
+      np.testing.assert_array_equal(np.asarray(x[b:b + 1]), np.asarray(y))
+  monkeypatch.setenv("HETERO_JAX_NATIVE_THREADS", "1")
+  for x, y in zip(both, native.pool_attention_native(q, k, v, offsets, lens, score_len=32)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.sampled_from([16, 64]),
        st.lists(st.integers(-1, 700), min_size=9, max_size=9), st.sampled_from([None, 64, 160]),

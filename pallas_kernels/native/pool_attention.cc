@@ -26,9 +26,10 @@
 // on with their items: no second call, no second read of logits from memory, and no second exp per row (the
 // statistics' softmax rescales the blocks' exponentials; scores within a few ulps of the logits' form).
 //
-// Work split: items are (b, h, key chunk). A long head is cut into chunks when a call is long enough for
-// threads to pay (about 4 items a thread), and the chunks of a head are merged by log-sum-exp by whichever
-// thread finishes the head's last chunk. Threads: the caller plus helpers scheduled on XLA's intra-op pool
+// Work split: items are (b, h, key chunk). A head is cut into chunks of about 256 rows (at most 16 of them)
+// whatever the call, so its result is the same bits alone, in a batch or on any number of threads; the
+// chunks of a head are merged by log-sum-exp, in chunk order, by whichever thread finishes the head's last
+// chunk. Threads, for calls long enough to pay: the caller plus helpers scheduled on XLA's intra-op pool
 // (ffi::ThreadPool) pull items (longest first) from an atomic counter; the caller waits only for items that
 // were taken, so a helper that starts late (or never, on a saturated pool) cannot stall or deadlock the call.
 //
@@ -333,6 +334,8 @@ inline void block_pv(float* acc, float alpha, const float* p, const float* vb, i
 }
 
 constexpr int kMaxBlock = 64;
+constexpr int64_t kChunkRows = 256;  // rows of a head's work item (its rows cut evenly on blocks) ...
+constexpr int64_t kMaxChunks = 16;   // ... into at most this many items (a long head's items grow instead)
 
 // One chunk: running max m[QG], sum l[QG] and unnormalised accumulator acc[QG, Dp], written to part.
 template <typename KV, int ND>
@@ -463,7 +466,7 @@ struct Shared {
   Problem pb;
   std::vector<Head> heads;
   std::vector<Item> items;
-  std::vector<float> parts;
+  std::unique_ptr<float[]> parts;
   std::unique_ptr<std::atomic<int32_t>[]> left;  // chunks of each head not yet done
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -485,9 +488,9 @@ void work(Shared& sh) {
     }
     const Item& it = sh.items[i];
     const Head& hd = sh.heads[it.bh];
-    sh.chunk_fn(sh.pb, hd, it.bh, it.c0, it.c1, sh.parts.data() + it.part * stride, kbuf.data(), vbuf.data());
+    sh.chunk_fn(sh.pb, hd, it.bh, it.c0, it.c1, sh.parts.get() + it.part * stride, kbuf.data(), vbuf.data());
     if (sh.left[it.bh].fetch_sub(1, std::memory_order_acq_rel) == 1)
-      finalize(sh.pb, hd, it.bh, sh.parts.data() + hd.first_part * stride);
+      finalize(sh.pb, hd, it.bh, sh.parts.get() + hd.first_part * stride);
     if (sh.done.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
       std::lock_guard<std::mutex> lock(sh.mu);
       sh.cv.notify_all();
@@ -650,28 +653,26 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
     const long cap = std::strtol(env, nullptr, 10);
     if (cap > 0) workers = std::min<int64_t>(workers, cap);
   }
-  // Threads only for calls of more than about 150 us on one core (work units: a row's QG dot products and
+  // Threads only for calls of more than about 80 us on one core (work units: a row's QG dot products and
   // its K and V loads, per 64 lanes of Dp): waking a helper costs microseconds on a quiet machine and tens
-  // when the cores are shared (the woken helper preempts the caller). RESULTS `native-attention-threads`.
+  // when the cores are shared (the woken helper preempts the caller), and a cold call of a few thousand rows
+  // is bound by what one core can read. RESULTS `native-attention-threads` and `native-attention-threads-8k`.
   // chunk_rows > 0 (tests) forces that split, and threads whenever there are several.
-  const bool parallel = workers > 1 && (chunk_rows > 0 || total * (pb.QG + 2) * pb.Dp / 64 >= 20 * 1024);
-  int64_t chunk = INT64_MAX;
-  if (chunk_rows > 0) {
-    chunk = chunk_rows;
-  } else if (parallel) {  // about 4 items a thread, so that the last ones to be taken are short
-    chunk = std::max<int64_t>((total + 4 * workers - 1) / (4 * workers), 256);
-  }
-  if (chunk != INT64_MAX) chunk = (chunk + pb.block - 1) / pb.block * pb.block;
+  const bool parallel = workers > 1 && (chunk_rows > 0 || total * (pb.QG + 2) * pb.Dp / 64 >= 8 * 1024);
+  // A head's chunks depend on its own rows only (kChunkRows each, at most kMaxChunks of them, cut evenly
+  // on blocks), not on the call's other heads or sequences nor on the threads: a sequence's result is the
+  // same bit for bit alone or in a batch, on one thread or several.
   int64_t nparts = 0;
   for (int64_t bh = 0; bh < B * H; ++bh) {
     Head& hd = sh->heads[bh];
     hd.first_part = nparts;
-    // chunks of `chunk` rows (a multiple of the block); a head that fits is one item (an empty head too)
-    const int64_t nc = hd.rows > chunk ? (hd.rows + chunk - 1) / chunk : 1;
+    int64_t nc = chunk_rows > 0 ? (hd.rows + chunk_rows - 1) / chunk_rows
+                                : std::min<int64_t>((hd.rows + kChunkRows - 1) / kChunkRows, kMaxChunks);
+    nc = std::max<int64_t>(nc, 1);
     int64_t per = hd.rows;
     if (nc > 1) per = ((hd.rows + nc - 1) / nc + pb.block - 1) / pb.block * pb.block;
     int32_t made = 0;
-    for (int64_t c0 = 0; made == 0 || c0 < hd.rows; c0 += per) {
+    for (int64_t c0 = 0; made == 0 || c0 < hd.rows; c0 += per) {  // a head of no rows is one (empty) item
       sh->items.push_back(Item{bh, c0, std::min(hd.rows, c0 + per), nparts++});
       ++made;
       if (per == 0) break;
@@ -681,7 +682,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   // longest items first, so the last ones to be taken are short
   std::stable_sort(sh->items.begin(), sh->items.end(),
                    [](const Item& a, const Item& b) { return a.c1 - a.c0 > b.c1 - b.c0; });
-  sh->parts.resize(nparts * (2 * pb.QG + pb.QG * pb.Dp));
+  sh->parts.reset(new float[nparts * (2 * pb.QG + pb.QG * pb.Dp)]);  // each item writes all of its part
   sh->left.reset(new std::atomic<int32_t>[B * H]);
   for (int64_t bh = 0; bh < B * H; ++bh) sh->left[bh].store(sh->heads[bh].nparts, std::memory_order_relaxed);
   switch (ke) {
