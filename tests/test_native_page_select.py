@@ -113,6 +113,22 @@ def test_the_dispatcher_and_vmap():
       np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
 
 
+@pytest.mark.parametrize("how", ["max", "mean_softmax"])
+def test_a_call_on_helper_threads_matches_the_reference_and_one_thread(how, monkeypatch):
+  """Enough heads and pages for the kernel to take helper threads (10 heads of 300 pages, each head one work
+  item taken from a shared counter): every head's pages are the reference's top-k, and exactly the pages of
+  the same call on one thread (HETERO_JAX_NATIVE_THREADS=1)."""
+  B, H, G, D, P, n = 2, 5, 3, 64, 300, 40
+  q, kmin, kmax, n_pages = make_case(23, B, H, G, D, P, [P, 217])
+  counts = jnp.asarray([n, 31], jnp.int32)
+  got = native.page_select_native(q, kmin, kmax, n_pages, n, counts, how)
+  ref = pallas_kernels.page_select_reference(q, kmin, kmax, n_pages, n, counts, how)
+  assert_top_pages(*got, *ref, group_page_scores(q, kmin, kmax, n_pages, how))
+  monkeypatch.setenv("HETERO_JAX_NATIVE_THREADS", "1")
+  for g, w in zip(got, native.page_select_native(q, kmin, kmax, n_pages, n, counts, how)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_errors_name_the_problem():
   q, kmin, kmax, n_pages = make_case(0, 1, 2, 3, 64, 10, [10])
   with pytest.raises(ValueError, match="n_select"):

@@ -26,8 +26,8 @@ failed build or load, :func:`available` is False and :func:`unavailable_reason` 
 the jnp references.
 
 Environment: ``CXX`` picks the compiler (default: the first of g++, c++, clang++ on PATH);
-``HETERO_JAX_NATIVE_THREADS`` caps the threads one pool attention call uses (default: XLA's intra-op pool,
-which a call only uses when it is long enough to gain from it).
+``HETERO_JAX_NATIVE_THREADS`` caps the threads one pool attention or page selection call uses (default: XLA's
+intra-op pool, which a call only uses when it is long enough to gain from it).
 """
 
 from __future__ import annotations

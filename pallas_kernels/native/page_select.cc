@@ -11,11 +11,17 @@
 // Results: pages [B, H, n] s32, valid [B, H, n] pred (n <= P).
 //
 // On XLA:CPU the reference is a handful of small fusions and a top_k per layer, each costing more than its data
-// (hundreds of pages); here one call per layer. Sums run in another order than XLA's, so scores may differ in
-// their last ulps and a near tie may go the other way (tests compare the selection against the reference's
-// scores with a tolerance).
+// (hundreds of pages); here one call per layer, its heads shared with helper threads where the call is long
+// enough (a head's result does not depend on which thread computes it). Sums run in another order than XLA's,
+// so scores may differ in their last ulps and a near tie may go the other way (tests compare the selection
+// against the reference's scores with a tolerance).
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
@@ -58,7 +64,98 @@ inline void bound8(const float* qv, const float* lo, const float* hi, int64_t D,
                       fold8(acc[6]), fold8(acc[7])));
 }
 
-ffi::Error PageSelectImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kmin, ffi::Buffer<ffi::F32> kmax,
+constexpr int64_t kHelperUnits = 1536;  // see PageSelectImpl
+
+struct SelectJob {
+  const float* q;          // [B, H, G, D]
+  const float* kmin;       // [B, H, P, D]
+  const float* kmax;       // [B, H, P, D]
+  const int32_t* n_pages;  // [B]
+  const int32_t* counts;   // [B]
+  int32_t* pages;          // [B, H, n]
+  bool* valid;             // [B, H, n]
+  int64_t B, H, G, D, P, n, rule;
+  std::atomic<int64_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+// Head bh = b * H + h: its pages' scores and its n best pages, into the job's results.
+void SelectHead(const SelectJob& j, int64_t bh, std::vector<float>& u, std::vector<float>& s,
+                std::vector<int32_t>& order) {
+  const int64_t G = j.G, D = j.D, P = j.P, n = j.n, b = bh / j.H;
+  u.resize(G * P);
+  s.resize(P);
+  order.resize(P);
+  const int64_t np = std::clamp<int64_t>(j.n_pages[b], 0, P);
+  const int64_t keep = j.counts[b];
+  const float* qh = j.q + bh * G * D;
+  const float* lo = j.kmin + bh * P * D;
+  const float* hi = j.kmax + bh * P * D;
+  // pages in blocks of 8 (the block's rows stay in L1 across the group's queries), the rest one by one
+  const int64_t blocked = D % W == 0 ? np / 8 * 8 : 0;
+  for (int64_t p0 = 0; p0 < blocked; p0 += 8)
+    for (int64_t g = 0; g < G; ++g) bound8(qh + g * D, lo + p0 * D, hi + p0 * D, D, u.data() + g * P + p0);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t p = blocked; p < np; ++p) u[g * P + p] = bound(qh + g * D, lo + p * D, hi + p * D, D);
+    std::fill(u.begin() + g * P + np, u.begin() + (g + 1) * P, kMask);
+  }
+  if (j.rule == 0) {
+    for (int64_t p = 0; p < P; ++p) {
+      float m = u[p];
+      for (int64_t g = 1; g < G; ++g) m = std::max(m, u[g * P + p]);
+      s[p] = m;
+    }
+  } else {
+    std::fill(s.begin(), s.end(), 0.f);
+    for (int64_t g = 0; g < G; ++g) {  // softmax over all P entries (MASK_VALUE ones get 0), then the mean
+      float* ug = u.data() + g * P;
+      const float m = *std::max_element(ug, ug + P);
+      float z = 0.f;
+      int64_t p = 0;
+      if (P >= W) {
+        vf zv = splat(0.f);
+        for (; p + W <= P; p += W) {
+          const vf e = expv(loadv(ug + p) - m);
+          storev(ug + p, e);
+          zv += e;
+        }
+        z = hsum(zv);
+      }
+      for (; p < P; ++p) z += (ug[p] = std::exp(ug[p] - m));
+      for (int64_t p = 0; p < P; ++p) s[p] += ug[p] / z;
+    }
+    for (int64_t p = 0; p < P; ++p) s[p] /= static_cast<float>(G);
+  }
+  for (int64_t p = np; p < P; ++p) s[p] = kMask;
+  // the n best, best first, ties to the lower page
+  std::iota(order.begin(), order.end(), 0);
+  auto better = [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); };
+  if (n < P) std::nth_element(order.begin(), order.begin() + n, order.end(), better);
+  std::sort(order.begin(), order.begin() + n, better);
+  int32_t* out = j.pages + bh * n;
+  bool* ok = j.valid + bh * n;
+  for (int64_t i = 0; i < n; ++i) ok[i] = s[order[i]] > kMask && i < keep;
+  const int32_t filler = ok[0] ? order[0] : 0;
+  for (int64_t i = 0; i < n; ++i) out[i] = ok[i] ? order[i] : filler;
+}
+
+// Takes heads from the job's counter until none is left (a helper that starts after the call returned finds
+// none and touches no operand).
+void SelectWork(SelectJob& j) {
+  thread_local std::vector<float> u, s;
+  thread_local std::vector<int32_t> order;
+  const int64_t heads = j.B * j.H;
+  for (int64_t bh; (bh = j.next.fetch_add(1, std::memory_order_relaxed)) < heads;) {
+    SelectHead(j, bh, u, s, order);
+    if (j.done.fetch_add(1, std::memory_order_acq_rel) + 1 == heads) {
+      std::lock_guard<std::mutex> lock(j.mu);
+      j.cv.notify_all();
+    }
+  }
+}
+
+ffi::Error PageSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kmin, ffi::Buffer<ffi::F32> kmax,
                           ffi::Buffer<ffi::S32> n_pages, ffi::Buffer<ffi::S32> counts, int64_t rule,
                           ffi::Result<ffi::Buffer<ffi::S32>> pages, ffi::Result<ffi::Buffer<ffi::PRED>> valid) {
   const auto qd = q.dimensions();
@@ -75,63 +172,30 @@ ffi::Error PageSelectImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kmin, f
     return ffi::Error::InvalidArgument("page_select: pages and valid must be [B, H, n], 1 <= n <= P");
   if (rule != 0 && rule != 1) return ffi::Error::InvalidArgument("page_select: rule must be 0 (max) or 1 (mean_softmax)");
 
-  std::vector<float> u(G * P), s(P);
-  std::vector<int32_t> order(P);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t np = std::clamp<int64_t>(n_pages.typed_data()[b], 0, P);
-    const int64_t keep = counts.typed_data()[b];
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t bh = b * H + h;
-      const float* qh = q.typed_data() + bh * G * D;
-      const float* lo = kmin.typed_data() + bh * P * D;
-      const float* hi = kmax.typed_data() + bh * P * D;
-      // pages in blocks of 8 (the block's rows stay in L1 across the group's queries), the rest one by one
-      const int64_t blocked = D % W == 0 ? np / 8 * 8 : 0;
-      for (int64_t p0 = 0; p0 < blocked; p0 += 8)
-        for (int64_t g = 0; g < G; ++g) bound8(qh + g * D, lo + p0 * D, hi + p0 * D, D, u.data() + g * P + p0);
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t p = blocked; p < np; ++p) u[g * P + p] = bound(qh + g * D, lo + p * D, hi + p * D, D);
-        std::fill(u.begin() + g * P + np, u.begin() + (g + 1) * P, kMask);
-      }
-      if (rule == 0) {
-        for (int64_t p = 0; p < P; ++p) {
-          float m = u[p];
-          for (int64_t g = 1; g < G; ++g) m = std::max(m, u[g * P + p]);
-          s[p] = m;
-        }
-      } else {
-        std::fill(s.begin(), s.end(), 0.f);
-        for (int64_t g = 0; g < G; ++g) {  // softmax over all P entries (MASK_VALUE ones get 0), then the mean
-          float* ug = u.data() + g * P;
-          const float m = *std::max_element(ug, ug + P);
-          float z = 0.f;
-          int64_t p = 0;
-          if (P >= W) {
-            vf zv = splat(0.f);
-            for (; p + W <= P; p += W) {
-              const vf e = expv(loadv(ug + p) - m);
-              storev(ug + p, e);
-              zv += e;
-            }
-            z = hsum(zv);
-          }
-          for (; p < P; ++p) z += (ug[p] = std::exp(ug[p] - m));
-          for (int64_t p = 0; p < P; ++p) s[p] += ug[p] / z;
-        }
-        for (int64_t p = 0; p < P; ++p) s[p] /= static_cast<float>(G);
-      }
-      for (int64_t p = np; p < P; ++p) s[p] = kMask;
-      // the n best, best first, ties to the lower page
-      std::iota(order.begin(), order.end(), 0);
-      auto better = [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); };
-      if (n < P) std::nth_element(order.begin(), order.begin() + n, order.end(), better);
-      std::sort(order.begin(), order.begin() + n, better);
-      int32_t* out = pages->typed_data() + bh * n;
-      bool* ok = valid->typed_data() + bh * n;
-      for (int64_t i = 0; i < n; ++i) ok[i] = s[order[i]] > kMask && i < keep;
-      const int32_t filler = ok[0] ? order[0] : 0;
-      for (int64_t i = 0; i < n; ++i) out[i] = ok[i] ? order[i] : filler;
-    }
+  auto job = std::make_shared<SelectJob>();
+  job->q = q.typed_data(); job->kmin = kmin.typed_data(); job->kmax = kmax.typed_data();
+  job->n_pages = n_pages.typed_data(); job->counts = counts.typed_data();
+  job->pages = pages->typed_data(); job->valid = valid->typed_data();
+  job->B = B; job->H = H; job->G = G; job->D = D; job->P = P; job->n = n; job->rule = rule;
+  // Helpers (XLA's intra-op pool) for calls with several heads and enough pages to pay for a wake-up (work
+  // units: a page's G bounds and its two summary rows, per 64 lanes of D; FreeKV's 4K layers are 1,920, its 2K
+  // layers half, where a helper lost: RESULTS `page-select-threads`). The caller works too and waits only for
+  // heads a helper took, so a late helper costs nothing. HETERO_JAX_NATIVE_THREADS caps the threads.
+  int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  if (const char* env = std::getenv("HETERO_JAX_NATIVE_THREADS")) {
+    const long cap = std::strtol(env, nullptr, 10);
+    if (cap > 0) workers = std::min<int64_t>(workers, cap);
+  }
+  const bool parallel = workers > 1 && B * H > 1 && B * H * P * (G + 2) * D / 64 >= kHelperUnits;
+  const int64_t helpers = parallel ? std::min(workers - 1, B * H - 1) : 0;
+  for (int64_t i = 0; i < helpers; ++i) {
+    std::shared_ptr<SelectJob> keep = job;
+    pool.Schedule([keep]() { SelectWork(*keep); });
+  }
+  SelectWork(*job);
+  if (job->done.load(std::memory_order_acquire) != B * H) {
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait(lock, [&] { return job->done.load(std::memory_order_acquire) == B * H; });
   }
   return ffi::Error::Success();
 }
@@ -142,6 +206,7 @@ extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* HeteroJaxPageSe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HeteroJaxPageSelect, PageSelectImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::Buffer<ffi::F32>>()   // kmin
                                   .Arg<ffi::Buffer<ffi::F32>>()   // kmax
