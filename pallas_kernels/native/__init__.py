@@ -69,7 +69,7 @@ _SYMBOLS = {TARGET: "HeteroJaxPoolAttention", STATISTICS_TARGET: "HeteroJaxPivot
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name) for name in ("pool_attention.cc", "pivot_statistics.cc", "page_select.cc",
                                                    "page_recall.cc", "host_gather.cc")]
-_HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "statistics.h")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "statistics.h", "threads.h")]
 _PREFIX = "kernels-"
 _ARCH_FLAGS = ["-march=native"]
 _BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden", "-fno-strict-aliasing"]

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -181,11 +182,7 @@ ffi::Error PageSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   // units: a page's G bounds and its two summary rows, per 64 lanes of D; FreeKV's 4K layers are 1,920, its 2K
   // layers half, where a helper lost: RESULTS `page-select-threads`). The caller works too and waits only for
   // heads a helper took, so a late helper costs nothing. HETERO_JAX_NATIVE_THREADS caps the threads.
-  int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  if (const char* env = std::getenv("HETERO_JAX_NATIVE_THREADS")) {
-    const long cap = std::strtol(env, nullptr, 10);
-    if (cap > 0) workers = std::min<int64_t>(workers, cap);
-  }
+  const int64_t workers = native_workers(pool);
   const bool parallel = workers > 1 && B * H > 1 && B * H * P * (G + 2) * D / 64 >= kHelperUnits;
   const int64_t helpers = parallel ? std::min(workers - 1, B * H - 1) : 0;
   for (int64_t i = 0; i < helpers; ++i) {

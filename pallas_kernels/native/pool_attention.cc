@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "threads.h"
 #include "statistics.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -648,11 +649,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
       total += hd.rows;
     }
   }
-  int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  if (const char* env = std::getenv("HETERO_JAX_NATIVE_THREADS")) {  // a cap (0 or unset: the pool's size)
-    const long cap = std::strtol(env, nullptr, 10);
-    if (cap > 0) workers = std::min<int64_t>(workers, cap);
-  }
+  const int64_t workers = native_workers(pool);
   // Threads only for calls of more than about 80 us on one core (work units: a row's QG dot products and
   // its K and V loads, per 64 lanes of Dp): waking a helper costs microseconds on a quiet machine and tens
   // when the cores are shared (the woken helper preempts the caller), and a cold call of a few thousand rows
