@@ -122,6 +122,45 @@ def test_send_host_rows_in_chunks_writes_each_row_into_its_place(monkeypatch, ch
     np.testing.assert_array_equal(np.asarray(out.positions), want_pos)
 
 
+@pytest.mark.parametrize("shape,dtype", [((8192, 128), np.float32), ((3, 5), np.float16), ((7, 64), ml_dtypes.bfloat16),
+                                         ((0, 4), np.float32)])
+def test_aligned_empty_starts_on_a_cache_line(shape, dtype):
+    from hetero_jax.model.host_store import aligned_empty
+
+    a = aligned_empty(shape, dtype)
+    assert a.shape == shape and a.dtype == np.dtype(dtype) and a.flags.c_contiguous and a.flags.writeable
+    if a.size:
+        assert a.ctypes.data % 64 == 0
+        a[...] = 1  # the whole array is ours to write
+        assert (a == 1).all()
+
+
+@pytest.mark.parametrize("dtype,D", [(np.float32, 128), (ml_dtypes.bfloat16, 64), (np.float32, 5)])
+def test_pageable_staging_rows_start_on_a_cache_line_and_a_cpu_device_takes_them_in_place(dtype, D):
+    """A CPU store's staging rows (pageable) start on a cache line for any dtype and row width, so the native
+    gather's non-temporal stores fill whole lines; and the device arrays ``send_host_rows`` makes of them are the
+    staging rows themselves (jax copies a numpy buffer that is not 64-byte aligned), K and V."""
+    import jax
+    from hetero_jax.model.host_store import Staging
+
+    assert jax.devices()[0].platform == "cpu"
+    k = _store_array((1, 2, 300, D), dtype, 3)
+    store = HostKVStore(1)
+    store.staging = Staging(pinned=False)
+    store.put(0, jnp.asarray(k), jnp.asarray(k))
+    n = 100
+    pos = np.random.default_rng(2).integers(0, 300, n)
+    parts, sent = send_host_rows(store, [(0, np.zeros(n, int), np.arange(n) % 2, pos, np.zeros(n, int), np.arange(n))],
+                                 rows=128)
+    staging = store.staging
+    assert sent == n and len(parts) == 1
+    assert staging.k.ctypes.data % 64 == 0 and staging.v.ctypes.data % 64 == 0
+    _, k_sent, v_sent = parts[0]
+    assert k_sent.unsafe_buffer_pointer() == staging.k.ctypes.data
+    assert v_sent.unsafe_buffer_pointer() == staging.v.ctypes.data
+    np.testing.assert_array_equal(np.asarray(k_sent)[:n], k[0, np.arange(n) % 2, pos])
+
+
 @pytest.mark.parametrize("pinned", [False, True])
 def test_recalls_reuse_the_staging_rows_one_after_another(pinned):
     """Three recalls in a row from one store (the second larger, so the staging grows; the third reuses it),

@@ -26,6 +26,7 @@ import ctypes
 import dataclasses
 import functools
 import itertools
+import math
 import os
 import threading
 import time
@@ -70,11 +71,21 @@ def on_huge_pages(x: jax.Array) -> jax.Array:
     if (len(devices) != 1 or next(iter(devices)).platform != "cpu" or x.nbytes < HUGE_PAGE_BYTES
             or not isinstance(target, jax.sharding.SingleDeviceSharding)):
         return x
-    raw = np.empty(x.nbytes + 64, np.uint8)
-    at = (-raw.ctypes.data) % 64  # jax uses a 64-byte aligned numpy buffer without copying it
-    buf = raw[at : at + x.nbytes].view(x.dtype).reshape(x.shape)
+    buf = aligned_empty(x.shape, x.dtype)  # jax uses a 64-byte aligned numpy buffer without copying it
     np.copyto(buf, np.asarray(x))
     return jax.device_put(buf, target)
+
+
+def aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous numpy array whose first byte is 64-byte (cache line) aligned. numpy only
+    promises 16, and its large buffers start 16 bytes past a page: jax copies such a buffer where it would use
+    an aligned one in place, and rows written into it straddle a cache line each, which the native gather's
+    non-temporal stores fill in halves (RESULTS ``offload-cpu-aligned-staging``)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    at = (-raw.ctypes.data) % 64
+    return raw[at : at + nbytes].view(dtype).reshape(shape)
 
 
 _STORES: "weakref.WeakValueDictionary[int, HostKVStore]" = weakref.WeakValueDictionary()
@@ -274,7 +285,8 @@ def checked_rows(shape: tuple, b, h, positions) -> np.ndarray:
     B, H, T = shape[:3]
     b, h, positions = (np.asarray(x, np.int64) for x in (b, h, positions))
     for x, size, name in ((b, B, "batch"), (h, H, "head"), (positions, T, "position")):
-        if x.size and (x.min() < 0 or x.max() >= size):
+        # one pass: a negative index read as unsigned is above any size
+        if x.size and x.view(np.uint64).max() >= size:
             raise IndexError(f"{name} index out of range for a [{B}, {H}, {T}, {shape[3]}] store")
     return (b * H + h) * T + positions
 
@@ -310,7 +322,7 @@ def gather_rows(a: np.ndarray, b: np.ndarray, h: np.ndarray, positions: np.ndarr
         raise ValueError(f"out must be a C-contiguous [{rows.size}, {a.shape[-1]}] {a.dtype} array, got {out.shape} "
                          f"{out.dtype}")
     if out is None:
-        return take_rows(a, rows, np.empty((rows.size, a.shape[-1]), a.dtype)).reshape(*rows.shape, a.shape[-1])
+        return take_rows(a, rows, aligned_empty((rows.size, a.shape[-1]), a.dtype)).reshape(*rows.shape, a.shape[-1])
     return take_rows(a, rows, out)
 
 
@@ -344,7 +356,9 @@ def row_bucket(n: int) -> int:
 def _padded_ints(width: int, rows: int) -> np.ndarray:
     """[4, width] int32 (b, shard, slot, position) rows of a scatter, every one padding until written: slot
     ``rows`` (the pool's P, out of range) is dropped by the scatter."""
-    return np.tile(np.array([[0], [0], [rows], [-1]], np.int32), (1, width))
+    ints = np.empty((4, width), np.int32)
+    ints[:2], ints[2], ints[3] = 0, rows, -1
+    return ints
 
 
 def _send(ints: np.ndarray, parts: list["StagedPart"], chunk: int) -> list[tuple]:
@@ -420,7 +434,7 @@ class Staging:
         if (self.k is None or self.k.shape[0] < n or self.k.shape[1:] != (D,)
                 or self.k.dtype != k_like.dtype or self.v.dtype != v_like.dtype):
             cap = row_bucket(n)
-            self.k, self.v = (np.empty((cap, x.shape[-1]), x.dtype) for x in (k_like, v_like))
+            self.k, self.v = (aligned_empty((cap, x.shape[-1]), x.dtype) for x in (k_like, v_like))
         return [StagedPart(k, v, k, v) for k, v in ((self.k[i : i + chunk], self.v[i : i + chunk])
                                                     for i in range(0, n, chunk))]
 
@@ -594,7 +608,7 @@ def _send_by_device(store: "HostKVStore", requests: list[tuple], pool: KVPool, c
             continue
         sb, ss = blocks[d][0], blocks[d][1]
         ints = _padded_ints(width, pool.num_rows)
-        k_rows, v_rows = np.zeros((width, D), k_dtype), np.zeros((width, D), first.dtype)
+        k_rows, v_rows = aligned_empty((width, D), k_dtype), aligned_empty((width, D), first.dtype)
         at = 0
         for li, b, h, positions, shard, pool_rows in rows_of[d]:
             block = store.local_blocks(li)[d]
@@ -606,6 +620,8 @@ def _send_by_device(store: "HostKVStore", requests: list[tuple], pool: KVPool, c
             pieces += [(block.k, rows, k_rows[at : at + m]), (block.v, rows, v_rows[at : at + m])]
             ints[:, at : at + m] = (b - (sb.start or 0), shard - (ss.start or 0), pool_rows, positions)
             at += m
+        k_rows[at:] = 0  # the padding rows (dropped by the scatter)
+        v_rows[at:] = 0
         staged[d] = (ints, k_rows, v_rows)
     _gather_pieces(pieces)
     t1 = time.perf_counter()
