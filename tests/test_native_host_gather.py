@@ -1,7 +1,12 @@
 """The host recall's native row gather (``native.gather_rows_native``, host_gather.cc) against numpy fancy indexing:
 several pieces of different dtypes and row sizes split over 1-8 threads (a thread's rows crossing pieces), empty
-pieces and pieces shorter than the prefetch distance; rows out of range and layouts it cannot take refused; and
+pieces and pieces shorter than the prefetch distance; rows shared by pieces; calls from several threads at once on
+the helper threads it keeps, and in a forked child; rows out of range and layouts it cannot take refused; and
 ``send_host_rows`` giving the same staged rows through it as through numpy's take (its fallback)."""
+
+import os
+import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -35,6 +40,76 @@ def test_pieces_equal_fancy_indexing(threads):
     native.gather_rows_native(pieces, threads=threads)
     for src, rows, dst in pieces:
         assert np.array_equal(dst.view(np.uint8), src[rows].view(np.uint8))  # bit for bit
+
+
+def _equal(pieces) -> bool:
+    return all(np.array_equal(dst.view(np.uint8), src[rows].view(np.uint8)) for src, rows, dst in pieces)
+
+
+def test_calls_from_several_threads_at_once_and_helper_counts_that_change():
+    """Six Python threads gathering their own pieces at once, each asking for 1-8 threads (the helpers serve one
+    call at a time; a call that finds them taken copies on its own thread), then calls on 8, 2, 5, 1 and 3
+    threads one after another on the helpers kept from the first: every piece equals numpy's indexing."""
+    results = {}
+
+    def run(i):
+        pieces = _pieces(10 + i)
+        for _ in range(20):
+            native.gather_rows_native(pieces, threads=1 + i % 8)
+        results[i] = _equal(pieces)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {i: True for i in range(6)}
+    for n in (8, 2, 5, 1, 3):
+        pieces = _pieces(20 + n)
+        native.gather_rows_native(pieces, threads=n)
+        assert _equal(pieces)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # jax warns that a fork of a threaded process is unsafe
+def test_a_forked_child_gathers_on_helpers_of_its_own():
+    """A child forked after the parent's helper threads exist has none of them: its call starts its own helpers
+    (with the parent's it would wait forever for threads the fork did not copy) and gathers right."""
+    native.gather_rows_native(_pieces(30), threads=4)  # the parent's helpers exist
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when its rows are right, never back into pytest
+        code = 1
+        try:
+            pieces = _pieces(31)
+            native.gather_rows_native(pieces, threads=4)
+            code = 0 if _equal(pieces) else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's gather did not return within 60 s")
+
+
+def test_pieces_that_share_their_rows():
+    """A K and a V piece of different dtypes naming one rows object (a list, not an array), a third piece its
+    own rows; a row out of range in shared rows is reported for them."""
+    rng = np.random.default_rng(4)
+    k, v = rng.standard_normal((30, 8)).astype(np.float32), rng.standard_normal((30, 8)).astype(ml_dtypes.bfloat16)
+    rows = [29, 0, 3, 3, 17]
+    pieces = [(k, rows, np.empty((5, 8), np.float32)), (v, rows, np.empty((5, 8), ml_dtypes.bfloat16)),
+              (k, np.array([1, 2]), np.empty((2, 8), np.float32))]
+    native.gather_rows_native(pieces, threads=2)
+    assert _equal([(s, np.asarray(r), d) for s, r, d in pieces])
+    bad = [1, 30]
+    with pytest.raises(IndexError, match="row 30 is out of range for a source of 30 rows"):
+        native.gather_rows_native([(k, bad, np.empty((2, 8), np.float32)), (v, bad, np.empty((2, 8), ml_dtypes.bfloat16))])
 
 
 def test_rows_into_a_slice_of_a_larger_buffer_leave_the_rest():

@@ -553,25 +553,27 @@ def gather_rows_native(
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-  srcs, src_rows, rows_ptrs, counts, dsts, row_bytes = (np.empty(n, np.uint64), np.empty(n, np.int64),
-                                                        np.empty(n, np.uint64), np.empty(n, np.int64),
-                                                        np.empty(n, np.uint64), np.empty(n, np.int64))
-  keep = []  # the int64 row arrays made here, alive until the call returns
-  for i, (src, rows, dst) in enumerate(pieces):
+  fields = []  # per piece: src address, src rows, rows address, row count, dst address, row bytes
+  # id(rows) -> (int64 rows, address), alive until the call returns; ids stay unique while ``pieces`` holds
+  # them. A recall's K and V pieces share their rows.
+  made = {}
+  for src, rows, dst in pieces:
     if not (src.flags.c_contiguous and dst.flags.c_contiguous and dst.flags.writeable) or src.ndim < 1:
       raise ValueError("gather_rows_native needs C-contiguous arrays (dst writable), got src "
                        f"{src.shape} and dst {dst.shape}")
-    rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
-    if dst.dtype != src.dtype or dst.shape != (rows.size, *src.shape[1:]):
-      raise ValueError(f"dst must be [{rows.size}, {', '.join(map(str, src.shape[1:]))}] {src.dtype}, got "
+    if id(rows) not in made:
+      flat = np.ascontiguousarray(rows, np.int64).reshape(-1)
+      made[id(rows)] = (flat, flat.ctypes.data)
+    flat, at = made[id(rows)]
+    if dst.dtype != src.dtype or dst.shape != (flat.size, *src.shape[1:]):
+      raise ValueError(f"dst must be [{flat.size}, {', '.join(map(str, src.shape[1:]))}] {src.dtype}, got "
                        f"{dst.shape} {dst.dtype}")
-    keep.append(rows)
-    srcs[i], src_rows[i], rows_ptrs[i] = src.ctypes.data, src.shape[0], rows.ctypes.data
-    counts[i], dsts[i] = rows.size, dst.ctypes.data
-    row_bytes[i] = src.itemsize * math.prod(src.shape[1:])
-  bad = fn(n, srcs.ctypes.data, src_rows.ctypes.data, rows_ptrs.ctypes.data, counts.ctypes.data, dsts.ctypes.data,
-           row_bytes.ctypes.data, max(1, int(threads)))
+    fields.append((src.ctypes.data, src.shape[0], at, flat.size, dst.ctypes.data,
+                   src.itemsize * math.prod(src.shape[1:])))
+  table = np.array(fields, np.int64).T.copy()  # [6, n]: one array, each field a row the call reads from
+  at, step = table.ctypes.data, 8 * n
+  bad = fn(n, *(at + i * step for i in range(6)), max(1, int(threads)))
   if bad >= 0:
-    rows = keep[bad]
-    src_n = int(src_rows[bad])
+    rows = made[id(pieces[bad][1])][0]
+    src_n = int(table[1, bad])
     raise IndexError(f"row {int(rows[(rows < 0) | (rows >= src_n)][0])} is out of range for a source of {src_n} rows")
