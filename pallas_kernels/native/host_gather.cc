@@ -6,8 +6,8 @@
 // the CPU has them (x86-64) and the rows are 16-byte aligned: an ordinary store first reads the line it
 // writes, a third more memory traffic than the copy itself (a memcpy of MiB uses such stores too).
 //
-// The helper threads are kept between calls (starting a thread cost about 40 us a call, a twentieth of an 8 MiB
-// recall on a 2-core machine); a call that finds them taken by another call copies on its own thread.
+// The helper threads are kept between calls: waking one costs less than starting one (RESULTS
+// offload-cpu-aligned-staging). A call that finds them taken by another call copies on its own thread.
 //
 // Each of n_pieces pieces i: dst_i[j, :] = src_i[rows_i[j], :] for j < counts[i], rows of row_bytes[i] bytes,
 // src_i holding src_rows[i] rows (C-contiguous). Returns -1 when every row was in range, else a piece holding a
@@ -77,8 +77,8 @@ bool CopyRows(const Piece& p, int64_t lo, int64_t hi) {
   return true;
 }
 
-// Threads that run parts 1..n-1 of a call's work while the caller runs part 0. Never destroyed: its threads wait
-// for work until the process exits (a static's destructor would end the process on a joinable thread).
+// Threads that run parts 1..n-1 of a call's work while the caller runs part 0. Never destroyed: its detached
+// threads wait on its members for work until the process exits.
 class Helpers {
  public:
   // work(t) for every t in [0, n), part 0 on the caller; returns when every part is done.
@@ -90,10 +90,9 @@ class Helpers {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      while (static_cast<int64_t>(threads_.size()) < n - 1) {
-        const int64_t index = static_cast<int64_t>(threads_.size()) + 1;
-        threads_.emplace_back([this, index] { Loop(index); });
-        threads_.back().detach();
+      for (; started_ < n - 1; ++started_) {
+        const int64_t index = started_ + 1;
+        std::thread([this, index] { Loop(index); }).detach();
       }
       job_ = &work;
       parts_ = n;
@@ -126,7 +125,7 @@ class Helpers {
   std::mutex call_mu_;  // one call at a time on the helpers
   std::mutex mu_;       // guards what follows
   std::condition_variable wake_, done_;
-  std::vector<std::thread> threads_;
+  int64_t started_ = 0;  // helpers started: helper i (1-based) runs part i
   const std::function<void(int64_t)>* job_ = nullptr;
   uint64_t generation_ = 0;  // one more per call: a helper wakes for each new value
   int64_t parts_ = 0;        // the current call's parts (helpers 1..parts_-1 work)
