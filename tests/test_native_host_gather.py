@@ -1,8 +1,11 @@
 """The host recall's native row gather (``native.gather_rows_native``, host_gather.cc) against numpy fancy indexing:
 several pieces of different dtypes and row sizes split over 1-8 threads (a thread's rows crossing pieces), empty
 pieces and pieces shorter than the prefetch distance; rows shared by pieces; calls from several threads at once on
-the helper threads it keeps, and in a forked child; rows out of range and layouts it cannot take refused; and
-``send_host_rows`` giving the same staged rows through it as through numpy's take (its fallback)."""
+the helper threads it keeps, and in a forked child; rows out of range and layouts it cannot take refused. The whole
+recall's call (``native.gather_requests_native``) against numpy indexing of each request's (b, h, position), its
+index rows against the indices, indices out of range reported before anything is written; and ``send_host_rows``
+giving the same staged rows through it as through numpy's take (its fallback), and refusing an index out of
+range before any transfer."""
 
 import os
 import threading
@@ -185,3 +188,95 @@ def test_destinations_at_any_alignment(shift, D):
     native.gather_rows_native([(src, rows, dst)], threads=2)
     assert np.array_equal(dst, src[rows])
     assert not raw[:at].any() and not raw[at + 37 * D * 4 :].any()
+
+
+def _requests(seed: int):
+    """Three requests of a recall: bfloat16 K [2, 3, 50, 64] with float32 V [.., 5] rows (K and V of different
+    sizes), then uint8 [2, 3, 50, 4, 3] pairs; 37, 1 and 90 rows, one with b and shard as one value for all."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, (kd, kr, vd, vr, m) in enumerate([(ml_dtypes.bfloat16, (64,), np.float32, (5,), 37),
+                                             (ml_dtypes.bfloat16, (64,), np.float32, (5,), 1),
+                                             (ml_dtypes.bfloat16, (64,), np.float32, (5,), 90)]):
+        k = (rng.standard_normal((2, 3, 50, *kr)) * 40).astype(kd)
+        v = (rng.standard_normal((2, 3, 50, *vr)) * 40).astype(vd)
+        b = np.array([1]) if i == 2 else rng.integers(0, 2, m)
+        shard = np.array([7]) if i == 2 else rng.integers(0, 4, m)
+        out.append((k, v, b, rng.integers(0, 3, m), rng.integers(0, 50, m), shard, rng.integers(0, 999, m)))
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("chunk", [16, 128])
+def test_requests_equal_numpy_indexing_rows_and_ints(threads, chunk):
+    """128 rows of three requests into parts of 16 rows (requests and threads crossing part ends) or one part:
+    each staged K and V row equals numpy's indexing of its request's arrays, bit for bit, and the index rows
+    hold (b, shard, pool row, position); what lies past the rows is left as it was."""
+    requests = _requests(threads + chunk)
+    n_parts = -(-128 // chunk)
+    k_parts = [np.full((chunk, 64), 3, ml_dtypes.bfloat16) for _ in range(n_parts)]
+    v_parts = [np.full((chunk, 5), 3, np.float32) for _ in range(n_parts)]
+    ints = np.full((4, 140), -5, np.int32)
+    assert native.gather_requests_native(requests, k_parts, v_parts, ints, threads=threads) is None
+    k_all, v_all = np.concatenate(k_parts), np.concatenate(v_parts)
+    at = 0
+    for k, v, b, h, p, shard, pool_rows in requests:
+        m = len(p)
+        b, shard = np.broadcast_to(b, (m,)), np.broadcast_to(shard, (m,))
+        assert np.array_equal(k_all[at : at + m].view(np.uint16), k[b, h, p].view(np.uint16))
+        assert np.array_equal(v_all[at : at + m].view(np.uint32), v[b, h, p].view(np.uint32))
+        assert np.array_equal(ints[:, at : at + m], np.stack([b, shard, pool_rows, p]))
+        at += m
+    assert at == 128 and (ints[:, 128:] == -5).all()
+
+
+@pytest.mark.parametrize("axis,where", [(0, 2), (1, 0), (2, 1), (2, 2)])
+@pytest.mark.parametrize("bad", ["above", "negative"])
+def test_request_index_out_of_range_is_reported_before_anything_is_written(axis, where, bad):
+    """One (b, h or position) index of one request out of range (its size, or -1): the call returns (request,
+    axis) and neither the staging rows nor the index rows were written (the other requests' rows included)."""
+    requests = _requests(5)
+    k, v, *indices = requests[where]
+    indices = [np.array(x) for x in indices]
+    indices[axis][-1] = k.shape[axis] if bad == "above" else -1
+    requests[where] = (k, v, *indices)
+    k_parts, v_parts = [np.full((128, 64), 3, ml_dtypes.bfloat16)], [np.full((128, 5), 3, np.float32)]
+    ints = np.full((4, 128), -5, np.int32)
+    assert native.gather_requests_native(requests, k_parts, v_parts, ints, threads=2) == (where, axis)
+    assert (k_parts[0] == 3).all() and (v_parts[0] == 3).all() and (ints == -5).all()
+
+
+def test_requests_layouts_it_cannot_take_are_refused():
+    (k, v, *indices), = _requests(6)[:1]
+    parts = ([np.empty((64, 64), ml_dtypes.bfloat16)], [np.empty((64, 5), np.float32)])
+    ints = np.empty((4, 64), np.int32)
+    with pytest.raises(ValueError, match="C-contiguous K and V"):
+        native.gather_requests_native([(k[:, :, ::2], v[:, :, ::2], *indices)], *parts, ints)
+    with pytest.raises(ValueError, match="as many values as its positions"):
+        native.gather_requests_native([(k, v, indices[0][:2], *indices[1:])], *parts, ints)
+    with pytest.raises(ValueError, match="staging parts"):
+        native.gather_requests_native([(k, v, *indices)], [np.empty((64, 64), np.float32)], parts[1], ints)
+    with pytest.raises(ValueError, match="int32 ints"):
+        native.gather_requests_native([(k, v, *indices)], *parts, np.empty((4, 20), np.int32))
+    with pytest.raises(ValueError, match="int32 ints"):
+        native.gather_requests_native([(k, v, *indices)], [parts[0][0][:20]], [parts[1][0][:20]], ints)
+
+
+def test_send_host_rows_refuses_an_index_out_of_range_before_any_transfer(monkeypatch):
+    """A recall whose second request names position T: IndexError naming the axis and the store's shape, from
+    the native call and from the numpy fallback alike, and no transfer started."""
+    store = HostKVStore(2)
+    for li in range(2):
+        k = np.ones((1, 2, 30, 8), np.float32)
+        store.put(li, k, k)
+    store.materialize()
+    requests = [(0, 0, np.array([0, 1]), np.array([3, 29]), 0, np.array([0, 1])),
+                (1, 0, np.array([1]), np.array([30]), 0, np.array([2]))]
+    sent = []
+    monkeypatch.setattr(host_store, "_send", lambda *a: sent.append(a))
+    for use_native in (True, False):
+        if not use_native:
+            monkeypatch.setattr(native, "available", lambda: False)
+        with pytest.raises(IndexError, match=r"position index out of range for a \[1, 2, 30, 8\] store"):
+            send_host_rows(store, requests, rows=8, staging=host_store.Staging(pinned=False))
+    assert not sent

@@ -287,8 +287,12 @@ def checked_rows(shape: tuple, b, h, positions) -> np.ndarray:
     for x, size, name in ((b, B, "batch"), (h, H, "head"), (positions, T, "position")):
         # one pass: a negative index read as unsigned is above any size
         if x.size and x.view(np.uint64).max() >= size:
-            raise IndexError(f"{name} index out of range for a [{B}, {H}, {T}, {shape[3]}] store")
+            raise _out_of_range(name, shape)
     return (b * H + h) * T + positions
+
+
+def _out_of_range(axis: str, shape: tuple) -> IndexError:
+    return IndexError(f"{axis} index out of range for a [{', '.join(map(str, shape[:4]))}] store")
 
 
 def take_rows(a: np.ndarray, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -474,8 +478,34 @@ def _native_gather(pieces: list[tuple]) -> bool:
     if not native.available():
         return False
     flat = [(src.reshape(-1, src.shape[-1]), rows, out) for src, rows, out in pieces]
-    nbytes = sum(out.nbytes for _, _, out in pieces)
-    native.gather_rows_native(flat, threads=min(GATHER_THREADS, max(1, nbytes // NATIVE_BYTES_PER_THREAD)))
+    native.gather_rows_native(flat, threads=_native_threads(sum(out.nbytes for _, _, out in pieces)))
+    return True
+
+
+def _native_threads(nbytes: int) -> int:
+    return min(GATHER_THREADS, max(1, nbytes // NATIVE_BYTES_PER_THREAD))
+
+
+def _native_send_gather(store: "HostKVStore", requests: list[tuple], staged: list["StagedPart"],
+                        ints: np.ndarray) -> bool:
+    """:func:`send_host_rows`' gather in one native call (``native.gather_requests_native``: the indices
+    checked, then each row's K and V copied into ``staged`` and its ints written, the Python side doing no
+    per-row work); False (nothing written) where the library is not available or a layer's host arrays are
+    not C-contiguous. IndexError naming the axis of an index out of range, before anything is written."""
+    from pallas_kernels import native
+
+    views = [store.view(r[0]) for r in requests]
+    if not native.available() or not all(k.flags.c_contiguous and v.flags.c_contiguous for k, v in views):
+        return False
+    n = sum(len(r[3]) for r in requests)
+    k0, v0 = views[0]
+    nbytes = n * (k0.itemsize * k0.shape[-1] + v0.itemsize * v0.shape[-1])
+    bad = native.gather_requests_native(
+        [(k, v, b, h, positions, shard, pool_rows)
+         for (k, v), (_, b, h, positions, shard, pool_rows) in zip(views, requests)],
+        [p.k for p in staged], [p.v for p in staged], ints, threads=_native_threads(nbytes))
+    if bad is not None:
+        raise _out_of_range(("batch", "head", "position")[bad[1]], views[bad[0]][0].shape)
     return True
 
 
@@ -544,22 +574,23 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
     for i in range(n // chunk, n_parts):  # the padding rows of the last part
         staged[i].k[n - i * chunk :] = 0
         staged[i].v[n - i * chunk :] = 0
-    at = 0
-    pieces = []  # (source [B, H, T, D], rows, destination rows): gathered on GATHER_THREADS threads
-    for li, b, h, positions, shard, pool_rows in requests:
-        m = len(positions)
-        k, v = store.view(li)
-        rows = np.broadcast_to(checked_rows(k.shape, b, h, positions), (m,))  # once for K and V
-        for lo in range(0, m, GATHER_PIECE):
-            hi = min(m, lo + GATHER_PIECE)
-            for a, z in _part_spans(at + lo, at + hi, chunk):  # a piece never crosses a part
-                part, r = staged[a // chunk], a % chunk
-                sel = rows[a - at : z - at]
-                pieces += [(k, sel, part.k[r : r + z - a]), (v, sel, part.v[r : r + z - a])]
-        for i, x in enumerate((b, shard, pool_rows, positions)):
-            ints[i, at : at + m] = x
-        at += m
-    _gather_pieces(pieces)
+    if not _native_send_gather(store, requests, staged, ints):
+        at = 0
+        pieces = []  # (source [B, H, T, D], rows, destination rows): gathered on GATHER_THREADS threads
+        for li, b, h, positions, shard, pool_rows in requests:
+            m = len(positions)
+            k, v = store.view(li)
+            rows = np.broadcast_to(checked_rows(k.shape, b, h, positions), (m,))  # once for K and V
+            for lo in range(0, m, GATHER_PIECE):
+                hi = min(m, lo + GATHER_PIECE)
+                for a, z in _part_spans(at + lo, at + hi, chunk):  # a piece never crosses a part
+                    part, r = staged[a // chunk], a % chunk
+                    sel = rows[a - at : z - at]
+                    pieces += [(k, sel, part.k[r : r + z - a]), (v, sel, part.v[r : r + z - a])]
+            for i, x in enumerate((b, shard, pool_rows, positions)):
+                ints[i, at : at + m] = x
+            at += m
+        _gather_pieces(pieces)
     t1 = time.perf_counter()
     parts = _send(ints, staged, chunk)
     staging.sent = parts

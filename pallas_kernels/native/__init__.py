@@ -15,9 +15,11 @@
 - ``page_recall.cc``: their recall on a CPU backend (``pallas_kernels.page_recall``): the pages a step's slots
   should hold moved from the host store into the pool in place, only those that changed (XLA can only
   scatter every slot).
-- ``host_gather.cc``: not a custom call but a plain C function (:func:`gather_rows_native`, through ctypes): the
-  host recall's row gather from the host store into its staging rows, on threads, each row prefetched ahead
-  of its copy (numpy's take waits on one cache miss at a time).
+- ``host_gather.cc``: not custom calls but plain C functions (through ctypes): the host recall's row gather
+  from the host store into its staging rows, on threads, each row prefetched ahead of its copy (numpy's take
+  waits on one cache miss at a time): :func:`gather_rows_native` from flat row numbers, and
+  :func:`gather_requests_native` a whole recall from its (b, h, position) indices, the scatter's index rows
+  included.
 
 The library is compiled on first use (or by ``python -m pallas_kernels.native build``, which ``make install``
 runs) into ``$HETERO_JAX_CACHE/native`` (default ``~/.cache/hetero_jax/native``), one file per hash of the
@@ -50,7 +52,7 @@ import numpy as np
 
 __all__ = ["available", "unavailable_reason", "build", "cache_dir", "library_path", "pool_attention_native",
            "pool_attention_statistics_native", "pivot_statistics_native", "topk_sets_native", "page_select_native",
-           "page_recall_native", "gather_rows_native",
+           "page_recall_native", "gather_rows_native", "gather_requests_native",
            "TARGET", "ATTENTION_STATISTICS_TARGET", "STATISTICS_TARGET", "TOPK_SETS_TARGET", "PAGE_SELECT_TARGET",
            "PAGE_RECALL_TARGET", "PAGE_SELECT_RULES"]
 
@@ -577,3 +579,65 @@ def gather_rows_native(
     rows = made[id(pieces[bad][1])][0]
     src_n = int(table[1, bad])
     raise IndexError(f"row {int(rows[(rows < 0) | (rows >= src_n)][0])} is out of range for a source of {src_n} rows")
+
+
+def gather_requests_native(
+    requests,         # [(k [B, H, T, ...] C-contiguous, v [B, H, T, ...] C-contiguous, b, h, positions, shard, pool_row)]
+    k_parts,          # [[chunk, ...] C-contiguous, k's dtype and row shape]: the staging parts, filled in order
+    v_parts,          # [[chunk, ...] C-contiguous, v's dtype and row shape]
+    ints: np.ndarray,  # [4, width] int32 C-contiguous: (b, shard, pool row, position) of each row
+    threads: int = 1,  # threads to split the rows over (the caller's thread is one of them)
+) -> tuple[int, int] | None:
+  """A recall's rows in one call: request i's row j is ``k[b[j], h[j], positions[j]]`` (and v's), the recall's
+  row g (requests in order) going to row ``g % chunk`` of part ``g // chunk`` and column g of ``ints``. A
+  request's m rows are its positions [m]; each other index is [m] ints or one value for all m rows. Every (b, h,
+  position) is checked before anything is written: returns None, or (request, axis) of the first out of range
+  (axis 0 batch, 1 head, 2 position), nothing written. ValueError for a layout the call cannot take; RuntimeError when the library is
+  not available."""
+  _load()
+  fn = _state["lib"].HeteroJaxGatherRequests
+  if fn.restype is not ctypes.c_int64:
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+  k_parts, v_parts = list(k_parts), list(v_parts)
+  if not k_parts or len(k_parts) != len(v_parts):
+    raise ValueError(f"gather_requests_native needs as many V parts as K parts (at least one), got {len(k_parts)} "
+                     f"and {len(v_parts)}")
+  chunk = k_parts[0].shape[0]
+  kept, fields, total = [], [], 0  # kept: the int64 indices, alive until the call returns
+  for k, v, *indices in requests:
+    if not (k.flags.c_contiguous and v.flags.c_contiguous) or k.ndim < 3 or k.shape[:3] != v.shape[:3]:
+      raise ValueError(f"gather_requests_native needs C-contiguous K and V of one [B, H, T, ...], got {k.shape} "
+                       f"and {v.shape}")
+    flat = [np.ascontiguousarray(x, np.int64).reshape(-1) for x in indices]
+    m = flat[2].size
+    if any(x.size not in (1, m) for x in flat):
+      raise ValueError(f"a request's indices must each have as many values as its positions ({m}) or one, got "
+                       f"sizes {[x.size for x in flat]}")
+    kept += flat
+    fields.append([k.ctypes.data, v.ctypes.data, *k.shape[:3], k.itemsize * math.prod(k.shape[3:]),
+                   v.itemsize * math.prod(v.shape[3:]), m] + [f for x in flat for f in (x.ctypes.data, int(x.size > 1))])
+    total += m
+  k0, v0 = (requests[0][0], requests[0][1]) if requests else (None, None)
+  for parts, src in ((k_parts, k0), (v_parts, v0)):
+    for p in parts:
+      if (not p.flags.c_contiguous or not p.flags.writeable or p.shape[0] != chunk
+          or (src is not None and (p.dtype != src.dtype or p.shape[1:] != src.shape[3:]))):
+        raise ValueError(f"staging parts must be writable C-contiguous [{chunk}, ...] arrays of the sources' dtype "
+                         f"and row shape, got {p.shape} {p.dtype}")
+  if any(k.dtype != k0.dtype or v.dtype != v0.dtype or k.shape[3:] != k0.shape[3:] or v.shape[3:] != v0.shape[3:]
+         for k, v, *_ in requests):
+    raise ValueError("every request's K and V must have the first request's dtypes and row shapes")
+  width = ints.shape[-1] if ints.ndim == 2 else 0
+  if (ints.dtype != np.int32 or ints.shape != (4, width) or not ints.flags.c_contiguous or not ints.flags.writeable
+      or width < total or chunk * len(k_parts) < total):
+    raise ValueError(f"{total} rows need [4, >= {total}] writable C-contiguous int32 ints and parts of >= {total} "
+                     f"rows in all, got ints {ints.shape} {ints.dtype} and {len(k_parts)} parts of {chunk}")
+  if not requests:
+    return None
+  table = np.array(fields, np.int64).T.copy()  # [18, n]: each field a row the call reads from
+  addresses = [np.array([p.ctypes.data for p in parts], np.uintp) for parts in (k_parts, v_parts)]
+  bad = fn(len(requests), table.ctypes.data, addresses[0].ctypes.data, addresses[1].ctypes.data, chunk,
+           ints.ctypes.data, width, max(1, int(threads)))
+  return None if bad < 0 else (int(bad) // 3, int(bad) % 3)

@@ -9,9 +9,15 @@
 // The helper threads are kept between calls: waking one costs less than starting one (RESULTS
 // offload-cpu-aligned-staging). A call that finds them taken by another call copies on its own thread.
 //
-// Each of n_pieces pieces i: dst_i[j, :] = src_i[rows_i[j], :] for j < counts[i], rows of row_bytes[i] bytes,
-// src_i holding src_rows[i] rows (C-contiguous). Returns -1 when every row was in range, else a piece holding a
-// row out of range (the rows of the thread that met it are then left unfinished: the caller raises).
+// HeteroJaxGatherRows: each of n_pieces pieces i: dst_i[j, :] = src_i[rows_i[j], :] for j < counts[i], rows of
+// row_bytes[i] bytes, src_i holding src_rows[i] rows (C-contiguous). Returns -1 when every row was in range, else
+// a piece holding a row out of range (the rows of the thread that met it are then left unfinished: the caller
+// raises).
+//
+// HeteroJaxGatherRequests: a whole recall in one call, from the (b, h, position) indices of each request, so
+// that the caller does no per-row work: the indices are checked first (nothing is written when one is out of
+// range), then each row's K and V are copied into the staging parts and its (b, shard, pool row, position)
+// written into the scatter's int32 index rows.
 
 #include <pthread.h>
 
@@ -75,6 +81,55 @@ bool CopyRows(const Piece& p, int64_t lo, int64_t hi) {
     CopyRow(p.dst + j * p.row_bytes, p.src + r * p.row_bytes, p.row_bytes);
   }
   return true;
+}
+
+// One request of HeteroJaxGatherRequests: its K and V sources [B, H, T, row] (C-contiguous), and its m rows'
+// indices: b, h, position, pool shard, pool row (int64, idx[f][j * step[f]], step 0 for one value for all).
+struct Request {
+  const char* k;
+  const char* v;
+  int64_t B, H, T, k_bytes, v_bytes, m;
+  const int64_t* idx[5];
+  int64_t step[5];
+};
+
+// The staging the rows go to: row g of the recall in part g / chunk at row g % chunk, and column g of the
+// scatter's index rows ints [4, width] (b, shard, pool row, position).
+struct Staged {
+  char* const* k_parts;
+  char* const* v_parts;
+  int64_t chunk;
+  int32_t* ints;
+  int64_t width;
+};
+
+inline int64_t Index(const Request& q, int f, int64_t j) { return q.idx[f][j * q.step[f]]; }
+
+// Rows [lo, hi) of request q, the recall's rows from `first` on: their flat store rows and index rows in one
+// pass, then their K rows and their V rows by CopyRows (one source and one destination at a time, as a memcpy
+// streams), cut where they cross a staging part's end.
+void CopyRequestRows(const Request& q, int64_t first, int64_t lo, int64_t hi, const Staged& out,
+                     std::vector<int64_t>& flat) {
+  flat.resize(hi - lo);
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t g = first + j, b = Index(q, 0, j), position = Index(q, 2, j);
+    flat[j - lo] = (b * q.H + Index(q, 1, j)) * q.T + position;
+    out.ints[g] = static_cast<int32_t>(b);
+    out.ints[out.width + g] = static_cast<int32_t>(Index(q, 3, j));
+    out.ints[2 * out.width + g] = static_cast<int32_t>(Index(q, 4, j));
+    out.ints[3 * out.width + g] = static_cast<int32_t>(position);
+  }
+  const int64_t n_rows = q.B * q.H * q.T;
+  for (int kv = 0; kv < 2; ++kv) {
+    const int64_t bytes = kv ? q.v_bytes : q.k_bytes;
+    for (int64_t j = lo; j < hi;) {
+      const int64_t g = first + j, at = g % out.chunk, n = std::min(hi - j, out.chunk - at);
+      const Piece piece{kv ? q.v : q.k, n_rows, flat.data() + (j - lo),
+                        (kv ? out.v_parts : out.k_parts)[g / out.chunk] + at * bytes, bytes};
+      CopyRows(piece, 0, n);  // in range: checked before any thread started
+      j += n;
+    }
+  }
 }
 
 // Threads that run parts 1..n-1 of a call's work while the caller runs part 0. Never destroyed: its detached
@@ -178,4 +233,48 @@ extern "C" __attribute__((visibility("default"))) int64_t HeteroJaxGatherRows(
   };
   GetHelpers().Run(n_threads, work);
   return bad.load();
+}
+
+// fields: int64 [18, n_requests], per request: K source address, V source address, B, H, T, K row bytes, V row
+// bytes, row count m, then for each of b, h, position, pool shard, pool row its address and step (0 or 1).
+// Returns -1, or 3 * request + axis (0 batch, 1 head, 2 position) of the first index out of range, found before
+// anything is written.
+extern "C" __attribute__((visibility("default"))) int64_t HeteroJaxGatherRequests(
+    int64_t n_requests, const int64_t* fields, char* const* k_parts, char* const* v_parts, int64_t chunk,
+    int32_t* ints, int64_t width, int64_t threads) {
+  std::vector<Request> requests(n_requests);
+  std::vector<int64_t> first(n_requests + 1, 0);
+  for (int64_t i = 0; i < n_requests; ++i) {
+    const auto field = [&](int f) { return fields[f * n_requests + i]; };
+    Request& q = requests[i];
+    q.k = reinterpret_cast<const char*>(field(0));
+    q.v = reinterpret_cast<const char*>(field(1));
+    q.B = field(2), q.H = field(3), q.T = field(4), q.k_bytes = field(5), q.v_bytes = field(6), q.m = field(7);
+    for (int f = 0; f < 5; ++f) {
+      q.idx[f] = reinterpret_cast<const int64_t*>(field(8 + 2 * f));
+      q.step[f] = field(9 + 2 * f);
+    }
+    const int64_t size[3] = {q.B, q.H, q.T};
+    for (int axis = 0; axis < 3; ++axis)  // a negative index read as unsigned is above any size
+      for (int64_t j = 0; j < (q.step[axis] ? q.m : std::min<int64_t>(q.m, 1)); ++j)
+        if (static_cast<uint64_t>(Index(q, axis, j)) >= static_cast<uint64_t>(size[axis])) return 3 * i + axis;
+    first[i + 1] = first[i] + q.m;
+  }
+  const int64_t total = first[n_requests];
+  const Staged out{k_parts, v_parts, chunk, ints, width};
+  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(threads, total));
+  const std::function<void(int64_t)> work = [&](int64_t t) {
+    const int64_t lo = total * t / n_threads, hi = total * (t + 1) / n_threads;
+    int64_t i = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
+    std::vector<int64_t> flat;
+    for (; i < n_requests && first[i] < hi; ++i) {
+      const int64_t a = std::max(lo, first[i]) - first[i], z = std::min(hi, first[i + 1]) - first[i];
+      if (a < z) CopyRequestRows(requests[i], first[i], a, z, out, flat);
+    }
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+  };
+  GetHelpers().Run(n_threads, work);
+  return -1;
 }
