@@ -17,11 +17,8 @@
 // against the reference's scores with a tolerance).
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
@@ -68,6 +65,7 @@ inline void bound8(const float* qv, const float* lo, const float* hi, int64_t D,
 constexpr int64_t kHelperUnits = 1536;  // see PageSelectImpl
 
 struct SelectJob {
+  WorkItems queue;         // one item a head (b * H + h)
   const float* q;          // [B, H, G, D]
   const float* kmin;       // [B, H, P, D]
   const float* kmax;       // [B, H, P, D]
@@ -76,9 +74,6 @@ struct SelectJob {
   int32_t* pages;          // [B, H, n]
   bool* valid;             // [B, H, n]
   int64_t B, H, G, D, P, n, rule;
-  std::atomic<int64_t> next{0}, done{0};
-  std::mutex mu;
-  std::condition_variable cv;
 };
 
 // Head bh = b * H + h: its pages' scores and its n best pages, into the job's results.
@@ -141,19 +136,11 @@ void SelectHead(const SelectJob& j, int64_t bh, std::vector<float>& u, std::vect
   for (int64_t i = 0; i < n; ++i) out[i] = ok[i] ? order[i] : filler;
 }
 
-// Takes heads from the job's counter until none is left (a helper that starts after the call returned finds
-// none and touches no operand).
+// Takes heads from the job until none is left.
 void SelectWork(SelectJob& j) {
   thread_local std::vector<float> u, s;
   thread_local std::vector<int32_t> order;
-  const int64_t heads = j.B * j.H;
-  for (int64_t bh; (bh = j.next.fetch_add(1, std::memory_order_relaxed)) < heads;) {
-    SelectHead(j, bh, u, s, order);
-    if (j.done.fetch_add(1, std::memory_order_acq_rel) + 1 == heads) {
-      std::lock_guard<std::mutex> lock(j.mu);
-      j.cv.notify_all();
-    }
-  }
+  TakeItems(j.queue, [&](int64_t bh) { SelectHead(j, bh, u, s, order); });
 }
 
 ffi::Error PageSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kmin, ffi::Buffer<ffi::F32> kmax,
@@ -174,6 +161,7 @@ ffi::Error PageSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (rule != 0 && rule != 1) return ffi::Error::InvalidArgument("page_select: rule must be 0 (max) or 1 (mean_softmax)");
 
   auto job = std::make_shared<SelectJob>();
+  job->queue.n = B * H;
   job->q = q.typed_data(); job->kmin = kmin.typed_data(); job->kmax = kmax.typed_data();
   job->n_pages = n_pages.typed_data(); job->counts = counts.typed_data();
   job->pages = pages->typed_data(); job->valid = valid->typed_data();
@@ -184,16 +172,7 @@ ffi::Error PageSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   // heads a helper took, so a late helper costs nothing. HETERO_JAX_NATIVE_THREADS caps the threads.
   const int64_t workers = native_workers(pool);
   const bool parallel = workers > 1 && B * H > 1 && B * H * P * (G + 2) * D / 64 >= kHelperUnits;
-  const int64_t helpers = parallel ? std::min(workers - 1, B * H - 1) : 0;
-  for (int64_t i = 0; i < helpers; ++i) {
-    std::shared_ptr<SelectJob> keep = job;
-    pool.Schedule([keep]() { SelectWork(*keep); });
-  }
-  SelectWork(*job);
-  if (job->done.load(std::memory_order_acquire) != B * H) {
-    std::unique_lock<std::mutex> lock(job->mu);
-    job->cv.wait(lock, [&] { return job->done.load(std::memory_order_acquire) == B * H; });
-  }
+  RunOnHelpers(pool, job, job->queue, parallel ? std::min(workers - 1, B * H - 1) : 0, SelectWork);
   return ffi::Error::Success();
 }
 

@@ -48,12 +48,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "simd.h"
@@ -469,20 +467,14 @@ struct Shared {
   std::vector<Item> items;
   std::unique_ptr<float[]> parts;
   std::unique_ptr<std::atomic<int32_t>[]> left;  // chunks of each head not yet done
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
+  WorkItems queue;                                // one item an element of `items`
   void (*chunk_fn)(const Problem&, const Head&, int64_t, int64_t, int64_t, float*, float*, float*);
 };
 
 void work(Shared& sh) {
-  const int64_t n = static_cast<int64_t>(sh.items.size());
   const int64_t stride = 2 * sh.pb.QG + sh.pb.QG * sh.pb.Dp;
   std::vector<float> kbuf, vbuf;
-  for (;;) {
-    const int64_t i = sh.next.fetch_add(1, std::memory_order_relaxed);
-    if (i >= n) break;
+  TakeItems(sh.queue, [&](int64_t i) {
     if (kbuf.empty()) {
       kbuf.resize(sh.pb.block * sh.pb.Dp);
       vbuf.resize(sh.pb.block * sh.pb.Dp);
@@ -492,11 +484,7 @@ void work(Shared& sh) {
     sh.chunk_fn(sh.pb, hd, it.bh, it.c0, it.c1, sh.parts.get() + it.part * stride, kbuf.data(), vbuf.data());
     if (sh.left[it.bh].fetch_sub(1, std::memory_order_acq_rel) == 1)
       finalize(sh.pb, hd, it.bh, sh.parts.get() + hd.first_part * stride);
-    if (sh.done.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
-      std::lock_guard<std::mutex> lock(sh.mu);
-      sh.cv.notify_all();
-    }
-  }
+  });
 }
 
 template <typename KV>
@@ -689,16 +677,8 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
   }
 
   const int64_t n_items = static_cast<int64_t>(sh->items.size());
-  const int64_t helpers = parallel ? std::min(workers - 1, n_items - 1) : 0;
-  for (int64_t i = 0; i < helpers; ++i) {
-    std::shared_ptr<Shared> keep = sh;
-    pool.Schedule([keep]() { work(*keep); });
-  }
-  work(*sh);
-  if (sh->done.load(std::memory_order_acquire) != n_items) {
-    std::unique_lock<std::mutex> lock(sh->mu);
-    sh->cv.wait(lock, [&] { return sh->done.load(std::memory_order_acquire) == n_items; });
-  }
+  sh->queue.n = n_items;
+  RunOnHelpers(pool, sh, sh->queue, parallel ? std::min(workers - 1, n_items - 1) : 0, work);
   return ffi::Error::Success();
 }
 
