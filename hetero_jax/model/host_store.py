@@ -486,18 +486,17 @@ def _native_threads(nbytes: int) -> int:
     return min(GATHER_THREADS, max(1, nbytes // NATIVE_BYTES_PER_THREAD))
 
 
-def _native_send_gather(store: "HostKVStore", requests: list[tuple], staged: list["StagedPart"],
+def _native_send_gather(store: "HostKVStore", requests: list[tuple], n: int, staged: list["StagedPart"],
                         ints: np.ndarray) -> bool:
-    """:func:`send_host_rows`' gather in one native call (``native.gather_requests_native``: the indices
-    checked, then each row's K and V copied into ``staged`` and its ints written, the Python side doing no
-    per-row work); False (nothing written) where the library is not available or a layer's host arrays are
-    not C-contiguous. IndexError naming the axis of an index out of range, before anything is written."""
+    """:func:`send_host_rows`' gather of its ``n`` rows in one native call (``native.gather_requests_native``:
+    the indices checked, then each row's K and V copied into ``staged`` and its ints written, the Python side
+    doing no per-row work); False (nothing written) where the library is not available or a layer's host arrays
+    are not C-contiguous. IndexError naming the axis of an index out of range, before anything is written."""
     from pallas_kernels import native
 
     views = [store.view(r[0]) for r in requests]
     if not native.available() or not all(k.flags.c_contiguous and v.flags.c_contiguous for k, v in views):
         return False
-    n = sum(len(r[3]) for r in requests)
     k0, v0 = views[0]
     nbytes = n * (k0.itemsize * k0.shape[-1] + v0.itemsize * v0.shape[-1])
     bad = native.gather_requests_native(
@@ -537,6 +536,29 @@ def _gather_all(pieces: list[tuple]) -> None:
         take_rows(src, rows, out)
 
 
+def _pieces_send_gather(store: "HostKVStore", requests: list[tuple], chunk: int, staged: list["StagedPart"],
+                        ints: np.ndarray) -> None:
+    """:func:`send_host_rows`' gather where :func:`_native_send_gather` cannot: each request's flat rows
+    checked (:func:`checked_rows`) and cut into pieces at part ends, its ints written here, the pieces gathered
+    by :func:`_gather_pieces`."""
+    at = 0
+    pieces = []  # (source [B, H, T, D], rows, destination rows): gathered on GATHER_THREADS threads
+    for li, b, h, positions, shard, pool_rows in requests:
+        m = len(positions)
+        k, v = store.view(li)
+        rows = np.broadcast_to(checked_rows(k.shape, b, h, positions), (m,))  # once for K and V
+        for lo in range(0, m, GATHER_PIECE):
+            hi = min(m, lo + GATHER_PIECE)
+            for a, z in _part_spans(at + lo, at + hi, chunk):  # a piece never crosses a part
+                part, r = staged[a // chunk], a % chunk
+                sel = rows[a - at : z - at]
+                pieces += [(k, sel, part.k[r : r + z - a]), (v, sel, part.v[r : r + z - a])]
+        for i, x in enumerate((b, shard, pool_rows, positions)):
+            ints[i, at : at + m] = x
+        at += m
+    _gather_pieces(pieces)
+
+
 def _part_spans(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
     """[lo, hi) split where it crosses a multiple of ``chunk`` (a staging part's end)."""
     cuts = list(range((lo // chunk + 1) * chunk, hi, chunk))
@@ -574,23 +596,8 @@ def send_host_rows(store: "HostKVStore", requests: list[tuple], rows: int, chunk
     for i in range(n // chunk, n_parts):  # the padding rows of the last part
         staged[i].k[n - i * chunk :] = 0
         staged[i].v[n - i * chunk :] = 0
-    if not _native_send_gather(store, requests, staged, ints):
-        at = 0
-        pieces = []  # (source [B, H, T, D], rows, destination rows): gathered on GATHER_THREADS threads
-        for li, b, h, positions, shard, pool_rows in requests:
-            m = len(positions)
-            k, v = store.view(li)
-            rows = np.broadcast_to(checked_rows(k.shape, b, h, positions), (m,))  # once for K and V
-            for lo in range(0, m, GATHER_PIECE):
-                hi = min(m, lo + GATHER_PIECE)
-                for a, z in _part_spans(at + lo, at + hi, chunk):  # a piece never crosses a part
-                    part, r = staged[a // chunk], a % chunk
-                    sel = rows[a - at : z - at]
-                    pieces += [(k, sel, part.k[r : r + z - a]), (v, sel, part.v[r : r + z - a])]
-            for i, x in enumerate((b, shard, pool_rows, positions)):
-                ints[i, at : at + m] = x
-            at += m
-        _gather_pieces(pieces)
+    if not _native_send_gather(store, requests, n, staged, ints):
+        _pieces_send_gather(store, requests, chunk, staged, ints)
     t1 = time.perf_counter()
     parts = _send(ints, staged, chunk)
     staging.sent = parts

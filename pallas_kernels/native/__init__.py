@@ -592,8 +592,8 @@ def gather_requests_native(
   row g (requests in order) going to row ``g % chunk`` of part ``g // chunk`` and column g of ``ints``. A
   request's m rows are its positions [m]; each other index is [m] ints or one value for all m rows. Every (b, h,
   position) is checked before anything is written: returns None, or (request, axis) of the first out of range
-  (axis 0 batch, 1 head, 2 position), nothing written. ValueError for a layout the call cannot take; RuntimeError when the library is
-  not available."""
+  (axis 0 batch, 1 head, 2 position), nothing written. ValueError for a layout the call cannot take;
+  RuntimeError when the library is not available."""
   _load()
   fn = _state["lib"].HeteroJaxGatherRequests
   if fn.restype is not ctypes.c_int64:

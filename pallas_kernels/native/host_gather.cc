@@ -201,6 +201,28 @@ Helpers& GetHelpers() {
   return *helpers;
 }
 
+// The rows of pieces laid end to end (piece i's rows are [first[i], first[i + 1]) of the concatenation) split by
+// count over up to `threads` threads, the caller one of them: part t runs copy(i, a, z) for the rows [a, z) of
+// each piece i that its share [total * t / T, total * (t + 1) / T) crosses, until a call returns false, then
+// fences its non-temporal stores so that they are visible before the part reports done.
+template <typename Copy>
+void SplitOverHelpers(const std::vector<int64_t>& first, int64_t threads, Copy copy) {
+  const int64_t n = static_cast<int64_t>(first.size()) - 1, total = first[n];
+  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(threads, total));
+  const std::function<void(int64_t)> work = [&](int64_t t) {
+    const int64_t lo = total * t / n_threads, hi = total * (t + 1) / n_threads;
+    int64_t i = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
+    for (; i < n && first[i] < hi; ++i) {
+      const int64_t a = std::max(lo, first[i]) - first[i], z = std::min(hi, first[i + 1]) - first[i];
+      if (a < z && !copy(i, a, z)) break;
+    }
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+  };
+  GetHelpers().Run(n_threads, work);
+}
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) int64_t HeteroJaxGatherRows(
@@ -212,26 +234,13 @@ extern "C" __attribute__((visibility("default"))) int64_t HeteroJaxGatherRows(
     pieces[i] = {static_cast<const char*>(srcs[i]), src_rows[i], rows[i], static_cast<char*>(dsts[i]), row_bytes[i]};
     first[i + 1] = first[i] + counts[i];
   }
-  const int64_t total = first[n_pieces];
   std::atomic<int64_t> bad{-1};
-  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(threads, total));
-  // part t copies rows [total * t / T, total * (t + 1) / T) of the concatenation, across piece boundaries
-  const std::function<void(int64_t)> work = [&](int64_t t) {
-    const int64_t lo = total * t / n_threads, hi = total * (t + 1) / n_threads;
-    int64_t i = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
-    for (; i < n_pieces && first[i] < hi; ++i) {
-      const int64_t a = std::max(lo, first[i]) - first[i], z = std::min(hi, first[i + 1]) - first[i];
-      if (a < z && !CopyRows(pieces[i], a, z)) {
-        int64_t expected = -1;
-        bad.compare_exchange_strong(expected, i);
-        break;
-      }
-    }
-#if defined(__x86_64__)
-    _mm_sfence();  // the non-temporal stores are visible before the part reports done
-#endif
-  };
-  GetHelpers().Run(n_threads, work);
+  SplitOverHelpers(first, threads, [&](int64_t i, int64_t a, int64_t z) {
+    if (CopyRows(pieces[i], a, z)) return true;
+    int64_t expected = -1;
+    bad.compare_exchange_strong(expected, i);
+    return false;
+  });
   return bad.load();
 }
 
@@ -260,21 +269,11 @@ extern "C" __attribute__((visibility("default"))) int64_t HeteroJaxGatherRequest
         if (static_cast<uint64_t>(Index(q, axis, j)) >= static_cast<uint64_t>(size[axis])) return 3 * i + axis;
     first[i + 1] = first[i] + q.m;
   }
-  const int64_t total = first[n_requests];
   const Staged out{k_parts, v_parts, chunk, ints, width};
-  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(threads, total));
-  const std::function<void(int64_t)> work = [&](int64_t t) {
-    const int64_t lo = total * t / n_threads, hi = total * (t + 1) / n_threads;
-    int64_t i = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
-    std::vector<int64_t> flat;
-    for (; i < n_requests && first[i] < hi; ++i) {
-      const int64_t a = std::max(lo, first[i]) - first[i], z = std::min(hi, first[i + 1]) - first[i];
-      if (a < z) CopyRequestRows(requests[i], first[i], a, z, out, flat);
-    }
-#if defined(__x86_64__)
-    _mm_sfence();
-#endif
-  };
-  GetHelpers().Run(n_threads, work);
+  SplitOverHelpers(first, threads, [&](int64_t i, int64_t a, int64_t z) {
+    thread_local std::vector<int64_t> flat;
+    CopyRequestRows(requests[i], first[i], a, z, out, flat);
+    return true;
+  });
   return -1;
 }
