@@ -8,7 +8,8 @@ Llama-3.1-8B head shapes (8 KV heads of 128, bfloat16), for 8K to 128K rows (``-
 x ``--recall-layers``) from a store of ``--prompt`` tokens per head:
 
 - **gather**: the host seconds it spends gathering, as GB/s, beside a plain memcpy
-  (``np.copyto``) of the same bytes on this machine;
+  (``np.copyto``) of the same bytes on this machine, in a loop over one buffer, and from the store itself
+  (a contiguous span at a random page each time: the memory the gather reads, in order);
 - **transfer**: starting the copies, the scatter and waiting for it, as GB/s, beside one contiguous
   ``jax.device_put`` of the same bytes;
 - **recall**: both, end to end;
@@ -57,6 +58,26 @@ def _wall_times(fn, iters: int) -> list[float]:
 
 def _median_time(fn, iters: int) -> float:
     return statistics.median(_wall_times(fn, iters))
+
+
+def _store_spans(store, n_layers: int, nbytes: int, rng, count: int) -> list[tuple]:
+    """``count`` pairs of contiguous byte spans of the store itself, each ``nbytes // 2`` long at a page picked at
+    random, the first of a pair in a K layer and the second in a V layer: the memory a recall's gather reads
+    (beyond the caches where the store is larger than they are), to copy in order. Views, no copy."""
+    import numpy as np
+
+    half, pairs = nbytes // 2, []
+    for _ in range(count):
+        pair = []
+        for j, li in enumerate(rng.integers(0, n_layers, 2)):
+            k, v = store.view(int(li))
+            span = (v if j or k is None else k).reshape(-1).view(np.uint8)
+            if span.size < half:
+                raise ValueError(f"a layer of {span.size} bytes cannot give a {half}-byte span: raise --prompt")
+            at = int(rng.integers(0, (span.size - half) // 4096 + 1)) * 4096
+            pair.append(span[at : at + half])
+        pairs.append(tuple(pair))
+    return pairs
 
 
 def run(args) -> dict:
@@ -130,6 +151,9 @@ def run(args) -> dict:
         src = np.ones(nbytes // 8, np.uint64)
         dst = np.empty_like(src)
         memcpy = _median_time(lambda: np.copyto(dst, src), args.iters)
+        halves = (dst.view(np.uint8)[: nbytes // 2], dst.view(np.uint8)[nbytes // 2 :])
+        spans = iter(_store_spans(store, n_rec, nbytes, rng, args.iters))
+        memcpy_store = _median_time(lambda: [np.copyto(o, a) for o, a in zip(halves, next(spans))], args.iters)
         # a copy whatever the buffer: on a CPU device jax may take a numpy buffer in place (no copy to time)
         h2d = _median_time(lambda: jax.block_until_ready(jax.device_put(src, may_alias=False)), args.iters)
         # the bound a recall's transfer can reach: one contiguous DMA of the same bytes from pinned host memory
@@ -141,8 +165,9 @@ def run(args) -> dict:
         rows.append(dict(rows_per_head=R, rows=n_rec * H * R, positions=kind, runs_per_row=runs, bytes=nbytes,
                          rows_correct=ok,
                          recall_seconds=t_all, gather_seconds=t_gather, transfer_seconds=t_all - t_gather,
-                         memcpy_seconds=memcpy, contiguous_h2d_seconds=h2d, pinned_h2d_seconds=h2d_pinned,
-                         gather_gbps=nbytes / t_gather / 1e9, memcpy_gbps=nbytes / memcpy / 1e9,
+                         memcpy_seconds=memcpy, memcpy_store_seconds=memcpy_store, contiguous_h2d_seconds=h2d,
+                         pinned_h2d_seconds=h2d_pinned, gather_gbps=nbytes / t_gather / 1e9,
+                         memcpy_gbps=nbytes / memcpy / 1e9, memcpy_store_gbps=nbytes / memcpy_store / 1e9,
                          transfer_gbps=nbytes / (t_all - t_gather) / 1e9, h2d_gbps=nbytes / h2d / 1e9,
                          pinned_h2d_gbps=nbytes / h2d_pinned / 1e9,
                          recall_gbps=nbytes / t_all / 1e9, samples=total))
@@ -220,17 +245,20 @@ def markdown(payload: dict) -> str:
         "'pooled' = the top-R positions of 5-tap pooled random logits (a recall's top set: rows in runs), "
         "'uniform' = R positions at random; 'runs / row' = contiguous runs per recalled row. Medians of "
         f"{payload['config']['iters']} repeats. 'gather' = the gather's host time, beside `np.copyto` of the same "
-        "bytes; 'transfer' = the rest of the recall (copies started, scatter, wait), beside one contiguous "
+        "bytes ('memcpy': a loop over one source and destination, warm in the caches where they fit; 'memcpy from "
+        "store': each time from a span of the store at a random page, the memory the gather reads, in order); "
+        "'transfer' = the rest of the recall (copies started, scatter, wait), beside one contiguous "
         "`jax.device_put` of the same bytes from a numpy array ('contiguous'); 'recall / pinned' = the whole "
         "recall's GB/s over one contiguous copy of the same bytes from pinned host memory ('pinned H2D').", "",
         "| positions | runs / row | rows | MiB (K+V) | recall ms | gather GB/s | memcpy GB/s | gather / memcpy | "
-        "transfer GB/s | contiguous GB/s | transfer / contiguous | pinned H2D GB/s | recall / pinned | rows correct |",
-        "| :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+        "memcpy from store GB/s | transfer GB/s | contiguous GB/s | transfer / contiguous | pinned H2D GB/s | recall / pinned | rows correct |",
+        "| :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
     ]
     for x in r["rows"]:
         lines.append(f"| {x['positions']} | {x['runs_per_row']:.2f} | {x['rows']:,} | {x['bytes'] / 2**20:,.1f} | "
                      f"{x['recall_seconds'] * 1e3:,.2f} | "
                      f"{x['gather_gbps']:.2f} | {x['memcpy_gbps']:.2f} | {x['gather_gbps'] / x['memcpy_gbps']:.2f} | "
+                     f"{x['memcpy_store_gbps']:.2f} | "
                      f"{x['transfer_gbps']:.2f} | {x['h2d_gbps']:.2f} | {x['transfer_gbps'] / x['h2d_gbps']:.2f} | "
                      f"{x['pinned_h2d_gbps']:.2f} | {x['recall_gbps'] / x['pinned_h2d_gbps']:.2f} | "
                      f"{'yes' if x['rows_correct'] else 'NO'} |")
