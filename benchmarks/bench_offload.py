@@ -71,9 +71,7 @@ def _store_spans(store, n_layers: int, nbytes: int, rng, count: int) -> list[tup
         pair = []
         for j, li in enumerate(rng.integers(0, n_layers, 2)):
             k, v = store.view(int(li))
-            span = (v if j or k is None else k).reshape(-1).view(np.uint8)
-            if span.size < half:
-                raise ValueError(f"a layer of {span.size} bytes cannot give a {half}-byte span: raise --prompt")
+            span = (v if j or k is None else k).reshape(-1).view(np.uint8)  # holds half: main checks --prompt
             at = int(rng.integers(0, (span.size - half) // 4096 + 1)) * 4096
             pair.append(span[at : at + half])
         pairs.append(tuple(pair))
@@ -251,7 +249,8 @@ def markdown(payload: dict) -> str:
         "`jax.device_put` of the same bytes from a numpy array ('contiguous'); 'recall / pinned' = the whole "
         "recall's GB/s over one contiguous copy of the same bytes from pinned host memory ('pinned H2D').", "",
         "| positions | runs / row | rows | MiB (K+V) | recall ms | gather GB/s | memcpy GB/s | gather / memcpy | "
-        "memcpy from store GB/s | transfer GB/s | contiguous GB/s | transfer / contiguous | pinned H2D GB/s | recall / pinned | rows correct |",
+        "memcpy from store GB/s | transfer GB/s | contiguous GB/s | transfer / contiguous | pinned H2D GB/s | "
+        "recall / pinned | rows correct |",
         "| :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
     ]
     for x in r["rows"]:
@@ -300,6 +299,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.small and args.prompt == 131072:
         args.prompt, args.rows, args.d2h_tokens = 1024, [16, 64], [256]
+    if args.prompt < args.recall_layers * max(args.rows):
+        # the memcpy from the store copies a recall's bytes as one span of a K layer and one of a V layer
+        p.error(f"--prompt {args.prompt} is below --recall-layers x the largest --rows "
+                f"({args.recall_layers * max(args.rows)}): a layer must hold a recall's bytes as one span")
     import jax
 
     machine = common.machine_info()
