@@ -248,17 +248,10 @@ def test_host_callbacks_run_blas_on_one_thread_in_a_fresh_process():
     suite's process a computation of an earlier test still running (jax dispatches asynchronously) may move it
     in the middle of the cases: twice the one-thread limit read two threads here, and a fixture that waited for
     every live array and for the limit's count to reach zero still saw it once more in CI."""
-    import os
-    import subprocess
-    import sys
+    from case_files import run_case_file
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           os.path.join(here, "blas_limit_cases.py")], cwd=os.path.dirname(here),
-                          capture_output=True, text=True, timeout=300)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout and "deselected" not in proc.stdout, tail
+    out = run_case_file("blas_limit_cases.py", timeout=300)
+    assert "deselected" not in out, out
 
 
 def test_a_cpu_store_settles_into_aligned_numpy_buffers_jax_uses_in_place():

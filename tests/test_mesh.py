@@ -2,12 +2,10 @@
 starts, and this process already runs on one device)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from case_files import run_case_file
 
 
 # Two halves of about the same CPU time, each its own process, so that two pytest-xdist workers share them;
@@ -21,9 +19,4 @@ HALVES = {"greedy, recalls and turns": FIRST_HALF, "peers, placement and loading
 def test_mesh_cases_on_six_simulated_devices(half):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=6").strip()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                           os.path.join(HERE, "mesh_cases.py"), "-k", HALVES[half]], cwd=os.path.dirname(HERE),
-                          env=env, capture_output=True, text=True, timeout=900)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, tail
+    run_case_file("mesh_cases.py", "-k", HALVES[half], env=env)
