@@ -19,7 +19,8 @@ x ``--recall-layers``) from a store of ``--prompt`` tokens per head:
   to one token) dispatched first, the largest recall on the host thread meanwhile; overlap = (compute +
   recall - both) / min(compute, recall) (1: hidden, 0: serialised).
 
-Medians of ``--iters`` repeats after warm-up. On a CPU "pinned host" and device are the same memory: the
+Medians of ``--iters`` repeats after warm-up, each recall of rows drawn afresh (the same rows every time
+would be served from the caches where they fit). On a CPU "pinned host" and device are the same memory: the
 transfer column is a copy inside RAM, not a PCIe link. Writes JSON and the markdown; ``--write-results``
 rewrites the ``offload`` section of RESULTS.md (``offload-gpu`` on a GPU).
 
@@ -31,6 +32,7 @@ rewrites the ``offload`` section of RESULTS.md (``offload-gpu`` on a GPU).
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 import sys
 import time
@@ -119,25 +121,25 @@ def run(args) -> dict:
         # each head's recalled rows: R prompt positions (sorted, as a top set is) into its own pool region
         cap = max(R, 8)
         pool = new_pool(1, 1, n_rec * H * cap, D, dt)
-        pos = [positions(kind, R) for _ in range(n_rec)]
+        # a fresh draw of positions for every recall, as decode's recalls fetch rows the last one did not: the
+        # same rows each time would come from the caches (where they fit), not from the memory a recall reads
+        pos_sets = [[positions(kind, R) for _ in range(n_rec)] for _ in range(args.warmup + args.iters)]
         h_idx = np.repeat(np.arange(H), R)
         zeros = np.zeros(H * R, np.int64)
-        requests = [(li, zeros, h_idx, pos[li].reshape(-1), zeros,
-                     (li * H + h_idx) * cap + np.tile(np.arange(R), H)) for li in range(n_rec)]
+        pool_rows = [(li * H + h_idx) * cap + np.tile(np.arange(R), H) for li in range(n_rec)]
+        drawn = itertools.cycle(pos_sets)
+        last = []  # the positions of the latest recall
         timings = {}
 
-        def recall(timings=timings, requests=requests):
+        def recall(timings=timings):
             nonlocal pool
+            last[:] = next(drawn)
+            requests = [(li, zeros, h_idx, last[li].reshape(-1), zeros, pool_rows[li]) for li in range(n_rec)]
             pool, _, _ = write_host_rows(pool, store, requests, timings=timings)
             return pool
 
         for _ in range(args.warmup):
             jax.block_until_ready(recall())
-        # correctness (independent: numpy indexing of the host arrays): layer 0's rows in its regions
-        kh = np.asarray(store.k[0])
-        rows0 = (np.arange(H)[:, None] * cap + np.arange(R)[None, :])
-        ok = bool(np.array_equal(np.asarray(pool.k[0, 0].astype(jnp.float32))[rows0],
-                                 kh[0, np.arange(H)[:, None], pos[0]].astype(np.float32)))
         total, gather = [], []
         for _ in range(args.iters):
             timings.clear()
@@ -145,6 +147,11 @@ def run(args) -> dict:
             jax.block_until_ready(recall())
             total.append(time.perf_counter() - t0)
             gather.append(timings["gather"])
+        # correctness (independent: numpy indexing of the host arrays): the last recall's layer-0 rows in its regions
+        kh = np.asarray(store.k[0])
+        rows0 = (np.arange(H)[:, None] * cap + np.arange(R)[None, :])
+        ok = bool(np.array_equal(np.asarray(pool.k[0, 0].astype(jnp.float32))[rows0],
+                                 kh[0, np.arange(H)[:, None], last[0]].astype(np.float32)))
         nbytes = n_rec * H * R * 2 * D * dt.itemsize  # K and V rows
         src = np.ones(nbytes // 8, np.uint64)
         dst = np.empty_like(src)
@@ -159,7 +166,8 @@ def run(args) -> dict:
         on_device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
         h2d_pinned = _median_time(lambda: jax.block_until_ready(jax.device_put(src_pinned, on_device)), args.iters)
         t_all, t_gather = statistics.median(total), statistics.median(gather)
-        runs = float(np.mean([1 + np.count_nonzero(np.diff(p_, axis=1) != 1, axis=1) for p_ in pos])) / R
+        runs = float(np.mean([1 + np.count_nonzero(np.diff(p_, axis=1) != 1, axis=1)
+                             for pos in pos_sets for p_ in pos])) / R
         rows.append(dict(rows_per_head=R, rows=n_rec * H * R, positions=kind, runs_per_row=runs, bytes=nbytes,
                          rows_correct=ok,
                          recall_seconds=t_all, gather_seconds=t_gather, transfer_seconds=t_all - t_gather,
@@ -241,8 +249,8 @@ def markdown(payload: dict) -> str:
         f"rows, {'pinned' if r.get('staging_pinned') else 'pageable'} here, start the copies, scatter into the row "
         "pool), waited on. Each head's rows: "
         "'pooled' = the top-R positions of 5-tap pooled random logits (a recall's top set: rows in runs), "
-        "'uniform' = R positions at random; 'runs / row' = contiguous runs per recalled row. Medians of "
-        f"{payload['config']['iters']} repeats. 'gather' = the gather's host time, beside `np.copyto` of the same "
+        "'uniform' = R positions at random, drawn afresh for every recall; 'runs / row' = contiguous runs per "
+        f"recalled row. Medians of {payload['config']['iters']} repeats. 'gather' = the gather's host time, beside `np.copyto` of the same "
         "bytes ('memcpy': a loop over one source and destination, warm in the caches where they fit; 'memcpy from "
         "store': each time from a span of the store at a random page, the memory the gather reads, in order); "
         "'transfer' = the rest of the recall (copies started, scatter, wait), beside one contiguous "
