@@ -19,10 +19,11 @@ x ``--recall-layers``) from a store of ``--prompt`` tokens per head:
   to one token) dispatched first, the largest recall on the host thread meanwhile; overlap = (compute +
   recall - both) / min(compute, recall) (1: hidden, 0: serialised).
 
-Medians of ``--iters`` repeats after warm-up, each recall of rows drawn afresh (the same rows every time
-would be served from the caches where they fit). On a CPU "pinned host" and device are the same memory: the
-transfer column is a copy inside RAM, not a PCIe link. Writes JSON and the markdown; ``--write-results``
-rewrites the ``offload`` section of RESULTS.md (``offload-gpu`` on a GPU).
+Medians of ``--iters`` repeats after warm-up, each recall fetching other rows than the last (its layer's draw
+turned by a random shift per head: the same rows every time would be served from the caches where they fit).
+On a CPU "pinned host" and device are the same memory: the transfer column is a copy inside RAM, not a PCIe link.
+Writes JSON and the markdown; ``--write-results`` rewrites the ``offload`` section of RESULTS.md (``offload-gpu``
+on a GPU).
 
     python benchmarks/bench_offload.py --write-results                     # this machine
     python benchmarks/bench_offload.py --overlap --write-results           # on a GPU
@@ -253,8 +254,9 @@ def markdown(payload: dict) -> str:
         f"rows, {'pinned' if r.get('staging_pinned') else 'pageable'} here, start the copies, scatter into the row "
         "pool), waited on. Each head's rows: "
         "'pooled' = the top-R positions of 5-tap pooled random logits (a recall's top set: rows in runs), "
-        "'uniform' = R positions at random, drawn afresh for every recall; 'runs / row' = contiguous runs per "
-        f"recalled row. Medians of {payload['config']['iters']} repeats. 'gather' = the gather's host time, beside `np.copyto` of the same "
+        "'uniform' = R positions at random; each recall fetches other rows (its layer's draw turned by a random "
+        "shift per head); 'runs / row' = contiguous runs per recalled row. Medians of "
+        f"{payload['config']['iters']} repeats. 'gather' = the gather's host time, beside `np.copyto` of the same "
         "bytes ('memcpy': a loop over one source and destination, warm in the caches where they fit; 'memcpy from "
         "store': each time from a span of the store at a random page, the memory the gather reads, in order); "
         "'transfer' = the rest of the recall (copies started, scatter, wait), beside one contiguous "
