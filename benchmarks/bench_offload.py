@@ -124,21 +124,21 @@ def run(args) -> dict:
         pool = new_pool(1, 1, n_rec * H * cap, D, dt)
         # fresh rows for every recall, as decode's recalls fetch rows the last one did not: the same rows each
         # time would come from the caches (where they fit), not from the memory a recall reads. Each recall's
-        # set is a draw per layer turned by a random shift per head (the same runs, other rows): drawing every
-        # set anew took the bench about 30 % longer
-        drawn_sets = [positions(kind, R) for _ in range(n_rec)]
-        pos_sets = [[np.sort((p_ + rng.integers(0, T, (H, 1))) % T, axis=1) for p_ in drawn_sets]
+        # set is one draw per layer turned by a random shift per head (the same runs, other rows): a new draw
+        # per recall costs time the GPU script's offload stage lacks (RESULTS offload-cpu-fresh-rows)
+        base = [positions(kind, R) for _ in range(n_rec)]
+        pos_sets = [[np.sort((p_ + rng.integers(0, T, (H, 1))) % T, axis=1) for p_ in base]
                     for _ in range(args.warmup + args.iters)]
         h_idx = np.repeat(np.arange(H), R)
         zeros = np.zeros(H * R, np.int64)
         pool_rows = [(li * H + h_idx) * cap + np.tile(np.arange(R), H) for li in range(n_rec)]
-        drawn = itertools.cycle(pos_sets)
+        next_sets = itertools.cycle(pos_sets)
         last = []  # the positions of the latest recall
         timings = {}
 
         def recall(timings=timings):
             nonlocal pool
-            last[:] = next(drawn)
+            last[:] = next(next_sets)
             requests = [(li, zeros, h_idx, last[li].reshape(-1), zeros, pool_rows[li]) for li in range(n_rec)]
             pool, _, _ = write_host_rows(pool, store, requests, timings=timings)
             return pool
