@@ -314,7 +314,7 @@ def test_drain_waits_for_the_dispatched_drift_check_and_the_recall_in_flight():
         tok, _ = eng.step(tok, 0.0, 1.0)
     _, outs = eng.state.pending  # dispatched after the second step, not yet applied
     assert eng.drain() >= 0.0
-    assert len(outs) == 3 and all(a.is_ready() for a in outs)
+    assert len(outs) == 3 and all(a.is_ready() for a in jax.tree.leaves(outs))
     assert eng.state.pending is not None  # drain waits; the recall is still planned before the next step
     tok, _ = eng.step(tok, 0.0, 1.0)  # planned (tau 1.5: it drifted), its rows sent in the background
     rec = eng.state.recall
@@ -416,9 +416,10 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     rows, one kernel pass), by either schedule: the statistics computed in each step (``pivot_statistics``,
     the CPU's) or all at the check (the buffered logits, a GPU's), over two layers at once (``drift_check``).
     Both give its median o'_t equal to the check by the definition over the buffered queries and the pivots'
-    keys (``drift_check_reference``: lax.top_k of every step); drift iff below tau; the recall sets and new
-    K_base are the top-size / top-L_base positions of the latest query's pooled scores (numpy, ascending) when
-    some pivot drifted; -1 and the old K_base when none did, no sets when the recall reads none (n_top 0).
+    keys (``drift_check_reference``: lax.top_k of every step); drift iff below tau; the recall sets are the
+    top-size positions of the latest query's pooled scores (numpy, ascending) when some pivot drifted, -1 when
+    none did, none when the recall reads none (n_top 0); each layer's K_base after the check is a drifted
+    pivot's top-L_base positions, any other pivot's old K_base.
     The two sequences have their own L_base (6 and 4, the second's K_base padded with -1): each is checked
     and re-based as it would be alone."""
     from hetero_jax.policies.heterocache import drift_check
@@ -447,9 +448,10 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
     static = dict(pivot_slots=((0, 1), (0, 1)), l_base=l_base, tau=tau, cap=max(1, n_top))
 
     def check(shares):  # two layers of the same pivots, the second's sets padded to more: per layer
-        drift_all, base_all, sets_all, over_all = drift_check(*args(shares), **static)
-        return tuple((drift_all[:, a:a + Np], base_all[:, a:a + Np], sets_all[:, a:a + Np, :K], over_all[:, a:a + Np])
-                     for a, K in ((0, K0), (Np, K0 + 1)))
+        drift_all, bases, sets_all, over_all = drift_check(*args(shares), **static)
+        assert len(bases) == 2 and all(b.dtype == jnp.int32 for b in bases)  # one K_base per pivot layer
+        return tuple((drift_all[:, a:a + Np], base, sets_all[:, a:a + Np, :K], over_all[:, a:a + Np])
+                     for a, K, base in ((0, K0, bases[0]), (Np, K0 + 1, bases[1])))
 
     runs = [check(logits), check(stats)]
     jax.clear_caches()  # how the sets are ranked is chosen at trace time
@@ -483,7 +485,7 @@ def test_drift_check_from_the_buffered_steps(tau, n_top):
             scores = _np_pooled_max(q_buf[b, p, -1][None], keys[b, p, : lengths[b, p]])[0]
             np.testing.assert_allclose(np.asarray(stats[-1][0][b, p, : lengths[b, p]]), scores, rtol=1e-5, atol=1e-7)
             order = np.argsort(-scores, kind="stable")
-            if drift.any():
+            if drift[b, p]:  # a drifted pivot's K_base moves on, any other's stays
                 np.testing.assert_array_equal(new_base[b, p], np.r_[np.sort(order[: own[b]]),
                                                                      np.full(l_base - own[b], -1)])
             else:

@@ -117,11 +117,11 @@ class HeteroDecode(AsyncRecalls, DecodeState):
         args, static = check_inputs(self.buffer, cache, self.pivot_layers, self.set_sizes, self.prefilled,
                                     self.policy.drift_threshold)
         self._check_fn = check_executable(self._check_fn, args, static, self.compile_fn)
-        drift, new_base, sets, overlaps = self._check_fn[1](*args)
+        drift, k_bases, sets, overlaps = self._check_fn[1](*args)
         drift.copy_to_host_async()  # read before the next step is dispatched, never waited on now
         observe_check(self.check_observers, self.pivot_layers, self.pivot_cuts, args, static, overlaps,
                       self.prefilled.l_base)
-        self.pending = (step, (drift, new_base, sets))
+        self.pending = (step, (drift, k_bases, sets))
 
     def before_step(self, step: int, cache: KVCache) -> KVCache:
         """Land the recall sent before the last step, plan the last check's (its rows are sent while this step

@@ -150,14 +150,14 @@ class AsyncRecalls:
     def _plan_recalls(self, step: int, cache: KVCache) -> KVCache:
         """The pending check's recalls (``recall.plan_recall``): K_base now, the rows sent in the background
         (``send``), ``recall_chunk`` rows per part, to land before the next step."""
-        (_, (drift, new_base, sets)), self.pending = self.pending, None
+        (_, (drift, k_bases, sets)), self.pending = self.pending, None
         drift = to_host(drift)  # [B, Np] over every pivot layer (every process: the same recall)
         self.counters = self.counters.add(drift_checks=drift.size, drift_triggers=int(drift.sum()))
         if not drift.any():
             return cache
         planned, recalled, items, held_updates = plan_recall(self.prefilled, cache, self.pivot_layers,
                                                              self.pivot_cuts, self.set_sizes, self.held, drift,
-                                                             new_base, sets)
+                                                             k_bases, sets)
         self.recall = send(self.lane, self.prefilled, planned, self.offsets, items, self.recall_chunk, step=step,
                            layers=len(recalled), held_updates=held_updates,
                            old_base={li: cache.layers[li].state for li in recalled})

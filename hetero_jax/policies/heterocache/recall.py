@@ -14,7 +14,7 @@ import numpy as np
 
 from hetero_jax.model.cache import KVCache
 from hetero_jax.model.host_store import row_bucket
-from hetero_jax.model.sharding import place_like, to_host
+from hetero_jax.model.sharding import to_host
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled
 from hetero_jax.policies.heterocache.step import PivotBase, drift_check
 from hetero_jax.policies.profiled import take_slots
@@ -94,23 +94,23 @@ def observe_check(observers: list, pivot_layers: list[int], pivot_cuts, args: tu
 
 
 def plan_recall(prefilled: HeteroPrefilled, cache: KVCache, pivot_layers: list[int], pivot_cuts, set_sizes: dict,
-                held: list, drift_all: np.ndarray, new_base_all: np.ndarray, sets_all: np.ndarray):
-    """What a check's outputs (host arrays over every pivot of the model, ``drift_check``) recall.
+                held: list, drift_all: np.ndarray, k_bases: tuple, sets_all: jax.Array):
+    """What a check's outputs (``drift_check``: drift flags read to the host, every pivot of the model; the other
+    two on the device) recall.
 
-    Returns (the cache with a new ``PivotBase`` in each layer with a drifted pivot (the drifted pivots' new
-    K_base, the others' kept), not yet its rows; the pivot layers that drifted; rows: (layer, b, satellite j,
-    slots in its region, prompt rows) for ``HeteroDecode`` to write; copy window updates: (layer, b,
-    satellite j, its new positions, its new window slots: the rows past its top-(l_s - w)), where
-    ``held[layer]`` is not None)."""
+    Returns (the cache with each pivot layer that has a drifted pivot holding the K_base the check left it
+    (``k_bases``, per pivot layer, kept on the device), not yet its rows; the pivot layers that drifted; rows:
+    (layer, b, satellite j, slots in its region, prompt rows) for ``HeteroDecode`` to write; copy window
+    updates: (layer, b, satellite j, its new positions, its new window slots: the rows past its top-(l_s - w)),
+    where ``held[layer]`` is not None)."""
     layers = list(cache.layers)
     items, recalled, held_updates = [], [], []
-    new_base_all, sets_all = to_host(new_base_all), to_host(sets_all)
-    for li, a, z in zip(pivot_layers, pivot_cuts[:-1], pivot_cuts[1:]):
+    sets_all = to_host(sets_all)
+    for i, (li, a, z) in enumerate(zip(pivot_layers, pivot_cuts[:-1], pivot_cuts[1:])):
         r = prefilled.roles[li]
         drift = drift_all[:, a:z]
         if not drift.any():
             continue
-        new_base = new_base_all[:, a:z]
         sets = sets_all[:, a:z, : set_sizes[li][0].shape[-1]]
         counts = prefilled.counts[li]  # [B, Hc]
         windowed = bool(held) and held[li] is not None
@@ -123,8 +123,12 @@ def plan_recall(prefilled: HeteroPrefilled, cache: KVCache, pivot_layers: list[i
                 if windowed:
                     low = pos[~np.isin(pos, sets[b, p, n_sat + j])]
                     held_updates.append((li, b, sat, pos, np.searchsorted(pos, low)))
-        old = layers[li].state.k_base
-        base = np.where(drift[..., None], new_base, to_host(old))
-        layers[li] = layers[li].replace(state=PivotBase(k_base=place_like(base.astype(np.int32), old)))
+        layers[li] = layers[li].replace(state=PivotBase(k_base=placed_as(k_bases[i], layers[li].state.k_base)))
         recalled.append(li)
     return cache.replace(layers=tuple(layers)), recalled, items, held_updates
+
+
+def placed_as(x: jax.Array, like: jax.Array) -> jax.Array:
+    """Device array ``x`` where ``like`` is (a device-to-device move only where a mesh's partitioner placed an
+    output otherwise than the input it replaces): the decode step's executable takes K_base as it was."""
+    return x if x.sharding == like.sharding else jax.device_put(x, like.sharding)

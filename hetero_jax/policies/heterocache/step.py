@@ -155,13 +155,13 @@ def drift_check(shares, layer_lengths, k_base, set_sizes, pivot_slots, l_base: i
     at most ``cap``. The layers' pivots are checked as one batch [B, Np, W, ...]: one executable and a few
     kernels, whatever the layers.
 
-    Returns, over every pivot of the model (Np, layer after layer) in one array each, so that a decode reads
-    one flag array per check and the rest only when a pivot drifted: drift [B, Np] bool (median_t o'_t < tau,
-    Eq. 10, normalised); new K_base [B, Np, l_base] (the top-L_base of the latest step's pooled scores, each
-    pivot's own L_base, ascending, -1 past it or where masked; the old K_base when no pivot of the model
-    drifted); top sets [B, Np, K, cap] of the latest pooled scores, K the layers' largest K_l
-    (``pallas_kernels.topk_sets``: ascending positions, -1 past each size; -1 everywhere when none drifted);
-    o'_t [B, Np, W].
+    Returns drift [B, Np] bool over every pivot of the model (Np, layer after layer; median_t o'_t < tau, Eq.
+    10, normalised), read by the decode once per check; per pivot layer its K_base after the check [B, Np_l,
+    l_base] int32, on the device as ``k_base`` is (a drifted pivot's: the top-L_base of the latest step's
+    pooled scores, its own L_base, ascending, -1 past it or where masked; any other's as it was), so a recall
+    moves K_base on without a host round trip; top sets [B, Np, K, cap] of the latest pooled scores, K the
+    layers' largest K_l (``pallas_kernels.topk_sets``: ascending positions, -1 past each size; -1 everywhere
+    when none drifted), read only when a pivot drifted; o'_t [B, Np, W].
     """
     lengths = tuple(take_slots(l, s) for l, s in zip(layer_lengths, pivot_slots))
     K = max(s.shape[-1] for s in set_sizes)
@@ -195,11 +195,12 @@ def drift_check(shares, layer_lengths, k_base, set_sizes, pivot_slots, l_base: i
 
     if pallas_kernels.traced_for_gpu():
         # a GPU reads a conditional's predicate on the host, which would hold the host until the step ran:
-        # rank always (a few kernels every W steps) and keep the old K_base where none drifted
+        # rank always (a few kernels every W steps); the sets are -1 where none drifted
         top, sets = ranked(latest)
-        new_base = jnp.where(drift.any(), top, base)
         sets = jnp.where(drift.any(), sets, -1)
     else:  # read only for a drifted pivot: skip the selection (lax.cond runs one branch) otherwise
-        new_base, sets = jax.lax.cond(drift.any(), ranked, unchanged, latest)
-    return drift, new_base, sets, overlaps
+        top, sets = jax.lax.cond(drift.any(), ranked, unchanged, latest)
+    kept = jnp.where(drift[..., None], top, base)
+    cuts = np.cumsum([b.shape[1] for b in k_base])[:-1]
+    return drift, tuple(jnp.split(kept, cuts, axis=1)), sets, overlaps
 
