@@ -56,11 +56,17 @@ def head_requests(prefilled: HeteroPrefilled, items: list) -> list[tuple]:
     compressed head j, slots in its region [n], prompt rows [n]) -> (layer, b, layout head, prompt rows, slots),
     each but the layer the layer's items concatenated."""
     by_layer = collections.defaultdict(list)
-    for li, b, j, slots, rows in items:
-        n = len(rows)
-        by_layer[li].append((np.full(n, b), np.full(n, prefilled.roles[li].comp_slots[j]), np.asarray(rows),
-                             np.asarray(slots, np.int64)))
-    return [(li, *(np.concatenate([p[i] for p in by_layer[li]]) for i in range(4))) for li in sorted(by_layer)]
+    for item in items:
+        by_layer[item[0]].append(item)
+    out = []
+    for li in sorted(by_layer):  # a few numpy calls per layer: a recall has hundreds of items
+        its = by_layer[li]
+        n = [len(rows) for *_, rows in its]
+        heads = np.asarray(prefilled.roles[li].comp_slots, np.int64)[[j for _, _, j, _, _ in its]]
+        out.append((li, np.repeat(np.array([b for _, b, *_ in its], np.int64), n), np.repeat(heads, n),
+                    np.concatenate([np.asarray(rows) for *_, rows in its]),
+                    np.concatenate([np.asarray(slots, np.int64) for _, _, _, slots, _ in its])))
+    return out
 
 
 def write_rows(prefilled: HeteroPrefilled, cache: KVCache, offsets: list, items: list, compile_fn=None,
