@@ -60,12 +60,12 @@ def head_requests(prefilled: HeteroPrefilled, items: list) -> list[tuple]:
         by_layer[item[0]].append(item)
     out = []
     for li in sorted(by_layer):  # a few numpy calls per layer: a recall has hundreds of items
-        its = by_layer[li]
-        n = [len(rows) for *_, rows in its]
-        heads = np.asarray(prefilled.roles[li].comp_slots, np.int64)[[j for _, _, j, _, _ in its]]
-        out.append((li, np.repeat(np.array([b for _, b, *_ in its], np.int64), n), np.repeat(heads, n),
-                    np.concatenate([np.asarray(rows) for *_, rows in its]),
-                    np.concatenate([np.asarray(slots, np.int64) for _, _, _, slots, _ in its])))
+        _, bs, js, slots, rows = zip(*by_layer[li])
+        n = [len(r) for r in rows]
+        heads = np.asarray(prefilled.roles[li].comp_slots, np.int64)[list(js)]
+        out.append((li, np.repeat(np.array(bs, np.int64), n), np.repeat(heads, n),
+                    np.concatenate([np.asarray(r) for r in rows]),
+                    np.concatenate([np.asarray(s, np.int64) for s in slots])))
     return out
 
 
