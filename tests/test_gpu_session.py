@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 
@@ -16,6 +18,7 @@ def _run(tmp_path, *args, **env):
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_dry_run_writes_each_stage_json(tmp_path):
     r = _run(tmp_path, "--dry-run")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -31,6 +34,7 @@ def test_dry_run_writes_each_stage_json(tmp_path):
     assert all(r["decode"]["n"] == 4 and "decode_plain" in r for r in lat["runs"])
     off = json.loads((out / "offload.json").read_text())["result"]
     assert off["rows"] and all(x["rows_correct"] for x in off["rows"]) and off["overlap"] is not None
+    assert off["d2h"] and all(0 < x["first_seconds"] and 0 < x["seconds"] for x in off["d2h"])
     prof = json.loads((out / "profile-32k.json").read_text())
     assert [r["policy"] for r in prof["rows"]] == ["full", "heterocache"]
     assert all(r["steps"] == 2 and r["kernels_per_step"] > 0 for r in prof["rows"])
