@@ -24,13 +24,17 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 # Two runs, side by side: the tiny-model tests spend their time compiling (one core per process), so they
-# compile without LLVM optimisation (a third less CPU time, same results) in two pytest-xdist workers that keep
-# both cores busy once the real-model run, beside them and run as users run it, is done (its log follows). Each
-# run lists its slowest tests, so CI's log shows where the suite's 20-minute budget goes. Fails when either fails.
+# compile without LLVM optimisation and with XLA's older CPU fusion code generator (each a quarter to a third
+# less CPU time, same results; docs/performance-notes.md, "Suite times") in two pytest-xdist workers that keep
+# both cores busy once the real-model run, beside them and run as users run it, is done (its log follows). The
+# workers take one test at a time, slow-marked ones first (tests/conftest.py), so no long test starts last.
+# Each run lists its slowest tests, so CI's log shows where the suite's 20-minute budget goes. Fails when either
+# fails.
 test: $(STAMP)
 	@log=$$(mktemp); \
 	$(BIN)/python -m pytest -q --durations=10 -m real_model tests > $$log 2>&1 & real=$$!; \
-	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0" $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=40 -m "not real_model" tests; \
+	XLA_FLAGS="$$XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false" \
+	  $(BIN)/python -m pytest -q -n 2 --dist load --maxschedchunk 1 --durations=40 -m "not real_model" tests; \
 	tiny=$$?; wait $$real; rm_rc=$$?; echo "--- real-model tests (run beside the above)"; cat $$log; rm -f $$log; \
 	echo "tiny-model tests: exit $$tiny; real-model tests: exit $$rm_rc"; test $$tiny -eq 0 -a $$rm_rc -eq 0
 

@@ -7,6 +7,12 @@ import os
 import pytest
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked slow run first. pytest-xdist hands tests out in this order, so each long one starts while
+    short ones are left to fill the other worker, instead of a long one starting last beside an idle worker."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> str:
     """Converted SmolLM2-135M checkpoint dir (converted once per session, or reused from $HETERO_JAX_CACHE).
