@@ -90,17 +90,9 @@ def test_rows_can_leave_a_larger_shard_than_the_head_order_split():
     assert shard_tokens(b, contiguous_placement(3, 4, 2), 2).max() == 8902
     assert padded_tokens_per_shard(b, bal, 2) < padded_tokens_per_shard(b, contiguous_placement(3, 4, 2), 2)
     rows = role_grouped_order(b).reshape(3, 2, 2)  # [layer, row, the row's two heads]
-    assert min(shard_tokens(b, p, 2).max() for p in _row_placements(rows)) == 9580
-
-
-def _row_placements(rows):
-    """Every tp = 2 placement that puts one head of each row on each shard."""
-    L, n_rows, _ = rows.shape
-    for flips in itertools.product([0, 1], repeat=L * n_rows):
-        p = np.empty((L, 2 * n_rows), np.int64)
-        for (l, j), f in zip(itertools.product(range(L), range(n_rows)), flips):
-            p[l, rows[l, j, 0]], p[l, rows[l, j, 1]] = f, 1 - f
-        yield p
+    by_rows = [np.array(p) for p in itertools.product(_all_placements(4, 2), repeat=3)
+               if all(p[l][h0] != p[l][h1] for l in range(3) for h0, h1 in rows[l])]
+    assert len(by_rows) == 2**6 and min(shard_tokens(b, p, 2).max() for p in by_rows) == 9580
 
 
 def test_report_rows():
