@@ -243,24 +243,30 @@ def _cmd_generate(args, setup) -> int:
     extra = parse_options(args.option)
     base = args.policy.split(":")[0].lower()
     stray_profile = args.profile is not None and base not in ("heterocache", "synckv")
+    flags = {}  # option -> (its flag, value): a flag and an --option of one name are refused below
     if base == "synckv" and args.profile:
-        extra["profile"] = args.profile  # SyncKV loads a path itself
+        flags["profile"] = ("--profile", args.profile)  # SyncKV loads a path itself
     if base == "heterocache":
         if args.profile:
-            from hetero_jax.profile.official import load_profile
-
-            extra["profile"] = load_profile(args.profile)
-        if args.window is not None:
-            extra["window"] = args.window
-        if args.tau_drift is not None:
-            extra["tau_drift"] = args.tau_drift
-        if args.select_window is not None:
-            extra["select_window"] = args.select_window
+            flags["profile"] = ("--profile", args.profile)  # HeteroCache takes the loaded profile
+        for key, flag in (("window", "--window"), ("tau_drift", "--tau-drift"), ("select_window", "--select-window")):
+            if getattr(args, key) is not None:
+                flags[key] = (flag, getattr(args, key))
     elif stray_profile or args.window is not None or args.tau_drift is not None or args.select_window is not None:
         print("error: --window, --tau-drift and --select-window apply to --policy heterocache (--profile to "
               "heterocache and synckv)",
               file=sys.stderr)
         return 2
+    for key, (flag, value) in flags.items():
+        if key in extra:
+            print(f"error: {flag} {value} and --option {key}={extra[key]!r} set one option twice; give it once",
+                  file=sys.stderr)
+            return 2
+        if base == "heterocache" and key == "profile":
+            from hetero_jax.profile.official import load_profile
+
+            value = load_profile(value)
+        extra[key] = value
     policy = make_policy(args.policy, args.budget, **extra)  # a bad name or value: HeteroJaxError, exit 2
     if args.prompt is None and args.prompt_file is None:
         print("error: give --prompt TEXT or --prompt-file FILE", file=sys.stderr)
@@ -395,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f" (process {setup.process_id} of {setup.num_processes or '?'})" if setup.distributed else ""
         print(f"error{where}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (outputs are written whole or not at all)
+        print("\nerror: interrupted", file=sys.stderr)
+        return 130
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -99,6 +99,11 @@ def _refused(capsys, argv, *needles):
     (["--policy", "quest", "--option", "offload"], ["a policy option is KEY=VALUE", "'offload'"]),
     (["--policy", "quest", "--option", "pages=3"], ["Quest has no option 'pages'", "page_size"]),
     (["--policy", "quest", "--option", "page_size=0"], ["Quest: page_size must be an integer >= 1"]),
+    (["--policy", "snapkv", "--option", "budget=0.3"], ["the budget is not an option (got budget=0.3)",
+                                                        "--budget on the command line"]),
+    (["--policy", "snapkv:window=4", "--option", "window=2"], ["the policy option 'window' is given twice"]),
+    (["--policy", "heterocache", "--option", "window=3", "--window", "7"],
+     ["--window 7 and --option window=3 set one option twice; give it once"]),
 ])
 def test_bad_generate_flags_are_refused_before_loading(capsys, no_load, flags, needles):
     _refused(capsys, ["generate", "--prompt", "hi", *flags], *needles)
@@ -148,6 +153,16 @@ def test_profile_out_is_checked_before_calibrating(tmp_path, capsys, monkeypatch
     before = sorted(os.listdir(tmp_path))
     _refused(capsys, ["profile", "--data", "pydoc", "--out", str(tmp_path / out)], *needles)
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_an_empty_profile_out_is_refused_before_calibrating(tmp_path, capsys, monkeypatch):
+    """--out "" named the current directory once resolved: the calibration ran, then the write failed."""
+    from hetero_jax.io import hub
+
+    monkeypatch.setattr(hub, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, ["profile", "--data", "pydoc", "--out", ""], "--out is empty; give the path of a file to write")
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("flags, needle", [
@@ -213,3 +228,15 @@ def test_a_chat_template_that_does_not_compile_is_refused_before_compute(tiny_ch
     _refused(capsys, ["generate", "--model", str(bad), "--prompt", "the quick brown fox"],
              "the checkpoint's chat template is not valid Jinja (line 1: ", "pass chat=False (CLI: --no-chat)",
              "fix chat_template in the checkpoint's tokenizer_config.json")
+
+
+def test_ctrl_c_is_a_line_and_exit_130(capsys, monkeypatch):
+    """A KeyboardInterrupt while loading printed Python's traceback; the CLI's own line and 130 (128 + SIGINT)."""
+    import hetero_jax
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hetero_jax, "load", interrupted)  # where generate loads from (as no_load)
+    assert main(["generate", "--prompt", "hi"]) == 130
+    assert capsys.readouterr().err.strip() == "error: interrupted"

@@ -248,6 +248,12 @@ def test_optional_and_boolean_parameters_accept_their_values():
                                                  "pool_kernel, gqa"),
     (("heterocache", 0.3), {"profile_key": "x"}, PolicyError, "HeteroCache has no option 'profile_key'"),
     (("full", 0.5), {}, BudgetError, "the full policy keeps the whole prompt"),
+    # --policy snapkv --option budget=0.3 was a TypeError (two values for make_policy's budget)
+    (("snapkv", 0.3), {"budget": 0.3}, PolicyError, "the budget is not an option (got budget=0.3); give it as "
+                                                    "make_policy's second argument (--budget on the command line)"),
+    # --policy snapkv:window=4 --option window=2 ran with window=2, silently
+    (("snapkv:window=4", 0.3), {"window": 2}, PolicyError, "the policy option 'window' is given twice: window=4 in "
+                                                           "the name snapkv:window=4 and window=2 as an option"),
     (("h2o", float("nan")), {}, BudgetError, "budget rho=nan is out of range"),
 ])
 def test_make_policy_refuses_with_project_errors(args, kw, cls, needle):

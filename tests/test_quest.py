@@ -237,7 +237,7 @@ def test_registry_and_options():
     p = make_policy("quest", 0.2, offload=True, page_size=32)
     assert p == Quest(budget=0.2, offload=True, page_size=32)
     assert make_policy("Quest:offload=true,page-size=32", 0.2) == p  # the spec form of benchmark grids
-    assert make_policy("quest:page_size=8", 0.2, page_size=32) == Quest(budget=0.2, page_size=32)
+    assert make_policy("quest:page_size=8", 0.2, offload=True) == Quest(budget=0.2, page_size=8, offload=True)
     with pytest.raises(BudgetError):
         Quest(page_size=0)
 

@@ -52,6 +52,8 @@ def check_output_path(path: PathLike, flag: str = "output", *, parents: bool = F
     is what gets written. ``parents``: the writer creates a missing parent, which then only has to be
     creatable."""
     shown = os.fspath(path)
+    if not shown:  # "" resolves to the current directory
+        raise OutputError(f"{flag} is empty; give the path of a file to write")
     if os.path.isdir(shown):
         raise OutputError(f"{flag} {shown} is a directory; give the path of a file to write (inside it or "
                           "elsewhere)")

@@ -59,25 +59,38 @@ def parse_options(items) -> dict:
     return out
 
 
-def make_policy(name: str, budget: float | None = None, **kwargs) -> Policy:
+def make_policy(name: str, budget: float | None = None, /, **kwargs) -> Policy:
     """A policy from its registry name (case-insensitive), e.g. ``make_policy("snapkv", 0.3)``.
 
     The name may carry options after a colon, comma-separated: ``make_policy("quest:offload=true", 0.1)``
-    (the form benchmark grids and ``--policy`` use); keyword arguments win over them.
+    (the form benchmark grids and ``--policy`` use). An option given both there and as a keyword argument
+    (``--option`` on the command line) is refused, as is ``budget`` as an option: which one was meant is
+    the caller's to say.
     """
     if not isinstance(name, str):
         raise UnknownPolicyError(f"policy name must be a string, got {name!r}; known policies: {', '.join(REGISTRY)}")
+    if "budget" in kwargs:
+        raise PolicyError(f"the budget is not an option (got budget={kwargs['budget']!r}); give it as "
+                          "make_policy's second argument (--budget on the command line)")
     if ":" in name:
         name, _, spec = name.partition(":")
-        kwargs = {**parse_options([x for x in spec.split(",") if x.strip()]), **kwargs}
+        in_spec = parse_options([x for x in spec.split(",") if x.strip()])
+        both = sorted(set(in_spec) & set(kwargs))
+        if both:
+            raise PolicyError(f"the policy option {both[0]!r} is given twice: {both[0]}={in_spec[both[0]]!r} in "
+                              f"the name {name}:{spec} and {both[0]}={kwargs[both[0]]!r} as an option (--option "
+                              "or a flag on the command line); give each option once")
+        kwargs = {**in_spec, **kwargs}
     key = name.lower().replace("-", "").replace("_", "")
     if key not in REGISTRY:
         raise UnknownPolicyError(f"unknown policy {name!r}; known policies: {', '.join(REGISTRY)}")
     cls = REGISTRY[key]
-    check_options(cls, sorted(kwargs), exclude=("budget",), hint=" (give the budget as make_policy's second argument)")
+    check_options(cls, sorted(kwargs), exclude=("budget",),
+                  hint=" (give the budget as make_policy's second argument, --budget on the command line)")
     if budget is None or cls is FullKV:
         if cls is FullKV and budget not in (None, 1.0):
-            raise BudgetError(f"the full policy keeps the whole prompt; drop --budget (got {budget})")
+            raise BudgetError(f"the full policy keeps the whole prompt; give no budget (drop --budget on the "
+                              f"command line; got {budget})")
         return cls(**kwargs)
     return cls(budget=budget, **kwargs)
 

@@ -139,7 +139,9 @@ class HCAttention(Policy):
         return points
 
     def smallest_budget(self, model, prompt_len: int) -> float:
-        """The rho of the smallest operating point (budgets between the points are refused)."""
+        """The rho of the smallest operating point: the least the device holds. Unlike the base class's scan
+        this is not the least budget accepted: a budget up to 5 % below a point runs at that point (a rounded
+        rho such as 0.0638 for 0.06383 must work), and budgets between the points are refused."""
         return min(p.rho for p in self.bind(model).operating_points(model.config, prompt_len))
 
     def plan(self, cfg: ModelConfig, prompt_lens) -> OperatingPoint:
