@@ -262,11 +262,11 @@ def _cmd_generate(args, setup) -> int:
             print(f"error: {flag} {value} and --option {key}={extra[key]!r} set one option twice; give it once",
                   file=sys.stderr)
             return 2
-        if base == "heterocache" and key == "profile":
-            from hetero_jax.profile.official import load_profile
-
-            value = load_profile(value)
         extra[key] = value
+    if base == "heterocache" and isinstance(extra.get("profile"), str):  # --profile or --option profile=PATH
+        from hetero_jax.profile.official import load_profile
+
+        extra["profile"] = load_profile(extra["profile"])
     policy = make_policy(args.policy, args.budget, **extra)  # a bad name or value: HeteroJaxError, exit 2
     if args.prompt is None and args.prompt_file is None:
         print("error: give --prompt TEXT or --prompt-file FILE", file=sys.stderr)
