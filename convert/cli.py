@@ -23,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf", metavar="FILE", help="import this GGUF file instead of an HF directory")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the stored parameters (default: float32)")
-    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT_DIR if it holds a converted checkpoint or is empty (never other files)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -36,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("with --gguf FILE give exactly one positional argument: OUT_DIR")
     if args.gguf is None and len(args.paths) != 2:
         parser.error("give HF_DIR OUT_DIR (or --gguf FILE OUT_DIR)")
+    # abspath("") is the current directory: an empty input would be read from wherever the shell is.
+    empty = "--gguf FILE" if args.gguf == "" else "HF_DIR" if args.gguf is None and args.paths[0] == "" else None
+    if empty:
+        print(f"error: {empty} is an empty string; give the path of the model to convert", file=sys.stderr)
+        return 2
     try:
         if args.gguf is not None:
             from hetero_jax.io.gguf import convert_gguf

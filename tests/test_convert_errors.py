@@ -123,16 +123,197 @@ def test_not_a_gguf_file(tmp_path, out_parent, capsys):
     _fail(["--gguf", bogus, out_parent / "ck"], out_parent, capsys, str(bogus), "re-download")
 
 
-def test_existing_output_needs_force(hf, out_parent, capsys):
+# ------------------------------------------- what OUT_DIR --force may replace (review of issue 20)
+@pytest.fixture
+def no_weights_read(monkeypatch):
+    """Fail if a safetensors file is opened: a refused OUT_DIR must be refused before the conversion runs."""
+    import safetensors
+
+    def boom(*a, **k):
+        raise AssertionError("weights were read for an OUT_DIR that should have been refused")
+    monkeypatch.setattr(safetensors, "safe_open", boom)
+
+
+def _meta_dtype(out):
+    return json.load(open(os.path.join(out, "hetero_jax.json")))["dtype"]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_folder_that_is_not_a_checkpoint_is_never_replaced(hf, out_parent, capsys, no_weights_read, force):
+    """`--force` used to delete any OUT_DIR: a folder holding a user's thesis.txt was replaced."""
     out = out_parent / "ck"
     out.mkdir()
-    (out / "marker.txt").write_text("old")
-    err = _fail([hf, out], out_parent, capsys, "already exists", "--force")
-    assert str(out) in err and (out / "marker.txt").read_text() == "old"  # untouched
+    (out / "thesis.txt").write_text("four years of work")
+    err = _fail([hf, out] + (["--force"] if force else []), out_parent, capsys,
+                str(out), "is not a hetero-jax checkpoint", "thesis.txt", "Choose another OUT_DIR", "remove")
+    assert "pass --force" not in err  # --force would not be allowed, so it is not suggested
+    assert os.listdir(out) == ["thesis.txt"] and (out / "thesis.txt").read_text() == "four years of work"
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_file_as_out_dir_is_refused(hf, out_parent, capsys, no_weights_read, force):
+    out = out_parent / "ck"
+    out.write_text("notes")
+    err = _fail([hf, out] + (["--force"] if force else []), out_parent, capsys,
+                str(out), "is not a directory", "choose another OUT_DIR")
+    assert "pass --force" not in err and out.read_text() == "notes"
+
+
+def test_force_replaces_a_previous_conversion(hf, out_parent, capsys):
+    out = out_parent / "ck"
+    assert convert_main([str(hf), str(out), "--dtype", "bfloat16", "--no-progress"]) == 0
+    capsys.readouterr()
+    err = _fail([hf, out], out_parent, capsys, str(out), "already holds a converted checkpoint", "pass --force")
+    assert _meta_dtype(out) == "bfloat16"  # untouched by the refusal
 
     assert convert_main([str(hf), str(out), "--force", "--no-progress"]) == 0
-    assert is_checkpoint(out) and not (out / "marker.txt").exists()
+    assert is_checkpoint(out) and _meta_dtype(out) == "float32"
     assert sorted(os.listdir(out_parent)) == ["ck"]  # the old copy and the temporary are gone
+
+
+def test_force_replaces_an_empty_directory(hf, out_parent, capsys):
+    out = out_parent / "ck"
+    out.mkdir()
+    _fail([hf, out], out_parent, capsys, str(out), "already exists (empty)", "pass --force")
+    assert os.listdir(out) == []
+    assert convert_main([str(hf), str(out), "--force", "--no-progress"]) == 0
+    assert is_checkpoint(out) and sorted(os.listdir(out_parent)) == ["ck"]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_an_empty_out_dir_is_refused(hf, tmp_path, capsys, monkeypatch, no_weights_read, force):
+    """`OUT_DIR=""` with --force used to replace the current working directory."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "thesis.txt").write_text("draft")
+    monkeypatch.chdir(cwd)
+    before = _snapshot(tmp_path)
+    assert convert_main([str(hf), "", "--no-progress"] + (["--force"] if force else [])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "output directory is an empty string" in err, err
+    assert _snapshot(tmp_path) == before and os.getcwd() == str(cwd)
+
+
+@pytest.mark.parametrize("args, needle", [(["", "OUT"], "HF_DIR is an empty string"),
+                                          (["--gguf", "", "OUT"], "--gguf FILE is an empty string")])
+def test_an_empty_input_is_refused(tmp_path, capsys, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    assert convert_main(args + ["--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err, err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("sub", ["sub", "sub/deeper"])
+def test_out_dir_under_a_file_is_refused_before_converting(hf, out_parent, capsys, no_weights_read, sub):
+    afile = out_parent / "afile"
+    afile.write_text("keep")
+    out = afile / sub
+    _fail([hf, out, "--force"], out_parent, capsys, str(out), "cannot be created",
+          f"{afile} is a file, not a directory", "choose another OUT_DIR")
+    assert afile.read_text() == "keep"
+
+
+def _deny_writes(monkeypatch, folder):
+    """os.access says ``folder`` is not writable (as it would for a user without write permission: the tests
+    may run as root, for whom every directory is writable)."""
+    real_access = os.access
+
+    def access(path, mode, **kw):
+        if os.path.realpath(path) == os.path.realpath(folder) and mode & os.W_OK:
+            return False
+        return real_access(path, mode, **kw)
+    monkeypatch.setattr(os, "access", access)
+
+
+@pytest.mark.parametrize("sub", ["ck", "missing/ck"])
+def test_out_dir_in_a_read_only_directory_is_refused_before_converting(hf, out_parent, capsys, monkeypatch,
+                                                                        no_weights_read, sub):
+    ro = out_parent / "ro"
+    ro.mkdir()
+    _deny_writes(monkeypatch, ro)
+    out = ro / sub
+    _fail([hf, out], out_parent, capsys, str(out), "cannot be created", f"{ro} is not writable")
+    assert os.listdir(ro) == []
+
+
+def test_an_os_error_while_saving_names_out_dir(hf, out_parent, capsys, monkeypatch):
+    """A failure the up-front check could not foresee (a permission changed meanwhile, a full disk) is an
+    error of our own naming OUT_DIR, not a traceback, and leaves nothing behind."""
+    from hetero_jax.io import checkpoint
+
+    def mkdtemp(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(checkpoint.tempfile, "mkdtemp", mkdtemp)
+    out = out_parent / "new" / "ck"
+    _fail([hf, out], out_parent, capsys, f"output directory {out}", "writing the checkpoint failed",
+          "Permission denied", "nothing was written")
+
+
+def test_a_failed_final_rename_keeps_the_previous_checkpoint(hf, out_parent, capsys, monkeypatch):
+    out = out_parent / "ck"
+    assert convert_main([str(hf), str(out), "--dtype", "bfloat16", "--no-progress"]) == 0
+    capsys.readouterr()
+    real_rename = os.rename
+
+    def rename(src, dst, **kw):
+        if os.path.basename(src).startswith(".ck.tmp-"):  # the new checkpoint's move into place
+            raise OSError(28, "No space left on device")
+        return real_rename(src, dst, **kw)
+    monkeypatch.setattr(os, "rename", rename)
+    _fail([hf, out, "--force"], out_parent, capsys, f"output directory {out}", "No space left on device")
+    assert is_checkpoint(out) and _meta_dtype(out) == "bfloat16"
+
+
+@pytest.mark.parametrize("holds, needles", [
+    (["model.gguf"], ["is a directory", "--gguf takes the path of a GGUF file", "model.gguf"]),
+    (["config.json"], ["is a directory", "leave out --gguf"]),
+    ([], ["is a directory", "--gguf takes the path of a GGUF file"]),
+])
+def test_gguf_path_that_is_a_directory_says_so(tmp_path, out_parent, capsys, holds, needles):
+    d = tmp_path / "models"
+    d.mkdir()
+    for name in holds:
+        (d / name).write_bytes(b"x")
+    err = _fail(["--gguf", d, out_parent / "ck"], out_parent, capsys, str(d), *needles)
+    assert "does not exist" not in err
+
+
+# --force through a symlinked OUT_DIR used to rename the link aside and leave it dangling as .OUT.old-xxxx.
+def test_force_through_a_symlink_replaces_the_checkpoint_it_points_at(hf, tmp_path, out_parent, capsys):
+    real_parent = tmp_path / "disk"
+    real_parent.mkdir()
+    target = real_parent / "ck"
+    assert convert_main([str(hf), str(target), "--dtype", "bfloat16", "--no-progress"]) == 0
+    link = out_parent / "ck"
+    os.symlink(target, link)
+    capsys.readouterr()
+    _fail([hf, link], out_parent, capsys, str(link), f"a symlink to {target}", "already holds a converted checkpoint")
+
+    assert convert_main([str(hf), str(link), "--force", "--no-progress"]) == 0
+    assert os.path.islink(link) and os.readlink(link) == str(target)  # the link is kept, pointing where it did
+    assert is_checkpoint(target) and _meta_dtype(target) == "float32"
+    assert os.listdir(out_parent) == ["ck"] and os.listdir(real_parent) == ["ck"]  # no hidden leftovers
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_symlink_to_a_users_folder_is_refused(hf, tmp_path, out_parent, capsys, no_weights_read, force):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("draft")
+    link = out_parent / "ck"
+    os.symlink(mine, link)
+    err = _fail([hf, link] + (["--force"] if force else []), out_parent, capsys, f"a symlink to {mine}",
+                "is not a hetero-jax checkpoint", "thesis.txt")
+    assert "pass --force" not in err
+    assert os.path.islink(link) and os.listdir(mine) == ["thesis.txt"] and (mine / "thesis.txt").read_text() == "draft"
+
+
+def test_a_dangling_symlink_is_refused(hf, tmp_path, out_parent, capsys, no_weights_read):
+    link = out_parent / "ck"
+    os.symlink(tmp_path / "gone", link)
+    _fail([hf, link, "--force"], out_parent, capsys, str(link), "is a symlink to", "which does not exist")
+    assert not os.path.lexists(tmp_path / "gone") and os.path.islink(link)
 
 
 def test_force_keeps_old_output_when_conversion_fails(hf, out_parent, capsys):

@@ -21,13 +21,14 @@ import os
 import shutil
 import tempfile
 import uuid
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
 
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.errors import CheckpointError, read_json
-from hetero_jax.io.files import path_inside
+from hetero_jax.errors import CheckpointError, OutputError, read_json
+from hetero_jax.io.files import dir_problem, path_inside
 
 FORMAT_VERSION = 1
 META_FILE = "hetero_jax.json"
@@ -64,13 +65,69 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(path, META_FILE)) and os.path.isdir(os.path.join(path, PARAMS_DIR))
 
 
+def _out_path(out_dir: str | os.PathLike) -> str:
+    """``out_dir`` made absolute, after refusing an empty one."""
+    raw = os.fspath(out_dir)
+    if raw == "":  # abspath("") is the current directory, which --force would then replace
+        raise OutputError("the output directory is an empty string; give the path of the directory to write "
+                          "the checkpoint to (OUT_DIR)")
+    return os.path.abspath(raw)
+
+
+def _target(out_dir: str) -> str:
+    """The directory actually written for ``out_dir``: a symlink's target (so --force replaces the checkpoint the
+    link points at and keeps the link, instead of renaming the link aside), else ``out_dir`` itself."""
+    if not os.path.islink(out_dir):
+        return out_dir
+    real = os.path.realpath(out_dir)
+    if not os.path.exists(real):
+        raise OutputError(f"output directory {out_dir} is a symlink to {real}, which does not exist; remove the "
+                          "link or point it at a directory, or choose another OUT_DIR")
+    return real
+
+
+def _check_existing(shown: str, target: str, force: bool) -> None:
+    """Refuse the existing ``target`` unless ``force`` and it is ours to replace: a converted checkpoint or an
+    empty directory. Anything else may be a user's files, which we never delete."""
+    where = shown if target == shown else f"{shown} (a symlink to {target})"
+    if not os.path.isdir(target):
+        raise CheckpointError(f"output path {where} exists and is not a directory; choose another OUT_DIR or "
+                              "remove it yourself")
+    if is_checkpoint(target):
+        if not force:
+            raise CheckpointError(f"output directory {where} already holds a converted checkpoint; pass --force "
+                                  "(force=True) to replace it, or choose another OUT_DIR")
+        return
+    try:
+        entries = sorted(os.listdir(target))
+    except OSError as e:
+        raise CheckpointError(f"output directory {where} exists and cannot be listed ({e.strerror or e}); "
+                              "choose another OUT_DIR or remove it yourself") from None
+    if not entries:
+        if not force:
+            raise CheckpointError(f"output directory {where} already exists (empty); pass --force (force=True) "
+                                  "to replace it, or choose another OUT_DIR")
+        return
+    held = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    raise CheckpointError(
+        f"output directory {where} already exists and is not a hetero-jax checkpoint (it holds {held}); "
+        "--force only replaces a converted checkpoint or an empty directory, never files the converter did not "
+        f"write. Choose another OUT_DIR, or remove {shown} yourself")
+
+
 def check_output_dir(out_dir: str | os.PathLike, force: bool) -> str:
-    """Fail early (before any expensive work) if ``out_dir`` exists and ``force`` is off."""
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.lexists(out_dir) and not force:
-        raise CheckpointError(f"output directory {out_dir} already exists; pass --force (force=True) to replace it")
-    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-        raise CheckpointError(f"output path {out_dir} exists and is not a directory; remove it first")
+    """Refuse, before any expensive work, an OUT_DIR that cannot be created or written, or that exists and
+    may not be replaced (see :func:`_check_existing`); returns it absolute."""
+    out_dir = _out_path(out_dir)
+    target = _target(out_dir)
+    exists = os.path.lexists(target)
+    if exists:
+        _check_existing(out_dir, target, force)
+    # Replacing renames the old directory aside in its parent; creating makes the missing parents.
+    problem = dir_problem(os.path.dirname(target) if exists else target)
+    if problem:
+        raise OutputError(f"output directory {out_dir} cannot be {'replaced' if exists else 'created'} "
+                          f"({problem}); choose another OUT_DIR")
     return out_dir
 
 
@@ -78,8 +135,8 @@ def check_output_apart(source: str | os.PathLike, out_dir: str | os.PathLike) ->
     """Refuse an OUT_DIR that is, contains or is inside the conversion's input (before anything is read
     or written): replacing OUT_DIR (--force) would delete the input, and writing inside it would mix a
     checkpoint into the model files. Symlinks are resolved, so an alias of the input is caught too."""
-    src, out = os.path.realpath(os.fspath(source)), os.path.realpath(os.fspath(out_dir))
-    shown = os.path.abspath(os.fspath(out_dir))
+    shown = _out_path(out_dir)
+    src, out = os.path.realpath(os.fspath(source)), os.path.realpath(shown)
     if out == src:
         raise CheckpointError(f"output directory {shown} is the input {src}; converting in place would delete the "
                               "input weights. Choose an OUT_DIR outside the input")
@@ -149,18 +206,18 @@ def save_checkpoint(out_dir: str | os.PathLike, config: ModelConfig, params: dic
     if dtype not in DTYPES:
         raise CheckpointError(f"params have dtype {dtype}; checkpoints store one of {', '.join(DTYPES)}")
 
-    parent = os.path.dirname(out_dir)
+    target = _target(out_dir)  # a symlink's target is written; the link stays
+    parent, name = os.path.split(target)
     # Create missing parents, remembering the top-most one so a failure can remove it again.
     created_top = None
     probe = parent
     while not os.path.isdir(probe):
         created_top = probe
         probe = os.path.dirname(probe)
-    os.makedirs(parent, exist_ok=True)
-    name = os.path.basename(out_dir)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-    old = None
+    tmp = old = None
     try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a checkpoint is an ordinary directory
@@ -182,29 +239,36 @@ def save_checkpoint(out_dir: str | os.PathLike, config: ModelConfig, params: dic
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(info, f, indent=2)
 
-        if os.path.lexists(out_dir):
-            if not force:  # appeared while we were converting (a concurrent writer)
-                raise CheckpointError(
-                    f"output directory {out_dir} already exists; pass --force (force=True) to replace it")
+        if os.path.lexists(target):
+            # Checked again: it may have appeared or been filled while we were converting.
+            _check_existing(out_dir, target, force)
             old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(out_dir, old)
+            os.rename(target, old)
         try:
-            os.rename(tmp, out_dir)
+            os.rename(tmp, target)
         except OSError:
-            if old is not None:
-                os.rename(old, out_dir)
+            if old is not None:  # put the previous checkpoint back
+                os.rename(old, target)
                 old = None
-            if os.path.lexists(out_dir):
-                raise CheckpointError(
-                    f"output directory {out_dir} already exists; pass --force (force=True) to replace it") from None
+            elif os.path.lexists(target):  # a concurrent writer got there first
+                _check_existing(out_dir, target, False)
             raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if created_top is not None:
             shutil.rmtree(created_top, ignore_errors=True)
+        if isinstance(e, OSError):  # a full disk, a permission changed meanwhile: name OUT_DIR, not a traceback
+            kept = (f"the previous checkpoint was moved to {old}; move it back to {target}" if old is not None
+                    else "nothing was written or replaced")
+            raise OutputError(f"output directory {out_dir}: writing the checkpoint failed ({e.strerror or e}); "
+                              f"{kept}. Free space or choose another OUT_DIR") from e
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+        if os.path.lexists(old):
+            warnings.warn(f"the new checkpoint is in {out_dir}, but the one it replaced could not be deleted "
+                          f"from {old}; delete it yourself", RuntimeWarning, stacklevel=2)
     return out_dir
 
 

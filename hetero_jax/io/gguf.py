@@ -255,6 +255,22 @@ def _open_reader(path: str):
                               "re-download it") from None
 
 
+def _gguf_dir_message(path: str) -> str:
+    """Why a directory given as the GGUF file is refused, pointing at what was probably meant."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        names = []
+    ggufs = [n for n in names if n.endswith(".gguf")]
+    msg = f"GGUF path {path} is a directory; --gguf takes the path of a GGUF file"
+    if ggufs:
+        msg += f", e.g. --gguf {os.path.join(path, ggufs[0])}"
+    if "config.json" in names:
+        msg += ("; for a Hugging Face model directory leave out --gguf: hetero-jax-convert "
+                f"{path} OUT_DIR")
+    return msg
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32",
                  force: bool = False, progress: bool = True) -> ConversionResult:
     """Convert a llama-architecture GGUF (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors) into a checkpoint at ``out_dir``."""
@@ -265,6 +281,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     np_dtype(dtype)
     check_output_apart(gguf_path, out_dir)
     out_dir = check_output_dir(out_dir, force)
+    if os.path.isdir(gguf_path):
+        raise CheckpointError(_gguf_dir_message(gguf_path))
     if not os.path.isfile(gguf_path):
         raise CheckpointError(f"GGUF file {gguf_path} does not exist")
     reader = _open_reader(gguf_path)
