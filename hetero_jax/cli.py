@@ -244,11 +244,9 @@ def _cmd_generate(args, setup) -> int:
     base = args.policy.split(":")[0].lower()
     stray_profile = args.profile is not None and base not in ("heterocache", "synckv")
     flags = {}  # option -> (its flag, value): a flag and an --option of one name are refused below
-    if base == "synckv" and args.profile:
-        flags["profile"] = ("--profile", args.profile)  # SyncKV loads a path itself
+    if base in ("heterocache", "synckv") and args.profile:
+        flags["profile"] = ("--profile", args.profile)  # a path: the policy loads it
     if base == "heterocache":
-        if args.profile:
-            flags["profile"] = ("--profile", args.profile)  # HeteroCache takes the loaded profile
         for key, flag in (("window", "--window"), ("tau_drift", "--tau-drift"), ("select_window", "--select-window")):
             if getattr(args, key) is not None:
                 flags[key] = (flag, getattr(args, key))
@@ -263,10 +261,6 @@ def _cmd_generate(args, setup) -> int:
                   file=sys.stderr)
             return 2
         extra[key] = value
-    if base == "heterocache" and isinstance(extra.get("profile"), str):  # --profile or --option profile=PATH
-        from hetero_jax.profile.official import load_profile
-
-        extra["profile"] = load_profile(extra["profile"])
     policy = make_policy(args.policy, args.budget, **extra)  # a bad name or value: HeteroJaxError, exit 2
     if args.prompt is None and args.prompt_file is None:
         print("error: give --prompt TEXT or --prompt-file FILE", file=sys.stderr)

@@ -48,10 +48,11 @@ def tiny_checkpoint(tmp_path_factory):
     def get(arch: str):
         if arch not in made:
             root = tmp_path_factory.mktemp(f"tiny_{arch}")
-            hf_dir = make_tiny_hf(arch, root / "hf")
             out = root / "converted"
-            # its "converted ..." line would land in the output of whichever test first asks for this arch
-            with contextlib.redirect_stdout(io.StringIO()):
+            # the writers' progress bars and "converted ..." line would otherwise land in the captured output of
+            # whichever test first asks for this arch
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                hf_dir = make_tiny_hf(arch, root / "hf")
                 assert convert_main([str(hf_dir), str(out)]) == 0
             made[arch] = (str(hf_dir), str(out))
         return made[arch]

@@ -218,7 +218,7 @@ def test_refused_chat_turn_keeps_the_history(tiny_checkpoint):
                                                        "between drift checks), got 2.5"),
     (lambda: HeteroCache(profile=PROFILE, tau_drift=float("nan")), "HeteroCache: tau_drift must be a finite number"),
     (lambda: HeteroCache(profile=PROFILE, tau_drift="0.5"), "got '0.5'"),
-    (lambda: HeteroCache(profile="profile.json"), "HeteroCache: profile must be a HeadProfile"),
+    (lambda: HeteroCache(profile=3), "HeteroCache: profile must be a HeadProfile, a path to a profile JSON or None"),
     (lambda: SnapKV(budget=True), "SnapKV: budget rho must be a number in (0, 1], the fraction of the prompt's KV "
                                   "kept on the device; got True of type bool"),
     (lambda: FreeKV(sinks=-1), "FreeKV: sinks must be an integer >= 0 or None (B_c / 16), got -1"),
@@ -234,6 +234,21 @@ def test_policy_arguments_are_checked_at_construction(make, needle):
     with pytest.raises(PolicyError if "budget rho" not in needle else BudgetError) as ei:
         make()
     assert needle in str(ei.value), str(ei.value)
+
+
+def test_a_profile_path_is_loaded_by_the_profiled_policies(tmp_path):
+    """HeteroCache and ProfiledSnapKV refused a path (only SyncKV loaded one), so `--option profile=PATH` and a
+    server's flag could not name a profile for them."""
+    from hetero_jax.policies import ProfiledSnapKV
+    from hetero_jax.profile.official import load_profile
+    from hetero_jax.profile.schema import ProfileError
+
+    path = tmp_path / "p.json"
+    PROFILE.to_json(path)
+    for cls in (HeteroCache, ProfiledSnapKV):
+        assert cls(budget=0.5, profile=str(path)).profile == load_profile(str(path))
+        with pytest.raises(ProfileError, match="profile file not found: no/such/p.json"):
+            cls(budget=0.5, profile="no/such/p.json")
 
 
 def test_optional_and_boolean_parameters_accept_their_values():

@@ -114,8 +114,9 @@ class ProfiledSnapKV(ProfileBound, SnapKV):
 
     def __post_init__(self):
         super().__post_init__()
+        self._load_profile_path()
         if self.profile is not None and not isinstance(self.profile, HeadProfile):
-            raise PolicyError(f"ProfiledSnapKV: profile must be a HeadProfile (load_profile('profile.json')) or "
+            raise PolicyError(f"ProfiledSnapKV: profile must be a HeadProfile, a path to a profile JSON or "
                               f"None for the model's shipped profile, got {type(self.profile).__name__}")
         object.__setattr__(self, "profile_key", profile_key(self.profile))
 

@@ -11,6 +11,7 @@ the per-head budgets (Eq. 7-8, the B1 rule for uniform weights) and the pivots' 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import ClassVar
 
 import numpy as np
@@ -48,7 +49,15 @@ class ProfileBound(Policy):
 
     profile_table: ClassVar[dict[str, str]] = SHIPPED_PROFILES  # shipped profiles bind() looks in
     calibrate_hint: ClassVar[str] = ("calibrate one with `hetero-jax profile --model M --data FILE --out "
-                                     "profile.json` and pass {cls}(profile=load_profile('profile.json'))")
+                                     "profile.json` and pass {cls}(profile='profile.json')")
+
+    def _load_profile_path(self) -> None:
+        """A ``profile`` given as a path (``--option profile=PATH``, a server's flag) loaded in place: the
+        policy holds the profile itself."""
+        if isinstance(self.profile, (str, os.PathLike)):
+            from hetero_jax.profile.official import load_profile
+
+            object.__setattr__(self, "profile", load_profile(os.fspath(self.profile)))
 
     # -------------------------------------------------------------- binding
     def bind(self, model):

@@ -55,7 +55,6 @@ from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key
 from hetero_jax.policies.selection import bytes_rho, cap_bucket
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.head_profile import HeadProfile
-from hetero_jax.profile.official import load_profile
 from hetero_jax.profile.schema import ProfileError
 from hetero_jax.profile.shipped import SHIPPED_SYNCKV_PROFILES
 
@@ -97,8 +96,7 @@ class SyncKV(ProfiledPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.profile, str):
-            object.__setattr__(self, "profile", load_profile(self.profile))
+        self._load_profile_path()
         if self.profile is not None:
             if not isinstance(self.profile, HeadProfile):
                 raise PolicyError(f"SyncKV: profile must be a HeadProfile, a path to a profile JSON or None for "

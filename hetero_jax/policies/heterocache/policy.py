@@ -18,7 +18,7 @@ def _check_hetero_args(p: "HeteroCache") -> None:
     """Types and ranges of HeteroCache's arguments that are not declared with ``int_param`` & co. (the profile,
     an optional tau_drift, select_window's own message)."""
     if p.profile is not None and not isinstance(p.profile, HeadProfile):
-        raise PolicyError(f"HeteroCache: profile must be a HeadProfile (load_profile('profile.json')) or None "
+        raise PolicyError(f"HeteroCache: profile must be a HeadProfile, a path to a profile JSON or None "
                           f"for the model's shipped profile, got {type(p.profile).__name__}")
     # bool is an int to isinstance, but True is no number of queries
     if isinstance(p.select_window, bool) or not isinstance(p.select_window, int) or p.select_window < 1:
@@ -53,6 +53,7 @@ class HeteroCache(ProfiledPolicy):
 
     def __post_init__(self):
         super().__post_init__()
+        self._load_profile_path()
         _check_hetero_args(self)
         if self.pool_kernel != 5:
             raise BudgetError("HeteroCache: the pooled-score kernel supports pool_kernel=5 only")
