@@ -117,23 +117,28 @@ def _cmd_serve(args) -> int:
     if missing:
         raise ConfigError(f"hetero-jax serve needs {' and '.join(missing)}, which are not installed; install the "
                           "server's stack with pip install 'hetero-jax[serve]'")
-    import uvicorn
-
     from hetero_jax.serve import ServeConfig, create_app, parse_size
+    from hetero_jax.serve.listen import bind_socket, serve, url
 
     host_bytes = None if args.host_memory is None else parse_size(args.host_memory, "--host-memory")
     device_bytes = None if args.device_memory is None else parse_size(args.device_memory, "--device-memory")
-    enable_compilation_cache()
-    import hetero_jax
+    # the last check: --host resolves and --port is free (bound now; uvicorn listens on it once the model is loaded)
+    sock = bind_socket(args.host, args.port)
+    try:
+        enable_compilation_cache()
+        import hetero_jax
 
-    model = hetero_jax.load(args.model, dtype=args.dtype)
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
-                                      else args.model)
-    config = ServeConfig(model_id=name, policy=policy, policy_name=args.policy, policy_options=tuple(options.items()),
-                         max_sessions=args.max_sessions, max_device_bytes=device_bytes, max_host_bytes=host_bytes,
-                         max_queue=args.max_queue, max_tokens=args.max_tokens)
-    print(f"serving {name} ({policy!r}) on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(create_app(model, config), host=args.host, port=args.port, log_level=args.log_level)
+        model = hetero_jax.load(args.model, dtype=args.dtype)
+        name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
+                                          else args.model)
+        config = ServeConfig(model_id=name, policy=policy, policy_name=args.policy,
+                             policy_options=tuple(options.items()), max_sessions=args.max_sessions,
+                             max_device_bytes=device_bytes, max_host_bytes=host_bytes, max_queue=args.max_queue,
+                             max_tokens=args.max_tokens)
+        serve(create_app(model, config), sock, log_level=args.log_level,
+              banner=f"serving {name} ({policy!r}) on {url(sock)}/v1")
+    finally:
+        sock.close()
     return 0
 
 

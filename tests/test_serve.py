@@ -164,6 +164,206 @@ def test_serve_flags_are_refused_before_loading(capsys, no_load, flags, needle):
     assert needle in capsys.readouterr().err
 
 
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("body, needle", [
+    (_nested(100_000).encode(), "too deeply to parse"),  # past the recursion limit: json.loads raises
+    (('{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "user": %s}'
+      % (MODEL, _nested(100_000))).encode(), "too deeply to parse"),
+    # parses, but 1 (the object) + 500 lists deep: refused before anything prints or copies it
+    (('{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "user": %s}'
+      % (MODEL, _nested(500))).encode(), "nests arrays or objects 501 levels deep"),
+])
+def test_deeply_nested_json_is_refused_as_invalid_json(body, needle):
+    with pytest.raises(RequestError) as e:
+        schema.parse_json(body)
+    assert (e.value.status, e.value.code) == (400, "invalid_json") and needle in str(e.value)
+    assert f"at most {schema.MAX_DEPTH} levels" in str(e.value)
+
+
+def test_json_nesting_up_to_the_limit_is_accepted():
+    # {"user": [[...]]}: the object and MAX_DEPTH - 1 lists
+    ok = schema.parse_json(json.dumps({"user": json.loads(_nested(schema.MAX_DEPTH - 1))}).encode())
+    assert schema.json_depth(ok) == schema.MAX_DEPTH
+    assert [schema.json_depth(v) for v in (3, [], {}, {"a": [1, {"b": []}]}, [[], [[[]]]])] == [0, 1, 1, 4, 4]
+    with pytest.raises(RequestError, match=f"{schema.MAX_DEPTH + 1} levels deep"):
+        schema.parse_json(json.dumps({"user": json.loads(_nested(schema.MAX_DEPTH))}).encode())
+
+
+@pytest.fixture
+def modelless_app(monkeypatch):
+    """The app over a stand-in model, for requests refused before the engine: a job submitted fails the test."""
+    from types import SimpleNamespace
+
+    from hetero_jax.serve import ServeConfig, create_app
+
+    model = SimpleNamespace(tokenizer=None, config=SimpleNamespace(max_position_embeddings=8192))
+    app = create_app(model, ServeConfig(model_id=MODEL))
+
+    def boom(*a, **k):
+        raise AssertionError("a request that should have been refused reached the engine")
+    monkeypatch.setattr(app.state.server.worker, "submit", boom)
+    return app
+
+
+def test_a_deeply_nested_body_gets_400_invalid_json_over_http(modelless_app):
+    from starlette.testclient import TestClient
+
+    client = TestClient(modelless_app, raise_server_exceptions=False)
+    chat = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "user": %s}'
+    for path, body in (("/v1/chat/completions", _nested(100_000)), ("/v1/completions", _nested(100_000)),
+                       ("/v1/chat/completions", chat % (MODEL, _nested(100_000))),
+                       ("/v1/chat/completions", chat % (MODEL, _nested(990)))):  # parses, just under the limit
+        r = client.post(path, content=body.encode(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, len(body), r.text[:200])
+        err = r.json()["error"]
+        assert (err["code"], err["type"]) == ("invalid_json", "invalid_request_error") and "nest" in err["message"]
+
+
+# every option of a registered policy that holds an object read from a file, found by reading the policies:
+# SyncKV (synckv.py) and ContextKeeper (contextkeeper/policy.py) load a str as a JSON path, HCAttention a str
+# as a codebook .npz; HeteroCache and ProfiledSnapKV hold a HeadProfile
+FILE_OPTIONS = {"heterocache": ("profile",), "synckv": ("profile",), "profiledsnapkv": ("profile",),
+                "contextkeeper": ("ranking",), "hcattention": ("codebook",)}
+
+
+def test_the_file_options_are_found_from_the_policies_types():
+    from hetero_jax.serve.app import FILE_OPTIONS as found
+
+    assert {k: v for k, v in found.items() if v} == FILE_OPTIONS
+
+
+@pytest.mark.parametrize("spec, option, owner", [
+    ("synckv:profile={}", "profile", "SyncKV"),
+    ("contextkeeper:ranking={}", "ranking", "ContextKeeper"),
+    ("hcattention:codebook={}", "codebook", "HCAttention"),
+    ("HeteroCache:window=5,profile={}", "profile", "HeteroCache"),
+    ("profiled-snapkv:profile={}", "profile", "ProfiledSnapKV"),
+    ("sync_kv: profile = {}", "profile", "SyncKV"),  # make_policy's spellings of the name and the option
+    ("no-such-policy:ranking={}", "ranking", "a policy"),  # every policy's file options for an unknown name
+])
+def test_a_request_may_not_name_a_file_for_a_policy(modelless_app, monkeypatch, tmp_path, spec, option, owner):
+    import builtins
+
+    from starlette.testclient import TestClient
+
+    real = tmp_path / "exists.json"
+    real.write_text("{}")
+    opened = []
+    real_open = builtins.open
+
+    def spy(file, *a, **k):
+        opened.append(str(file))
+        return real_open(file, *a, **k)
+    monkeypatch.setattr(builtins, "open", spy)
+    client = TestClient(modelless_app, raise_server_exceptions=False)
+    answers = []
+    for path in (str(tmp_path / "missing.json"), str(real)):
+        r = client.post("/v1/chat/completions", json={**_chat(), "policy": spec.format(path), "budget": 0.5})
+        err = r.json()["error"]
+        assert (r.status_code, err["code"], err["param"]) == (400, "invalid_policy", "policy"), err
+        assert f"the policy option {option!r} ({owner}'s {option}" in err["message"]
+        assert "a request may not name files" in err["message"] and f"--option {option}=PATH" in err["message"]
+        assert path not in err["message"] and "not found" not in err["message"]
+        answers.append(err["message"])
+    assert answers[0] == answers[1]  # nothing in the answer depends on whether the file exists
+    assert not [f for f in opened if str(tmp_path) in f], opened
+
+
+def test_request_policies_without_files_and_the_servers_own_profile_still_work():
+    from types import SimpleNamespace
+
+    from hetero_jax.policies import Quest, SyncKV
+    from hetero_jax.profile.official import load_profile
+    from hetero_jax.profile.shipped import SHIPPED_SYNCKV_PROFILES, shipped_data_path
+    from hetero_jax.serve import ServeConfig
+    from hetero_jax.serve.app import Server
+
+    path = shipped_data_path(SHIPPED_SYNCKV_PROFILES, MODEL)
+    model = SimpleNamespace(tokenizer=None, config=SimpleNamespace(max_position_embeddings=8192))
+    server = Server(model, ServeConfig(model_id=MODEL, policy_name="synckv", policy_options=(("profile", path),)))
+    own = server.policy_for(None, 0.25)  # a budget alone: the server's policy with its --option profile=PATH
+    assert isinstance(own, SyncKV) and own.budget == 0.25 and own.profile == load_profile(path)
+    q = server.policy_for("quest:offload=true,page_size=8", 0.5)
+    assert isinstance(q, Quest) and (q.offload, q.page_size, q.budget) == (True, 8, 0.5)
+
+
+def test_serve_accepts_a_profile_path_among_its_own_flags(capsys, no_load):
+    """--option profile=PATH at start-up is the server's choice: accepted (and read), where a request's is not;
+    the busy port refuses the start after the policy was built."""
+    import socket
+
+    from hetero_jax.profile.shipped import SHIPPED_SYNCKV_PROFILES, shipped_data_path
+
+    path = shipped_data_path(SHIPPED_SYNCKV_PROFILES, MODEL)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        from hetero_jax.cli import main
+
+        assert main(["serve", "--policy", "synckv", "--option", f"profile={path}", "--port", str(port)]) == 2
+        assert f"--port {port} is already in use" in capsys.readouterr().err
+        assert main(["serve", "--policy", "synckv", "--option", "profile=/no/such/synckv.json"]) == 2
+        assert "/no/such/synckv.json" in capsys.readouterr().err  # the operator's own path: read and reported
+
+
+def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads(capsys, no_load):
+    import socket
+
+    from hetero_jax.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+        out = capsys.readouterr()
+        assert f"--port {port} is already in use on 127.0.0.1" in out.err and "give another --port" in out.err
+        assert "serving" not in out.out  # no banner for a server that never listened
+    for host, needle in (("999.1.1.1", "--host '999.1.1.1' is not an address or a host name that resolves"),
+                         ("192.0.2.1", "--host 192.0.2.1 is not an address of this machine")):  # TEST-NET-1
+        assert main(["serve", "--host", host]) == 2
+        out = capsys.readouterr()
+        assert needle in out.err and "0.0.0.0" in out.err and "serving" not in out.out
+    assert time.monotonic() - start < 30  # refused without loading anything (no_load also fails a load)
+
+
+@pytest.mark.slow
+def test_serve_prints_its_banner_once_listening_and_answers(tiny_checkpoint, tmp_path):
+    """The whole command on a tiny model: --port 0 binds a free port before the load, the banner names it once
+    uvicorn listens, and the server answers there; Ctrl-C stops it cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    _, ours = tiny_checkpoint("llama")
+    proc = subprocess.Popen([sys.executable, "-m", "hetero_jax.cli", "serve", "--model", ours, "--port", "0",
+                             "--served-model-name", "tiny", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=(tmp_path / "err").open("w"), text=True,
+                            env=os.environ.copy())
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving tiny (FullKV") and " on http://127.0.0.1:" in line, (
+            line, proc.poll(), (tmp_path / "err").read_text()[-2000:])
+        base = line.split(" on ")[-1].strip().removesuffix("/v1")
+        assert int(base.rsplit(":", 1)[1]) > 0  # the port the system chose, not 0
+        r = httpx.get(base + "/v1/models", timeout=30)  # listening as soon as the banner is out
+        assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["tiny"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # --------------------------------------------------------------------------------------- a live server
 class LiveServer:
     def __init__(self, model, **config):
@@ -363,6 +563,9 @@ def test_every_error_case_gets_its_status_and_message(live):
     cases = [
         (b"{not json", 400, "invalid_json", "not valid JSON"),
         (b"[1, 2]", 400, "invalid_json", "must be a JSON object"),
+        (_nested(100_000).encode(), 400, "invalid_json", "too deeply to parse"),
+        ({"model": MODEL, "messages": msgs, "policy": "synckv:profile=/etc/passwd"}, 400, "invalid_policy",
+         "a request may not name files on the server"),
         ({"model": "gpt-9", "messages": msgs}, 404, "model_not_found", "'gpt-9' does not exist"),
         ({"model": MODEL, "messages": msgs, "temperature": 3}, 400, None, "temperature must be a number in [0, 2]"),
         ({"model": MODEL, "messages": msgs, "top_p": 1.5}, 400, None, "top_p must be a number in (0, 1]"),

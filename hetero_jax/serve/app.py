@@ -13,6 +13,8 @@ import json
 import logging
 import queue
 import time
+import types
+import typing
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
@@ -22,7 +24,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from hetero_jax.errors import HeteroJaxError
-from hetero_jax.policies import BudgetError, PolicyError, default_policy, make_policy
+from hetero_jax.policies import (
+    REGISTRY, BudgetError, PolicyError, default_policy, make_policy, parse_options,
+)
 from hetero_jax.runtime import generate
 from hetero_jax.serve import schema
 from hetero_jax.serve.metrics import Metrics
@@ -118,6 +122,7 @@ class Server:
         try:
             if policy is None:
                 return make_policy(self.config.policy_name, budget, **dict(self.config.policy_options))
+            refuse_file_options(policy)  # before make_policy, which would open the file
             return make_policy(policy, budget)
         except PolicyError as e:
             raise RequestError(str(e), param="policy", code="invalid_policy") from None
@@ -154,6 +159,49 @@ class Server:
                           completion_tokens=len(turn.token_ids), prefill_seconds=turn.prefill_seconds,
                           decode_seconds=turn.decode_seconds, decode_steps=turn.decode_steps, resumed=turn.resumed,
                           recalls=turn.recalls)
+
+
+SCALARS = (bool, int, float, str, type(None))  # what a policy option written as text can stand for
+UNIONS = (typing.Union, types.UnionType)
+
+
+def file_options(cls) -> tuple[str, ...]:
+    """The options of policy class ``cls`` that hold an object read from a file (a head profile, a ranking, a
+    codebook): its init fields whose declared type is not made of bool, int, float, str and None. Written in a
+    policy spec such an option's value can only be text, a path, which the policy opens."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        t = hints.get(f.name, object)
+        kinds = typing.get_args(t) if typing.get_origin(t) in UNIONS else (t,)
+        if f.init and not all(k in SCALARS for k in kinds):
+            out.append(f.name)
+    return tuple(out)
+
+
+FILE_OPTIONS = {key: file_options(cls) for key, cls in REGISTRY.items()}
+ANY_FILE_OPTION = frozenset(o for opts in FILE_OPTIONS.values() for o in opts)
+
+
+def refuse_file_options(spec: str) -> None:
+    """RequestError, before ``make_policy`` runs, when a request's policy spec gives an option read from a file.
+    Which files the server reads is its operator's choice (``--option profile=PATH`` at start-up), never a
+    client's: a client could otherwise make the server open any path and learn from the policy's message whether
+    it exists. A spec whose name is no policy is checked against every policy's file options (``make_policy``
+    then refuses the name)."""
+    name, _, opts = spec.partition(":")
+    options = parse_options([x for x in opts.split(",") if x.strip()])  # PolicyError for a malformed one
+    key = name.strip().lower().replace("-", "").replace("_", "")
+    for option in options:
+        if option in FILE_OPTIONS.get(key, ANY_FILE_OPTION):
+            known = key in REGISTRY
+            owner, flag = (f"{REGISTRY[key].__name__}'s", name.strip()) if known else ("a policy's", "NAME")
+            raise RequestError(
+                f"the policy option {option!r} ({owner} {option}, read from a file) cannot be given in a request: "
+                "a request may not name files on the server, which are chosen by the server's own flags at "
+                f"start-up (hetero-jax serve --policy {flag} --option {option}=PATH). Leave {option} out "
+                f"for the model's shipped {option}, or leave policy out for the server's policy and its options "
+                "(a budget alone keeps them)", param="policy", code="invalid_policy")
 
 
 def _token_sink(job: Job, emit, stops):

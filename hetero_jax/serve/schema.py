@@ -18,6 +18,7 @@ from hetero_jax.runtime.prompts import check_request, is_int, is_real
 
 ROLES = ("system", "user", "assistant")  # "developer" (OpenAI's newer name for system) is read as "system"
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
+MAX_DEPTH = 64  # arrays / objects nested in a request body (OpenAI's requests nest 5 or so: messages' parts)
 # fields of OpenAI's schema whose non-default values would change the answer in ways this server does not offer:
 # refused rather than ignored, so a client never gets an answer that silently lacks what it asked for
 UNSUPPORTED = {
@@ -84,16 +85,40 @@ class CompletionRequest(Request):
 
 
 def parse_json(body: bytes) -> dict:
-    """The request body as a JSON object; RequestError naming what is wrong otherwise."""
+    """The request body as a JSON object; RequestError naming what is wrong otherwise (not JSON, not an object,
+    or nested deeper than ``MAX_DEPTH``: JSON nested past the interpreter's recursion limit fails to parse,
+    and a body just under it fails later wherever its values are printed or copied)."""
     try:
         value = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON ({e}); send a JSON object",
                            code="invalid_json") from None
+    except RecursionError:
+        raise RequestError(f"the request body nests arrays or objects too deeply to parse; send a JSON object "
+                           f"nested at most {MAX_DEPTH} levels deep", code="invalid_json") from None
     if not isinstance(value, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(value).__name__}",
                            code="invalid_json")
+    depth = json_depth(value)
+    if depth > MAX_DEPTH:
+        raise RequestError(f"the request body nests arrays or objects {depth} levels deep; send a JSON object "
+                           f"nested at most {MAX_DEPTH} levels deep", code="invalid_json")
     return value
+
+
+def json_depth(value) -> int:
+    """How deeply ``value`` (parsed JSON) nests lists and dicts: 0 for a scalar, 1 for ``[]`` or ``{}``. Walks
+    iteratively, so no nesting exhausts the recursion limit."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d)
+        todo.extend((x, d + 1) for x in v)
+    return deepest
 
 
 def _common(d: dict) -> dict:
