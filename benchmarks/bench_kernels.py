@@ -63,8 +63,8 @@ SECTION = "kernels"
 def main(argv=None) -> int:
     ap = common.argument_parser(__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(common.OUT_DIR / "kernels.json"), help="JSON output path "
-                    "(default: benchmarks/out/kernels.json)")
+    ap.add_argument("--out", type=Path, default=common.OUT_DIR / "kernels.json", help="JSON output path "
+                    "(default: benchmarks/out/kernels.json; checked before any work)")
     ap.add_argument("--write-results", action="store_true",
                     help=f"rewrite the '{SECTION}' section of benchmarks/RESULTS.md (created if missing)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -80,7 +80,16 @@ def main(argv=None) -> int:
                     help="only time the decode kernel over launch parameters (num_splits, block_k, num_warps, "
                          "num_stages) at Llama-3.1-8B shapes, 32K and 128K (needs a GPU); writes kernels-sweep.json "
                          "beside --out and, with --write-results, the 'kernels-gpu-sweep' section")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(argv)  # refuses an --out it cannot write (BenchParser.check_paths), before any work
+    beside = "kernels-drift-check.json" if args.drift_timing else "kernels-sweep.json" if args.sweep else None
+    if beside is not None:  # those write a file beside --out instead: check that one too
+        from hetero_jax.errors import OutputError
+        from hetero_jax.io.files import check_outputs
+
+        try:
+            check_outputs({"--out": args.out.with_name(beside)}, parents=True)
+        except OutputError as e:
+            ap.error(str(e))
     if args.drift_timing:
         return drift_timing_main(args, argv)
     if args.sweep:

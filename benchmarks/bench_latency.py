@@ -430,6 +430,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("give at least one of --real-lengths / --synthetic-lengths")
     if any(n < 1 for n in args.real_lengths + args.synthetic_lengths):
         p.error("lengths must be positive")
+    if args.merge:  # each a result file of this script (the keys merge reads), before any work
+        common.read_json_inputs(p, "--merge", args.merge, ("config", "lengths", "runs", "total_seconds"),
+                                "bench_latency.py")
     return args
 
 

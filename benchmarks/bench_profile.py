@@ -23,8 +23,11 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 
 def _commit() -> str | None:
@@ -40,14 +43,22 @@ def _peak_rss_mib() -> float:
     return r / 2**20 if sys.platform == "darwin" else r / 1024  # bytes on macOS, KiB on Linux
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+    """The arguments and the parser (harness.args.BenchParser: --out must be a folder it can create or write into,
+    refused with a usage error before any work)."""
+    from harness.args import argument_parser
+
+    ap = argument_parser(__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="known model with a shipped profile")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "out"), help="JSON output directory")
+    ap.add_argument("--out", dest="out_dir", type=Path, default=Path(REPO, "benchmarks", "out"), metavar="DIR",
+                    help="JSON output directory (created if missing; each run writes bench_profile-STAMP.json)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--write-results", action="store_true", help="rewrite the profile section of benchmarks/RESULTS.md")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv), ap
+
+
+def main(argv=None) -> int:
+    args, ap = parse_args(argv)
 
     import jax
     import numpy as np
@@ -107,11 +118,12 @@ def main(argv=None) -> int:
         "reproduces_shipped_roles": reproduces,
         "reference_profiles": refs,
     }
-    os.makedirs(args.out, exist_ok=True)
+    from hetero_jax.io.files import write_text
+
+    os.makedirs(args.out_dir, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = os.path.join(args.out, f"bench_profile-{stamp}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    out = os.path.join(args.out_dir, f"bench_profile-{stamp}.json")
+    write_text(out, json.dumps(result, indent=1), "--out")  # whole or not at all (a temporary renamed into place)
 
     c = prof.role_counts()
     lines = [f"## Profile calibration: {args.model}", ""]

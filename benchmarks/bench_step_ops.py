@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -250,7 +249,10 @@ def _plugin_versions() -> dict:
     return out
 
 
-def parse_args(argv=None):
+RENDER_KEYS = ("config", "rows", "errors", "targets", "total_seconds")  # what main reads of a --render file
+
+
+def make_parser() -> common.BenchParser:
     p = common.argument_parser(__doc__.split("\n\n")[0])
     p.add_argument("--lengths", "--length", type=int, nargs="+", default=list(DEFAULT_LENGTHS),
                    help="prompt lengths (tokens) of the synthetic prefill")
@@ -279,17 +281,35 @@ def parse_args(argv=None):
                    help="with --render: count again from the HLO texts that run dumped into DIR (--dump-hlo)")
     common.add_results_arguments(p, SECTION, presets=False)
     p.not_written_with("out", "render")  # --render only reads its JSON
+    return p
+
+
+def parse_args(argv=None, parser: common.BenchParser | None = None):
+    """The arguments (``parser``: :func:`make_parser`'s, made here when None); --render's file is read by
+    :func:`load_render`, in main."""
+    p = parser or make_parser()
     args = p.parse_args(argv)
+    if args.recount is not None and args.render is None:
+        p.error("--recount counts again the rows of a saved run: give it with --render JSON")
     if "full" not in args.policies:
         args.policies = ["full", *args.policies]
     args.lengths = list(dict.fromkeys(args.lengths))
     return args
 
 
+def load_render(parser, args) -> dict:
+    """The saved run of ``--render`` (and ``--recount``'s folder checked); ``parser.error`` (exit 2) naming the
+    flag, the path and what is wrong otherwise."""
+    if args.recount is not None and not args.recount.is_dir():
+        parser.error(f"--recount {args.recount} is not a directory; give the folder a run's --dump-hlo wrote")
+    return common.read_json_inputs(parser, "--render", [args.render], RENDER_KEYS, "bench_step_ops.py")[0]
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    p = make_parser()
+    args = parse_args(argv, p)
     if args.render is not None:
-        payload = json.loads(args.render.read_text())
+        payload = load_render(p, args)
         if args.recount is not None:
             print(f"recounted {recount(payload, args.recount)} rows from {args.recount}")
     else:

@@ -356,6 +356,11 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 
 
 # --------------------------------------------------------------------- main
+# what merge reads of each --merge file (a finished run's JSON or an interrupted run's OUT.partial.json)
+MERGE_KEYS = ("config", "records", "prompts", "command", "git", "machine", "load_seconds", "total_seconds",
+              "peak_rss_bytes")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = grid.parser(DESCRIPTION, PRESETS, estimate_minutes, PRESETS_HELP)
     grid.add_preset_list(p, PRESETS, "--tasks", f"tasks ({', '.join(TASKS)})", choices=list(TASKS),
@@ -382,6 +387,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--lengths must be positive")
     if any(s < 0 for s in args.seeds):
         p.error("--seeds must be >= 0")
+    if args.merge:  # each a result file of this script, before any work (merge reads them again)
+        common.read_json_inputs(p, "--merge", args.merge, MERGE_KEYS, "bench_tasks.py")
     return args
 
 

@@ -10,17 +10,21 @@ grid with scores that reproduce the order and no votes, so ``ContextKeeper(ranki
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
-import hetero_jax
-from hetero_jax.policies.contextkeeper.ranking import load_ranking
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import hetero_jax  # noqa: E402
+from harness.args import argument_parser  # noqa: E402
+from hetero_jax.policies.contextkeeper.ranking import load_ranking  # noqa: E402
 
 DATA = Path(hetero_jax.__file__).parent / "data"
+VARIANTS = ("reversed", "random", "copy")
 
 
 def with_order(base, order: np.ndarray, variant: str):
@@ -35,10 +39,15 @@ def with_order(base, order: np.ndarray, variant: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # BenchParser: --out-dir (dest out_dir, an output folder) must be a directory it can create or write into
+    p = argument_parser(__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", type=Path, required=True, help="folder for ck-reversed/random/copy.json (created)")
     p.add_argument("--seed", type=int, default=0, help="the random order's seed")
     args = p.parse_args(argv)
+    paths = {name: args.out_dir / f"ck-{name}.json" for name in VARIANTS}
+    taken = [str(f) for f in paths.values() if f.exists()]
+    if taken:  # before computing or writing any
+        raise SystemExit(f"error: {', '.join(taken)} exist(s); choose another --out-dir (nothing is overwritten)")
     base = load_ranking(DATA / "smollm2-135m.contextkeeper.json")
     profile = json.loads((DATA / "smollm2-135m.profile.json").read_text())
     n_l, n_h = base.shape
@@ -48,10 +57,7 @@ def main(argv=None) -> int:
     variants = {"reversed": order[::-1].copy(),
                 "random": order[np.random.default_rng(args.seed).permutation(len(order))],
                 "copy": np.stack(np.divmod(by_copy, n_h), axis=1)}
-    paths = {name: args.out_dir / f"ck-{name}.json" for name in variants}
-    taken = [str(p) for p in paths.values() if p.exists()]
-    if taken:  # before writing any
-        raise SystemExit(f"error: {', '.join(taken)} exist(s); choose another --out-dir (nothing is overwritten)")
+    assert tuple(variants) == VARIANTS
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, o in variants.items():
         with_order(base, o, name).save(paths[name])

@@ -5,6 +5,8 @@ output and RESULTS.md flags, and the presets (a script's named configurations; a
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -35,11 +37,29 @@ def add_results_arguments(parser, section: str, presets: bool = True) -> None:
 
 # The destinations of the files a script writes (--out, --plot, --json; --results-file only with --write-results);
 # every other argument of type Path is an input it reads (--merge, --text, --profile, --render, ...), except the
-# folders it writes into.
+# folders it writes into (OUTPUT_FOLDER_DESTS: each must be a directory it can create or write into).
 OUTPUT_DESTS = ("out", "plot", "json", "results_file")
 
 
-OUTPUT_FOLDER_DESTS = ("dump_hlo",)
+OUTPUT_FOLDER_DESTS = ("dump_hlo", "out_dir")
+
+
+# The model a script loads (a str: a known model name or a checkpoint directory): an input too (model_input).
+MODEL_DESTS = ("model",)
+
+
+def model_input(value) -> str | None:
+    """The checkpoint a ``--model`` value loads, as an input path for the output checks: the path itself when it
+    exists (a checkpoint directory), a known model's converted copy in the model cache for a known name
+    (``hetero_jax.io.hub.load``'s resolution), else None (nothing on disk to protect)."""
+    if not isinstance(value, (str, os.PathLike)):
+        return None
+    key = os.fspath(value)
+    if os.path.lexists(key):
+        return key
+    from hetero_jax.io.hub import KNOWN_MODELS, cache_dir
+
+    return os.path.join(cache_dir(), key) if key in KNOWN_MODELS else None
 
 
 class BenchParser(argparse.ArgumentParser):
@@ -62,14 +82,31 @@ class BenchParser(argparse.ArgumentParser):
 
     def check_paths(self, ns: argparse.Namespace) -> None:
         """``hetero_jax.io.files.check_outputs`` over ``ns``'s outputs (OUTPUT_DESTS, those of type Path) and
-        its other Path-typed arguments as inputs; ``parser.error`` on a clash. Call it again after filling in
-        an output's default (``parse_grid_args`` does)."""
+        its other Path-typed arguments as inputs, with the checkpoint ``--model`` loads (:func:`model_input`) an
+        input too; each output folder (OUTPUT_FOLDER_DESTS) must be a directory that can be created or written
+        into. ``parser.error`` on a clash or an unusable path. Call it again after filling in an output's default
+        (``parse_grid_args`` does)."""
+        from hetero_jax.io.files import dir_problem
+
         outputs, inputs = {}, {}
         for action in self._actions:
             value = getattr(ns, action.dest, None)
-            if action.type is not Path or value is None or action.dest in OUTPUT_FOLDER_DESTS:
+            if value is None:
                 continue
             flag = action.option_strings[-1] if action.option_strings else action.dest
+            if action.dest in MODEL_DESTS and action.type is not Path:
+                model = model_input(value)
+                if model is not None:
+                    inputs[flag] = model
+                continue
+            if action.type is not Path:
+                continue
+            if action.dest in OUTPUT_FOLDER_DESTS:
+                problem = dir_problem(value)
+                if problem:
+                    self.error(f"{flag} {value} cannot be used as a folder to write into ({problem}); choose "
+                               f"another {flag}")
+                continue
             if action.dest not in OUTPUT_DESTS:
                 inputs[flag] = value
             elif action.dest == "results_file" and not getattr(ns, "write_results", False):
@@ -85,6 +122,42 @@ class BenchParser(argparse.ArgumentParser):
             check_outputs(outputs, inputs, parents=True)
         except OutputError as e:
             self.error(str(e))
+
+
+def read_json_inputs(parser, flag: str, paths: Sequence[str | os.PathLike], keys: Sequence[str],
+                     script: str) -> list[dict]:
+    """The files of input ``flag`` (``--merge A.json B.json``, ``--render X.json``), each read as a JSON object
+    holding every one of ``keys`` (the parts of a result file of ``script`` that the reader uses). Otherwise
+    ``parser.error`` (exit 2, before any work) naming the flag, the file and what is wrong: not found, a
+    directory, unreadable, not JSON, or not a result file of ``script``."""
+    fix = f"give a JSON file that {script} wrote (its --out)"
+    parts = []
+    for path in paths:
+        shown = os.fspath(path)
+        if not os.path.exists(shown):
+            parser.error(f"{flag} {shown}: no such file; {fix}")
+        if os.path.isdir(shown):
+            parser.error(f"{flag} {shown} is a directory, not a file; {fix}")
+        try:
+            with open(shown, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            parser.error(f"{flag} {shown} cannot be read ({e.strerror or e}); {fix}")
+        except UnicodeDecodeError:
+            parser.error(f"{flag} {shown} is not JSON (not UTF-8 text); {fix}")
+        except json.JSONDecodeError as e:
+            parser.error(f"{flag} {shown} is not JSON ({e.msg} at line {e.lineno} column {e.colno}); {fix}")
+        if not isinstance(data, dict):
+            parser.error(f"{flag} {shown} is not a result file of {script} (a JSON {type(data).__name__}, not an "
+                         f"object); {fix}")
+        missing = [k for k in keys if k not in data]
+        if missing:
+            parser.error(f"{flag} {shown} is not a result file of {script} (it has no "
+                         f"{', '.join(repr(k) for k in missing)}); {fix}")
+        if "config" in keys and not isinstance(data["config"], dict):
+            parser.error(f"{flag} {shown} is not a result file of {script} (its 'config' is not an object); {fix}")
+        parts.append(data)
+    return parts
 
 
 def argument_parser(description: str, **kwargs) -> BenchParser:
