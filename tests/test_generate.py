@@ -10,6 +10,7 @@ import hetero_jax
 from hetero_jax.model import transformer as M
 from hetero_jax.errors import PromptError
 from hetero_jax.runtime import prefill, sample
+from tiny_model import TinyTokenizer, random_prompts, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +237,113 @@ def test_compiled_releases_executables_before_the_mapping_limit(monkeypatch):
     assert G.cached_executables() < 80  # released at least once
     y = jnp.ones(2)
     np.testing.assert_allclose(np.asarray(kept(y)), np.sin(1.0) * 2 + np.array([1.0, 2.0]), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- batch rows, streaming, sampling, sessions
+
+
+@pytest.mark.parametrize("context, max_new, short_seed", [(320, 140, 3), (64, 100, 0)])
+def test_batch_rows_keep_their_own_context_room(context, max_new, short_seed):
+    """A short prompt batched with one near the end of the context answers as it does alone, stop reason included.
+    (320, 140): the short answer outgrows one 128-token tail quantum, which the long prompt's room (10) fits in;
+    (64, 100): the short prompt's own room (58) ends it, "context"."""
+    model = tiny_model(context)
+    long = random_prompts([context - 10], seed=1)[0]
+    short = random_prompts([6], seed=short_seed)[0]
+    alone = [hetero_jax.generate(model, p, max_new_tokens=max_new, chat=False) for p in (long, short)]
+    assert [r.stats.stop_reason for r in alone] == ["context", "max_new_tokens" if max_new < context - 6 else "context"]
+    assert [len(r.token_ids) for r in alone] == [10, min(max_new, context - 6)]
+    batch = hetero_jax.generate(model, [long, short], max_new_tokens=max_new, chat=False)
+    for b, a in zip(batch, alone):
+        assert (b.token_ids, b.text, b.stats.stop_reason) == (a.token_ids, a.text, a.stats.stop_reason)
+
+
+class SplitCharTokenizer(TinyTokenizer):
+    """Every third token opens a 4-byte character whose last two bytes come with the next token, so a decode
+    that stops between them ends in U+FFFD, as a byte-level tokenizer's does inside an emoji."""
+    CHARS = "🦒🦑€漢"  # the last two are 3 bytes: split 2 + 1
+
+    def decode(self, ids):
+        out = b""
+        for j, t in enumerate(ids):
+            if j % 3 == 0:
+                out += bytes([97 + t % 26])
+            else:
+                char = self.CHARS[(ids[j - 1] if j % 3 == 2 else t) % len(self.CHARS)].encode()
+                out += char[:2] if j % 3 == 1 else char[2:]
+        return out.decode("utf-8", errors="replace")
+
+
+def test_streamed_chunks_join_to_the_text_across_split_characters():
+    import dataclasses
+
+    model = dataclasses.replace(tiny_model(512), tokenizer=SplitCharTokenizer())
+    p = random_prompts([9], seed=3)[0]
+    chunks = []
+    r = hetero_jax.generate(model, p, max_new_tokens=14, chat=False, on_token=chunks.append)
+    assert len(r.token_ids) >= 3 and r.text == SplitCharTokenizer().decode(r.token_ids)
+    assert any(c in r.text for c in SplitCharTokenizer.CHARS)  # a character spanning two tokens was generated
+    assert "".join(chunks) == r.text
+    assert not any("\ufffd" in c for c in chunks[:-1])  # a split character is sent whole, once complete
+
+
+def test_streamed_chunks_never_hold_a_stop_string():
+    model = tiny_model(512)
+    p = random_prompts([9], seed=5)[0]
+    full = hetero_jax.generate(model, p, max_new_tokens=12, chat=False)
+    assert len(full.token_ids) >= 6
+    stop = full.text[full.text.index(" ", 6) - 2:][:5]  # spans a token boundary (TinyTokenizer joins with spaces)
+    chunks = []
+    r = hetero_jax.generate(model, p, max_new_tokens=12, chat=False, stop=stop, on_token=chunks.append)
+    assert r.stats.stop_reason == "stop" and r.text == full.text[: full.text.index(stop)]
+    assert "".join(chunks) == r.text
+
+
+def test_answer_stream_holds_back_stop_prefixes_and_incomplete_characters():
+    from hetero_jax.runtime.streaming import AnswerStream
+
+    s = AnswerStream([" Paris", "<end>"])
+    assert s.update("The capital is") == "The capital is"
+    assert s.update("The capital is P") == ""  # " P" is held: it could still become " Paris"
+    s = AnswerStream([" Paris"])
+    assert [s.update(t) for t in ("A", "A P", "A Pa", "A Pb", "A Pb\ufffd", "A Pb🦒")] == ["A", "", "", " Pb", "", "🦒"]
+    assert [s.update(t) for t in ("A Pb🦒 Par", "A Pb🦒 Paris x")] == ["", ""] and s.stopped and s.text == "A Pb🦒"
+    s = AnswerStream([" Paris"])
+    assert s.update("x Par") == "x" and s.flush() == " Par"  # EOS: what was held back is the answer's end
+    s = AnswerStream(["cd", "b"])  # two stops appear in one token: the earlier cut wins
+    assert s.update("abcd") == "a" and s.text == "a"
+
+
+def test_sampled_batch_rows_draw_as_each_prompt_alone(tiny):
+    prompts = _prompts(np.random.default_rng(8), 3, tiny.config.vocab_size, hi=20)
+    kw = dict(max_new_tokens=8, chat=False, temperature=1.3, top_p=0.95, seed=2)
+    batch = hetero_jax.generate(tiny, prompts + [prompts[1]], **kw)
+    alone = [hetero_jax.generate(tiny, p, **kw) for p in prompts]
+    assert [b.token_ids for b in batch] == [a.token_ids for a in alone] + [alone[1].token_ids]
+    assert alone[1].token_ids != hetero_jax.generate(tiny, prompts[1], **{**kw, "temperature": 0.0}).token_ids
+
+
+def test_each_session_turn_reports_its_own_compiles():
+    from hetero_jax.runtime.compile_cache import compile_seconds
+
+    model = tiny_model(333)  # a context no other test uses: its executables are compiled here
+    context, question = random_prompts([40, 5], seed=2)
+    t0 = compile_seconds()
+    sess = hetero_jax.Session(model, context, chat=False, reserve_tokens=64)
+    first = sess.ask(question, max_new_tokens=6)
+    t1 = compile_seconds()
+    second = sess.ask(question, max_new_tokens=6)  # the same shapes: nothing to compile
+    t2 = compile_seconds()
+    assert t1 - t0 > 0 and t2 == t1
+    assert first.stats.compile_seconds == pytest.approx(t1 - t0, abs=1e-9)  # with the context's prefill
+    assert second.stats.compile_seconds == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(tiny, temperature):
+    logits = jnp.asarray([[1.0, 3.0, 2.0, -1.0]], jnp.float32)
+    assert int(sample(logits, jax.random.PRNGKey(0), temperature, 1.0)[0]) == 1
+    p = [5, 6, 7, 8, 9, 10]
+    greedy = hetero_jax.generate(tiny, p, max_new_tokens=6, chat=False)
+    assert hetero_jax.generate(tiny, p, max_new_tokens=6, chat=False, temperature=temperature,
+                               seed=1).token_ids == greedy.token_ids

@@ -27,9 +27,10 @@ def generate(
 
     ``prompt``: a string, a list of strings (a batch), token ids, or a list of
     token-id lists. ``policy``: a policy object (the engine refuses None; ``hetero_jax.generate``, above
-    policies/, fills in full KV for it). Greedy at temperature 0.
-    Stops at EOS, at any ``stop`` string, or after ``max_new_tokens``.
-    ``on_token(text_delta)`` streams a single prompt's new text.
+    policies/, fills in full KV for it). Greedy at temperature 0 (or below ``sampling.GREEDY_BELOW``).
+    Each prompt stops at EOS, at any ``stop`` string, after ``max_new_tokens`` or at the end of the context
+    (its own, as if alone). ``on_token(text_delta)`` streams a single prompt's new text: held back while it
+    could still become a stop string or ends inside a character, so the deltas joined are the result's text.
     Returns a :class:`GenerationResult` (a list of them for a batch).
     """
     stops = check_request(max_new_tokens, temperature, top_p, seed=seed, stop=stop, on_token=on_token)
@@ -38,15 +39,15 @@ def generate(
     batch, is_batch = as_token_batches(model, prompt, chat)
     if on_token is not None and is_batch:
         raise PromptError("on_token streams a single prompt; pass one prompt or on_token=None")
-    T = max(len(b) for b in batch)
-    budget = min(max_new_tokens, model.config.max_position_embeddings - T)  # never past the context
-    engine = Engine(model, batch, policy, tail_capacity=tail_capacity_for(budget), seed=seed,
+    # each prompt's own room: a short one batched with a long one runs as far as it would alone
+    budgets = [min(max_new_tokens, model.config.max_position_embeddings - len(b)) for b in batch]
+    # every sequence is stepped until the longest budget ends, so the tail holds that many tokens for each
+    engine = Engine(model, batch, policy, tail_capacity=tail_capacity_for(max(budgets)), seed=seed,
                     is_batch=is_batch)
     first = engine.first_tokens(temperature, top_p)
     # pipelined: the engine is not used after this answer, so a step dispatched past its end costs nothing else
-    out_ids, texts, reasons, decode_s = decode_loop(engine, first, budget, temperature=temperature, top_p=top_p,
-                                                     stops=stops, on_token=on_token, pipelined=True)
-    if budget < max_new_tokens:
-        reasons = ["context" if r == "max_new_tokens" else r for r in reasons]
+    out_ids, texts, reasons, decode_s = decode_loop(engine, first, budgets, temperature=temperature, top_p=top_p,
+                                                     stops=stops, on_token=on_token, pipelined=True,
+                                                     max_new_tokens=max_new_tokens)
     results = make_results(engine, out_ids, texts, reasons, decode_s, [len(b) for b in batch])
     return results if is_batch else results[0]

@@ -28,7 +28,8 @@ from hetero_jax.runtime import heap
 from hetero_jax.runtime.compile_cache import MAX_CHUNK, TAIL_QUANTUM, chunk_bucket, compile_seconds, compiled, round_up
 from hetero_jax.runtime.prompts import check_model, validate_ids
 from hetero_jax.runtime.results import GenerationResult, GenerationStats
-from hetero_jax.runtime.sampling import draw_key, sample
+from hetero_jax.runtime.sampling import draw_key, is_greedy, sample
+from hetero_jax.runtime.streaming import AnswerStream
 
 
 @functools.partial(
@@ -49,7 +50,7 @@ def decode_step_jit(params, cache, tokens, key, host, cfg, policy, temperature, 
     logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy, host=host)
     next_key, sub = draw_key(key, temperature)
     return (keep_placed(cache), sample(logits, sub, temperature, top_p), logits, extras,
-            next_key if temperature > 0.0 else None)
+            None if is_greedy(temperature) else next_key)
 
 
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
@@ -166,10 +167,22 @@ class Engine:
         self.params, self.logits, self.cache, self.state = params, logits, cache, state
         self.achieved_rho = state.achieved_rho(cache, self.cfg)
         self.prefill_seconds = prefill_seconds
-        self.compile_start = compile_start
+        # compile seconds of building the engine (its prefill), counted by its first result only; each call
+        # counts from its own mark (``begin_call``), as the process-wide counter also runs for other engines
+        self.compile_owed = compile_seconds() - compile_start
+        self.compile_mark = compile_seconds()
         self.key = committed(jax.random.PRNGKey(seed)) if single else jax.random.PRNGKey(seed)
         self.steps = 0
         self._fns: dict = {}
+
+    def begin_call(self) -> None:
+        """Start a call's compile count (a session's turn): its result counts only the compiles from here on,
+        and the engine's build while no result has counted it (``compile_counted``)."""
+        self.compile_mark = compile_seconds()
+
+    def compile_counted(self) -> None:
+        """A result has counted the engine's build: later calls count only their own compiles."""
+        self.compile_owed = 0.0
 
     @property
     def positions_left(self) -> int:
@@ -185,6 +198,7 @@ class Engine:
     def first_tokens(self, temperature: float, top_p: float) -> np.ndarray:
         """Sample the tokens that follow the prefilled prompt (the key advances only when sampling, as in
         ``decode_step_jit``)."""
+        temperature = 0.0 if is_greedy(temperature) else float(temperature)
         self.key, sub = draw_key(self.key, temperature)
         return to_host(sample(self.logits, sub, temperature, top_p))
 
@@ -208,6 +222,7 @@ class Engine:
 
     def _advance(self, tokens, temperature: float, top_p: float):
         """One decode step with the policy's hooks: (next tokens [B], logits [B, V]) on the device."""
+        temperature = 0.0 if is_greedy(temperature) else float(temperature)  # every greedy one: one executable
         self.cache = self.state.before_step(self.steps, self.cache)
         # host ints go in as an int32 numpy array (jit's own transfer); an eager jnp conversion was an XLA
         # dispatch per step. Device tokens (``dispatch``'s) stay where they are.
@@ -319,7 +334,7 @@ class Engine:
             kv_bytes_prompt=prompt_kv_bytes(self.cache),
             kv_bytes_tail=tail_kv_bytes(self.cache),
             policy=repr(self.policy),
-            compile_seconds=compile_seconds() - self.compile_start,
+            compile_seconds=self.compile_owed + compile_seconds() - self.compile_mark,
             policy_stats=self.state.stats(),
             policy_summary=self.state.summary(),
             kv_bytes_per_device=self.kv_bytes_per_device(),
@@ -359,9 +374,16 @@ def _copy_state(value):
     return value
 
 
-def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperature, top_p, stops, on_token,
-                pipelined: bool = False):
-    """Accept sampled tokens and step until EOS / stop string / budget. Returns per-sequence outputs.
+def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int], *, temperature, top_p, stops,
+                on_token, pipelined: bool = False, max_new_tokens: int | None = None):
+    """Accept sampled tokens and step until every sequence has ended (EOS, a stop string or its budget).
+    Returns per-sequence outputs.
+
+    ``budget``: the most tokens each sequence takes, per sequence or one for all. A sequence that reaches it
+    stops with "max_new_tokens", or "context" when its budget is below ``max_new_tokens`` (the context's room
+    set it); the others go on. ``on_token(delta)`` (a single sequence) gets, once per accepted token (and once
+    more at EOS if text was held back), the new text no later token can change (``AnswerStream``): joined, the
+    answer's text.
 
     ``pipelined``: each step is dispatched before the previous step's tokens are read back (it takes them on
     the device), so the host's work for a step (hooks, dispatch, a GPU's launch) overlaps the device's work
@@ -371,10 +393,12 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperatur
     tok = engine.model.tokenizer
     eos = set(tok.eos_token_ids) | set(engine.cfg.eos_token_ids)
     B = len(next_tok)
+    budgets = [int(budget)] * B if np.ndim(budget) == 0 else [int(b) for b in budget]
+    limits = ["context" if max_new_tokens is not None and b < max_new_tokens else "max_new_tokens" for b in budgets]
     out_ids: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
-    reasons = ["max_new_tokens"] * B
-    texts = [""] * B
+    reasons = list(limits)
+    streams = [AnswerStream(stops) for _ in range(B)]
     decode_s: list[float] = []
 
     def accept(i: int, t: int) -> None:
@@ -382,24 +406,26 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperatur
             return
         if t in eos:
             done[i], reasons[i] = True, "eos"
+            delta = streams[i].flush()
+            if on_token is not None and delta:
+                on_token(delta)
             return
         out_ids[i].append(t)
-        text = tok.decode(out_ids[i])
+        delta = streams[i].update(tok.decode(out_ids[i]))
+        if streams[i].stopped:
+            done[i], reasons[i] = True, "stop"
+        elif len(out_ids[i]) >= budgets[i]:
+            done[i], reasons[i] = True, limits[i]
+            delta += streams[i].flush()
         if on_token is not None:
-            on_token(text[len(texts[i]) :])
-        texts[i] = text
-        for s in stops:
-            cut = text.find(s)
-            if cut >= 0:
-                texts[i] = text[:cut]
-                done[i], reasons[i] = True, "stop"
-                return
+            on_token(delta)
 
+    steps = max(budgets, default=0)  # the longest budget; a sequence done earlier is stepped and ignored
     ahead = None  # pipelined: the device tokens of the step dispatched ahead
-    for step in range(budget):
+    for step in range(steps):
         for i in range(B):
             accept(i, int(next_tok[i]))
-        if all(done) or step == budget - 1:
+        if all(done) or step == steps - 1:
             break
         t1, before = time.perf_counter(), compile_seconds()
         if not pipelined:
@@ -407,11 +433,11 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int, *, temperatur
         else:
             this = engine.dispatch(next_tok, temperature, top_p) if ahead is None else ahead
             # the step after this one, while this one computes (never past the budget)
-            ahead = engine.dispatch(this, temperature, top_p) if step + 2 < budget else None
+            ahead = engine.dispatch(this, temperature, top_p) if step + 2 < steps else None
             next_tok = to_host(this)
             seconds = time.perf_counter() - t1 - (compile_seconds() - before)
         decode_s.append(seconds)
-    return out_ids, texts, reasons, decode_s
+    return out_ids, [s.text for s in streams], reasons, decode_s
 
 
 def make_results(engine, out_ids, texts, reasons, decode_s, prompt_lens, extend_s=0.0):

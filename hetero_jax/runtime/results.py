@@ -24,7 +24,9 @@ class GenerationStats:
     kv_bytes_prompt: int  # of which the prompt's head groups
     kv_bytes_tail: int  # of which the tail (tokens added after prefill)
     stop_reason: str  # "eos", "stop", "max_new_tokens" or "context"
-    compile_seconds: float = 0.0  # XLA compilation in this call (excluded from the timings above)
+    # XLA compilation in this call (excluded from the timings above); a Session's first turn also counts the
+    # context's prefill, later turns only their own
+    compile_seconds: float = 0.0
     extend_seconds: float = 0.0  # session turns: appending the question before decoding (compile excluded)
     # the policy's decode counters (HeteroCache: checks, triggers, recalls, bytes); in a Session, totals
     # since the context's prefill

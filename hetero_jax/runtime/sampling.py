@@ -1,4 +1,4 @@
-"""Next-token sampling: greedy at temperature 0, nucleus (top-p) otherwise."""
+"""Next-token sampling: greedy at temperature 0 (or below ``GREEDY_BELOW``), nucleus (top-p) otherwise."""
 
 from __future__ import annotations
 
@@ -7,17 +7,32 @@ import jax.numpy as jnp
 
 from pallas_kernels import MASK_VALUE
 
+# Temperatures below this are greedy. At 1e-5 a draw already takes the argmax unless another logit is within
+# about 1e-4 of it, and far smaller ones break float32: logits / 1e-40 divides by a subnormal that XLA flushes
+# to zero, and every token came out as id 0.
+GREEDY_BELOW = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    """True when ``temperature`` decodes greedily (0, or below ``GREEDY_BELOW``)."""
+    return temperature < GREEDY_BELOW
+
 
 def draw_key(key: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
     """(the next key, the key this token samples with): ``jax.random.split(key)`` when sampling; a greedy
     token draws nothing, so (key, key). Eager or traced (in a jitted step the split is a loop on a CPU, which
     a greedy step's compile need not carry)."""
-    return tuple(jax.random.split(key)) if temperature > 0.0 else (key, key)
+    return (key, key) if is_greedy(temperature) else tuple(jax.random.split(key))
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
-    """logits [B, V] float32 -> tokens [B]. Greedy at temperature 0; nucleus sampling otherwise."""
-    if temperature <= 0.0:
+    """logits [B, V] float32 -> tokens [B]. Greedy at temperature 0 (or below ``GREEDY_BELOW``); nucleus
+    sampling otherwise.
+
+    Every row draws with the same ``key``, so a row samples what its prompt samples alone with that key, and
+    identical prompts in one batch sample identical tokens.
+    """
+    if is_greedy(temperature):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
     if top_p < 1.0:
@@ -28,5 +43,5 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) 
         n_keep = jnp.sum(cum - probs < top_p, axis=-1)
         cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
         logits = jnp.where(logits < cutoff, MASK_VALUE, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
+    # one [V] draw per row with the key unbatched: a [B, V] draw would give row b other noise than alone
+    return jax.vmap(lambda row: jax.random.categorical(key, row))(logits).astype(jnp.int32)

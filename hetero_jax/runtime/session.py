@@ -188,6 +188,7 @@ class Session:
             raise SessionError(self._lost)
         stops = check_request(max_new_tokens, temperature, top_p, stop=stop, on_token=on_token)
         eng, tok = self.engine, self.model.tokenizer
+        eng.begin_call()  # the turn reports its own compiles (and, on the first turn, the context's prefill)
         ids, t = self._t.ask(tok, eng.cfg, question)
         room = eng.positions_left - len(ids)
         if room < 1:
@@ -209,6 +210,7 @@ class Session:
             raise
         self._t = t
         self.turns.append(res)
+        eng.compile_counted()
         return res
 
     def _answer(self, ids, t: Transcript, budget, max_new_tokens, temperature, top_p, stops, on_token):
@@ -224,8 +226,6 @@ class Session:
         nxt, _ = eng.step(np.asarray(ids[-1:], np.int32), temperature, top_p)
         extend_s = time.perf_counter() - t0 - (compile_seconds() - before)  # compile excluded, as in decode
         out_ids, texts, reasons, decode_s = decode_loop(eng, nxt, budget, temperature=temperature, top_p=top_p,
-                                                         stops=stops, on_token=on_token)
-        if budget < max_new_tokens:
-            reasons = ["context" if r == "max_new_tokens" else r for r in reasons]
+                                                         stops=stops, on_token=on_token, max_new_tokens=max_new_tokens)
         t = t.answered(self.model.tokenizer, out_ids[0], reasons[0] == "eos")
         return make_results(eng, out_ids, texts, reasons, decode_s, [self.context_tokens], extend_s)[0], t

@@ -1,0 +1,53 @@
+"""One answer's text as its tokens arrive: where a stop string cuts it, and what ``on_token`` may send."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+INCOMPLETE = "\ufffd"  # what a decoder writes for a character whose UTF-8 bytes have not all arrived
+
+
+def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is the start (not the whole) of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class AnswerStream:
+    """The answer's text and the part of it streamed so far.
+
+    ``update`` takes the decode of every token so far and returns the new text that no later token can
+    change: a trailing U+FFFD is held back until its character is complete, and an end that could still
+    become a stop string until it cannot. When a stop string appears the text is cut before the earliest
+    one (``stopped``) and the rest of the cut text is returned; ``flush`` returns whatever is still held
+    back. The pieces returned, joined, are ``text``.
+    """
+
+    def __init__(self, stops: Sequence[str] = ()):
+        self.stops = tuple(stops)
+        self.text = ""
+        self.sent = 0  # characters of ``text`` returned
+        self.stopped = False
+
+    def update(self, decoded: str) -> str:
+        cuts = [i for i in (decoded.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.text, self.stopped = decoded[: min(cuts)], True
+            return self.flush()
+        self.text = decoded
+        end = len(decoded.rstrip(INCOMPLETE))
+        end -= stop_prefix_len(decoded[:end], self.stops)
+        return self._send(end)
+
+    def flush(self) -> str:
+        return self._send(len(self.text))
+
+    def _send(self, end: int) -> str:
+        out = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return out
