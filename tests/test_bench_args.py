@@ -16,6 +16,7 @@ import pytest
 
 import hetero_jax
 from hetero_jax.profile import load_profile, shipped_profile_path
+from fs_state import deny_write, snapshot
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -57,20 +58,19 @@ def _usage_error(capsys, call, argv, *needles) -> str:
     return line
 
 
-def _snapshot(folder: Path) -> dict:
-    return {p.relative_to(folder): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
-
-
-def _deny_write(monkeypatch, *paths):
-    """os.access says ``paths`` are not writable (tests may run as root, who may write anything)."""
-    denied = {os.path.realpath(p) for p in paths}
-    real_access = os.access
-
-    def access(path, mode, *a, **k):
-        if mode & os.W_OK and os.path.realpath(path) in denied:
-            return False
-        return real_access(path, mode, *a, **k)
-    monkeypatch.setattr(os, "access", access)
+def _unusable_folder(tmp_path, monkeypatch, case: str) -> tuple[Path, str]:
+    """(a folder path no script can write into, the reason its refusal gives) for ``case``: an existing file, a
+    path under a file, or a read-only directory."""
+    existing = tmp_path / "existing_file"
+    existing.write_text("keep me")
+    if case == "file":
+        return existing, "(it is a file, not a directory)"
+    if case == "under a file":
+        return existing / "sub", f"({existing} is a file, not a directory)"
+    out = tmp_path / "ro"
+    out.mkdir()
+    deny_write(monkeypatch, out)
+    return out, "(it is not writable)"
 
 
 @pytest.fixture
@@ -90,12 +90,12 @@ MODEL_SCRIPTS = [bench_extend, bench_fidelity, bench_foundation, bench_latency, 
 
 @pytest.mark.parametrize("script", MODEL_SCRIPTS, ids=lambda m: m.__name__)
 def test_an_out_inside_the_model_checkpoint_is_refused(script, checkpoint, capsys):
-    before = _snapshot(checkpoint)
+    before = snapshot(checkpoint)
     config = checkpoint / "config.json"
     flag = "--json" if script is bench_mesh else "--out"  # bench_mesh's JSON output
     _usage_error(capsys, script.parse_args, ["--model", str(checkpoint), flag, str(config)],
                  f"{flag} {config} is a file of the --model input {checkpoint}", f"Choose another {flag}")
-    assert _snapshot(checkpoint) == before
+    assert snapshot(checkpoint) == before
 
 
 def test_the_model_checkpoint_is_protected_from_every_output(checkpoint, capsys):
@@ -148,21 +148,11 @@ def no_calibration(monkeypatch):
 @pytest.mark.parametrize("case", ["file", "under a file", "read-only"])
 def test_profile_out_that_cannot_hold_the_json_is_refused_before_calibrating(tmp_path, capsys, monkeypatch,
                                                                              no_calibration, case):
-    existing = tmp_path / "existing_file"
-    existing.write_text("keep me")
-    if case == "file":
-        out, problem = existing, "(it is a file, not a directory)"
-    elif case == "under a file":
-        out, problem = existing / "sub", f"({existing} is a file, not a directory)"
-    else:
-        out = tmp_path / "ro"
-        out.mkdir()
-        _deny_write(monkeypatch, out)
-        problem = "(it is not writable)"
-    before = _snapshot(tmp_path)
+    out, problem = _unusable_folder(tmp_path, monkeypatch, case)
+    before = snapshot(tmp_path)
     _usage_error(capsys, bench_profile.main, ["--out", str(out)],
                  f"--out {out} cannot be used as a folder to write into {problem}; choose another --out")
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_profile_writes_its_json_atomically_into_the_out_folder(tmp_path, monkeypatch, capsys):
@@ -226,14 +216,14 @@ def test_kernels_out_that_cannot_be_written_is_refused_before_any_work(tmp_path,
     elif case == "read-only directory":
         ro = tmp_path / "ro"
         ro.mkdir()
-        _deny_write(monkeypatch, ro)
+        deny_write(monkeypatch, ro)
         out, message = ro / "k.json", f"the directory {ro} is not writable"
     else:
         out, message = blocker, f"--out {blocker} exists and is read-only"
-        _deny_write(monkeypatch, blocker)
-    before = _snapshot(tmp_path)
+        deny_write(monkeypatch, blocker)
+    before = snapshot(tmp_path)
     _usage_error(capsys, bench_kernels.main, ["--out", str(out)], message)
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_kernels_drift_timing_checks_the_file_it_writes_beside_out(tmp_path, capsys, no_kernels):
@@ -362,25 +352,15 @@ def no_rankings(monkeypatch):
 
 @pytest.mark.parametrize("case", ["file", "under a file", "read-only"])
 def test_rankings_out_dir_that_cannot_hold_them_is_refused(tmp_path, capsys, monkeypatch, no_rankings, case):
-    existing = tmp_path / "a_file"
-    existing.write_text("keep me")
-    if case == "file":
-        out, problem = existing, "(it is a file, not a directory)"
-    elif case == "under a file":
-        out, problem = existing / "ck", f"({existing} is a file, not a directory)"
-    else:
-        out = tmp_path / "ro"
-        out.mkdir()
-        _deny_write(monkeypatch, out)
-        problem = "(it is not writable)"
-    before = _snapshot(tmp_path)
+    out, problem = _unusable_folder(tmp_path, monkeypatch, case)
+    before = snapshot(tmp_path)
     _usage_error(capsys, contextkeeper_rankings.main, ["--out-dir", str(out)],
                  f"--out-dir {out} cannot be used as a folder to write into {problem}; choose another --out-dir")
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_rankings_that_exist_are_refused_before_any_work(tmp_path, no_rankings):
     (tmp_path / "ck-random.json").write_text("mine")
     with pytest.raises(SystemExit, match="ck-random.json exist.*nothing is overwritten"):
         contextkeeper_rankings.main(["--out-dir", str(tmp_path)])
-    assert _snapshot(tmp_path) == {Path("ck-random.json"): b"mine"}
+    assert snapshot(tmp_path) == {Path("ck-random.json"): b"mine"}

@@ -20,6 +20,7 @@ from convert.cli import main as convert_main  # noqa: E402
 from hetero_jax.io.checkpoint import is_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from fs_state import deny_write, snapshot  # noqa: E402
 from hf_fixtures import make_tiny_hf  # noqa: E402
 
 
@@ -187,11 +188,11 @@ def test_an_empty_out_dir_is_refused(hf, tmp_path, capsys, monkeypatch, no_weigh
     cwd.mkdir()
     (cwd / "thesis.txt").write_text("draft")
     monkeypatch.chdir(cwd)
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     assert convert_main([str(hf), "", "--no-progress"] + (["--force"] if force else [])) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "output directory is an empty string" in err, err
-    assert _snapshot(tmp_path) == before and os.getcwd() == str(cwd)
+    assert snapshot(tmp_path) == before and os.getcwd() == str(cwd)
 
 
 @pytest.mark.parametrize("args, needle", [(["", "OUT"], "HF_DIR is an empty string"),
@@ -214,24 +215,12 @@ def test_out_dir_under_a_file_is_refused_before_converting(hf, out_parent, capsy
     assert afile.read_text() == "keep"
 
 
-def _deny_writes(monkeypatch, folder):
-    """os.access says ``folder`` is not writable (as it would for a user without write permission: the tests
-    may run as root, for whom every directory is writable)."""
-    real_access = os.access
-
-    def access(path, mode, **kw):
-        if os.path.realpath(path) == os.path.realpath(folder) and mode & os.W_OK:
-            return False
-        return real_access(path, mode, **kw)
-    monkeypatch.setattr(os, "access", access)
-
-
 @pytest.mark.parametrize("sub", ["ck", "missing/ck"])
 def test_out_dir_in_a_read_only_directory_is_refused_before_converting(hf, out_parent, capsys, monkeypatch,
                                                                         no_weights_read, sub):
     ro = out_parent / "ro"
     ro.mkdir()
-    _deny_writes(monkeypatch, ro)
+    deny_write(monkeypatch, ro)
     out = ro / sub
     _fail([hf, out], out_parent, capsys, str(out), "cannot be created", f"{ro} is not writable")
     assert os.listdir(ro) == []
@@ -342,23 +331,11 @@ def test_failure_inside_save_leaves_nothing(hf, out_parent, monkeypatch):
 
 
 # --------------------------------------------------------------- output vs input (issue 20)
-def _snapshot(root):
-    """{relative path: bytes (None for a directory)} of everything under root: the input must come out
-    byte-identical and nothing may be added."""
-    out = {}
-    for d, dirs, files in os.walk(root):
-        out.update({os.path.relpath(os.path.join(d, x), root): None for x in dirs})
-        for f in files:
-            p = os.path.join(d, f)
-            out[os.path.relpath(p, root)] = open(p, "rb").read()
-    return out
-
-
 @pytest.mark.parametrize("force", [False, True])
 @pytest.mark.parametrize("where", ["same", "inside", "contains", "symlink"])
 def test_output_that_is_contains_or_is_inside_the_input_is_refused(hf, tmp_path, capsys, where, force):
     """`hetero-jax-convert D D --force` used to exit 0 after deleting D's weights."""
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     out, needle = {
         "same": (hf, "is the input"),
         "inside": (hf / "converted", "is inside the input directory"),
@@ -367,12 +344,12 @@ def test_output_that_is_contains_or_is_inside_the_input_is_refused(hf, tmp_path,
     }[where]
     if where == "symlink":
         os.symlink(hf, out)
-        before = _snapshot(tmp_path)
+        before = snapshot(tmp_path)
     args = [str(hf), str(out), "--no-progress"] + (["--force"] if force else [])
     assert convert_main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and str(out) in err and "outside the input" in err, err
-    assert _snapshot(tmp_path) == before  # the input is intact and nothing was written anywhere
+    assert snapshot(tmp_path) == before  # the input is intact and nothing was written anywhere
 
 
 @pytest.mark.parametrize("force", [False, True])
@@ -381,12 +358,12 @@ def test_gguf_output_that_contains_the_gguf_file_is_refused(tmp_path, capsys, fo
     src_dir.mkdir()
     gguf = src_dir / "model.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 60)
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     args = ["--gguf", str(gguf), str(src_dir), "--no-progress"] + (["--force"] if force else [])
     assert convert_main(args) == 2
     err = capsys.readouterr().err
     assert "contains the input" in err and str(gguf) in err, err
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 # ------------------------------------------------------ config.json values (issue 20)
@@ -433,9 +410,9 @@ def test_nonsensical_config_values_are_config_errors(hf, out_parent, capsys, key
     cfg = json.load(open(hf / "config.json"))
     _set(cfg, key, value)
     json.dump(cfg, open(hf / "config.json", "w"))
-    before = _snapshot(hf)
+    before = snapshot(hf)
     _fail([hf, out_parent / "ck"], out_parent, capsys, *needles, "fix config.json")
-    assert _snapshot(hf) == before
+    assert snapshot(hf) == before
 
 
 def test_config_errors_are_config_error_from_the_api(hf):
@@ -498,12 +475,12 @@ def test_load_of_a_damaged_checkpoint_is_a_project_error(converted, tmp_path, na
 
     ck = shutil.copytree(converted, tmp_path / "ck")
     (ck / name).write_bytes(content)
-    before = _snapshot(ck)
+    before = snapshot(ck)
     with pytest.raises(HeteroJaxError) as ei:
         hetero_jax.load(ck)
     for n in needles:
         assert n in str(ei.value), str(ei.value)
-    assert _snapshot(ck) == before  # load never repairs or rewrites
+    assert snapshot(ck) == before  # load never repairs or rewrites
 
 
 @pytest.mark.parametrize("arg, kw, needle", [

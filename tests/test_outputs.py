@@ -17,6 +17,7 @@ from hetero_jax.cli import enable_compilation_cache, main
 from hetero_jax.errors import CheckpointError, OutputError
 from hetero_jax.io import hub
 from hetero_jax.io.files import atomic_path, check_outputs, write_text
+from fs_state import deny_write, snapshot
 from tiny_model import tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -60,36 +61,20 @@ def _refused(capsys, argv, message):
     assert err == f"error: {message}\n", err
 
 
-def _snapshot(folder: Path) -> dict:
-    return {p.relative_to(folder): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
-
-
-def _deny_write(monkeypatch, *paths):
-    """os.access says ``paths`` are not writable (tests may run as root, who may write anything)."""
-    denied = {os.path.realpath(p) for p in paths}
-    real_access = os.access
-
-    def access(path, mode, *a, **k):
-        if mode & os.W_OK and os.path.realpath(path) in denied:
-            return False
-        return real_access(path, mode, *a, **k)
-    monkeypatch.setattr(os, "access", access)
-
-
 # ------------------------------------------------------------------ check_outputs
 def test_an_output_that_is_an_input_is_refused_through_links(tmp_path):
     data = tmp_path / "notes.txt"
     data.write_text("my notes\n")
     (tmp_path / "link.txt").symlink_to(data)
     os.link(data, tmp_path / "hard.txt")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     for out in (data, tmp_path / "link.txt", tmp_path / "hard.txt", tmp_path / "sub" / ".." / "notes.txt"):
         (tmp_path / "sub").mkdir(exist_ok=True)
         with pytest.raises(OutputError, match=re.escape(
                 f"--out {out} is also the --data input; writing it would overwrite your input. Choose another --out")):
             check_outputs({"--out": out}, {"--data": [tmp_path / "other.txt", data]})
         (tmp_path / "sub").rmdir()
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_two_outputs_that_are_one_file_are_refused(tmp_path):
@@ -126,19 +111,19 @@ def test_an_output_that_cannot_be_written_is_refused(tmp_path, monkeypatch, case
         out = tmp_path / "f" / "p.json"
         message = f"--out {out}: {tmp_path}/f is not a directory; choose another --out"
     elif case == "parent read-only":
-        _deny_write(monkeypatch, tmp_path)
+        deny_write(monkeypatch, tmp_path)
         message = (f"--out {out}: the directory {tmp_path} is not writable; choose another --out or make the "
                    "directory writable")
     else:
         out.write_text("kept")
-        _deny_write(monkeypatch, out)
+        deny_write(monkeypatch, out)
         message = f"--out {out} exists and is read-only; choose another --out or make it writable (chmod u+w {out})"
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(OutputError, match=re.escape(message)):
         check_outputs({"--out": out})
     with pytest.raises(OutputError, match=re.escape(message)):  # the writer checks too
         write_text(out, "new", "--out")
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 # ------------------------------------------------------------------ atomic writes
@@ -187,10 +172,10 @@ def test_profile_out_that_is_the_data_is_refused(tmp_path, capsys, no_work, meth
     data = tmp_path / ("codebook.npz" if method == "hcattention" else "notes.txt")
     data.write_text("my own calibration notes\n" * 50)
     out = tmp_path / "codebook" if method == "hcattention" else data  # numpy would add .npz: the same file
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     _refused(capsys, ["profile", "--method", method, "--data", str(data), "--out", str(out)],
              f"--out {data} is also the --data input; writing it would overwrite your input. Choose another --out")
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 @pytest.mark.parametrize("name", ["roles.png", "x.json"])
@@ -206,21 +191,21 @@ def test_profile_out_and_plot_that_are_one_file_are_refused(tmp_path, capsys, no
 def test_profile_read_only_out_is_refused(tmp_path, capsys, monkeypatch, no_work, method):
     out = tmp_path / ("c.npz" if method == "hcattention" else "p.json")
     out.write_text("an earlier result")
-    _deny_write(monkeypatch, out)
+    deny_write(monkeypatch, out)
     _refused(capsys, ["profile", "--method", method, "--data", "pydoc", "--out", str(out)],
              f"--out {out} exists and is read-only; choose another --out or make it writable (chmod u+w {out})")
-    assert _snapshot(tmp_path) == {Path(out.name): b"an earlier result"}
+    assert snapshot(tmp_path) == {Path(out.name): b"an earlier result"}
 
 
 def test_profile_out_inside_the_model_checkpoint_is_refused(tmp_path, capsys, no_work):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"model_type": "llama"}')
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     _refused(capsys, ["profile", "--model", str(ckpt), "--data", "pydoc", "--out", str(ckpt / "config.json")],
              f"--out {ckpt}/config.json is a file of the --model input {ckpt}; writing it would overwrite part of "
              "your input. Choose another --out")
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 @pytest.mark.parametrize("method", ["contextkeeper", "synckv", "hcattention"])
@@ -304,10 +289,10 @@ def no_conversion(monkeypatch):
 
 def _load_refused_unchanged(folder: Path, message: str) -> None:
     """Loading smollm2-135m raises CheckpointError with exactly ``message`` and leaves ``folder`` byte for byte."""
-    before = _snapshot(folder)
+    before = snapshot(folder)
     with pytest.raises(CheckpointError, match=re.escape(message)):
         hetero_jax.load("smollm2-135m")
-    assert _snapshot(folder) == before
+    assert snapshot(folder) == before
 
 
 def test_a_user_directory_in_the_cache_is_never_deleted(tmp_path, monkeypatch, no_conversion):
@@ -358,7 +343,7 @@ def test_an_unusable_cache_is_refused_before_converting(tmp_path, monkeypatch, n
         problem = f"{tmp_path}/f is a file, not a directory"
     else:
         root.mkdir()
-        _deny_write(monkeypatch, root)
+        deny_write(monkeypatch, root)
         problem = "it is not writable"
     monkeypatch.setenv("HETERO_JAX_CACHE", str(root))
     _load_refused_unchanged(tmp_path, (
@@ -371,7 +356,7 @@ def test_a_read_only_cache_holding_the_model_still_loads_it(tmp_path, monkeypatc
     target = tmp_path / "smollm2-135m"
     (target / "params").mkdir(parents=True)
     (target / "hetero_jax.json").write_text("{}")
-    _deny_write(monkeypatch, tmp_path, target)
+    deny_write(monkeypatch, tmp_path, target)
     assert hub.ensure_converted("smollm2-135m") == str(target)
 
 
