@@ -247,15 +247,12 @@ def _cmd_generate(args, setup) -> int:
         return 0
     extra = parse_options(args.option)
     base = args.policy.split(":")[0].lower()
-    stray_profile = args.profile is not None and base not in ("heterocache", "synckv")
-    flags = {}  # option -> (its flag, value): a flag and an --option of one name are refused below
-    if base in ("heterocache", "synckv") and args.profile:
-        flags["profile"] = ("--profile", args.profile)  # a path: the policy loads it
-    if base == "heterocache":
-        for key, flag in (("window", "--window"), ("tau_drift", "--tau-drift"), ("select_window", "--select-window")):
-            if getattr(args, key) is not None:
-                flags[key] = (flag, getattr(args, key))
-    elif stray_profile or args.window is not None or args.tau_drift is not None or args.select_window is not None:
+    # option -> (its flag, value) of the policies' own flags; one also given as --option is refused below
+    flags = {key: (flag, getattr(args, key)) for key, flag in (
+        ("profile", "--profile"), ("window", "--window"), ("tau_drift", "--tau-drift"),
+        ("select_window", "--select-window")) if getattr(args, key) is not None}
+    if ((base != "heterocache" and any(key != "profile" for key in flags))
+            or ("profile" in flags and base not in ("heterocache", "synckv"))):
         print("error: --window, --tau-drift and --select-window apply to --policy heterocache (--profile to "
               "heterocache and synckv)",
               file=sys.stderr)

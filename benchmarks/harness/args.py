@@ -50,16 +50,15 @@ MODEL_DESTS = ("model",)
 
 def model_input(value) -> str | None:
     """The checkpoint a ``--model`` value loads, as an input path for the output checks: the path itself when it
-    exists (a checkpoint directory), a known model's converted copy in the model cache for a known name
-    (``hetero_jax.io.hub.load``'s resolution), else None (nothing on disk to protect)."""
+    exists, else the directory ``hetero_jax.io.hub.load`` reads for a known name (``hub.checkpoint_dir``), else
+    None (nothing on disk to protect)."""
     if not isinstance(value, (str, os.PathLike)):
         return None
-    key = os.fspath(value)
-    if os.path.lexists(key):
-        return key
-    from hetero_jax.io.hub import KNOWN_MODELS, cache_dir
+    if os.path.lexists(value):
+        return os.fspath(value)
+    from hetero_jax.io.hub import checkpoint_dir
 
-    return os.path.join(cache_dir(), key) if key in KNOWN_MODELS else None
+    return checkpoint_dir(value)
 
 
 class BenchParser(argparse.ArgumentParser):

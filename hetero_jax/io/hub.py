@@ -143,6 +143,15 @@ def ensure_converted(name: str, *, progress: bool = True) -> str:
     return target
 
 
+def checkpoint_dir(name_or_path: str | os.PathLike) -> str | None:
+    """The directory :func:`load` reads for ``name_or_path``, found without converting anything: the checkpoint
+    directory given, a known model's converted copy in the cache (which may not exist yet), else None."""
+    key = os.fspath(name_or_path)
+    if os.path.isdir(key):
+        return key
+    return os.path.join(cache_dir(), key) if key in KNOWN_MODELS else None
+
+
 def _check_load_args(name_or_path, dtype) -> None:
     """``load``'s arguments, before any conversion or read."""
     from hetero_jax.io.checkpoint import DTYPES

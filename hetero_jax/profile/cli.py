@@ -78,17 +78,6 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _model_files(model: str) -> str | None:
-    """The directory ``--model`` reads: the checkpoint directory given, or a known model's converted copy."""
-    import os
-
-    from hetero_jax.io.hub import KNOWN_MODELS, cache_dir
-
-    if os.path.isdir(model):
-        return model
-    return os.path.join(cache_dir(), model) if model in KNOWN_MODELS else None
-
-
 def check_profile_args(args, out: str | None = None) -> None:
     """Before any work: ProfileError for a bad number or a ``--plot`` that draws nothing; OutputError for an
     ``--out`` / ``--plot`` that would overwrite an input (``--data``, ``--model``) or each other, or that cannot
@@ -97,6 +86,7 @@ def check_profile_args(args, out: str | None = None) -> None:
     import math
 
     from hetero_jax.io.files import check_outputs
+    from hetero_jax.io.hub import checkpoint_dir
     from hetero_jax.profile.schema import ProfileError
 
     method = getattr(args, "method", "heterocache")
@@ -122,7 +112,7 @@ def check_profile_args(args, out: str | None = None) -> None:
         if not (math.isfinite(v) and 0.0 <= v <= 1.0):
             raise ProfileError(f"--{flag.replace('_', '-')} must be in [0, 1], got {v}")
     check_outputs({"--out": args.out if out is None else out, "--plot": args.plot},
-                  {"--data": [d for d in args.data if d != "pydoc"], "--model": _model_files(args.model)})
+                  {"--data": [d for d in args.data if d != "pydoc"], "--model": checkpoint_dir(args.model)})
     if args.plot is not None:
         from hetero_jax.profile.plot import plot_format
 
