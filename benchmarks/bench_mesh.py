@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     payload["placement"] = placement_rows(config["rhos"], config["lengths"], config["tps"])
     payload["runs"] = [] if args.skip_runs else sharded_runs(args.model, meshes, config["policies"],
                                                              args.prompt_tokens, args.steps)
-    common.write_json(args.json, payload)
+    common.write_json(args.json, payload, "--json")
     print(render(payload))
     if args.write_results:
         common.write_results_section(SECTION, lambda _plot: render(payload), None, args.results_file)
@@ -285,7 +285,7 @@ def main_processes(args) -> int:
     payload = common.report_header(PROCESS_SECTION, config)
     payload["processes"] = process_rows(config["rho"], config["lengths"], config["processes"], args.new_tokens,
                                         reference=args.reference)
-    common.write_json(args.json.with_name("mesh-processes.json"), payload)
+    common.write_json(args.json.with_name("mesh-processes.json"), payload, "--json")
     print(render_processes(payload))
     if args.write_results:
         common.write_results_section(PROCESS_SECTION, lambda _plot: render_processes(payload), None,

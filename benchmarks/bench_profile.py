@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
-import json
 import os
 import platform
 import resource
@@ -118,12 +117,11 @@ def main(argv=None) -> int:
         "reproduces_shipped_roles": reproduces,
         "reference_profiles": refs,
     }
-    from hetero_jax.io.files import write_text
+    from harness.results import write_json
 
-    os.makedirs(args.out_dir, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = os.path.join(args.out_dir, f"bench_profile-{stamp}.json")
-    write_text(out, json.dumps(result, indent=1), "--out")  # whole or not at all (a temporary renamed into place)
+    write_json(out, result, "--out")  # whole or not at all (a temporary renamed into place)
 
     c = prof.role_counts()
     lines = [f"## Profile calibration: {args.model}", ""]

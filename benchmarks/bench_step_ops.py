@@ -93,6 +93,11 @@ QUADRATIC_MAX_LENGTH = {"h2o": 4096}
 
 
 # ==================================================================== the run
+# The first line of a --dump-hlo file, by which a later run knows it may replace it: hetero_jax.io.own_outputs'
+# TEXT_MARK (not imported here: this module loads before JAX is configured) and what wrote it.
+HLO_DUMP_MARK = "// written by hetero-jax bench_step_ops --dump-hlo"
+
+
 def hlo_filename(policy_label: str, length: int) -> str:
     return f"{policy_label.replace(':', '_').replace('=', '-')}-{length}.hlo.txt"
 
@@ -104,7 +109,7 @@ def recount(payload: dict, hlo_dir: Path) -> int:
     for r in payload["rows"]:
         f = hlo_dir / hlo_filename(r["policy"], r["length"])
         if f.is_file():
-            r.update(count_step_ops(f.read_text()))
+            r.update(count_step_ops(f.read_text().removeprefix(HLO_DUMP_MARK + "\n")))
             n += 1
     add_ratios(payload["rows"])
     payload["targets"] = target_check(payload["rows"])
@@ -149,8 +154,10 @@ def measure(spec: str, rho: float, length: int, *, model, params_abs, cfg, mesh,
     text = exe.as_text()
     counts = count_step_ops(text)
     if dump_dir is not None:
+        from hetero_jax.io.files import write_text
+
         dump_dir.mkdir(parents=True, exist_ok=True)
-        (dump_dir / hlo_filename(label(spec, rho), length)).write_text(text)
+        write_text(dump_dir / hlo_filename(label(spec, rho), length), f"{HLO_DUMP_MARK}\n{text}", "--dump-hlo")
     row = {"policy": label(spec, rho), "spec": spec, "rho": None if spec == "full" else parse_spec(spec, rho)[1],
            "length": length, "policy_repr": repr(policy), "stand_in": note,
            "prefill_seconds": prefill_s, "lower_seconds": lower_s, "compile_seconds": compile_s, **summary, **counts}
@@ -294,6 +301,17 @@ def parse_args(argv=None, parser: common.BenchParser | None = None):
     if "full" not in args.policies:
         args.policies = ["full", *args.policies]
     args.lengths = list(dict.fromkeys(args.lengths))
+    if args.dump_hlo is not None:  # before any compile: a dump may replace only an earlier run's dump
+        from hetero_jax.errors import OutputError
+        from hetero_jax.io.files import check_output_path
+
+        for spec in args.policies:
+            for length in [*args.lengths, args.fallback_length]:
+                try:
+                    check_output_path(args.dump_hlo / hlo_filename(label(spec, args.rho), length), "--dump-hlo",
+                                      parents=True)
+                except OutputError as e:
+                    p.error(str(e))
     return args
 
 

@@ -17,6 +17,7 @@ from hetero_jax.cli import enable_compilation_cache, main
 from hetero_jax.errors import CheckpointError, OutputError
 from hetero_jax.io import hub
 from hetero_jax.io.files import atomic_path, check_outputs, write_text
+from hetero_jax.io.own_outputs import TEXT_MARK
 from fs_state import deny_write, snapshot
 from tiny_model import tiny_model
 
@@ -30,6 +31,7 @@ import common  # noqa: E402
 
 calibrate = importlib.import_module("hetero_jax.profile.calibrate")  # the package exports a function of that name
 METHODS = ("heterocache", "contextkeeper", "synckv", "hcattention")
+OLD = f"{TEXT_MARK} earlier\n".encode()  # an earlier output of ours, which a write may replace
 
 
 def _boom(what):
@@ -129,23 +131,23 @@ def test_an_output_that_cannot_be_written_is_refused(tmp_path, monkeypatch, case
 # ------------------------------------------------------------------ atomic writes
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     out = tmp_path / "roles.png"
-    out.write_bytes(b"old")
+    out.write_bytes(OLD)
     with pytest.raises(RuntimeError, match="drawing failed"):
         with atomic_path(out) as tmp:
             assert os.path.dirname(tmp) == str(tmp_path) and tmp.endswith(".png")  # matplotlib infers the format
             Path(tmp).write_bytes(b"half")
             raise RuntimeError("drawing failed")
-    assert os.listdir(tmp_path) == ["roles.png"] and out.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["roles.png"] and out.read_bytes() == OLD
 
 
 def test_an_os_error_while_writing_is_an_output_error(tmp_path):
     out = tmp_path / "p.json"
-    out.write_text("old")
+    out.write_bytes(OLD)
     with pytest.raises(OutputError, match=re.escape(f"--out {out}: writing it failed (No space left on device); "
                                                     f"{out} was not changed")):
         with atomic_path(out, "--out"):
             raise OSError(28, "No space left on device")
-    assert os.listdir(tmp_path) == ["p.json"] and out.read_text() == "old"
+    assert os.listdir(tmp_path) == ["p.json"] and out.read_bytes() == OLD
 
 
 def test_writes_keep_permissions_and_follow_symlinks(tmp_path):
@@ -157,7 +159,7 @@ def test_writes_keep_permissions_and_follow_symlinks(tmp_path):
     finally:
         os.umask(old)
     kept = tmp_path / "kept.json"
-    kept.write_text("x")
+    kept.write_bytes(OLD)
     kept.chmod(0o604)
     link = tmp_path / "link.json"
     link.symlink_to(kept)
@@ -255,7 +257,7 @@ def test_profile_writes_each_output_whole_and_leaves_no_temporary(tiny_checkpoin
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"word{i % 97} and{i % 13}" for i in range(3000)))
     out, plot = tmp_path / "p.json", tmp_path / "roles"  # no extension: PNG, at exactly this path
-    out.write_text("an earlier profile")
+    out.write_bytes(OLD)
     common_flags = ["--model", ours, "--data", str(text), "--tokens", "64", "--samples", "2", "--no-progress"]
     assert main(["profile", *common_flags, "--decode-steps", "3", "--copy-steps", "0", "--out", str(out),
                  "--plot", str(plot)]) == 0

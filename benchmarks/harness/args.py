@@ -118,7 +118,7 @@ class BenchParser(argparse.ArgumentParser):
         from hetero_jax.io.files import check_outputs
 
         try:
-            check_outputs(outputs, inputs, parents=True)
+            check_outputs(outputs, inputs, parents=True, updated=["--results-file"])  # one section rewritten
         except OutputError as e:
             self.error(str(e))
 

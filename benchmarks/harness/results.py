@@ -63,19 +63,26 @@ def _nan_to_none(x: Any) -> Any:
     return x
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def _atomic_write_text(path: Path, text: str, flag: str = "--out", *, updating: bool = False) -> None:
     """``hetero_jax.io.files.write_text`` (imported here: this module imports only the standard library at load),
     into a directory created when missing (benchmarks/out)."""
     from hetero_jax.io.files import write_text
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text(path, text)
+    write_text(path, text, flag, updating=updating)
 
 
-def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` (NaN/inf become null, so the file is strict JSON) atomically."""
+# The "format" of every benchmark's JSON: the mark by which a later run knows the file as ours and may replace it
+# (hetero_jax.io.own_outputs); a file without it is refused.
+BENCH_FORMAT = "hetero-jax-benchmark"
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any], flag: str = "--out") -> Path:
+    """Write ``payload`` (NaN/inf become null, so the file is strict JSON; ``"format"`` set to
+    :data:`BENCH_FORMAT` when it has none) atomically; an error names ``flag``."""
     path = Path(path)
-    _atomic_write_text(path, json.dumps(_nan_to_none(payload), indent=2, default=_json_default) + "\n")
+    payload = {"format": BENCH_FORMAT, **payload}
+    _atomic_write_text(path, json.dumps(_nan_to_none(payload), indent=2, default=_json_default) + "\n", flag)
     return path
 
 
@@ -197,7 +204,8 @@ def update_results_section(name: str, body: str, path: str | os.PathLike = RESUL
     path = Path(path)
     with _locked(path):
         text = path.read_text() if path.exists() else _RESULTS_PREAMBLE
-        _atomic_write_text(path, replace_section(text, name, body))
+        # the rest of the file is kept, so it need not be an output of ours
+        _atomic_write_text(path, replace_section(text, name, body), "--results-file", updating=True)
     return path
 
 
@@ -290,12 +298,14 @@ def save_figure(fig, path: Path, title: str, dpi: int = 110, *, crop: bool = Fal
     if not crop:
         fig.tight_layout()
     from hetero_jax.io.files import atomic_path
+    from hetero_jax.io.own_outputs import figure_metadata
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = path.suffix.lstrip(".").lower() or "png"
     try:
         with atomic_path(path, "--plot") as tmp:  # the format named: matplotlib would add .png to a bare name
-            fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".").lower() or "png",
+            fig.savefig(tmp, dpi=dpi, format=fmt, metadata=figure_metadata(fmt),
                         **({"bbox_inches": "tight"} if crop else {}))
     finally:
         plt.close(fig)

@@ -1,9 +1,11 @@
 """Output files, for every command and writer: :func:`check_outputs` refuses, before any work, an output that
-would replace one of the command's inputs or another of its outputs or that cannot be written, and
+would replace one of the command's inputs, another of its outputs or a file it did not write (a user's file:
+:mod:`hetero_jax.io.own_outputs`), or that cannot be written, and
 :func:`atomic_path` / :func:`write_text` / :func:`write_bytes` write an output whole or not at all (a temporary
 sibling renamed into place), so a failed or killed write never leaves a truncated file over a good one.
 
-Only the standard library and ``hetero_jax.errors`` are imported: every layer may use this module.
+Only the standard library, ``hetero_jax.errors`` and ``hetero_jax.io.own_outputs`` are imported: every layer
+may use this module.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import tempfile
 from typing import Iterator, Mapping, Sequence, Union
 
 from hetero_jax.errors import OutputError
+from hetero_jax.io.own_outputs import is_own_output
 
 PathLike = Union[str, os.PathLike]
 
@@ -45,12 +48,15 @@ def path_inside(path: PathLike, folder: PathLike) -> bool:
     return real != root and os.path.commonpath([real, root]) == root
 
 
-def check_output_path(path: PathLike, flag: str = "output", *, parents: bool = False) -> str:
+def check_output_path(path: PathLike, flag: str = "output", *, parents: bool = False,
+                      updating: bool = False) -> str:
     """The resolved path ``path`` will be written to, after refusing (OutputError, naming ``flag``) a directory,
-    a missing or unwritable parent directory, and an existing file that is not writable (the rename of an
-    atomic write would otherwise replace a file its owner made read-only). A symlink is followed: its target
-    is what gets written. ``parents``: the writer creates a missing parent, which then only has to be
-    creatable."""
+    a missing or unwritable parent directory, an existing file that is not writable (the rename of an atomic
+    write would otherwise replace a file its owner made read-only), and an existing file that is not an output
+    of ours (:func:`hetero_jax.io.own_outputs.is_own_output`: a command replaces only what it wrote). A symlink
+    is followed: its target is what gets written. ``parents``: the writer creates a missing parent, which then
+    only has to be creatable. ``updating``: the caller rewrites a file it read, keeping what is not its own
+    (a section of RESULTS.md), so the file need not be an output of ours."""
     shown = os.fspath(path)
     if not shown:  # "" resolves to the current directory
         raise OutputError(f"{flag} is empty; give the path of a file to write")
@@ -76,16 +82,20 @@ def check_output_path(path: PathLike, flag: str = "output", *, parents: bool = F
     if os.path.isfile(real) and not os.access(real, os.W_OK):
         raise OutputError(f"{flag} {shown} exists and is read-only; choose another {flag} or make it writable "
                           f"(chmod u+w {shown})")
+    if not updating and os.path.isfile(real) and not is_own_output(real):
+        raise OutputError(f"{flag} {shown} exists and is not a file hetero-jax wrote, so it was not replaced; "
+                          f"choose another {flag}, or move {shown} away first")
     return real
 
 
 def check_outputs(outputs: Mapping[str, PathLike | None],
                   inputs: Mapping[str, PathLike | Sequence[PathLike] | None] | None = None, *,
-                  parents: bool = False) -> None:
+                  parents: bool = False, updated: Sequence[str] = ()) -> None:
     """Refuse (OutputError), before anything is computed or written, any output of ``outputs`` ({flag: path or
     None}) that is the same file as an input of ``inputs`` ({flag: path, list of paths or None}) or as another
     output, that is an existing file inside an input directory (a checkpoint the command reads), or that cannot
-    be written (:func:`check_output_path`, ``parents`` passed on). Symlinks and hard links are seen through."""
+    be written (:func:`check_output_path`, ``parents`` passed on; ``updating`` for the flags in ``updated``,
+    files the command edits rather than replaces). Symlinks and hard links are seen through."""
     inputs = inputs or {}
     seen: list[tuple[str, str]] = []
     for flag, value in outputs.items():
@@ -104,7 +114,7 @@ def check_outputs(outputs: Mapping[str, PathLike | None],
             if same_file(path, other):
                 raise OutputError(f"{flag} {path} is the same file as {other_flag} {other}; the second write "
                                   f"would replace the first. Choose different paths for {other_flag} and {flag}")
-        check_output_path(path, flag, parents=parents)
+        check_output_path(path, flag, parents=parents, updating=flag in updated)
         seen.append((flag, path))
 
 
@@ -138,15 +148,15 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_path(path: PathLike, flag: str = "output") -> Iterator[str]:
+def atomic_path(path: PathLike, flag: str = "output", *, updating: bool = False) -> Iterator[str]:
     """Yield a temporary path beside ``path`` to write the whole output into; on leaving the block it replaces
     ``path`` in one rename, and on any error it is removed and ``path`` stays as it was.
 
     The temporary name keeps ``path``'s extension, so writers that infer the format from it (matplotlib) still
     do. The file gets ``path``'s permissions when it exists, else the umask's (not mkstemp's private 0600). A
     symlink's target is replaced; a device or FIFO (``/dev/null``) is yielded as is, to be written in place.
-    ``path`` is checked first (:func:`check_output_path`)."""
-    real = check_output_path(path, flag)
+    ``path`` is checked first (:func:`check_output_path`, ``updating`` passed on)."""
+    real = check_output_path(path, flag, updating=updating)
     if os.path.exists(real) and not os.path.isfile(real):
         yield real
         return
@@ -167,12 +177,13 @@ def atomic_path(path: PathLike, flag: str = "output") -> Iterator[str]:
         raise
 
 
-def write_bytes(path: PathLike, data: bytes, flag: str = "output") -> None:
+def write_bytes(path: PathLike, data: bytes, flag: str = "output", *, updating: bool = False) -> None:
     """Write ``data`` to ``path`` atomically (:func:`atomic_path`)."""
-    with atomic_path(path, flag) as tmp, open(tmp, "wb") as f:
+    with atomic_path(path, flag, updating=updating) as tmp, open(tmp, "wb") as f:
         f.write(data)
 
 
-def write_text(path: PathLike, text: str, flag: str = "output", encoding: str = "utf-8") -> None:
+def write_text(path: PathLike, text: str, flag: str = "output", encoding: str = "utf-8", *,
+               updating: bool = False) -> None:
     """Write ``text`` to ``path`` atomically (:func:`atomic_path`)."""
-    write_bytes(path, text.encode(encoding), flag)
+    write_bytes(path, text.encode(encoding), flag, updating=updating)

@@ -23,6 +23,7 @@ from matplotlib.colors import BoundaryNorm, ListedColormap  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from hetero_jax.io.files import atomic_path  # noqa: E402
+from hetero_jax.io.own_outputs import figure_metadata  # noqa: E402
 from hetero_jax.profile.clustering import ROLE_NAMES, Role  # noqa: E402
 from hetero_jax.profile.schema import ProfileError  # noqa: E402
 
@@ -114,7 +115,7 @@ def plot_profile(profile, path: str | os.PathLike) -> str:
         with atomic_path(path) as tmp:
             # An explicit format: the temporary name's extension is path's, but without one matplotlib would add
             # ".png" to it and the rename would miss the file.
-            fig.savefig(tmp, dpi=120, format=fmt)
+            fig.savefig(tmp, dpi=120, format=fmt, metadata=figure_metadata(fmt))
     finally:
         plt.close(fig)
     return os.fspath(path)

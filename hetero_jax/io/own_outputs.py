@@ -1,0 +1,109 @@
+"""Which existing files a command may replace: its own earlier outputs, recognised by a mark every writer puts
+where the file's format has a field for it, and empty files. Anything else (a user's notes, another tool's
+output, a file of ours edited since) is refused by :func:`hetero_jax.io.files.check_output_path`.
+
+The mark, by format:
+
+- JSON: a top-level ``"format"`` of ``"hetero-jax-..."`` (profiles, rankings, benchmark results);
+- ``.npz``: the same ``"format"`` in the JSON of its ``meta`` array (HCAttention codebooks);
+- figures: the creator field matplotlib writes from ``savefig(metadata=figure_metadata(fmt))``: PNG's
+  ``Software`` text chunk, PDF's and SVG's ``Creator``, PostScript's ``%%Creator`` comment. JPEG, TIFF, WebP and
+  raw images have no such field, so an existing one is never replaced;
+- plain text: a first line starting with :data:`TEXT_MARK` (compiled-HLO dumps).
+
+Only the standard library is imported at load (numpy when an ``.npz`` is looked into).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import struct
+import zipfile
+
+OUTPUT_MARK = "hetero-jax"
+FORMAT_PREFIX = OUTPUT_MARK + "-"  # of every JSON document's "format"
+TEXT_MARK = f"// written by {OUTPUT_MARK}"
+
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Larger files are not read to look for the mark: none of our outputs comes near it.
+_MAX_SNIFF_BYTES = 256 << 20
+_SVG_CREATOR = re.compile(rb"<dc:creator>\s*<cc:Agent>\s*<dc:title>" + re.escape(OUTPUT_MARK.encode()) + rb"<")
+
+
+def figure_metadata(fmt: str) -> dict | None:
+    """``savefig(metadata=...)`` marking a figure of format ``fmt`` ("png", "pdf", ...) as ours; None for a format
+    with no creator field."""
+    key = {"png": "Software", "pdf": "Creator", "svg": "Creator", "svgz": "Creator", "eps": "Creator",
+           "ps": "Creator"}.get(fmt)
+    return None if key is None else {key: OUTPUT_MARK}
+
+
+def is_own_output(path: str | os.PathLike) -> bool:
+    """Whether the existing regular file ``path`` is empty or carries the mark of an output of ours (module
+    docstring). A file that cannot be read is not ours."""
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            return True
+        if size > _MAX_SNIFF_BYTES:
+            return False
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    try:
+        return _marked(path, data)
+    except Exception:  # noqa: BLE001 - a damaged or foreign file is simply not one of ours
+        return False
+
+
+def _marked(path, data: bytes) -> bool:
+    head = data[:16].lstrip()
+    if head.startswith(b"{"):
+        doc = json.loads(data.decode("utf-8"))
+        return _format_is_ours(doc)
+    if data.startswith(b"PK"):
+        return _npz_marked(path)
+    if data.startswith(_PNG_MAGIC):
+        return _png_software(data) == OUTPUT_MARK
+    if data.startswith(b"%PDF"):
+        return f"/Creator ({OUTPUT_MARK})".encode() in data
+    if data.startswith(b"%!PS"):
+        return f"%%Creator: {OUTPUT_MARK}\n".encode() in data[:4096]
+    if data.startswith(b"\x1f\x8b"):  # svgz
+        return bool(_SVG_CREATOR.search(gzip.decompress(data)))
+    if head.startswith(b"<"):
+        return bool(_SVG_CREATOR.search(data))
+    return data.startswith(TEXT_MARK.encode())
+
+
+def _format_is_ours(doc) -> bool:
+    return isinstance(doc, dict) and isinstance(doc.get("format"), str) and doc["format"].startswith(FORMAT_PREFIX)
+
+
+def _npz_marked(path) -> bool:
+    with zipfile.ZipFile(path) as z:
+        if "meta.npy" not in z.namelist():
+            return False
+    import numpy as np  # only here: every layer may import this module
+
+    with np.load(path, allow_pickle=False) as arrays:
+        return _format_is_ours(json.loads(str(arrays["meta"])))
+
+
+def _png_software(data: bytes) -> str | None:
+    """The text of a PNG's ``Software`` tEXt chunk (before the image data), or None."""
+    at = len(_PNG_MAGIC)
+    while at + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[at:at + 8])
+        if kind in (b"IDAT", b"IEND"):
+            return None
+        if kind == b"tEXt":
+            key, _, text = data[at + 8:at + 8 + length].partition(b"\0")
+            if key == b"Software":
+                return text.decode("latin-1")
+        at += 12 + length
+    return None
