@@ -190,3 +190,9 @@ def test_recount_reads_a_dump_past_its_mark(tmp_path):
     assert bench_step_ops.recount(payload, tmp_path) == 1
     counts = count_step_ops(HLO)
     assert {k: payload["rows"][0][k] for k in counts} == counts
+
+
+def test_the_committed_plots_are_marked_as_ours():
+    """RESULTS.md's commands re-draw docs/*.png in place: each must be known as a benchmark's output."""
+    plots = sorted((Path(__file__).resolve().parent.parent / "docs").glob("*.png"))
+    assert plots and [p.name for p in plots if not is_own_output(p)] == []
