@@ -228,6 +228,19 @@ def test_profile_plot_in_a_format_matplotlib_cannot_write_is_refused(tmp_path, c
 
 
 @pytest.mark.parametrize("method, flags, message", [
+    ("hcattention", ["--codebook-size", "40000"],
+     "--codebook-size 40000 does not fit the int16 codes; use --codebook-size 32767 or fewer"),
+    ("contextkeeper", ["--tokens", "300", "--sink", "100", "--recent", "200"],
+     "--tokens 300 leaves no middle to score between --sink 100 and --recent 200; use --tokens above 300, or lower "
+     "--sink or --recent"),
+])
+def test_profile_method_flags_are_refused_before_loading(tmp_path, capsys, no_work, method, flags, message):
+    _refused(capsys, ["profile", "--method", method, "--data", "pydoc", "--out", str(tmp_path / "o.npz"), *flags],
+             message)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("method, flags, message", [
     ("synckv", ["--n-r", "4", "--tokens", "64"],
      "--n-r 4 exceeds the model's 3 KV heads per layer (SyncKV groups a layer's KV heads into R-head clusters); use "
      "--n-r 3 or fewer"),
@@ -235,10 +248,16 @@ def test_profile_plot_in_a_format_matplotlib_cannot_write_is_refused(tmp_path, c
      "--tokens 250 plus --decode-steps 50 exceeds the model's context of 256 tokens; use --tokens 206 or fewer"),
     ("synckv", ["--tokens", "256", "--decode-steps", "1"],
      "--tokens 256 plus --decode-steps 1 exceeds the model's context of 256 tokens; use --tokens 255 or fewer"),
-    ("contextkeeper", ["--tokens", "257"],
+    ("contextkeeper", ["--tokens", "257", "--sink", "4", "--recent", "8"],
      "--tokens 257 exceeds the model's context of 256 tokens; use --tokens 256 or fewer"),
     ("hcattention", ["--tokens", "300"],
      "--tokens 300 exceeds the model's context of 256 tokens; use --tokens 256 or fewer"),
+    ("hcattention", ["--tokens", "64", "--sub-dim", "3"],
+     "--sub-dim 3 does not divide the model's head_dim 16 (each key is cut into head_dim / d sub-vectors); use one "
+     "of 1, 2, 4, 8, 16"),
+    ("hcattention", ["--tokens", "10", "--samples", "2", "--sub-dim", "8", "--codebook-size", "121"],
+     "--codebook-size 121 exceeds the 120 key sub-vectors per layer that 2 window(s) of 10 tokens give; use "
+     "--codebook-size 120 or fewer, or more --samples or --tokens"),
 ])
 def test_profile_flags_past_the_model_are_refused_before_calibrating(tmp_path, capsys, tiny_loaded, method, flags,
                                                                      message):

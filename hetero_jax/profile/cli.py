@@ -138,10 +138,11 @@ def check_model_args(args, config) -> None:
                            f"KV heads into R-head clusters); use --n-r {heads} or fewer")
 
 
-def load_windows(args, out: str | None = None, check=None):
+def load_windows(args, out: str | None = None, check=None, check_model=None):
     """What every method does before calibrating, in this order: the flags (``check_profile_args`` with
     ``out``, then ``check(args)``, the method's own), the data, the model (``io.hub.load``), the flags against
-    the model (``check_model_args``), the calibration windows. Returns (model, windows, the data's source)."""
+    the model (``check_model_args``, then ``check_model(args, config)``, the method's own), the calibration
+    windows (``--samples`` of ``--tokens`` tokens each). Returns (model, windows, the data's source)."""
     from hetero_jax.io.hub import load
     from hetero_jax.profile.calibrate import calibration_windows, read_texts
 
@@ -151,6 +152,8 @@ def load_windows(args, out: str | None = None, check=None):
     text, source = read_texts(args.data)
     model = load(args.model, dtype=args.dtype, progress=not args.no_progress)
     check_model_args(args, model.config)
+    if check_model is not None:
+        check_model(args, model.config)
     return model, calibration_windows(model.tokenizer, text, args.tokens, args.samples, seed=args.seed), source
 
 

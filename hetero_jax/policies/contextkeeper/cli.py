@@ -23,6 +23,10 @@ def run_profile(args) -> int:
             raise ProfileError("--sink must be >= 0, --recent and --ck-window >= 1")
         if not (math.isfinite(args.top_p) and 0.0 < args.top_p <= 1.0):
             raise ProfileError(f"--top-p must be in (0, 1], got {args.top_p}")
+        if args.tokens <= args.sink + args.recent:  # the score is the attention mass on [sink, tokens - recent)
+            raise ProfileError(f"--tokens {args.tokens} leaves no middle to score between --sink {args.sink} and "
+                               f"--recent {args.recent}; use --tokens above {args.sink + args.recent}, or lower "
+                               "--sink or --recent")
 
     try:
         model, windows, source = load_windows(args, check=check)
