@@ -59,25 +59,6 @@ class ServeConfig:
     max_tokens: int = 512
 
 
-class StopHoldback:
-    """Streamed text held back while it could still be the start of a stop string, so a client never receives
-    text that the final answer cuts (the library's ``on_token`` sends every token's text before the stop check)."""
-
-    def __init__(self, stops):
-        self.stops, self.keep = tuple(stops), max((len(s) for s in stops), default=1) - 1
-        self.text, self.sent = "", 0
-
-    def feed(self, delta: str) -> str:
-        self.text += delta
-        safe = len(self.text) - self.keep
-        cuts = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-        if cuts:
-            safe = min(cuts)
-        out = self.text[self.sent: max(safe, self.sent)]
-        self.sent += len(out)
-        return out
-
-
 class Channel:
     """Events from the worker thread to one request's coroutine: a thread-safe queue and a loop-side wake-up."""
 
@@ -135,7 +116,7 @@ class Server:
         max_tokens = s.max_tokens or self.config.max_tokens
 
         def run(job: Job) -> Turn:
-            on_token = _token_sink(job, emit, s.stop)
+            on_token = _token_sink(job, emit)
             return self.conversations.answer(req.messages, policy, s, req.user, max_tokens, on_token=on_token)
         return run
 
@@ -146,7 +127,7 @@ class Server:
             res = generate(self.model, list(req.prompt) if isinstance(req.prompt, tuple) else req.prompt, policy,
                            max_new_tokens=s.max_tokens or COMPLETIONS_MAX_TOKENS, temperature=s.temperature,
                            top_p=s.top_p, seed=s.seed, stop=list(s.stop) or None, chat=False,
-                           on_token=_token_sink(job, emit, s.stop))
+                           on_token=_token_sink(job, emit))
             st = res.stats
             return Turn(text=res.text, token_ids=tuple(res.token_ids), stop_reason=st.stop_reason,
                         prompt_tokens=st.prompt_tokens, cached_tokens=0, resumed=False,
@@ -204,16 +185,14 @@ def refuse_file_options(spec: str) -> None:
                 "(a budget alone keeps them)", param="policy", code="invalid_policy")
 
 
-def _token_sink(job: Job, emit, stops):
-    """The ``on_token`` of a job: stop at a disconnect; when streaming, send the text no stop string can cut."""
-    hold = StopHoldback(stops) if emit is not None else None
+def _token_sink(job: Job, emit):
+    """The ``on_token`` of a job: stop at a disconnect; when streaming, send each piece of text (the library
+    holds back text a stop string could still cut, and incomplete characters)."""
 
     def on_token(delta: str) -> None:
         job.check()
-        if hold is not None:
-            out = hold.feed(delta)
-            if out:
-                emit(out)
+        if emit is not None and delta:
+            emit(delta)
     return on_token
 
 
