@@ -155,6 +155,10 @@ class Session:
     # the history, read-only views of the committed transcript
     @property
     def messages(self) -> list[dict]:
+        """The chat history as the cache holds it: ``{"role", "content"}`` dicts, the first user message with the
+        context. An answer is every token generated, so one cut by a ``stop`` string keeps the stop string (and
+        any text its last token carried past it) here, while that turn's ``text`` ends before it. Empty for a
+        session without the chat template (``chat=False`` or a token-id context)."""
         return list(self._t.messages)
 
     @property
