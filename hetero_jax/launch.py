@@ -6,7 +6,8 @@ Each process gets ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAX
 ``JAX_LOCAL_DEVICE_IDS`` (on a GPU host, process i takes GPUs iK..iK+K-1). Process 0's output is forwarded;
 the others' stdout is dropped (they print nothing) and their stderr shared. When a process fails, the others
 are stopped (SIGTERM, then SIGKILL after ``grace_s``) and the launcher exits with the first failure's code:
-a peer blocked in a collective would otherwise wait for jax's heartbeat timeout (100 s) or forever.
+a peer blocked in a collective would otherwise wait for jax's heartbeat timeout (100 s) or forever. Ctrl-C,
+SIGTERM and SIGHUP to the launcher stop every process the same way.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def run_processes(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str,
     first failure's exit code (a signal s as 128 + s). Process 0 writes to this process's stdout and stderr,
     the others to its stderr only."""
     procs: list[subprocess.Popen] = []
+    restore = _stop_on_signals()
     try:
         for i, (cmd, env) in enumerate(zip(commands, envs)):
             procs.append(subprocess.Popen(list(cmd), env=dict(env), stdin=subprocess.DEVNULL,
@@ -93,8 +95,35 @@ def run_processes(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str,
     except KeyboardInterrupt:
         _stop([p for p in procs if p.poll() is None], grace_s)
         return 130
+    except _Terminated as e:  # a kill, a timeout or a scheduler's cancel: the workers go with the launcher
+        print(f"error: hetero-jax launch got signal {e.signum} ({signal.Signals(e.signum).name}); stopping its "
+              f"{len(procs)} process(es)", file=log, flush=True)
+        _stop([p for p in procs if p.poll() is None], grace_s)
+        return 128 + e.signum
     finally:
         _stop([p for p in procs if p.poll() is None], grace_s)
+        restore()
+
+
+class _Terminated(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_signals():
+    """Turn SIGTERM and SIGHUP into :class:`_Terminated` while the workers run (the default action would end the
+    launcher alone, and JAX's workers catch SIGTERM, so they would run on); returns what restores the old
+    handlers. Nothing is changed off the main thread, where Python cannot set handlers."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def raise_terminated(signum, _frame):
+        raise _Terminated(signum)
+    old = {s: signal.signal(s, raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+    return lambda: [signal.signal(s, h) for s, h in old.items()]
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:

@@ -3,6 +3,7 @@ checked before JAX starts, ``hetero-jax launch`` starting N processes of ``gener
 of one process), and a process that fails stopping the others within a bounded time."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -125,6 +126,31 @@ def test_a_failing_process_stops_the_others_within_a_bounded_time(tmp_path, fail
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_launcher_killed_by_a_signal_stops_its_processes(tmp_path, signum):
+    """Two workers that ignore SIGTERM (as JAX's do) and would wait ten minutes; the launcher gets ``signum``
+    (a kill, a timeout, a closed terminal): it exits 128 + signum within the grace time and no worker is left."""
+    waiter = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)")
+    pids = [tmp_path / "pid0", tmp_path / "pid1"]
+    launcher = ("import os, sys; from hetero_jax.launch import run_processes; "
+                f"sys.exit(run_processes([[sys.executable, '-c', {waiter!r}, p] for p in {list(map(str, pids))!r}], "
+                "[dict(os.environ)] * 2, grace_s=2.0))")
+    proc = subprocess.Popen(_py(launcher), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not all(p.exists() and p.read_text() for p in pids):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    start = time.monotonic()
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signum and time.monotonic() - start < 15
+    assert f"got signal {int(signum)} ({signum.name}); stopping its 2 process(es)" in err
+    for p in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(p.read_text()), 0)
 
 
 def test_all_processes_succeeding_return_zero():
