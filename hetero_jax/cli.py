@@ -143,10 +143,21 @@ def _cmd_serve(args) -> int:
 
 
 def _read_prompt(args) -> str:
+    """The prompt of --prompt, --prompt-file FILE or --prompt-file - (stdin); PromptError (exit 2) for text that
+    is not UTF-8, before the model is loaded."""
+    from hetero_jax.errors import PromptError
+    from hetero_jax.io.tokenizer import check_unicode
+
     if args.prompt is not None:
+        check_unicode(args.prompt, "--prompt")  # a non-UTF-8 byte of the command line comes as a surrogate
         return args.prompt
     if args.prompt_file == "-":
-        return sys.stdin.read()
+        data = sys.stdin.buffer.read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PromptError(f"the prompt read from stdin is not UTF-8 text ({e.reason} at byte {e.start}); "
+                              "--prompt-file - takes UTF-8 text") from None
     return read_text_file(args.prompt_file, "--prompt-file", "prompt file")
 
 

@@ -140,6 +140,25 @@ def test_unreadable_prompt_and_turns_files(tmp_path, capsys, no_load, flag, kind
     assert sorted(os.listdir(tmp_path)) == before
 
 
+@pytest.mark.parametrize("source", ["stdin", "--prompt", "--stop"])
+def test_text_that_is_not_utf8_is_refused_before_loading(capsys, monkeypatch, no_load, source):
+    """A Latin-1 'café' piped in, or typed on a command line (Python reads its byte 0xe9 as U+DCE9)."""
+    import io
+
+    latin1 = "caf\xe9 au lait\n".encode("latin-1")
+    argv_text = latin1.decode("utf-8", "surrogateescape")
+    if source == "stdin":
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(latin1)))
+        argv, needle = ["generate", "--prompt-file", "-"], ("the prompt read from stdin is not UTF-8 text (invalid "
+                                                            "continuation byte at byte 3); --prompt-file - takes")
+    else:
+        argv = ["generate", "--prompt", argv_text] if source == "--prompt" else [
+            "generate", "--prompt", "hi", "--stop", argv_text]
+        what = "--prompt" if source == "--prompt" else f"the stop string {argv_text!r}"
+        needle = f"{what} is not valid text: character 3 is the lone surrogate U+DCE9 (the byte 0xe9)"
+    _refused(capsys, argv, needle)
+
+
 @pytest.mark.parametrize("out, needles", [
     ("missing/dir/profile.json", ["the directory", "does not exist; create it first (nothing was written)"]),
     (".", ["is a directory; give the path of a file to write (inside it or elsewhere)"]),

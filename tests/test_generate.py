@@ -1,5 +1,7 @@
 """generate(): batching, stopping, sampling and bad input, on a tiny converted checkpoint."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,6 +201,14 @@ def test_prompt_longer_than_context_rejected_before_compute(tiny, no_compute):
 @pytest.mark.parametrize("prompt", ["", "   \n", [], [[]], [[1, 2], []]])
 def test_empty_prompt_rejected(tiny, no_compute, prompt):
     with pytest.raises(PromptError, match="empty prompt"):
+        hetero_jax.generate(tiny, prompt, chat=False)
+
+
+@pytest.mark.parametrize("prompt", ["caf\udce9 au lait", ["fine", "caf\udce9 au lait"]])
+def test_text_with_a_lone_surrogate_is_refused(tiny, no_compute, prompt):
+    """A byte that was not UTF-8, as Python reads it with surrogateescape: the tokenizer cannot encode it."""
+    with pytest.raises(PromptError, match=re.escape("the prompt is not valid text: character 3 is the lone "
+                                                    "surrogate U+DCE9 (the byte 0xe9)")):
         hetero_jax.generate(tiny, prompt, chat=False)
 
 

@@ -128,6 +128,7 @@ def _state(sess):
     ([1, 2.5], "token ids must be integers: the context has 2.5 (float) at position 1"),
     ([1, -4], "token id -4 is outside the vocabulary [0, 101)"),
     ("   ", "empty context"),
+    ("caf\udce9", "the context is not valid text: character 3 is the lone surrogate U+DCE9 (the byte 0xe9)"),
 ])
 def test_session_refuses_a_bad_context_before_compute(context, needle, no_compute):
     with pytest.raises(PromptError) as ei:
@@ -162,6 +163,9 @@ def sess():
     ([], {}, "empty question"),
     (None, {}, "question must be a string or a list of token ids, got NoneType"),
     ("  ", {}, "empty question"),
+    ("caf\udce9", {}, "the question is not valid text: character 3 is the lone surrogate U+DCE9 (the byte 0xe9)"),
+    ([5, 6], {"stop": "\ud800"}, "the stop string '\\ud800' is not valid text: character 0 is the lone surrogate "
+                                  "U+D800, which"),
     ([5, 6], {"temperature": float("nan")}, "temperature must be a finite number >= 0"),
     ([5, 6], {"temperature": -1.0}, "temperature must be a finite number >= 0"),
     ([5, 6], {"stop": ""}, "stop strings must be non-empty"),

@@ -59,6 +59,20 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+
+def check_unicode(text: str, what: str) -> None:
+    """PromptError naming ``what`` when ``text`` holds a lone surrogate, which no tokenizer can encode: a byte
+    that was not UTF-8, as Python reads it from a command line, a terminal or a file opened with
+    ``errors="surrogateescape"`` (U+DC80-U+DCFF stand for bytes 0x80-0xFF)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = text[e.start]
+        byte = f" (the byte 0x{ord(ch) - 0xDC00:02x})" if 0xDC80 <= ord(ch) <= 0xDCFF else ""
+        raise PromptError(f"{what} is not valid text: character {e.start} is the lone surrogate "
+                          f"U+{ord(ch):04X}{byte}, which is what a byte that is not UTF-8 becomes; give UTF-8 "
+                          "text (decode the bytes with their real encoding, e.g. latin-1)") from None
+
 class Tokenizer:
     """Text <-> token ids, special token ids and the chat template of one model."""
 
@@ -150,7 +164,9 @@ class Tokenizer:
         return self._tok.id_to_token(int(i))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (e.g. adds BOS)."""
+        """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (e.g. adds BOS). PromptError
+        for text that is not valid Unicode (:func:`check_unicode`)."""
+        check_unicode(text, "the text")
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from hetero_jax.errors import PromptError
+from hetero_jax.io.tokenizer import check_unicode
 from hetero_jax.model.config import ModelConfig
 
 
@@ -36,6 +37,7 @@ def as_token_batches(model, prompt, chat: bool) -> tuple[list[list[int]], bool]:
 def _encode(tok, text: str, chat: bool) -> list[int]:
     if not text.strip():
         raise PromptError("empty prompt: the prompt text has no content")
+    check_unicode(text, "the prompt")
     return tok.encode_prompt(text, chat=chat)
 
 
@@ -83,6 +85,8 @@ def check_request(max_new_tokens, temperature, top_p, *, seed=0, stop=None, on_t
     if any(x == "" for x in stops):
         raise PromptError("stop strings must be non-empty: an empty stop string matches at once and ends "
                           "generation after one token; drop it or pass stop=None")
+    for x in stops:
+        check_unicode(x, f"the stop string {x!r}")
     if max_new_tokens < 0:
         raise PromptError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not (0.0 < top_p <= 1.0):

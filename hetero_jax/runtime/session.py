@@ -10,6 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from hetero_jax.errors import PromptError, SessionBusyError, SessionError
+from hetero_jax.io.tokenizer import check_unicode
 from hetero_jax.runtime.compile_cache import compile_seconds
 from hetero_jax.runtime.engine import Engine, decode_loop, make_results
 from hetero_jax.runtime.prompts import (DEFAULT_RESERVE, check_model, check_request, check_session_args, question_ids,
@@ -43,6 +44,7 @@ class Transcript:
             return unfed + question_ids(question, cfg), dataclasses.replace(self, unfed=())
         if not question.strip():
             raise PromptError("empty question: the question text has no content")
+        check_unicode(question, "the question")
         if self.context_text is None or not self.chat:
             sep = "\n\n" if (self.turns or self.context_text) else ""
             ids = unfed + tok.encode(sep + question, add_special_tokens=False)
@@ -75,6 +77,7 @@ def open_context(tok, context, chat: bool) -> tuple[list[int], Transcript]:
     if isinstance(context, str):
         if not context.strip():
             raise PromptError("empty context: the session's context text has no content")
+        check_unicode(context, "the context")
         if chat:
             rendered = tok.apply_chat_template([{"role": "user", "content": context + _MARKER}])
             if _MARKER not in rendered:
