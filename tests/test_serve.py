@@ -86,6 +86,12 @@ def test_parse_size():
     assert parse_size("4096", "--x") == 4096
     with pytest.raises(ConfigError, match="--host-memory '8 apples' is not a size"):
         parse_size("8 apples", "--host-memory")
+    # a fraction without a unit was 0 bytes: no session could ever be held
+    with pytest.raises(ConfigError, match=r"--host-memory '0.5' is not a whole number of bytes; give a unit for a "
+                                          r"fraction \(e.g. 0.5GiB\)"):
+        parse_size("0.5", "--host-memory")
+    with pytest.raises(ConfigError, match="not a whole number of bytes"):
+        parse_size("2.5B", "--x")
 
 
 def _conv(owner, messages, dev=0, host=0):

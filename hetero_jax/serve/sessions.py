@@ -44,7 +44,11 @@ def parse_size(text: str, flag: str) -> int:
     if not m:
         raise ConfigError(f"{flag} {text!r} is not a size: write a number of bytes or one with a unit, e.g. 8GiB, "
                           "512MiB, 2GB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    size = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if size != int(size):  # "0.5" read as bytes would be 0: a unit was most likely left out
+        raise ConfigError(f"{flag} {text!r} is not a whole number of bytes; give a unit for a fraction (e.g. "
+                          f"{m.group(1)}GiB) or whole bytes")
+    return int(size)
 
 
 def _digest(prev: bytes, message: tuple[str, str]) -> bytes:
