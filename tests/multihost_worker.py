@@ -43,7 +43,8 @@ for name in os.environ["HETERO_JAX_TEST_POLICIES"].split(","):
     toks, logits, eng = greedy_with_logits(model, POLICIES[name], PROMPTS, steps=STEPS)
     host = eng.state.host_arrays()
     run = {"tokens": toks.tolist(), "logits": logits.tolist(), "counters": counters(eng),
-           "host_bytes_here": sum(per_device_bytes(host).values()), "host_bytes": sum(a.nbytes for a in host),
+           "host_bytes_here": sum(sh.data.nbytes for a in host for sh in a.addressable_shards),
+           "host_bytes": sum(a.nbytes for a in host), "host_bytes_per_device": per_device_bytes(host),
            "k_proj_shards": [str(s.index) for s in model.params["layers"][0]["k_proj"].addressable_shards]}
     if name == "heterocache":
         run["recall_steps"] = list(eng.state.recall_steps)

@@ -79,6 +79,10 @@ def check_job(outs, n: int, policies, sessions) -> None:
             assert len(run["k_proj_shards"]) == 2  # the process's two devices hold one shard of the heads
             # each process's host memory holds its own heads' share of the host copy, never the whole
             assert run["host_bytes_here"] * n == run["host_bytes"], (name, rank, run["host_bytes_here"])
+            # and every process sees where all of it lies: each of the job's devices, other processes' included
+            per_device = run["host_bytes_per_device"]
+            assert not run["host_bytes"] or (len(per_device) == 2 * n and sum(per_device.values()) ==
+                                             run["host_bytes"]), (name, rank, per_device)
             if name == "heterocache":
                 assert run["recall_steps"] == recall_steps  # the same recalls, at the same steps, everywhere
             if answers is not None:

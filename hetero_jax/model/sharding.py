@@ -144,7 +144,9 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
 
 
 def per_device_bytes(tree: Any) -> dict[str, int]:
-    """Bytes each device (``str(device)``) holds for the arrays of ``tree``, measured from their shards.
+    """Bytes each device (``str(device)``) holds for the arrays of ``tree``, from each array's sharding: every
+    device of the job, those of other processes included (their shards are not addressable here, but where
+    they lie is known).
 
     Replicated arrays count on every device that holds a copy; host-memory arrays count on the device
     whose host holds them.
@@ -152,9 +154,17 @@ def per_device_bytes(tree: Any) -> dict[str, int]:
     out: dict[str, int] = collections.Counter()
     for x in jax.tree.leaves(tree):
         if isinstance(x, jax.Array):
-            for shard in x.addressable_shards:
-                out[str(shard.device)] += shard.data.nbytes
+            for device, index in x.sharding.devices_indices_map(x.shape).items():
+                out[str(device)] += _slice_elements(index, x.shape) * x.dtype.itemsize
     return dict(out)
+
+
+def _slice_elements(index: tuple, shape: tuple[int, ...]) -> int:
+    """Elements of the block ``index`` (a tuple of slices, one per dim) selects from an array of ``shape``."""
+    n = 1
+    for sl, dim in zip(index, shape):
+        n *= len(range(*sl.indices(dim)))
+    return n
 
 
 def to_host(x) -> np.ndarray:
