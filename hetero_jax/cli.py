@@ -43,7 +43,9 @@ def _add_generate(sub) -> None:
                         "(true/false, integers, numbers or text; also written --policy quest:offload=true)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallel: split heads and MLP over this many devices (must divide the KV heads)")
-    p.add_argument("--dp", type=int, default=1, help="data parallel: split the batch over this many devices")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data parallel, in a multi-process job only (one prompt has no batch to split): with --tp, "
+                        "the mesh must span the job's devices")
     p.add_argument("--turns", default=None,
                    help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
 
@@ -194,6 +196,26 @@ def _check_generate_args(args) -> list[str] | None:
     return questions
 
 
+# No process holds more devices than this; --tp x --dp past it is a mistake (and XLA aborts on a count it
+# cannot read, or runs out of memory simulating thousands of CPU devices).
+MAX_DEVICES_PER_PROCESS = 64
+
+
+def check_mesh_flags(tp: int, dp: int, distributed: bool) -> None:
+    """--tp and --dp (each >= 1, which the parser checks) before JAX starts (MeshError): their product a device
+    count one process can hold, and, outside a multi-process job, no --dp: generate runs one prompt, which data
+    parallelism cannot split (every data-parallel device would repeat the whole run)."""
+    from hetero_jax.model.sharding import MeshError
+
+    if not distributed and tp * dp > MAX_DEVICES_PER_PROCESS:
+        raise MeshError(f"--tp {tp} x --dp {dp} = {tp * dp} devices, more than one process holds (at most "
+                        f"{MAX_DEVICES_PER_PROCESS}); --tp must divide the model's KV heads (SmolLM2: 1 or 3)")
+    if not distributed and dp > 1:
+        raise MeshError(f"--dp {dp} splits a batch over devices, but generate runs one prompt: each of the {dp} "
+                        "data-parallel devices would repeat the whole run. Leave out --dp (--tp splits one "
+                        "prompt's heads), or batch prompts with the Python API on make_mesh(tp=..., dp=...)")
+
+
 def simulate_cpu_devices(n: int) -> None:
     """Let a CPU-only run build an n-device mesh: XLA's host platform splits into n devices when told so
     before JAX starts (no effect on GPUs; a no-op once JAX's backends exist or the flag is set)."""
@@ -251,6 +273,7 @@ def _generate_mesh(args, setup):
 
 def _cmd_generate(args, setup) -> int:
     import hetero_jax
+    from hetero_jax.model.sharding import MeshError
     from hetero_jax.policies import describe_policies, make_policy, parse_options
 
     if args.policy == "list":
@@ -287,7 +310,16 @@ def _cmd_generate(args, setup) -> int:
                           "that holds text")
     enable_compilation_cache()
     mesh = _generate_mesh(args, setup)
-    model = hetero_jax.load(args.model, dtype=args.dtype, mesh=mesh, progress=setup.process_id == 0)
+    try:
+        model = hetero_jax.load(args.model, dtype=args.dtype, mesh=mesh, progress=setup.process_id == 0)
+    except MeshError as e:
+        if not (setup.distributed and args.tp * args.dp == 1):
+            raise
+        n = mesh.devices.size  # neither flag given: tensor parallel over the whole job
+        raise MeshError(f"{e}. With neither --tp nor --dp, this job's {n} devices make tp={n}: give --tp T "
+                        f"--dp {n}/T with T from that list and dividing {n} (e.g. --tp 1 --dp {n}, which repeats "
+                        "the run on every device), or launch a number of devices that the KV heads divide by"
+                        ) from None
     stream = not args.no_stream
     if args.turns:
         return _run_turns(args, model, prompt, policy, stream, questions)
@@ -381,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             # the job's variables before anything else: a bad one is refused before JAX starts; in a job the
             # devices are the processes' own (hetero-jax launch --devices-per-process simulates CPU ones)
             setup = process_setup()
+            check_mesh_flags(args.tp, args.dp, setup.distributed)
             if not setup.distributed:
                 simulate_cpu_devices(args.tp * args.dp)
             setup = initialize_distributed()

@@ -92,7 +92,11 @@ def test_greedy_and_logits_equal_one_device(name, tp, dp):
         assert set(per_device_bytes(host).values()) == {sum(a.nbytes for a in host) // (tp * dp)}
         assert eng.state.host_bytes_by_role()["full"] > 0
         p = eng.state.stats()["placement"]  # the stats say what the placement bought
-        assert p["tp"] == tp and p["allocated_tokens_per_shard"] == pool.num_rows * len(PROMPTS)
+        assert p["tp"] == tp and p["pool_rows_per_shard"] == pool.num_rows * len(PROMPTS)
+        # like with like: the prompt's tokens, the pool's tail rows left out of both
+        prompt_rows = lengths.reshape(cfg.num_layers, len(PROMPTS), tp, -1).sum(axis=(0, 3))  # [B, tp]
+        assert p["allocated_tokens_per_shard"] == prompt_rows.max() * len(PROMPTS) < p["pool_rows_per_shard"]
+        assert p["allocated_tokens_per_shard"] <= p["contiguous_allocated_tokens_per_shard"]
         assert p["kept_max_over_mean"] <= p["contiguous_kept_max_over_mean"]
         assert sum(p["kept_tokens_per_shard"]) == sum(p["contiguous_kept_tokens_per_shard"])
     stats = eng.stats_fields()
@@ -318,3 +322,27 @@ def test_bytes_computed_from_the_layout_equal_the_measured_shards(tp):
     assert one_device([a for l in cache.layers for a in (l.offsets, l.lengths)]) == want["small"]
     assert one_device([l.state.k_base for l in cache.layers if l.state is not None]) == want["k_base"] > 0
     assert one_device(eng.state.host_arrays()) == want["host"] > 0
+
+
+def test_a_batch_the_data_axis_does_not_divide_warns():
+    """A batch that dp does not divide stays whole on "data": each data device repeats it, and generate says so;
+    one it divides is split, without a word."""
+    import warnings
+
+    mesh_model = place(MODEL, make_mesh(3, 2))
+    with pytest.warns(RuntimeWarning, match=r"a batch of 1 prompt\(s\) does not split over the mesh's dp=2 "
+                                            "data-parallel devices, so each of them holds and computes the whole"):
+        hetero_jax.generate(mesh_model, PROMPTS[0], max_new_tokens=1, chat=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        res = hetero_jax.generate(mesh_model, PROMPTS, max_new_tokens=1, chat=False)
+    assert len(res[0].stats.kv_bytes_per_device) == 6
+    # the bytes per device come from the shardings; in one process they equal what the shards hold
+    import collections
+
+    arrays = prompt_arrays(Engine(mesh_model, PROMPTS, FullKV(), tail_capacity=8, is_batch=True).cache)
+    shards = collections.Counter()
+    for a in arrays:
+        for s in a.addressable_shards:
+            shards[str(s.device)] += s.data.nbytes
+    assert per_device_bytes(arrays) == dict(shards) and len(shards) == 6

@@ -140,6 +140,49 @@ def test_unreadable_prompt_and_turns_files(tmp_path, capsys, no_load, flag, kind
     assert sorted(os.listdir(tmp_path)) == before
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--dp", "2"], "--dp 2 splits a batch over devices, but generate runs one prompt: each of the 2 data-parallel "
+                    "devices would repeat the whole run"),
+    (["--tp", "99999999999999"], "--tp 99999999999999 x --dp 1 = 99999999999999 devices, more than one process "
+                                 "holds (at most 64)"),
+    (["--tp", "3", "--dp", "99999999999"], "= 299999999997 devices, more than one process holds"),
+])
+def test_mesh_flags_are_refused_before_jax_starts(capsys, monkeypatch, no_load, flags, needle):
+    """XLA aborted with its flag list on a device count it cannot read, and ran out of memory simulating
+    hundreds of devices; one prompt has no batch for --dp to split."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    _refused(capsys, ["generate", "--prompt", "hi", *flags], needle)
+    assert "XLA_FLAGS" not in os.environ  # refused before any device was simulated
+
+
+def test_a_job_whose_default_tp_misses_the_heads_names_the_flags(capsys, monkeypatch):
+    """`hetero-jax launch -n 2 -- generate` of a 3-KV-head model: neither --tp nor --dp, so tp=2; the error
+    says how to choose (the mesh check's own text only offered 'choose tp in [1, 3]')."""
+    import types
+
+    import hetero_jax
+    from hetero_jax import cli
+    from hetero_jax.model.sharding import MeshError
+    from hetero_jax.runtime import distributed
+    from hetero_jax.runtime.distributed import ProcessSetup
+
+    job = ProcessSetup(2, 0, "127.0.0.1:1", "jax")
+    monkeypatch.setattr(distributed, "process_setup", lambda *a, **k: job)
+    monkeypatch.setattr(distributed, "initialize_distributed", lambda *a, **k: job)
+    monkeypatch.setattr(cli, "_generate_mesh", lambda args, setup: types.SimpleNamespace(
+        devices=types.SimpleNamespace(size=2)))
+    monkeypatch.setattr(cli, "enable_compilation_cache", lambda: False)
+
+    def load(*a, **k):
+        raise MeshError("tensor parallelism tp=2 does not divide the model's 3 KV heads; choose tp in [1, 3]")
+    monkeypatch.setattr(hetero_jax, "load", load)
+    assert main(["generate", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error (process 0 of 2): tensor parallelism tp=2 does not divide the model's 3 KV heads; choose tp in [1, 3]. "
+        "With neither --tp nor --dp, this job's 2 devices make tp=2: give --tp T --dp 2/T with T from that list and "
+        "dividing 2 (e.g. --tp 1 --dp 2,")
+
+
 @pytest.mark.parametrize("source", ["stdin", "--prompt", "--stop"])
 def test_text_that_is_not_utf8_is_refused_before_loading(capsys, monkeypatch, no_load, source):
     """A Latin-1 'café' piped in, or typed on a command line (Python reads its byte 0xe9 as U+DCE9)."""

@@ -22,7 +22,7 @@ from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import grow_tail, kv_bytes, prompt_arrays, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import params_for
-from hetero_jax.model.sharding import (batch_sharding, committed, keep_placed, per_device_bytes, shard_cache,
+from hetero_jax.model.sharding import (DATA, batch_sharding, committed, keep_placed, per_device_bytes, shard_cache,
                                        to_host)
 from hetero_jax.runtime import heap
 from hetero_jax.runtime.compile_cache import MAX_CHUNK, TAIL_QUANTUM, chunk_bucket, compile_seconds, compiled, round_up
@@ -53,6 +53,19 @@ def decode_step_jit(params, cache, tokens, key, host, cfg, policy, temperature, 
             None if is_greedy(temperature) else next_key)
 
 
+def warn_unsplit_batch(batch: int, mesh) -> None:
+    """A RuntimeWarning when the mesh's "data" axis does not divide ``batch``: the batch then stays whole on
+    it, so each data-parallel device repeats the whole batch's work and memory."""
+    import warnings
+
+    dp = mesh.shape[DATA]
+    if dp > 1 and batch % dp:
+        warnings.warn(f"a batch of {batch} prompt(s) does not split over the mesh's dp={dp} data-parallel devices, "
+                      f"so each of them holds and computes the whole batch; give a batch that {dp} divides, or a "
+                      "mesh with dp=1 (make_mesh(tp=..., dp=1); on the command line leave out --dp)",
+                      RuntimeWarning, stacklevel=3)
+
+
 def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, tail_capacity: int,
             plan=None, observe=None, all_logits: bool = False, mesh=None):
     """Chunked prefill of a right-padded batch of token-id lists (split over ``mesh``'s "data" axis) with a
@@ -67,6 +80,7 @@ def prefill(params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     if mesh is not None:
+        warn_unsplit_batch(len(prompts), mesh)
         tokens = jax.device_put(tokens, batch_sharding(mesh, tokens.shape))
     return M.prefill(
         params, cfg, tokens, lens, chunk=C, tail_capacity=tail_capacity, plan=plan, observe=observe,

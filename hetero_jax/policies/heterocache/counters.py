@@ -48,6 +48,7 @@ def summary(c: Counters, placement: dict | None) -> str:
     p = placement
     if p:
         text += (f", tp {p['tp']}: kept max/mean {p['kept_max_over_mean']:.2f} (contiguous "
-                 f"{p['contiguous_kept_max_over_mean']:.2f}), {p['allocated_tokens_per_shard']} tokens allocated "
-                 f"per shard (contiguous {p['contiguous_allocated_tokens_per_shard']})")
+                 f"{p['contiguous_kept_max_over_mean']:.2f}), {p['allocated_tokens_per_shard']} prompt tokens "
+                 f"allocated per shard (contiguous {p['contiguous_allocated_tokens_per_shard']}; "
+                 f"{p['pool_rows_per_shard']} pool rows with the tails)")
     return text

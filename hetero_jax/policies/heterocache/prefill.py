@@ -52,25 +52,24 @@ class HeteroPrefill(PrefillPlan):
         return self.counts
 
     def _placement(self, pool_rows: int) -> dict:
-        """Tokens each shard's heads keep (the whole batch) and what the shard allocates (pool rows x batch),
-        beside the naive contiguous split of the role-grouped layout (full heads first)."""
-        from hetero_jax.policies.placement import (contiguous_placement, pooled_tokens_per_shard, role_grouped_order,
-                                                   shard_tokens)
+        """Tokens each shard's heads keep (the whole batch) and the prompt tokens a shard allocates (a sequence's
+        regions on a shard hold its kept rows: the largest (sequence, shard) total, x batch), beside the same two
+        of the naive contiguous split of the role-grouped layout (full heads first); and the pool rows a shard
+        allocates, which add every head's tail rows and the rounding to the prompt's."""
+        from hetero_jax.policies.placement import contiguous_placement, role_grouped_order, shard_tokens
 
-        tp, H = self.layout.tp, self.cfg.num_kv_heads
-        n_local = H // tp
-        kept = np.zeros(tp, np.int64)
-        for li in range(self.cfg.num_layers):
-            np.add.at(kept, np.arange(H) // n_local, self.counts[li].sum(axis=0))
+        tp, H, B = self.layout.tp, self.cfg.num_kv_heads, len(self.lens)
+        per_row = self.counts.reshape(self.cfg.num_layers, B, tp, H // tp).sum(axis=(0, 3))  # [B, tp]
+        kept = per_row.sum(axis=0)
         total = self.grid.sum(axis=0)  # [L, H] original order
         naive = contiguous_placement(self.cfg.num_layers, H, tp, role_grouped_order(total))
         naive_kept = shard_tokens(total, naive, tp)
-        naive_alloc = int(pooled_tokens_per_shard(total, naive, tp))
+        naive_row = max(int(shard_tokens(self.grid[b], naive, tp).max()) for b in range(B))
         return {"tp": tp, "kept_tokens_per_shard": kept.tolist(), "kept_max_over_mean": float(kept.max() / kept.mean()),
-                "allocated_tokens_per_shard": int(pool_rows) * len(self.lens),
+                "allocated_tokens_per_shard": int(per_row.max()) * B, "pool_rows_per_shard": int(pool_rows) * B,
                 "contiguous_kept_tokens_per_shard": naive_kept.tolist(),
                 "contiguous_kept_max_over_mean": float(naive_kept.max() / naive_kept.mean()),
-                "contiguous_allocated_tokens_per_shard": naive_alloc * len(self.lens)}
+                "contiguous_allocated_tokens_per_shard": naive_row * B}
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens) -> LayerPrefill:
         cfg, r = self.cfg, self.roles[li]
