@@ -22,7 +22,7 @@ from hetero_jax.policies import (
     CAKE, H2O, REGISTRY, BudgetError, Composed, FullKV, PolicyError, ProfiledSnapKV, PyramidKV, SnapKV, StreamingLLM,
     achieved_rho, describe_policies, make_policy, smallest_rho, tokens_for,
 )
-from hetero_jax.policies.allocators import Cascade, ProfileBudgets, Pyramid, Uniform
+from hetero_jax.policies.allocators import Cascade, ProfileBudgets, Pyramid, Uniform, distribute
 from hetero_jax.policies.scorers import HeavyHitters, SinksRecent, WindowMeanVar, WindowVotes
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile import HeadProfile, ProfileError
@@ -211,13 +211,31 @@ def test_pyramid_budgets_fall_with_depth_and_keep_the_total():
 def test_cake_cascade_hand_computed():
     cascade = CAKE(budget=0.5, window=2).allocator  # floor: the 2-token window
     # 3 layers, n = 10 per layer on average, prompt 40: step shares by preference
-    own, final = cascade.shares([1.0, 3.0, 1.0], n=10, prompt_len=40, floor=2)
+    own, final = cascade.shares(np.log([1.0, 3.0, 1.0]), n=10, prompt_len=40, floor=2)  # log preferences
     # step 0: layer0 gets 10; step 1: 20 split 1:3 -> 5, 15; step 2: 30 split 1:3:1 -> 6, 18, 6
     assert own.tolist() == [10, 15, 6]
     assert final.tolist() == [5, 15, 6]
     # rho = 1: everything everywhere
-    own, final = cascade.shares([1.0, 5.0, 0.1], n=40, prompt_len=40, floor=2)
+    own, final = cascade.shares(np.log([1.0, 5.0, 0.1]), n=40, prompt_len=40, floor=2)
     assert own.tolist() == final.tolist() == [40, 40, 40]
+
+
+def test_cake_small_temperatures_neither_overflow_nor_hang():
+    """P = entropy^(1/tau1) x variance^(1/tau2) overflowed float32 for tau1 = 0.01 (prefill then hung in the
+    rounding loop) and made NaN shares for 1e-3: in log space the shares are P's ratios, whatever its size."""
+    cascade = CAKE(budget=0.5, window=2).allocator
+    # preferences of 1e-3000 : 1e-2999 : 1e-3000 (no float holds them) split as 1 : 10 : 1
+    own, final = cascade.shares(np.log(10.0) * np.array([-3000.0, -2999.0, -3000.0]), n=12, prompt_len=40, floor=2)
+    assert own.tolist() == [12, 22, 3] and final.tolist() == [2, 22, 3]
+    with pytest.raises(ValueError, match="weights must be finite"):
+        distribute(np.array([1.0, np.inf]), 10, 0, 10)
+    layers = full_prompt_kv(90)
+    for tau1, tau2 in ((0.01, 1.0), (1e-3, 1e-3)):
+        plan = CAKE(budget=0.5, tau1=tau1, tau2=tau2).make_prefill(CFG, [90], compile_fn=compiled)
+        blocks, _ = plan.cut([plan.build_layer(li, *layer) for li, layer in enumerate(layers)])
+        assert np.isfinite(np.array([float(p[0]) for p in plan.prefs])).all()
+        kept = [int(np.asarray(b.blocks[0].lengths).sum()) for b in blocks]
+        assert sum(kept) <= 0.5 * 90 * CFG.num_kv_heads * CFG.num_layers + CFG.num_layers * CFG.num_kv_heads
 
 
 @pytest.mark.parametrize("cls", COMPRESSING)
@@ -390,7 +408,7 @@ def test_every_scorer_with_every_allocator(scorer, allocator):
         blocks, _ = plan.cut(blocks)
         prefs = np.array([float(p[0]) for p in plan.prefs])
         want = [np_cake_preference(allocator, layer, x[0], k[0], L, CFG) for layer, x, k, _, _ in layers]
-        np.testing.assert_allclose(prefs, want, rtol=1e-3)
+        np.testing.assert_allclose(np.exp(prefs), want, rtol=1e-3)  # carried as log P
     budgets = np_budgets(allocator, rho, L, scorer.min_tokens().tokens, prefs)
     for li, ((layer, x_in, k_buf, _, _), out) in enumerate(zip(layers, blocks)):
         (block,) = out.blocks

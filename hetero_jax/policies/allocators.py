@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -41,6 +42,8 @@ def distribute(weights: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
     n = len(w)
     if not lo * n <= total <= hi * n:
         raise ValueError(f"cannot split {total} into {n} parts within [{lo}, {hi}]")
+    if not np.isfinite(w).all():  # the rounding below could never settle
+        raise ValueError(f"distribute: weights must be finite, got {w.tolist()}")
     if w.sum() == 0:
         w = np.ones(n)
     _, c_hi = water_level(w, total, lo, hi)
@@ -118,7 +121,8 @@ class Pyramid(Allocator):
 class Cascade(Allocator):
     """CAKE: layer budgets from a preference P_l = entropy^(1/tau1) x variance^(1/tau2) of the last ``window``
     prompt queries' mean attention over the prefix (per head, averaged), decided while prefilling layer by
-    layer (``shares``)."""
+    layer (``shares``). P_l is carried as log P_l: only the layers' ratios count, and a small tau raises
+    entropy and variance to powers that overflow (tau1 = 0.01 gave inf, and NaN shares)."""
 
     window: int = int_param(32, 1, " (prompt queries in the observation window)")
     tau1: float = real_param(1.0, 0.0)
@@ -135,24 +139,27 @@ class Cascade(Allocator):
         dist = mean / jnp.maximum(mean.sum(axis=-1, keepdims=True), 1e-30)
         entropy = -(dist * jnp.log(jnp.maximum(dist, 1e-30))).sum(axis=-1)  # [B, Hkv, G]
         variance = var.sum(axis=-1)
-        pref = (jnp.maximum(entropy, 1e-12) ** (1.0 / self.tau1) * jnp.maximum(variance, 1e-12) ** (1.0 / self.tau2))
-        return pref.mean(axis=(1, 2))
+        log_pref = (jnp.log(jnp.maximum(entropy, 1e-12)) / self.tau1
+                    + jnp.log(jnp.maximum(variance, 1e-12)) / self.tau2)  # [B, Hkv, G]
+        heads = log_pref.shape[1] * log_pref.shape[2]
+        return jax.nn.logsumexp(log_pref, axis=(1, 2)) - jnp.log(heads)  # log of the heads' mean P
 
     def shares(self, prefs, n: int, prompt_len: int, floor: int) -> tuple[np.ndarray, np.ndarray]:
         """The cascade for one sequence keeping n tokens per head on average.
 
-        prefs: [k] preferences of the layers prefilled so far. After step l the total n * (l + 1) is split
-        among layers 0..l in proportion to P_0..P_l, each share within [min(floor, L), L] (excess water-filled
-        into the others, integers by largest remainder). Returns (own [k]: candidates layer j keeps at its own
-        step j, final [k]: the smallest share layer j was given over steps j..k-1).
+        prefs: [k] log preferences (``preference``) of the layers prefilled so far. After step l the total
+        n * (l + 1) is split among layers 0..l in proportion to P_0..P_l, each share within [min(floor, L), L]
+        (excess water-filled into the others, integers by largest remainder). Returns (own [k]: candidates layer
+        j keeps at its own step j, final [k]: the smallest share layer j was given over steps j..k-1).
         """
-        prefs = np.maximum(np.asarray(prefs, np.float64), 1e-12)
-        k = len(prefs)
+        log_p = np.asarray(prefs, np.float64)
+        k = len(log_p)
         w = min(floor, prompt_len)
         own = np.zeros(k, np.int64)
         final = np.full(k, np.iinfo(np.int64).max)
         for l in range(k):
-            alloc = distribute(prefs[: l + 1], n * (l + 1), lo=w, hi=prompt_len)
+            ratios = np.exp(log_p[: l + 1] - log_p[: l + 1].max())  # P_j / max P: in (0, 1], never inf
+            alloc = distribute(ratios, n * (l + 1), lo=w, hi=prompt_len)
             own[l] = alloc[l]
             final[: l + 1] = np.minimum(final[: l + 1], alloc)
         return own, final
