@@ -301,9 +301,10 @@ def test_compressed_heads_keep_their_top_tokens_and_pivots_their_last_token_k_ba
 
 
 def test_select_window_must_be_a_positive_int():
-    for bad in (0, -3, 2.5):
-        with pytest.raises(ValueError, match=r"select_window must be an int >= 1\b"):
+    for bad in (0, -3, 2.5, True, np.int64(0)):
+        with pytest.raises(ValueError, match=r"select_window must be an integer >= 1 prompt query\b"):
             HeteroCache(profile=PROFILE, select_window=bad)
+    assert HeteroCache(profile=PROFILE, select_window=np.int64(8)).select_window == 8  # a numpy sweep's value
 
 
 def test_drain_waits_for_the_dispatched_drift_check_and_the_recall_in_flight():

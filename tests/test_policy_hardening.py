@@ -15,7 +15,7 @@ import hetero_jax
 import pallas_kernels
 from hetero_jax.errors import ConfigError
 from hetero_jax.policies import (
-    REGISTRY, BudgetError, ContextKeeper, FreeKV, HCAttention, HeteroCache, PolicyError, Quest, SnapKV,
+    REGISTRY, BudgetError, ContextKeeper, FreeKV, HCAttention, HeteroCache, PolicyError, ProfiledSnapKV, Quest, SnapKV,
     UnknownOptionError, make_policy,
 )
 from hetero_jax.policies.contextkeeper.ranking import CARanking, load_ranking
@@ -198,3 +198,29 @@ def test_head_dim_the_kernels_do_not_take_falls_back_to_the_reference():
         got = pallas_kernels.pool_attention(q, k_pool, v_pool, offsets, lengths, max_len=16, backend="interpret")
     want = pallas_kernels.pool_attention_reference(q, k_pool, v_pool, offsets, lengths, max_len=16)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_quest_with_no_sparse_layer_is_refused(offload):
+    """full_layers past the model left Quest nothing to select (offloaded: a ZeroDivisionError); FreeKV's
+    skip_layers was already refused so."""
+    policy = Quest(budget=0.5, page_size=16, full_layers=CFG.num_layers, offload=offload)
+    with pytest.raises(PolicyError, match=rf"Quest: full_layers={CFG.num_layers} leaves no layer of the model's "
+                                          rf"{CFG.num_layers} to select pages in; it must be below num_layers"):
+        hetero_jax.generate(MODEL, random_prompt(120), policy, max_new_tokens=1, chat=False)
+
+
+@pytest.mark.parametrize("cls", [HeteroCache, ProfiledSnapKV])
+def test_a_synckv_grouping_is_no_heterocache_profile(cls):
+    """The reverse (SyncKV given a HeteroCache profile) was refused; this way the R-heads silently became
+    HeteroCache's full heads."""
+    import os
+
+    from hetero_jax.profile import load_profile
+
+    SYNC_GROUPING = load_profile(os.path.join(os.path.dirname(hetero_jax.__file__), "data",
+                                              "smollm2-135m.synckv.json"))  # the shipped SyncKV grouping
+    assert SYNC_GROUPING.settings.method == "synckv"
+    with pytest.raises(ProfileError, match=f"{cls.__name__} needs a HeteroCache role profile, but this profile is a "
+                                           "SyncKV head grouping"):
+        cls(budget=0.5, profile=SYNC_GROUPING)

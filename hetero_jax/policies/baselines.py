@@ -118,6 +118,7 @@ class ProfiledSnapKV(ProfileBound, SnapKV):
         if self.profile is not None and not isinstance(self.profile, HeadProfile):
             raise PolicyError(f"ProfiledSnapKV: profile must be a HeadProfile, a path to a profile JSON or "
                               f"None for the model's shipped profile, got {type(self.profile).__name__}")
+        self._refuse_synckv_grouping()
         object.__setattr__(self, "profile_key", profile_key(self.profile))
 
     allocator = property(lambda self: ProfileBudgets(self._need_profile()))

@@ -59,6 +59,16 @@ class ProfileBound(Policy):
 
             object.__setattr__(self, "profile", load_profile(os.fspath(self.profile)))
 
+    def _refuse_synckv_grouping(self) -> None:
+        """ProfileError for a SyncKV head grouping given as a HeteroCache role profile: its R-heads would be
+        kept whole as pivots and every other head compressed by one weight, silently another method."""
+        prof = self.profile
+        if isinstance(prof, HeadProfile) and prof.settings.method == "synckv":
+            cls = type(self).__name__
+            raise ProfileError(f"{cls} needs a HeteroCache role profile, but this profile is a SyncKV head grouping "
+                               f"(calibrated with --method synckv): leave profile out for the shipped one, or "
+                               + self.calibrate_hint.format(cls=cls))
+
     # -------------------------------------------------------------- binding
     def bind(self, model):
         """This policy with its profile resolved (the shipped one when None) and checked against ``model``."""

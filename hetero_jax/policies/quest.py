@@ -53,7 +53,7 @@ from hetero_jax.model.cache import KVCache, LayerPrefill, row_nbytes, tail_kv_by
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import attend_chunk_over_host_prompt
 from hetero_jax.model.sharding import to_host
-from hetero_jax.policies.base import BudgetError, Policy, bool_param, int_param, smallest_rho, tokens_for
+from hetero_jax.policies.base import BudgetError, Policy, PolicyError, bool_param, int_param, smallest_rho, tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from hetero_jax.policies.pages import page_summaries, pages_for_budget, smallest_page_rho
 from hetero_jax.policies.speculative import PageRecallPrefill, PageSlots, attend_slots, page_slots, select_pages
@@ -87,6 +87,10 @@ class Quest(Policy):
         """(full pages P, partial-page tokens r, pages selected per step k) of one prompt; BudgetError when
         the budget cannot hold one page (offloaded: naming the smallest rho)."""
         L, ps = prompt_len, self.page_size
+        if not self.sparse_layers(cfg):
+            raise PolicyError(f"Quest: full_layers={self.full_layers} leaves no layer of the model's "
+                              f"{cfg.num_layers} to select pages in; it must be below num_layers (for full KV "
+                              "everywhere use the full policy)")
         P, r = L // ps, L % ps
         if not self.offload or P == 0:  # a prompt shorter than one page has no page to select: all of it is kept
             return P, r, min(P, max(1, (tokens_for(self.budget, L) - r) // ps))

@@ -16,14 +16,10 @@ from hetero_jax.policies.heterocache.step import attend_step, overlaps_at_once
 
 def _check_hetero_args(p: "HeteroCache") -> None:
     """Types and ranges of HeteroCache's arguments that are not declared with ``int_param`` & co. (the profile,
-    an optional tau_drift, select_window's own message)."""
+    an optional tau_drift)."""
     if p.profile is not None and not isinstance(p.profile, HeadProfile):
         raise PolicyError(f"HeteroCache: profile must be a HeadProfile, a path to a profile JSON or None "
                           f"for the model's shipped profile, got {type(p.profile).__name__}")
-    # bool is an int to isinstance, but True is no number of queries
-    if isinstance(p.select_window, bool) or not isinstance(p.select_window, int) or p.select_window < 1:
-        raise PolicyError(f"HeteroCache: select_window must be an int >= 1 prompt query (1 = the paper's last "
-                          f"token), got {p.select_window!r}")
     tau = p.tau_drift
     if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float, np.integer, np.floating))
                             or not np.isfinite(float(tau) if abs(tau) < 1e300 else np.inf)):
@@ -40,7 +36,7 @@ class HeteroCache(ProfiledPolicy):
     window: int = int_param(5, 1, " (decode steps between drift checks)")
     tau_drift: float | None = None
     pool_kernel: int = 5
-    select_window: int = 16
+    select_window: int = int_param(16, 1, " prompt query (1 = the paper's last token)")
     copy_window: int = int_param(0, 0, " (prompt rows per compressed head that follow the copy heads; 0: off)")
     profile_key: str = dataclasses.field(default="", init=False)
     # set by bind() on a mesh: the row layout for tp shards and, per layer, its pivots' layout slots
@@ -55,6 +51,7 @@ class HeteroCache(ProfiledPolicy):
         super().__post_init__()
         self._load_profile_path()
         _check_hetero_args(self)
+        self._refuse_synckv_grouping()
         if self.pool_kernel != 5:
             raise BudgetError("HeteroCache: the pooled-score kernel supports pool_kernel=5 only")
         object.__setattr__(self, "profile_key", profile_key(self.profile))
