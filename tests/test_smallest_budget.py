@@ -77,6 +77,19 @@ def test_freekv_budgets_with_a_hole_give_the_first_that_fits(no_compute):
         pol.make_prefill(CFG, [200])
 
 
+def test_freekv_names_the_gap_and_the_way_out(no_compute):
+    """A budget inside the hole above is refused naming both runs (it was told 'the smallest budget that works
+    is rho=0.79', false); page_size=1, whose summaries take a page each, is told to grow its pages (it was told
+    to shrink them)."""
+    with pytest.raises(BudgetError, match=r"budgets from rho=0\.5834 work up to a gap that holds this one "
+                                          r"\(FreeKV's default sinks and window grow with the budget\), and again "
+                                          r"from rho=0\.79[0-9]*$"):
+        FreeKV(budget=0.7, page_size=64).make_prefill(CFG, [200])
+    with pytest.raises(BudgetError, match=r"no budget up to rho=1 does: use page_size=1[0-9] \(one page and the "
+                                          r"page summaries take the least room"):
+        FreeKV(budget=0.3, page_size=1).make_prefill(CFG, [300])
+
+
 def test_smallest_budget_hand_computed(no_compute):
     L = 100
     # SnapKV keeps its 8-query window: round(rho * 100) >= 8 from rho 0.075
