@@ -271,6 +271,11 @@ def _generate_mesh(args, setup):
     return make_mesh(tp, dp)
 
 
+# The policies each of generate's policy flags sets an option of (the others take it as --option, if at all):
+# --window, --tau-drift and --select-window are HeteroCache's, --profile a profile-driven policy's.
+FLAG_POLICIES = {"profile": ("heterocache", "synckv", "profiledsnapkv")}
+
+
 def _cmd_generate(args, setup) -> int:
     import hetero_jax
     from hetero_jax.model.sharding import MeshError
@@ -285,12 +290,13 @@ def _cmd_generate(args, setup) -> int:
     flags = {key: (flag, getattr(args, key)) for key, flag in (
         ("profile", "--profile"), ("window", "--window"), ("tau_drift", "--tau-drift"),
         ("select_window", "--select-window")) if getattr(args, key) is not None}
-    if ((base != "heterocache" and any(key != "profile" for key in flags))
-            or ("profile" in flags and base not in ("heterocache", "synckv"))):
-        print("error: --window, --tau-drift and --select-window apply to --policy heterocache (--profile to "
-              "heterocache and synckv)",
-              file=sys.stderr)
-        return 2
+    for key, (flag, _) in flags.items():
+        owners = FLAG_POLICIES.get(key, ("heterocache",))
+        if base not in owners:
+            named = owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} and {owners[-1]}"
+            print(f"error: {flag} applies to --policy {named}; give --policy {base}'s options as "
+                  "--option KEY=VALUE (hetero-jax generate --policy list names them)", file=sys.stderr)
+            return 2
     for key, (flag, value) in flags.items():
         if key in extra:
             print(f"error: {flag} {value} and --option {key}={extra[key]!r} set one option twice; give it once",

@@ -62,7 +62,24 @@ def test_console_script_entry_point_runs():
 def test_heterocache_flags_are_refused_for_other_policies(capsys):
     for flag in (["--window", "3"], ["--tau-drift", "0.3"], ["--select-window", "1"]):
         assert main(["generate", "--policy", "snapkv", "--prompt", "hi", *flag]) == 2
-        assert "apply to --policy heterocache" in capsys.readouterr().err
+        assert (f"error: {flag[0]} applies to --policy heterocache; give --policy snapkv's options as --option "
+                "KEY=VALUE") in capsys.readouterr().err
+    assert main(["generate", "--policy", "quest", "--prompt", "hi", "--profile", "p.json"]) == 2
+    assert ("error: --profile applies to --policy heterocache, synckv and profiledsnapkv; give --policy quest's "
+            "options as --option KEY=VALUE") in capsys.readouterr().err
+
+
+def test_profile_flag_reaches_profiledsnapkv(monkeypatch, capsys):
+    """--profile was refused for profiledsnapkv (whose profile option it is), naming flags not given."""
+    import hetero_jax
+    from hetero_jax.profile import ProfileError
+
+    def stop(*a, **k):
+        raise ProfileError("reached the model load")
+    monkeypatch.setattr(hetero_jax, "load", stop)
+    profile = os.path.join(os.path.dirname(hetero_jax.__file__), "data", "smollm2-135m.profile.json")
+    assert main(["generate", "--policy", "profiledsnapkv", "--profile", profile, "--prompt", "hi"]) == 2
+    assert "error: reached the model load" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ bad input (issue 20)
