@@ -15,7 +15,8 @@ prefix of the ranking (RESULTS ``contextkeeper-layer-floor``).
 Layout: one fixed permutation per (model, ranking): each layer's KV heads in ranking order, so for
 every prompt length the full heads of a layer are a prefix and no weights are re-permuted. In the row
 pool each head of each sequence keeps exactly its own rows (the whole prompt, or sinks + recent), so a
-batch of prompts of different lengths keeps what each would alone, in bytes too.
+batch of prompts of different lengths keeps what each would alone (the pool array is as long as the longest
+sequence's rows: allocated bytes are the longest's, times the batch).
 
 A static policy: no decode hooks. Generated tokens follow each head's prompt rows; every head attends them.
 """
