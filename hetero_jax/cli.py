@@ -304,6 +304,9 @@ def _cmd_generate(args, setup) -> int:
             return 2
         extra[key] = value
     policy = make_policy(args.policy, args.budget, **extra)  # a bad name or value: HeteroJaxError, exit 2
+    if args.budget is None and base != "full" and policy.budget >= 1.0:
+        print(f"note: --policy {base} without --budget keeps the whole prompt (its default budget is "
+              f"{policy.budget:g}); give --budget RHO, e.g. 0.3, to compress", file=sys.stderr)
     if args.prompt is None and args.prompt_file is None:
         print("error: give --prompt TEXT or --prompt-file FILE", file=sys.stderr)
         return 2

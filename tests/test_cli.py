@@ -69,6 +69,26 @@ def test_heterocache_flags_are_refused_for_other_policies(capsys):
             "options as --option KEY=VALUE") in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, noted", [(["--policy", "snapkv"], True), (["--policy", "streamingllm:sinks=8"], True),
+                                          (["--policy", "snapkv", "--budget", "1"], False),
+                                          (["--policy", "heterocache"], False), (["--policy", "full"], False)])
+def test_a_compressing_policy_at_its_default_budget_of_one_says_so(monkeypatch, capsys, argv, noted):
+    """--policy snapkv without --budget ran at 1.0 (no compression) without a word, where heterocache's default
+    is 0.3; --policy list gives each default."""
+    import hetero_jax
+    from hetero_jax.profile import ProfileError
+
+    def stop(*a, **k):
+        raise ProfileError("reached the model load")
+    monkeypatch.setattr(hetero_jax, "load", stop)
+    assert main(["generate", *argv, "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert ("without --budget keeps the whole prompt (its default budget is 1); give --budget RHO" in err) is noted
+    assert main(["generate", "--policy", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert "[default budget 1]" in listed and "[default budget 0.3]" in listed
+
+
 def test_profile_flag_reaches_profiledsnapkv(monkeypatch, capsys):
     """--profile was refused for profiledsnapkv (whose profile option it is), naming flags not given."""
     import hetero_jax

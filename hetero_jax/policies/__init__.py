@@ -7,6 +7,8 @@ tokens added after prefill come on top.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hetero_jax.policies.base import (
     BudgetError, Policy, PolicyError, UnknownOptionError, UnknownPolicyError, check_options, smallest_rho, tokens_for,
 )
@@ -95,9 +97,15 @@ def make_policy(name: str, budget: float | None = None, /, **kwargs) -> Policy:
     return cls(budget=budget, **kwargs)
 
 
+def default_budget(cls) -> float:
+    """The budget policy class ``cls`` runs at when none is given."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == "budget")
+
+
 def describe_policies() -> str:
-    """One line per registered policy."""
-    return "\n".join(f"{name:14s} {cls.summary}" for name, cls in REGISTRY.items())
+    """One line per registered policy, with its default budget."""
+    return "\n".join(f"{name:14s} {cls.summary} [default budget {default_budget(cls):g}]"
+                     for name, cls in REGISTRY.items())
 
 
 __all__ = [
@@ -105,5 +113,5 @@ __all__ = [
     "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache", "Quest", "FreeKV", "ContextKeeper",
     "SyncKV", "HCAttention", "ProfiledSnapKV", "Composed", "ScoredPolicy",
     "PolicyPrefill", "PrefillPlan", "DecodeState", "achieved_rho", "REGISTRY", "default_policy", "make_policy",
-    "parse_options", "describe_policies",
+    "parse_options", "describe_policies", "default_budget",
 ]
