@@ -30,7 +30,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--budget", type=float, default=None,
                    help="rho: fraction of the prompt's KV kept on the device, in (0, 1] (default: the policy's)")
     p.add_argument("--profile", default=None,
-                   help="heterocache / synckv: head profile JSON (default: the shipped profile of the model)")
+                   help="heterocache / synckv / profiledsnapkv: head profile JSON (default: the shipped profile of "
+                        "the model)")
     p.add_argument("--window", type=int, default=None, help="heterocache: decode steps between drift checks (5)")
     p.add_argument("--tau-drift", type=float, default=None,
                    help="heterocache: drift when the median chance-normalised overlap (o - c) / (1 - c) falls "
@@ -304,7 +305,7 @@ def _cmd_generate(args, setup) -> int:
             return 2
         extra[key] = value
     policy = make_policy(args.policy, args.budget, **extra)  # a bad name or value: HeteroJaxError, exit 2
-    if args.budget is None and base != "full" and policy.budget >= 1.0:
+    if args.budget is None and base != "full" and policy.budget >= 1.0 and setup.process_id == 0:
         print(f"note: --policy {base} without --budget keeps the whole prompt (its default budget is "
               f"{policy.budget:g}); give --budget RHO, e.g. 0.3, to compress", file=sys.stderr)
     if args.prompt is None and args.prompt_file is None:
