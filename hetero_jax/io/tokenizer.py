@@ -59,7 +59,6 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-
 def check_unicode(text: str, what: str) -> None:
     """PromptError naming ``what`` when ``text`` holds a lone surrogate, which no tokenizer can encode: a byte
     that was not UTF-8, as Python reads it from a command line, a terminal or a file opened with
@@ -72,6 +71,7 @@ def check_unicode(text: str, what: str) -> None:
         raise PromptError(f"{what} is not valid text: character {e.start} is the lone surrogate "
                           f"U+{ord(ch):04X}{byte}, which is what a byte that is not UTF-8 becomes; give UTF-8 "
                           "text (decode the bytes with their real encoding, e.g. latin-1)") from None
+
 
 class Tokenizer:
     """Text <-> token ids, special token ids and the chat template of one model."""

@@ -62,7 +62,7 @@ def warn_unsplit_batch(batch: int, mesh) -> None:
     if dp > 1 and batch % dp:
         warnings.warn(f"a batch of {batch} prompt(s) does not split over the mesh's dp={dp} data-parallel devices, "
                       f"so each of them holds and computes the whole batch; give a batch that {dp} divides, or a "
-                      "mesh with dp=1 (make_mesh(tp=..., dp=1); on the command line leave out --dp)",
+                      "mesh with dp=1 (make_mesh(tp=..., dp=1))",
                       RuntimeWarning, stacklevel=3)
 
 
