@@ -448,4 +448,7 @@ def test_shipped_smollm2_profile_is_a_synckv_grouping_of_its_own_similarities():
     with pytest.raises(BudgetError, match=re.escape("smallest rho that works is 0.3340 ")):
         SyncKV(profile=prof, budget=0.3).check_budget(1000)
     assert hetero_jax.policies.REGISTRY["synckv"] is SyncKV
-    assert isinstance(HeteroCache(profile=prof).profile, HeadProfile)  # the same file format
+    # the same file format, but not HeteroCache's roles: refused (it kept the R-heads whole as pivots)
+    with pytest.raises(ProfileError, match="HeteroCache needs a HeteroCache role profile, but this profile is a "
+                                           "SyncKV head grouping"):
+        HeteroCache(profile=prof)
