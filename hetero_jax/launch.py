@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 from hetero_jax.runtime.distributed import ADDRESS, COUNT, RANK, LaunchError
 
 LAUNCHABLE = ("generate",)
+MAX_PROCESSES = 64  # on one machine: -n past this (and past its CPU count) is a typo, not a job
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
@@ -143,6 +144,10 @@ def launch(n: int, command: Sequence[str], *, devices_per_process: int | None = 
     """``hetero-jax COMMAND...`` in ``n`` processes on this machine, joined into one job (module docstring)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise LaunchError(f"-n {n!r}: give the number of processes, an integer >= 1")
+    most = max(MAX_PROCESSES, os.cpu_count() or 1)
+    if n > most:  # one machine's job: a process per accelerator or a few per core, never thousands
+        raise LaunchError(f"-n {n}: more processes than one machine runs (at most {most} here: {MAX_PROCESSES} or "
+                          "its CPU count); give a process per accelerator (or per group of simulated devices)")
     if devices_per_process is not None and (isinstance(devices_per_process, bool) or
                                             not isinstance(devices_per_process, int) or devices_per_process < 1):
         raise LaunchError(f"--devices-per-process {devices_per_process!r}: give an integer >= 1")

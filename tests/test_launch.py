@@ -102,6 +102,10 @@ def test_launch_runs_generate_only_and_sets_the_job_per_process(capsys):
     assert main(["launch", "-n", "2", "--", "models"]) == 2
     assert "hetero-jax launch runs generate" in capsys.readouterr().err
     assert main(["launch", "-n", "0", "--", "generate"]) == 2
+    capsys.readouterr()
+    assert main(["launch", "-n", "100000", "--", "generate", "--prompt", "x"]) == 2  # started processes until ^C
+    assert f"-n 100000: more processes than one machine runs (at most {max(64, os.cpu_count())} here" in (
+        capsys.readouterr().err)
     env = process_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=6 --a=1"}, 3, 2, 555, 2)
     assert process_setup(env) == ProcessSetup(3, 2, "127.0.0.1:555", "jax")
     assert env["XLA_FLAGS"] == "--a=1 --xla_force_host_platform_device_count=2" and env["JAX_LOCAL_DEVICE_IDS"] == "4,5"
