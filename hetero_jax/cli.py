@@ -210,7 +210,7 @@ def check_mesh_flags(tp: int, dp: int, distributed: bool) -> None:
 
     if not distributed and tp * dp > MAX_DEVICES_PER_PROCESS:
         raise MeshError(f"--tp {tp} x --dp {dp} = {tp * dp} devices, more than one process holds (at most "
-                        f"{MAX_DEVICES_PER_PROCESS}); --tp must divide the model's KV heads (SmolLM2: 1 or 3)")
+                        f"{MAX_DEVICES_PER_PROCESS}); --tp must divide the model's KV heads")
     if not distributed and dp > 1:
         raise MeshError(f"--dp {dp} splits a batch over devices, but generate runs one prompt: each of the {dp} "
                         "data-parallel devices would repeat the whole run. Leave out --dp (--tp splits one "
