@@ -208,10 +208,12 @@ def check_mesh_flags(tp: int, dp: int, distributed: bool) -> None:
     parallelism cannot split (every data-parallel device would repeat the whole run)."""
     from hetero_jax.model.sharding import MeshError
 
-    if not distributed and tp * dp > MAX_DEVICES_PER_PROCESS:
+    if distributed:  # the job's devices are its processes' own; _generate_mesh checks --tp x --dp against them
+        return
+    if tp * dp > MAX_DEVICES_PER_PROCESS:
         raise MeshError(f"--tp {tp} x --dp {dp} = {tp * dp} devices, more than one process holds (at most "
                         f"{MAX_DEVICES_PER_PROCESS}); --tp must divide the model's KV heads")
-    if not distributed and dp > 1:
+    if dp > 1:
         raise MeshError(f"--dp {dp} splits a batch over devices, but generate runs one prompt: each of the {dp} "
                         "data-parallel devices would repeat the whole run. Leave out --dp (--tp splits one "
                         "prompt's heads), or batch prompts with the Python API on make_mesh(tp=..., dp=...)")
@@ -272,9 +274,11 @@ def _generate_mesh(args, setup):
     return make_mesh(tp, dp)
 
 
-# The policies each of generate's policy flags sets an option of (the others take it as --option, if at all):
-# --window, --tau-drift and --select-window are HeteroCache's, --profile a profile-driven policy's.
-FLAG_POLICIES = {"profile": ("heterocache", "synckv", "profiledsnapkv")}
+# generate's policy flags: (option, flag, the policies whose option it sets); other policies take their options
+# as --option KEY=VALUE.
+POLICY_FLAGS = (("profile", "--profile", ("heterocache", "synckv", "profiledsnapkv")),
+                ("window", "--window", ("heterocache",)), ("tau_drift", "--tau-drift", ("heterocache",)),
+                ("select_window", "--select-window", ("heterocache",)))
 
 
 def _cmd_generate(args, setup) -> int:
@@ -288,12 +292,9 @@ def _cmd_generate(args, setup) -> int:
     extra = parse_options(args.option)
     base = args.policy.split(":")[0].lower()
     # option -> (its flag, value) of the policies' own flags; one also given as --option is refused below
-    flags = {key: (flag, getattr(args, key)) for key, flag in (
-        ("profile", "--profile"), ("window", "--window"), ("tau_drift", "--tau-drift"),
-        ("select_window", "--select-window")) if getattr(args, key) is not None}
-    for key, (flag, _) in flags.items():
-        owners = FLAG_POLICIES.get(key, ("heterocache",))
-        if base not in owners:
+    flags = {key: (flag, getattr(args, key)) for key, flag, _ in POLICY_FLAGS if getattr(args, key) is not None}
+    for key, flag, owners in POLICY_FLAGS:
+        if key in flags and base not in owners:
             named = owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} and {owners[-1]}"
             print(f"error: {flag} applies to --policy {named}; give --policy {base}'s options as "
                   "--option KEY=VALUE (hetero-jax generate --policy list names them)", file=sys.stderr)

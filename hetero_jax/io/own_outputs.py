@@ -17,6 +17,7 @@ Only the standard library is imported at load (numpy when an ``.npz`` is looked 
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import re
@@ -55,18 +56,18 @@ def is_own_output(path: str | os.PathLike) -> bool:
     except OSError:
         return False
     try:
-        return _marked(path, data)
+        return _marked(data)
     except Exception:  # noqa: BLE001 - a damaged or foreign file is simply not one of ours
         return False
 
 
-def _marked(path, data: bytes) -> bool:
+def _marked(data: bytes) -> bool:
     head = data[:16].lstrip()
     if head.startswith(b"{"):
         doc = json.loads(data.decode("utf-8"))
         return _format_is_ours(doc)
     if data.startswith(b"PK"):
-        return _npz_marked(path)
+        return _npz_marked(data)
     if data.startswith(_PNG_MAGIC):
         return _png_software(data) == OUTPUT_MARK
     if data.startswith(b"%PDF"):
@@ -84,13 +85,14 @@ def _format_is_ours(doc) -> bool:
     return isinstance(doc, dict) and isinstance(doc.get("format"), str) and doc["format"].startswith(FORMAT_PREFIX)
 
 
-def _npz_marked(path) -> bool:
-    with zipfile.ZipFile(path) as z:
+def _npz_marked(data: bytes) -> bool:
+    """Whether the .npz archive ``data`` (read already) holds a ``meta`` array whose JSON is ours."""
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
         if "meta.npy" not in z.namelist():
             return False
     import numpy as np  # only here: every layer may import this module
 
-    with np.load(path, allow_pickle=False) as arrays:
+    with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
         return _format_is_ours(json.loads(str(arrays["meta"])))
 
 

@@ -109,12 +109,12 @@ class FreeKV(Policy):
         k = pages_for_budget(self.budget, L, cfg.num_layers, n_skip, ps, fixed_tokens=S + w, summary_pages=P)
         if k < 1:
             rho = self._smallest_rho(cfg, L)
-            least = dataclasses.replace(self, budget=1e-4)._smallest_rho(cfg, L)
             if rho > 1.0:
                 best = max(1, round(math.sqrt(max(1, L - S - w))))  # p + (L - S - w) / p is least at the root
                 hint = (f"no budget up to rho=1 does: use page_size={best} (one page and the page summaries take "
                         "the least room near the root of the pages' span), or fewer sinks or a smaller window")
-            elif least < self.budget:  # a gap: the default sinks and window grow with rho and crowd out the page
+            elif (least := dataclasses.replace(self, budget=1e-4)._smallest_rho(cfg, L)) < self.budget:
+                # a gap: the default sinks and window grow with rho and crowd out the page
                 hint = (f"budgets from rho={least:g} work up to a gap that holds this one (FreeKV's default sinks "
                         f"and window grow with the budget), and again from rho={rho:g}")
             else:
