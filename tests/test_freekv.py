@@ -277,17 +277,24 @@ def test_too_small_a_budget_names_the_smallest_rho_that_runs(kw):
         greedy(pol, [ids], steps=2)  # it runs
 
 
-def test_smallest_rho_with_default_sinks_and_window_that_grow_with_it():
-    """Defaults scale with B_c (B_c / 16): the named rho is computed with its own sinks and window."""
-    # 32-token pages; at 4104 tokens S = W = 4 here (128 pages), 12 at the smallest rho (127 pages)
+def test_default_sinks_and_window_are_lowered_until_a_page_fits():
+    """Defaults scale with B_c (B_c / 16 rounded to 4) but give way to the page: at 4104 tokens and 32-token
+    pages, 4 sinks and a 4-token window leave 128 pages (8 + 128 summaries + one page = 168 rows a head), the
+    rule's 12 at the smallest rho only 127 (12 + 28 + 127 + 32 = 199 rows): the named rho is 4's own."""
     pol = FreeKV(budget=0.05)
     with pytest.raises(BudgetError, match="smallest budget") as e:
         pol.plan_pages(CFG, 4104)
     rho = float(re.search(r"is rho=([0-9.]+[0-9])", str(e.value)).group(1))
-    assert pol.sinks_window(CFG, 4104) == (4, 4) and FreeKV(budget=rho).sinks_window(CFG, 4104)[0] > 4
-    assert FreeKV(budget=rho).plan_pages(CFG, 4104)[3] == 1
+    n_comp = CFG.num_layers - 1
+    assert rho == np.ceil((4104 + n_comp * 168) / (CFG.num_layers * 4104) * 1e4) / 1e4
+    assert FreeKV(budget=rho).sinks_window(CFG, 4104) == (4, 4) and FreeKV(budget=rho).plan_pages(CFG, 4104) == \
+        (4, 4, 128, 1)
     with pytest.raises(BudgetError):
         FreeKV(budget=round(rho - 1e-4, 4)).plan_pages(CFG, 4104)
+    # where the rule's own value leaves room for a page, it is kept: B_c / 16 = 4104 * (0.5 * NL - 1) / (NL - 1)
+    b_c = 4104 * (0.5 * CFG.num_layers - 1) / n_comp
+    auto = 4 * int(np.floor(b_c / 64 + 0.5))
+    assert auto > 4 and FreeKV(budget=0.5).sinks_window(CFG, 4104) == (auto, auto)
 
 
 def test_registry_and_options():

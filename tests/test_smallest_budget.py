@@ -62,29 +62,27 @@ def test_smallest_budget_is_the_edge_of_the_accepted_budgets(name, L, no_compute
     if name != "quest":  # in-device Quest runs every budget as one page at least (hand-computed below)
         below = {round(r - 1e-4, 4), *np.round(rng.uniform(1e-4, r - 1e-4, 12), 4)} if r > 1e-4 else set()
         assert not any(fits(pol, float(x), L) for x in below)
-    if name != "freekv":  # an interval from there (FreeKV's default window grows with rho: below)
-        assert all(fits(pol, float(x), L) for x in np.round(rng.uniform(r, 1.0, 12), 4))
+    assert all(fits(pol, float(x), L) for x in np.round(rng.uniform(r, 1.0, 12), 4))
 
 
-def test_freekv_budgets_with_a_hole_give_the_first_that_fits(no_compute):
-    # 64-token pages, 200 tokens: the default window (B_c / 16) jumps from 4 to 64 tokens at rho 0.654 and crowds
-    # out the page until rho 0.794; the smallest is the first run's start, as FreeKV's own error names it
+def test_freekv_accepts_every_budget_from_its_smallest(no_compute):
+    """64-token pages, 200 tokens: from rho 0.654 the B_c / 16 rule makes the window 8+ tokens, which leaves
+    two pages instead of three and a 64-token window; before the default was lowered until a page fits, budgets
+    0.654-0.793 were refused between accepted ones."""
     pol = FreeKV(budget=0.5, page_size=64)
     ok = [x / 1000 for x in range(1, 1001) if fits(pol, x / 1000, 200)]
-    assert ok[0] == 0.584 and 0.654 not in ok and 0.794 in ok
+    assert ok == [x / 1000 for x in range(584, 1001)]
     assert pol.smallest_budget(MODEL, 200) == 0.5834
-    with pytest.raises(BudgetError, match=r"smallest budget that works for this prompt is rho=0\.5834"):
+    with pytest.raises(BudgetError, match=r"smallest budget that works for this prompt is rho=0\.5834$"):
         pol.make_prefill(CFG, [200])
+    # inside the old gap the rule's 8 is lowered to 4; past it the rule's own value fits and is kept
+    assert FreeKV(budget=0.7, page_size=64).plan_pages(CFG, 200)[:3] == (4, 4, 3)
+    assert FreeKV(budget=0.8, page_size=64).sinks_window(CFG, 200) == (8, 8)
+    assert FreeKV(budget=0.8, page_size=64).plan_pages(CFG, 200)[:3] == (8, 64, 2)
 
 
-def test_freekv_names_the_gap_and_the_way_out(no_compute):
-    """A budget inside the hole above is refused naming both runs (it was told 'the smallest budget that works
-    is rho=0.79', false); page_size=1, whose summaries take a page each, is told to grow its pages (it was told
-    to shrink them)."""
-    with pytest.raises(BudgetError, match=r"budgets from rho=0\.5834 work up to a gap that holds this one "
-                                          r"\(FreeKV's default sinks and window grow with the budget\), and again "
-                                          r"from rho=0\.79[0-9]*$"):
-        FreeKV(budget=0.7, page_size=64).make_prefill(CFG, [200])
+def test_freekv_page_size_one_is_told_to_grow_its_pages(no_compute):
+    """page_size=1, whose summaries take a page each, is told to grow its pages (it was told to shrink them)."""
     with pytest.raises(BudgetError, match=r"no budget up to rho=1 does: use page_size=1[0-9] \(one page and the "
                                           r"page summaries take the least room"):
         FreeKV(budget=0.3, page_size=1).make_prefill(CFG, [300])

@@ -202,9 +202,9 @@ class Policy(metaclass=_PolicyType):
         """The smallest rho (4 decimals) this policy accepts for a ``prompt_len``-token prompt on ``model``.
 
         The first budget up the 4-decimal grid of (0, 1] that the plan's budget check passes (``make_prefill``
-        checks every budget rule before any compute; well under a millisecond a try). A scan, not a bisection:
-        a budget above it may still be refused (FreeKV's default window grows with rho and can crowd out its
-        one page). BudgetError (the policy's own, at rho = 1) when no budget fits the prompt."""
+        checks every budget rule before any compute; well under a millisecond a try). Every registered policy
+        accepts every budget above it (tests/test_smallest_budget.py). BudgetError (the policy's own, at
+        rho = 1) when no budget fits the prompt."""
         bound = self.bind(model)  # once: a profile's checks against the model do not depend on the budget
         for steps in range(1, 10_000):
             try:

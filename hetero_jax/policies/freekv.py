@@ -35,8 +35,11 @@ Budget: the project's B1 rule with the skipped layers as full heads,
 B_c = (rho * NL - n_skip) * L / (NL - n_skip) tokens per compressed head; the
 sinks, the window and the summaries come first (``pages.pages_for_budget``), at
 least one page must fit. Sinks and window default to B_c / 16 rounded to a
-multiple of 4, at least 4: the paper's S = W = 128 at B = 2048. The page ids
-are counted as device bytes but not budgeted.
+multiple of 4, at least 4: the paper's S = W = 128 at B = 2048; where that
+leaves no room for one page, the largest smaller multiple of 4 that does (so
+every budget from the smallest up fits: the window takes the partial page, and
+a larger one can cost a whole page of room). The page ids are counted as
+device bytes but not budgeted.
 """
 
 from __future__ import annotations
@@ -81,10 +84,26 @@ class FreeKV(Policy):
         return (rho * cfg.num_layers - n_skip) * prompt_len / (cfg.num_layers - n_skip)
 
     def sinks_window(self, cfg: ModelConfig, prompt_len: int, rho: float | None = None) -> tuple[int, int]:
-        """(S, W) for one prompt: the options, or B_c / 16 rounded to a multiple of 4 (>= 4) where None."""
-        auto = max(4, 4 * int(math.floor(self._b_c(cfg, prompt_len, self.budget if rho is None else rho) / 64
-                                         + 0.5)))
-        return (auto if self.sinks is None else self.sinks), (auto if self.window is None else self.window)
+        """(S, W) for one prompt at budget rho (default: the policy's): the options; where None, B_c / 16
+        rounded to a multiple of 4 (>= 4), lowered in steps of 4 until one page fits (module docstring)."""
+        if self.sinks is not None and self.window is not None:
+            return self.sinks, self.window
+        rho = self.budget if rho is None else rho
+        rule = max(4, 4 * int(math.floor(self._b_c(cfg, prompt_len, rho) / 64 + 0.5)))
+        for auto in range(rule, 3, -4):  # down to 4, which is what an error reports when no page fits
+            S, W = (auto if self.sinks is None else self.sinks), (auto if self.window is None else self.window)
+            if auto == 4 or self._pages_that_fit(cfg, prompt_len, rho, S, W) >= 1:
+                return S, W
+
+    def _pages_that_fit(self, cfg: ModelConfig, prompt_len: int, rho: float, S: int, W: int) -> int:
+        """Pages per compressed head that budget rho holds beside S sinks, a window of at least W and the
+        summaries (0 or less: none)."""
+        P = max(0, (prompt_len - S - W) // self.page_size)
+        if P < 1:
+            return 0
+        n_skip = cfg.num_layers - len(self.compressed_layers(cfg))
+        return pages_for_budget(rho, prompt_len, cfg.num_layers, n_skip, self.page_size,
+                                fixed_tokens=prompt_len - P * self.page_size, summary_pages=P)
 
     def _layout(self, cfg: ModelConfig, prompt_len: int, rho: float) -> tuple[int, int, int]:
         """(S, window tokens w, selectable pages P) at budget rho; w = L - S - P*p lies in [W, W + p)."""
@@ -113,10 +132,6 @@ class FreeKV(Policy):
                 best = max(1, round(math.sqrt(max(1, L - S - w))))  # p + (L - S - w) / p is least at the root
                 hint = (f"no budget up to rho=1 does: use page_size={best} (one page and the page summaries take "
                         "the least room near the root of the pages' span), or fewer sinks or a smaller window")
-            elif (least := dataclasses.replace(self, budget=1e-4)._smallest_rho(cfg, L)) < self.budget:
-                # a gap: the default sinks and window grow with rho and crowd out the page
-                hint = (f"budgets from rho={least:g} work up to a gap that holds this one (FreeKV's default sinks "
-                        f"and window grow with the budget), and again from rho={rho:g}")
             else:
                 hint = f"the smallest budget that works for this prompt is rho={rho:g}"
             raise BudgetError(
@@ -126,18 +141,13 @@ class FreeKV(Policy):
         return S, w, P, min(P, k)
 
     def _smallest_rho(self, cfg: ModelConfig, prompt_len: int) -> float:
-        """The smallest rho >= budget with one page; default sinks/window grow with rho, so iterate until the
-        (S, W) the answer is computed with are the answer's own."""
+        """The smallest rho with one page: the least sinks and window (4 where a default; more of them only
+        leaves fewer pages and a longer window) reach every budget's default from there up."""
         n_skip = cfg.num_layers - len(self.compressed_layers(cfg))
-        rho = self.budget
-        for _ in range(64):
-            S, w, P = self._layout(cfg, prompt_len, rho)
-            r = smallest_page_rho(prompt_len, cfg.num_layers, n_skip, self.page_size, fixed_tokens=S + w,
-                                  summary_pages=P)
-            if self._layout(cfg, prompt_len, r) == (S, w, P) or r > 1.0:
-                return r
-            rho = max(r, round(rho + 1e-4, 4))
-        return rho
+        S, W = (4 if self.sinks is None else self.sinks), (4 if self.window is None else self.window)
+        P = max(0, (prompt_len - S - W) // self.page_size)
+        return smallest_page_rho(prompt_len, cfg.num_layers, n_skip, self.page_size,
+                                 fixed_tokens=prompt_len - P * self.page_size, summary_pages=P)
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return FreeKVPrefill(self, cfg, prompt_lens, compile_fn)
