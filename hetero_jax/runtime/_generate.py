@@ -26,7 +26,7 @@ def generate(
     """Generate a continuation for one prompt or a batch.
 
     ``prompt``: a string, a list of strings (a batch), token ids, or a list of
-    token-id lists. ``policy``: a policy object (the engine refuses None; ``hetero_jax.generate``, above
+    token-id lists (``chat`` applies the chat template to text; token ids are used as given). ``policy``: a policy object (the engine refuses None; ``hetero_jax.generate``, above
     policies/, fills in full KV for it). Greedy at temperature 0 (or below ``sampling.GREEDY_BELOW``).
     Each prompt stops at EOS, at any ``stop`` string, after ``max_new_tokens`` or at the end of the context
     (its own, as if alone). ``on_token(text_delta)`` streams a single prompt's new text: held back while it
