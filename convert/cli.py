@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hetero_jax.errors import HeteroJaxError
+from hetero_jax.errors import INTERRUPTED, HeteroJaxError, exit_console
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,10 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     print(res.summary())
     return 0
 
 
+def console_main() -> None:
+    """The ``hetero-jax-convert`` console script."""
+    exit_console(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

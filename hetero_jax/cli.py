@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hetero_jax.errors import HeteroJaxError
+    from hetero_jax.errors import INTERRUPTED, HeteroJaxError
     from hetero_jax.runtime.distributed import SINGLE, exit_on_failure, initialize_distributed, process_setup
 
     parser = build_parser()
@@ -454,10 +454,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (outputs are written whole or not at all)
         print("\nerror: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     parser.error(f"unknown command {args.command}")
     return 2
 
 
+def console_main() -> None:
+    """The ``hetero-jax`` console script."""
+    from hetero_jax.errors import exit_console
+
+    exit_console(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -69,3 +69,20 @@ def read_json(path: str, error: type[HeteroJaxError], *, missing: str, fix: str)
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path} is not valid JSON ({e}); {fix}") from None
+
+
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
+
+
+def exit_console(code: int):
+    """End a console script with ``code``. After an interrupt (``INTERRUPTED``, its one line printed) the
+    process ends at once: worker threads of the checkpoint reader (orbax) may still be finishing, and a normal
+    interpreter exit let them print tracebacks into the event loop the interrupt closed. Everything the command
+    wrote is already whole or removed (its ``finally`` blocks ran on the way out of ``main``)."""
+    import sys
+
+    if code == INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -342,3 +342,25 @@ def test_ctrl_c_is_a_line_and_exit_130(capsys, monkeypatch):
     monkeypatch.setattr(hetero_jax, "load", interrupted)  # where generate loads from (as no_load)
     assert main(["generate", "--prompt", "hi"]) == 130
     assert capsys.readouterr().err.strip() == "error: interrupted"
+
+
+def test_console_scripts_end_at_once_after_an_interrupt():
+    """After Ctrl-C's line the console scripts exit without waiting for worker threads: the checkpoint reader's
+    (orbax) threads, still finishing at a normal interpreter exit, printed 'RuntimeError: Event loop is closed'
+    tracebacks under 'error: interrupted'. Other exit codes exit normally (threads are joined)."""
+    import tomllib
+    from pathlib import Path
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"hetero-jax": "hetero_jax.cli:console_main", "hetero-jax-convert": "convert.cli:console_main"}
+    code = ("import sys, threading, time\n"
+            "from hetero_jax.errors import exit_console\n"
+            "def late():\n"
+            "    time.sleep(0.5)\n"
+            "    print('late', file=sys.stderr, flush=True)\n"
+            "threading.Thread(target=late).start()\n"
+            "exit_console(int(sys.argv[1]))\n")
+    interrupted = subprocess.run([sys.executable, "-c", code, "130"], capture_output=True, text=True, timeout=120)
+    assert interrupted.returncode == 130 and "late" not in interrupted.stderr
+    normal = subprocess.run([sys.executable, "-c", code, "2"], capture_output=True, text=True, timeout=120)
+    assert normal.returncode == 2 and "late" in normal.stderr
