@@ -497,3 +497,26 @@ def test_load_arguments(arg, kw, needle, monkeypatch):
     monkeypatch.setattr(hub, "ensure_converted", lambda *a, **k: (_ for _ in ()).throw(AssertionError("converted")))
     with pytest.raises(CheckpointError, match=re.escape(needle)):
         hetero_jax.load(arg, **kw)
+
+
+@pytest.mark.parametrize("extra", ["profile.json", "notes"])
+def test_force_keeps_files_the_converter_did_not_write(hf, out_parent, capsys, extra):
+    """`--force` replaced a checkpoint directory whole, deleting a profile written next to the weights (or any
+    user file): it is now refused, naming the file, and the checkpoint and the file are left as they were."""
+    out = out_parent / "ck"
+    assert convert_main([str(hf), str(out), "--dtype", "bfloat16", "--no-progress"]) == 0
+    written = sorted(os.listdir(out))
+    assert json.load(open(out / "hetero_jax.json"))["entries"] == written
+    path = out / extra
+    if extra == "notes":
+        path.mkdir()
+        (path / "a.txt").write_text("mine")
+    else:
+        path.write_text('{"format": "hetero-jax-profile"}')
+    capsys.readouterr()
+    _fail([hf, out, "--force"], out_parent, capsys, str(out), extra, "the converter did not write",
+          f"Move them out of {out}")
+    assert sorted(os.listdir(out)) == sorted([*written, extra]) and _meta_dtype(out) == "bfloat16"
+    shutil.move(str(path), str(out_parent / extra))
+    assert convert_main([str(hf), str(out), "--force", "--no-progress"]) == 0
+    assert sorted(os.listdir(out)) == written and _meta_dtype(out) == "float32"

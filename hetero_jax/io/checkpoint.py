@@ -37,6 +37,9 @@ PARAMS_DIR = "params"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")
 DTYPES = ("float32", "bfloat16")
+# What save_checkpoint writes at a checkpoint's top level (and lists in META_FILE's "entries"): --force replaces
+# a checkpoint only when it holds nothing else.
+CHECKPOINT_ENTRIES = frozenset({"config.json", META_FILE, PARAMS_DIR, *TOKENIZER_FILES})
 
 
 def _version() -> str:
@@ -86,6 +89,21 @@ def _target(out_dir: str) -> str:
     return real
 
 
+def _written_entries(path: str) -> list[str]:
+    """The top-level entries the converter wrote into the checkpoint at ``path`` (META_FILE's list; none when
+    it cannot be read)."""
+    try:
+        with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
+            names = json.load(f).get("entries", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _check_existing(shown: str, target: str, force: bool) -> None:
     """Refuse the existing ``target`` unless ``force`` and it is ours to replace: a converted checkpoint or an
     empty directory. Anything else may be a user's files, which we never delete."""
@@ -93,24 +111,29 @@ def _check_existing(shown: str, target: str, force: bool) -> None:
     if not os.path.isdir(target):
         raise CheckpointError(f"output path {where} exists and is not a directory; choose another OUT_DIR or "
                               "remove it yourself")
-    if is_checkpoint(target):
-        if not force:
-            raise CheckpointError(f"output directory {where} already holds a converted checkpoint; pass --force "
-                                  "(force=True) to replace it, or choose another OUT_DIR")
-        return
     try:
         entries = sorted(os.listdir(target))
     except OSError as e:
         raise CheckpointError(f"output directory {where} exists and cannot be listed ({e.strerror or e}); "
                               "choose another OUT_DIR or remove it yourself") from None
+    if is_checkpoint(target):
+        if not force:
+            raise CheckpointError(f"output directory {where} already holds a converted checkpoint; pass --force "
+                                  "(force=True) to replace it, or choose another OUT_DIR")
+        theirs = [e for e in entries if e not in CHECKPOINT_ENTRIES | set(_written_entries(target))]
+        if theirs:  # e.g. a profile written next to the weights: replacing the directory would delete it
+            raise CheckpointError(
+                f"output directory {where} holds a converted checkpoint and also {_listed(theirs)}, which the "
+                f"converter did not write; --force would delete them with the checkpoint. Move them out of "
+                f"{shown} first, or choose another OUT_DIR")
+        return
     if not entries:
         if not force:
             raise CheckpointError(f"output directory {where} already exists (empty); pass --force (force=True) "
                                   "to replace it, or choose another OUT_DIR")
         return
-    held = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
     raise CheckpointError(
-        f"output directory {where} already exists and is not a hetero-jax checkpoint (it holds {held}); "
+        f"output directory {where} already exists and is not a hetero-jax checkpoint (it holds {_listed(entries)}); "
         "--force only replaces a converted checkpoint or an empty directory, never files the converter did not "
         f"write. Choose another OUT_DIR, or remove {shown} yourself")
 
@@ -235,6 +258,7 @@ def save_checkpoint(out_dir: str | os.PathLike, config: ModelConfig, params: dic
                 "hetero_jax_version": _version()}
         info.update(dict(meta or {}))
         info["format_version"], info["dtype"] = FORMAT_VERSION, dtype
+        info["entries"] = sorted({*os.listdir(tmp), META_FILE})
         # Written last: its presence marks a complete checkpoint (see is_checkpoint).
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(info, f, indent=2)
