@@ -520,3 +520,58 @@ def test_force_keeps_files_the_converter_did_not_write(hf, out_parent, capsys, e
     shutil.move(str(path), str(out_parent / extra))
     assert convert_main([str(hf), str(out), "--force", "--no-progress"]) == 0
     assert sorted(os.listdir(out)) == written and _meta_dtype(out) == "float32"
+
+
+# ------------------------------------- settings that change the maths this port does not implement (review 76)
+def _qwen2(**over):
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 320, "intermediate_size": 96,
+           "max_position_embeddings": 1024}
+    return {**cfg, **over}
+
+
+@pytest.mark.parametrize("over, needles", [
+    (dict(hidden_act="gelu"), ["hidden_act = 'gelu' is not supported", "hidden_act 'silu'"]),
+    (dict(hidden_act="relu"), ["hidden_act = 'relu'"]),
+    # transformers' rule: layers from max_window_layers on slide when use_sliding_window is true
+    (dict(use_sliding_window=True, sliding_window=64, max_window_layers=2),
+     ["sliding_window = 64", "for 2 of 4 layers", "use_sliding_window false"]),
+    (dict(use_sliding_window=True, sliding_window=64, layer_types=["sliding_attention"] * 4), ["for 4 of 4 layers"]),
+])
+def test_settings_this_port_does_not_compute_are_refused(over, needles):
+    """A GELU MLP or Qwen's sliding-window layers converted without a word and gave logits 0.17-2.2 away from
+    transformers' (review 76): refused by name."""
+    from hetero_jax.errors import ConfigError
+    from hetero_jax.model.config import ModelConfig
+
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_hf_dict(_qwen2(**over))
+    for n in needles:
+        assert n in str(e.value), (n, str(e.value))
+
+
+@pytest.mark.parametrize("over", [
+    dict(hidden_act="silu"), dict(hidden_act="swish"),
+    # Qwen2.5's published configs: a window, but use_sliding_window false (every layer full)
+    dict(use_sliding_window=False, sliding_window=131072, max_window_layers=2),
+    # sliding, but no layer does (max_window_layers past the last layer), or the window covers the context
+    dict(use_sliding_window=True, sliding_window=64, max_window_layers=4),
+    dict(use_sliding_window=True, sliding_window=1024, max_window_layers=0),
+    dict(use_sliding_window=True, sliding_window=64, layer_types=["full_attention"] * 4),
+])
+def test_settings_whose_maths_is_full_attention_with_silu_are_accepted(over):
+    from hetero_jax.model.config import ModelConfig
+
+    assert ModelConfig.from_hf_dict(_qwen2(**over)).architecture == "qwen2"
+
+
+def test_rope_parameters_with_only_a_theta():
+    """transformers writes rope_parameters {"rope_theta": X} (no rope_type) for the default rope: it was taken for
+    the per-layer-type form and failed with AttributeError: 'float' object has no attribute 'get'."""
+    from hetero_jax.model.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(_qwen2(rope_parameters={"rope_theta": 500000.0}))
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling is None
+    per_type = ModelConfig.from_hf_dict(_qwen2(rope_parameters={"full_attention": {"rope_theta": 250000.0,
+                                                                                  "rope_type": "default"}}))
+    assert per_type.rope_theta == 250000.0

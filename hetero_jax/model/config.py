@@ -81,6 +81,29 @@ def check_hf_config_values(cfg: Any) -> None:
             _check_rope_dict(key, cfg[key])
 
 
+def _check_unported_math(cfg: Mapping, family: str, n_layers: int) -> None:
+    """Refuse the config.json settings that change the model's maths in ways this port does not implement
+    (its logits would differ from transformers'): an MLP activation other than SiLU, and Qwen's sliding-window
+    layers with a window shorter than the context."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"config.json: hidden_act = {act!r} is not supported; hetero-jax implements the "
+                          "SwiGLU MLP of Llama, Qwen2 and Qwen3 (hidden_act 'silu') only, and this checkpoint "
+                          "would give wrong logits. Use a checkpoint with hidden_act 'silu'")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if family == "llama" or not window or window >= cfg.get("max_position_embeddings", 4096):
+        return
+    # transformers' Qwen2/Qwen3 rule: layer_types if given, else layers from max_window_layers on slide
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
+                                       else "full_attention" for i in range(n_layers)]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding:
+        raise ConfigError(f"config.json: use_sliding_window is true with sliding_window = {window} (shorter than "
+                          f"the {cfg.get('max_position_embeddings', 4096)}-token context) for {len(sliding)} of "
+                          f"{n_layers} layers; hetero-jax does not implement sliding-window attention and would "
+                          "give wrong logits. Use a checkpoint whose config sets use_sliding_window false")
+
+
 def _check_rope_dict(key: str, d: Mapping) -> None:
     if "rope_type" not in d and "type" not in d and len(d) == 1 and isinstance(next(iter(d.values())), Mapping):
         (sub_key, d), = d.items()  # per-layer-type form {"full_attention": {...}}
@@ -173,11 +196,13 @@ class ModelConfig:
                 f"num_attention_heads={num_heads} is not a multiple of "
                 f"num_key_value_heads={num_kv}"
             )
+        _check_unported_math(cfg, family, n_layers)
 
         # Published checkpoints: rope_theta at top level + rope_scaling dict.
         # Recent transformers: rope_parameters holding both.
         rope_params = cfg.get("rope_parameters") or {}
-        if isinstance(rope_params, Mapping) and "rope_type" not in rope_params and len(rope_params) == 1:
+        if (isinstance(rope_params, Mapping) and "rope_type" not in rope_params and len(rope_params) == 1
+                and isinstance(next(iter(rope_params.values())), Mapping)):
             # per-layer-type form {"full_attention": {...}}; take the only entry
             rope_params = next(iter(rope_params.values()))
         rope_theta = float(
