@@ -25,18 +25,19 @@ _TRAIN_TEXT = (
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
-def _config(arch: str):
+def _config(arch: str, **llama_options):
+    """``llama_options`` replace the tiny Llama's settings (e.g. attention_bias=True, rope_scaling=None)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=VOCAB_SIZE, num_hidden_layers=2, rms_norm_eps=1e-5, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0)
     if arch == "llama":
-        return LlamaConfig(
+        return LlamaConfig(**{**dict(
             hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
             max_position_embeddings=512, tie_word_embeddings=False,
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 500000.0},
-            rope_theta=500000.0, **common)
+            rope_theta=500000.0, **common), **llama_options})
     if arch == "qwen2":
         # 7 query heads per KV head, head_dim 16 -> hidden 112.
         return Qwen2Config(hidden_size=112, intermediate_size=160, num_attention_heads=7, num_key_value_heads=1,
@@ -67,13 +68,13 @@ def make_tokenizer_files(path: str | os.PathLike) -> None:
                    "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
 
 
-def make_tiny_model(arch: str, seed: int = 0):
+def make_tiny_model(arch: str, seed: int = 0, **llama_options):
     """The torch model (float32, eval mode) with every parameter randomised."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(_config(arch, **llama_options), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

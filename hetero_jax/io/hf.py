@@ -56,8 +56,8 @@ class ConversionResult:
 class ParamBuilder:
     """Collects HF-named tensors ([out, in] for linears) into our params pytree, checking each one."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, dtype: str, layout_from: str = "config.json"):
+        self.cfg, self.layout_from = cfg, layout_from  # what the expected layout was read from, for messages
         self.dtype = np_dtype(dtype)
         self.expected = {hf: (path, tuple(shape), tr) for hf, path, shape, tr in hf_tensor_map(cfg)}
         shapes = param_shapes(cfg)
@@ -78,14 +78,14 @@ class ParamBuilder:
         if name not in self.expected:
             raise CheckpointError(
                 f"unexpected tensor {name!r} (shape {tuple(shape)}) in {where}: the {self.cfg.hf_architecture} "
-                "layout from config.json has no such tensor; the weights do not match config.json")
+                f"layout from {self.layout_from} has no such tensor; the weights do not match {self.layout_from}")
         if name in self.found:
             raise CheckpointError(f"tensor {name!r} appears twice: in {self.found[name]} and in {where}")
         exp = self.expected[name][1]
         if tuple(shape) != exp:
             raise CheckpointError(
-                f"tensor {name!r} in {where} has shape {tuple(shape)}, expected {exp} from config.json; "
-                "the weights do not match config.json")
+                f"tensor {name!r} in {where} has shape {tuple(shape)}, expected {exp} from {self.layout_from}; "
+                f"the weights do not match {self.layout_from}")
         return True
 
     def add(self, name: str, array: np.ndarray, where: str) -> None:
@@ -110,7 +110,8 @@ class ParamBuilder:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise CheckpointError(
                 f"tensor {missing[0]!r}{more} is missing from {where}; expected shape "
-                f"{self.expected[missing[0]][1]}. The download is incomplete or the weights do not match config.json")
+                f"{self.expected[missing[0]][1]}. The download is incomplete or the weights do not match "
+                f"{self.layout_from}")
         if self.tied_lm_head is not None:
             head, head_where = self.tied_lm_head
             embed = self.params["embed"]

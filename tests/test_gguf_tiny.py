@@ -1,0 +1,163 @@
+"""Tiny llama GGUFs written as llama.cpp's convert_hf_to_gguf.py writes them (tensors renamed, Q/K rows and
+biases permuted, a byte-level BPE vocabulary in the metadata), imported and held tensor by tensor to the torch
+model they came from; metadata and tensors the importer must refuse before it dequantises anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+from convert.cli import main as convert_main  # noqa: E402
+from hetero_jax.io import gguf as importer  # noqa: E402
+from hetero_jax.io.checkpoint import load_checkpoint  # noqa: E402
+from hetero_jax.model.spec import hf_tensor_map  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hf_fixtures import make_tiny_model, make_tokenizer_files  # noqa: E402
+
+_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: half-split RoPE pairs to interleaved rows (weights and biases)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensors(model) -> dict[str, np.ndarray]:
+    cfg = model.config
+    out = {}
+    for name, t in model.state_dict().items():
+        a = t.detach().float().numpy()
+        top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"}
+        if name in top:
+            out[top[name]] = a
+            continue
+        _, _, layer, *rest = name.split(".")
+        module, kind = ".".join(rest[:-1]), rest[-1]
+        if module.endswith("q_proj"):
+            a = _permute(a, cfg.num_attention_heads)
+        elif module.endswith("k_proj"):
+            a = _permute(a, cfg.num_key_value_heads)
+        out[f"blk.{layer}.{_LAYER[module]}.{kind}"] = a
+    return out
+
+
+def write_gguf(path, model, tok_dir, *, meta=None, drop=(), extra=None) -> str:
+    """F32 tensors. ``meta``: metadata setters of GGUFWriter replaced (name -> value, None: not written);
+    ``drop``: tensor names left out; ``extra``: tensors added (name -> (array, GGML type name))."""
+    cfg = model.config
+    tj = json.load(open(os.path.join(tok_dir, "tokenizer.json")))
+    vocab = {**tj["model"]["vocab"], **{a["content"]: a["id"] for a in tj["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    setters = {"add_block_count": cfg.num_hidden_layers, "add_context_length": cfg.max_position_embeddings,
+               "add_embedding_length": cfg.hidden_size, "add_feed_forward_length": cfg.intermediate_size,
+               "add_head_count": cfg.num_attention_heads, "add_head_count_kv": cfg.num_key_value_heads,
+               "add_layer_norm_rms_eps": cfg.rms_norm_eps, "add_rope_freq_base": 10000.0,
+               "add_bos_token_id": 1, "add_eos_token_id": 2, "add_token_list": tokens}
+    for fn, v in {**setters, **(meta or {})}.items():
+        if v is not None:
+            getattr(w, fn)(v)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    for name, a in _gguf_tensors(model).items():
+        if name not in drop:
+            w.add_tensor(name, a.astype(np.float32))
+    for name, (a, kind) in (extra or {}).items():
+        qt = gguf.GGMLQuantizationType[kind]
+        w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.fspath(path)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    make_tokenizer_files(d)
+    return d
+
+
+def _model(**options):
+    # GGUF carries no llama3 rope scaling here: the reference is a plain rope at theta 10000
+    return make_tiny_model("llama", rope_scaling=None, rope_theta=10000.0, **options)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(attention_bias=True)])
+def test_tensors_equal_the_torch_model_they_came_from(options, tok_dir, tmp_path):
+    """Attention biases (HF Llama's attention_bias, written by llama.cpp as attn_*.bias and permuted like the
+    weights) were refused as 'unexpected tensor' although the importer maps them."""
+    model = _model(**options)
+    src = write_gguf(tmp_path / "m.gguf", model, tok_dir)
+    assert convert_main(["--gguf", src, str(tmp_path / "ck"), "--no-progress"]) == 0
+    cfg, params, _ = load_checkpoint(tmp_path / "ck")
+    assert (cfg.qkv_bias, cfg.o_bias) == (bool(options), bool(options))
+    ref = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    names = [hf for hf, *_ in hf_tensor_map(cfg)]
+    assert set(names) == set(ref)
+    for hf, path, _, transpose in hf_tensor_map(cfg):
+        ours = np.asarray(params[path[0]] if len(path) == 1 else params["layers"][path[1]][path[2]])
+        np.testing.assert_array_equal(ours.T if transpose else ours, ref[hf], err_msg=hf)
+
+
+@pytest.mark.parametrize("meta, needles", [
+    ({"add_head_count": 0}, ["llama.attention.head_count = 0", "an integer >= 1"]),
+    ({"add_head_count_kv": 3}, ["llama.attention.head_count = 8 is not a multiple of "
+                                "llama.attention.head_count_kv = 3"]),
+    ({"add_block_count": 0}, ["llama.block_count = 0"]),
+    ({"add_layer_norm_rms_eps": 0.0}, ["llama.attention.layer_norm_rms_epsilon = 0.0", "a finite number > 0"]),
+    ({"add_context_length": 1}, ["llama.context_length = 1", "an integer >= 2"]),
+    ({"add_rope_freq_base": 0.0}, ["llama.rope.freq_base = 0.0"]),
+    ({"add_bos_token_id": 100000}, ["tokenizer.ggml.bos_token_id = 100000 is outside the 320-token vocabulary"]),
+    ({"add_token_list": None, "add_vocab_size": 320}, ["no tokenizer.ggml.tokens", "incomplete"]),
+])
+def test_bad_metadata_is_refused_naming_the_key(meta, needles, tok_dir, tmp_path, capsys, monkeypatch):
+    """Each converted (or crashed: head_count 0 was a ZeroDivisionError, no token list a TypeError) and `load`
+    then refused the checkpoint telling the user to fix a config.json they never wrote."""
+    src = write_gguf(tmp_path / "m.gguf", _model(), tok_dir, meta=meta)
+    monkeypatch.setattr(importer, "_dequantize", lambda t: pytest.fail("dequantised before the refusal"))
+    assert convert_main(["--gguf", src, str(tmp_path / "ck"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: GGUF") and "config.json" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf"]
+
+
+def test_a_tensor_of_an_unsupported_type_is_refused_before_any_is_dequantised(tok_dir, tmp_path, capsys,
+                                                                               monkeypatch):
+    """llama.cpp writes output.weight last, often in another type (Q6_K beside Q4_0): the refusal came after
+    every other tensor was dequantised."""
+    model = _model()
+    tensors = _gguf_tensors(model)
+    src = write_gguf(tmp_path / "m.gguf", model, tok_dir, drop={"output.weight"},
+                     extra={"output.weight": (tensors["output.weight"], "Q5_0")})
+    monkeypatch.setattr(importer, "_dequantize", lambda t: pytest.fail("dequantised before the refusal"))
+    assert convert_main(["--gguf", src, str(tmp_path / "ck"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "'output.weight' has quantisation type Q5_0, which is not supported" in err, err
+
+
+def test_a_wrong_shape_names_the_gguf_tensor_and_metadata(tok_dir, tmp_path, capsys):
+    model = _model()
+    tensors = _gguf_tensors(model)
+    bad = np.zeros((8, tensors["blk.1.attn_v.weight"].shape[1]), np.float32)
+    src = write_gguf(tmp_path / "m.gguf", model, tok_dir, drop={"blk.1.attn_v.weight"},
+                     extra={"blk.1.attn_v.weight": (bad, "F32")})
+    assert convert_main(["--gguf", src, str(tmp_path / "ck"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "GGUF tensor 'blk.1.attn_v.weight'" in err and "the GGUF metadata" in err and "config.json" not in err
