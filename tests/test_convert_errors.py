@@ -430,6 +430,9 @@ def test_config_errors_are_config_error_from_the_api(hf):
     ("config.json", b"[1, 2]", ["must hold a JSON object", "got list"]),
     ("tokenizer_config.json", b"{not json", ["tokenizer_config.json", "not a valid JSON object"]),
     ("tokenizer_config.json", b"[]", ["tokenizer_config.json", "not an object"]),
+    # these two converted, and every load of the checkpoint then failed (review 76)
+    ("tokenizer.json", b"{1: 2}", ["tokenizer.json", "is corrupt or not an HF tokenizers file", "re-download"]),
+    ("tokenizer.json", b"", ["tokenizer.json", "is corrupt"]),
 ])
 def test_unreadable_json_files_are_refused_before_any_weight_is_read(hf, out_parent, capsys, monkeypatch, name,
                                                                     content, needles):
@@ -441,6 +444,16 @@ def test_unreadable_json_files_are_refused_before_any_weight_is_read(hf, out_par
         AssertionError("weights read")))
     _fail([hf, out_parent / "ck"], out_parent, capsys, *needles)
     assert opened == []
+
+
+def test_a_chat_template_file_that_is_not_utf8(hf, out_parent, capsys):
+    """It was a UnicodeDecodeError traceback (review 76); the template is read from the .jinja only when
+    tokenizer_config.json has none."""
+    tc = json.load(open(hf / "tokenizer_config.json"))
+    del tc["chat_template"]
+    json.dump(tc, open(hf / "tokenizer_config.json", "w"))
+    (hf / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
+    _fail([hf, out_parent / "ck"], out_parent, capsys, "chat_template.jinja", "is not UTF-8 text", "re-download")
 
 
 def test_index_with_a_malformed_weight_map_is_a_checkpoint_error(hf, out_parent, capsys):

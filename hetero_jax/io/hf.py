@@ -250,6 +250,23 @@ def _tokenizer_files(hf_dir: str) -> dict[str, Any]:
         raise CheckpointError(f"{os.path.join(hf_dir, 'tokenizer_config.json')} is not a valid JSON object "
                               f"({e}); re-download it") from None
     if not tc.get("chat_template") and "chat_template.jinja" in files:
-        tc["chat_template"] = files["chat_template.jinja"].decode("utf-8")
+        try:
+            tc["chat_template"] = files["chat_template.jinja"].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{os.path.join(hf_dir, 'chat_template.jinja')} is not UTF-8 text ({e}); "
+                                  "re-download it") from None
     files["tokenizer_config.json"] = tc
+    _check_tokenizer_json(os.path.join(hf_dir, "tokenizer.json"), files.get("tokenizer.json", b""))
     return files
+
+
+def _check_tokenizer_json(path: str, content: bytes) -> None:
+    """Refuse a tokenizer.json the tokenizers library cannot read (the conversion would succeed and every
+    load of the checkpoint fail)."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_str(content.decode("utf-8"))
+    except Exception as e:  # UnicodeDecodeError, or the library's own Exception on bad JSON / a bad model
+        raise CheckpointError(f"{path} is corrupt or not an HF tokenizers file ({str(e)[:200]}); "
+                              "re-download it") from None
