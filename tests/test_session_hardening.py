@@ -63,6 +63,49 @@ def chat_model(tiny_checkpoint):
     return hetero_jax.load(tiny_checkpoint("llama")[1])
 
 
+# ---------------------------------------------- a session's first turn is generate's prompt, token for token
+QUESTION = "What is the secret code?"
+ENDINGS = ["The secret code is 4817.", "The secret code is 4817. ", "The secret code is 4817.\n",
+           "the code: 4817 \n\n", "a\t", "x"]
+
+
+def _whitespace_bpe(tok: Tokenizer, llama3: bool) -> Tokenizer:
+    """A byte-level BPE trained on text whose whitespace runs merge (' \\n\\n', '.\\n\\n'), with GPT-2's
+    pre-tokenizer regex or Llama 3's (whose punctuation takes the newlines after it); ``tok``'s specials and
+    chat template."""
+    from tokenizers import Regex, Tokenizer as Backend, models, pre_tokenizers, trainers
+
+    from hetero_jax.io.gguf import _LLAMA3_SPLIT
+
+    backend = Backend(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not llama3)
+    backend.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"),
+                                                      byte_level]) if llama3 else byte_level)
+    text = ("Alice owns the red bicycle. The secret code is 4817. \n\nWhat is the code: 4817 \n\n a\t"
+            "x.\n\n") * 50
+    backend.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return Tokenizer(backend, tokenizer_config=tok.tokenizer_config)
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+@pytest.mark.parametrize("chat, llama3", [(True, False), (False, False), (True, True)])
+def test_a_first_turn_tokenises_as_the_whole_prompt(chat_model, ending, chat, llama3):
+    """The context was encoded alone and the question after it, so a context ending in a space or a newline
+    (a document read from a file) gave other tokens than the whole text (' \\n\\n' is one token in it, and
+    Llama 3's regex puts '.\\n\\n' in one piece): with full KV, SmolLM2 answered another question. The
+    context's last pre-tokens now wait for the first turn."""
+    from hetero_jax.runtime.session import open_context
+
+    tok = _whitespace_bpe(chat_model.tokenizer, llama3)
+    context = "Alice owns the red bicycle. " + ending
+    ids, t = open_context(tok, context, chat)
+    turn, _ = t.ask(tok, chat_model.config, QUESTION)
+    assert ids + turn == tok.encode_prompt(context + "\n\n" + QUESTION, chat=chat)
+    assert len(ids) > 0
+
+
 # ------------------------------------------------------------------ a failed turn changes nothing
 CONTEXT = "the quick brown fox jumps over the lazy dog. " * 6
 

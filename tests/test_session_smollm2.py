@@ -62,3 +62,14 @@ def test_heterocache_half_budget_session_answers_each_fact_in_turn(smollm2):
     st = res.stats
     assert st.achieved_rho <= 0.5 and st.policy_stats["reselections"] == 3
     assert st.kv_bytes_host_by_role["anchor"] > 0 and st.kv_bytes_host_by_role["satellite"] > 0
+
+
+@pytest.mark.parametrize("ending", [" ", "\n"])
+def test_a_context_ending_in_whitespace_is_answered_as_generate_answers(smollm2, ending):
+    """The Session tokenised such a context apart from the question (' ' and '\\n\\n' are one token together):
+    with full KV it answered 'To solve this puzzle, ...' where generate said 'The secret code is 4817.'."""
+    context = "Alice owns the red bicycle. The secret code is 4817." + ending
+    question = "What is the secret code?"
+    got = Session(smollm2, context).ask(question, max_new_tokens=12)
+    want = hetero_jax.generate(smollm2, context + "\n\n" + question, max_new_tokens=12)
+    assert got.token_ids == want.token_ids

@@ -169,6 +169,22 @@ class Tokenizer:
         check_unicode(text, "the text")
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def settled_length(self, text: str, start: int = 0) -> int:
+        """The length of the longest prefix of ``text`` (at least ``start``) whose tokens no continuation can
+        change: it ends before the last two pre-tokens (a continuation can merge the last one with what follows,
+        e.g. a trailing space with a newline; regex splitting leaves the ones before it as they are). ``start``
+        when the tokenizer has no pre-tokenizer or no such prefix splits as the whole text does."""
+        pre = self._tok.pre_tokenizer
+        if pre is None or self._tok.normalizer is not None:  # offsets would not be the text's
+            return start
+        pieces = pre.pre_tokenize_str(text)
+        if len(pieces) < 3:
+            return start
+        cut = max(start, pieces[-2][1][0])
+        if self.encode(text[:cut]) + self.encode(text[cut:]) != self.encode(text):
+            return start
+        return cut
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

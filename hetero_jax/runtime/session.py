@@ -26,13 +26,16 @@ class Transcript:
     the session keeps only once the turn has succeeded.
 
     ``context_text``: the context as text (None for token ids); ``messages``: the chat history; ``rendered``:
-    the text the cache holds (chat template applied); ``unfed``: the last answer token, not yet in the cache;
-    ``turns``: turns answered.
+    the text the cache holds (chat template applied); ``carry``: the context's last pre-tokens, left out of
+    the prefill and tokenised with the first turn, so the turn's tokens are those of the whole text (a
+    context ending in a space or a newline tokenises with the question's line break); ``unfed``: the last
+    answer token, not yet in the cache; ``turns``: turns answered.
     """
 
     context_text: str | None
     chat: bool
     rendered: str | None
+    carry: str = ""
     messages: tuple = ()
     unfed: tuple = ()
     turns: int = 0
@@ -40,15 +43,17 @@ class Transcript:
     def ask(self, tok, cfg, question) -> tuple[list[int], "Transcript"]:
         """Tokens that close the previous turn (if any) and open this one, and the transcript after them."""
         unfed = list(self.unfed)
+        done = dict(unfed=(), carry="", rendered=None if self.rendered is None else self.rendered + self.carry)
         if not isinstance(question, str):
-            return unfed + question_ids(question, cfg), dataclasses.replace(self, unfed=())
+            ids = unfed + (tok.encode(self.carry) if self.carry else []) + question_ids(question, cfg)
+            return ids, dataclasses.replace(self, **done)
         if not question.strip():
             raise PromptError("empty question: the question text has no content")
         check_unicode(question, "the question")
         if self.context_text is None or not self.chat:
             sep = "\n\n" if (self.turns or self.context_text) else ""
-            ids = unfed + tok.encode(sep + question, add_special_tokens=False)
-            return ids, dataclasses.replace(self, unfed=())
+            ids = unfed + tok.encode(self.carry + sep + question, add_special_tokens=False)
+            return ids, dataclasses.replace(self, **done)
         if not self.turns:
             msgs = ({"role": "user", "content": self.context_text + "\n\n" + question},)
         else:
@@ -57,8 +62,8 @@ class Transcript:
         if not rendered.startswith(self.rendered):
             raise PromptError("the chat template does not render turns incrementally (the history renders "
                               "differently once a turn is added); use chat=False")
-        ids = unfed + tok.encode(rendered[len(self.rendered):], add_special_tokens=False)
-        return ids, dataclasses.replace(self, messages=msgs, rendered=rendered, unfed=())
+        ids = unfed + tok.encode(rendered[len(self.rendered):], add_special_tokens=False)  # the carry included
+        return ids, dataclasses.replace(self, messages=msgs, rendered=rendered, unfed=(), carry="")
 
     def answered(self, tok, answer_ids: list[int], at_eos: bool) -> "Transcript":
         """The transcript once the answer ``answer_ids`` was generated (``at_eos``: it ended at EOS). The
@@ -84,8 +89,14 @@ def open_context(tok, context, chat: bool) -> tuple[list[int], Transcript]:
                 raise PromptError("the chat template changes the message text, so the context cannot be "
                                   "prefilled apart from the first question; use chat=False")
             prefix = rendered[: rendered.index(_MARKER)]
-            return tok.encode(prefix, add_special_tokens=False), Transcript(context, True, prefix)
-        return tok.encode_prompt(context, chat=False), Transcript(context, False, context)
+            # carried text stays inside the context (a template may strip its leading space, or escape it)
+            body = context.lstrip()
+            cut = tok.settled_length(prefix, start=len(prefix) - len(body)) if prefix.endswith(body) else len(prefix)
+            return (tok.encode(prefix[:cut], add_special_tokens=False),
+                    Transcript(context, True, prefix[:cut], carry=prefix[cut:]))
+        cut = tok.settled_length(context) or len(context)  # none settled: the whole context is prefilled
+        return (tok.encode_prompt(context[:cut], chat=False),
+                Transcript(context, False, context[:cut], carry=context[cut:]))
     return token_list(context, "the context"), Transcript(None, chat, None)
 
 
