@@ -410,3 +410,14 @@ def test_gc_freeze_reads_false_words_as_off_and_refuses_a_typo():
     assert bad.returncode != 0
     assert ("ConfigError: environment variable HETERO_JAX_GC_FREEZE='disable' is not a boolean: use one of "
             "1/true/yes/on (on) or 0/false/no/off (off)") in bad.stderr
+
+
+def test_a_session_cannot_be_copied(no_compute):
+    """copy.copy shared the donated cache and the history lists: asking the copy changed the original's next
+    answer; copy.deepcopy failed in the chat template's Template. Both are refused by name."""
+    import copy
+
+    sess = Session.__new__(Session)  # no prefill needed: copying is refused before looking inside
+    for fn in (copy.copy, copy.deepcopy):
+        with pytest.raises(SessionError, match="a Session cannot be copied.*Open a second Session"):
+            fn(sess)

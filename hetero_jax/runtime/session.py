@@ -166,6 +166,14 @@ class Session:
         self._owner: int | None = None  # the thread answering now
         self._lost: str | None = None  # why the cache cannot be used any more (a turn's failure could not be undone)
 
+    def __copy__(self):
+        raise SessionError("a Session cannot be copied: a copy would share the cache (donated to each step), so "
+                           "asking it would change the original's answers. Open a second Session on the same "
+                           "context to branch a conversation")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
     # the history, read-only views of the committed transcript
     @property
     def messages(self) -> list[dict]:
