@@ -214,6 +214,28 @@ def test_a_deeply_nested_body_gets_400_invalid_json_over_http(modelless_app):
         assert (err["code"], err["type"]) == ("invalid_json", "invalid_request_error") and "nest" in err["message"]
 
 
+def test_refused_paths_are_counted_under_their_route_and_labels_are_escaped(modelless_app):
+    """A 405 counted the client's path as its label: one new series per path, and a quote in it wrote a second
+    label (Prometheus then refused the whole scrape)."""
+    from starlette.testclient import TestClient
+
+    from hetero_jax.serve.metrics import Metrics
+
+    client = TestClient(modelless_app, raise_server_exceptions=False)
+    for path in ("/v1/models/random-1", '/v1/models/x",status="999', "/v1/models/y", "/nothing/here"):
+        client.post(path, content=b"{}")
+    text = client.get("/metrics").text
+    requests = [line for line in text.splitlines() if line.startswith("hetero_jax_requests_total")]
+    assert 'hetero_jax_requests_total{endpoint="/v1/models/{id}",status="405"} 3' in requests
+    assert 'hetero_jax_requests_total{endpoint="other",status="404"} 1' in requests
+    assert not any("random" in line or "999" in line for line in requests)
+    m = Metrics()
+    m.request('a"b\\c\nd', 400)
+    line = next(x for x in m.render({"sessions": 0, "kv_bytes_device": 0, "kv_bytes_host": 0, "evictions": 0},
+                                    0, False).splitlines() if x.startswith("hetero_jax_requests_total"))
+    assert line == 'hetero_jax_requests_total{endpoint="a\\"b\\\\c\\nd",status="400"} 1', line
+
+
 # every option of a registered policy that holds an object read from a file, found by reading the policies:
 # SyncKV (synckv.py) and ContextKeeper (contextkeeper/policy.py) load a str as a JSON path, HCAttention a str
 # as a codebook .npz; HeteroCache and ProfiledSnapKV hold a HeadProfile
@@ -587,8 +609,10 @@ def test_every_error_case_gets_its_status_and_message(live):
         err = r.json()["error"]
         assert (r.status_code, err["code"]) == (status, code), (body if isinstance(body, bytes) else body.keys(), err)
         assert needle in err["message"] and set(err) == {"message", "type", "param", "code"}
-    r = live.post("/v1/completions", {"model": MODEL, "prompt": "word " * 9000})
-    assert r.status_code == 400 and "the model's context is 8192 tokens" in r.json()["error"]["message"]
+    r = live.post("/v1/completions", {"model": MODEL, "prompt": "word " * 9000})  # as the chat route answers
+    err = r.json()["error"]
+    assert r.status_code == 400 and "the model's context is 8192 tokens" in err["message"]
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
     r = live.post("/v1/completions", {"model": MODEL, "prompt": [10**9]})
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
     assert httpx.get(live.base + "/v2/nothing", timeout=30).status_code == 404

@@ -124,6 +124,13 @@ class Server:
         s = req.sampling
 
         def run(job: Job) -> Turn:
+            n = len(req.prompt) if isinstance(req.prompt, tuple) else len(
+                self.model.tokenizer.encode_prompt(req.prompt, chat=False))
+            context = self.model.config.max_position_embeddings
+            if n + 1 > context:  # the code and param the chat route gives (clients' retry logic keys on them)
+                raise RequestError(f"the prompt is {n} tokens long but the model's context is {context} tokens, "
+                                   "and the answer needs at least one more; shorten the prompt", param="prompt",
+                                   code="context_length_exceeded")
             res = generate(self.model, list(req.prompt) if isinstance(req.prompt, tuple) else req.prompt, policy,
                            max_new_tokens=s.max_tokens or COMPLETIONS_MAX_TOKENS, temperature=s.temperature,
                            top_p=s.top_p, seed=s.seed, stop=list(s.stop) or None, chat=False,
@@ -215,6 +222,18 @@ def error_response(e: BaseException) -> JSONResponse:
         return JSONResponse(error_body(str(e), code="client_disconnected"), status_code=499)
     log.error("request failed", exc_info=e)
     return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"), status_code=500)
+
+
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def _endpoint_label(path: str) -> str:
+    """The metrics label of a refused request: its route's (a 405 on /v1/models/x is /v1/models/{id}), else
+    "other". A client's path never becomes a label value: it would grow the series without bound, and a quote
+    in it broke the exposition's syntax."""
+    if path in _ENDPOINTS:
+        return path
+    return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -394,7 +413,7 @@ def create_app(model, config: ServeConfig) -> Starlette:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        server.metrics.request(request.url.path if exc.status_code != 404 else "other", exc.status_code)
+        server.metrics.request(_endpoint_label(request.url.path), exc.status_code)
         msg = (f"no route {request.method} {request.url.path}; the server has GET /v1/models, POST "
                "/v1/chat/completions, POST /v1/completions, GET /health, GET /metrics") if exc.status_code in (
                    404, 405) else str(exc.detail)

@@ -8,6 +8,11 @@ import threading
 PREFIX = "hetero_jax"
 
 
+def _escape(value) -> str:
+    """A label value as the text exposition format writes it (backslash, quote and newline escaped)."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class Metrics:
     """Counters since the server started and the last request's rates; safe to update from any thread."""
 
@@ -58,7 +63,7 @@ class Metrics:
             lines.append(f"# HELP {PREFIX}_{name} {help_}")
             lines.append(f"# TYPE {PREFIX}_{name} {kind}")
             for labels, value in samples:
-                lab = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+                lab = "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}" if labels else ""
                 lines.append(f"{PREFIX}_{name}{lab} {_num(value)}")
 
         with self._lock:
