@@ -95,7 +95,7 @@ import common  # noqa: E402  (benchmarks/common.py)
 import haystack  # noqa: E402  (benchmarks/haystack.py)
 from harness import grid, roofline  # noqa: E402  (the grid runner; the latency measures)
 from harness.latency_report import (  # noqa: E402  (tables, RESULTS section, figure, --merge)
-    length_report, make_plot, merge, results_section, results_table, targets_text,
+    MERGE_INPUTS, length_report, make_plot, merge, results_section, results_table, targets_text,
 )
 from harness.roofline import (  # noqa: E402  (bytes per step, roofline, timing summaries, targets)
     add_fitted, add_ratios, model_weight_bytes, roofline_ratio, target_check, timing_summary, weight_bytes_per_token,
@@ -414,10 +414,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "timing either way)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
-    common.add_output_arguments(p, "latency", SECTION)
+    common.add_output_arguments(p, "latency", SECTION, named=True)
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
-                   help="no run: join the JSON of runs of one configuration at different lengths into one table "
-                        "(with --write-results, the section of their preset)")
+                   help="no run: join the JSON of runs of one configuration at different lengths (each length "
+                        "once) into one table (with --write-results, the section of their preset)")
     args = common.parse_with_preset(p, PRESETS, argv)
     args.plot = args.plot or args.out.with_suffix(".png")
     args.synthetic_dtype = args.synthetic_dtype or SYNTHETIC_DEFAULT_DTYPE[args.synthetic_shape]
@@ -430,9 +430,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("give at least one of --real-lengths / --synthetic-lengths")
     if any(n < 1 for n in args.real_lengths + args.synthetic_lengths):
         p.error("lengths must be positive")
-    if args.merge:  # each a result file of this script (the keys merge reads), before any work
-        common.read_json_inputs(p, "--merge", args.merge, ("config", "lengths", "runs", "total_seconds"),
-                                "bench_latency.py")
+    if args.merge:  # each a result file of this script (what merge reads), before any work
+        common.read_json_inputs(p, "--merge", args.merge, script="bench_latency.py", **MERGE_INPUTS)
     return args
 
 

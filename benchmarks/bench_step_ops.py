@@ -257,6 +257,16 @@ def _plugin_versions() -> dict:
 
 
 RENDER_KEYS = ("config", "rows", "errors", "targets", "total_seconds")  # what main reads of a --render file
+RENDER_ITEMS = {"rows": ("length", "policy", "shown_for", "kernels_per_step", "kernels_vs_full", "fusions",
+                         "fusions_vs_full", "custom_calls_by_kind", "gemms", "gemm_fusions", "pallas_calls",
+                         "host_callbacks", "copies", "async_copies", "other_ops", "while_loops", "loop_trips",
+                         "unknown_trip_loops", "conditionals", "fusion_substrings", "lower_seconds", "compile_seconds",
+                         "prefill_seconds"),
+                "errors": ("policy", "length", "error")}
+# and with --write-results, what its section reads (results_section)
+SECTION_KEYS = ("command", "git", "machine", "peak_rss_bytes")
+SECTION_CONFIG_KEYS = ("cuda_plugin", "target_description", "jax", "jaxlib", "shape", "dtype", "kernels", "rho",
+                       "tail_capacity", "narrow_shape", "counting_rule")
 
 
 def make_parser() -> common.BenchParser:
@@ -320,7 +330,11 @@ def load_render(parser, args) -> dict:
     flag, the path and what is wrong otherwise."""
     if args.recount is not None and not args.recount.is_dir():
         parser.error(f"--recount {args.recount} is not a directory; give the folder a run's --dump-hlo wrote")
-    return common.read_json_inputs(parser, "--render", [args.render], RENDER_KEYS, "bench_step_ops.py")[0]
+    section = bool(args.write_results)
+    return common.read_json_inputs(parser, "--render", [args.render], RENDER_KEYS + SECTION_KEYS * section,
+                                   "bench_step_ops.py", benchmark="bench_step_ops", items=RENDER_ITEMS,
+                                   mappings={"targets": ("ratio", "limit", "met")},
+                                   config_keys=SECTION_CONFIG_KEYS * section)[0]
 
 
 def main(argv=None) -> int:

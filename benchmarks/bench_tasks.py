@@ -76,8 +76,9 @@ from harness import grid  # noqa: E402  (benchmarks/harness/grid.py: the grid ru
 from harness.needles import IDLE_CORES, LOAD_S, haystack_lines, interp_cost  # noqa: E402
 from harness.prefill import build_engines, greedy_answer  # noqa: E402  (the shared prefill, greedy decode)
 from harness.task_report import (  # noqa: E402  (summary, tables, --merge)
-    GRADING, answers_table, fidelity_table, merge, results_table, summarize,
+    GRADING, MERGE_INPUTS, answers_table, fidelity_table, merge, missing_text, results_table, summarize,
 )
+from harness.merging import merged_lines  # noqa: E402  (a merge's runs in its section)
 from harness.task_cases import (  # noqa: E402  (cases, grading, prompts, teacher forcing)
     DIGITS, TASKS, build_case_prompt, forced_metrics, grade, make_case,
 )
@@ -305,15 +306,11 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         "fails shows as such. Grading: " + "; ".join(f"{t}: {g}" for t, g in cfg["grading"].items()
                                                      if t in cfg["tasks"]) + "."
         + "".join(f" Not run: {lab} at {', '.join(errs)} tokens ({next(iter(errs.values()))})."
-                  for lab, errs in cfg.get("skipped", {}).items()),
+                  for lab, errs in cfg.get("skipped", {}).items()) + missing_text(cfg),
         "",
         *haystack_lines(cfg),
         "",
-        *([f"Merged (`--merge`) from {len(cfg['merged_from'])} runs, each its own commit and command:", "",
-           *[f"- `{m['file']}`: {m['commit']}, `{m['command']}`" + "".join(
-               f" (resuming {r['cases']} cases run at {r['commit']} by `{r['command']}`)"
-               for r in m.get("resumed_from", [])) for m in cfg["merged_from"]], ""]
-          if cfg.get("merged_from") else []),
+        *merged_lines(cfg),
         *([f"Resumed (`--resume`): the first {r['cases']} cases ran at {r['commit']} (`{r['command']}`)."
            for r in payload.get("resumed_from", [])] + [""] if payload.get("resumed_from") else []),
         results_table(payload),
@@ -356,10 +353,6 @@ def make_plot(payload: dict, path: Path) -> Path | None:
 
 
 # --------------------------------------------------------------------- main
-# what merge reads of each --merge file (a finished run's JSON or an interrupted run's OUT.partial.json)
-MERGE_KEYS = ("config", "records", "prompts", "command", "git", "machine", "load_seconds", "total_seconds",
-              "peak_rss_bytes")
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = grid.parser(DESCRIPTION, PRESETS, estimate_minutes, PRESETS_HELP)
@@ -370,11 +363,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_policy_arguments(p, PRESETS, smallest=True)
     common.add_haystacks_argument(p, PRESETS, "every case runs on each")
     common.add_model_arguments(p, MODEL)
-    common.add_output_arguments(p, SECTION, SECTION, out_per_preset=True)
+    common.add_output_arguments(p, SECTION, SECTION, out_per_preset=True, named=True)
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                    help="join the JSON of runs of slices of the grid (other lengths, seeds, haystacks, tasks or "
-                        "budgets) into one table instead of running; refused when the model, dtype or grading "
-                        "differ, a combo's case is in two runs, or full KV answers a case differently")
+                        "budgets) into one table instead of running (with --write-results, the section of their "
+                        "preset); refused when the model, dtype, grading, decoding, preset, a haystack's text or a "
+                        "label's policy configuration differ, a combo's case is in two runs, or full KV answers a "
+                        "case differently")
     p.add_argument("--resume", action="store_true",
                    help="finish the run whose finished cases are in OUT.partial.json (same grid flags): its cases "
                         "are kept, the others run")
@@ -388,7 +383,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(s < 0 for s in args.seeds):
         p.error("--seeds must be >= 0")
     if args.merge:  # each a result file of this script, before any work (merge reads them again)
-        common.read_json_inputs(p, "--merge", args.merge, MERGE_KEYS, "bench_tasks.py")
+        common.read_json_inputs(p, "--merge", args.merge, script="bench_tasks.py", **MERGE_INPUTS)
     return args
 
 

@@ -285,7 +285,8 @@ def test_step_ops_render_of_a_json_that_is_not_its_result_is_a_usage_error(tmp_p
 
 def test_step_ops_recount_must_be_a_folder_given_with_render(tmp_path, capsys, no_step_ops_run):
     saved = tmp_path / "s.json"
-    saved.write_text(json.dumps({"config": {}, "rows": [], "errors": [], "targets": {}, "total_seconds": 1}))
+    saved.write_text(json.dumps({"benchmark": "bench_step_ops", "config": {}, "rows": [], "errors": [], "targets": {},
+                                 "total_seconds": 1}))
     _usage_error(capsys, bench_step_ops.main, ["--render", str(saved), "--recount", str(tmp_path / "nope")],
                  f"--recount {tmp_path / 'nope'} is not a directory")
     _usage_error(capsys, bench_step_ops.parse_args, ["--recount", str(tmp_path)], "--recount", "--render")
@@ -302,8 +303,13 @@ def test_step_ops_render_of_a_missing_file_fails_fast_from_the_command_line(tmp_
 
 
 MERGE = {  # script: (a minimal result file it merges, the script's name in the error)
-    bench_latency: ({"config": {}, "lengths": [], "runs": [], "total_seconds": 1.0}, "bench_latency.py"),
-    bench_tasks: ({"config": {}, "records": [], "prompts": [], "command": "c", "git": {}, "machine": {},
+    bench_latency: ({"benchmark": "latency", "config": {
+        "synthetic_lengths": [], "real_lengths": [], "ttft_warmup": 0, "ttft_repeats": 1, "decode_steps": 1,
+        "warmup_steps": 0, "model": "m", "dtype": "float32", "seed": 0}, "lengths": [], "runs": [],
+        "total_seconds": 1.0, "command": "c", "git": {}, "machine": {}, "peak_rss_bytes": 1}, "bench_latency.py"),
+    bench_tasks: ({"benchmark": "tasks", "config": {"tasks": [], "lengths": [], "seeds": [], "haystacks": [],
+                                                    "combos": []},
+                   "records": [], "prompts": [], "command": "c", "git": {}, "machine": {},
                    "load_seconds": 1.0, "total_seconds": 1.0, "peak_rss_bytes": 1}, "bench_tasks.py"),
 }
 
@@ -341,6 +347,10 @@ def test_merge_of_result_files_parses(tmp_path, script):
 def test_a_latency_result_is_not_a_tasks_result(tmp_path, capsys):
     lat = tmp_path / "lat.json"
     lat.write_text(json.dumps(MERGE[bench_latency][0]))
+    _usage_error(capsys, bench_tasks.parse_args, ["--merge", str(lat), "--out", str(tmp_path / "m.json")],
+                 f"--merge {lat} is a result of bench_latency.py, not of bench_tasks.py (its 'benchmark' is "
+                 "'latency', bench_tasks.py's 'tasks')")
+    lat.write_text(json.dumps({k: v for k, v in MERGE[bench_latency][0].items() if k != "benchmark"}))
     _usage_error(capsys, bench_tasks.parse_args, ["--merge", str(lat), "--out", str(tmp_path / "m.json")],
                  f"--merge {lat} is not a result file of bench_tasks.py (it has no 'records', 'prompts',")
 

@@ -5,6 +5,8 @@ report (imported by bare name: a script run as ``python benchmarks/NAME.py`` and
 Shared, lowest first (each imports only those above it):
 
 - :mod:`harness.machine`: where a run ran (machine, commit, command) and its memory.
+- :mod:`harness.merging`: what every ``--merge`` shares (the merged runs' provenance and its lines in a section, the
+  checks that the runs compare, their preset).
 - :mod:`harness.results`: what a run writes (JSON, markdown tables, RESULTS.md sections, figures, a child's result).
 - :mod:`harness.args`: the scripts' command lines (output checks, RESULTS.md flags, presets).
 - :mod:`harness.grid`: the grid runner of the needle, multi-turn, tasks, policies and latency scripts (combos and

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -25,14 +26,22 @@ def policy_spec(text: str) -> str:
     return text
 
 
-def add_results_arguments(parser, section: str, presets: bool = True) -> None:
+def add_results_arguments(parser, section: str, presets: bool = True, *, named: bool = False) -> None:
     """``--write-results`` and ``--results-file`` of a benchmark script whose RESULTS.md section is ``section``
-    (named per preset by :func:`results_section_name` where the script has ``presets``)."""
+    (named per preset by :func:`results_section_name` where the script has ``presets``); with ``named``,
+    ``--section NAME`` too (``run_task`` writes that section instead; :meth:`BenchParser.check_section`)."""
     parser.add_argument("--write-results", action="store_true",
                         help=f"rewrite the '{section}' section of --results-file with --preset cpu, "
                              f"'{section}-full' with no preset or 'full', '{section}-NAME' with any other --preset NAME"
                         if presets else f"rewrite the '{section}' section of --results-file")
     parser.add_argument("--results-file", type=Path, default=RESULTS_MD, help="markdown results file")
+    if named:
+        parser.results_section = section
+        parser.add_argument("--section", default=None, metavar="NAME",
+                            help=f"with --write-results: rewrite section NAME ('{section}' or '{section}-...': "
+                                 "letters, digits, '_', '-', '.') instead of the preset's, so a section cited by name "
+                                 "(README) is rewritten by the command it records; a section of that name is "
+                                 "replaced, never repeated")
 
 
 # The destinations of the files a script writes (--out, --plot, --json; --results-file only with --write-results);
@@ -69,6 +78,7 @@ class BenchParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.plot_beside_out = False  # --plot defaults to --out with .png (add_output_arguments)
         self.unwritten: dict[str, str] = {}  # output dest -> the dest that, when given, means it is not written
+        self.results_section: str | None = None  # the script's section, where it has --section (add_results_arguments)
 
     def not_written_with(self, output: str, given: str) -> None:
         """Declare that output ``output`` (a dest) is not written when argument ``given`` is set."""
@@ -77,7 +87,21 @@ class BenchParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         ns = super().parse_args(args, namespace)
         self.check_paths(ns)
+        self.check_section(ns)
         return ns
+
+    def check_section(self, ns: argparse.Namespace) -> None:
+        """``parser.error`` unless ``--section NAME`` (where the script has it) is given with --write-results and NAME
+        is the script's section or starts with it and '-' (a script never rewrites another's section), in the
+        characters of a section marker (``harness.results.replace_section``)."""
+        name, base = getattr(ns, "section", None), self.results_section
+        if name is None or base is None:
+            return
+        if not getattr(ns, "write_results", False):
+            self.error(f"--section {name} names the section --write-results rewrites: add --write-results")
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name) or not (name == base or name.startswith(base + "-")):
+            self.error(f"--section {name!r}: give '{base}' or '{base}-' and a suffix of letters, digits, '_', '-', "
+                       f"'.' (e.g. '{base}-2k-three-seeds')")
 
     def check_paths(self, ns: argparse.Namespace) -> None:
         """``hetero_jax.io.files.check_outputs`` over ``ns``'s outputs (OUTPUT_DESTS, those of type Path) and
@@ -124,11 +148,18 @@ class BenchParser(argparse.ArgumentParser):
 
 
 def read_json_inputs(parser, flag: str, paths: Sequence[str | os.PathLike], keys: Sequence[str],
-                     script: str) -> list[dict]:
+                     script: str, *, benchmark: str | None = None, config_keys: Sequence[str] = (),
+                     items: dict[str, Sequence[str]] | None = None,
+                     mappings: dict[str, Sequence[str]] | None = None) -> list[dict]:
     """The files of input ``flag`` (``--merge A.json B.json``, ``--render X.json``), each read as a JSON object
     holding every one of ``keys`` (the parts of a result file of ``script`` that the reader uses). Otherwise
     ``parser.error`` (exit 2, before any work) naming the flag, the file and what is wrong: not found, a
-    directory, unreadable, not JSON, or not a result file of ``script``."""
+    directory, unreadable, not JSON, or not a result file of ``script``.
+
+    ``benchmark``: the ``"benchmark"`` field every result of ``script`` carries (``report_header``): a file of
+    another benchmark is refused as such, one without the field as no result. ``config_keys``: what its config
+    must hold. ``items``: {key: item keys}: ``data[key]`` must be a list of objects each holding the item keys;
+    ``mappings`` the same for an object of objects (e.g. bench_step_ops' targets)."""
     fix = f"give a JSON file that {script} wrote (its --out)"
     parts = []
     for path in paths:
@@ -149,14 +180,59 @@ def read_json_inputs(parser, flag: str, paths: Sequence[str | os.PathLike], keys
         if not isinstance(data, dict):
             parser.error(f"{flag} {shown} is not a result file of {script} (a JSON {type(data).__name__}, not an "
                          f"object); {fix}")
+        if benchmark is not None and data.get("benchmark", benchmark) != benchmark:
+            parser.error(f"{flag} {shown} is a result of {_script_of(data['benchmark'])}, not of {script} (its "
+                         f"'benchmark' is {data['benchmark']!r}, {script}'s {benchmark!r}); {fix}")
         missing = [k for k in keys if k not in data]
         if missing:
             parser.error(f"{flag} {shown} is not a result file of {script} (it has no "
                          f"{', '.join(repr(k) for k in missing)}); {fix}")
         if "config" in keys and not isinstance(data["config"], dict):
             parser.error(f"{flag} {shown} is not a result file of {script} (its 'config' is not an object); {fix}")
+        if benchmark is not None and "benchmark" not in data:
+            parser.error(f"{flag} {shown} is not a result file of {script} (it has no 'benchmark'); {fix}")
+        problem = _shape_problem(data, config_keys, items or {}, mappings or {})
+        if problem:
+            parser.error(f"{flag} {shown} is not a complete result file of {script} ({problem}); {fix}")
         parts.append(data)
     return parts
+
+
+def _script_of(benchmark) -> str:
+    """The script whose results carry ``"benchmark": benchmark`` (bench_NAME.py or NAME.py where one exists)."""
+    from harness.machine import BENCH_DIR
+
+    for name in (f"bench_{benchmark}.py", f"{benchmark}.py"):
+        if isinstance(benchmark, str) and (BENCH_DIR / name).is_file():
+            return name
+    return f"another benchmark ({benchmark!r})"
+
+
+def _shape_problem(data: dict, config_keys: Sequence[str], items: dict[str, Sequence[str]],
+                   mappings: dict[str, Sequence[str]]) -> str | None:
+    """What a result's config, lists or objects lack (:func:`read_json_inputs`' ``config_keys``, ``items`` and
+    ``mappings``), or None."""
+    missing = [k for k in config_keys if k not in data.get("config", {})]
+    if missing:
+        return f"its 'config' has no {', '.join(repr(k) for k in missing)}"
+    for key, needed in [*items.items(), *mappings.items()]:
+        value, kind = data.get(key), list if key in items else dict
+        if not isinstance(value, kind):
+            return (f"its {key!r} is a JSON {_json_type(value)}, not "
+                    + ("a list" if kind is list else "an object") + " of objects")
+        pairs = enumerate(value) if kind is list else ((repr(k), v) for k, v in value.items())
+        for i, item in pairs:
+            if not isinstance(item, dict):
+                return f"its {key}[{i}] is a JSON {_json_type(item)}, not an object"
+            lacks = [k for k in needed if k not in item]
+            if lacks:
+                return f"its {key}[{i}] has no {', '.join(repr(k) for k in lacks)}"
+    return None
+
+
+def _json_type(value) -> str:
+    return {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def argument_parser(description: str, **kwargs) -> BenchParser:
@@ -167,7 +243,7 @@ def argument_parser(description: str, **kwargs) -> BenchParser:
 
 
 def add_output_arguments(parser, name: str, section: str, plot_help: str = "PNG plot", *, presets: bool = True,
-                         out_per_preset: bool = False) -> None:
+                         out_per_preset: bool = False, named: bool = False) -> None:
     """--out / --plot (beside the JSON by default) and the RESULTS.md flags of a task script writing
     benchmarks/out/NAME.json (NAME-PRESET.json with ``out_per_preset``: :func:`parse_grid_args` fills it in)."""
     if out_per_preset:
@@ -177,7 +253,7 @@ def add_output_arguments(parser, name: str, section: str, plot_help: str = "PNG 
         parser.add_argument("--out", type=Path, default=OUT_DIR / f"{name}.json", help="JSON output")
     parser.add_argument("--plot", type=Path, default=None, help=f"{plot_help} (default: --out with .png)")
     parser.plot_beside_out = True
-    add_results_arguments(parser, section, presets)
+    add_results_arguments(parser, section, presets, named=named)
 
 
 def add_preset_argument(parser, presets: dict) -> None:

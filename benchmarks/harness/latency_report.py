@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from harness.machine import git_summary
+from harness.merging import merge_header, merged_lines, merged_preset, provenance
 from harness.results import closing_lines, fmt_num, markdown_table, save_figure, section_header, subplots
 from harness.roofline import MiB, TAIL_TARGET, TARGET_RHO, add_fitted, met, target_check
 from harness.synthetic import MODEL
@@ -150,6 +151,7 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         f"the policy's P50 over that time (see the note under the targets). Recall triggers: HeteroCache drift "
         f"checks that triggered during the timed steps.",
         "",
+        *merged_lines(cfg),
         results_table(payload["runs"]),
         "",
         targets_text(payload["targets"]),
@@ -224,41 +226,64 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     return save_figure(fig, path, f"Latency per policy (hollow markers, dashed: synthetic random weights) — {sub}")
 
 
+# what --merge reads of each file: harness.args.read_json_inputs' arguments
+MERGE_INPUTS = {
+    "keys": ("config", "lengths", "runs", "total_seconds", "command", "git", "machine", "peak_rss_bytes"),
+    "benchmark": "latency",
+    "config_keys": ("synthetic_lengths", "real_lengths", "ttft_warmup", "ttft_repeats", "decode_steps", "warmup_steps",
+                    "model", "dtype", "seed"),
+    "items": {"lengths": ("length", "weights", "max_position_embeddings", "weight_bytes_per_token", "tail_capacity"),
+              "runs": ("length", "weights", "label", "policy", "rho", "achieved_rho", "decode", "ttft_median_seconds",
+                       "ttft_ratio", "kv_bytes_device", "kv_bytes_host", "kv_bytes_read_per_step", "decode_ratio_p50",
+                       "roofline_ratio", "measured_over_roofline", "within_10pct")},
+}
+
+
 def merge(args) -> dict:
     """One payload from runs of the same configuration at different lengths (``--merge A.json B.json ...``).
 
     A device call that may be cut off runs each length as its own process with its own JSON; this joins
-    the lengths that finished into one table and target check (the first file's header: machine, commit).
+    the lengths that finished into one table and target check. The header is the merge's own (command, commit,
+    time); ``config["merged_from"]`` keeps every run's commit, machine and command, and the section lists them
+    (``harness.merging``). ``args.preset`` becomes the runs' (their RESULTS section). Refused (SystemExit naming
+    the two files): another configuration, or a length (with its weights) in two runs.
     """
-
-
     parts = [json.loads(Path(f).read_text()) for f in args.merge]
-    keep = ("synthetic_lengths", "real_lengths", "out", "plot", "ttft_warmup")
+    keep = ("synthetic_lengths", "real_lengths", "out", "plot", "ttft_warmup", "merged_from", "ttft_warmup_per_length")
     base = {k: v for k, v in parts[0]["config"].items() if k not in keep}
     for f, p in zip(args.merge[1:], parts[1:]):
         other = {k: v for k, v in p["config"].items() if k not in keep}
         if other != base:
             diff = sorted(k for k in set(base) | set(other) if base.get(k) != other.get(k))
-            raise SystemExit(f"--merge: {f} was run with another configuration ({', '.join(diff)} differ)")
-    payload = dict(parts[0])
+            raise SystemExit(f"--merge: {f} was run with another configuration than {args.merge[0]} "
+                             f"({', '.join(diff)} differ): the runs do not compare")
+    args.preset = merged_preset(args.merge, parts, getattr(args, "preset", None))
+    seen: dict[tuple, object] = {}
+    for f, p in zip(args.merge, parts):
+        for x in p["lengths"]:
+            key = (x["weights"], x["length"])
+            if key in seen:
+                raise SystemExit(f"--merge: {ctx_label(x['length'], x['weights'])} tokens ({x['weights']} weights) "
+                                 f"are in {seen[key]} and {f}: merge each length once (leave one of the two out)")
+            seen[key] = f
     order = sorted(range(len(parts)), key=lambda i: min(x["length"] for x in parts[i]["lengths"]))
-    payload["lengths"] = [x for i in order for x in parts[i]["lengths"]]
-    payload["runs"] = [r for i in order for r in parts[i]["runs"]]
-    payload["refused"] = {}
-    for p in parts:
-        for lab, errs in p.get("refused", {}).items():
-            payload["refused"].setdefault(lab, {}).update(errs)
     cfg = dict(parts[0]["config"])
     for k in ("synthetic_lengths", "real_lengths"):
         cfg[k] = sorted({L for p in parts for L in p["config"][k]})
     cfg["ttft_warmup"] = min(p["config"]["ttft_warmup"] for p in parts)
-    cfg["ttft_warmup_per_length"] = {str(x["length"]): parts[i]["config"]["ttft_warmup"] for i in order
-                                     for x in parts[i]["lengths"]}
-    cfg["merged_from"] = [str(f) for f in args.merge]
+    cfg["ttft_warmup_per_length"] = {  # a merged run's own per length
+        str(x["length"]): parts[i]["config"].get("ttft_warmup_per_length", {}).get(
+            str(x["length"]), parts[i]["config"]["ttft_warmup"]) for i in order for x in parts[i]["lengths"]}
+    cfg["merged_from"] = provenance(args.merge, parts)
     cfg["out"], cfg["plot"] = str(args.out), str(args.plot)
-    payload["config"] = cfg
+    payload = {**merge_header(parts, cfg), "load_seconds": parts[0].get("load_seconds"),
+               "lengths": [x for i in order for x in parts[i]["lengths"]],
+               "runs": [r for i in order for r in parts[i]["runs"]], "refused": {}}
+    for p in parts:
+        for lab, errs in p.get("refused", {}).items():
+            payload["refused"].setdefault(lab, {}).update(errs)
     add_fitted(payload["runs"])
     payload["targets"] = target_check(payload["runs"])
     payload["total_seconds"] = sum(p["total_seconds"] for p in parts)
-    args.preset = cfg.get("preset")
+    payload["peak_rss_bytes"] = max(p["peak_rss_bytes"] for p in parts)
     return payload

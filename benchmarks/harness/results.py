@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from harness.machine import BENCH_DIR, REPO_ROOT, git_ignored, git_summary, machine_summary, now_iso
+from harness.merging import header_machine
 
 
 RESULTS_MD = BENCH_DIR / "RESULTS.md"
@@ -226,15 +227,16 @@ def results_section_name(section: str, preset: str | None) -> str:
 
 
 def write_results_section(section: str, render, png: Path | None, results_file: str | os.PathLike = RESULTS_MD,
-                          preset: str | None = "cpu") -> Path:
-    """Rewrite ``section`` (``results_section_name(section, preset)``) of ``results_file`` with ``render(plot_rel)``.
+                          preset: str | None = "cpu", name: str | None = None) -> Path:
+    """Rewrite ``section`` (``results_section_name(section, preset)``; ``name`` instead when given: a script's
+    ``--section``) of ``results_file`` with ``render(plot_rel)``.
 
     ``preset``: the run's preset; scripts with no presets leave the default and write ``section`` itself.
 
     ``plot_rel`` is the PNG's path relative to the results file, or None when there is
     no plot or it is git-ignored (RESULTS.md then names it without embedding it).
     """
-    section = results_section_name(section, preset)
+    section = name or results_section_name(section, preset)
     results_file = Path(results_file)
     plot_rel = None
     if png:
@@ -247,13 +249,14 @@ def write_results_section(section: str, render, png: Path | None, results_file: 
     return path
 
 
-def results_header(title: str, machine: dict[str, Any], git: dict[str, Any], command: str,
+def results_header(title: str, machine: dict[str, Any] | str, git: dict[str, Any], command: str,
                    timestamp: str | None = None) -> str:
-    """The markdown lines every section starts with: title, machine, commit, exact command."""
+    """The markdown lines every section starts with: title, machine (its summary, or the line itself), commit,
+    exact command."""
     return "\n".join([
         f"## {title}",
         "",
-        f"- Machine: {machine_summary(machine)}",
+        f"- Machine: {machine if isinstance(machine, str) else machine_summary(machine)}",
         f"- Commit: {git_summary(git)}",
         f"- Date: {timestamp or now_iso()}",
         f"- Command: `{command}`",
@@ -261,8 +264,10 @@ def results_header(title: str, machine: dict[str, Any], git: dict[str, Any], com
 
 
 def section_header(title: str, payload: dict) -> str:
-    """:func:`results_header` of a run's JSON payload (:func:`report_header`: its machine, commit, command, time)."""
-    return results_header(title, payload["machine"], payload["git"], payload["command"], payload.get("timestamp"))
+    """:func:`results_header` of a run's JSON payload (:func:`report_header`: its machine, commit, command, time;
+    a merge's machine line names its runs' machines: ``harness.merging.header_machine``)."""
+    return results_header(title, header_machine(payload), payload["git"], payload["command"],
+                          payload.get("timestamp"))
 
 
 def closing_lines(payload: dict, alt: str, plot_rel: str | None) -> list[str]:
@@ -326,7 +331,7 @@ def run_task(args, run, *, section: str, make_plot, results_section, tables, plo
         # a script without presets writes ``section`` itself, the name results_section_name gives preset "cpu"
         preset = getattr(args, "preset", "cpu")
         write_results_section(section, lambda plot_rel: results_section(payload, plot_rel), png,
-                              args.results_file, preset=preset)
+                              args.results_file, preset=preset, name=getattr(args, "section", None))
     return payload
 
 

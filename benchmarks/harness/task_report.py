@@ -6,23 +6,50 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.grid import open_payload
+from harness.merging import merge_header, merged_preset, provenance, refuse_differences
 from harness.results import fmt_num, fraction_text, markdown_table
+
+
+# what --merge reads of each file (a finished run's JSON or an interrupted run's OUT.partial.json):
+# harness.args.read_json_inputs' arguments
+MERGE_INPUTS = {
+    "keys": ("config", "records", "prompts", "command", "git", "machine", "load_seconds", "total_seconds",
+             "peak_rss_bytes"),
+    "benchmark": "tasks", "config_keys": ("tasks", "lengths", "seeds", "haystacks", "combos"),
+    "items": {"records": ("label", "task", "haystack", "length", "seed", "policy", "rho", "score", "n", "found",
+                          "solved", "achieved_rho", "recall", "prompt_sha256"),
+              "prompts": ("task", "haystack", "length", "seed")},
+}
+# what every merged run must share, besides each label's policy (policy_reprs) and each haystack's text (sha256)
+SAME = ("model", "dtype", "digits", "grading", "temperature", "chat_template", "prefill", "batch")
 
 
 def merge(args, section: str) -> dict:
     """One payload from runs of slices of the grid (``--merge A.json B.json ...``: other lengths, seeds, haystacks,
-    tasks or budgets, each run when a session had the time): records and prompts joined, the summary made anew.
-    Refused (SystemExit): runs of another model, dtype or grading; a (combo, case) in two runs; full KV answering
-    one case differently in two runs (the prompts or the model changed: the runs do not compare)."""
-    parts = [json.loads(Path(f).read_text()) for f in args.merge]
-    same = ("model", "dtype", "digits", "grading")
-    for f, p in zip(args.merge[1:], parts[1:]):
-        diff = [k for k in same if p["config"].get(k) != parts[0]["config"].get(k)]
-        if diff:
-            raise SystemExit(f"--merge: {f} was run with another {', '.join(diff)} than {args.merge[0]}")
+    tasks or budgets, each run when a session had the time): records and prompts joined, the summary made anew,
+    the config the union of the runs' (policies, budgets, combos with their policy_reprs, haystacks, ...), each
+    combo's cases missing from the union of lengths x seeds x haystacks x tasks named (``missing``), every run's
+    commit, machine and command kept (``merged_from``), ``args.preset`` set to the runs' (their RESULTS section).
+    Refused (SystemExit naming the two files): runs of another model, dtype, grading, decoding (temperature, chat
+    template, prefill, batch), preset, haystack text (sha256) or policy configuration under one label
+    (policy_reprs); a (combo, case) in two runs; full KV answering one case differently in two runs (the prompts or
+    the model changed: the runs do not compare)."""
+    files, parts = args.merge, [json.loads(Path(f).read_text()) for f in args.merge]
+    for k in SAME:
+        refuse_differences(files, parts, k, lambda p, k=k: {0: p["config"].get(k)})
+    for f, p in zip(files, parts):
+        if "policy_reprs" in p["config"] and len(p["config"]["policy_reprs"]) != len(p["config"]["combos"]):
+            raise SystemExit(f"--merge: {f} has {len(p['config']['policy_reprs'])} policy_reprs for "
+                             f"{len(p['config']['combos'])} combos: not a bench_tasks.py result as written")
+    refuse_differences(files, parts, "policy configuration", lambda p: dict(zip(p["config"]["combos"],
+                                                                                p["config"].get("policy_reprs", []))),
+                       what=lambda label: label)
+    refuse_differences(files, parts, "haystack text (sha256)", lambda p: {
+        h: (v or {}).get("sha256") for h, v in p["config"].get("haystack_sources", {}).items()},
+                       what=lambda h: f"haystack {h!r}")
+    args.preset = merged_preset(files, parts, getattr(args, "preset", None))
     records, prompts, seen = [], [], {}
-    for f, p in zip(args.merge, parts):
+    for f, p in zip(files, parts):
         for r in p["records"]:
             key = (r["label"], r["task"], *_case_key(r))
             if key in seen:
@@ -38,25 +65,79 @@ def merge(args, section: str) -> dict:
         known = {(q["task"], q["haystack"], q["length"], q["seed"]) for q in prompts}
         prompts += [q for q in p["prompts"] if (q["task"], q["haystack"], q["length"], q["seed"]) not in known]
     cfg = dict(parts[0]["config"])
-    for k in ("tasks", "lengths", "seeds", "haystacks", "combos"):
-        cfg[k] = list(dict.fromkeys(x for p in parts for x in p["config"][k]))
+    for k in ("tasks", "lengths", "seeds", "haystacks", "combos", "policies", "budgets"):
+        cfg[k] = list(dict.fromkeys(x for p in parts for x in p["config"].get(k, [])))
     cfg["lengths"], cfg["seeds"] = sorted(cfg["lengths"]), sorted(cfg["seeds"])
-    for k in ("skipped", "smallest_budgets"):
+    reprs = {lab: r for p in parts for lab, r in zip(p["config"]["combos"], p["config"].get("policy_reprs", []))}
+    cfg["policy_reprs"] = [reprs.get(lab) for lab in cfg["combos"]]
+    for k in ("skipped", "smallest_budgets", "haystack_sources", "task_examples"):
         cfg[k] = {}
         for p in parts:
-            for lab, per in p["config"].get(k, {}).items():
-                cfg[k].setdefault(lab, {}).update(per)
-    cfg["merged_from"] = [{"file": str(f), "commit": p["git"].get("commit"), "command": p["command"],
-                           "timestamp": p.get("timestamp"), "resumed_from": p.get("resumed_from", [])}
-                          for f, p in zip(args.merge, parts)]
+            for key, per in p["config"].get(k, {}).items():
+                if k in ("skipped", "smallest_budgets"):
+                    cfg[k].setdefault(key, {}).update(per)
+                else:
+                    cfg[k].setdefault(key, per)
+    cfg["missing"] = missing_cases(records, cfg)
+    cfg["merged_from"] = provenance(files, parts)
     cfg["out"], cfg["plot"] = str(args.out), str(args.plot)
-    # the header is the merge's own (its command, commit, time); the machine is the first run's (each run's
-    # commit and command are listed in the section)
-    payload = {**open_payload(section, cfg, parts[0]["load_seconds"], prompts=prompts, records=records),
-               "machine": parts[0]["machine"], "total_seconds": sum(p["total_seconds"] for p in parts),
+    # the header is the merge's own (its command, commit, time); the section lists each run's commit, machine and
+    # command (harness.merging)
+    payload = {**merge_header(parts, cfg), "load_seconds": parts[0]["load_seconds"], "prompts": prompts,
+               "records": records, "total_seconds": sum(p["total_seconds"] for p in parts),
                "peak_rss_bytes": max(p["peak_rss_bytes"] for p in parts)}
     payload["summary"] = summarize(records, cfg["combos"], cfg["tasks"])
     return payload
+
+
+AXES = ("task", "haystack", "length", "seed")
+
+
+def missing_cases(records: list[dict], cfg: dict) -> dict[str, list[str]]:
+    """Per combo, the cases of the grid its row lacks, as few slices as name them ("seed 1", "4,000 tokens seed 1",
+    or one case): the grid is every task x haystack x length x seed of ``cfg`` (what its section says was run),
+    less the lengths the combo was refused at (``cfg["skipped"]``, named apart). Combos lacking nothing are left
+    out."""
+    import itertools
+
+    values = [cfg["tasks"], cfg["haystacks"], cfg["lengths"], cfg["seeds"]]
+    axes = [i for i, v in enumerate(values) if len(v) > 1]  # an axis of one value names nothing
+    out = {}
+    for label in cfg["combos"]:
+        refused = set(cfg.get("skipped", {}).get(label, {}))
+        have = {(r["task"], *_case_key(r)) for r in records if r["label"] == label}
+        grid = [c for c in itertools.product(*values) if str(c[2]) not in refused]
+        lack = [c for c in grid if c not in have]
+        if not lack:
+            continue
+        if len(lack) == len(grid):
+            out[label] = ["every case"]
+            continue
+        slices, covered = [], set()
+        for k in range(1, len(axes) + 1):  # the fewest axes first: a whole seed before one seed's lengths
+            for fixed in itertools.combinations(axes, k):
+                for c in lack:
+                    if c in covered:
+                        continue
+                    cases = [g for g in grid if all(g[i] == c[i] for i in fixed)]
+                    if not any(g in have for g in cases):
+                        slices.append(" ".join(_axis_text(i, c[i]) for i in fixed))
+                        covered.update(cases)
+        out[label] = slices
+    return out
+
+
+def _axis_text(axis: int, value) -> str:
+    return (f"{value:,} tokens" if AXES[axis] == "length" else f"seed {value}" if AXES[axis] == "seed"
+            else f"haystack {value}" if AXES[axis] == "haystack" else str(value))
+
+
+def missing_text(cfg: dict) -> str:
+    """The section's sentence naming each combo's missing cases (``cfg["missing"]`` of a merge), or ''."""
+    if not cfg.get("missing"):
+        return ""
+    return (" Missing from the merged runs (not run, so not counted in the row): "
+            + "; ".join(f"{lab} lacks {', '.join(s)}" for lab, s in cfg["missing"].items()) + ".")
 
 
 GRADING = {
