@@ -649,3 +649,32 @@ def test_held_conversations_are_evicted_within_the_bounds(smollm2, bound):
         assert srv.metric("session_evictions_total") == h["evictions"]
     finally:
         srv.close()
+
+
+def test_a_held_conversation_keeps_the_rows_it_uses_not_what_max_tokens_reserved(tiny_checkpoint):
+    """A 'Say hi.' chat with max_tokens 1e6 was held with a tail for the whole context (379 MB on SmolLM2,
+    7.4 MB at max_tokens 16): a held conversation is trimmed to the rows it uses, and resumed after the trim it
+    answers as one that was never trimmed."""
+    import dataclasses
+
+    import hetero_jax
+    from hetero_jax.policies import FullKV
+    from hetero_jax.serve.schema import Sampling
+    from hetero_jax.serve.sessions import Conversations, SessionStore
+
+    model = hetero_jax.load(tiny_checkpoint("llama")[1])
+    greedy, msgs = Sampling(None, 0.0, 1.0, 0, ()), (("user", "the quick brown fox"),)
+    # the random model never says EOS: make its third greedy token the EOS, so a short answer ends by itself
+    third = Conversations(model, SessionStore(4)).answer(msgs, FullKV(), greedy, "u", max_tokens=8).token_ids[2]
+    model = dataclasses.replace(model, config=dataclasses.replace(model.config, eos_token_ids=(third,)))
+    held = {}
+    for max_tokens in (8, 400):
+        store = SessionStore(max_sessions=4)
+        conv = Conversations(model, store)
+        turn = conv.answer(msgs, FullKV(), greedy, "u", max_tokens=max_tokens)
+        assert turn.stop_reason == "eos" and len(turn.token_ids) <= 3
+        held[max_tokens] = (store.totals()["kv_bytes_device"], conv, turn)
+    assert held[400][0] == held[8][0]
+    answers = {m: c.answer(msgs + (("assistant", model.tokenizer.decode(t.token_ids)), ("user", "and then?")),
+                           FullKV(), greedy, "u", max_tokens=6) for m, (_, c, t) in held.items()}
+    assert answers[400].resumed and answers[400].token_ids == answers[8].token_ids

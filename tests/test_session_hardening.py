@@ -421,3 +421,27 @@ def test_a_session_cannot_be_copied(no_compute):
     for fn in (copy.copy, copy.deepcopy):
         with pytest.raises(SessionError, match="a Session cannot be copied.*Open a second Session"):
             fn(sess)
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv", "heterocache", "quest", "quest-offload", "freekv", "synckv",
+                                  "contextkeeper", "hcattention", "cake"])
+def test_a_trimmed_tail_gives_the_answers_of_one_never_grown(name):
+    """A server holds a conversation with the tail its answer reserved (max_tokens 1e6: 379 MB for 'Say hi.');
+    Engine.trim gives the rows back. Trimmed after a turn, then grown again by the next, every policy answers as
+    a session whose tail never moved, and holds the bytes of one that never grew."""
+    from hetero_jax.model.cache import kv_bytes
+    from test_batch_property import MODEL as BIG
+    from test_smallest_budget import MAKE
+
+    context, q1, q2 = random_prompt(200, 21), random_prompt(5, 22), random_prompt(4, 23)
+    rho = 0.5 if name == "hcattention" else max(0.6, MAKE[name](0.6).smallest_budget(BIG, 200))
+    trimmed, twin = (Session(BIG, context, MAKE[name](rho), chat=False, reserve_tokens=8) for _ in range(2))
+    assert trimmed.ask(q1, max_new_tokens=4).token_ids == twin.ask(q1, max_new_tokens=4).token_ids
+    trimmed.engine.reserve(250)  # what a long max_tokens reserves
+    assert trimmed.engine.cache.tail_capacity == 384
+    trimmed.engine.trim(1)
+    assert trimmed.engine.cache.tail_capacity == twin.engine.cache.tail_capacity == 128
+    assert kv_bytes(trimmed.engine.cache) == kv_bytes(twin.engine.cache)
+    for s in (trimmed, twin):  # the next long answer grows it again
+        s.engine.reserve(250)
+    assert trimmed.ask(q2, max_new_tokens=6).token_ids == twin.ask(q2, max_new_tokens=6).token_ids

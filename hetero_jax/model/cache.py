@@ -9,7 +9,7 @@ Every policy keeps its device K/V in one layout:
   of the prompt, each with its original position in ``positions``), then the tokens added after prefill
   (generated tokens, a session's turns), ``tail_lens[b]`` of them, the same for every head. The capacity
   is ``lengths + tail_capacity``: the one slack rule (:func:`pool_offsets`), decided at prefill; a
-  session that outgrows it gets a repacked pool (:func:`grow_tail`).
+  session that outgrows it gets a repacked pool (:func:`resize_tail`).
 - A layer's attention reads each head's ``lengths + tail_lens`` rows in place, every head of the layer in
   one call (``hetero_jax.model.pool``). Recalls, per-turn re-selections and page fetches write rows into
   the prompt part of a head's region (``host_store.scatter_rows``).
@@ -315,12 +315,16 @@ def _repack(pool: KVPool, src, rows: int) -> KVPool:
     return KVPool(k=take(pool.k, 0), v=take(pool.v, 0), positions=take(pool.positions, -1))
 
 
-def grow_tail(cache: KVCache, capacity: int) -> KVCache:
+def resize_tail(cache: KVCache, capacity: int) -> KVCache:
     """A copy of the cache whose heads hold ``capacity`` rows each for tokens added after prefill (multi-turn
-    sessions outgrow it): every head's region moves to its offset under the slack rule, prompt rows and
-    tail rows together, in one gather."""
-    if capacity <= cache.tail_capacity:
+    sessions outgrow it; a server trims a held conversation's back to what it uses): every head's region moves
+    to its offset under the slack rule, prompt rows and tail rows together, in one gather. ``capacity`` must
+    hold every sequence's tail tokens."""
+    if capacity == cache.tail_capacity:
         return cache
+    if capacity < int(np.max(to_host(cache.tail_lens))):
+        raise ValueError(f"a tail of {capacity} rows cannot hold the {int(np.max(to_host(cache.tail_lens)))} "
+                         "tokens already in it")
     lengths = np.stack([to_host(l.lengths) for l in cache.layers])  # [L, B, H]
     old = np.stack([to_host(l.offsets) for l in cache.layers]).astype(np.int64)
     S = cache.pool.num_shards
@@ -341,7 +345,8 @@ def grow_tail(cache: KVCache, capacity: int) -> KVCache:
         src_dev = jax.device_put(src, named_sharding(cache.mesh, ("batch", "kv_heads", "pool_rows"), src.shape))
     pool = _repack(cache.pool, src_dev, rows)
     layers = tuple(l.replace(offsets=jnp.asarray(new[li], jnp.int32)) for li, l in enumerate(cache.layers))
-    pos = jnp.pad(cache.tail_positions, ((0, 0), (0, capacity - cache.tail_capacity)), constant_values=-1)
+    pos = jnp.pad(cache.tail_positions[:, :capacity], ((0, 0), (0, max(0, capacity - cache.tail_capacity))),
+                  constant_values=-1)
     out = cache.replace(pool=pool, layers=layers, tail_positions=pos)
     if cache.mesh is not None:
         from hetero_jax.model.sharding import shard_cache

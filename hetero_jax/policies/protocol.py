@@ -69,7 +69,7 @@ class DecodeState:
         """After step ``step`` was dispatched (host): ``extras`` are the layers' ``attend`` extras (device)."""
 
     def pool_moved(self, cache) -> None:
-        """The pool was repacked (``cache.grow_tail``: a session outgrew its tail rows), so every head's
+        """The pool was repacked (``cache.resize_tail``: a session outgrew its tail rows, or a server trimmed a held one's), so every head's
         offset changed: a state that writes rows by offset reads the new ones here."""
 
     def after_extend(self, turn_queries: tuple, cache):

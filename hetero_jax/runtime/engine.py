@@ -19,7 +19,7 @@ import numpy as np
 import pallas_kernels
 from hetero_jax.errors import ConfigError, PromptError
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import grow_tail, kv_bytes, prompt_arrays, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
+from hetero_jax.model.cache import kv_bytes, resize_tail, prompt_arrays, prompt_kv_bytes, tail_kv_bytes, used_kv_bytes
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.layout import params_for
 from hetero_jax.model.sharding import (DATA, batch_sharding, committed, keep_placed, per_device_bytes, shard_cache,
@@ -206,7 +206,15 @@ class Engine:
         """Make room for ``n`` more tail tokens (grows the tail in TAIL_QUANTUM steps; recompiles decode)."""
         need = int(np.max(to_host(self.cache.tail_lens))) + n
         if need > self.cache.tail_capacity:
-            self.cache = grow_tail(self.cache, round_up(need, TAIL_QUANTUM))
+            self.cache = resize_tail(self.cache, round_up(need, TAIL_QUANTUM))
+            self.state.pool_moved(self.cache)
+
+    def trim(self, n: int) -> None:
+        """Give back tail rows past the tokens held and ``n`` more (in TAIL_QUANTUM steps): a held conversation
+        keeps what it uses, not the room its longest answer reserved (the next ``reserve`` grows it again)."""
+        keep = round_up(int(np.max(to_host(self.cache.tail_lens))) + max(n, 1), TAIL_QUANTUM)
+        if keep < self.cache.tail_capacity:
+            self.cache = resize_tail(self.cache, keep)
             self.state.pool_moved(self.cache)
 
     def first_tokens(self, temperature: float, top_p: float) -> np.ndarray:

@@ -28,6 +28,7 @@ import re
 import threading
 
 from hetero_jax.errors import ConfigError, SessionError
+from hetero_jax.model.cache import kv_bytes
 from hetero_jax.runtime.compile_cache import tail_capacity_for
 from hetero_jax.runtime.session import Session
 from hetero_jax.serve.schema import RequestError
@@ -236,6 +237,8 @@ class Conversations:
             conv.messages = tuple(messages) + (("assistant", answer),)
             conv.rendered = rendered + answer
             conv.unfed = 0 if st.stop_reason == "eos" or not res.token_ids else 1
-            conv.kv_device, conv.kv_host, conv.recalls = int(st.kv_bytes_device), int(st.kv_bytes_host), recalls
+            # held with the rows it uses, not the room max_tokens reserved (the next turn reserves its own)
+            sess.engine.trim(conv.unfed)
+            conv.kv_device, conv.kv_host, conv.recalls = kv_bytes(sess.engine.cache), int(st.kv_bytes_host), recalls
             self.store.put(conv)
         return turn
