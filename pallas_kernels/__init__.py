@@ -43,9 +43,9 @@ from pallas_kernels.pooled_scores import (POOL_KERNEL_SIZE, avg_pool, gqa_reduce
                                           pooled_scores_reference,
                                           topk_membership, topk_threshold)
 from pallas_kernels.pooled_scores import topk_sets as topk_sets_xla
-from pallas_kernels.pool_attention import (gather_blocks, pivot_pooled_scores, pivot_statistics_reference,
-                                           pool_attention_reference, pool_attention_statistics_reference,
-                                           score_flags)
+from pallas_kernels.pool_attention import (check_pool_args, gather_blocks, pivot_pooled_scores,
+                                           pivot_statistics_reference, pool_attention_reference,
+                                           pool_attention_statistics_reference, score_flags)
 from pallas_kernels.pool_attention import pool_attention as pool_attention_pallas
 from pallas_kernels.page_recall import page_recall, page_recall_reference
 from pallas_kernels.page_select import page_select, page_select_reference
@@ -83,7 +83,8 @@ def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, block_
   [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, logits [B, H, G, score_len] float32 or None).
   The native CPU kernel reads a paged head's blocks in place too (blocks of any power of two). Where the
   Pallas kernel cannot read blocks of ``block_size`` rows (not a power of two >= 16) the reference runs (a
-  warning).
+  warning). Every backend clips the visible rows to ``max_len`` and refuses the same bad arguments
+  (``check_pool_args``; rows outside the pool where offsets and lengths are concrete).
   """
   mode = resolve_backend(backend, native=True, head_dim=q.shape[-1])
   if block_rows is not None and mode in ("pallas", "interpret") and not (is_pow2(block_size) and block_size >= 16):
@@ -100,10 +101,12 @@ def pool_attention(q, k_pool, v_pool, offsets, lengths, score_heads=None, block_
   if mode == "native":
     from pallas_kernels.native import pool_attention_native
     if block_rows is not None and not is_pow2(block_size):  # the kernel's blocks must divide a page
+      check_pool_args(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows, block_size=block_size,
+                      max_len=max_len, score_len=score_len)
       k_pool, v_pool, offsets = gather_blocks(k_pool, v_pool, offsets, block_rows, block_size=block_size,
                                               max_len=max_len)
       block_rows = None
-    return pool_attention_native(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows,
+    return pool_attention_native(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows, max_len=max_len,
                                  score_len=score_len, sm_scale=sm_scale, block_size=block_size)
   return pool_attention_pallas(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows, max_len=max_len,
                                score_len=score_len, sm_scale=sm_scale, block_size=block_size,
@@ -138,7 +141,7 @@ def pool_attention_statistics(q, k_pool, v_pool, offsets, lengths, score_slots, 
   if native_statistics(backend):
     from pallas_kernels.native import pool_attention_statistics_native
     return pool_attention_statistics_native(q, k_pool, v_pool, offsets, lengths, score_slots, stat_lengths, k_base,
-                                            score_len=score_len, sm_scale=sm_scale)
+                                            score_len=score_len, sm_scale=sm_scale, max_len=max_len)
   out, lse, logits = pool_attention(q, k_pool, v_pool, offsets, lengths, score_flags(q.shape[1], score_slots),
                                     max_len=max_len, score_len=score_len, sm_scale=sm_scale, backend=backend)
   scores, overlap = pivot_statistics(logits[:, list(score_slots)], stat_lengths, k_base, backend=backend)

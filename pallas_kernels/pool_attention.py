@@ -13,7 +13,14 @@ decode step is T = 1) and o = offsets[b, h]:
     lse   = log sum_j exp(s_j)                                    (float32)
     out   = sum_j exp(s_j - lse) * v_pool[b, o + j]
 
-n <= 0 gives out = 0 and lse = MASK_VALUE (an empty head, which merges as nothing).
+n <= 0 gives out = 0 and lse = MASK_VALUE (an empty head, which merges as nothing). n is clipped to the static
+``max_len``: n = clip(lengths + t, 0, max_len) on every backend.
+
+Every row a head sees must lie in the pool, [0, P). Every entry point (reference, Pallas, native) refuses
+concrete offsets, lengths or block_rows that break this with a ValueError; under jit they are traced, and the
+caller is at fault. What the backends then do, never reading outside the pool: a contiguous head whose offset is
+outside [0, P) is empty and a range past P is cut at P (all backends alike); a paged head's rows outside the
+pool are clamped into it one by one by the reference and the native kernel and skipped by the Pallas kernel.
 
 Paged heads (``block_rows`` [B, H, NB], ``block_size`` rows a block): logical key j of head h is region row
 block_rows[b, h, j // block_size] + j % block_size instead of row j, so a head attends chosen blocks of its
@@ -48,6 +55,7 @@ head's offset and length (and score flag) as scalars from [B * H] refs at its st
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import jax
@@ -59,12 +67,32 @@ import numpy as np
 
 from pallas_kernels._util import MASK_VALUE, MIN_DOT_ROWS, cdiv, dot_precision, is_pow2, next_pow2
 from pallas_kernels.pooled_scores import POOL_KERNEL_SIZE, avg_pool, base_overlap, gqa_reduce, masked_softmax
+from pallas_kernels.pool_checks import check_pool_args
 from pallas_kernels.sparse_decode_attention import combine_splits
 
-__all__ = ["pool_attention", "pool_attention_reference", "pivot_pooled_scores", "default_pool_num_splits",
-           "gather_blocks"]
+__all__ = ["pool_attention", "pool_attention_reference", "check_pool_args", "pivot_pooled_scores",
+           "default_pool_num_splits", "gather_blocks"]
 
 
+_POOL_ARGS = ("q", "k_pool", "v_pool", "offsets", "lengths", "score_heads", "block_rows", "block_size", "max_len",
+              "score_len")
+
+
+def _checked(fn):
+  """``fn`` (jitted, with the pool attention's arguments) that first runs :func:`check_pool_args` outside
+  the jit, where offsets and lengths may still be concrete."""
+  sig = inspect.signature(fn)
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    check_pool_args(**{k: bound.arguments[k] for k in _POOL_ARGS})
+    return fn(*args, **kwargs)
+  return call
+
+
+@_checked
 @functools.partial(jax.jit, static_argnames=("max_len", "score_len", "sm_scale", "block_size"))
 def pool_attention_reference(
     q,                 # [B, H, T, G, D]  T query positions per KV head, G query heads each (after RoPE, unscaled)
@@ -82,18 +110,20 @@ def pool_attention_reference(
 ):
   """Plain-jnp reference of the pool attention (module docstring): a gather of every head's rows, then masked
   float32 attention. Returns (out [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, logits
-  [B, H, G, score_len] float32 or None)."""
+  [B, H, G, score_len] float32 or None). Arguments are checked first (:func:`check_pool_args`)."""
   del score_heads
   B, H, T, G, D = q.shape
   P = k_pool.shape[1]
-  _check_shapes(q, k_pool, v_pool, offsets, lengths, block_rows, block_size, max_len, score_len)
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(D)
-  S = max(1, int(max_len))
+  S = int(max_len)
   slot = jnp.arange(S, dtype=jnp.int32)
   rows = _pool_rows(offsets, block_rows, block_size, S, P)                         # [B, H, S]
   seen = lengths.astype(jnp.int32)[:, :, None] + jnp.arange(T, dtype=jnp.int32)    # [B, H, T]
   visible = slot[None, None, None, :] < seen[..., None]                            # [B, H, T, S]
+  if block_rows is None:  # a contiguous head's rows outside the pool are not keys (as in the kernels)
+    first = offsets.astype(jnp.int32)[:, :, None]
+    visible &= ((first >= 0) & (first + slot < P))[:, :, None, :]
   # rows no query of the head sees are zeroed: they belong to other heads or are free (any value, NaN too)
   mine = visible.any(axis=2)[..., None]                                            # [B, H, S, 1]
   k = jnp.where(mine, jnp.take_along_axis(k_pool[:, None], rows[..., None], axis=2), 0)  # [B, H, S, D]
@@ -111,29 +141,11 @@ def pool_attention_reference(
   lse = jnp.where(nonempty, m + jnp.log(l_safe), MASK_VALUE)
   logits = None
   if score_len:
-    n = min(S, int(score_len))
+    n = min(S, score_len)
     logits = s[:, :, 0, :, :n]                                                     # [B, H, G, n]
     if n < score_len:
       logits = jnp.pad(logits, ((0, 0), (0, 0), (0, 0), (0, score_len - n)), constant_values=MASK_VALUE)
   return out.astype(q.dtype), lse, logits
-
-
-def _check_shapes(q, k_pool, v_pool, offsets, lengths, block_rows, block_size, max_len, score_len):
-  """ValueError naming the first argument whose shape does not fit the others (both implementations)."""
-  B, H, T, G, D = q.shape
-  P = k_pool.shape[1]
-  if k_pool.shape != (B, P, D) or v_pool.shape != (B, P, D):
-    raise ValueError(f"shape mismatch: q {q.shape} k_pool {k_pool.shape} v_pool {v_pool.shape}")
-  if offsets.shape != (B, H) or lengths.shape != (B, H):
-    raise ValueError(f"offsets and lengths must be [B, H] = {(B, H)}, got {offsets.shape} and {lengths.shape}")
-  if score_len and T != 1:
-    raise ValueError(f"logits are returned for one query position only, got T={T}")
-  if block_rows is not None:
-    if block_rows.ndim != 3 or block_rows.shape[:2] != (B, H):
-      raise ValueError(f"block_rows must be [B, H, NB] = [{B}, {H}, NB], got {block_rows.shape}")
-    if block_size < 1 or block_rows.shape[2] * block_size < max_len:
-      raise ValueError(f"block_rows' {block_rows.shape[2]} blocks of block_size={block_size} rows must cover "
-                       f"max_len={max_len}: pass the rows of one block and enough blocks")
 
 
 def _pool_rows(offsets, block_rows, block_size: int, S: int, P: int):
@@ -295,14 +307,16 @@ def _pool_kernel(
   base = off_ref[()]
   length = len_ref[()]
 
-  # Per-row visible count n = clip(lengths + t, 0, max_len); pad rows see nothing.
+  # Per-row visible count n = clip(lengths + t, 0, max_len); pad rows see nothing, nor does a head whose
+  # offset is outside the pool (the reference's and the native kernel's rule: no load at all).
+  inside = (base >= 0) & (base < pool_rows)
   row = tile * block_r + jnp.arange(block_r, dtype=jnp.int32)              # [block_r]
   real = row < num_rows
   t_row = lax.div(row, jnp.int32(group))
-  n_row = jnp.where(real, jnp.clip(length + t_row, 0, max_len), 0)        # [block_r]
+  n_row = jnp.where(real & inside, jnp.clip(length + t_row, 0, max_len), 0)  # [block_r]
   # The tile's largest count bounds the key loop (rows are ordered by t).
   t_last = lax.div(jnp.minimum((tile + 1) * block_r - 1, num_rows - 1), jnp.int32(group))
-  n_tile = jnp.clip(length + t_last, 0, max_len)
+  n_tile = jnp.where(inside, jnp.clip(length + t_last, 0, max_len), 0)
   start = split * split_len
   end = jnp.minimum(n_tile, start + split_len)
   n_blocks = (jnp.maximum(end - start, 0) + block_k - 1) // block_k
@@ -353,6 +367,7 @@ def _pool_kernel(
   plgpu.store(l_ref, l, mask=real)
 
 
+@_checked
 @functools.partial(
     jax.jit,
     static_argnames=("max_len", "score_len", "sm_scale", "block_k", "num_splits", "num_warps",
@@ -385,29 +400,28 @@ def pool_attention(
     q: [B, H, T, G, D] queries, bf16/f16/f32 (T = 1: decode; T > 1: a chunk, causal over its own rows).
     k_pool, v_pool: [B, P, D] the pool, same dtype as q; only rows [o, o + n) of each head are read.
     offsets, lengths: [B, H] int32. n = clip(lengths + t, 0, max_len); n = 0 gives out = 0 and
-      lse = MASK_VALUE. Rows outside [0, P) are never read (they count as zero keys: bad offsets).
+      lse = MASK_VALUE. Every row a head sees must lie in [0, P) (refused when concrete; under jit the kernel
+      reads nothing outside the pool: module docstring).
     score_heads: [H] int32 flags of the heads whose logits are written (score_len > 0); None: all.
     block_rows: [B, H, NB] int32, paged heads: logical key j of head h is region row
       block_rows[b, h, j // block_size] + j % block_size (Quest's selected pages, then its contiguous rest),
       read in place block by block; None: key j is region row j.
-    max_len: static bound of n (sets the key splits); score_len: logits per scored head (T = 1 only).
+    max_len: static bound of n, >= 1 (sets the key splits); score_len: logits per scored head (T = 1 only).
     block_size: rows of a block of ``block_rows`` (power of two >= 16); the kernel reads blocks of that
       many rows (it replaces block_k).
     sm_scale: logit scale, default 1 / sqrt(D).
     block_k: pool rows per inner block (power of two >= 16).
-    num_splits: key splits per (head, row tile); default :func:`default_pool_num_splits`.
+    num_splits: key splits per (head, row tile), >= 1; default :func:`default_pool_num_splits`.
     num_warps, num_stages: Triton compiler parameters.
     interpret: run in the Pallas interpreter (CPU tests).
 
   Returns:
     out [B, H, T, G, D] in q.dtype, lse [B, H, T, G] float32, and logits [B, H, G, score_len] float32 (s_j
     of scored heads for j < min(score_len, n); other entries unspecified) or None when score_len = 0.
+    Zero-size axes (and a pool of P = 0 rows: every head empty) give what the reference gives.
   """
   B, H, T, G, D = q.shape
   P = k_pool.shape[1]
-  _check_shapes(q, k_pool, v_pool, offsets, lengths, block_rows, block_size, max_len, score_len)
-  if score_heads is not None and score_heads.shape != (H,):
-    raise ValueError(f"score_heads must be [H] = {(H,)}, got {score_heads.shape}")
   paged = block_rows is not None
   if paged:
     if not is_pow2(block_size) or block_size < 16:
@@ -418,10 +432,15 @@ def pool_attention(
     raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
   if not is_pow2(block_k) or block_k < 16:
     raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+  if num_splits is not None and num_splits < 1:
+    raise ValueError(f"num_splits must be None (the default) or >= 1, got {num_splits}")
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(D)
-  S = max(1, int(max_len))
+  S = int(max_len)
   score_len = int(score_len)
+  if q.size == 0 or P == 0:  # nothing to attend: out 0, lse and logits MASK_VALUE (empty heads)
+    logits = jnp.full((B, H, G, score_len), MASK_VALUE, jnp.float32) if score_len else None
+    return jnp.zeros(q.shape, q.dtype), jnp.full((B, H, T, G), MASK_VALUE, jnp.float32), logits
 
   # Query rows of a head: row = t * G + g, cut into tiles of block_r rows (>= 16 for the dot).
   R = T * G

@@ -129,11 +129,26 @@ def _pooled_kernel(
   lax.fori_loop(0, n_win, pool_body, 0)
 
 
+def _check_pooled_args(q_rows, keys, lengths, gqa):
+  """ValueError naming the first argument that does not fit (kernel and reference, before any compute)."""
+  if gqa not in ("max", "mean"):
+    raise ValueError(f"gqa must be 'max' or 'mean', got {gqa!r}")
+  if jnp.ndim(q_rows) != 5:
+    raise ValueError(f"q_rows must be [B, Hkv, W, G, D], got shape {jnp.shape(q_rows)}")
+  B, H, W, G, D = q_rows.shape
+  if jnp.ndim(keys) != 4 or keys.shape != (B, H, keys.shape[2], D):
+    raise ValueError(f"shape mismatch: q_rows {q_rows.shape} keys {jnp.shape(keys)}; keys must be [B, Hkv, T, D] "
+                     f"with q_rows' B, Hkv, D = {B}, {H}, {D}")
+  if G < 1 or D < 1:
+    raise ValueError(f"q_rows needs G >= 1 query heads per KV head (the GQA {gqa} of none is undefined) and "
+                     f"head_dim D >= 1, got {q_rows.shape}")
+  if lengths is not None and jnp.shape(lengths) != (B, H):
+    raise ValueError(f"lengths must be [B, Hkv] = {(B, H)} or None, got {jnp.shape(lengths)}")
+
+
 def _prepare_lengths(lengths, B, H, T):
   if lengths is None:
     return jnp.full((B, H), T, jnp.int32)
-  if lengths.shape != (B, H):
-    raise ValueError(f"lengths must be [B, Hkv] = {(B, H)}, got {lengths.shape}")
   return jnp.clip(lengths.astype(jnp.int32), 0, T)
 
 
@@ -166,20 +181,19 @@ def pooled_scores(
     interpret: run the kernel in the Pallas interpreter.
 
   Returns:
-    [B, Hkv, W, T] float32; MASK_VALUE at t >= L.
+    [B, Hkv, W, T] float32; MASK_VALUE at t >= L (an empty array when W or T is 0, as in the reference).
   """
   if kernel_size != POOL_KERNEL_SIZE:
     raise NotImplementedError("only kernel_size=5 (padding 2) is implemented")
-  if gqa not in ("max", "mean"):
-    raise ValueError(f"gqa must be 'max' or 'mean', got {gqa!r}")
+  _check_pooled_args(q_rows, keys, lengths, gqa)
   B, H, W, G, D = q_rows.shape
   T = keys.shape[2]
-  if keys.shape != (B, H, T, D):
-    raise ValueError(f"shape mismatch: q_rows {q_rows.shape} keys {keys.shape}")
   if not is_pow2(D) or D < 16:
     raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
   if not is_pow2(block_t) or block_t < 16:
     raise ValueError(f"block_t must be a power of two >= 16, got {block_t}")
+  if B * H * W * T == 0:
+    return jnp.full((B, H, W, T), MASK_VALUE, jnp.float32)
   lengths = _prepare_lengths(lengths, B, H, T)
   block_g = max(MIN_DOT_ROWS, next_pow2(G))
   BH = B * H
@@ -246,12 +260,13 @@ def pooled_scores_reference(
     gqa: str = "max",
 ):
   """Plain-jnp reference of :func:`pooled_scores`; [B, Hkv, W, T] float32."""
-  if gqa not in ("max", "mean"):
-    raise ValueError(f"gqa must be 'max' or 'mean', got {gqa!r}")
+  _check_pooled_args(q_rows, keys, lengths, gqa)
   if kernel_size % 2 != 1:
     raise ValueError("kernel_size must be odd")
   B, H, W, G, D = q_rows.shape
   T = keys.shape[2]
+  if B * H * W * T == 0:
+    return jnp.full((B, H, W, T), MASK_VALUE, jnp.float32)
   lengths = _prepare_lengths(lengths, B, H, T)
   valid = jnp.arange(T)[None, None, :] < lengths[..., None]        # [B, H, T]
   # Keys are not masked: key t only reaches score t, which the `where` below

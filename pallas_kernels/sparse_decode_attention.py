@@ -62,6 +62,25 @@ def default_num_splits(capacity: int, block_k: int = 64) -> int:
   return int(max(1, min(16, cdiv(capacity, 1024), cdiv(capacity, block_k))))
 
 
+def _check_decode_args(q, k, v, lengths):
+  """ValueError naming the first argument that does not fit (kernel and reference, before any compute)."""
+  if jnp.ndim(q) != 4:
+    raise ValueError(f"q must be [B, Hkv, G, D] (one query token), got shape {jnp.shape(q)}")
+  B, H, G, D = q.shape
+  if jnp.ndim(k) != 4 or k.shape != (B, H, k.shape[2], D) or v.shape != k.shape:
+    raise ValueError(f"shape mismatch: q {q.shape} k {jnp.shape(k)} v {jnp.shape(v)}; k and v must both be "
+                     f"[B, Hkv, S, D] with q's B, Hkv, D = {B}, {H}, {D}")
+  if D < 1:
+    raise ValueError(f"q's head_dim must be >= 1, got q {q.shape}")
+  if jnp.shape(lengths) != (B, H):
+    raise ValueError(f"lengths must be [B, Hkv] = {(B, H)}, got {jnp.shape(lengths)}")
+
+
+def _empty_attention(q):
+  """(out 0, lse MASK_VALUE): the result of every head when there is no slot to attend (S = 0)."""
+  return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:-1], MASK_VALUE, jnp.float32)
+
+
 def _decode_kernel(
     q_ref,    # [block_h, D]  query rows of one (b, h); rows >= G are zero pad
     k_ref,    # [S, D]        keys of one (b, h)
@@ -140,10 +159,10 @@ def sparse_decode_attention(
     v: [B, Hkv, S, D] values, same dtype as q; slots >= lengths never read.
     lengths: [B, Hkv] int32 number of valid leading slots per (b, h). Values
       are clamped to [0, S]; L = 0 gives out = 0 and lse = MASK_VALUE (an
-      empty tier that merges as nothing).
+      empty tier that merges as nothing), and so does every head when S = 0.
     sm_scale: logit scale, default 1 / sqrt(D).
     block_k: keys per inner block (power of two, >= 16).
-    num_splits: programs along the key axis per (b, h); default
+    num_splits: programs along the key axis per (b, h), >= 1; default
       :func:`default_num_splits`.
     num_warps, num_stages: Triton compiler parameters.
     interpret: run the kernel in the Pallas interpreter (CPU tests).
@@ -152,16 +171,17 @@ def sparse_decode_attention(
     out: [B, Hkv, G, D] in q.dtype, softmax(s) @ v over the valid slots.
     lse: [B, Hkv, G] float32, log sum_j exp(s_j) over the valid slots.
   """
+  _check_decode_args(q, k, v, lengths)
   B, H, G, D = q.shape
   S = k.shape[2]
-  if k.shape != (B, H, S, D) or v.shape != (B, H, S, D):
-    raise ValueError(f"shape mismatch: q {q.shape} k {k.shape} v {v.shape}")
-  if lengths.shape != (B, H):
-    raise ValueError(f"lengths must be [B, Hkv] = {(B, H)}, got {lengths.shape}")
   if not is_pow2(D) or D < 16:
     raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
   if not is_pow2(block_k) or block_k < 16:
     raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+  if num_splits is not None and num_splits < 1:
+    raise ValueError(f"num_splits must be None (the default) or >= 1, got {num_splits}")
+  if S == 0 or q.size == 0:
+    return _empty_attention(q)
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(D)
   if num_splits is None:
@@ -242,14 +262,18 @@ def sparse_decode_attention_reference(
   """Plain-jnp reference of :func:`sparse_decode_attention` (float32 math).
 
   Returns (out [B, Hkv, G, D] in q.dtype, lse [B, Hkv, G] float32). Slots at
-  or beyond lengths are masked with a finite value in the scores. Unless
+  or beyond lengths are masked with a finite value in the scores (S = 0: every
+  head is empty). Unless
   ``finite_padding`` is set, K and V are also zeroed there so that NaN/inf
   garbage in padding cannot leak in; the model's caches promise finite
   padding (zeros or copies of real tokens) and pass ``finite_padding=True``,
   which skips two full-cache masked copies per step on CPU.
   """
+  _check_decode_args(q, k, v, lengths)
   D = q.shape[-1]
   S = k.shape[2]
+  if S == 0 or q.size == 0:
+    return _empty_attention(q)
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(D)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)

@@ -153,6 +153,34 @@ def test_decode_empty_head_is_finite_and_merges_as_nothing():
     np.testing.assert_allclose(m_lse, lse[:1, 1:], atol=1e-6)
 
 
+def test_decode_degenerate_arguments():
+  """An empty cache tier (S = 0) gives out 0 and lse MASK_VALUE, as L = 0 does, and merges as nothing, from the
+  kernel and the reference alike (both used to raise); G = 0 gives empty arrays; num_splits < 1 and a q of the
+  wrong rank get a ValueError naming them (not ZeroDivisionError / an unpacking error)."""
+  q, k, v = _decode_qkv(3)
+  B, H, G, D = q.shape
+  empty = jnp.zeros((B, H, 0, D), jnp.float32)
+  lens = jnp.array([[0, 5], [64, 0]], jnp.int32)
+  for fn in (lambda *a: sparse_decode_attention(*a, interpret=True), sparse_decode_attention_reference,
+             lambda *a: pk.decode_attention(*a, backend="interpret")):
+    out, lse = fn(q, empty, empty, lens)
+    assert out.shape == q.shape and lse.shape == (B, H, G)
+    np.testing.assert_array_equal(out, 0.0)
+    np.testing.assert_array_equal(lse, np.float32(MASK_VALUE))
+    full_out, full_lse = sparse_decode_attention_reference(q, k, v, lens + 3)
+    m_out, m_lse = merge_attention(out, lse, full_out, full_lse)
+    np.testing.assert_array_equal(m_out, full_out)
+    np.testing.assert_array_equal(m_lse, full_lse)
+    out, lse = fn(q[:, :, :0], k, v, lens)
+    assert out.shape == (B, H, 0, D) and lse.shape == (B, H, 0)
+  for n in (0, -2):
+    with pytest.raises(ValueError, match="num_splits must be None"):
+      sparse_decode_attention(q, k, v, lens, num_splits=n, interpret=True)
+  for fn in (lambda *a: sparse_decode_attention(*a, interpret=True), sparse_decode_attention_reference):
+    with pytest.raises(ValueError, match=r"q must be \[B, Hkv, G, D\]"):
+      fn(q[:, :, 0], k, v, lens)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_merge_cache_and_tail_equals_attention_over_concat(dtype):
   """attention([cache[:L] ; tail[:n]]) == merge(attn(cache), attn(tail))."""
@@ -274,6 +302,24 @@ def test_pooled_reference_ignores_keys_beyond_length():
   b = pooled_scores_reference(q, jnp.asarray(kn), lens)
   np.testing.assert_array_equal(a, b)
   assert np.isfinite(np.asarray(b)).all()
+
+
+def test_pooled_degenerate_arguments():
+  """W = 0 or T = 0 (or B = 0) gives an empty [B, Hkv, W, T] array from the kernel and the reference alike (the
+  kernel raised ZeroDivisionError / TypeError, the reference a reduction error); G = 0 (no query head to
+  aggregate) and a q_rows of the wrong rank get a ValueError naming them."""
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(1, 2, 2, 3, 16)).astype(np.float32))
+  k = jnp.asarray(rng.normal(size=(1, 2, 20, 16)).astype(np.float32))
+  for fn in (lambda *a, **kw: pooled_scores(*a, interpret=True, **kw), pooled_scores_reference):
+    for gqa in ("max", "mean"):
+      for qq, kk in ((q[:, :, :0], k), (q, k[:, :, :0]), (q[:0], k[:0])):
+        got = fn(qq, kk, gqa=gqa)
+        assert got.shape == qq.shape[:3] + (kk.shape[2],) and got.dtype == jnp.float32
+      with pytest.raises(ValueError, match="G >= 1 query heads"):
+        fn(q[:, :, :, :0], k, gqa=gqa)
+      with pytest.raises(ValueError, match=r"q_rows must be \[B, Hkv, W, G, D\]"):
+        fn(q[:, :, 0], k, gqa=gqa)
 
 
 def test_overlap_bitmap_matches_python_sets():

@@ -3,7 +3,9 @@
 Every case builds a pool whose heads sit at unsorted offsets with NaN in every row no query may see (the
 gaps between heads, the pool's ends, the rows right after each head's range): the kernel must never read
 them. The reference runs on the same pool with those rows zeroed (it gathers max_len rows per head, so it
-would read them). Nothing is skipped when the kernel is unavailable: `make install` builds it.
+would read them). Nothing is skipped when the kernel is unavailable: `make install` builds it. The last
+section checks every backend (reference, native, Pallas interpreter) against numpy where the contract leaves
+room: max_len below the lengths, and rows outside the pool (refused eagerly, one rule traced).
 """
 
 from __future__ import annotations
@@ -163,10 +165,13 @@ def test_jit_vmap_and_errors():
     one = native.pool_attention_native(q2[i], k2[i], v2[i], offsets, lens)
     np.testing.assert_allclose(np.asarray(batched[0][i]), np.asarray(one[0]), atol=1e-6)
     np.testing.assert_allclose(np.asarray(batched[1][i]), np.asarray(one[1]), atol=1e-6)
-  # ranges outside the pool read nothing outside it: an offset past the end is an empty head
+  # ranges outside the pool are refused where concrete; traced (under jit) they read nothing outside it: an
+  # offset past the end is an empty head
   P = k.shape[1]
-  bad_off = offsets.at[0, 0].set(P + 5).at[0, 1].set(P - 3)
-  out, lse, _ = native.pool_attention_native(q, k, v, bad_off, lens.at[0, 1].set(10**6))
+  bad_off, bad_lens = offsets.at[0, 0].set(P + 5).at[0, 1].set(P - 3), lens.at[0, 1].set(10**6)
+  with pytest.raises(ValueError, match=r"offsets\[0, 0\] = .* outside the pool"):
+    native.pool_attention_native(q, k, v, bad_off, bad_lens)
+  out, lse, _ = jax.jit(native.pool_attention_native)(q, k, v, bad_off, bad_lens)
   assert lse[0, 0, 0, 0] == np.float32(MASK_VALUE) and not np.asarray(out[0, 0]).any()
   # vmap over q alone (the pool, offsets and flags broadcast), logits included
   flags = jnp.asarray([1, 0, 1], jnp.int32)
@@ -313,10 +318,11 @@ def test_paged_heads_read_in_place_match_reference(bs, G, dtype, chunk_rows):
   np.testing.assert_allclose(np.asarray(lse), np.asarray(r_lse), atol=tol, rtol=tol)
 
 
-def test_paged_rows_past_the_pool_are_clipped_as_the_reference_clips_them():
-  """Block-table entries that point before the pool's start or past its end: each row is clipped into [0, P)
-  (the reference's rule), also through pallas_kernels.pool_attention's dispatch and with a page size that is
-  not a power of two (gathered first there)."""
+def test_paged_rows_past_the_pool_are_refused_or_under_jit_clipped_as_the_reference_clips_them():
+  """Block-table entries that point before the pool's start or past its end: refused where the table is
+  concrete; traced (under jit, the caller's fault) each row is clipped into [0, P) (the reference's rule), also
+  through pallas_kernels.pool_attention's dispatch and with a page size that is not a power of two (gathered
+  first there)."""
   import pallas_kernels as pk
 
   rng = np.random.default_rng(5)
@@ -327,16 +333,112 @@ def test_paged_rows_past_the_pool_are_clipped_as_the_reference_clips_them():
   table = jnp.asarray([[[-10, 0, 60], [0, 16, 45], [-40, 5, 100]], [[2, 60, -3], [10, 0, 30], [8, 9, 10]]], jnp.int32)
   lens = jnp.asarray([[48, 40, 33], [3, 48, 47]], jnp.int32)
   q = jnp.asarray(rng.standard_normal((B, H, 1, 2, D)), jnp.float32)
-  want = pool_attention_reference(q, k, v, offsets, lens, None, table, max_len=48, block_size=bs)
-  got = native.pool_attention_native(q, k, v, offsets, lens, None, table, block_size=bs)
-  via = pk.pool_attention(q, k, v, offsets, lens, None, table, max_len=48, block_size=bs, backend="native")
+  for f in (pool_attention_reference, native.pool_attention_native):
+    with pytest.raises(ValueError, match=r"block_rows\[0, 0, 0\] = -10 make head \(0, 0\) see pool rows \[-10, 6\)"):
+      f(q, k, v, offsets, lens, None, table, max_len=48, block_size=bs)
+  traced = lambda f, **kw: jax.jit(lambda *a: f(*a, **kw))  # noqa: E731
+  args = (q, k, v, offsets, lens, None, table)
+  want = traced(pool_attention_reference, max_len=48, block_size=bs)(*args)
+  got = traced(native.pool_attention_native, block_size=bs)(*args)
+  via = traced(pk.pool_attention, max_len=48, block_size=bs, backend="native")(*args)
   for g in (got, via):
     np.testing.assert_allclose(np.asarray(g[0]), np.asarray(want[0]), atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(g[1]), np.asarray(want[1]), atol=2e-5, rtol=2e-5)
-  got = pk.pool_attention(q, k, v, offsets, jnp.minimum(lens, 24), None, table[..., :2], max_len=24, block_size=12,
-                          backend="native")
-  want12 = pool_attention_reference(q, k, v, offsets, jnp.minimum(lens, 24), None, table[..., :2], max_len=24,
-                                    block_size=12)
+  args = (q, k, v, offsets, jnp.minimum(lens, 24), None, table[..., :2])
+  got = traced(pk.pool_attention, max_len=24, block_size=12, backend="native")(*args)
+  want12 = traced(pool_attention_reference, max_len=24, block_size=12)(*args)
   np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want12[0]), atol=2e-5, rtol=2e-5)
   with pytest.raises(ValueError, match="power of two"):
-    native.pool_attention_native(q, k, v, offsets, lens, None, table, block_size=12)
+    native.pool_attention_native(q, k, v, offsets, lens, None, jnp.zeros_like(table), block_size=12)
+
+
+# ---------------------------------------------------------------------------
+# Every backend alike (reference, native, Pallas interpreter) on what the contract leaves to the backends
+
+
+def _numpy_pool_attention(q, k, v, offsets, lengths, max_len):
+  """float64 softmax attention of head (b, h), position t over the pool rows [o, o + clip(lengths + t, 0,
+  max_len)) that lie in [0, P) (none when o is outside the pool): (out, lse), 0 and MASK_VALUE when empty."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  B, H, T, G, D = q.shape
+  P = k.shape[1]
+  out, lse = np.zeros(q.shape), np.full((B, H, T, G), MASK_VALUE)
+  for b, h, t in np.ndindex(B, H, T):
+    o = int(offsets[b, h])
+    rows = [r for r in range(o, o + int(np.clip(lengths[b, h] + t, 0, max_len))) if 0 <= o < P and r < P]
+    if rows:
+      s = q[b, h, t] @ k[b, rows].T / np.sqrt(D)
+      m = s.max(-1, keepdims=True)
+      e = np.exp(s - m)
+      out[b, h, t], lse[b, h, t] = e @ v[b, rows] / e.sum(-1, keepdims=True), (m + np.log(e.sum(-1, keepdims=True)))[:, 0]
+  return out, lse
+
+
+BACKENDS = ("reference", "native", "interpret")
+
+
+def _every_backend(fn, *args, **kw):
+  import pallas_kernels as pk
+  return {be: fn(pk, *args, backend=be, **kw) for be in BACKENDS}
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_every_backend_clips_to_max_len(T):
+  """n = clip(lengths + t, 0, max_len) on every backend (the native kernel once attended all lengths + t rows):
+  heads longer than max_len, a chunk of 3 positions, logits; equal to numpy, and the statistics entry point too."""
+  rng = np.random.default_rng(T)
+  B, H, G, D, P, max_len = 1, 3, 2, 16, 160, 20
+  offsets, lengths = np.array([[0, 50, 100]]), np.array([[40, 19, 5]])
+  q = jnp.asarray(rng.standard_normal((B, H, T, G, D)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((B, P, D)), jnp.float32) for _ in range(2))
+  score_len = 30 if T == 1 else 0
+  res = _every_backend(lambda pk, *a, **kw: pk.pool_attention(*a, **kw), q, k, v, jnp.asarray(offsets, jnp.int32),
+                       jnp.asarray(lengths, jnp.int32), max_len=max_len, score_len=score_len)
+  want_out, want_lse = _numpy_pool_attention(q, k, v, offsets, lengths, max_len)
+  for be, (out, lse, logits) in res.items():
+    np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-5, rtol=2e-5, err_msg=be)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-5, rtol=2e-5, err_msg=be)
+    if score_len:  # the first min(lengths, max_len, score_len) logits of every head
+      for h in range(H):
+        n = min(lengths[0, h], max_len)
+        s = np.asarray(q, np.float64)[0, h, 0] @ np.asarray(k, np.float64)[0, offsets[0, h]:offsets[0, h] + n].T
+        np.testing.assert_allclose(np.asarray(logits)[0, h, :, :n], s / np.sqrt(D), atol=2e-5, rtol=2e-5)
+  if T == 1:
+    stats = {be: r for be, r in _every_backend(
+        lambda pk, *a, **kw: pk.pool_attention_statistics(*a, **kw), q, k, v, jnp.asarray(offsets, jnp.int32),
+        jnp.asarray(lengths, jnp.int32), (0, 2), jnp.asarray([[18, 5]], jnp.int32),
+        jnp.asarray([[1, 3], [0, -1]], jnp.int32)[None], max_len=max_len, score_len=score_len).items()}
+    for be in ("native", "interpret"):
+      for a, b in zip(stats[be], stats["reference"]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5, err_msg=be)
+    np.testing.assert_allclose(np.asarray(stats["native"][0]), want_out, atol=2e-5, rtol=2e-5)
+
+
+# (offsets, lengths) of a head (T = 2) with rows outside a pool of 64 rows: past the end, before the start, beyond it
+BAD_RANGES = [((50, 30), "offsets\\[0, 1\\] = 50 with lengths\\[0, 1\\] = 30 make head \\(0, 1\\) see pool rows "
+               "\\[50, 81\\), outside the pool's \\[0, 64\\)"),
+              ((-5, 10), "offsets\\[0, 1\\] = -5 .* see pool rows \\[-5, 6\\)"),
+              ((70, 3), "offsets\\[0, 1\\] = 70 .* see pool rows \\[70, 74\\)")]
+
+
+@pytest.mark.parametrize("bad,match", BAD_RANGES, ids=["past_end", "negative", "beyond"])
+def test_rows_outside_the_pool_are_refused_and_traced_alike_on_every_backend(bad, match):
+  """Concrete offsets / lengths that make a head see rows outside [0, P) are refused by every backend, naming
+  them. Traced (under jit: the caller's fault, not checked), every backend follows the one rule: a head whose
+  offset is outside the pool is empty, a range past its end is cut there; no NaN (the interpreter gave NaN for
+  a negative offset, and the reference read clamped rows)."""
+  rng = np.random.default_rng(0)
+  B, H, T, G, D, P, max_len = 1, 2, 2, 2, 16, 64, 32
+  offsets, lengths = np.array([[0, bad[0]]]), np.array([[10, bad[1]]])
+  q = jnp.asarray(rng.standard_normal((B, H, T, G, D)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((B, P, D)), jnp.float32) for _ in range(2))
+  args = (q, k, v, jnp.asarray(offsets, jnp.int32), jnp.asarray(lengths, jnp.int32))
+  import pallas_kernels as pk
+  for be in BACKENDS:
+    with pytest.raises(ValueError, match=match):
+      pk.pool_attention(*args, max_len=max_len, backend=be)
+  want_out, want_lse = _numpy_pool_attention(q, k, v, offsets, lengths, max_len)
+  for be in BACKENDS:
+    out, lse, _ = jax.jit(lambda *a: pk.pool_attention(*a, max_len=max_len, backend=be))(*args)
+    np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-5, rtol=2e-5, err_msg=be)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-5, rtol=2e-5, err_msg=be)

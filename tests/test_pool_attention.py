@@ -10,6 +10,7 @@ interpreter compiles each distinct shape (~1 s).
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import jax
@@ -245,6 +246,52 @@ def test_argument_errors():
     pool_attention(q, pool, pool, idx, idx, max_len=8, block_k=24, interpret=True)
   with pytest.raises(ValueError, match="head_dim"):
     pool_attention(q[..., :12], pool[..., :12], pool[..., :12], idx, idx, max_len=8, interpret=True)
+
+
+def test_degenerate_arguments_are_refused_alike_on_every_backend():
+  """A q of the wrong rank, a negative score_len, max_len < 1, num_splits < 1: a ValueError naming the
+  argument from every backend, before any compute (the reference once returned logits of a nonsense shape
+  for score_len=-3 and clipped max_len=0 to 1)."""
+  import pallas_kernels as pk
+  q = jnp.zeros((1, 2, 1, 1, 16), jnp.float32)
+  pool = jnp.zeros((1, 32, 16), jnp.float32)
+  idx = jnp.zeros((1, 2), jnp.int32)
+  for be in ("reference", "native", "interpret"):
+    with pytest.raises(ValueError, match=r"q must be \[B, H, T, G, D\], got shape \(1, 2, 1, 16\)"):
+      pk.pool_attention(q[:, :, 0], pool, pool, idx, idx, max_len=8, backend=be)
+    with pytest.raises(ValueError, match="score_len must be >= 0"):
+      pk.pool_attention(q, pool, pool, idx, idx + 4, max_len=8, score_len=-3, backend=be)
+    with pytest.raises(ValueError, match="max_len must be >= 1"):
+      pk.pool_attention(q, pool, pool, idx, idx, max_len=0, backend=be)
+  for n in (0, -2):
+    with pytest.raises(ValueError, match="num_splits must be None"):
+      pool_attention(q, pool, pool, idx, idx + 4, max_len=8, num_splits=n, interpret=True)
+
+
+@pytest.mark.parametrize("shape,P", [((1, 2, 0, 3, 16), 32), ((1, 2, 1, 0, 16), 32), ((0, 2, 1, 3, 16), 32),
+                                     ((1, 2, 1, 3, 16), 0), ((1, 2, 2, 3, 16), 0)],
+                         ids=["T0", "G0", "B0", "P0-decode", "P0-chunk"])
+def test_zero_size_axes_give_the_same_result_on_every_backend(shape, P):
+  """Zero-size axes: empty arrays of the documented shapes, and a pool of no rows makes every head empty
+  (out 0, lse and logits MASK_VALUE) on every backend (the Pallas wrapper raised ZeroDivisionError). With
+  P = 0, heads that see no row are fine eagerly; lengths 4 are rows outside the pool: refused eagerly, empty
+  heads traced."""
+  import pallas_kernels as pk
+  B, H, T, G, D = shape
+  q = jnp.ones(shape, jnp.float32)
+  pool = jnp.ones((B, P, D), jnp.float32)
+  idx = jnp.zeros((B, H), jnp.int32)
+  score_len = 4 if T == 1 else 0
+  calls = [(lambda f: f, idx - T)] + ([(jax.jit, idx + 4)] if P == 0 else [])
+  for (wrap, lens), be in itertools.product(calls, ("reference", "native", "interpret")):
+    out, lse, logits = wrap(lambda *a: pk.pool_attention(*a, max_len=8, score_len=score_len, backend=be))(
+        q, pool, pool, idx, lens)
+    assert out.shape == shape and out.dtype == q.dtype and lse.shape == shape[:4], be
+    np.testing.assert_array_equal(np.asarray(out), 0)
+    np.testing.assert_array_equal(np.asarray(lse), np.float32(MASK_VALUE))
+    if score_len:
+      assert logits.shape == (B, H, G, score_len)
+      np.testing.assert_array_equal(np.asarray(logits), np.float32(MASK_VALUE))
 
 
 # ---------------------------------------------------------------------------

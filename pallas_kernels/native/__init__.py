@@ -297,20 +297,18 @@ def unavailable_reason() -> str:
   return "" if available() else _state.get("error", "unknown")
 
 
-def _check_attention_operands(q, k_pool, v_pool, offsets, lengths, chunk_rows):
-  """The pool attention's shape and dtype rules (both native entry points): ValueError naming the operand."""
-  B, H, _, _, D = q.shape
-  P = k_pool.shape[1] if k_pool.ndim == 3 else None
-  if k_pool.shape != (B, P, D) or v_pool.shape != k_pool.shape:
-    raise ValueError(f"shape mismatch: q {q.shape} k_pool {k_pool.shape} v_pool {v_pool.shape}")
+def _check_attention_operands(q, k_pool, v_pool, offsets, lengths, chunk_rows, max_len, score_heads=None,
+                              block_rows=None, block_size=0, score_len=0):
+  """The pool attention's rules (both native entry points): ``check_pool_args`` (shared with the reference and
+  the Pallas kernel), then the native kernel's dtypes and chunk_rows. ValueError naming the operand."""
+  from pallas_kernels.pool_checks import check_pool_args
+  check_pool_args(q, k_pool, v_pool, offsets, lengths, score_heads, block_rows, block_size=block_size,
+                  max_len=max_len, score_len=score_len)
   if k_pool.dtype != v_pool.dtype:
     raise ValueError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")
   for a in (q, k_pool):
     if a.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
       raise ValueError(f"dtypes must be float32, bfloat16 or float16, got {a.dtype}")
-  if jnp.shape(offsets) != (B, H) or jnp.shape(lengths) != (B, H):
-    raise ValueError(f"offsets and lengths must be [B, H] = {(B, H)}, got {jnp.shape(offsets)} and "
-                     f"{jnp.shape(lengths)}")
   if chunk_rows is not None and int(chunk_rows) < 1:
     raise ValueError(f"chunk_rows must be None or >= 1, got {chunk_rows}")
 
@@ -324,7 +322,7 @@ def pool_attention_native(
     score_heads=None,  # [H] int32 flags (None: every head)
     block_rows=None,   # [B, H, NB] int32 first region row of each logical block (None: contiguous heads)
     *,
-    max_len: int | None = None,  # accepted for the reference's signature; the kernel needs no bound
+    max_len: int | None = None,  # static bound of n = clip(lengths + t, 0, max_len), >= 1; None: no bound
     score_len: int = 0,
     sm_scale: float | None = None,
     block_size: int = 0,  # static: rows of a block of ``block_rows`` (a power of two)
@@ -332,9 +330,10 @@ def pool_attention_native(
 ):
   """``pool_attention_reference``'s computation in the native CPU kernel: returns (out [B, H, T, G, D] in
   q.dtype, lse [B, H, T, G] float32, logits [B, H, G, score_len] float32 or None). Logits past a head's
-  visible rows and those of unflagged heads are MASK_VALUE. Raises RuntimeError when the kernel is not
-  available (:func:`unavailable_reason`). Works under jit, vmap (one call over the batched axes) and
-  shard_map (each shard's local arrays).
+  visible rows and those of unflagged heads are MASK_VALUE. ``max_len`` clips the visible rows as the reference
+  does (None, this function only: no bound); arguments are checked as the reference checks them. Raises
+  RuntimeError when the kernel is not available (:func:`unavailable_reason`). Works under jit, vmap (one call
+  over the batched axes) and shard_map (each shard's local arrays).
 
   ``block_rows``: paged heads, read in place: logical row j of head h is region row
   block_rows[b, h, j // block_size] + j % block_size, each row clipped into [0, P) as the reference clips it.
@@ -342,31 +341,23 @@ def pool_attention_native(
   ``chunk_rows`` (tests): cut every head into work items of that many rows (rounded up to the kernel's
   block), merged by log-sum-exp, on several threads where the pool has them; None: the kernel's own split
   (long heads are cut only when a call is big enough for threads to pay)."""
-  del max_len
   _load()
   q, k_pool, v_pool = jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool)
-  if q.ndim != 5:
-    raise ValueError(f"q must be [B, H, T, G, D], got {q.shape}")
+  _check_attention_operands(q, k_pool, v_pool, offsets, lengths, chunk_rows, max_len, score_heads, block_rows,
+                            block_size, score_len)
   B, H, T, G, D = q.shape
-  _check_attention_operands(q, k_pool, v_pool, offsets, lengths, chunk_rows)
   if block_rows is None:
     block_size, block_rows = 0, jnp.zeros((B, H, 1), jnp.int32)
   else:
     block_size = int(block_size)
-    if block_size < 1 or block_size & (block_size - 1):
+    if block_size & (block_size - 1):
       raise ValueError(f"block_size must be a power of two for paged heads, got {block_size}")
-    if jnp.ndim(block_rows) != 3 or jnp.shape(block_rows)[:2] != (B, H) or jnp.shape(block_rows)[2] < 1:
-      raise ValueError(f"block_rows must be [B, H, NB] = [{B}, {H}, NB >= 1], got {jnp.shape(block_rows)}")
   score_len = int(score_len)
-  if score_len < 0 or (score_len and T != 1):
-    raise ValueError(f"logits are returned for one query position only (T={T}, score_len={score_len})")
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(D)
   if score_heads is None:
     flags = jnp.ones((B, H), jnp.int32)
   else:
-    if jnp.shape(score_heads) != (H,):
-      raise ValueError(f"score_heads must be [H] = [{H}], got {jnp.shape(score_heads)}")
     flags = jnp.broadcast_to(jnp.asarray(score_heads).astype(jnp.int32)[None, :], (B, H))
   result = (jax.ShapeDtypeStruct((B, H, T, G, D), q.dtype),
             jax.ShapeDtypeStruct((B, H, T, G), jnp.float32),
@@ -376,8 +367,14 @@ def pool_attention_native(
   out, lse, logits = call(q, k_pool, v_pool, jnp.asarray(offsets).astype(jnp.int32),
                           jnp.asarray(lengths).astype(jnp.int32), flags, jnp.asarray(block_rows).astype(jnp.int32),
                           sm_scale=np.float32(sm_scale), score_len=np.int64(score_len),
-                          chunk_rows=np.int64(chunk_rows or 0), block_size=np.int64(block_size))
+                          chunk_rows=np.int64(chunk_rows or 0), block_size=np.int64(block_size),
+                          max_len=_max_len(max_len))
   return out, lse, (logits if score_len else None)
+
+
+def _max_len(max_len) -> np.int64:
+  """The kernel's max_len attribute: the bound, or one no int32 lengths + t reaches (None)."""
+  return np.int64(2**40 if max_len is None else max_len)
 
 
 def pool_attention_statistics_native(
@@ -393,6 +390,7 @@ def pool_attention_statistics_native(
     score_len: int,
     sm_scale: float | None = None,
     chunk_rows: int | None = None,
+    max_len: int | None = None,  # static bound of the rows the query sees, >= 1; None: no bound
 ):
   """:func:`pool_attention_native` with ``score_len`` for the heads ``score_slots``, and
   :func:`pivot_statistics_native` on their logits, in one native call (``pallas_kernels.pool_attention_statistics``
@@ -414,7 +412,7 @@ def pool_attention_statistics_native(
   score_len = int(score_len)
   if score_len < 1:
     raise ValueError(f"score_len must be >= 1, got {score_len}")
-  _check_attention_operands(q, k_pool, v_pool, offsets, lengths, chunk_rows)
+  _check_attention_operands(q, k_pool, v_pool, offsets, lengths, chunk_rows, max_len, score_len=score_len)
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(D)
   rows = np.full((H,), -1, np.int32)
@@ -426,7 +424,7 @@ def pool_attention_statistics_native(
   return call(q, k_pool, v_pool, jnp.asarray(offsets).astype(jnp.int32), jnp.asarray(lengths).astype(jnp.int32),
               flags, jnp.zeros((B, H, 1), jnp.int32), jnp.asarray(stat_lengths).astype(jnp.int32),
               jnp.asarray(k_base).astype(jnp.int32), sm_scale=np.float32(sm_scale), score_len=np.int64(score_len),
-              chunk_rows=np.int64(chunk_rows or 0), block_size=np.int64(0))
+              chunk_rows=np.int64(chunk_rows or 0), block_size=np.int64(0), max_len=_max_len(max_len))
 
 
 def pivot_statistics_native(

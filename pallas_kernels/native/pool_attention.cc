@@ -13,7 +13,8 @@
 //   block_rows [B, H, NB] int32: with block_size > 0 a head is paged, its logical row j being region row
 //     block_rows[b, h, j / block_size] + j % block_size (Quest's and FreeKV's pages, read in place)
 // Attributes: sm_scale (f32), score_len (i64), chunk_rows (i64; 0 = automatic, > 0 forces that split: tests),
-//   block_size (i64; 0 = contiguous heads, else a power of two: the rows of one block of block_rows).
+//   block_size (i64; 0 = contiguous heads, else a power of two: the rows of one block of block_rows),
+//   max_len (i64 >= 0): query position t sees n = clip(lengths + t, 0, max_len) rows, as in the reference.
 // Results: out [B, H, T, G, D] in q's dtype, lse [B, H, T, G] f32, logits [B, H, G, score_len] f32.
 //
 // "hetero_jax_pool_attention_statistics" (T == 1, score_len > 0): the same attention, but flags[b, h] is the
@@ -41,8 +42,9 @@
 // Masks: MASK_VALUE (-1e30, finite) is the running max before any row; exp() of a difference at or below
 // about -87.3 returns exactly 0, never NaN. No row outside a head's range [o, o + lengths + T - 1) is read:
 // a chunk ends at the last row any query of the head sees, and each query's logits stop at its own end.
-// A head whose offset is outside [0, P) is empty, and a range past the pool's end is cut there (callers
-// keep ranges inside the pool; this only keeps a bad call from reading out of bounds). A paged head's rows
+// A head whose offset is outside [0, P) is empty, and a range past the pool's end is cut there, as in the
+// reference and the Pallas kernel (callers keep ranges inside the pool, and the Python entry points refuse
+// concrete ones that leave it; this keeps a bad traced call from reading out of bounds). A paged head's rows
 // are clipped into [0, P) one by one, as the reference clips them.
 
 #include <algorithm>
@@ -527,8 +529,8 @@ struct StatisticsArgs {
 ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> flags,
                ffi::Buffer<ffi::S32> block_rows, float sm_scale, int64_t score_len, int64_t chunk_rows,
-               int64_t block_size, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-               float* logits, size_t logits_count, const StatisticsArgs* st) {
+               int64_t block_size, int64_t max_len, ffi::Result<ffi::AnyBuffer> out,
+               ffi::Result<ffi::Buffer<ffi::F32>> lse, float* logits, size_t logits_count, const StatisticsArgs* st) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   if (qd.size() < 5 || kd.size() < 3 || v.dimensions().size() != kd.size())
@@ -545,6 +547,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
     return ffi::Error::InvalidArgument("pool_attention: offsets, lengths and flags must be [B, H]");
   if (score_len < 0 || (score_len > 0 && T != 1))
     return ffi::Error::InvalidArgument("pool_attention: score_len needs T == 1");
+  if (max_len < 0) return ffi::Error::InvalidArgument("pool_attention: max_len must be >= 0");
   const auto bd = block_rows.dimensions();
   const int64_t NB = bd.size() ? bd[bd.size() - 1] : 0;
   if (block_size < 0 || (block_size & (block_size - 1)) != 0 || NB < 1 ||
@@ -625,12 +628,12 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
       const int64_t o = pb.offsets[b * H + h];
       hd.n0 = pb.lengths[b * H + h];
       if (pb.page > 0) {  // paged: NB blocks of logical rows, each row clipped into the pool where it is read
-        hd.rows = std::max<int64_t>(0, std::min(NB * pb.page, hd.n0 + T - 1));
+        hd.rows = std::max<int64_t>(0, std::min({NB * pb.page, hd.n0 + T - 1, max_len}));
         hd.start = b * P;
         hd.off = o;
       } else {
         const int64_t avail = (o >= 0 && o < P) ? P - o : 0;
-        hd.rows = std::max<int64_t>(0, std::min(avail, hd.n0 + T - 1));
+        hd.rows = std::max<int64_t>(0, std::min({avail, hd.n0 + T - 1, max_len}));
         hd.start = b * P + (avail > 0 ? o : 0);
         hd.off = 0;
       }
@@ -685,11 +688,11 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::An
 ffi::Error PoolAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> lengths,
                              ffi::Buffer<ffi::S32> flags, ffi::Buffer<ffi::S32> block_rows, float sm_scale,
-                             int64_t score_len, int64_t chunk_rows, int64_t block_size,
+                             int64_t score_len, int64_t chunk_rows, int64_t block_size, int64_t max_len,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                              ffi::Result<ffi::Buffer<ffi::F32>> logits) {
-  return Run(pool, q, k, v, offsets, lengths, flags, block_rows, sm_scale, score_len, chunk_rows, block_size, out,
-             lse, logits->typed_data(), logits->element_count(), nullptr);
+  return Run(pool, q, k, v, offsets, lengths, flags, block_rows, sm_scale, score_len, chunk_rows, block_size, max_len,
+             out, lse, logits->typed_data(), logits->element_count(), nullptr);
 }
 
 ffi::Error PoolAttentionStatisticsImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -697,7 +700,8 @@ ffi::Error PoolAttentionStatisticsImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, f
                                        ffi::Buffer<ffi::S32> flags, ffi::Buffer<ffi::S32> block_rows,
                                        ffi::Buffer<ffi::S32> stat_lengths, ffi::Buffer<ffi::S32> k_base,
                                        float sm_scale, int64_t score_len, int64_t chunk_rows, int64_t block_size,
-                                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                       int64_t max_len, ffi::Result<ffi::AnyBuffer> out,
+                                       ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                        ffi::Result<ffi::Buffer<ffi::F32>> scores,
                                        ffi::Result<ffi::Buffer<ffi::F32>> overlap) {
   const auto qd = q.dimensions();
@@ -713,8 +717,8 @@ ffi::Error PoolAttentionStatisticsImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, f
                                        "[B, Hs, K], scores [B, Hs, score_len], overlap [B, Hs]");
   const StatisticsArgs st{Hs, K, stat_lengths.typed_data(), k_base.typed_data(), scores->typed_data(),
                           overlap->typed_data()};
-  return Run(pool, q, k, v, offsets, lengths, flags, block_rows, sm_scale, score_len, chunk_rows, block_size, out,
-             lse, nullptr, 0, &st);
+  return Run(pool, q, k, v, offsets, lengths, flags, block_rows, sm_scale, score_len, chunk_rows, block_size, max_len,
+             out, lse, nullptr, 0, &st);
 }
 
 }  // namespace
@@ -737,6 +741,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HeteroJaxPoolAttention, PoolAttentionImpl,
                                   .Attr<int64_t>("score_len")
                                   .Attr<int64_t>("chunk_rows")    // 0: automatic
                                   .Attr<int64_t>("block_size")    // 0: contiguous heads
+                                  .Attr<int64_t>("max_len")       // the most rows a query position sees
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse
                                   .Ret<ffi::Buffer<ffi::F32>>()); // logits
@@ -757,6 +762,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HeteroJaxPoolAttentionStatistics, PoolAttentionSta
                                   .Attr<int64_t>("score_len")
                                   .Attr<int64_t>("chunk_rows")
                                   .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("max_len")
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse
                                   .Ret<ffi::Buffer<ffi::F32>>()   // scores
