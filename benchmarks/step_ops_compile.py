@@ -108,7 +108,7 @@ def compile_step(params_abs, cache_abs, cfg, policy, mesh, kernels: str):
             t0 = time.perf_counter()
             # no host operands: a GPU backend's policies read the host through callbacks (host_store.sums_in_step)
             lowered = decode_step_jit.lower(params_abs, cache_abs, tokens, key, (), cfg=cfg, policy=policy,
-                                        temperature=0.0, top_p=1.0)
+                                            mode="greedy")
             t1 = time.perf_counter()
             exe = lowered.compile()
             t2 = time.perf_counter()

@@ -176,6 +176,31 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(tiny):
     assert nucleus.token_ids == greedy.token_ids
 
 
+def test_every_temperature_and_top_p_share_their_modes_executable(tiny):
+    """Temperature and top_p were static arguments of the decode step: each new value a server's client sent
+    compiled an executable (3-10 s on a CPU, blocking every client) and kept it for the process's life. Now
+    one executable per mode (greedy, sample, nucleus), and each step samples what the eager ``sample`` samples
+    from its logits with its key (the independent path: Python floats, no executable)."""
+    from hetero_jax.policies import FullKV
+    from hetero_jax.runtime import Engine
+    from hetero_jax.runtime.compile_cache import compile_seconds
+
+    eng = Engine(tiny, [[5, 6, 7, 8, 9]], FullKV(), tail_capacity=16)
+    token = eng.first_tokens(0.0, 1.0)
+    settings_ = [(0.7, 1.0), (0.0, 1.0), (0.7, 0.9), (0.71, 1.0), (1.3, 1.0), (0.6, 0.8), (0.7, 0.9)]
+    compiles = []
+    for temperature, top_p in settings_:
+        key = eng.key
+        before = compile_seconds()
+        token, logits = eng.step_with_logits(token, temperature, top_p)
+        compiles.append(compile_seconds() > before)
+        if temperature > 0:
+            want = sample(jnp.asarray(logits), jax.random.split(key)[1], temperature, top_p)
+            assert token.tolist() == np.asarray(want).tolist(), (temperature, top_p)
+    assert sorted(mode for _, mode in eng._fns) == ["greedy", "nucleus", "sample"]
+    assert not any(compiles[3:])  # the first three may find theirs compiled by an earlier test
+
+
 def test_sample_top_p_keeps_the_nucleus():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
     seen = {int(sample(logits, jax.random.PRNGKey(s), 1.0, 0.7)[0]) for s in range(200)}

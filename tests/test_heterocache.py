@@ -547,7 +547,7 @@ def _lowered_cpu_step(backend):
     args = (eng.params, eng.cache, jnp.zeros((1,), jnp.int32), jax.random.PRNGKey(0), eng.state.host_operands())
     jax.clear_caches()  # the backend is read at trace time: a trace cached under the other one would be reused
     with pallas_kernels.use_kernels(backend):
-        return decode_step_jit.trace(*args, cfg=CFG, policy=eng.policy, temperature=0.0, top_p=1.0).lower().as_text()
+        return decode_step_jit.trace(*args, cfg=CFG, policy=eng.policy, mode="greedy").lower().as_text()
 
 
 def test_cpu_decode_step_ranks_every_pivot_layer_in_one_loop():

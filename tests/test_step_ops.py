@@ -261,7 +261,7 @@ def test_gpu_step_is_one_pool_kernel_call_per_layer_and_no_control_flow(name):
     jax.clear_caches()  # the kernel choice is read at trace time
     try:
         with pallas_kernels.use_kernels("pallas"):
-            txt = decode_step_jit.trace(*args, cfg=CFG, policy=eng.policy, temperature=0.0, top_p=1.0).lower(
+            txt = decode_step_jit.trace(*args, cfg=CFG, policy=eng.policy, mode="greedy").lower(
                 lowering_platforms=("cuda",)).as_text()
     finally:
         jax.clear_caches()

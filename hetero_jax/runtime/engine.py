@@ -28,16 +28,16 @@ from hetero_jax.runtime import heap
 from hetero_jax.runtime.compile_cache import MAX_CHUNK, TAIL_QUANTUM, chunk_bucket, compile_seconds, compiled, round_up
 from hetero_jax.runtime.prompts import check_model, validate_ids
 from hetero_jax.runtime.results import GenerationResult, GenerationStats
-from hetero_jax.runtime.sampling import draw_key, is_greedy, sample
+from hetero_jax.runtime.sampling import draw_key, sample, sampling_mode
 from hetero_jax.runtime.streaming import AnswerStream
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "policy", "temperature", "top_p"), donate_argnames=("cache",)
-)
-def decode_step_jit(params, cache, tokens, key, host, cfg, policy, temperature, top_p):
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "mode"), donate_argnames=("cache",))
+def decode_step_jit(params, cache, tokens, key, host, sampling=None, *, cfg, policy, mode="greedy"):
     """One decode step with the policy's ``attend`` in every layer: (cache, tokens, logits, extras, the next
     key). ``host``: the decode state's host operands (``DecodeState.host_operands``), read and never donated.
+    ``mode`` (static, ``sampling.sampling_mode``) and ``sampling`` ([2] float32: temperature, top_p; None when
+    greedy): the values are operands, so every temperature and top_p of one mode runs one executable.
     A sampled step (temperature > 0) splits the key here (``draw_key``), as ``jax.random.split(key)`` on the
     host would (an eager split was a dispatch of its own before every step); a greedy step draws nothing and
     returns None for the key, which the caller keeps (a split in the graph is a loop on a CPU, a quarter second
@@ -48,9 +48,10 @@ def decode_step_jit(params, cache, tokens, key, host, cfg, policy, temperature, 
     cache's first [B] int32 leaf, shift every later pairing by one, and XLA would then copy each unchanged small
     leaf (lengths, counters) into the buffer of its neighbour, one kernel each per step."""
     logits, cache, extras = M.decode_step(params, cache, tokens, cfg, policy=policy, host=host)
-    next_key, sub = draw_key(key, temperature)
-    return (keep_placed(cache), sample(logits, sub, temperature, top_p), logits, extras,
-            None if is_greedy(temperature) else next_key)
+    next_key, sub = draw_key(key, mode)
+    temperature, top_p = (None, None) if sampling is None else (sampling[0], sampling[1])
+    return (keep_placed(cache), sample(logits, sub, temperature, top_p, mode), logits, extras,
+            None if mode == "greedy" else next_key)
 
 
 def warn_unsplit_batch(batch: int, mesh) -> None:
@@ -188,6 +189,8 @@ class Engine:
         self.key = committed(jax.random.PRNGKey(seed)) if single else jax.random.PRNGKey(seed)
         self.steps = 0
         self._fns: dict = {}
+        self._single = single
+        self._sampling = None  # ((temperature, top_p), its device operand): _sampling_operand
 
     def begin_call(self) -> None:
         """Start a call's compile count (a session's turn): its result counts only the compiles from here on,
@@ -220,9 +223,9 @@ class Engine:
     def first_tokens(self, temperature: float, top_p: float) -> np.ndarray:
         """Sample the tokens that follow the prefilled prompt (the key advances only when sampling, as in
         ``decode_step_jit``)."""
-        temperature = 0.0 if is_greedy(temperature) else float(temperature)
-        self.key, sub = draw_key(self.key, temperature)
-        return to_host(sample(self.logits, sub, temperature, top_p))
+        mode = sampling_mode(temperature, top_p)
+        self.key, sub = draw_key(self.key, mode)
+        return to_host(sample(self.logits, sub, temperature, top_p, mode))
 
     def step(self, tokens, temperature: float, top_p: float) -> tuple[np.ndarray, float]:
         """Append ``tokens`` [B] and sample the next ones. Returns (next tokens [B], seconds)."""
@@ -242,19 +245,30 @@ class Engine:
         nxt, logits = self._advance(tokens, temperature, top_p)
         return to_host(nxt), to_host(logits).astype(np.float32)
 
+    def _sampling_operand(self, mode: str, temperature: float, top_p: float):
+        """The step's [2] float32 (temperature, top_p) on the device, None when greedy; the last one is kept, so
+        an answer's steps transfer it once."""
+        if mode == "greedy":
+            return None
+        want = (float(temperature), float(top_p))
+        if self._sampling is None or self._sampling[0] != want:
+            value = jnp.asarray(want, jnp.float32)  # as the key: committed on one device, free on a mesh
+            self._sampling = (want, committed(value) if self._single else value)
+        return self._sampling[1]
+
     def _advance(self, tokens, temperature: float, top_p: float):
         """One decode step with the policy's hooks: (next tokens [B], logits [B, V]) on the device."""
-        temperature = 0.0 if is_greedy(temperature) else float(temperature)  # every greedy one: one executable
+        mode = sampling_mode(temperature, top_p)
         self.cache = self.state.before_step(self.steps, self.cache)
         # host ints go in as an int32 numpy array (jit's own transfer); an eager jnp conversion was an XLA
         # dispatch per step. Device tokens (``dispatch``'s) stay where they are.
         tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
-        args = (self.params, self.cache, tokens, self.key, self.state.host_operands())
-        fn_key = (self.cache.tail_capacity, float(temperature), float(top_p))
+        args = (self.params, self.cache, tokens, self.key, self.state.host_operands(),
+                self._sampling_operand(mode, temperature, top_p))
+        fn_key = (self.cache.tail_capacity, mode)
         fn = self._fns.get(fn_key)
         if fn is None:  # shapes are fixed until the tail grows: look the executable up once
-            fn = self._fns[fn_key] = compiled(decode_step_jit, *args, cfg=self.cfg, policy=self.policy,
-                                              temperature=float(temperature), top_p=float(top_p))
+            fn = self._fns[fn_key] = compiled(decode_step_jit, *args, cfg=self.cfg, policy=self.policy, mode=mode)
         self.cache, nxt, logits, extras, next_key = fn(*args)
         if next_key is not None:  # a greedy step leaves the key as it was
             self.key = next_key

@@ -18,24 +18,33 @@ def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_BELOW
 
 
-def draw_key(key: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+def sampling_mode(temperature: float, top_p: float) -> str:
+    """What a compiled step must know of a sampling setting: "greedy", "sample" or "nucleus" (top_p < 1: the
+    sort). The values themselves are operands, so a server's clients choosing their own temperature and top_p
+    share three executables instead of compiling one each."""
+    return "greedy" if is_greedy(temperature) else "nucleus" if top_p < 1.0 else "sample"
+
+
+def draw_key(key: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
     """(the next key, the key this token samples with): ``jax.random.split(key)`` when sampling; a greedy
     token draws nothing, so (key, key). Eager or traced (in a jitted step the split is a loop on a CPU, which
     a greedy step's compile need not carry)."""
-    return (key, key) if is_greedy(temperature) else tuple(jax.random.split(key))
+    return (key, key) if mode == "greedy" else tuple(jax.random.split(key))
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
+def sample(logits: jax.Array, key: jax.Array, temperature, top_p, mode: str | None = None) -> jax.Array:
     """logits [B, V] float32 -> tokens [B]. Greedy at temperature 0 (or below ``GREEDY_BELOW``); nucleus
-    sampling otherwise.
+    sampling otherwise. ``temperature`` and ``top_p`` may be traced scalars when ``mode``
+    (:func:`sampling_mode` of their values) is given.
 
     Every row draws with the same ``key``, so a row samples what its prompt samples alone with that key, and
     identical prompts in one batch sample identical tokens.
     """
-    if is_greedy(temperature):
+    mode = sampling_mode(temperature, top_p) if mode is None else mode
+    if mode == "greedy":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
-    if top_p < 1.0:
+    if mode == "nucleus":
         sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         cum = jnp.cumsum(probs, axis=-1)
