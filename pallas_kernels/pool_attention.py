@@ -186,8 +186,9 @@ def pivot_pooled_scores(
     lengths,  # [B, Hp] int32          prompt rows of each (entries past them are ignored)
     gqa: str = "max",
 ):
-  """The pooled scores of METHODS.md from one decode query's logits: softmax over the prompt rows (float32),
-  5-tap average pooling, GQA aggregation; [B, Hp, T] float32, MASK_VALUE at t >= lengths. Equal to
+  """The pooled scores (``pooled_scores`` module docstring) from one decode query's logits: softmax over the
+  prompt rows (float32), 5-tap average pooling, GQA aggregation; [B, Hp, T] float32, MASK_VALUE at t >= lengths.
+  Equal to
   ``pooled_scores_reference(q[:, :, None], keys, lengths, gqa=gqa)[:, :, 0]`` for the same query and keys."""
   T = logits.shape[-1]
   valid = jnp.arange(T)[None, None, :] < lengths[..., None]                        # [B, Hp, T]

@@ -1,7 +1,7 @@
 """Pooled attention scores for token selection and drift checks (Pallas, Triton).
 
-Shared scoring primitive of docs/METHODS.md. For query row (b, h, w, g) and
-prompt token t < L = lengths[b, h]:
+Shared scoring primitive of the design notes (shared/design/METHODS.md, outside the package), as
+defined here. For query row (b, h, w, g) and prompt token t < L = lengths[b, h]:
 
     p[g, t]      = softmax_t( <q[b,h,w,g], k[b,h,t]> / sqrt(D) )       float32
     pool[g, t]   = (p[g,t-2] + p[g,t-1] + p[g,t] + p[g,t+1] + p[g,t+2]) / 5
@@ -174,7 +174,7 @@ def pooled_scores(
     q_rows: [B, Hkv, W, G, D] queries (unscaled), bf16/f16/f32.
     keys: [B, Hkv, T, D] keys (RoPE applied), same dtype as q_rows.
     lengths: optional [B, Hkv] int32, tokens >= L are ignored (never read).
-    kernel_size: must be 5 (the pooling of METHODS.md).
+    kernel_size: must be 5 (the pooling defined above).
     gqa: "max" (runtime selection / drift) or "mean" (calibration).
     block_t: keys per block, power of two >= 16.
     num_warps, num_stages: Triton compiler parameters.

@@ -5,8 +5,8 @@ For each calibration sample (a token sequence, no chat template):
 1. Layer-major prefill with full KV. While a layer's prompt KV exists, the
    last prompt token's query is recomputed from the layer input and scored
    against the prompt keys (``pallas_kernels.scores``: softmax, 5-tap average
-   pooling, GQA aggregated by MEAN as METHODS.md asks for calibration). Its
-   top-k per KV head is K_prefill, kept as a bool mask [L, H, Tp]. The
+   pooling, GQA aggregated by MEAN as the design notes, shared/design/METHODS.md,
+   ask for calibration). Its top-k per KV head is K_prefill, kept as a bool mask [L, H, Tp]. The
    pairwise overlaps of a layer's K_prefill sets are its similarity matrix
    [H, H] (the graph of the star clustering).
 2. ``decode_steps`` greedy decode steps. One jitted function per step runs
@@ -26,10 +26,10 @@ For each calibration sample (a token sequence, no chat template):
    (a number, a name) needs exactly the tokens they point at; ``build_profile``
    keeps heads with copy_score >= tau_copy whole.
 
-Both follow the authors' release rather than METHODS.md's first reading:
+Both follow the authors' release rather than the design notes' first reading:
 top-k = 20% of the calibration length (the paper's App. D "one-fifth of the
 length"; the paper's figures used 1024 of 10K) and the similarity graph at
-the prefill step (the release builds it from the K_prefill sets; METHODS.md
+the prefill step (the release builds it from the K_prefill sets; the notes
 had the last decode step). Stability and similarity stay raw overlaps (Eq. 1):
 their chance level k/L is the same for every head of a calibration, so
 normalising them against it would be a monotone map that changes no role,
@@ -492,7 +492,7 @@ def calibrate(model, texts: Sequence[str] | str, *, data_description: str | None
     each (use :func:`calibration_windows` to cut a long text into windows).
     ``top_k`` defaults to 20% of the shortest sample (the authors'
     release). Greedy decoding for ``decode_steps`` steps; thresholds as in
-    METHODS.md. Deterministic for the same data, settings and seed.
+    the design notes (shared/design/METHODS.md). Deterministic for the same data, settings and seed.
     """
     if isinstance(texts, str):
         texts = [texts]

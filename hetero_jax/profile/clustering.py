@@ -113,7 +113,8 @@ def star_clustering(adj: np.ndarray) -> list[Cluster]:
 
 def assign_roles(stability: np.ndarray, adjs, tau_stable: float, copy_score: np.ndarray | None = None,
                  tau_copy: float | None = None) -> RoleAssignment:
-    """Roles for every head of the model (Sec. 4.1 as pinned by METHODS.md, plus our copy rule).
+    """Roles for every head of the model (Sec. 4.1 as pinned by the design notes, shared/design/METHODS.md,
+    plus our copy rule).
 
     ``stability`` float [L, H] (Eq. 2); ``adjs`` bool [L, H, H] (or a sequence
     of L [H, H] graphs) from :func:`similarity_edges`. Clustered heads become
@@ -240,7 +241,7 @@ def head_budgets(l_base: float, weights: np.ndarray, prompt_len: int) -> np.ndar
 
     ``weights`` float [...] (mean-1 weights of compressed heads; all finite
     and > 0) -> int64 [...]. The clamp to >= 1 token is ours: a head with an
-    empty cache would give NaN attention (METHODS.md pitfalls). The floor is
+    empty cache would give NaN attention (a pitfall the design notes list). The floor is
     plain IEEE (e.g. 100 * 0.29 = 28.999... -> 28), as in the equation.
     """
     w = np.asarray(weights, dtype=np.float64)
