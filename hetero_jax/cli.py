@@ -420,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup = SINGLE
     try:
+        from hetero_jax.runtime import heap
+
+        heap.flags()  # the environment's switches, before a model loads
         if args.command == "generate":
             # the job's variables before anything else: a bad one is refused before JAX starts; in a job the
             # devices are the processes' own (hetero-jax launch --devices-per-process simulates CPU ones)

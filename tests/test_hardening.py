@@ -615,7 +615,7 @@ def test_the_last_engines_end_gives_the_c_heaps_free_memory_back(monkeypatch, tr
 
     gc.collect()
     monkeypatch.setattr(heap, "_live", [0])
-    monkeypatch.setattr(heap, "TRIM", trim)
+    monkeypatch.setitem(heap.flags(), "trim", trim)
     calls = []
     monkeypatch.setattr(heap, "release_free_memory", lambda: calls.append(1) or True)
     a = Engine(MODEL, [random_prompt(40, 1)], FullKV(), tail_capacity=4)

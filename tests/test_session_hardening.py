@@ -397,19 +397,27 @@ def test_env_flag_refuses_other_values(monkeypatch, raw):
                              "1/true/yes/on (on) or 0/false/no/off (off), or unset it (default: on)")
 
 
-def _heap_enabled(value: str) -> subprocess.CompletedProcess:
+def _run(code: str, value: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HETERO_JAX_GC_FREEZE": value, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-c", "from hetero_jax.runtime import heap; print(heap.ENABLED)"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
 def test_gc_freeze_reads_false_words_as_off_and_refuses_a_typo():
-    off = _heap_enabled(" off")
+    """A typo was refused while importing hetero_jax: every command, --help too, printed a traceback and exited
+    1. Now `import hetero_jax` works, the first engine refuses it, and the command line says it in one line."""
+    off = _run("from hetero_jax.runtime import heap; print(heap.flags()['freeze'])", " off")
     assert off.returncode == 0 and off.stdout.strip() == "False", off.stderr
-    bad = _heap_enabled("disable")
+    bad = _run("import hetero_jax; from hetero_jax.runtime import heap; heap.flags()", "disable")
     assert bad.returncode != 0
     assert ("ConfigError: environment variable HETERO_JAX_GC_FREEZE='disable' is not a boolean: use one of "
             "1/true/yes/on (on) or 0/false/no/off (off)") in bad.stderr
+    assert _run("import hetero_jax; print('imported')", "disable").stdout.strip() == "imported"
+    cli = "import sys; from hetero_jax.cli import main; sys.exit(main(sys.argv[1:]))"
+    assert _run(cli, "disable", "--help").returncode == 0
+    refused = _run(cli, "disable", "models")
+    assert refused.returncode == 2 and refused.stderr.startswith(
+        "error: environment variable HETERO_JAX_GC_FREEZE='disable' is not a boolean") and "Traceback" not in \
+        refused.stderr
 
 
 def test_a_session_cannot_be_copied(no_compute):

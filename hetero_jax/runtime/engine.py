@@ -143,6 +143,7 @@ class Engine:
                  is_batch: bool = False):
         check_model(model)
         check_kernel_backend()
+        heap.flags()  # a malformed HETERO_JAX_GC_FREEZE / _MALLOC_TRIM is refused before any compute
         validate_ids(batch, model.config, is_batch)
         policy = bind_policy(model, policy)
         lens = [len(b) for b in batch]

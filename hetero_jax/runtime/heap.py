@@ -10,7 +10,7 @@ the heap (``gc.freeze``): what exists then leaves the collector's scans. Frozen 
 by reference counting (engines, caches and decode states hold no reference cycles); only cyclic
 garbage among them waits, until the last engine is gone and the heap is unfrozen (``gc.unfreeze``).
 Set ``HETERO_JAX_GC_FREEZE=0`` (or false/no/off) to leave the collector alone; a value that is not a
-boolean is refused when hetero_jax is imported (``errors.env_flag``).
+boolean is refused by the first engine, before any compute (``flags``; the command line checks them first).
 
 When the last engine is gone, the C heap's free memory goes back to the system (glibc's ``malloc_trim``):
 XLA's CPU buffers of a few MiB come from glibc's heap once its adaptive mmap threshold has risen, and freed
@@ -27,10 +27,19 @@ import weakref
 
 from hetero_jax.errors import env_flag
 
-ENABLED = env_flag("HETERO_JAX_GC_FREEZE", True)
-TRIM = env_flag("HETERO_JAX_MALLOC_TRIM", True)
+_FLAGS = {"freeze": ("HETERO_JAX_GC_FREEZE", True), "trim": ("HETERO_JAX_MALLOC_TRIM", True)}
+_flags: dict[str, bool] = {}
 _live = [0]  # engines alive
 _frozen = [False]  # whether this module froze the heap: a freeze of the user's own is never undone here
+
+
+def flags() -> dict[str, bool]:
+    """{"freeze": ..., "trim": ...} from the environment, read once. A value that is not a boolean is a
+    ConfigError (read here, not at import, so that a typo is one error line of the command, not a traceback
+    from importing hetero_jax)."""
+    if not _flags:
+        _flags.update({k: env_flag(var, default) for k, (var, default) in _FLAGS.items()})
+    return _flags
 
 
 def engine_started(engine) -> None:
@@ -43,7 +52,7 @@ def _engine_gone() -> None:
     _live[0] -= 1
     if _live[0] == 0:
         unfreeze()
-        if TRIM:
+        if flags()["trim"]:
             release_free_memory()
 
 
@@ -69,7 +78,7 @@ def release_free_memory() -> bool:
 
 def after_compile() -> None:
     """Freeze the heap if an engine is alive (a compile adds most of the long-lived objects)."""
-    if ENABLED and _live[0]:
+    if _live[0] and flags()["freeze"]:
         gc.freeze()
         _frozen[0] = True
 
