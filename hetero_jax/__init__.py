@@ -2,6 +2,8 @@
 
 __version__ = "0.1.0"
 
+import inspect  # noqa: E402
+
 from hetero_jax.model.config import ModelConfig, SUPPORTED_ARCHITECTURES  # noqa: E402
 from hetero_jax.errors import (CheckpointError, ConfigError, HeteroJaxError, OutputError, PromptError,  # noqa: E402
                                SessionBusyError, SessionError)
@@ -31,6 +33,11 @@ class Session(runtime.Session):
 
     def __init__(self, model, context, policy=None, **options):
         super().__init__(model, context, _default_policy(policy), **options)
+
+
+# help() and inspect show the options themselves (the runtime's signatures, policy=None included)
+generate.__signature__ = inspect.signature(runtime.generate)
+Session.__init__.__signature__ = inspect.signature(runtime.Session.__init__)
 
 
 __all__ = [

@@ -383,3 +383,26 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(tiny, temperature):
     greedy = hetero_jax.generate(tiny, p, max_new_tokens=6, chat=False)
     assert hetero_jax.generate(tiny, p, max_new_tokens=6, chat=False, temperature=temperature,
                                seed=1).token_ids == greedy.token_ids
+
+
+def test_the_top_level_functions_show_their_options():
+    """help(hetero_jax.generate) showed (model, prompt, policy=None, **options), not the documented options."""
+    import inspect
+
+    from hetero_jax import runtime
+
+    assert inspect.signature(hetero_jax.generate) == inspect.signature(runtime.generate)
+    assert "max_new_tokens" in inspect.signature(hetero_jax.generate).parameters
+    assert inspect.signature(hetero_jax.Session) == inspect.signature(runtime.Session)
+    assert "reserve_tokens" in inspect.signature(hetero_jax.Session).parameters
+
+
+def test_the_stats_line_of_an_answer_without_decode_steps_says_so():
+    """`decode nan ms/tok` was printed when the answer took no decode step (max_new_tokens 0 or 1)."""
+    from hetero_jax.runtime import GenerationStats
+
+    stats = GenerationStats(prompt_tokens=5, generated_tokens=1, prefill_seconds=0.1, decode_seconds=[],
+                            kv_bytes_device=0, kv_bytes_used=0, kv_bytes_host=0, kv_bytes_host_by_role={},
+                            kv_bytes_index=0, kv_bytes_read_per_step=0, kv_bytes_prompt=0, kv_bytes_tail=0,
+                            stop_reason="max_new_tokens")
+    assert "decode no steps |" in stats.summary() and "nan" not in stats.summary()

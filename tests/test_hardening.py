@@ -267,6 +267,7 @@ def test_optional_and_boolean_parameters_accept_their_values():
                                                  "pool_kernel, gqa"),
     (("heterocache", 0.3), {"profile_key": "x"}, PolicyError, "HeteroCache has no option 'profile_key'"),
     (("full", 0.5), {}, BudgetError, "the full policy keeps the whole prompt"),
+    (("full", 1.5), {}, BudgetError, "budget rho=1.5 is out of range"),  # it was told to give no budget
     # --policy snapkv --option budget=0.3 was a TypeError (two values for make_policy's budget)
     (("snapkv", 0.3), {"budget": 0.3}, PolicyError, "the budget is not an option (got budget=0.3); give it as "
                                                     "make_policy's second argument (--budget on the command line)"),

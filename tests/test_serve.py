@@ -60,6 +60,8 @@ def test_bad_chat_requests_are_refused_naming_the_field(body, param, needle):
     with pytest.raises(RequestError) as e:
         schema.parse_chat(body)
     assert e.value.status == 400 and e.value.param == param and needle in str(e.value)
+    if param == "budget":  # docs/serve.md's code, as for a budget too small for the prompt (it was null)
+        assert e.value.code == "invalid_budget"
 
 
 def test_chat_request_parsing_defaults_and_forms():

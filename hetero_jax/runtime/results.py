@@ -58,11 +58,14 @@ class GenerationStats:
     def decode_ms_per_token(self) -> float:
         return 1e3 * float(np.mean(self.decode_seconds)) if self.decode_seconds else float("nan")
 
+    def _decode_text(self) -> str:
+        return f"{self.decode_ms_per_token:.1f} ms/tok" if self.decode_seconds else "no steps"
+
     def summary(self) -> str:
         return (
             f"prompt {self.prompt_tokens} tok, prefill {self.prefill_seconds:.2f} s "
             f"({self.prefill_tokens_per_second:.0f} tok/s) | generated {self.generated_tokens} tok, "
-            f"decode {self.decode_ms_per_token:.1f} ms/tok | KV device {self.kv_bytes_device / 2**20:.1f} MiB "
+            f"decode {self._decode_text()} | KV device {self.kv_bytes_device / 2**20:.1f} MiB "
             f"(used {self.kv_bytes_used / 2**20:.1f} MiB), host {self.kv_bytes_host / 2**20:.1f} MiB{self._host_roles_text()} | "
             f"rho {self.achieved_rho:.3f}{' | ' + self.policy_summary if self.policy_summary else ''}"
             f"{self._devices_text()} | compile {self.compile_seconds:.1f} s | stop: {self.stop_reason}"

@@ -180,7 +180,7 @@ def _common(d: dict) -> dict:
     budget = d.get("budget")
     if budget is not None and (not is_real(budget) or not 0.0 < budget <= 1.0):
         raise RequestError(f"budget must be a number in (0, 1] (the fraction of the prompt's KV kept on the device), "
-                           f"got {budget!r}", param="budget")
+                           f"got {budget!r}", param="budget", code="invalid_budget")
     return dict(model=model, sampling=Sampling(max_tokens, float(temperature), float(top_p), int(seed),
                                                tuple(stops)),
                 stream=stream, include_usage=include_usage, user=user, policy=policy,
