@@ -90,8 +90,9 @@ def _whitespace_bpe(tok: Tokenizer, llama3: bool) -> Tokenizer:
 
 
 @pytest.mark.parametrize("ending", ENDINGS)
-@pytest.mark.parametrize("chat, llama3", [(True, False), (False, False), (True, True)])
-def test_a_first_turn_tokenises_as_the_whole_prompt(chat_model, ending, chat, llama3):
+@pytest.mark.parametrize("chat, llama3, long", [(True, False, False), (False, False, False), (True, True, False),
+                                                (True, False, True)])
+def test_a_first_turn_tokenises_as_the_whole_prompt(chat_model, ending, chat, llama3, long):
     """The context was encoded alone and the question after it, so a context ending in a space or a newline
     (a document read from a file) gave other tokens than the whole text (' \\n\\n' is one token in it, and
     Llama 3's regex puts '.\\n\\n' in one piece): with full KV, SmolLM2 answered another question. The
@@ -99,7 +100,8 @@ def test_a_first_turn_tokenises_as_the_whole_prompt(chat_model, ending, chat, ll
     from hetero_jax.runtime.session import open_context
 
     tok = _whitespace_bpe(chat_model.tokenizer, llama3)
-    context = "Alice owns the red bicycle. " + ending
+    # long: past the 4,096 characters at the end that settled_length looks at
+    context = "Alice owns the red bicycle. " * (200 if long else 1) + ending
     ids, t = open_context(tok, context, chat)
     turn, _ = t.ask(tok, chat_model.config, QUESTION)
     assert ids + turn == tok.encode_prompt(context + "\n\n" + QUESTION, chat=chat)

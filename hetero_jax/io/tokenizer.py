@@ -59,6 +59,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+_SETTLE_WINDOW = 4096  # characters at a text's end that ``Tokenizer.settled_length`` looks at
+
+
 def check_unicode(text: str, what: str) -> None:
     """PromptError naming ``what`` when ``text`` holds a lone surrogate, which no tokenizer can encode: a byte
     that was not UTF-8, as Python reads it from a command line, a terminal or a file opened with
@@ -177,13 +180,17 @@ class Tokenizer:
         pre = self._tok.pre_tokenizer
         if pre is None or self._tok.normalizer is not None:  # offsets would not be the text's
             return start
-        pieces = pre.pre_tokenize_str(text)
+        # the text's end only (a long context's every pre-token would be a Python tuple): where the window
+        # starts mid-piece, both sides of the check below start there alike
+        w0 = max(0, len(text) - _SETTLE_WINDOW)
+        tail = text[w0:]
+        pieces = pre.pre_tokenize_str(tail)
         if len(pieces) < 3:
             return start
-        cut = max(start, pieces[-2][1][0])
-        if self.encode(text[:cut]) + self.encode(text[cut:]) != self.encode(text):
+        cut = max(start - w0, pieces[-2][1][0])
+        if cut >= len(tail) or self.encode(tail[:cut]) + self.encode(tail[cut:]) != self.encode(tail):
             return start
-        return cut
+        return w0 + cut
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
