@@ -276,7 +276,7 @@ def test_profile_writes_each_output_whole_and_leaves_no_temporary(tiny_checkpoin
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"word{i % 97} and{i % 13}" for i in range(3000)))
     out, plot = tmp_path / "p.json", tmp_path / "roles"  # no extension: PNG, at exactly this path
-    out.write_bytes(OLD)
+    out.write_text('{"format": "hetero-jax-head-profile", "earlier": true}')  # an earlier profile: replaced
     common_flags = ["--model", ours, "--data", str(text), "--tokens", "64", "--samples", "2", "--no-progress"]
     assert main(["profile", *common_flags, "--decode-steps", "3", "--copy-steps", "0", "--out", str(out),
                  "--plot", str(plot)]) == 0

@@ -196,3 +196,36 @@ def test_the_committed_plots_are_marked_as_ours():
     """RESULTS.md's commands re-draw docs/*.png in place: each must be known as a benchmark's output."""
     plots = sorted((Path(__file__).resolve().parent.parent / "docs").glob("*.png"))
     assert plots and [p.name for p in plots if not is_own_output(p)] == []
+
+
+def test_a_command_replaces_only_its_own_kind_of_output(tmp_path, capsys):
+    """Any mark of ours counted: `profile --out cb.npz` replaced an HCAttention codebook (9 CPU-minutes of
+    training) with a profile of another model, and a benchmark's --out could take a profile's place. An output
+    of ours of another kind is refused before any work, naming both kinds; one of the same kind is replaced."""
+    from hetero_jax.errors import OutputError
+    from hetero_jax.io.files import check_output_path, check_outputs
+    from hetero_jax.io.own_outputs import FIGURE, output_kind
+
+    profile = tmp_path / "p.json"
+    profile.write_text('{"format": "hetero-jax-head-profile"}')
+    ranking = tmp_path / "r.json"
+    ranking.write_text('{"format": "hetero-jax-contextkeeper-ranking"}')
+    figure = _figure(tmp_path / "f.png", "png", figure_metadata("png"))
+    assert [output_kind(p) for p in (profile, ranking, figure)] == [
+        "hetero-jax-head-profile", "hetero-jax-contextkeeper-ranking", FIGURE]
+    assert check_output_path(profile, "--out", kind="hetero-jax-head-profile")
+    with pytest.raises(OutputError, match=r"--out .*r\.json exists and is another kind of hetero-jax output "
+                                          r"\(hetero-jax-contextkeeper-ranking, where this command writes a "
+                                          r"hetero-jax-head-profile\)"):
+        check_outputs({"--out": ranking}, kinds={"--out": "hetero-jax-head-profile"})
+    with pytest.raises(OutputError, match="another kind"):
+        check_outputs({"--plot": profile}, kinds={"--plot": FIGURE})
+    with pytest.raises(OutputError, match="another kind"):
+        check_outputs({"--out": figure}, kinds={"--out": "hetero-jax-benchmark"})
+    empty = tmp_path / "e.json"
+    empty.write_text("")
+    assert check_output_path(empty, "--out", kind="hetero-jax-benchmark")  # an empty file: anything may replace
+    # through the command: a profile run refuses the ranking before it loads a model
+    assert main(["profile", "--data", "pydoc", "--tokens", "64", "--out", str(ranking)]) == 2
+    assert "another kind of hetero-jax output" in capsys.readouterr().err
+    assert ranking.read_text() == '{"format": "hetero-jax-contextkeeper-ranking"}'

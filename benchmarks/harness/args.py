@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from harness.results import OUT_DIR, RESULTS_MD
+from harness.results import BENCH_FORMAT, OUT_DIR, RESULTS_MD
 
 
 def policy_spec(text: str) -> str:
@@ -140,9 +140,11 @@ class BenchParser(argparse.ArgumentParser):
             outputs["--plot"] = Path(outputs["--out"]).with_suffix(".png")
         from hetero_jax.errors import OutputError
         from hetero_jax.io.files import check_outputs
+        from hetero_jax.io.own_outputs import FIGURE
 
-        try:
-            check_outputs(outputs, inputs, parents=True, updated=["--results-file"])  # one section rewritten
+        try:  # --results-file: one section rewritten; --out / --plot replace only an earlier result / figure
+            check_outputs(outputs, inputs, parents=True, updated=["--results-file"],
+                          kinds={"--out": BENCH_FORMAT, "--plot": FIGURE})
         except OutputError as e:
             self.error(str(e))
 

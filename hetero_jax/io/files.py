@@ -17,7 +17,7 @@ import tempfile
 from typing import Iterator, Mapping, Sequence, Union
 
 from hetero_jax.errors import OutputError
-from hetero_jax.io.own_outputs import is_own_output
+from hetero_jax.io.own_outputs import output_kind
 
 PathLike = Union[str, os.PathLike]
 
@@ -49,14 +49,16 @@ def path_inside(path: PathLike, folder: PathLike) -> bool:
 
 
 def check_output_path(path: PathLike, flag: str = "output", *, parents: bool = False,
-                      updating: bool = False) -> str:
+                      updating: bool = False, kind: str | None = None) -> str:
     """The resolved path ``path`` will be written to, after refusing (OutputError, naming ``flag``) a directory,
     a missing or unwritable parent directory, an existing file that is not writable (the rename of an atomic
     write would otherwise replace a file its owner made read-only), and an existing file that is not an output
     of ours (:func:`hetero_jax.io.own_outputs.is_own_output`: a command replaces only what it wrote). A symlink
     is followed: its target is what gets written. ``parents``: the writer creates a missing parent, which then
     only has to be creatable. ``updating``: the caller rewrites a file it read, keeping what is not its own
-    (a section of RESULTS.md), so the file need not be an output of ours."""
+    (a section of RESULTS.md), so the file need not be an output of ours. ``kind``: what the command writes
+    there (``own_outputs.output_kind``: a JSON format, a figure); an output of ours of another kind (a codebook
+    where a profile is to go) is refused too."""
     shown = os.fspath(path)
     if not shown:  # "" resolves to the current directory
         raise OutputError(f"{flag} is empty; give the path of a file to write")
@@ -82,20 +84,27 @@ def check_output_path(path: PathLike, flag: str = "output", *, parents: bool = F
     if os.path.isfile(real) and not os.access(real, os.W_OK):
         raise OutputError(f"{flag} {shown} exists and is read-only; choose another {flag} or make it writable "
                           f"(chmod u+w {shown})")
-    if not updating and os.path.isfile(real) and not is_own_output(real):
-        raise OutputError(f"{flag} {shown} exists and is not a file hetero-jax wrote, so it was not replaced; "
-                          f"choose another {flag}, or move {shown} away first")
+    if not updating and os.path.isfile(real):
+        found = output_kind(real)
+        if found is None:
+            raise OutputError(f"{flag} {shown} exists and is not a file hetero-jax wrote, so it was not replaced; "
+                              f"choose another {flag}, or move {shown} away first")
+        if kind is not None and found not in ("", kind):
+            raise OutputError(f"{flag} {shown} exists and is another kind of hetero-jax output ({found}, where "
+                              f"this command writes a {kind}), so it was not replaced; choose another {flag}, or "
+                              f"move {shown} away first")
     return real
 
 
 def check_outputs(outputs: Mapping[str, PathLike | None],
                   inputs: Mapping[str, PathLike | Sequence[PathLike] | None] | None = None, *,
-                  parents: bool = False, updated: Sequence[str] = ()) -> None:
+                  parents: bool = False, updated: Sequence[str] = (), kinds: Mapping[str, str] | None = None) -> None:
     """Refuse (OutputError), before anything is computed or written, any output of ``outputs`` ({flag: path or
     None}) that is the same file as an input of ``inputs`` ({flag: path, list of paths or None}) or as another
     output, that is an existing file inside an input directory (a checkpoint the command reads), or that cannot
     be written (:func:`check_output_path`, ``parents`` passed on; ``updating`` for the flags in ``updated``,
-    files the command edits rather than replaces). Symlinks and hard links are seen through."""
+    files the command edits rather than replaces; ``kind`` from ``kinds`` {flag: kind}). Symlinks and hard links
+    are seen through."""
     inputs = inputs or {}
     seen: list[tuple[str, str]] = []
     for flag, value in outputs.items():
@@ -114,7 +123,7 @@ def check_outputs(outputs: Mapping[str, PathLike | None],
             if same_file(path, other):
                 raise OutputError(f"{flag} {path} is the same file as {other_flag} {other}; the second write "
                                   f"would replace the first. Choose different paths for {other_flag} and {flag}")
-        check_output_path(path, flag, parents=parents, updating=flag in updated)
+        check_output_path(path, flag, parents=parents, updating=flag in updated, kind=(kinds or {}).get(flag))
         seen.append((flag, path))
 
 

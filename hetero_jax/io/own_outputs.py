@@ -42,58 +42,72 @@ def figure_metadata(fmt: str) -> dict | None:
     return None if key is None else {key: OUTPUT_MARK}
 
 
-def is_own_output(path: str | os.PathLike) -> bool:
-    """Whether the existing regular file ``path`` is empty or carries the mark of an output of ours (module
-    docstring). A file that cannot be read is not ours."""
+FIGURE = "figure"  # the kind of every figure of ours (the formats above that have a creator field)
+TEXT = "text"  # the kind of a plain-text output of ours (TEXT_MARK)
+
+
+def output_kind(path: str | os.PathLike) -> str | None:
+    """What output of ours the existing regular file ``path`` is (module docstring): its JSON ``"format"``
+    (``"hetero-jax-head-profile"``, ...; an ``.npz``'s from its ``meta``), :data:`FIGURE`, :data:`TEXT`, or ""
+    for an empty file (anything may replace it); None when it is not ours or cannot be read."""
     try:
         size = os.path.getsize(path)
         if size == 0:
-            return True
+            return ""
         if size > _MAX_SNIFF_BYTES:
-            return False
+            return None
         with open(path, "rb") as f:
             data = f.read()
     except OSError:
-        return False
+        return None
     try:
-        return _marked(data)
+        return _kind(data)
     except Exception:  # noqa: BLE001 - a damaged or foreign file is simply not one of ours
-        return False
+        return None
 
 
-def _marked(data: bytes) -> bool:
+def is_own_output(path: str | os.PathLike, kind: str | None = None) -> bool:
+    """Whether the existing file ``path`` is empty or an output of ours of ``kind`` (None: of any kind), so a
+    command writing a ``kind`` may replace it: a profile run never replaces a codebook or a benchmark's result."""
+    found = output_kind(path)
+    return found is not None and (kind is None or found in ("", kind))
+
+
+def _kind(data: bytes) -> str | None:
     head = data[:16].lstrip()
     if head.startswith(b"{"):
-        doc = json.loads(data.decode("utf-8"))
-        return _format_is_ours(doc)
+        return _format_of(json.loads(data.decode("utf-8")))
     if data.startswith(b"PK"):
-        return _npz_marked(data)
+        return _npz_format(data)
     if data.startswith(_PNG_MAGIC):
-        return _png_software(data) == OUTPUT_MARK
-    if data.startswith(b"%PDF"):
-        return f"/Creator ({OUTPUT_MARK})".encode() in data
-    if data.startswith(b"%!PS"):
-        return f"%%Creator: {OUTPUT_MARK}\n".encode() in data[:4096]
-    if data.startswith(b"\x1f\x8b"):  # svgz
-        return bool(_SVG_CREATOR.search(gzip.decompress(data)))
-    if head.startswith(b"<"):
-        return bool(_SVG_CREATOR.search(data))
-    return data.startswith(TEXT_MARK.encode())
+        ours = _png_software(data) == OUTPUT_MARK
+    elif data.startswith(b"%PDF"):
+        ours = f"/Creator ({OUTPUT_MARK})".encode() in data
+    elif data.startswith(b"%!PS"):
+        ours = f"%%Creator: {OUTPUT_MARK}\n".encode() in data[:4096]
+    elif data.startswith(b"\x1f\x8b"):  # svgz
+        ours = bool(_SVG_CREATOR.search(gzip.decompress(data)))
+    elif head.startswith(b"<"):
+        ours = bool(_SVG_CREATOR.search(data))
+    else:
+        return TEXT if data.startswith(TEXT_MARK.encode()) else None
+    return FIGURE if ours else None
 
 
-def _format_is_ours(doc) -> bool:
-    return isinstance(doc, dict) and isinstance(doc.get("format"), str) and doc["format"].startswith(FORMAT_PREFIX)
+def _format_of(doc) -> str | None:
+    ours = isinstance(doc, dict) and isinstance(doc.get("format"), str) and doc["format"].startswith(FORMAT_PREFIX)
+    return doc["format"] if ours else None
 
 
-def _npz_marked(data: bytes) -> bool:
-    """Whether the .npz archive ``data`` (read already) holds a ``meta`` array whose JSON is ours."""
+def _npz_format(data: bytes) -> str | None:
+    """The ``"format"`` of the ``meta`` array's JSON in the .npz archive ``data`` (read already), if ours."""
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         if "meta.npy" not in z.namelist():
-            return False
+            return None
     import numpy as np  # only here: every layer may import this module
 
     with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
-        return _format_is_ours(json.loads(str(arrays["meta"])))
+        return _format_of(json.loads(str(arrays["meta"])))
 
 
 def _png_software(data: bytes) -> str | None:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hetero_jax.io.own_outputs import FIGURE
+from hetero_jax.profile.schema import FORMAT_NAME
+
 DEFAULT_TOKENS = 1024
 DEFAULT_SAMPLES = 4
 DEFAULT_DECODE_STEPS = 50
@@ -78,11 +81,12 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def check_profile_args(args, out: str | None = None) -> None:
+def check_profile_args(args, out: str | None = None, kind: str = FORMAT_NAME) -> None:
     """Before any work: ProfileError for a bad number or a ``--plot`` that draws nothing; OutputError for an
     ``--out`` / ``--plot`` that would overwrite an input (``--data``, ``--model``) or each other, or that cannot
-    be written (``hetero_jax.io.files.check_outputs``). ``out``: the file ``--out`` names, when the writer
-    changes it (the codebook's ``.npz``); None: ``args.out``."""
+    be written (``hetero_jax.io.files.check_outputs``: an existing ``--out`` must be an earlier output of this
+    ``kind``, the method's file format; ``--plot`` an earlier figure). ``out``: the file ``--out`` names, when
+    the writer changes it (the codebook's ``.npz``); None: ``args.out``."""
     import math
 
     from hetero_jax.io.files import check_outputs
@@ -112,7 +116,8 @@ def check_profile_args(args, out: str | None = None) -> None:
         if not (math.isfinite(v) and 0.0 <= v <= 1.0):
             raise ProfileError(f"--{flag.replace('_', '-')} must be in [0, 1], got {v}")
     check_outputs({"--out": args.out if out is None else out, "--plot": args.plot},
-                  {"--data": [d for d in args.data if d != "pydoc"], "--model": checkpoint_dir(args.model)})
+                  {"--data": [d for d in args.data if d != "pydoc"], "--model": checkpoint_dir(args.model)},
+                  kinds={"--out": kind, "--plot": FIGURE})
     if args.plot is not None:
         from hetero_jax.profile.plot import plot_format
 
@@ -138,15 +143,16 @@ def check_model_args(args, config) -> None:
                            f"KV heads into R-head clusters); use --n-r {heads} or fewer")
 
 
-def load_windows(args, out: str | None = None, check=None, check_model=None):
+def load_windows(args, out: str | None = None, check=None, check_model=None, kind: str = FORMAT_NAME):
     """What every method does before calibrating, in this order: the flags (``check_profile_args`` with
     ``out``, then ``check(args)``, the method's own), the data, the model (``io.hub.load``), the flags against
     the model (``check_model_args``, then ``check_model(args, config)``, the method's own), the calibration
-    windows (``--samples`` of ``--tokens`` tokens each). Returns (model, windows, the data's source)."""
+    windows (``--samples`` of ``--tokens`` tokens each). ``kind``: the method's file format (``--out``).
+    Returns (model, windows, the data's source)."""
     from hetero_jax.io.hub import load
     from hetero_jax.profile.calibrate import calibration_windows, read_texts
 
-    check_profile_args(args, out)  # before reading data, loading the model or calibrating
+    check_profile_args(args, out, kind)  # before reading data, loading the model or calibrating
     if check is not None:
         check(args)
     text, source = read_texts(args.data)

@@ -14,7 +14,7 @@ def run_profile(args) -> int:
     import numpy as np
 
     from hetero_jax.errors import HeteroJaxError
-    from hetero_jax.policies.contextkeeper.ranking import calibrate_ranking
+    from hetero_jax.policies.contextkeeper.ranking import FORMAT_NAME, calibrate_ranking
     from hetero_jax.profile.cli import load_windows
     from hetero_jax.profile.schema import ProfileError
 
@@ -29,7 +29,7 @@ def run_profile(args) -> int:
                                "--sink or --recent")
 
     try:
-        model, windows, source = load_windows(args, check=check)
+        model, windows, source = load_windows(args, check=check, kind=FORMAT_NAME)
         ranking = calibrate_ranking(model, windows, window=args.ck_window, sink=args.sink, recent=args.recent,
                                     top_p=args.top_p, source=f"{source}; {args.samples} window(s) of "
                                     f"{args.tokens} tokens chosen with seed {args.seed}")

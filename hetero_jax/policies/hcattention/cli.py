@@ -11,7 +11,7 @@ def run_profile(args) -> int:
     (``.npz`` added as numpy does) and print its summary; 2 after printing the error of bad flags, data or
     output."""
     from hetero_jax.errors import HeteroJaxError
-    from hetero_jax.policies.hcattention.codebook import MAX_CODES, npz_path, train_codebook
+    from hetero_jax.policies.hcattention.codebook import FORMAT_NAME, MAX_CODES, npz_path, train_codebook
     from hetero_jax.profile.cli import load_windows
     from hetero_jax.profile.schema import ProfileError
 
@@ -36,7 +36,8 @@ def run_profile(args) -> int:
                                f"--codebook-size {per_layer} or fewer, or more --samples or --tokens")
 
     try:
-        model, windows, source = load_windows(args, out=npz_path(args.out), check=check, check_model=check_model)
+        model, windows, source = load_windows(args, out=npz_path(args.out), check=check, check_model=check_model,
+                                              kind=FORMAT_NAME)
         cb = train_codebook(model, windows, sub_dim=args.sub_dim, size=args.codebook_size, batch=args.kmeans_batch,
                             steps=args.kmeans_steps, seed=args.seed, progress=not args.no_progress,
                             source=f"{source}; {args.samples} window(s) of {args.tokens} tokens chosen with seed "
