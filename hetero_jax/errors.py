@@ -62,6 +62,8 @@ def read_json(path: str, error: type[HeteroJaxError], *, missing: str, fix: str)
     A missing file raises ``error(missing)``; a file that is not UTF-8 JSON raises ``error`` naming the
     path, the parser's complaint and ``fix`` (what the user should do about it).
     """
+    if os.path.isdir(path):
+        raise error(f"{path} is a directory, not a file; {fix}")
     if not os.path.isfile(path):
         raise error(missing)
     try:

@@ -270,9 +270,23 @@ def test_an_empty_profile_out_is_refused_before_calibrating(tmp_path, capsys, mo
 @pytest.mark.parametrize("flags, needle", [
     (["--samples", "0"], "--samples must be >= 1, got 0"),
     (["--tau-stable", "nan"], "--tau-stable must be in [0, 1], got nan"),
-    (["--top-k", "0"], "--top-k must be >= 1, got 0"),
+    (["--top-k", "0"], "--top-k must be >= 1 and below --tokens 1024"),
+    (["--tokens", "128", "--top-k", "128"], "--top-k must be >= 1 and below --tokens 128"),  # after the load
+    (["--tokens", "1"], "--tokens must be >= 2, got 1"),  # was refused after the load, as tokens= (the API's)
     (["--copy-steps", "-1"], "--copy-steps must be >= 0, got -1"),
     (["--tau-copy", "1.5"], "--tau-copy must be in [0, 1], got 1.5"),
+    # flags another method reads were taken and changed nothing (review 76)
+    (["--n-r", "2"], "--n-r applies to --method synckv, not heterocache: drop it"),
+    (["--method", "synckv", "--copy-steps", "10"], "--copy-steps applies to --method heterocache, not synckv"),
+    (["--method", "synckv", "--tau-copy", "0.1"], "--tau-copy applies to --method heterocache, not synckv"),
+    (["--method", "contextkeeper", "--top-k", "5"], "--top-k applies to --method heterocache and synckv, not "
+                                                   "contextkeeper"),
+    (["--method", "contextkeeper", "--decode-steps", "99"], "--decode-steps applies to --method heterocache and "
+                                                            "synckv"),
+    (["--method", "hcattention", "--sink", "4"], "--sink applies to --method contextkeeper, not hcattention"),
+    (["--codebook-size", "64"], "--codebook-size applies to --method hcattention, not heterocache"),
+    (["--method", "contextkeeper", "--tokens", "512", "--ck-window", "1000"],
+     "--ck-window 1000 exceeds --tokens 512"),
 ])
 def test_profile_numbers_are_checked_before_loading(tmp_path, capsys, monkeypatch, flags, needle):
     from hetero_jax.io import hub  # where the profile command loads from
@@ -364,3 +378,22 @@ def test_console_scripts_end_at_once_after_an_interrupt():
     assert interrupted.returncode == 130 and "late" not in interrupted.stderr
     normal = subprocess.run([sys.executable, "-c", code, "2"], capture_output=True, text=True, timeout=120)
     assert normal.returncode == 2 and "late" in normal.stderr
+
+
+def test_profile_decode_steps_past_the_context_name_the_fix():
+    """--tokens 128 --decode-steps 600 on a 512-token model was told 'use --tokens -88 or fewer'."""
+    from types import SimpleNamespace
+
+    from hetero_jax.profile import ProfileError
+    from hetero_jax.profile.cli import check_model_args
+
+    config = SimpleNamespace(max_position_embeddings=512, num_kv_heads=3)
+    with pytest.raises(ProfileError, match=r"--decode-steps 600 leaves no room .* use --decode-steps 510 or fewer"):
+        check_model_args(SimpleNamespace(method="heterocache", tokens=128, decode_steps=600), config)
+    with pytest.raises(ProfileError, match=r"--tokens 500 plus --decode-steps 50 exceeds .* use --tokens 462"):
+        check_model_args(SimpleNamespace(method="heterocache", tokens=500, decode_steps=50), config)
+
+
+def test_a_profile_path_that_is_a_directory_says_so(tmp_path, capsys, no_load):
+    _refused(capsys, ["generate", "--policy", "heterocache", "--profile", str(tmp_path), "--prompt", "hi"],
+             f"{tmp_path} is a directory, not a file")

@@ -223,7 +223,7 @@ def test_profile_plot_in_a_format_matplotlib_cannot_write_is_refused(tmp_path, c
     assert main(["profile", "--data", "pydoc", "--out", str(tmp_path / "p.json"),
                  "--plot", str(tmp_path / "roles.txt")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --plot {tmp_path}/roles.txt: matplotlib cannot write .txt files; use one of ")
+    assert err.startswith(f"error: --plot {tmp_path}/roles.txt: .txt is not a format matplotlib writes; use one of ")
     assert ".png" in err and os.listdir(tmp_path) == []
 
 

@@ -229,3 +229,14 @@ def test_a_command_replaces_only_its_own_kind_of_output(tmp_path, capsys):
     assert main(["profile", "--data", "pydoc", "--tokens", "64", "--out", str(ranking)]) == 2
     assert "another kind of hetero-jax output" in capsys.readouterr().err
     assert ranking.read_text() == '{"format": "hetero-jax-contextkeeper-ranking"}'
+
+
+@pytest.mark.parametrize("ext", ["jpg", "tif", "webp", "raw"])
+def test_profile_refuses_a_plot_format_that_cannot_carry_the_mark(ext, tmp_path, capsys):
+    """`--plot roles.jpg` worked once, then the same command refused to replace it (JPEG has no creator field):
+    refused up front, naming the formats that work."""
+    assert main(["profile", "--data", "pydoc", "--out", str(tmp_path / "p.json"),
+                 "--plot", str(tmp_path / f"roles.{ext}")]) == 2
+    err = capsys.readouterr().err
+    assert f".{ext} has no field for hetero-jax's mark, so a re-run could not replace it; use one of" in err
+    assert ".png" in err and ".pdf" in err and os.listdir(tmp_path) == []

@@ -410,7 +410,7 @@ def calibrate_tokens(
     copy_steps = int(copy_steps)
     if copy_steps >= shortest:
         raise ProfileError(f"copy_steps={copy_steps} needs samples longer than the copied span; the shortest "
-                           f"has {shortest} tokens (use at most half of it)")
+                           f"has {shortest} tokens (use fewer copy steps than that; the default is half of it)")
     if longest + copy_steps > cfg.max_position_embeddings:
         raise ProfileError(f"a {longest}-token sample plus {copy_steps} copy steps exceeds the model's "
                            f"context of {cfg.max_position_embeddings} tokens")

@@ -45,8 +45,8 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tau-sim", type=float, default=0.5, help="similarity threshold (default 0.5)")
     p.add_argument("--copy-steps", type=int, default=None,
                    help="teacher-forced steps of the copy phase, which re-feeds 4 runs of each window and "
-                   "scores each head's argmax on the earlier occurrence of the token fed (default 48, at most "
-                   "half of --tokens; 0: no copy phase)")
+                   "scores each head's argmax on the earlier occurrence of the token fed (default 48, or half of "
+                   "--tokens if fewer; below --tokens; 0: no copy phase)")
     p.add_argument("--tau-copy", type=float, default=None,
                    help="copy score from which an anchor or satellite keeps its full KV (default 0.3)")
     p.add_argument("--seed", type=int, default=0, help="chooses the windows (default 0)")
@@ -78,7 +78,20 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kmeans-steps", type=int, default=200, help="hcattention: mini-batch steps (default 200)")
     p.add_argument("--kmeans-batch", type=int, default=10000,
                    help="hcattention: sub-vectors per mini-batch (default 10000)")
+    FLAG_DEFAULTS.update({a.dest: a.default for a in p._actions if a.dest in METHODS_OF_FLAG})
     return p
+
+
+# which methods read each method-specific flag: given to another method, it would change nothing
+METHODS_OF_FLAG = {
+    "decode_steps": ("heterocache", "synckv"), "top_k": ("heterocache", "synckv"),
+    "tau_stable": ("heterocache",), "tau_sim": ("heterocache",), "copy_steps": ("heterocache",),
+    "tau_copy": ("heterocache",), "plot": ("heterocache",), "n_r": ("synckv",),
+    "sink": ("contextkeeper",), "recent": ("contextkeeper",), "ck_window": ("contextkeeper",),
+    "top_p": ("contextkeeper",), "sub_dim": ("hcattention",), "codebook_size": ("hcattention",),
+    "kmeans_steps": ("hcattention",), "kmeans_batch": ("hcattention",),
+}
+FLAG_DEFAULTS: dict = {}  # the parser's defaults of those flags (add_profile_parser): a flag is given if it differs
 
 
 def check_profile_args(args, out: str | None = None, kind: str = FORMAT_NAME) -> None:
@@ -97,20 +110,26 @@ def check_profile_args(args, out: str | None = None, kind: str = FORMAT_NAME) ->
     if args.plot is not None and method != "heterocache":
         raise ProfileError(f"--plot draws the HeteroCache role figure; --method {method} draws nothing. Drop "
                            "--plot (it would write no file)")
+    for dest, methods in METHODS_OF_FLAG.items():
+        if dest in FLAG_DEFAULTS and method not in methods and getattr(args, dest, None) != FLAG_DEFAULTS[dest]:
+            flag = "--" + dest.replace("_", "-")
+            raise ProfileError(f"{flag} applies to --method {' and '.join(methods)}, not {method}: drop it (it "
+                               "would change nothing)")
 
     if getattr(args, "n_r", None) is not None and args.n_r < 1:
         raise ProfileError(f"--n-r must be >= 1, got {args.n_r}")
     for flag in ("tokens", "samples", "decode_steps", "batch_size"):
-        v = getattr(args, flag)
-        if v < 1:
-            raise ProfileError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+        v, least = getattr(args, flag), 2 if flag == "tokens" else 1  # a window needs a prompt and its last query
+        if v < least:
+            raise ProfileError(f"--{flag.replace('_', '-')} must be >= {least}, got {v}")
     if getattr(args, "copy_steps", None) is not None and args.copy_steps < 0:
         raise ProfileError(f"--copy-steps must be >= 0, got {args.copy_steps}")
     tau_copy = getattr(args, "tau_copy", None)
     if tau_copy is not None and not (math.isfinite(tau_copy) and 0.0 <= tau_copy <= 1.0):
         raise ProfileError(f"--tau-copy must be in [0, 1], got {tau_copy}")
-    if args.top_k is not None and args.top_k < 1:
-        raise ProfileError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_k is not None and not 1 <= args.top_k < args.tokens:
+        raise ProfileError(f"--top-k must be >= 1 and below --tokens {args.tokens} (a top-k set of every token "
+                           f"tells nothing), got {args.top_k}")
     for flag in ("tau_stable", "tau_sim"):
         v = getattr(args, flag)
         if not (math.isfinite(v) and 0.0 <= v <= 1.0):
@@ -133,6 +152,9 @@ def check_model_args(args, config) -> None:
     method = getattr(args, "method", "heterocache")
     context = config.max_position_embeddings
     steps = args.decode_steps if method in ("heterocache", "synckv") else 0
+    if steps > context - 2:
+        raise ProfileError(f"--decode-steps {steps} leaves no room in the model's context of {context} tokens for "
+                           f"a window of --tokens; use --decode-steps {context - 2} or fewer")
     if args.tokens + steps > context:
         plus = f" plus --decode-steps {steps}" if steps else ""
         raise ProfileError(f"--tokens {args.tokens}{plus} exceeds the model's context of {context} tokens; use "

@@ -38,12 +38,16 @@ ROLE_COLORS = {
 
 def plot_format(path: str | os.PathLike, flag: str = "plot path") -> str:
     """The image format ``path``'s extension names (PNG without one); ProfileError (naming ``flag``) for one
-    matplotlib cannot write, so a bad ``--plot`` is refused before calibrating."""
+    matplotlib cannot write, or one with no field for hetero-jax's mark (JPEG, TIFF, WebP, raw: a re-run could
+    not tell the file is its own and would refuse to replace it), so a bad ``--plot`` is refused before
+    calibrating."""
     ext = os.path.splitext(os.fspath(path))[1].lstrip(".").lower()
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if ext and ext not in formats:
-        raise ProfileError(f"{flag} {os.fspath(path)}: matplotlib cannot write .{ext} files; use one of "
-                           + ", ".join("." + f for f in sorted(formats)) + " (e.g. roles.png)")
+    marked = sorted(f for f in FigureCanvasBase.get_supported_filetypes() if figure_metadata(f) is not None)
+    if ext and ext not in marked:
+        why = ("has no field for hetero-jax's mark, so a re-run could not replace it"
+               if ext in FigureCanvasBase.get_supported_filetypes() else "is not a format matplotlib writes")
+        raise ProfileError(f"{flag} {os.fspath(path)}: .{ext} {why}; use one of "
+                           + ", ".join("." + f for f in marked) + " (e.g. roles.png)")
     return ext or "png"
 
 

@@ -23,6 +23,9 @@ def run_profile(args) -> int:
             raise ProfileError("--sink must be >= 0, --recent and --ck-window >= 1")
         if not (math.isfinite(args.top_p) and 0.0 < args.top_p <= 1.0):
             raise ProfileError(f"--top-p must be in (0, 1], got {args.top_p}")
+        if args.ck_window > args.tokens:  # it was clipped to the window, and recorded as given
+            raise ProfileError(f"--ck-window {args.ck_window} exceeds --tokens {args.tokens} (it scores the "
+                               f"window's last queries); use --ck-window {args.tokens} or fewer")
         if args.tokens <= args.sink + args.recent:  # the score is the attention mass on [sink, tokens - recent)
             raise ProfileError(f"--tokens {args.tokens} leaves no middle to score between --sink {args.sink} and "
                                f"--recent {args.recent}; use --tokens above {args.sink + args.recent}, or lower "
