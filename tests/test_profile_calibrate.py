@@ -163,9 +163,10 @@ def test_copy_phase_matches_numpy_reference(tiny_params, tiny_samples):
     np.testing.assert_array_equal(np.asarray(hit)[:, 0], (am == src).any(-1))
     assert np.asarray(hit)[1, 0, 2]
 
-    # The rule, on the calibrated scores (tau_stable 0 and tau_sim 1.01: every head an anchor first):
-    # a threshold at the top score makes exactly the heads that reach it volatile.
-    base = prof.reclustered(tau_stable=0.0, tau_sim=1.01)
+    # The rule, on the calibrated scores (tau_stable 0 and tau_sim 1: every head an anchor first, no two heads
+    # here sharing their whole top-k set): a threshold at the top score makes exactly the heads that reach it
+    # volatile.
+    base = prof.reclustered(tau_stable=0.0, tau_sim=1.0)
     assert (base.roles == 1).all()
     tau = float(prof.copy_score.max())
     kept = base.reclustered(tau_copy=tau)

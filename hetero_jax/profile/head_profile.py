@@ -26,8 +26,17 @@ from hetero_jax.profile.clustering import (
 )
 from hetero_jax.profile.metrics import max_similarity, similarity_edges
 from hetero_jax.profile.schema import (SCHEMA_VERSION, ProfileError, ProfileSettings, check_clusters,
-                                       check_fits, from_document, grid_mismatch, read_document, shape_text,
-                                       to_document)
+                                       check_fits, from_document, grid_mismatch, read_document, read_fraction,
+                                       read_int, read_str, shape_text, to_document)
+
+_TAU_FIX = "thresholds are finite numbers in [0, 1], as `hetero-jax profile --tau-stable/--tau-sim/--tau-copy` requires"
+
+
+def _thresholds(tau_stable, tau_sim, tau_copy) -> tuple[float, float, float | None]:
+    """The thresholds of ``build_profile`` / ``reclustered`` checked as calibration checks them (ProfileError)."""
+    return (read_fraction(tau_stable, "tau_stable", optional=False, fix=_TAU_FIX),
+            read_fraction(tau_sim, "tau_sim", optional=False, fix=_TAU_FIX),
+            read_fraction(tau_copy, "tau_copy", fix=_TAU_FIX + " (or None for no copy rule)"))
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -100,6 +109,9 @@ class HeadProfile:
             object.__setattr__(self, name, value)
         if not isinstance(self.settings, ProfileSettings):
             raise ProfileError("settings must be a ProfileSettings")
+        read_int(self.head_dim, "head_dim", minimum=1, fix=None)
+        for name in ("architecture", "model_name", "weights_fingerprint", "source"):
+            read_str(getattr(self, name), name, optional=name != "source", fix=None)
 
     # ------------------------------------------------------------ properties
     num_layers = axis_size("roles", 0, "layers of the profiled model")
@@ -158,6 +170,8 @@ class HeadProfile:
                                "cannot be re-clustered; calibrate one with `hetero-jax profile`")
         tau_stable = self.settings.tau_stable if tau_stable is None else tau_stable
         tau_sim = self.settings.tau_sim if tau_sim is None else tau_sim
+        _thresholds(0.0 if tau_stable is None else tau_stable, 0.0 if tau_sim is None else tau_sim,
+                    tau_copy)  # refuse a bad argument before anything else
         if tau_copy is not None and np.isnan(self.copy_score).all():
             raise ProfileError("this profile stores no copy scores, so tau_copy cannot apply; calibrate one "
                                "with `hetero-jax profile --copy-steps N`")
@@ -207,13 +221,17 @@ class HeadProfile:
         write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "HeadProfile":
-        return from_document(d, cls)
+    def from_dict(cls, d: Mapping, *, where: str | None = None) -> "HeadProfile":
+        """The profile of our JSON document ``d`` (ProfileError, prefixed with ``where``, for a malformed one)."""
+        return from_document(d, cls, where)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "HeadProfile":
         """Read our JSON (see :func:`load_profile` for the authors' format too)."""
-        return cls.from_dict(read_document(path))
+        d = read_document(path)
+        if not isinstance(d, Mapping):
+            raise ProfileError(f"{os.fspath(path)}: not a head profile (a JSON {type(d).__name__}, not an object)")
+        return cls.from_dict(d, where=os.fspath(path))
 
 
 def build_profile(
@@ -240,6 +258,7 @@ def build_profile(
     kept whole (``clustering.assign_roles``). ``settings.tau_*`` are filled from the arguments. ``identity``: the
     profile's ``architecture``, ``head_dim``, ``model_name`` and ``weights_fingerprint`` (see :class:`HeadProfile`).
     """
+    tau_stable, tau_sim, tau_copy = _thresholds(tau_stable, tau_sim, tau_copy)
     stab = np.asarray(stability, dtype=np.float64)
     simm = np.asarray(similarity_matrix, dtype=np.float64)
     if simm.shape != stab.shape + (stab.shape[-1],):

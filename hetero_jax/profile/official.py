@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
 
 from hetero_jax.profile.clustering import COMPRESSED_ROLES, Cluster, Role
 from hetero_jax.profile.head_profile import HeadProfile
-from hetero_jax.profile.schema import FORMAT_NAME, ProfileError, ProfileSettings, read_document
+from hetero_jax.profile.schema import (FORMAT_NAME, ProfileError, ProfileSettings, entry_error, read_document,
+                                       read_grid, read_int, read_mapping)
 
 # Role names used in the authors' files -> our roles (compared lower-case).
 _OFFICIAL_ROLE_NAMES = {
@@ -36,15 +38,20 @@ _OFFICIAL_ROLE_NAMES = {
 
 _PAPER_DATA = "Wikipedia, 50 samples x 10K tokens (paper App. B.1; not recorded in the file)"
 
-# Identity and settings the authors' files do not carry, keyed by a pattern on
-# the file name; applied only when the grid shape agrees. From the public HF
-# configs (head_dim = hidden / heads) and the paper (Sec. 3, App. B-C).
+_NAMES_SHORT = frozenset({"anchor", "volatile", "pivot", "satellite"})
+_NAMES_LONG = frozenset({"stable_unique", "decaying_unique", "similar_leader", "similar_member"})
+
+# Identity and settings the authors' files do not carry, for the two published files. A file is recognised by
+# its content: the role grid's shape (layers x KV heads) together with the role naming of its meta.type_map
+# (the Llama file uses anchor/volatile/..., the Qwen file Stable_Unique/...). A file whose shape is a known
+# model's but whose naming is not (content ambiguous) is matched by the file-name pattern instead. From the
+# public HF configs (head_dim = hidden / heads) and the paper (Sec. 3, App. B-C).
 _KNOWN_MODELS = (
-    (re.compile(r"llama-?3\.1-8b", re.I),
+    (re.compile(r"llama-?3\.1-8b", re.I), _NAMES_SHORT,
      dict(model_name="meta-llama/Llama-3.1-8B-Instruct", architecture="llama", shape=(32, 8), head_dim=128,
           settings=ProfileSettings(top_k=1024, decode_steps=100, tau_stable=0.5, tau_sim=0.5,
                                    calibration_data=_PAPER_DATA, samples=50, tokens_per_sample=10_000))),
-    (re.compile(r"qwen2\.5-14b", re.I),
+    (re.compile(r"qwen2\.5-14b", re.I), _NAMES_LONG,
      dict(model_name="Qwen/Qwen2.5-14B-Instruct", architecture="qwen2", shape=(48, 8), head_dim=128,
           settings=ProfileSettings(decode_steps=100, tau_stable=0.4, tau_sim=0.5,
                                    calibration_data=_PAPER_DATA, samples=50, tokens_per_sample=10_000))),
@@ -67,14 +74,17 @@ def load_profile(
     The format is detected from the contents. For the authors' files, roles
     are mapped by their ``type_map`` names (either naming), clusters and
     allocation values are kept as published (-1 -> NaN for full heads), and
-    identity fields they lack are inferred from the file name where known.
+    identity fields they lack are those of the published model the content matches (grid shape and role
+    naming; the file name only where the content is ambiguous). A file matching no published model loads
+    with a RuntimeWarning: head_dim and the calibration settings are unknown (pass ``head_dim`` and
+    ``settings`` to set them), so HeteroCache's drift threshold falls back to its default.
     Keyword arguments override the corresponding fields (both formats).
     """
     data = read_document(path)
     if isinstance(data, Mapping) and data.get("format") == FORMAT_NAME:
-        prof = HeadProfile.from_dict(data)
+        prof = HeadProfile.from_dict(data, where=os.fspath(path))
     elif isinstance(data, Mapping) and "classification_matrix" in data:
-        prof = _from_official(data, os.path.basename(os.fspath(path)))
+        prof = _from_official(data, os.fspath(path), told=head_dim is not None and settings is not None)
     else:
         raise ProfileError(f"{path}: not a head profile (neither {FORMAT_NAME} nor the "
                            "HeteroCache release format with 'classification_matrix')")
@@ -84,51 +94,91 @@ def load_profile(
     return dataclasses.replace(prof, **overrides) if overrides else prof
 
 
-def _from_official(d: Mapping, filename: str) -> HeadProfile:
-    try:
-        type_map = d["meta"]["type_map"]
-        codes = np.array(d["classification_matrix"], dtype=np.int64)
-        alloc = np.array(d["allocation_matrix"], dtype=np.float64)
-        relations = d["leader_member_relations"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise ProfileError(f"{filename}: malformed HeteroCache release profile: {e!r}") from None
+def _identify(shape: tuple, names: frozenset, filename: str) -> dict[str, Any]:
+    """Identity and settings of the published model an authors' file is for: by content (grid shape and role
+    naming), by file name (with the shape) when only the shape matches; {} when neither identifies it."""
+    same_shape = [(pattern, info) for pattern, naming, info in _KNOWN_MODELS
+                  if info["shape"] == shape and names == naming]
+    if not same_shape:  # content ambiguous or unknown: the file name, if it agrees with the shape
+        same_shape = [(pattern, info) for pattern, _naming, info in _KNOWN_MODELS
+                      if info["shape"] == shape and pattern.search(filename)]
+    if len(same_shape) == 1:
+        return {k: v for k, v in same_shape[0][1].items() if k != "shape"}
+    return {}
+
+
+def _from_official(d: Mapping, path: str, told: bool = False) -> HeadProfile:
+    filename = os.path.basename(path)
+    where, what = path, "malformed HeteroCache release profile"
+    missing = [k for k in ("meta", "classification_matrix", "allocation_matrix", "leader_member_relations")
+               if k not in d]
+    if missing:
+        raise ProfileError(f"{where}: {what}: missing {missing}")
+    meta = read_mapping(d["meta"], "meta", where=where, fix=what)
+    type_map = read_mapping(meta.get("type_map"), "meta.type_map", where=where, fix=what)
+    codes = read_grid(d["classification_matrix"], "classification_matrix", 2, where=where, integer=True, fix=what)
+    alloc = read_grid(d["allocation_matrix"], "allocation_matrix", 2, where=where, fix=what)
+    relations = d["leader_member_relations"]
+    if not isinstance(relations, list):
+        raise entry_error(where, "leader_member_relations", relations,
+                          'a list with one {"pivot": [satellites]} object per layer', what)
     # Their code -> our role, through the role NAME (codes need not match ours).
     code_to_role = {}
     for name, code in type_map.items():
         role = _OFFICIAL_ROLE_NAMES.get(str(name).lower())
         if role is None:
-            raise ProfileError(f"{filename}: unknown role name {name!r} in meta.type_map; "
+            raise ProfileError(f"{where}: unknown role name {name!r} in meta.type_map; "
                                f"known: {sorted(_OFFICIAL_ROLE_NAMES)}")
-        code_to_role[int(code)] = role
+        code_to_role[read_int(code, f"meta.type_map.{name}", where=where, optional=False, fix=what)] = role
     if sorted(code_to_role.values()) != sorted(Role):
-        raise ProfileError(f"{filename}: meta.type_map {type_map} does not name all four roles")
+        raise ProfileError(f"{where}: meta.type_map {type_map} does not name all four roles")
     if codes.ndim != 2 or alloc.shape != codes.shape or len(relations) != codes.shape[0]:
-        raise ProfileError(f"{filename}: classification {codes.shape}, allocation {alloc.shape} and "
+        raise ProfileError(f"{where}: classification {codes.shape}, allocation {alloc.shape} and "
                            f"{len(relations)} cluster layers disagree")
     unknown = set(np.unique(codes).tolist()) - set(code_to_role)
     if unknown:
-        raise ProfileError(f"{filename}: role codes {sorted(unknown)} not in meta.type_map")
+        raise ProfileError(f"{where}: role codes {sorted(unknown)} not in meta.type_map")
     roles = np.vectorize(code_to_role.__getitem__, otypes=[np.int8])(codes)
     # Their meta.counts must agree with their matrix; a mismatch means a damaged file.
-    for name, n in (d["meta"].get("counts") or {}).items():
+    counts = read_mapping(meta.get("counts"), "meta.counts", where=where, optional=True, fix=what)
+    for name, n in counts.items():
+        n = read_int(n, f"meta.counts.{name}", where=where, minimum=0, optional=False, fix=what)
         role = _OFFICIAL_ROLE_NAMES.get(str(name).lower())
-        if role is not None and int((roles == role).sum()) != int(n):
-            raise ProfileError(f"{filename}: meta.counts says {n} {name} heads, matrix has "
+        if role is not None and int((roles == role).sum()) != n:
+            raise ProfileError(f"{where}: meta.counts says {n} {name} heads, matrix has "
                                f"{int((roles == role).sum())}")
     weights = np.where(np.isin(roles, COMPRESSED_ROLES), alloc, np.nan)
-    clusters = tuple(
-        tuple(Cluster(int(p), tuple(int(s) for s in sats)) for p, sats in layer.items())
-        for layer in relations
-    )
-    ident: dict[str, Any] = {}
-    for pattern, info in _KNOWN_MODELS:
-        if pattern.search(filename) and info["shape"] == codes.shape:
-            ident = {k: v for k, v in info.items() if k != "shape"}
-            break
-    else:
+    clusters = []
+    for li, layer in enumerate(relations):
+        layer = read_mapping(layer, f"leader_member_relations[{li}]", where=where, fix=what)
+        row = []
+        for p, sats in layer.items():
+            e = f"leader_member_relations[{li}][{p!r}]"
+            if not re.fullmatch(r"[0-9]+", str(p)):
+                raise entry_error(where, e, p, "a pivot head index (a key like \"5\")", what)
+            if not isinstance(sats, list):
+                raise entry_error(where, e, sats, "a list of satellite head indices", what)
+            row.append(Cluster(int(p), tuple(read_int(s, f"{e}[{si}]", where=where, minimum=0, optional=False,
+                                                      fix=what) for si, s in enumerate(sats))))
+        clusters.append(tuple(row))
+    names = frozenset(str(n).lower() for n in type_map)
+    ident = _identify(codes.shape, names, filename)
+    if not ident:
         for pattern, arch in _ARCH_PATTERNS:
             if pattern.search(filename):
                 ident = {"architecture": arch}
                 break
-    return HeadProfile(roles=roles, clusters=clusters, weights=weights,
-                       source=f"heterocache-release:{filename}", **ident)
+    try:
+        prof = HeadProfile(roles=roles, clusters=tuple(clusters), weights=weights,
+                           source=f"heterocache-release:{filename}", **ident)
+    except ProfileError as e:
+        raise ProfileError(f"{where}: {e}") from None
+    if "head_dim" not in ident and not told:  # no published model; warned only once the file is known good
+        warnings.warn(
+            f"{path}: a HeteroCache release profile of {codes.shape[0]} layers x {codes.shape[1]} KV heads "
+            "that matches neither published model (Llama-3.1-8B-Instruct 32 x 8, Qwen2.5-14B-Instruct 48 x 8): "
+            "its head_dim and calibration settings are unknown, so head_dim is not checked against the model "
+            "and HeteroCache's drift threshold falls back to its default (tau 0.5, no chance correction); pass "
+            "load_profile(..., head_dim=..., settings=ProfileSettings(...)) to set them",
+            RuntimeWarning, stacklevel=3)
+    return prof

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from typing import Any, Mapping
 
@@ -30,6 +31,93 @@ class ProfileError(HeteroJaxError, ValueError):
     """A head profile that is malformed, unreadable or for another model."""
 
 
+# ------------------------------------------------------------ typed reads of file entries
+# One place for the checks every loader (profiles, the authors' files, codebooks, rankings) applies to what it
+# reads: a wrong type or range is a ProfileError naming the file (``where``), the entry, the value and the fix,
+# before anything is computed from it. ``where=None``: an argument of the Python API (no file).
+EDIT_HINT = "the file was edited by hand or damaged; " + CALIBRATE_HINT
+
+
+def entry_error(where, entry: str, value, want: str, fix: str | None = EDIT_HINT) -> ProfileError:
+    """ProfileError "<where>: <entry> = <value> is not <want>; <fix>"."""
+    text = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    return ProfileError(f"{where + ': ' if where else ''}{entry} = {text} is not {want}"
+                        + (f"; {fix}" if fix else ""))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+def read_int(value, entry: str, *, where=None, minimum: int | None = None, optional: bool = True,
+             fix: str | None = EDIT_HINT) -> int | None:
+    """``value`` as an int (a JSON integer: not a float, string or bool), >= ``minimum``; None allowed when
+    ``optional``."""
+    if value is None and optional:
+        return None
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        raise entry_error(where, entry, value, "an integer" + (f" >= {minimum}" if minimum is not None else ""), fix)
+    return int(value)
+
+
+def read_fraction(value, entry: str, *, where=None, optional: bool = True,
+                  fix: str | None = EDIT_HINT) -> float | None:
+    """``value`` as a finite number in [0, 1] (thresholds, shares); None allowed when ``optional``."""
+    if value is None and optional:
+        return None
+    if not _is_real(value) or not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise entry_error(where, entry, value, "a finite number in [0, 1]", fix)
+    return float(value)
+
+
+def read_str(value, entry: str, *, where=None, optional: bool = True, fix: str | None = EDIT_HINT) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise entry_error(where, entry, value, "a string", fix)
+    return value
+
+
+def read_mapping(value, entry: str, *, where=None, optional: bool = False, fix: str | None = EDIT_HINT):
+    """``value`` as a JSON object (a Mapping); ``{}`` for None when ``optional``."""
+    if value is None and optional:
+        return {}
+    if not isinstance(value, Mapping):
+        raise entry_error(where, entry, value, "a JSON object", fix)
+    return value
+
+
+def read_grid(value, entry: str, ndim: int, *, where=None, integer: bool = False, unit: bool = False,
+              fix: str | None = EDIT_HINT) -> np.ndarray:
+    """A rectangular ``ndim``-deep nested list: int64 of JSON integers (``integer``), else float64 of numbers,
+    with null read as NaN; ``unit``: every number in [0, 1] (overlaps and shares)."""
+    def walk(x, depth, at):
+        if depth < ndim:
+            if not isinstance(x, (list, tuple)):
+                raise entry_error(where, f"{entry}{at}", x, f"a list ({ndim}-deep nested lists expected)", fix)
+            return [walk(y, depth + 1, f"{at}[{i}]") for i, y in enumerate(x)]
+        if integer:
+            if not _is_int(x):
+                raise entry_error(where, f"{entry}{at}", x, "an integer", fix)
+        elif x is not None and (not _is_real(x) or (unit and not (math.isfinite(x) and 0 <= x <= 1))):
+            raise entry_error(where, f"{entry}{at}", x, "a number in [0, 1] or null" if unit else "a number or null",
+                              fix)
+        return x
+    rows = walk(value, 0, "")
+    try:
+        a = np.array(rows, dtype=np.int64 if integer else np.float64)
+    except ValueError:  # ragged
+        a = None
+    if a is None or a.ndim != ndim:
+        raise ProfileError(f"{where + ': ' if where else ''}{entry} is not a rectangular {ndim}-dimensional grid "
+                           f"(rows of different lengths)" + (f"; {fix}" if fix else ""))
+    return a
+
+
 @dataclasses.dataclass(frozen=True)
 class ProfileSettings:
     """How the profile was calibrated (None = not recorded)."""
@@ -46,6 +134,44 @@ class ProfileSettings:
     n_clusters: int | None = None  # SyncKV: clusters (R-heads) asked for per layer
     copy_steps: int | None = None  # teacher-forced steps of the copy phase (0: none)
     tau_copy: float | None = None  # copy score from which a compressed head is kept whole
+
+    def __post_init__(self):
+        check_settings(dataclasses.asdict(self), where=None, prefix="", fix=None)
+
+
+# ProfileSettings field -> its reader (``check_settings``)
+_SETTING_READERS = {
+    "top_k": lambda v, e, w, f: read_int(v, e, where=w, minimum=1, fix=f),
+    "decode_steps": lambda v, e, w, f: read_int(v, e, where=w, minimum=0, fix=f),
+    "tau_stable": lambda v, e, w, f: read_fraction(v, e, where=w, fix=f),
+    "tau_sim": lambda v, e, w, f: read_fraction(v, e, where=w, fix=f),
+    "seed": lambda v, e, w, f: read_int(v, e, where=w, fix=f),
+    "calibration_data": lambda v, e, w, f: read_str(v, e, where=w, fix=f),
+    "samples": lambda v, e, w, f: read_int(v, e, where=w, minimum=1, fix=f),
+    "tokens_per_sample": lambda v, e, w, f: read_int(v, e, where=w, minimum=2, fix=f),
+    "method": lambda v, e, w, f: read_str(v, e, where=w, fix=f),
+    "n_clusters": lambda v, e, w, f: read_int(v, e, where=w, minimum=1, fix=f),
+    "copy_steps": lambda v, e, w, f: read_int(v, e, where=w, minimum=0, fix=f),
+    "tau_copy": lambda v, e, w, f: read_fraction(v, e, where=w, fix=f),
+}
+
+
+def check_settings(d: Mapping, *, where=None, prefix: str = "settings.", fix: str | None = EDIT_HINT) -> dict:
+    """The ``ProfileSettings`` fields of ``d``, each type- and range-checked (ProfileError naming the entry):
+    unknown keys are refused, and a recorded top_k must be below tokens_per_sample (the chance level
+    top_k / tokens_per_sample of HeteroCache's drift threshold)."""
+    unknown = sorted(set(d) - set(_SETTING_READERS), key=str)
+    if unknown:
+        raise ProfileError(f"{where + ': ' if where else ''}unknown {prefix.rstrip('.') or 'settings'} "
+                           f"entr{'y' if len(unknown) == 1 else 'ies'} {unknown} (known: {sorted(_SETTING_READERS)})"
+                           + (f"; {fix}" if fix else ""))
+    out = {k: _SETTING_READERS[k](v, prefix + k, where, fix) for k, v in d.items()}
+    k, t = out.get("top_k"), out.get("tokens_per_sample")
+    if k is not None and t is not None and k >= t:
+        raise ProfileError(f"{where + ': ' if where else ''}{prefix}top_k = {k} is not below {prefix}"
+                           f"tokens_per_sample = {t} (every top-k set would be the whole sample)"
+                           + (f"; {fix}" if fix else ""))
+    return out
 
 
 def to_document(p) -> dict:
@@ -75,46 +201,78 @@ def to_document(p) -> dict:
     }
 
 
-def from_document(d: Mapping, make):
+def from_document(d: Mapping, make, where: str | None = None):
     """``make(**fields)`` (``HeadProfile``) of the fields our document ``d`` holds; ProfileError for another
-    format, version or role coding, a malformed document, or a model entry whose shape is not the roles'."""
+    format, version or role coding, a malformed document, or a model entry whose shape is not the roles'.
+    Every entry is type-checked before use; ``where`` (the file) prefixes each message."""
+    at = f"{where}: " if where else ""
     if d.get("format") != FORMAT_NAME:
-        raise ProfileError(f"not a {FORMAT_NAME} document (format={d.get('format')!r})")
+        raise ProfileError(f"{at}not a {FORMAT_NAME} document (format={d.get('format')!r})")
     version = d.get("schema_version")
-    if version not in READABLE_SCHEMA_VERSIONS:
-        raise ProfileError(f"profile schema_version {version!r} is not supported by this "
+    if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
+        raise ProfileError(f"{at}profile schema_version {version!r} is not supported by this "
                            f"hetero-jax (it reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}); "
                            "re-calibrate or upgrade")
     codes = {ROLE_NAMES[r]: int(r) for r in Role}
     if d.get("role_codes") != codes:
-        raise ProfileError(f"profile role codes {d.get('role_codes')} differ from ours {codes}")
+        raise ProfileError(f"{at}profile role codes {d.get('role_codes')} differ from ours {codes}")
+    missing = [k for k in ("model", "roles", "clusters", "allocation_weights", "stability", "similarity")
+               + (("copy_score",) if version >= 2 else ()) if k not in d]
+    if missing:
+        raise ProfileError(f"{at}malformed {FORMAT_NAME} document: missing {missing}; {EDIT_HINT}")
+    m = read_mapping(d["model"], "model", where=where)
+    n_layers = read_int(m.get("num_layers"), "model.num_layers", where=where, minimum=1, optional=False)
+    n_kv = read_int(m.get("num_kv_heads"), "model.num_kv_heads", where=where, minimum=1, optional=False)
+    head_dim = read_int(m.get("head_dim"), "model.head_dim", where=where, minimum=1)
+    ident = {k: read_str(m.get(e), f"model.{e}", where=where)
+             for k, e in (("architecture", "architecture"), ("model_name", "name"),
+                          ("weights_fingerprint", "weights_fingerprint"))}
+    settings = check_settings(read_mapping(d.get("settings", {}), "settings", where=where), where=where)
+    source = read_str(d.get("source", "hetero-jax"), "source", where=where, optional=False)
+    roles = read_grid(d["roles"], "roles", 2, where=where, integer=True)
+    if (n_layers, n_kv) != roles.shape:
+        raise ProfileError(f"{at}model says {n_layers} layers x {n_kv} KV heads but the role grid is "
+                           f"{roles.shape}; {EDIT_HINT}")
+    if not isinstance(d["clusters"], list):
+        raise entry_error(where, "clusters", d["clusters"], "a list with one list of clusters per layer")
+    clusters = []
+    for li, layer in enumerate(d["clusters"]):
+        if not isinstance(layer, list):
+            raise entry_error(where, f"clusters[{li}]", layer,
+                              'a list of {"pivot": head, "satellites": [heads]} (one per cluster of the layer)')
+        row = []
+        for ci, c in enumerate(layer):
+            e = f"clusters[{li}][{ci}]"
+            c = read_mapping(c, e, where=where)
+            sats = c.get("satellites")
+            if not isinstance(sats, list):
+                raise entry_error(where, f"{e}.satellites", sats, "a list of head indices")
+            row.append(Cluster(read_int(c.get("pivot"), f"{e}.pivot", where=where, minimum=0, optional=False),
+                               tuple(read_int(s, f"{e}.satellites[{si}]", where=where, minimum=0, optional=False)
+                                     for si, s in enumerate(sats))))
+        clusters.append(tuple(row))
+
+    def grid(name, ndim=2, unit=True):
+        return read_grid(d[name], name, ndim, where=where, unit=unit)
+
     try:
-        m = d["model"]
-        roles = np.array(d["roles"], dtype=np.int64)
-        prof = make(
+        return make(
             roles=roles,
-            clusters=tuple(tuple(Cluster(int(c["pivot"]), tuple(int(s) for s in c["satellites"]))
-                                 for c in layer) for layer in d["clusters"]),
-            weights=_floats_in(d["allocation_weights"]),
-            stability=_floats_in(d["stability"]),
-            similarity=_floats_in(d["similarity"]),
-            similarity_matrix=None if d.get("similarity_matrix") is None else _floats_in(d["similarity_matrix"]),
-            copy_score=_floats_in(d["copy_score"]) if version >= 2 else None,
-            architecture=m.get("architecture"),
-            head_dim=m.get("head_dim"),
-            model_name=m.get("name"),
-            weights_fingerprint=m.get("weights_fingerprint"),
-            settings=ProfileSettings(**d.get("settings", {})),
-            source=d.get("source", "hetero-jax"),
+            clusters=tuple(clusters),
+            weights=grid("allocation_weights", unit=False),
+            stability=grid("stability"),
+            similarity=grid("similarity"),
+            similarity_matrix=None if d.get("similarity_matrix") is None else grid("similarity_matrix", 3),
+            copy_score=grid("copy_score") if version >= 2 else None,
+            head_dim=head_dim,
+            settings=ProfileSettings(**settings),
+            source=source,
+            **ident,
         )
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, ProfileError):
+    except ProfileError as e:
+        if not where or str(e).startswith(at):
             raise
-        raise ProfileError(f"malformed {FORMAT_NAME} document: {e!r}") from None
-    if (m.get("num_layers"), m.get("num_kv_heads")) != roles.shape:
-        raise ProfileError(f"model says {m.get('num_layers')} layers x {m.get('num_kv_heads')} "
-                           f"KV heads but the role grid is {roles.shape}")
-    return prof
+        raise ProfileError(f"{at}{e}") from None
 
 
 def read_document(path) -> Any:
@@ -183,10 +341,6 @@ def model_shape(cfg: Any):
 def _floats_out(a: np.ndarray) -> list:
     # float() of a float64 reprs with the shortest round-trip string: exact.
     return [_floats_out(x) for x in a] if a.ndim > 1 else [None if math.isnan(x) else float(x) for x in a]
-
-
-def _floats_in(x) -> np.ndarray:
-    return np.array(x, dtype=np.float64)  # None -> nan with dtype float64
 
 
 def check_fits(p, config_like: Any, weights_fingerprint: str | None = None) -> None:

@@ -25,13 +25,15 @@ import hashlib
 import json
 import os
 import time
+import zipfile
+import zlib
 from typing import Any, Sequence
 
 import numpy as np
 
 from hetero_jax.dims import axis_size
 from hetero_jax.io.files import atomic_path
-from hetero_jax.profile.schema import ProfileError
+from hetero_jax.profile.schema import ProfileError, read_int, read_mapping, read_str
 from hetero_jax.profile.shipped import shipped_data_path, shipped_fitting
 
 FORMAT_NAME = "hetero-jax-hcattention-codebook"
@@ -67,6 +69,8 @@ class KeyCodebook:
         if c.shape[1] > MAX_CODES:
             raise ProfileError(f"HCAttention codebook: c={c.shape[1]} centroids do not fit int16 codes (at most "
                                f"{MAX_CODES})")
+        read_int(self.head_dim, "HCAttention codebook: head_dim", minimum=1, fix=None)
+        read_int(self.num_kv_heads, "HCAttention codebook: num_kv_heads", minimum=1, fix=None)
         if self.head_dim is not None and self.head_dim % c.shape[2]:
             raise ProfileError(f"HCAttention codebook: sub-vector dim {c.shape[2]} does not divide head_dim "
                                f"{self.head_dim}")
@@ -154,13 +158,21 @@ def load_codebook(path: str | os.PathLike) -> KeyCodebook:
         raise ProfileError(f"HCAttention codebook file {str(path)!r} does not exist") from None
     except ProfileError:
         raise
-    except (OSError, ValueError, KeyError) as e:  # not an npz, pickled arrays, missing members, bad JSON
-        raise ProfileError(f"HCAttention codebook {str(path)!r} is not readable: {e}") from None
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        # not an npz, a truncated or damaged archive, pickled arrays, missing members, bad JSON
+        raise ProfileError(f"HCAttention codebook {str(path)!r} is not readable: {e}; train it again with "
+                           "`hetero-jax profile --method hcattention`, or copy it again if the copy was cut off") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME or meta.get("version") != SCHEMA_VERSION:
         raise ProfileError(f"{str(path)!r} is not a {FORMAT_NAME} v{SCHEMA_VERSION} file")
-    return KeyCodebook(centroids=centroids, model=str(meta.get("model") or ""), architecture=meta.get("architecture"),
-                       head_dim=meta.get("head_dim"), num_kv_heads=meta.get("num_kv_heads"),
-                       weights_fingerprint=meta.get("weights_fingerprint"), settings=dict(meta.get("settings") or {}))
+    where, fix = f"HCAttention codebook {str(path)!r}", "train the codebook again with `hetero-jax profile --method hcattention`"
+    model = read_str(meta.get("model"), "meta.model", where=where, fix=fix)
+    info = {k: read_str(meta.get(k), f"meta.{k}", where=where, fix=fix) for k in ("architecture", "weights_fingerprint")}
+    ints = {k: read_int(meta.get(k), f"meta.{k}", where=where, minimum=1, fix=fix) for k in ("head_dim", "num_kv_heads")}
+    settings = read_mapping(meta.get("settings"), "meta.settings", where=where, optional=True, fix=fix)
+    try:
+        return KeyCodebook(centroids=centroids, model=model or "", settings=dict(settings), **info, **ints)
+    except ProfileError as e:
+        raise ProfileError(f"{where}: {str(e).removeprefix('HCAttention codebook: ')}") from None
 
 
 def shipped_codebooks(model) -> tuple[KeyCodebook, ...]:
