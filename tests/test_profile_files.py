@@ -11,21 +11,13 @@ import numpy as np
 import pytest
 
 from hetero_jax.policies.hcattention.codebook import KeyCodebook, load_codebook
-from hetero_jax.profile import (HeadProfile, ProfileError, ProfileSettings, build_profile, load_profile,
-                                similarity_matrix, topk_mask)
+from hetero_jax.profile import HeadProfile, ProfileError, ProfileSettings, build_profile, load_profile
+from test_profile_format import synthetic_profile
 
 
-def _profile(n_layers=4, n_heads=3, seed=0):
-    rng = np.random.default_rng(seed)
-    T, k = 64, 16
-    common = rng.random((n_layers, 1, T)) * (rng.random((n_layers, n_heads, 1)) < 0.7)
-    masks = topk_mask(common + 0.5 * rng.random((n_layers, n_heads, T)), k)
-    sims = np.stack([similarity_matrix(m) for m in masks])
-    stab = np.round(rng.random((n_layers, n_heads)), 3)
-    return build_profile(stab, sims, tau_stable=0.5, tau_sim=0.5, copy_score=np.round(rng.random(stab.shape), 3),
-                         tau_copy=0.9, architecture="llama", head_dim=64, model_name="tiny",
-                         settings=ProfileSettings(top_k=k, decode_steps=20, seed=seed, samples=2,
-                                                  tokens_per_sample=T, copy_steps=8))
+def _profile():
+    """A small calibrated-looking profile with copy scores (every settings field filled)."""
+    return synthetic_profile(n_layers=4, copy_steps=8)
 
 
 @pytest.fixture(scope="module")

@@ -69,8 +69,9 @@ def llama8b_config():
                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
 
 
-def synthetic_profile(n_layers=30, n_heads=3, seed=0):
-    """A calibrated-looking profile from random top-k masks (shape of SmolLM2)."""
+def synthetic_profile(n_layers=30, n_heads=3, seed=0, copy_steps=None):
+    """A calibrated-looking profile from random top-k masks (shape of SmolLM2); with ``copy_steps``, copy scores
+    too (tau_copy 0.9)."""
     rng = np.random.default_rng(seed)
     T, k = 64, 16
     # Heads in a layer share a common focus plus noise, so edges exist.
@@ -78,11 +79,12 @@ def synthetic_profile(n_layers=30, n_heads=3, seed=0):
     masks = topk_mask(common + 0.5 * rng.random((n_layers, n_heads, T)), k)
     sims = np.stack([similarity_matrix(m) for m in masks])
     stab = np.round(rng.random((n_layers, n_heads)), 3)
+    copy = {} if copy_steps is None else dict(copy_score=np.round(rng.random(stab.shape), 3), tau_copy=0.9)
     return build_profile(stab, sims, tau_stable=0.5, tau_sim=0.5, architecture="llama", head_dim=64,
-                         model_name="SmolLM2-135M-Instruct", weights_fingerprint="sha256:abc",
+                         model_name="SmolLM2-135M-Instruct", weights_fingerprint="sha256:abc", **copy,
                          settings=ProfileSettings(top_k=k, decode_steps=20, seed=seed,
                                                   calibration_data="pydoc topics", samples=2,
-                                                  tokens_per_sample=T))
+                                                  tokens_per_sample=T, copy_steps=copy_steps))
 
 
 # ------------------------------------------------------------ authors' files
