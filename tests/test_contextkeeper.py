@@ -300,7 +300,11 @@ def test_profile_cli_writes_a_ranking(tiny_checkpoint, tmp_path, capsys):
     cfg = hetero_jax.load(ours).config
     assert r.shape == (cfg.num_layers, cfg.num_kv_heads) and r.settings["samples"] == 2
     assert r.settings["sink"] == 4 and r.settings["recent"] == 8 and r.settings["window"] == 4
-    assert "heads per vote count" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "heads per vote count" in captured.out and "rank heads" not in captured.err  # --no-progress
+    # without --no-progress a bar follows the prefill's layers (the calibration printed nothing for a minute)
+    assert main([a for a in args if a != "--no-progress"]) == 0
+    assert "rank heads: 100%" in capsys.readouterr().err
     assert main(args[:-2] + ["--top-p", "1.5", "--out", str(tmp_path / "x.json")]) == 2
     assert "--top-p must be in (0, 1]" in capsys.readouterr().err
 

@@ -241,6 +241,12 @@ def _synckv_step_jit(params, cache, tokens, cfg, top_k):
 
 
 # --------------------------------------------------------------------- one batch of samples
+def _phase(bar, phase: str) -> None:
+    """The bar's postfix: the batch of samples and the phase it is in (prefill, decode, copy prefill, copy)."""
+    if bar is not None:
+        bar.set_postfix_str(f"{bar.batch_label}: {phase}")
+
+
 def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_steps: int, bar,
                      scoring: str = "heterocache", copy_steps: int = 0):
     """Prefill + decode a right-padded batch of samples; per-row results are independent.
@@ -269,6 +275,7 @@ def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_st
     logits, cache = M.prefill(params, cfg, tokens, lens, chunk=C, tail_capacity=decode_steps + 1,
                               observe=observe, compile_fn=compiled)
     tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    _phase(bar, "decode")
     if scoring == "synckv":
         steps, gen = [], []
         for _ in range(decode_steps):
@@ -304,7 +311,9 @@ def _copy_phase(cfg, params, tokens: np.ndarray, lens: np.ndarray, chunk: int, c
     if not copy_steps:
         return None
     B = tokens.shape[0]
+    _phase(bar, "copy prefill")
     _, cache = M.prefill(params, cfg, tokens, lens, chunk=chunk, tail_capacity=copy_steps + 1, compile_fn=compiled)
+    _phase(bar, "copy")
     src_all = copy_positions(lens, copy_steps)  # [B, C]
     rows = np.arange(B)
     hits = []
@@ -429,13 +438,13 @@ def calibrate_tokens(
         for b0 in range(0, len(samples), batch_size):
             batch = samples[b0:b0 + batch_size]
             if bar is not None:
-                bar.set_postfix_str(f"samples {b0 + 1}-{b0 + len(batch)}/{len(samples)}: prefill")
+                bar.batch_label = f"samples {b0 + 1}-{b0 + len(batch)}/{len(samples)}"
+            _phase(bar, "prefill")
             ov, sim, gen, hits = _calibrate_batch(cfg, params, batch, top_k, int(decode_steps), bar, scoring,
                                                   copy_steps)
             per.extend(zip(ov if ov is not None else [None] * len(batch), sim, gen,
                            hits if hits is not None else [None] * len(batch)))
-            if bar is not None:
-                bar.set_postfix_str(f"samples {b0 + 1}-{b0 + len(batch)}/{len(samples)}: decoded")
+            _phase(bar, "done")
     finally:
         if bar is not None:
             bar.close()

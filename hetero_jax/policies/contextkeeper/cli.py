@@ -35,7 +35,8 @@ def run_profile(args) -> int:
         model, windows, source = load_windows(args, check=check, kind=FORMAT_NAME)
         ranking = calibrate_ranking(model, windows, window=args.ck_window, sink=args.sink, recent=args.recent,
                                     top_p=args.top_p, source=f"{source}; {args.samples} window(s) of "
-                                    f"{args.tokens} tokens chosen with seed {args.seed}")
+                                    f"{args.tokens} tokens chosen with seed {args.seed}",
+                                    progress=not args.no_progress)
         ranking.save(args.out)
     except HeteroJaxError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -184,8 +184,11 @@ def middle_mass(layer, x_in, keys, prompt_lens, cfg, window: int, sink: int, rec
 
 
 def sample_scores(cfg, params, token_samples: Sequence[Sequence[int]], *, window: int, sink: int,
-                  recent: int) -> np.ndarray:
-    """[samples, layers, KV heads] middle-mass scores, one full-KV prefill per group of equal-length samples."""
+                  recent: int, progress: bool = False) -> np.ndarray:
+    """[samples, layers, KV heads] middle-mass scores, one full-KV prefill per group of equal-length samples
+    (``progress``: a bar over those prefills' layers)."""
+    from tqdm.auto import tqdm
+
     from hetero_jax.model import transformer as M
     from hetero_jax.runtime.compile_cache import chunk_bucket, compiled
 
@@ -196,6 +199,7 @@ def sample_scores(cfg, params, token_samples: Sequence[Sequence[int]], *, window
             raise ProfileError(f"calibration sample {i} has {len(s)} tokens; the middle [sink={sink}, "
                                f"T-recent={recent}) is empty: use samples longer than {sink + recent} tokens")
         by_len.setdefault(len(s), []).append(i)
+    bar = tqdm(total=len(by_len) * cfg.num_layers, desc="rank heads", unit="layer", disable=not progress)
     for T, idx in by_len.items():
         C = chunk_bucket(T)
         Tp = -(-T // C) * C
@@ -208,12 +212,16 @@ def sample_scores(cfg, params, token_samples: Sequence[Sequence[int]], *, window
         def observe(li, layer, x_in, k_buf, v_buf, lens_d):
             per_layer.append(middle_mass(layer, x_in, k_buf, lens_d, cfg=cfg, window=window, sink=sink,
                                          recent=recent))
+            if progress:  # waiting for the layer paces the bar (the prefill runs layer after layer anyway)
+                per_layer[-1].block_until_ready()
+                bar.update(1)
 
         M.prefill(params, cfg, tokens, lens, chunk=C, tail_capacity=1, observe=observe, compile_fn=compiled,
                   plan=M.DropKVPlan(lens, cfg.num_layers, cfg.num_kv_heads))
         grid = np.asarray(jnp.stack(per_layer, axis=1), np.float64)  # [b, layers, H]
         for j, i in enumerate(idx):
             out[i] = grid[j]
+    bar.close()
     return np.stack(out)
 
 
@@ -230,12 +238,14 @@ def votes_from_scores(per_sample: np.ndarray, top_p: float) -> np.ndarray:
 
 def calibrate_ranking(model, token_samples: Sequence[Sequence[int]], *, window: int = DEFAULT_WINDOW,
                       sink: int = DEFAULT_SINK, recent: int = DEFAULT_RECENT, top_p: float = DEFAULT_TOP_P,
-                      source: str = "") -> CARanking:
-    """ContextKeeper's ranking of ``model``'s KV heads from token samples (no chat template)."""
+                      source: str = "", progress: bool = False) -> CARanking:
+    """ContextKeeper's ranking of ``model``'s KV heads from token samples (no chat template; ``progress``: a
+    bar over the prefills' layers)."""
     cfg = model.config
     if not 0.0 < top_p <= 1.0:
         raise ProfileError(f"top_p must be in (0, 1], got {top_p!r}")
-    per_sample = sample_scores(cfg, model.params, token_samples, window=window, sink=sink, recent=recent)
+    per_sample = sample_scores(cfg, model.params, token_samples, window=window, sink=sink, recent=recent,
+                               progress=progress)
     return CARanking(
         scores=per_sample.mean(axis=0), votes=votes_from_scores(per_sample, top_p),
         model=str(getattr(model, "name", "") or ""), architecture=getattr(cfg, "architecture", None),
