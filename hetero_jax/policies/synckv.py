@@ -432,7 +432,6 @@ class SyncDecode(DecodeState):
             "rows_recalled": self.rows_recalled,
             "bytes_recalled": self.bytes_recalled,
             "dynamic_overlap": self.overlap_sum / self.overlap_n if self.overlap_n else None,
-            "recall_steps": list(self.recall_steps),
             "recall_failures": self.recall_failures,
         }
 
