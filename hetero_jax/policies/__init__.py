@@ -8,10 +8,10 @@ tokens added after prefill come on top.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 from hetero_jax.policies.base import (
-    BudgetError, Policy, PolicyError, UnknownOptionError, UnknownPolicyError, check_options, smallest_rho, tokens_for,
+    BudgetError, Policy, PolicyError, UnknownOptionError, UnknownPolicyError, check_budget, check_options, smallest_rho,
+    tokens_for,
 )
 from hetero_jax.policies.baselines import CAKE, H2O, FullKV, ProfiledSnapKV, PyramidKV, SnapKV, StreamingLLM
 from hetero_jax.policies.composed import Composed, ScoredPolicy
@@ -92,8 +92,7 @@ def make_policy(name: str, budget: float | None = None, /, **kwargs) -> Policy:
                   hint=" (give the budget as make_policy's second argument, --budget on the command line)")
     if budget is None or cls is FullKV:
         if cls is FullKV and budget not in (None, 1.0):
-            if not (isinstance(budget, numbers.Real) and 0.0 < budget < 1.0):
-                FullKV(budget=budget)  # not a budget at all (out of (0, 1], NaN, a string): that error first
+            check_budget("FullKV", budget)  # not a budget at all (out of (0, 1], NaN, a string): that error first
             raise BudgetError(f"the full policy keeps the whole prompt; give no budget (drop --budget on the "
                               f"command line; got {budget})")
         return cls(**kwargs)

@@ -174,6 +174,17 @@ def smallest_rho(min_tokens: int, prompt_len: int) -> float:
     return min(rho, 1.0)
 
 
+def check_budget(owner: str, b) -> float:
+    """``b`` as a float if it is a budget rho in (0, 1]; BudgetError naming ``owner`` (a policy class) else."""
+    if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Real):
+        raise BudgetError(f"{owner}: budget rho must be a number in (0, 1], the fraction of the prompt's KV kept on "
+                          f"the device; got {b!r} of type {type(b).__name__}")
+    if math.isnan(float(b)) or not (0.0 < float(b) <= 1.0):
+        raise BudgetError(f"{owner}: budget rho={float(b)!r} is out of range; rho is the fraction of the prompt's KV "
+                          "kept on the device and must be in (0, 1]")
+    return float(b)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy(metaclass=_PolicyType):
     budget: float = 1.0
@@ -182,16 +193,8 @@ class Policy(metaclass=_PolicyType):
     summary: ClassVar[str] = ""
 
     def __post_init__(self):
-        b = self.budget
-        if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Real):
-            raise BudgetError(f"{type(self).__name__}: budget rho must be a number in (0, 1], the fraction of the "
-                              f"prompt's KV kept on the device; got {b!r} of type {type(b).__name__}")
-        if math.isnan(float(b)) or not (0.0 < float(b) <= 1.0):
-            raise BudgetError(
-                f"{type(self).__name__}: budget rho={float(b)!r} is out of range; rho is the fraction of the "
-                "prompt's KV kept on the device and must be in (0, 1]"
-            )
-        object.__setattr__(self, "budget", float(b))  # a numpy scalar becomes the float it stands for
+        # a numpy scalar becomes the float it stands for
+        object.__setattr__(self, "budget", check_budget(type(self).__name__, self.budget))
         check_fields(self)
 
     def bind(self, model) -> "Policy":
