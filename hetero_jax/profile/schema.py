@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 from typing import Any, Mapping
 
@@ -19,6 +18,7 @@ import numpy as np
 
 from hetero_jax.errors import HeteroJaxError, read_json
 from hetero_jax.profile.clustering import ROLE_NAMES, Cluster, Role
+from hetero_jax.runtime.prompts import is_int, is_real
 
 FORMAT_NAME = "hetero-jax-head-profile"
 SCHEMA_VERSION = 2
@@ -45,21 +45,13 @@ def entry_error(where, entry: str, value, want: str, fix: str | None = EDIT_HINT
                         + (f"; {fix}" if fix else ""))
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
-
-
 def read_int(value, entry: str, *, where=None, minimum: int | None = None, optional: bool = True,
              fix: str | None = EDIT_HINT) -> int | None:
     """``value`` as an int (a JSON integer: not a float, string or bool), >= ``minimum``; None allowed when
     ``optional``."""
     if value is None and optional:
         return None
-    if not _is_int(value) or (minimum is not None and value < minimum):
+    if not is_int(value) or (minimum is not None and value < minimum):
         raise entry_error(where, entry, value, "an integer" + (f" >= {minimum}" if minimum is not None else ""), fix)
     return int(value)
 
@@ -69,7 +61,7 @@ def read_fraction(value, entry: str, *, where=None, optional: bool = True,
     """``value`` as a finite number in [0, 1] (thresholds, shares); None allowed when ``optional``."""
     if value is None and optional:
         return None
-    if not _is_real(value) or not (math.isfinite(value) and 0.0 <= value <= 1.0):
+    if not is_real(value) or not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise entry_error(where, entry, value, "a finite number in [0, 1]", fix)
     return float(value)
 
@@ -101,9 +93,9 @@ def read_grid(value, entry: str, ndim: int, *, where=None, integer: bool = False
                 raise entry_error(where, f"{entry}{at}", x, f"a list ({ndim}-deep nested lists expected)", fix)
             return [walk(y, depth + 1, f"{at}[{i}]") for i, y in enumerate(x)]
         if integer:
-            if not _is_int(x):
+            if not is_int(x):
                 raise entry_error(where, f"{entry}{at}", x, "an integer", fix)
-        elif x is not None and (not _is_real(x) or (unit and not (math.isfinite(x) and 0 <= x <= 1))):
+        elif x is not None and (not is_real(x) or (unit and not (math.isfinite(x) and 0 <= x <= 1))):
             raise entry_error(where, f"{entry}{at}", x, "a number in [0, 1] or null" if unit else "a number or null",
                               fix)
         return x
