@@ -11,6 +11,7 @@ and ``--method hcattention`` (an HCAttention key codebook) are calibrated beside
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from hetero_jax.io.own_outputs import FIGURE
@@ -78,7 +79,6 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kmeans-steps", type=int, default=200, help="hcattention: mini-batch steps (default 200)")
     p.add_argument("--kmeans-batch", type=int, default=10000,
                    help="hcattention: sub-vectors per mini-batch (default 10000)")
-    FLAG_DEFAULTS.update({a.dest: a.default for a in p._actions if a.dest in METHODS_OF_FLAG})
     return p
 
 
@@ -86,12 +86,18 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
 METHODS_OF_FLAG = {
     "decode_steps": ("heterocache", "synckv"), "top_k": ("heterocache", "synckv"),
     "tau_stable": ("heterocache",), "tau_sim": ("heterocache",), "copy_steps": ("heterocache",),
-    "tau_copy": ("heterocache",), "plot": ("heterocache",), "n_r": ("synckv",),
+    "tau_copy": ("heterocache",), "n_r": ("synckv",),  # --plot: its own refusal, in check_profile_args
     "sink": ("contextkeeper",), "recent": ("contextkeeper",), "ck_window": ("contextkeeper",),
     "top_p": ("contextkeeper",), "sub_dim": ("hcattention",), "codebook_size": ("hcattention",),
     "kmeans_steps": ("hcattention",), "kmeans_batch": ("hcattention",),
 }
-FLAG_DEFAULTS: dict = {}  # the parser's defaults of those flags (add_profile_parser): a flag is given if it differs
+
+
+@functools.cache
+def _flag_defaults() -> dict:
+    """The profile parser's defaults of those flags: a flag was given if its value differs."""
+    p = add_profile_parser(argparse.ArgumentParser().add_subparsers())
+    return {a.dest: a.default for a in p._actions if a.dest in METHODS_OF_FLAG}
 
 
 def check_profile_args(args, out: str | None = None, kind: str = FORMAT_NAME) -> None:
@@ -110,8 +116,9 @@ def check_profile_args(args, out: str | None = None, kind: str = FORMAT_NAME) ->
     if args.plot is not None and method != "heterocache":
         raise ProfileError(f"--plot draws the HeteroCache role figure; --method {method} draws nothing. Drop "
                            "--plot (it would write no file)")
+    defaults = _flag_defaults()
     for dest, methods in METHODS_OF_FLAG.items():
-        if dest in FLAG_DEFAULTS and method not in methods and getattr(args, dest, None) != FLAG_DEFAULTS[dest]:
+        if method not in methods and getattr(args, dest, defaults[dest]) != defaults[dest]:
             flag = "--" + dest.replace("_", "-")
             raise ProfileError(f"{flag} applies to --method {' and '.join(methods)}, not {method}: drop it (it "
                                "would change nothing)")
