@@ -58,15 +58,20 @@ OUR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case,edit,words", OUR_CASES, ids=[c[0] for c in OUR_CASES])
-def test_damaged_own_profile_is_refused_naming_file_entry_value(tmp_path, doc, case, edit, words):
+def _refused(path, doc, edit, words):
+    """``doc`` edited by ``edit`` and written to ``path``: load_profile refuses it naming the file and ``words``."""
     d = copy.deepcopy(doc)
     edit(d)
-    path = tmp_path / f"{case}.json"
     path.write_text(json.dumps(d))
     with pytest.raises(ProfileError) as e:
         load_profile(path)
     assert str(path) in str(e.value) and words in str(e.value)
+
+
+@pytest.mark.parametrize("case,edit,words", OUR_CASES, ids=[c[0] for c in OUR_CASES])
+def test_damaged_own_profile_is_refused_naming_file_entry_value(tmp_path, doc, case, edit, words):
+    path = tmp_path / f"{case}.json"
+    _refused(path, doc, edit, words)
     with pytest.raises(ProfileError):
         HeadProfile.from_json(path)
 
@@ -112,13 +117,7 @@ OFFICIAL_CASES = [
 
 @pytest.mark.parametrize("case,edit,words", OFFICIAL_CASES, ids=[c[0] for c in OFFICIAL_CASES])
 def test_damaged_authors_profile_is_refused(tmp_path, case, edit, words):
-    d = _official_doc()
-    edit(d)
-    path = tmp_path / f"official_profile_llama-3.1-8b-instruct.{case}.json"
-    path.write_text(json.dumps(d))
-    with pytest.raises(ProfileError) as e:
-        load_profile(path)
-    assert str(path) in str(e.value) and words in str(e.value)
+    _refused(tmp_path / f"official_profile_llama-3.1-8b-instruct.{case}.json", _official_doc(), edit, words)
 
 
 @pytest.mark.parametrize("name", ["official_profile_llama-3.1-8b-instruct.json", "authors_profile.json",
