@@ -322,16 +322,16 @@ def resize_tail(cache: KVCache, capacity: int) -> KVCache:
     hold every sequence's tail tokens."""
     if capacity == cache.tail_capacity:
         return cache
-    if capacity < int(np.max(to_host(cache.tail_lens))):
-        raise ValueError(f"a tail of {capacity} rows cannot hold the {int(np.max(to_host(cache.tail_lens)))} "
-                         "tokens already in it")
+    tail_lens = to_host(cache.tail_lens).astype(np.int64)  # [B]
+    if capacity < int(tail_lens.max()):
+        raise ValueError(f"a tail of {capacity} rows cannot hold the {int(tail_lens.max())} tokens already in it")
     lengths = np.stack([to_host(l.lengths) for l in cache.layers])  # [L, B, H]
     old = np.stack([to_host(l.offsets) for l in cache.layers]).astype(np.int64)
     S = cache.pool.num_shards
     new, rows = pool_offsets(lengths, capacity, S)
     L, B, H = lengths.shape
     n_local = H // S
-    used = lengths + to_host(cache.tail_lens).astype(np.int64)[None, :, None]  # rows each head holds now
+    used = lengths + tail_lens[None, :, None]  # rows each head holds now
     src = np.full((B, S, rows), -1, np.int32)
     for li in range(L):
         for b in range(B):
