@@ -41,7 +41,7 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hetero-jax generate --model smollm2-135m --prompt "What is the capital of France? Answer in one sentence." --max-new-tokens 48
 
-# CPU-sized evaluation suite (about 20 min on 2 cores): rewrites its sections of benchmarks/RESULTS.md.
+# CPU-sized evaluation suite (about 13 min on 2 cores: RESULTS.md, refactor-ab-issue39): rewrites its sections of benchmarks/RESULTS.md.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_latency.py --preset cpu --write-results
 	$(BIN)/python benchmarks/bench_needle.py --preset cpu --write-results
@@ -50,7 +50,7 @@ bench: $(STAMP)
 
 # Kernels per decode step for an H100, compiled on this CPU-only machine (benchmarks/bench_step_ops.py). The CUDA
 # plugin lives in its own venv (GPUCOMPILE_VENV), never in .venv: installed, it changes how jax starts.
-# Rewrites the step-ops section of benchmarks/RESULTS.md (about 35 min on 2 cores; STEP_OPS_ARGS to change).
+# Rewrites the step-ops section of benchmarks/RESULTS.md (28-46 min on 2 cores in the runs RESULTS.md records; STEP_OPS_ARGS to change).
 GPUCOMPILE_VENV ?= .venv-gpucompile
 GPUCOMPILE_STAMP := $(GPUCOMPILE_VENV)/.installed
 STEP_OPS_ARGS ?= --lengths 32768 2048 --write-results
