@@ -451,3 +451,15 @@ def test_profile_budgets_below_the_scorers_floor_name_the_smallest_rho():
     assert dataclasses.replace(policy, budget=rho).head_budgets(CFG, L).min() == 32
     with pytest.raises(BudgetError):
         dataclasses.replace(policy, budget=round(rho - 1e-4, 4)).head_budgets(CFG, L)
+
+
+def test_recall_steps_keep_the_most_recent_entries_and_stay_bounded():
+    from hetero_jax.policies.base import RECENT_RECALLS, note_recall_steps
+    steps: list[int] = []
+    for step in range(3 * RECENT_RECALLS):
+        note_recall_steps(steps, step, n=2)  # two layers recalled on each step
+    assert RECENT_RECALLS <= len(steps) <= 2 * RECENT_RECALLS
+    want = [s for s in range(3 * RECENT_RECALLS) for _ in range(2)][-len(steps):]
+    assert steps == want  # the newest entries, in order, none lost between trims
+    note_recall_steps(steps, 10**6)
+    assert steps[-1] == 10**6

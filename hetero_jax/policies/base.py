@@ -174,6 +174,17 @@ def smallest_rho(min_tokens: int, prompt_len: int) -> float:
     return min(rho, 1.0)
 
 
+RECENT_RECALLS = 4096  # entries a decode state's ``recall_steps`` keeps; its counters count every recall
+
+
+def note_recall_steps(steps: list[int], step: int, n: int = 1) -> None:
+    """Append ``step`` ``n`` times to ``steps`` (a decode state's ``recall_steps``), keeping the last
+    RECENT_RECALLS entries, so a session that decodes for days holds a bounded list."""
+    steps.extend([step] * n)
+    if len(steps) > 2 * RECENT_RECALLS:  # trimmed in halves: amortised O(1) per entry
+        del steps[:-RECENT_RECALLS]
+
+
 def check_budget(owner: str, b) -> float:
     """``b`` as a float if it is a budget rho in (0, 1]; BudgetError naming ``owner`` (a policy class) else."""
     if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Real):

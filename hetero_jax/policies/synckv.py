@@ -47,7 +47,7 @@ from hetero_jax.model.host_store import TRANSFER_ERRORS, HostKVStore, write_head
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.model.transformer import prompt_queries
-from hetero_jax.policies.base import PolicyError, int_param, real_param
+from hetero_jax.policies.base import PolicyError, int_param, note_recall_steps, real_param
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
 from pallas_kernels import MASK_VALUE
 from hetero_jax.model.scoring import gather_group, query_probs_max
@@ -327,7 +327,7 @@ class SyncDecode(DecodeState):
         out, ok = self._recall(outs, cache, f"before decode step {step}")
         if ok:
             self.anticipations += 1
-            self.recall_steps.append(step)
+            note_recall_steps(self.recall_steps, step)
         return out
 
     def after_extend(self, turn_queries, cache: KVCache) -> KVCache:

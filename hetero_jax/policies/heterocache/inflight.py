@@ -25,6 +25,7 @@ from hetero_jax.model.cache import KVCache
 from hetero_jax.model.host_store import (TRANSFER_ERRORS, Staging, head_row_requests, kv_rows_nbytes, scatter_rows,
                                         send_host_rows)
 from hetero_jax.model.sharding import to_host
+from hetero_jax.policies.base import note_recall_steps
 from hetero_jax.policies.heterocache.copy_window import update_held
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled, head_requests, write_rows
 from hetero_jax.policies.heterocache.recall import plan_recall
@@ -171,7 +172,7 @@ class AsyncRecalls:
         except TRANSFER_ERRORS as e:
             self._failed(step, e)
             return put_back_base(cache, rec)
-        self.recall_steps += [step] * rec.layers
+        note_recall_steps(self.recall_steps, step, rec.layers)
         self.counters = self.counters.add(recalls=len(rec.items), bytes_recalled=nbytes, recall_wait_s=waited)
         for b in update_held(self.held, self.win, list(rec.held_updates)):
             if self.window_start[b] >= 0:  # a copy window is open: fill the satellite's again
