@@ -4,6 +4,8 @@ values; and the remembered weights fingerprint that makes a profiled policy's re
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -119,3 +121,22 @@ def test_weights_fingerprint_is_remembered_while_the_arrays_live():
     before = weights_fingerprint(host)
     host["embed"][0, 0] += 1.0
     assert weights_fingerprint(host) != before
+
+
+@pytest.mark.parametrize("name", sorted(MAKE))
+def test_smallest_budget_at_least_a_floor_is_the_least_accepted_budget_above_it(name, no_compute):
+    """``at_least``: the budget a server raises its own to for a prompt too short for it."""
+    pol, L = MAKE[name](0.5), 97
+    r = pol.smallest_budget(MODEL, L)
+    for floor in (r / 2, r, min(1.0, r + 0.1234)):
+        if name == "hcattention" and floor > 0.5 * 1.05:  # above every operating point: its own refusal
+            with pytest.raises(BudgetError, match="matches no operating point"):
+                pol.smallest_budget(MODEL, L, at_least=floor)
+            continue
+        got = pol.smallest_budget(MODEL, L, at_least=floor)
+        assert fits(pol, got, L) and got >= floor * (0.95 if name == "hcattention" else 1.0)
+        if name == "hcattention":  # the least operating point the floor (within 5 %) still reaches
+            pts = [p.rho for p in pol.bind(MODEL).operating_points(CFG, L)]
+            assert got == min(p for p in pts if p >= floor * 0.95)
+        else:
+            assert got == max(r, math.ceil(floor * 1e4 - 1e-6) / 1e4)

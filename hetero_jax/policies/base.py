@@ -212,23 +212,30 @@ class Policy(metaclass=_PolicyType):
         """This policy resolved against a loaded model (HeteroCache picks its profile); default: itself."""
         return self
 
-    def smallest_budget(self, model, prompt_len: int) -> float:
-        """The smallest rho (4 decimals) this policy accepts for a ``prompt_len``-token prompt on ``model``.
+    def smallest_budget(self, model, prompt_len: int, at_least: float = 0.0) -> float:
+        """The smallest rho (4 decimals, at least ``at_least``) this policy accepts for a ``prompt_len``-token
+        prompt on ``model``.
 
-        The first budget up the 4-decimal grid of (0, 1] that the plan's budget check passes (``make_prefill``
-        checks every budget rule before any compute; well under a millisecond a try). Every registered policy
-        accepts every budget above it (tests/test_smallest_budget.py). BudgetError (the policy's own, at
+        Every registered policy accepts every budget above its smallest (tests/test_smallest_budget.py), so a
+        bisection of the 4-decimal grid of (0, 1] against the plan's budget check finds it in 14 tries
+        (``make_prefill`` checks every budget rule before any compute). BudgetError (the policy's own, at
         rho = 1) when no budget fits the prompt."""
         bound = self.bind(model)  # once: a profile's checks against the model do not depend on the budget
-        for steps in range(1, 10_000):
+
+        def fits(steps: int) -> bool:
             try:
                 dataclasses.replace(bound, budget=steps / 1e4).bind(model).make_prefill(model.config, [prompt_len])
             except BudgetError:
-                continue
-            return steps / 1e4
-        # rho = 1 last, outside the scan: when it is refused too, the policy's own error says why
+                return False
+            return True
+
+        # rho = 1 first: when it is refused, the policy's own error says why
         dataclasses.replace(bound, budget=1.0).bind(model).make_prefill(model.config, [prompt_len])
-        return 1.0
+        lo, hi = max(0, math.ceil(at_least * 1e4 - 1e-6) - 1), 10_000  # lo: refused (or below the floor)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        return hi / 1e4
 
     def make_prefill(self, cfg: ModelConfig, prompt_lens, compile_fn=None):
         """The prefill plan (``build_layer``, ``finish(cache) -> (cache, DecodeState)``); checks budgets first."""

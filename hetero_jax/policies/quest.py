@@ -75,13 +75,13 @@ class Quest(Policy):
     def sparse_layers(self, cfg: ModelConfig) -> list[int]:
         return list(range(min(self.full_layers, cfg.num_layers), cfg.num_layers))
 
-    def smallest_budget(self, model, prompt_len: int) -> float:
+    def smallest_budget(self, model, prompt_len: int, at_least: float = 0.0) -> float:
         """In device, every budget runs (one page at least): the smallest is the one whose pages hold exactly
         one page beside the partial page; offloaded, the budget check's (``Policy.smallest_budget``)."""
         P, r = divmod(prompt_len, self.page_size)
         if self.offload or P == 0:
-            return super().smallest_budget(model, prompt_len)
-        return smallest_rho(self.page_size + r, prompt_len)
+            return super().smallest_budget(model, prompt_len, at_least)
+        return max(smallest_rho(self.page_size + r, prompt_len), round(at_least, 4))
 
     def plan_pages(self, cfg: ModelConfig, prompt_len: int) -> tuple[int, int, int]:
         """(full pages P, partial-page tokens r, pages selected per step k) of one prompt; BudgetError when

@@ -138,11 +138,16 @@ class HCAttention(Policy):
             points.append(OperatingPoint(dev / full, cb))
         return points
 
-    def smallest_budget(self, model, prompt_len: int) -> float:
-        """The rho of the smallest operating point: the least the device holds. Unlike the base class's scan
-        this is not the least budget accepted: a budget up to 5 % below a point runs at that point (a rounded
-        rho such as 0.0638 for 0.06383 must work), and budgets between the points are refused."""
-        return min(p.rho for p in self.bind(model).operating_points(model.config, prompt_len))
+    def smallest_budget(self, model, prompt_len: int, at_least: float = 0.0) -> float:
+        """The rho of the smallest operating point (of those at least ``at_least``, within the 5 % a budget
+        may fall short of its point): the least the device holds. Unlike the base class's bisection this is
+        not the least budget accepted: a budget up to 5 % below a point runs at that point (a rounded rho such
+        as 0.0638 for 0.06383 must work), and budgets between the points are refused."""
+        bound = self.bind(model)
+        above = [p.rho for p in bound.operating_points(model.config, prompt_len) if p.rho >= at_least * (1 - MATCH)]
+        if not above:  # the budget check's own refusal, listing the points
+            dataclasses.replace(bound, budget=at_least).plan(model.config, [prompt_len])
+        return min(above)
 
     def plan(self, cfg: ModelConfig, prompt_lens) -> OperatingPoint:
         """The operating point every prompt of the batch runs at: the point nearest the budget, within 5% of it
