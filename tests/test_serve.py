@@ -680,3 +680,61 @@ def test_a_held_conversation_keeps_the_rows_it_uses_not_what_max_tokens_reserved
     answers = {m: c.answer(msgs + (("assistant", model.tokenizer.decode(t.token_ids)), ("user", "and then?")),
                            FullKV(), greedy, "u", max_tokens=6) for m, (_, c, t) in held.items()}
     assert answers[400].resumed and answers[400].token_ids == answers[8].token_ids
+
+
+def test_a_prompt_too_short_for_the_servers_budget_is_served_at_the_least_that_fits(tiny_checkpoint):
+    """A short chat ('Hi') under `serve --policy freekv` was a 400: every prompt shorter than the method's least
+    layout was refused. With the server's own policy the budget rises to the smallest that fits the prompt
+    (hand-computed: SnapKV needs its window), or full KV when none does (FreeKV: sinks + window + one page
+    exceed the prompt); a request's own budget is still refused; the conversation resumes under the server's
+    policy; /metrics counts both ways."""
+    from starlette.testclient import TestClient
+
+    import hetero_jax
+    from hetero_jax.policies import BudgetError, FreeKV, FullKV, Quest, SnapKV, PolicyError, smallest_rho
+    from hetero_jax.serve import ServeConfig, create_app
+    from hetero_jax.serve.schema import Sampling
+    from hetero_jax.serve.sessions import Conversations, SessionStore
+
+    model = hetero_jax.load(tiny_checkpoint("llama")[1])
+    greedy, msgs = Sampling(None, 0.0, 1.0, 0, ()), (("user", "the quick brown fox"),)
+    ids = model.tokenizer.encode(Conversations(model, SessionStore(1)).render(msgs), add_special_tokens=False)
+    L = len(ids) - 1  # the context the new conversation prefills (its last token is the first step's)
+    assert 8 < L < 40
+    snap = SnapKV(budget=0.05, window=8)
+    with pytest.raises(BudgetError, match="smallest budget that works"):
+        Conversations(model, SessionStore(4)).answer(msgs, snap, greedy, "u", max_tokens=5)
+
+    def answer(policy, **kw):
+        return Conversations(model, SessionStore(4)).answer(msgs, policy, greedy, "u", max_tokens=5, **kw)
+
+    raised = answer(snap, fit_short=True)
+    want = answer(SnapKV(budget=smallest_rho(8, L), window=8))  # the window's 8 rows, by hand
+    assert raised.short_prompt == "smallest_budget" and raised.token_ids == want.token_ids
+    assert answer(SnapKV(budget=0.5, window=8), fit_short=True).short_prompt == ""  # fits: nothing to raise
+    full = answer(FullKV())
+    whole = answer(FreeKV(budget=0.5), fit_short=True)  # 4 sinks + 4-token window + a 32-token page > L
+    assert whole.short_prompt == "full_kv" and whole.token_ids == full.token_ids
+    with pytest.raises(PolicyError, match="full_layers"):  # the policy does not fit the model: not a short prompt
+        answer(Quest(budget=0.5, full_layers=99), fit_short=True)
+
+    conv = Conversations(model, SessionStore(4))
+    first = conv.answer(msgs, snap, greedy, "u", max_tokens=5, fit_short=True)
+    again = conv.answer(msgs + (("assistant", model.tokenizer.decode(first.token_ids)), ("user", "and?")), snap,
+                        greedy, "u", max_tokens=5, fit_short=True)
+    assert again.resumed  # held under the server's policy, not the raised one
+
+    app = create_app(model, ServeConfig(model_id=MODEL, policy=FreeKV(budget=0.5), policy_name="freekv"))
+    with TestClient(app) as client:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "the quick brown fox"}], "max_tokens": 5,
+                "temperature": 0}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == model.tokenizer.decode(
+            full.token_ids)
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 3})
+        assert r.status_code == 200
+        r = client.post("/v1/chat/completions", json={**body, "budget": 0.5})  # the request's own: refused
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_budget"
+        text = client.get("/metrics").text
+    assert 'hetero_jax_short_prompt_requests_total{served="full_kv"} 2' in text
+    assert 'hetero_jax_short_prompt_requests_total{served="smallest_budget"} 0' in text

@@ -31,7 +31,7 @@ from hetero_jax.runtime import generate
 from hetero_jax.serve import schema
 from hetero_jax.serve.metrics import Metrics
 from hetero_jax.serve.schema import RequestError, error_body
-from hetero_jax.serve.sessions import Conversations, SessionStore, Turn
+from hetero_jax.serve.sessions import Conversations, SessionStore, Turn, fit_to_prompt
 from hetero_jax.serve.worker import ClientGone, EngineWorker, Job, QueueFull
 
 log = logging.getLogger("hetero_jax.serve")
@@ -96,6 +96,13 @@ class Server:
                                f"{self.config.model_id!r} (GET /v1/models)", status=404, param="model",
                                code="model_not_found")
 
+    @staticmethod
+    def is_own_policy(req) -> bool:
+        """Whether ``req`` runs at the server's policy and budget (it names neither): a prompt too short for
+        them is then served at the least budget that fits it (``sessions.fit_to_prompt``), where a request's
+        own policy or budget is refused."""
+        return req.policy is None and req.budget is None
+
     def policy_for(self, policy: str | None, budget: float | None):
         """The request's policy: the server's, its own (``policy``), or the server's at another ``budget``."""
         if policy is None and budget is None:
@@ -117,7 +124,8 @@ class Server:
 
         def run(job: Job) -> Turn:
             on_token = _token_sink(job, emit)
-            return self.conversations.answer(req.messages, policy, s, req.user, max_tokens, on_token=on_token)
+            return self.conversations.answer(req.messages, policy, s, req.user, max_tokens, on_token=on_token,
+                                             fit_short=self.is_own_policy(req))
         return run
 
     def completion_job(self, req: schema.CompletionRequest, policy, emit):
@@ -131,22 +139,33 @@ class Server:
                 raise RequestError(f"the prompt is {n} tokens long but the model's context is {context} tokens, "
                                    "and the answer needs at least one more; shorten the prompt", param="prompt",
                                    code="context_length_exceeded")
-            res = generate(self.model, list(req.prompt) if isinstance(req.prompt, tuple) else req.prompt, policy,
-                           max_new_tokens=s.max_tokens or COMPLETIONS_MAX_TOKENS, temperature=s.temperature,
-                           top_p=s.top_p, seed=s.seed, stop=list(s.stop) or None, chat=False,
-                           on_token=_token_sink(job, emit))
+            prompt = list(req.prompt) if isinstance(req.prompt, tuple) else req.prompt
+
+            def run_at(pol):
+                return generate(self.model, prompt, pol, max_new_tokens=s.max_tokens or COMPLETIONS_MAX_TOKENS,
+                                temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop) or None,
+                                chat=False, on_token=_token_sink(job, emit))
+            short = ""
+            try:  # a budget refusal comes from the plan's checks, before any compute or token
+                res = run_at(policy)
+            except BudgetError as e:
+                if not self.is_own_policy(req):
+                    raise
+                fitted, short = fit_to_prompt(self.model, policy, n, e)
+                res = run_at(fitted)
             st = res.stats
             return Turn(text=res.text, token_ids=tuple(res.token_ids), stop_reason=st.stop_reason,
                         prompt_tokens=st.prompt_tokens, cached_tokens=0, resumed=False,
                         prefill_seconds=st.prefill_seconds, decode_seconds=float(sum(st.decode_seconds)),
-                        decode_steps=len(st.decode_seconds), recalls=int(st.policy_stats.get("recalls", 0)))
+                        decode_steps=len(st.decode_seconds), recalls=int(st.policy_stats.get("recalls", 0)),
+                        short_prompt=short)
         return run
 
     def record(self, turn: Turn) -> None:
         self.metrics.turn(prompt_tokens=turn.prompt_tokens, cached_tokens=turn.cached_tokens,
                           completion_tokens=len(turn.token_ids), prefill_seconds=turn.prefill_seconds,
                           decode_seconds=turn.decode_seconds, decode_steps=turn.decode_steps, resumed=turn.resumed,
-                          recalls=turn.recalls)
+                          recalls=turn.recalls, short_prompt=turn.short_prompt)
 
 
 SCALARS = (bool, int, float, str, type(None))  # what a policy option written as text can stand for

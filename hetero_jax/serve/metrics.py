@@ -6,6 +6,8 @@ import collections
 import threading
 
 PREFIX = "hetero_jax"
+# how a prompt too short for the server's budget was served (``sessions.fit_to_prompt``)
+SHORT_PROMPT = ("smallest_budget", "full_kv")
 
 
 def _escape(value) -> str:
@@ -23,6 +25,7 @@ class Metrics:
         self.seconds = collections.Counter()  # prefill, decode
         self.turns = collections.Counter()  # new, resumed
         self.recalls = 0
+        self.short_prompts = collections.Counter()  # smallest_budget, full_kv (``sessions.fit_to_prompt``)
         self.disconnects = 0
         self.last_prefill_tps = float("nan")
         self.last_decode_tps = float("nan")
@@ -36,9 +39,9 @@ class Metrics:
             self.disconnects += 1
 
     def turn(self, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int, prefill_seconds: float,
-             decode_seconds: float, decode_steps: int, resumed: bool, recalls: int) -> None:
+             decode_seconds: float, decode_steps: int, resumed: bool, recalls: int, short_prompt: str = "") -> None:
         """One answered request: its prompt tokens (``cached_tokens`` of them reused), the time for the rest, and
-        its decode steps."""
+        its decode steps; ``short_prompt``: how a prompt too short for the server's budget was served, if so."""
         new = prompt_tokens - cached_tokens
         with self._lock:
             self.tokens["prompt"] += prompt_tokens
@@ -50,6 +53,8 @@ class Metrics:
             self.tokens["decode_steps"] += decode_steps
             self.turns["resumed" if resumed else "new"] += 1
             self.recalls += recalls
+            if short_prompt:
+                self.short_prompts[short_prompt] += 1
             if prefill_seconds > 0:
                 self.last_prefill_tps = new / prefill_seconds
             if decode_seconds > 0:
@@ -87,6 +92,9 @@ class Metrics:
                    [({}, self.last_decode_tps)])
             metric("turns_total", "counter", "answered chat turns, new conversations and resumed ones",
                    [({"kind": k}, self.turns[k]) for k in ("new", "resumed")])
+            metric("short_prompt_requests_total", "counter", "answered requests whose prompt was too short for "
+                   "the server's budget, by how they were served: the policy's smallest budget that fits, or full KV",
+                   [({"served": k}, self.short_prompts[k]) for k in SHORT_PROMPT])
             metric("recalls_total", "counter", "KV recalls from host memory (HeteroCache)", [({}, self.recalls)])
             metric("client_disconnects_total", "counter", "requests whose client left before the answer was complete",
                    [({}, self.disconnects)])

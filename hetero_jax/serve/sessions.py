@@ -24,14 +24,19 @@ import collections
 import dataclasses
 import hashlib
 import json
+import logging
 import re
 import threading
 
 from hetero_jax.errors import ConfigError, SessionError
 from hetero_jax.model.cache import kv_bytes
+from hetero_jax.policies import BudgetError, FullKV, PolicyError
 from hetero_jax.runtime.compile_cache import tail_capacity_for
 from hetero_jax.runtime.session import Session
+from hetero_jax.serve.metrics import SHORT_PROMPT
 from hetero_jax.serve.schema import RequestError
+
+log = logging.getLogger("hetero_jax.serve")
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -155,6 +160,24 @@ class Turn:
     decode_seconds: float
     decode_steps: int
     recalls: int
+    short_prompt: str = ""  # "", or how a prompt too short for the server's budget was served (``fit_to_prompt``)
+
+
+
+def fit_to_prompt(model, policy, prompt_len: int, error: BudgetError):
+    """(policy, how) for a prompt the server's own policy refused as too short for its budget (``error``): the
+    same policy at the smallest budget above its own that fits the prompt ("smallest_budget": the method's
+    least layout), else full KV ("full_kv": no budget fits, so the whole prompt is smaller than that layout).
+    A PolicyError (the policy does not fit the model) is raised as it is."""
+    if isinstance(error, PolicyError):
+        raise error
+    try:
+        rho = policy.smallest_budget(model, prompt_len, at_least=policy.budget)
+    except BudgetError:
+        return FullKV(), SHORT_PROMPT[1]
+    log.info("a %d-token prompt is too short for %s at rho=%g: served at rho=%g", prompt_len,
+             type(policy).__name__, policy.budget, rho)
+    return dataclasses.replace(policy, budget=rho), SHORT_PROMPT[0]
 
 
 class Conversations:
@@ -170,9 +193,11 @@ class Conversations:
         return self.tok.apply_chat_template([{"role": r, "content": c} for r, c in messages],
                                             add_generation_prompt=True)
 
-    def answer(self, messages, policy, sampling, user: str, max_tokens: int, on_token=None) -> Turn:
+    def answer(self, messages, policy, sampling, user: str, max_tokens: int, on_token=None, *,
+               fit_short: bool = False) -> Turn:
         """Answer the conversation ``messages`` ((role, content), ...): resume the held one it extends, else
-        start one. ``max_tokens``: the answer's cap (fewer when the context runs out)."""
+        start one. ``max_tokens``: the answer's cap (fewer when the context runs out). ``fit_short``: a new
+        conversation too short for ``policy``'s budget starts at the least that fits (``fit_to_prompt``)."""
         owner = (user, policy)
         conv = self.store.take(owner, messages)
         if conv is not None:
@@ -198,10 +223,18 @@ class Conversations:
         # the tail the first answer needs, in TAIL_QUANTUM steps as generate allocates it (Session's default of
         # 512 would grow, and recompile, on the first turn of a 512-token answer)
         reserve = min(tail_capacity_for(max_tokens + 2), self.context - (len(ids) - 1))
-        sess = Session(self.model, ids[:-1], policy, chat=False, seed=sampling.seed, reserve_tokens=reserve)
-        conv = Conversation(sess, owner, (), "", 0, 0, 0)
-        return self._turn(conv, messages, rendered, ids[-1:], sampling, max_tokens, on_token, resumed=False,
+        short = ""
+        try:  # a budget refusal comes from the plan's checks, before any compute
+            sess = Session(self.model, ids[:-1], policy, chat=False, seed=sampling.seed, reserve_tokens=reserve)
+        except BudgetError as e:
+            if not fit_short:
+                raise
+            fitted, short = fit_to_prompt(self.model, policy, len(ids) - 1, e)
+            sess = Session(self.model, ids[:-1], fitted, chat=False, seed=sampling.seed, reserve_tokens=reserve)
+        conv = Conversation(sess, owner, (), "", 0, 0, 0)  # held under the server's policy: its turns resume it
+        turn = self._turn(conv, messages, rendered, ids[-1:], sampling, max_tokens, on_token, resumed=False,
                           fresh_prefill=sess.engine.prefill_seconds)
+        return dataclasses.replace(turn, short_prompt=short)
 
     def _turn(self, conv: Conversation, messages, rendered: str, ids: list[int], sampling, max_tokens: int,
               on_token, *, resumed: bool, fresh_prefill: float = 0.0) -> Turn:
