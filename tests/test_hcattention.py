@@ -177,9 +177,10 @@ def test_k_cap_truncates_and_counts():
     q = (0.5 * np.random.default_rng(3).normal(size=(2, H, G, D))).astype(np.float32)  # flat attention
     out, _, (kstar, trunc) = jax.jit(functools.partial(pol.attend, 0))(jnp.asarray(q), layer_step(cache, [2, 2]))
     kstar, trunc, out = np.asarray(kstar), np.asarray(trunc), np.asarray(out)
-    cap = 5  # ceil(0.1 x 50): the longest prompt's slots
-    assert (kstar <= cap).all() and trunc.any()
+    assert trunc.any()
     for b, L in enumerate(lens):
+        cap = {50: 5, 37: 4}[L]  # ceil(0.1 x L): each sequence's own prompt
+        assert (kstar[b] <= cap).all()
         for h in range(H):
             y, lse, sets, _ = np_prompt_part(q[b, h], k[b, h, :L], None, v[b, h, :L], TAU, True)
             full_k = np.array([len(s) for s in sets])
@@ -283,6 +284,30 @@ def test_batch_equals_one_by_one_and_stats(host_sums):
         assert st["bytes_from_host_per_step"] == 2 * CFG.num_heads * CFG.num_layers * D * 4
         assert st["bytes_to_host_per_step"] == 2 * CFG.num_heads * CFG.num_layers * 150 * 4
         assert 0 < st["host_value_bytes_read_per_step"] <= every_row and st["callback_ms_per_step"] > 0
+
+
+def test_a_token_cap_is_each_sequences_own_fraction_of_its_prompt():
+    """k_cap_fraction 0.2: a 5-token prompt keeps at most ceil(0.2 * 5) = 1 token per query row alone and in a
+    batch beside a 40-token one (the cap came from the batch's longest prompt, 8 tokens: its tokens changed,
+    logits by up to 7.4)."""
+    pol = HCAttention(budget=0.5, tau=0.9, k_cap_fraction=0.2)
+    prompts = [random_prompt(5, 9), random_prompt(40, 10)]
+    eng = Engine(MODEL, prompts, pol, tail_capacity=8, is_batch=True)
+    seen, orig = [], eng.state.after_step
+    eng.state.after_step = lambda s, e, c: (seen.append([np.asarray(x[0]) for x in e]), orig(s, e, c))
+    tok = eng.first_tokens(0.0, 1.0)
+    toks, logits = [tok], []
+    for _ in range(5):
+        tok, lg = eng.step_with_logits(tok)
+        toks.append(tok)
+        logits.append(lg)
+    toks, logits = np.stack(toks, 1), np.stack(logits, 1)
+    kstar = np.stack([np.stack(step) for step in seen])  # [steps, layers, B, H, G]
+    assert kstar[:, :, 0].max() == 1 and kstar[:, :, 1].max() <= 8  # ceil(0.2 * 5), ceil(0.2 * 40)
+    for i, ids in enumerate(prompts):
+        t1, l1, _ = greedy_with_logits(MODEL, pol, [ids])
+        np.testing.assert_array_equal(toks[i], t1[0])
+        np.testing.assert_allclose(logits[i], l1[0], atol=1e-4, rtol=1e-4)
 
 
 def test_a_turn_equals_decoding_its_tokens(host_sums):
@@ -414,3 +439,19 @@ def test_mass_set_equals_a_sorted_cut(seed, T, tau, cap_frac, ties, by_sort):
             continue
         np.testing.assert_array_equal(got[r], want[r], err_msg=f"row {r}: a={a[r]}")
     assert got.sum(-1).max() <= k_cap
+
+
+@pytest.mark.parametrize("by_sort", [False, True])
+def test_mass_set_with_a_cap_per_sequence_equals_each_row_capped_alone(by_sort):
+    """Caps as int32 [B, 1, 1] (one per sequence): every row keeps what the numpy cut keeps at its own cap."""
+    from hetero_jax.policies.hcattention import mass_set
+
+    rng = np.random.default_rng(5)
+    x = rng.exponential(size=(3, 2, 40)) ** 3
+    a = (x / x.sum(-1, keepdims=True)).astype(np.float32)
+    caps = np.array([1, 7, 40], np.int32)
+    got = np.asarray(jax.jit(mass_set, static_argnums=(1, 3))(jnp.asarray(a), 0.95, jnp.asarray(caps)[:, None, None],
+                                                               by_sort))
+    for b, cap in enumerate(caps):
+        np.testing.assert_array_equal(got[b], np_mass_set(a[b], 0.95, int(cap)))
+    assert got[0].sum(-1).max() == 1 and got[1].sum(-1).max() <= 7

@@ -21,6 +21,7 @@ class HCState:
     the host, in the store ``store``)."""
 
     prompt_lens: jax.Array = axes_field("batch")  # [B] int32
+    k_caps: jax.Array = axes_field("batch")  # [B] int32: each sequence's cap on k*, ceil(k_cap_fraction L_b)
     store: jax.Array = axes_field()  # int32 handle of the values-only host store (``host_weighted_sum``)
     keys: jax.Array | None = axes_field("batch", "kv_heads", "tokens", "head_dim", default=None)  # [B, H, T, D]
     codes: jax.Array | None = axes_field("batch", "kv_heads", "tokens", "subvectors", default=None)  # [B, H, T, g]
@@ -44,7 +45,9 @@ def prompt_part(li: int, q, st: HCState, kind: str, tau: float, k_cap_fraction: 
     p = jnp.exp(s - m[..., None])
     l = p.sum(-1)
     a = p / l[..., None]
-    k_cap = max(1, min(T, math.ceil(k_cap_fraction * T)))
+    # each sequence's own cap (a cap from the batch's longest prompt changed a short one's answer with its
+    # neighbours); the default 1.0 never binds and stays a static T
+    k_cap = T if k_cap_fraction >= 1.0 else st.k_caps[:, None, None, None]
     keep = mass_set(a, tau, k_cap) & valid[:, None, None, :]
     w = jnp.where(keep, a, 0.0)
     if values is None:
@@ -56,17 +59,19 @@ def prompt_part(li: int, q, st: HCState, kind: str, tau: float, k_cap_fraction: 
     if renormalize:  # softmax over the kept tokens (and, merged, the tail)
         y, lse = y / mass[..., None], lse + jnp.log(mass)
     kstar = keep.sum(-1, dtype=jnp.int32)
-    truncated = (kstar == k_cap) & (mass < tau) & (k_cap < st.prompt_lens[:, None, None])
+    cap = k_cap if isinstance(k_cap, int) else k_cap[..., 0]  # [B, 1, 1]
+    truncated = (kstar == cap) & (mass < tau) & (cap < st.prompt_lens[:, None, None])
     return y, lse, kstar, truncated
 
 
 MASS_BISECTION_STEPS = 31  # the bits of a non-negative float32 below +inf: the search ends on a value present
 
 
-def mass_set(a, tau: float, k_cap: int, by_sort: bool | None = None):
+def mass_set(a, tau: float, k_cap, by_sort: bool | None = None):
     """Traced: the mass set Pi of every row of probabilities a [..., T] float32 (>= 0), as a [..., T] bool mask:
     the k* most probable tokens, k* = min(k_cap, min{k : sum of the k largest >= tau}) (Eq. 4), ties to the
-    lower index; tau >= 1 keeps every token (up to k_cap).
+    lower index; tau >= 1 keeps every token (up to k_cap). ``k_cap``: an int, or int32 caps broadcastable to
+    [..., 1] (one per sequence).
 
     ``by_sort`` (None: when tracing for a GPU, ``pallas_kernels.traced_for_gpu``): one sort per row and an
     exclusive prefix sum (a GPU sorts in one kernel, where the bisection below is a loop of 31 trips of
@@ -94,7 +99,8 @@ def mass_set(a, tau: float, k_cap: int, by_sort: bool | None = None):
         return jax.lax.fori_loop(0, MASS_BISECTION_STEPS, body, (zero, top))[0]
 
     # k_cap >= T (the default) never binds: the k_cap-th largest value is then the smallest, 0 or above
-    cap = zero if k_cap >= a.shape[-1] else search(lambda x: (a >= x).sum(-1, keepdims=True) >= k_cap)
+    static_cap = isinstance(k_cap, int) and k_cap >= a.shape[-1]
+    cap = zero if static_cap else search(lambda x: (a >= x).sum(-1, keepdims=True) >= k_cap)
     if tau >= 1.0:
         cut = zero
     else:
@@ -112,7 +118,7 @@ def mass_set(a, tau: float, k_cap: int, by_sort: bool | None = None):
     return above | (tie & by_mass & by_cap)
 
 
-def _mass_set_sorted(a, tau: float, k_cap: int):
+def _mass_set_sorted(a, tau: float, k_cap):
     """``mass_set`` by a sort: k* from the exclusive prefix sums of each row sorted in descending order, then
     the tokens above the k*-th largest value and the first ties at it by index."""
     T = a.shape[-1]

@@ -4,6 +4,7 @@ layer's state record (``attention.HCState``), no prompt row in the pool."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,8 @@ class HCPrefill(PrefillPlan):
         self.lens = np.asarray(prompt_lens, np.int64)
         self.compile_fn = compile_fn or (lambda f, *a, **st: functools.partial(f, **st))
         self.point = policy.plan(cfg, self.lens)  # validates every prompt first
+        f = policy.k_cap_fraction  # in Python floats: ceil(0.2 * 5) is 1, in float32 2
+        self.k_caps = np.array([max(1, min(L, math.ceil(f * L))) for L in self.lens.tolist()], np.int32)
         self.store = HostKVStore(cfg.num_layers)
 
     def prompt_counts(self) -> np.ndarray:
@@ -74,7 +77,8 @@ class HCPrefill(PrefillPlan):
         t_max = int(self.lens.max())
         self.store.put(li, None, v_buf[:, :, :t_max])
         # fresh arrays per layer: the decode step donates every cache leaf separately
-        st = HCState(prompt_lens=jnp.asarray(self.lens.astype(np.int32)), store=self.store.handle_array())
+        st = HCState(prompt_lens=jnp.asarray(self.lens.astype(np.int32)), k_caps=jnp.asarray(self.k_caps),
+                     store=self.store.handle_array())
         cb = self.point.codebook
         if cb is None:
             st = st.replace(keys=jnp.array(k_buf[:, :, :t_max]))  # a copy: k_buf may be shared (benchmarks)
