@@ -31,7 +31,11 @@ Two modes, one budget definition:
 
 Our departures: selection is per KV head (group max of the G query heads'
 bounds, FreeKV's "maxS" Quest baseline) rather than per query head, so one
-gather serves the whole group (per-head selection moves G times the rows).
+gather serves the whole group (per-head selection moves G times the rows; not
+measured against it). Generated tokens are never paged: the tail is attended
+in full beside the pages, as by every policy here, where Quest's new tokens
+join the last page and compete for the budget (docs/policies.md, "The budget
+and the row pool", has what it costs).
 Offloaded, step i attends the pages chosen by q_{i-1}, not q_i: fetching q_i's
 pages would be a host round trip inside the jitted step, one per layer, which a
 GPU serialises; the in-device mode (same selection, current query) is the
