@@ -30,10 +30,10 @@ greedy, measured through ``generate``'s decode ``Engine``:
   policy) / (weight bytes + KV bytes with full KV). Weight bytes = every
   parameter once, except the embedding table, of which the token's gather
   reads one row; the lm_head is read in full (SmolLM2 ties it to the
-  embedding table). KV bytes = the device KV the step attends: the row pool as
-  allocated (every head's kept prompt rows plus its rows for added tokens).
-  Printed beside each measured ratio with measured / roofline and whether that
-  is within 10 %.
+  embedding table). KV bytes = what one step reads (``DecodeState.kv_bytes_read``,
+  not the device KV column): the row pool as allocated (Quest: the rows it
+  attends), the policy's index arrays, its host fetches per step counted twice.
+  Printed beside each ratio with measured / roofline and whether that is within 10 %.
 - **KV bytes** (device, host) and **recall trigger rate** (HeteroCache: drift
   checks that triggered / drift checks, over the timed steps) as
   ``Engine.stats_fields()`` reports them.
@@ -70,10 +70,10 @@ HeteroCache's opt-in copy window. ``--preset cpu`` (real 1K and 2K,
 synthetic 2K, rho 0.3 only, 32 timed steps) is the small configuration that
 ``make bench`` runs: 5 to 7 min on 2 shared cores (warm / cold XLA cache).
 
-Outputs: ``--out`` JSON (full config, machine, commit, every sample), a PNG
-beside it, a markdown table on stdout, and with ``--write-results`` the
-``latency`` section of ``benchmarks/RESULTS.md`` (with the HeteroCache rho 0.3
-targets at the longest context: MET / NOT MET).
+Outputs: ``--out`` JSON (full config, machine, commit, every sample; default: benchmarks/out/ and the name of
+the preset's RESULTS section, e.g. latency.json for cpu), a PNG beside it, a markdown table on stdout, and with
+``--write-results`` that section of ``benchmarks/RESULTS.md`` (with the HeteroCache rho 0.3 targets at the longest
+context: MET / NOT MET).
 
     .venv/bin/python benchmarks/bench_latency.py --write-results          # full grid (long)
     .venv/bin/python benchmarks/bench_latency.py --preset cpu             # make bench
@@ -414,24 +414,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "timing either way)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
-    common.add_output_arguments(p, "latency", SECTION, named=True)
+    common.add_output_arguments(p, "latency", SECTION, named=True, out_per_preset=True, out_help="benchmarks/out/"
+                                "SECTION[-merged].json: the preset's RESULTS section (cpu: latency), -merged for --merge")
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                    help="no run: join the JSON of runs of one configuration at different lengths (each length "
                         "once) into one table (with --write-results, the section of their preset)")
     args = common.parse_with_preset(p, PRESETS, argv)
-    args.plot = args.plot or args.out.with_suffix(".png")
     args.synthetic_dtype = args.synthetic_dtype or SYNTHETIC_DEFAULT_DTYPE[args.synthetic_shape]
     args.budgets = common.checked_budgets(p, args.budgets)
-    if args.decode_steps < 1 or args.warmup_steps < 0:
-        p.error("--decode-steps must be >= 1 and --warmup-steps >= 0")
-    if args.ttft_repeats < 1 or args.ttft_warmup < 0:
-        p.error("--ttft-repeats must be >= 1 and --ttft-warmup >= 0")
+    # counts, before the model loads (a --decode-block of 0 steps would never end its decode loop)
+    if min(args.decode_steps, args.decode_block, args.ttft_repeats) < 1 or min(args.warmup_steps, args.ttft_warmup) < 0:
+        p.error("--decode-steps, --decode-block and --ttft-repeats must be >= 1, --warmup-steps and --ttft-warmup >= 0")
     if not args.real_lengths and not args.synthetic_lengths:
         p.error("give at least one of --real-lengths / --synthetic-lengths")
     if any(n < 1 for n in args.real_lengths + args.synthetic_lengths):
         p.error("lengths must be positive")
-    if args.merge:  # each a result file of this script (what merge reads), before any work
-        common.read_json_inputs(p, "--merge", args.merge, script="bench_latency.py", **MERGE_INPUTS)
+    merged = args.merge and common.read_json_inputs(p, "--merge", args.merge, script="bench_latency.py", **MERGE_INPUTS)
+    # each preset its own files (a section's plot is never another run's); a merge's never a run's it may read
+    preset = args.preset or (merged[0]["config"].get("preset") if merged else None)
+    common.fill_outputs(p, args, common.results_section_name(SECTION, preset) + ("-merged" if merged else ""))
     return args
 
 

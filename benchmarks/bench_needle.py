@@ -62,7 +62,7 @@ import haystack  # noqa: E402  (benchmarks/haystack.py)
 from harness import grid  # noqa: E402  (benchmarks/harness/grid.py: the grid runner)
 from harness.needles import (  # noqa: E402
     IDLE_CORES, LOAD_S, NEEDLE_KINDS, answer_correct, config_haystacks, haystack_lines, interp_cost, make_needle,
-    record_haystack, score_grid, summarize,
+    record_haystack, saved_tokenizer, score_grid, shortest_prompt, summarize,
 )
 from harness.prefill import build_engines, greedy_answer  # noqa: E402  (the shared prefill)
 
@@ -157,6 +157,7 @@ def run(args) -> dict:
     skipped = C.refused
     C = C.runnable_somewhere(args.lengths)
     cfg = model.config
+    short_lengths_refused(model.tokenizer, args, sys.exit)  # where parse_args had no tokenizer to check them with
     for L in args.lengths:
         if L + args.max_new_tokens > cfg.max_position_embeddings:
             raise SystemExit(f"prompt {L} + {args.max_new_tokens} new tokens exceeds the model's context of "
@@ -401,7 +402,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--depths must be in [0, 1]")
     if any(n < 1 for n in args.lengths) or args.max_new_tokens < 1:
         p.error("--lengths and --max-new-tokens must be positive")
+    tokenizer = saved_tokenizer(args.model)  # a length too short for the prompt is refused before the model loads
+    if tokenizer is not None:
+        short_lengths_refused(tokenizer, args, p.error)
     return args
+
+
+def short_lengths_refused(tokenizer, args, fail) -> None:
+    """``fail(message)`` when a --lengths value is below the fewest tokens the needle prompt takes."""
+    least = shortest_prompt(tokenizer, args.needle, args.seeds, args.instruction)
+    short = [n for n in args.lengths if n < least]
+    if short:
+        what = "--instruction, needle and question" if args.instruction else "needle and question"
+        fail(f"--lengths {' '.join(map(str, short))}: a {args.needle} needle prompt ({what} in the chat template) "
+             f"takes {least} tokens before any haystack; give lengths of at least {least}")
 
 
 def main(argv=None) -> int:

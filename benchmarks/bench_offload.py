@@ -23,8 +23,8 @@ x ``--recall-layers``) from a store of ``--prompt`` tokens per head:
 Medians of ``--iters`` repeats after warm-up, each recall fetching other rows than the last (its layer's draw
 turned by a random shift per head: the same rows every time would be served from the caches where they fit).
 On a CPU "pinned host" and device are the same memory: the transfer column is a copy inside RAM, not a PCIe link.
-Writes JSON and the markdown; ``--write-results`` rewrites the ``offload`` section of RESULTS.md (``offload-gpu``
-on a GPU).
+Writes JSON and the markdown; ``--write-results`` rewrites the ``offload`` section of ``--results-file`` (RESULTS.md;
+``offload-gpu`` on a GPU; ``--section NAME`` another; a ``--small`` run only with ``--section`` or another file).
 
     python benchmarks/bench_offload.py --write-results                     # this machine
     python benchmarks/bench_offload.py --overlap --write-results           # on a GPU
@@ -33,6 +33,7 @@ on a GPU).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import statistics
@@ -295,14 +296,22 @@ def markdown(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+# --prompt, --rows and --d2h-tokens where not given: the full sizes, or --small's (explicit flags win)
+DEFAULTS = dict(prompt=131072, rows=[256, 1024, 4096], d2h_tokens=[8192, 16384, 32768])
+SMALL_DEFAULTS = dict(prompt=1024, rows=[16, 64], d2h_tokens=[256])
+
+
+def parse_args(argv=None):
     p = common.argument_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--prompt", type=int, default=131072, help="tokens per head in the pinned-host store")
-    p.add_argument("--rows", type=int, nargs="+", default=[256, 1024, 4096],
-                   help="rows recalled per head and layer (x 8 heads x --recall-layers: 8K, 32K, 128K rows)")
+    p.add_argument("--prompt", type=int, default=argparse.SUPPRESS,
+                   help="tokens per head in the pinned-host store (default 131072; --small: 1024)")
+    p.add_argument("--rows", type=int, nargs="+", default=argparse.SUPPRESS,
+                   help="rows recalled per head and layer (x 8 heads x --recall-layers; default 256 1024 4096: 8K, "
+                        "32K, 128K rows; --small: 16 64)")
     p.add_argument("--recall-layers", type=int, default=4, help="layers recalled at once")
-    p.add_argument("--d2h-tokens", type=int, nargs="*", default=[8192, 16384, 32768],
-                   help="tokens per head of the layers offloaded to pinned host memory (prefill's copy)")
+    p.add_argument("--d2h-tokens", type=int, nargs="*", default=argparse.SUPPRESS,
+                   help="tokens per head of the layers offloaded to pinned host memory (prefill's copy; default 8192 "
+                        "16384 32768; --small: 256; none: no such timing)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--overlap", action="store_true",
@@ -311,23 +320,36 @@ def main(argv=None) -> int:
                    help="K/V dtype (bfloat16: Llama's on a GPU; on a CPU XLA widens a bfloat16 scatter to float32 and "
                         "copies the whole pool, so the CPU's transfer column means the float32 run)")
     p.add_argument("--small", action="store_true", help="tiny shapes (smoke test; numbers mean nothing)")
-    p.add_argument("--out", type=Path, default=common.OUT_DIR / "offload.json")
-    p.add_argument("--write-results", action="store_true",
-                   help="rewrite the 'offload' section of RESULTS.md ('offload-gpu' on a GPU)")
+    p.add_argument("--out", type=Path, default=common.OUT_DIR / "offload.json", help="JSON output")
+    # the section: 'offload' ('offload-gpu' on a GPU) unless --section names another
+    common.add_results_arguments(p, SECTION, presets=False, named=True)
     args = p.parse_args(argv)
-    if args.small and args.prompt == 131072:
-        args.prompt, args.rows, args.d2h_tokens = 1024, [16, 64], [256]
+    for key, value in (SMALL_DEFAULTS if args.small else DEFAULTS).items():
+        if not hasattr(args, key):
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+    # every count before any work (a zero or negative one fails deep in the run, or never ends its loop)
+    if min(args.prompt, args.recall_layers, args.iters, *args.rows, *args.d2h_tokens) < 1 or args.warmup < 0:
+        p.error("--prompt, --rows, --recall-layers, --d2h-tokens and --iters must be >= 1 and --warmup >= 0")
     if args.prompt < args.recall_layers * max(args.rows):
         # the memcpy from the store copies a recall's bytes as one span of a K layer and one of a V layer
         p.error(f"--prompt {args.prompt} is below --recall-layers x the largest --rows "
                 f"({args.recall_layers * max(args.rows)}): a layer must hold a recall's bytes as one span")
+    if args.small and args.write_results and args.section is None and args.results_file.resolve() == \
+            common.RESULTS_MD.resolve():  # a smoke test never replaces the measured section
+        p.error(f"--small numbers mean nothing: --write-results would replace the '{SECTION}' section of "
+                f"{common.RESULTS_MD.name} with them; give --section {SECTION}-NAME or another --results-file "
+                "(or drop --small)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     import jax
 
-    machine = common.machine_info()
+    # the header (commit, time, machine) as the run starts: the code that ran, not the tree at its end
+    payload = common.report_header(SECTION, {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
     t0 = time.perf_counter()
     result = run(args)
-    payload = common.report_header(SECTION, {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                                   machine)
     payload["result"] = result
     payload["total_seconds"] = time.perf_counter() - t0
     md = markdown(payload)
@@ -335,8 +357,8 @@ def main(argv=None) -> int:
     common.write_json(args.out, payload)
     print(md)
     if args.write_results:
-        section = SECTION + ("-gpu" if jax.default_backend() == "gpu" else "")
-        print(f"updated section '{section}' of {common.update_results_section(section, md)}")
+        section = args.section or SECTION + ("-gpu" if jax.default_backend() == "gpu" else "")
+        print(f"updated section '{section}' of {common.update_results_section(section, md, args.results_file)}")
     return 0 if all(x["rows_correct"] for x in result["rows"]) else 1
 
 

@@ -73,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (benchmarks/common.py)
 import haystack  # noqa: E402  (benchmarks/haystack.py)
 from harness import grid  # noqa: E402  (benchmarks/harness/grid.py: the grid runner)
+from harness.merging import figure_provenance  # noqa: E402  (a merge's figure names its runs' commits)
 from harness.needles import IDLE_CORES, LOAD_S, haystack_lines, interp_cost  # noqa: E402
 from harness.prefill import build_engines, greedy_answer  # noqa: E402  (the shared prefill, greedy decode)
 from harness.task_report import (  # noqa: E402  (summary, tables, --merge)
@@ -349,7 +350,7 @@ def make_plot(payload: dict, path: Path) -> Path | None:
     cfg = payload["config"]
     return common.save_figure(fig, path, f"Tasks with moving answers — {cfg['model']}, "
                                          f"{len(cfg['seeds'])} seed(s) x {len(cfg['haystacks'])} haystack(s), "
-                                         f"{common.git_summary(payload['git'])}", crop=True)
+                                         f"{figure_provenance(payload)}", crop=True)
 
 
 # --------------------------------------------------------------------- main

@@ -23,7 +23,7 @@ from __future__ import annotations
 from harness.args import (
     BenchParser, OUTPUT_DESTS, OUTPUT_FOLDER_DESTS, add_compressed_policy_arguments, add_grid_preset_argument,
     add_haystacks_argument, add_model_arguments, add_output_arguments, add_policy_arguments, add_preset_argument,
-    add_results_arguments, apply_preset, argument_parser, checked_budgets, parse_compressed_policy_args,
+    add_results_arguments, apply_preset, argument_parser, checked_budgets, fill_outputs, parse_compressed_policy_args,
     parse_grid_args, parse_with_preset, policy_spec, preset_help, preset_minutes_help, read_json_inputs,
 )
 from harness.grid import (
@@ -46,11 +46,11 @@ __all__ = [  # every name this module has always had, and the harness's newer sh
     "add_haystacks_argument", "add_model_arguments", "add_output_arguments", "add_policy_arguments",
     "add_preset_argument", "add_results_arguments", "apply_preset", "argument_parser", "budget_problem",
     "checked_budgets", "closing_lines", "combo_label", "command_line", "current_rss_bytes", "emit_child_result",
-    "engine_kv_stats", "fmt_num", "fraction_text", "git_ignored", "git_info", "git_summary", "load_grid",
-    "machine_info", "machine_summary", "make_combos", "markdown_table", "now_iso", "parse_compressed_policy_args",
-    "parse_grid_args", "parse_with_preset", "peak_rss_bytes", "plot_markdown", "policy_spec", "preset_help",
-    "preset_minutes_help", "read_json_inputs", "refused_by_length", "replace_section", "report_header",
-    "results_header", "results_section_name", "run_child", "run_table_task", "run_task", "save_figure",
-    "section_header", "subplots", "update_results_section", "wall_and_memory_line", "write_json",
+    "engine_kv_stats", "fill_outputs", "fmt_num", "fraction_text", "git_ignored", "git_info", "git_summary",
+    "load_grid", "machine_info", "machine_summary", "make_combos", "markdown_table", "now_iso",
+    "parse_compressed_policy_args", "parse_grid_args", "parse_with_preset", "peak_rss_bytes", "plot_markdown",
+    "policy_spec", "preset_help", "preset_minutes_help", "read_json_inputs", "refused_by_length", "replace_section",
+    "report_header", "results_header", "results_section_name", "run_child", "run_table_task", "run_task",
+    "save_figure", "section_header", "subplots", "update_results_section", "wall_and_memory_line", "write_json",
     "write_results_section",
 ]

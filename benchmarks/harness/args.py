@@ -245,12 +245,13 @@ def argument_parser(description: str, **kwargs) -> BenchParser:
 
 
 def add_output_arguments(parser, name: str, section: str, plot_help: str = "PNG plot", *, presets: bool = True,
-                         out_per_preset: bool = False, named: bool = False) -> None:
+                         out_per_preset: bool = False, named: bool = False, out_help: str | None = None) -> None:
     """--out / --plot (beside the JSON by default) and the RESULTS.md flags of a task script writing
-    benchmarks/out/NAME.json (NAME-PRESET.json with ``out_per_preset``: :func:`parse_grid_args` fills it in)."""
+    benchmarks/out/NAME.json (NAME-PRESET.json with ``out_per_preset``: :func:`parse_grid_args` or
+    :func:`fill_outputs` fills it in; ``out_help`` names that default where it is another)."""
     if out_per_preset:
         parser.add_argument("--out", type=Path, default=None,
-                            help=f"JSON output (default: benchmarks/out/{name}[-PRESET].json)")
+                            help=f"JSON output (default: {out_help or f'benchmarks/out/{name}[-PRESET].json'})")
     else:
         parser.add_argument("--out", type=Path, default=OUT_DIR / f"{name}.json", help="JSON output")
     parser.add_argument("--plot", type=Path, default=None, help=f"{plot_help} (default: --out with .png)")
@@ -382,6 +383,14 @@ def parse_grid_args(parser, presets: dict, name: str, argv=None) -> argparse.Nam
     args.budgets = checked_budgets(parser, args.budgets)
     args.haystacks = list(dict.fromkeys(args.haystacks))
     return args
+
+
+def fill_outputs(parser, args: argparse.Namespace, name: str) -> None:
+    """--out benchmarks/out/NAME.json and --plot beside it where not given (``add_output_arguments`` with
+    ``out_per_preset``), then the output checks again over the paths just filled in."""
+    args.out = args.out or OUT_DIR / f"{name}.json"
+    args.plot = args.plot or args.out.with_suffix(".png")
+    parser.check_paths(args)
 
 
 def checked_budgets(parser, budgets: Sequence[float | str]) -> list[float | str]:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.machine import git_summary
-from harness.merging import merge_header, merged_lines, merged_preset, provenance
+from harness.merging import figure_provenance, merge_header, merged_lines, merged_preset, provenance
 from harness.results import closing_lines, fmt_num, markdown_table, save_figure, section_header, subplots
 from harness.roofline import MiB, TAIL_TARGET, TARGET_RHO, add_fitted, met, target_check
 from harness.synthetic import MODEL
@@ -79,8 +78,9 @@ def results_table(runs: list[dict]) -> str:
 def targets_text(t: dict) -> str:
     if not t.get("measured"):
         return f"Targets (HeteroCache rho {TARGET_RHO:g} at the longest context): **not measured** in this run."
+    spec = f" (`{t['policy']}`)" if ":" in t.get("policy", "") else ""  # the options it ran with
     return "\n".join([
-        f"Targets for HeteroCache rho {TARGET_RHO:g} at the longest context measured "
+        f"Targets for HeteroCache{spec} rho {TARGET_RHO:g} at the longest context measured "
         f"({ctx_label(t['length'], t['weights'])} tokens):",
         "",
         f"- decode ratio to full KV within 10 % of the roofline ratio: measured {t['decode_ratio_p50']:.3f} vs "
@@ -100,10 +100,10 @@ def targets_text(t: dict) -> str:
 
 
 def warmup_text(cfg: dict) -> str:
-    """The untimed TTFT rounds, per length where merged runs differ."""
+    """The untimed TTFT rounds, per length (and weights) where merged runs differ."""
     per = cfg.get("ttft_warmup_per_length") or {}
-    if len(set(per.values())) > 1:
-        return "untimed round(s) " + ", ".join(f"{int(k):,}: {v}" for k, v in per.items())
+    if len(set(per.values())) > 1:  # keys: ctx_label (a merge of an older merge may hold a bare length)
+        return "untimed round(s) " + ", ".join(f"{k}: {v}" for k, v in per.items())
     return f"{cfg['ttft_warmup']} untimed round(s)"
 
 
@@ -142,10 +142,13 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         f"the policy's own asynchronous work (counted in its last step), {cfg['warmup_steps']} untimed then "
         f"{cfg['decode_steps']} timed steps each (`Engine.step`, HeteroCache's drift checks and recalls included; "
         f"wall time incl. token read-back). 'decode vs full' = P50 over full KV's P50 from the same rounds. "
-        "Roofline ratio = (weight bytes + the policy's device KV "
-        f"bytes) / (weight bytes + full KV's), weight bytes = all parameters with the embedding counted as one "
-        f"row and the lm_head in full ({weight_text}), device KV = the row pool as allocated: every head's kept "
-        f"prompt rows + its rows for added tokens ({payload['lengths'][0]['tail_capacity']} per head). 'within 10 %': "
+        "Roofline ratio = (weight bytes + the KV bytes one decode step of the policy reads) / (weight bytes + full "
+        f"KV's), weight bytes = all parameters with the embedding counted as one row and the lm_head in full "
+        f"({weight_text}); KV bytes read (`kv_bytes_read_per_step` in the JSON, not the 'KV device MiB' column) = "
+        f"the row pool as allocated (every head's kept prompt rows + its rows for added tokens, "
+        f"{payload['lengths'][0]['tail_capacity']} per head) + the policy's index arrays + the rows it fetches from "
+        "host memory per step, counted twice (read from the host, written into the pool); Quest counts only the "
+        "prompt rows it attends, HCAttention the value rows it reads on the host (once). 'within 10 %': "
         f"measured / roofline in [0.9, 1.1]. Fitted ratio: the time the step model fitted to full KV's P50 at this "
         f"run's lengths (fixed ms + ms per MiB read) gives the policy's bytes, over full KV's P50; measured / fitted: "
         f"the policy's P50 over that time (see the note under the targets). Recall triggers: HeteroCache drift "
@@ -221,9 +224,10 @@ def make_plot(payload: dict, path: Path) -> Path | None:
         ax.set_title(title)
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    sub = f"{model_label(payload['config'])} {dtype_label(payload['config'])}, {git_summary(payload['git'])}, " \
-          f"{payload['machine'].get('cpu_model', '?')}"
-    return save_figure(fig, path, f"Latency per policy (hollow markers, dashed: synthetic random weights) — {sub}")
+    sub = f"{model_label(payload['config'])} {dtype_label(payload['config'])}, {figure_provenance(payload)}"
+    synth = " (hollow markers, dashed: synthetic random weights)" if any(r["weights"] == "synthetic" for r in runs) \
+        else ""
+    return save_figure(fig, path, f"Latency per policy{synth} — {sub}")
 
 
 # what --merge reads of each file: harness.args.read_json_inputs' arguments
@@ -271,9 +275,10 @@ def merge(args) -> dict:
     for k in ("synthetic_lengths", "real_lengths"):
         cfg[k] = sorted({L for p in parts for L in p["config"][k]})
     cfg["ttft_warmup"] = min(p["config"]["ttft_warmup"] for p in parts)
-    cfg["ttft_warmup_per_length"] = {  # a merged run's own per length
-        str(x["length"]): parts[i]["config"].get("ttft_warmup_per_length", {}).get(
-            str(x["length"]), parts[i]["config"]["ttft_warmup"]) for i in order for x in parts[i]["lengths"]}
+    # a merged run's own per row kind: a length with its weights, as rows are told apart (real and synthetic rows
+    # of one length come from different runs); a merged merge's own entry first (an older one's by length alone)
+    cfg["ttft_warmup_per_length"] = {ctx_label(x["length"], x["weights"]): _warmup_of(parts[i]["config"], x)
+                                     for i in order for x in parts[i]["lengths"]}
     cfg["merged_from"] = provenance(args.merge, parts)
     cfg["out"], cfg["plot"] = str(args.out), str(args.plot)
     payload = {**merge_header(parts, cfg), "load_seconds": parts[0].get("load_seconds"),
@@ -287,3 +292,9 @@ def merge(args) -> dict:
     payload["total_seconds"] = sum(p["total_seconds"] for p in parts)
     payload["peak_rss_bytes"] = max(p["peak_rss_bytes"] for p in parts)
     return payload
+
+
+def _warmup_of(cfg: dict, x: dict) -> int:
+    """The untimed TTFT rounds of length entry ``x`` of a run with config ``cfg`` (itself a merge or not)."""
+    per = cfg.get("ttft_warmup_per_length") or {}
+    return per.get(ctx_label(x["length"], x["weights"]), per.get(str(x["length"]), cfg["ttft_warmup"]))

@@ -166,7 +166,8 @@ def git_info(repo: Path = REPO_ROOT) -> dict[str, Any]:
     if os.environ.get("HETERO_JAX_COMMIT"):
         # a copied tree (a lent GPU machine), whose .git may be missing or name an older commit than the files
         # it holds: the commit its caller says it was copied from
-        return {"commit": os.environ["HETERO_JAX_COMMIT"], "dirty": None, "changed_files": []}
+        return {"commit": os.environ["HETERO_JAX_COMMIT"], "dirty": None, "changed_files": [],
+                "commit_from": "HETERO_JAX_COMMIT"}
     commit = git("rev-parse", "--short", "HEAD")
     commit = commit.strip() if commit else None
     status = git("status", "--porcelain")  # not stripped: " M path" starts with a space
@@ -193,10 +194,15 @@ def git_ignored(path: str | os.PathLike, repo: Path = REPO_ROOT) -> bool:
 
 
 def git_summary(g: dict[str, Any]) -> str:
+    """'COMMIT (clean)' or '(dirty: N ...)'; where the tree was not checked (``dirty`` None: a commit given by
+    HETERO_JAX_COMMIT, ``git status`` failing), '(tree state unknown)', never clean."""
     if not g.get("commit"):
         return "unknown (not a git checkout)"
     if g.get("dirty"):
         return f"{g['commit']} (dirty: {len(g['changed_files'])} changed/untracked paths)"
+    if g.get("dirty") is None:
+        given = f"from {g['commit_from']}; " if g.get("commit_from") else ""
+        return f"{g['commit']} ({given}tree state unknown)"
     return f"{g['commit']} (clean)"
 
 

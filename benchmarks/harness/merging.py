@@ -46,6 +46,29 @@ def header_machine(payload: dict) -> str | dict:
             "on different machines)")
 
 
+def _timed_runs(runs: Sequence) -> list[dict]:
+    """The runs that timed rows among a merge's ``merged_from`` (a merged merge's own runs in its place)."""
+    out = []
+    for m in runs:
+        if isinstance(m, dict):
+            out += _timed_runs(m["merged_from"]) if m.get("merged_from") else [m]
+    return out
+
+
+def figure_provenance(payload: dict) -> str:
+    """A figure's 'commit, machine' subtitle: the run's own, or for a merge its runs' (not the merge's own commit
+    and first run's machine): the one commit / CPU they share, else how many there are."""
+    runs = _timed_runs((payload.get("config") or {}).get("merged_from") or [])
+    if not runs:
+        return f"{git_summary(payload['git'])}, {payload['machine'].get('cpu_model', '?')}"
+    commits = list(dict.fromkeys(git_summary(m["git"]) if m.get("git") else str(m.get("commit")) for m in runs))
+    kinds = list(dict.fromkeys(_machine_kind(m.get("machine") or {}) for m in runs))
+    commit = commits[0] if len(commits) == 1 else f"runs at {len(commits)} commits ({'; '.join(commits)})"
+    cpu = (runs[0].get("machine") or {}).get("cpu_model", "?") if len(kinds) == 1 else \
+        f"{len(kinds)} different machines"
+    return f"{commit}, {cpu}"
+
+
 def _run_line(m: dict | str, indent: str = "") -> list[str]:
     if not isinstance(m, dict):  # a merge written before merged_from held more than file names
         return [f"{indent}- `{m}`"]

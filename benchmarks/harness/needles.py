@@ -1,6 +1,7 @@
 """Needles, answer matching and haystack bookkeeping shared by the needle, multi-turn and tasks scripts.
 
-- :class:`Needle`, :func:`make_needle` (:data:`NEEDLE_KINDS`): the fact a needle prompt hides and asks for.
+- :class:`Needle`, :func:`make_needle` (:data:`NEEDLE_KINDS`): the fact a needle prompt hides and asks for;
+  :func:`shortest_prompt` (with :func:`saved_tokenizer`, before the model loads): the fewest tokens its prompt takes.
 - :func:`normalize_text`, :func:`find_answer`, :func:`answer_correct`: whether a generated text states an answer.
 - :func:`record_haystack`, :func:`haystacks_of`, :func:`config_haystacks`, :func:`haystack_lines`: which haystacks a
   run's records and config name, and the RESULTS lines describing them.
@@ -71,6 +72,29 @@ NEEDLE_KINDS = {"magic-number": _magic_number, "passkey": _passkey, "city": _cit
 def make_needle(kind: str, seed: int) -> Needle:
     """The needle of ``kind`` for ``seed`` (deterministic)."""
     return NEEDLE_KINDS[kind](seed)
+
+
+def shortest_prompt(tokenizer, kind: str, seeds, instruction: str | None = None) -> int:
+    """The fewest tokens a needle prompt of needle ``kind`` takes for any of ``seeds`` (its instruction, needle and
+    question in the chat template, no haystack): ``haystack.build_needle_prompt`` refuses a shorter length."""
+    needles = [make_needle(kind, seed) for seed in seeds]
+    return max(len(tokenizer.encode_prompt(haystack.compose_fixed(instruction, [(0.0, n.sentence)], n.question),
+                                           chat=True)) for n in needles)
+
+
+def saved_tokenizer(model: str):
+    """The tokenizer of ``--model`` read alone from its checkpoint on disk (a known model's converted copy), before
+    the weights load; None where there is no checkpoint yet (the load converts it) or it cannot be read."""
+    from hetero_jax.errors import HeteroJaxError
+    from hetero_jax.io.checkpoint import is_checkpoint
+    from hetero_jax.io.hub import checkpoint_dir
+    from hetero_jax.io.tokenizer import Tokenizer
+
+    path = checkpoint_dir(model)
+    try:
+        return Tokenizer.from_dir(path) if path and is_checkpoint(path) else None
+    except HeteroJaxError:  # the load names what is wrong with the checkpoint
+        return None
 
 
 # ---------------------------------------------------------- answer matching
