@@ -35,6 +35,7 @@ import bench_serve  # noqa: E402
 import bench_step_ops  # noqa: E402
 import bench_tasks  # noqa: E402
 import contextkeeper_rankings  # noqa: E402
+from bench_cases import usage_error  # noqa: E402
 
 calibrate = importlib.import_module("hetero_jax.profile.calibrate")  # the package exports a function of that name
 
@@ -43,19 +44,6 @@ def _boom(what):
     def boom(*a, **k):
         raise AssertionError(f"{what} for input that should have been refused")
     return boom
-
-
-def _usage_error(capsys, call, argv, *needles) -> str:
-    """``call(argv)`` exits 2 with a one-line 'error: ...' holding every one of ``needles``; returns it."""
-    with pytest.raises(SystemExit) as e:
-        call(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2, (e.value.code, err)
-    line = err.rstrip("\n").splitlines()[-1]
-    assert ": error: " in line and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in line, (needle, line)
-    return line
 
 
 def _unusable_folder(tmp_path, monkeypatch, case: str) -> tuple[Path, str]:
@@ -93,24 +81,24 @@ def test_an_out_inside_the_model_checkpoint_is_refused(script, checkpoint, capsy
     before = snapshot(checkpoint)
     config = checkpoint / "config.json"
     flag = "--json" if script is bench_mesh else "--out"  # bench_mesh's JSON output
-    _usage_error(capsys, script.parse_args, ["--model", str(checkpoint), flag, str(config)],
+    usage_error(capsys, script.parse_args, ["--model", str(checkpoint), flag, str(config)],
                  f"{flag} {config} is a file of the --model input {checkpoint}", f"Choose another {flag}")
     assert snapshot(checkpoint) == before
 
 
 def test_the_model_checkpoint_is_protected_from_every_output(checkpoint, capsys):
     params = checkpoint / "params.safetensors"
-    _usage_error(capsys, bench_fidelity.parse_args,
+    usage_error(capsys, bench_fidelity.parse_args,
                  ["--model", str(checkpoint), "--out", str(checkpoint.parent / "f.json"), "--plot", str(params)],
                  f"--plot {params} is a file of the --model input {checkpoint}")
-    _usage_error(capsys, bench_latency.parse_args,
+    usage_error(capsys, bench_latency.parse_args,
                  ["--model", str(checkpoint), "--out", str(checkpoint.parent / "l.json"), "--write-results",
                   "--results-file", str(checkpoint / "config.json")],
                  f"--results-file {checkpoint / 'config.json'} is a file of the --model input {checkpoint}")
     # a symlink to the checkpoint is seen through
     link = checkpoint.parent / "link"
     link.symlink_to(checkpoint)
-    _usage_error(capsys, bench_foundation.parse_args, ["--model", str(link), "--out", str(checkpoint / "config.json")],
+    usage_error(capsys, bench_foundation.parse_args, ["--model", str(link), "--out", str(checkpoint / "config.json")],
                  "is a file of the --model input")
     assert (checkpoint / "config.json").read_text() == '{"model_type": "llama"}'
 
@@ -122,7 +110,7 @@ def test_a_known_model_name_protects_its_converted_copy(tmp_path, monkeypatch, c
     (converted / "config.json").write_text("converted")
     monkeypatch.setenv("HETERO_JAX_CACHE", str(cache))
     monkeypatch.chdir(tmp_path)  # no directory named smollm2-135m here: the name resolves to the cache
-    _usage_error(capsys, bench_foundation.parse_args,
+    usage_error(capsys, bench_foundation.parse_args,
                  ["--model", "smollm2-135m", "--out", str(converted / "config.json")],
                  f"--out {converted / 'config.json'} is a file of the --model input {converted}")
     assert (converted / "config.json").read_text() == "converted"
@@ -150,7 +138,7 @@ def test_profile_out_that_cannot_hold_the_json_is_refused_before_calibrating(tmp
                                                                              no_calibration, case):
     out, problem = _unusable_folder(tmp_path, monkeypatch, case)
     before = snapshot(tmp_path)
-    _usage_error(capsys, bench_profile.main, ["--out", str(out)],
+    usage_error(capsys, bench_profile.main, ["--out", str(out)],
                  f"--out {out} cannot be used as a folder to write into {problem}; choose another --out")
     assert snapshot(tmp_path) == before
 
@@ -222,13 +210,13 @@ def test_kernels_out_that_cannot_be_written_is_refused_before_any_work(tmp_path,
         out, message = blocker, f"--out {blocker} exists and is read-only"
         deny_write(monkeypatch, blocker)
     before = snapshot(tmp_path)
-    _usage_error(capsys, bench_kernels.main, ["--out", str(out)], message)
+    usage_error(capsys, bench_kernels.main, ["--out", str(out)], message)
     assert snapshot(tmp_path) == before
 
 
 def test_kernels_drift_timing_checks_the_file_it_writes_beside_out(tmp_path, capsys, no_kernels):
     (tmp_path / "kernels-drift-check.json").mkdir()
-    _usage_error(capsys, bench_kernels.main, ["--drift-timing", "--out", str(tmp_path / "k.json")],
+    usage_error(capsys, bench_kernels.main, ["--drift-timing", "--out", str(tmp_path / "k.json")],
                  f"{tmp_path / 'kernels-drift-check.json'} is a directory")
 
 
@@ -265,31 +253,31 @@ def no_step_ops_run(monkeypatch):
 @pytest.mark.parametrize("case", BAD_CASES)
 def test_step_ops_render_of_a_bad_file_is_a_usage_error(tmp_path, capsys, no_step_ops_run, case):
     path, message = _bad_inputs(tmp_path)[case]
-    _usage_error(capsys, bench_step_ops.main, ["--render", str(path)], f"--render {message}",
+    usage_error(capsys, bench_step_ops.main, ["--render", str(path)], f"--render {message}",
                  "give a JSON file that bench_step_ops.py wrote")
 
 
 def test_step_ops_render_of_a_json_that_is_not_its_result_is_a_usage_error(tmp_path, capsys, no_step_ops_run):
     empty = tmp_path / "empty.json"
     empty.write_text("{}")
-    _usage_error(capsys, bench_step_ops.main, ["--render", str(empty)],
+    usage_error(capsys, bench_step_ops.main, ["--render", str(empty)],
                  f"--render {empty} is not a result file of bench_step_ops.py (it has no 'config', 'rows', "
                  "'errors', 'targets', 'total_seconds')")
     no_rows = tmp_path / "latency.json"
     no_rows.write_text(json.dumps({"config": {}, "runs": [], "errors": [], "targets": {}, "total_seconds": 1}))
-    _usage_error(capsys, bench_step_ops.main, ["--render", str(no_rows)], "(it has no 'rows')")
+    usage_error(capsys, bench_step_ops.main, ["--render", str(no_rows)], "(it has no 'rows')")
     bad_config = tmp_path / "bad_config.json"
     bad_config.write_text(json.dumps({"config": [], "rows": [], "errors": [], "targets": {}, "total_seconds": 1}))
-    _usage_error(capsys, bench_step_ops.main, ["--render", str(bad_config)], "its 'config' is not an object")
+    usage_error(capsys, bench_step_ops.main, ["--render", str(bad_config)], "its 'config' is not an object")
 
 
 def test_step_ops_recount_must_be_a_folder_given_with_render(tmp_path, capsys, no_step_ops_run):
     saved = tmp_path / "s.json"
     saved.write_text(json.dumps({"benchmark": "bench_step_ops", "config": {}, "rows": [], "errors": [], "targets": {},
                                  "total_seconds": 1}))
-    _usage_error(capsys, bench_step_ops.main, ["--render", str(saved), "--recount", str(tmp_path / "nope")],
+    usage_error(capsys, bench_step_ops.main, ["--render", str(saved), "--recount", str(tmp_path / "nope")],
                  f"--recount {tmp_path / 'nope'} is not a directory")
-    _usage_error(capsys, bench_step_ops.parse_args, ["--recount", str(tmp_path)], "--recount", "--render")
+    usage_error(capsys, bench_step_ops.parse_args, ["--recount", str(tmp_path)], "--recount", "--render")
     p = bench_step_ops.make_parser()
     args = bench_step_ops.parse_args(["--render", str(saved)], p)
     assert bench_step_ops.load_render(p, args) == json.loads(saved.read_text())
@@ -320,7 +308,7 @@ def test_merge_of_a_bad_file_is_a_usage_error(tmp_path, capsys, script, case):
     good = tmp_path / "good.json"
     good.write_text(json.dumps(MERGE[script][0]))
     path, message = _bad_inputs(tmp_path)[case]
-    _usage_error(capsys, script.parse_args, ["--merge", str(good), str(path), "--out", str(tmp_path / "m.json")],
+    usage_error(capsys, script.parse_args, ["--merge", str(good), str(path), "--out", str(tmp_path / "m.json")],
                  f"--merge {message}", f"give a JSON file that {MERGE[script][1]} wrote")
 
 
@@ -331,7 +319,7 @@ def test_merge_of_a_json_without_its_parts_is_a_usage_error(tmp_path, capsys, sc
     payload, name = MERGE[script]
     part = tmp_path / "part.json"
     part.write_text(json.dumps({k: v for k, v in payload.items() if k != drop}))
-    _usage_error(capsys, script.parse_args, ["--merge", str(part), "--out", str(tmp_path / "m.json")],
+    usage_error(capsys, script.parse_args, ["--merge", str(part), "--out", str(tmp_path / "m.json")],
                  f"--merge {part} is not a result file of {name} (it has no '{drop}')")
 
 
@@ -347,11 +335,11 @@ def test_merge_of_result_files_parses(tmp_path, script):
 def test_a_latency_result_is_not_a_tasks_result(tmp_path, capsys):
     lat = tmp_path / "lat.json"
     lat.write_text(json.dumps(MERGE[bench_latency][0]))
-    _usage_error(capsys, bench_tasks.parse_args, ["--merge", str(lat), "--out", str(tmp_path / "m.json")],
+    usage_error(capsys, bench_tasks.parse_args, ["--merge", str(lat), "--out", str(tmp_path / "m.json")],
                  f"--merge {lat} is a result of bench_latency.py, not of bench_tasks.py (its 'benchmark' is "
                  "'latency', bench_tasks.py's 'tasks')")
     lat.write_text(json.dumps({k: v for k, v in MERGE[bench_latency][0].items() if k != "benchmark"}))
-    _usage_error(capsys, bench_tasks.parse_args, ["--merge", str(lat), "--out", str(tmp_path / "m.json")],
+    usage_error(capsys, bench_tasks.parse_args, ["--merge", str(lat), "--out", str(tmp_path / "m.json")],
                  f"--merge {lat} is not a result file of bench_tasks.py (it has no 'records', 'prompts',")
 
 
@@ -364,7 +352,7 @@ def no_rankings(monkeypatch):
 def test_rankings_out_dir_that_cannot_hold_them_is_refused(tmp_path, capsys, monkeypatch, no_rankings, case):
     out, problem = _unusable_folder(tmp_path, monkeypatch, case)
     before = snapshot(tmp_path)
-    _usage_error(capsys, contextkeeper_rankings.main, ["--out-dir", str(out)],
+    usage_error(capsys, contextkeeper_rankings.main, ["--out-dir", str(out)],
                  f"--out-dir {out} cannot be used as a folder to write into {problem}; choose another --out-dir")
     assert snapshot(tmp_path) == before
 

@@ -27,21 +27,7 @@ from harness import machine as hm  # noqa: E402
 from harness.needles import make_needle  # noqa: E402
 from harness.results import OUT_DIR, RESULTS_MD  # noqa: E402
 from harness.roofline import add_ratios, target_check  # noqa: E402
-
-MACHINE = {"cpu_model": "Test CPU", "cpu_count": 2, "ram_bytes": 2**34, "loadavg_1_5_15": [1.0, 1.0, 1.0]}
-
-
-def _usage_error(capsys, call, argv, *needles) -> str:
-    """``call(argv)`` exits 2 with a one-line 'error: ...' holding every one of ``needles``; returns it."""
-    with pytest.raises(SystemExit) as e:
-        call(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "Traceback" not in err, (e.value.code, err)
-    line = err.rstrip("\n").splitlines()[-1]
-    assert ": error: " in line, line
-    for needle in needles:
-        assert needle in line, (needle, line)
-    return line
+from bench_cases import MACHINE, usage_error  # noqa: E402
 
 
 def _boom(what):
@@ -57,8 +43,8 @@ def test_latency_decode_block_below_one_is_refused_before_the_model_loads(capsys
 
     monkeypatch.setattr(hetero_jax, "load", _boom("the model loaded"))
     monkeypatch.setattr(bench_latency, "run", _boom("the run started"))  # the old loop never ended with 0
-    _usage_error(capsys, bench_latency.main, ["--real-lengths", "64", "--synthetic-lengths", "--policies", "full",
-                                             "--decode-block", block], "--decode-block", "must be >= 1")
+    usage_error(capsys, bench_latency.main, ["--real-lengths", "64", "--synthetic-lengths", "--policies", "full",
+                                            "--decode-block", block], "--decode-block", "must be >= 1")
 
 
 # ------------------------------------------------------------------ 2. targets under a spec with options
@@ -199,7 +185,7 @@ def test_offload_small_keeps_explicit_rows_and_d2h_tokens(monkeypatch, tmp_path)
 def test_offload_bad_counts_are_usage_errors_before_any_work(capsys, monkeypatch, tmp_path, argv):
     monkeypatch.setattr(bench_offload, "run", _boom("the run started"))
     flag = next(a for a in argv[::-1] if a.startswith("--") and a != "--small")
-    line = _usage_error(capsys, bench_offload.main, [*argv, "--out", str(tmp_path / "o.json")], flag)
+    line = usage_error(capsys, bench_offload.main, [*argv, "--out", str(tmp_path / "o.json")], flag)
     assert "must be >= 1" in line
 
 
@@ -217,12 +203,12 @@ def test_offload_writes_the_results_file_and_section_given(tmp_path, capsys, mon
     assert f"updated section 'offload-smoke' of {results}" in capsys.readouterr().out
     # a smoke test never replaces the measured section of the repo's RESULTS.md without --section
     monkeypatch.setattr(bench_offload, "run", _boom("the run started"))
-    _usage_error(capsys, bench_offload.main, [*tiny, "--out", str(tmp_path / "o2.json"), "--write-results"],
+    usage_error(capsys, bench_offload.main, [*tiny, "--out", str(tmp_path / "o2.json"), "--write-results"],
                  "--small numbers mean nothing", "--section offload-NAME")
-    _usage_error(capsys, bench_offload.main, [*tiny, "--out", str(tmp_path / "o2.json"), "--section", "offload-x"],
+    usage_error(capsys, bench_offload.main, [*tiny, "--out", str(tmp_path / "o2.json"), "--section", "offload-x"],
                  "add --write-results")
-    _usage_error(capsys, bench_offload.main, [*tiny, "--out", str(tmp_path / "o2.json"), "--write-results",
-                                              "--section", "latency"], "give 'offload' or 'offload-'")
+    usage_error(capsys, bench_offload.main, [*tiny, "--out", str(tmp_path / "o2.json"), "--write-results",
+                                             "--section", "latency"], "give 'offload' or 'offload-'")
     assert RESULTS_MD.read_bytes() == before
 
 
@@ -269,7 +255,7 @@ def test_needle_length_below_the_prompt_is_refused_before_the_load(tmp_path, cap
     import hetero_jax
 
     monkeypatch.setattr(hetero_jax, "load", _boom("the model loaded"))
-    line = _usage_error(capsys, bench_needle.main,
+    line = usage_error(capsys, bench_needle.main,
                         _needle_argv(tmp_path, 20, 4000, extra=["--needle", kind, "--model", smollm2_checkpoint]),
                         f"--lengths 20: a {kind} needle prompt (needle and question in the chat template) takes ")
     least = int(line.rsplit("give lengths of at least ", 1)[1])

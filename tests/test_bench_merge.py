@@ -21,22 +21,10 @@ import bench_latency  # noqa: E402
 import bench_step_ops  # noqa: E402
 import bench_tasks as bt  # noqa: E402
 from harness import latency_report as lr  # noqa: E402
+from bench_cases import MACHINE, usage_error  # noqa: E402
 
 REPR = {"full": "FullKV(budget=1.0)", "snapkv@0.3": "SnapKV(budget=0.3, window=32)",
         "heterocache@0.3": "HeteroCache(budget=0.3, window=5)"}
-MACHINE = {"cpu_model": "Test CPU", "cpu_count": 2, "ram_bytes": 2**34, "loadavg_1_5_15": [1.0, 1.0, 1.0]}
-
-
-def _usage_error(capsys, call, argv, *needles) -> str:
-    """``call(argv)`` exits 2 with a one-line 'error: ...' holding every one of ``needles``."""
-    with pytest.raises(SystemExit) as e:
-        call(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "Traceback" not in err, (e.value.code, err)
-    line = err.rstrip("\n").splitlines()[-1]
-    for needle in needles:
-        assert needle in line, (needle, line)
-    return line
 
 
 # ------------------------------------------------------------------ bench_tasks --merge
@@ -167,12 +155,12 @@ def test_section_flag_names_the_section_and_is_checked(tmp_path, capsys, monkeyp
     text = results.read_text()
     assert text.count("<!-- BEGIN tasks-2k-three-seeds -->") == 1 and "tasks-full" not in text
     assert "--section tasks-2k-three-seeds`" in text  # the command it records regenerates it
-    _usage_error(capsys, bt.parse_args, ["--merge", str(a), "--section", "tasks-x"],
+    usage_error(capsys, bt.parse_args, ["--merge", str(a), "--section", "tasks-x"],
                  "--section tasks-x names the section --write-results rewrites: add --write-results")
     for bad in ("latency-full", "tasks x", "tasksfoo"):
-        _usage_error(capsys, bt.parse_args, ["--merge", str(a), "--write-results", "--section", bad],
+        usage_error(capsys, bt.parse_args, ["--merge", str(a), "--write-results", "--section", bad],
                      f"--section {bad!r}: give 'tasks' or 'tasks-'")
-    _usage_error(capsys, bench_latency.parse_args, ["--write-results", "--section", "tasks-x"],
+    usage_error(capsys, bench_latency.parse_args, ["--write-results", "--section", "tasks-x"],
                  "--section 'tasks-x': give 'latency' or 'latency-'")
 
 
@@ -241,11 +229,11 @@ def test_another_benchmarks_result_is_refused_as_such(tmp_path, capsys):
     nd = tmp_path / "nd.json"
     nd.write_text(json.dumps(needle))
     for files in ([nd], [a, nd]):
-        _usage_error(capsys, bt.parse_args, ["--merge", *map(str, files), "--out", str(tmp_path / "m.json")],
+        usage_error(capsys, bt.parse_args, ["--merge", *map(str, files), "--out", str(tmp_path / "m.json")],
                      f"--merge {nd} is a result of bench_needle.py, not of bench_tasks.py")
-    _usage_error(capsys, bench_latency.parse_args, ["--merge", str(a), "--out", str(tmp_path / "m.json")],
+    usage_error(capsys, bench_latency.parse_args, ["--merge", str(a), "--out", str(tmp_path / "m.json")],
                  f"--merge {a} is a result of bench_tasks.py, not of bench_latency.py")
-    _usage_error(capsys, bench_step_ops.main, ["--render", str(a)],
+    usage_error(capsys, bench_step_ops.main, ["--render", str(a)],
                  f"--render {a} is a result of bench_tasks.py, not of bench_step_ops.py")
 
 
@@ -268,7 +256,7 @@ def _edited(tmp_path, path, name, edit):
 def test_tasks_merge_of_a_malformed_result_is_a_usage_error(tmp_path, capsys, edit, message):
     a = _tasks_part(tmp_path, "a", [_rec("full", 0)])
     bad = _edited(tmp_path, _tasks_part(tmp_path, "b", [_rec("full", 1)]), "bad.json", edit)
-    _usage_error(capsys, bt.parse_args, ["--merge", str(a), str(bad), "--out", str(tmp_path / "m.json")],
+    usage_error(capsys, bt.parse_args, ["--merge", str(a), str(bad), "--out", str(tmp_path / "m.json")],
                  f"--merge {bad} is not a ", message, "give a JSON file that bench_tasks.py wrote")
 
 
@@ -279,7 +267,7 @@ def test_tasks_merge_of_a_malformed_result_is_a_usage_error(tmp_path, capsys, ed
 ], ids=["no real_lengths", "run without decode", "lengths a string"])
 def test_latency_merge_of_a_malformed_result_is_a_usage_error(tmp_path, capsys, edit, message):
     bad = _edited(tmp_path, _lat_part(tmp_path, "a", 256), "bad.json", edit)
-    _usage_error(capsys, bench_latency.parse_args, ["--merge", str(bad), "--out", str(tmp_path / "m.json")],
+    usage_error(capsys, bench_latency.parse_args, ["--merge", str(bad), "--out", str(tmp_path / "m.json")],
                  f"--merge {bad} is not a complete result file of bench_latency.py ({message})")
 
 
@@ -292,13 +280,13 @@ def test_step_ops_render_of_a_malformed_result_is_a_usage_error(tmp_path, capsys
     for i, (change, message) in enumerate(cases):
         path = tmp_path / f"so{i}.json"
         path.write_text(json.dumps({**base, **change}))
-        _usage_error(capsys, bench_step_ops.main, ["--render", str(path)],
+        usage_error(capsys, bench_step_ops.main, ["--render", str(path)],
                      f"--render {path} is not a complete result file of bench_step_ops.py (", message)
     ok = tmp_path / "ok.json"
     ok.write_text(json.dumps(base))
     assert bench_step_ops.main(["--render", str(ok)]) == 0  # its tables need nothing more
     capsys.readouterr()
     results = tmp_path / "RESULTS.md"  # its section needs the header and the config it names
-    _usage_error(capsys, bench_step_ops.main, ["--render", str(ok), "--write-results", "--results-file", str(results)],
+    usage_error(capsys, bench_step_ops.main, ["--render", str(ok), "--write-results", "--results-file", str(results)],
                  "(it has no 'command', 'git', 'machine', 'peak_rss_bytes')")
     assert not results.exists()

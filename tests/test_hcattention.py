@@ -255,16 +255,8 @@ def test_batch_equals_one_by_one_and_stats(host_sums):
     a, b = random_prompt(150, 3), random_prompt(97, 4)
     pol = HCAttention(budget=matching_budget(HCAttention(codebook=cb, kv_itemsize=4), CFG, [150, 97], True),
                       codebook=cb)
-    eng = Engine(MODEL, [a, b], pol, tail_capacity=8, is_batch=True)
-    seen, orig = [], eng.state.after_step
-    eng.state.after_step = lambda s, e, c: (seen.append([np.asarray(x[0]) for x in e]), orig(s, e, c))
-    tok = eng.first_tokens(0.0, 1.0)
-    toks, logits = [tok], []
-    for _ in range(5):
-        tok, lg = eng.step_with_logits(tok)
-        toks.append(tok)
-        logits.append(lg)
-    toks, logits = np.stack(toks, 1), np.stack(logits, 1)
+    seen = []
+    toks, logits, eng = greedy_with_logits(MODEL, pol, [a, b], 5, extras=seen)
     for i, ids in enumerate((a, b)):
         t1, l1, e1 = greedy_with_logits(MODEL, pol, [ids])
         np.testing.assert_array_equal(toks[i], t1[0])
@@ -292,16 +284,8 @@ def test_a_token_cap_is_each_sequences_own_fraction_of_its_prompt():
     logits by up to 7.4)."""
     pol = HCAttention(budget=0.5, tau=0.9, k_cap_fraction=0.2)
     prompts = [random_prompt(5, 9), random_prompt(40, 10)]
-    eng = Engine(MODEL, prompts, pol, tail_capacity=8, is_batch=True)
-    seen, orig = [], eng.state.after_step
-    eng.state.after_step = lambda s, e, c: (seen.append([np.asarray(x[0]) for x in e]), orig(s, e, c))
-    tok = eng.first_tokens(0.0, 1.0)
-    toks, logits = [tok], []
-    for _ in range(5):
-        tok, lg = eng.step_with_logits(tok)
-        toks.append(tok)
-        logits.append(lg)
-    toks, logits = np.stack(toks, 1), np.stack(logits, 1)
+    seen = []
+    toks, logits, _ = greedy_with_logits(MODEL, pol, prompts, 5, extras=seen)
     kstar = np.stack([np.stack(step) for step in seen])  # [steps, layers, B, H, G]
     assert kstar[:, :, 0].max() == 1 and kstar[:, :, 1].max() <= 8  # ceil(0.2 * 5), ceil(0.2 * 40)
     for i, ids in enumerate(prompts):

@@ -44,14 +44,18 @@ def tiny_model(max_position_embeddings: int = 1024, seed: int = 6) -> Model:
     return Model(config=cfg, params=params, tokenizer=TinyTokenizer(), path="", name="tiny")
 
 
-def greedy_with_logits(model: Model, policy, prompts, steps: int = 5):
+def greedy_with_logits(model: Model, policy, prompts, steps: int = 5, extras: list | None = None):
     """An Engine over ``prompts`` (a batch when more than one), greedy for ``steps`` decode steps:
-    (tokens [B, steps + 1], logits [B, steps, V], engine)."""
+    (tokens [B, steps + 1], logits [B, steps, V], engine). ``extras``: gets each step's policy extras (per
+    layer, their first array, as numpy)."""
     import numpy as np
 
     from hetero_jax.runtime import Engine
 
     eng = Engine(model, prompts, policy, tail_capacity=steps + 2, is_batch=len(prompts) > 1)
+    if extras is not None:
+        orig = eng.state.after_step
+        eng.state.after_step = lambda s, e, c: (extras.append([np.asarray(x[0]) for x in e]), orig(s, e, c))
     tok = eng.first_tokens(0.0, 1.0)
     toks, logits = [tok], []
     for _ in range(steps):
