@@ -211,6 +211,9 @@ def test_memory_and_bytes_moved():
     assert prompt_kv_bytes(eng.cache) == s["kv_bytes_prompt"] == (L + 2 * (S + k * PS + w)) * H * 2 * D * 4
     assert prompt_kv_bytes(eng.cache) + s["kv_bytes_index"] <= rho * full_bytes * 1.05
     assert s["kv_bytes_index"] >= 2 * 2 * H * P * D * 4  # the summaries are counted
+    # achieved rho counts them as the budget does, a page's kmin + kmax as one token's K + V
+    rows = L + 2 * (S + k * PS + w + P)
+    assert eng.achieved_rho[0] == pytest.approx(rows / (L * CFG.num_layers)) and eng.achieved_rho[0] <= rho
     # host: layers 1 and 2, the whole prompt, pinned
     _, full = prefill(PARAMS, CFG, [ids], tail_capacity=2)
     store = eng.state.store

@@ -176,6 +176,9 @@ def test_offloaded_memory_rows_and_bytes():
     summaries = sum(lc.state.kmin.nbytes + lc.state.kmax.nbytes for lc in e_off.cache.layers if lc.state is not None)
     kept = 2 * 4 * CFG.head_dim * int(sum(np.asarray(lc.lengths).sum() for lc in e_off.cache.layers))
     assert kept == s["kv_bytes_prompt"] and kept + summaries <= 0.5 * full_prompt
+    # achieved rho as the budget counts: rows + the summaries (a page's kmin + kmax as one token's K + V)
+    rows = L + 2 * (held + L // PS)
+    assert e_off.achieved_rho[0] == pytest.approx(rows / (L * CFG.num_layers)) and e_off.achieved_rho[0] <= 0.5
     assert s["kv_bytes_host"] == 2 * 2 * L * CFG.num_kv_heads * CFG.head_dim * 4  # two sparse layers
     st = s["policy_stats"]
     assert st["pages_per_step"] == 2 * CFG.num_kv_heads * k

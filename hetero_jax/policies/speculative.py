@@ -40,7 +40,7 @@ from flax import struct
 import pallas_kernels
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
+from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets, kept_prompt_tokens
 from hetero_jax.model.host_store import (TRANSFER_ERRORS, HostKVStore, in_step_operand, kv_rows_nbytes, sums_in_step,
                                          write_head_rows)
 from hetero_jax.model.sharding import to_host
@@ -226,7 +226,7 @@ class PageRecallPrefill:
                 layers[li] = layers[li].replace(state=layers[li].state.replace(slots=held))
             cache = cache.replace(layers=tuple(layers))
         return cache, PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, resident,
-                                       head_offsets(cache), attended, self.compile_fn, in_step)
+                                       head_offsets(cache), attended, self.compile_fn, in_step, self.n_pages)
 
 
 class PageRecallDecode(DecodeState):
@@ -241,8 +241,10 @@ class PageRecallDecode(DecodeState):
 
     def __init__(self, cfg, page_size: int, how: str, start, k_sel, store: HostKVStore,
                  resident: dict[int, np.ndarray], offsets: list[np.ndarray], attended: np.ndarray,
-                 compile_fn=None, in_step: bool = False):
+                 compile_fn=None, in_step: bool = False, summary_pages: np.ndarray | None = None):
         self.cfg, self.page_size, self.how, self.store = cfg, page_size, how, store
+        # [B] pages summarised per compressed head: their kmin + kmax count in the budget as one token's K + V
+        self.summary_pages = np.zeros(len(k_sel), np.int64) if summary_pages is None else summary_pages
         self.in_step = in_step
         # in_step: the latest step's running counts of the pages moved, per compressed layer ([B] int32 on the
         # device), and the total already counted (None until the first step reads the cache's own)
@@ -263,7 +265,14 @@ class PageRecallDecode(DecodeState):
 
     def fresh(self) -> "PageRecallDecode":
         return PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, self.initial,
-                                self.offsets, self.attended, self.compile_fn, self.in_step)
+                                self.offsets, self.attended, self.compile_fn, self.in_step, self.summary_pages)
+
+    def achieved_rho(self, cache, cfg) -> np.ndarray:
+        """[B] (prompt rows kept on the device + the page summaries, a page's kmin + kmax as one token's K + V,
+        as the budget counts them: ``pages.pages_for_budget``) / the prompt's full KV."""
+        full = to_host(cache.prompt_lens).astype(np.float64) * cfg.num_kv_heads * cfg.num_layers
+        summaries = self.summary_pages * cfg.num_kv_heads * len(self.initial)
+        return (kept_prompt_tokens(cache) + summaries) / full
 
     def pool_moved(self, cache) -> None:
         """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
