@@ -163,7 +163,6 @@ class Turn:
     short_prompt: str = ""  # "", or how a prompt too short for the server's budget was served (``fit_to_prompt``)
 
 
-
 def fit_to_prompt(model, policy, prompt_len: int, error: BudgetError):
     """(policy, how) for a prompt the server's own policy refused as too short for its budget (``error``): the
     same policy at the smallest budget above its own that fits the prompt ("smallest_budget": the method's
@@ -174,6 +173,8 @@ def fit_to_prompt(model, policy, prompt_len: int, error: BudgetError):
     try:
         rho = policy.smallest_budget(model, prompt_len, at_least=policy.budget)
     except BudgetError:
+        log.info("a %d-token prompt is shorter than %s's least layout: served with full KV", prompt_len,
+                 type(policy).__name__)
         return FullKV(), SHORT_PROMPT[1]
     log.info("a %d-token prompt is too short for %s at rho=%g: served at rho=%g", prompt_len,
              type(policy).__name__, policy.budget, rho)
