@@ -406,3 +406,17 @@ def test_the_stats_line_of_an_answer_without_decode_steps_says_so():
                             kv_bytes_index=0, kv_bytes_read_per_step=0, kv_bytes_prompt=0, kv_bytes_tail=0,
                             stop_reason="max_new_tokens")
     assert "decode no steps |" in stats.summary() and "nan" not in stats.summary()
+
+
+def test_every_bit_of_a_64_bit_seed_changes_the_samples(tiny):
+    """jax's PRNGKey keeps a seed's low 32 bits with x64 off: seed 2**32 sampled as seed 0. The key is the seed's
+    two words (PRNGKey's own key below 2**32)."""
+    from hetero_jax.runtime.engine import seed_key
+
+    for s in (0, 5, 2**32 - 1):
+        np.testing.assert_array_equal(np.asarray(seed_key(s)), np.asarray(jax.random.PRNGKey(s)))
+    assert np.asarray(seed_key(2**32 + 5)).tolist() == [1, 5] and np.asarray(seed_key(-1)).tolist() == [2**32 - 1] * 2
+    prompt = random_prompts([20], seed=3)[0]
+    draw = {s: hetero_jax.generate(tiny, prompt, max_new_tokens=12, temperature=5.0, seed=s, chat=False).token_ids
+            for s in (0, 2**32, -1, 2**63 - 1)}
+    assert draw[0] != draw[2**32] and draw[-1] != draw[2**63 - 1]

@@ -187,7 +187,7 @@ class Engine:
         # counts from its own mark (``begin_call``), as the process-wide counter also runs for other engines
         self.compile_owed = compile_seconds() - compile_start
         self.compile_mark = compile_seconds()
-        self.key = committed(jax.random.PRNGKey(seed)) if single else jax.random.PRNGKey(seed)
+        self.key = committed(seed_key(seed)) if single else seed_key(seed)
         self.steps = 0
         self._fns: dict = {}
         self._single = single
@@ -409,6 +409,14 @@ def _copy_state(value):
     if type(value) is dict:
         return {k: _copy_state(v) for k, v in value.items()}
     return value
+
+
+def seed_key(seed: int) -> jax.Array:
+    """The raw threefry key [2] uint32 of a 64-bit ``seed`` (two's complement): its high and low words, as
+    ``jax.random.PRNGKey`` makes it with x64 on (off, it keeps the low 32 bits only, so seed 2**32 sampled as
+    seed 0). Seeds in [0, 2**32) get PRNGKey's own key."""
+    s = int(seed) % 2**64
+    return jnp.asarray(np.array([s >> 32, s & 0xFFFFFFFF], np.uint32))
 
 
 def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int], *, temperature, top_p, stops,
