@@ -455,3 +455,29 @@ def test_a_trimmed_tail_gives_the_answers_of_one_never_grown(name):
     for s in (trimmed, twin):  # the next long answer grows it again
         s.engine.reserve(250)
     assert trimmed.ask(q2, max_new_tokens=6).token_ids == twin.ask(q2, max_new_tokens=6).token_ids
+
+
+def test_a_chat_session_refuses_questions_its_template_cannot_render_and_stays_usable(chat_model):
+    """A token-id question in a chat Session over text dropped the user turn from the history and every later
+    text question was refused blaming the template; a text question in a chat Session over token ids was glued
+    onto the context with no template. Both are refused before any compute; chat=False takes either."""
+    tok = chat_model.tokenizer
+    s = Session(chat_model, CONTEXT)
+    before = state(s)
+    with pytest.raises(PromptError, match="takes text questions.*chat=False"):
+        s.ask(tok.encode("who jumps?", add_special_tokens=False), max_new_tokens=4)
+    assert state(s) == before
+    ids = Session(chat_model, tok.encode(CONTEXT, add_special_tokens=False))
+    with pytest.raises(PromptError, match="chat template needs the context's text"):
+        ids.ask("who jumps?", max_new_tokens=4)
+
+
+def test_the_refused_chat_session_answers_its_text_question_as_a_fresh_one(chat_model):
+    s, twin = Session(chat_model, CONTEXT), Session(chat_model, CONTEXT)
+    with pytest.raises(PromptError):
+        s.ask(chat_model.tokenizer.encode("who jumps?", add_special_tokens=False), max_new_tokens=4)
+    assert s.ask("who jumps?", max_new_tokens=4).token_ids == twin.ask("who jumps?", max_new_tokens=4).token_ids
+    ids = chat_model.tokenizer.encode(CONTEXT, add_special_tokens=False)
+    q = chat_model.tokenizer.encode("who jumps?", add_special_tokens=False)  # chat=False: the text as it is
+    got = Session(chat_model, ids, chat=False).ask("who jumps?", max_new_tokens=3).token_ids
+    assert got == hetero_jax.generate(chat_model, ids + q, max_new_tokens=3, chat=False).token_ids

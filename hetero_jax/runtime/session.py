@@ -45,11 +45,19 @@ class Transcript:
         unfed = list(self.unfed)
         done = dict(unfed=(), carry="", rendered=None if self.rendered is None else self.rendered + self.carry)
         if not isinstance(question, str):
+            if self.chat and self.context_text is not None:  # the chat template renders text turns only
+                raise PromptError("a chat Session over a text context takes text questions (the chat template "
+                                  "renders each turn from its text); pass the question as text, or open the "
+                                  "Session with chat=False to feed token ids")
             ids = unfed + (tok.encode(self.carry) if self.carry else []) + question_ids(question, cfg)
             return ids, dataclasses.replace(self, **done)
         if not question.strip():
             raise PromptError("empty question: the question text has no content")
         check_unicode(question, "the question")
+        if self.context_text is None and self.chat:
+            raise PromptError("a text question in a chat Session over token ids: the chat template needs the "
+                              "context's text; pass the context as text, the question as token ids, or open the "
+                              "Session with chat=False (the question's text is then appended as it is)")
         if self.context_text is None or not self.chat:
             sep = "\n\n" if (self.turns or self.context_text) else ""
             ids = unfed + tok.encode(self.carry + sep + question, add_special_tokens=False)
