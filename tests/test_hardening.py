@@ -156,7 +156,7 @@ def sess():
 
 
 @pytest.mark.parametrize("question, kw, needle", [
-    (random_prompt(120, 3), {}, "the question (121 tokens) does not fit"),  # 1 unfed + 120
+    (random_prompt(120, 3), {}, "the question (120 tokens) does not fit"),  # and the unfed answer token
     ([5, -1], {}, "token id -1 of the question is outside the vocabulary [0, 101)"),
     ([5, 101], {}, "token id 101 of the question is outside the vocabulary [0, 101)"),
     ([5, 2.5], {}, "token ids must be integers: the question has 2.5 (float) at position 1"),

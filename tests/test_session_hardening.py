@@ -481,3 +481,18 @@ def test_the_refused_chat_session_answers_its_text_question_as_a_fresh_one(chat_
     q = chat_model.tokenizer.encode("who jumps?", add_special_tokens=False)  # chat=False: the text as it is
     got = Session(chat_model, ids, chat=False).ask("who jumps?", max_new_tokens=3).token_ids
     assert got == hetero_jax.generate(chat_model, ids + q, max_new_tokens=3, chat=False).token_ids
+
+
+def test_a_session_at_the_end_of_its_context_says_so():
+    """An answer cut by the context leaves its last token unfed: the next one-token question was refused as
+    'the question (2 tokens) does not fit ... ask a shorter question', which no question could satisfy."""
+    small = tiny_model(32)
+    s = Session(small, random_prompt(20, 1), chat=False)
+    res = s.ask(random_prompt(5, 2), max_new_tokens=100)
+    assert res.stats.stop_reason == "context" and s.engine.positions_left == 1
+    with pytest.raises(PromptError, match=r"reached the end of the model's 32-token context \(1 position\(s\) left, "
+                                          r"one of them for the last answer's final token\): no question fits"):
+        s.ask([7], max_new_tokens=1)
+    s2 = Session(small, random_prompt(20, 1), chat=False)
+    with pytest.raises(PromptError, match=r"the question \(12 tokens\) does not fit: 12 positions are left"):
+        s2.ask(random_prompt(12, 3), max_new_tokens=1)

@@ -226,10 +226,17 @@ class Session:
         ids, t = self._t.ask(tok, eng.cfg, question)
         room = eng.positions_left - len(ids)
         if room < 1:
+            carried = len(self._t.unfed)  # the last answer's final token, fed first in this turn
+            held = ", one of them for the last answer's final token" if carried else ""
+            if eng.positions_left - carried < 2:  # not even a one-token question and its answer fit
+                raise PromptError(
+                    f"this session has reached the end of the model's {eng.cfg.max_position_embeddings}-token "
+                    f"context ({eng.positions_left} position(s) left{held}): no question fits; start a new "
+                    "session (this one is unchanged)")
             raise PromptError(
-                f"the question ({len(ids)} tokens) does not fit: {eng.positions_left} positions are left in the "
-                f"model's {eng.cfg.max_position_embeddings}-token context; ask a shorter question or start a new "
-                "session (this one is unchanged)"
+                f"the question ({len(ids) - carried} tokens) does not fit: {eng.positions_left} positions are left "
+                f"in the model's {eng.cfg.max_position_embeddings}-token context{held}, and the answer needs one "
+                "more; ask a shorter question or start a new session (this one is unchanged)"
             )
         budget = min(max_new_tokens, room)
         eng.reserve(len(ids) + budget + 1)  # may grow the tail: more room, the same answers
