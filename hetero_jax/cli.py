@@ -42,11 +42,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a policy option, repeatable, e.g. --policy quest --option offload=true --option page_size=16 "
                         "(true/false, integers, numbers or text; also written --policy quest:offload=true)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor parallel: split heads and MLP over this many devices (must divide the KV heads)")
-    p.add_argument("--dp", type=int, default=1,
+    # default None, not 1: in a multi-process job "neither given" (tensor parallel over every device) must differ
+    # from an explicit --tp 1
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor parallel: split heads and MLP over this many devices (must divide the KV heads; "
+                        "default 1, or every device of a multi-process job when --dp is not given either)")
+    p.add_argument("--dp", type=int, default=None,
                    help="data parallel, in a multi-process job only (one prompt has no batch to split): with --tp, "
-                        "the mesh must span the job's devices")
+                        "the mesh must span the job's devices (default 1)")
     p.add_argument("--turns", default=None,
                    help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
 
@@ -62,7 +65,8 @@ def _add_launch(sub) -> None:
     )
     p.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
     p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
-                   help="K simulated CPU devices per process (on a GPU host: GPUs iK..iK+K-1 for process i)")
+                   help="K simulated CPU devices per process (on a GPU host: GPUs iK..iK+K-1 for process i; "
+                        "default: GPU i, one per process)")
     p.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- generate ...",
                    help="the command every process runs, after --")
 
@@ -254,23 +258,33 @@ def enable_compilation_cache() -> bool:
     return True
 
 
+def mesh_flags(args) -> tuple[int, int, bool]:
+    """``--tp`` and ``--dp`` (1 when not given), and whether either was given."""
+    tp, dp = getattr(args, "tp", None), getattr(args, "dp", None)
+    return 1 if tp is None else tp, 1 if dp is None else dp, tp is not None or dp is not None
+
+
 def _generate_mesh(args, setup):
     """The mesh of ``--tp`` x ``--dp`` (None for one device); in a multi-process job it must span every
-    process's devices (default: tensor parallel over all of them)."""
+    process's devices (neither flag given: tensor parallel over all of them)."""
     from hetero_jax.model.sharding import make_mesh
 
+    tp, dp, given = mesh_flags(args)
     if not setup.distributed:
-        return make_mesh(args.tp, args.dp) if args.tp * args.dp > 1 else None
+        return make_mesh(tp, dp) if tp * dp > 1 else None
     import jax
 
     from hetero_jax.runtime.distributed import LaunchError
 
     n = jax.device_count()
-    tp, dp = (n, 1) if args.tp * args.dp == 1 else (args.tp, args.dp)
+    if not given:
+        tp, dp = n, 1
     if tp * dp != n:
-        raise LaunchError(f"--tp {tp} x --dp {dp} = {tp * dp} devices, but the {jax.process_count()} processes "
-                          f"hold {n}: a multi-process run's mesh spans every device; give --tp and --dp whose "
-                          f"product is {n} (or neither: tensor parallel over all {n})")
+        unset = [f for f in ("tp", "dp") if getattr(args, f, None) is None]
+        raise LaunchError(f"--tp {tp} x --dp {dp}{f' (--{unset[0]} not given: 1)' if given and unset else ''} = "
+                          f"{tp * dp} devices, but the {jax.process_count()} processes hold {n}: a multi-process "
+                          f"run's mesh spans every device; give --tp and --dp whose product is {n} (or neither: "
+                          f"tensor parallel over all {n})")
     return make_mesh(tp, dp)
 
 
@@ -324,7 +338,7 @@ def _cmd_generate(args, setup) -> int:
     try:
         model = hetero_jax.load(args.model, dtype=args.dtype, mesh=mesh, progress=setup.process_id == 0)
     except MeshError as e:
-        if not (setup.distributed and args.tp * args.dp == 1):
+        if not (setup.distributed and not mesh_flags(args)[2]):
             raise
         n = mesh.devices.size  # neither flag given: tensor parallel over the whole job
         raise MeshError(f"{e}. With neither --tp nor --dp, this job's {n} devices make tp={n}: give --tp T "
@@ -413,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "tp", 1) < 1 or getattr(args, "dp", 1) < 1:
+    if any(v is not None and v < 1 for v in (getattr(args, "tp", None), getattr(args, "dp", None))):
         parser.error("--tp and --dp take a positive number of devices")
     if args.command is None:
         parser.print_help()
@@ -427,9 +441,10 @@ def main(argv: list[str] | None = None) -> int:
             # the job's variables before anything else: a bad one is refused before JAX starts; in a job the
             # devices are the processes' own (hetero-jax launch --devices-per-process simulates CPU ones)
             setup = process_setup()
-            check_mesh_flags(args.tp, args.dp, setup.distributed)
+            tp, dp, _ = mesh_flags(args)
+            check_mesh_flags(tp, dp, setup.distributed)
             if not setup.distributed:
-                simulate_cpu_devices(args.tp * args.dp)
+                simulate_cpu_devices(tp * dp)
             setup = initialize_distributed()
             with exit_on_failure(setup):
                 if setup.process_id != 0:  # every process runs the same command; process 0 prints

@@ -1,10 +1,11 @@
 """``hetero-jax launch -n N [--devices-per-process K] -- generate ...``: N processes of one command on this
 machine, joined into one JAX job through the variables :mod:`hetero_jax.runtime.distributed` reads.
 
-Each process gets ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAX_NUM_PROCESSES`` and its
-``JAX_PROCESS_ID``; with K, ``XLA_FLAGS=--xla_force_host_platform_device_count=K`` (K CPU devices each) and
-``JAX_LOCAL_DEVICE_IDS`` (on a GPU host, process i takes GPUs iK..iK+K-1). Process 0's output is forwarded;
-the others' stdout is dropped (they print nothing) and their stderr shared. When a process fails, the others
+Each process gets ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAX_NUM_PROCESSES``, its
+``JAX_PROCESS_ID`` and ``JAX_LOCAL_DEVICE_IDS``: on a GPU host process i takes GPUs iK..iK+K-1, or GPU i
+without K (else every process would take every GPU it sees, as jax does); CPU devices ignore the ids. With K
+also ``XLA_FLAGS=--xla_force_host_platform_device_count=K`` (K CPU devices each). Process 0's output is
+forwarded; the others' stdout is dropped (they print nothing) and their stderr shared. When a process fails, the others
 are stopped (SIGTERM, then SIGKILL after ``grace_s``) and the launcher exits with the first failure's code:
 a peer blocked in a collective would otherwise wait for jax's heartbeat timeout (100 s) or forever. Ctrl-C,
 SIGTERM and SIGHUP to the launcher stop every process the same way.
@@ -39,11 +40,13 @@ def process_env(base: Mapping[str, str], n: int, rank: int, port: int, devices_p
     """The environment of process ``rank`` of ``n``: ``base`` plus the job's variables."""
     env = dict(base)
     env.update({ADDRESS: f"127.0.0.1:{port}", COUNT: str(n), RANK: str(rank)})
+    k = 1 if devices_per_process is None else devices_per_process
     if devices_per_process is not None:
-        k = devices_per_process
         flags = _COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={k}".strip()
-        env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(rank * k + j) for j in range(k))
+    # always: without it each process of a GPU host would take every GPU (twice-claimed devices, and jax's
+    # memory preallocation in each process); jax applies the ids to GPUs only
+    env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(rank * k + j) for j in range(k))
     return env
 
 

@@ -52,10 +52,20 @@ def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
 
 
 def check_mesh(mesh: Mesh, cfg: ModelConfig) -> None:
-    """The model axis must divide the KV heads (a KV head and its query heads live on one device)."""
+    """Axes ("data", "model"), both Auto; the model axis must divide the KV heads (a KV head and its query heads
+    live on one device)."""
     if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {DATA, MODEL}:
         raise MeshError(f"expected a jax.sharding.Mesh with axes ('data', 'model') (hetero_jax.model.sharding.make_mesh), "
                         f"got {mesh!r}")
+    # jax.make_mesh's default (Explicit) axes make jitted code ask for output shardings the library never
+    # gives: prefill would fail deep inside with a ShardingTypeError that names neither cause nor fix
+    typed = {n: t for n, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ())) if t != AxisType.Auto}
+    if typed:
+        axes = ", ".join(f"{n!r}: {t.name}" for n, t in typed.items())
+        raise MeshError(f"the mesh's axes are not Auto ({axes}; jax.make_mesh makes Explicit axes by default): "
+                        "hetero-jax shards through jitted code, which needs Auto axes. Build the mesh with "
+                        "hetero_jax.make_mesh(tp=..., dp=...), or jax.make_mesh(shape, ('data', 'model'), "
+                        "axis_types=(jax.sharding.AxisType.Auto,) * 2)")
     tp = mesh.shape[MODEL]
     if cfg.num_kv_heads % tp:
         ok = [d for d in range(1, cfg.num_kv_heads + 1) if cfg.num_kv_heads % d == 0]

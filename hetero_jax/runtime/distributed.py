@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 from typing import Mapping
 
@@ -73,12 +74,19 @@ class ProcessSetup:
 SINGLE = ProcessSetup(num_processes=1, process_id=0, coordinator=None, source="single")
 
 
+def _digits(text: str) -> bool:
+    """Plain decimal digits: ``int`` also takes ``1_0``, ``+3`` and non-ASCII digits, which are typos here."""
+    return bool(re.fullmatch(r"[0-9]+", text))
+
+
+# a hostname or IPv4 address, or a bracketed IPv6 one: no scheme, path, user or whitespace, which the
+# coordinator's client would only reject after jax's 5-minute connection timeout
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9._-]+)?\]")
+
+
 def _int(env: Mapping[str, str], name: str, lo: int, hi: int | None, fix: str) -> int:
     raw = env[name]
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = None
+    value = int(raw.strip()) if _digits(raw.strip()) else None
     if value is None or value < lo or (hi is not None and value > hi):
         allowed = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
         raise LaunchError(f"environment variable {name}={raw!r} is not {allowed}; {fix}")
@@ -88,10 +96,11 @@ def _int(env: Mapping[str, str], name: str, lo: int, hi: int | None, fix: str) -
 def _address(env: Mapping[str, str], name: str) -> str:
     raw = env[name].strip()
     host, sep, port = raw.rpartition(":")
-    ok = bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    ok = bool(sep and _HOST.fullmatch(host) and _digits(port) and 0 < int(port) < 65536)
     if not ok:
         raise LaunchError(f"environment variable {name}={env[name]!r} is not HOST:PORT (e.g. 10.0.0.1:1234, the "
-                          "host of process 0 and a free port in [1, 65535]); " + _FIX)
+                          "host of process 0 (a hostname, an IPv4 address or a bracketed IPv6 one, no scheme or "
+                          "path) and a free port in [1, 65535]); " + _FIX)
     return raw
 
 
@@ -100,7 +109,7 @@ def _check_jax_extras(env: Mapping[str, str]) -> None:
     if env.get("JAX_COORDINATOR_PORT", "").strip():
         _int(env, "JAX_COORDINATOR_PORT", 1, 65535, "give the coordinator's port, or unset it")
     ids = env.get("JAX_LOCAL_DEVICE_IDS", "").strip()
-    if ids and not all(p.strip().isdigit() for p in ids.split(",")):
+    if ids and not all(_digits(p.strip()) for p in ids.split(",")):
         raise LaunchError(f"environment variable JAX_LOCAL_DEVICE_IDS={env['JAX_LOCAL_DEVICE_IDS']!r} is not a "
                           "comma-separated list of device ids (e.g. 0,1); fix it or unset it (every local "
                           "device is used)")
@@ -183,15 +192,21 @@ def process_setup(environ: Mapping[str, str] | None = None) -> ProcessSetup:
     return SINGLE
 
 
+# jaxlib takes the timeout as a C int (2**31 or more is a TypeError inside jax.distributed.initialize); a wait
+# longer than a day for a silent process is a typo, not a setting
+MAX_HEARTBEAT_S = 86400
+
+
 def heartbeat_options(environ: Mapping[str, str] | None = None) -> dict:
     """``jax.distributed.initialize``'s heartbeat timeout from ``HETERO_JAX_HEARTBEAT_S`` (none: jax's default).
-    Raises :class:`LaunchError` unless it is a whole number of seconds >= 1."""
+    Raises :class:`LaunchError` unless it is a whole number of seconds in [1, ``MAX_HEARTBEAT_S``]."""
     raw = (os.environ if environ is None else environ).get(HEARTBEAT, "").strip()
     if not raw:
         return {}
-    if not raw.isdigit() or int(raw) < 1:
-        raise LaunchError(f"{HEARTBEAT}={raw!r} is not a whole number of seconds >= 1; set it to how long the "
-                          "job may wait for a process that stopped answering (e.g. 30), or unset it for jax's 100")
+    if not _digits(raw) or not 1 <= int(raw) <= MAX_HEARTBEAT_S:
+        raise LaunchError(f"{HEARTBEAT}={raw!r} is not a whole number of seconds >= 1 (at most "
+                          f"{MAX_HEARTBEAT_S}, a day); set it to how long the job may wait for a process that "
+                          "stopped answering (e.g. 30), or unset it for jax's 100")
     return {"heartbeat_timeout_seconds": int(raw)}
 
 
