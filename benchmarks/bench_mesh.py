@@ -11,8 +11,9 @@ Two parts:
    for ``hetero_jax.policies.placement.balanced_placement``.
 2. **A sharded run on simulated CPU devices** (SmolLM2-135M, 3 KV heads): tp in {1, 3} x dp in {1, 2},
    full KV / SnapKV / HeteroCache, a batch of two prompts: per-device device and host bytes measured from
-   the arrays' shards, and the decode step time. A correctness and scaling-shape run: 6 "devices" share
-   this machine's cores, so the times say nothing about speed on real devices.
+   the arrays' shards, and the decode step time. A correctness and scaling-shape run: on a CPU the largest
+   mesh's count of simulated "devices" share this machine's cores, so the times say nothing about speed on
+   real devices. Every mesh is checked (format, device count, KV heads) before any work.
 
     .venv/bin/python benchmarks/bench_mesh.py --write-results
 
@@ -30,14 +31,10 @@ The planned GPU run (8 devices, Llama-3.1-8B shapes) is named in the section it 
 from __future__ import annotations
 
 import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # must precede JAX's start; no effect on GPU devices
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=6").strip()
-
-import statistics  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import re
+import statistics
+import sys
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -153,9 +150,9 @@ def render_processes(payload: dict) -> str:
            "heads (K, V, positions; rows from `cache.pool_offsets` over `HeteroCache.bind`'s role-balanced "
            "layout), every layer's offsets and lengths, and K_base (not split: every process holds all pivots'). "
            "*host*: HeteroCache's pinned prompt copy of the process's heads (every head of a layer with a "
-           "compressed head under tensor parallelism). HeteroCache across processes is still refused at run time "
-           "(issue 40, items 1-2): the host column is what each process holds once its own host keeps its "
-           "heads' rows. With K devices per process, multiply by K (tp = P x K).", ""]
+           "compressed head under tensor parallelism). HeteroCache runs across processes: the host column is what "
+           "each process's own host holds, its heads' rows (docs/devices.md, *Host copies per process*). With K "
+           "devices per process, multiply by K (tp = P x K).", ""]
     rows = [[r["prompt_tokens"], r["processes"], mib(r["full_device"]), mib(r["heterocache_device"]),
              f"{r['heterocache_device'] / r['full_device']:.3f}", mib(r["heterocache_host"]),
              mib(r["heterocache_device"] + r["heterocache_host"])] for r in payload["processes"]]
@@ -166,7 +163,33 @@ def render_processes(payload: dict) -> str:
     return "\n".join(out)
 
 
-def sharded_runs(model_name: str, meshes, policies, prompt_tokens: int, steps: int) -> list[dict]:
+def simulate_devices(meshes) -> None:
+    """On a CPU, as many simulated devices as the largest mesh needs (before JAX starts; no effect on GPU
+    devices, nor once JAX started or the flag is set)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        n = max(tp * dp for tp, dp in meshes)
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def mesh_problem(meshes, num_kv_heads: int, devices: int, cpu: bool = True) -> str | None:
+    """Why the first of ``meshes`` that cannot run here cannot (its tp must divide the KV heads, its devices be
+    visible: ``devices``, simulated ones on a ``cpu``), or None."""
+    flag = re.search(r"--xla_force_host_platform_device_count=\S*", os.environ.get("XLA_FLAGS", ""))
+    for tp, dp in meshes:
+        if num_kv_heads % tp:
+            ok = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0]
+            return (f"--meshes {tp}x{dp}: tp={tp} does not divide the model's {num_kv_heads} KV heads; "
+                    f"choose tp in {ok}")
+        if tp * dp > devices:
+            return (f"--meshes {tp}x{dp}: needs {tp * dp} devices but {devices} are visible" + (
+                f"; XLA_FLAGS sets {flag.group(0)}: raise it, or unset it to simulate the largest mesh's count"
+                if cpu and flag else ""))
+    return None
+
+
+def sharded_runs(base, meshes, policies, prompt_tokens: int, steps: int) -> list[dict]:
+    """Each policy on each of ``meshes`` (tp, dp) with ``base`` (a loaded model) placed on it."""
     import jax
     import numpy as np
 
@@ -175,7 +198,6 @@ def sharded_runs(model_name: str, meshes, policies, prompt_tokens: int, steps: i
     from hetero_jax.policies import make_policy
     from hetero_jax.model.sharding import imbalance, make_mesh
 
-    base = hetero_jax.load(model_name, progress=False)
     tok = base.tokenizer
     ids = tok.encode(haystack.pydoc_corpus(), add_special_tokens=False)
     prompts = [ids[:prompt_tokens], ids[prompt_tokens: 2 * prompt_tokens - prompt_tokens // 4]]
@@ -223,11 +245,15 @@ def render(payload: dict) -> str:
             for r in payload["placement"]]
     out.append(common.markdown_table(["model", "rho", "L", "tp", "placement", "kept max MiB", "kept mean MiB",
                                       "max/mean", "SPMD alloc MiB", "pool alloc MiB", "full MiB"], rows))
-    out += ["", "### Sharded runs on simulated CPU devices (correctness and scaling shape, not speed)", "",
+    devices, platform = cfg.get("devices", 6), cfg.get("platform", "cpu")  # runs before both were recorded: 6 CPU
+    cpu = platform == "cpu"
+    out += ["", f"### Sharded runs on {'simulated CPU' if cpu else platform.upper()} devices (correctness and "
+            f"scaling shape{', not speed' if cpu else ''})", "",
             f"{cfg['model']}, a batch of two pydoc prompts ({cfg['prompt_tokens']} and "
             f"{cfg['prompt_tokens'] - cfg['prompt_tokens'] // 4} tokens), median of {cfg['steps'] - 2} decode "
             "steps after 2 warm ones. Bytes measured from each array's shards (a replicated group counts on "
-            "every device). The 6 simulated devices share this machine's cores.", ""]
+            "every device). " + (f"The {devices} simulated devices share this machine's cores." if cpu else
+                                 f"{devices} {platform} devices."), ""]
     rows = [[r["policy"], r["tp"], r["dp"], f"{r['rho']:.3f}", mib(r["kv_total"]), mib(r["kv_max"]),
              f"{r['kv_imbalance']:.2f}", mib(r["host_max"]), f"{r['decode_ms']:.1f}"] for r in payload["runs"]]
     out.append(common.markdown_table(["policy", "tp", "dp", "rho", "KV total MiB (logical)", "KV max MiB/device",
@@ -239,7 +265,8 @@ def render(payload: dict) -> str:
 def parse_args(argv=None):
     p = common.argument_parser(__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--meshes", default="1x1,3x1,1x2,3x2", help="comma-separated TPxDP")
+    p.add_argument("--meshes", default="1x1,3x1,1x2,3x2",
+                   help="comma-separated TPxDP (on a CPU, as many simulated devices as the largest needs)")
     p.add_argument("--policies", default="full,snapkv@0.5,heterocache@0.5", help="NAME@RHO, comma-separated")
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--steps", type=int, default=12)
@@ -256,21 +283,41 @@ def parse_args(argv=None):
                    help=f"--per-process: the folder of the authors' profiles (default {REFERENCE})")
     p.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "out" / "mesh.json")
     common.add_results_arguments(p, SECTION, presets=False)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # every mesh before any work: a bad one would otherwise end the run after the meshes before it, unwritten
+    bad = [m for m in args.meshes.split(",") if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", m.strip())]
+    if bad:
+        p.error(f"--meshes {bad[0]!r} is not TPxDP (two positive integers, e.g. 3x2)")
+    args.mesh_list = [tuple(int(x) for x in m.strip().split("x")) for m in args.meshes.split(",")]
+    args.usage_error = p.error  # main's checks of the meshes against the model and the devices
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.per_process:
         return main_processes(args)
-    meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
+    meshes = args.mesh_list
     config = dict(model=args.model, meshes=meshes, policies=args.policies.split(","),
                   prompt_tokens=args.prompt_tokens, steps=args.steps, rhos=[float(x) for x in args.rhos.split(",")],
                   lengths=[int(x) for x in args.lengths.split(",")], tps=[int(x) for x in args.tps.split(",")])
+    base = None
+    if not args.skip_runs:
+        simulate_devices(meshes)
+        import jax
+
+        import hetero_jax
+
+        base = hetero_jax.load(args.model, progress=False)
+        problem = mesh_problem(meshes, base.config.num_kv_heads, jax.device_count(),
+                               cpu=jax.devices()[0].platform == "cpu")
+        if problem:
+            args.usage_error(problem)
+        config.update(devices=jax.device_count(), platform=jax.devices()[0].platform)
     payload = common.report_header(SECTION, config)
     payload["placement"] = placement_rows(config["rhos"], config["lengths"], config["tps"])
-    payload["runs"] = [] if args.skip_runs else sharded_runs(args.model, meshes, config["policies"],
-                                                             args.prompt_tokens, args.steps)
+    payload["runs"] = [] if base is None else sharded_runs(base, meshes, config["policies"], args.prompt_tokens,
+                                                           args.steps)
     common.write_json(args.json, payload, "--json")
     print(render(payload))
     if args.write_results:
