@@ -11,6 +11,8 @@ from hetero_jax.model.sharding import imbalance
 
 @dataclasses.dataclass
 class GenerationStats:
+    # in a Session every turn repeats the context's prompt_tokens and prefill_seconds (the prefill happened once,
+    # before the first turn); a turn's own prompt work is extend_seconds
     prompt_tokens: int
     generated_tokens: int
     prefill_seconds: float
