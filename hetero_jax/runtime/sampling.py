@@ -48,7 +48,8 @@ def sample(logits: jax.Array, key: jax.Array, temperature, top_p, mode: str | No
         sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         cum = jnp.cumsum(probs, axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token), and every token tied
+        # with its last one: the cut is a logit value, so no tie is broken by the sort's order
         n_keep = jnp.sum(cum - probs < top_p, axis=-1)
         cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
         logits = jnp.where(logits < cutoff, MASK_VALUE, logits)
