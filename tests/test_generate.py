@@ -1,5 +1,6 @@
 """generate(): batching, stopping, sampling and bad input, on a tiny converted checkpoint."""
 
+import dataclasses
 import re
 
 import jax
@@ -420,3 +421,40 @@ def test_every_bit_of_a_64_bit_seed_changes_the_samples(tiny):
     draw = {s: hetero_jax.generate(tiny, prompt, max_new_tokens=12, temperature=5.0, seed=s, chat=False).token_ids
             for s in (0, 2**32, -1, 2**63 - 1)}
     assert draw[0] != draw[2**32] and draw[-1] != draw[2**63 - 1]
+
+
+@pytest.mark.parametrize("policy", ["full", "quest-offload"])
+def test_the_tail_grows_with_the_answer_and_the_tokens_are_those_of_a_whole_budget_tail(policy, monkeypatch):
+    """generate sized the tail for max_new_tokens up front: a 7-token answer with max_new_tokens 8000 held
+    356 MiB on SmolLM2 (7.5 MiB at 48). The tail starts at TAIL_START tokens and doubles while the answer runs:
+    here TAIL_START 128 and a 300-token answer grows it twice (256, then 384 rows, the steps left), and the
+    tokens and logits equal a run whose tail held the whole budget from the start."""
+    from hetero_jax.policies import FullKV, Quest
+    from hetero_jax.runtime import _generate, engine as E
+
+    model = tiny_model(max_position_embeddings=1024)
+    pol = FullKV() if policy == "full" else Quest(budget=0.5, page_size=8, full_layers=1, offload=True)
+    prompt = random_prompts([64], seed=11)[0]
+    eos_free = dataclasses.replace(model, config=dataclasses.replace(model.config, eos_token_ids=()))
+    eos_free.tokenizer.eos_token_ids = ()
+    whole = hetero_jax.generate(eos_free, prompt, pol, max_new_tokens=300, chat=False)
+    sizes = []
+    orig = E.resize_tail
+    monkeypatch.setattr(E, "resize_tail", lambda c, n: (sizes.append(n), orig(c, n))[1])
+    monkeypatch.setattr(_generate, "TAIL_START", 128)
+    grown = hetero_jax.generate(eos_free, prompt, pol, max_new_tokens=300, chat=False)
+    assert grown.token_ids == whole.token_ids and len(grown.token_ids) == 300
+    assert sizes == [256, 384]
+
+
+def test_an_answer_far_shorter_than_its_budget_holds_only_the_starting_tail():
+    from hetero_jax.runtime.compile_cache import TAIL_START
+
+    model = tiny_model(max_position_embeddings=2048)
+    prompt = random_prompts([30], seed=12)[0]
+    third = hetero_jax.generate(model, prompt, max_new_tokens=3, chat=False).token_ids[2]
+    model.tokenizer.eos_token_ids = (third,)  # the answer ends at its third token
+    big = hetero_jax.generate(model, prompt, max_new_tokens=1900, chat=False)
+    ref = hetero_jax.generate(model, prompt, max_new_tokens=TAIL_START, chat=False)
+    assert big.stats.stop_reason == "eos" and big.token_ids == ref.token_ids
+    assert big.stats.kv_bytes_device == ref.stats.kv_bytes_device  # TAIL_START rows, not 1,900

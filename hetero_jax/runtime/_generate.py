@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from hetero_jax.errors import PromptError
-from hetero_jax.runtime.compile_cache import tail_capacity_for
+from hetero_jax.runtime.compile_cache import TAIL_START, tail_capacity_for
 from hetero_jax.runtime.engine import Engine, decode_loop, make_results
 from hetero_jax.runtime.prompts import as_token_batches, check_flag, check_model, check_request
 
@@ -41,8 +41,9 @@ def generate(
         raise PromptError("on_token streams a single prompt; pass one prompt or on_token=None")
     # each prompt's own room: a short one batched with a long one runs as far as it would alone
     budgets = [min(max_new_tokens, model.config.max_position_embeddings - len(b)) for b in batch]
-    # every sequence is stepped until the longest budget ends, so the tail holds that many tokens for each
-    engine = Engine(model, batch, policy, tail_capacity=tail_capacity_for(max(budgets)), seed=seed,
+    # every sequence is stepped until the longest budget ends; the tail starts at TAIL_START tokens and grows
+    # while the answer runs (``decode_loop``), so an answer far shorter than its budget holds only its own rows
+    engine = Engine(model, batch, policy, tail_capacity=tail_capacity_for(min(max(budgets), TAIL_START)), seed=seed,
                     is_batch=is_batch)
     first = engine.first_tokens(temperature, top_p)
     # pipelined: the engine is not used after this answer, so a step dispatched past its end costs nothing else

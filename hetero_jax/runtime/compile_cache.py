@@ -108,6 +108,11 @@ def compiled(jitted, *args, **static):
     return fn
 
 
+# the tail a generate call starts with, at most (tokens): it doubles while a longer answer runs, each size a
+# decode executable of its own, so up to 512 tokens (the default max_new_tokens is 256) compile once
+TAIL_START = 512
+
+
 def tail_capacity_for(n_tokens: int) -> int:
     """The tail allocation for ``n_tokens`` tokens after the prompt (at least one): a TAIL_QUANTUM multiple."""
     return round_up(max(n_tokens, 1), TAIL_QUANTUM)

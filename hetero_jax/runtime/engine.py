@@ -466,6 +466,17 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int
             on_token(delta)
 
     steps = max(budgets, default=0)  # the longest budget; a sequence done earlier is stepped and ignored
+    # the tail grows as the answer does (doubling, ``TAIL_QUANTUM`` multiples), never to the whole budget up
+    # front: a large max_new_tokens answered in a few tokens held the rows (and read-cost stats) of all of them
+    used = int(np.max(to_host(engine.cache.tail_lens))) if steps > 1 else 0
+    left = steps - 1  # the steps this loop may dispatch, each appending one tail row
+
+    def room_for_one() -> None:
+        nonlocal used, left
+        if used + 1 > engine.cache.tail_capacity:
+            engine.reserve(min(max(engine.cache.tail_capacity, TAIL_QUANTUM), left))
+        used, left = used + 1, left - 1
+
     ahead = None  # pipelined: the device tokens of the step dispatched ahead
     for step in range(steps):
         for i in range(B):
@@ -474,10 +485,15 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int
             break
         t1, before = time.perf_counter(), compile_seconds()
         if not pipelined:
+            room_for_one()
             next_tok, seconds = engine.step(next_tok, temperature, top_p)
         else:
+            if ahead is None:
+                room_for_one()
             this = engine.dispatch(next_tok, temperature, top_p) if ahead is None else ahead
             # the step after this one, while this one computes (never past the budget)
+            if step + 2 < steps:
+                room_for_one()
             ahead = engine.dispatch(this, temperature, top_p) if step + 2 < steps else None
             next_tok = to_host(this)
             seconds = time.perf_counter() - t1 - (compile_seconds() - before)
