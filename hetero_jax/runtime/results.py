@@ -84,6 +84,6 @@ class GenerationStats:
 @dataclasses.dataclass
 class GenerationResult:
     text: str
-    token_ids: list[int]  # generated tokens only (EOS excluded)
+    token_ids: list[int]  # generated tokens only (EOS excluded; a stop string's cut is in .text only)
     stats: GenerationStats
 
