@@ -147,6 +147,18 @@ def test_import_qwen_profile():
 
 
 @needs_ref
+def test_both_published_profiles_carry_tau_stable_to_the_drift_scale_alike():
+    """tau_drift = tau_stable (the paper) carried to the check's chance-normalised scale at the calibration's
+    top-1K of 10K tokens, for both files: (0.5 - 0.1024) / 0.8976 and (0.4 - 0.1024) / 0.8976 (the Qwen file's
+    settings recorded no top-k, so its 0.4 was used raw)."""
+    from hetero_jax.policies import HeteroCache
+
+    llama, qwen = (HeteroCache(profile=load_profile(REF / f), budget=0.5) for f in (LLAMA_FILE, QWEN_FILE))
+    assert llama.drift_threshold == pytest.approx((0.5 - 0.1024) / 0.8976)
+    assert qwen.drift_threshold == pytest.approx((0.4 - 0.1024) / 0.8976)
+
+
+@needs_ref
 def test_import_unknown_name_and_overrides(tmp_path):
     # The content (32 x 8 grid, anchor/volatile/... naming) identifies the Llama file whatever its name
     # (tests/test_profile_files.py covers ambiguous and unknown files).

@@ -45,7 +45,9 @@ _NAMES_LONG = frozenset({"stable_unique", "decaying_unique", "similar_leader", "
 # its content: the role grid's shape (layers x KV heads) together with the role naming of its meta.type_map
 # (the Llama file uses anchor/volatile/..., the Qwen file Stable_Unique/...). A file whose shape is a known
 # model's but whose naming is not (content ambiguous) is matched by the file-name pattern instead. From the
-# public HF configs (head_dim = hidden / heads) and the paper (Sec. 3, App. B-C).
+# public HF configs (head_dim = hidden / heads) and the paper (Sec. 3, App. B-C): both calibrated on 10K-token
+# samples with top-1K sets, which sets the chance level tau_drift is carried from (Qwen had none recorded, so
+# its 0.4 applied raw where Llama's 0.5 became 0.443).
 _KNOWN_MODELS = (
     (re.compile(r"llama-?3\.1-8b", re.I), _NAMES_SHORT,
      dict(model_name="meta-llama/Llama-3.1-8B-Instruct", architecture="llama", shape=(32, 8), head_dim=128,
@@ -53,7 +55,7 @@ _KNOWN_MODELS = (
                                    calibration_data=_PAPER_DATA, samples=50, tokens_per_sample=10_000))),
     (re.compile(r"qwen2\.5-14b", re.I), _NAMES_LONG,
      dict(model_name="Qwen/Qwen2.5-14B-Instruct", architecture="qwen2", shape=(48, 8), head_dim=128,
-          settings=ProfileSettings(decode_steps=100, tau_stable=0.4, tau_sim=0.5,
+          settings=ProfileSettings(top_k=1024, decode_steps=100, tau_stable=0.4, tau_sim=0.5,
                                    calibration_data=_PAPER_DATA, samples=50, tokens_per_sample=10_000))),
 )
 _ARCH_PATTERNS = ((re.compile(r"qwen3", re.I), "qwen3"), (re.compile(r"qwen2", re.I), "qwen2"),
