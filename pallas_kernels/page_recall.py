@@ -44,8 +44,14 @@ def page_recall_reference(
     page_size: int,  # static
 ):
   """The recall in plain JAX (module docstring): every slot is gathered from the store and scattered, the
-  slots that keep their page dropped."""
+  slots that keep their page dropped. Page ids are the caller's promise to lie in the store (traced, they
+  cannot be checked without a host sync): one past it reads the store's last rows."""
   B, H, n = pending.shape
+  if (jnp.shape(resident) != (B, H, n) or jnp.shape(offsets) != (B, H) or jnp.shape(start) != (B,)
+      or jnp.shape(k_sel) != (B,)):
+    raise ValueError(f"pending and resident must be [B, H, n] = {(B, H, n)}, offsets [B, H], start / k_sel [B]; "
+                     f"got resident {jnp.shape(resident)}, offsets {jnp.shape(offsets)}, start "
+                     f"{jnp.shape(start)}, k_sel {jnp.shape(k_sel)}")
   ps, T = page_size, store_k.shape[2]
   ok = jnp.arange(n)[None, None, :] < k_sel[:, None, None]  # [B, 1, n]
   eq = (pending[..., :, None] == resident[..., None, :]) & ok[..., None, :] & ok[..., :, None]  # [B, H, j, i]

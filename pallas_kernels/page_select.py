@@ -91,6 +91,10 @@ def page_select_reference(
     how: str = "max",
 ):
   """``top_pages(group_page_scores(...))``: (pages [B, H, n_select] int32, valid [B, H, n_select] bool)."""
+  B = jnp.shape(q)[0]
+  if jnp.shape(n_pages) != (B,) or (counts is not None and jnp.shape(counts) != (B,)):
+    raise ValueError(f"n_pages and counts must be [B] = ({B},), got {jnp.shape(n_pages)} and "
+                     f"{None if counts is None else jnp.shape(counts)}")
   return top_pages(group_page_scores(q, kmin, kmax, n_pages, how), n_select, counts)
 
 

@@ -206,6 +206,9 @@ def pivot_statistics_reference(
   with GQA max; o'_t [B, Hp] float32, the normalised overlap of the top-L_base of the scores with K_base,
   Eq. 9, each row with its own L_base = the count of its K_base entries >= 0, ``base_overlap``). The native
   CPU kernel ``pallas_kernels.native.pivot_statistics_native`` computes the same."""
+  if jnp.shape(lengths) != jnp.shape(logits)[:2] or jnp.shape(k_base)[:2] != jnp.shape(logits)[:2]:
+    raise ValueError(f"lengths must be [B, Hp] = {jnp.shape(logits)[:2]} and k_base [B, Hp, K], got "
+                     f"{jnp.shape(lengths)} and {jnp.shape(k_base)}")
   scores = pivot_pooled_scores(logits, lengths)
   l_base = (k_base >= 0).sum(axis=-1, dtype=jnp.int32)
   return scores, base_overlap(scores[:, :, None], k_base, l_base, lengths)[:, :, 0]

@@ -23,6 +23,8 @@ def check_pool_args(q, k_pool, v_pool, offsets, lengths, score_heads=None, block
                      f"and v_pool must both be [B, P, D] with q's B = {B} and D = {D}")
   if D < 1:
     raise ValueError(f"q's head_dim must be >= 1, got q {q.shape}")
+  check_same_dtype(q=q, k_pool=k_pool, v_pool=v_pool)
+  check_int_dtype(offsets=offsets, lengths=lengths)
   if jnp.shape(offsets) != (B, H) or jnp.shape(lengths) != (B, H):
     raise ValueError(f"offsets and lengths must be [B, H] = {(B, H)}, got {jnp.shape(offsets)} and "
                      f"{jnp.shape(lengths)}")
@@ -43,6 +45,22 @@ def check_pool_args(q, k_pool, v_pool, offsets, lengths, score_heads=None, block
       raise ValueError(f"block_rows' {block_rows.shape[2]} blocks of block_size={block_size} rows must cover "
                        f"max_len={max_len}: pass the rows of one block and enough blocks")
   _check_rows_in_pool(offsets, lengths, block_rows, int(block_size), max_len, T, k_pool.shape[1])
+
+
+def check_same_dtype(**arrays) -> None:
+  """ValueError unless the arrays share one dtype: the GPU kernel's dot needs it (Triton's own error names no
+  argument), while the CPU backends would convert silently."""
+  dtypes = {name: jnp.result_type(a) for name, a in arrays.items()}
+  if len(set(dtypes.values())) > 1:
+    got = ", ".join(f"{n} {d}" for n, d in dtypes.items())
+    raise ValueError(f"{', '.join(dtypes)} must share one dtype, got {got}; cast the queries to the pool's dtype")
+
+
+def check_int_dtype(**arrays) -> None:
+  """ValueError unless every array holds integers (a float length or offset was truncated)."""
+  for name, a in arrays.items():
+    if not jnp.issubdtype(jnp.result_type(a), jnp.integer):
+      raise ValueError(f"{name} must hold integers (int32), got {jnp.result_type(a)}")
 
 
 def _check_rows_in_pool(offsets, lengths, block_rows, block_size: int, max_len, T: int, P: int):

@@ -473,7 +473,9 @@ def topk_sets(
   thousands cost 3-4x this at 16K-32K entries.
   """
   T = scores.shape[-1]
-  k = jnp.asarray(sizes, jnp.int32)
+  # a size above cap (out of contract) is cut to cap, so it cannot push the row's other sets off their
+  # candidates (the cut was by position)
+  k = jnp.minimum(jnp.asarray(sizes, jnp.int32), cap)
   key = _sortable_bits(scores)
   pos = jnp.arange(T, dtype=jnp.int32)
   top = _top_members(key, k.max(axis=-1))                   # [..., T]

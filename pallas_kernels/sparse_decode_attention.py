@@ -43,6 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._util import (MASK_VALUE, MIN_DOT_ROWS, cdiv, dot_precision,
                                   is_pow2, next_pow2)
+from pallas_kernels.pool_checks import check_int_dtype, check_same_dtype
 
 __all__ = [
     "sparse_decode_attention",
@@ -74,6 +75,8 @@ def _check_decode_args(q, k, v, lengths):
     raise ValueError(f"q's head_dim must be >= 1, got q {q.shape}")
   if jnp.shape(lengths) != (B, H):
     raise ValueError(f"lengths must be [B, Hkv] = {(B, H)}, got {jnp.shape(lengths)}")
+  check_same_dtype(q=q, k=k, v=v)
+  check_int_dtype(lengths=lengths)
 
 
 def _empty_attention(q):

@@ -51,7 +51,7 @@ def make_case(seed, B, H, G, D, cap, slots, dtype=np.float32, K=40):
       own = int(rng.integers(0, K + 1))
       k_base[b, r, :own] = np.sort(rng.choice(cap, size=own, replace=False))
   as_j = lambda a, t=jnp.int32: jnp.asarray(a, t)  # noqa: E731
-  return (as_j(q, jnp.float32), as_j(k, dtype), as_j(v, dtype), as_j(offsets), as_j(lengths), as_j(stat_lengths),
+  return (as_j(q, dtype), as_j(k, dtype), as_j(v, dtype), as_j(offsets), as_j(lengths), as_j(stat_lengths),
           as_j(k_base))
 
 
