@@ -588,3 +588,35 @@ def test_rope_parameters_with_only_a_theta():
     per_type = ModelConfig.from_hf_dict(_qwen2(rope_parameters={"full_attention": {"rope_theta": 250000.0,
                                                                                   "rope_type": "default"}}))
     assert per_type.rope_theta == 250000.0
+
+
+L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("rope", [dict(rope_theta=500000.0, rope_scaling=L3),
+                                  dict(rope_scaling={**L3, "rope_theta": 250000.0}),
+                                  dict(rope_theta=10000.0, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 123456.0}),
+                                  dict(rope_theta=77777.0), dict()])
+def test_rope_theta_is_read_where_transformers_reads_it(rope):
+    """The RoPE dict's own rope_theta first, then the top level's: a legacy rope_scaling holding the theta fell
+    back to 10000, and a stale top-level value beside rope_parameters won (logits 0.1 off transformers')."""
+    transformers = pytest.importorskip("transformers")
+    from hetero_jax.model.config import ModelConfig
+
+    d = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, num_attention_heads=4,
+             num_key_value_heads=2, num_hidden_layers=1, intermediate_size=128, vocab_size=100,
+             max_position_embeddings=16384, **rope)
+    want = transformers.LlamaConfig.from_dict(d).rope_parameters["rope_theta"]
+    assert ModelConfig.from_hf_dict(d).rope_theta == want
+
+
+def test_a_qwen3_config_keeps_its_attention_bias_through_the_hf_dict():
+    from hetero_jax.model.config import ModelConfig
+
+    for bias in (True, False):
+        cfg = ModelConfig.from_hf_dict(_qwen2(architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                                              attention_bias=bias))
+        assert cfg.architecture == "qwen3" and cfg.qkv_bias is bias
+        assert ModelConfig.from_hf_dict(cfg.to_hf_dict()).qkv_bias is bias  # the round trip to_hf_dict promises

@@ -205,11 +205,6 @@ class ModelConfig:
                 and isinstance(next(iter(rope_params.values())), Mapping)):
             # per-layer-type form {"full_attention": {...}}; take the only entry
             rope_params = next(iter(rope_params.values()))
-        rope_theta = float(
-            cfg.get("rope_theta")
-            or (rope_params or {}).get("rope_theta")
-            or 10000.0
-        )
         scaling_dict = cfg.get("rope_scaling") or None
         if scaling_dict is None and rope_params:
             scaling_dict = rope_params
@@ -217,6 +212,9 @@ class ModelConfig:
         if scaling_dict and not isinstance(scaling_dict, Mapping):
             raise ConfigError(f"config.json: rope_scaling / rope_parameters must be an object with a rope_type, got "
                               f"{scaling_dict!r}; fix the config or remove the key")
+        # transformers' order: the RoPE dict's own rope_theta, then the top level's (a stale top-level value
+        # beside rope_parameters, or a legacy rope_scaling holding the theta, changed the model by 0.1 in logits)
+        rope_theta = float((scaling_dict or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
         if scaling_dict:
             rtype = scaling_dict.get("rope_type", scaling_dict.get("type", "default"))
             if rtype == "llama3":
@@ -301,6 +299,8 @@ class ModelConfig:
         if self.architecture == "llama":
             d["attention_bias"] = self.qkv_bias
             d["mlp_bias"] = self.mlp_bias
+        elif self.architecture == "qwen3":
+            d["attention_bias"] = self.qkv_bias
         if self.rope_scaling is not None:
             d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         return d
