@@ -112,16 +112,12 @@ def add_fitted(runs: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------- targets
-def policy_name(spec: str) -> str:
-    """The registry key of a ``--policies`` spec: the name before any options, as ``make_policy`` reads it
-    (case, '-' and '_' ignored): 'heterocache:copy_window=16' and 'HeteroCache' are both 'heterocache'."""
-    return spec.partition(":")[0].lower().replace("-", "").replace("_", "")
-
-
 def target_check(runs: list[dict]) -> dict:
     """HeteroCache rho 0.3 (with or without options) at the longest context measured: the three targets, each met
     or not. Where several HeteroCache specs ran there, the plain one, else the first."""
-    cands = [r for r in runs if policy_name(r["policy"]) == TARGET_POLICY and abs(r["rho"] - TARGET_RHO) < 1e-9]
+    from hetero_jax.policies import registry_key  # the name as make_policy reads it, options dropped
+
+    cands = [r for r in runs if registry_key(r["policy"]) == TARGET_POLICY and abs(r["rho"] - TARGET_RHO) < 1e-9]
     if not cands:
         return {"measured": False}
     longest = max(r["length"] for r in cands)

@@ -62,6 +62,12 @@ def parse_options(items) -> dict:
     return out
 
 
+def registry_key(spec: str) -> str:
+    """The ``REGISTRY`` key a policy name or spec names: the name before any options, case, '-' and '_' ignored
+    ('heterocache:copy_window=16' and 'Hetero-Cache' are both 'heterocache')."""
+    return spec.partition(":")[0].lower().replace("-", "").replace("_", "")
+
+
 def make_policy(name: str, budget: float | None = None, /, **kwargs) -> Policy:
     """A policy from its registry name (case-insensitive), e.g. ``make_policy("snapkv", 0.3)``.
 
@@ -84,7 +90,7 @@ def make_policy(name: str, budget: float | None = None, /, **kwargs) -> Policy:
                               f"the name {name}:{spec} and {both[0]}={kwargs[both[0]]!r} as an option (--option "
                               "or a flag on the command line); give each option once")
         kwargs = {**in_spec, **kwargs}
-    key = name.lower().replace("-", "").replace("_", "")
+    key = registry_key(name)
     if key not in REGISTRY:
         raise UnknownPolicyError(f"unknown policy {name!r}; known policies: {', '.join(REGISTRY)}")
     cls = REGISTRY[key]
@@ -115,5 +121,6 @@ __all__ = [
     "FullKV", "StreamingLLM", "SnapKV", "PyramidKV", "H2O", "CAKE", "HeteroCache", "Quest", "FreeKV", "ContextKeeper",
     "SyncKV", "HCAttention", "ProfiledSnapKV", "Composed", "ScoredPolicy",
     "PolicyPrefill", "PrefillPlan", "DecodeState", "achieved_rho", "REGISTRY", "default_policy", "make_policy",
+    "registry_key",
     "parse_options", "describe_policies", "default_budget",
 ]

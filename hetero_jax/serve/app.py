@@ -25,13 +25,13 @@ from starlette.routing import Route
 
 from hetero_jax.errors import HeteroJaxError
 from hetero_jax.policies import (
-    REGISTRY, BudgetError, PolicyError, default_policy, make_policy, parse_options,
+    REGISTRY, BudgetError, PolicyError, default_policy, make_policy, parse_options, registry_key,
 )
 from hetero_jax.runtime import generate
 from hetero_jax.serve import schema
 from hetero_jax.serve.metrics import Metrics
 from hetero_jax.serve.schema import RequestError, error_body
-from hetero_jax.serve.sessions import Conversations, SessionStore, Turn, fit_to_prompt
+from hetero_jax.serve.sessions import Conversations, SessionStore, Turn, run_fitted
 from hetero_jax.serve.worker import ClientGone, EngineWorker, Job, QueueFull
 
 log = logging.getLogger("hetero_jax.serve")
@@ -145,14 +145,7 @@ class Server:
                 return generate(self.model, prompt, pol, max_new_tokens=s.max_tokens or COMPLETIONS_MAX_TOKENS,
                                 temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop) or None,
                                 chat=False, on_token=_token_sink(job, emit))
-            short = ""
-            try:  # a budget refusal comes from the plan's checks, before any compute or token
-                res = run_at(policy)
-            except BudgetError as e:
-                if not self.is_own_policy(req):
-                    raise
-                fitted, short = fit_to_prompt(self.model, policy, n, e)
-                res = run_at(fitted)
+            res, short = run_fitted(self.model, policy, n, self.is_own_policy(req), run_at)
             st = res.stats
             return Turn(text=res.text, token_ids=tuple(res.token_ids), stop_reason=st.stop_reason,
                         prompt_tokens=st.prompt_tokens, cached_tokens=0, resumed=False,
@@ -198,7 +191,7 @@ def refuse_file_options(spec: str) -> None:
     then refuses the name)."""
     name, _, opts = spec.partition(":")
     options = parse_options([x for x in opts.split(",") if x.strip()])  # PolicyError for a malformed one
-    key = name.strip().lower().replace("-", "").replace("_", "")
+    key = registry_key(name.strip())
     for option in options:
         if option in FILE_OPTIONS.get(key, ANY_FILE_OPTION):
             known = key in REGISTRY
