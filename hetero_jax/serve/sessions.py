@@ -181,6 +181,19 @@ def fit_to_prompt(model, policy, prompt_len: int, error: BudgetError):
     return dataclasses.replace(policy, budget=rho), SHORT_PROMPT[0]
 
 
+def run_fitted(model, policy, prompt_len: int, fit: bool, run):
+    """(``run(policy)``, ""); where ``fit`` and ``run`` refuses the prompt as too short for the policy's budget
+    (a BudgetError, raised by the plan's checks before any compute), (``run`` at ``fit_to_prompt``'s policy,
+    how it was served)."""
+    try:
+        return run(policy), ""
+    except BudgetError as e:
+        if not fit:
+            raise
+        fitted, how = fit_to_prompt(model, policy, prompt_len, e)
+        return run(fitted), how
+
+
 class Conversations:
     """Chat turns over held conversations (one model); called from the engine worker only."""
 
@@ -224,14 +237,8 @@ class Conversations:
         # the tail the first answer needs, in TAIL_QUANTUM steps as generate allocates it (Session's default of
         # 512 would grow, and recompile, on the first turn of a 512-token answer)
         reserve = min(tail_capacity_for(max_tokens + 2), self.context - (len(ids) - 1))
-        short = ""
-        try:  # a budget refusal comes from the plan's checks, before any compute
-            sess = Session(self.model, ids[:-1], policy, chat=False, seed=sampling.seed, reserve_tokens=reserve)
-        except BudgetError as e:
-            if not fit_short:
-                raise
-            fitted, short = fit_to_prompt(self.model, policy, len(ids) - 1, e)
-            sess = Session(self.model, ids[:-1], fitted, chat=False, seed=sampling.seed, reserve_tokens=reserve)
+        sess, short = run_fitted(self.model, policy, len(ids) - 1, fit_short, lambda p: Session(
+            self.model, ids[:-1], p, chat=False, seed=sampling.seed, reserve_tokens=reserve))
         conv = Conversation(sess, owner, (), "", 0, 0, 0)  # held under the server's policy: its turns resume it
         turn = self._turn(conv, messages, rendered, ids[-1:], sampling, max_tokens, on_token, resumed=False,
                           fresh_prefill=sess.engine.prefill_seconds)
