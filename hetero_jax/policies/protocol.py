@@ -11,10 +11,11 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.sharding import to_host
 
 
-def achieved_rho(cache: KVCache, cfg: ModelConfig) -> np.ndarray:
-    """[B] prompt KV kept on the device / the prompt's full KV (tokens x KV heads x layers)."""
+def achieved_rho(cache: KVCache, cfg: ModelConfig, extra_rows=0) -> np.ndarray:
+    """[B] prompt KV kept on the device (+ ``extra_rows`` [B] token-equivalents of policy state the budget counts)
+    / the prompt's full KV (tokens x KV heads x layers)."""
     full = to_host(cache.prompt_lens).astype(np.float64) * cfg.num_kv_heads * cfg.num_layers
-    return kept_prompt_tokens(cache) / full
+    return (kept_prompt_tokens(cache) + extra_rows) / full
 
 
 class PrefillPlan:

@@ -40,13 +40,13 @@ from flax import struct
 import pallas_kernels
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets, kept_prompt_tokens
+from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
 from hetero_jax.model.host_store import (TRANSFER_ERRORS, HostKVStore, in_step_operand, kv_rows_nbytes, sums_in_step,
                                          write_head_rows)
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.pages import page_summaries
-from hetero_jax.policies.protocol import DecodeState
+from hetero_jax.policies.protocol import DecodeState, achieved_rho
 
 
 # Columns of ``PageSlots.seq``, one [B] int32 per sequence each. One array rather than six: every cache leaf is an
@@ -270,9 +270,7 @@ class PageRecallDecode(DecodeState):
     def achieved_rho(self, cache, cfg) -> np.ndarray:
         """[B] (prompt rows kept on the device + the page summaries, a page's kmin + kmax as one token's K + V,
         as the budget counts them: ``pages.pages_for_budget``) / the prompt's full KV."""
-        full = to_host(cache.prompt_lens).astype(np.float64) * cfg.num_kv_heads * cfg.num_layers
-        summaries = self.summary_pages * cfg.num_kv_heads * len(self.initial)
-        return (kept_prompt_tokens(cache) + summaries) / full
+        return achieved_rho(cache, cfg, self.summary_pages * cfg.num_kv_heads * len(self.initial))
 
     def pool_moved(self, cache) -> None:
         """The pool was repacked (a session outgrew its tail rows): read the heads' new offsets."""
