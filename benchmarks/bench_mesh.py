@@ -176,11 +176,12 @@ def mesh_problem(meshes, num_kv_heads: int, devices: int, cpu: bool = True) -> s
     """Why the first of ``meshes`` that cannot run here cannot (its tp must divide the KV heads, its devices be
     visible: ``devices``, simulated ones on a ``cpu``), or None."""
     flag = re.search(r"--xla_force_host_platform_device_count=\S*", os.environ.get("XLA_FLAGS", ""))
+    from hetero_jax.model.sharding import tp_problem
+
     for tp, dp in meshes:
-        if num_kv_heads % tp:
-            ok = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0]
-            return (f"--meshes {tp}x{dp}: tp={tp} does not divide the model's {num_kv_heads} KV heads; "
-                    f"choose tp in {ok}")
+        problem = tp_problem(tp, num_kv_heads)
+        if problem:
+            return f"--meshes {tp}x{dp}: {problem}"
         if tp * dp > devices:
             return (f"--meshes {tp}x{dp}: needs {tp * dp} devices but {devices} are visible" + (
                 f"; XLA_FLAGS sets {flag.group(0)}: raise it, or unset it to simulate the largest mesh's count"

@@ -66,11 +66,18 @@ def check_mesh(mesh: Mesh, cfg: ModelConfig) -> None:
                         "hetero-jax shards through jitted code, which needs Auto axes. Build the mesh with "
                         "hetero_jax.make_mesh(tp=..., dp=...), or jax.make_mesh(shape, ('data', 'model'), "
                         "axis_types=(jax.sharding.AxisType.Auto,) * 2)")
-    tp = mesh.shape[MODEL]
-    if cfg.num_kv_heads % tp:
-        ok = [d for d in range(1, cfg.num_kv_heads + 1) if cfg.num_kv_heads % d == 0]
-        raise MeshError(f"tensor parallelism tp={tp} does not divide the model's {cfg.num_kv_heads} KV heads; "
-                        f"choose tp in {ok}")
+    problem = tp_problem(mesh.shape[MODEL], cfg.num_kv_heads)
+    if problem:
+        raise MeshError(f"tensor parallelism {problem}")
+
+
+def tp_problem(tp: int, num_kv_heads: int) -> str | None:
+    """Why tensor parallelism ``tp`` cannot split ``num_kv_heads`` KV heads (it must divide them: a KV head and
+    its query heads live on one device), naming the values that can; None when it can."""
+    if num_kv_heads % tp == 0:
+        return None
+    ok = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0]
+    return f"tp={tp} does not divide the model's {num_kv_heads} KV heads; choose tp in {ok}"
 
 
 def partition_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
