@@ -620,3 +620,33 @@ def test_a_qwen3_config_keeps_its_attention_bias_through_the_hf_dict():
                                               attention_bias=bias))
         assert cfg.architecture == "qwen3" and cfg.qkv_bias is bias
         assert ModelConfig.from_hf_dict(cfg.to_hf_dict()).qkv_bias is bias  # the round trip to_hf_dict promises
+
+
+@pytest.mark.parametrize("rope, key", [(dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+                                       (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_parameters"),
+                                       (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+                                        "rope_parameters")])
+def test_an_unported_rope_type_names_its_key_and_the_fix(rope, key):
+    from hetero_jax.errors import ConfigError
+    from hetero_jax.model.config import ModelConfig
+
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_hf_dict(_qwen2(**rope))
+    rtype = next(iter(rope.values())).get("rope_type", next(iter(rope.values())).get("type"))
+    for needle in (f"{key} has rope_type {rtype!r}", "'default', 'llama3'", "Use a checkpoint"):
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+@pytest.mark.parametrize("arch, model_type", [("LlamaForCausalLM", "llama"), ("Qwen2ForCausalLM", "qwen2"),
+                                              ("Qwen3ForCausalLM", "qwen3")])
+def test_a_missing_context_length_is_transformers_default(arch, model_type):
+    """No max_position_embeddings in config.json: the context limit is transformers' class default (2048 for
+    Llama, 32768 for Qwen), not a guess of the port's own."""
+    transformers = pytest.importorskip("transformers")
+    from hetero_jax.model.config import ModelConfig
+
+    d = _qwen2(architectures=[arch], model_type=model_type)
+    del d["max_position_embeddings"]
+    want = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in d.items()
+                                                            if k != "model_type"}).max_position_embeddings
+    assert ModelConfig.from_hf_dict(d).max_position_embeddings == want

@@ -91,7 +91,8 @@ def _check_unported_math(cfg: Mapping, family: str, n_layers: int) -> None:
                           "SwiGLU MLP of Llama, Qwen2 and Qwen3 (hidden_act 'silu') only, and this checkpoint "
                           "would give wrong logits. Use a checkpoint with hidden_act 'silu'")
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    if family == "llama" or not window or window >= cfg.get("max_position_embeddings", 4096):
+    context = _context_length(cfg, family)
+    if family == "llama" or not window or window >= context:
         return
     # transformers' Qwen2/Qwen3 rule: layer_types if given, else layers from max_window_layers on slide
     types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
@@ -99,9 +100,17 @@ def _check_unported_math(cfg: Mapping, family: str, n_layers: int) -> None:
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     if sliding:
         raise ConfigError(f"config.json: use_sliding_window is true with sliding_window = {window} (shorter than "
-                          f"the {cfg.get('max_position_embeddings', 4096)}-token context) for {len(sliding)} of "
+                          f"the {context}-token context) for {len(sliding)} of "
                           f"{n_layers} layers; hetero-jax does not implement sliding-window attention and would "
                           "give wrong logits. Use a checkpoint whose config sets use_sliding_window false")
+
+
+# transformers' class defaults when config.json has no max_position_embeddings
+_HF_DEFAULT_CONTEXT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+
+
+def _context_length(cfg: Mapping, family: str) -> int:
+    return int(cfg.get("max_position_embeddings") or _HF_DEFAULT_CONTEXT[family])
 
 
 def _check_rope_dict(key: str, d: Mapping) -> None:
@@ -227,8 +236,11 @@ class ModelConfig:
                     ),
                 )
             elif rtype not in ("default", None):
+                key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
                 raise ConfigError(
-                    f"unsupported rope scaling type {rtype!r}; supported: 'default', 'llama3'"
+                    f"config.json: {key} has rope_type {rtype!r}, which hetero-jax does not implement (supported: "
+                    f"'default', 'llama3'); its logits would differ from transformers'. Use a checkpoint with one "
+                    "of those RoPE types"
                 )
 
         eos = cfg.get("eos_token_id")
@@ -260,7 +272,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=_context_length(cfg, family),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
