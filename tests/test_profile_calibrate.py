@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -292,3 +293,63 @@ def test_shipped_profile_reproduces(smollm2_dir):
     plain = shipped.reclustered(tau_copy=1.0)
     assert sorted(zip(*np.nonzero(plain.roles != shipped.roles))) == [(7, 2), (14, 1)]
     assert shipped.roles[7, 2] == shipped.roles[14, 1] == 2
+
+
+# ------------------------------------------------------------ exact overlaps, chance level, argument checks
+def test_overlaps_are_exact_ratios_of_counts(tiny_params, tiny_samples):
+    """Each overlap is |A & B| / k for top-k sets, so k * O is an integer and O is that count over k divided in
+    float64 (a float32 division gives 0.699999988 for 7 / 10)."""
+    top_k = 9
+    _, stats = calibrate_tokens(TINY, tiny_params, tiny_samples, top_k=top_k, decode_steps=4, progress=False,
+                                batch_size=2, return_stats=True)
+    for got in (stats.overlaps, stats.similarity_matrix):
+        np.testing.assert_array_equal(got, np.rint(got * top_k) / top_k)
+    _, sk = calibrate_tokens(TINY, tiny_params, tiny_samples, top_k=top_k, decode_steps=2, progress=False,
+                             batch_size=2, return_stats=True, scoring="synckv")
+    np.testing.assert_array_equal(sk.similarity_steps, np.rint(sk.similarity_steps * top_k) / top_k)
+
+
+# A random model and samples on which a head's decode-step top-10 shares exactly 7 tokens with its prefill set
+# (seed 6), and two heads' prefill sets share exactly 7 of 10 (seed 2).
+TIE = ModelConfig(architecture="llama", vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2,
+                  num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+def test_a_tie_at_the_threshold_meets_it():
+    params = init_params(TIE, seed=11)
+    for layer in params["layers"]:
+        layer["q_proj"] = layer["q_proj"] * 4
+        layer["k_proj"] = layer["k_proj"] * 4
+    kw = dict(top_k=10, decode_steps=1, copy_steps=0, progress=False, return_stats=True)
+    prof, stats = calibrate_tokens(TIE, params, [np.random.default_rng(6).integers(1, 64, 50)], tau_stable=0.7,
+                                   tau_sim=1.0, **kw)
+    assert round(stats.overlaps[0, 0, 1, 0] * 10) == 7  # S = 7 / 10 = tau_stable: an anchor (S >= tau)
+    assert prof.stability[1, 0] == 0.7 and prof.roles[1, 0] == 1
+    prof, stats = calibrate_tokens(TIE, params, [np.random.default_rng(2).integers(1, 64, 50)], tau_sim=0.7, **kw)
+    assert round(stats.similarity_matrix[0, 1, 0, 1] * 10) == 7  # O = tau_sim: an edge, so a cluster
+    assert prof.similarity_matrix[1, 0, 1] == 0.7 and prof.clusters[1] == ((0, (1,)),)
+
+
+def test_unequal_lengths_record_the_chance_level(tiny_params):
+    """60 + 90 tokens, top_k 12 (20% of 60): chance levels 12/60 and 12/90 average 1/6 = 12/72, so 72 tokens are
+    recorded, and HeteroCache's drift threshold keeps its chance correction (0.5 - 1/6) / (1 - 1/6) = 0.4."""
+    from hetero_jax.policies.heterocache.policy import HeteroCache
+
+    rng = np.random.default_rng(4)
+    samples = [rng.integers(0, TINY.vocab_size, 60), rng.integers(0, TINY.vocab_size, 90)]
+    prof = calibrate_tokens(TINY, tiny_params, samples, decode_steps=1, copy_steps=0, progress=False, batch_size=2)
+    assert (prof.settings.top_k, prof.settings.tokens_per_sample) == (12, 72)
+    assert HeteroCache(profile=prof).drift_threshold == pytest.approx(0.4, abs=1e-12)
+    from hetero_jax.profile.calibrate import chance_length
+
+    assert chance_length([100, 100]) == 100 and chance_length([100, 101]) == 100 and chance_length([60, 90]) == 72
+
+
+def test_bad_batch_size_or_tokens_are_refused_before_the_bar(tiny_params, tiny_samples, capsys):
+    with pytest.raises(ProfileError, match="batch_size must be a positive integer, got 0"):
+        calibrate_tokens(TINY, tiny_params, tiny_samples, decode_steps=1, batch_size=0, progress=True)
+    assert capsys.readouterr().err == ""  # no stray progress bar
+    for bad in (20.5, True, "20"):
+        with pytest.raises(ProfileError, match=r"tokens must be an integer >= 2 \(the prompt tokens kept of each "
+                                               rf"sample\), got {re.escape(repr(bad))}"):
+            calibrate_tokens(TINY, tiny_params, tiny_samples, tokens=bad, decode_steps=1, progress=False)

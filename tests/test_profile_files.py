@@ -5,6 +5,7 @@ their content, not their name; reclustered/build_profile refuse thresholds that 
 import copy
 import json
 import math
+import re
 import warnings
 
 import numpy as np
@@ -162,6 +163,99 @@ def test_unknown_authors_file_loads_with_a_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # told head_dim and settings: nothing to warn about
         load_profile(path, head_dim=128, settings=ProfileSettings(tau_stable=0.5))
+
+
+DEEPSEEK = "Head_Analysis_deepseek-r1-distill-llama-8b_topk1024_th0.5_sim0.4_step5000.json"
+
+
+@pytest.mark.parametrize("name, named", [(DEEPSEEK, "deepseek-r1-distill-llama-8b"),
+                                         ("official_profile_mistral-7b.json", "mistral-7b"),
+                                         ("qwen2.5-14b-instruct.json", "Qwen/Qwen2.5-14B-Instruct")])
+def test_a_file_named_for_another_model_is_not_labelled_by_its_content(tmp_path, name, named):
+    """The release also publishes a DeepSeek-R1-Distill-Llama-8B file of the Llama file's shape and role names:
+    a file whose name names another model gets no identity (a warning, as for an unknown file)."""
+    path = tmp_path / name
+    path.write_text(json.dumps(_official_doc(32, 8)))
+    with pytest.warns(RuntimeWarning) as w:
+        p = load_profile(path)
+    assert len(w) == 1 and str(w[0].message).startswith(
+        f"{path}: a HeteroCache release profile whose content (32 layers x 8 KV heads, role names anchor, pivot, "
+        "satellite, volatile) is that of the published meta-llama/Llama-3.1-8B-Instruct file but whose file name "
+        f"names {named!r}, so it is not labelled meta-llama/Llama-3.1-8B-Instruct: its head_dim and calibration ")
+    assert (p.model_name, p.head_dim, p.settings.tokens_per_sample) == (None, None, None)
+    if name == DEEPSEEK:  # the release's file name gives its settings
+        assert (p.architecture, p.settings.top_k, p.settings.tau_stable, p.settings.tau_sim) == ("llama", 1024, 0.5,
+                                                                                                0.4)
+        assert "step 5000" in p.settings.calibration_data
+        assert "drift threshold is tau_stable 0.5 with no chance correction" in str(w[0].message)
+
+
+def test_release_file_names_give_their_settings(tmp_path):
+    published = tmp_path / "Head_Analysis_llama-3.1-8b-instruct_topk1024_th0.5_sim0.5_step5000.json"
+    published.write_text(json.dumps(_official_doc(32, 8)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the published file's name: its published settings, no warning
+        p = load_profile(published)
+    assert (p.model_name, p.settings.top_k, p.settings.tau_sim, p.settings.tokens_per_sample) == (
+        "meta-llama/Llama-3.1-8B-Instruct", 1024, 0.5, 10_000)
+    other = tmp_path / "Head_Analysis_llama-3.1-8b-instruct_topk512_th0.6_sim0.55_step4000.json"
+    other.write_text(json.dumps(_official_doc(32, 8)))
+    with pytest.warns(RuntimeWarning, match="whose file name's settings are not the published file's: its "
+                                            "calibration length is unknown"):
+        p = load_profile(other)
+    assert (p.model_name, p.head_dim) == ("meta-llama/Llama-3.1-8B-Instruct", 128)
+    s = p.settings
+    assert (s.top_k, s.tau_stable, s.tau_sim, s.tokens_per_sample, s.samples) == (512, 0.6, 0.55, None, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # told the settings: nothing left unknown
+        load_profile(other, settings=ProfileSettings(top_k=512, tokens_per_sample=5000))
+    bad = tmp_path / "Head_Analysis_llama-3.1-8b-instruct_topk1024_th1.5_sim0.5_step5000.json"
+    bad.write_text(json.dumps(_official_doc(32, 8)))
+    with pytest.raises(ProfileError, match=rf"^{re.escape(str(bad))}: the file name's th = 1.5 is not a finite "
+                                           r"number in \[0, 1\]; a file name in the release's pattern"):
+        load_profile(bad)
+
+
+# ------------------------------------------------------------ `hetero-jax profile` flags refused before any work
+def _cli_refused(capsys, monkeypatch, argv, needle):
+    from hetero_jax.cli import main
+    from hetero_jax.io import hub  # where the profile command loads from
+
+    monkeypatch.setattr(hub, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    assert main(["profile", "--data", "pydoc", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err, err
+
+
+def test_tau_copy_without_a_copy_phase_is_refused(tmp_path, capsys, monkeypatch):
+    _cli_refused(capsys, monkeypatch, ["--out", str(tmp_path / "p.json"), "--copy-steps", "0", "--tau-copy", "0.2"],
+                 "--tau-copy 0.2 sets the copy rule of the copy phase, which --copy-steps 0 turns off: drop "
+                 "--tau-copy (it would change nothing) or give --copy-steps N > 0")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flag", ["--out", "--plot"])
+def test_outputs_inside_the_package_are_refused(tmp_path, capsys, monkeypatch, flag):
+    """--out on the shipped profile would change the default profile of every run; nothing in the installed
+    package is an output."""
+    import hashlib
+    import os
+
+    import hetero_jax
+    from hetero_jax.profile import shipped_profile_path
+
+    shipped = shipped_profile_path("smollm2-135m")
+    before = hashlib.sha256(open(shipped, "rb").read()).hexdigest()
+    package = os.path.dirname(os.path.abspath(hetero_jax.__file__))
+    for target in (shipped, os.path.join(package, "data", "new.png"), os.path.join(tmp_path, "link", "x.png")):
+        if "link" in target:
+            os.symlink(os.path.join(package, "data"), tmp_path / "link")
+        argv = (["--out", target] if flag == "--out" else ["--out", str(tmp_path / "p.json"), "--plot", target])
+        _cli_refused(capsys, monkeypatch, argv, f"{flag} {target} lies inside the installed hetero_jax package "
+                                                f"({package}): writing there would replace data shipped with the "
+                                                "library")
+    assert hashlib.sha256(open(shipped, "rb").read()).hexdigest() == before
+    assert not os.path.exists(os.path.join(package, "data", "new.png"))
 
 
 # ------------------------------------------------------------ thresholds of reclustered / build_profile

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import os
 import shutil
 from pathlib import Path
@@ -338,3 +339,87 @@ def test_reclustered_needs_a_similarity_matrix():
     official = load_profile(REF / LLAMA_FILE)
     with pytest.raises(ProfileError, match="cannot be re-clustered"):
         official.reclustered(tau_sim=0.4)
+
+
+# ------------------------------------------------------------ what the constructor refuses (as the reader does)
+A, V, P, S = Role.ANCHOR, Role.VOLATILE, Role.PIVOT, Role.SATELLITE
+UNIT = "stability, similarity, similarity_matrix and copy_score are overlaps and shares, which lie in [0, 1]"
+
+
+@pytest.mark.parametrize("field, value, entry", [
+    ("stability", 1.5, "stability[0][1] = 1.5"), ("stability", -0.1, "stability[0][1] = -0.1"),
+    ("similarity", np.inf, "similarity[0][1] = inf"), ("copy_score", 2.0, "copy_score[0][1] = 2.0"),
+])
+def test_out_of_range_statistics_are_refused_when_built(tmp_path, field, value, entry):
+    """Every value from_json would refuse is refused by the constructor and build_profile: the API writes no file
+    that reading it back refuses as "edited by hand"."""
+    grid = np.array([[0.8, 0.6, np.nan]])
+    grid[0, 1] = value
+    roles = np.array([[A, A, V]], np.int8)
+    with pytest.raises(ProfileError) as e:
+        HeadProfile(roles=roles, clusters=((),), weights=np.array([[1.0, 1.0, np.nan]]), **{field: grid})
+    assert str(e.value) == f"{entry} is not a number in [0, 1] or null; {UNIT}; pass NaN where one is unknown"
+    simm = np.array([[[1.0, 0.1, 0.2], [0.1, 1.0, 0.3], [0.2, 0.3, 1.0]]])
+    if field in ("stability", "copy_score"):
+        ok = np.array([[0.8, 0.6, 0.4]])
+        kw = {"stability": ok, "copy_score": None, field: grid}
+        with pytest.raises(ProfileError, match=rf"^{re.escape(entry)} is not a number in \[0, 1\]"):
+            build_profile(kw["stability"], simm, tau_stable=0.5, tau_sim=0.5, copy_score=kw["copy_score"],
+                          tau_copy=0.3)
+    bad = simm.copy()
+    bad[0, 1, 2] = value
+    with pytest.raises(ProfileError, match=r"^similarity_matrix\[0\]\[1\]\[2\] = "):
+        HeadProfile(roles=roles, clusters=((),), weights=np.array([[1.0, 1.0, np.nan]]), similarity_matrix=bad)
+    assert not list(tmp_path.iterdir())
+
+
+def test_nan_stability_of_a_satellite_is_refused_naming_the_head():
+    """Heads 1 and 2 overlap 0.8: the graph makes 1 the pivot of 2 (ties go to the lower index). A satellite's
+    budget weight is 1 / (S + 1e-6), so an unknown S there is refused; an unknown S elsewhere is not needed."""
+    simm = np.array([[[1.0, 0.1, 0.1], [0.1, 1.0, 0.8], [0.1, 0.8, 1.0]]] * 2)
+    stab = np.array([[0.9, 0.6, 0.3], [0.9, 0.6, np.nan]])
+    with pytest.raises(ProfileError) as e:
+        build_profile(stab, simm, tau_stable=0.5, tau_sim=0.5)
+    assert str(e.value) == (
+        "layer 1 head 2: stability is NaN (unknown), but the similarity graph (tau_sim=0.5) makes it a satellite of "
+        "pivot 1, and a satellite's budget weight is 1 / (S + 1e-06); pass its measured stability (NaN only suits "
+        "a head that stays unclustered: it becomes volatile)")
+    pivot_unknown = build_profile(stab[:, ::-1], simm[:, ::-1, ::-1], tau_stable=0.5, tau_sim=0.5)  # head 0 pivot
+    assert pivot_unknown.roles[1].tolist() == [P, S, A]
+    alone = build_profile(stab, simm, tau_stable=0.5, tau_sim=0.9)  # no edge: the unknown head is volatile
+    assert alone.roles[1].tolist() == [A, A, V]
+
+
+def test_weights_that_do_not_average_1_are_refused(tmp_path):
+    roles = np.array([[A, S, P], [A, V, A]], np.int8)
+    w = np.array([[0.5, 1.5, np.nan], [1.2, np.nan, 0.8]])  # mean 1 over the 4 compressed heads
+    clusters = (((2, (1,)),), ())
+    HeadProfile(roles=roles, clusters=clusters, weights=w * (1 + 5e-7))  # within the 1e-6 tolerance
+    with pytest.raises(ProfileError) as e:
+        HeadProfile(roles=roles, clusters=clusters, weights=w * 0.25)
+    assert str(e.value).startswith("the allocation weights of the 4 compressed heads (anchor, satellite) average "
+                                   "0.25, not 1: Eq. 7-8 give them rho's budget only with mean-1 weights; divide "
+                                   "them by their mean")
+    d = HeadProfile(roles=roles, clusters=clusters, weights=w).to_dict()
+    d["allocation_weights"] = [[None if x is None else 3 * x for x in row] for row in d["allocation_weights"]]
+    (tmp_path / "x3.json").write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=rf"^{re.escape(str(tmp_path / 'x3.json'))}: the "
+                                           r"allocation weights .* average 3, not 1.*edited by hand or damaged"):
+        load_profile(tmp_path / "x3.json")
+
+
+@needs_ref
+@pytest.mark.parametrize("name", [LLAMA_FILE, QWEN_FILE])
+def test_published_weights_average_1_and_scaled_ones_are_refused(tmp_path, name):
+    """Both published files' allocation weights average 1 over their compressed heads (to 3e-16), so they load
+    unchanged; the same file with its weights scaled is refused, naming the file."""
+    d = json.loads((REF / name).read_text())
+    alloc = np.array(d["allocation_matrix"], float)
+    comp = alloc > 0  # the release writes -1 for full heads
+    assert abs(alloc[comp].mean() - 1) < 1e-12
+    np.testing.assert_array_equal(load_profile(REF / name).weights[comp], alloc[comp])
+    d["allocation_matrix"] = [[x * 10 if x > 0 else x for x in row] for row in d["allocation_matrix"]]
+    (tmp_path / name).write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match=rf"^{re.escape(str(tmp_path / name))}: the allocation "
+                                           r"weights of the \d+ compressed heads .* average 10, not 1"):
+        load_profile(tmp_path / name)

@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Iterable, Sequence
 
 import jax
@@ -83,6 +84,7 @@ __all__ = [
     "calibrate",
     "calibrate_tokens",
     "calibration_windows",
+    "chance_length",
     "pydoc_text",
 ]
 
@@ -144,31 +146,40 @@ def _topk_mask(scores: jax.Array, k: int) -> jax.Array:
     return flat.reshape(lead + (scores.shape[-1],)).astype(bool)
 
 
-def _overlap(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Overlap coefficient of bool masks along the last axis (float32)."""
-    inter = jnp.sum(a & b, axis=-1)
-    denom = jnp.minimum(jnp.sum(a, axis=-1), jnp.sum(b, axis=-1))
-    return inter.astype(jnp.float32) / jnp.maximum(denom, 1).astype(jnp.float32)
+# The jitted steps return overlaps as integer counts (|A & B|, min(|A|, |B|)), stacked on a last axis of 2, and
+# the host divides them in float64 (``_ratio``): a float32 7/10 is 0.699999988 < 0.7, which would turn an exact
+# tie at a threshold (S >= tau_stable, O >= tau_sim) into a miss.
+def _overlap_counts(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Bool masks [..., T] -> int32 [..., 2]: |A & B| and min(|A|, |B|) along the last axis."""
+    inter = jnp.sum(a & b, axis=-1, dtype=jnp.int32)
+    denom = jnp.minimum(jnp.sum(a, axis=-1, dtype=jnp.int32), jnp.sum(b, axis=-1, dtype=jnp.int32))
+    return jnp.stack([inter, denom], axis=-1)
 
 
-def _pairwise_overlap(m: jax.Array) -> jax.Array:
-    """m bool [B, H, T] -> [B, H, H] overlap of every pair of heads."""
-    mi = m.astype(jnp.float32)
-    inter = jnp.einsum("bht,bgt->bhg", mi, mi, precision=jax.lax.Precision.HIGHEST)
+def _pairwise_counts(m: jax.Array) -> jax.Array:
+    """m bool [B, H, T] -> int32 [B, H, H, 2]: the overlap counts of every pair of heads."""
+    mi = m.astype(jnp.int32)
+    inter = jnp.einsum("bht,bgt->bhg", mi, mi)
     size = mi.sum(-1)
-    return inter / jnp.maximum(jnp.minimum(size[:, :, None], size[:, None, :]), 1.0)
+    return jnp.stack([inter, jnp.minimum(size[:, :, None], size[:, None, :])], axis=-1)
+
+
+def _ratio(counts) -> np.ndarray:
+    """Overlap counts [..., 2] (device or host) -> the overlaps [...], float64 (exact n / k)."""
+    c = np.asarray(counts, np.int64)
+    return c[..., 0] / np.maximum(c[..., 1], 1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "top_k"))
 def _prefill_topk_jit(layer, x_in, k_buf, lens, cfg, top_k):
     """K_prefill of one layer: bool [B, H, Tp] top-k of the last prompt token's pooled scores,
-    and their pairwise overlaps [B, H, H] (the similarity matrix)."""
+    and their pairwise overlap counts [B, H, H, 2] (the similarity matrix, ``_ratio``)."""
     B, H = k_buf.shape[:2]
     q = M.prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)  # [B, H, 1, G, D]
     lengths = jnp.broadcast_to(lens[:, None], (B, H)).astype(jnp.int32)
     s = pallas_kernels.scores(q, k_buf, lengths, gqa="mean")[:, :, 0]  # [B, H, Tp]
     mask = _topk_mask(s, top_k)
-    return mask, _pairwise_overlap(mask)
+    return mask, _pairwise_counts(mask)
 
 
 def _prompt_keys(cache, li: int):
@@ -184,14 +195,14 @@ def _calib_step_jit(params, cache, tokens, prefill_masks, cfg, top_k):
     """One greedy decode step + every layer's scoring: a single dispatch.
 
     prefill_masks: bool [L, B, H, T] (T: the rows of the longest prompt). Returns (next tokens [B], cache,
-    overlaps [L, B, H]).
+    overlap counts [L, B, H, 2]).
     """
     logits, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
     overlaps = []
     for li, q in enumerate(queries):
         keys, lengths = _prompt_keys(cache, li)
         s = pallas_kernels.scores(q[:, :, None], keys, lengths, gqa="mean")[:, :, 0]  # [B, H, Tp]
-        overlaps.append(_overlap(_topk_mask(s, top_k), prefill_masks[li]))
+        overlaps.append(_overlap_counts(_topk_mask(s, top_k), prefill_masks[li]))
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, jnp.stack(overlaps)
 
 
@@ -231,13 +242,26 @@ def copy_positions(lens: np.ndarray, copy_steps: int, spans: int | None = None) 
 def _synckv_step_jit(params, cache, tokens, cfg, top_k):
     """SyncKV's calibration step: one greedy decode step, then per layer every KV head's top-k of the
     step's query over the prompt keys (raw softmax, GQA max, no pooling: ``query_probs_max``) and the
-    pairwise overlaps of those sets. Returns (next tokens [B], cache, overlaps [L, B, H, H])."""
+    pairwise overlap counts of those sets. Returns (next tokens [B], cache, counts [L, B, H, H, 2])."""
     logits, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
     sims = []
     for li, q in enumerate(queries):
         keys, lengths = _prompt_keys(cache, li)
-        sims.append(_pairwise_overlap(_topk_mask(query_probs_max(q, keys, lengths), top_k)))
+        sims.append(_pairwise_counts(_topk_mask(query_probs_max(q, keys, lengths), top_k)))
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, jnp.stack(sims)
+
+
+def chance_length(lengths: Sequence[int]) -> int:
+    """The ``tokens_per_sample`` recorded for samples of ``lengths`` tokens: their harmonic mean, rounded.
+
+    A top-k set of k of L_i tokens overlaps another by chance k / L_i; the chance level of the calibration
+    is the mean of those over the samples, and k / L equals it for L = n / sum(1 / L_i), the harmonic mean.
+    ``HeteroCache.drift_threshold`` reads c = top_k / tokens_per_sample, so samples of one length L record L,
+    and unequal lengths keep the chance correction (rounding L moves c by at most k / (2 L^2)). It is never
+    below the shortest sample, hence above top_k.
+    """
+    lens = np.asarray(lengths, np.float64)
+    return int(round(lens.size / np.sum(1.0 / lens)))
 
 
 # --------------------------------------------------------------------- one batch of samples
@@ -282,7 +306,7 @@ def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_st
             fn = compiled(_synckv_step_jit, params, cache, tok, cfg=cfg, top_k=top_k)
             gen.append(np.asarray(tok))
             tok, cache, sim = fn(params, cache, tok)
-            steps.append(np.asarray(sim, np.float64))  # [L, B, H, H]
+            steps.append(_ratio(sim))  # [L, B, H, H]
             if bar is not None:
                 bar.update(B)
         del cache
@@ -290,14 +314,14 @@ def _calibrate_batch(cfg, params, batch: list[np.ndarray], top_k: int, decode_st
     # [L, B, H, T]: the decode steps score the prompt rows the pool keeps (the longest prompt T, not the
     # chunk-padded Tp); the top-k of a prompt never reaches past T
     prefill_masks = jnp.stack(masks)[..., :T]
-    sims = np.asarray(jnp.stack(sims), np.float64).transpose(1, 0, 2, 3)  # [B, L, H, H]
+    sims = _ratio(jnp.stack(sims)).transpose(1, 0, 2, 3)  # [B, L, H, H]
     ovs, gen = [], []
     for _ in range(decode_steps):
         args = (params, cache, tok, prefill_masks)
         fn = compiled(_calib_step_jit, *args, cfg=cfg, top_k=top_k)
         gen.append(np.asarray(tok))
         tok, cache, ov = fn(*args)
-        ovs.append(np.asarray(ov, np.float64))  # [L, B, H]; reading it back paces the bar
+        ovs.append(_ratio(ov))  # [L, B, H]; reading it back paces the bar
         if bar is not None:
             bar.update(B)
     del cache
@@ -362,8 +386,10 @@ def calibrate_tokens(
     rows of max(S) - S into ``n_r`` clusters per layer (default a quarter of the KV heads, at least 1);
     ``tau_stable`` and ``tau_sim`` do not apply.
     ``token_samples``: one token-id sequence per sample; with ``tokens`` each
-    is cut to its first ``tokens`` ids (and must have that many). Returns the
-    profile, or ``(profile, CalibrationStats)`` with ``return_stats``.
+    is cut to its first ``tokens`` ids (and must have that many). The profile's
+    ``settings.tokens_per_sample`` is :func:`chance_length` of the samples' lengths
+    (their common length when equal), the chance level the drift threshold corrects for.
+    Returns the profile, or ``(profile, CalibrationStats)`` with ``return_stats``.
     ``batch_size`` samples run together (right-padded; decode is bound by
     reading the weights, so a batch costs about one sample per step); the
     batching is fixed by the sample order, so results stay deterministic.
@@ -379,8 +405,9 @@ def calibrate_tokens(
     if not samples:
         raise ProfileError("no calibration data: pass at least one non-empty sample")
     if tokens is not None:
-        if int(tokens) < 2:
-            raise ProfileError(f"tokens must be >= 2, got {tokens}")
+        if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 2:
+            raise ProfileError(f"tokens must be an integer >= 2 (the prompt tokens kept of each sample), got "
+                               f"{tokens!r}")
         short = [i for i, s in enumerate(samples) if s.size < tokens]
         if short:
             raise ProfileError(f"calibration sample(s) {short} have fewer than tokens={tokens} tokens "
@@ -426,13 +453,15 @@ def calibrate_tokens(
     if tau_copy is not None and not (math.isfinite(tau_copy) and 0.0 <= tau_copy <= 1.0):
         raise ProfileError(f"tau_copy must lie in [0, 1] (or None for no copy rule), got {tau_copy}")
 
+    if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+        raise ProfileError(f"batch_size must be a positive integer, got {batch_size!r}")
+    batch_size = int(batch_size)
+
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(samples) * (decode_steps + copy_steps), desc="calibrate", unit="step")
-    if int(batch_size) != batch_size or batch_size < 1:
-        raise ProfileError(f"batch_size must be a positive integer, got {batch_size!r}")
     try:
         per = []
         for b0 in range(0, len(samples), batch_size):
@@ -449,11 +478,10 @@ def calibrate_tokens(
         if bar is not None:
             bar.close()
 
-    lens = sorted({int(s.size) for s in samples})
     settings = ProfileSettings(
         top_k=top_k, decode_steps=int(decode_steps), seed=int(seed), calibration_data=data_description,
         samples=len(samples), copy_steps=copy_steps if scoring != "synckv" else None,
-        tokens_per_sample=int(tokens) if tokens is not None else (lens[0] if len(lens) == 1 else None))
+        tokens_per_sample=chance_length([s.size for s in samples]))
     identity = dict(architecture=cfg.architecture, head_dim=cfg.head_dim, model_name=model_name,
                     weights_fingerprint=fingerprint if fingerprint is not None else weights_fingerprint(params))
     if scoring == "synckv":

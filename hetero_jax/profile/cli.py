@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 
 from hetero_jax.io.own_outputs import FIGURE
@@ -101,8 +102,9 @@ def _flag_defaults() -> dict:
 
 
 def check_profile_args(args, out: str | None = None, kind: str = FORMAT_NAME) -> None:
-    """Before any work: ProfileError for a bad number or a ``--plot`` that draws nothing; OutputError for an
-    ``--out`` / ``--plot`` that would overwrite an input (``--data``, ``--model``) or each other, or that cannot
+    """Before any work: ProfileError for a bad number, a ``--plot`` that draws nothing or a flag that would
+    change nothing; OutputError for an ``--out`` / ``--plot`` inside the installed package (its shipped data) or
+    that would overwrite an input (``--data``, ``--model``) or each other, or that cannot
     be written (``hetero_jax.io.files.check_outputs``: an existing ``--out`` must be an earlier output of this
     ``kind``, the method's file format; ``--plot`` an earlier figure). ``out``: the file ``--out`` names, when
     the writer changes it (the codebook's ``.npz``); None: ``args.out``."""
@@ -132,6 +134,9 @@ def check_profile_args(args, out: str | None = None, kind: str = FORMAT_NAME) ->
     if getattr(args, "copy_steps", None) is not None and args.copy_steps < 0:
         raise ProfileError(f"--copy-steps must be >= 0, got {args.copy_steps}")
     tau_copy = getattr(args, "tau_copy", None)
+    if tau_copy is not None and getattr(args, "copy_steps", None) == 0:
+        raise ProfileError(f"--tau-copy {tau_copy} sets the copy rule of the copy phase, which --copy-steps 0 "
+                           "turns off: drop --tau-copy (it would change nothing) or give --copy-steps N > 0")
     if tau_copy is not None and not (math.isfinite(tau_copy) and 0.0 <= tau_copy <= 1.0):
         raise ProfileError(f"--tau-copy must be in [0, 1], got {tau_copy}")
     if args.top_k is not None and not 1 <= args.top_k < args.tokens:
@@ -141,6 +146,17 @@ def check_profile_args(args, out: str | None = None, kind: str = FORMAT_NAME) ->
         v = getattr(args, flag)
         if not (math.isfinite(v) and 0.0 <= v <= 1.0):
             raise ProfileError(f"--{flag.replace('_', '-')} must be in [0, 1], got {v}")
+    import hetero_jax
+    from hetero_jax.errors import OutputError
+    from hetero_jax.io.files import path_inside
+
+    package = os.path.dirname(os.path.abspath(hetero_jax.__file__))
+    for flag, path in (("--out", args.out if out is None else out), ("--plot", args.plot)):
+        if path is not None and path_inside(path, package):
+            raise OutputError(f"{flag} {path} lies inside the installed hetero_jax package ({package}): writing "
+                              "there would replace data shipped with the library (hetero_jax/data/*.profile.json "
+                              "are the default profiles every run of their model loads). Write it elsewhere and "
+                              "pass that path to the policy (for HeteroCache: --profile PATH)")
     check_outputs({"--out": args.out if out is None else out, "--plot": args.plot},
                   {"--data": [d for d in args.data if d != "pydoc"], "--model": checkpoint_dir(args.model)},
                   kinds={"--out": kind, "--plot": FIGURE})

@@ -212,6 +212,10 @@ def base_budget(rho: float, n_total: int, n_full: int, n_comp: int, prompt_len: 
     that, Eq. 8's floor would leave compressed heads empty and the clamp to 1
     token would keep more than rho), naming the smallest working rho with 4
     decimals: that value runs and the one 0.0001 below it is refused.
+    L_base >= 1 does not bound the total, though: a head with L_base * w_i < 1
+    still gets 1 token (``head_budgets``), so with uneven weights and L_base
+    near 1 the compressed heads can keep a few tokens more than Eq. 7's
+    (rho * N - N_full) * L, at most one per such head.
     """
     if n_total <= 0 or n_full < 0 or n_comp < 0 or n_full + n_comp != n_total:
         raise ValueError(f"need N_full + N_comp == N > 0, got N={n_total}, "
@@ -241,7 +245,10 @@ def head_budgets(l_base: float, weights: np.ndarray, prompt_len: int) -> np.ndar
 
     ``weights`` float [...] (mean-1 weights of compressed heads; all finite
     and > 0) -> int64 [...]. The clamp to >= 1 token is ours: a head with an
-    empty cache would give NaN attention (a pitfall the design notes list). The floor is
+    empty cache would give NaN attention (a pitfall the design notes list). It
+    adds up to 1 token per head whose L_base * w_i is below 1, which the floor
+    of the other heads need not offset: the total may then exceed Eq. 7's
+    L_base * N_comp. The floor is
     plain IEEE (e.g. 100 * 0.29 = 28.999... -> 28), as in the equation.
     """
     w = np.asarray(weights, dtype=np.float64)

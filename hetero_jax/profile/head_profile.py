@@ -18,6 +18,7 @@ from hetero_jax.profile.clustering import (
     FULL_ROLES,
     ROLE_NAMES,
     Cluster,
+    WEIGHT_EPS,
     Role,
     allocation_weights,
     assign_roles,
@@ -25,11 +26,15 @@ from hetero_jax.profile.clustering import (
     synckv_roles,
 )
 from hetero_jax.profile.metrics import max_similarity, similarity_edges
-from hetero_jax.profile.schema import (SCHEMA_VERSION, ProfileError, ProfileSettings, check_clusters,
-                                       check_fits, from_document, grid_mismatch, read_document, read_fraction,
-                                       read_int, read_str, shape_text, to_document)
+from hetero_jax.profile.schema import (EDIT_HINT, SCHEMA_VERSION, ProfileError, ProfileSettings, check_clusters,
+                                       check_fits, check_unit, from_document, grid_mismatch, read_document,
+                                       read_fraction, read_int, read_str, shape_text, to_document)
 
 _TAU_FIX = "thresholds are finite numbers in [0, 1], as `hetero-jax profile --tau-stable/--tau-sim/--tau-copy` requires"
+_UNIT_FIX = ("stability, similarity, similarity_matrix and copy_score are overlaps and shares, which lie in [0, 1]; "
+             "pass NaN where one is unknown")
+# Eq. 7-8 hand the compressed heads exactly rho's budget only when their weights average 1.
+WEIGHT_MEAN_TOL = 1e-6
 
 
 def _thresholds(tau_stable, tau_sim, tau_copy) -> tuple[float, float, float | None]:
@@ -48,11 +53,13 @@ class HeadProfile:
     ``stability``: S_stable (Eq. 2), NaN where unknown (imported profiles).
     ``similarity``: each head's max overlap with another head of its layer at
     the graph step (Eq. 3 / App. B.4), NaN where unknown.
-    ``weights``: mean-1 allocation weights of compressed heads (Sec. 4.2),
-    NaN for full heads. ``clusters[l]``: that layer's (pivot, satellites).
+    ``weights``: mean-1 allocation weights of compressed heads (Sec. 4.2; a mean
+    off 1 by more than ``WEIGHT_MEAN_TOL`` is refused), NaN for full heads.
+    ``clusters[l]``: that layer's (pivot, satellites).
     ``copy_score``: share of the copy phase's steps at which the head's argmax
     lands on the earlier occurrence of the token just fed (our duplicate-token
     score, see ``calibrate``), NaN where unknown.
+    Stability, similarity, similarity_matrix and copy_score lie in [0, 1] or are NaN (the file's range checks).
     """
 
     roles: np.ndarray
@@ -80,24 +87,32 @@ class HeadProfile:
         roles = roles.astype(np.int8)
         shape = roles.shape
 
-        def grid(name, value):
+        def grid(name, value, unit=True):
             a = np.full(shape, np.nan) if value is None else np.array(value, dtype=np.float64)
             if a.shape != shape:
                 raise ProfileError(grid_mismatch(name, a.shape, shape))
+            if unit:  # the reader's range check: the API writes no file that from_json refuses
+                check_unit(a, name, fix=_UNIT_FIX)
             a.setflags(write=False)
             return a
 
-        weights = grid("weights", self.weights)
+        weights = grid("weights", self.weights, unit=False)
         comp = np.isin(roles, COMPRESSED_ROLES)
         if not np.all(np.isfinite(weights[comp]) & (weights[comp] > 0)):
             raise ProfileError("every compressed head (anchor, satellite) needs a finite weight > 0")
         if not np.all(np.isnan(weights[~comp])):
             raise ProfileError("full heads (volatile, pivot) must have weight NaN (no budget share)")
+        if comp.any() and abs(weights[comp].mean() - 1.0) > WEIGHT_MEAN_TOL:
+            raise ProfileError(
+                f"the allocation weights of the {int(comp.sum())} compressed heads (anchor, satellite) average "
+                f"{weights[comp].mean():.9g}, not 1: Eq. 7-8 give them rho's budget only with mean-1 weights; "
+                f"divide them by their mean (as build_profile does), or, for a file: {EDIT_HINT}")
         simm = None
         if self.similarity_matrix is not None:
             simm = np.array(self.similarity_matrix, dtype=np.float64)
             if simm.shape != shape + (shape[1],):
                 raise ProfileError(grid_mismatch("similarity_matrix", simm.shape, shape + (shape[1],)))
+            check_unit(simm, "similarity_matrix", fix=_UNIT_FIX)
             simm.setflags(write=False)
         clusters = check_clusters(self.clusters, roles)
         roles.setflags(write=False)
@@ -255,16 +270,34 @@ def build_profile(
     ``similarity`` [L, H] is the per-head score stored for the plot
     (default: max overlap at the graph step; pass Eq. 3's median over steps
     if you have it). ``copy_score`` [L, H] with ``tau_copy``: compressed heads scoring >= tau_copy are
-    kept whole (``clustering.assign_roles``). ``settings.tau_*`` are filled from the arguments. ``identity``: the
+    kept whole (``clustering.assign_roles``). A NaN stability (unknown) makes an unclustered head volatile and is
+    refused on a satellite, whose weight needs it. ``settings.tau_*`` are filled from the arguments. ``identity``: the
     profile's ``architecture``, ``head_dim``, ``model_name`` and ``weights_fingerprint`` (see :class:`HeadProfile`).
     """
     tau_stable, tau_sim, tau_copy = _thresholds(tau_stable, tau_sim, tau_copy)
     stab = np.asarray(stability, dtype=np.float64)
     simm = np.asarray(similarity_matrix, dtype=np.float64)
+    if stab.ndim != 2:
+        raise ProfileError(f"stability must be a [layers, KV heads] grid, got shape {stab.shape}")
     if simm.shape != stab.shape + (stab.shape[-1],):
         raise ProfileError(f"similarity_matrix {simm.shape} does not match stability {stab.shape}")
+    if copy_score is not None:
+        copy_score = np.asarray(copy_score, dtype=np.float64)
+        if copy_score.shape != stab.shape:
+            raise ProfileError(f"copy_score {copy_score.shape} does not match stability {stab.shape}")
+        check_unit(copy_score, "copy_score", fix=_UNIT_FIX)
+    check_unit(stab, "stability", fix=_UNIT_FIX)
+    check_unit(simm, "similarity_matrix", fix=_UNIT_FIX)
     adjs = [similarity_edges(s, tau_sim) for s in simm]
     roles, clusters = assign_roles(stab, adjs, tau_stable, copy_score=copy_score, tau_copy=tau_copy)
+    unknown = (roles == Role.SATELLITE) & np.isnan(stab)
+    if unknown.any():  # an unclustered NaN head is volatile; a satellite needs S for its weight 1 / (S + eps)
+        layer, head = (int(i) for i in np.argwhere(unknown)[0])
+        pivot = next(c.pivot for c in clusters[layer] if head in c.satellites)
+        raise ProfileError(
+            f"layer {layer} head {head}: stability is NaN (unknown), but the similarity graph (tau_sim={tau_sim}) "
+            f"makes it a satellite of pivot {pivot}, and a satellite's budget weight is 1 / (S + {WEIGHT_EPS:g}); "
+            "pass its measured stability (NaN only suits a head that stays unclustered: it becomes volatile)")
     settings = dataclasses.replace(settings or ProfileSettings(), tau_stable=tau_stable, tau_sim=tau_sim,
                                    tau_copy=None if copy_score is None else tau_copy)
     return HeadProfile(

@@ -22,7 +22,7 @@ import numpy as np
 from hetero_jax.profile.clustering import COMPRESSED_ROLES, Cluster, Role
 from hetero_jax.profile.head_profile import HeadProfile
 from hetero_jax.profile.schema import (FORMAT_NAME, ProfileError, ProfileSettings, entry_error, read_document,
-                                       read_grid, read_int, read_mapping)
+                                       read_fraction, read_grid, read_int, read_mapping)
 
 # Role names used in the authors' files -> our roles (compared lower-case).
 _OFFICIAL_ROLE_NAMES = {
@@ -43,11 +43,12 @@ _NAMES_LONG = frozenset({"stable_unique", "decaying_unique", "similar_leader", "
 
 # Identity and settings the authors' files do not carry, for the two published files. A file is recognised by
 # its content: the role grid's shape (layers x KV heads) together with the role naming of its meta.type_map
-# (the Llama file uses anchor/volatile/..., the Qwen file Stable_Unique/...). A file whose shape is a known
-# model's but whose naming is not (content ambiguous) is matched by the file-name pattern instead. From the
-# public HF configs (head_dim = hidden / heads) and the paper (Sec. 3, App. B-C): both calibrated on 10K-token
-# samples with top-1K sets, which sets the chance level tau_drift is carried from (Qwen had none recorded, so
-# its 0.4 applied raw where Llama's 0.5 became 0.443).
+# (the Llama file uses anchor/volatile/..., the Qwen file Stable_Unique/...), unless its file name names another
+# model (the release publishes a DeepSeek-R1-Distill-Llama-8B file of the Llama file's shape and naming). A file
+# whose shape is a known model's but whose naming is not (content ambiguous) is matched by the file-name pattern
+# instead. From the public HF configs (head_dim = hidden / heads) and the paper (Sec. 3, App. B-C): both
+# calibrated on 10K-token samples with top-1K sets, which sets the chance level tau_drift is carried from (Qwen
+# had none recorded, so its 0.4 applied raw where Llama's 0.5 became 0.443).
 _KNOWN_MODELS = (
     (re.compile(r"llama-?3\.1-8b", re.I), _NAMES_SHORT,
      dict(model_name="meta-llama/Llama-3.1-8B-Instruct", architecture="llama", shape=(32, 8), head_dim=128,
@@ -60,6 +61,14 @@ _KNOWN_MODELS = (
 )
 _ARCH_PATTERNS = ((re.compile(r"qwen3", re.I), "qwen3"), (re.compile(r"qwen2", re.I), "qwen2"),
                   (re.compile(r"llama", re.I), "llama"))
+# The model a file name names: the release's own name (tools/get_cluster.py writes
+# Head_Analysis_<model>_topk<k>_th<tau_stable>_sim<tau_sim>_step<decode_step>.json, the step being the key length
+# of its similarity graph), or ours for the published files (official_profile_<model>.json).
+_RELEASE_NAME = re.compile(r"Head_Analysis_(?P<model>.+?)_topk(?P<topk>[0-9]+)_th(?P<th>[0-9]*\.?[0-9]+)"
+                           r"_sim(?P<sim>[0-9]*\.?[0-9]+)_step(?P<step>[0-9]+)", re.I)
+_OUR_NAME = re.compile(r"official_profile_(?P<model>.+?)(?:\.json)?$", re.I)
+_RENAME = ("a file name in the release's pattern Head_Analysis_<model>_topk<k>_th<tau_stable>_sim<tau_sim>_step<n>"
+           ".json gives the calibration settings; rename the file")
 
 
 def load_profile(
@@ -75,18 +84,21 @@ def load_profile(
 
     The format is detected from the contents. For the authors' files, roles
     are mapped by their ``type_map`` names (either naming), clusters and
-    allocation values are kept as published (-1 -> NaN for full heads), and
+    allocation values are kept as published (-1 -> NaN for full heads; they must average 1 over the
+    compressed heads, as both published files do), and
     identity fields they lack are those of the published model the content matches (grid shape and role
-    naming; the file name only where the content is ambiguous). A file matching no published model loads
-    with a RuntimeWarning: head_dim and the calibration settings are unknown (pass ``head_dim`` and
-    ``settings`` to set them), so HeteroCache's drift threshold falls back to its default.
+    naming; the file name only where the content is ambiguous), unless the file name names another model.
+    A release file name (``Head_Analysis_<model>_topk<k>_th<tau>_sim<tau>_step<n>.json``) gives top_k,
+    tau_stable and tau_sim. A file matching no published model loads
+    with a RuntimeWarning: head_dim and the calibration length are unknown (pass ``head_dim`` and
+    ``settings`` to set them), so HeteroCache's drift threshold has no chance correction.
     Keyword arguments override the corresponding fields (both formats).
     """
     data = read_document(path)
     if isinstance(data, Mapping) and data.get("format") == FORMAT_NAME:
         prof = HeadProfile.from_dict(data, where=os.fspath(path))
     elif isinstance(data, Mapping) and "classification_matrix" in data:
-        prof = _from_official(data, os.fspath(path), told=head_dim is not None and settings is not None)
+        prof = _from_official(data, os.fspath(path), told=(head_dim is not None, settings is not None))
     else:
         raise ProfileError(f"{path}: not a head profile (neither {FORMAT_NAME} nor the "
                            "HeteroCache release format with 'classification_matrix')")
@@ -96,20 +108,61 @@ def load_profile(
     return dataclasses.replace(prof, **overrides) if overrides else prof
 
 
-def _identify(shape: tuple, names: frozenset, filename: str) -> dict[str, Any]:
-    """Identity and settings of the published model an authors' file is for: by content (grid shape and role
-    naming), by file name (with the shape) when only the shape matches; {} when neither identifies it."""
-    same_shape = [(pattern, info) for pattern, naming, info in _KNOWN_MODELS
+def _named_model(filename: str) -> str | None:
+    """The model a file name names (the release's or our naming), or None for another name."""
+    m = _RELEASE_NAME.search(filename) or _OUR_NAME.search(filename)
+    return m["model"] if m else None
+
+
+def _name_settings(filename: str, where: str) -> dict[str, Any]:
+    """The calibration settings a release file name gives ({} for another name): top_k, tau_stable, tau_sim and,
+    in calibration_data, the step of the similarity graph."""
+    m = _RELEASE_NAME.search(filename)
+    if not m:
+        return {}
+    return dict(top_k=read_int(int(m["topk"]), "the file name's topk", where=where, minimum=1, fix=_RENAME),
+                tau_stable=read_fraction(float(m["th"]), "the file name's th", where=where, fix=_RENAME),
+                tau_sim=read_fraction(float(m["sim"]), "the file name's sim", where=where, fix=_RENAME),
+                calibration_data=f"not recorded; the release's file name gives topk {m['topk']}, th {m['th']}, "
+                                 f"sim {m['sim']} and step {m['step']} (the key length of its similarity graph)")
+
+
+def _identify(shape: tuple, names: frozenset, filename: str, where: str) -> tuple[dict[str, Any], str | None]:
+    """Identity and settings of the published model an authors' file is for, and why none when there is none.
+
+    By content (grid shape and role naming), unless the file name names another model; by the file name (with
+    the shape) when only the shape matches. A release file name's settings (``_name_settings``) replace the
+    published ones when they differ (then the calibration length is unknown)."""
+    named = _named_model(filename)
+    by_content = [(pattern, info) for pattern, naming, info in _KNOWN_MODELS
                   if info["shape"] == shape and names == naming]
-    if not same_shape:  # content ambiguous or unknown: the file name, if it agrees with the shape
-        same_shape = [(pattern, info) for pattern, _naming, info in _KNOWN_MODELS
-                      if info["shape"] == shape and pattern.search(filename)]
-    if len(same_shape) == 1:
-        return {k: v for k, v in same_shape[0][1].items() if k != "shape"}
-    return {}
+    ident, reason = {}, None
+    if len(by_content) == 1:
+        pattern, info = by_content[0]
+        other = [i["model_name"] for p, _n, i in _KNOWN_MODELS if p is not pattern and p.search(filename)]
+        if (named is not None and not pattern.search(named)) or other:
+            reason = (f"whose content ({shape[0]} layers x {shape[1]} KV heads, role names "
+                      f"{', '.join(sorted(names))}) is that of the published {info['model_name']} file but whose "
+                      f"file name names {named or other[0]!r}, so it is not labelled {info['model_name']}")
+        else:
+            ident = info
+    else:  # content ambiguous or unknown: the file name, if it agrees with the shape
+        by_name = [info for pattern, _naming, info in _KNOWN_MODELS
+                   if info["shape"] == shape and pattern.search(filename)]
+        if len(by_name) == 1:
+            ident = by_name[0]
+    ident = {k: v for k, v in ident.items() if k != "shape"}
+    from_name = _name_settings(filename, where)
+    if from_name:
+        known = ident.get("settings")
+        if known is None or any(getattr(known, k) != from_name[k] for k in ("top_k", "tau_stable", "tau_sim")):
+            ident["settings"] = ProfileSettings(**from_name)
+    return ident, reason
 
 
-def _from_official(d: Mapping, path: str, told: bool = False) -> HeadProfile:
+def _from_official(d: Mapping, path: str, told: tuple[bool, bool] = (False, False)) -> HeadProfile:
+    """The profile of the authors' document ``d``; ``told``: whether the caller gives (head_dim, settings), which
+    silences the warning about what the file leaves unknown."""
     filename = os.path.basename(path)
     where, what = path, "malformed HeteroCache release profile"
     missing = [k for k in ("meta", "classification_matrix", "allocation_matrix", "leader_member_relations")
@@ -164,23 +217,32 @@ def _from_official(d: Mapping, path: str, told: bool = False) -> HeadProfile:
                                                       fix=what) for si, s in enumerate(sats))))
         clusters.append(tuple(row))
     names = frozenset(str(n).lower() for n in type_map)
-    ident = _identify(codes.shape, names, filename)
-    if not ident:
+    ident, reason = _identify(codes.shape, names, filename, where)
+    if "architecture" not in ident:
         for pattern, arch in _ARCH_PATTERNS:
             if pattern.search(filename):
-                ident = {"architecture": arch}
+                ident["architecture"] = arch
                 break
     try:
         prof = HeadProfile(roles=roles, clusters=tuple(clusters), weights=weights,
                            source=f"heterocache-release:{filename}", **ident)
     except ProfileError as e:
         raise ProfileError(f"{where}: {e}") from None
-    if "head_dim" not in ident and not told:  # no published model; warned only once the file is known good
-        warnings.warn(
-            f"{path}: a HeteroCache release profile of {codes.shape[0]} layers x {codes.shape[1]} KV heads "
-            "that matches neither published model (Llama-3.1-8B-Instruct 32 x 8, Qwen2.5-14B-Instruct 48 x 8): "
-            "its head_dim and calibration settings are unknown, so head_dim is not checked against the model "
-            "and HeteroCache's drift threshold falls back to its default (tau 0.5, no chance correction); pass "
-            "load_profile(..., head_dim=..., settings=ProfileSettings(...)) to set them",
-            RuntimeWarning, stacklevel=3)
+    st, dim = prof.settings, "head_dim" not in ident
+    if (dim and not told[0]) or (st.tokens_per_sample is None and not told[1]):  # once the file is known good
+        what = reason or (f"of {codes.shape[0]} layers x {codes.shape[1]} KV heads that matches neither published "
+                          "model (Llama-3.1-8B-Instruct 32 x 8, Qwen2.5-14B-Instruct 48 x 8)" if dim else
+                          f"of {prof.model_name} whose file name's settings are not the published file's")
+        check = "head_dim is not checked against the model and " if dim else ""
+        if st.tau_stable is None:
+            unknown = (f"its {'head_dim and ' if dim else ''}calibration settings are unknown, so {check}"
+                       "HeteroCache's drift threshold falls back to its default (tau 0.5, no chance correction)")
+        else:
+            unknown = (f"its {'head_dim and ' if dim else ''}calibration length {'are' if dim else 'is'} unknown "
+                       f"(the file name gives top_k {st.top_k}, tau_stable {st.tau_stable}, tau_sim {st.tau_sim}), "
+                       f"so {check}HeteroCache's drift threshold is tau_stable {st.tau_stable} with no chance "
+                       "correction")
+        warnings.warn(f"{path}: a HeteroCache release profile {what}: {unknown}; pass load_profile(..., "
+                      f"{'head_dim=..., ' if dim else ''}settings=ProfileSettings(...)) to set them",
+                      RuntimeWarning, stacklevel=3)
     return prof

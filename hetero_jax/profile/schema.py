@@ -83,6 +83,10 @@ def read_mapping(value, entry: str, *, where=None, optional: bool = False, fix: 
     return value
 
 
+# what an overlap or share entry must be: read_grid(unit=True) on a file, check_unit on an array
+_UNIT = "a number in [0, 1] or null"
+
+
 def read_grid(value, entry: str, ndim: int, *, where=None, integer: bool = False, unit: bool = False,
               fix: str | None = EDIT_HINT) -> np.ndarray:
     """A rectangular ``ndim``-deep nested list: int64 of JSON integers (``integer``), else float64 of numbers,
@@ -96,8 +100,7 @@ def read_grid(value, entry: str, ndim: int, *, where=None, integer: bool = False
             if not is_int(x):
                 raise entry_error(where, f"{entry}{at}", x, "an integer", fix)
         elif x is not None and (not is_real(x) or (unit and not (math.isfinite(x) and 0 <= x <= 1))):
-            raise entry_error(where, f"{entry}{at}", x, "a number in [0, 1] or null" if unit else "a number or null",
-                              fix)
+            raise entry_error(where, f"{entry}{at}", x, _UNIT if unit else "a number or null", fix)
         return x
     rows = walk(value, 0, "")
     try:
@@ -108,6 +111,15 @@ def read_grid(value, entry: str, ndim: int, *, where=None, integer: bool = False
         raise ProfileError(f"{where + ': ' if where else ''}{entry} is not a rectangular {ndim}-dimensional grid "
                            f"(rows of different lengths)" + (f"; {fix}" if fix else ""))
     return a
+
+
+def check_unit(a: np.ndarray, entry: str, *, where=None, fix: str | None = EDIT_HINT) -> None:
+    """``read_grid``'s ``unit`` check on a float array ``a`` (``HeadProfile``'s statistics): ProfileError naming the
+    first entry that is neither NaN (null: unknown) nor a number in [0, 1]."""
+    bad = ~np.isnan(a) & ~((a >= 0.0) & (a <= 1.0))
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise entry_error(where, entry + "".join(f"[{i}]" for i in at), float(a[at]), _UNIT, fix)
 
 
 @dataclasses.dataclass(frozen=True)
