@@ -6,8 +6,12 @@ Layout::
       config.json            HF-style config
       params/                Orbax checkpoint of the params pytree (spec.py layout, linears [in, out])
       tokenizer.json         HF tokenizers file
-      tokenizer_config.json  chat_template, bos_token, eos_token, add_bos_token, ...
-      hetero_jax.json        {"format_version": 1, "dtype": ..., "source": {...}, "hetero_jax_version": ...}
+      tokenizer_config.json  chat_template, bos_token, eos_token, ...
+      hetero_jax.json        {"format_version": 1, "dtype": ..., "source": {...}, "hetero_jax_version": ...,
+                              "entries": [...], "params_sha256": {...}}
+
+``entries`` lists what the converter wrote (all that --force may delete); ``params_sha256`` the size and digest
+of every file under params/, checked before a load restores them (:mod:`hetero_jax.io.params_store`).
 
 Everything is written into a hidden temporary sibling of OUT_DIR that is
 renamed into place at the very end, so a failed or killed write never leaves a
@@ -27,8 +31,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from hetero_jax.model.config import ModelConfig
-from hetero_jax.errors import CheckpointError, OutputError, read_json
+from hetero_jax.errors import CheckpointError, ConfigError, OutputError, read_json
 from hetero_jax.io.files import dir_problem, path_inside
+from hetero_jax.io.params_store import DIGESTS_KEY, check_digests, digest_record, restore_tree, save_tree
 
 FORMAT_VERSION = 1
 META_FILE = "hetero_jax.json"
@@ -37,8 +42,9 @@ PARAMS_DIR = "params"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")
 DTYPES = ("float32", "bfloat16")
-# What save_checkpoint writes at a checkpoint's top level (and lists in META_FILE's "entries"): --force replaces
-# a checkpoint only when it holds nothing else.
+RECONVERT = "re-convert it with hetero-jax-convert --force"  # the fix for a damaged checkpoint, by default
+# What save_checkpoint may write at a checkpoint's top level: --force replaces a checkpoint only when it holds
+# nothing else than what META_FILE's "entries" lists, or (a checkpoint written before that list) than these.
 CHECKPOINT_ENTRIES = frozenset({"config.json", META_FILE, PARAMS_DIR, *TOKENIZER_FILES})
 
 
@@ -89,15 +95,18 @@ def _target(out_dir: str) -> str:
     return real
 
 
-def _written_entries(path: str) -> list[str]:
-    """The top-level entries the converter wrote into the checkpoint at ``path`` (META_FILE's list; none when
-    it cannot be read)."""
+def _written_entries(path: str) -> frozenset[str]:
+    """The top-level entries the converter wrote into the checkpoint at ``path``: META_FILE's list, or
+    CHECKPOINT_ENTRIES (all it may write) when META_FILE has no list (written before it had one) or cannot be
+    read."""
     try:
         with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
-            names = json.load(f).get("entries", [])
+            names = json.load(f).get("entries")
     except (OSError, ValueError, AttributeError):
-        return []
-    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+        return CHECKPOINT_ENTRIES
+    if not isinstance(names, list):
+        return CHECKPOINT_ENTRIES
+    return frozenset(n for n in names if isinstance(n, str))
 
 
 def _listed(names: list[str]) -> str:
@@ -120,7 +129,8 @@ def _check_existing(shown: str, target: str, force: bool) -> None:
         if not force:
             raise CheckpointError(f"output directory {where} already holds a converted checkpoint; pass --force "
                                   "(force=True) to replace it, or choose another OUT_DIR")
-        theirs = [e for e in entries if e not in CHECKPOINT_ENTRIES | set(_written_entries(target))]
+        ours = _written_entries(target)
+        theirs = [e for e in entries if e not in ours]
         if theirs:  # e.g. a profile written next to the weights: replacing the directory would delete it
             raise CheckpointError(
                 f"output directory {where} holds a converted checkpoint and also {_listed(theirs)}, which the "
@@ -248,17 +258,14 @@ def save_checkpoint(out_dir: str | os.PathLike, config: ModelConfig, params: dic
             json.dump(dict(hf_config) if hf_config is not None else config.to_hf_dict(), f, indent=2)
         _write_tokenizer(tmp, tokenizer_dir_or_files)
 
-        import orbax.checkpoint as ocp
-
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(os.path.join(tmp, PARAMS_DIR), params)
-            ckptr.wait_until_finished()
+        save_tree(os.path.join(tmp, PARAMS_DIR), params)
 
         info = {"format_version": FORMAT_VERSION, "dtype": dtype, "source": {},
                 "hetero_jax_version": _version()}
         info.update(dict(meta or {}))
         info["format_version"], info["dtype"] = FORMAT_VERSION, dtype
         info["entries"] = sorted({*os.listdir(tmp), META_FILE})
+        info[DIGESTS_KEY] = digest_record(os.path.join(tmp, PARAMS_DIR))
         # Written last: its presence marks a complete checkpoint (see is_checkpoint).
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(info, f, indent=2)
@@ -303,24 +310,28 @@ def _as_list(x):
     return list(x)
 
 
-def load_params(path: str | os.PathLike) -> dict:
-    """Restore the params pytree (numpy arrays) from ``path/params``."""
-    import orbax.checkpoint as ocp
+def load_params(path: str | os.PathLike, *, verify: bool = True, fix: str = RECONVERT) -> dict:
+    """Restore the params pytree (numpy arrays) from ``path/params``.
 
-    pdir = os.path.join(os.path.abspath(os.fspath(path)), PARAMS_DIR)
+    ``verify``: first check every file under params/ against the sizes and digests hetero_jax.json recorded at
+    save (a checkpoint written before they were recorded has none to check); False skips the check, which reads
+    every file once more. ``fix``: what a CheckpointError for a damaged checkpoint tells the user to do."""
+    path = os.path.abspath(os.fspath(path))
+    pdir = os.path.join(path, PARAMS_DIR)
+    if verify:
+        check_digests(pdir, read_meta(path, fix=fix), os.path.join(path, META_FILE), fix)
     try:
-        with ocp.StandardCheckpointer() as ckptr:
-            tree = ckptr.restore(pdir)
+        tree = restore_tree(pdir)
     except Exception as e:
         raise CheckpointError(
-            f"cannot restore params from {pdir} ({type(e).__name__}: {e}); the checkpoint is corrupt, "
-            "re-convert it with hetero-jax-convert --force") from None
+            f"cannot restore params from {pdir} ({type(e).__name__}: {e}); the checkpoint is corrupt, {fix}") from None
     tree = dict(tree)
     tree["layers"] = [dict(layer) for layer in _as_list(tree.get("layers", []))]
     return tree
 
 
-def read_meta(path: str | os.PathLike) -> dict:
+def read_meta(path: str | os.PathLike, *, fix: str = RECONVERT) -> dict:
+    """hetero_jax.json's object, after refusing a missing, unreadable or other-format one."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -328,28 +339,35 @@ def read_meta(path: str | os.PathLike) -> dict:
     meta = read_json(mp, CheckpointError,
                      missing=f"{path} is not a hetero-jax checkpoint (no {META_FILE}); convert the model first "
                      "with hetero-jax-convert HF_DIR OUT_DIR (or --gguf FILE OUT_DIR)",
-                     fix="the checkpoint is corrupt, re-convert it with hetero-jax-convert --force")
+                     fix=f"the checkpoint is corrupt, {fix}")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{mp} holds a JSON {type(meta).__name__}, not an object; the checkpoint is corrupt, "
-                              "re-convert it with hetero-jax-convert --force")
+                              f"{fix}")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path} has checkpoint format_version {meta.get('format_version')!r}, this hetero-jax reads "
-            f"{FORMAT_VERSION}; re-convert the model with hetero-jax-convert --force")
+            f"{FORMAT_VERSION}; {fix}")
     return meta
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: str | None = None):
-    """Load ``(ModelConfig, params, Tokenizer)``; params as jax arrays, cast to ``dtype`` if given."""
+def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, *, verify: bool = True,
+                    fix: str = RECONVERT):
+    """Load ``(ModelConfig, params, Tokenizer)``; params as jax arrays, cast to ``dtype`` if given.
+
+    The config and the tokenizer are read first, so a problem with either is reported before any weight is
+    restored. ``verify`` and ``fix``: as :func:`load_params`."""
     import jax.numpy as jnp
 
     from hetero_jax.model.spec import check_params
     from hetero_jax.io.tokenizer import Tokenizer
 
     path = os.path.abspath(os.fspath(path))
-    read_meta(path)
-    config = ModelConfig.from_json_file(os.path.join(path, "config.json"))
-    params = load_params(path)
+    read_meta(path, fix=fix)
+    cfg_path = os.path.join(path, "config.json")
+    config = ModelConfig.from_hf_dict(read_json(cfg_path, ConfigError, missing=f"no config.json in {path}; {fix}",
+                                                fix=f"the checkpoint is corrupt, {fix}"))
+    tokenizer = Tokenizer.from_dir(path, fix=f"the checkpoint is corrupt, {fix}")
+    params = load_params(path, verify=verify, fix=fix)
     check_params(config, params)
     target = np_dtype(dtype) if dtype is not None else None
 
@@ -361,4 +379,4 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None):
 
     out = {k: conv(v) for k, v in params.items() if k != "layers"}
     out["layers"] = [{k: conv(v) for k, v in layer.items()} for layer in params["layers"]]
-    return config, out, Tokenizer.from_dir(path)
+    return config, out, tokenizer

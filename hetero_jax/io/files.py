@@ -157,15 +157,17 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_path(path: PathLike, flag: str = "output", *, updating: bool = False) -> Iterator[str]:
+def atomic_path(path: PathLike, flag: str = "output", *, updating: bool = False,
+                kind: str | None = None) -> Iterator[str]:
     """Yield a temporary path beside ``path`` to write the whole output into; on leaving the block it replaces
     ``path`` in one rename, and on any error it is removed and ``path`` stays as it was.
 
     The temporary name keeps ``path``'s extension, so writers that infer the format from it (matplotlib) still
     do. The file gets ``path``'s permissions when it exists, else the umask's (not mkstemp's private 0600). A
     symlink's target is replaced; a device or FIFO (``/dev/null``) is yielded as is, to be written in place.
-    ``path`` is checked first (:func:`check_output_path`, ``updating`` passed on)."""
-    real = check_output_path(path, flag, updating=updating)
+    ``path`` is checked first (:func:`check_output_path`, ``updating`` and ``kind`` passed on: a writer names
+    the format it writes, so it never replaces another kind of output of ours)."""
+    real = check_output_path(path, flag, updating=updating, kind=kind)
     if os.path.exists(real) and not os.path.isfile(real):
         yield real
         return
@@ -186,13 +188,14 @@ def atomic_path(path: PathLike, flag: str = "output", *, updating: bool = False)
         raise
 
 
-def write_bytes(path: PathLike, data: bytes, flag: str = "output", *, updating: bool = False) -> None:
+def write_bytes(path: PathLike, data: bytes, flag: str = "output", *, updating: bool = False,
+                kind: str | None = None) -> None:
     """Write ``data`` to ``path`` atomically (:func:`atomic_path`)."""
-    with atomic_path(path, flag, updating=updating) as tmp, open(tmp, "wb") as f:
+    with atomic_path(path, flag, updating=updating, kind=kind) as tmp, open(tmp, "wb") as f:
         f.write(data)
 
 
 def write_text(path: PathLike, text: str, flag: str = "output", encoding: str = "utf-8", *,
-               updating: bool = False) -> None:
+               updating: bool = False, kind: str | None = None) -> None:
     """Write ``text`` to ``path`` atomically (:func:`atomic_path`)."""
-    write_bytes(path, text.encode(encoding), flag, updating=updating)
+    write_bytes(path, text.encode(encoding), flag, updating=updating, kind=kind)

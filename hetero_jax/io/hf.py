@@ -26,6 +26,7 @@ from hetero_jax.io.checkpoint import check_output_apart, check_output_dir, np_dt
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError, ConfigError, read_json
 from hetero_jax.model.spec import hf_tensor_map, param_shapes
+from hetero_jax.io.tokenizer import check_chat_template_entry, check_token_ids, json_object, read_chat_template
 
 # Non-parameter buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -233,30 +234,30 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
 
 
 def _tokenizer_files(hf_dir: str) -> dict[str, Any]:
-    """Tokenizer files to copy; tokenizer_config.json gets the chat template inlined if it sits in a .jinja."""
+    """Tokenizer files to copy, each checked as ``Tokenizer.from_dir`` reads it (a file that converts and then
+    fails every load is refused here, before any weight is read); tokenizer_config.json gets the chat template
+    that wins (chat_template.jinja's, when there is one, as in transformers) inlined."""
     from hetero_jax.io.checkpoint import TOKENIZER_FILES
 
+    fix = "re-download it"
+    where = {n: os.path.join(hf_dir, n) for n in TOKENIZER_FILES}
     files: dict[str, Any] = {}
-    for n in TOKENIZER_FILES:
-        p = os.path.join(hf_dir, n)
+    for n, p in where.items():
         if os.path.isfile(p):
             with open(p, "rb") as f:
                 files[n] = f.read()
-    try:
-        tc = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
-        if not isinstance(tc, dict):
-            raise TypeError(f"it holds a JSON {type(tc).__name__}, not an object")
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
-        raise CheckpointError(f"{os.path.join(hf_dir, 'tokenizer_config.json')} is not a valid JSON object "
-                              f"({e}); re-download it") from None
-    if not tc.get("chat_template") and "chat_template.jinja" in files:
-        try:
-            tc["chat_template"] = files["chat_template.jinja"].decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise CheckpointError(f"{os.path.join(hf_dir, 'chat_template.jinja')} is not UTF-8 text ({e}); "
-                                  "re-download it") from None
-    files["tokenizer_config.json"] = tc
-    _check_tokenizer_json(os.path.join(hf_dir, "tokenizer.json"), files.get("tokenizer.json", b""))
+    tc_name = "tokenizer_config.json"
+    tc = json_object(where[tc_name], fix, files[tc_name]) if tc_name in files else {}
+    check_chat_template_entry(tc.get("chat_template"), where[tc_name], fix)
+    if "chat_template.jinja" in files:
+        tc["chat_template"] = read_chat_template(where["chat_template.jinja"], fix, files["chat_template.jinja"])
+    files[tc_name] = tc
+    for n in ("special_tokens_map.json", "generation_config.json"):
+        if n in files:
+            doc = json_object(where[n], fix, files[n])
+            if n == "generation_config.json":
+                check_token_ids(doc, where[n], fix)
+    _check_tokenizer_json(where["tokenizer.json"], files.get("tokenizer.json", b""))
     return files
 
 

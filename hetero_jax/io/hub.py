@@ -15,7 +15,7 @@ import dataclasses
 import os
 from typing import Any, Callable
 
-from hetero_jax.io.checkpoint import META_FILE, is_checkpoint, load_checkpoint
+from hetero_jax.io.checkpoint import META_FILE, RECONVERT, is_checkpoint, load_checkpoint
 from hetero_jax.io.files import dir_problem
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError
@@ -181,16 +181,22 @@ def _warn_bfloat16_on_cpu(params, mesh) -> None:
         warnings.warn(BF16_CPU_WARNING, RuntimeWarning, stacklevel=3)
 
 
-def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, progress: bool = True, mesh=None) -> Model:
+def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, progress: bool = True, mesh=None,
+         verify: bool = True) -> Model:
     """Load a known model by name (see ``KNOWN_MODELS``) or a converted checkpoint directory.
 
     ``mesh``: a ``jax.sharding.Mesh`` with axes ("data", "model") (``hetero_jax.model.sharding.make_mesh``) to
     shard the params over (tensor parallel over heads and MLP, replicated over data); None = one device.
+    ``verify``: check the weights' files against the digests recorded at conversion before restoring them
+    (``load_checkpoint``); False skips that extra read of every file.
     """
     _check_load_args(name_or_path, dtype)
     key = os.fspath(name_or_path)
+    fix = RECONVERT
     if key in KNOWN_MODELS and not os.path.isdir(key):
         path, name = ensure_converted(key, progress=progress), key
+        # the user never ran the conversion of this copy: deleting it is what makes load convert it again
+        fix = f"delete {path} and load {key!r} again, which converts it anew"
     elif os.path.isdir(key):
         path, name = os.path.abspath(key), os.path.basename(os.path.abspath(key))
     else:
@@ -198,7 +204,7 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, progress:
             f"unknown model {key!r}: not a known model name and not a directory. Known models: "
             f"{', '.join(sorted(KNOWN_MODELS))}; or pass the path to a checkpoint converted with "
             "hetero-jax-convert")
-    config, params, tokenizer = load_checkpoint(path, dtype=dtype)
+    config, params, tokenizer = load_checkpoint(path, dtype=dtype, verify=verify, fix=fix)
     _warn_bfloat16_on_cpu(params, mesh)
     if mesh is not None:
         check_mesh(mesh, config)  # before the params are placed: the error names the tp values that work

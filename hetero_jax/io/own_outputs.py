@@ -1,6 +1,7 @@
 """Which existing files a command may replace: its own earlier outputs, recognised by a mark every writer puts
 where the file's format has a field for it, and empty files. Anything else (a user's notes, another tool's
-output, a file of ours edited since) is refused by :func:`hetero_jax.io.files.check_output_path`.
+output) is refused by :func:`hetero_jax.io.files.check_output_path`. Only the mark is checked, not the content:
+a file of ours edited since it was written is still replaced while it keeps its mark.
 
 The mark, by format:
 

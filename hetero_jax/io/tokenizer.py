@@ -1,9 +1,13 @@
 """Tokenizer: a thin wrapper over ``tokenizers.Tokenizer`` plus HF-style chat templates.
 
-A checkpoint directory holds ``tokenizer.json`` (HF tokenizers format),
-``tokenizer_config.json`` (chat template, special token names, ``add_bos_token``)
-and optionally ``chat_template.jinja`` (newer transformers write the template
-there) and ``config.json`` (extra EOS ids, e.g. Llama-3's ``<|eot_id|>``).
+A checkpoint directory holds ``tokenizer.json`` (HF tokenizers format) and
+``tokenizer_config.json`` (chat template, special token names), and optionally
+``chat_template.jinja`` (newer transformers write the template there; it wins
+over tokenizer_config.json's, as in transformers), ``special_tokens_map.json``
+(older checkpoints name their special tokens there), ``config.json`` and
+``generation_config.json`` (extra EOS ids, e.g. Llama-3's ``<|eot_id|>``).
+Whether BOS is added to a raw prompt is ``tokenizer.json``'s post-processor's
+choice (transformers 5 ignores ``add_bos_token`` for such tokenizers too).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
-from hetero_jax.errors import CheckpointError, PromptError, read_json
+from hetero_jax.errors import CheckpointError, PromptError
 
 
 def _token_content(tok: Any) -> str | None:
@@ -25,9 +29,69 @@ def _token_content(tok: Any) -> str | None:
     return str(tok)
 
 
-def _read_json(path: str) -> dict:
-    return read_json(path, CheckpointError, missing=f"{path} does not exist; re-create or re-download it",
-                     fix="re-create or re-download it")
+DAMAGED_FIX = "re-create or re-download it"  # what a damaged tokenizer file's error says by default
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def json_object(path: str, fix: str, data: bytes | None = None) -> dict:
+    """The JSON object in the file ``path`` (``data``: its bytes, when already read); CheckpointError naming
+    ``path`` and ``fix`` when it is not UTF-8 JSON or holds something other than an object."""
+    try:
+        if data is None:
+            with open(path, "rb") as f:
+                data = f.read()
+        doc = json.loads(data.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not a valid JSON object ({e}); {fix}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror or e}); {fix}") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path} is not a valid JSON object (it holds a JSON {type(doc).__name__}, not an "
+                              f"object); {fix}")
+    return doc
+
+
+def _is_token_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def check_token_ids(doc: Mapping[str, Any], path: str, fix: str) -> None:
+    """Refuse (CheckpointError naming ``path`` and ``fix``) a config.json / generation_config.json object whose
+    ``eos_token_id`` is not a token id (an integer >= 0), a list of them or null, or whose ``bos_token_id`` is
+    not a token id or null: the forms transformers reads."""
+    eos, bos = doc.get("eos_token_id"), doc.get("bos_token_id")
+    if eos is not None and not (_is_token_id(eos) or isinstance(eos, list) and all(map(_is_token_id, eos))):
+        raise CheckpointError(f"{path}: eos_token_id is {eos!r}; it must be a token id (an integer >= 0), a list "
+                              f"of them or null; {fix}")
+    if bos is not None and not _is_token_id(bos):
+        raise CheckpointError(f"{path}: bos_token_id is {bos!r}; it must be a token id (an integer >= 0) or null; "
+                              f"{fix}")
+
+
+def read_chat_template(path: str, fix: str, data: bytes | None = None) -> str:
+    """The text of the chat-template file ``path`` (``data``: its bytes, when already read); CheckpointError
+    naming it and ``fix`` when it is not UTF-8."""
+    try:
+        if data is None:
+            with open(path, "rb") as f:
+                data = f.read()
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path} is not UTF-8 text ({e}); {fix}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror or e}); {fix}") from None
+
+
+def check_chat_template_entry(template: Any, path: str, fix: str) -> None:
+    """Refuse (CheckpointError naming ``path`` and ``fix``) a ``chat_template`` entry that is neither a string,
+    null nor HF's named-template list ``[{"name": str, "template": str}, ...]``."""
+    if template is None or isinstance(template, str):
+        return
+    if not (isinstance(template, list) and all(
+            isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in template)):
+        raise CheckpointError(f"{path}: chat_template is a JSON {type(template).__name__} that is neither a template "
+                              'string nor a list of {"name": ..., "template": ...} objects; ' + fix)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -92,9 +156,14 @@ class Tokenizer:
         self.unk_token = _token_content(tc.get("unk_token"))
 
         template = chat_template if chat_template is not None else tc.get("chat_template")
-        if isinstance(template, list):  # HF's named-template form: [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
+        # HF's named-template form [{"name": ..., "template": ...}]: "default" is the chat template; without one
+        # transformers refuses to pick, and so does apply_chat_template (the names kept for its message)
+        self._template_names: list[str] = []
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default")
+            if template is None:
+                self._template_names = sorted(str(n) for n in named)
         self.chat_template: str | None = template or None
 
         bos = self.token_to_id(self.bos_token) if self.bos_token else None
@@ -113,28 +182,33 @@ class Tokenizer:
 
     # ----------------------------------------------------------------- loading
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
-        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``, ``config.json``)."""
+    def from_dir(cls, path: str | os.PathLike, *, fix: str = DAMAGED_FIX) -> "Tokenizer":
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``,
+        ``special_tokens_map.json``, ``config.json``, ``generation_config.json``) as transformers reads them.
+        ``fix``: what the CheckpointError for a damaged file tells the user to do."""
         from tokenizers import Tokenizer as _HFTokenizer
 
         path = os.fspath(path)
         tj = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tj):
-            raise CheckpointError(
-                f"no tokenizer.json in {path}; a checkpoint needs the HF tokenizers file "
-                "(re-convert the model with hetero-jax-convert)"
-            )
+            raise CheckpointError(f"no tokenizer.json in {path}; a checkpoint needs the HF tokenizers file ({fix})")
         try:
             backend = _HFTokenizer.from_file(tj)
         except Exception as e:  # tokenizers raises a bare Exception on parse errors
-            raise CheckpointError(f"cannot read {tj} ({e}); it is corrupt or not an HF tokenizers file") from None
+            raise CheckpointError(f"cannot read {tj} ({e}); it is corrupt or not an HF tokenizers file; "
+                                  f"{fix}") from None
         tc_path = os.path.join(path, "tokenizer_config.json")
-        tc = _read_json(tc_path) if os.path.isfile(tc_path) else {}
+        tc = json_object(tc_path, fix) if os.path.isfile(tc_path) else {}
+        check_chat_template_entry(tc.get("chat_template"), tc_path, fix)
         template = None
         jinja_path = os.path.join(path, "chat_template.jinja")
-        if not tc.get("chat_template") and os.path.isfile(jinja_path):
-            with open(jinja_path, encoding="utf-8") as f:
-                template = f.read()
+        if os.path.isfile(jinja_path):  # a separate template file wins over tokenizer_config.json's, as in HF
+            template = read_chat_template(jinja_path, fix)
+        map_path = os.path.join(path, "special_tokens_map.json")
+        if "added_tokens_decoder" not in tc and os.path.isfile(map_path):
+            # transformers' legacy layout: special_tokens_map.json's entries override tokenizer_config.json's
+            special = json_object(map_path, fix)
+            tc.update({k: special[k] for k in SPECIAL_TOKENS if k in special})
         extra_eos: list[int] = []
         bos_id = None
         # EOS ids beyond tokenizer_config's eos_token (e.g. Llama-3-Instruct's <|eot_id|>) live in
@@ -142,9 +216,10 @@ class Tokenizer:
         for name in ("config.json", "generation_config.json"):
             cfg_path = os.path.join(path, name)
             if os.path.isfile(cfg_path):
-                cfg = _read_json(cfg_path)
+                cfg = json_object(cfg_path, fix)
+                check_token_ids(cfg, cfg_path, fix)
                 e = cfg.get("eos_token_id")
-                extra_eos += [] if e is None else list(e) if isinstance(e, (list, tuple)) else [e]
+                extra_eos += [] if e is None else list(e) if isinstance(e, list) else [e]
                 if bos_id is None:
                     bos_id = cfg.get("bos_token_id")
         return cls(backend, tokenizer_config=tc, chat_template=template,
@@ -219,11 +294,16 @@ class Tokenizer:
         A template that does not compile, fails or refuses the conversation (``raise_exception``), or leaves a
         user message's text out of the prompt (truncated, dropped) is a PromptError naming the problem, raised
         before any compute."""
+        if not self.chat_template and self._template_names:
+            raise template_error(f"is a list of named templates ({', '.join(self._template_names)}) with none named "
+                                 "'default', so none is the chat template (transformers refuses it too)")
         if not self.chat_template:
             raise PromptError(
                 "this checkpoint has no chat template; pass chat=False (CLI: --no-chat) to use the raw prompt"
             )
         ctx = dict(
+            tools=None,  # what transformers passes when none are given: templates test them against none
+            documents=None,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",

@@ -146,11 +146,10 @@ def check_profile_args(args, out: str | None = None, kind: str = FORMAT_NAME) ->
         v = getattr(args, flag)
         if not (math.isfinite(v) and 0.0 <= v <= 1.0):
             raise ProfileError(f"--{flag.replace('_', '-')} must be in [0, 1], got {v}")
-    import hetero_jax
     from hetero_jax.errors import OutputError
     from hetero_jax.io.files import path_inside
 
-    package = os.path.dirname(os.path.abspath(hetero_jax.__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # hetero_jax/, this file's package's
     for flag, path in (("--out", args.out if out is None else out), ("--plot", args.plot)):
         if path is not None and path_inside(path, package):
             raise OutputError(f"{flag} {path} lies inside the installed hetero_jax package ({package}): writing "

@@ -26,7 +26,7 @@ from hetero_jax.profile.clustering import (
     synckv_roles,
 )
 from hetero_jax.profile.metrics import max_similarity, similarity_edges
-from hetero_jax.profile.schema import (EDIT_HINT, SCHEMA_VERSION, ProfileError, ProfileSettings, check_clusters,
+from hetero_jax.profile.schema import (EDIT_HINT, FORMAT_NAME, SCHEMA_VERSION, ProfileError, ProfileSettings, check_clusters,
                                        check_fits, check_unit, from_document, grid_mismatch, read_document,
                                        read_fraction, read_int, read_str, shape_text, to_document)
 
@@ -233,7 +233,7 @@ class HeadProfile:
     def to_json(self, path: str | os.PathLike) -> None:
         """Write our versioned JSON (standard JSON: NaN becomes null), whole or not at all (OutputError for a
         path that cannot be written)."""
-        write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")
+        write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n", kind=FORMAT_NAME)
 
     @classmethod
     def from_dict(cls, d: Mapping, *, where: str | None = None) -> "HeadProfile":

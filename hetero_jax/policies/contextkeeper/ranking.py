@@ -121,7 +121,7 @@ class CARanking:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the ranking JSON, whole or not at all (OutputError for a path that cannot be written)."""
-        write_text(path, json.dumps(self.to_json(), indent=1) + "\n")
+        write_text(path, json.dumps(self.to_json(), indent=1) + "\n", kind=FORMAT_NAME)
 
 
 def load_ranking(path: str | os.PathLike) -> CARanking:

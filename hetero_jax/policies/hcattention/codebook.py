@@ -131,7 +131,7 @@ class KeyCodebook:
         """Write the ``.npz`` to :func:`npz_path` of ``path`` (``.npz`` added when it lacks it, as numpy does),
         whole or not at all (OutputError for a path that cannot be written); returns the path written."""
         out = npz_path(path)
-        with atomic_path(out) as tmp:  # tmp ends in .npz, so numpy adds nothing
+        with atomic_path(out, kind=FORMAT_NAME) as tmp:  # tmp ends in .npz, so numpy adds nothing
             np.savez_compressed(tmp, centroids=self.centroids, meta=np.array(json.dumps(self.meta())))
         return out
 
