@@ -17,8 +17,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known model name or converted checkpoint dir (default: smollm2-135m)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    src.add_argument("--prompt-file",
+                     help="read the prompt from this UTF-8 file ('-' for stdin), as --prompt \"$(cat FILE)\" "
+                          "passes it: its final line break(s) and a leading BOM are dropped, CRLF read as LF")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="the answer's length limit in tokens, >= 1 "
+                   "(default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -50,8 +53,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--dp", type=int, default=None,
                    help="data parallel, in a multi-process job only (one prompt has no batch to split): with --tp, "
                         "the mesh must span the job's devices (default 1)")
-    p.add_argument("--turns", default=None,
-                   help="multi-turn session: the prompt is the context, each non-empty line of this file a question")
+    p.add_argument("--turns", default=None, metavar="FILE",
+                   help="multi-turn session: the prompt is the context, each non-empty line of this UTF-8 file "
+                        "a question ('-' for stdin, when the prompt is not read from it)")
 
 
 def _add_launch(sub) -> None:
@@ -152,52 +156,69 @@ def _cmd_serve(args) -> int:
 def _read_prompt(args) -> str:
     """The prompt of --prompt, --prompt-file FILE or --prompt-file - (stdin); PromptError (exit 2) for text that
     is not UTF-8, before the model is loaded."""
-    from hetero_jax.errors import PromptError
     from hetero_jax.io.tokenizer import check_unicode
 
     if args.prompt is not None:
         check_unicode(args.prompt, "--prompt")  # a non-UTF-8 byte of the command line comes as a surrogate
         return args.prompt
-    if args.prompt_file == "-":
-        data = sys.stdin.buffer.read()
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise PromptError(f"the prompt read from stdin is not UTF-8 text ({e.reason} at byte {e.start}); "
-                              "--prompt-file - takes UTF-8 text") from None
-    return read_text_file(args.prompt_file, "--prompt-file", "prompt file")
+    return read_text(args.prompt_file, "--prompt-file", "prompt file", "the prompt")
 
 
-def read_text_file(path: str, flag: str, what: str) -> str:
-    """A UTF-8 text file's content; PromptError (exit 2) naming the flag and the path otherwise."""
+def read_text(path: str, flag: str, what: str, stdin_what: str) -> str:
+    """The text of file ``path`` (``-``: stdin) as ``"$(cat FILE)"`` passes it: a leading UTF-8 BOM dropped,
+    CRLF line ends as LF, the final line break(s) dropped; inner text unchanged. A file and stdin give the same
+    string (both are read as bytes: a file opened as text would turn CRLF into LF and stdin not). PromptError
+    (exit 2) naming ``flag`` and the path (``what`` and ``stdin_what`` name the text) when it cannot be read."""
+    from hetero_jax.errors import PromptError
+
+    if path == "-":
+        where, data = f"{stdin_what} read from stdin", sys.stdin.buffer.read()
+    else:
+        where, data = f"{what} {path!r}", read_file_bytes(path, flag, what)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start}); {flag} "
+                          f"{'- ' if path == '-' else ''}takes UTF-8 text") from None
+    return text.removeprefix("\ufeff").replace("\r\n", "\n").rstrip("\n")
+
+
+def read_file_bytes(path: str, flag: str, what: str) -> bytes:
+    """A file's bytes; PromptError (exit 2) naming the flag and the path otherwise."""
     from hetero_jax.errors import PromptError
 
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             return f.read()
     except FileNotFoundError:
-        raise PromptError(f"{what} not found: {path} ({flag} takes a UTF-8 text file)") from None
+        raise PromptError(f"{what} not found: {path!r} ({flag} takes a UTF-8 text file)") from None
     except IsADirectoryError:
-        raise PromptError(f"{what} {path} is a directory; {flag} takes a UTF-8 text file") from None
-    except UnicodeDecodeError as e:
-        raise PromptError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start}); {flag} takes a "
-                          "UTF-8 text file") from None
+        raise PromptError(f"{what} {path!r} is a directory; {flag} takes a UTF-8 text file") from None
     except OSError as e:
-        raise PromptError(f"cannot read {what} {path}: {e.strerror or e}") from None
+        raise PromptError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
 
 
 def _check_generate_args(args) -> list[str] | None:
     """The decoding flags, checked before the model is loaded; returns the questions of --turns (or None)."""
+    from hetero_jax.errors import PromptError
     from hetero_jax.runtime.prompts import check_request
 
+    # the API takes 0 (a prefill-only call); on the command line it loads and prefills to print nothing
+    if args.max_new_tokens < 1:
+        raise PromptError(f"--max-new-tokens must be >= 1 (the answer's length limit in tokens), got "
+                          f"{args.max_new_tokens}")
     check_request(args.max_new_tokens, args.temperature, args.top_p, seed=args.seed, stop=args.stop)
-    if not args.turns:
+    if args.turns is None:  # "" is a path (not found), as an unset shell variable in --turns "$FILE" gives
         return None
-    questions = [q.strip() for q in read_text_file(args.turns, "--turns", "turns file").splitlines() if q.strip()]
+    if args.turns == "-" and args.prompt_file == "-":
+        raise PromptError("--turns - and --prompt-file - both read stdin; give the questions or the prompt as a "
+                          "file")
+    # one question per line: split at "\n" only (str.splitlines also breaks at U+2028, form feeds, ...)
+    lines = read_text(args.turns, "--turns", "turns file", "the turn list").split("\n")
+    questions = [q.strip() for q in lines if q.strip()]
     if not questions:
-        from hetero_jax.errors import PromptError
-
-        raise PromptError(f"turns file {args.turns} holds no questions (one per line)")
+        where = "stdin" if args.turns == "-" else f"turns file {args.turns!r}"
+        raise PromptError(f"{where} holds no questions (one per line)")
     return questions
 
 
@@ -298,13 +319,13 @@ POLICY_FLAGS = (("profile", "--profile", ("heterocache", "synckv", "profiledsnap
 def _cmd_generate(args, setup) -> int:
     import hetero_jax
     from hetero_jax.model.sharding import MeshError
-    from hetero_jax.policies import describe_policies, make_policy, parse_options
+    from hetero_jax.policies import describe_policies, make_policy, parse_options, registry_key
 
     if args.policy == "list":
         print(describe_policies())
         return 0
     extra = parse_options(args.option)
-    base = args.policy.split(":")[0].lower()
+    base = registry_key(args.policy)  # make_policy's key: "Hetero-Cache" and "hetero_cache" are heterocache
     # option -> (its flag, value) of the policies' own flags; one also given as --option is refused below
     flags = {key: (flag, getattr(args, key)) for key, flag, _ in POLICY_FLAGS if getattr(args, key) is not None}
     for key, flag, owners in POLICY_FLAGS:
@@ -346,7 +367,7 @@ def _cmd_generate(args, setup) -> int:
                         "the run on every device), or launch a number of devices that the KV heads divide by"
                         ) from None
     stream = not args.no_stream
-    if args.turns:
+    if args.turns is not None:
         return _run_turns(args, model, prompt, policy, stream, questions)
     res = hetero_jax.generate(
         model,
@@ -421,7 +442,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# 128 + SIGPIPE: what a shell reports for a command whose reader closed the pipe (`yes | head`), so a pipeline
+# under `set -o pipefail` still sees that the output was cut short
+STDOUT_CLOSED = 141
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's file descriptor at devnull once its reader went away (``| head``): the interpreter's last
+    flush of what is still buffered then writes nowhere instead of printing 'Exception ignored ...'."""
+    import io
+    import os
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # a stand-in stream: no descriptor to flush
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit code (2: bad input, 130: interrupted, 141: stdout's reader closed it)."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a reader gone by now is the BrokenPipeError below
+        return code
+    except BrokenPipeError:
+        # the reader of stdout closed it (`hetero-jax generate ... | head`): the write that failed ended the
+        # run (a streamed answer stops decoding there); no traceback, no message (nobody reads it)
+        _stdout_to_devnull()
+        return STDOUT_CLOSED
+
+
+def _main(argv: list[str] | None) -> int:
     from hetero_jax.errors import INTERRUPTED, HeteroJaxError
     from hetero_jax.runtime.distributed import SINGLE, exit_on_failure, initialize_distributed, process_setup
 

@@ -49,7 +49,7 @@ def test_generate_prompt_file_and_errors(tiny_checkpoint, tmp_path, capsys):
     assert "unknown model" in capsys.readouterr().err
     # a missing file is the project's error (exit 2, message names the file), not a bare SystemExit
     assert main(["generate", "--model", ours, "--prompt-file", str(tmp_path / "missing.txt")]) == 2
-    assert f"prompt file not found: {tmp_path / 'missing.txt'}" in capsys.readouterr().err
+    assert f"prompt file not found: {str(tmp_path / 'missing.txt')!r}" in capsys.readouterr().err
 
 
 def test_console_script_entry_point_runs():
@@ -126,7 +126,7 @@ def _refused(capsys, argv, *needles):
     (["--temperature", "-1"], ["temperature must be a finite number >= 0", "got -1.0"]),
     (["--top-p", "nan"], ["top_p must be a number in (0, 1], got nan"]),
     (["--top-p", "0"], ["top_p must be in (0, 1], got 0.0"]),
-    (["--max-new-tokens", "-3"], ["max_new_tokens must be >= 0, got -3"]),
+    (["--max-new-tokens", "-3"], ["--max-new-tokens must be >= 1 (the answer's length limit in tokens), got -3"]),
     (["--seed", str(2**70)], ["seed must be an integer in [-2**63, 2**63)", str(2**70)]),
     (["--stop", ""], ["stop strings must be non-empty"]),
     (["--policy", "nope"], ["unknown policy 'nope'; known policies: full"]),
@@ -167,7 +167,7 @@ def test_unreadable_prompt_and_turns_files(tmp_path, capsys, no_load, flag, kind
         path.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
         needle = "is not UTF-8 text (invalid continuation byte at byte 3); " + flag
     elif kind == "missing":
-        needle = "not found: " + str(path)
+        needle = f"not found: {str(path)!r}"
     else:
         path.write_text("\n  \n")
         needle = "holds no questions (one per line)" if flag == "--turns" else "empty prompt"

@@ -175,6 +175,11 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(tiny):
     greedy = hetero_jax.generate(tiny, p, max_new_tokens=8, chat=False)
     nucleus = hetero_jax.generate(tiny, p, max_new_tokens=8, chat=False, temperature=1.0, top_p=1e-6, seed=3)
     assert nucleus.token_ids == greedy.token_ids
+    # a top_p the step's float32 operand holds as 0 kept no token, and the cut at index -1 masked nothing: the
+    # whole distribution was sampled
+    for seed in range(3):
+        below = hetero_jax.generate(tiny, p, max_new_tokens=8, chat=False, temperature=1.0, top_p=1e-46, seed=seed)
+        assert below.token_ids == greedy.token_ids
 
 
 def test_every_temperature_and_top_p_share_their_modes_executable(tiny):

@@ -257,6 +257,24 @@ def test_an_ask_from_inside_its_own_on_token_is_refused_and_the_outer_answer_sta
         "ask returns"}
 
 
+def test_each_turn_reports_its_own_tokens_and_the_context_keeps_its_prefill():
+    """The stats of every turn repeated the context's prompt_tokens and prefill_seconds (as serve reads them)
+    and did not say what the turn itself appended, so the CLI's line showed the context's prefill per turn."""
+    ctx, q1, q2 = random_prompt(150, 1), random_prompt(12, 2), random_prompt(9, 3)
+    s = Session(MODEL, ctx, FullKV(), chat=False, reserve_tokens=8)
+    first, second = s.ask(q1, max_new_tokens=4), s.ask(q2, max_new_tokens=4)
+    a, b = first.stats, second.stats
+    assert (a.turn, a.turn_tokens) == (1, 12)  # token ids are fed as they are
+    # the first answer's last token, sampled but not yet in the cache unless it was EOS, opens turn 2
+    assert (b.turn, b.turn_tokens) == (2, 9 + (a.stop_reason != "eos"))
+    assert a.prompt_tokens == b.prompt_tokens == 150 and a.prefill_seconds == b.prefill_seconds > 0
+    assert a.extend_seconds > 0 and b.extend_seconds > 0
+    assert a.summary().startswith(f"context 150 tok, prefill {a.prefill_seconds:.2f} s (")
+    assert f"| turn 1: 12 tok, extend {a.extend_seconds:.2f} s | generated {a.generated_tokens} tok" in a.summary()
+    assert b.summary().startswith(f"context 150 tok (prefilled once, before turn 1) | turn 2: {b.turn_tokens} tok, "
+                                  f"extend {b.extend_seconds:.2f} s | generated {b.generated_tokens} tok")
+
+
 # ------------------------------------------------------------------ scripted turns checked up front
 def test_check_turns_fit_refuses_a_later_turn_before_any_compute(chat_model, no_compute):
     total = chat_model.config.max_position_embeddings

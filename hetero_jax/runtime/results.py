@@ -12,7 +12,7 @@ from hetero_jax.model.sharding import imbalance
 @dataclasses.dataclass
 class GenerationStats:
     # in a Session every turn repeats the context's prompt_tokens and prefill_seconds (the prefill happened once,
-    # before the first turn); a turn's own prompt work is extend_seconds
+    # before the first turn); a turn's own prompt work is turn_tokens and extend_seconds
     prompt_tokens: int
     generated_tokens: int
     prefill_seconds: float
@@ -30,6 +30,10 @@ class GenerationStats:
     # context's prefill, later turns only their own
     compile_seconds: float = 0.0
     extend_seconds: float = 0.0  # session turns: appending the question before decoding (compile excluded)
+    # session turns: the turn's number (1 = the first; 0 outside a Session) and the tokens it appended before
+    # decoding (the question with its chat markup, and the last answer's final token when it was not yet cached)
+    turn: int = 0
+    turn_tokens: int = 0
     # the policy's decode counters (HeteroCache: checks, triggers, recalls, bytes); in a Session, totals
     # since the context's prefill
     policy_stats: dict = dataclasses.field(default_factory=dict)
@@ -63,10 +67,18 @@ class GenerationStats:
     def _decode_text(self) -> str:
         return f"{self.decode_ms_per_token:.1f} ms/tok" if self.decode_seconds else "no steps"
 
+    def _prompt_text(self) -> str:
+        prefill = f"prefill {self.prefill_seconds:.2f} s ({self.prefill_tokens_per_second:.0f} tok/s)"
+        if not self.turn:
+            return f"prompt {self.prompt_tokens} tok, {prefill}"
+        # a session's context was prefilled once, before turn 1: later turns name it, not its time again
+        context = (f"context {self.prompt_tokens} tok, {prefill}" if self.turn == 1
+                   else f"context {self.prompt_tokens} tok (prefilled once, before turn 1)")
+        return f"{context} | turn {self.turn}: {self.turn_tokens} tok, extend {self.extend_seconds:.2f} s"
+
     def summary(self) -> str:
         return (
-            f"prompt {self.prompt_tokens} tok, prefill {self.prefill_seconds:.2f} s "
-            f"({self.prefill_tokens_per_second:.0f} tok/s) | generated {self.generated_tokens} tok, "
+            f"{self._prompt_text()} | generated {self.generated_tokens} tok, "
             f"decode {self._decode_text()} | KV device {self.kv_bytes_device / 2**20:.1f} MiB "
             f"(used {self.kv_bytes_used / 2**20:.1f} MiB), host {self.kv_bytes_host / 2**20:.1f} MiB{self._host_roles_text()} | "
             f"rho {self.achieved_rho:.3f}{' | ' + self.policy_summary if self.policy_summary else ''}"

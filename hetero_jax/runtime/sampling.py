@@ -48,9 +48,10 @@ def sample(logits: jax.Array, key: jax.Array, temperature, top_p, mode: str | No
         sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         cum = jnp.cumsum(probs, axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token), and every token tied
-        # with its last one: the cut is a logit value, so no tie is broken by the sort's order
-        n_keep = jnp.sum(cum - probs < top_p, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p, and every token tied with its last one: the cut is
+        # a logit value, so no tie is broken by the sort's order. At least the top token: a top_p that float32
+        # holds as 0 (below ~1e-38) counts none, and index -1 would cut at the smallest logit, masking nothing
+        n_keep = jnp.maximum(jnp.sum(cum - probs < top_p, axis=-1), 1)
         cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
         logits = jnp.where(logits < cutoff, MASK_VALUE, logits)
     # one [V] draw per row with the key unbatched: a [B, V] draw would give row b other noise than alone

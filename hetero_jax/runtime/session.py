@@ -268,5 +268,6 @@ class Session:
         extend_s = time.perf_counter() - t0 - (compile_seconds() - before)  # compile excluded, as in decode
         out_ids, texts, reasons, decode_s = decode_loop(eng, nxt, budget, temperature=temperature, top_p=top_p,
                                                          stops=stops, on_token=on_token, max_new_tokens=max_new_tokens)
-        t = t.answered(self.model.tokenizer, out_ids[0], reasons[0] == "eos")
-        return make_results(eng, out_ids, texts, reasons, decode_s, [self.context_tokens], extend_s)[0], t
+        res = make_results(eng, out_ids, texts, reasons, decode_s, [self.context_tokens], extend_s)[0]
+        res.stats = dataclasses.replace(res.stats, turn=t.turns + 1, turn_tokens=len(ids))
+        return res, t.answered(self.model.tokenizer, out_ids[0], reasons[0] == "eos")
