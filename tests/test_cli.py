@@ -143,7 +143,7 @@ def _refused(capsys, argv, *needles):
      ["--window 7 and --option window=3 set one option twice; give it once"]),
     # was "profile must be a HeadProfile (load_profile(...))": the option now loads a path as --profile does
     (["--policy", "heterocache", "--option", "profile=/nonexistent/p.json"],
-     ["profile file not found: /nonexistent/p.json"]),
+     ["profile file not found: '/nonexistent/p.json'"]),
 ])
 def test_bad_generate_flags_are_refused_before_loading(capsys, no_load, flags, needles):
     _refused(capsys, ["generate", "--prompt", "hi", *flags], *needles)

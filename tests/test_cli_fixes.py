@@ -270,3 +270,18 @@ def test_a_session_turns_stats_line_gives_the_context_once_and_the_turns_own_wor
 def test_max_new_tokens_below_one_is_refused_before_loading(capsys, no_load, n):
     _refused(capsys, ["generate", "--prompt", "hi", "--max-new-tokens", n],
              f"--max-new-tokens must be >= 1 (the answer's length limit in tokens), got {n}")
+
+
+def test_a_boolean_option_message_says_the_command_line_words():
+    from hetero_jax.policies import PolicyError, make_policy
+
+    with pytest.raises(PolicyError) as e:
+        make_policy("quest", 0.3, offload=1)
+    assert "offload must be True or False, got 1 (on the command line: offload=true or offload=false)" in str(e.value)
+
+
+def test_an_empty_profile_path_is_visible_in_the_message():
+    from hetero_jax.profile import ProfileError, load_profile
+
+    with pytest.raises(ProfileError, match="profile file not found: '';"):
+        load_profile("")

@@ -447,8 +447,8 @@ def test_unreadable_json_files_are_refused_before_any_weight_is_read(hf, out_par
 
 
 def test_a_chat_template_file_that_is_not_utf8(hf, out_parent, capsys):
-    """It was a UnicodeDecodeError traceback (review 76); the template is read from the .jinja only when
-    tokenizer_config.json has none."""
+    """It was a UnicodeDecodeError traceback (review 76). (A .jinja file wins over tokenizer_config.json's
+    template, as in transformers; the config's is removed here only to keep the case minimal.)"""
     tc = json.load(open(hf / "tokenizer_config.json"))
     del tc["chat_template"]
     json.dump(tc, open(hf / "tokenizer_config.json", "w"))

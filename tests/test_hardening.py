@@ -251,7 +251,7 @@ def test_a_profile_path_is_loaded_by_the_profiled_policies(tmp_path):
     PROFILE.to_json(path)
     for cls in (HeteroCache, ProfiledSnapKV):
         assert cls(budget=0.5, profile=str(path)).profile == load_profile(str(path))
-        with pytest.raises(ProfileError, match="profile file not found: no/such/p.json"):
+        with pytest.raises(ProfileError, match="profile file not found: 'no/such/p.json'"):
             cls(budget=0.5, profile="no/such/p.json")
 
 

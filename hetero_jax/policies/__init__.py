@@ -94,8 +94,7 @@ def make_policy(name: str, budget: float | None = None, /, **kwargs) -> Policy:
     if key not in REGISTRY:
         raise UnknownPolicyError(f"unknown policy {name!r}; known policies: {', '.join(REGISTRY)}")
     cls = REGISTRY[key]
-    check_options(cls, sorted(kwargs), exclude=("budget",),
-                  hint=" (give the budget as make_policy's second argument, --budget on the command line)")
+    check_options(cls, sorted(kwargs), exclude=("budget",))  # a budget option was refused above
     if budget is None or cls is FullKV:
         if cls is FullKV and budget not in (None, 1.0):
             check_budget("FullKV", budget)  # not a budget at all (out of (0, 1], NaN, a string): that error first

@@ -113,7 +113,8 @@ def check_choice(owner: str, name: str, value, choices) -> None:
 
 def check_bool(owner: str, name: str, value) -> None:
     if not isinstance(value, (bool, np.bool_)):
-        raise PolicyError(f"{owner}: {name} must be True or False, got {value!r}")
+        raise PolicyError(f"{owner}: {name} must be True or False, got {value!r} (on the command line: "
+                          f"{name}=true or {name}=false)")
 
 
 # Hyper-parameters declare their range where they are declared; Policy.__post_init__ checks every field

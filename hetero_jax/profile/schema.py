@@ -282,7 +282,7 @@ def from_document(d: Mapping, make, where: str | None = None):
 def read_document(path) -> Any:
     """The JSON at ``path``; ProfileError (with the fix) when it is missing or not JSON."""
     path = os.fspath(path)
-    return read_json(path, ProfileError, missing=f"profile file not found: {path}; {CALIBRATE_HINT}",
+    return read_json(path, ProfileError, missing=f"profile file not found: {os.fspath(path)!r}; {CALIBRATE_HINT}",
                      fix=CALIBRATE_HINT)
 
 
