@@ -9,11 +9,12 @@ starts), followed by the question in the chat template, exactly N tokens
 (``haystack.build_needle_prompt``). The tasks (``harness/task_cases.py``: ``TASKS``; docs/tasks.md):
 
 - ``multi-fact``: 4 ticket numbers of different things at depths 0.1 .. 0.9, one
-  question naming the things in depth order; graded per value and in order
-  (``grade_in_order``);
+  question naming the things in depth order; graded per thing: the value the reply
+  states for it must be its own, in any order (``grade_pairs``);
 - ``variable-tracking``: a chain of assignments ``VAR A = 4821`` ... ``VAR B = VAR A``
   ... spread over the context, interleaved with a second chain bound to another
-  value; the answer names every variable bound to the asked value (``grade_names``);
+  value; the answer names every variable bound to the asked value, and naming one of
+  the other chain scores nothing (``grade_names``);
 - ``multi-key``: 4 needles of one form under different names; one is asked for, and
   naming a distractor's value fails the case (``grade_key``);
 - ``span-copy``: a generated sentence after a marker; the answer must repeat it word
@@ -37,10 +38,11 @@ so HeteroCache's drift checks and recalls happen). A combo whose budget a policy
 cannot keep at a length is skipped there and named.
 
 Reported per task, policy and rho: the mean graded score with counts and sample
-sizes, and full KV's solve rate beside it (cases full KV answers completely; for
-``fidelity``, quoted tokens whose true value is full KV's top-1), so a task full KV
-fails is reported as such. Every record keeps the prompt's token count and the
-SHA-256 of its token ids.
+sizes, and full KV's solve rate on the same cases beside it (cases full KV answers
+completely; for ``fidelity``, quoted tokens whose true value is full KV's top-1), so a
+task full KV fails is reported as such. Every record keeps the prompt's token count, the
+SHA-256 of its token ids and of its case (``--merge`` and ``--resume`` refuse a case
+the generator no longer makes).
 
 Outputs: ``--out`` JSON (config, per-case records: task, haystack, seed, length,
 policy, rho, score, answer text), a PNG beside it (accuracy against rho per method,
@@ -77,11 +79,12 @@ from harness.merging import figure_provenance  # noqa: E402  (a merge's figure n
 from harness.needles import IDLE_CORES, LOAD_S, haystack_lines, interp_cost  # noqa: E402
 from harness.prefill import build_engines, greedy_answer  # noqa: E402  (the shared prefill, greedy decode)
 from harness.task_report import (  # noqa: E402  (summary, tables, --merge)
-    GRADING, MERGE_INPUTS, answers_table, fidelity_table, merge, missing_text, results_table, summarize,
+    GRADING, MERGE_INPUTS, answers_table, case_problem, fidelity_table, merge, missing_text, results_table,
+    summarize,
 )
 from harness.merging import merged_lines  # noqa: E402  (a merge's runs in its section)
 from harness.task_cases import (  # noqa: E402  (cases, grading, prompts, teacher forcing)
-    DIGITS, TASKS, build_case_prompt, forced_metrics, grade, make_case,
+    DIGITS, TASKS, build_case_prompt, case_sha256, forced_metrics, grade, make_case,
 )
 
 SECTION = "tasks"
@@ -120,7 +123,12 @@ _HOOK_CPU_S = {2000: 1.5, 4000: 3.0, 7900: 6.0}
 _TOKEN_CPU_S = {2000: 0.06, 4000: 0.09, 7900: 0.15}
 _HETERO_FACTOR = 3.0
 _COMPILE_CPU_S, _COMPILE_PER_POLICY_CPU_S = 40.0, 15.0
-_TOKENS_PER_CASE = {"multi-fact": 48, "variable-tracking": 32, "multi-key": 12, "span-copy": 24, "fidelity": 50}
+_FORCED_TOKENS = 50  # a fidelity case's forced reply (its cases' max_new_tokens is 0)
+
+
+def _tokens_per_case(task: str) -> int:
+    """Decoded (at most ``max_new_tokens``) or teacher-forced tokens of one case of ``task``, per policy."""
+    return make_case(task, 0).max_new_tokens or _FORCED_TOKENS
 
 
 def estimate_minutes(preset: dict) -> float:
@@ -133,7 +141,7 @@ def estimate_minutes(preset: dict) -> float:
     for L in preset["lengths"]:
         cpu += _COMPILE_CPU_S + _COMPILE_PER_POLICY_CPU_S * len(combos)
         hooks = interp(_HOOK_CPU_S, L) * sum(weight[1:])
-        per_seed = sum(interp(_PREFILL_CPU_S, L) + hooks + _TOKENS_PER_CASE[t] * interp(_TOKEN_CPU_S, L) * sum(weight)
+        per_seed = sum(interp(_PREFILL_CPU_S, L) + hooks + _tokens_per_case(t) * interp(_TOKEN_CPU_S, L) * sum(weight)
                        for t in preset["tasks"])
         cpu += per_seed * len(preset["seeds"]) * len(preset["haystacks"])
     return cpu / IDLE_CORES / 60
@@ -200,7 +208,8 @@ def run(args) -> dict:
                                       bar=bar)
         prefill_s = time.perf_counter() - t_p
         base = {"task": task, "haystack": hay, "length": L, "seed": seed, "prompt_tokens": p.n_tokens,
-                "prompt_sha256": p.sha256, "values": list(case.values), "distractors": list(case.distractors)}
+                "prompt_sha256": p.sha256, "case_sha256": case_sha256(case), "values": list(case.values),
+                "distractors": list(case.distractors)}
         row = []
         if case.forced is not None:
             bar.set_postfix_str(f"teacher-forcing {len(p.forced_ids)} tokens x {len(active)} caches")
@@ -287,6 +296,13 @@ def resume_payload(partial: Path, config: dict) -> dict:
     if diff:
         raise SystemExit(f"--resume: {partial} was run with another {', '.join(diff)}; resume with that run's flags "
                          f"(its command: {prior.get('command')})")
+    for r in prior["records"]:
+        problem = case_problem(r)
+        if problem:
+            raise SystemExit(f"--resume: {partial}: {problem} (or move the file away to start afresh)")
+    if any("case_sha256" not in r for r in prior["records"]):
+        print(f"note: --resume: {partial} recorded no case hashes (run before they were kept): its cases are not "
+              "checked against this code's generator", file=sys.stderr)
     return prior
 
 
@@ -300,12 +316,12 @@ def results_section(payload: dict, plot_rel: str | None) -> str:
         f"Generated cases (docs/tasks.md) in real-text haystacks ({', '.join(cfg['haystacks'])}), "
         f"{', '.join(common.fmt_num(L) for L in cfg['lengths'])} tokens, seeds {', '.join(map(str, cfg['seeds']))}; "
         f"one shared prefill per case, greedy replies (batch 1, {cfg['dtype']}) after an answer prefix. Accuracy: "
-        "the mean graded score; 'right': graded units (values in order, chain names, cases, quoted tokens); 'cases "
-        "below / above full': cases whose score is below / above full KV's (fidelity: whose quoted tokens the "
-        "policy's top-1 predicts less / more often than full KV's); 'full KV solves': cases full KV "
-        "answers completely (fidelity: quoted tokens whose true value is full KV's top-1), so a task full KV "
-        "fails shows as such. Grading: " + "; ".join(f"{t}: {g}" for t, g in cfg["grading"].items()
-                                                     if t in cfg["tasks"]) + "."
+        "the mean graded score; 'right': graded units (values stated for the right thing, chain names, cases, "
+        "quoted tokens); 'cases below / above full': cases whose score is below / above full KV's (fidelity: whose "
+        "quoted tokens the policy's top-1 predicts less / more often than full KV's); 'full KV solves (these "
+        "cases)': of the row's cases, those full KV answers completely (fidelity: quoted tokens whose true value is "
+        "full KV's top-1), so a task full KV fails shows as such. Grading: "
+        + "; ".join(f"{t}: {g}" for t, g in cfg["grading"].items() if t in cfg["tasks"]) + "."
         + "".join(f" Not run: {lab} at {', '.join(errs)} tokens ({next(iter(errs.values()))})."
                   for lab, errs in cfg.get("skipped", {}).items()) + missing_text(cfg),
         "",
@@ -377,8 +393,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = common.parse_grid_args(p, PRESETS, SECTION, argv)
     if args.resume and args.merge:
         p.error("--resume finishes a run; --merge joins finished ones: give one of them")
-    args.tasks = list(dict.fromkeys(args.tasks))
-    args.seeds = list(dict.fromkeys(args.seeds))
     if any(n < 1 for n in args.lengths):
         p.error("--lengths must be positive")
     if any(s < 0 for s in args.seeds):

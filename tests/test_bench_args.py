@@ -362,3 +362,44 @@ def test_rankings_that_exist_are_refused_before_any_work(tmp_path, no_rankings):
     with pytest.raises(SystemExit, match="ck-random.json exist.*nothing is overwritten"):
         contextkeeper_rankings.main(["--out-dir", str(tmp_path)])
     assert snapshot(tmp_path) == {Path("ck-random.json"): b"mine"}
+
+
+# ------------------------------------------------------- repeated grid values
+GRID_FLAGS = ["--lengths", "2000", "2000", "--seeds", "0", "0", "--policies", "full", "snapkv", "snapkv",
+              "--budgets", "0.5", "0.5"]
+
+
+@pytest.mark.parametrize("script, extra, want", [
+    (bench_tasks, ["--tasks", "multi-key", "multi-key"], {"tasks": ["multi-key"]}),
+    (bench_needle, ["--depths", "0.5", "0.5"], {"depths": [0.5]}),
+    (bench_multiturn, ["--haystacks", "pydoc", "pydoc"], {"haystacks": ["pydoc"]}),
+], ids=lambda v: getattr(v, "__name__", None))
+def test_a_repeated_grid_value_runs_once_with_a_note(script, extra, want, capsys):
+    """The grid scripts drop a repeated --lengths / --seeds / --depths / --policies / ... value (as they always
+    did --haystacks and --budgets), naming it: each case would otherwise run, and count, twice."""
+    args = script.parse_args([*GRID_FLAGS, *extra])
+    assert (args.lengths, args.seeds, args.policies, args.budgets) == ([2000], [0], ["full", "snapkv"], [0.5])
+    assert {k: getattr(args, k) for k in want} == want
+    err = capsys.readouterr().err
+    for note in ("--lengths repeats 2000", "--seeds repeats 0", "--policies repeats snapkv", "--budgets repeats 0.5",
+                 f"--{next(iter(want))} repeats"):
+        assert f"note: {note}" in err
+    assert bench_tasks.common.make_combos(args.policies, args.budgets) == [("full", 1.0), ("snapkv", 0.5)]
+
+
+def test_two_specs_of_one_policy_or_one_label_twice_are_refused(capsys):
+    from hetero_jax.errors import ConfigError
+    from harness.grid import make_combos
+
+    with pytest.raises(ConfigError, match="the combo snapkv@0.3 is given twice"):
+        make_combos(["snapkv", "snapkv"], [0.3])
+    with pytest.raises(ConfigError, match="the combo snapkv@0.3 is given twice"):
+        make_combos(["snapkv"], [0.3, 0.3000001])  # one label for two budgets
+    with pytest.raises(ConfigError, match=r"--policies snapkv and SnapKV are one policy \(SnapKV\(budget="):
+        make_combos(["snapkv", "SnapKV"], [0.3])
+    assert make_combos(["heterocache", "heterocache:tau_drift=-1"], [0.3])[1:] == [
+        ("heterocache", 0.3), ("heterocache:tau_drift=-1", 0.3)]
+    with pytest.raises(SystemExit) as e:
+        bench_tasks.parse_args(["--policies", "snapkv", "snapkv:window=32"])
+    assert e.value.code == 2
+    assert "--policies snapkv and snapkv:window=32 are one policy" in capsys.readouterr().err

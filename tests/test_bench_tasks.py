@@ -25,6 +25,8 @@ from harness import facts as hf, grid, needles as hn  # noqa: E402  (the multi-t
     ("The number is 48,213.", "48213", True),
     ("The number is 48 213", "48213", True),
     ("The number is 482130.", "48213", False),
+    ("The number is 48213 500", "48213", True),  # a 3-digit number after it is not a digit group of it
+    ("ticket 1732 123", "1732", True),
     ("The number is 148213", "48213", False),
     ("The number is 4821", "48213", False),
     ("The robot contest will be held in LISBON, Portugal.", "Lisbon", True),
@@ -253,11 +255,12 @@ def test_needle_prompt_has_the_token_count_and_the_needle_at_its_depth(tokenizer
     assert abs(p.actual_depths[0] - depth) < 0.05
 
 
-@pytest.mark.parametrize("n_tokens, seed", [(1500, 0), (4000, 2)])
-def test_multiturn_context_places_every_fact_near_its_depth(tokenizer, n_tokens, seed):
-    facts = bm.make_facts(seed)
-    ctx = bm.build_context(tokenizer, n_tokens, facts, bm.fact_depths(3), seed)
-    assert abs(len(ctx.ids) - n_tokens) <= 2  # the session prefills about n_tokens
+@pytest.mark.parametrize("n_tokens, seed, hay", [(1500, 0, "pydoc"), (4000, 2, "pydoc"), (2000, 0, "licenses")])
+def test_multiturn_context_places_every_fact_near_its_depth(tokenizer, n_tokens, seed, hay):
+    facts = bm.make_facts(seed, 3, hay)
+    ctx = bm.build_context(tokenizer, n_tokens, facts, bm.fact_depths(3), seed, hay)
+    # the session prefills exactly the stated length (it fell 2-3 tokens short), as Session itself tokenizes it
+    assert len(ctx.ids) == n_tokens and hf.session_context_ids(tokenizer, ctx.text)[0] == ctx.ids
     for f, want, got, start in zip(facts, ctx.depths, ctx.actual_depths, ctx.fact_token_starts):
         assert f.sentence in ctx.text and f.question not in ctx.text
         assert abs(got - want) < 0.05

@@ -161,39 +161,13 @@ def test_forced_reply_quotes_each_value_as_its_own_tokens(tokenizer):
 
 
 # ------------------------------------------------------------------ graders
-VALS = ("9302", "7720", "1732")
-
-
-@pytest.mark.parametrize("text, in_order, found", [
-    (" 9302. The ticket number for the museum is 7720. The ticket number for the opera is 1732.", 3, 3),
-    ("9,302 then 7 720 and 1732", 3, 3),
-    ("\n1. 9302\n2. 7720\n3. 1732", 3, 3),
-    ("7720, 9302, 1732", 2, 3),  # out of order: the longest run in order is 9302, 1732
-    ("7720 9302 7720 1732", 3, 3),  # a later repeat completes the order
-    ("1732 7720 9302", 1, 3),
-    ("9302 and 7720", 2, 2),  # partial
-    ("9302 9302 9302", 1, 1),
-    ("93020 77201 17320", 0, 0),  # not the numbers
-    ("930 2 772", 0, 0),
-    ("", 0, 0),
-])
-def test_grade_in_order(text, in_order, found):
-    g = tc.grade_in_order(text, VALS)
-    assert (g["in_order"], g["found"], g["n"]) == (in_order, found, 3)
-    assert g["score"] == pytest.approx(in_order / 3)
-
-
-def test_grade_in_order_refuses_mixed_kinds():
-    with pytest.raises(ValueError):
-        tc.grade_in_order("x", ("1234", "Oslo"))
-
-
+# multi-fact's pair grading: tests/test_task_grading.py
 @pytest.mark.parametrize("text, score", [
     (" NTPXX, VAR VRFLF and VAR RQWWP.", 1.0),
     (" ntpxx, vrflf, rqwwp", 1.0),
     (" RQWWP, VRFLF and NTPXX", 1.0),  # order is not graded
     (" NTPXX and VAR VRFLF.", 2 / 3),
-    (" NTPXX, VRFLF, RQWWP and CVWVW", 2 / 3),  # a distractor name costs one
+    (" NTPXX, VRFLF, RQWWP and CVWVW", 0.0),  # naming a distractor scores nothing
     (" NTPXX and CVWVW", 0.0),
     (" NTPXX, CVWVW, NKUFP", 0.0),
     (" NTPXXY", 0.0),

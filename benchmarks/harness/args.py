@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -370,7 +371,9 @@ def add_model_arguments(parser, model: str) -> None:
 def parse_grid_args(parser, presets: dict, name: str, argv=None) -> argparse.Namespace:
     """Parse a grid script's ``argv``: the preset arguments not given from --preset (the 'full' preset without
     one), --out benchmarks/out/NAME[-PRESET].json and --plot beside it by default, full KV first among the policies
-    (the reference), --budgets checked, repeated --haystacks dropped."""
+    (the reference), --budgets checked, a value repeated in a preset list (--lengths, --seeds, --depths,
+    --policies, --haystacks, ...) run once (:func:`unique`), and two --policies specs of one policy configuration
+    refused (:func:`repeated_policy`)."""
     args = parser.parse_args(argv)
     args.preset = getattr(args, "preset", None)
     apply_preset(args, presets)
@@ -381,8 +384,37 @@ def parse_grid_args(parser, presets: dict, name: str, argv=None) -> argparse.Nam
     if "full" not in args.policies:
         args.policies = ["full", *args.policies]
     args.budgets = checked_budgets(parser, args.budgets)
-    args.haystacks = list(dict.fromkeys(args.haystacks))
+    for key in dict.fromkeys(k for p in presets.values() for k, v in p.items() if isinstance(v, list)):
+        setattr(args, key, unique(f"--{key.replace('_', '-')}", getattr(args, key)))
+    problem = repeated_policy(args.policies)
+    if problem:
+        parser.error(problem)
     return args
+
+
+def repeated_policy(specs: Sequence[str]) -> str | None:
+    """Why two of ``specs`` (--policies) would run one policy twice under two labels ('snapkv' and 'SnapKV' or
+    'snapkv:window=32': the same configuration, ``repr`` of ``make_policy``), or None."""
+    from hetero_jax.policies import make_policy
+
+    seen: dict[str, str] = {}
+    for spec in specs:
+        key = repr(make_policy(spec))
+        if key in seen and seen[key] != spec:
+            return (f"--policies {seen[key]} and {spec} are one policy ({key}): it would run, and count, twice; "
+                    "give it once")
+        seen.setdefault(key, spec)
+    return None
+
+
+def unique(flag: str, values: Sequence) -> list:
+    """``values`` with each repeat dropped (the first kept, in order), a note on stderr naming the repeats: a grid
+    point given twice would run, and count, twice."""
+    kept = list(dict.fromkeys(values))
+    if len(kept) < len(values):
+        repeated = [v for v in kept if values.count(v) > 1]
+        print(f"note: {flag} repeats {' '.join(map(str, repeated))}: each runs once", file=sys.stderr)
+    return kept
 
 
 def fill_outputs(parser, args: argparse.Namespace, name: str) -> None:
@@ -394,8 +426,8 @@ def fill_outputs(parser, args: argparse.Namespace, name: str) -> None:
 
 
 def checked_budgets(parser, budgets: Sequence[float | str]) -> list[float | str]:
-    """``--budgets`` in (0, 1] (or 'min' where the script takes it), duplicates dropped in order (``parser.error``
-    otherwise)."""
+    """``--budgets`` in (0, 1] (or 'min' where the script takes it), repeats dropped in order with a note
+    (:func:`unique`; ``parser.error`` otherwise)."""
     if any(b != SMALLEST and not 0.0 < b <= 1.0 for b in budgets):
         parser.error("--budgets must be in (0, 1]")
-    return list(dict.fromkeys(budgets))
+    return unique("--budgets", budgets)

@@ -115,18 +115,29 @@ class Context:
 
 def build_context(tokenizer, n_tokens: int, facts: list[Fact], depths: list[float], seed: int,
                   haystack_name: str = haystack.DEFAULT_HAYSTACK) -> Context:
-    """The context with ``facts`` at ``depths`` whose session prefill is about ``n_tokens`` tokens.
+    """The context with ``facts`` at ``depths`` whose session prefill (:func:`session_context_ids`) is exactly
+    ``n_tokens`` tokens (where the tokenizer allows; never more).
 
-    ``haystack.build_needle_prompt`` counts the chat template's generation
-    suffix, which a ``Session`` context does not prefill, so the target is
-    raised by the suffix's length.
+    ``haystack.build_needle_prompt`` fits the whole chat prompt, whose end (the
+    turn's close and the generation suffix) a ``Session`` context does not
+    prefill, so its target is raised by that difference, measured on the
+    fitted context and corrected until the session's tokens are ``n_tokens``.
     """
     if len(facts) != len(depths):
         raise ValueError(f"{len(facts)} facts but {len(depths)} depths")
-    suffix = haystack.suffix_len(tokenizer, True)
-    p = haystack.build_needle_prompt(tokenizer, n_tokens + suffix, list(zip(depths, [f.sentence for f in facts])),
-                                     None, "", seed=seed, haystack=haystack_name)
-    ids, tail = session_context_ids(tokenizer, p.text)
+    target, best = n_tokens + haystack.suffix_len(tokenizer, True), None
+    for _ in range(4):  # the difference is a few tokens, the same at every length: one correction finds it
+        p = haystack.build_needle_prompt(tokenizer, target, list(zip(depths, [f.sentence for f in facts])),
+                                         None, "", seed=seed, haystack=haystack_name)
+        ids, tail = session_context_ids(tokenizer, p.text)
+        if len(ids) <= n_tokens and (best is None or len(ids) > len(best[1])):
+            best = (p, ids, tail)
+        if len(ids) == n_tokens:
+            break
+        target += n_tokens - len(ids)
+    if best is None:
+        raise ValueError(f"no context of at most {n_tokens} session tokens holds the facts")
+    p, ids, tail = best
     # needle_token_starts index the chat prompt; its prefix is the session's ids
     return Context(text=p.text, ids=ids, tail_capacity=tail, facts=list(facts), depths=list(depths),
                    fact_token_starts=list(p.needle_token_starts),

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from harness.args import SMALLEST, add_grid_preset_argument, argument_parser, preset_help
+from harness.args import SMALLEST, add_grid_preset_argument, argument_parser, preset_help, repeated_policy
 from harness.machine import machine_info, peak_rss_bytes, report_header
 
 
@@ -126,11 +126,23 @@ ISSUE_COMPARISONS = {
 
 
 def make_combos(policies: Sequence[str], budgets: Sequence[float | str]) -> list[tuple[str, float | str]]:
-    """(registry name, rho or 'min'): full KV first and once (the reference), then every other policy x budget."""
+    """(registry name, rho or 'min'): full KV first and once (the reference), then every other policy x budget.
+    A label given twice (a repeated policy or budget, or budgets one label rounds together) or two specs of one
+    policy (:func:`harness.args.repeated_policy`) raise ConfigError: the combo would run, and count, twice."""
+    from hetero_jax.errors import ConfigError
+
     combos = [("full", 1.0)]
     for name in policies:
         if name != "full":
             combos += [(name, b if b == SMALLEST else float(b)) for b in budgets]
+    labels = [combo_label(n, r) for n, r in combos]
+    twice = [lab for lab in dict.fromkeys(labels) if labels.count(lab) > 1]
+    if twice:
+        raise ConfigError(f"the combo {twice[0]} is given twice (--policies or --budgets repeat it): it would run, "
+                          "and count, twice; give each policy and budget once")
+    problem = repeated_policy([n for n, _ in combos])
+    if problem:
+        raise ConfigError(problem)
     return combos
 
 

@@ -2,7 +2,8 @@
 
 - :class:`Needle`, :func:`make_needle` (:data:`NEEDLE_KINDS`): the fact a needle prompt hides and asks for;
   :func:`shortest_prompt` (with :func:`saved_tokenizer`, before the model loads): the fewest tokens its prompt takes.
-- :func:`normalize_text`, :func:`find_answer`, :func:`answer_correct`: whether a generated text states an answer.
+- :func:`normalize_text`, :func:`numbers_in`, :func:`find_answer`, :func:`answer_correct`: whether a generated text
+  states an answer.
 - :func:`record_haystack`, :func:`haystacks_of`, :func:`config_haystacks`, :func:`haystack_lines`: which haystacks a
   run's records and config name, and the RESULTS lines describing them.
 - :func:`cell_scores`, :func:`score_grid`, :func:`compare_with_full`, :func:`summarize`: a needle grid's scores
@@ -105,22 +106,32 @@ def normalize_text(text: str) -> str:
     return " ".join(re.sub(r"[^a-z0-9]+", " ", text).split())
 
 
+# a number as written: a thousands-grouped one (a 1-3 digit lead, then groups of exactly 3 digits, one separator
+# throughout: 48,213, 48 213, 1,732,000) is one number; any other run of digits is one ("1732 123" is 1732 and 123)
+_NUMBER = re.compile(r"(?<!\d)(?:\d{1,3}([,\u202f\u00a0 ])\d{3}(?:\1\d{3})*|\d+)(?!\d)")
+
+
+def numbers_in(text: str) -> list[tuple[int, str]]:
+    """(offset in ``text``, digits) of every number ``text`` states, in order (a grouped one with its separators
+    dropped)."""
+    return [(m.start(), re.sub(r"\D", "", m.group())) for m in _NUMBER.finditer(text)]
+
+
 def find_answer(generated: str, answer: str) -> list[int]:
     """Where ``generated`` states ``answer``: the start of each occurrence, in order (empty when it does not).
 
-    A number must appear as one number (digit groups written 48,213 or 48 213
-    count; 482130 does not); offsets are in ``generated`` with such groups joined.
-    Words must appear as whole words, ignoring case, accents and punctuation, with
-    an optional plural ``s``/``es``; offsets are in ``normalize_text(generated)``.
-    So offsets of two answers compare (their order in the text) when both are
-    numbers or both are words.
+    A number must appear as one number (:func:`numbers_in`: 48,213 or 48 213
+    count; 482130 does not, nor does 48213 in "48 2130"; "1732 123" states 1732);
+    offsets are in ``generated``. Words must appear as whole words, ignoring case,
+    accents and punctuation, with an optional plural ``s``/``es``; offsets are in
+    ``normalize_text(generated)``. So offsets of two answers compare (their order
+    in the text) when both are numbers or both are words.
     """
     ans = normalize_text(answer)
     if not ans:
         raise ValueError("empty answer")
     if ans.isdigit():
-        joined = re.sub(r"(?<=\d)[,\u202f\u00a0 ](?=\d{3}(?!\d))", "", generated)
-        return [m.start() for m in re.finditer(rf"(?<!\d){ans}(?!\d)", joined)]
+        return [at for at, digits in numbers_in(generated) if digits == ans]
     return [m.start() for m in re.finditer(rf"(?<![a-z0-9]){re.escape(ans)}(?:e?s)?(?![a-z0-9])",
                                            normalize_text(generated))]
 

@@ -2,8 +2,8 @@
 
 - :class:`TaskCase`, :func:`make_case` (one maker per task of :data:`TASKS`): what goes in the haystack, what is
   asked, what a correct answer states.
-- :func:`grade` (:func:`grade_in_order`, :func:`grade_names`, :func:`grade_key`, :func:`grade_span`): a reply's
-  score.
+- :func:`grade` (:func:`grade_pairs`, :func:`grade_names`, :func:`grade_key`, :func:`grade_span`): a reply's
+  score; :func:`case_sha256`: what a record keeps of the case it graded.
 - :class:`CasePrompt`, :func:`build_case_prompt`: the case's prompt of exactly N tokens, and where its forced reply
   quotes each value.
 - :func:`forced_metrics`: a teacher-forced reply through every policy's engine in lockstep (``fidelity``).
@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import random
 import re
 
 import haystack
-from harness.needles import find_answer, normalize_text
+from harness.needles import find_answer, normalize_text, numbers_in
 
 # digits of a generated value: SmolLM2-135M copies four digits from far away; with five it often drops one
 DIGITS = 4
@@ -30,8 +31,9 @@ class TaskCase:
     """One generated case: what goes in the haystack, what is asked, what a correct answer states.
 
     ``needles``: (depth in [0, 1] of the haystack, sentence), in depth order. ``values``: what a correct answer
-    states (in order for ``multi-fact``). ``distractors``: what it must not state. ``answer_prefix``: the start
-    of the assistant's reply, fed after the chat template's generation prompt (the model continues it).
+    states (``multi-fact``: the value of each of ``things``, in the order asked). ``distractors``: what it must not
+    state. ``answer_prefix``: the start of the assistant's reply, fed after the chat template's generation prompt
+    (the model continues it).
     ``forced``: the whole teacher-forced reply (``fidelity``; it continues ``answer_prefix``), quoting
     ``values`` in turn."""
 
@@ -45,6 +47,7 @@ class TaskCase:
     instruction: str | None = None  # before the haystack (a worked example)
     forced: str | None = None
     max_new_tokens: int = 32
+    things: tuple[str, ...] = ()  # multi-fact: what each value is the ticket number of, in the order asked
 
 
 def spread_depths(n: int, lo: float = 0.1, hi: float = 0.9) -> list[float]:
@@ -75,6 +78,10 @@ def _list_text(items) -> str:
 
 # subjects of the multi-fact tickets (none is a word of the added haystacks' answers; each names a different thing)
 _TICKETS = ("ferry", "museum", "opera", "night train", "cable car", "harbour tour")
+# multi-fact's reply cap per value: in SmolLM2's tokens a complete reply in the forms it writes takes 6 for the first
+# value (" 9302.") and up to 16 for each next ("\n\nThe ticket number for the harbour tour is 7017."), so 16 a
+# value leaves the last one room (the longest four-value reply of seeds 0-299 takes 54 of 64)
+TOKENS_PER_FACT = 16
 
 
 def make_multi_fact(seed: int, n: int = 4) -> TaskCase:
@@ -91,7 +98,7 @@ def make_multi_fact(seed: int, n: int = 4) -> TaskCase:
     return TaskCase("multi-fact", seed, needles,
                     "What are the ticket numbers for " + _list_text([f"the {t}" for t in things]) + "?",
                     tuple(values), answer_prefix=f"The ticket number for the {things[0]} is",
-                    max_new_tokens=12 * n)
+                    max_new_tokens=TOKENS_PER_FACT * n, things=tuple(things))
 
 
 def make_fidelity(seed: int, n: int | None = None) -> TaskCase:
@@ -124,7 +131,8 @@ VT_INSTRUCTION = ("Memorize and track the chains of variable assignments hidden 
 def make_variable_tracking(seed: int, hops: int = 3, distractor_hops: int = 1) -> TaskCase:
     """A chain ``VAR A = v``, ``VAR B = VAR A``, ... of ``hops`` names over the context, interleaved with a
     distractor chain of ``distractor_hops`` names bound to another value; the question asks for the names bound
-    to ``v`` (after :data:`VT_INSTRUCTION`'s worked example, before the haystack)."""
+    to ``v`` (after :data:`VT_INSTRUCTION`'s worked example, before the haystack). A reply naming a distractor
+    scores nothing (:func:`grade_names`)."""
     if hops < 1 or not 0 <= distractor_hops <= hops:
         raise ValueError(f"hops must be >= 1 and distractor_hops in 0..hops, got {hops}, {distractor_hops}")
     rng = random.Random(f"tasks-variable-tracking-{seed}")
@@ -206,39 +214,41 @@ def make_case(task: str, seed: int) -> TaskCase:
 
 
 # ---------------------------------------------------------------- grading
-def grade_in_order(text: str, values) -> dict:
-    """Values of ``values`` stated in ``text`` (``find_answer``), and the most of them stated in their order.
+def grade_pairs(text: str, things, values) -> dict:
+    """Each asked thing's value as ``text`` states it, against its true value (``values[i]`` of ``things[i]``).
 
-    ``in_order``: the longest subsequence of ``values`` whose occurrences can be picked at increasing offsets.
-    Returns {"found", "in_order", "n", "score" = in_order / n}."""
-    values = list(values)
-    kinds = {normalize_text(v).isdigit() for v in values}
-    if len(kinds) != 1:
-        raise ValueError("grade_in_order compares offsets of values of one kind: all numbers or all words")
-    pos = [find_answer(text, v) for v in values]
-    # best[k]: the smallest offset at which some k values in order can end
-    best = [-1]
-    for ps in pos:
-        for k in range(len(best) - 1, -1, -1):
-            nxt = next((p for p in ps if p > best[k]), None)
-            if nxt is None:
-                continue
-            if k + 1 == len(best):
-                best.append(nxt)
-            elif nxt < best[k + 1]:
-                best[k + 1] = nxt
-    in_order = len(best) - 1
-    return {"found": sum(bool(p) for p in pos), "in_order": in_order, "n": len(values),
-            "score": in_order / len(values)}
+    The value stated for a thing is the first number (``numbers_in``) after a mention of its name (whole words,
+    any case, up to the next asked thing's name); before any name the reply continues the answer prefix, which names
+    ``things[0]``. A thing scores when a value is stated for it and every value stated for it is its true value: a
+    value stated under another thing earns nothing, and the order of the things is not graded. Returns {"found":
+    things stated right, "wrong": things stated with another value, "n", "score" = found / n}."""
+    things, values = list(things), [normalize_text(v) for v in values]
+    if len(things) != len(values) or not things or not all(v.isdigit() for v in values):
+        raise ValueError("grade_pairs takes one number per thing")
+    mentions = sorted((m.start(), m.end(), i) for i, t in enumerate(things)
+                      for m in re.finditer(r"(?<![a-z0-9])" + r"\s+".join(map(re.escape, t.split()))
+                                           + r"(?:e?s)?(?![a-z0-9])", text, re.I))
+    starts = [(0, 0)] + [(end, i) for _, end, i in mentions]  # where each thing's statement begins
+    ends = [start for start, _, _ in mentions] + [len(text)]
+    nums = numbers_in(text)
+    stated: list[set[str]] = [set() for _ in things]
+    for (lo, i), hi in zip(starts, ends):
+        first = next((d for at, d in nums if lo <= at < hi), None)
+        if first is not None:
+            stated[i].add(first)
+    right = sum(s == {v} for s, v in zip(stated, values))
+    wrong = sum(bool(s - {v}) for s, v in zip(stated, values))
+    return {"found": right, "wrong": wrong, "n": len(things), "score": right / len(things)}
 
 
 def grade_names(text: str, names, wrong) -> dict:
-    """Names of ``names`` stated, less one per name of ``wrong`` stated (naming everything scores nothing);
-    order not graded. Returns {"found", "wrong", "n", "score" = max(0, found - wrong) / n}."""
+    """Names of ``names`` stated / names, and nothing when any name of ``wrong`` is stated (so naming every
+    variable scores 0); order not graded. Returns {"found", "wrong", "n", "score" = found / n, or 0 with a wrong
+    name}."""
     names = list(names)
     found = sum(bool(find_answer(text, v)) for v in names)
     bad = sum(bool(find_answer(text, v)) for v in wrong)
-    return {"found": found, "wrong": bad, "n": len(names), "score": max(0, found - bad) / len(names)}
+    return {"found": found, "wrong": bad, "n": len(names), "score": 0.0 if bad else found / len(names)}
 
 
 def grade_key(text: str, value: str, distractors) -> dict:
@@ -258,10 +268,16 @@ def grade_span(text: str, span: str) -> dict:
     return {"found": int(ok), "n": 1, "score": float(ok)}
 
 
+def case_sha256(case: TaskCase) -> str:
+    """SHA-256 of ``case`` as generated (its fields as JSON, keys sorted): records of one (task, seed) whose hashes
+    differ came from different case generators and do not compare."""
+    return hashlib.sha256(json.dumps(dataclasses.asdict(case), sort_keys=True).encode()).hexdigest()
+
+
 def grade(case: TaskCase, text: str) -> dict:
     """The graded answer of a generation task (not ``fidelity``, which is compared step by step)."""
     if case.task == "multi-fact":
-        return grade_in_order(text, case.values)
+        return grade_pairs(text, case.things, case.values)
     if case.task == "variable-tracking":
         return grade_names(text, case.values, case.distractors)
     if case.task == "multi-key":

@@ -4,10 +4,12 @@ moving-attention fidelity table, full KV's replies, and ``--merge``, which joins
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from harness.merging import merge_header, merged_preset, provenance, refuse_differences
 from harness.results import fmt_num, fraction_text, markdown_table
+from harness.task_cases import case_sha256, make_case
 
 
 # what --merge reads of each file (a finished run's JSON or an interrupted run's OUT.partial.json):
@@ -33,7 +35,9 @@ def merge(args, section: str) -> dict:
     Refused (SystemExit naming the two files): runs of another model, dtype, grading, decoding (temperature, chat
     template, prefill, batch), preset, haystack text (sha256) or policy configuration under one label
     (policy_reprs); a (combo, case) in two runs; full KV answering one case differently in two runs (the prompts or
-    the model changed: the runs do not compare)."""
+    the model changed: the runs do not compare); a record whose case (``case_sha256``) is not the one this code
+    generates for its task and seed (:func:`case_problem`). Runs that recorded no case hashes (older ones) are
+    merged unchecked and named (``unchecked_cases``)."""
     files, parts = args.merge, [json.loads(Path(f).read_text()) for f in args.merge]
     for k in SAME:
         refuse_differences(files, parts, k, lambda p, k=k: {0: p["config"].get(k)})
@@ -48,9 +52,14 @@ def merge(args, section: str) -> dict:
         h: (v or {}).get("sha256") for h, v in p["config"].get("haystack_sources", {}).items()},
                        what=lambda h: f"haystack {h!r}")
     args.preset = merged_preset(files, parts, getattr(args, "preset", None))
-    records, prompts, seen = [], [], {}
+    records, prompts, seen, unchecked = [], [], {}, []
     for f, p in zip(files, parts):
         for r in p["records"]:
+            problem = case_problem(r)
+            if problem:
+                raise SystemExit(f"--merge: {f}: {problem}")
+            if "case_sha256" not in r and f not in unchecked:
+                unchecked.append(f)
             key = (r["label"], r["task"], *_case_key(r))
             if key in seen:
                 first = seen[key]
@@ -79,6 +88,10 @@ def merge(args, section: str) -> dict:
                 else:
                     cfg[k].setdefault(key, per)
     cfg["missing"] = missing_cases(records, cfg)
+    cfg["unchecked_cases"] = [str(f) for f in unchecked]
+    if unchecked:
+        print(f"note: --merge: {', '.join(cfg['unchecked_cases'])} recorded no case hashes (run before they were "
+              "kept): their cases are not checked against this code's generator", file=sys.stderr)
     cfg["merged_from"] = provenance(files, parts)
     cfg["out"], cfg["plot"] = str(args.out), str(args.plot)
     # the header is the merge's own (its command, commit, time); the section lists each run's commit, machine and
@@ -133,16 +146,42 @@ def _axis_text(axis: int, value) -> str:
 
 
 def missing_text(cfg: dict) -> str:
-    """The section's sentence naming each combo's missing cases (``cfg["missing"]`` of a merge), or ''."""
-    if not cfg.get("missing"):
-        return ""
-    return (" Missing from the merged runs (not run, so not counted in the row): "
-            + "; ".join(f"{lab} lacks {', '.join(s)}" for lab, s in cfg["missing"].items()) + ".")
+    """The section's sentences naming each combo's missing cases (``cfg["missing"]`` of a merge) and the merged runs
+    whose cases were not checked against the generator (``cfg["unchecked_cases"]``), or ''."""
+    text = ""
+    if cfg.get("missing"):
+        text += (" Missing from the merged runs (not run, so not counted in the row): "
+                 + "; ".join(f"{lab} lacks {', '.join(s)}" for lab, s in cfg["missing"].items()) + ".")
+    if cfg.get("unchecked_cases"):
+        text += (f" {', '.join(Path(f).name for f in cfg['unchecked_cases'])} recorded no case hashes (runs from "
+                 "before they were kept): their cases were not checked against the generator.")
+    return text
+
+
+_GENERATED: dict[tuple[str, int], str] = {}  # case_sha256 of make_case(task, seed), computed once
+
+
+def case_problem(record: dict) -> str | None:
+    """Why ``record``'s case is not the one this code generates for its task and seed (its ``case_sha256``
+    differs from :func:`case_sha256` of :func:`make_case`), or None (the same, or no hash recorded)."""
+    got = record.get("case_sha256")
+    if got is None:
+        return None
+    key = (record["task"], record["seed"])
+    if key not in _GENERATED:
+        _GENERATED[key] = case_sha256(make_case(*key))
+    if got == _GENERATED[key]:
+        return None
+    return (f"{record['label']} on {key[0]} seed {key[1]} graded another case (case_sha256 {got[:12]}) than this "
+            f"code generates ({_GENERATED[key][:12]}): the case generator changed since that run; re-run its cases")
 
 
 GRADING = {
-    "multi-fact": "values stated in the order asked (the longest in-order run of find_answer offsets) / values",
-    "variable-tracking": "max(0, chain names stated - distractor-chain names stated) / chain names",
+    "multi-fact": "things whose stated value (the first number after each mention of the thing's name; before any, "
+                  "the answer prefix's thing) is always its own / things asked; a value stated under another thing "
+                  "earns nothing; order not graded",
+    "variable-tracking": "chain names stated / chain names, 0 when any distractor-chain name is stated; order not "
+                         "graded",
     "multi-key": "1 iff the asked key's number is stated and no distractor's",
     "span-copy": "1 iff the sentence is repeated word for word (case, punctuation, spacing ignored)",
     "fidelity": "quoted value tokens whose top-1 equals full KV's (full KV: equals the true token) / quoted tokens",
@@ -152,17 +191,20 @@ GRADING = {
 # ------------------------------------------------------------------ summary
 def summarize(records: list[dict], labels, tasks) -> list[dict]:
     """One row per (task, combo): cases, mean score, graded units (values, names, tokens) right of all, cases
-    solved, the comparison with full KV case by case, and full KV's solve rate on the task."""
+    solved, the comparison with full KV case by case, and full KV's solve rate on the row's own cases (a combo
+    refused at a length, or lacking cases in a merge, is compared on the cases it ran)."""
     rows = []
     for task in tasks:
         ref = {_case_key(r): r for r in records if r["task"] == task and r["policy"] == "full"}
-        # full KV's solve rate: cases it answers completely; for fidelity, quoted tokens it predicts (top-1 = true)
-        full_solved = sum(r["found"] if task == "fidelity" else r["solved"] for r in ref.values())
-        full_cases = sum(r["n"] for r in ref.values()) if task == "fidelity" else len(ref)
         for label in labels:
             rs = [r for r in records if r["task"] == task and r["label"] == label]
             if not rs:
                 continue
+            # full KV's solve rate on these cases: cases it answers completely; for fidelity, quoted tokens it
+            # predicts (top-1 = true)
+            shared = [ref[k] for k in dict.fromkeys(_case_key(r) for r in rs) if k in ref]
+            full_solved = sum(r["found"] if task == "fidelity" else r["solved"] for r in shared)
+            full_cases = sum(r["n"] for r in shared) if task == "fidelity" else len(shared)
             # fidelity: a case is below full KV when the policy's top-1 is the true token less often than full KV's
             key = "true_top1_rate" if task == "fidelity" else "score"
             cmp = [(r[key], ref[_case_key(r)][key]) for r in rs if _case_key(r) in ref]
@@ -213,7 +255,7 @@ UNITS = {"multi-fact": "values", "variable-tracking": "names", "multi-key": "cas
 
 def results_table(payload: dict) -> str:
     """Accuracy per task x policy x rho: mean score, units right, cases solved, cases below / above full KV, and
-    full KV's solve rate on the task beside."""
+    full KV's solve rate on the row's cases beside."""
     rows = []
     for s in payload["summary"]:
         full = s["policy"] == "full"
@@ -228,7 +270,7 @@ def results_table(payload: dict) -> str:
         ])
     return markdown_table(
         ["task", "policy", "rho", "achieved rho", "accuracy", "right", "cases solved", "cases below / above full",
-         "full KV solves", "drift triggers / checks (recalls)"], rows, align="lllrrrrcrr")
+         "full KV solves (these cases)", "drift triggers / checks (recalls)"], rows, align="lllrrrrcrr")
 
 
 def fidelity_table(payload: dict) -> str | None:
