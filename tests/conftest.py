@@ -60,6 +60,41 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+# The tiny Llama of ``tiny_checkpoint``, for the tests that damage a copy of it (conversion and loading errors).
+@pytest.fixture(scope="session")
+def base_hf(tiny_checkpoint):
+    """The tiny Llama HF dir (shared: never modified; ``hf`` is a copy to damage)."""
+    from pathlib import Path
+
+    return Path(tiny_checkpoint("llama")[0])
+
+
+@pytest.fixture(scope="session")
+def converted(tiny_checkpoint):
+    """``base_hf`` converted by our CLI (shared: never modified; copy it to damage it)."""
+    from pathlib import Path
+
+    return Path(tiny_checkpoint("llama")[1])
+
+
+@pytest.fixture
+def hf(base_hf, tmp_path):
+    """A private copy of the tiny Llama HF dir to damage."""
+    import shutil
+
+    return shutil.copytree(base_hf, tmp_path / "hf")
+
+
+@pytest.fixture
+def no_weights_read(monkeypatch):
+    """Fail if a safetensors file is opened: input refused before the conversion reads any weight."""
+    import safetensors
+
+    def boom(*a, **k):
+        raise AssertionError("weights were read for input that should have been refused first")
+    monkeypatch.setattr(safetensors, "safe_open", boom)
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2():
     """transformers' own GGUF loader on the embedded SmolLM2 file: (model float32 eval, tokenizer).

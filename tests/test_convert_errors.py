@@ -21,18 +21,6 @@ from hetero_jax.io.checkpoint import is_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fs_state import deny_write, snapshot  # noqa: E402
-from hf_fixtures import make_tiny_hf  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def base_hf(tmp_path_factory):
-    return make_tiny_hf("llama", tmp_path_factory.mktemp("base") / "llama")
-
-
-@pytest.fixture
-def hf(base_hf, tmp_path):
-    """A private copy of the tiny Llama dir to damage."""
-    return shutil.copytree(base_hf, tmp_path / "hf")
 
 
 @pytest.fixture
@@ -125,16 +113,6 @@ def test_not_a_gguf_file(tmp_path, out_parent, capsys):
 
 
 # ------------------------------------------- what OUT_DIR --force may replace (review of issue 20)
-@pytest.fixture
-def no_weights_read(monkeypatch):
-    """Fail if a safetensors file is opened: a refused OUT_DIR must be refused before the conversion runs."""
-    import safetensors
-
-    def boom(*a, **k):
-        raise AssertionError("weights were read for an OUT_DIR that should have been refused")
-    monkeypatch.setattr(safetensors, "safe_open", boom)
-
-
 def _meta_dtype(out):
     return json.load(open(os.path.join(out, "hetero_jax.json")))["dtype"]
 
@@ -466,13 +444,6 @@ def test_a_file_given_as_the_hf_directory_says_so(hf, out_parent, capsys):
 
 
 # ------------------------------------------------ damaged converted checkpoints (issue 20)
-@pytest.fixture(scope="module")
-def converted(base_hf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("conv") / "ck"
-    assert convert_main([str(base_hf), str(out), "--no-progress"]) == 0
-    return out
-
-
 @pytest.mark.parametrize("name, content, needles", [
     ("hetero_jax.json", b"not json at all", ["hetero_jax.json", "is not valid JSON", "re-convert"]),
     ("hetero_jax.json", b"\xff\xfe\x00", ["hetero_jax.json", "is not valid JSON"]),

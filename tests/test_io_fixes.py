@@ -28,7 +28,7 @@ from hetero_jax.io.tokenizer import Tokenizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fs_state import snapshot  # noqa: E402
-from hf_fixtures import make_tiny_hf, make_tokenizer_files  # noqa: E402
+from hf_fixtures import make_tokenizer_files  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HI = [{"role": "user", "content": "hi"}]
@@ -61,23 +61,6 @@ def _edit_json(path, fn):
     path.write_text(json.dumps(doc))
 
 
-@pytest.fixture(scope="module")
-def base_hf(tmp_path_factory):
-    return make_tiny_hf("llama", tmp_path_factory.mktemp("base") / "llama")
-
-
-@pytest.fixture
-def hf(base_hf, tmp_path):
-    return shutil.copytree(base_hf, tmp_path / "hf")
-
-
-@pytest.fixture(scope="module")
-def converted(base_hf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("conv") / "ck"
-    assert convert_main([str(base_hf), str(out), "--no-progress"]) == 0
-    return out
-
-
 @pytest.fixture
 def ck(converted, tmp_path):
     """A private copy of the converted tiny Llama to damage."""
@@ -91,15 +74,6 @@ def no_restore(monkeypatch):
         raise AssertionError("params were restored")
     monkeypatch.setattr(params_store, "restore_tree", boom)
     monkeypatch.setattr("hetero_jax.io.checkpoint.restore_tree", boom)
-
-
-@pytest.fixture
-def no_weights_read(monkeypatch):
-    import safetensors
-
-    def boom(*a, **k):
-        raise AssertionError("weights were read")
-    monkeypatch.setattr(safetensors, "safe_open", boom)
 
 
 def _convert_fails(args, capsys, *needles):
