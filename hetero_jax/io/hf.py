@@ -252,11 +252,11 @@ def _tokenizer_files(hf_dir: str) -> dict[str, Any]:
     if "chat_template.jinja" in files:
         tc["chat_template"] = read_chat_template(where["chat_template.jinja"], fix, files["chat_template.jinja"])
     files[tc_name] = tc
-    for n in ("special_tokens_map.json", "generation_config.json"):
-        if n in files:
-            doc = json_object(where[n], fix, files[n])
-            if n == "generation_config.json":
-                check_token_ids(doc, where[n], fix)
+    if "special_tokens_map.json" in files:
+        json_object(where["special_tokens_map.json"], fix, files["special_tokens_map.json"])
+    if "generation_config.json" in files:
+        gen = "generation_config.json"
+        check_token_ids(json_object(where[gen], fix, files[gen]), where[gen], fix)
     _check_tokenizer_json(where["tokenizer.json"], files.get("tokenizer.json", b""))
     return files
 

@@ -33,18 +33,25 @@ DAMAGED_FIX = "re-create or re-download it"  # what a damaged tokenizer file's e
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
+def _file_bytes(path: str, fix: str, data: bytes | None) -> bytes:
+    """``data`` when the caller already read the file ``path``, else its bytes; CheckpointError naming ``path``
+    and ``fix`` when it cannot be read."""
+    if data is not None:
+        return data
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror or e}); {fix}") from None
+
+
 def json_object(path: str, fix: str, data: bytes | None = None) -> dict:
     """The JSON object in the file ``path`` (``data``: its bytes, when already read); CheckpointError naming
     ``path`` and ``fix`` when it is not UTF-8 JSON or holds something other than an object."""
     try:
-        if data is None:
-            with open(path, "rb") as f:
-                data = f.read()
-        doc = json.loads(data.decode("utf-8"))
+        doc = json.loads(_file_bytes(path, fix, data).decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not a valid JSON object ({e}); {fix}") from None
-    except OSError as e:
-        raise CheckpointError(f"{path} cannot be read ({e.strerror or e}); {fix}") from None
     if not isinstance(doc, dict):
         raise CheckpointError(f"{path} is not a valid JSON object (it holds a JSON {type(doc).__name__}, not an "
                               f"object); {fix}")
@@ -72,14 +79,9 @@ def read_chat_template(path: str, fix: str, data: bytes | None = None) -> str:
     """The text of the chat-template file ``path`` (``data``: its bytes, when already read); CheckpointError
     naming it and ``fix`` when it is not UTF-8."""
     try:
-        if data is None:
-            with open(path, "rb") as f:
-                data = f.read()
-        return data.decode("utf-8")
+        return _file_bytes(path, fix, data).decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path} is not UTF-8 text ({e}); {fix}") from None
-    except OSError as e:
-        raise CheckpointError(f"{path} cannot be read ({e.strerror or e}); {fix}") from None
 
 
 def check_chat_template_entry(template: Any, path: str, fix: str) -> None:
