@@ -3,6 +3,7 @@ moving-attention fidelity table, full KV's replies, and ``--merge``, which joins
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -158,7 +159,10 @@ def missing_text(cfg: dict) -> str:
     return text
 
 
-_GENERATED: dict[tuple[str, int], str] = {}  # case_sha256 of make_case(task, seed), computed once
+@functools.lru_cache(maxsize=None)
+def _generated_sha256(task: str, seed: int) -> str:
+    """case_sha256 of the case this code generates for ``task`` and ``seed`` (computed once per pair)."""
+    return case_sha256(make_case(task, seed))
 
 
 def case_problem(record: dict) -> str | None:
@@ -167,13 +171,12 @@ def case_problem(record: dict) -> str | None:
     got = record.get("case_sha256")
     if got is None:
         return None
-    key = (record["task"], record["seed"])
-    if key not in _GENERATED:
-        _GENERATED[key] = case_sha256(make_case(*key))
-    if got == _GENERATED[key]:
+    task, seed = record["task"], record["seed"]
+    want = _generated_sha256(task, seed)
+    if got == want:
         return None
-    return (f"{record['label']} on {key[0]} seed {key[1]} graded another case (case_sha256 {got[:12]}) than this "
-            f"code generates ({_GENERATED[key][:12]}): the case generator changed since that run; re-run its cases")
+    return (f"{record['label']} on {task} seed {seed} graded another case (case_sha256 {got[:12]}) than this "
+            f"code generates ({want[:12]}): the case generator changed since that run; re-run its cases")
 
 
 GRADING = {
