@@ -108,3 +108,18 @@ def hf_greedy_ids(model, prompt_ids, max_new_tokens: int, eos_ids) -> list:
     ids = out[0, len(prompt_ids):].tolist()
     eos = set(eos_ids)
     return ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]
+
+
+def convert_refused(args, out_parent, capsys, *needles) -> str:
+    """Run ``hetero-jax-convert`` on ``args`` expecting exit 2: the message starts with 'error: ' and names each
+    needle, and nothing was written into ``out_parent`` (no OUT_DIR, no temporary leftovers). Returns stderr."""
+    from convert.cli import main as convert_main
+
+    before = sorted(os.listdir(out_parent))
+    assert convert_main([*map(str, args), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: "), err
+    for n in needles:
+        assert n in err, f"{n!r} not in {err!r}"
+    assert sorted(os.listdir(out_parent)) == before
+    return err

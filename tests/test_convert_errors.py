@@ -21,6 +21,7 @@ from hetero_jax.io.checkpoint import is_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fs_state import deny_write, snapshot  # noqa: E402
+from hf_fixtures import convert_refused  # noqa: E402
 
 
 @pytest.fixture
@@ -30,16 +31,7 @@ def out_parent(tmp_path):
     return p
 
 
-def _fail(args, out_parent, capsys, *needles):
-    """Run the CLI expecting exit 2; check the message names each needle and nothing was written."""
-    before = sorted(os.listdir(out_parent))
-    assert convert_main([*map(str, args), "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: "), err
-    for n in needles:
-        assert n in err, f"{n!r} not in {err!r}"
-    assert sorted(os.listdir(out_parent)) == before  # no OUT_DIR, no temporary leftovers
-    return err
+_fail = convert_refused  # the CLI exits 2 naming each needle and writes nothing
 
 
 def _rewrite(hf, fn):
