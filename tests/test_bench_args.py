@@ -33,6 +33,7 @@ import bench_policies  # noqa: E402
 import bench_profile  # noqa: E402
 import bench_serve  # noqa: E402
 import bench_step_ops  # noqa: E402
+import bench_task_margins  # noqa: E402
 import bench_tasks  # noqa: E402
 import contextkeeper_rankings  # noqa: E402
 from bench_cases import usage_error  # noqa: E402
@@ -73,7 +74,7 @@ def checkpoint(tmp_path) -> Path:
 # ------------------------------------------------------------------ 1. --model is an input
 # every script whose --model loads a checkpoint (its own --model or common.add_model_arguments)
 MODEL_SCRIPTS = [bench_extend, bench_fidelity, bench_foundation, bench_latency, bench_mesh, bench_policies,
-                 bench_serve, bench_tasks, bench_needle, bench_multiturn]
+                 bench_serve, bench_tasks, bench_task_margins, bench_needle, bench_multiturn]
 
 
 @pytest.mark.parametrize("script", MODEL_SCRIPTS, ids=lambda m: m.__name__)

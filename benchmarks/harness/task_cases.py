@@ -381,3 +381,43 @@ def forced_metrics(engines, forced: list[int], quoted) -> list[dict]:
             o["agree"].append(bool(m["agree"]))
             o["true_top1"].append(int(np.argmax(lg)) == forced[t + 1])
     return out
+
+
+
+def lockstep_margins(engines, max_new: int, eos) -> list[dict]:
+    """Engine 0 (full KV) answers greedily from its prefill logits (``engine.logits`` [1, V]), as
+    :func:`harness.prefill.greedy_answer` decodes; every engine is fed its tokens one step at a time
+    (``Engine.step_with_logits``), so engine k's own greedy reply equals engine 0's up to the first step where
+    their top-1 differ (:func:`parting`).
+
+    One record per token of engine 0's reply: ``token``; ``p1`` and ``margin``: full KV's probability of it and
+    that minus the probability of its second choice ``second``; ``top1``: each other engine's top-1. Stops as
+    ``greedy_answer`` does: at an EOS (not kept) or after ``max_new`` tokens."""
+    import numpy as np
+
+    def probs(logits):  # float32 logits -> softmax in float64
+        z = np.asarray(logits, np.float64).ravel()
+        e = np.exp(z - z.max())
+        return e / e.sum()
+
+    ps = [probs(np.asarray(e.logits)[0]) for e in engines]
+    steps: list[dict] = []
+    while True:
+        order = np.argsort(-ps[0], kind="stable")
+        tok, second = int(order[0]), int(order[1])
+        if tok in eos:
+            return steps
+        steps.append({"token": tok, "p1": float(ps[0][tok]), "margin": float(ps[0][tok] - ps[0][second]),
+                      "second": second, "top1": [int(np.argmax(q)) for q in ps[1:]]})
+        if len(steps) >= max_new:
+            return steps
+        ps = [probs(e.step_with_logits([tok], 0.0, 1.0)[1][0]) for e in engines]
+
+
+def parting(steps: list[dict], k: int) -> dict | None:
+    """Where the ``k``-th other engine of :func:`lockstep_margins` (0-based) first parts from full KV's reply:
+    {"step", "margin" (full KV's there), "second_choice" (it took full KV's second token)}; None if it never does."""
+    for t, s in enumerate(steps):
+        if s["top1"][k] != s["token"]:
+            return {"step": t, "margin": s["margin"], "second_choice": s["top1"][k] == s["second"]}
+    return None
