@@ -15,7 +15,9 @@ of every file under params/, checked before a load restores them (:mod:`hetero_j
 
 Everything is written into a hidden temporary sibling of OUT_DIR that is
 renamed into place at the very end, so a failed or killed write never leaves a
-half-written OUT_DIR behind.
+half-written OUT_DIR behind. Every file and directory of it is fsynced before
+the rename and OUT_DIR's parent after, so the rename cannot outlive its data in
+a power loss or kernel crash.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError, ConfigError, OutputError, read_json
-from hetero_jax.io.files import dir_problem, path_inside
+from hetero_jax.io.files import dir_problem, path_inside, sync_dir, sync_tree
 from hetero_jax.io.params_store import DIGESTS_KEY, check_digests, digest_record, restore_tree, save_tree
 
 FORMAT_VERSION = 1
@@ -269,6 +271,8 @@ def save_checkpoint(out_dir: str | os.PathLike, config: ModelConfig, params: dic
         # Written last: its presence marks a complete checkpoint (see is_checkpoint).
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(info, f, indent=2)
+        # The whole tree, params/ included: one fsync per file (nothing is read again), then the directories.
+        sync_tree(tmp)
 
         if os.path.lexists(target):
             # Checked again: it may have appeared or been filled while we were converting.
@@ -295,11 +299,19 @@ def save_checkpoint(out_dir: str | os.PathLike, config: ModelConfig, params: dic
             raise OutputError(f"output directory {out_dir}: writing the checkpoint failed ({e.strerror or e}); "
                               f"{kept}. Free space or choose another OUT_DIR") from e
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.lexists(old):
-            warnings.warn(f"the new checkpoint is in {out_dir}, but the one it replaced could not be deleted "
-                          f"from {old}; delete it yourself", RuntimeWarning, stacklevel=2)
+    # The rename's directory, and each parent this call created in the one above it.
+    folders = [parent]
+    while created_top is not None and folders[-1] != os.path.dirname(created_top):
+        folders.append(os.path.dirname(folders[-1]))
+    try:
+        for folder in folders:
+            sync_dir(folder, f"output directory {out_dir}")
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+            if os.path.lexists(old):
+                warnings.warn(f"the new checkpoint is in {out_dir}, but the one it replaced could not be deleted "
+                              f"from {old}; delete it yourself", RuntimeWarning, stacklevel=2)
     return out_dir
 
 
@@ -310,16 +322,20 @@ def _as_list(x):
     return list(x)
 
 
-def load_params(path: str | os.PathLike, *, verify: bool = True, fix: str = RECONVERT) -> dict:
+def load_params(path: str | os.PathLike, *, verify: bool = True, fix: str = RECONVERT,
+                meta: dict | None = None) -> dict:
     """Restore the params pytree (numpy arrays) from ``path/params``.
 
     ``verify``: first check every file under params/ against the sizes and digests hetero_jax.json recorded at
     save (a checkpoint written before they were recorded has none to check); False skips the check, which reads
-    every file once more. ``fix``: what a CheckpointError for a damaged checkpoint tells the user to do."""
+    every file once more. ``fix``: what a CheckpointError for a damaged checkpoint tells the user to do.
+    ``meta``: hetero_jax.json's object when the caller already read it (:func:`read_meta`), else it is read."""
     path = os.path.abspath(os.fspath(path))
     pdir = os.path.join(path, PARAMS_DIR)
     if verify:
-        check_digests(pdir, read_meta(path, fix=fix), os.path.join(path, META_FILE), fix)
+        if meta is None:
+            meta = read_meta(path, fix=fix)
+        check_digests(pdir, meta, os.path.join(path, META_FILE), fix)
     try:
         tree = restore_tree(pdir)
     except Exception as e:
@@ -362,12 +378,12 @@ def load_checkpoint(path: str | os.PathLike, dtype: str | None = None, *, verify
     from hetero_jax.io.tokenizer import Tokenizer
 
     path = os.path.abspath(os.fspath(path))
-    read_meta(path, fix=fix)
+    meta = read_meta(path, fix=fix)
     cfg_path = os.path.join(path, "config.json")
     config = ModelConfig.from_hf_dict(read_json(cfg_path, ConfigError, missing=f"no config.json in {path}; {fix}",
                                                 fix=f"the checkpoint is corrupt, {fix}"))
     tokenizer = Tokenizer.from_dir(path, fix=f"the checkpoint is corrupt, {fix}")
-    params = load_params(path, verify=verify, fix=fix)
+    params = load_params(path, verify=verify, fix=fix, meta=meta)
     check_params(config, params)
     target = np_dtype(dtype) if dtype is not None else None
 

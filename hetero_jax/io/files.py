@@ -2,7 +2,9 @@
 would replace one of the command's inputs, another of its outputs or a file it did not write (a user's file:
 :mod:`hetero_jax.io.own_outputs`), or that cannot be written, and
 :func:`atomic_path` / :func:`write_text` / :func:`write_bytes` write an output whole or not at all (a temporary
-sibling renamed into place), so a failed or killed write never leaves a truncated file over a good one.
+sibling renamed into place), so a failed or killed write never leaves a truncated file over a good one. The
+data is fsynced before the rename and the directory after it (:func:`sync_file`, :func:`sync_dir`,
+:func:`sync_tree`), so a power loss or kernel crash cannot leave the rename on disk without the data.
 
 Only the standard library, ``hetero_jax.errors`` and ``hetero_jax.io.own_outputs`` are imported: every layer
 may use this module.
@@ -11,6 +13,7 @@ may use this module.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -156,6 +159,57 @@ def _umask() -> int:
     return mask
 
 
+# fsync errors meaning "this file system cannot sync" (not a failed write): nothing more can be done there
+_NO_SYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+
+
+def _sync(path: str, *, folder: bool = False) -> None:
+    """fsync the file or directory ``path``; a directory the OS will not open (Windows) and a file system that
+    cannot sync are skipped, any other failure (EIO) raised."""
+    try:
+        # Windows flushes only a handle open for writing, and opens no directory
+        fd = os.open(path, os.O_RDWR if os.name == "nt" and not folder else os.O_RDONLY)
+    except OSError:
+        if folder:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _NO_SYNC:
+            raise
+    finally:
+        os.close(fd)
+
+
+def sync_file(path: PathLike) -> None:
+    """fsync the written (closed) file ``path`` before it is renamed into place, so a rename that reaches the
+    disk never names data that did not (a zero-length file over a good one after a power loss)."""
+    _sync(os.fspath(path))
+
+
+def sync_tree(path: PathLike) -> None:
+    """fsync every file under the directory ``path``, then every directory (``path`` last), before the tree is
+    renamed into place. One fsync each; nothing is read."""
+    for root, _, names in os.walk(os.fspath(path), topdown=False):
+        for n in names:
+            full = os.path.join(root, n)
+            if not os.path.islink(full):
+                _sync(full)
+        _sync(root, folder=True)
+
+
+def sync_dir(path: PathLike, shown: str) -> None:
+    """fsync the directory ``path`` after a rename into it, so the rename survives a crash (skipped where the OS
+    opens no directory). ``shown``: what was renamed, for the OutputError when the disk fails the sync."""
+    try:
+        _sync(os.fspath(path), folder=True)
+    except OSError as e:
+        raise OutputError(f"{shown} was written, but flushing its directory {os.fspath(path)} to disk failed "
+                          f"({e.strerror or e}), so a crash or power loss may still lose it; check the disk, then "
+                          "write it again") from e
+
+
 @contextlib.contextmanager
 def atomic_path(path: PathLike, flag: str = "output", *, updating: bool = False,
                 kind: str | None = None) -> Iterator[str]:
@@ -166,7 +220,8 @@ def atomic_path(path: PathLike, flag: str = "output", *, updating: bool = False,
     do. The file gets ``path``'s permissions when it exists, else the umask's (not mkstemp's private 0600). A
     symlink's target is replaced; a device or FIFO (``/dev/null``) is yielded as is, to be written in place.
     ``path`` is checked first (:func:`check_output_path`, ``updating`` and ``kind`` passed on: a writer names
-    the format it writes, so it never replaces another kind of output of ours)."""
+    the format it writes, so it never replaces another kind of output of ours). The written file is fsynced
+    before the rename and its directory after (the writer need not sync it)."""
     real = check_output_path(path, flag, updating=updating, kind=kind)
     if os.path.exists(real) and not os.path.isfile(real):
         yield real
@@ -178,6 +233,7 @@ def atomic_path(path: PathLike, flag: str = "output", *, updating: bool = False,
         yield tmp
         mode = stat.S_IMODE(os.stat(real).st_mode) if os.path.isfile(real) else 0o666 & ~_umask()
         os.chmod(tmp, mode)
+        sync_file(tmp)
         os.replace(tmp, real)
     except BaseException as e:
         with contextlib.suppress(OSError):
@@ -186,6 +242,7 @@ def atomic_path(path: PathLike, flag: str = "output", *, updating: bool = False,
             raise OutputError(f"{flag} {os.fspath(path)}: writing it failed ({e.strerror or e}); "
                               f"{os.fspath(path)} was not changed") from e
         raise
+    sync_dir(folder, f"{flag} {os.fspath(path)}")
 
 
 def write_bytes(path: PathLike, data: bytes, flag: str = "output", *, updating: bool = False,

@@ -109,6 +109,27 @@ def _raise_exception(message: str):
     raise TemplateError(message)
 
 
+def compile_chat_template(source: str):
+    """The jinja ``Template`` of the chat-template text ``source``, in the environment transformers uses for chat
+    templates (so prompts match byte for byte). Nothing is rendered. A syntax error, or a filter or test the
+    environment lacks outside a conditional block, is a ``jinja2.TemplateSyntaxError``; one inside an ``{% if %}``
+    fails only when that branch renders, as in transformers (a branch a prompt never takes, e.g. tools, must not
+    make the whole template unusable)."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def jinja_problem(e) -> str:
+    """What a ``jinja2.TemplateSyntaxError`` says of the template, to follow "the chat template"."""
+    return f"is not valid Jinja (line {e.lineno}: {e.message})"
+
+
 def template_error(problem: str) -> PromptError:
     """The error for a chat template that cannot render a prompt: the problem and both ways out."""
     return PromptError(f"the checkpoint's chat template {problem}; pass chat=False (CLI: --no-chat) to use the "
@@ -187,7 +208,8 @@ class Tokenizer:
     def from_dir(cls, path: str | os.PathLike, *, fix: str = DAMAGED_FIX) -> "Tokenizer":
         """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``,
         ``special_tokens_map.json``, ``config.json``, ``generation_config.json``) as transformers reads them.
-        ``fix``: what the CheckpointError for a damaged file tells the user to do."""
+        ``fix``: what the CheckpointError for a damaged file tells the user to do. The chat template is compiled
+        (not rendered) and kept: a broken one is a CheckpointError naming its file."""
         from tokenizers import Tokenizer as _HFTokenizer
 
         path = os.fspath(path)
@@ -224,8 +246,24 @@ class Tokenizer:
                 extra_eos += [] if e is None else list(e) if isinstance(e, list) else [e]
                 if bos_id is None:
                     bos_id = cfg.get("bos_token_id")
-        return cls(backend, tokenizer_config=tc, chat_template=template,
-                   extra_eos_token_ids=extra_eos, bos_token_id=bos_id)
+        tok = cls(backend, tokenizer_config=tc, chat_template=template,
+                  extra_eos_token_ids=extra_eos, bos_token_id=bos_id)
+        if tok.chat_template:
+            # Compiled now (and kept for the renders): a broken template is refused at load, naming its file,
+            # not at the first prompt
+            from jinja2 import TemplateSyntaxError
+
+            try:
+                tok._template_fn = compile_chat_template(tok.chat_template)
+            except TemplateSyntaxError as e:
+                if template is not None:  # chat_template.jinja won
+                    where, what = jinja_path, "the checkpoint's chat_template.jinja"
+                else:
+                    where = f"{tc_path}'s chat_template"
+                    what = "chat_template in the checkpoint's tokenizer_config.json"
+                raise CheckpointError(f"the checkpoint's chat template {jinja_problem(e)}, in {where}; fix {what}, or "
+                                      "remove it and pass chat=False (CLI: --no-chat) to use the raw prompt") from None
+        return tok
 
     # ------------------------------------------------------------------- basics
     @property
@@ -274,20 +312,14 @@ class Tokenizer:
 
     # ------------------------------------------------------------ chat template
     def _compiled_template(self):
+        """The chat template compiled (once: at load by :meth:`from_dir`, else at the first render)."""
         if self._template_fn is None:
             from jinja2 import TemplateSyntaxError
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            # The environment transformers uses for chat templates, so prompts match byte for byte.
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = _strftime_now
             try:
-                self._template_fn = env.from_string(self.chat_template)
+                self._template_fn = compile_chat_template(self.chat_template)
             except TemplateSyntaxError as e:
-                raise template_error(f"is not valid Jinja (line {e.lineno}: {e.message})") from None
+                raise template_error(jinja_problem(e)) from None
         return self._template_fn
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:

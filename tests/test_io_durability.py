@@ -1,0 +1,279 @@
+"""Writes that survive a crash (the data fsynced before its rename, the directory after), chat templates
+compiled when the tokenizer is loaded, and a checkpoint load that reads hetero_jax.json once."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from hetero_jax.errors import CheckpointError, OutputError, PromptError
+from hetero_jax.io import checkpoint
+from hetero_jax.io.checkpoint import META_FILE, load_checkpoint, save_checkpoint
+from hetero_jax.io.files import atomic_path, write_bytes, write_text
+from hetero_jax.io.tokenizer import Tokenizer
+from hetero_jax.model import spec
+from hetero_jax.model.config import ModelConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hf_fixtures import CHAT_TEMPLATE, VOCAB_SIZE, make_tokenizer_files  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names a synced fd by /proc/self/fd")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The log of os.fsync (by the synced file's path), os.replace and os.rename calls, in order."""
+    log = []
+    fsync, replace, rename = os.fsync, os.replace, os.rename
+
+    def logged_fsync(fd):
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def logged(kind, fn):
+        def call(src, dst, *a, **k):
+            log.append((kind, os.fspath(src), os.fspath(dst)))
+            return fn(src, dst, *a, **k)
+        return call
+
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    monkeypatch.setattr(os, "replace", logged("replace", replace))
+    monkeypatch.setattr(os, "rename", logged("rename", rename))
+    return log
+
+
+# ------------------------------------------------------------------------------------------- atomic writes
+def _with_atomic_path(path, data):
+    with atomic_path(path) as tmp:  # a writer that opens and closes the file itself
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+
+@pytest.mark.parametrize("write", [write_bytes, lambda p, d: write_text(p, d.decode()), _with_atomic_path])
+def test_an_atomic_write_syncs_the_file_before_the_rename_and_the_directory_after(tmp_path, calls, write,
+                                                                                   monkeypatch):
+    target = tmp_path / "out.json"
+    seen = []  # what each synced fd held when it was synced
+    logged_fsync = os.fsync
+
+    def reading_fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        seen.append(None if os.path.isdir(path) else open(path, "rb").read())
+        logged_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", reading_fsync)
+    write(target, b'{"new": 2}')
+    assert len(calls) == 3, calls
+    tmp = calls[1][1]
+    folder = os.path.realpath(tmp_path)
+    assert calls == [("fsync", tmp), ("replace", tmp, os.path.join(folder, "out.json")), ("fsync", folder)]
+    assert os.path.dirname(tmp) == folder and os.path.basename(tmp).startswith(".out.json.")
+    assert seen == [b'{"new": 2}', None]  # the data was written before it was synced
+    assert target.read_bytes() == b'{"new": 2}'
+
+
+def test_a_directory_the_os_will_not_open_is_skipped(tmp_path, calls, monkeypatch):
+    """Windows opens no directory: the file is still synced, the directory sync is skipped, the write succeeds."""
+    real_open = os.open
+
+    def no_dirs(path, flags, *a, **k):
+        if os.path.isdir(path):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", no_dirs)
+    write_text(tmp_path / "out.txt", "hi")
+    assert [c[0] for c in calls] == ["fsync", "replace"]
+    assert (tmp_path / "out.txt").read_text() == "hi"
+
+
+def test_a_failed_sync_of_the_data_leaves_the_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "out.txt"
+    target.write_text("old")  # a file the writer updates (RESULTS.md): it need not be an output of ours
+
+    def eio(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", eio)
+    with pytest.raises(OutputError) as ei:
+        write_text(target, "new", updating=True)
+    assert str(ei.value) == f"output {target}: writing it failed (Input/output error); {target} was not changed"
+    assert target.read_text() == "old"
+    assert os.listdir(tmp_path) == ["out.txt"]  # the temporary file is gone
+
+
+def test_a_failed_sync_of_the_directory_says_the_file_may_not_last(tmp_path, monkeypatch):
+    real_fsync = os.fsync
+
+    def eio_on_dirs(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", eio_on_dirs)
+    target = tmp_path / "out.txt"
+    with pytest.raises(OutputError) as ei:
+        write_text(target, "new", "--out")
+    folder = os.path.realpath(tmp_path)
+    assert str(ei.value) == (f"--out {target} was written, but flushing its directory {folder} to disk failed "
+                             "(Input/output error), so a crash or power loss may still lose it; check the disk, "
+                             "then write it again")
+
+
+def test_a_file_system_that_cannot_sync_is_written_anyway(tmp_path, monkeypatch):
+    def einval(fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", einval)
+    write_text(tmp_path / "out.txt", "new")
+    assert (tmp_path / "out.txt").read_text() == "new"
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def _tiny():
+    cfg = ModelConfig(architecture="llama", vocab_size=VOCAB_SIZE, hidden_size=16, intermediate_size=32,
+                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5,
+                      max_position_embeddings=64, eos_token_ids=(0,))
+    return cfg, spec.init_params(cfg, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    make_tokenizer_files(d)
+    return d
+
+
+def test_a_checkpoint_is_synced_whole_before_its_rename_and_its_parents_after(tmp_path, tok_files, calls):
+    cfg, params = _tiny()
+    out = tmp_path / "a" / "b" / "ck"  # a and b are created
+    save_checkpoint(out, cfg, params, tokenizer_dir_or_files=tok_files)
+    root = os.path.realpath(tmp_path)
+    target = os.path.join(root, "a", "b", "ck")
+    commit = [i for i, c in enumerate(calls) if c[0] in ("rename", "replace") and c[2] == target]
+    assert len(commit) == 1, calls
+    tmp = calls[commit[0]][1]
+    before = [c[1] for c in calls[:commit[0]] if c[0] == "fsync"]
+    written = []
+    for r, dirs, names in os.walk(target):
+        rel = os.path.relpath(r, target)
+        written += [os.path.normpath(os.path.join(tmp, rel, n)) for n in names]
+        written.append(os.path.normpath(os.path.join(tmp, rel)))
+    assert sorted(before) == sorted(written)  # every file and directory of the tree, each once
+    assert before[-1] == tmp  # the tree's directories after their files
+    assert os.path.join(tmp, META_FILE) in before and os.path.join(tmp, "params") in before
+    after = [c[1] for c in calls[commit[0]:] if c[0] == "fsync"]
+    assert after == [os.path.join(root, "a", "b"), os.path.join(root, "a"), root]
+
+
+# ----------------------------------------------------------------------------------------- chat templates
+def _tok_dir(tmp_path, template, jinja: str | None = None):
+    d = tmp_path / "tok"
+    d.mkdir()
+    make_tokenizer_files(d)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    if jinja is not None:
+        (d / "chat_template.jinja").write_text(jinja)
+    return d
+
+
+def test_a_template_that_does_not_compile_is_refused_at_load(tmp_path):
+    d = _tok_dir(tmp_path, "{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(CheckpointError) as ei:
+        Tokenizer.from_dir(d)
+    assert str(ei.value) == (
+        f"the checkpoint's chat template is not valid Jinja (line 1: unexpected '}}'), in "
+        f"{d / 'tokenizer_config.json'}'s chat_template; fix chat_template in the checkpoint's "
+        "tokenizer_config.json, or remove it and pass chat=False (CLI: --no-chat) to use the raw prompt")
+
+
+def test_an_unknown_filter_is_refused_at_load_naming_the_jinja_file(tmp_path):
+    d = _tok_dir(tmp_path, CHAT_TEMPLATE, jinja="{% for m in messages %}\n{{ m['content'] | shout }}{% endfor %}")
+    with pytest.raises(CheckpointError) as ei:
+        Tokenizer.from_dir(d)
+    assert str(ei.value) == (
+        f"the checkpoint's chat template is not valid Jinja (line 2: No filter named 'shout'.), in "
+        f"{d / 'chat_template.jinja'}; fix the checkpoint's chat_template.jinja, or remove it and pass chat=False "
+        "(CLI: --no-chat) to use the raw prompt")
+
+
+def test_an_unknown_filter_in_a_branch_loads_and_fails_only_where_it_renders(tmp_path):
+    """As in transformers: a template whose tools branch is broken still serves prompts without tools."""
+    d = _tok_dir(tmp_path, "{% if tools %}{{ tools | shout }}{% endif %}[{{ messages[0]['content'] }}]")
+    tok = Tokenizer.from_dir(d)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[hi]"
+    with pytest.raises(PromptError, match="shout"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[{"name": "f"}])
+
+
+def test_the_template_is_compiled_once_at_load_and_nothing_rendered(tmp_path, monkeypatch):
+    from jinja2.environment import Environment, Template
+
+    compiled, rendered = [], []
+    compile_, render = Environment.compile, Template.render
+    monkeypatch.setattr(Environment, "compile", lambda self, *a, **k: (compiled.append(1), compile_(self, *a, **k))[1])
+    monkeypatch.setattr(Template, "render", lambda self, *a, **k: (rendered.append(1), render(self, *a, **k))[1])
+    tok = Tokenizer.from_dir(_tok_dir(tmp_path, CHAT_TEMPLATE))
+    assert (len(compiled), len(rendered)) == (1, 0)
+    hi = [{"role": "user", "content": "hi"}]
+    for _ in range(2):
+        assert tok.apply_chat_template(hi) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (len(compiled), len(rendered)) == (1, 2)
+
+
+def test_load_checkpoint_refuses_a_broken_template_before_any_weight_is_restored(tmp_path, tok_files, monkeypatch):
+    cfg, params = _tiny()
+    ck = save_checkpoint(tmp_path / "ck", cfg, params, tokenizer_dir_or_files=tok_files)
+    with open(os.path.join(ck, "chat_template.jinja"), "w") as f:
+        f.write("{{ messages[0]['content'] | shout }}")
+
+    def boom(*a, **k):
+        raise AssertionError("params were restored")
+
+    monkeypatch.setattr(checkpoint, "restore_tree", boom)
+    with pytest.raises(CheckpointError, match=r"^the checkpoint's chat template is not valid Jinja \(line 1: No "
+                                              r"filter named 'shout'\.\), in .*chat_template\.jinja; "):
+        load_checkpoint(ck)
+
+
+# ------------------------------------------------------------------------------------------ hetero_jax.json
+def test_load_checkpoint_reads_hetero_jax_json_once(tmp_path, tok_files, monkeypatch):
+    cfg, params = _tiny()
+    ck = save_checkpoint(tmp_path / "ck", cfg, params, tokenizer_dir_or_files=tok_files)
+    reads = []
+    read_json = checkpoint.read_json
+
+    def counted(path, *a, **k):
+        reads.append(os.path.basename(path))
+        return read_json(path, *a, **k)
+
+    monkeypatch.setattr(checkpoint, "read_json", counted)
+    opened = []
+    real_open = open
+
+    def counted_open(path, *a, **k):
+        opened.append(os.path.basename(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else path)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", counted_open)
+    _, loaded, _ = load_checkpoint(ck)
+    monkeypatch.undo()
+    assert reads.count(META_FILE) == 1 and opened.count(META_FILE) == 1, (reads, opened)
+    np.testing.assert_array_equal(np.asarray(loaded["embed"]), params["embed"])
+    # the digests are still checked, against the one read
+    data = max((os.path.join(r, n) for r, _, ns in os.walk(os.path.join(ck, "params")) for n in ns),
+               key=os.path.getsize)
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match="does not match the sha256 digest hetero_jax.json recorded"):
+        load_checkpoint(ck)
