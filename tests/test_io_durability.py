@@ -20,7 +20,7 @@ from hetero_jax.model import spec
 from hetero_jax.model.config import ModelConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_fixtures import CHAT_TEMPLATE, VOCAB_SIZE, make_tokenizer_files  # noqa: E402
+from hf_fixtures import CHAT_TEMPLATE, VOCAB_SIZE, convert_refused, make_tokenizer_files  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names a synced fd by /proc/self/fd")
 
@@ -277,3 +277,20 @@ def test_load_checkpoint_reads_hetero_jax_json_once(tmp_path, tok_files, monkeyp
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CheckpointError, match="does not match the sha256 digest hetero_jax.json recorded"):
         load_checkpoint(ck)
+
+
+# ------------------------------------------------------------------------------------------ the converter
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json", "named default"])
+def test_the_converter_refuses_a_template_every_load_would_refuse(hf, tmp_path, capsys, no_weights_read, where):
+    broken = "{% for m in messages %}{{ m['content'] }"
+    if where == "chat_template.jinja":
+        (hf / where).write_text(broken)
+        shown = str(hf / where)
+    else:
+        tc = json.loads((hf / "tokenizer_config.json").read_text())
+        tc["chat_template"] = broken if where == "tokenizer_config.json" else [
+            {"name": "tool_use", "template": "{{ tools }}"}, {"name": "default", "template": broken}]
+        (hf / "tokenizer_config.json").write_text(json.dumps(tc))
+        shown = f"{hf / 'tokenizer_config.json'}'s chat_template"
+    convert_refused([hf, tmp_path / "ck"], tmp_path, capsys,
+                    f"the checkpoint's chat template is not valid Jinja (line 1: unexpected '}}'), in {shown}; fix ")

@@ -130,6 +130,19 @@ def jinja_problem(e) -> str:
     return f"is not valid Jinja (line {e.lineno}: {e.message})"
 
 
+def checked_chat_template(source: str, where: str, what: str):
+    """:func:`compile_chat_template` of ``source``; one that does not compile is a CheckpointError naming
+    ``where`` it came from and ``what`` to fix (the loader's and the converter's check, so a checkpoint is never
+    written with a template that every load refuses)."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        return compile_chat_template(source)
+    except TemplateSyntaxError as e:
+        raise CheckpointError(f"the checkpoint's chat template {jinja_problem(e)}, in {where}; fix {what}, or "
+                              "remove it and pass chat=False (CLI: --no-chat) to use the raw prompt") from None
+
+
 def template_error(problem: str) -> PromptError:
     """The error for a chat template that cannot render a prompt: the problem and both ways out."""
     return PromptError(f"the checkpoint's chat template {problem}; pass chat=False (CLI: --no-chat) to use the "
@@ -248,21 +261,12 @@ class Tokenizer:
                     bos_id = cfg.get("bos_token_id")
         tok = cls(backend, tokenizer_config=tc, chat_template=template,
                   extra_eos_token_ids=extra_eos, bos_token_id=bos_id)
-        if tok.chat_template:
-            # Compiled now (and kept for the renders): a broken template is refused at load, naming its file,
-            # not at the first prompt
-            from jinja2 import TemplateSyntaxError
-
-            try:
-                tok._template_fn = compile_chat_template(tok.chat_template)
-            except TemplateSyntaxError as e:
-                if template is not None:  # chat_template.jinja won
-                    where, what = jinja_path, "the checkpoint's chat_template.jinja"
-                else:
-                    where = f"{tc_path}'s chat_template"
-                    what = "chat_template in the checkpoint's tokenizer_config.json"
-                raise CheckpointError(f"the checkpoint's chat template {jinja_problem(e)}, in {where}; fix {what}, or "
-                                      "remove it and pass chat=False (CLI: --no-chat) to use the raw prompt") from None
+        if tok.chat_template:  # compiled now and kept for the renders: a broken one is refused at load
+            jinja = template is not None
+            tok._template_fn = checked_chat_template(
+                tok.chat_template, jinja_path if jinja else f"{tc_path}'s chat_template",
+                "the checkpoint's chat_template.jinja" if jinja else
+                "chat_template in the checkpoint's tokenizer_config.json")
         return tok
 
     # ------------------------------------------------------------------- basics
