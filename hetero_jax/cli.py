@@ -25,7 +25,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string (repeatable); a special token's text, e.g. '<|im_end|>', also stops at that "
+                        "token")
     p.add_argument("--no-chat", action="store_true", help="do not apply the checkpoint's chat template")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: checkpoint's)")
     p.add_argument("--no-stream", action="store_true", help="print the answer at the end instead of streaming it")
@@ -390,11 +392,13 @@ def _cmd_generate(args, setup) -> int:
 
 
 def _run_turns(args, model, context: str, policy, stream: bool, questions: list[str]) -> int:
+    from hetero_jax.runtime.prompts import stop_token_ids
     from hetero_jax.runtime.session import Session, check_turns_fit
 
     # every question against the context before the session prefills anything: a line that cannot fit is
-    # refused now, not after the turns before it were answered
+    # refused now, not after the turns before it were answered; so is a --stop that could never match
     check_turns_fit(model, context, questions, chat=not args.no_chat)
+    stop_token_ids(model.tokenizer, args.stop or [])
     sess = Session(model, context, policy, chat=not args.no_chat, seed=args.seed)
     for i, q in enumerate(questions, 1):
         print(f"[turn {i}] {q}")

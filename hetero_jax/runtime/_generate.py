@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 from hetero_jax.errors import PromptError
 from hetero_jax.runtime.compile_cache import TAIL_START, tail_capacity_for
 from hetero_jax.runtime.engine import Engine, decode_loop, make_results
-from hetero_jax.runtime.prompts import as_token_batches, check_flag, check_model, check_request
+from hetero_jax.runtime.prompts import as_token_batches, check_flag, check_model, check_request, stop_token_ids
 
 
 def generate(
@@ -28,14 +28,17 @@ def generate(
     ``prompt``: a string, a list of strings (a batch), token ids, or a list of
     token-id lists (``chat`` applies the chat template to text; token ids are used as given). ``policy``: a policy object (the engine refuses None; ``hetero_jax.generate``, above
     policies/, fills in full KV for it). Greedy at temperature 0 (or below ``sampling.GREEDY_BELOW``).
-    Each prompt stops at EOS, at any ``stop`` string, after ``max_new_tokens`` or at the end of the context
-    (its own, as if alone). ``on_token(text_delta)`` streams a single prompt's new text: held back while it
-    could still become a stop string or ends inside a character, so the deltas joined are the result's text.
+    Each prompt stops at EOS, at any ``stop`` string (one that is a special token's text, e.g. "<|im_end|>",
+    also at that token, which the answer leaves out as it does EOS), after ``max_new_tokens`` or at the end of
+    the context (its own, as if alone). ``on_token(text_delta)`` streams a single prompt's new text: held back
+    while it could still become a stop string or ends inside a character, so the deltas joined are the result's
+    text.
     Returns a :class:`GenerationResult` (a list of them for a batch).
     """
     stops = check_request(max_new_tokens, temperature, top_p, seed=seed, stop=stop, on_token=on_token)
     check_flag("chat", chat)
     check_model(model)
+    stop_token_ids(model.tokenizer, stops)  # refuses, before any compute, a stop string that could never match
     batch, is_batch = as_token_batches(model, prompt, chat)
     if on_token is not None and is_batch:
         raise PromptError("on_token streams a single prompt; pass one prompt or on_token=None")

@@ -26,7 +26,7 @@ from hetero_jax.model.sharding import (DATA, batch_sharding, committed, keep_pla
                                        to_host)
 from hetero_jax.runtime import heap
 from hetero_jax.runtime.compile_cache import MAX_CHUNK, TAIL_QUANTUM, chunk_bucket, compile_seconds, compiled, round_up
-from hetero_jax.runtime.prompts import check_model, validate_ids
+from hetero_jax.runtime.prompts import check_model, stop_token_ids, validate_ids
 from hetero_jax.runtime.results import GenerationResult, GenerationStats
 from hetero_jax.runtime.sampling import draw_key, sample, sampling_mode
 from hetero_jax.runtime.streaming import AnswerStream
@@ -424,11 +424,14 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int
     """Accept sampled tokens and step until every sequence has ended (EOS, a stop string or its budget).
     Returns per-sequence outputs.
 
+    A stop string is matched in the answer's text; one that is a special token's whole text (which decoding
+    leaves out of the text) also by that token, which ends the answer as EOS does, with the stop reason "stop".
+
     ``budget``: the most tokens each sequence takes, per sequence or one for all. A sequence that reaches it
     stops with "max_new_tokens", or "context" when its budget is below ``max_new_tokens`` (the context's room
     set it); the others go on. ``on_token(delta)`` (a single sequence) gets, once per accepted token (and once
-    more at EOS if text was held back), the new text no later token can change (``AnswerStream``): joined, the
-    answer's text.
+    more at EOS or a stop token if text was held back), the new text no later token can change
+    (``AnswerStream``): joined, the answer's text.
 
     ``pipelined``: each step is dispatched before the previous step's tokens are read back (it takes them on
     the device), so the host's work for a step (hooks, dispatch, a GPU's launch) overlaps the device's work
@@ -437,6 +440,7 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int
     ``decode_s``: per step, the wall seconds until its tokens were on the host (compiles excluded)."""
     tok = engine.model.tokenizer
     eos = set(tok.eos_token_ids) | set(engine.cfg.eos_token_ids)
+    stop_ids = stop_token_ids(tok, stops)
     B = len(next_tok)
     budgets = [int(budget)] * B if np.ndim(budget) == 0 else [int(b) for b in budget]
     limits = ["context" if max_new_tokens is not None and b < max_new_tokens else "max_new_tokens" for b in budgets]
@@ -449,8 +453,8 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int
     def accept(i: int, t: int) -> None:
         if done[i]:
             return
-        if t in eos:
-            done[i], reasons[i] = True, "eos"
+        if t in eos or t in stop_ids:  # EOS first: a stop string naming the EOS token ends at EOS, as before
+            done[i], reasons[i] = True, "eos" if t in eos else "stop"
             delta = streams[i].flush()
             if on_token is not None and delta:
                 on_token(delta)

@@ -3,6 +3,8 @@ arguments, the model bundle. Every refusal is a PromptError that names the probl
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from hetero_jax.errors import PromptError
@@ -92,6 +94,34 @@ def check_request(max_new_tokens, temperature, top_p, *, seed=0, stop=None, on_t
     if not (0.0 < top_p <= 1.0):
         raise PromptError(f"top_p must be in (0, 1], got {top_p}")
     return list(stops)
+
+
+def stop_token_ids(tok, stops: Sequence[str]) -> set[int]:
+    """The ids of the special tokens whose text is a whole stop string: decoding leaves special tokens out of
+    the answer's text, so such a stop ("<|im_end|>", "</s>") is matched by its token as well as by its text.
+
+    PromptError for a stop string that holds a special token's text among other text: its text is never in the
+    answer when the model generates that token, so it could not stop there.
+    """
+    special: dict[str, set[int]] = {}
+    backend = getattr(tok, "backend", None)  # a tokenizer-only stand-in (tests, benchmarks) has no added tokens
+    if backend is not None:
+        for i, t in backend.get_added_tokens_decoder().items():
+            if t.special and t.content:  # the added tokens ``decode`` skips; the others decode to their text
+                special.setdefault(t.content, set()).add(i)
+    ids: set[int] = set()
+    for s in stops:
+        if s in special:
+            ids |= special[s]
+            continue
+        inside = [(s.find(c), -len(c), c) for c in special if c in s]
+        if inside:
+            c = min(inside)[2]  # the first in the string, the longest there
+            raise PromptError(
+                f"the stop string {s!r} holds the special token {c!r} among other text; decoding leaves special "
+                f"tokens out of the answer's text, so it cannot match when the model generates {c!r}; pass {c!r} "
+                "alone as a stop string: it stops at that token")
+    return ids
 
 
 def check_model(model) -> None:

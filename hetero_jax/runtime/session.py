@@ -14,7 +14,7 @@ from hetero_jax.io.tokenizer import check_unicode
 from hetero_jax.runtime.compile_cache import compile_seconds
 from hetero_jax.runtime.engine import Engine, decode_loop, make_results
 from hetero_jax.runtime.prompts import (DEFAULT_RESERVE, check_model, check_request, check_session_args, question_ids,
-                                        session_reserve, token_list)
+                                        session_reserve, stop_token_ids, token_list)
 from hetero_jax.runtime.results import GenerationResult
 
 _MARKER = "\x00HETERO_JAX_TURN\x00"
@@ -73,11 +73,11 @@ class Transcript:
         ids = unfed + tok.encode(rendered[len(self.rendered):], add_special_tokens=False)  # the carry included
         return ids, dataclasses.replace(self, messages=msgs, rendered=rendered, unfed=(), carry="")
 
-    def answered(self, tok, answer_ids: list[int], at_eos: bool) -> "Transcript":
-        """The transcript once the answer ``answer_ids`` was generated (``at_eos``: it ended at EOS). The
-        answer is in the cache except its last token when it did not end at EOS: that one opens the next turn."""
+    def answered(self, tok, answer_ids: list[int], all_fed: bool) -> "Transcript":
+        """The transcript once the answer ``answer_ids`` was generated (``all_fed``: every answer token is in the
+        cache, as when it ended at EOS or a stop token). Otherwise its last token is not: it opens the next turn."""
         t = dataclasses.replace(self, turns=self.turns + 1,
-                                unfed=(answer_ids[-1],) if answer_ids and not at_eos else ())
+                                unfed=(answer_ids[-1],) if answer_ids and not all_fed else ())
         if self.chat and self.context_text is not None:
             answer = tok.decode(answer_ids)
             t = dataclasses.replace(t, messages=t.messages + ({"role": "assistant", "content": answer},),
@@ -134,7 +134,7 @@ def check_turns_fit(model, context, questions: Sequence, *, chat: bool = True) -
                 "one; shorten or drop that question (nothing was computed)"
             )
         used += len(q_ids)
-        t = t.answered(tok, [], at_eos=True)
+        t = t.answered(tok, [], all_fed=True)
 
 
 class Session:
@@ -199,6 +199,13 @@ class Session:
     def _unfed(self) -> list[int]:
         return list(self._t.unfed)
 
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens of the last answer not yet in the cache (0 or 1): the next turn feeds them first. An answer
+        that ended at EOS or at a special token a stop string names is all in the cache; one cut by its
+        token budget or a stop string's text leaves its last token to open the next turn."""
+        return len(self._t.unfed)
+
     def ask(self, question, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
             stop=None, on_token=None) -> GenerationResult:
         """Append ``question`` (text or token ids) and generate the answer."""
@@ -222,6 +229,7 @@ class Session:
             raise SessionError(self._lost)
         stops = check_request(max_new_tokens, temperature, top_p, stop=stop, on_token=on_token)
         eng, tok = self.engine, self.model.tokenizer
+        stop_token_ids(tok, stops)  # refuses, before any compute, a stop string that could never match
         eng.begin_call()  # the turn reports its own compiles (and, on the first turn, the context's prefill)
         ids, t = self._t.ask(tok, eng.cfg, question)
         room = eng.positions_left - len(ids)
@@ -266,8 +274,11 @@ class Session:
             eng.extend(ids[:-1])
         nxt, _ = eng.step(np.asarray(ids[-1:], np.int32), temperature, top_p)
         extend_s = time.perf_counter() - t0 - (compile_seconds() - before)  # compile excluded, as in decode
+        fed = eng.steps
         out_ids, texts, reasons, decode_s = decode_loop(eng, nxt, budget, temperature=temperature, top_p=top_p,
                                                          stops=stops, on_token=on_token, max_new_tokens=max_new_tokens)
         res = make_results(eng, out_ids, texts, reasons, decode_s, [self.context_tokens], extend_s)[0]
         res.stats = dataclasses.replace(res.stats, turn=t.turns + 1, turn_tokens=len(ids))
-        return res, t.answered(self.model.tokenizer, out_ids[0], reasons[0] == "eos")
+        # a decode step fed each token sampled before the last: every answer token is in the cache when the last
+        # one sampled is not the answer's (EOS, or a special token a stop string names: stop reason "stop")
+        return res, t.answered(self.model.tokenizer, out_ids[0], eng.steps - fed == len(out_ids[0]))

@@ -32,6 +32,7 @@ from hetero_jax.errors import ConfigError, SessionError
 from hetero_jax.model.cache import kv_bytes
 from hetero_jax.policies import BudgetError, FullKV, PolicyError
 from hetero_jax.runtime.compile_cache import tail_capacity_for
+from hetero_jax.runtime.prompts import stop_token_ids
 from hetero_jax.runtime.session import Session
 from hetero_jax.serve.metrics import SHORT_PROMPT
 from hetero_jax.serve.schema import RequestError
@@ -212,6 +213,7 @@ class Conversations:
         """Answer the conversation ``messages`` ((role, content), ...): resume the held one it extends, else
         start one. ``max_tokens``: the answer's cap (fewer when the context runs out). ``fit_short``: a new
         conversation too short for ``policy``'s budget starts at the least that fits (``fit_to_prompt``)."""
+        stop_token_ids(self.tok, sampling.stop)  # a stop that could never match: refused before any prefill
         owner = (user, policy)
         conv = self.store.take(owner, messages)
         if conv is not None:
@@ -277,7 +279,7 @@ class Conversations:
         if res.text == answer:
             conv.messages = tuple(messages) + (("assistant", answer),)
             conv.rendered = rendered + answer
-            conv.unfed = 0 if st.stop_reason == "eos" or not res.token_ids else 1
+            conv.unfed = sess.pending_tokens  # 0 after EOS or a stop token, else the last token
             # held with the rows it uses, not the room max_tokens reserved (the next turn reserves its own)
             sess.engine.trim(conv.unfed)
             conv.kv_device, conv.kv_host, conv.recalls = kv_bytes(sess.engine.cache), int(st.kv_bytes_host), recalls
