@@ -184,24 +184,21 @@ def _tok_dir(tmp_path, template, jinja: str | None = None):
     return d
 
 
-def test_a_template_that_does_not_compile_is_refused_at_load(tmp_path):
-    d = _tok_dir(tmp_path, "{% for m in messages %}{{ m['content'] }")
+@pytest.mark.parametrize("jinja, problem, where, what", [
+    (None, "unexpected '}'", "tokenizer_config.json's chat_template",
+     "chat_template in the checkpoint's tokenizer_config.json"),  # a syntax error
+    ("{% for m in messages %}\n{{ m['content'] | shout }}{% endfor %}", "No filter named 'shout'.",
+     "chat_template.jinja", "the checkpoint's chat_template.jinja"),  # an unknown filter outside a branch
+])
+def test_a_template_that_does_not_compile_is_refused_at_load_naming_its_file(tmp_path, jinja, problem, where, what):
+    d = _tok_dir(tmp_path, "{% for m in messages %}{{ m['content'] }" if jinja is None else CHAT_TEMPLATE,
+                 jinja=jinja)
+    line = 1 if jinja is None else 2
     with pytest.raises(CheckpointError) as ei:
         Tokenizer.from_dir(d)
     assert str(ei.value) == (
-        f"the checkpoint's chat template is not valid Jinja (line 1: unexpected '}}'), in "
-        f"{d / 'tokenizer_config.json'}'s chat_template; fix chat_template in the checkpoint's "
-        "tokenizer_config.json, or remove it and pass chat=False (CLI: --no-chat) to use the raw prompt")
-
-
-def test_an_unknown_filter_is_refused_at_load_naming_the_jinja_file(tmp_path):
-    d = _tok_dir(tmp_path, CHAT_TEMPLATE, jinja="{% for m in messages %}\n{{ m['content'] | shout }}{% endfor %}")
-    with pytest.raises(CheckpointError) as ei:
-        Tokenizer.from_dir(d)
-    assert str(ei.value) == (
-        f"the checkpoint's chat template is not valid Jinja (line 2: No filter named 'shout'.), in "
-        f"{d / 'chat_template.jinja'}; fix the checkpoint's chat_template.jinja, or remove it and pass chat=False "
-        "(CLI: --no-chat) to use the raw prompt")
+        f"the checkpoint's chat template is not valid Jinja (line {line}: {problem}), in {d / where}; fix {what}, "
+        "or remove it and pass chat=False (CLI: --no-chat) to use the raw prompt")
 
 
 def test_an_unknown_filter_in_a_branch_loads_and_fails_only_where_it_renders(tmp_path):
