@@ -5,8 +5,9 @@ SmolLM2-135M, batch 1, greedy; the cases, prompts and answer prefixes of ``bench
 shared prefill per case (``harness.prefill.build_engines``). Full KV answers greedily and every other policy is fed
 full KV's tokens in lockstep (``harness.task_cases.lockstep_margins``: each policy's decode hooks run, so
 HeteroCache's drift checks and recalls happen), so a policy's own greedy answer equals full KV's up to the first
-step where its top-1 differs: the *parting* step (``parting``). At every step full KV's *margin* is its top-1
-probability minus its second choice's.
+step where its top-1 differs: the *parting* step (``parting``). Full KV's EOS is a step too: a policy that would
+go on where full KV stops parts there. At every step full KV's *margin* is its top-1 probability minus its second
+choice's.
 
 Reported per policy: teacher-forced top-1 agreement with full KV's token, binned by full KV's margin there; the
 cases whose answer parts from full KV's, full KV's margin at each parting, and how often the policy took full KV's
@@ -97,7 +98,7 @@ def run(args) -> dict:
         bar.set_postfix_str(f"lockstep decode, {len(active)} caches")
         steps = lockstep_margins(engines, case.max_new_tokens, eos)
         del engines
-        full_text = tok.decode([s["token"] for s in steps])
+        full_text = tok.decode([s["token"] for s in steps if not s.get("eos")])
         for k, j in enumerate(active[1:]):
             part = parting(steps, k)
             if part is not None:

@@ -41,7 +41,7 @@ def test_lockstep_feeds_full_kvs_tokens_and_records_margins_and_partings():
     full_p = [[0.1, 0.6, 0.2, 0.05, 0.05],  # token 1, margin 0.4, second 2
               [0.45, 0.05, 0.4, 0.05, 0.05],  # token 0, margin 0.05, second 2
               [0.05, 0.05, 0.1, 0.7, 0.1],  # token 3, margin 0.6, second 2 (ties with EOS broken by index)
-              [0.05, 0.05, 0.05, 0.05, 0.8]]  # EOS: not kept
+              [0.05, 0.05, 0.05, 0.05, 0.8]]  # EOS: a last record, not part of the reply
     other_p = [[0.1, 0.6, 0.2, 0.05, 0.05],  # agrees
                [0.3, 0.05, 0.55, 0.05, 0.05],  # takes full KV's second choice (2) at margin 0.05
                [0.5, 0.05, 0.1, 0.3, 0.05],  # takes 0: not full KV's second choice
@@ -49,15 +49,28 @@ def test_lockstep_feeds_full_kvs_tokens_and_records_margins_and_partings():
     full = _Engine(_logits(full_p[0]), [_logits(p) for p in full_p[1:]])
     other = _Engine(_logits(other_p[0]), [_logits(p) for p in other_p[1:]])
     steps = tc.lockstep_margins([full, other], max_new=10, eos={EOS})
-    assert [s["token"] for s in steps] == [1, 0, 3]
+    assert [s["token"] for s in steps] == [1, 0, 3, EOS]
+    assert [s.get("eos", False) for s in steps] == [False, False, False, True]
     assert full.fed == other.fed == [1, 0, 3]  # both fed full KV's tokens, the EOS step not stepped past
-    assert [s["margin"] for s in steps] == pytest.approx([0.4, 0.05, 0.6], abs=1e-6)
-    assert [s["p1"] for s in steps] == pytest.approx([0.6, 0.45, 0.7], abs=1e-6)
-    assert [s["second"] for s in steps] == [2, 2, 2]
-    assert [s["top1"] for s in steps] == [[1], [2], [0]]
+    assert [s["margin"] for s in steps] == pytest.approx([0.4, 0.05, 0.6, 0.75], abs=1e-6)
+    assert [s["p1"] for s in steps] == pytest.approx([0.6, 0.45, 0.7, 0.8], abs=1e-6)
+    assert [s["second"] for s in steps] == [2, 2, 2, 0]
+    assert [s["top1"] for s in steps] == [[1], [2], [0], [EOS]]
     part = tc.parting(steps, 0)
     assert part["step"] == 1 and part["second_choice"] is True
     assert part["margin"] == pytest.approx(0.05, abs=1e-6)
+
+
+def test_a_policy_that_goes_on_where_full_kv_stops_parts_at_the_eos_step():
+    full_p = [[0.1, 0.6, 0.2, 0.05, 0.05], [0.05, 0.05, 0.05, 0.05, 0.8]]  # token 1, then EOS (margin 0.75)
+    other_p = [[0.1, 0.6, 0.2, 0.05, 0.05], [0.05, 0.05, 0.7, 0.1, 0.1]]  # agrees, then goes on with 2
+    eos2 = [[0.1, 0.6, 0.2, 0.05, 0.05], [0.05, 0.05, 0.05, 0.8, 0.05]]  # stops at the other EOS id 3
+    engines = [_Engine(_logits(p[0]), [_logits(p[1])]) for p in (full_p, other_p, eos2)]
+    steps = tc.lockstep_margins(engines, max_new=10, eos={3, EOS})
+    assert [s["token"] for s in steps] == [1, EOS] and steps[-1]["top1"] == [2, EOS]
+    part = tc.parting(steps, 0)
+    assert part["step"] == 1 and part["margin"] == pytest.approx(0.75, abs=1e-6)
+    assert tc.parting(steps, 1) is None
 
 
 def test_lockstep_stops_after_max_new_and_parting_is_none_when_every_step_agrees():

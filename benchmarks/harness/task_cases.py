@@ -392,7 +392,9 @@ def lockstep_margins(engines, max_new: int, eos) -> list[dict]:
 
     One record per token of engine 0's reply: ``token``; ``p1`` and ``margin``: full KV's probability of it and
     that minus the probability of its second choice ``second``; ``top1``: each other engine's top-1. Stops as
-    ``greedy_answer`` does: at an EOS (not kept) or after ``max_new`` tokens."""
+    ``greedy_answer`` does: after ``max_new`` tokens, or at an EOS, which gets a last record with ``"eos": True``
+    (not part of the reply's text) so that an engine that would go on where full KV stops parts there; an engine
+    whose top-1 is any id of ``eos`` there stops too and agrees."""
     import numpy as np
 
     def probs(logits):  # float32 logits -> softmax in float64
@@ -405,10 +407,13 @@ def lockstep_margins(engines, max_new: int, eos) -> list[dict]:
     while True:
         order = np.argsort(-ps[0], kind="stable")
         tok, second = int(order[0]), int(order[1])
-        if tok in eos:
+        top1 = [int(np.argmax(q)) for q in ps[1:]]
+        step = {"token": tok, "p1": float(ps[0][tok]), "margin": float(ps[0][tok] - ps[0][second]),
+                "second": second, "top1": top1}
+        if tok in eos:  # any EOS id ends an engine's reply as full KV's does
+            steps.append({**step, "eos": True, "top1": [tok if t in eos else t for t in top1]})
             return steps
-        steps.append({"token": tok, "p1": float(ps[0][tok]), "margin": float(ps[0][tok] - ps[0][second]),
-                      "second": second, "top1": [int(np.argmax(q)) for q in ps[1:]]})
+        steps.append(step)
         if len(steps) >= max_new:
             return steps
         ps = [probs(e.step_with_logits([tok], 0.0, 1.0)[1][0]) for e in engines]
