@@ -92,6 +92,28 @@ def test_a_directory_the_os_will_not_open_is_skipped(tmp_path, calls, monkeypatc
     assert (tmp_path / "out.txt").read_text() == "hi"
 
 
+def test_a_write_only_output_is_replaced_keeping_its_mode(tmp_path, monkeypatch):
+    """The temporary file is synced before it gets the output's mode: a mode without read (0o200) would not let
+    a user other than root open it to sync. The os.open below refuses as the kernel does for such a user."""
+    import stat
+
+    real_open = os.open
+
+    def as_a_user(path, flags, *a, **k):
+        if flags & (os.O_WRONLY | os.O_RDWR) == 0 and os.path.isfile(path) and not os.stat(path).st_mode & 0o400:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, *a, **k)
+
+    target = tmp_path / "log.txt"
+    target.write_text("old")
+    target.chmod(0o200)
+    monkeypatch.setattr(os, "open", as_a_user)
+    write_text(target, "new", updating=True)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o200
+    target.chmod(0o600)
+    assert target.read_text() == "new"
+
+
 def test_a_failed_sync_of_the_data_leaves_the_old_file(tmp_path, monkeypatch):
     target = tmp_path / "out.txt"
     target.write_text("old")  # a file the writer updates (RESULTS.md): it need not be an output of ours
@@ -169,6 +191,31 @@ def test_a_checkpoint_is_synced_whole_before_its_rename_and_its_parents_after(tm
     assert os.path.join(tmp, META_FILE) in before and os.path.join(tmp, "params") in before
     after = [c[1] for c in calls[commit[0]:] if c[0] == "fsync"]
     assert after == [os.path.join(root, "a", "b"), os.path.join(root, "a"), root]
+
+
+def test_a_failed_sync_after_a_checkpoint_replaced_another_keeps_the_old_one(tmp_path, tok_files, monkeypatch):
+    cfg, params = _tiny()
+    out = tmp_path / "ck"
+    save_checkpoint(out, cfg, params, tokenizer_dir_or_files=tok_files)
+    real_fsync = os.fsync
+
+    def eio_on_the_parent(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == os.path.realpath(tmp_path):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", eio_on_the_parent)
+    with pytest.raises(OutputError, match="flushing its directory") as ei:
+        save_checkpoint(out, cfg, params, tokenizer_dir_or_files=tok_files, force=True)
+    monkeypatch.undo()
+    (old,) = [n for n in os.listdir(tmp_path) if n.startswith(".ck.old-")]
+    assert f"the checkpoint it replaced is kept in {os.path.join(os.path.realpath(tmp_path), old)}" in str(ei.value)
+    for ck in (out, tmp_path / old):  # both whole
+        _, loaded, _ = load_checkpoint(ck)
+        np.testing.assert_array_equal(np.asarray(loaded["embed"]), params["embed"])
+
+
+# ----------------------------------------------------------------------------------------- chat templates
 
 
 # ----------------------------------------------------------------------------------------- chat templates

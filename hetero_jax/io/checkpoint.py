@@ -306,12 +306,16 @@ def save_checkpoint(out_dir: str | os.PathLike, config: ModelConfig, params: dic
     try:
         for folder in folders:
             sync_dir(folder, f"output directory {out_dir}")
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-            if os.path.lexists(old):
-                warnings.warn(f"the new checkpoint is in {out_dir}, but the one it replaced could not be deleted "
-                              f"from {old}; delete it yourself", RuntimeWarning, stacklevel=2)
+    except OutputError as e:  # the renames may not survive a crash: the replaced checkpoint is the only sure copy
+        if old is None:
+            raise
+        raise OutputError(f"{e}; the checkpoint it replaced is kept in {old} (delete it once the new one is known "
+                          "to be on disk)") from e.__cause__
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.lexists(old):
+            warnings.warn(f"the new checkpoint is in {out_dir}, but the one it replaced could not be deleted "
+                          f"from {old}; delete it yourself", RuntimeWarning, stacklevel=2)
     return out_dir
 
 

@@ -232,8 +232,8 @@ def atomic_path(path: PathLike, flag: str = "output", *, updating: bool = False,
     try:
         yield tmp
         mode = stat.S_IMODE(os.stat(real).st_mode) if os.path.isfile(real) else 0o666 & ~_umask()
+        sync_file(tmp)  # before the chmod: the output's mode may not let us open it for reading
         os.chmod(tmp, mode)
-        sync_file(tmp)
         os.replace(tmp, real)
     except BaseException as e:
         with contextlib.suppress(OSError):
