@@ -216,9 +216,6 @@ def test_a_failed_sync_after_a_checkpoint_replaced_another_keeps_the_old_one(tmp
 
 
 # ----------------------------------------------------------------------------------------- chat templates
-
-
-# ----------------------------------------------------------------------------------------- chat templates
 def _tok_dir(tmp_path, template, jinja: str | None = None):
     d = tmp_path / "tok"
     d.mkdir()
@@ -255,6 +252,34 @@ def test_an_unknown_filter_in_a_branch_loads_and_fails_only_where_it_renders(tmp
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[hi]"
     with pytest.raises(PromptError, match="shout"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[{"name": "f"}])
+
+
+GENERATION_TEMPLATE = (
+    "{% set ns = namespace(n=0) %}{% set d = dict(a=1) %}"
+    "{% for m in messages %}{% set ns.n = ns.n + d['a'] %}"
+    "{% if m['role'] == 'assistant' %}<a>{% generation %}{{ m['content'] }}{% endgeneration %}</a>"
+    "{% else %}<{{ m['role'] }} {{ ns.n }}>{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<a>{% endif %}")
+
+
+def test_transformers_generation_block_dict_and_namespace_render_as_in_transformers(tmp_path):
+    """transformers' chat environment has a {% generation %} block (assistant masks) and guarded dict/namespace
+    globals; a template using them loads, and renders byte for byte as transformers renders it."""
+    from transformers import AutoTokenizer
+
+    d = _tok_dir(tmp_path, GENERATION_TEMPLATE)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "and?"}]
+    ours = Tokenizer.from_dir(d).apply_chat_template(msgs)
+    theirs = AutoTokenizer.from_pretrained(str(d)).apply_chat_template(msgs, tokenize=False,
+                                                                       add_generation_prompt=True)
+    assert ours == theirs == "<user 1>hi<a>yo</a><user 3>and?<a>"
+
+
+def test_a_namespace_attribute_with_an_underscore_is_refused_as_in_transformers(tmp_path):
+    d = _tok_dir(tmp_path, "{% set ns = namespace(_x=1) %}{{ messages[0]['content'] }}")
+    with pytest.raises(PromptError, match="underscore-prefixed attributes"):
+        Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_the_template_is_compiled_once_at_load_and_nothing_rendered(tmp_path, monkeypatch):
@@ -324,17 +349,38 @@ def test_load_checkpoint_reads_hetero_jax_json_once(tmp_path, tok_files, monkeyp
 
 
 # ------------------------------------------------------------------------------------------ the converter
-@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json", "named default"])
+BROKEN = "{% for m in messages %}{{ m['content'] }"
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json", "named default",
+                                   "the last of two named default"])
 def test_the_converter_refuses_a_template_every_load_would_refuse(hf, tmp_path, capsys, no_weights_read, where):
-    broken = "{% for m in messages %}{{ m['content'] }"
     if where == "chat_template.jinja":
-        (hf / where).write_text(broken)
-        shown = str(hf / where)
+        (hf / where).write_text(BROKEN)
+        shown, what = str(hf / where), str(hf / where)
     else:
         tc = json.loads((hf / "tokenizer_config.json").read_text())
-        tc["chat_template"] = broken if where == "tokenizer_config.json" else [
-            {"name": "tool_use", "template": "{{ tools }}"}, {"name": "default", "template": broken}]
+        tc["chat_template"] = {
+            "tokenizer_config.json": BROKEN,
+            "named default": [{"name": "tool_use", "template": "{{ tools }}"}, {"name": "default", "template": BROKEN}],
+            # transformers and the loader take the last "default": the converter checks that one
+            "the last of two named default": [{"name": "default", "template": CHAT_TEMPLATE},
+                                              {"name": "default", "template": BROKEN}]}[where]
         (hf / "tokenizer_config.json").write_text(json.dumps(tc))
         shown = f"{hf / 'tokenizer_config.json'}'s chat_template"
+        what = f"chat_template in {hf / 'tokenizer_config.json'}"
     convert_refused([hf, tmp_path / "ck"], tmp_path, capsys,
-                    f"the checkpoint's chat template is not valid Jinja (line 1: unexpected '}}'), in {shown}; fix ")
+                    f"the model's chat template is not valid Jinja (line 1: unexpected '}}'), in {shown}; fix {what} "
+                    "and convert again (or remove it: the checkpoint then has no chat template and is prompted raw, "
+                    "chat=False / --no-chat)")
+
+
+def test_of_two_named_default_templates_the_last_is_the_chat_template_as_in_transformers():
+    from hetero_jax.io.tokenizer import default_chat_template
+
+    entry = [{"name": "default", "template": "A"}, {"name": "tool_use", "template": "T"},
+             {"name": "default", "template": "B"}]
+    assert default_chat_template(entry) == ("B", [])
+    assert default_chat_template([{"name": "tool_use", "template": "T"}, {"name": "rag", "template": "R"}]) == (
+        None, ["rag", "tool_use"])
+    assert default_chat_template("S") == ("S", []) and default_chat_template(None) == (None, [])

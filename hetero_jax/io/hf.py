@@ -26,8 +26,8 @@ from hetero_jax.io.checkpoint import check_output_apart, check_output_dir, np_dt
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError, ConfigError, read_json
 from hetero_jax.model.spec import hf_tensor_map, param_shapes
-from hetero_jax.io.tokenizer import (check_chat_template_entry, check_token_ids, checked_chat_template, json_object,
-                                     read_chat_template)
+from hetero_jax.io.tokenizer import (check_chat_template_entry, check_token_ids, checked_chat_template,
+                                     default_chat_template, json_object, read_chat_template)
 
 # Non-parameter buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -252,13 +252,13 @@ def _tokenizer_files(hf_dir: str) -> dict[str, Any]:
     check_chat_template_entry(tc.get("chat_template"), where[tc_name], fix)
     if "chat_template.jinja" in files:
         tc["chat_template"] = read_chat_template(where["chat_template.jinja"], fix, files["chat_template.jinja"])
-        checked_chat_template(tc["chat_template"], where["chat_template.jinja"], f"{where['chat_template.jinja']}")
+        checked_chat_template(tc["chat_template"], where["chat_template.jinja"], where["chat_template.jinja"],
+                              converting=True)
     else:  # a string, or HF's named templates, whose "default" is the chat template (the loader's rule)
-        source = tc.get("chat_template")
-        if isinstance(source, list):
-            source = next((t["template"] for t in source if t["name"] == "default"), None)
+        source, _ = default_chat_template(tc.get("chat_template"))
         if source:
-            checked_chat_template(source, f"{where[tc_name]}'s chat_template", f"chat_template in {where[tc_name]}")
+            checked_chat_template(source, f"{where[tc_name]}'s chat_template", f"chat_template in {where[tc_name]}",
+                                  converting=True)
     files[tc_name] = tc
     if "special_tokens_map.json" in files:
         json_object(where["special_tokens_map.json"], fix, files["special_tokens_map.json"])

@@ -109,19 +109,77 @@ def _raise_exception(message: str):
     raise TemplateError(message)
 
 
+class _TemplateDict:
+    """``dict`` in a chat template: calls and ``fromkeys`` only, no attribute route to the class (transformers')."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _template_namespace():
+    """``namespace`` in a chat template: jinja's, refusing underscore-prefixed names (transformers' guard)."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.utils import Namespace
+
+    def check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"chat templates cannot store underscore-prefixed attributes on a namespace, but "
+                                f"got {name!r}")
+
+    class TemplateNamespace(Namespace):
+        def __init__(*args, **kwargs):  # jinja's signature trick, so namespace(self=...) still works
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                check(name)
+            Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            check(name)
+            Namespace.__setitem__(self, name, value)
+
+    return TemplateNamespace
+
+
+def _generation_extension():
+    """The ``{% generation %}...{% endgeneration %}`` block of transformers' chat templates (it marks the
+    assistant's tokens for training masks): rendered as its body, which is all a prompt needs."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationBlock
+
+
 def compile_chat_template(source: str):
     """The jinja ``Template`` of the chat-template text ``source``, in the environment transformers uses for chat
-    templates (so prompts match byte for byte). Nothing is rendered. A syntax error, or a filter or test the
-    environment lacks outside a conditional block, is a ``jinja2.TemplateSyntaxError``; one inside an ``{% if %}``
-    fails only when that branch renders, as in transformers (a branch a prompt never takes, e.g. tools, must not
-    make the whole template unusable)."""
+    templates (its extensions, filters and globals, so prompts match byte for byte). Nothing is rendered. A syntax
+    error, or a filter or test the environment lacks outside a conditional block, is a
+    ``jinja2.TemplateSyntaxError``; one inside an ``{% if %}`` fails only when that branch renders, as in
+    transformers (a branch a prompt never takes, e.g. tools, must not make the whole template unusable)."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_generation_extension(), loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _template_namespace()
     return env.from_string(source)
 
 
@@ -130,17 +188,32 @@ def jinja_problem(e) -> str:
     return f"is not valid Jinja (line {e.lineno}: {e.message})"
 
 
-def checked_chat_template(source: str, where: str, what: str):
+def checked_chat_template(source: str, where: str, what: str, *, converting: bool = False):
     """:func:`compile_chat_template` of ``source``; one that does not compile is a CheckpointError naming
-    ``where`` it came from and ``what`` to fix (the loader's and the converter's check, so a checkpoint is never
-    written with a template that every load refuses)."""
+    ``where`` it came from and ``what`` to fix (the loader's and, with ``converting``, the converter's check, so
+    a checkpoint is never written with a template that every load refuses)."""
     from jinja2 import TemplateSyntaxError
 
     try:
         return compile_chat_template(source)
     except TemplateSyntaxError as e:
+        if converting:
+            raise CheckpointError(f"the model's chat template {jinja_problem(e)}, in {where}; fix {what} and "
+                                  "convert again (or remove it: the checkpoint then has no chat template and is "
+                                  "prompted raw, chat=False / --no-chat)") from None
         raise CheckpointError(f"the checkpoint's chat template {jinja_problem(e)}, in {where}; fix {what}, or "
                               "remove it and pass chat=False (CLI: --no-chat) to use the raw prompt") from None
+
+
+def default_chat_template(entry) -> tuple[str | None, list[str]]:
+    """The chat template of a tokenizer_config.json ``chat_template`` entry: a string is it; in HF's named form
+    [{"name": ..., "template": ...}] the one named "default" (the last such, as transformers builds a dict of
+    them). Also the sorted names when a named list has no "default" (transformers refuses to pick), else []."""
+    if not isinstance(entry, list):
+        return entry or None, []
+    named = {t.get("name"): t.get("template") for t in entry if isinstance(t, Mapping)}
+    template = named.get("default")
+    return template or None, [] if template is not None else sorted(str(n) for n in named)
 
 
 def template_error(problem: str) -> PromptError:
@@ -191,16 +264,9 @@ class Tokenizer:
         self.pad_token = _token_content(tc.get("pad_token"))
         self.unk_token = _token_content(tc.get("unk_token"))
 
-        template = chat_template if chat_template is not None else tc.get("chat_template")
-        # HF's named-template form [{"name": ..., "template": ...}]: "default" is the chat template; without one
-        # transformers refuses to pick, and so does apply_chat_template (the names kept for its message)
-        self._template_names: list[str] = []
-        if isinstance(template, list):
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-            template = named.get("default")
-            if template is None:
-                self._template_names = sorted(str(n) for n in named)
-        self.chat_template: str | None = template or None
+        # without a "default" among named templates apply_chat_template refuses (the names kept for its message)
+        self.chat_template, self._template_names = default_chat_template(
+            chat_template if chat_template is not None else tc.get("chat_template"))
 
         bos = self.token_to_id(self.bos_token) if self.bos_token else None
         self.bos_token_id: int | None = bos if bos is not None else bos_token_id
