@@ -128,9 +128,14 @@ def test_session_store_evicts_least_recently_used_within_its_bounds():
     assert store.put(c) == 1  # b, the least recent, goes
     assert store.take(("u",), list(b.messages) + [("user", "more")]) is None
     assert store.totals() == {"sessions": 2, "kv_bytes_device": 80, "kv_bytes_host": 20, "evictions": 1}
-    big = _conv(("u",), [("user", "big"), ("assistant", "x")], dev=10, host=1001)
-    assert store.put(big) == 3  # over the host bound: a and c go, then big itself (alone it exceeds the bound)
-    assert store.totals()["sessions"] == 0
+    for evictions, big in enumerate((_conv(("u",), [("user", "big"), ("assistant", "x")], dev=10, host=1001),
+                                     _conv(("u",), [("user", "big"), ("assistant", "y")], dev=101, host=1)), 2):
+        # alone over a byte bound: not held, and a and c stay (evicting them would hold nothing more)
+        assert store.put(big) == 1
+        assert store.totals() == {"sessions": 2, "kv_bytes_device": 80, "kv_bytes_host": 20,
+                                  "evictions": evictions}
+        assert store.take(("u",), list(big.messages) + [("user", "more")]) is None
+    assert store.take(("u",), list(c.messages) + [("user", "more")]) is c
     none = SessionStore(max_sessions=0)
     assert none.put(_conv(("u",), [("user", "q"), ("assistant", "x")])) == 1
 
@@ -680,6 +685,72 @@ def test_a_held_conversation_keeps_the_rows_it_uses_not_what_max_tokens_reserved
     answers = {m: c.answer(msgs + (("assistant", model.tokenizer.decode(t.token_ids)), ("user", "and then?")),
                            FullKV(), greedy, "u", max_tokens=6) for m, (_, c, t) in held.items()}
     assert answers[400].resumed and answers[400].token_ids == answers[8].token_ids
+
+
+def test_a_resumed_turn_that_fails_is_held_trimmed_and_counted_as_held(tiny_checkpoint):
+    """A resumed turn grows the tail for its max_tokens before it starts; when it failed (the client left), the
+    conversation was held with that tail while the store counted the trimmed bytes of the turn before (3.4x
+    under on the tiny model), so --device-memory was not enforced."""
+    import hetero_jax
+    from hetero_jax.model.cache import kv_bytes
+    from hetero_jax.policies import FullKV
+    from hetero_jax.serve.schema import Sampling
+    from hetero_jax.serve.sessions import Conversations, SessionStore
+    from hetero_jax.serve.worker import ClientGone
+
+    model = hetero_jax.load(tiny_checkpoint("llama")[1])
+    greedy, msgs = Sampling(None, 0.0, 1.0, 0, ()), (("user", "the quick brown fox"),)
+    store = SessionStore(max_sessions=4)
+    conv = Conversations(model, store)
+    first = conv.answer(msgs, FullKV(), greedy, "u", max_tokens=4)
+    (held,) = store._held.values()
+    before = kv_bytes(held.session.engine.cache)
+    assert store.totals()["kv_bytes_device"] == before
+
+    def leave(_):
+        raise ClientGone("the client disconnected")
+
+    follow = msgs + (("assistant", model.tokenizer.decode(first.token_ids)), ("user", "and then?"))
+    with pytest.raises(ClientGone):
+        conv.answer(follow, FullKV(), greedy, "u", max_tokens=400, on_token=leave)
+    (held,) = store._held.values()
+    assert kv_bytes(held.session.engine.cache) == before == store.totals()["kv_bytes_device"]
+    again = conv.answer(follow, FullKV(), greedy, "u", max_tokens=4)
+    fresh = Conversations(model, SessionStore(4))
+    fresh.answer(msgs, FullKV(), greedy, "u", max_tokens=4)
+    assert again.resumed and again.token_ids == fresh.answer(follow, FullKV(), greedy, "u", max_tokens=4).token_ids
+
+
+def test_a_request_the_template_refuses_leaves_the_held_conversation(tiny_checkpoint):
+    """Two user messages in a row under a template that requires alternating roles: the request is refused and
+    the conversation it would have extended stays held (it was taken out of the store and dropped)."""
+    import dataclasses
+
+    import hetero_jax
+    from hetero_jax.errors import PromptError
+    from hetero_jax.io.tokenizer import Tokenizer
+    from hetero_jax.policies import FullKV
+    from hetero_jax.serve.schema import Sampling
+    from hetero_jax.serve.sessions import Conversations, SessionStore
+
+    model = hetero_jax.load(tiny_checkpoint("llama")[1])
+    alternating = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                   "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+                   "{% endif %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                   "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok = model.tokenizer
+    model = dataclasses.replace(model, tokenizer=Tokenizer(tok.backend, tokenizer_config=tok.tokenizer_config,
+                                                           chat_template=alternating,
+                                                           extra_eos_token_ids=tok.eos_token_ids))
+    greedy, msgs = Sampling(None, 0.0, 1.0, 0, ()), (("user", "the quick brown fox"),)
+    store = SessionStore(max_sessions=4)
+    conv = Conversations(model, store)
+    first = conv.answer(msgs, FullKV(), greedy, "u", max_tokens=4)
+    msgs += (("assistant", model.tokenizer.decode(first.token_ids)),)
+    with pytest.raises(PromptError, match="roles must alternate"):
+        conv.answer(msgs + (("user", "q2"), ("user", "q3")), FullKV(), greedy, "u", max_tokens=4)
+    assert store.totals()["sessions"] == 1
+    assert conv.answer(msgs + (("user", "q2"),), FullKV(), greedy, "u", max_tokens=4).resumed
 
 
 def test_a_prompt_too_short_for_the_servers_budget_is_served_at_the_least_that_fits(tiny_checkpoint):

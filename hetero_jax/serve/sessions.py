@@ -117,10 +117,16 @@ class SessionStore:
         return None
 
     def put(self, conv: Conversation) -> int:
-        """Hold ``conv`` as the most recent; evict the least recent beyond the bounds (``conv`` itself too, when it
-        alone exceeds a byte bound). Returns how many were evicted."""
+        """Hold ``conv`` as the most recent; evict the least recent beyond the bounds. A ``conv`` that alone
+        exceeds a bound is not held and evicts nothing else (the others' caches would go for nothing). Returns
+        how many were evicted (that one counts)."""
         evicted = 0
         with self._lock:
+            if (self.max_sessions < 1 or (self.max_device is not None and conv.kv_device > self.max_device)
+                    or (self.max_host is not None and conv.kv_host > self.max_host)):
+                self._held.pop(conv.key, None)
+                self.evictions += 1
+                return 1
             self._held[conv.key] = conv
             self._held.move_to_end(conv.key)
             while self._held and self._over():
@@ -217,7 +223,11 @@ class Conversations:
         owner = (user, policy)
         conv = self.store.take(owner, messages)
         if conv is not None:
-            rendered = self.render(messages)
+            try:
+                rendered = self.render(messages)  # a template that refuses these messages (roles must alternate)
+            except BaseException:  # refuses the request, not the conversation it would extend
+                self.store.put(conv)
+                raise
             if rendered.startswith(conv.rendered):  # the template renders the conversation incrementally
                 ids = self.tok.encode(rendered[len(conv.rendered):], add_special_tokens=False)
                 try:
@@ -264,8 +274,8 @@ class Conversations:
         except SessionError:  # lost (nothing else asks this Session): not held again
             raise
         except BaseException:
-            if resumed:  # the Session restored itself: the conversation is held as it was
-                self.store.put(conv)
+            if resumed:  # the Session restored itself: the conversation is held as it was, less the tail
+                self._hold(conv)  # room this turn reserved before it failed
             raise
         st = res.stats
         answer = self.tok.decode(res.token_ids)
@@ -280,8 +290,13 @@ class Conversations:
             conv.messages = tuple(messages) + (("assistant", answer),)
             conv.rendered = rendered + answer
             conv.unfed = sess.pending_tokens  # 0 after EOS or a stop token, else the last token
-            # held with the rows it uses, not the room max_tokens reserved (the next turn reserves its own)
-            sess.engine.trim(conv.unfed)
-            conv.kv_device, conv.kv_host, conv.recalls = kv_bytes(sess.engine.cache), int(st.kv_bytes_host), recalls
-            self.store.put(conv)
+            conv.kv_host, conv.recalls = int(st.kv_bytes_host), recalls
+            self._hold(conv)
         return turn
+
+    def _hold(self, conv: Conversation) -> None:
+        """Hold ``conv`` with the rows it uses, not the room a turn's max_tokens reserved (the next turn reserves
+        its own), its device bytes measured as held."""
+        conv.session.engine.trim(conv.unfed)
+        conv.kv_device = kv_bytes(conv.session.engine.cache)
+        self.store.put(conv)
