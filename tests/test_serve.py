@@ -385,6 +385,39 @@ def test_serve_prints_its_banner_once_listening_and_answers(tiny_checkpoint, tmp
             proc.wait()
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--policy", "quest", "--budget", "0.5"], "--policy quest cannot run on this model: Quest: full_layers=2 leaves "
+                                               "no layer of the model's 2 to select pages in"),
+    (["--policy", "heterocache"], "--policy heterocache cannot run on this model: HeteroCache(profile=None) needs "
+                                 "the shipped profile of the loaded model"),
+])
+def test_a_servers_policy_that_cannot_run_on_the_model_is_refused_before_serving(tiny_checkpoint, capsys, flags,
+                                                                                needle, monkeypatch):
+    """The server started, /health said ok, and every request got a 400 blaming a 'policy' field the client
+    never sent; now the command exits 2 once the model is loaded, naming the flag."""
+    from hetero_jax.cli import main
+    from hetero_jax.serve import listen
+
+    def never(*a, **k):
+        raise AssertionError("served with a policy that cannot run")
+    monkeypatch.setattr(listen, "serve", never)
+    assert main(["serve", "--model", tiny_checkpoint("llama")[1], "--port", "0", *flags]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_servers_budget_too_small_for_some_prompts_still_serves(tiny_checkpoint, monkeypatch):
+    """FreeKV at 0.5 holds no page of the tiny model's longest prompt; the server serves such prompts at the least
+    budget that fits, so the command is not refused."""
+    from hetero_jax.cli import main
+    from hetero_jax.serve import listen
+
+    served = []
+    monkeypatch.setattr(listen, "serve", lambda app, sock, **k: served.append(k["banner"]))
+    assert main(["serve", "--model", tiny_checkpoint("llama")[1], "--port", "0", "--policy", "freekv",
+                 "--budget", "0.5"]) == 0
+    assert served and "FreeKV(budget=0.5" in served[0]
+
+
 # --------------------------------------------------------------------------------------- a live server
 class LiveServer:
     def __init__(self, model, **config):
