@@ -43,6 +43,7 @@ def _chat(**kw):
     (_chat(stream_options={"include_usage": True}), "stream_options", "only allowed with stream"),
     (_chat(logprobs=True), "logprobs", "not supported"),
     (_chat(presence_penalty=0.5), "presence_penalty", "not supported"),
+    (_chat(response_format={"type": "json_object"}), "response_format", "not supported"),  # it was ignored
     (_chat(budget=1.5), "budget", "budget must be a number in (0, 1]"),
     (_chat(user=3), "user", "user must be a string"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "model", "model is required"),
@@ -62,6 +63,19 @@ def test_bad_chat_requests_are_refused_naming_the_field(body, param, needle):
     assert e.value.status == 400 and e.value.param == param and needle in str(e.value)
     if param == "budget":  # docs/serve.md's code, as for a budget too small for the prompt (it was null)
         assert e.value.code == "invalid_budget"
+
+
+def test_completions_logprobs_0_is_refused_and_the_defaults_of_unsupported_fields_pass():
+    """``logprobs: 0`` on /v1/completions asks for the chosen tokens' log-probabilities (it passed as False, and
+    the answer had none); the values that ask for nothing pass."""
+    body = {"model": MODEL, "prompt": "hi"}
+    with pytest.raises(RequestError) as e:
+        schema.parse_completion({**body, "logprobs": 0})
+    assert e.value.param == "logprobs" and "logprobs=0 is not supported" in str(e.value)
+    for ok in ({"logprobs": None}, {"logprobs": False}, {"presence_penalty": 0}, {"presence_penalty": 0.0},
+               {"best_of": 1}, {"echo": False}):
+        schema.parse_completion({**body, **ok})
+    schema.parse_chat(_chat(response_format={"type": "text"}))
 
 
 def test_chat_request_parsing_defaults_and_forms():
@@ -138,6 +152,38 @@ def test_session_store_evicts_least_recently_used_within_its_bounds():
     assert store.take(("u",), list(c.messages) + [("user", "more")]) is c
     none = SessionStore(max_sessions=0)
     assert none.put(_conv(("u",), [("user", "q"), ("assistant", "x")])) == 1
+
+
+def test_queued_requests_whose_clients_left_hold_no_place_in_the_queue():
+    """Two waiting clients left while a long answer ran: their jobs still filled --max-queue 2, and a live client
+    got 503 queue_full with nobody waiting."""
+    import threading
+
+    from hetero_jax.serve.worker import ClientGone, EngineWorker, QueueFull
+
+    worker, release = EngineWorker(max_queue=2), threading.Event()
+    worker.start()
+    try:
+        running = worker.submit(lambda job: release.wait(30) and "long")
+        while not worker.running:
+            threading.Event().wait(0.01)
+        gone = [worker.submit(lambda job: "never") for _ in range(2)]
+        with pytest.raises(QueueFull, match="2 requests are already waiting"):
+            worker.submit(lambda job: "refused")
+        for job in gone:
+            job.cancel()
+        assert worker.depth == 0
+        live = worker.submit(lambda job: "answered")
+        assert worker.depth == 1
+        for job in gone:  # told at once, not when the engine reaches them
+            with pytest.raises(ClientGone, match="before its turn"):
+                job.future.result(timeout=1)
+        release.set()
+        assert running.future.result(timeout=30) == "long" and live.future.result(timeout=30) == "answered"
+    finally:
+        release.set()
+        worker.stop()
+    assert not worker.alive
 
 
 @pytest.fixture

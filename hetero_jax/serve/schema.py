@@ -26,8 +26,15 @@ UNSUPPORTED = {
     "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "best_of": (None, 1),
     "echo": (None, False), "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]),
-    "parallel_tool_calls": (None, True, False), "prediction": (None,),
+    "parallel_tool_calls": (None, True, False), "prediction": (None,), "response_format": (None, {"type": "text"}),
 }
+
+
+def _is_default(value, allowed: tuple) -> bool:
+    """Whether ``value`` is one of an UNSUPPORTED field's ``allowed`` values; a bool only equals a bool (0 is not
+    False: completions' ``logprobs: 0`` asks for the chosen tokens' log-probabilities)."""
+    return any(value is None if a is None else
+               value is not None and isinstance(value, bool) == isinstance(a, bool) and value == a for a in allowed)
 
 
 class RequestError(HeteroJaxError, ValueError):
@@ -124,7 +131,7 @@ def json_depth(value) -> int:
 def _common(d: dict) -> dict:
     """The fields chat and completions share, checked: model, sampling, stream, user, policy, budget."""
     for name, allowed in UNSUPPORTED.items():
-        if d.get(name, None) not in allowed:
+        if not _is_default(d.get(name), allowed):
             raise RequestError(f"{name}={d[name]!r} is not supported by this server; leave {name} out",
                                param=name, code="unsupported_parameter")
     model = d.get("model")

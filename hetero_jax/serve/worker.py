@@ -8,9 +8,9 @@ its ``Session`` restores itself).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
-import queue
 import threading
 from typing import Any, Callable
 
@@ -48,13 +48,14 @@ class Job:
 
 
 class EngineWorker:
-    """The thread that runs jobs in order; at most ``max_queue`` jobs wait (running one not counted)."""
+    """The thread that runs jobs in order; at most ``max_queue`` jobs wait (running one not counted). A queued job
+    whose client left holds no place: it is dropped when a job is submitted, and never counted."""
 
     def __init__(self, max_queue: int):
         self.max_queue = max_queue
-        self._q: queue.Queue = queue.Queue()
+        self._jobs: collections.deque = collections.deque()  # Job, or None: the end of the thread
+        self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
         self.running = False  # a job is on the engine now
 
     def start(self) -> None:
@@ -63,15 +64,14 @@ class EngineWorker:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Finish the running job, cancel the queued ones, and end the thread."""
-        while True:
-            try:
-                job = self._q.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel()
-                job.future.set_exception(ClientGone("the server is shutting down"))
-        self._q.put(None)
+        with self._ready:
+            queued = [j for j in self._jobs if j is not None]
+            self._jobs.clear()
+            self._jobs.append(None)
+            self._ready.notify()
+        for job in queued:
+            job.cancel()
+            job.future.set_exception(ClientGone("the server is shutting down"))
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -81,21 +81,32 @@ class EngineWorker:
 
     @property
     def depth(self) -> int:
-        """Jobs waiting (the running one not counted)."""
-        return self._q.qsize()
+        """Jobs waiting whose clients are still there (the running one not counted)."""
+        with self._ready:
+            return sum(1 for j in self._jobs if j is not None and not j.cancelled)
 
     def submit(self, run: Callable[[Job], Any]) -> Job:
         job = Job(run)
-        with self._lock:
-            if self._q.qsize() >= self.max_queue:
-                raise QueueFull(f"{self._q.qsize()} requests are already waiting (--max-queue {self.max_queue}); "
-                                "retry later")
-            self._q.put(job)
+        with self._ready:
+            left = [j for j in self._jobs if j is not None and j.cancelled]
+            if left:  # clients that left while they waited: their places go to the ones still here
+                self._jobs = collections.deque(j for j in self._jobs if j is None or not j.cancelled)
+            waiting = sum(1 for j in self._jobs if j is not None)
+            if waiting < self.max_queue:
+                self._jobs.append(job)
+                self._ready.notify()
+        for j in left:
+            j.future.set_exception(ClientGone("the client disconnected before its turn"))
+        if waiting >= self.max_queue:
+            raise QueueFull(f"{waiting} requests are already waiting (--max-queue {self.max_queue}); retry later")
         return job
 
     def _loop(self) -> None:
         while True:
-            job = self._q.get()
+            with self._ready:
+                while not self._jobs:
+                    self._ready.wait()
+                job = self._jobs.popleft()
             if job is None:
                 return
             if job.cancelled:  # its client left while it waited
