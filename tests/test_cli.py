@@ -284,6 +284,9 @@ def test_an_empty_profile_out_is_refused_before_calibrating(tmp_path, capsys, mo
     (["--method", "contextkeeper", "--decode-steps", "99"], "--decode-steps applies to --method heterocache and "
                                                             "synckv"),
     (["--method", "hcattention", "--sink", "4"], "--sink applies to --method contextkeeper, not hcattention"),
+    (["--method", "contextkeeper", "--batch-size", "999"], "--batch-size applies to --method heterocache and "
+                                                           "synckv, not contextkeeper"),  # was taken and ignored
+    (["--method", "hcattention", "--batch-size", "8"], "--batch-size applies to --method heterocache and synckv"),
     (["--codebook-size", "64"], "--codebook-size applies to --method hcattention, not heterocache"),
     (["--method", "contextkeeper", "--tokens", "512", "--ck-window", "1000"],
      "--ck-window 1000 exceeds --tokens 512"),

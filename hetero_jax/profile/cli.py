@@ -52,7 +52,8 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tau-copy", type=float, default=None,
                    help="copy score from which an anchor or satellite keeps its full KV (default 0.3)")
     p.add_argument("--seed", type=int, default=0, help="chooses the windows (default 0)")
-    p.add_argument("--batch-size", type=int, default=4, help="windows run together (default 4)")
+    p.add_argument("--batch-size", type=int, default=4,
+                   help="heterocache, synckv: windows run together (default 4)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="compute dtype (default: checkpoint's)")
     p.add_argument("--out", required=True, help="where to write the profile JSON")
@@ -87,7 +88,8 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
 METHODS_OF_FLAG = {
     "decode_steps": ("heterocache", "synckv"), "top_k": ("heterocache", "synckv"),
     "tau_stable": ("heterocache",), "tau_sim": ("heterocache",), "copy_steps": ("heterocache",),
-    "tau_copy": ("heterocache",), "n_r": ("synckv",),  # --plot: its own refusal, in check_profile_args
+    "tau_copy": ("heterocache",), "n_r": ("synckv",), "batch_size": ("heterocache", "synckv"),
+    # --plot: its own refusal, in check_profile_args
     "sink": ("contextkeeper",), "recent": ("contextkeeper",), "ck_window": ("contextkeeper",),
     "top_p": ("contextkeeper",), "sub_dim": ("hcattention",), "codebook_size": ("hcattention",),
     "kmeans_steps": ("hcattention",), "kmeans_batch": ("hcattention",),
