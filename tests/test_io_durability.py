@@ -215,6 +215,37 @@ def test_a_failed_sync_after_a_checkpoint_replaced_another_keeps_the_old_one(tmp
         np.testing.assert_array_equal(np.asarray(loaded["embed"]), params["embed"])
 
 
+@pytest.mark.parametrize("when", ["between the renames", "after the second rename"])
+@pytest.mark.parametrize("existing", [True, False])
+def test_an_interrupt_at_the_renames_leaves_out_dir_as_it_was(tmp_path, tok_files, monkeypatch, when, existing):
+    """Ctrl-C after OUT_DIR was moved aside left no OUT_DIR (the old one in a hidden folder) while the converter
+    said nothing was written; now the save is undone whenever the interrupt lands."""
+    cfg, params = _tiny()
+    out = tmp_path / "ck"
+    if existing:
+        save_checkpoint(out, cfg, params, tokenizer_dir_or_files=tok_files)
+        inode = os.stat(out).st_ino  # tells the old checkpoint's directory from the new one
+    real_rename, fired = os.rename, []
+
+    def interrupted(src, dst):  # one Ctrl-C, right after the rename it lands behind
+        real_rename(src, dst)
+        moved_aside = ".ck.old-" in os.fspath(dst)
+        if not fired and ((when == "between the renames" and (moved_aside or not existing)) or (
+                when == "after the second rename" and os.fspath(dst) == os.path.realpath(out))):
+            fired.append(1)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "rename", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(out, cfg, params, tokenizer_dir_or_files=tok_files, force=True)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == (["ck"] if existing else [])  # no hidden leftovers
+    if existing:
+        assert os.stat(out).st_ino == inode
+        _, loaded, _ = load_checkpoint(out)
+        np.testing.assert_array_equal(np.asarray(loaded["embed"]), params["embed"])
+
+
 # ----------------------------------------------------------------------------------------- chat templates
 def _tok_dir(tmp_path, template, jinja: str | None = None):
     d = tmp_path / "tok"

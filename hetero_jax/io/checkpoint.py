@@ -289,6 +289,13 @@ def save_checkpoint(out_dir: str | os.PathLike, config: ModelConfig, params: dic
                 _check_existing(out_dir, target, False)
             raise
     except BaseException as e:
+        # Interrupted (Ctrl-C) between or just after the renames: undone, so OUT_DIR is as it was (the
+        # converter says nothing was written). tmp is gone only once the new tree took OUT_DIR's place.
+        if tmp is not None and not os.path.lexists(tmp) and os.path.lexists(target):
+            os.rename(target, tmp)
+        if old is not None and not os.path.lexists(target):
+            os.rename(old, target)
+            old = None
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         if created_top is not None:
