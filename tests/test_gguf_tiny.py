@@ -52,13 +52,17 @@ def _gguf_tensors(model) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(path, model, tok_dir, *, meta=None, drop=(), extra=None) -> str:
+def write_gguf(path, model, tok_dir, *, meta=None, drop=(), extra=None, token_edits=None) -> str:
     """F32 tensors. ``meta``: metadata setters of GGUFWriter replaced (name -> value, None: not written);
-    ``drop``: tensor names left out; ``extra``: tensors added (name -> (array, GGML type name))."""
+    ``drop``: tensor names left out; ``extra``: tensors added (name -> (array, GGML type name));
+    ``token_edits``: vocabulary entries replaced (id -> (text, token type))."""
     cfg = model.config
     tj = json.load(open(os.path.join(tok_dir, "tokenizer.json")))
     vocab = {**tj["model"]["vocab"], **{a["content"]: a["id"] for a in tj["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
+    types = [3 if t.startswith("<|") else 1 for t in tokens]
+    for i, (text, kind) in (token_edits or {}).items():
+        tokens[i], types[i] = text, kind
     w = gguf.GGUFWriter(os.fspath(path), "llama")
     setters = {"add_block_count": cfg.num_hidden_layers, "add_context_length": cfg.max_position_embeddings,
                "add_embedding_length": cfg.hidden_size, "add_feed_forward_length": cfg.intermediate_size,
@@ -70,7 +74,7 @@ def write_gguf(path, model, tok_dir, *, meta=None, drop=(), extra=None) -> str:
             getattr(w, fn)(v)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_token_types(types)
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
     for name, a in _gguf_tensors(model).items():
         if name not in drop:
@@ -161,3 +165,61 @@ def test_a_wrong_shape_names_the_gguf_tensor_and_metadata(tok_dir, tmp_path, cap
     assert convert_main(["--gguf", src, str(tmp_path / "ck"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "GGUF tensor 'blk.1.attn_v.weight'" in err and "the GGUF metadata" in err and "config.json" not in err
+
+
+def test_control_and_user_defined_tokens_outside_the_byte_alphabet_keep_their_ids(tok_dir, tmp_path):
+    """DeepSeek-R1-Distill-Llama's GGUF: its BOS '<｜begin▁of▁sentence｜>' (CONTROL) was respelled into the
+    byte alphabet and split into ~20 byte tokens, and '<｜User｜>' (USER_DEFINED) got a new id past the
+    embedding; each is now one token, its own GGUF id, as llama.cpp matches them."""
+    from hetero_jax.io.tokenizer import Tokenizer
+
+    bos, user = "<｜begin▁of▁sentence｜>", "<｜User｜>"
+    src = write_gguf(tmp_path / "m.gguf", _model(), tok_dir, token_edits={1: (bos, 3), 0: (user, 4)},
+                     meta={"add_chat_template": "{{ bos_token }}{% for m in messages %}<｜User｜>{{ m['content'] }}"
+                                                "{% endfor %}"})
+    assert convert_main(["--gguf", src, str(tmp_path / "ck"), "--no-progress"]) == 0
+    tok = Tokenizer.from_dir(tmp_path / "ck")
+    hi = tok.encode("hi")
+    assert tok.encode(f"{bos}{user}hi") == [1, 0, *hi]
+    assert tok.vocab_size == 320 and tok.token_to_id(user) == 0 and tok.bos_token == bos
+    assert tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)) == [
+        1, 0, *hi]
+    assert tok.decode([1, 0, *hi], skip_special_tokens=False) == f"{bos}{user}hi"
+
+
+def test_eot_and_eom_ids_stop_generation_as_eos_does(tok_dir, tmp_path):
+    """llama.cpp stops at tokenizer.ggml.eot_token_id / eom_token_id (Llama-3's <|eot_id|>) besides EOS; they
+    were dropped, so an answer ran past the end of its turn."""
+    from hetero_jax.io.checkpoint import load_checkpoint
+
+    src = write_gguf(tmp_path / "m.gguf", _model(), tok_dir, meta={"add_eot_token_id": 0, "add_eom_token_id": 2})
+    assert convert_main(["--gguf", src, str(tmp_path / "ck"), "--no-progress"]) == 0
+    cfg, _, tok = load_checkpoint(tmp_path / "ck")
+    assert cfg.eos_token_ids == (2, 0) and set(tok.eos_token_ids) >= {0, 2}
+
+
+@pytest.mark.parametrize("meta, edits, extra, needles", [
+    ({"add_chat_template": "{% for m in messages %}{{ m['content'] }"}, None, None,
+     ["the model's chat template is not valid Jinja (line 1: unexpected '}')", "'s tokenizer.chat_template; fix the "
+      "GGUF's tokenizer.chat_template"]),  # converted, then every load refused it
+    ({"add_rope_dimension_count": 4}, None, None,
+     ["llama.rope.dimension_count = 4 is not the head size 8", "partial rotary"]),  # was silently rotated whole
+    (None, None, {"blk.0.weight": (np.zeros((4, 4), np.float32), "F32")},
+     ["unexpected GGUF tensor 'blk.0.weight'"]),  # was a ValueError traceback
+    (None, "merge part", None, ["the GGUF vocabulary is inconsistent", "re-download it"]),  # was a bare Exception
+])
+def test_damaged_or_unsupported_gguf_input_is_refused_before_any_tensor_is_dequantised(
+        meta, edits, extra, needles, tok_dir, tmp_path, capsys, monkeypatch):
+    if edits == "merge part":  # rename a token the first merge names
+        tj = json.load(open(os.path.join(tok_dir, "tokenizer.json")))
+        first = tj["model"]["merges"][0]
+        part = (first.split(" ") if isinstance(first, str) else first)[0]
+        edits = {tj["model"]["vocab"][part]: ("renamed", 1)}
+    src = write_gguf(tmp_path / "m.gguf", _model(), tok_dir, meta=meta, extra=extra, token_edits=edits)
+    monkeypatch.setattr(importer, "_dequantize", lambda t: pytest.fail("dequantised before the refusal"))
+    assert convert_main(["--gguf", src, str(tmp_path / "ck"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: "), err
+    for n in needles:
+        assert n in err, (n, err)
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf"]

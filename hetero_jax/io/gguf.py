@@ -24,6 +24,7 @@ import numpy as np
 
 from hetero_jax.io.hf import ConversionResult, ParamBuilder
 from hetero_jax.io.checkpoint import check_output_apart, check_output_dir, np_dtype, save_checkpoint
+from hetero_jax.io.tokenizer import checked_chat_template
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError, ConfigError
 
@@ -150,6 +151,11 @@ def config_from_gguf(reader) -> ModelConfig:
     head_dim = _meta_int(reader, "llama.attention.key_length", hidden // n_heads)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _meta_int(reader, "llama.vocab_size", len(tokens.data) if tokens is not None else None)
+    n_rot = _field(reader, "llama.rope.dimension_count")
+    if n_rot is not None and int(n_rot) != head_dim:  # llama.cpp rotates only n_rot dims; we rotate all
+        raise ConfigError(f"GGUF metadata llama.rope.dimension_count = {int(n_rot)} is not the head size "
+                          f"{head_dim}: partial rotary embeddings are not supported; convert the HF checkpoint "
+                          "if it has none, or use another model")
     if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
         raise ConfigError("GGUF files with rope scaling are not supported yet; convert the HF checkpoint instead")
     names = {t.name for t in reader.tensors}
@@ -158,13 +164,15 @@ def config_from_gguf(reader) -> ModelConfig:
     bias = any(n.startswith("blk.") and n.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"))
                for n in names)
     special = {}
-    for key in ("bos_token_id", "eos_token_id"):
+    # eot / eom: ends of a turn that llama.cpp stops at besides EOS (Llama-3's <|eot_id|>, <|eom_id|>)
+    for key in ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id"):
         v = _field(reader, f"tokenizer.ggml.{key}")
         if v is not None:
             special[key] = _meta_int(reader, f"tokenizer.ggml.{key}", least=0)
             if special[key] >= vocab:
                 raise ConfigError(f"GGUF metadata tokenizer.ggml.{key} = {special[key]} is outside the "
                                   f"{vocab}-token vocabulary; the file is corrupt, re-download it")
+    stops = tuple(dict.fromkeys(special[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if k in special))
     eps = _meta_positive(reader, "llama.attention.layer_norm_rms_epsilon")
     return ModelConfig(
         architecture="llama",
@@ -183,7 +191,7 @@ def config_from_gguf(reader) -> ModelConfig:
         qkv_bias=bias,
         o_bias=bias,
         bos_token_id=special.get("bos_token_id"),
-        eos_token_ids=(special["eos_token_id"],) if "eos_token_id" in special else (),
+        eos_token_ids=stops,
         hf_architecture="LlamaForCausalLM",
     )
 
@@ -226,9 +234,16 @@ def tokenizer_from_gguf(reader) -> tuple[Any, dict]:
         # A few GGUFs store tokens as raw text; byte-level BPE wants them in the byte alphabet.
         return tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))
 
-    vocab = {spelled(t): i for i, t in enumerate(tokens)}
+    # CONTROL (3) and USER_DEFINED (4) tokens are matched whole in the text, as llama.cpp does: kept as written
+    def key(t: str, ty: int) -> str:
+        return t if ty in (3, 4) else spelled(t)
+
+    vocab = {key(t, ty): i for i, (t, ty) in enumerate(zip(tokens, types))}
     merges = [tuple(m.split(" ")) for m in merges_raw]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    except Exception as e:  # a merge naming a token the list lacks: the vocabulary is inconsistent
+        raise CheckpointError(f"the GGUF vocabulary is inconsistent ({e}); the file is corrupt, re-download it") from None
 
     if pre in _DIGITS_THEN_GPT2:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -249,23 +264,27 @@ def tokenizer_from_gguf(reader) -> tuple[Any, dict]:
     tok.decoder = decoders.ByteLevel()
 
     # CONTROL (3) tokens are special; USER_DEFINED (4) ones are matched whole but are not special.
-    control = [AddedToken(t, normalized=False, special=True)
-               for t, ty in zip(tokens, types) if ty == 3 and set(t) <= alphabet]
+    control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == 3]
     user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == 4]
     if control:
         tok.add_special_tokens(control)
     if user:
         tok.add_tokens(user)
 
-    def name_of(key: str) -> str | None:
+    def id_of(key: str) -> int | None:
         i = _field(reader, f"tokenizer.ggml.{key}")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+        return int(i) if i is not None and 0 <= int(i) < len(tokens) else None
+
+    def name_of(key: str) -> str | None:
+        i = id_of(key)
+        return None if i is None else tokens[i]
 
     bos_tok, eos_tok = name_of("bos_token_id"), name_of("eos_token_id")
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
     add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
     single = ([f"{bos_tok}:0"] if add_bos and bos_tok else []) + ["$A:0"] + ([f"{eos_tok}:0"] if add_eos and eos_tok else [])
-    specials = [(t, vocab[spelled(t)]) for t in {bos_tok if add_bos else None, eos_tok if add_eos else None} if t]
+    specials = list({(name_of(k), id_of(k)) for k, added in (("bos_token_id", add_bos), ("eos_token_id", add_eos))
+                     if added and id_of(k) is not None})
     tok.post_processor = processors.TemplateProcessing(single=single, pair=single + ["$B:1"], special_tokens=specials)
 
     tcfg = {
@@ -289,9 +308,9 @@ def _plan_tensors(reader, builder: ParamBuilder, where: str) -> list[tuple[Any, 
     for t in reader.tensors:
         stem = t.name[:-len(".weight")] if t.name.endswith(".weight") else t.name
         if stem.startswith("blk."):
-            _, idx, rest = stem.split(".", 2)
-            suffix = _GGUF_LAYER.get(rest)
-            hf_name = f"model.layers.{int(idx)}.{suffix}" if suffix and idx.isdigit() else None
+            parts = stem.split(".", 2)  # blk.N.NAME; a damaged name (blk.0) has no NAME
+            suffix = _GGUF_LAYER.get(parts[2]) if len(parts) == 3 else None
+            hf_name = f"model.layers.{int(parts[1])}.{suffix}" if suffix and parts[1].isdigit() else None
         else:
             hf_name = _GGUF_TOP.get(stem)
         if hf_name is None:
@@ -351,6 +370,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     reader = _open_reader(gguf_path)
     cfg = config_from_gguf(reader)
     tok, tcfg = tokenizer_from_gguf(reader)
+    if tcfg["chat_template"]:  # as the HF path: never write a checkpoint whose every load refuses its template
+        checked_chat_template(tcfg["chat_template"], f"{gguf_path}'s tokenizer.chat_template",
+                              "the GGUF's tokenizer.chat_template (gguf-py's gguf_new_metadata.py rewrites it)",
+                              converting=True)
 
     builder = ParamBuilder(cfg, dtype, layout_from="the GGUF metadata")
     plan = _plan_tensors(reader, builder, os.path.basename(gguf_path))
