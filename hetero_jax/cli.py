@@ -416,7 +416,8 @@ def _run_turns(args, model, context: str, policy, stream: bool, questions: list[
     # every question against the context before the session prefills anything: a line that cannot fit is
     # refused now, not after the turns before it were answered; so is a --stop that could never match
     check_turns_fit(model, context, questions, chat=not args.no_chat)
-    stop_token_ids(model.tokenizer, args.stop or [])
+    if args.stop:
+        stop_token_ids(model.tokenizer, args.stop)
     sess = Session(model, context, policy, chat=not args.no_chat, seed=args.seed)
     for i, q in enumerate(questions, 1):
         print(f"[turn {i}] {q}")
