@@ -78,6 +78,70 @@ def test_wrong_shape(hf, out_parent, capsys):
           "(8, 64)", "expected (16, 64)")
 
 
+@pytest.fixture
+def tensors_read(monkeypatch):
+    """The names of the tensors the conversion reads (``get_tensor``), in order."""
+    import safetensors
+
+    real, read = safetensors.safe_open, []
+
+    class Counted:
+        def __init__(self, *a, **k):
+            self._f = real(*a, **k)
+
+        def __enter__(self):
+            self._f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._f.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self._f.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Counted)
+    return read
+
+
+def _fp8(hf):
+    import torch
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    path = os.path.join(hf, "model.safetensors")
+    t = load_torch(path)
+    t["model.layers.1.mlp.up_proj.weight"] = t["model.layers.1.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+    save_torch(t, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage, needles", [
+    (lambda hf: _rewrite(hf, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+     ["'model.layers.1.mlp.up_proj.weight' is missing"]),
+    (lambda hf: _rewrite(hf, lambda t: t.__setitem__("model.layers.1.extra.weight", np.zeros((3, 4), np.float32))),
+     ["unexpected tensor 'model.layers.1.extra.weight'"]),
+    (_fp8, ["'model.layers.1.mlp.up_proj.weight'", "has dtype F8_E4M3: quantised weights are not supported",
+            "unquantised release"]),  # was "truncated or corrupt; re-download it"
+])
+def test_what_the_headers_show_is_refused_before_any_tensor_is_read(hf, out_parent, capsys, tensors_read, damage,
+                                                                     needles):
+    """A missing tensor was found after every tensor was read and held (tens of GB on a large model)."""
+    damage(hf)
+    _fail([hf, out_parent / "ck"], out_parent, capsys, *needles)
+    assert tensors_read == []
+
+
+def test_a_quantised_checkpoint_is_refused_by_its_config(hf, out_parent, capsys, no_weights_read):
+    """GPTQ / AWQ / bitsandbytes / FP8 releases got 'the weights do not match config.json' or 'corrupt'."""
+    cfg = json.load(open(hf / "config.json"))
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    json.dump(cfg, open(hf / "config.json", "w"))
+    _fail([hf, out_parent / "ck"], out_parent, capsys, "has a quantization_config (quant_method 'gptq')",
+          "convert the unquantised release")
+
+
 def test_truncated_safetensors(hf, out_parent, capsys):
     path = hf / "model.safetensors"
     data = path.read_bytes()
@@ -369,7 +433,7 @@ _DROP = object()
     ("rope_scaling", [8.0], ["rope_scaling = [8.0]", "an object"]),
     ("rope_parameters", "llama3", ["rope_parameters = 'llama3'", "an object"]),
     ("rope_parameters.factor", _DROP, ["rope_parameters has rope_type 'llama3' but no 'factor'",
-                                       "original_max_position_embeddings"]),
+                                       "factor, low_freq_factor and high_freq_factor"]),
     ("rope_parameters.low_freq_factor", "1", ["rope_parameters.low_freq_factor = '1'", "a finite number > 0"]),
     ("rope_parameters.high_freq_factor", 1.0, ["rope_parameters.high_freq_factor = 1.0",
                                                "greater than low_freq_factor"]),

@@ -377,6 +377,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
 
     builder = ParamBuilder(cfg, dtype, layout_from="the GGUF metadata")
     plan = _plan_tensors(reader, builder, os.path.basename(gguf_path))
+    builder.check_complete(os.path.basename(gguf_path))
     bar = tqdm(total=len(plan), unit="tensor", desc="dequantising", disable=not progress)
     try:
         for t, hf_name, where in plan:

@@ -66,6 +66,7 @@ class ParamBuilder:
         self.params: dict = {k: None for k in shapes if k != "layers"}
         self.params["layers"] = [dict.fromkeys(layer) for layer in shapes["layers"]]
         self.found: dict[str, str] = {}  # hf name -> file it came from
+        self.planned: dict[str, str] = {}  # hf name -> where it is, from the headers (checked before any read)
         self.tied_lm_head: tuple[np.ndarray, str] | None = None
 
     def wants(self, name: str) -> bool:
@@ -81,14 +82,28 @@ class ParamBuilder:
             raise CheckpointError(
                 f"unexpected tensor {name!r} (shape {tuple(shape)}) in {where}: the {self.cfg.hf_architecture} "
                 f"layout from {self.layout_from} has no such tensor; the weights do not match {self.layout_from}")
-        if name in self.found:
-            raise CheckpointError(f"tensor {name!r} appears twice: in {self.found[name]} and in {where}")
+        if name in self.planned:
+            raise CheckpointError(f"tensor {name!r} appears twice: in {self.planned[name]} and in {where}")
         exp = self.expected[name][1]
         if tuple(shape) != exp:
             raise CheckpointError(
                 f"tensor {name!r} in {where} has shape {tuple(shape)}, expected {exp} from {self.layout_from}; "
                 f"the weights do not match {self.layout_from}")
+        self.planned[name] = where
         return True
+
+    def check_complete(self, where: str) -> None:
+        """After every tensor's name and shape was checked and before any is read: CheckpointError naming a
+        tensor the layout needs that no file holds."""
+        self._missing([n for n in self.expected if n not in self.planned], where)
+
+    def _missing(self, missing: list[str], where: str) -> None:
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(
+                f"tensor {missing[0]!r}{more} is missing from {where}; expected shape "
+                f"{self.expected[missing[0]][1]}. The download is incomplete or the weights do not match "
+                f"{self.layout_from}")
 
     def add(self, name: str, array: np.ndarray, where: str) -> None:
         """``array`` in the HF layout; checked with ``check_name_and_shape`` first."""
@@ -107,13 +122,7 @@ class ParamBuilder:
         self.found[name] = where
 
     def finish(self, where: str) -> dict:
-        missing = [n for n in self.expected if n not in self.found]
-        if missing:
-            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise CheckpointError(
-                f"tensor {missing[0]!r}{more} is missing from {where}; expected shape "
-                f"{self.expected[missing[0]][1]}. The download is incomplete or the weights do not match "
-                f"{self.layout_from}")
+        self._missing([n for n in self.expected if n not in self.found], where)
         if self.tied_lm_head is not None:
             head, head_where = self.tied_lm_head
             embed = self.params["embed"]
@@ -160,6 +169,9 @@ def _list_safetensors(hf_dir: str) -> list[tuple[str, set[str] | None]]:
         "supported (re-save PyTorch .bin weights with save_pretrained(..., safe_serialization=True))")
 
 
+_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # safetensors dtype names the converter reads
+
+
 def _corrupt(path: str, e: BaseException) -> CheckpointError:
     return CheckpointError(
         f"{path} is truncated or corrupt ({type(e).__name__}: {e}); re-download it")
@@ -189,34 +201,58 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
     check_output_apart(hf_dir, out_dir)
     out_dir = check_output_dir(out_dir, force)
     cfg, raw_cfg = read_hf_config(hf_dir)
+    quant = raw_cfg.get("quantization_config")
+    if quant:  # FP8, GPTQ, AWQ, bitsandbytes: packed or scaled tensors this converter does not dequantise
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ConfigError(f"{os.path.join(hf_dir, 'config.json')} has a quantization_config (quant_method "
+                          f"{method!r}): quantised checkpoints are not supported; convert the unquantised release "
+                          "of the model (bfloat16, float16 or float32)")
     if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
         raise CheckpointError(
             f"no tokenizer.json in {hf_dir}; hetero-jax needs the HF tokenizers file (download it with the weights)")
     files = _list_safetensors(hf_dir)
     tok_files = _tokenizer_files(hf_dir)  # read (and checked) before the weights, not after
 
+    def opened(path):
+        try:
+            return safe_open(path, framework="numpy")
+        except Exception as e:  # SafetensorError / OSError on a short or garbled file
+            raise _corrupt(path, e) from None
+
+    # Pass 1, headers only: every file's names, shapes and dtypes, and the tensors none holds, are checked
+    # before any tensor is read (a 70B model's shards are tens of GB).
     builder = ParamBuilder(cfg, dtype)
+    plan: list[tuple[str, list[str]]] = []
+    for path, listed in files:
+        with opened(path) as f:
+            names = list(f.keys())
+            if listed is not None and set(names) != listed:
+                diff = sorted(listed ^ set(names))
+                raise CheckpointError(
+                    f"{path} does not hold the tensors model.safetensors.index.json lists for it "
+                    f"(e.g. {diff[0]!r}); re-download the checkpoint")
+            keep = []
+            for name in names:
+                try:
+                    sl = f.get_slice(name)
+                    shape, kind = tuple(sl.get_shape()), sl.get_dtype()
+                except Exception as e:
+                    raise _corrupt(path, e) from None
+                if not builder.check_name_and_shape(name, shape, path):
+                    continue
+                if kind not in _FLOAT_DTYPES:
+                    raise CheckpointError(
+                        f"tensor {name!r} in {path} has dtype {kind}: quantised weights are not supported; "
+                        "convert the unquantised release of the model (bfloat16, float16 or float32)")
+                keep.append(name)
+        plan.append((path, keep))
+    builder.check_complete(hf_dir)
+
     bar = tqdm(total=len(builder.expected), unit="tensor", desc="converting", disable=not progress)
     try:
-        for path, listed in files:
-            try:
-                f = safe_open(path, framework="numpy")
-            except Exception as e:  # SafetensorError / OSError on a short or garbled file
-                raise _corrupt(path, e) from None
-            with f:
-                names = list(f.keys())
-                if listed is not None and set(names) != listed:
-                    diff = sorted(listed ^ set(names))
-                    raise CheckpointError(
-                        f"{path} does not hold the tensors model.safetensors.index.json lists for it "
-                        f"(e.g. {diff[0]!r}); re-download the checkpoint")
-                for name in names:
-                    try:
-                        shape = tuple(f.get_slice(name).get_shape())
-                    except Exception as e:
-                        raise _corrupt(path, e) from None
-                    if not builder.check_name_and_shape(name, shape, path):
-                        continue
+        for path, keep in plan:
+            with opened(path) as f:
+                for name in keep:
                     try:
                         arr = f.get_tensor(name)
                     except Exception as e:
