@@ -124,6 +124,28 @@ def test_llama3_rope_inv_freq_matches_hf():
     np.testing.assert_allclose(M.rope_inv_freq(cfg), inv_hf.numpy(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("where", ["absent", "top level", "both"])
+def test_llama3_rope_original_max_is_found_where_transformers_finds_it(where):
+    """A llama3 rope without original_max_position_embeddings was refused, though transformers takes
+    max_position_embeddings; a top-level one (Phi-3's place) wins over the RoPE dict's, as there."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    if where == "both":
+        rope["original_max_position_embeddings"] = 4096
+    d = dict(architectures=["LlamaForCausalLM"], hidden_size=256, num_attention_heads=2, head_dim=128,
+             intermediate_size=512, num_hidden_layers=1, vocab_size=32, max_position_embeddings=16384,
+             rope_theta=500000.0, rope_scaling=rope)
+    if where != "absent":
+        d["original_max_position_embeddings"] = 2048
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in d.items() if k != "architectures"})
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.rope_scaling.original_max_position_embeddings == (16384 if where == "absent" else 2048)
+    inv_hf, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    np.testing.assert_allclose(M.rope_inv_freq(cfg), inv_hf.numpy(), rtol=1e-6)
+
+
 def test_cache_is_stored_at_kv_heads_and_counts_bytes():
     cfg = CONFIGS["llama-gqa3"]
     params = jax.tree.map(jnp.asarray, spec.init_params(cfg, seed=0))

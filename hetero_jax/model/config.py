@@ -75,6 +75,9 @@ def check_hf_config_values(cfg: Any) -> None:
     if eos is not None:
         _need((_is_int(eos) and eos >= 0) or (isinstance(eos, list) and all(_is_int(e) and e >= 0 for e in eos)),
               "eos_token_id", eos, "a token id, a list of token ids or null")
+    if cfg.get("original_max_position_embeddings") is not None:
+        _need(_is_int(cfg["original_max_position_embeddings"]) and cfg["original_max_position_embeddings"] >= 1,
+              "original_max_position_embeddings", cfg["original_max_position_embeddings"], "a positive integer")
     for key in ("rope_scaling", "rope_parameters"):
         if cfg.get(key) is not None:
             _need(isinstance(cfg[key], Mapping), key, cfg[key], "an object (mapping) or null")
@@ -122,15 +125,16 @@ def _check_rope_dict(key: str, d: Mapping) -> None:
               "a finite number > 0")
     if d.get("rope_type", d.get("type")) != "llama3":
         return
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-               if k not in d]
+    # original_max_position_embeddings may be absent: transformers then takes max_position_embeddings
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in d]
     if missing:
         raise ConfigError(f"config.json: {key} has rope_type 'llama3' but no {missing[0]!r}; llama3 scaling needs "
-                          f"factor, low_freq_factor, high_freq_factor and original_max_position_embeddings{_FIX}")
+                          f"factor, low_freq_factor and high_freq_factor{_FIX}")
     for k in ("factor", "low_freq_factor", "high_freq_factor"):
         _need(_is_num(d[k]) and d[k] > 0, f"{key}.{k}", d[k], "a finite number > 0")
-    _need(_is_int(d["original_max_position_embeddings"]) and d["original_max_position_embeddings"] >= 1,
-          f"{key}.original_max_position_embeddings", d["original_max_position_embeddings"], "a positive integer")
+    if "original_max_position_embeddings" in d:
+        _need(_is_int(d["original_max_position_embeddings"]) and d["original_max_position_embeddings"] >= 1,
+              f"{key}.original_max_position_embeddings", d["original_max_position_embeddings"], "a positive integer")
     _need(d["high_freq_factor"] > d["low_freq_factor"], f"{key}.high_freq_factor", d["high_freq_factor"],
           f"greater than low_freq_factor = {d['low_freq_factor']!r}")
 
@@ -231,8 +235,12 @@ class ModelConfig:
                     factor=float(scaling_dict["factor"]),
                     low_freq_factor=float(scaling_dict["low_freq_factor"]),
                     high_freq_factor=float(scaling_dict["high_freq_factor"]),
+                    # transformers' order: a top-level original_max_position_embeddings (Phi-3's place), the
+                    # RoPE dict's, then max_position_embeddings
                     original_max_position_embeddings=int(
-                        scaling_dict["original_max_position_embeddings"]
+                        cfg.get("original_max_position_embeddings")
+                        or scaling_dict.get("original_max_position_embeddings")
+                        or _context_length(cfg, family)
                     ),
                 )
             elif rtype not in ("default", None):
