@@ -411,6 +411,15 @@ def test_a_sessions_tail_grows_by_doubling_and_answers_as_one_reserved_up_front(
     assert caps == [8, 128, 256, 512, 1024, 2048], caps
 
 
+@pytest.mark.parametrize("n", [255, 256, 300])
+def test_a_context_that_leaves_no_room_for_a_question_is_refused_before_the_prefill(n, no_compute):
+    """255 of 256 tokens was prefilled whole and every ask then failed; a longer one was called a 'prompt'."""
+    with pytest.raises(PromptError) as e:
+        Session(MODEL, random_prompt(n), chat=False)
+    assert str(e.value) == (f"the context has {n} tokens but the model's context is 256 tokens, and a question "
+                            "and its answer need at least two more positions; shorten the context")
+
+
 def test_the_largest_reserve_and_the_default_fit_the_context():
     s = Session(MODEL, random_prompt(20), chat=False, reserve_tokens=236)
     assert s.engine.cache.tail_capacity >= 236

@@ -179,8 +179,10 @@ def session_reserve(reserve_tokens, cfg: ModelConfig, context_tokens: int) -> in
     far past them ran out of memory allocating rows that could never be used.
     """
     left = cfg.max_position_embeddings - context_tokens
-    if left < 1:
-        return 1  # the context itself does not fit: the Engine refuses it, naming its length
+    if left < 2:  # refused before the prefill: every ask would fail after it
+        raise PromptError(
+            f"the context has {context_tokens} tokens but the model's context is {cfg.max_position_embeddings} "
+            f"tokens, and a question and its answer need at least two more positions; shorten the context")
     if reserve_tokens is None:
         return min(DEFAULT_RESERVE, left)
     if reserve_tokens > left:
