@@ -23,8 +23,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="the answer's length limit in tokens, >= 1 "
                    "(default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
+    p.add_argument("--seed", type=int, default=None, help="the sampling seed (default 0; with --temperature > 0)")
     p.add_argument("--stop", action="append", default=None,
                    help="stop string (repeatable); a special token's text, e.g. '<|im_end|>', also stops at that "
                         "token")
@@ -227,7 +227,13 @@ def _check_generate_args(args) -> list[str] | None:
     if args.max_new_tokens < 1:
         raise PromptError(f"--max-new-tokens must be >= 1 (the answer's length limit in tokens), got "
                           f"{args.max_new_tokens}")
+    given_seed = args.seed is not None
+    args.seed = args.seed if given_seed else 0
     check_request(args.max_new_tokens, args.temperature, args.top_p, seed=args.seed, stop=args.stop)
+    ignored = [f for f, given in (("--top-p", args.top_p != 1.0), ("--seed", given_seed)) if given]
+    if args.temperature == 0 and ignored:  # greedy: they would change nothing, which a user should hear
+        print(f"note: {' and '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect at --temperature 0 "
+              "(greedy); give --temperature > 0 to sample", file=sys.stderr)
     if args.turns is None:  # "" is a path (not found), as an unset shell variable in --turns "$FILE" gives
         return None
     if args.turns == "-" and args.prompt_file == "-":

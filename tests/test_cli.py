@@ -89,6 +89,24 @@ def test_a_compressing_policy_at_its_default_budget_of_one_says_so(monkeypatch, 
     assert "[default budget 1]" in listed and "[default budget 0.3]" in listed
 
 
+@pytest.mark.parametrize("argv, note", [
+    (["--top-p", "0.01"], "note: --top-p has no effect at --temperature 0 (greedy); give --temperature > 0 to sample"),
+    (["--top-p", "0.5", "--seed", "3"], "note: --top-p and --seed have no effect at --temperature 0 (greedy)"),
+    (["--seed", "0"], "note: --seed has no effect"),
+    (["--top-p", "0.5", "--seed", "3", "--temperature", "0.7"], None), ([], None)])
+def test_sampling_flags_that_greedy_decoding_ignores_say_so(monkeypatch, capsys, argv, note):
+    """--top-p 0.01 --seed 123 gave the greedy answer without a word (the default temperature is 0)."""
+    import hetero_jax
+    from hetero_jax.profile import ProfileError
+
+    def stop(*a, **k):
+        raise ProfileError("reached the model load")
+    monkeypatch.setattr(hetero_jax, "load", stop)
+    assert main(["generate", "--prompt", "hi", *argv]) == 2
+    err = capsys.readouterr().err
+    assert (note in err) if note else ("note:" not in err), err
+
+
 def test_profile_flag_reaches_profiledsnapkv(monkeypatch, capsys):
     """--profile was refused for profiledsnapkv (whose profile option it is), naming flags not given."""
     import hetero_jax
