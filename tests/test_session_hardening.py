@@ -5,6 +5,7 @@ reserve past the context and a non-boolean HETERO_JAX_GC_FREEZE are the project'
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -418,6 +419,43 @@ def test_a_context_that_leaves_no_room_for_a_question_is_refused_before_the_pref
         Session(MODEL, random_prompt(n), chat=False)
     assert str(e.value) == (f"the context has {n} tokens but the model's context is 256 tokens, and a question "
                             "and its answer need at least two more positions; shorten the context")
+
+
+TRIMMING = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_template_that_trims_the_last_answers_whitespace_still_takes_the_next_turn(tmp_path):
+    """Llama 3's template trims every message: once an answer that ended in a line break (cut by max_new_tokens
+    after '1. Banana\n') was history, every later ask was refused as 'not incremental'. The cache keeps the
+    answer as generated; the turn feeds what the template writes after the trimmed text."""
+    from hf_fixtures import make_tokenizer_files
+
+    from hetero_jax.runtime.session import open_context
+
+    make_tokenizer_files(tmp_path)
+    tc = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tc["chat_template"] = TRIMMING
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tc))
+    tok = Tokenizer.from_dir(tmp_path)
+    ids, t = open_context(tok, "fruit: banana, apple", chat=True)
+    q1, t = t.ask(tok, MODEL.config, "list them")
+    answer = tok.encode("1. Banana\n")
+    t = t.answered(tok, answer, all_fed=False)  # cut by max_new_tokens: its last token opens the next turn
+    q2, t2 = t.ask(tok, MODEL.config, "which is yellow?")
+    held = "<user>fruit: banana, apple\n\nlist them</s><assistant>"
+    assert tok.decode(ids + q1) == held
+    # the cache: the answer as generated ('\n' included, fed first), then the template's text after '1. Banana'
+    assert q2 == [answer[-1]] + tok.encode("</s><user>which is yellow?</s><assistant>")
+    assert t2.rendered == held + "1. Banana</s><user>which is yellow?</s><assistant>"
+    t2 = t2.answered(tok, tok.encode("The banana."), all_fed=True)
+    q3, _ = t2.ask(tok, MODEL.config, "and red?")  # the turn after goes on as usual
+    assert q3 == tok.encode("</s><user>and red?</s><assistant>")
+    # a template that changes an earlier message otherwise is still refused
+    t3 = dataclasses.replace(t2, messages=t2.messages[:1] + ({"role": "user", "content": "changed"},) +
+                             t2.messages[2:])
+    with pytest.raises(PromptError, match="does not render turns incrementally"):
+        t3.ask(tok, MODEL.config, "and red?")
 
 
 def test_the_largest_reserve_and_the_default_fit_the_context():

@@ -67,10 +67,19 @@ class Transcript:
         else:
             msgs = self.messages + ({"role": "user", "content": question},)
         rendered = tok.apply_chat_template(list(msgs), add_generation_prompt=True)
+        held = len(self.rendered)  # the text the cache holds ends here
         if not rendered.startswith(self.rendered):
-            raise PromptError("the chat template does not render turns incrementally (the history renders "
-                              "differently once a turn is added); use chat=False")
-        ids = unfed + tok.encode(rendered[len(self.rendered):], add_special_tokens=False)  # the carry included
+            # a template that trims messages (Llama 3's `| trim`) drops the last answer's trailing whitespace
+            # once it is history: the cache keeps the answer as generated, and the turn feeds what the template
+            # writes after the trimmed text
+            last = self.messages[-1]["content"] if self.messages and self.messages[-1]["role"] == "assistant" else ""
+            cut = len(last) - len(last.rstrip())
+            if not (cut and last.strip() and rendered.startswith(self.rendered[:held - cut])):
+                raise PromptError("the chat template does not render turns incrementally (it renders the history "
+                                  "differently once a turn is added, changing an earlier message's text); use "
+                                  "chat=False, or open a new Session")
+            held -= cut
+        ids = unfed + tok.encode(rendered[held:], add_special_tokens=False)  # the carry included
         return ids, dataclasses.replace(self, messages=msgs, rendered=rendered, unfed=(), carry="")
 
     def answered(self, tok, answer_ids: list[int], all_fed: bool) -> "Transcript":
