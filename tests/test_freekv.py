@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hetero_jax.model.cache import capacity_bucket
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import layer_rows, prompt_kv_bytes
 from hetero_jax.runtime import Engine, prefill
@@ -205,7 +206,7 @@ def test_memory_and_bytes_moved():
         tok, _ = eng.step_with_logits(tok)
     s = eng.stats_fields()
     full_bytes = 2 * L * H * CFG.num_layers * D * 4
-    assert [lc.capacity for lc in eng.cache.layers] == [L, S + k * PS + w, S + k * PS + w]
+    assert [lc.capacity for lc in eng.cache.layers] == [capacity_bucket(n) for n in (L, S + k * PS + w, S + k * PS + w)]
     assert [np.asarray(lc.lengths).tolist() for lc in eng.cache.layers] == \
         [[[L] * H], [[S + k * PS + w] * H], [[S + k * PS + w] * H]]
     assert prompt_kv_bytes(eng.cache) == s["kv_bytes_prompt"] == (L + 2 * (S + k * PS + w)) * H * 2 * D * 4

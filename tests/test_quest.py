@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from hetero_jax.model.cache import capacity_bucket
 from hetero_jax.model import transformer as M
 from hetero_jax.model.cache import layer_rows
 from hetero_jax.runtime import Engine, prefill
@@ -161,7 +162,7 @@ def test_offloaded_memory_rows_and_bytes():
     assert all(a.sharding.memory_kind == "pinned_host" for a in e_off.state.host_arrays())
     assert [np.asarray(lc.lengths).tolist() for lc in e_off.cache.layers] == \
         [[[L] * CFG.num_kv_heads], [[held] * CFG.num_kv_heads], [[held] * CFG.num_kv_heads]]
-    assert [lc.capacity for lc in e_off.cache.layers] == [L, held, held]
+    assert [lc.capacity for lc in e_off.cache.layers] == [capacity_bucket(n) for n in (L, held, held)]
     for li in (1, 2):
         bk, bv, bpos, _ = (np.asarray(a) for a in layer_rows(e_off.cache, li))
         hk, hv = e_off.state.store.view(li)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import hetero_jax
+from hetero_jax.model.cache import capacity_bucket
 from hetero_jax.model.cache import layer_rows, prompt_kv_bytes
 from hetero_jax.runtime import Engine, Session
 from hetero_jax.policies import BudgetError, FullKV, HeteroCache, SyncKV, make_policy
@@ -158,7 +159,7 @@ def test_prefill_keeps_the_r_heads_last_token_top_k_split_static_dynamic():
     for li, (layer, x_in, k_buf, v_buf) in enumerate(captured):
         lc = eng.cache.layers[li]
         # the R-head (layout slot 0) keeps its whole prompt, each NR head (slots 1, 2) exactly k rows
-        assert lc.capacity == L and np.asarray(lc.lengths).tolist() == [[L, k, k]]
+        assert lc.capacity == capacity_bucket(L) and np.asarray(lc.lengths).tolist() == [[L, k, k]]
         rows_k, rows_v, rows_pos, _ = (np.asarray(a) for a in layer_rows(eng.cache, li))
         np.testing.assert_array_equal(rows_pos[0, 0], np.arange(L))
         np.testing.assert_array_equal(rows_k[0, 0], k_buf[0, :L])

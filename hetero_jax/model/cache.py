@@ -98,6 +98,17 @@ class LayerPrefill:
     state: Any = None
 
 
+def capacity_bucket(rows: int) -> int:
+    """The static bound a layer's kernels are compiled for, from the most prompt rows a head of it keeps:
+    ``rows`` rounded up to a multiple of max(POOL_QUANTUM, a quarter of its power of two), so prompts of
+    nearby lengths share executables (the exact count compiled decode once per prompt length). The kernels
+    mask every head by its own length, so the bound changes no result."""
+    if rows <= 0:
+        return 0
+    q = max(POOL_QUANTUM, 1 << max(0, int(rows).bit_length() - 3))
+    return -(-int(rows) // q) * q
+
+
 def heads_per_shard(cache_or_pool, num_heads: int) -> int:
     pool = cache_or_pool.pool if isinstance(cache_or_pool, KVCache) else cache_or_pool
     return num_heads // pool.num_shards
@@ -107,7 +118,7 @@ def pool_offsets(counts: np.ndarray, tail_capacity: int, shards: int = 1) -> tup
     """The one slack rule. counts: [L, B, H] prompt rows each head keeps (layout order). Each head's region
     holds its rows plus ``tail_capacity`` rows for tokens added after prefill; shard s packs the regions of
     its heads (layout slots [s H/S, (s + 1) H/S)) layer after layer. Returns (offsets [L, B, H] int64, the
-    pool's rows P: the largest (sequence, shard) total, rounded up to POOL_QUANTUM)."""
+    pool's rows P: the largest (sequence, shard) total, rounded up to a bucket of at most 1/16 of it)."""
     counts = np.asarray(counts, np.int64)
     L, B, H = counts.shape
     if H % shards:
@@ -117,7 +128,10 @@ def pool_offsets(counts: np.ndarray, tail_capacity: int, shards: int = 1) -> tup
     starts = np.cumsum(per_shard, axis=-1) - per_shard  # [B, S, L * H/S] exclusive prefix sums
     offsets = starts.reshape(B, shards, L, H // shards).transpose(2, 0, 1, 3).reshape(L, B, H)
     total = int(per_shard.sum(axis=-1).max()) if per_shard.size else 0
-    return offsets, max(POOL_QUANTUM, -(-total // POOL_QUANTUM) * POOL_QUANTUM)
+    # rounded up to a multiple of max(POOL_QUANTUM, a sixteenth of its power of two): at most 1/16 more rows,
+    # and prompts of nearby lengths share the pool's shape and so the executables that take it
+    q = max(POOL_QUANTUM, 1 << max(0, total.bit_length() - 5))
+    return offsets, max(POOL_QUANTUM, -(-total // q) * q)
 
 
 def new_pool(batch: int, shards: int, rows: int, head_dim: int, dtype, mesh=None) -> KVPool:
@@ -217,7 +231,8 @@ class PoolBuilder:
                 self.states[li] = out.state
                 self._write(li, out.blocks)
         layers = tuple(LayerCache(offsets=self._device(self.offsets[li]), lengths=self._device(self.counts[li]),
-                                  state=self.states[li], capacity=int(self.counts[li].max(initial=0)))
+                                  state=self.states[li],
+                                  capacity=capacity_bucket(int(self.counts[li].max(initial=0))))
                        for li in range(self.cfg.num_layers))
         B, R = len(self.lens), self.tail_capacity
         return KVCache(pool=self.pool, layers=layers, seq_lens=jnp.array(prompt_lens), prompt_lens=prompt_lens,

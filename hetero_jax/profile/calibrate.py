@@ -182,11 +182,12 @@ def _prefill_topk_jit(layer, x_in, k_buf, lens, cfg, top_k):
     return mask, _pairwise_counts(mask)
 
 
-def _prompt_keys(cache, li: int):
+def _prompt_keys(cache, li: int, width: int | None = None):
     """Traced: layer ``li``'s prompt keys [B, H, T, D] (full KV: every head holds its prompt) and lengths
-    [B, H], gathered out of the pool."""
+    [B, H], gathered out of the pool; T = ``width`` (default the layer's static bound ``capacity``, which may
+    exceed the longest prompt: rows past a head's length are masked by it)."""
     lc = cache.layers[li]
-    keys, _, _ = gather_rows(cache.pool, lc.offsets, lc.lengths, lc.capacity)
+    keys, _, _ = gather_rows(cache.pool, lc.offsets, lc.lengths, lc.capacity if width is None else width)
     return keys, lc.lengths
 
 
@@ -200,7 +201,7 @@ def _calib_step_jit(params, cache, tokens, prefill_masks, cfg, top_k):
     logits, cache, queries = M.decode_step(params, cache, tokens, cfg, return_queries=True)
     overlaps = []
     for li, q in enumerate(queries):
-        keys, lengths = _prompt_keys(cache, li)
+        keys, lengths = _prompt_keys(cache, li, prefill_masks.shape[-1])
         s = pallas_kernels.scores(q[:, :, None], keys, lengths, gqa="mean")[:, :, 0]  # [B, H, Tp]
         overlaps.append(_overlap_counts(_topk_mask(s, top_k), prefill_masks[li]))
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, jnp.stack(overlaps)
