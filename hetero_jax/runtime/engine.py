@@ -206,15 +206,16 @@ class Engine:
     def positions_left(self) -> int:
         return self.cfg.max_position_embeddings - int(np.max(to_host(self.cache.seq_lens)))
 
-    def reserve(self, n: int) -> None:
-        """Make room for ``n`` more tail tokens. The tail grows to at least twice its capacity (TAIL_QUANTUM
-        multiples, never past the rows the context can still use): each new capacity compiles decode and extend
-        again, so a session's turns compile O(log(context)) times, not once per turn."""
+    def reserve(self, n: int, *, doubling: bool = False) -> None:
+        """Make room for ``n`` more tail tokens (TAIL_QUANTUM multiples). ``doubling``: grow to at least twice
+        the capacity, never past the rows the context can still use; each new capacity compiles decode and
+        extend again, so a session's turns compile O(log(context)) times, not once per turn."""
         used = int(np.max(to_host(self.cache.tail_lens)))
         need, cap = used + n, self.cache.tail_capacity
         if need > cap:
             usable = used + self.positions_left  # rows past this can never be written
-            self.cache = resize_tail(self.cache, round_up(max(need, min(2 * cap, usable)), TAIL_QUANTUM))
+            target = max(need, min(2 * cap, usable)) if doubling else need
+            self.cache = resize_tail(self.cache, round_up(target, TAIL_QUANTUM))
             self.state.pool_moved(self.cache)
 
     def trim(self, n: int) -> None:

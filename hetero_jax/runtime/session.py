@@ -256,7 +256,7 @@ class Session:
                 "more; ask a shorter question or start a new session (this one is unchanged)"
             )
         budget = min(max_new_tokens, room)
-        eng.reserve(len(ids) + budget + 1)  # may grow the tail: more room, the same answers
+        eng.reserve(len(ids) + budget + 1, doubling=True)  # may grow the tail: more room, the same answers
         saved = eng.checkpoint()
         try:
             res, t = self._answer(ids, t, budget, max_new_tokens, temperature, top_p, stops, on_token)
