@@ -463,3 +463,26 @@ def test_an_answer_far_shorter_than_its_budget_holds_only_the_starting_tail():
     ref = hetero_jax.generate(model, prompt, max_new_tokens=TAIL_START, chat=False)
     assert big.stats.stop_reason == "eos" and big.token_ids == ref.token_ids
     assert big.stats.kv_bytes_device == ref.stats.kv_bytes_device  # TAIL_START rows, not 1,900
+
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv", "streamingllm"])
+def test_nearby_prompt_lengths_share_the_decode_executable(policy):
+    """Each new prompt length compiled the decode step again (a layer's exact prompt rows and the pool's rows
+    were static: ~4 s a length on SmolLM2); lengths 100, 101 and 103 (one bucket of both) now share one.
+    (HeteroCache, Quest, FreeKV and SyncKV still carry decode state whose width follows the prompt: K_base's
+    L_base, the page count.)"""
+    from hetero_jax.policies import make_policy
+    from hetero_jax.runtime import compile_cache
+    from test_heterocache import MODEL
+
+    pol = make_policy(policy, None if policy == "full" else 0.5)
+
+    def decode_executables():
+        return sum(1 for k in compile_cache._COMPILED if "decode_step_jit" in repr(k))
+
+    counts = []
+    for n in (100, 101, 103):
+        hetero_jax.generate(MODEL, random_prompts([n], seed=n)[0], pol, max_new_tokens=3, chat=False)
+        counts.append(decode_executables())
+    assert counts[1:] == [counts[0]] * 2, counts
