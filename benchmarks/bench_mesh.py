@@ -82,14 +82,15 @@ def layout_bytes(policy, cfg, tp: int, prompt_len: int, tail: int, itemsize: int
     - ``*_pool``: the row pool [S, P, D] K and V plus its positions [S, P] int32, P the largest shard's kept
       rows plus ``tail`` rows per head (rounded to the pool quantum);
     - ``small``: each layer's offsets and lengths [H] int32 (split over "model");
-    - ``k_base``: HeteroCache's K_base [pivots, L_base] int32 per pivot layer (its "pivots" axis is not split,
-      so every device holds all of it);
+    - ``k_base``: HeteroCache's K_base [pivots, its bucketed width ``base_width``] int32 per pivot layer (its
+      "pivots" axis is not split, so every device holds all of it);
     - ``host``: HeteroCache's pinned prompt copy: on one device the compressed heads of each layer, under
       tensor parallelism every head of each layer that has a compressed head, split over "model" as the
       heads are (``heterocache.prefill``)."""
     import numpy as np
 
     from hetero_jax.model.cache import pool_offsets
+    from hetero_jax.policies.heterocache.step import base_width
 
     D, H, L = cfg.head_dim, cfg.num_kv_heads, prompt_len
     layout, roles = policy.layout(cfg), policy.layer_roles(cfg)
@@ -100,7 +101,7 @@ def layout_bytes(policy, cfg, tp: int, prompt_len: int, tail: int, itemsize: int
     for name, c in (("full", np.full_like(counts, L)), ("heterocache", counts)):
         _, rows = pool_offsets(c, tail, tp)
         out[f"{name}_pool_rows"], out[f"{name}_pool"] = rows, rows * row
-    out["k_base"] = sum(len(r.pivot_slots()) for r in roles if r.pivot_slots()) * l_base * 4
+    out["k_base"] = sum(len(r.pivot_slots()) for r in roles if r.pivot_slots()) * base_width([l_base]) * 4
     heads = [(H // tp if tp > 1 else len(r.comp_slots)) for r in roles if r.comp_slots]
     out["host"] = sum(heads) * L * 2 * D * itemsize
     return out

@@ -466,23 +466,24 @@ def test_an_answer_far_shorter_than_its_budget_holds_only_the_starting_tail():
 
 
 
-@pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv", "streamingllm"])
+@pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv", "streamingllm", "heterocache"])
 def test_nearby_prompt_lengths_share_the_decode_executable(policy):
-    """Each new prompt length compiled the decode step again (a layer's exact prompt rows and the pool's rows
-    were static: ~4 s a length on SmolLM2); lengths 100, 101 and 103 (one bucket of both) now share one.
-    (HeteroCache, Quest, FreeKV and SyncKV still carry decode state whose width follows the prompt: K_base's
-    L_base, the page count.)"""
-    from hetero_jax.policies import make_policy
+    """Each new prompt length compiled the decode step again (a layer's exact prompt rows, the pool's rows and
+    HeteroCache's K_base width were static: ~4 s a length on SmolLM2); lengths 100, 101 and 103 (one bucket of
+    each) now share the step and HeteroCache's drift check. (Quest, FreeKV and SyncKV still carry decode state
+    whose width follows the prompt: the page count.)"""
+    from hetero_jax.policies import HeteroCache, make_policy
     from hetero_jax.runtime import compile_cache
-    from test_heterocache import MODEL
+    from test_heterocache import MODEL, PROFILE  # a tiny profile with every role
 
-    pol = make_policy(policy, None if policy == "full" else 0.5)
+    pol = (HeteroCache(profile=PROFILE, budget=0.5, window=2) if policy == "heterocache" else
+           make_policy(policy, None if policy == "full" else 0.5))
 
     def decode_executables():
-        return sum(1 for k in compile_cache._COMPILED if "decode_step_jit" in repr(k))
+        return sum(1 for k in compile_cache._COMPILED if "decode_step_jit" in repr(k) or "drift_check" in repr(k))
 
     counts = []
     for n in (100, 101, 103):
-        hetero_jax.generate(MODEL, random_prompts([n], seed=n)[0], pol, max_new_tokens=3, chat=False)
+        hetero_jax.generate(MODEL, random_prompts([n], seed=n)[0], pol, max_new_tokens=6, chat=False)
         counts.append(decode_executables())
     assert counts[1:] == [counts[0]] * 2, counts

@@ -23,7 +23,7 @@ from hetero_jax.policies.heterocache.copy_window import window_slots
 from hetero_jax.policies.heterocache.decode import HeteroDecode
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled
 from hetero_jax.policies.heterocache.scores import last_token_scores, window_scores
-from hetero_jax.policies.heterocache.step import PivotBase, mask_base
+from hetero_jax.policies.heterocache.step import PivotBase, base_width, mask_base
 
 
 class HeteroPrefill(PrefillPlan):
@@ -83,8 +83,11 @@ class HeteroPrefill(PrefillPlan):
             scores = self.compile_fn(last_token_scores, *args, cfg=cfg)(*args)
         state = None
         if r.pivots:
-            # the batch's largest L_base wide; each sequence keeps its own top-L_base (``PivotBase``)
-            _, idx = jax.lax.top_k(take_slots(scores, r.pivot_slots()), int(self.l_base.max()))
+            # ``base_width`` wide; each sequence keeps its own top-L_base (``PivotBase``)
+            pivot_scores, width = take_slots(scores, r.pivot_slots()), base_width(self.l_base)
+            k = min(width, pivot_scores.shape[-1])
+            _, idx = jax.lax.top_k(pivot_scores, k)
+            idx = jnp.pad(idx, ((0, 0), (0, 0), (0, width - k)), constant_values=-1)
             state = PivotBase(k_base=mask_base(idx, self.l_base))
         blocks = []
         B, H, T, _ = k_buf.shape

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from hetero_jax.model.cache import KVCache
+from hetero_jax.model.cache import KVCache, capacity_bucket
 from hetero_jax.model.host_store import row_bucket
 from hetero_jax.model.sharding import to_host
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled
@@ -68,8 +68,9 @@ def check_inputs(buffer, cache: KVCache, pivot_layers: list[int], set_sizes: dic
             tuple(set_sizes[li][0] for li in layers))
     slots = tuple(tuple(prefilled.roles[li].pivot_slots()) for li in layers)
     T = jax.tree.leaves(args[0][0][0])[0].shape[-1]
-    static = dict(pivot_slots=slots, l_base=int(prefilled.l_base.max()),  # K_base's width
-                  tau=tau, cap=min(max(1, max(set_sizes[li][1] for li in layers)), T))
+    # K_base's width, and the top sets' (bucketed: nearby prompt lengths share the check's executable)
+    static = dict(pivot_slots=slots, l_base=int(args[2][0].shape[-1]),
+                  tau=tau, cap=min(capacity_bucket(max(1, max(set_sizes[li][1] for li in layers))), T))
     return args, static
 
 

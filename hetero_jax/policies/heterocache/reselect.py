@@ -18,7 +18,7 @@ from hetero_jax.model.sharding import to_host
 from hetero_jax.policies.heterocache.copy_window import window_slots
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled
 from hetero_jax.policies.heterocache.scores import select_rows, turn_k_base, turn_scores
-from hetero_jax.policies.heterocache.step import PivotBase, mask_base
+from hetero_jax.policies.heterocache.step import PivotBase, base_width, mask_base
 from hetero_jax.policies.profiled import take_slots
 from hetero_jax.policies.selection import cap_bucket
 
@@ -43,7 +43,7 @@ def reselect(prefilled: HeteroPrefilled, turn_queries, cache: KVCache, held: lis
     n = turn_queries[0].shape[2]
     n_pad = -(-n // BLOCK) * BLOCK
     row_valid = jnp.arange(n_pad) < n
-    l_base = int(prefilled.l_base.max())  # K_base's width; each sequence keeps its own (mask_base)
+    l_base = base_width(prefilled.l_base)  # K_base's width; each sequence keeps its own (mask_base)
     lens = jnp.asarray(prefilled.lens, jnp.int32)
     layers = list(cache.layers)
     items, held_new = [], {}

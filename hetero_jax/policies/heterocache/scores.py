@@ -56,7 +56,9 @@ def turn_scores(q_rows, row_valid, keys, prompt_lens, block: int = 16):
 def turn_k_base(q_last, keys, lengths, l_base: int):
     """A pivot's K_base from one query: top-L_base of its pooled scores (GQA max). q_last [B, Np, 1, G, D]."""
     scores = pallas_kernels.scores(q_last, keys, lengths, gqa="max")[:, :, 0]
-    return jax.lax.top_k(scores, l_base)[1].astype(jnp.int32)
+    k = min(l_base, scores.shape[-1])  # l_base: K_base's (bucketed) width, which may pass the keys'
+    idx = jax.lax.top_k(scores, k)[1].astype(jnp.int32)
+    return jnp.pad(idx, ((0, 0), (0, 0), (0, l_base - k)), constant_values=-1)
 
 
 select_rows = jax.jit(select_topk, static_argnames=("cap",))

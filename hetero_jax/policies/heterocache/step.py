@@ -13,6 +13,7 @@ import numpy as np
 import pallas_kernels
 from flax import struct
 
+from hetero_jax.model.cache import capacity_bucket
 from hetero_jax.model.spec import axes_field
 from hetero_jax.policies.profiled import take_slots
 
@@ -30,6 +31,13 @@ class PivotBase:
 def base_sizes(k_base):
     """Each pivot's own L_base [B, Np] int32: the positions its K_base holds (the rest of the row is -1)."""
     return (k_base >= 0).sum(axis=-1, dtype=jnp.int32)
+
+
+def base_width(l_base) -> int:
+    """K_base's static width for a batch whose sequences keep ``l_base`` [B] positions each: the largest,
+    bucketed as a layer's key bound is (``cache.capacity_bucket``), so prompts of nearby lengths share the decode
+    step and the drift check (each row keeps its own L_base, -1 after it)."""
+    return capacity_bucket(int(np.max(l_base)))
 
 
 def mask_base(idx, l_base):
