@@ -186,6 +186,30 @@ def test_queued_requests_whose_clients_left_hold_no_place_in_the_queue():
     assert not worker.alive
 
 
+def test_a_cancelled_future_does_not_end_the_engine_thread():
+    """Setting the result of a future something had cancelled raised InvalidStateError on the engine thread, which
+    ended it (every later request would wait forever); the job is skipped and the worker goes on."""
+    import threading
+
+    from hetero_jax.serve.worker import EngineWorker
+
+    worker, release, ran = EngineWorker(max_queue=4), threading.Event(), []
+    worker.start()
+    try:
+        first = worker.submit(lambda job: release.wait(30) and "first")
+        while not worker.running:
+            threading.Event().wait(0.01)
+        dropped = worker.submit(lambda job: ran.append("dropped"))
+        assert dropped.future.cancel()  # still queued: cancellable
+        after = worker.submit(lambda job: "after")
+        release.set()
+        assert first.future.result(timeout=30) == "first" and after.future.result(timeout=30) == "after"
+        assert ran == [] and worker.alive
+    finally:
+        release.set()
+        worker.stop()
+
+
 @pytest.fixture
 def no_load(monkeypatch):
     import hetero_jax

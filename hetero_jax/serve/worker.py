@@ -47,6 +47,13 @@ class Job:
             raise ClientGone("the client disconnected")
 
 
+def _tell(job: Job, error: BaseException) -> None:
+    """Fail ``job``'s future with ``error``, unless the future was cancelled (nobody waits on it then; setting it
+    would raise InvalidStateError)."""
+    if job.future.set_running_or_notify_cancel():
+        job.future.set_exception(error)
+
+
 class EngineWorker:
     """The thread that runs jobs in order; at most ``max_queue`` jobs wait (running one not counted). A queued job
     whose client left holds no place: it is dropped when a job is submitted, and never counted."""
@@ -71,7 +78,7 @@ class EngineWorker:
             self._ready.notify()
         for job in queued:
             job.cancel()
-            job.future.set_exception(ClientGone("the server is shutting down"))
+            _tell(job, ClientGone("the server is shutting down"))
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -96,7 +103,7 @@ class EngineWorker:
                 self._jobs.append(job)
                 self._ready.notify()
         for j in left:
-            j.future.set_exception(ClientGone("the client disconnected before its turn"))
+            _tell(j, ClientGone("the client disconnected before its turn"))
         if waiting >= self.max_queue:
             raise QueueFull(f"{waiting} requests are already waiting (--max-queue {self.max_queue}); retry later")
         return job
@@ -110,7 +117,9 @@ class EngineWorker:
             if job is None:
                 return
             if job.cancelled:  # its client left while it waited
-                job.future.set_exception(ClientGone("the client disconnected before its turn"))
+                _tell(job, ClientGone("the client disconnected before its turn"))
+                continue
+            if not job.future.set_running_or_notify_cancel():  # its future was cancelled: nobody waits for it
                 continue
             self.running = True
             try:
