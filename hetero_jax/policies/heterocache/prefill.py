@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -22,7 +21,7 @@ from hetero_jax.policies.selection import select_group
 from hetero_jax.policies.heterocache.copy_window import window_slots
 from hetero_jax.policies.heterocache.decode import HeteroDecode
 from hetero_jax.policies.heterocache.prefilled import HeteroPrefilled
-from hetero_jax.policies.heterocache.scores import last_token_scores, window_scores
+from hetero_jax.policies.heterocache.scores import last_token_scores, top_positions, window_scores
 from hetero_jax.policies.heterocache.step import PivotBase, base_width, mask_base
 
 
@@ -84,10 +83,7 @@ class HeteroPrefill(PrefillPlan):
         state = None
         if r.pivots:
             # ``base_width`` wide; each sequence keeps its own top-L_base (``PivotBase``)
-            pivot_scores, width = take_slots(scores, r.pivot_slots()), base_width(self.l_base)
-            k = min(width, pivot_scores.shape[-1])
-            _, idx = jax.lax.top_k(pivot_scores, k)
-            idx = jnp.pad(idx, ((0, 0), (0, 0), (0, width - k)), constant_values=-1)
+            idx = top_positions(take_slots(scores, r.pivot_slots()), base_width(self.l_base))
             state = PivotBase(k_base=mask_base(idx, self.l_base))
         blocks = []
         B, H, T, _ = k_buf.shape

@@ -55,10 +55,15 @@ def turn_scores(q_rows, row_valid, keys, prompt_lens, block: int = 16):
 @functools.partial(jax.jit, static_argnames=("l_base",))
 def turn_k_base(q_last, keys, lengths, l_base: int):
     """A pivot's K_base from one query: top-L_base of its pooled scores (GQA max). q_last [B, Np, 1, G, D]."""
-    scores = pallas_kernels.scores(q_last, keys, lengths, gqa="max")[:, :, 0]
-    k = min(l_base, scores.shape[-1])  # l_base: K_base's (bucketed) width, which may pass the keys'
+    return top_positions(pallas_kernels.scores(q_last, keys, lengths, gqa="max")[:, :, 0], l_base)
+
+
+def top_positions(scores, width: int):
+    """The positions of the top-min(width, T) scores [B, N, T], best first, padded with -1 to ``width``
+    (K_base's bucketed width, which may pass the T scored positions). int32 [B, N, width]."""
+    k = min(width, scores.shape[-1])
     idx = jax.lax.top_k(scores, k)[1].astype(jnp.int32)
-    return jnp.pad(idx, ((0, 0), (0, 0), (0, l_base - k)), constant_values=-1)
+    return jnp.pad(idx, ((0, 0), (0, 0), (0, width - k)), constant_values=-1)
 
 
 select_rows = jax.jit(select_topk, static_argnames=("cap",))
