@@ -122,8 +122,7 @@ class SessionStore:
         how many were evicted (that one counts)."""
         evicted = 0
         with self._lock:
-            if (self.max_sessions < 1 or (self.max_device is not None and conv.kv_device > self.max_device)
-                    or (self.max_host is not None and conv.kv_host > self.max_host)):
+            if self._beyond(1, conv.kv_device, conv.kv_host):
                 self._held.pop(conv.key, None)
                 self.evictions += 1
                 return 1
@@ -136,8 +135,11 @@ class SessionStore:
         return evicted
 
     def _over(self) -> bool:
-        dev, host = self._bytes()
-        return (len(self._held) > self.max_sessions or (self.max_device is not None and dev > self.max_device)
+        return self._beyond(len(self._held), *self._bytes())
+
+    def _beyond(self, sessions: int, dev: int, host: int) -> bool:
+        """Whether ``sessions`` conversations holding ``dev`` and ``host`` KV bytes pass a bound."""
+        return (sessions > self.max_sessions or (self.max_device is not None and dev > self.max_device)
                 or (self.max_host is not None and host > self.max_host))
 
     def _bytes(self) -> tuple[int, int]:
