@@ -465,7 +465,6 @@ def test_an_answer_far_shorter_than_its_budget_holds_only_the_starting_tail():
     assert big.stats.kv_bytes_device == ref.stats.kv_bytes_device  # TAIL_START rows, not 1,900
 
 
-
 @pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv", "streamingllm", "heterocache"])
 def test_nearby_prompt_lengths_share_the_decode_executable(policy):
     """Each new prompt length compiled the decode step again (a layer's exact prompt rows, the pool's rows and
