@@ -284,9 +284,8 @@ def tokenizer_from_gguf(reader) -> tuple[Any, dict]:
     add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
     single = ([f"{bos_tok}:0"] if add_bos and bos_tok else []) + ["$A:0"] + ([f"{eos_tok}:0"] if add_eos and eos_tok else [])
     # in a fixed order (a set's would vary between runs, and with it tokenizer.json); one entry when BOS is EOS
-    specials = list(dict.fromkeys((name_of(k), id_of(k)) for k, added in (("bos_token_id", add_bos),
-                                                                          ("eos_token_id", add_eos))
-                                  if added and id_of(k) is not None))
+    added_ids = [id_of(k) for k, added in (("bos_token_id", add_bos), ("eos_token_id", add_eos)) if added]
+    specials = [(tokens[i], i) for i in dict.fromkeys(i for i in added_ids if i is not None)]
     tok.post_processor = processors.TemplateProcessing(single=single, pair=single + ["$B:1"], special_tokens=specials)
 
     tcfg = {
