@@ -144,7 +144,6 @@ def _cmd_serve(args) -> int:
         model = hetero_jax.load(args.model, dtype=args.dtype)
         name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
                                           else args.model)
-        _check_served_policy(model, policy, args.policy)
         config = ServeConfig(model_id=name, policy=policy, policy_name=args.policy,
                              policy_options=tuple(options.items()), max_sessions=args.max_sessions,
                              max_device_bytes=device_bytes, max_host_bytes=host_bytes, max_queue=args.max_queue,
@@ -154,23 +153,6 @@ def _cmd_serve(args) -> int:
     finally:
         sock.close()
     return 0
-
-
-def _check_served_policy(model, policy, flag_value: str) -> None:
-    """The server's policy bound to the loaded model and planned for its longest prompt, before serving: a policy
-    that cannot run on this model (no shipped profile, Quest's full_layers past its layers) would otherwise pass
-    /health and refuse every request. A budget too small for a prompt is not refused here: the server serves a
-    short prompt at the least budget that fits it."""
-    from hetero_jax.errors import ConfigError
-    from hetero_jax.policies import BudgetError, PolicyError
-    from hetero_jax.profile.schema import ProfileError
-
-    try:
-        policy.bind(model).make_prefill(model.config, [model.config.max_position_embeddings - 1])
-    except (PolicyError, ProfileError) as e:
-        raise ConfigError(f"--policy {flag_value} cannot run on this model: {e}") from None
-    except BudgetError:
-        pass
 
 
 def _read_prompt(args) -> str:

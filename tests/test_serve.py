@@ -456,10 +456,10 @@ def test_serve_prints_its_banner_once_listening_and_answers(tiny_checkpoint, tmp
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--policy", "quest", "--budget", "0.5"], "--policy quest cannot run on this model: Quest: full_layers=2 leaves "
-                                               "no layer of the model's 2 to select pages in"),
-    (["--policy", "heterocache"], "--policy heterocache cannot run on this model: HeteroCache(profile=None) needs "
-                                 "the shipped profile of the loaded model"),
+    (["--policy", "quest", "--budget", "0.5"], "the server's policy (--policy quest) cannot run on this model: Quest: "
+                                               "full_layers=2 leaves no layer of the model's 2 to select pages in"),
+    (["--policy", "heterocache"], "the server's policy (--policy heterocache) cannot run on this model: "
+                                 "HeteroCache(profile=None) needs the shipped profile of the loaded model"),
 ])
 def test_a_servers_policy_that_cannot_run_on_the_model_is_refused_before_serving(tiny_checkpoint, capsys, flags,
                                                                                 needle, monkeypatch):
@@ -473,6 +473,22 @@ def test_a_servers_policy_that_cannot_run_on_the_model_is_refused_before_serving
     monkeypatch.setattr(listen, "serve", never)
     assert main(["serve", "--model", tiny_checkpoint("llama")[1], "--port", "0", *flags]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_an_app_built_with_a_policy_that_cannot_run_on_the_model_is_refused(tiny_checkpoint):
+    """The check lives in create_app, so an app built in Python (create_app, BackgroundServer) is refused as the
+    command is; it used to start and answer every request with a 400."""
+    from hetero_jax.errors import ConfigError
+    from hetero_jax.policies import HeteroCache
+    import hetero_jax
+    from hetero_jax.serve import BackgroundServer, ServeConfig, create_app
+
+    model = hetero_jax.load(tiny_checkpoint("llama")[1])
+    config = ServeConfig(model_id=MODEL, policy=HeteroCache(budget=0.5), policy_name="heterocache")
+    for build in (create_app, BackgroundServer):
+        with pytest.raises(ConfigError, match=r"the server's policy \(--policy heterocache\) cannot run on this "
+                                              r"model: HeteroCache\(profile=None\) needs the shipped profile"):
+            build(model, config)
 
 
 def test_a_servers_budget_too_small_for_some_prompts_still_serves(tiny_checkpoint, monkeypatch):

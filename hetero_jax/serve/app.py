@@ -23,10 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from hetero_jax.errors import HeteroJaxError
+from hetero_jax.errors import ConfigError, HeteroJaxError
 from hetero_jax.policies import (
     REGISTRY, BudgetError, PolicyError, default_policy, make_policy, parse_options, registry_key,
 )
+from hetero_jax.profile.schema import ProfileError
 from hetero_jax.runtime import generate
 from hetero_jax.serve import schema
 from hetero_jax.serve.metrics import Metrics
@@ -78,10 +79,27 @@ class Channel:
                 return out
 
 
+def check_served_policy(model, config: ServeConfig) -> None:
+    """ConfigError when the server's policy cannot run on ``model`` (no shipped profile, Quest's full_layers past
+    its layers): it would otherwise pass /health and refuse every request with a 400 blaming a 'policy' field the
+    client never sent. The policy is bound and planned for the longest prompt. A budget too small for some prompt
+    is not refused: the server serves a short prompt at the least budget that fits it."""
+    if config.policy is None:
+        return
+    try:
+        config.policy.bind(model).make_prefill(model.config, [model.config.max_position_embeddings - 1])
+    except (PolicyError, ProfileError) as e:
+        raise ConfigError(f"the server's policy (--policy {config.policy_name}) cannot run on this model: {e}") \
+            from None
+    except BudgetError:
+        pass
+
+
 class Server:
     """The model, its held conversations, the engine worker and the metrics behind the routes."""
 
     def __init__(self, model, config: ServeConfig):
+        check_served_policy(model, config)
         self.model, self.config = model, config
         self.store = SessionStore(config.max_sessions, config.max_device_bytes, config.max_host_bytes)
         self.conversations = Conversations(model, self.store)
