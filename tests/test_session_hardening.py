@@ -55,6 +55,7 @@ def state(sess):
     c = sess.engine.cache
     return dict(messages=sess.messages, rendered=sess._rendered, unfed=sess._unfed, turns=len(sess.turns),
                 steps=sess.engine.steps, seq=np.asarray(c.seq_lens).tolist(), tail=np.asarray(c.tail_lens).tolist(),
+                tail_capacity=c.tail_capacity, pool_rows=c.pool.k.shape,
                 stats=sess.engine.state.stats(), key=np.asarray(sess.engine.key).tolist())
 
 
@@ -581,3 +582,16 @@ def test_a_session_at_the_end_of_its_context_says_so():
     s2 = Session(small, random_prompt(20, 1), chat=False)
     with pytest.raises(PromptError, match=r"the question \(12 tokens\) does not fit: 12 positions are left"):
         s2.ask(random_prompt(12, 3), max_new_tokens=1)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_failed_turn_gives_back_the_tail_rows_it_reserved(name):
+    """A turn whose answer needed more tail rows grew the tail before it began; when it failed, the session
+    kept the larger tail (and pool) it no longer needs. Now the tail and pool are as before the turn."""
+    s = Session(MODEL, random_prompt(150, 1), POLICIES[name](), chat=False, reserve_tokens=8)
+    before = state(s)
+    with pytest.raises(Boom, match="stop here"):
+        s.ask(random_prompt(9, 3), max_new_tokens=200, on_token=raise_on(2))
+    assert state(s) == before
+    s.ask(random_prompt(9, 3), max_new_tokens=200)
+    assert s.engine.cache.tail_capacity > before["tail_capacity"]  # the turn does grow the tail

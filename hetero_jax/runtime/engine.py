@@ -221,9 +221,12 @@ class Engine:
     def trim(self, n: int) -> None:
         """Give back tail rows past the tokens held and ``n`` more (in TAIL_QUANTUM steps): a held conversation
         keeps what it uses, not the room its longest answer reserved (the next ``reserve`` grows it again)."""
-        keep = round_up(int(np.max(to_host(self.cache.tail_lens))) + max(n, 1), TAIL_QUANTUM)
-        if keep < self.cache.tail_capacity:
-            self.cache = resize_tail(self.cache, keep)
+        self.shrink_tail(round_up(int(np.max(to_host(self.cache.tail_lens))) + max(n, 1), TAIL_QUANTUM))
+
+    def shrink_tail(self, capacity: int) -> None:
+        """Give back tail rows past ``capacity`` (at least the rows held); a larger ``capacity`` changes nothing."""
+        if capacity < self.cache.tail_capacity:
+            self.cache = resize_tail(self.cache, capacity)
             self.state.pool_moved(self.cache)
 
     def first_tokens(self, temperature: float, top_p: float) -> np.ndarray:

@@ -256,13 +256,17 @@ class Session:
                 "more; ask a shorter question or start a new session (this one is unchanged)"
             )
         budget = min(max_new_tokens, room)
+        capacity = eng.cache.tail_capacity
         eng.reserve(len(ids) + budget + 1, doubling=True)  # may grow the tail: more room, the same answers
         saved = eng.checkpoint()
         try:
             res, t = self._answer(ids, t, budget, max_new_tokens, temperature, top_p, stops, on_token)
         except BaseException:
-            # whatever failed (on_token, Ctrl-C, the template, a recall), the turn did not happen
-            if not eng.restore(saved):
+            # whatever failed (on_token, Ctrl-C, the template, a recall), the turn did not happen: the cache as
+            # it was, the tail rows this turn reserved given back
+            if eng.restore(saved):
+                eng.shrink_tail(capacity)
+            else:
                 self._lost = ("this Session's cache was lost when a turn failed inside a device call (its arrays "
                               "had been handed to the call); open a new Session")
             raise

@@ -276,8 +276,8 @@ class Conversations:
         except SessionError:  # lost (nothing else asks this Session): not held again
             raise
         except BaseException:
-            if resumed:  # the Session restored itself: the conversation is held as it was, less the tail
-                self._hold(conv)  # room this turn reserved before it failed
+            if resumed:  # the Session restored itself (and gave back the tail rows the turn reserved)
+                self._hold(conv)  # the conversation is held again as it was
             raise
         st = res.stats
         answer = self.tok.decode(res.token_ids)
