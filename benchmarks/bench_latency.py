@@ -273,6 +273,7 @@ def measure_length(model, ids: list[int], combos, policies, args, bar=None, note
 
 # --------------------------------------------------------------------- run
 def run(args) -> dict:
+    from hetero_jax.policies import registry_key
     import numpy as np
     from tqdm import tqdm
 
@@ -290,7 +291,7 @@ def run(args) -> dict:
     load_s = time.perf_counter() - t_start
     steps_total = args.warmup_steps + args.decode_steps + 1
     synth_prof = None
-    if args.synthetic_lengths and any(n.startswith("heterocache") for n, _ in combos):  # a missing profile fails first
+    if args.synthetic_lengths and any(registry_key(n) == "heterocache" for n, _ in combos):  # a missing profile fails first
         synth_prof = synthetic_profile(args.synthetic_shape, args.synthetic_profile)
         synth_prof.check_compatible(synthetic_config(real.config if real is not None else None,
                                                      args.synthetic_shape, 0))

@@ -133,9 +133,10 @@ def _tokens_per_case(task: str) -> int:
 
 def estimate_minutes(preset: dict) -> float:
     """Estimated wall minutes of a preset on an idle 2-core CPU (cold compilation cache)."""
+    from hetero_jax.policies import registry_key
     interp = interp_cost
     combos = common.make_combos(preset["policies"], preset["budgets"])
-    weight = [1.0 if name == "full" else _HETERO_FACTOR if name.startswith("heterocache") else 1.0
+    weight = [1.0 if name == "full" else _HETERO_FACTOR if registry_key(name) == "heterocache" else 1.0
               for name, _ in combos]
     cpu = LOAD_S
     for L in preset["lengths"]:

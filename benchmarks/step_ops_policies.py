@@ -67,9 +67,12 @@ def random_codebook(cfg, sub_dim: int = HCATTENTION_SUB_DIM, size: int = HCATTEN
 
 
 def parse_spec(spec: str, rho: float) -> tuple[str, float]:
-    """'name[:opts][@rho]' -> (registry spec, rho)."""
+    """'name[:opts][@rho]' -> (registry spec, rho), the name as its registry key ('HeteroCache' -> 'heterocache')."""
+    from hetero_jax.policies import registry_key
+
     name, _, r = spec.partition("@")
-    return name, (float(r) if r else rho)
+    base, sep, options = name.partition(":")
+    return registry_key(base) + sep + options, (float(r) if r else rho)
 
 
 def label(spec: str, rho: float) -> str:

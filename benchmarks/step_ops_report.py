@@ -21,12 +21,13 @@ def add_ratios(rows: list[dict]) -> None:
 
 def target_check(rows: list[dict]) -> dict:
     """HeteroCache <= 1.2x full KV's kernels per step and every compressed policy <= 1.5x, at each length."""
+    from hetero_jax.policies import registry_key
     out = {}
     for r in rows:
         if r["policy"] == "full" or r["kernels_vs_full"] is None:
             continue
         key = f"{r['policy']}@{r['length']}"
-        limit = HETERO_TARGET if r["policy"].startswith("heterocache") else POLICY_TARGET
+        limit = HETERO_TARGET if registry_key(r["policy"]) == "heterocache" else POLICY_TARGET
         out[key] = {"ratio": r["kernels_vs_full"], "limit": limit, "met": r["kernels_vs_full"] <= limit}
     return out
 

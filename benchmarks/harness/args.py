@@ -16,15 +16,18 @@ from harness.results import BENCH_FORMAT, OUT_DIR, RESULTS_MD
 
 
 def policy_spec(text: str) -> str:
-    """argparse type of ``--policies``: a registered name, optionally with options (``quest:offload=true``)."""
+    """argparse type of ``--policies``: a registered name, optionally with options (``quest:offload=true``),
+    returned with the name as its registry key ('HeteroCache:copy_window=16' -> 'heterocache:copy_window=16'):
+    the benchmarks pick profiles, targets and weights by that name."""
     from hetero_jax.errors import HeteroJaxError
-    from hetero_jax.policies import make_policy
+    from hetero_jax.policies import make_policy, registry_key
 
     try:
         make_policy(text)
     except HeteroJaxError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    name, sep, options = text.partition(":")
+    return registry_key(name) + sep + options
 
 
 def add_results_arguments(parser, section: str, presets: bool = True, *, named: bool = False) -> None:

@@ -117,14 +117,15 @@ def synthetic_profile(shape: str = MODEL, path: Path | None = None):
 
 def make_policies(combos, synthetic_prof=None):
     """One policy per combo; HeteroCache (and its variants) use ``synthetic_prof`` when given (synthetic weights)."""
-    from hetero_jax.policies import make_policy
+    from hetero_jax.policies import make_policy, registry_key
 
     out = []
     for name, rho in combos:
         # the spec's options (``heterocache:copy_window=16``) are kept: they were once dropped here, so a
         # copy-window run timed the default policy under the variant's label
-        extra = {"profile": synthetic_prof} if synthetic_prof is not None and name.startswith("heterocache") else {}
-        out.append(make_policy(name, None if name == "full" else rho, **extra))
+        het = registry_key(name) == "heterocache"
+        extra = {"profile": synthetic_prof} if synthetic_prof is not None and het else {}
+        out.append(make_policy(name, None if registry_key(name) == "full" else rho, **extra))
     return out
 
 
@@ -147,6 +148,7 @@ def step_setup(args, extra_positions: int):
     """(model, HeteroCache's profile or None, prompt ids) for ``add_step_arguments``' options: random weights
     of ``--shape`` with room for ``--length`` + ``extra_positions`` tokens, random prompt ids; turns on the
     persistent compilation cache unless ``--no-compile-cache``."""
+    from hetero_jax.policies import registry_key
     import numpy as np
 
     import hetero_jax
@@ -157,7 +159,7 @@ def step_setup(args, extra_positions: int):
         enable_compilation_cache()
     real = hetero_jax.load(MODEL, dtype="float32", progress=False) if args.shape == MODEL else None
     model = synthetic_model(real, args.length + extra_positions, args.seed, args.shape, args.dtype)
-    prof = synthetic_profile(args.shape) if any(p.startswith("heterocache") for p in args.policies) else None
+    prof = synthetic_profile(args.shape) if any(registry_key(p) == "heterocache" for p in args.policies) else None
     ids = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, args.length).tolist()
     return model, prof, ids
 
