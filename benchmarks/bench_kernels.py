@@ -81,6 +81,9 @@ def main(argv=None) -> int:
                          "num_stages) at Llama-3.1-8B shapes, 32K and 128K (needs a GPU); writes kernels-sweep.json "
                          "beside --out and, with --write-results, the 'kernels-gpu-sweep' section")
     args = ap.parse_args(argv)  # refuses an --out it cannot write (BenchParser.check_paths), before any work
+    for flag, value in (("--gpu-iters", args.gpu_iters), ("--drift-iters", args.drift_iters)):
+        if value < 1:
+            ap.error(f"{flag} {value}: give at least 1 timed call (a median of none is no timing)")
     beside = "kernels-drift-check.json" if args.drift_timing else "kernels-sweep.json" if args.sweep else None
     if beside is not None:  # those write a file beside --out instead: check that one too
         from hetero_jax.errors import OutputError

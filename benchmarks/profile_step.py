@@ -183,6 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="traced steps per policy")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per policy")
     args = ap.parse_args(argv)
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--top", args.top, 1)):
+        if value < least:
+            ap.error(f"{flag} {value} must be >= {least}")
     model, prof, ids = step_setup(args, args.warmup + args.steps + 8)
     # A process's first trace carries a hundred times more Python events than the next ones (on this CPU:
     # 20,577 against 187 for the same work), and on the H200 the first policy's trace came back without
