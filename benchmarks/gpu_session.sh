@@ -20,7 +20,7 @@
 #   python benchmarks/bench_latency.py --preset llama8b-gpu --merge $OUT/lat-*.json --write-results
 # The other stages' JSON carry their markdown ("markdown" key) for RESULTS.md. At most 8 files come back
 # from a lent machine: this writes 8 at most (log, two latency lengths, two pipeline runs, offload, kernels, profile);
-# the FreeKV stage's JSON stays on the machine with the plots and its table (P50s, ratios, roofline) is in the log.
+# the FreeKV stage's and the kernel sweep's JSON stay on the machine with the plots, their tables in the log.
 set -u
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
@@ -92,7 +92,8 @@ fi
     stage "latency 131072" 300 $PY benchmarks/bench_latency.py --preset llama8b-gpu --synthetic-lengths 131072 \
       --policies full heterocache --ttft-warmup 0 --decode-steps 32 --no-progress \
       --out "$OUT/lat-131072.json" --plot "$PLOTS/lat-131072.png"
-    stage sweep 150 $PY benchmarks/bench_kernels.py --sweep --no-progress --out "$OUT/kernels.json"
+    # the sweep writes kernels-sweep.json beside --out: a ninth file, so it stays with the plots (its table is in the log)
+    stage sweep 150 $PY benchmarks/bench_kernels.py --sweep --no-progress --out "$PLOTS/kernels.json"
   fi
   echo "=== done, $(left)s of ${BUDGET_S}s left"
 } 2>&1 | tee "$OUT/log.txt"
