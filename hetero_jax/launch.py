@@ -5,7 +5,8 @@ Each process gets ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAX
 ``JAX_PROCESS_ID`` and ``JAX_LOCAL_DEVICE_IDS``: on a GPU host process i takes GPUs iK..iK+K-1, or GPU i
 without K (else every process would take every GPU it sees, as jax does); CPU devices ignore the ids. With K
 also ``XLA_FLAGS=--xla_force_host_platform_device_count=K`` (K CPU devices each). Process 0's output is
-forwarded; the others' stdout is dropped (they print nothing) and their stderr shared. When a process fails, the others
+forwarded; the others' stdout is dropped (they print nothing) and their stderr shared. No process reads stdin:
+a ``--prompt-file -`` or ``--turns -`` is read once by the launcher and handed to each as a temporary file. When a process fails, the others
 are stopped (SIGTERM, then SIGKILL after ``grace_s``) and the launcher exits with the first failure's code:
 a peer blocked in a collective would otherwise wait for jax's heartbeat timeout (100 s) or forever. Ctrl-C,
 SIGTERM and SIGHUP to the launcher stop every process the same way.
@@ -155,10 +156,39 @@ def launch(n: int, command: Sequence[str], *, devices_per_process: int | None = 
                                             not isinstance(devices_per_process, int) or devices_per_process < 1):
         raise LaunchError(f"--devices-per-process {devices_per_process!r}: give an integer >= 1")
     command = check_command(command)
-    port = free_port()
-    argv = [python, "-m", "hetero_jax.cli", *command]
-    # the children import the hetero_jax this launcher runs, wherever they start
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    base = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    envs = [process_env(base, n, i, port, devices_per_process) for i in range(n)]
-    return run_processes([argv] * n, envs, grace_s=grace_s)
+    command, stdin_file = stdin_to_file(command)
+    try:
+        port = free_port()
+        argv = [python, "-m", "hetero_jax.cli", *command]
+        # the children import the hetero_jax this launcher runs, wherever they start
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        base = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        envs = [process_env(base, n, i, port, devices_per_process) for i in range(n)]
+        return run_processes([argv] * n, envs, grace_s=grace_s)
+    finally:
+        if stdin_file is not None:
+            os.unlink(stdin_file)
+
+
+STDIN_FLAGS = ("--prompt-file", "--turns")  # generate's flags whose '-' reads stdin
+
+
+def stdin_to_file(command: list[str], stdin=None) -> tuple[list[str], str | None]:
+    """``command`` with the one ``-`` (stdin) value of a ``STDIN_FLAGS`` flag replaced by a temporary file that
+    holds this process's stdin, read once: every process is started with no stdin, so each would otherwise read
+    an empty prompt. Returns (command, the file to remove afterwards or None). Two flags reading stdin are left
+    to generate, which refuses them."""
+    import tempfile
+
+    at = [i for i, a in enumerate(command) if (a in STDIN_FLAGS and command[i + 1:i + 2] == ["-"])
+          or a in {f"{f}=-" for f in STDIN_FLAGS}]
+    if len(at) != 1:
+        return command, None
+    data = (stdin or sys.stdin.buffer).read()
+    fd, path = tempfile.mkstemp(prefix="hetero-jax-launch-stdin-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    i = at[0]
+    flag = command[i].partition("=")[0]
+    out = command[:i] + [flag, path] + command[i + (1 if "=" in command[i] else 2):]
+    return out, path

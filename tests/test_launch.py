@@ -189,3 +189,32 @@ def test_launch_two_processes_of_generate_gives_the_one_process_text(tiny_checkp
         stats = [line for line in lines if line.startswith("[stats]")]
         assert len(stats) == (2 if extra else 1)  # only process 0 printed
         assert [line for line in lines if not line.startswith("[stats]")] == one
+
+
+def test_stdin_is_read_once_and_handed_to_every_process_as_a_file(tmp_path, monkeypatch):
+    """`echo ... | hetero-jax launch -n 2 -- generate --prompt-file -` failed in every process with 'empty prompt'
+    (each is started without stdin). The launcher reads stdin once; each process reads the same text from a
+    temporary file, removed when they exit."""
+    import io
+
+    from hetero_jax.launch import launch, stdin_to_file
+
+    cmd, path = stdin_to_file(["generate", "--prompt-file", "-", "--no-chat"], stdin=io.BytesIO(b"a prompt\r\n"))
+    assert cmd == ["generate", "--prompt-file", path, "--no-chat"] and open(path, "rb").read() == b"a prompt\r\n"
+    os.unlink(path)
+    cmd, path = stdin_to_file(["generate", "--prompt", "p", "--turns=-"], stdin=io.BytesIO(b"q1\nq2\n"))
+    assert cmd == ["generate", "--prompt", "p", "--turns", path] and open(path).read() == "q1\nq2\n"
+    os.unlink(path)
+    unread = io.BytesIO(b"x")
+    for same in (["generate", "--prompt-file", "f.txt"], ["generate", "--prompt-file", "-", "--turns", "-"]):
+        assert stdin_to_file(same, stdin=unread) == (same, None)  # generate refuses two readers of stdin
+    assert unread.tell() == 0
+
+    stub = tmp_path / "python"  # stands for `python -m hetero_jax.cli generate ...`: copies its prompt file
+    stub.write_text('#!/bin/sh\nwhile [ "$1" != "--prompt-file" ]; do shift; done\n'
+                    f'cat "$2" > "{tmp_path}/seen-$JAX_PROCESS_ID"\necho "$2" > "{tmp_path}/path"\n')
+    stub.chmod(0o755)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"What is 2+2?\n")))
+    assert launch(2, ["--", "generate", "--prompt-file", "-"], python=str(stub)) == 0
+    assert [(tmp_path / f"seen-{i}").read_text() for i in range(2)] == ["What is 2+2?\n"] * 2
+    assert not os.path.exists((tmp_path / "path").read_text().strip())  # removed after the processes
