@@ -369,3 +369,30 @@ def test_ranking_variants_script_writes_orders_and_never_overwrites(tmp_path):
     with pytest.raises(SystemExit, match="nothing is overwritten"):
         cr.main(["--out-dir", str(tmp_path)])
     assert (tmp_path / "ck-copy.json").read_bytes() == before
+
+
+def test_ranked_full_composed_with_a_scorer_keeps_the_ranked_heads_whole():
+    """RankedFull's budgets are per layout slot (each layer's heads in ranking order); Composed had no layout, so
+    heads 0.. of each layer kept the whole prompt whatever the ranking said. Now the composition keeps the heads
+    the ranking names (RankedFull.order(), by hand from the ranking) and answers as ContextKeeper does."""
+    from hetero_jax.policies.scorers import SinksRecent
+
+    L, rho = 120, 0.5
+    ids = random_prompt(L, 5)
+    comp = Composed(budget=rho, scorer=SinksRecent(S_), allocator=RankedFull(RANKING, S_, R_))
+
+    def whole_heads(policy):
+        eng = Engine(MODEL, [ids], policy, tail_capacity=4)
+        perms = policy.layout(CFG).perms
+        return eng, {(li, int(perms[li][s])) for li, lc in enumerate(eng.cache.layers)
+                     for s, n in enumerate(np.asarray(lc.lengths)[0]) if n == L}
+
+    eng, got = whole_heads(comp)
+    n_full = RankedFull(RANKING, S_, R_).n_full("t", rho, CFG, L)
+    assert 0 < n_full < CFG.num_layers * CFG.num_kv_heads
+    assert got == {tuple(h) for h in RankedFull(RANKING, S_, R_).order()[:n_full].tolist()}
+    ref, want = whole_heads(ck(rho))
+    assert got == want
+    tok = eng.first_tokens(0.0, 1.0)
+    assert tok.tolist() == ref.first_tokens(0.0, 1.0).tolist()
+    np.testing.assert_allclose(eng.step_with_logits(tok)[1], ref.step_with_logits(tok)[1], atol=1e-5)

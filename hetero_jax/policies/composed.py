@@ -52,3 +52,9 @@ class Composed(ScoredPolicy):
             if not isinstance(getattr(self, field), kind):
                 raise PolicyError(f"Composed: {field} must be a {kind.__name__} (policies.{kind.__name__.lower()}s), "
                                   f"got {getattr(self, field)!r}")
+
+    def layout(self, cfg):
+        """The allocator's head layout where it has one (``RankedFull``'s budgets are per layout slot: each
+        layer's heads in ranking order), else none."""
+        own = getattr(self.allocator, "layout", None)
+        return own(cfg) if own is not None else super().layout(cfg)
