@@ -100,10 +100,11 @@ class Uniform(Allocator):
 
 @dataclasses.dataclass(frozen=True)
 class Pyramid(Allocator):
-    """PyramidKV: per-layer budgets falling linearly with depth, the top layer's share beyond the floor
-    ``beta`` times the bottom one's, the uniform total kept (every head of a layer alike)."""
+    """PyramidKV: per-layer budgets falling linearly with depth, the uniform total kept (every head of a layer
+    alike). Of the average share beyond the floor, s, the last layer gets s / ``beta`` and the first 2s - s / beta
+    (PyramidKV's rule): the first layer's share is 2 beta - 1 times the last's (3x at beta = 2)."""
 
-    beta: float = real_param(20.0, 1.0, lo_open=False)  # top / bottom layer share; 1 = flat
+    beta: float = real_param(20.0, 1.0, lo_open=False)  # the average share / the last layer's; 1 = flat
 
     def head_budgets(self, owner, rho, cfg, prompt_len, floor):
         n = uniform_tokens(owner, rho, prompt_len, floor)

@@ -65,7 +65,7 @@ class SnapKV(ScoredPolicy):
 class PyramidKV(SnapKV):
     """SnapKV's scores with per-layer budgets falling linearly with depth (same total)."""
 
-    beta: float = real_param(20.0, 1.0, lo_open=False)  # top / bottom layer share; 1 = flat
+    beta: float = real_param(20.0, 1.0, lo_open=False)  # the average share / the last layer's (Pyramid); 1 = flat
     name: ClassVar[str] = "pyramidkv"
     summary: ClassVar[str] = "SnapKV scores, per-layer budgets falling linearly with depth, same total (Cai et al.)"
 
