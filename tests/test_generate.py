@@ -465,24 +465,32 @@ def test_an_answer_far_shorter_than_its_budget_holds_only_the_starting_tail():
     assert big.stats.kv_bytes_device == ref.stats.kv_bytes_device  # TAIL_START rows, not 1,900
 
 
-@pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv", "streamingllm", "heterocache"])
+@pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv", "streamingllm", "heterocache", "quest"])
 def test_nearby_prompt_lengths_share_the_decode_executable(policy):
     """Each new prompt length compiled the decode step again (a layer's exact prompt rows, the pool's rows and
     HeteroCache's K_base width were static: ~4 s a length on SmolLM2); lengths 100, 101 and 103 (one bucket of
-    each) now share the step and HeteroCache's drift check. (Quest, FreeKV and SyncKV still carry decode state
-    whose width follows the prompt: the page count.)"""
-    from hetero_jax.policies import HeteroCache, make_policy
+    each) now share the step and HeteroCache's drift check. Quest's page summaries and page slots followed the
+    page count (a compile per page of length); 101, 103 and 107 (25, 25 and 26 pages) now share its step.
+    (On a CPU FreeKV and offloaded Quest still compile per length: the host store the step recalls from is an
+    operand as long as the prompt. SyncKV's dynamic set follows the prompt too.)"""
+    from hetero_jax.policies import HeteroCache, Quest, make_policy
     from hetero_jax.runtime import compile_cache
     from test_heterocache import MODEL, PROFILE  # a tiny profile with every role
 
-    pol = (HeteroCache(profile=PROFILE, budget=0.5, window=2) if policy == "heterocache" else
-           make_policy(policy, None if policy == "full" else 0.5))
+    lengths = (100, 101, 103)
+    if policy == "heterocache":
+        pol = HeteroCache(profile=PROFILE, budget=0.5, window=2)
+    elif policy == "quest":
+        pol, lengths = Quest(budget=0.5, page_size=4), (101, 103, 107)
+        assert len({pol.plan_pages(MODEL.config, n)[0] for n in lengths}) == 2  # the page count changes
+    else:
+        pol = make_policy(policy, None if policy == "full" else 0.5)
 
     def decode_executables():
         return sum(1 for k in compile_cache._COMPILED if "decode_step_jit" in repr(k) or "drift_check" in repr(k))
 
     counts = []
-    for n in (100, 101, 103):
+    for n in lengths:
         hetero_jax.generate(MODEL, random_prompts([n], seed=n)[0], pol, max_new_tokens=6, chat=False)
         counts.append(decode_executables())
     assert counts[1:] == [counts[0]] * 2, counts

@@ -247,3 +247,14 @@ def test_quest_bound_upper_bounds_every_key_in_page(case):
         true = (q64 @ page.T).max(axis=1)  # [G]: the best real q.k in the page
         tol = 1e-5 * (np.abs(q64) @ np.abs(page).max(axis=0)) + 1e-6
         assert np.all(u[0, 0, :, p] >= true - tol)
+
+
+def test_page_bucket_rounds_up_by_at_most_a_quarter_or_the_quantum():
+    """Hand-computed: multiples of 4 up to 16 pages, then of a quarter of the power of two (8 from 32, 16 from 64)."""
+    from hetero_jax.policies.pages import page_bucket
+
+    assert [page_bucket(n) for n in (0, 1, 4, 5, 11, 12, 13, 17, 33, 37, 40, 41, 65)] == \
+        [0, 4, 4, 8, 12, 12, 16, 20, 40, 40, 40, 48, 80]
+    for n in range(1, 600):
+        b = page_bucket(n)
+        assert n <= b <= max(n + 3, n * 5 // 4) and page_bucket(b) == b

@@ -103,10 +103,16 @@ def capacity_bucket(rows: int) -> int:
     ``rows`` rounded up to a multiple of max(POOL_QUANTUM, a quarter of its power of two), so prompts of
     nearby lengths share executables (the exact count compiled decode once per prompt length). The kernels
     mask every head by its own length, so the bound changes no result."""
-    if rows <= 0:
+    return bucket(rows, POOL_QUANTUM)
+
+
+def bucket(n: int, quantum: int) -> int:
+    """``n`` rounded up to a multiple of max(``quantum``, a quarter of its power of two): at most a quarter more
+    (or ``quantum - 1``), so nearby sizes share one static shape; 0 for n <= 0."""
+    if n <= 0:
         return 0
-    q = max(POOL_QUANTUM, 1 << max(0, int(rows).bit_length() - 3))
-    return -(-int(rows) // q) * q
+    q = max(quantum, 1 << max(0, int(n).bit_length() - 3))
+    return -(-int(n) // q) * q
 
 
 def heads_per_shard(cache_or_pool, num_heads: int) -> int:

@@ -56,7 +56,7 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import attend_chunk_over_host_prompt
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param
 from hetero_jax.policies.protocol import PrefillPlan
-from hetero_jax.policies.pages import pages_for_budget, smallest_page_rho
+from hetero_jax.policies.pages import page_bucket, pages_for_budget, smallest_page_rho
 from hetero_jax.policies.speculative import PageRecallDecode, PageRecallPrefill, attend_slots
 
 
@@ -103,7 +103,7 @@ class FreeKV(Policy):
             return 0
         n_skip = cfg.num_layers - len(self.compressed_layers(cfg))
         return pages_for_budget(rho, prompt_len, cfg.num_layers, n_skip, self.page_size,
-                                fixed_tokens=prompt_len - P * self.page_size, summary_pages=P)
+                                fixed_tokens=prompt_len - P * self.page_size, summary_pages=page_bucket(P))
 
     def _layout(self, cfg: ModelConfig, prompt_len: int, rho: float) -> tuple[int, int, int]:
         """(S, window tokens w, selectable pages P) at budget rho; w = L - S - P*p lies in [W, W + p)."""
@@ -125,7 +125,7 @@ class FreeKV(Policy):
             W = self.sinks_window(cfg, L, self.budget)[1]
             raise BudgetError(f"FreeKV: a {L}-token prompt is too short for {S} sinks + a {W}-token window + one "
                               f"{ps}-token page ({S + W + ps} tokens); use smaller sinks/window/page_size or full KV")
-        k = pages_for_budget(self.budget, L, cfg.num_layers, n_skip, ps, fixed_tokens=S + w, summary_pages=P)
+        k = pages_for_budget(self.budget, L, cfg.num_layers, n_skip, ps, fixed_tokens=S + w, summary_pages=page_bucket(P))
         if k < 1:
             rho = self._smallest_rho(cfg, L)
             if rho > 1.0:
@@ -147,7 +147,7 @@ class FreeKV(Policy):
         S, W = (4 if self.sinks is None else self.sinks), (4 if self.window is None else self.window)
         P = max(0, (prompt_len - S - W) // self.page_size)
         return smallest_page_rho(prompt_len, cfg.num_layers, n_skip, self.page_size,
-                                 fixed_tokens=prompt_len - P * self.page_size, summary_pages=P)
+                                 fixed_tokens=prompt_len - P * self.page_size, summary_pages=page_bucket(P))
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return FreeKVPrefill(self, cfg, prompt_lens, compile_fn)

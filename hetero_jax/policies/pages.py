@@ -14,7 +14,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetero_jax.model.cache import bucket
 from pallas_kernels.page_select import group_page_scores, quest_page_scores, top_pages  # noqa: F401 (re-exported)
+
+
+PAGE_QUANTUM = 4  # the smallest step of a bucketed page count
+
+
+def page_bucket(pages: int) -> int:
+    """The static page count a decode step is compiled for (summaries P, slots k): ``pages`` rounded up to a
+    multiple of max(PAGE_QUANTUM, a quarter of its power of two). The exact count compiled the step once per
+    page of prompt length; every page past a sequence's own count is masked (``n_pages``, ``k_sel``), so the
+    bound changes no result. The budget counts the summaries allocated: ``page_bucket(P)`` of them, not P."""
+    return bucket(pages, PAGE_QUANTUM)
+
+
+def fit_pages(a: jax.Array, n: int) -> jax.Array:
+    """``a`` [B, H, P, ...] cut or zero-padded to ``n`` pages on axis 2."""
+    P = a.shape[2]
+    if n <= P:
+        return a[:, :, :n]
+    return jnp.pad(a, [(0, 0), (0, 0), (0, n - P)] + [(0, 0)] * (a.ndim - 3))
 
 
 def _per_seq(start, batch: int) -> jax.Array:

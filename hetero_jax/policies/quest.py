@@ -59,7 +59,7 @@ from hetero_jax.model.host_store import attend_chunk_over_host_prompt
 from hetero_jax.model.sharding import to_host
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, bool_param, int_param, smallest_rho, tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
-from hetero_jax.policies.pages import page_summaries, pages_for_budget, smallest_page_rho
+from hetero_jax.policies.pages import fit_pages, page_bucket, page_summaries, pages_for_budget, smallest_page_rho
 from hetero_jax.policies.speculative import PageRecallPrefill, PageSlots, attend_slots, page_slots, select_pages
 
 
@@ -99,7 +99,7 @@ class Quest(Policy):
         if not self.offload or P == 0:  # a prompt shorter than one page has no page to select: all of it is kept
             return P, r, min(P, max(1, (tokens_for(self.budget, L) - r) // ps))
         n_full = cfg.num_layers - len(self.sparse_layers(cfg))
-        kw = dict(fixed_tokens=r, summary_pages=P)
+        kw = dict(fixed_tokens=r, summary_pages=page_bucket(P))  # as allocated
         k = pages_for_budget(self.budget, L, cfg.num_layers, n_full, ps, **kw)
         if k < 1:
             rho = smallest_page_rho(L, cfg.num_layers, n_full, ps, **kw)
@@ -160,12 +160,14 @@ def _page_blocks(pages, valid, n_pages, prompt_lens, tail_lens, ps: int, tail_ca
     return block_rows.astype(jnp.int32), lengths.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "n_select"))
-def _summaries(k_buf, lens, k_sel, page_size: int, n_select: int) -> PageSlots:
-    """An in-device sparse layer's decode state: the page summaries of k_buf [B, H, T, D] (lens, k_sel [B] int32)
-    and no host store (a step's selection is its extra output only: kept in the state too, it would be one output
-    twice and XLA would copy it, a kernel per layer and step)."""
-    kmin, kmax, n_pages = page_summaries(k_buf, lens, page_size)
+@functools.partial(jax.jit, static_argnames=("page_size", "n_pages", "n_select"))
+def _summaries(k_buf, lens, k_sel, page_size: int, n_pages: int, n_select: int) -> PageSlots:
+    """An in-device sparse layer's decode state: the page summaries of k_buf [B, H, T, D] (lens, k_sel [B] int32),
+    ``n_pages`` of them per head (``pages.page_bucket``), and no host store (a step's selection is its extra
+    output only: kept in the state too, it would be one output twice and XLA would copy it, a kernel per layer
+    and step)."""
+    kmin, kmax, counts = page_summaries(k_buf, lens, page_size)
+    kmin, kmax, n_pages = fit_pages(kmin, n_pages), fit_pages(kmax, n_pages), counts
     zero = jnp.zeros_like(lens)
     return page_slots(kmin, kmax, n_pages, k_sel, lens, zero, jnp.int32(-1), n_select, page_size)
 
@@ -205,8 +207,9 @@ class QuestPrefill(PrefillPlan):
         if self.policy.offload:
             return self.pages.build_layer(li, layer, x_in, k_buf, v_buf, lens)
         args = (k_buf[:, :, :t_max], lens, jnp.asarray(self.k_sel, jnp.int32))  # no summaries of the chunk padding
-        state = self.compile_fn(_summaries, *args, page_size=self.policy.page_size,
-                                n_select=max(1, int(self.k_sel.max())))(*args)
+        n_pages = max(1, page_bucket(int(self.n_pages.max())))
+        state = self.compile_fn(_summaries, *args, page_size=self.policy.page_size, n_pages=n_pages,
+                                n_select=min(max(1, page_bucket(int(self.k_sel.max()))), n_pages))(*args)
         return M.full_rows(k_buf, v_buf, lens, t_max).replace(state=state)
 
     def finish(self, cache: KVCache):

@@ -40,12 +40,12 @@ from flax import struct
 import pallas_kernels
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
+from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, capacity_bucket, head_offsets
 from hetero_jax.model.host_store import (TRANSFER_ERRORS, HostKVStore, in_step_operand, kv_rows_nbytes, sums_in_step,
                                          write_head_rows)
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
-from hetero_jax.policies.pages import page_summaries
+from hetero_jax.policies.pages import fit_pages, page_bucket, page_summaries
 from hetero_jax.policies.protocol import DecodeState, achieved_rho
 
 
@@ -166,7 +166,7 @@ def _prefill_layer(layer, x_in, k_buf, v_buf, lens, start, win_start, k_sel, pro
     each head's rows [start | selected pages | window]. Returns (rows, PageSlots, pages [B, H, k]); start,
     win_start, k_sel, prompt_lens [B] int32, store the host store's handle."""
     kmin, kmax, counts = page_summaries(k_buf, win_start, page_size, start=start)
-    kmin, kmax = kmin[:, :, :n_pages], kmax[:, :, :n_pages]  # the longest sequence's pages
+    kmin, kmax = fit_pages(kmin, n_pages), fit_pages(kmax, n_pages)  # the longest sequence's, bucketed
     q_last = M.prompt_queries(layer, x_in, (lens - 1)[:, None], cfg)[:, :, 0]  # [B, H, G, D]
     H = k_buf.shape[1]
     st = page_slots(kmin, kmax, counts, k_sel, prompt_lens, start, store, n_select, page_size)
@@ -200,14 +200,22 @@ class PageRecallPrefill:
 
     def build_layer(self, li, layer, x_in, k_buf, v_buf, lens):
         t_max = int(self.lens.max())
-        self.store.put(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max])
+        width = t_max
+        if sums_in_step() and len(k_buf.sharding.device_set) == 1:
+            # the steps may recall from the store in their own graph (``recall_in_step``): its rows are a static
+            # shape there, bucketed as a layer's key bound is so that nearby lengths share the step (the rows
+            # past a prompt are never read: a page lies before its window)
+            width = min(k_buf.shape[2], capacity_bucket(t_max))
+        self.store.put(li, k_buf[:, :, :width], v_buf[:, :, :width])
         if self._ints is None:  # read, never donated: the record's counters are a new array per layer
             self._ints = tuple(jnp.asarray(np.asarray(a, np.int32))
                                for a in (self.start, self.lens - self.window, self.k_sel, self.lens))
         args = (layer, x_in, k_buf, v_buf, lens, *self._ints, self.store.handle_array())
+        n_pages = max(1, page_bucket(int(self.n_pages.max())))  # a step's static shapes: nearby lengths share them
         rows, state, pages = self.compile_fn(
-            _prefill_layer, *args, cfg=self.cfg, page_size=self.page_size, n_pages=max(1, int(self.n_pages.max())),
-            n_select=max(1, int(self.k_sel.max())), cap=int(self.held().max()), how=self.how)(*args)
+            _prefill_layer, *args, cfg=self.cfg, page_size=self.page_size, n_pages=n_pages,
+            n_select=min(max(1, page_bucket(int(self.k_sel.max()))), n_pages), cap=int(self.held().max()),
+            how=self.how)(*args)
         self.resident[li] = pages
         return LayerPrefill(blocks=(rows,), state=state)
 
@@ -226,7 +234,8 @@ class PageRecallPrefill:
                 layers[li] = layers[li].replace(state=layers[li].state.replace(slots=held))
             cache = cache.replace(layers=tuple(layers))
         return cache, PageRecallDecode(self.cfg, self.page_size, self.how, self.start, self.k_sel, self.store, resident,
-                                       head_offsets(cache), attended, self.compile_fn, in_step, self.n_pages)
+                                       head_offsets(cache), attended, self.compile_fn, in_step,
+                                       np.array([page_bucket(int(n)) for n in self.n_pages], np.int64))
 
 
 class PageRecallDecode(DecodeState):
