@@ -494,3 +494,81 @@ def test_nearby_prompt_lengths_share_the_decode_executable(policy):
         hetero_jax.generate(MODEL, random_prompts([n], seed=n)[0], pol, max_new_tokens=6, chat=False)
         counts.append(decode_executables())
     assert counts[1:] == [counts[0]] * 2, counts
+
+
+# ------------------------------------------------------------------ incremental decoding of an answer
+def _byte_level_tokenizer():
+    """GPT-2 style: byte-level pieces, so a 4-byte character can split over tokens."""
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for piece in ["Ġthe", "Ġcat", "ðŁ", "¦Ĵ", "æ¼"]:
+        vocab[piece] = len(vocab)
+    backend = Backend(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<|end|>", special=True)])
+    return backend
+
+
+def _metaspace_tokenizer():
+    """Llama-2 style: metaspace pieces, byte fallback, and the decoder's strip of the text's first space."""
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "▁the", "▁cat", "a", "b", "é", "漢", "▁▁"]:
+        vocab[piece] = len(vocab)
+    backend = Backend(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return backend
+
+
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, _metaspace_tokenizer])
+def test_an_answer_decoded_a_window_at_a_time_is_the_whole_decode(make):
+    """Every answer token decoded the whole answer again (time growing with the answer); ``AnswerText`` decodes
+    the last tokens only. Wherever the whole decode's characters are complete the two texts are equal, over
+    texts of emoji, CJK, accents, runs of spaces and a special token, split as the tokenizer splits them."""
+    from hetero_jax.io.tokenizer import Tokenizer
+    from hetero_jax.runtime.streaming import AnswerText
+
+    tok = Tokenizer(make())
+    assert tok.suffix_decodable
+    pool = list("ab é漢 🦒€ the cat\n  x") + ["the", " cat", "🦑"]
+    special = tok._tok.get_vocab_size() - 1
+    compared = 0
+    for seed in range(120):
+        rng = np.random.default_rng(seed)
+        ids = tok._tok.encode("".join(rng.choice(pool, 30)), add_special_tokens=False).ids
+        if seed % 4 == 0:
+            ids.insert(int(rng.integers(len(ids))), special)  # decoded to nothing
+        text = AnswerText(tok)
+        for j, t in enumerate(ids):
+            got, want = text.add(t), tok.decode(ids[: j + 1])
+            if "\ufffd" not in want:  # (a byte-fallback run shows U+FFFD for all its bytes until it is valid)
+                assert got == want, (seed, j)
+                compared += 1
+    assert compared > 2000
+
+
+def test_streaming_decodes_a_window_of_the_answer_per_token_not_the_whole_answer():
+    import dataclasses
+
+    decoded = []
+
+    class Counting(TinyTokenizer):  # " ".join of the ids: decoding ids[i:] gives the text from token i on
+        suffix_decodable = True
+
+        def decode(self, ids):
+            decoded.append(len(ids))
+            return super().decode(ids)
+
+    model = dataclasses.replace(tiny_model(512), tokenizer=Counting())
+    chunks = []
+    r = hetero_jax.generate(model, random_prompts([9], seed=3)[0], max_new_tokens=48, chat=False,
+                            on_token=chunks.append)
+    n = len(r.token_ids)
+    assert n >= 40 and r.text == TinyTokenizer().decode(r.token_ids) == "".join(chunks)
+    assert sum(decoded) <= 6 * n  # the whole answer each time: n (n + 1) / 2 ids

@@ -252,6 +252,11 @@ def check_unicode(text: str, what: str) -> None:
 class Tokenizer:
     """Text <-> token ids, special token ids and the chat template of one model."""
 
+    # decoding ids[i:] gives the text of ids from token i on, when token i begins a character (a leading space of
+    # the first token aside): HF's decoders (byte-level, byte fallback, metaspace) join per-token pieces, so an
+    # answer streams by decoding its last tokens only (``runtime.streaming.AnswerText``)
+    suffix_decodable = True
+
     def __init__(self, backend, *, tokenizer_config: Mapping[str, Any] | None = None,
                  chat_template: str | None = None, extra_eos_token_ids: Sequence[int] = (),
                  bos_token_id: int | None = None):

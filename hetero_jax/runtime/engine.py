@@ -29,7 +29,7 @@ from hetero_jax.runtime.compile_cache import MAX_CHUNK, TAIL_QUANTUM, chunk_buck
 from hetero_jax.runtime.prompts import check_model, stop_token_ids, validate_ids
 from hetero_jax.runtime.results import GenerationResult, GenerationStats
 from hetero_jax.runtime.sampling import draw_key, sample, sampling_mode
-from hetero_jax.runtime.streaming import AnswerStream
+from hetero_jax.runtime.streaming import AnswerStream, AnswerText
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "mode"), donate_argnames=("cache",))
@@ -456,6 +456,7 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int
     done = [False] * B
     reasons = list(limits)
     streams = [AnswerStream(stops) for _ in range(B)]
+    answers = [AnswerText(tok) for _ in range(B)]
     decode_s: list[float] = []
 
     def accept(i: int, t: int) -> None:
@@ -468,7 +469,7 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int
                 on_token(delta)
             return
         out_ids[i].append(t)
-        delta = streams[i].update(tok.decode(out_ids[i]))
+        delta = streams[i].update(answers[i].add(t))
         if streams[i].stopped:
             done[i], reasons[i] = True, "stop"
         elif len(out_ids[i]) >= budgets[i]:

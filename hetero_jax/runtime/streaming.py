@@ -1,10 +1,44 @@
-"""One answer's text as its tokens arrive: where a stop string cuts it, and what ``on_token`` may send."""
+"""One answer's text as its tokens arrive: its decoding, where a stop string cuts it, and what ``on_token`` may
+send."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 INCOMPLETE = "\ufffd"  # what a decoder writes for a character whose UTF-8 bytes have not all arrived
+
+
+class AnswerText:
+    """The decoded text of an answer's tokens, one token at a time.
+
+    A tokenizer that declares ``suffix_decodable`` (decoding ``ids[i:]`` gives the text of ``ids`` from token i on,
+    when token i begins a character, a leading space of its first token aside: every HF decoder) is decoded over a
+    window of the last tokens only: the window's text less that of its tokens already emitted is the new text, and
+    the window moves on once that text ends in a whole character, so a token's cost does not grow with the answer.
+    Any other tokenizer decodes the whole answer at every token. Where the whole decode's characters are complete
+    the two texts are equal; a byte-fallback run that is not yet valid UTF-8 shows U+FFFD for its own bytes only
+    here, for all bytes of the run there."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.incremental = bool(getattr(tokenizer, "suffix_decodable", False))
+        self.ids: list[int] = []
+        self.done = ""  # the text of ids[:read], every character whole
+        self.prefix = self.read = 0  # the window: ids[prefix:]; ids[prefix:read] are decoded into ``done``
+
+    def add(self, token: int) -> str:
+        """Append ``token``; the answer's text so far (it may end in U+FFFD while a character is incomplete)."""
+        self.ids.append(int(token))
+        if not self.incremental:
+            return self.tok.decode(self.ids)
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        now = self.tok.decode(self.ids[self.prefix:])
+        new = now[len(before):]
+        if new and not new.endswith(INCOMPLETE):
+            self.done += new
+            self.prefix, self.read = self.read, len(self.ids)
+            return self.done
+        return self.done + new
 
 
 def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
