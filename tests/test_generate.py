@@ -465,15 +465,15 @@ def test_an_answer_far_shorter_than_its_budget_holds_only_the_starting_tail():
     assert big.stats.kv_bytes_device == ref.stats.kv_bytes_device  # TAIL_START rows, not 1,900
 
 
-@pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv", "streamingllm", "heterocache", "quest"])
+@pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv", "streamingllm", "heterocache", "quest", "synckv"])
 def test_nearby_prompt_lengths_share_the_decode_executable(policy):
     """Each new prompt length compiled the decode step again (a layer's exact prompt rows, the pool's rows and
     HeteroCache's K_base width were static: ~4 s a length on SmolLM2); lengths 100, 101 and 103 (one bucket of
     each) now share the step and HeteroCache's drift check. Quest's page summaries and page slots followed the
     page count (a compile per page of length); 101, 103 and 107 (25, 25 and 26 pages) now share its step.
-    (On a CPU FreeKV and offloaded Quest still compile per length: the host store the step recalls from is an
-    operand as long as the prompt. SyncKV's dynamic set follows the prompt too.)"""
-    from hetero_jax.policies import HeteroCache, Quest, make_policy
+    SyncKV's static set (a decode-step operand) and its anticipation's dynamic set were as wide as the prompt's
+    split; 104, 108 and 111 tokens (13 and 14 static tokens) now share both."""
+    from hetero_jax.policies import HeteroCache, Quest, SyncKV, make_policy
     from hetero_jax.runtime import compile_cache
     from test_heterocache import MODEL, PROFILE  # a tiny profile with every role
 
@@ -483,11 +483,17 @@ def test_nearby_prompt_lengths_share_the_decode_executable(policy):
     elif policy == "quest":
         pol, lengths = Quest(budget=0.5, page_size=4), (101, 103, 107)
         assert len({pol.plan_pages(MODEL.config, n)[0] for n in lengths}) == 2  # the page count changes
+    elif policy == "synckv":  # anticipating at every step; its static and dynamic sets grow with the prompt
+        from test_synckv import PROFILE as SYNC_PROFILE
+
+        pol, lengths = SyncKV(profile=SYNC_PROFILE, budget=0.5, m=1), (104, 108, 111)
+        assert {pol.split(pol.nr_tokens(n)) for n in lengths} == {(13, 13), (14, 13)}  # static tokens 13, 14
     else:
         pol = make_policy(policy, None if policy == "full" else 0.5)
 
     def decode_executables():
-        return sum(1 for k in compile_cache._COMPILED if "decode_step_jit" in repr(k) or "drift_check" in repr(k))
+        return sum(1 for k in compile_cache._COMPILED
+                   if any(f in repr(k) for f in ("decode_step_jit", "drift_check", "_anticipate")))
 
     counts = []
     for n in lengths:

@@ -53,6 +53,7 @@ from pallas_kernels import MASK_VALUE
 from hetero_jax.model.scoring import gather_group, query_probs_max
 from hetero_jax.policies.profiled import LayerRoles, ProfiledPolicy, profile_key, take_slots
 from hetero_jax.policies.selection import bytes_rho, cap_bucket
+from hetero_jax.policies.pages import page_bucket
 from hetero_jax.profile.clustering import Role
 from hetero_jax.profile.head_profile import HeadProfile
 from hetero_jax.profile.schema import ProfileError
@@ -235,7 +236,8 @@ class SyncPrefill(PrefillPlan):
         blocks.append(block.replace(heads=tuple(r.comp_slots)))
         self.store.put_heads(li, k_buf[:, :, :t_max], v_buf[:, :, :t_max], r.comp_slots)
         ks_max, kd_max = int(self.k_s.max()), int(self.k_dyn.max())
-        slot = np.arange(max(ks_max, 1))[None, None, :]
+        # a decode-step operand: its width bucketed by the page-count rule, so nearby lengths share the step
+        slot = np.arange(min(max(1, page_bucket(ks_max)), cap))[None, None, :]
         state = SyncState(static_idx=jnp.where(jnp.asarray(slot < self.k_s[:, None, None]),
                                                pos[:, :, : slot.shape[-1]], _NO_POS).astype(jnp.int32))
         self.dyn[li] = (pos, kd_max)
@@ -310,7 +312,9 @@ class SyncDecode(DecodeState):
             n_p = len(self.prefilled.roles[li].pivots)
             args = (queries[li], cache.pool, lc.offsets, lc.lengths, lc.state.static_idx)
             # t_max: the R-heads keep the whole prompt, the most rows any head of the layer keeps
-            outs[li] = self.compile_fn(_anticipate, *args, k_dyn=kd_max, n_pivots=n_p, t_max=lc.capacity)(*args)
+            # k_dyn bucketed as well: the host reads each sequence's first k_dyn (top_k lists the best first)
+            k_dyn = min(page_bucket(kd_max), lc.capacity)
+            outs[li] = self.compile_fn(_anticipate, *args, k_dyn=k_dyn, n_pivots=n_p, t_max=lc.capacity)(*args)
             outs[li].copy_to_host_async()  # read before the next step is dispatched, never waited on now
         return outs
 
