@@ -148,3 +148,26 @@ def test_selected_blocks_are_written_at_their_bucket_and_the_pool_keeps_only_cou
         for h in range(len(offsets)):
             rows = positions[0, 0, offsets[h] : offsets[h] + lengths[h]]
             assert len(set(rows.tolist())) == lengths[h] and rows.min() >= 0 and rows.max() < 700
+
+
+def test_a_step_past_the_tails_capacity_gives_nan_logits_not_another_heads_rows():
+    """Past a full tail the new rows are not written and the attention read the next head's region: plausible,
+    wrong logits. Now those sequences' logits are NaN; the others' are as before."""
+    import jax.numpy as jnp
+
+    from hetero_jax.model import transformer as M
+    from hetero_jax.runtime import prefill
+    from tiny_model import random_prompts, tiny_model
+
+    model = tiny_model()
+    params, cfg = model.params, model.config
+    prompts = random_prompts([12, 15], seed=4)
+    _, cache = prefill(params, cfg, prompts, tail_capacity=2)
+    logits, cache, _ = M.extend_jit(params, cache, jnp.asarray([[5, 6, 7], [5, 0, 0]], jnp.int32),
+                                    jnp.asarray([3, 1], jnp.int32), cfg)  # 3 rows into a 2-row tail, then 1
+    assert np.isnan(np.asarray(logits[0])).all() and np.isfinite(np.asarray(logits[1])).all()
+    _, cache = prefill(params, cfg, prompts, tail_capacity=2)
+    for step in range(3):
+        logits, cache = M.decode_step_jit(params, cache, jnp.asarray([8, 9], jnp.int32), cfg)
+        got = np.asarray(logits)
+        assert np.isnan(got).all() if step == 2 else np.isfinite(got).all()  # the third row has no room

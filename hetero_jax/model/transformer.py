@@ -302,7 +302,8 @@ def decode_step(
     params: dict, cache: KVCache, tokens: jax.Array, cfg: ModelConfig, return_queries: bool = False,
     policy=None, host: tuple = (),
 ):
-    """One new token per sequence. tokens: [B] int32. Returns logits [B, V] (float32) and the cache.
+    """One new token per sequence. tokens: [B] int32. Returns logits [B, V] (float32) and the cache; a
+    sequence whose tail is full (``tail_lens`` = ``tail_capacity``) gets NaN logits (:func:`overflowed`).
 
     The token's K/V goes into every head's region of the pool, after its prompt rows and its ``tail_lens``
     earlier tokens; then each layer attends every head in one call (``LayerStep.attend``). With
@@ -347,7 +348,7 @@ def decode_step(
         tail_lens=slot + 1,
         tail_positions=cache.tail_positions.at[b, slot].set(pos, mode="drop"),
     )
-    out = (lm_logits(params, h, cfg), cache)
+    out = (overflowed(lm_logits(params, h, cfg), slot + 1, R), cache)
     if return_queries:
         out += (tuple(queries),)
     if policy is not None:
@@ -404,7 +405,14 @@ def extend(params: dict, cache: KVCache, tokens: jax.Array, n_new: jax.Array, cf
         tail_positions=cache.tail_positions.at[b, jnp.where(real, slots, cache.tail_capacity)].set(
             positions, mode="drop"),
     )
-    return lm_logits(params, h, cfg), cache, tuple(queries)
+    return overflowed(lm_logits(params, h, cfg), slot0 + n_new, R), cache, tuple(queries)
+
+
+def overflowed(logits: jax.Array, tail_lens: jax.Array, tail_capacity: int) -> jax.Array:
+    """``logits`` [B, V] with NaN rows for the sequences whose tail outgrew its capacity (tail_lens [B] > it):
+    their new rows were not written and the attention read past their regions, so their logits mean nothing
+    (``Engine.reserve`` makes room first; a caller stepping the model itself must too)."""
+    return jnp.where((tail_lens > tail_capacity)[:, None], jnp.nan, logits)
 
 
 def prompt_queries(layer: dict, x_in: jax.Array, rows: jax.Array, cfg: ModelConfig) -> jax.Array:
