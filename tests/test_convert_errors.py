@@ -677,3 +677,35 @@ def test_a_missing_context_length_is_transformers_default(arch, model_type):
     want = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in d.items()
                                                             if k != "model_type"}).max_position_embeddings
     assert ModelConfig.from_hf_dict(d).max_position_embeddings == want
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_keys_config_json_leaves_out_take_transformers_defaults(arch):
+    """A Qwen config without num_key_value_heads (or Qwen3's head_dim) took Llama's defaults, and a checkpoint
+    transformers loads was refused as 'the weights do not match config.json' (review 85): the family's own
+    defaults now, read from transformers' config classes."""
+    import transformers
+
+    from hetero_jax.model.config import ModelConfig
+
+    base = {"architectures": [arch], "hidden_size": 64, "num_attention_heads": 32, "num_hidden_layers": 2,
+            "vocab_size": 320, "intermediate_size": 96, "max_position_embeddings": 1024}
+    hf = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict(base)
+    ours = ModelConfig.from_hf_dict(base)
+    assert ours.num_kv_heads == hf.num_key_value_heads
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+
+
+def test_a_sliding_window_left_out_is_transformers_default_and_refused_when_it_slides():
+    """use_sliding_window true without a sliding_window key: transformers slides at 4096, this port ran full
+    attention and its logits parted past 4,096 tokens (review 85); refused as an explicit window is."""
+    import transformers
+
+    from hetero_jax.errors import ConfigError
+    from hetero_jax.model.config import ModelConfig
+
+    over = dict(use_sliding_window=True, max_window_layers=0, max_position_embeddings=8192)
+    assert transformers.Qwen2Config.from_dict(_qwen2(**over)).sliding_window == 4096
+    with pytest.raises(ConfigError, match="sliding_window = 4096 .shorter than the 8192-token context. for 4 of 4"):
+        ModelConfig.from_hf_dict(_qwen2(**over))
+    assert ModelConfig.from_hf_dict(_qwen2(**{**over, "max_position_embeddings": 4096})).architecture == "qwen2"

@@ -19,6 +19,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# what transformers' Qwen2Config / Qwen3Config take for a key config.json leaves out (head_dim: Qwen3's only)
+QWEN_DEFAULTS = {"num_key_value_heads": 32, "head_dim": 128, "sliding_window": 4096}
 
 
 _FIX = "; fix config.json (it should match the checkpoint's published config.json)"
@@ -93,7 +95,8 @@ def _check_unported_math(cfg: Mapping, family: str, n_layers: int) -> None:
         raise ConfigError(f"config.json: hidden_act = {act!r} is not supported; hetero-jax implements the "
                           "SwiGLU MLP of Llama, Qwen2 and Qwen3 (hidden_act 'silu') only, and this checkpoint "
                           "would give wrong logits. Use a checkpoint with hidden_act 'silu'")
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    # an absent key is transformers' Qwen2Config / Qwen3Config default window, 4096
+    window = cfg.get("sliding_window", QWEN_DEFAULTS["sliding_window"]) if cfg.get("use_sliding_window") else None
     context = _context_length(cfg, family)
     if family == "llama" or not window or window >= context:
         return
@@ -197,8 +200,11 @@ class ModelConfig:
         try:
             hidden = int(cfg["hidden_size"])
             num_heads = int(cfg["num_attention_heads"])
-            num_kv = int(cfg.get("num_key_value_heads") or num_heads)
-            head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+            # absent: the defaults of transformers' config class of the family (Llama's follow the heads)
+            num_kv = int(cfg.get("num_key_value_heads") or (num_heads if family == "llama"
+                                                            else QWEN_DEFAULTS["num_key_value_heads"]))
+            head_dim = int(cfg.get("head_dim") or (QWEN_DEFAULTS["head_dim"] if family == "qwen3"
+                                                   else hidden // num_heads))
             n_layers = int(cfg["num_hidden_layers"])
             vocab = int(cfg["vocab_size"])
             inter = int(cfg["intermediate_size"])
