@@ -26,6 +26,9 @@ def test_the_job_is_read_from_jax_slurm_and_open_mpi_variables():
     assert process_setup({}) == SINGLE and not SINGLE.distributed
     assert process_setup(JOB) == ProcessSetup(4, 3, "10.0.0.1:1234", "jax")
     assert process_setup({"JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}) == SINGLE  # no coordinator needed
+    # the one-pod way out the Kubernetes refusal names (review 84)
+    assert process_setup({"KUBERNETES_SERVICE_HOST": "10.1.0.1", "JOB_COMPLETION_INDEX": "0", "JAX_NUM_PROCESSES": "1",
+                          "JAX_PROCESS_ID": "0"}) == SINGLE
     assert process_setup(SLURM) == ProcessSetup(4, 2, None, "slurm")
     assert process_setup(dict(SLURM, JAX_COORDINATOR_ADDRESS="n1:99")) == ProcessSetup(4, 2, "n1:99", "slurm")
     assert process_setup(dict(SLURM, SLURM_NTASKS="1", SLURM_PROCID="0")) == SINGLE
@@ -51,7 +54,8 @@ def test_the_job_is_read_from_jax_slurm_and_open_mpi_variables():
      ["OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_LOCAL_RANK are not", "mpirun"]),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
      ["OMPI_MCA_orte_hnp_uri", "JAX_NUM_PROCESSES=$OMPI_COMM_WORLD_SIZE"]),
-    ({"KUBERNETES_SERVICE_HOST": "10.1.0.1", "JOB_COMPLETION_INDEX": "1"}, ["pip install 'jax[k8s]'"]),
+    ({"KUBERNETES_SERVICE_HOST": "10.1.0.1", "JOB_COMPLETION_INDEX": "1"},
+     ["pip install 'jax[k8s]'", "a pod that runs alone", "set JAX_NUM_PROCESSES=1 and JAX_PROCESS_ID=0"]),
 ])
 def test_bad_or_partial_variables_are_refused_naming_the_variable_and_the_fix(env, names):
     with pytest.raises(LaunchError) as e:

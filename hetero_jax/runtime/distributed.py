@@ -168,7 +168,8 @@ def _from_cluster(env: Mapping[str, str], address: str | None) -> ProcessSetup |
             raise LaunchError("this looks like an Indexed Kubernetes Job (KUBERNETES_SERVICE_HOST and "
                               "JOB_COMPLETION_INDEX are set), whose size and coordinator jax reads from the "
                               "Kubernetes API with the kubernetes package, which is not installed: pip install "
-                              f"'jax[k8s]', or {_FIX}")
+                              f"'jax[k8s]'; for a pod that runs alone (a one-pod job, or pods that each run their "
+                              f"own work) set {COUNT}=1 and {RANK}=0; or {_FIX}")
         return ProcessSetup(None, int(env["JOB_COMPLETION_INDEX"].strip()), address, "k8s")
     return None
 
