@@ -484,7 +484,7 @@ def test_an_app_built_with_a_policy_that_cannot_run_on_the_model_is_refused(tiny
     from hetero_jax.serve import BackgroundServer, ServeConfig, create_app
 
     model = hetero_jax.load(tiny_checkpoint("llama")[1])
-    config = ServeConfig(model_id=MODEL, policy=HeteroCache(budget=0.5), policy_name="heterocache")
+    config = ServeConfig(model_id=MODEL, policy=HeteroCache(budget=0.5))  # policy_name left at its default
     for build in (create_app, BackgroundServer):
         with pytest.raises(ConfigError, match=r"the server's policy \(--policy heterocache\) cannot run on this "
                                               r"model: HeteroCache\(profile=None\) needs the shipped profile"):

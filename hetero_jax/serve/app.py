@@ -89,8 +89,10 @@ def check_served_policy(model, config: ServeConfig) -> None:
     try:
         config.policy.bind(model).make_prefill(model.config, [model.config.max_position_embeddings - 1])
     except (PolicyError, ProfileError) as e:
-        raise ConfigError(f"the server's policy (--policy {config.policy_name}) cannot run on this model: {e}") \
-            from None
+        name = getattr(config.policy, "name", type(config.policy).__name__)  # policy_name may be left "full"
+        if registry_key(config.policy_name) == name:
+            name = config.policy_name
+        raise ConfigError(f"the server's policy (--policy {name}) cannot run on this model: {e}") from None
     except BudgetError:
         pass
 
