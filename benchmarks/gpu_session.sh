@@ -13,7 +13,7 @@
 #   make gpu-bundle          # once, here: the authors' Llama profile into .gpuref/ (git-ignored)
 #   device run, carry [".gpuref"]:
 #   OUT=/some/dir HETERO_JAX_COMMIT=<commit> BUDGET_S=330 bash benchmarks/gpu_session.sh
-#   bash benchmarks/gpu_session.sh --dry-run     # tiny shapes on a CPU (tests/test_gpu_session.py)
+#   OUT=/tmp/gpu-dry PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh --dry-run   # tiny shapes on a CPU (tests/test_gpu_session.py)
 #
 # Every stage is its own process under a deadline, writing its own JSON under $OUT as it goes, so a stage
 # that fails or runs out of time loses only itself. Join latency lengths afterwards with
