@@ -472,7 +472,8 @@ def test_nearby_prompt_lengths_share_the_decode_executable(policy):
     each) now share the step and HeteroCache's drift check. Quest's page summaries and page slots followed the
     page count (a compile per page of length); 101, 103 and 107 (25, 25 and 26 pages) now share its step.
     SyncKV's static set (a decode-step operand) and its anticipation's dynamic set were as wide as the prompt's
-    split; 104, 108 and 111 tokens (13 and 14 static tokens) now share both."""
+    split; 104, 108 and 111 tokens (13 and 14 static tokens) now share both. Prefill's writer of whole-prompt
+    row blocks (``write_blocks``) was compiled per length too; the blocks are ``block_width`` rows now."""
     from hetero_jax.policies import HeteroCache, Quest, SyncKV, make_policy
     from hetero_jax.runtime import compile_cache
     from test_heterocache import MODEL, PROFILE  # a tiny profile with every role
@@ -493,7 +494,7 @@ def test_nearby_prompt_lengths_share_the_decode_executable(policy):
 
     def decode_executables():
         return sum(1 for k in compile_cache._COMPILED
-                   if any(f in repr(k) for f in ("decode_step_jit", "drift_check", "_anticipate")))
+                   if any(f in repr(k) for f in ("decode_step_jit", "drift_check", "_anticipate", "write_blocks")))
 
     counts = []
     for n in lengths:

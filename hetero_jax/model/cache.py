@@ -106,6 +106,14 @@ def capacity_bucket(rows: int) -> int:
     return bucket(rows, POOL_QUANTUM)
 
 
+def block_width(t_max: int, buffer_rows: int) -> int:
+    """The rows of a prefill's whole-prompt row block: the longest prompt ``t_max`` rounded up to its key bound
+    (:func:`capacity_bucket`), at most the prefill buffer's ``buffer_rows``. The writer (:func:`write_blocks`)
+    drops every row past a head's count and is compiled per block shape: an exact width compiled it per
+    prompt length."""
+    return min(int(buffer_rows), capacity_bucket(t_max))
+
+
 def bucket(n: int, quantum: int) -> int:
     """``n`` rounded up to a multiple of max(``quantum``, a quarter of its power of two): at most a quarter more
     (or ``quantum - 1``), so nearby sizes share one static shape; 0 for n <= 0."""

@@ -21,7 +21,7 @@ import numpy as np
 from pallas_kernels import MASK_VALUE  # the one finite mask value (scores beyond a prompt, masked attention)
 from pallas_kernels import traced_for_gpu
 
-from hetero_jax.model.cache import KVCache, LayerPrefill, PoolBuilder, RowBlock
+from hetero_jax.model.cache import KVCache, LayerPrefill, PoolBuilder, RowBlock, block_width
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.pool import LayerStep, append
 
@@ -213,12 +213,14 @@ def _all_logits_jit(params, x, cfg):
 
 
 def full_rows(k_buf: jax.Array, v_buf: jax.Array, lens: jax.Array, t_max: int) -> LayerPrefill:
-    """A layer's prefill under full KV: every head keeps its whole prompt, trimmed to the longest prompt
-    ``t_max`` (a host int: chunk padding is not kept). k_buf, v_buf: [B, Hkv, Tp, D]; lens: [B]."""
+    """A layer's prefill under full KV: every head keeps its whole prompt, a block of ``block_width`` rows for
+    the longest prompt ``t_max`` (a host int; the rows past each prompt are not written). k_buf, v_buf:
+    [B, Hkv, Tp, D]; lens: [B]."""
     B, H = k_buf.shape[:2]
-    positions = jnp.broadcast_to(jnp.arange(t_max, dtype=jnp.int32), (B, H, t_max))
+    w = block_width(t_max, k_buf.shape[2])
+    positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (B, H, w))
     lengths = jnp.broadcast_to(lens[:, None], (B, H)).astype(jnp.int32)
-    return LayerPrefill(blocks=(RowBlock(k=k_buf[:, :, :t_max], v=v_buf[:, :, :t_max], positions=positions,
+    return LayerPrefill(blocks=(RowBlock(k=k_buf[:, :, :w], v=v_buf[:, :, :w], positions=positions,
                                          lengths=lengths, heads=tuple(range(H))),))
 
 

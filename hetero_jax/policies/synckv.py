@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from hetero_jax.model.cache import KVCache, KVPool, LayerPrefill, RowBlock, head_offsets
+from hetero_jax.model.cache import KVCache, KVPool, LayerPrefill, RowBlock, block_width, head_offsets
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import TRANSFER_ERRORS, HostKVStore, write_head_rows
 from hetero_jax.model.sharding import to_host
@@ -219,8 +219,9 @@ class SyncPrefill(PrefillPlan):
         blocks = []
         if r.n_full:
             full = r.full_slots
-            blocks.append(RowBlock(k=take_slots(k_buf, full)[:, :, :t_max], v=take_slots(v_buf, full)[:, :, :t_max],
-                                   positions=jnp.broadcast_to(jnp.arange(t_max, dtype=jnp.int32), (B, len(full), t_max)),
+            w = block_width(t_max, k_buf.shape[2])
+            blocks.append(RowBlock(k=take_slots(k_buf, full)[:, :, :w], v=take_slots(v_buf, full)[:, :, :w],
+                                   positions=jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (B, len(full), w)),
                                    lengths=jnp.asarray(self.counts[li][:, full], jnp.int32), heads=tuple(full)))
         if not r.comp_slots:
             return LayerPrefill(blocks=tuple(blocks))

@@ -12,7 +12,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, head_offsets
+from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, block_width, head_offsets
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import HostKVStore
 from hetero_jax.policies.protocol import PrefillPlan
@@ -89,8 +89,9 @@ class HeteroPrefill(PrefillPlan):
         B, H, T, _ = k_buf.shape
         if r.full_slots:
             full = r.full_slots
-            positions = jnp.broadcast_to(jnp.arange(t_max, dtype=jnp.int32), (B, len(full), t_max))
-            blocks.append(RowBlock(k=take_slots(k_buf, full)[:, :, :t_max], v=take_slots(v_buf, full)[:, :, :t_max],
+            w = block_width(t_max, T)
+            positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (B, len(full), w))
+            blocks.append(RowBlock(k=take_slots(k_buf, full)[:, :, :w], v=take_slots(v_buf, full)[:, :, :w],
                                    positions=positions, lengths=jnp.asarray(counts[:, full], jnp.int32),
                                    heads=tuple(full)))
         self.kept.append(None)
