@@ -690,10 +690,15 @@ def test_keys_config_json_leaves_out_take_transformers_defaults(arch):
 
     base = {"architectures": [arch], "hidden_size": 64, "num_attention_heads": 32, "num_hidden_layers": 2,
             "vocab_size": 320, "intermediate_size": 96, "max_position_embeddings": 1024}
-    hf = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict(base)
-    ours = ModelConfig.from_hf_dict(base)
-    assert ours.num_kv_heads == hf.num_key_value_heads
-    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    # left out; an explicit null (the query heads, review 88); a hidden size the heads do not divide (Qwen3: 128)
+    variants = [base, {**base, "num_attention_heads": 8, "num_key_value_heads": None}]
+    if arch == "Qwen3ForCausalLM":
+        variants.append({**base, "hidden_size": 260, "num_attention_heads": 8, "num_key_value_heads": 4})
+    for cfg in variants:
+        hf = getattr(transformers, arch.replace("ForCausalLM", "Config")).from_dict(cfg)
+        ours = ModelConfig.from_hf_dict(cfg)
+        assert ours.num_kv_heads == hf.num_key_value_heads, cfg
+        assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads), cfg
 
 
 def test_a_sliding_window_left_out_is_transformers_default_and_refused_when_it_slides():
