@@ -579,3 +579,26 @@ def test_streaming_decodes_a_window_of_the_answer_per_token_not_the_whole_answer
     n = len(r.token_ids)
     assert n >= 40 and r.text == TinyTokenizer().decode(r.token_ids) == "".join(chunks)
     assert sum(decoded) <= 6 * n  # the whole answer each time: n (n + 1) / 2 ids
+
+
+def test_an_answer_cut_among_invalid_bytes_keeps_the_whole_decode_as_its_text():
+    """A byte-fallback tokenizer (Llama-2 style) shows U+FFFD for a whole byte run until it is valid UTF-8: an
+    answer cut inside such a run had a text that was not its tokens' decode (and the server then dropped the
+    conversation it holds). The final text is the whole decode."""
+    import dataclasses
+
+    from hetero_jax.io.tokenizer import Tokenizer
+
+    inner = Tokenizer(_metaspace_tokenizer())
+
+    class Bytes:  # the tiny model's ids as UTF-8 lead bytes, continuation bytes and ASCII letters
+        suffix_decodable, eos_token_ids = True, (0,)
+
+        def decode(self, ids):
+            return inner.decode([3 + (0xF0, 0x9F, 0xA6, 0x92, 0x61 + t % 26)[t % 5] for t in ids])
+
+    model = dataclasses.replace(tiny_model(512), tokenizer=Bytes())
+    for seed in range(6):
+        for n in (5, 9, 14):
+            r = hetero_jax.generate(model, random_prompts([9], seed=seed)[0], max_new_tokens=n, chat=False)
+            assert r.text == Bytes().decode(r.token_ids), (seed, n)

@@ -459,12 +459,16 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int
     answers = [AnswerText(tok) for _ in range(B)]
     decode_s: list[float] = []
 
+    def finish(i: int) -> str:
+        """The answer's text as the whole decode of its tokens, and what is still held back of it."""
+        return streams[i].update(answers[i].whole()) + streams[i].flush()
+
     def accept(i: int, t: int) -> None:
         if done[i]:
             return
         if t in eos or t in stop_ids:  # EOS first: a stop string naming the EOS token ends at EOS, as before
             done[i], reasons[i] = True, "eos" if t in eos else "stop"
-            delta = streams[i].flush()
+            delta = finish(i)
             if on_token is not None and delta:
                 on_token(delta)
             return
@@ -474,7 +478,7 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int
             done[i], reasons[i] = True, "stop"
         elif len(out_ids[i]) >= budgets[i]:
             done[i], reasons[i] = True, limits[i]
-            delta += streams[i].flush()
+            delta += finish(i)
         if on_token is not None:
             on_token(delta)
 

@@ -16,8 +16,8 @@ class AnswerText:
     window of the last tokens only: the window's text less that of its tokens already emitted is the new text, and
     the window moves on once that text ends in a whole character, so a token's cost does not grow with the answer.
     Any other tokenizer decodes the whole answer at every token. Where the whole decode's characters are complete
-    the two texts are equal; a byte-fallback run that is not yet valid UTF-8 shows U+FFFD for its own bytes only
-    here, for all bytes of the run there."""
+    the two texts are equal; around bytes that are not valid UTF-8 (a byte-fallback run) they may differ in where
+    U+FFFD stands, so the answer's final text is the whole decode (:meth:`whole`, once per answer)."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -39,6 +39,10 @@ class AnswerText:
             self.prefix, self.read = self.read, len(self.ids)
             return self.done
         return self.done + new
+
+    def whole(self) -> str:
+        """The whole answer decoded at once: its final text."""
+        return self.tok.decode(self.ids)
 
 
 def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
