@@ -142,3 +142,20 @@ def test_smallest_budget_at_least_a_floor_is_the_least_accepted_budget_above_it(
             assert got == min(p for p in pts if p >= floor * 0.95)
         else:
             assert got == max(r, math.ceil(floor * 1e4 - 1e-6) / 1e4)
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+def test_freekvs_refusal_names_the_smallest_budget_it_accepts(no_compute, page_size):
+    """The refusal computed its 'smallest budget' with 4 sinks and a 4-token window; with the summaries counted
+    as allocated (a bucketed page count) more sinks and window can mean fewer summaries, and budgets below the
+    named one were accepted (review 88: 0.3625 named at 8,232 tokens where 0.3599 runs). The refusal now names
+    the bisection's value, the one ``smallest_budget`` finds against the plan."""
+    import re
+
+    for L in range(120, 1000, 29):
+        pol = FreeKV(budget=0.01, page_size=page_size)
+        want = pol.smallest_budget(MODEL, L)
+        with pytest.raises(BudgetError) as e:
+            pol.make_prefill(CFG, [L])
+        named = float(re.search(r"rho=([0-9.]+)$", str(e.value)).group(1))
+        assert named == want and fits(pol, want, L) and not fits(pol, round(want - 1e-4, 4), L), (L, named, want)

@@ -56,7 +56,7 @@ from hetero_jax.model.config import ModelConfig
 from hetero_jax.model.host_store import attend_chunk_over_host_prompt
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, int_param
 from hetero_jax.policies.protocol import PrefillPlan
-from hetero_jax.policies.pages import page_bucket, pages_for_budget, smallest_page_rho
+from hetero_jax.policies.pages import page_bucket, pages_for_budget
 from hetero_jax.policies.speculative import PageRecallDecode, PageRecallPrefill, attend_slots
 
 
@@ -128,26 +128,44 @@ class FreeKV(Policy):
         k = pages_for_budget(self.budget, L, cfg.num_layers, n_skip, ps, fixed_tokens=S + w, summary_pages=page_bucket(P))
         if k < 1:
             rho = self._smallest_rho(cfg, L)
-            if rho > 1.0:
-                best = max(1, round(math.sqrt(max(1, L - S - w))))  # p + (L - S - w) / p is least at the root
-                hint = (f"no budget up to rho=1 does: use page_size={best} (one page and the page summaries take "
-                        "the least room near the root of the pages' span), or fewer sinks or a smaller window")
+            if rho is None:
+                hint = (f"no budget up to rho=1 does: use page_size={self._workable_page_size(cfg, L)} (one page "
+                        "and the page summaries take the least room near the root of the pages' span), or fewer "
+                        "sinks or a smaller window")
             else:
                 hint = f"the smallest budget that works for this prompt is rho={rho:g}"
             raise BudgetError(
                 f"FreeKV: budget rho={self.budget:g} cannot hold one {ps}-token page per head of a {L}-token "
-                f"prompt ({n_skip} uncompressed layers, then {S} sinks, a {w}-token window and {P} page "
-                f"summaries per compressed head come first); {hint}")
+                f"prompt ({n_skip} uncompressed layers, then {S} sinks, a {w}-token window and the summaries of "
+                f"its {P} pages ({page_bucket(P)} allocated) per compressed head come first); {hint}")
         return S, w, P, min(P, k)
 
-    def _smallest_rho(self, cfg: ModelConfig, prompt_len: int) -> float:
-        """The smallest rho with one page: the least sinks and window (4 where a default; more of them only
-        leaves fewer pages and a longer window) reach every budget's default from there up."""
-        n_skip = cfg.num_layers - len(self.compressed_layers(cfg))
+    def _one_page_fits(self, cfg: ModelConfig, prompt_len: int, rho: float) -> bool:
+        """Whether budget rho holds one page beside the sinks, the window and the summaries it plans."""
+        S, W = self.sinks_window(cfg, prompt_len, rho)
+        return self._pages_that_fit(cfg, prompt_len, rho, S, W) >= 1
+
+    def _smallest_rho(self, cfg: ModelConfig, prompt_len: int) -> float | None:
+        """The smallest rho (4 decimals) that holds one page, None if rho 1 does not: a bisection of the plan's
+        own rule (sinks and window follow the budget, and fewer pages can mean fewer summaries allocated)."""
+        if not self._one_page_fits(cfg, prompt_len, 1.0):
+            return None
+        lo, hi = 0, 10_000
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self._one_page_fits(cfg, prompt_len, mid / 1e4) else (mid, hi)
+        return hi / 1e4
+
+    def _workable_page_size(self, cfg: ModelConfig, prompt_len: int) -> int:
+        """The page size nearest the root of the pages' span (p + span / p is least there) with which rho 1 holds
+        one page."""
         S, W = (4 if self.sinks is None else self.sinks), (4 if self.window is None else self.window)
-        P = max(0, (prompt_len - S - W) // self.page_size)
-        return smallest_page_rho(prompt_len, cfg.num_layers, n_skip, self.page_size,
-                                 fixed_tokens=prompt_len - P * self.page_size, summary_pages=page_bucket(P))
+        span = max(1, prompt_len - S - W)
+        root = max(1, round(math.sqrt(span)))
+        for p in sorted(range(1, span + 1), key=lambda p: (abs(p - root), p)):
+            if dataclasses.replace(self, page_size=p)._one_page_fits(cfg, prompt_len, 1.0):
+                return p
+        return root
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return FreeKVPrefill(self, cfg, prompt_lens, compile_fn)
