@@ -173,22 +173,49 @@ def launch(n: int, command: Sequence[str], *, devices_per_process: int | None = 
 STDIN_FLAGS = ("--prompt-file", "--turns")  # generate's flags whose '-' reads stdin
 
 
+def _generate_flag(arg: str) -> str | None:
+    """The generate option ``arg`` names as argparse reads it (the whole name, or a prefix of exactly one
+    option: ``--prompt-f`` is ``--prompt-file``), None for none."""
+    import argparse
+
+    from hetero_jax.cli import _add_generate
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    _add_generate(sub)
+    options = [s for a in sub.choices["generate"]._actions for s in a.option_strings if s.startswith("--")]
+    name = arg.partition("=")[0]
+    if name in options:
+        return name
+    matches = [o for o in options if o.startswith(name)]
+    return matches[0] if len(matches) == 1 else None
+
+
 def stdin_to_file(command: list[str], stdin=None) -> tuple[list[str], str | None]:
-    """``command`` with the one ``-`` (stdin) value of a ``STDIN_FLAGS`` flag replaced by a temporary file that
-    holds this process's stdin, read once: every process is started with no stdin, so each would otherwise read
-    an empty prompt. Returns (command, the file to remove afterwards or None). Two flags reading stdin are left
-    to generate, which refuses them."""
+    """``command`` with the ``-`` (stdin) values of a ``STDIN_FLAGS`` flag (abbreviated too, as argparse takes
+    it) replaced by a temporary file that holds this process's stdin, read once: every process is started with
+    no stdin, so each would otherwise read an empty prompt. Returns (command, the file to remove afterwards or
+    None). Two different flags reading stdin are left to generate, which refuses them."""
     import tempfile
 
-    at = [i for i, a in enumerate(command) if (a in STDIN_FLAGS and command[i + 1:i + 2] == ["-"])
-          or a in {f"{f}=-" for f in STDIN_FLAGS}]
-    if len(at) != 1:
+    at = []  # (index, the flag, whether its value is in the same argument)
+    for i, a in enumerate(command):
+        if not a.startswith("--") or a == "--":
+            continue
+        joined = "=" in a
+        if (a.partition("=")[2] == "-" if joined else command[i + 1:i + 2] == ["-"]):
+            flag = _generate_flag(a)
+            if flag in STDIN_FLAGS:
+                at.append((i, flag, joined))
+    if len({flag for _, flag, _ in at}) != 1:
         return command, None
     data = (stdin or sys.stdin.buffer).read()
     fd, path = tempfile.mkstemp(prefix="hetero-jax-launch-stdin-")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
-    i = at[0]
-    flag = command[i].partition("=")[0]
-    out = command[:i] + [flag, path] + command[i + (1 if "=" in command[i] else 2):]
+    out = list(command)
+    for i, flag, joined in at:
+        if joined:
+            out[i] = f"{flag}={path}"
+        else:
+            out[i + 1] = path
     return out, path

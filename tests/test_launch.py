@@ -207,8 +207,15 @@ def test_stdin_is_read_once_and_handed_to_every_process_as_a_file(tmp_path, monk
     assert cmd == ["generate", "--prompt-file", path, "--no-chat"] and open(path, "rb").read() == b"a prompt\r\n"
     os.unlink(path)
     cmd, path = stdin_to_file(["generate", "--prompt", "p", "--turns=-"], stdin=io.BytesIO(b"q1\nq2\n"))
-    assert cmd == ["generate", "--prompt", "p", "--turns", path] and open(path).read() == "q1\nq2\n"
+    assert cmd == ["generate", "--prompt", "p", f"--turns={path}"] and open(path).read() == "q1\nq2\n"
     os.unlink(path)
+    # abbreviated as argparse takes them, and a flag given twice (review 88)
+    for given in (["--prompt-f", "-"], ["--prompt-file", "-", "--prompt-file", "-"], ["--prompt-fi=-"]):
+        cmd, path = stdin_to_file(["generate", *given], stdin=io.BytesIO(b"x"))
+        assert "-" not in cmd and path in " ".join(cmd) and open(path).read() == "x", given
+        os.unlink(path)
+    cmd, path = stdin_to_file(["generate", "--prompt", "-"], stdin=io.BytesIO(b"x"))  # a prompt text "-"
+    assert (cmd, path) == (["generate", "--prompt", "-"], None)
     unread = io.BytesIO(b"x")
     for same in (["generate", "--prompt-file", "f.txt"], ["generate", "--prompt-file", "-", "--turns", "-"]):
         assert stdin_to_file(same, stdin=unread) == (same, None)  # generate refuses two readers of stdin
