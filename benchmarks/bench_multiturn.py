@@ -126,8 +126,10 @@ _FIRST_COMPILE_CPU_S, _MORE_COMPILE_CPU_S = 130.0, 20.0
 
 def estimate_minutes(preset: dict) -> float:
     """Estimated wall minutes of a multi-turn preset on an idle 2-core CPU (cold compilation cache)."""
+    from hetero_jax.policies import registry_key
+
     combos = common.make_combos(preset["policies"], preset["budgets"])
-    n_het = sum(name == "heterocache" for name, _ in combos)
+    n_het = sum(registry_key(name) == "heterocache" for name, _ in combos)
     n_base = len(combos) - n_het
     n = len(preset["seeds"]) * len(preset["haystacks"])
     cpu = LOAD_S

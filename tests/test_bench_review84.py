@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import bench_kernels  # noqa: E402
+import bench_multiturn  # noqa: E402
 import bench_tasks  # noqa: E402
 import profile_step  # noqa: E402
 import step_ops_policies  # noqa: E402
@@ -54,6 +55,11 @@ def test_heterocache_in_another_case_is_judged_and_weighed_as_heterocache():
     preset = dict(bench_tasks.PRESETS["cpu"])
     lower = bench_tasks.estimate_minutes({**preset, "policies": ["full", "heterocache"]})
     assert bench_tasks.estimate_minutes({**preset, "policies": ["full", "HeteroCache"]}) == lower
+    # a HeteroCache variant is weighed as HeteroCache, not as a baseline (review 88)
+    preset = dict(bench_multiturn.PRESETS["cpu"], policies=["full", "snapkv", "heterocache"])
+    plain = bench_multiturn.estimate_minutes(preset)
+    assert bench_multiturn.estimate_minutes({**preset, "policies": ["full", "snapkv", "heterocache:tau_drift=-100"]}) \
+        == plain
 
 
 @pytest.mark.parametrize("flag", ["--drift-iters", "--gpu-iters"])
