@@ -595,3 +595,20 @@ def test_a_failed_turn_gives_back_the_tail_rows_it_reserved(name):
     assert state(s) == before
     s.ask(random_prompt(9, 3), max_new_tokens=200)
     assert s.engine.cache.tail_capacity > before["tail_capacity"]  # the turn does grow the tail
+
+
+def test_a_failed_one_token_turn_leaves_no_steps_awaiting_the_drift_check():
+    """HeteroCache keeps the steps awaiting its drift check in a deque, which the turn's checkpoint did not copy:
+    after a failed turn the buffer still held that turn's steps, and the same one-token question asked again
+    (no chunk, so no re-selection to clear it) recalled at other steps and answered otherwise (review 87)."""
+    pol = HeteroCache(profile=PROFILE, budget=0.5, window=4, tau_drift=1.5)  # every check drifts
+    ctx = random_prompt(150, 3)
+    fresh = Session(MODEL, ctx, pol, chat=False)
+    want = fresh.ask([9], max_new_tokens=8)
+    s = Session(MODEL, ctx, pol, chat=False)
+    with pytest.raises(Boom):
+        s.ask([9], max_new_tokens=8, on_token=raise_on(3))
+    assert len(s.engine.state.buffer) == 0
+    got = s.ask([9], max_new_tokens=8)
+    assert got.token_ids == want.token_ids
+    assert s.engine.state.recall_steps == fresh.engine.state.recall_steps and want.stats.policy_stats["recalls"] > 0

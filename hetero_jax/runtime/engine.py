@@ -7,6 +7,7 @@ state's hooks around it (drift checks, recalls) -> ``decode_loop`` accepts token
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -414,6 +415,8 @@ def _copy_state(value):
         return value.copy()
     if type(value) in (list, tuple, set):
         return type(value)(_copy_state(v) for v in value)
+    if type(value) is collections.deque:  # HeteroCache's steps awaiting the drift check
+        return collections.deque((_copy_state(v) for v in value), maxlen=value.maxlen)
     if type(value) is dict:
         return {k: _copy_state(v) for k, v in value.items()}
     return value
