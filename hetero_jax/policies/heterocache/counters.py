@@ -14,7 +14,9 @@ import dataclasses
 class Counters:
     """The counters of one decode state; ``dataclasses.asdict`` gives its stats (one key per field, in order)."""
 
-    drift_checks: int = 0  # pivot checks run (pivots x checks)
+    # pivot checks read (pivots x checks): a check is counted when the step after it reads its result, so one
+    # dispatched after an answer's last step, or dropped by a session turn, is not
+    drift_checks: int = 0
     drift_triggers: int = 0  # pivot checks that drifted
     trigger_rate: float = dataclasses.field(default=0.0, init=False)  # drift_triggers / drift_checks (0 if none)
     recalls: int = 0  # satellite heads refreshed by a drift
