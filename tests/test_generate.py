@@ -465,7 +465,8 @@ def test_an_answer_far_shorter_than_its_budget_holds_only_the_starting_tail():
     assert big.stats.kv_bytes_device == ref.stats.kv_bytes_device  # TAIL_START rows, not 1,900
 
 
-@pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv", "streamingllm", "heterocache", "quest", "synckv"])
+@pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv", "streamingllm", "heterocache", "quest", "synckv",
+                                    "freekv"])
 def test_nearby_prompt_lengths_share_the_decode_executable(policy):
     """Each new prompt length compiled the decode step again (a layer's exact prompt rows, the pool's rows and
     HeteroCache's K_base width were static: ~4 s a length on SmolLM2); lengths 100, 101 and 103 (one bucket of
@@ -473,8 +474,10 @@ def test_nearby_prompt_lengths_share_the_decode_executable(policy):
     page count (a compile per page of length); 101, 103 and 107 (25, 25 and 26 pages) now share its step.
     SyncKV's static set (a decode-step operand) and its anticipation's dynamic set were as wide as the prompt's
     split; 104, 108 and 111 tokens (13 and 14 static tokens) now share both. Prefill's writer of whole-prompt
-    row blocks (``write_blocks``) was compiled per length too; the blocks are ``block_width`` rows now."""
-    from hetero_jax.policies import HeteroCache, Quest, SyncKV, make_policy
+    row blocks (``write_blocks``) was compiled per length too; the blocks are ``block_width`` rows now. FreeKV's
+    prefill selection was compiled per length (its row block as wide as the most rows a head keeps); 101, 103 and
+    107 tokens (their windows and page counts differ) share it now, and the decode step."""
+    from hetero_jax.policies import FreeKV, HeteroCache, Quest, SyncKV, make_policy
     from hetero_jax.runtime import compile_cache
     from test_heterocache import MODEL, PROFILE  # a tiny profile with every role
 
@@ -484,6 +487,9 @@ def test_nearby_prompt_lengths_share_the_decode_executable(policy):
     elif policy == "quest":
         pol, lengths = Quest(budget=0.5, page_size=4), (101, 103, 107)
         assert len({pol.plan_pages(MODEL.config, n)[0] for n in lengths}) == 2  # the page count changes
+    elif policy == "freekv":  # on a CPU the step recalls pages from the host store, an operand of the step
+        pol, lengths = FreeKV(budget=0.8, page_size=4), (101, 103, 107)
+        assert len({pol.plan_pages(MODEL.config, n)[1:3] for n in lengths}) == 3  # the window and page count move
     elif policy == "synckv":  # anticipating at every step; its static and dynamic sets grow with the prompt
         from test_synckv import PROFILE as SYNC_PROFILE
 
@@ -494,7 +500,8 @@ def test_nearby_prompt_lengths_share_the_decode_executable(policy):
 
     def decode_executables():
         return sum(1 for k in compile_cache._COMPILED
-                   if any(f in repr(k) for f in ("decode_step_jit", "drift_check", "_anticipate", "write_blocks")))
+                   if any(f in repr(k) for f in ("decode_step_jit", "drift_check", "_anticipate", "write_blocks",
+                                                 "_prefill_layer")))
 
     counts = []
     for n in lengths:

@@ -214,7 +214,8 @@ class PageRecallPrefill:
         n_pages = max(1, page_bucket(int(self.n_pages.max())))  # a step's static shapes: nearby lengths share them
         rows, state, pages = self.compile_fn(
             _prefill_layer, *args, cfg=self.cfg, page_size=self.page_size, n_pages=n_pages,
-            n_select=min(max(1, page_bucket(int(self.k_sel.max()))), n_pages), cap=int(self.held().max()),
+            n_select=min(max(1, page_bucket(int(self.k_sel.max()))), n_pages),
+            cap=capacity_bucket(int(self.held().max())),  # the block's rows past each head's count are not written
             how=self.how)(*args)
         self.resident[li] = pages
         return LayerPrefill(blocks=(rows,), state=state)
