@@ -437,6 +437,13 @@ def _cmd_profile(args) -> int:
     return run_profile(args)
 
 
+def generate_options() -> list[str]:
+    """Every long option of ``hetero-jax generate`` (``launch`` resolves abbreviated ones as argparse does)."""
+    sub = argparse.ArgumentParser().add_subparsers()
+    _add_generate(sub)
+    return [s for a in sub.choices["generate"]._actions for s in a.option_strings if s.startswith("--")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero-jax",
@@ -523,7 +530,7 @@ def _main(argv: list[str] | None) -> int:
             from hetero_jax.launch import launch
 
             return launch(args.processes, args.launched,
-                          devices_per_process=args.devices_per_process)
+                          devices_per_process=args.devices_per_process, options=generate_options())
         if args.command == "models":
             return _cmd_models(args)
         if args.command == "serve":

@@ -26,6 +26,7 @@ from typing import Mapping, Sequence
 from hetero_jax.runtime.distributed import ADDRESS, COUNT, RANK, LaunchError
 
 LAUNCHABLE = ("generate",)
+STDIN_FLAGS = ("--prompt-file", "--turns")  # generate's flags whose '-' reads stdin
 MAX_PROCESSES = 64  # on one machine: -n past this (and past its CPU count) is a typo, not a job
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
@@ -144,7 +145,7 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 
 def launch(n: int, command: Sequence[str], *, devices_per_process: int | None = None, grace_s: float = 5.0,
-           python: str = sys.executable) -> int:
+           python: str = sys.executable, options: Sequence[str] = STDIN_FLAGS) -> int:
     """``hetero-jax COMMAND...`` in ``n`` processes on this machine, joined into one job (module docstring)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise LaunchError(f"-n {n!r}: give the number of processes, an integer >= 1")
@@ -156,7 +157,7 @@ def launch(n: int, command: Sequence[str], *, devices_per_process: int | None = 
                                             not isinstance(devices_per_process, int) or devices_per_process < 1):
         raise LaunchError(f"--devices-per-process {devices_per_process!r}: give an integer >= 1")
     command = check_command(command)
-    command, stdin_file = stdin_to_file(command)
+    command, stdin_file = stdin_to_file(command, options=options)  # options: generate's, for abbreviated flags
     try:
         port = free_port()
         argv = [python, "-m", "hetero_jax.cli", *command]
@@ -170,19 +171,10 @@ def launch(n: int, command: Sequence[str], *, devices_per_process: int | None = 
             os.unlink(stdin_file)
 
 
-STDIN_FLAGS = ("--prompt-file", "--turns")  # generate's flags whose '-' reads stdin
 
-
-def _generate_flag(arg: str) -> str | None:
-    """The generate option ``arg`` names as argparse reads it (the whole name, or a prefix of exactly one
-    option: ``--prompt-f`` is ``--prompt-file``), None for none."""
-    import argparse
-
-    from hetero_jax.cli import _add_generate
-
-    sub = argparse.ArgumentParser().add_subparsers()
-    _add_generate(sub)
-    options = [s for a in sub.choices["generate"]._actions for s in a.option_strings if s.startswith("--")]
+def _option(arg: str, options: Sequence[str]) -> str | None:
+    """The option ``arg`` names as argparse reads it among ``options`` (the whole name, or a prefix of exactly
+    one: ``--prompt-f`` is ``--prompt-file``), None for none."""
     name = arg.partition("=")[0]
     if name in options:
         return name
@@ -190,32 +182,34 @@ def _generate_flag(arg: str) -> str | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def stdin_to_file(command: list[str], stdin=None) -> tuple[list[str], str | None]:
-    """``command`` with the ``-`` (stdin) values of a ``STDIN_FLAGS`` flag (abbreviated too, as argparse takes
-    it) replaced by a temporary file that holds this process's stdin, read once: every process is started with
-    no stdin, so each would otherwise read an empty prompt. Returns (command, the file to remove afterwards or
-    None). Two different flags reading stdin are left to generate, which refuses them."""
+def stdin_to_file(command: list[str], stdin=None, options: Sequence[str] = STDIN_FLAGS) -> tuple[list[str], str | None]:
+    """``command`` with the ``-`` (stdin) value of a ``STDIN_FLAGS`` flag replaced by a temporary file that holds
+    this process's stdin, read once: every process is started with no stdin, so each would otherwise read an
+    empty prompt. ``options``: the command's long options, to read abbreviated flags as argparse does; a flag
+    given more than once counts by its last value, as argparse takes it. Returns (command, the file to remove
+    afterwards or None). Two different flags reading stdin are left to generate, which refuses them."""
     import tempfile
 
-    at = []  # (index, the flag, whether its value is in the same argument)
+    last = {}  # flag -> (index, whether its value is in the same argument, the value)
     for i, a in enumerate(command):
         if not a.startswith("--") or a == "--":
             continue
-        joined = "=" in a
-        if (a.partition("=")[2] == "-" if joined else command[i + 1:i + 2] == ["-"]):
-            flag = _generate_flag(a)
-            if flag in STDIN_FLAGS:
-                at.append((i, flag, joined))
-    if len({flag for _, flag, _ in at}) != 1:
+        flag = _option(a, options)
+        if flag in STDIN_FLAGS:
+            joined = "=" in a
+            value = a.partition("=")[2] if joined else (command[i + 1] if i + 1 < len(command) else None)
+            last[flag] = (i, joined, value)
+    reading = [(flag, i, joined) for flag, (i, joined, value) in last.items() if value == "-"]
+    if len(reading) != 1:
         return command, None
     data = (stdin or sys.stdin.buffer).read()
     fd, path = tempfile.mkstemp(prefix="hetero-jax-launch-stdin-")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     out = list(command)
-    for i, flag, joined in at:
-        if joined:
-            out[i] = f"{flag}={path}"
-        else:
-            out[i + 1] = path
+    flag, i, joined = reading[0]
+    if joined:
+        out[i] = f"{flag}={path}"
+    else:
+        out[i + 1] = path
     return out, path

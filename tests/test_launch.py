@@ -209,13 +209,18 @@ def test_stdin_is_read_once_and_handed_to_every_process_as_a_file(tmp_path, monk
     cmd, path = stdin_to_file(["generate", "--prompt", "p", "--turns=-"], stdin=io.BytesIO(b"q1\nq2\n"))
     assert cmd == ["generate", "--prompt", "p", f"--turns={path}"] and open(path).read() == "q1\nq2\n"
     os.unlink(path)
-    # abbreviated as argparse takes them, and a flag given twice (review 88)
-    for given in (["--prompt-f", "-"], ["--prompt-file", "-", "--prompt-file", "-"], ["--prompt-fi=-"]):
-        cmd, path = stdin_to_file(["generate", *given], stdin=io.BytesIO(b"x"))
-        assert "-" not in cmd and path in " ".join(cmd) and open(path).read() == "x", given
+    # abbreviated as argparse takes them, and a flag given twice (review 88), counted by its last value (review 89)
+    from hetero_jax.cli import generate_options
+
+    opts = generate_options()
+    for given in (["--prompt-f", "-"], ["--prompt-file", "-", "--prompt-file", "-"], ["--prompt-fi=-"],
+                  ["--prompt-file", "notes.txt", "--prompt-file", "-"]):
+        cmd, path = stdin_to_file(["generate", *given], stdin=io.BytesIO(b"x"), options=opts)
+        assert cmd[-1] in (path, f"--prompt-file={path}") and open(path).read() == "x", given
         os.unlink(path)
-    cmd, path = stdin_to_file(["generate", "--prompt", "-"], stdin=io.BytesIO(b"x"))  # a prompt text "-"
-    assert (cmd, path) == (["generate", "--prompt", "-"], None)
+    for unread in (["--prompt", "-"], ["--prompt-file", "-", "--prompt-file", "notes.txt"]):  # no stdin read
+        cmd, path = stdin_to_file(["generate", *unread], stdin=io.BytesIO(b"x"), options=opts)
+        assert (cmd, path) == (["generate", *unread], None), unread
     unread = io.BytesIO(b"x")
     for same in (["generate", "--prompt-file", "f.txt"], ["generate", "--prompt-file", "-", "--turns", "-"]):
         assert stdin_to_file(same, stdin=unread) == (same, None)  # generate refuses two readers of stdin
