@@ -699,6 +699,11 @@ def test_keys_config_json_leaves_out_take_transformers_defaults(arch):
         ours = ModelConfig.from_hf_dict(cfg)
         assert ours.num_kv_heads == hf.num_key_value_heads, cfg
         assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads), cfg
+    if arch == "Qwen3ForCausalLM":  # an explicit null head_dim is refused, as transformers refuses it (review 89)
+        from hetero_jax.errors import ConfigError
+
+        with pytest.raises(ConfigError, match="hidden_size = 260 is not a multiple of num_attention_heads = 8"):
+            ModelConfig.from_hf_dict({**variants[-1], "head_dim": None})
 
 
 def test_a_sliding_window_left_out_is_transformers_default_and_refused_when_it_slides():

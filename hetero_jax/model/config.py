@@ -55,7 +55,8 @@ def check_hf_config_values(cfg: Any) -> None:
         if cfg.get(key) is not None:
             _need(_is_int(cfg[key]) and cfg[key] >= 1, key, cfg[key], "a positive integer (or absent)")
     heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
-    qwen3 = (cfg.get("architectures") or [None])[0] == "Qwen3ForCausalLM"  # its absent head_dim is 128, not this
+    # a Qwen3 config without the key has head_dim 128, not this (an explicit null: transformers refuses it)
+    qwen3 = (cfg.get("architectures") or [None])[0] == "Qwen3ForCausalLM" and "head_dim" not in cfg
     if cfg.get("head_dim") is None and not qwen3 and _is_int(heads) and _is_int(hidden) and hidden % heads:
         raise ConfigError(f"config.json: hidden_size = {hidden} is not a multiple of num_attention_heads = {heads} "
                           f"and there is no head_dim; give head_dim{_FIX}")
@@ -205,8 +206,8 @@ class ModelConfig:
             # (an explicit null: the query heads, for every family)
             num_kv = int(cfg.get("num_key_value_heads") or num_heads
                          if "num_key_value_heads" in cfg or family == "llama" else QWEN_DEFAULTS["num_key_value_heads"])
-            head_dim = int(cfg.get("head_dim") or (QWEN_DEFAULTS["head_dim"] if family == "qwen3"
-                                                   else hidden // num_heads))
+            qwen3_default = family == "qwen3" and "head_dim" not in cfg
+            head_dim = int(cfg.get("head_dim") or (QWEN_DEFAULTS["head_dim"] if qwen3_default else hidden // num_heads))
             n_layers = int(cfg["num_hidden_layers"])
             vocab = int(cfg["vocab_size"])
             inter = int(cfg["intermediate_size"])
