@@ -6,10 +6,10 @@ Each process gets ``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAX
 without K (else every process would take every GPU it sees, as jax does); CPU devices ignore the ids. With K
 also ``XLA_FLAGS=--xla_force_host_platform_device_count=K`` (K CPU devices each). Process 0's output is
 forwarded; the others' stdout is dropped (they print nothing) and their stderr shared. No process reads stdin:
-a ``--prompt-file -`` or ``--turns -`` is read once by the launcher and handed to each as a temporary file. When a process fails, the others
-are stopped (SIGTERM, then SIGKILL after ``grace_s``) and the launcher exits with the first failure's code:
-a peer blocked in a collective would otherwise wait for jax's heartbeat timeout (100 s) or forever. Ctrl-C,
-SIGTERM and SIGHUP to the launcher stop every process the same way.
+a ``--prompt-file -`` or ``--turns -`` is read once by the launcher and handed to each as a temporary file.
+When a process fails, the others are stopped (SIGTERM, then SIGKILL after ``grace_s``) and the launcher exits
+with the first failure's code: a peer blocked in a collective would otherwise wait for jax's heartbeat timeout
+(100 s) or forever. Ctrl-C, SIGTERM and SIGHUP to the launcher stop every process the same way.
 """
 
 from __future__ import annotations
