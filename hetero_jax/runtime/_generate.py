@@ -32,7 +32,8 @@ def generate(
     also at that token, which the answer leaves out as it does EOS), after ``max_new_tokens`` or at the end of
     the context (its own, as if alone). ``on_token(text_delta)`` streams a single prompt's new text: held back
     while it could still become a stop string or ends inside a character, so the deltas joined are the result's
-    text.
+    text (the decode of its tokens). The one exception: bytes that are not valid UTF-8 from a byte-fallback
+    tokenizer, whose decode turns a whole run of bytes into U+FFFD, an earlier streamed character included.
     Returns a :class:`GenerationResult` (a list of them for a batch).
     """
     stops = check_request(max_new_tokens, temperature, top_p, seed=seed, stop=stop, on_token=on_token)

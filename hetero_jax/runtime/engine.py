@@ -442,7 +442,8 @@ def decode_loop(engine: Engine, next_tok: np.ndarray, budget: int | Sequence[int
     stops with "max_new_tokens", or "context" when its budget is below ``max_new_tokens`` (the context's room
     set it); the others go on. ``on_token(delta)`` (a single sequence) gets, once per accepted token (and once
     more at EOS or a stop token if text was held back), the new text no later token can change
-    (``AnswerStream``): joined, the answer's text.
+    (``AnswerStream``): joined, the answer's text, which is its tokens' whole decode (but for invalid bytes of a
+    byte-fallback tokenizer, whose decode can turn an earlier streamed character into U+FFFD).
 
     ``pipelined``: each step is dispatched before the previous step's tokens are read back (it takes them on
     the device), so the host's work for a step (hooks, dispatch, a GPU's launch) overlaps the device's work
