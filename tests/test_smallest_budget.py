@@ -159,3 +159,13 @@ def test_freekvs_refusal_names_the_smallest_budget_it_accepts(no_compute, page_s
             pol.make_prefill(CFG, [L])
         named = float(re.search(r"rho=([0-9.]+)$", str(e.value)).group(1))
         assert named == want and fits(pol, want, L) and not fits(pol, round(want - 1e-4, 4), L), (L, named, want)
+
+
+def test_freekv_names_no_page_size_when_none_fits(no_compute):
+    """At 12 tokens (4 sinks, a 4-token window) no page size holds a page and its summaries within rho 1; the
+    refusal suggested one that was itself refused (review 89)."""
+    for page_size in (1, 2, 4):
+        with pytest.raises(BudgetError, match="no budget up to rho=1 does with any page size: use fewer sinks"):
+            FreeKV(budget=0.3, page_size=page_size).make_prefill(CFG, [12])
+    for p in range(1, 9):  # the plan's own rule: none of them fits
+        assert not FreeKV(budget=1.0, page_size=p)._one_page_fits(CFG, 12, 1.0)

@@ -128,10 +128,13 @@ class FreeKV(Policy):
         k = pages_for_budget(self.budget, L, cfg.num_layers, n_skip, ps, fixed_tokens=S + w, summary_pages=page_bucket(P))
         if k < 1:
             rho = self._smallest_rho(cfg, L)
-            if rho is None:
-                hint = (f"no budget up to rho=1 does: use page_size={self._workable_page_size(cfg, L)} (one page "
-                        "and the page summaries take the least room near the root of the pages' span), or fewer "
-                        "sinks or a smaller window")
+            workable = self._workable_page_size(cfg, L) if rho is None else None
+            if rho is None and workable is None:
+                hint = ("no budget up to rho=1 does with any page size: use fewer sinks or a smaller window, or "
+                        "full KV for a prompt this short")
+            elif rho is None:
+                hint = (f"no budget up to rho=1 does: use page_size={workable} (one page and the page summaries "
+                        "take the least room near the root of the pages' span), or fewer sinks or a smaller window")
             else:
                 hint = f"the smallest budget that works for this prompt is rho={rho:g}"
             raise BudgetError(
@@ -156,16 +159,16 @@ class FreeKV(Policy):
             lo, hi = (lo, mid) if self._one_page_fits(cfg, prompt_len, mid / 1e4) else (mid, hi)
         return hi / 1e4
 
-    def _workable_page_size(self, cfg: ModelConfig, prompt_len: int) -> int:
+    def _workable_page_size(self, cfg: ModelConfig, prompt_len: int) -> int | None:
         """The page size nearest the root of the pages' span (p + span / p is least there) with which rho 1 holds
-        one page."""
+        one page; None when none does."""
         S, W = (4 if self.sinks is None else self.sinks), (4 if self.window is None else self.window)
         span = max(1, prompt_len - S - W)
         root = max(1, round(math.sqrt(span)))
         for p in sorted(range(1, span + 1), key=lambda p: (abs(p - root), p)):
             if dataclasses.replace(self, page_size=p)._one_page_fits(cfg, prompt_len, 1.0):
                 return p
-        return root
+        return None
 
     def make_prefill(self, cfg, prompt_lens, compile_fn=None):
         return FreeKVPrefill(self, cfg, prompt_lens, compile_fn)
