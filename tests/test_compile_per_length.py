@@ -36,7 +36,6 @@ def test_a_length_seen_before_compiles_nothing(tiny_checkpoint, tmp_path):
     for row in got["rows"]:
         first, again = row["compile_seconds"]
         assert again == 0.0 and first >= 0.0
-    assert got["rows"][0]["compile_seconds"][0] > 0.0  # the first call of the process compiled its executables
 
 
 def test_a_policy_the_model_cannot_run_is_refused_before_any_generation(tiny_checkpoint, tmp_path, capsys,
