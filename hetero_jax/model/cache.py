@@ -114,12 +114,12 @@ def block_width(t_max: int, buffer_rows: int) -> int:
     return min(int(buffer_rows), capacity_bucket(t_max))
 
 
-def bucket(n: int, quantum: int) -> int:
-    """``n`` rounded up to a multiple of max(``quantum``, a quarter of its power of two): at most a quarter more
-    (or ``quantum - 1``), so nearby sizes share one static shape; 0 for n <= 0."""
+def bucket(n: int, quantum: int, per_doubling: int = 4) -> int:
+    """``n`` rounded up to a multiple of max(``quantum``, its power of two / ``per_doubling``, a power of two):
+    at most 1/per_doubling more (or ``quantum - 1``), so nearby sizes share one static shape; 0 for n <= 0."""
     if n <= 0:
         return 0
-    q = max(quantum, 1 << max(0, int(n).bit_length() - 3))
+    q = max(quantum, 1 << max(0, int(n).bit_length() - 1 - (per_doubling.bit_length() - 1)))
     return -(-int(n) // q) * q
 
 
@@ -144,8 +144,7 @@ def pool_offsets(counts: np.ndarray, tail_capacity: int, shards: int = 1) -> tup
     total = int(per_shard.sum(axis=-1).max()) if per_shard.size else 0
     # rounded up to a multiple of max(POOL_QUANTUM, a sixteenth of its power of two): at most 1/16 more rows,
     # and prompts of nearby lengths share the pool's shape and so the executables that take it
-    q = max(POOL_QUANTUM, 1 << max(0, total.bit_length() - 5))
-    return offsets, max(POOL_QUANTUM, -(-total // q) * q)
+    return offsets, max(POOL_QUANTUM, bucket(total, POOL_QUANTUM, per_doubling=16))
 
 
 def new_pool(batch: int, shards: int, rows: int, head_dim: int, dtype, mesh=None) -> KVPool:
