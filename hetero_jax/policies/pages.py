@@ -29,6 +29,13 @@ def page_bucket(pages: int) -> int:
     return bucket(pages, PAGE_QUANTUM)
 
 
+def page_shapes(n_pages, k_sel) -> tuple[int, int]:
+    """The static (summaries per head, page slots per head) of a batch whose sequences have ``n_pages`` pages
+    and select ``k_sel`` [B] each: their largest, bucketed (:func:`page_bucket`), at least 1, slots <= pages."""
+    pages = max(1, page_bucket(int(np.max(n_pages))))
+    return pages, min(max(1, page_bucket(int(np.max(k_sel)))), pages)
+
+
 def fit_pages(a: jax.Array, n: int) -> jax.Array:
     """``a`` [B, H, P, ...] cut or zero-padded to ``n`` pages on axis 2."""
     P = a.shape[2]

@@ -59,7 +59,8 @@ from hetero_jax.model.host_store import attend_chunk_over_host_prompt
 from hetero_jax.model.sharding import to_host
 from hetero_jax.policies.base import BudgetError, Policy, PolicyError, bool_param, int_param, smallest_rho, tokens_for
 from hetero_jax.policies.protocol import DecodeState, PrefillPlan
-from hetero_jax.policies.pages import fit_pages, page_bucket, page_summaries, pages_for_budget, smallest_page_rho
+from hetero_jax.policies.pages import (fit_pages, page_bucket, page_shapes, page_summaries, pages_for_budget,
+                                      smallest_page_rho)
 from hetero_jax.policies.speculative import PageRecallPrefill, PageSlots, attend_slots, page_slots, select_pages
 
 
@@ -207,9 +208,9 @@ class QuestPrefill(PrefillPlan):
         if self.policy.offload:
             return self.pages.build_layer(li, layer, x_in, k_buf, v_buf, lens)
         args = (k_buf[:, :, :t_max], lens, jnp.asarray(self.k_sel, jnp.int32))  # no summaries of the chunk padding
-        n_pages = max(1, page_bucket(int(self.n_pages.max())))
+        n_pages, n_select = page_shapes(self.n_pages, self.k_sel)
         state = self.compile_fn(_summaries, *args, page_size=self.policy.page_size, n_pages=n_pages,
-                                n_select=min(max(1, page_bucket(int(self.k_sel.max()))), n_pages))(*args)
+                                n_select=n_select)(*args)
         return M.full_rows(k_buf, v_buf, lens, t_max).replace(state=state)
 
     def finish(self, cache: KVCache):

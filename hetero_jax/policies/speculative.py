@@ -40,12 +40,12 @@ from flax import struct
 import pallas_kernels
 
 from hetero_jax.model import transformer as M
-from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, capacity_bucket, head_offsets
+from hetero_jax.model.cache import KVCache, LayerPrefill, RowBlock, block_width, capacity_bucket, head_offsets
 from hetero_jax.model.host_store import (TRANSFER_ERRORS, HostKVStore, in_step_operand, kv_rows_nbytes, sums_in_step,
                                          write_head_rows)
 from hetero_jax.model.sharding import to_host
 from hetero_jax.model.spec import axes_field
-from hetero_jax.policies.pages import fit_pages, page_bucket, page_summaries
+from hetero_jax.policies.pages import fit_pages, page_bucket, page_shapes, page_summaries
 from hetero_jax.policies.protocol import DecodeState, achieved_rho
 
 
@@ -205,16 +205,15 @@ class PageRecallPrefill:
             # the steps may recall from the store in their own graph (``recall_in_step``): its rows are a static
             # shape there, bucketed as a layer's key bound is so that nearby lengths share the step (the rows
             # past a prompt are never read: a page lies before its window)
-            width = min(k_buf.shape[2], capacity_bucket(t_max))
+            width = block_width(t_max, k_buf.shape[2])
         self.store.put(li, k_buf[:, :, :width], v_buf[:, :, :width])
         if self._ints is None:  # read, never donated: the record's counters are a new array per layer
             self._ints = tuple(jnp.asarray(np.asarray(a, np.int32))
                                for a in (self.start, self.lens - self.window, self.k_sel, self.lens))
         args = (layer, x_in, k_buf, v_buf, lens, *self._ints, self.store.handle_array())
-        n_pages = max(1, page_bucket(int(self.n_pages.max())))  # a step's static shapes: nearby lengths share them
+        n_pages, n_select = page_shapes(self.n_pages, self.k_sel)  # a step's static shapes: nearby lengths share them
         rows, state, pages = self.compile_fn(
-            _prefill_layer, *args, cfg=self.cfg, page_size=self.page_size, n_pages=n_pages,
-            n_select=min(max(1, page_bucket(int(self.k_sel.max()))), n_pages),
+            _prefill_layer, *args, cfg=self.cfg, page_size=self.page_size, n_pages=n_pages, n_select=n_select,
             cap=capacity_bucket(int(self.held().max())),  # the block's rows past each head's count are not written
             how=self.how)(*args)
         self.resident[li] = pages
