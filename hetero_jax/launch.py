@@ -171,7 +171,6 @@ def launch(n: int, command: Sequence[str], *, devices_per_process: int | None = 
             os.unlink(stdin_file)
 
 
-
 def _option(arg: str, options: Sequence[str]) -> str | None:
     """The option ``arg`` names as argparse reads it among ``options`` (the whole name, or a prefix of exactly
     one: ``--prompt-f`` is ``--prompt-file``), None for none."""
