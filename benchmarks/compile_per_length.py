@@ -12,48 +12,43 @@ run would otherwise be found on disk, not compiled.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.args import policy_spec  # noqa: E402
+from harness.args import argument_parser, policy_spec  # noqa: E402
 from harness.machine import machine_info, machine_summary  # noqa: E402
 from harness.results import write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argument_parser(__doc__.split("\n\n")[0])  # refuses an --out it cannot write (or the model's files)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--policies", nargs="+", type=policy_spec, default=["full", "quest", "freekv"])
     ap.add_argument("--budget", type=float, default=0.3, help="rho of every policy but full (default 0.3)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[600, 601, 602, 603, 640, 700])
     ap.add_argument("--new-tokens", type=int, default=20)
-    ap.add_argument("--out", required=True, help="JSON results")
+    ap.add_argument("--out", type=Path, required=True, help="JSON results")
     args = ap.parse_args(argv)
     if min(args.lengths) < 2 or args.new_tokens < 1:
         ap.error("--lengths must be >= 2 tokens and --new-tokens >= 1")
     if not 0.0 < args.budget <= 1.0:
         ap.error(f"--budget {args.budget} must lie in (0, 1]")
-    from hetero_jax.io.files import check_outputs
-
-    check_outputs({"--out": args.out})
-
     import numpy as np
 
     import hetero_jax
+    from hetero_jax.errors import HeteroJaxError
     from hetero_jax.policies import make_policy, registry_key
     from hetero_jax.runtime import compile_seconds
 
     policies = [make_policy(p, None if registry_key(p) == "full" else args.budget) for p in args.policies]  # refused before loading
     model = hetero_jax.load(args.model)
-    from hetero_jax.errors import HeteroJaxError
-
     for name, pol in zip(args.policies, policies):  # a policy this model or a length cannot run: refused now
         try:
-            pol.bind(model).make_prefill(model.config, [min(args.lengths)])
-            pol.bind(model).make_prefill(model.config, [max(args.lengths)])
+            bound = pol.bind(model)
+            for n in (min(args.lengths), max(args.lengths)):
+                bound.make_prefill(model.config, [n])
         except HeteroJaxError as e:
             ap.error(f"--policies {name}: {e}")
     rows = []

@@ -46,3 +46,13 @@ def test_a_policy_the_model_cannot_run_is_refused_before_any_generation(tiny_che
     usage_error(capsys, compile_per_length.main, ["--model", tiny_checkpoint("llama")[1], "--policies", "quest",
                                                   "--out", str(tmp_path / "c.json")],
                 "--policies quest: Quest: full_layers=2 leaves no layer")
+
+
+def test_an_out_that_is_not_ours_is_refused_before_loading(capsys, monkeypatch, tmp_path):
+    import hetero_jax
+
+    monkeypatch.setattr(hetero_jax, "load", lambda *a, **k: pytest.fail("loaded with an --out it may not write"))
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"mine": true}')
+    usage_error(capsys, compile_per_length.main, ["--out", str(mine)], "--out")
+    assert mine.read_text() == '{"mine": true}'
