@@ -52,8 +52,9 @@ def _gguf_tensors(model) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(path, model, tok_dir, *, meta=None, drop=(), extra=None, token_edits=None) -> str:
-    """F32 tensors. ``meta``: metadata setters of GGUFWriter replaced (name -> value, None: not written);
+def write_gguf(path, model, tok_dir, *, meta=None, drop=(), extra=None, token_edits=None, pre="default") -> str:
+    """F32 tensors. ``pre``: tokenizer.ggml.pre; ``meta``: metadata setters of GGUFWriter replaced (name -> value,
+    None: not written);
     ``drop``: tensor names left out; ``extra``: tensors added (name -> (array, GGML type name));
     ``token_edits``: vocabulary entries replaced (id -> (text, token type))."""
     cfg = model.config
@@ -73,7 +74,7 @@ def write_gguf(path, model, tok_dir, *, meta=None, drop=(), extra=None, token_ed
         if v is not None:
             getattr(w, fn)(v)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_types(types)
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
     for name, a in _gguf_tensors(model).items():
@@ -185,6 +186,30 @@ def test_control_and_user_defined_tokens_outside_the_byte_alphabet_keep_their_id
     assert tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)) == [
         1, 0, *hi]
     assert tok.decode([1, 0, *hi], skip_special_tokens=False) == f"{bos}{user}hi"
+
+
+@pytest.mark.parametrize("pre, whole", [("llama-bpe", True), ("llama3", True), ("smaug-bpe", False),
+                                        ("default", False)])
+def test_llama3_vocabularies_take_a_piece_that_is_a_token_whole(pre, whole, tok_dir, tmp_path):
+    """llama.cpp's LLAMA3 type (and HF's Llama-3 tokenizer.json, "ignore_merges": true) takes a pre-token piece
+    that is a vocabulary entry as that one token before any merge, and adds BOS when the file does not say; the
+    importer ran the merges, so a Llama-3 GGUF could split a word its HF tokenizer keeps whole, and no BOS."""
+    from hetero_jax.io.tokenizer import Tokenizer
+
+    tj = json.load(open(os.path.join(tok_dir, "tokenizer.json")))
+    in_merges = {part for m in tj["model"]["merges"] for part in (m.split(" ") if isinstance(m, str) else m)}
+    in_merges |= {"".join(m.split(" ") if isinstance(m, str) else m) for m in tj["model"]["merges"]}
+    free = min(i for t, i in tj["model"]["vocab"].items() if t not in in_merges and i > 2)  # no merge needs it
+    src = write_gguf(tmp_path / "m.gguf", _model(), tok_dir, pre=pre, token_edits={free: ("\u0120zzzz", 1)},
+                     meta={"add_bos_token_id": 1})
+    assert convert_main(["--gguf", src, str(tmp_path / "ck"), "--no-progress"]) == 0
+    tok = Tokenizer.from_dir(tmp_path / "ck")
+    ids = tok.encode("a zzzz", add_special_tokens=True)
+    bos = [1] if whole else []  # the LLAMA3 type adds BOS when tokenizer.ggml.add_bos_token is absent
+    assert ids[:len(bos)] == bos
+    body = ids[len(bos):]
+    assert (body[-1:] == [free]) == whole and (len(body) == 2) == whole, body
+    assert tok.decode(body) == "a zzzz"
 
 
 def test_eot_and_eom_ids_stop_generation_as_eos_does(tok_dir, tmp_path):

@@ -66,6 +66,10 @@ _REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe"
                  "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
                  "deepseek-r1-qwen": _QWEN2_SPLIT}
 _PLAIN_GPT2 = {"default", "gpt2", "gpt-2", None}
+# llama.cpp's LLAMA3 pre-tokenizer type: a piece that is itself a vocabulary entry is one token, whatever the
+# merges would make of it (HF's Llama-3 tokenizer.json says "ignore_merges": true), and BOS is added unless
+# the file says otherwise.
+_LLAMA3_TYPE = {"llama3", "llama-v3", "llama-bpe"}
 
 
 def smollm2_gguf_path() -> str:
@@ -241,7 +245,8 @@ def tokenizer_from_gguf(reader) -> tuple[Any, dict]:
     vocab = {key(t, ty): i for i, (t, ty) in enumerate(zip(tokens, types))}
     merges = [tuple(m.split(" ")) for m in merges_raw]
     try:
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                   ignore_merges=pre in _LLAMA3_TYPE))
     except Exception as e:  # a merge naming a token the list lacks: the vocabulary is inconsistent
         raise CheckpointError(f"the GGUF vocabulary is inconsistent ({e}); the file is corrupt, re-download it") from None
 
@@ -280,7 +285,7 @@ def tokenizer_from_gguf(reader) -> tuple[Any, dict]:
         return None if i is None else tokens[i]
 
     bos_tok, eos_tok = name_of("bos_token_id"), name_of("eos_token_id")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", pre in _LLAMA3_TYPE))
     add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
     single = ([f"{bos_tok}:0"] if add_bos and bos_tok else []) + ["$A:0"] + ([f"{eos_tok}:0"] if add_eos and eos_tok else [])
     # in a fixed order (a set's would vary between runs, and with it tokenizer.json); one entry when BOS is EOS
