@@ -928,3 +928,11 @@ def test_a_prompt_too_short_for_the_servers_budget_is_served_at_the_least_that_f
         text = client.get("/metrics").text
     assert 'hetero_jax_short_prompt_requests_total{served="full_kv"} 2' in text
     assert 'hetero_jax_short_prompt_requests_total{served="smallest_budget"} 0' in text
+
+
+def test_a_request_without_a_seed_draws_its_own():
+    """An absent seed was seed 0: every sampled answer to the same messages was the same (OpenAI: a fresh draw)."""
+    seeds = {schema.parse_chat(_chat()).sampling.seed for _ in range(4)}
+    seeds |= {schema.parse_completion({"model": MODEL, "prompt": "hi"}).sampling.seed for _ in range(4)}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+    assert schema.parse_chat(_chat(seed=5)).sampling.seed == 5

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import secrets
 import time
 import uuid
 
@@ -148,8 +149,8 @@ def _common(d: dict) -> dict:
     temperature = _number(d, "temperature", 1.0, 0.0, 2.0, "[0, 2] (0 = greedy)")
     top_p = _number(d, "top_p", 1.0, 0.0, 1.0, "(0, 1]", lo_open=True)
     seed = d.get("seed")
-    if seed is None:
-        seed = 0
+    if seed is None:  # OpenAI's: no seed is a fresh draw (a regenerated answer differs), a seed repeats
+        seed = secrets.randbits(63)
     elif not is_int(seed) or not -(2**63) <= seed < 2**63:
         raise RequestError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}", param="seed")
     stop = d.get("stop")
