@@ -936,3 +936,21 @@ def test_a_request_without_a_seed_draws_its_own():
     seeds |= {schema.parse_completion({"model": MODEL, "prompt": "hi"}).sampling.seed for _ in range(4)}
     assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
     assert schema.parse_chat(_chat(seed=5)).sampling.seed == 5
+
+
+def test_held_conversations_are_keyed_by_what_tells_policies_apart():
+    """HCAttention leaves its codebook keys out of its repr, and conversations were keyed by repr(policy): a
+    request under the shipped g=32 codebook resumed one prefilled under the g=16 one."""
+    from hetero_jax.policies import HCAttention, make_policy
+    from hetero_jax.policies.hcattention.codebook import SHIPPED_CODEBOOKS
+    from hetero_jax.profile.shipped import shipped_data_path
+
+    g16, g32 = (HCAttention(budget=0.1, codebook=shipped_data_path({MODEL: f}, MODEL))
+                for f in SHIPPED_CODEBOOKS[MODEL])
+    assert repr(g16) == repr(g32) and g16 != g32
+    msgs = [("user", "q")]
+    assert digests(("u", g16), msgs) != digests(("u", g32), msgs)
+    same = HCAttention(budget=0.1, codebook=shipped_data_path({MODEL: SHIPPED_CODEBOOKS[MODEL][0]}, MODEL))
+    assert digests(("u", g16), msgs) == digests(("u", same), msgs)
+    assert digests(("u", make_policy("quest", 0.3)), msgs) == digests(("u", make_policy("quest", 0.3)), msgs)
+    assert digests(("u", make_policy("quest", 0.3)), msgs) != digests(("v", make_policy("quest", 0.3)), msgs)

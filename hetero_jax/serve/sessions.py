@@ -62,9 +62,21 @@ def _digest(prev: bytes, message: tuple[str, str]) -> bytes:
     return hashlib.sha256(prev + json.dumps(message).encode()).digest()
 
 
+def identity(x):
+    """What ``==`` compares of ``x``: a dataclass as its class and compared fields, in depth (a policy's repr
+    leaves out fields it compares, such as HCAttention's codebook keys), tuples and lists item by item."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__module__, type(x).__qualname__,
+                tuple((f.name, identity(getattr(x, f.name))) for f in dataclasses.fields(x) if f.compare))
+    if isinstance(x, (tuple, list)):
+        return type(x).__name__, tuple(identity(v) for v in x)
+    return x
+
+
 def digests(owner: tuple, messages) -> list[bytes]:
-    """The key of every prefix of ``messages`` under ``owner``: [key of messages[:1], ..., key of messages]."""
-    h = hashlib.sha256(repr(owner).encode()).digest()
+    """The key of every prefix of ``messages`` under ``owner`` (the user and the policy, as ``==`` tells them
+    apart): [key of messages[:1], ..., key of messages]."""
+    h = hashlib.sha256(repr(identity(owner)).encode()).digest()
     out = []
     for m in messages:
         h = _digest(h, m)
