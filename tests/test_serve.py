@@ -930,6 +930,57 @@ def test_a_prompt_too_short_for_the_servers_budget_is_served_at_the_least_that_f
     assert 'hetero_jax_short_prompt_requests_total{served="smallest_budget"} 0' in text
 
 
+# ------------------------------------------------------------------------------------------- review 90's defects
+def test_the_engine_starts_with_its_first_job_and_refuses_jobs_once_stopped():
+    """The worker's thread started only in the app's lifespan, which an app mounted in another never runs: every
+    request waited forever. After stop() a job was queued behind the end and also waited forever."""
+    from hetero_jax.serve.worker import EngineStopped, EngineWorker
+
+    worker = EngineWorker(max_queue=2)
+    assert worker.available and not worker.alive
+    assert worker.submit(lambda job: "first").future.result(timeout=30) == "first"
+    thread = worker._thread
+    worker.start()  # the lifespan after a first job: the same thread
+    assert worker._thread is thread and worker.alive
+    worker.stop()
+    assert not worker.available
+    for call in (lambda: worker.submit(lambda job: "late"), worker.start):
+        with pytest.raises(EngineStopped, match="the engine worker was stopped"):
+            call()
+
+
+def test_a_request_to_an_app_mounted_in_another_is_answered(monkeypatch):
+    """Starlette's Mount runs no sub-app lifespan; a chat request to the mounted app hung (no error, no timeout)."""
+    import threading
+    from types import SimpleNamespace
+
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+    from starlette.testclient import TestClient
+
+    from hetero_jax.errors import PromptError
+    from hetero_jax.serve import ServeConfig, create_app
+
+    model = SimpleNamespace(tokenizer=None, config=SimpleNamespace(max_position_embeddings=8192))
+    app = create_app(model, ServeConfig(model_id=MODEL))
+
+    def refused_on_the_engine(job):
+        raise PromptError("the engine ran this job")
+    monkeypatch.setattr(app.state.server, "chat_job", lambda req, policy, emit: refused_on_the_engine)
+    got = {}
+    with TestClient(Starlette(routes=[Mount("/llm", app=app)]), raise_server_exceptions=False) as client:
+        assert client.get("/llm/health").status_code == 200
+        asking = threading.Thread(target=lambda: got.update(r=client.post("/llm/v1/chat/completions",
+                                                                          json=_chat(max_tokens=2))), daemon=True)
+        asking.start()
+        asking.join(60)
+    assert not asking.is_alive(), "the request to the mounted app never answered"
+    assert got["r"].status_code == 400 and "the engine ran this job" in got["r"].json()["error"]["message"]
+    app.state.server.worker.stop()
+    r = TestClient(app, raise_server_exceptions=False).post("/v1/chat/completions", json=_chat(max_tokens=2))
+    assert (r.status_code, r.json()["error"]["code"]) == (503, "engine_stopped")
+
+
 def test_a_request_without_a_seed_draws_its_own():
     """An absent seed was seed 0: every sampled answer to the same messages was the same (OpenAI: a fresh draw)."""
     seeds = {schema.parse_chat(_chat()).sampling.seed for _ in range(4)}

@@ -33,7 +33,7 @@ from hetero_jax.serve import schema
 from hetero_jax.serve.metrics import Metrics
 from hetero_jax.serve.schema import RequestError, error_body
 from hetero_jax.serve.sessions import Conversations, SessionStore, Turn, run_fitted
-from hetero_jax.serve.worker import ClientGone, EngineWorker, Job, QueueFull
+from hetero_jax.serve.worker import ClientGone, EngineStopped, EngineWorker, Job, QueueFull
 
 log = logging.getLogger("hetero_jax.serve")
 POLL_S = 0.5  # how often a waiting request checks that its client is still there
@@ -237,11 +237,14 @@ def _token_sink(job: Job, emit):
 
 def error_response(e: BaseException) -> JSONResponse:
     """OpenAI's error body for ``e``: the request's own status for a RequestError, 400 for the library's
-    refusals (they name the value and the fix), 503 when the queue is full, 500 for anything else."""
+    refusals (they name the value and the fix), 503 when the queue is full or the engine stopped, 500 for anything
+    else."""
     if isinstance(e, RequestError):
         return JSONResponse(error_body(str(e), type=e.type, param=e.param, code=e.code), status_code=e.status)
     if isinstance(e, QueueFull):
         return JSONResponse(error_body(str(e), type="server_error", code="queue_full"), status_code=503)
+    if isinstance(e, EngineStopped):
+        return JSONResponse(error_body(str(e), type="server_error", code="engine_stopped"), status_code=503)
     if isinstance(e, HeteroJaxError):  # raised on the engine thread (before any compute: the checks come first)
         if isinstance(e, PolicyError):
             param, code = "policy", "invalid_policy"
@@ -434,7 +437,7 @@ def create_app(model, config: ServeConfig) -> Starlette:
 
     @counted("/health")
     async def health(request: Request) -> Response:
-        ok = server.worker.alive
+        ok = server.worker.available
         body = {"status": "ok" if ok else "engine worker stopped", "model": config.model_id,
                 "queue_depth": server.worker.depth, "busy": server.worker.running, **server.store.totals()}
         return JSONResponse(body, status_code=200 if ok else 503)

@@ -25,6 +25,10 @@ class QueueFull(Exception):
     """More requests are waiting than ``max_queue``."""
 
 
+class EngineStopped(Exception):
+    """The worker was stopped (the server is shutting down): no job is taken any more."""
+
+
 class Job:
     """A queued request: ``run(job)`` is called on the worker thread; its result or exception lands in
     ``future``. ``cancel()`` (any thread) stops it at the next ``check()``."""
@@ -56,22 +60,32 @@ def _tell(job: Job, error: BaseException) -> None:
 
 class EngineWorker:
     """The thread that runs jobs in order; at most ``max_queue`` jobs wait (running one not counted). A queued job
-    whose client left holds no place: it is dropped when a job is submitted, and never counted."""
+    whose client left holds no place: it is dropped when a job is submitted, and never counted. The thread starts
+    with ``start()`` (the app's lifespan) or else with the first job (an app mounted in another, whose lifespan
+    never runs); after ``stop()`` every job is refused with ``EngineStopped``."""
 
     def __init__(self, max_queue: int):
         self.max_queue = max_queue
         self._jobs: collections.deque = collections.deque()  # Job, or None: the end of the thread
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._stopped = False
         self.running = False  # a job is on the engine now
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="hetero-jax-engine", daemon=True)
-        self._thread.start()
+        """Start the thread, once; a second call (the lifespan after a first job) does nothing."""
+        with self._ready:
+            if self._stopped:
+                raise EngineStopped("the engine worker was stopped (the server is shutting down); start a new "
+                                    "server")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="hetero-jax-engine", daemon=True)
+                self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Finish the running job, cancel the queued ones, and end the thread."""
         with self._ready:
+            self._stopped = True
             queued = [j for j in self._jobs if j is not None]
             self._jobs.clear()
             self._jobs.append(None)
@@ -87,14 +101,25 @@ class EngineWorker:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def available(self) -> bool:
+        """A job submitted now would run: not stopped, and the thread running or yet to start."""
+        return not self._stopped and (self._thread is None or self._thread.is_alive())
+
+    @property
     def depth(self) -> int:
         """Jobs waiting whose clients are still there (the running one not counted)."""
         with self._ready:
             return sum(1 for j in self._jobs if j is not None and not j.cancelled)
 
     def submit(self, run: Callable[[Job], Any]) -> Job:
+        self.start()  # EngineStopped after stop(): a job queued behind the end would wait forever
+        if not self.alive:
+            raise EngineStopped("the engine worker's thread has ended; restart the server")
         job = Job(run)
         with self._ready:
+            if self._stopped:  # stopped since start() above: the end is queued, nothing after it runs
+                raise EngineStopped("the engine worker was stopped (the server is shutting down); start a new "
+                                    "server")
             left = [j for j in self._jobs if j is not None and j.cancelled]
             if left:  # clients that left while they waited: their places go to the ones still here
                 self._jobs = collections.deque(j for j in self._jobs if j is None or not j.cancelled)
