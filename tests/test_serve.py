@@ -966,7 +966,7 @@ def test_a_request_to_an_app_mounted_in_another_is_answered(monkeypatch):
 
     def refused_on_the_engine(job):
         raise PromptError("the engine ran this job")
-    monkeypatch.setattr(app.state.server, "chat_job", lambda req, policy, emit: refused_on_the_engine)
+    monkeypatch.setattr(app.state.server, "chat_job", lambda req, policy: lambda emit: refused_on_the_engine)
     got = {}
     with TestClient(Starlette(routes=[Mount("/llm", app=app)]), raise_server_exceptions=False) as client:
         assert client.get("/llm/health").status_code == 200
@@ -1005,3 +1005,39 @@ def test_held_conversations_are_keyed_by_what_tells_policies_apart():
     assert digests(("u", g16), msgs) == digests(("u", same), msgs)
     assert digests(("u", make_policy("quest", 0.3)), msgs) == digests(("u", make_policy("quest", 0.3)), msgs)
     assert digests(("u", make_policy("quest", 0.3)), msgs) != digests(("v", make_policy("quest", 0.3)), msgs)
+
+
+def test_refused_requests_are_answered_without_waiting_for_the_engine(tiny_checkpoint):
+    """A conversation longer than the context (or a stop string that can never match) was checked on the engine
+    thread: behind a busy engine it waited for the whole queue to get its 400, holding a --max-queue place."""
+    import threading
+
+    from starlette.testclient import TestClient
+
+    import hetero_jax
+    from hetero_jax.serve import ServeConfig, create_app
+
+    model = hetero_jax.load(tiny_checkpoint("llama")[1])
+    app = create_app(model, ServeConfig(model_id=MODEL, max_queue=1))
+    release = threading.Event()
+    timer = threading.Timer(60, release.set)  # the old code answers only once the engine is free
+    with TestClient(app, raise_server_exceptions=False) as client:
+        worker = app.state.server.worker
+        worker.submit(lambda job: release.wait(120))
+        while not worker.running:
+            threading.Event().wait(0.01)
+        timer.start()
+        try:
+            long = "word " * model.config.max_position_embeddings
+            for path, body, code in (
+                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]},
+                     "context_length_exceeded"),
+                    ("/v1/completions", {"prompt": long}, "context_length_exceeded"),
+                    ("/v1/completions", {"prompt": "hi", "stop": ["<|im_end|>x"]}, "PromptError")):
+                r = client.post(path, json={"model": MODEL, **body})
+                assert not release.is_set(), f"{path} {code}: answered only once the engine was free"
+                assert (r.status_code, r.json()["error"]["code"]) == (400, code), r.text[:300]
+                assert worker.depth == 0
+        finally:
+            release.set()
+            timer.cancel()

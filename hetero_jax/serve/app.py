@@ -29,6 +29,7 @@ from hetero_jax.policies import (
 )
 from hetero_jax.profile.schema import ProfileError
 from hetero_jax.runtime import generate
+from hetero_jax.runtime.prompts import stop_token_ids
 from hetero_jax.serve import schema
 from hetero_jax.serve.metrics import Metrics
 from hetero_jax.serve.schema import RequestError, error_body
@@ -138,41 +139,48 @@ class Server:
             raise RequestError(str(e), param="budget", code="invalid_budget") from None
 
     # ------------------------------------------------------------------------------------------------ jobs
-    def chat_job(self, req: schema.ChatRequest, policy, emit):
+    # A job function makes the request's own checks (before it is queued, so a refused request waits for no other
+    # and takes no place in the queue) and returns ``job(emit)``: the engine's work, ``emit`` taking its text.
+    def chat_job(self, req: schema.ChatRequest, policy):
         s = req.sampling
         max_tokens = s.max_tokens or self.config.max_tokens
+        prepared = self.conversations.prepare(req.messages, s)
 
-        def run(job: Job) -> Turn:
-            on_token = _token_sink(job, emit)
-            return self.conversations.answer(req.messages, policy, s, req.user, max_tokens, on_token=on_token,
-                                             fit_short=self.is_own_policy(req))
-        return run
+        def job(emit):
+            def run(job: Job) -> Turn:
+                on_token = _token_sink(job, emit)
+                return self.conversations.answer(req.messages, policy, s, req.user, max_tokens, on_token=on_token,
+                                                 fit_short=self.is_own_policy(req), prepared=prepared)
+            return run
+        return job
 
-    def completion_job(self, req: schema.CompletionRequest, policy, emit):
+    def completion_job(self, req: schema.CompletionRequest, policy):
         s = req.sampling
+        n = len(req.prompt) if isinstance(req.prompt, tuple) else len(
+            self.model.tokenizer.encode_prompt(req.prompt, chat=False))
+        context = self.model.config.max_position_embeddings
+        if n + 1 > context:  # the code and param the chat route gives (clients' retry logic keys on them)
+            raise RequestError(f"the prompt is {n} tokens long but the model's context is {context} tokens, "
+                               "and the answer needs at least one more; shorten the prompt", param="prompt",
+                               code="context_length_exceeded")
+        stop_token_ids(self.model.tokenizer, s.stop)  # a stop that could never match
+        prompt = list(req.prompt) if isinstance(req.prompt, tuple) else req.prompt
 
-        def run(job: Job) -> Turn:
-            n = len(req.prompt) if isinstance(req.prompt, tuple) else len(
-                self.model.tokenizer.encode_prompt(req.prompt, chat=False))
-            context = self.model.config.max_position_embeddings
-            if n + 1 > context:  # the code and param the chat route gives (clients' retry logic keys on them)
-                raise RequestError(f"the prompt is {n} tokens long but the model's context is {context} tokens, "
-                                   "and the answer needs at least one more; shorten the prompt", param="prompt",
-                                   code="context_length_exceeded")
-            prompt = list(req.prompt) if isinstance(req.prompt, tuple) else req.prompt
-
-            def run_at(pol):
-                return generate(self.model, prompt, pol, max_new_tokens=s.max_tokens or COMPLETIONS_MAX_TOKENS,
-                                temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=list(s.stop) or None,
-                                chat=False, on_token=_token_sink(job, emit))
-            res, short = run_fitted(self.model, policy, n, self.is_own_policy(req), run_at)
-            st = res.stats
-            return Turn(text=res.text, token_ids=tuple(res.token_ids), stop_reason=st.stop_reason,
-                        prompt_tokens=st.prompt_tokens, cached_tokens=0, resumed=False,
-                        prefill_seconds=st.prefill_seconds, decode_seconds=float(sum(st.decode_seconds)),
-                        decode_steps=len(st.decode_seconds), recalls=int(st.policy_stats.get("recalls", 0)),
-                        short_prompt=short)
-        return run
+        def job(emit):
+            def run(job: Job) -> Turn:
+                def run_at(pol):
+                    return generate(self.model, prompt, pol, max_new_tokens=s.max_tokens or COMPLETIONS_MAX_TOKENS,
+                                    temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                                    stop=list(s.stop) or None, chat=False, on_token=_token_sink(job, emit))
+                res, short = run_fitted(self.model, policy, n, self.is_own_policy(req), run_at)
+                st = res.stats
+                return Turn(text=res.text, token_ids=tuple(res.token_ids), stop_reason=st.stop_reason,
+                            prompt_tokens=st.prompt_tokens, cached_tokens=0, resumed=False,
+                            prefill_seconds=st.prefill_seconds, decode_seconds=float(sum(st.decode_seconds)),
+                            decode_steps=len(st.decode_seconds), recalls=int(st.policy_stats.get("recalls", 0)),
+                            short_prompt=short)
+            return run
+        return job
 
     def record(self, turn: Turn) -> None:
         self.metrics.turn(prompt_tokens=turn.prompt_tokens, cached_tokens=turn.cached_tokens,
@@ -323,8 +331,9 @@ def create_app(model, config: ServeConfig) -> Starlette:
         """Queue the job; answer with ``respond(turn)``, or stream (``stream_chunk(text)`` per piece of text, then
         ``final_chunks(turn)``) when the request asks. Errors before the first streamed text get their status."""
         policy = server.policy_for(req.policy, req.budget)
+        make_job = await asyncio.to_thread(job_fn, req, policy)  # the request's checks, off the event loop
         if not req.stream:
-            job = server.worker.submit(job_fn(req, policy, None))
+            job = server.worker.submit(make_job(None))
             fut = asyncio.wrap_future(job.future)
             fut.add_done_callback(_retrieve)
             await wait_done(fut, request, job)
@@ -332,7 +341,7 @@ def create_app(model, config: ServeConfig) -> Starlette:
             server.record(turn)
             return JSONResponse(respond(turn))
         chan = Channel(asyncio.get_running_loop())
-        job = server.worker.submit(job_fn(req, policy, chan.put))
+        job = server.worker.submit(make_job(chan.put))
         fut = asyncio.wrap_future(job.future)
         fut.add_done_callback(_retrieve)
         fut.add_done_callback(lambda _f: chan.wake.set())

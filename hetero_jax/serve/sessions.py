@@ -228,29 +228,11 @@ class Conversations:
         return self.tok.apply_chat_template([{"role": r, "content": c} for r, c in messages],
                                             add_generation_prompt=True)
 
-    def answer(self, messages, policy, sampling, user: str, max_tokens: int, on_token=None, *,
-               fit_short: bool = False) -> Turn:
-        """Answer the conversation ``messages`` ((role, content), ...): resume the held one it extends, else
-        start one. ``max_tokens``: the answer's cap (fewer when the context runs out). ``fit_short``: a new
-        conversation too short for ``policy``'s budget starts at the least that fits (``fit_to_prompt``)."""
-        stop_token_ids(self.tok, sampling.stop)  # a stop that could never match: refused before any prefill
-        owner = (user, policy)
-        conv = self.store.take(owner, messages)
-        if conv is not None:
-            try:
-                rendered = self.render(messages)  # a template that refuses these messages (roles must alternate)
-            except BaseException:  # refuses the request, not the conversation it would extend
-                self.store.put(conv)
-                raise
-            if rendered.startswith(conv.rendered):  # the template renders the conversation incrementally
-                ids = self.tok.encode(rendered[len(conv.rendered):], add_special_tokens=False)
-                try:
-                    return self._turn(conv, messages, rendered, ids, sampling, max_tokens, on_token, resumed=True)
-                except SessionError:  # its cache was lost when an earlier turn failed: prefill it all again
-                    conv = None
-            else:
-                self.store.put(conv)  # it still serves its own continuations
-                conv = None
+    def prepare(self, messages, sampling) -> tuple[str, list[int]]:
+        """The request's own checks, made before it is queued (they read no held conversation, so any thread may
+        run them): a stop string that could never match, a template that refuses the messages, a conversation
+        longer than the context or shorter than two tokens. Returns (the rendered conversation, its ids)."""
+        stop_token_ids(self.tok, sampling.stop)
         rendered = self.render(messages)
         ids = self.tok.encode(rendered, add_special_tokens=False)
         if len(ids) + 1 > self.context:
@@ -260,6 +242,27 @@ class Conversations:
         if len(ids) < 2:
             raise RequestError("the chat template renders these messages to fewer than two tokens; send more text",
                                param="messages")
+        return rendered, ids
+
+    def answer(self, messages, policy, sampling, user: str, max_tokens: int, on_token=None, *,
+               fit_short: bool = False, prepared: tuple[str, list[int]] | None = None) -> Turn:
+        """Answer the conversation ``messages`` ((role, content), ...): resume the held one it extends, else
+        start one. ``max_tokens``: the answer's cap (fewer when the context runs out). ``fit_short``: a new
+        conversation too short for ``policy``'s budget starts at the least that fits (``fit_to_prompt``).
+        ``prepared``: what ``prepare`` returned for these messages (else it runs here)."""
+        rendered, ids = self.prepare(messages, sampling) if prepared is None else prepared
+        owner = (user, policy)
+        conv = self.store.take(owner, messages)
+        if conv is not None:
+            if rendered.startswith(conv.rendered):  # the template renders the conversation incrementally
+                added = self.tok.encode(rendered[len(conv.rendered):], add_special_tokens=False)
+                try:
+                    return self._turn(conv, messages, rendered, added, sampling, max_tokens, on_token, resumed=True)
+                except SessionError:  # its cache was lost when an earlier turn failed: prefill it all again
+                    conv = None
+            else:
+                self.store.put(conv)  # it still serves its own continuations
+                conv = None
         # the tail the first answer needs, in TAIL_QUANTUM steps as generate allocates it (Session's default of
         # 512 would grow, and recompile, on the first turn of a 512-token answer)
         reserve = min(tail_capacity_for(max_tokens + 2), self.context - (len(ids) - 1))
