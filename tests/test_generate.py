@@ -428,6 +428,26 @@ def test_every_bit_of_a_64_bit_seed_changes_the_samples(tiny):
     assert draw[0] != draw[2**32] and draw[-1] != draw[2**63 - 1]
 
 
+def test_a_seed_samples_the_same_tokens_under_another_default_prng(tiny_checkpoint):
+    """The key is threefry's raw [2] words; under JAX_DEFAULT_PRNG_IMPL=rbg (4-word keys, common on TPUs) every
+    sampled answer failed with a jax TypeError after the prefill."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, json, hetero_jax; m = hetero_jax.load(sys.argv[1]); print(json.dumps([hetero_jax.generate("
+            "m, [5, 9, 14, 3, 7], max_new_tokens=8, temperature=t, top_p=p, seed=3, chat=False).token_ids "
+            "for t, p in ((1.0, 1.0), (0.8, 0.9))]))")
+    runs = {}
+    for impl in ("threefry2x32", "rbg"):
+        out = subprocess.run([sys.executable, "-c", code, tiny_checkpoint("llama")[1]], capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "JAX_DEFAULT_PRNG_IMPL": impl})
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[impl] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runs["rbg"] == runs["threefry2x32"]
+
+
 @pytest.mark.parametrize("policy", ["full", "quest-offload"])
 def test_the_tail_grows_with_the_answer_and_the_tokens_are_those_of_a_whole_budget_tail(policy, monkeypatch):
     """generate sized the tail for max_new_tokens up front: a 7-token answer with max_new_tokens 8000 held

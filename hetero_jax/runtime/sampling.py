@@ -25,11 +25,20 @@ def sampling_mode(temperature: float, top_p: float) -> str:
     return "greedy" if is_greedy(temperature) else "nucleus" if top_p < 1.0 else "sample"
 
 
+def _threefry(key: jax.Array) -> jax.Array:
+    """The raw key [2] uint32 (``engine.seed_key``) as a threefry key, whatever generator the process defaults to
+    (``JAX_DEFAULT_PRNG_IMPL=rbg`` reads raw keys as 4 words): a seed samples the same tokens everywhere."""
+    return jax.random.wrap_key_data(key, impl="threefry2x32")
+
+
 def draw_key(key: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
     """(the next key, the key this token samples with): ``jax.random.split(key)`` when sampling; a greedy
     token draws nothing, so (key, key). Eager or traced (in a jitted step the split is a loop on a CPU, which
     a greedy step's compile need not carry)."""
-    return (key, key) if mode == "greedy" else tuple(jax.random.split(key))
+    if mode == "greedy":
+        return key, key
+    nxt, use = jax.random.split(_threefry(key))
+    return jax.random.key_data(nxt), jax.random.key_data(use)
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature, top_p, mode: str | None = None) -> jax.Array:
@@ -55,4 +64,4 @@ def sample(logits: jax.Array, key: jax.Array, temperature, top_p, mode: str | No
         cutoff = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
         logits = jnp.where(logits < cutoff, MASK_VALUE, logits)
     # one [V] draw per row with the key unbatched: a [B, V] draw would give row b other noise than alone
-    return jax.vmap(lambda row: jax.random.categorical(key, row))(logits).astype(jnp.int32)
+    return jax.vmap(lambda row: jax.random.categorical(_threefry(key), row))(logits).astype(jnp.int32)
