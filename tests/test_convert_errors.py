@@ -480,6 +480,35 @@ def test_unreadable_json_files_are_refused_before_any_weight_is_read(hf, out_par
     assert opened == []
 
 
+@pytest.mark.parametrize("name, key, value", [
+    ("tokenizer_config.json", "eos_token", 5),
+    ("tokenizer_config.json", "bos_token", {"content": 1}),
+    ("special_tokens_map.json", "eos_token", ["</s>"]),
+])
+def test_a_special_token_that_is_not_text_is_refused_at_conversion_and_load(hf, converted, out_parent, tmp_path, capsys,
+                                                                           name, key, value):
+    """An id written where a token's text belongs ("eos_token": 5) made the token spelled "5" an EOS, so answers
+    ended silently at that digit; transformers refuses such a file."""
+    import hetero_jax
+    from hetero_jax.errors import CheckpointError
+
+    def damage(folder):
+        path = folder / name
+        entries = json.load(open(path)) if path.exists() else {}
+        if name == "special_tokens_map.json":  # read only in the legacy layout, without added_tokens_decoder
+            tc = json.load(open(folder / "tokenizer_config.json"))
+            tc.pop("added_tokens_decoder", None)
+            json.dump(tc, open(folder / "tokenizer_config.json", "w"))
+        json.dump({**entries, key: value}, open(path, "w"))
+
+    damage(hf)
+    _fail([hf, out_parent / "ck"], out_parent, capsys, name, f"{key} = {json.dumps(value)}", "is not a token's text")
+    ck = shutil.copytree(converted, tmp_path / "ck")
+    damage(ck)
+    with pytest.raises(CheckpointError, match=f"{key} = .* is not a token's text"):
+        hetero_jax.load(ck)
+
+
 def test_a_chat_template_file_that_is_not_utf8(hf, out_parent, capsys):
     """It was a UnicodeDecodeError traceback (review 76). (A .jinja file wins over tokenizer_config.json's
     template, as in transformers; the config's is removed here only to keep the case minimal.)"""

@@ -26,8 +26,8 @@ from hetero_jax.io.checkpoint import check_output_apart, check_output_dir, np_dt
 from hetero_jax.model.config import ModelConfig
 from hetero_jax.errors import CheckpointError, ConfigError, read_json
 from hetero_jax.model.spec import hf_tensor_map, param_shapes
-from hetero_jax.io.tokenizer import (check_chat_template_entry, check_token_ids, checked_chat_template,
-                                     default_chat_template, json_object, read_chat_template)
+from hetero_jax.io.tokenizer import (check_chat_template_entry, check_special_tokens, check_token_ids,
+                                     checked_chat_template, default_chat_template, json_object, read_chat_template)
 
 # Non-parameter buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -286,6 +286,7 @@ def _tokenizer_files(hf_dir: str) -> dict[str, Any]:
     tc_name = "tokenizer_config.json"
     tc = json_object(where[tc_name], fix, files[tc_name]) if tc_name in files else {}
     check_chat_template_entry(tc.get("chat_template"), where[tc_name], fix)
+    check_special_tokens(tc, where[tc_name], fix)
     if "chat_template.jinja" in files:
         tc["chat_template"] = read_chat_template(where["chat_template.jinja"], fix, files["chat_template.jinja"])
         checked_chat_template(tc["chat_template"], where["chat_template.jinja"], where["chat_template.jinja"],
@@ -297,7 +298,8 @@ def _tokenizer_files(hf_dir: str) -> dict[str, Any]:
                                   converting=True)
     files[tc_name] = tc
     if "special_tokens_map.json" in files:
-        json_object(where["special_tokens_map.json"], fix, files["special_tokens_map.json"])
+        check_special_tokens(json_object(where["special_tokens_map.json"], fix, files["special_tokens_map.json"]),
+                             where["special_tokens_map.json"], fix)
     if "generation_config.json" in files:
         gen = "generation_config.json"
         check_token_ids(json_object(where[gen], fix, files[gen]), where[gen], fix)

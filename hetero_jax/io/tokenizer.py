@@ -29,6 +29,21 @@ def _token_content(tok: Any) -> str | None:
     return str(tok)
 
 
+def check_special_tokens(entries: Mapping[str, Any], path: str, fix: str) -> None:
+    """Refuse a special-token entry of ``path`` (tokenizer_config.json, special_tokens_map.json) that is not a
+    token's text: a string, an AddedToken object with a string "content", or null. An id written there
+    (``"eos_token": 5``) would otherwise make the token spelled "5" an EOS; transformers refuses it too."""
+    for key in SPECIAL_TOKENS:
+        value = entries.get(key)
+        if value is None or isinstance(value, str):
+            continue
+        if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+            continue
+        raise CheckpointError(f"{path}: {key} = {json.dumps(value)[:80]} is not a token's text (a string, or an "
+                              f"object with a string \"content\"); write the token itself, e.g. \"</s>\", or "
+                              f"{fix}")
+
+
 DAMAGED_FIX = "re-create or re-download it"  # what a damaged tokenizer file's error says by default
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -308,6 +323,7 @@ class Tokenizer:
         tc_path = os.path.join(path, "tokenizer_config.json")
         tc = json_object(tc_path, fix) if os.path.isfile(tc_path) else {}
         check_chat_template_entry(tc.get("chat_template"), tc_path, fix)
+        check_special_tokens(tc, tc_path, fix)
         template = None
         jinja_path = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(jinja_path):  # a separate template file wins over tokenizer_config.json's, as in HF
@@ -316,6 +332,7 @@ class Tokenizer:
         if "added_tokens_decoder" not in tc and os.path.isfile(map_path):
             # transformers' legacy layout: special_tokens_map.json's entries override tokenizer_config.json's
             special = json_object(map_path, fix)
+            check_special_tokens(special, map_path, fix)
             tc.update({k: special[k] for k in SPECIAL_TOKENS if k in special})
         extra_eos: list[int] = []
         bos_id = None
