@@ -235,12 +235,21 @@ def test_empty_prompt_rejected(tiny, no_compute, prompt):
         hetero_jax.generate(tiny, prompt, chat=False)
 
 
-@pytest.mark.parametrize("prompt", ["caf\udce9 au lait", ["fine", "caf\udce9 au lait"]])
-def test_text_with_a_lone_surrogate_is_refused(tiny, no_compute, prompt):
-    """A byte that was not UTF-8, as Python reads it with surrogateescape: the tokenizer cannot encode it."""
-    with pytest.raises(PromptError, match=re.escape("the prompt is not valid text: character 3 is the lone "
+@pytest.mark.parametrize("prompt, what", [("caf\udce9 au lait", "the prompt"),
+                                          (["fine", "caf\udce9 au lait"], "prompt 1")])
+def test_text_with_a_lone_surrogate_is_refused(tiny, no_compute, prompt, what):
+    """A byte that was not UTF-8, as Python reads it with surrogateescape: the tokenizer cannot encode it. In a
+    batch the refusal names the prompt (it did not)."""
+    with pytest.raises(PromptError, match=re.escape(f"{what} is not valid text: character 3 is the lone "
                                                     "surrogate U+DCE9 (the byte 0xe9)")):
         hetero_jax.generate(tiny, prompt, chat=False)
+
+
+def test_a_refused_text_of_a_batch_is_named(tiny, no_compute):
+    with pytest.raises(PromptError, match="empty prompt: prompt 2's text has no content"):
+        hetero_jax.generate(tiny, ["one", "two", "  "], chat=False)
+    with pytest.raises(PromptError, match="empty prompt: the prompt's text has no content"):
+        hetero_jax.generate(tiny, " ", chat=False)
 
 
 def test_bad_arguments(tiny, no_compute):

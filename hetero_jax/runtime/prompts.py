@@ -16,14 +16,14 @@ def as_token_batches(model, prompt, chat: bool) -> tuple[list[list[int]], bool]:
     """Normalise the prompt forms to a list of token-id lists; returns (batch, is_batch)."""
     tok = model.tokenizer
     if isinstance(prompt, str):
-        return [_encode(tok, prompt, chat)], False
+        return [_encode(tok, prompt, chat, "the prompt")], False
     if isinstance(prompt, np.ndarray):
         prompt = prompt.tolist()
     if isinstance(prompt, (list, tuple)):
         if len(prompt) == 0:
             raise PromptError("empty prompt: pass a non-empty string, list of strings or token ids")
         if all(isinstance(p, str) for p in prompt):
-            return [_encode(tok, p, chat) for p in prompt], True
+            return [_encode(tok, p, chat, f"prompt {i}") for i, p in enumerate(prompt)], True
         if all(isinstance(p, (int, np.integer)) for p in prompt):
             return [token_list(prompt, "the prompt")], False
         if all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt):
@@ -36,11 +36,17 @@ def as_token_batches(model, prompt, chat: bool) -> tuple[list[list[int]], bool]:
     )
 
 
-def _encode(tok, text: str, chat: bool) -> list[int]:
+def _encode(tok, text: str, chat: bool, what: str) -> list[int]:
+    """``text``'s ids; ``what`` names it in a refusal ("the prompt", or "prompt 3" of a batch)."""
     if not text.strip():
-        raise PromptError("empty prompt: the prompt text has no content")
-    check_unicode(text, "the prompt")
-    return tok.encode_prompt(text, chat=chat)
+        raise PromptError(f"empty prompt: {what}'s text has no content")
+    check_unicode(text, what)
+    try:
+        return tok.encode_prompt(text, chat=chat)
+    except PromptError as e:  # the chat template's refusal: say which prompt of a batch it refused
+        if what == "the prompt":
+            raise
+        raise PromptError(f"{what}: {e}") from None
 
 
 def validate_ids(batch: list[list[int]], cfg: ModelConfig, is_batch: bool, what: str = "prompt") -> None:
