@@ -79,8 +79,8 @@ from harness.merging import figure_provenance  # noqa: E402  (a merge's figure n
 from harness.needles import IDLE_CORES, LOAD_S, haystack_lines, interp_cost  # noqa: E402
 from harness.prefill import build_engines, greedy_answer  # noqa: E402  (the shared prefill, greedy decode)
 from harness.task_report import (  # noqa: E402  (summary, tables, --merge)
-    GRADING, MERGE_INPUTS, answers_table, case_problem, fidelity_table, merge, missing_text, results_table,
-    summarize,
+    GRADING, MERGE_INPUTS, answers_table, case_problem, fidelity_table, haystack_hashes, merge, missing_text,
+    results_table, summarize,
 )
 from harness.merging import merged_lines  # noqa: E402  (a merge's runs in its section)
 from harness.task_cases import (  # noqa: E402  (cases, grading, prompts, teacher forcing)
@@ -292,6 +292,8 @@ def resume_payload(partial: Path, config: dict) -> dict:
     try:
         prior = json.loads(partial.read_text())
         diff = [k for k in RESUME_KEYS if prior["config"].get(k) != config.get(k)]
+        if haystack_hashes(prior["config"]) != haystack_hashes(config):  # the same names, another text
+            diff.append("haystack text (sha256)")
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise SystemExit(f"--resume: {partial} is not a bench_tasks checkpoint ({type(e).__name__}: {e})") from None
     if diff:

@@ -196,3 +196,9 @@ def test_merge_and_resume_refuse_a_case_the_generator_no_longer_makes(tmp_path, 
         bt.resume_payload(partial, cfg)
     partial.write_text(good.read_text())
     assert bt.resume_payload(partial, json.loads(good.read_text())["config"])["records"][0]["seed"] == 0
+    # the same haystack names over another text (a package's licence upgraded since the run): refused as --merge
+    # refuses it (review 92: the resumed run mixed prompts of two texts)
+    moved = json.loads(good.read_text())["config"]
+    moved["haystack_sources"] = {"pydoc": {"sha256": "f" * 64}}
+    with pytest.raises(SystemExit, match=r"--resume: .*run.partial.json was run with another haystack text"):
+        bt.resume_payload(partial, moved)

@@ -27,6 +27,11 @@ MERGE_INPUTS = {
 SAME = ("model", "dtype", "digits", "grading", "temperature", "chat_template", "prefill", "batch")
 
 
+def haystack_hashes(config: dict) -> dict:
+    """{haystack: sha256 of its text} of a run's config: runs whose hashes differ built other prompts."""
+    return {h: (v or {}).get("sha256") for h, v in config.get("haystack_sources", {}).items()}
+
+
 def merge(args, section: str) -> dict:
     """One payload from runs of slices of the grid (``--merge A.json B.json ...``: other lengths, seeds, haystacks,
     tasks or budgets, each run when a session had the time): records and prompts joined, the summary made anew,
@@ -49,8 +54,7 @@ def merge(args, section: str) -> dict:
     refuse_differences(files, parts, "policy configuration", lambda p: dict(zip(p["config"]["combos"],
                                                                                 p["config"].get("policy_reprs", []))),
                        what=lambda label: label)
-    refuse_differences(files, parts, "haystack text (sha256)", lambda p: {
-        h: (v or {}).get("sha256") for h, v in p["config"].get("haystack_sources", {}).items()},
+    refuse_differences(files, parts, "haystack text (sha256)", lambda p: haystack_hashes(p["config"]),
                        what=lambda h: f"haystack {h!r}")
     args.preset = merged_preset(files, parts, getattr(args, "preset", None))
     records, prompts, seen, unchecked = [], [], {}, []
