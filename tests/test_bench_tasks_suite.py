@@ -199,6 +199,15 @@ SPAN = "The golden gardener repaired the ancient lantern."
     (" The gardener golden repaired the ancient lantern.", 0.0),  # order
     (" The golden gardener repaired the ancient", 0.0),  # cut short
     (" XThe golden gardener repaired the ancient lantern.", 0.0),
+    # words added or changed after the last word (review 92: they passed)
+    (" The golden gardener repaired the ancient lantern in the meadow.", 0.0),
+    (" The golden gardener repaired the ancient lantern-keeper.", 0.0),
+    (" The golden gardener repaired the ancient lantern's glass.", 0.0),
+    (" The golden gardener repaired the ancient lantern, and slept.", 0.0),
+    # the sentence ended by the reply's end, a closing quote or another end mark
+    (" The golden gardener repaired the ancient lantern", 1.0),
+    (" 'The golden gardener repaired the ancient lantern' is the sentence.", 1.0),
+    (" The Golden Gardener, repaired the ancient lantern!", 1.0),
 ])
 def test_grade_span(text, score):
     assert tc.grade_span(text, SPAN)["score"] == score

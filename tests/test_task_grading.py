@@ -56,6 +56,9 @@ def _reply(pairs, first=None, sep=" "):
     (" 96690. The ticket number for the ferry is 3639", 1, 1),
     # a right reply followed by a 3-digit number (digit groups join only as a thousands grouping)
     (_reply(zip(THINGS[1:], VALUES[1:]), VALUES[0]) + " 100", 4, 0),
+    # a name written with a hyphen or underscore is still the thing (review 92: its value was lost)
+    (" 9669. The cable-car is 3855. The ferry is 3639. The museum is 8410.", 4, 0),
+    (" 9669. cable_car: 3855", 2, 0),
     ("", 0, 0),
 ])
 def test_multi_fact_grades_each_thing_by_the_value_stated_for_it(reply, right, wrong):

@@ -99,11 +99,15 @@ def saved_tokenizer(model: str):
 
 
 # ---------------------------------------------------------- answer matching
+def fold_text(text: str) -> str:
+    """Lower case with accents folded (NFKD, combining marks dropped); punctuation kept."""
+    text = unicodedata.normalize("NFKD", text)
+    return "".join(c for c in text if not unicodedata.combining(c)).lower()
+
+
 def normalize_text(text: str) -> str:
     """Lower case, accents and punctuation folded to spaces, whitespace collapsed."""
-    text = unicodedata.normalize("NFKD", text)
-    text = "".join(c for c in text if not unicodedata.combining(c)).lower()
-    return " ".join(re.sub(r"[^a-z0-9]+", " ", text).split())
+    return " ".join(re.sub(r"[^a-z0-9]+", " ", fold_text(text)).split())
 
 
 # a number as written: a thousands-grouped one (a 1-3 digit lead, then groups of exactly 3 digits, one separator

@@ -18,7 +18,7 @@ import random
 import re
 
 import haystack
-from harness.needles import find_answer, normalize_text, numbers_in
+from harness.needles import find_answer, fold_text, normalize_text, numbers_in
 
 # digits of a generated value: SmolLM2-135M copies four digits from far away; with five it often drops one
 DIGITS = 4
@@ -226,7 +226,7 @@ def grade_pairs(text: str, things, values) -> dict:
     if len(things) != len(values) or not things or not all(v.isdigit() for v in values):
         raise ValueError("grade_pairs takes one number per thing")
     mentions = sorted((m.start(), m.end(), i) for i, t in enumerate(things)
-                      for m in re.finditer(r"(?<![a-z0-9])" + r"\s+".join(map(re.escape, t.split()))
+                      for m in re.finditer(r"(?<![a-z0-9])" + r"[^a-z0-9]+".join(map(re.escape, t.split()))
                                            + r"(?:e?s)?(?![a-z0-9])", text, re.I))
     starts = [(0, 0)] + [(end, i) for _, end, i in mentions]  # where each thing's statement begins
     ends = [start for start, _, _ in mentions] + [len(text)]
@@ -258,13 +258,21 @@ def grade_key(text: str, value: str, distractors) -> dict:
     return {"found": int(found), "wrong": bad, "n": 1, "score": float(found and not bad)}
 
 
+# what may follow a copied sentence's last word: a closing quote or bracket (the copy ends there; an apostrophe
+# followed by a letter is the word going on), or its end (a full stop, a question or exclamation mark, a line break
+# or the end of the reply); anything else adds to its last word or carries the sentence on
+_SENTENCE_END = r"""[ \t]*(?:["\u201d\u00bb)\]]|['\u2019](?![a-z0-9])|[.!?\n]|$)"""
+
+
 def grade_span(text: str, span: str) -> dict:
-    """1 when ``text`` contains ``span`` word for word (case, punctuation and spacing ignored: quotes or a
-    missing full stop do not matter; a changed, dropped or added word does). Returns {"found", "n": 1, "score"}."""
-    want = normalize_text(span)
+    """1 when ``text`` contains ``span`` word for word, ended there (case, punctuation between words and spacing
+    ignored: quotes or a missing full stop do not matter; a changed, dropped or added word does, after the last
+    word too). Returns {"found", "n": 1, "score"}."""
+    want = normalize_text(span).split()
     if not want:
         raise ValueError("empty span")
-    ok = re.search(rf"(?<![a-z0-9]){re.escape(want)}(?![a-z0-9])", normalize_text(text)) is not None
+    words = "[^a-z0-9]+".join(map(re.escape, want))
+    ok = re.search(rf"(?<![a-z0-9]){words}(?={_SENTENCE_END})", fold_text(text)) is not None
     return {"found": int(ok), "n": 1, "score": float(ok)}
 
 

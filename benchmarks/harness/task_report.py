@@ -190,7 +190,8 @@ GRADING = {
     "variable-tracking": "chain names stated / chain names, 0 when any distractor-chain name is stated; order not "
                          "graded",
     "multi-key": "1 iff the asked key's number is stated and no distractor's",
-    "span-copy": "1 iff the sentence is repeated word for word (case, punctuation, spacing ignored)",
+    "span-copy": "1 iff the sentence is repeated word for word and ends there (case, punctuation between words, "
+                 "spacing ignored; no word added after its last)",
     "fidelity": "quoted value tokens whose top-1 equals full KV's (full KV: equals the true token) / quoted tokens",
 }
 
