@@ -144,8 +144,7 @@ def _cmd_serve(args) -> int:
         model = hetero_jax.load(args.model, dtype=args.dtype)
         name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model)
                                           else args.model)
-        config = ServeConfig(model_id=name, policy=policy, policy_name=args.policy,
-                             policy_options=tuple(options.items()), max_sessions=args.max_sessions,
+        config = ServeConfig(model_id=name, policy=policy, policy_name=args.policy, max_sessions=args.max_sessions,
                              max_device_bytes=device_bytes, max_host_bytes=host_bytes, max_queue=args.max_queue,
                              max_tokens=args.max_tokens)
         serve(create_app(model, config), sock, log_level=args.log_level,

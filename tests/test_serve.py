@@ -363,20 +363,31 @@ def test_a_request_may_not_name_a_file_for_a_policy(modelless_app, monkeypatch, 
     assert not [f for f in opened if str(tmp_path) in f], opened
 
 
-def test_request_policies_without_files_and_the_servers_own_profile_still_work():
+def test_request_policies_without_files_and_the_servers_own_profile_still_work(monkeypatch):
+    """A budget alone runs the server's policy object at that budget: its --option profile=PATH read once at start
+    (each such request read the file again, and failed once it had moved). An app built in Python with a policy
+    and policy_name left at "full" ran "full" at the budget, which refused it."""
     from types import SimpleNamespace
 
-    from hetero_jax.policies import Quest, SyncKV
-    from hetero_jax.profile.official import load_profile
+    from hetero_jax.policies import Quest, SnapKV, SyncKV, make_policy
+    from hetero_jax.profile import official
     from hetero_jax.profile.shipped import SHIPPED_SYNCKV_PROFILES, shipped_data_path
     from hetero_jax.serve import ServeConfig
     from hetero_jax.serve.app import Server
 
     path = shipped_data_path(SHIPPED_SYNCKV_PROFILES, MODEL)
     model = SimpleNamespace(tokenizer=None, config=SimpleNamespace(max_position_embeddings=8192))
-    server = Server(model, ServeConfig(model_id=MODEL, policy_name="synckv", policy_options=(("profile", path),)))
+    policy = make_policy("synckv", 0.5, profile=path)
+    server = Server(model, ServeConfig(model_id=MODEL, policy=None, policy_name="synckv"))
+    server.config = ServeConfig(model_id=MODEL, policy=policy, policy_name="synckv")  # unchecked: no real model
+
+    def no_read(*a, **k):
+        raise AssertionError("the profile file was read for a request")
+    monkeypatch.setattr(official, "load_profile", no_read)
     own = server.policy_for(None, 0.25)  # a budget alone: the server's policy with its --option profile=PATH
-    assert isinstance(own, SyncKV) and own.budget == 0.25 and own.profile == load_profile(path)
+    assert isinstance(own, SyncKV) and own.budget == 0.25 and own.profile is policy.profile
+    server.config = ServeConfig(model_id=MODEL, policy=SnapKV(budget=0.5))  # policy_name left at "full"
+    assert server.policy_for(None, 0.3) == SnapKV(budget=0.3)
     q = server.policy_for("quest:offload=true,page_size=8", 0.5)
     assert isinstance(q, Quest) and (q.offload, q.page_size, q.budget) == (True, 8, 0.5)
 

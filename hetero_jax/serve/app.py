@@ -45,15 +45,14 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class ServeConfig:
     """What ``hetero-jax serve`` was started with.
 
-    ``policy``: the default policy (a ``Policy``; None: full KV); ``policy_name`` / ``policy_options``: its spec,
-    for a request that gives only a ``budget``; ``max_sessions``: conversations held between requests;
+    ``policy``: the default policy (a ``Policy``; None: full KV), also run at a request's own ``budget`` when it
+    names no policy; ``policy_name``: the ``--policy`` it was built from, for messages; ``max_sessions``: conversations held between requests;
     ``max_device_bytes`` / ``max_host_bytes``: bounds on their KV bytes (None: none); ``max_queue``: requests
     that may wait; ``max_tokens``: a chat answer's cap when the request gives none."""
 
     model_id: str
     policy: object = None
     policy_name: str = "full"
-    policy_options: tuple = ()
     max_sessions: int = 16
     max_device_bytes: int | None = None
     max_host_bytes: int | None = None
@@ -125,12 +124,13 @@ class Server:
         return req.policy is None and req.budget is None
 
     def policy_for(self, policy: str | None, budget: float | None):
-        """The request's policy: the server's, its own (``policy``), or the server's at another ``budget``."""
+        """The request's policy: the server's, its own (``policy``), or the server's at another ``budget`` (the
+        server's policy object with that budget: its options and the files they named, read once at start)."""
         if policy is None and budget is None:
             return default_policy(self.config.policy)
         try:
             if policy is None:
-                return make_policy(self.config.policy_name, budget, **dict(self.config.policy_options))
+                return dataclasses.replace(default_policy(self.config.policy), budget=budget)
             refuse_file_options(policy)  # before make_policy, which would open the file
             return make_policy(policy, budget)
         except PolicyError as e:
