@@ -73,15 +73,25 @@ def test_a_bad_heartbeat_is_refused_naming_the_variable(raw):
         heartbeat_options({"HETERO_JAX_HEARTBEAT_S": raw})
 
 
-def test_exit_on_failure_passes_the_projects_errors_and_a_single_process_through():
-    """Only a job's other failures end the process at once (tests/test_multihost.py kills a peer for those)."""
-    job = ProcessSetup(2, 1, "10.0.0.1:1234", "jax")
+def test_exit_on_failure_ends_a_jobs_process_on_the_projects_errors_and_passes_a_single_process_through():
+    """A project error raised in one process of a job was passed on, and the process then waited at jax's shutdown
+    barrier while its peers waited for it in a collective: 300 s, then every process aborted (review 93). It now
+    ends the process at once, exit code 2 as the command's own errors (tests/test_multihost.py kills a peer for
+    the other failures, exit code 1)."""
+    import subprocess
+    import sys
+
+    code = ("from hetero_jax.errors import PromptError\n"
+            "from hetero_jax.runtime.distributed import ProcessSetup, exit_on_failure\n"
+            "with exit_on_failure(ProcessSetup(2, 1, '10.0.0.1:1234', 'jax')):\n"
+            "    raise PromptError('--prompt-file /data/q.txt does not exist')\n"
+            "print('after the block')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "after the block" not in out.stdout
+    assert "error (process 1 of 2): --prompt-file /data/q.txt does not exist" in out.stderr
     with pytest.raises(PromptError):
-        with exit_on_failure(job):
-            raise PromptError("empty prompt")
-    with pytest.raises(RuntimeError):
         with exit_on_failure(SINGLE):
-            raise RuntimeError("one process: raised as usual")
+            raise PromptError("one process: raised as usual")
 
 
 def test_one_process_joins_nothing():

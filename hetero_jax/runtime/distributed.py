@@ -213,18 +213,21 @@ def heartbeat_options(environ: Mapping[str, str] | None = None) -> dict:
 
 @contextlib.contextmanager
 def exit_on_failure(setup: "ProcessSetup"):
-    """In a job of several processes, an error escaping the block ends this process at once (``os._exit(1)``)
-    after printing which process failed and why: a collective's failure most likely means another process
-    died, and a normal exit would wait at jax's shutdown barrier for that process until the heartbeat timeout.
-    The project's own errors (``HeteroJaxError``: about the input, found alike by every process) go on to the
-    caller. In one process: nothing."""
+    """In a job of several processes, an error escaping the block ends this process at once after printing which
+    process failed and why: the project's own errors (``HeteroJaxError``, about the input) with ``os._exit(2)``,
+    any other with ``os._exit(1)``. A collective's failure most likely means another process died, and the
+    project's errors may be this process's alone (a file missing on one host) while its peers wait for it in a
+    collective: a normal exit would wait at jax's shutdown barrier for the others until its timeout (300 s), then
+    abort every process. In one process: nothing."""
     if not setup.distributed:
         yield
         return
     try:
         yield
-    except (HeteroJaxError, NotImplementedError):
-        raise  # the project's own errors about the input: every process finds them alike, before any compute
+    except (HeteroJaxError, NotImplementedError) as e:
+        print(f"error (process {setup.process_id} of {setup.num_processes}): {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
     except BaseException as e:  # noqa: B036 (KeyboardInterrupt too: the peers would wait for this process)
         first = (str(e).strip().splitlines() or [""])[0][:500]
         import jax
