@@ -226,3 +226,32 @@ def test_launch_gives_each_process_its_own_gpu_without_devices_per_process():
         assert env["JAX_LOCAL_DEVICE_IDS"] == str(rank) and env["XLA_FLAGS"] == "--a=1"
         assert process_setup(env) == ProcessSetup(3, rank, "127.0.0.1:555", "jax")
     assert process_env({}, 3, 2, 555, 2)["JAX_LOCAL_DEVICE_IDS"] == "4,5"
+
+
+# ------------------------------------------------------------------ review 93: meshes the Python API accepted
+def test_a_mesh_that_leaves_out_a_process_of_the_job_is_refused(monkeypatch):
+    """make_mesh takes the first tp x dp devices, which in a job of 2 processes x 2 devices are all process 0's:
+    place() accepted the mesh, process 0 ran alone and process 1 failed inside the engine with jax's raw
+    'non-addressable devices' RuntimeError."""
+    import jax
+
+    from hetero_jax.model import sharding
+    from tiny_model import tiny_model
+
+    cfg = tiny_model().config
+    mesh = sharding.make_mesh(1, 1)
+    sharding.check_mesh(mesh, cfg)  # one process: fine
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(sharding.MeshError, match=r"the mesh holds devices of process\(es\) \[0\] only, but the job "
+                                                 r"has 2 processes; .* tp x dp = jax.device_count\(\)"):
+        sharding.check_mesh(mesh, cfg)
+
+
+def test_make_mesh_takes_another_meshs_device_grid():
+    """A 2-D device array (another mesh's .devices) was read as a list of rows: 'needs 4 devices but 2 are
+    visible' with 4 visible, or an AttributeError from inside jax."""
+    out = _run("import json\nfrom hetero_jax.model.sharding import make_mesh\n"
+               "grid = make_mesh(2, 2).devices\n"
+               "print(json.dumps([[d.id for d in make_mesh(tp, dp, devices=grid).devices.flat] "
+               "for tp, dp in ((2, 2), (2, 1), (1, 4))]))", devices=4)
+    assert out == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]

@@ -42,7 +42,8 @@ def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
     for name, value in (("tp", tp), ("dp", dp)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise MeshError(f"{name} must be a positive integer, got {value!r}")
-    devices = list(jax.devices() if devices is None else devices)
+    # flat: another mesh's ``.devices`` is a 2-D array, whose rows list() would take for devices
+    devices = list(np.ravel(np.asarray(jax.devices() if devices is None else devices, dtype=object)))
     if tp * dp > len(devices):
         raise MeshError(
             f"a mesh of tp={tp} x dp={dp} needs {tp * dp} devices but {len(devices)} are visible; lower --tp/--dp"
@@ -69,6 +70,12 @@ def check_mesh(mesh: Mesh, cfg: ModelConfig) -> None:
     problem = tp_problem(mesh.shape[MODEL], cfg.num_kv_heads)
     if problem:
         raise MeshError(f"tensor parallelism {problem}")
+    n = jax.process_count()
+    held = {d.process_index for d in mesh.devices.flat}
+    if len(held) < n:  # a process without a device in the mesh cannot read what the others compute
+        raise MeshError(f"the mesh holds devices of process(es) {sorted(held)} only, but the job has {n} processes; "
+                        f"every process must hold part of it: build it over every process's devices, "
+                        f"make_mesh(tp=..., dp=...) with tp x dp = jax.device_count() = {jax.device_count()}")
 
 
 def tp_problem(tp: int, num_kv_heads: int) -> str | None:
