@@ -182,6 +182,27 @@ def test_hcattention_callback_sums_equal_one_device(monkeypatch):
     np.testing.assert_allclose(got_logits, logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("tp,dp", [(3, 1), (1, 2), (3, 2)])
+def test_hcattention_callback_counters_equal_one_device(monkeypatch, tp, dp):
+    """On the callback path every device's call counted: a session's turn_callbacks were multiplied by the devices,
+    and with one sequence (the batch repeated over "data") the value rows read by dp (review 93). Counted as one
+    device counts: calls of the block at (0, 0), rows of every block once."""
+    from hetero_jax.policies.hcattention import decode as hc_decode
+
+    monkeypatch.setattr(hc_decode, "sums_in_step", lambda: False)
+    ctx, questions = PROMPTS[0], ([5, 6, 7, 8, 9], [10] * 7)
+    counts = []
+    for model in (MODEL, place(MODEL, make_mesh(tp, dp))):
+        r = hetero_jax.generate(model, ctx, PEERS["hcattention"], max_new_tokens=4, chat=False)
+        sess = Session(model, ctx, PEERS["hcattention"], chat=False, reserve_tokens=8)
+        turn = [sess.ask(q, max_new_tokens=3) for q in questions][-1]
+        ps = r.stats.policy_stats
+        counts.append((r.token_ids, ps["host_sums"], ps["host_value_bytes_read_per_step"],
+                       r.stats.kv_bytes_read_per_step, turn.token_ids, turn.stats.policy_stats["turn_callbacks"]))
+    assert counts[0][1] == "callback" and counts[0][5] > 0
+    assert counts[1] == counts[0]
+
+
 def test_a_step_hands_the_cache_back_placed_as_it_took_it():
     """``keep_placed``, which the decode and extend steps end with: a field that a step's body leaves placed
     otherwise (here the lengths gathered whole) goes back where ``shard_cache`` put it, so the engine's one

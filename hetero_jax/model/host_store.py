@@ -783,7 +783,7 @@ def _block_of(handle: int, li: int, origin) -> tuple[np.ndarray | None, np.ndarr
     """(k, v) numpy of layer ``li`` in the store ``handle``, starting at ``origin`` (batch row, head): the
     whole views where they were made (one device), else this process's block that holds that origin."""
     store = _STORES[handle]
-    b0, h0 = (int(x) for x in np.asarray(origin))
+    b0, h0 = (int(x) for x in np.asarray(origin)[:2])
     if li in store._views:
         k, v = store._views[li]
         return None if k is None else k[b0:, h0:], v[b0:, h0:]
@@ -795,19 +795,22 @@ def _block_of(handle: int, li: int, origin) -> tuple[np.ndarray | None, np.ndarr
 
 
 def _per_device(call, mesh, handle: jax.Array, x: jax.Array, n_out: int):
-    """Traced: ``call(handle, origin, x)`` (a host callback over x [B, H, ...]) on one device with origin (0, 0),
+    """Traced: ``call(handle, origin, x)`` (a host callback over x [B, H, ...]) on one device with origin (0, 0, 1),
     or on a ``mesh`` by every device on its own block of x (batch on "data", heads on "model", where they
-    divide), given the block's origin (its first batch row and head): each device's callback runs in the
-    process that holds the device, and reads that process's shard of the store (``HostKVStore.local_blocks``).
-    Returns ``call``'s ``n_out`` outputs [B, H, ...] (split as x)."""
+    divide), given the block's origin (its first batch row and head) and 1 on the first device that holds that
+    block (0 on the others, whose block repeats it along an axis that does not split x): each device's callback
+    runs in the process that holds the device, and reads that process's shard of the store
+    (``HostKVStore.local_blocks``). Returns ``call``'s ``n_out`` outputs [B, H, ...] (split as x)."""
     if mesh is None:
-        return call(handle, jnp.zeros((2,), jnp.int32), x)
+        return call(handle, jnp.array([0, 0, 1], jnp.int32), x)
     spec = partition_spec(("batch", "kv_heads"), x.shape[:2], mesh)
     axes = tuple(spec) + (None,) * (2 - len(tuple(spec)))
+    repeats = [a for a in mesh.axis_names if a not in axes]
 
     def local(h, xl):
+        first_copy = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in repeats])) if repeats else True
         origin = jnp.stack([jnp.int32(0) if a is None else jax.lax.axis_index(a) * xl.shape[i]
-                            for i, a in enumerate(axes)]).astype(jnp.int32)
+                            for i, a in enumerate(axes)] + [jnp.int32(first_copy)]).astype(jnp.int32)
         return call(h, origin, xl)
 
     outs = spec if n_out == 1 else (spec,) * n_out
@@ -910,8 +913,9 @@ def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, k
     before the step): per KV head only the rows any of its Q queries weighs are read (all of them, as one
     product, when they are most of the prompt: one pass over memory costs less than a gather), so a step
     moves w to the host and Q x D floats back, never the values. On a ``mesh`` each device sums its own
-    heads from its process's shard of the store (:func:`_per_device`). Counts calls, seconds and rows read
-    in ``store.counters[kind]`` (each device's call counts).
+    heads from its process's shard of the store (:func:`_per_device`). Counts in ``store.counters[kind]`` what
+    one device counts: calls and seconds of the block at (0, 0), rows read by every block once (a block that
+    another device repeats, the batch over "data" unsplit, counts on the first).
     """
 
     import pallas_kernels
@@ -939,10 +943,12 @@ def host_weighted_sum(handle: jax.Array, li: int, w: jax.Array, head_dim: int, k
                     else:
                         rows += len(used)
                         y[b, hh] = wb[:, used] @ vb[used].astype(np.float32, copy=False)
+        b0, h0, first_copy = (int(x) for x in np.asarray(origin))
         c = store.counters.setdefault(kind, [0, 0.0, 0])
-        c[0] += 1
-        c[1] += time.perf_counter() - t0
-        c[2] += rows
+        if first_copy and b0 == h0 == 0:
+            c[0] += 1
+            c[1] += time.perf_counter() - t0
+        c[2] += rows if first_copy else 0
         return y
 
     def call(h, origin, weights):
