@@ -168,7 +168,8 @@ def _check_load_args(name_or_path, dtype) -> None:
 # Measured on SmolLM2-135M at 2K tokens, 2-core CPU: 2,122 ms a decode step in bfloat16 against 53 in float32.
 BF16_CPU_WARNING = ("bfloat16 on a CPU decodes tens of times slower than float32: XLA's CPU backend widens every "
                     "bfloat16 write into the KV row pool to float32 and copies the whole pool. Load with "
-                    "dtype='float32' (the CPU default) unless the model only fits in bfloat16")
+                    "dtype='float32' (on the command line --dtype float32; a checkpoint loads in its own dtype "
+                    "otherwise) unless the model only fits in bfloat16")
 
 
 def _warn_bfloat16_on_cpu(params, mesh) -> None:
