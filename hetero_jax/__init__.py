@@ -11,7 +11,20 @@ from hetero_jax import runtime  # noqa: E402
 from hetero_jax.runtime import (GenerationResult, GenerationStats, LaunchError, exit_on_failure,  # noqa: E402
                                 initialize_distributed)
 from hetero_jax.io.hub import load, place  # noqa: E402
-from hetero_jax.model.sharding import make_mesh  # noqa: E402
+from hetero_jax.model.sharding import MeshError, make_mesh  # noqa: E402
+
+# the errors of the floors ``import hetero_jax`` does not load (policies, profiles), read on first use
+_LAZY_ERRORS = {"BudgetError": "hetero_jax.policies", "PolicyError": "hetero_jax.policies",
+                "UnknownOptionError": "hetero_jax.policies", "UnknownPolicyError": "hetero_jax.policies",
+                "ProfileError": "hetero_jax.profile.schema"}
+
+
+def __getattr__(name):
+    if name in _LAZY_ERRORS:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY_ERRORS[name]), name)
+    raise AttributeError(f"module 'hetero_jax' has no attribute {name!r}")
 
 
 def _default_policy(policy):
@@ -51,6 +64,8 @@ __all__ = [
     "SessionBusyError",
     "SessionError",
     "LaunchError",
+    "MeshError",
+    *_LAZY_ERRORS,
     "GenerationResult",
     "GenerationStats",
     "generate",
