@@ -1052,3 +1052,24 @@ def test_refused_requests_are_answered_without_waiting_for_the_engine(tiny_check
         finally:
             release.set()
             timer.cancel()
+
+
+def test_serve_config_takes_a_policy_spec_and_a_full_kv_server_refuses_a_budget_in_the_requests_words():
+    """ServeConfig(policy="freekv") crashed create_app with AttributeError 'str' object has no attribute 'bind';
+    a budget alone sent to a full-KV server was told to "drop --budget on the command line" (review 94)."""
+    from types import SimpleNamespace
+
+    from hetero_jax.policies import Quest
+    from hetero_jax.serve import ServeConfig
+    from hetero_jax.serve.app import Server
+
+    c = ServeConfig(model_id=MODEL, policy="quest:offload=true,page_size=8")
+    assert c.policy == Quest(offload=True, page_size=8) and c.policy_name == "quest"
+    with pytest.raises(ConfigError, match="ServeConfig.policy must be a policy .* got int"):
+        ServeConfig(model_id=MODEL, policy=3)
+    model = SimpleNamespace(tokenizer=None, config=SimpleNamespace(max_position_embeddings=8192))
+    with pytest.raises(RequestError) as e:
+        Server(model, ServeConfig(model_id=MODEL)).policy_for(None, 0.3)
+    assert (e.value.param, e.value.code) == ("budget", "invalid_budget")
+    assert 'keeps the whole prompt (full KV), which has no budget: send "policy" with "budget"' in str(e.value)
+    assert "command line" not in str(e.value)

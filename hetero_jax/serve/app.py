@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from hetero_jax.errors import ConfigError, HeteroJaxError
 from hetero_jax.policies import (
-    REGISTRY, BudgetError, PolicyError, default_policy, make_policy, parse_options, registry_key,
+    REGISTRY, BudgetError, FullKV, Policy, PolicyError, default_policy, make_policy, parse_options, registry_key,
 )
 from hetero_jax.profile.schema import ProfileError
 from hetero_jax.runtime import generate
@@ -58,6 +58,15 @@ class ServeConfig:
     max_host_bytes: int | None = None
     max_queue: int = 64
     max_tokens: int = 512
+
+    def __post_init__(self):
+        if isinstance(self.policy, str):  # a spec as --policy takes it ("freekv", "quest:offload=true")
+            object.__setattr__(self, "policy_name", self.policy.partition(":")[0].strip())
+            object.__setattr__(self, "policy", make_policy(self.policy))
+        elif self.policy is not None and not isinstance(self.policy, Policy):
+            raise ConfigError(f"ServeConfig.policy must be a policy (hetero_jax.policies.make_policy('freekv', "
+                              f"0.3)), its spec as --policy takes it ('quest:offload=true') or None for full KV; "
+                              f"got {type(self.policy).__name__}")
 
 
 class Channel:
@@ -130,7 +139,12 @@ class Server:
             return default_policy(self.config.policy)
         try:
             if policy is None:
-                return dataclasses.replace(default_policy(self.config.policy), budget=budget)
+                own = default_policy(self.config.policy)
+                if isinstance(own, FullKV):
+                    raise RequestError("this server keeps the whole prompt (full KV), which has no budget: send "
+                                       "\"policy\" with \"budget\" (e.g. \"snapkv\"), or leave \"budget\" out",
+                                       param="budget", code="invalid_budget")
+                return dataclasses.replace(own, budget=budget)
             refuse_file_options(policy)  # before make_policy, which would open the file
             return make_policy(policy, budget)
         except PolicyError as e:
