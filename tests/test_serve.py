@@ -471,6 +471,9 @@ def test_serve_prints_its_banner_once_listening_and_answers(tiny_checkpoint, tmp
                                                "full_layers=2 leaves no layer of the model's 2 to select pages in"),
     (["--policy", "heterocache"], "the server's policy (--policy heterocache) cannot run on this model: "
                                  "HeteroCache(profile=None) needs the shipped profile of the loaded model"),
+    # the fix in the command line's words too (it gave only HeteroCache(profile='profile.json'); review 94)
+    (["--policy", "heterocache"], "on the command line: generate --profile profile.json, serve --option "
+                                 "profile=profile.json"),
 ])
 def test_a_servers_policy_that_cannot_run_on_the_model_is_refused_before_serving(tiny_checkpoint, capsys, flags,
                                                                                 needle, monkeypatch):

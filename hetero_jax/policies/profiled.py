@@ -49,7 +49,8 @@ class ProfileBound(Policy):
 
     profile_table: ClassVar[dict[str, str]] = SHIPPED_PROFILES  # shipped profiles bind() looks in
     calibrate_hint: ClassVar[str] = ("calibrate one with `hetero-jax profile --model M --data FILE --out "
-                                     "profile.json` and pass {cls}(profile='profile.json')")
+                                     "profile.json` and pass {cls}(profile='profile.json') (on the command line: "
+                                     "generate --profile profile.json, serve --option profile=profile.json)")
 
     def _load_profile_path(self) -> None:
         """A ``profile`` given as a path (``--option profile=PATH``, a server's flag) loaded in place: the

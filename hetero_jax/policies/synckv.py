@@ -93,7 +93,8 @@ class SyncKV(ProfiledPolicy):
                               "tokens (half fixed, half re-fetched from host memory every m steps)")
     profile_table: ClassVar[dict[str, str]] = SHIPPED_SYNCKV_PROFILES
     calibrate_hint: ClassVar[str] = ("calibrate one with `hetero-jax profile --method synckv --model M --data FILE "
-                                     "--out synckv.json` and pass {cls}(profile='synckv.json')")
+                                     "--out synckv.json` and pass {cls}(profile='synckv.json') (on the command "
+                                     "line: generate --profile synckv.json, serve --option profile=synckv.json)")
 
     def __post_init__(self):
         super().__post_init__()
