@@ -240,7 +240,7 @@ def render(payload: dict) -> str:
             "when each layer's cache is head groups split evenly over the shards (one shape on every device; a "
             "group's capacity is its largest head); *pool alloc*: bytes per device of HeteroCache's runtime under "
             "tensor parallelism, where each shard's kept rows of all layers share one pool (the largest shard's "
-            "total plus one window of slack). *full*: full KV per shard.", ""]
+            "total; the tail rows, equal on every shard, come on top). *full*: full KV per shard.", ""]
     rows = [[r["model"], r["rho"], r["prompt_tokens"], r["tp"], r["placement"], mib(r["kept_max"]),
              mib(r["kept_mean"]), f"{r['imbalance']:.2f}", mib(r["padded"]),
              mib(r["pooled"]) if r.get("pooled") is not None else "—", mib(r["full_per_shard"])]
