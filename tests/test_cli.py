@@ -224,6 +224,7 @@ def test_a_job_whose_default_tp_misses_the_heads_names_the_flags(capsys, monkeyp
     job = ProcessSetup(2, 0, "127.0.0.1:1", "jax")
     monkeypatch.setattr(distributed, "process_setup", lambda *a, **k: job)
     monkeypatch.setattr(distributed, "initialize_distributed", lambda *a, **k: job)
+    monkeypatch.setattr(distributed, "end_process", lambda code: None)  # a job's process would end here: go on
     monkeypatch.setattr(cli, "_generate_mesh", lambda args, setup: types.SimpleNamespace(
         devices=types.SimpleNamespace(size=2)))
     monkeypatch.setattr(cli, "enable_compilation_cache", lambda: False)

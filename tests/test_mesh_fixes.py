@@ -118,6 +118,7 @@ def two_device_job(monkeypatch):
     job = ProcessSetup(2, 0, "127.0.0.1:1", "jax")
     monkeypatch.setattr(distributed, "process_setup", lambda *a, **k: job)
     monkeypatch.setattr(distributed, "initialize_distributed", lambda *a, **k: job)
+    monkeypatch.setattr(distributed, "end_process", lambda code: None)  # a job's process would end here: go on
     monkeypatch.setattr(jax, "device_count", lambda *a: 2)
     monkeypatch.setattr(jax, "process_count", lambda *a: 2)
     monkeypatch.setattr(cli, "enable_compilation_cache", lambda: False)
