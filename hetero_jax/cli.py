@@ -456,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     from hetero_jax.profile.cli import add_profile_parser
 
     add_profile_parser(sub)
+    parser.command_parsers = sub.choices  # name -> the command's parser, for its own usage in an error
     return parser
 
 
@@ -497,7 +498,9 @@ def _main(argv: list[str] | None) -> int:
     from hetero_jax.runtime.distributed import SINGLE, exit_on_failure, initialize_distributed, process_setup
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the command's own usage, not the top level's list of commands
+        parser.command_parsers.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if any(v is not None and v < 1 for v in (getattr(args, "tp", None), getattr(args, "dp", None))):
         parser.error("--tp and --dp take a positive number of devices")
     if args.command is None:

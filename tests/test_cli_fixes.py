@@ -285,3 +285,17 @@ def test_an_empty_profile_path_is_visible_in_the_message():
 
     with pytest.raises(ProfileError, match="profile file not found: '';"):
         load_profile("")
+
+
+@pytest.mark.parametrize("argv, usage", [(["generate", "--promt", "hi"], "usage: hetero-jax generate"),
+                                         (["models", "--x"], "usage: hetero-jax models"),
+                                         (["--bogus"], "usage: hetero-jax [-h] COMMAND")])
+def test_a_mistyped_flag_shows_its_commands_usage(argv, usage, capsys, no_load):
+    """A mistyped generate flag printed the top-level usage (the list of commands), not generate's (review 94)."""
+    from hetero_jax.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(usage) and f"unrecognized arguments: {' '.join(argv[1:] or argv)}" \
+        in err
