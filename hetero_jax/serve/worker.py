@@ -72,12 +72,16 @@ class EngineWorker:
         self._stopped = False
         self.running = False  # a job is on the engine now
 
+    def _refuse_if_stopped(self) -> None:
+        """EngineStopped after ``stop()`` (called with the lock held): a job queued behind the end would wait
+        forever."""
+        if self._stopped:
+            raise EngineStopped("the engine worker was stopped (the server is shutting down); start a new server")
+
     def start(self) -> None:
         """Start the thread, once; a second call (the lifespan after a first job) does nothing."""
         with self._ready:
-            if self._stopped:
-                raise EngineStopped("the engine worker was stopped (the server is shutting down); start a new "
-                                    "server")
+            self._refuse_if_stopped()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="hetero-jax-engine", daemon=True)
                 self._thread.start()
@@ -112,14 +116,12 @@ class EngineWorker:
             return sum(1 for j in self._jobs if j is not None and not j.cancelled)
 
     def submit(self, run: Callable[[Job], Any]) -> Job:
-        self.start()  # EngineStopped after stop(): a job queued behind the end would wait forever
+        self.start()
         if not self.alive:
             raise EngineStopped("the engine worker's thread has ended; restart the server")
         job = Job(run)
         with self._ready:
-            if self._stopped:  # stopped since start() above: the end is queued, nothing after it runs
-                raise EngineStopped("the engine worker was stopped (the server is shutting down); start a new "
-                                    "server")
+            self._refuse_if_stopped()  # stopped since start() above
             left = [j for j in self._jobs if j is not None and j.cancelled]
             if left:  # clients that left while they waited: their places go to the ones still here
                 self._jobs = collections.deque(j for j in self._jobs if j is None or not j.cancelled)
