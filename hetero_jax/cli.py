@@ -436,11 +436,10 @@ def _cmd_profile(args) -> int:
     return run_profile(args)
 
 
-def generate_options() -> list[str]:
-    """Every long option of ``hetero-jax generate`` (``launch`` resolves abbreviated ones as argparse does)."""
-    sub = argparse.ArgumentParser().add_subparsers()
-    _add_generate(sub)
-    return [s for a in sub.choices["generate"]._actions for s in a.option_strings if s.startswith("--")]
+def long_options(command: argparse.ArgumentParser) -> list[str]:
+    """Every long option of a command's parser (``launch`` resolves generate's abbreviated ones as argparse
+    does)."""
+    return [s for a in command._actions for s in a.option_strings if s.startswith("--")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -532,7 +531,7 @@ def _main(argv: list[str] | None) -> int:
             from hetero_jax.launch import launch
 
             return launch(args.processes, args.launched,
-                          devices_per_process=args.devices_per_process, options=generate_options())
+                          devices_per_process=args.devices_per_process, options=long_options(parser.command_parsers["generate"]))
         if args.command == "models":
             return _cmd_models(args)
         if args.command == "serve":

@@ -220,9 +220,9 @@ def test_stdin_is_read_once_and_handed_to_every_process_as_a_file(tmp_path, monk
     assert cmd == ["generate", "--prompt", "p", f"--turns={path}"] and open(path).read() == "q1\nq2\n"
     os.unlink(path)
     # abbreviated as argparse takes them, and a flag given twice (review 88), counted by its last value (review 89)
-    from hetero_jax.cli import generate_options
+    from hetero_jax.cli import build_parser, long_options
 
-    opts = generate_options()
+    opts = long_options(build_parser().command_parsers["generate"])
     for given in (["--prompt-f", "-"], ["--prompt-file", "-", "--prompt-file", "-"], ["--prompt-fi=-"],
                   ["--prompt-file", "notes.txt", "--prompt-file", "-"]):
         cmd, path = stdin_to_file(["generate", *given], stdin=io.BytesIO(b"x"), options=opts)
