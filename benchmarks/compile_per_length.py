@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     from hetero_jax.policies import make_policy, registry_key
     from hetero_jax.runtime import compile_seconds
 
-    policies = [make_policy(p, None if registry_key(p) == "full" else args.budget) for p in args.policies]  # refused before loading
+    # refused before loading
+    policies = [make_policy(p, None if registry_key(p) == "full" else args.budget) for p in args.policies]
     model = hetero_jax.load(args.model)
     for name, pol in zip(args.policies, policies):  # a policy this model or a length cannot run: refused now
         try:

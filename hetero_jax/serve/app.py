@@ -45,10 +45,11 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class ServeConfig:
     """What ``hetero-jax serve`` was started with.
 
-    ``policy``: the default policy (a ``Policy``; None: full KV), also run at a request's own ``budget`` when it
-    names no policy; ``policy_name``: the ``--policy`` it was built from, for messages; ``max_sessions``: conversations held between requests;
-    ``max_device_bytes`` / ``max_host_bytes``: bounds on their KV bytes (None: none); ``max_queue``: requests
-    that may wait; ``max_tokens``: a chat answer's cap when the request gives none."""
+    ``policy``: the default policy (a ``Policy``, its spec as ``--policy`` takes it, or None: full KV), also run
+    at a request's own ``budget`` when it names no policy; ``policy_name``: the ``--policy`` it was built from,
+    for messages; ``max_sessions``: conversations held between requests; ``max_device_bytes`` /
+    ``max_host_bytes``: bounds on their KV bytes (None: none); ``max_queue``: requests that may wait;
+    ``max_tokens``: a chat answer's cap when the request gives none."""
 
     model_id: str
     policy: object = None
